@@ -1,0 +1,45 @@
+// The Eigen reference: evaluates any well-formed Pipeline on host tensors, in
+// float32 or float64, with no schedule. It is the oracle every schedule and
+// backend is checked against, so it is written for clarity first: each Func
+// is materialised densely over its indices; contractions become Eigen matrix
+// products; expressions that read expert(r) are evaluated one expert segment
+// at a time (the rows r routed to expert e form one dense GEMM), which is the
+// same grouping MegaBlocks uses, and keeps memory at the size of the tensors.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backends/reference/host_tensor.h"
+#include "dsl/pipeline.h"
+
+namespace moeforge {
+
+enum class Precision { f32, f64 };
+
+// The pairs a top_k chose: pair r = t * k + slot routes token[r] to expert[r].
+struct RoutingResult {
+  int64_t tokens = 0;
+  int64_t experts = 0;
+  int k = 0;
+  std::vector<int32_t> token;
+  std::vector<int32_t> expert;
+  // Rows routed to each expert.
+  std::vector<int64_t> expert_counts() const;
+};
+
+struct EvalResult {
+  TensorMap values;                         // every Func, by name
+  std::map<std::string, RoutingResult> routes; // every route, by name
+  std::map<std::string, int64_t> extents;      // every Dim, by name
+  const HostTensor &operator[](const std::string &func) const;
+};
+
+// Evaluates every step of `p`. `inputs` holds one tensor per Input and Param,
+// shaped as declared; a dynamic Dim takes its extent from the first tensor
+// that uses it. Wrong or missing inputs are UserErrors naming the tensor.
+EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision = Precision::f64);
+
+} // namespace moeforge

@@ -1,0 +1,71 @@
+#include "backends/reference/host_tensor.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "dsl/error.h"
+
+namespace moeforge {
+
+HostTensor::HostTensor(std::vector<int64_t> shape_, double fill) : shape(std::move(shape_)) {
+  int64_t n = 1;
+  for (int64_t s : shape) {
+    internal_check(s >= 0) << "negative extent";
+    n *= s;
+  }
+  data.assign(static_cast<size_t>(n), fill);
+}
+
+static int64_t flat_index(const std::vector<int64_t> &shape, std::initializer_list<int64_t> index) {
+  internal_check(index.size() == shape.size()) << "index rank " << index.size() << " for rank " << shape.size();
+  int64_t off = 0, d = 0;
+  for (int64_t i : index) {
+    internal_check(i >= 0 && i < shape[d]) << "index " << i << " out of range " << shape[d];
+    off = off * shape[d++] + i;
+  }
+  return off;
+}
+
+double &HostTensor::at(std::initializer_list<int64_t> index) { return data[flat_index(shape, index)]; }
+double HostTensor::at(std::initializer_list<int64_t> index) const { return data[flat_index(shape, index)]; }
+
+double HostTensor::checksum() const {
+  double s = 0;
+  for (size_t i = 0; i < data.size(); ++i)
+    s += data[i] * (1.0 + static_cast<double>(i % 7) * 0.125);
+  return s;
+}
+
+double round_to_bf16(double x) {
+  float f = static_cast<float>(x);
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f))
+    return x;
+  u += 0x7fffu + ((u >> 16) & 1u); // round to nearest, ties to even
+  u &= 0xffff0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+HostTensor random_tensor(std::vector<int64_t> shape, std::mt19937_64 &rng, double lo, double hi, bool bf16) {
+  HostTensor t(std::move(shape));
+  std::uniform_real_distribution<double> dist(lo, hi);
+  for (double &v : t.data)
+    v = bf16 ? round_to_bf16(dist(rng)) : dist(rng);
+  return t;
+}
+
+double max_relative_error(const HostTensor &a, const HostTensor &b, double floor) {
+  internal_check(a.shape == b.shape) << "comparing tensors of different shapes";
+  double worst = 0;
+  for (size_t i = 0; i < a.data.size(); ++i) {
+    double d = std::fabs(a.data[i] - b.data[i]) / std::max(std::fabs(b.data[i]), floor);
+    if (std::isnan(d))
+      return INFINITY;
+    worst = std::max(worst, d);
+  }
+  return worst;
+}
+
+} // namespace moeforge

@@ -1,0 +1,43 @@
+// Host tensors: how values enter and leave the backends. Dense, row-major,
+// double storage (any f32/bf16/f16 value is exact in a double); backends cast
+// to their working precision.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace moeforge {
+
+struct HostTensor {
+  std::vector<int64_t> shape;
+  std::vector<double> data;
+
+  HostTensor() = default;
+  explicit HostTensor(std::vector<int64_t> shape_, double fill = 0.0);
+  int64_t size() const { return static_cast<int64_t>(data.size()); }
+  int64_t rank() const { return static_cast<int64_t>(shape.size()); }
+  // Row-major element access, for tests and small loops.
+  double &at(std::initializer_list<int64_t> index);
+  double at(std::initializer_list<int64_t> index) const;
+  // A sum that any change to any element moves (weights by position).
+  double checksum() const;
+};
+
+using TensorMap = std::map<std::string, HostTensor>;
+
+// Uniform random values in [lo, hi), rounded to bfloat16 when `bf16` so that
+// the same values are exact on every backend.
+HostTensor random_tensor(std::vector<int64_t> shape, std::mt19937_64 &rng, double lo = -1.0, double hi = 1.0,
+                         bool bf16 = true);
+
+// Round-to-nearest-even to bfloat16 (as the GPU stores it), returned as double.
+double round_to_bf16(double x);
+
+// Largest |a - b| / max(|b|, floor) over all elements: the relative error of a
+// against reference b, with `floor` keeping near-zero entries from dominating.
+double max_relative_error(const HostTensor &a, const HostTensor &b, double floor = 1e-3);
+
+} // namespace moeforge

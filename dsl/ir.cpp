@@ -1,0 +1,224 @@
+#include "dsl/ir.h"
+
+#include "dsl/check.h"
+#include "dsl/error.h"
+#include "dsl/printer.h"
+
+namespace moeforge {
+
+// ---------------------------------------------------------------- Dim, Var
+
+Dim::Dim(std::string name, int64_t extent) {
+  user_check(extent > 0) << "Dim '" << name << "' has extent " << extent
+                         << ": a static extent must be positive (use Dim::dynamic(\"" << name
+                         << "\") for an extent bound at run time)";
+  auto n = std::make_shared<DimNode>();
+  n->name = std::move(name);
+  n->extent = extent;
+  node_ = std::move(n);
+}
+
+Dim Dim::dynamic(std::string name) {
+  auto n = std::make_shared<DimNode>();
+  n->name = std::move(name);
+  n->extent = -1;
+  return Dim(std::move(n));
+}
+
+Dim Dim::scaled(std::string name, const Dim &base, int64_t factor) {
+  internal_check(base.defined() && factor > 0) << "bad scaled Dim";
+  auto n = std::make_shared<DimNode>();
+  n->name = std::move(name);
+  n->base = base.node();
+  n->factor = factor;
+  n->extent = base.is_dynamic() ? -1 : base.extent() * factor;
+  return Dim(std::move(n));
+}
+
+const std::string &Dim::name() const { return node_->name; }
+bool Dim::is_dynamic() const { return node_->extent < 0; }
+int64_t Dim::extent() const { return node_->extent; }
+
+Var::Var(std::string name, Dim dim) {
+  user_check(dim.defined()) << "Var '" << name << "' needs a Dim to range over";
+  node_ = std::make_shared<VarNode>(VarNode{std::move(name), std::move(dim)});
+}
+
+// ---------------------------------------------------------------- Index
+
+const char *route_field_name(RouteField f) {
+  switch (f) {
+  case RouteField::none:
+    return "";
+  case RouteField::token:
+    return "token";
+  case RouteField::expert:
+    return "expert";
+  }
+  return "?";
+}
+
+Index::Index(RoutingPtr r, RouteField f, const Var &pair) : var(pair), field(f), route(std::move(r)) {
+  internal_check(route && field != RouteField::none) << "routed Index without a route";
+  user_check(pair.same_as(route->pair))
+      << "route '" << route->name << "': " << route_field_name(f) << "(" << pair.name()
+      << ") needs the route's own pair variable '" << route->pair.name() << "' (route.pair())";
+}
+
+const Dim &Index::dim() const {
+  switch (field) {
+  case RouteField::token:
+    return route->token_dim();
+  case RouteField::expert:
+    return route->expert_dim();
+  case RouteField::none:
+    break;
+  }
+  return var.dim();
+}
+
+Index Route::token(const Var &r) const { return Index(node_, RouteField::token, r); }
+Index Route::expert(const Var &r) const { return Index(node_, RouteField::expert, r); }
+
+// ---------------------------------------------------------------- Expr nodes
+
+Expr::Expr(double value) : Expr(Const::make(value)) {}
+
+Expr Const::make(double v) {
+  auto n = std::make_shared<Const>(v, DType::f32);
+  n->weak_type = true;
+  return Expr(std::move(n));
+}
+
+Expr Const::make(double v, DType t) { return Expr(std::make_shared<Const>(v, t)); }
+
+const std::string &Access::target_name() const { return buffer ? buffer->name : func->name; }
+size_t Access::target_rank() const { return buffer ? buffer->dims.size() : func->args.size(); }
+Dim Access::target_dim(size_t i) const { return buffer ? buffer->dims.at(i) : func->args.at(i).dim(); }
+
+Expr Access::make(BufferPtr b, std::vector<Index> args) {
+  internal_check(b != nullptr) << "access to a null buffer";
+  auto n = std::make_shared<Access>(b->dtype);
+  n->buffer = std::move(b);
+  n->args = std::move(args);
+  return Expr(std::move(n));
+}
+
+Expr Access::make(FuncPtr f, std::vector<Index> args) {
+  internal_check(f != nullptr) << "access to a null func";
+  // The type is fixed when the Func is defined; an access made before that is
+  // rejected by check_definition, so the placeholder is never observed.
+  auto n = std::make_shared<Access>(f->dtype);
+  n->func = std::move(f);
+  n->args = std::move(args);
+  return Expr(std::move(n));
+}
+
+const char *unary_op_name(UnaryOp op) {
+  switch (op) {
+  case UnaryOp::neg:
+    return "neg";
+  case UnaryOp::exp:
+    return "exp";
+  case UnaryOp::log:
+    return "log";
+  case UnaryOp::tanh:
+    return "tanh";
+  case UnaryOp::sigmoid:
+    return "sigmoid";
+  case UnaryOp::relu:
+    return "relu";
+  case UnaryOp::gelu:
+    return "gelu";
+  case UnaryOp::silu:
+    return "silu";
+  }
+  return "?";
+}
+
+const char *binary_op_name(BinaryOp op) {
+  switch (op) {
+  case BinaryOp::add:
+    return "+";
+  case BinaryOp::sub:
+    return "-";
+  case BinaryOp::mul:
+    return "*";
+  case BinaryOp::div:
+    return "/";
+  case BinaryOp::max:
+    return "max";
+  }
+  return "?";
+}
+
+Expr Unary::make(UnaryOp op, Expr a) {
+  user_check(a.defined()) << unary_op_name(op) << "() of an undefined expression";
+  auto n = std::make_shared<Unary>(op, a);
+  n->weak_type = a.get()->weak_type;
+  return Expr(std::move(n));
+}
+
+Expr Binary::make(BinaryOp op, Expr a, Expr b) {
+  user_check(a.defined() && b.defined()) << "operator " << binary_op_name(op) << " on an undefined expression";
+  bool wa = a.get()->weak_type, wb = b.get()->weak_type;
+  DType t = wa && !wb ? b.dtype() : (wb && !wa ? a.dtype() : promote(a.dtype(), b.dtype()));
+  auto n = std::make_shared<Binary>(op, std::move(a), std::move(b), t);
+  n->weak_type = wa && wb;
+  return Expr(std::move(n));
+}
+
+Expr Sum::make(Var v, Expr body) {
+  user_check(v.defined() && body.defined()) << "sum() needs a variable and a summand";
+  return Expr(std::make_shared<Sum>(std::move(v), std::move(body)));
+}
+
+Expr Softmax::make(Var v, Expr body) {
+  user_check(v.defined() && body.defined()) << "softmax() needs a variable and an expression";
+  return Expr(std::make_shared<Softmax>(std::move(v), std::move(body)));
+}
+
+Expr RouteSum::make(RoutingPtr route, RouteField field, Var target, Expr body) {
+  user_check(route && target.defined() && body.defined()) << "combine() needs a route, a variable and a summand";
+  internal_check(field != RouteField::none) << "RouteSum without a field";
+  return Expr(std::make_shared<RouteSum>(std::move(route), field, std::move(target), std::move(body)));
+}
+
+// ---------------------------------------------------------------- Func
+
+Func::Func(std::string name) {
+  user_check(!name.empty()) << "a Func needs a name";
+  node_ = std::make_shared<FuncNode>();
+  node_->name = std::move(name);
+}
+
+Func::Func(std::string name, DType storage_type) : Func(std::move(name)) {
+  node_->has_declared_type = true;
+  node_->dtype = storage_type;
+}
+
+void FuncRef::operator=(const Expr &body) {
+  DType t = check_definition(*func_, args_, body);
+  func_->args.clear();
+  for (const Index &i : args_)
+    func_->args.push_back(i.var);
+  func_->dtype = t;
+  func_->body = body;
+}
+
+FuncRef::operator Expr() const {
+  // Reading a Func needs its type and shape, so it must be defined first; this
+  // also rules out a definition that reads itself.
+  user_check(func_->defined()) << "'" << func_->name << "' is used before it is defined: define "
+                               << func_->name << "(...) = ... before reading it";
+  return Access::make(func_, args_);
+}
+
+Buffer::Buffer(BufferKind kind, std::string name, std::vector<Dim> dims, DType t) {
+  user_check(!name.empty()) << "an Input or Param needs a name";
+  for (size_t i = 0; i < dims.size(); ++i)
+    user_check(dims[i].defined()) << "dimension " << i << " of '" << name << "' is an empty Dim";
+  node_ = std::make_shared<BufferNode>(BufferNode{std::move(name), kind, std::move(dims), t});
+}
+
+} // namespace moeforge

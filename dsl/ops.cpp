@@ -1,0 +1,77 @@
+#include "dsl/ops.h"
+
+#include "dsl/error.h"
+
+namespace moeforge {
+
+Expr operator+(const Expr &a, const Expr &b) { return Binary::make(BinaryOp::add, a, b); }
+Expr operator-(const Expr &a, const Expr &b) { return Binary::make(BinaryOp::sub, a, b); }
+Expr operator*(const Expr &a, const Expr &b) { return Binary::make(BinaryOp::mul, a, b); }
+Expr operator/(const Expr &a, const Expr &b) { return Binary::make(BinaryOp::div, a, b); }
+Expr operator-(const Expr &a) { return Unary::make(UnaryOp::neg, a); }
+Expr max(const Expr &a, const Expr &b) { return Binary::make(BinaryOp::max, a, b); }
+
+Expr exp(const Expr &a) { return Unary::make(UnaryOp::exp, a); }
+Expr log(const Expr &a) { return Unary::make(UnaryOp::log, a); }
+Expr tanh(const Expr &a) { return Unary::make(UnaryOp::tanh, a); }
+Expr sigmoid(const Expr &a) { return Unary::make(UnaryOp::sigmoid, a); }
+Expr relu(const Expr &a) { return Unary::make(UnaryOp::relu, a); }
+Expr gelu(const Expr &a) { return Unary::make(UnaryOp::gelu, a); }
+Expr silu(const Expr &a) { return Unary::make(UnaryOp::silu, a); }
+
+Expr sum(const Var &var, const Expr &body) { return Sum::make(var, body); }
+Expr softmax(const Var &var, const Expr &body) { return Softmax::make(var, body); }
+
+Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &options) {
+  user_check(probs.node() != nullptr) << "top_k: the probabilities Func is empty";
+  user_check(probs.is_defined()) << "top_k: '" << probs.name()
+                                 << "' is not defined yet: define the router probabilities first";
+  const auto &args = probs.args();
+  user_check(args.size() == 2) << "top_k: '" << probs.name() << "' has " << args.size()
+                               << " indices; router probabilities must be a Func of (token, expert)";
+  int ei = args[0].same_as(expert) ? 0 : (args[1].same_as(expert) ? 1 : -1);
+  user_check(ei >= 0) << "top_k: '" << expert.name() << "' is not an index of '" << probs.name() << "("
+                      << args[0].name() << ", " << args[1].name() << ")': pass the expert index";
+  const Var &token = args[1 - ei];
+  int64_t E = expert.dim().extent();
+  user_check(!expert.dim().is_dynamic())
+      << "top_k: the expert Dim '" << expert.dim().name() << "' must have a static extent";
+  user_check(k >= 1 && k <= E) << "top_k: k = " << k << " but '" << probs.name() << "' has " << E
+                               << " experts along '" << expert.name() << "': choose 1 <= k <= " << E;
+  user_check(!options.name.empty()) << "top_k: the route needs a name";
+
+  auto node = std::make_shared<RoutingNode>();
+  node->name = options.name;
+  node->probs = probs.node();
+  node->token_var = token;
+  node->expert_var = expert;
+  node->k = k;
+  node->pairs = Dim::scaled(options.name + ".pairs", token.dim(), k);
+  node->pair = Var("r", node->pairs);
+  RoutingPtr route = node;
+
+  // The gates are algebra over probs, so gradients reach the router through
+  // them; the selection (which experts) is a constant.
+  const Var &r = node->pair;
+  Index tok(route, RouteField::token, r), exp_(route, RouteField::expert, r);
+  Expr chosen = probs({tok, exp_});
+  Func gate(options.name + "_gate", probs.dtype());
+  if (options.renormalize) {
+    Func total(options.name + "_gate_sum", DType::f32);
+    total(token) = RouteSum::make(route, RouteField::token, token, chosen);
+    gate(r) = chosen / total({tok});
+  } else {
+    gate(r) = chosen;
+  }
+  return Route(route, gate);
+}
+
+Expr combine(const Route &route, const Var &token, const Expr &body) {
+  return RouteSum::make(route.node(), RouteField::token, token, body);
+}
+
+Expr expert_sum(const Route &route, const Var &expert, const Expr &body) {
+  return RouteSum::make(route.node(), RouteField::expert, expert, body);
+}
+
+} // namespace moeforge

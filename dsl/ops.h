@@ -1,0 +1,53 @@
+// Building expressions: arithmetic, element-wise functions, contractions,
+// softmax and routing. Everything here only builds IR; nothing is evaluated.
+#pragma once
+
+#include <string>
+
+#include "dsl/ir.h"
+
+namespace moeforge {
+
+Expr operator+(const Expr &a, const Expr &b);
+Expr operator-(const Expr &a, const Expr &b);
+Expr operator*(const Expr &a, const Expr &b);
+Expr operator/(const Expr &a, const Expr &b);
+Expr operator-(const Expr &a);
+Expr max(const Expr &a, const Expr &b);
+
+Expr exp(const Expr &a);
+Expr log(const Expr &a);
+Expr tanh(const Expr &a);
+Expr sigmoid(const Expr &a);
+Expr relu(const Expr &a);
+// GeLU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+Expr gelu(const Expr &a);
+// SiLU (swish): x * sigmoid(x).
+Expr silu(const Expr &a);
+
+// sum over var: a contraction when body is a product using var on both sides.
+Expr sum(const Var &var, const Expr &body);
+// softmax of body along var (var stays an index of the result).
+Expr softmax(const Var &var, const Expr &body);
+
+struct TopKOptions {
+  // Divide each gate by the sum of its token's k probabilities (Mixtral).
+  bool renormalize = false;
+  // Names the route, its pair Dim/Var ("<name>.pairs", "r") and gate Func.
+  std::string name = "route";
+};
+
+// Selects, for every token t, the k experts with the largest probs(t, e). probs
+// must be a defined Func of two indices, one of them `expert`.
+Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &options = {});
+
+// The gated combine's shape: for each token t, the sum of body over the pairs r
+// of route with token(r) = t. body uses route.pair(); t is a Var over the
+// route's token Dim and must not appear in body (write route.token(r)).
+Expr combine(const Route &route, const Var &token, const Expr &body);
+
+// For each expert e, the sum of body over the pairs r with expert(r) = e (the
+// per-expert reductions of the weight gradients).
+Expr expert_sum(const Route &route, const Var &expert, const Expr &body);
+
+} // namespace moeforge

@@ -1,0 +1,145 @@
+#include "examples/examples.h"
+
+#include <cmath>
+#include <random>
+
+#include "dsl/error.h"
+#include "dsl/ops.h"
+
+namespace moeforge {
+
+namespace {
+
+void check_shape(const std::string &name, const ExampleShape &s, bool routed) {
+  user_check(s.tokens >= 1) << name << ": --tokens must be at least 1 (got " << s.tokens << ")";
+  user_check(s.d >= 1) << name << ": --d must be at least 1 (got " << s.d << ")";
+  user_check(s.f >= 1) << name << ": --f must be at least 1 (got " << s.f << ")";
+  if (!routed)
+    return;
+  user_check(s.experts >= 1) << name << ": --experts must be at least 1 (got " << s.experts << ")";
+  user_check(s.topk >= 1 && s.topk <= s.experts)
+      << name << ": --topk " << s.topk << " with " << s.experts << " experts: choose 1 <= topk <= experts";
+}
+
+// The router shared by the MoE examples: logits = x Wr, softmax over experts.
+struct Router {
+  Func probs{"probs"};
+  Route route;
+};
+
+Router make_router(const Input &x, const Param &wr, const Var &t, const Var &e, const Var &i, int k, bool renorm) {
+  Func logits("logits", DType::f32);
+  logits(t, e) = sum(i, x(t, i) * wr(i, e));
+  Func probs("probs", DType::f32);
+  probs(t, e) = softmax(e, logits(t, e));
+  TopKOptions opts;
+  opts.renormalize = renorm;
+  return Router{probs, top_k(probs, e, k, opts)};
+}
+
+Example moe_mlp(const ExampleShape &s) {
+  Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
+  Var t("t", T), e("e", E), i("i", D), j("j", F);
+  Input x("x", {T, D});
+  Param wr("wr", {D, E}), w1("w1", {E, D, F}), w2("w2", {E, F, D});
+  Router router = make_router(x, wr, t, e, i, static_cast<int>(s.topk), false);
+  const Route &route = router.route;
+  Var r = route.pair();
+
+  Func h("h");
+  h(r, j) = gelu(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j)));
+  Func o("o");
+  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
+  Func y("y");
+  y(t, i) = combine(route, t, route.gate(r) * o(r, i));
+  return Example{"moe_mlp", "GeLU-MLP MoE: softmax router, top-k, gelu(x W1[e]) W2[e], gated combine",
+                 Pipeline({y}), "y", route.name(),
+                 {{"x", 1.0}, {"wr", 1.0 / std::sqrt(double(s.d))}, {"w1", 1.0 / std::sqrt(double(s.d))},
+                  {"w2", 1.0 / std::sqrt(double(s.f))}}};
+}
+
+Example swiglu_moe(const ExampleShape &s) {
+  Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
+  Var t("t", T), e("e", E), i("i", D), j("j", F);
+  Input x("x", {T, D});
+  Param wr("wr", {D, E}), w1("w1", {E, D, F}), w3("w3", {E, D, F}), w2("w2", {E, F, D});
+  Router router = make_router(x, wr, t, e, i, static_cast<int>(s.topk), true);
+  const Route &route = router.route;
+  Var r = route.pair();
+
+  // SwiGLU: the gate and up projections share the gathered rows of x.
+  Func h("h");
+  h(r, j) = silu(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j))) *
+            sum(i, x(route.token(r), i) * w3(route.expert(r), i, j));
+  Func o("o");
+  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
+  Func y("y");
+  y(t, i) = combine(route, t, route.gate(r) * o(r, i));
+  double sd = 1.0 / std::sqrt(double(s.d));
+  return Example{"swiglu_moe", "Mixtral-style SwiGLU MoE: renormalised top-k gates, silu(x W1[e]) * (x W3[e]) W2[e]",
+                 Pipeline({y}), "y", route.name(),
+                 {{"x", 1.0}, {"wr", sd}, {"w1", sd}, {"w3", sd}, {"w2", 1.0 / std::sqrt(double(s.f))}}};
+}
+
+Example dense_mlp(const ExampleShape &s) {
+  Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f);
+  Var t("t", T), i("i", D), j("j", F);
+  Input x("x", {T, D});
+  Param w1("w1", {D, F}), w2("w2", {F, D});
+  Func h("h");
+  h(t, j) = gelu(sum(i, x(t, i) * w1(i, j)));
+  Func y("y");
+  y(t, i) = sum(j, h(t, j) * w2(j, i));
+  return Example{"dense_mlp", "a dense GeLU MLP (no routing): gelu(x W1) W2", Pipeline({y}), "y", "",
+                 {{"x", 1.0}, {"w1", 1.0 / std::sqrt(double(s.d))}, {"w2", 1.0 / std::sqrt(double(s.f))}}};
+}
+
+Example attention(const ExampleShape &s) {
+  Dim T = Dim::dynamic("T"), D("D", s.d);
+  Var t("t", T), u("u", T), i("i", D);
+  Input q("q", {T, D}), k("k", {T, D}), v("v", {T, D});
+  Func p("p", DType::f32);
+  p(t, u) = softmax(u, sum(i, q(t, i) * k(u, i)) * (1.0 / std::sqrt(double(s.d))));
+  Func out("out");
+  out(t, i) = sum(u, p(t, u) * v(u, i));
+  return Example{"attention", "softmax attention over the tokens: softmax(q k^T / sqrt(d)) v", Pipeline({out}),
+                 "out", "", {{"q", 1.0}, {"k", 1.0}, {"v", 1.0}}};
+}
+
+} // namespace
+
+std::vector<std::string> example_names() { return {"moe_mlp", "swiglu_moe", "dense_mlp", "attention"}; }
+
+Example make_example(const std::string &name, const ExampleShape &shape) {
+  bool routed = name == "moe_mlp" || name == "swiglu_moe";
+  if (name == "moe_mlp" || name == "swiglu_moe" || name == "dense_mlp" || name == "attention")
+    check_shape(name, shape, routed);
+  if (name == "moe_mlp")
+    return moe_mlp(shape);
+  if (name == "swiglu_moe")
+    return swiglu_moe(shape);
+  if (name == "dense_mlp")
+    return dense_mlp(shape);
+  if (name == "attention")
+    return attention(shape);
+  std::string known;
+  for (const std::string &n : example_names())
+    known += (known.empty() ? "" : ", ") + n;
+  user_error << "unknown example '" << name << "': choose one of " << known;
+}
+
+TensorMap Example::random_inputs(const ExampleShape &shape, uint64_t seed) const {
+  std::mt19937_64 rng(seed);
+  TensorMap out;
+  for (const BufferPtr &b : pipeline.buffers()) {
+    std::vector<int64_t> dims;
+    for (const Dim &d : b->dims)
+      dims.push_back(d.is_dynamic() ? shape.tokens : d.extent());
+    auto it = init_scale.find(b->name);
+    double a = it == init_scale.end() ? 1.0 : it->second;
+    out[b->name] = random_tensor(dims, rng, -a, a, /*bf16=*/b->dtype == DType::bf16);
+  }
+  return out;
+}
+
+} // namespace moeforge

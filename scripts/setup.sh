@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs moeforge's dependencies from Debian's packages, configures, builds,
+# and runs the main example. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${MOEFORGE_BUILD_DIR:-build}
+
+if command -v apt-get >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  # llvm-19-dev: the newest LLVM Debian 12 offers; the CPU backend JITs with ORC.
+  PKGS="cmake ninja-build g++ libeigen3-dev doctest-dev libbenchmark-dev llvm-19-dev"
+  missing=""
+  for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+  if [ -n "$missing" ]; then
+    $SUDO apt-get update
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y $missing
+  fi
+fi
+# The CUDA toolkit is optional: found at /usr/local/cuda when present.
+export PATH="$PATH:/usr/local/cuda/bin"
+
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake --build "$BUILD_DIR" -j "$(nproc)"
+"$BUILD_DIR/tools/moeforge" run moe_mlp --check

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds (if needed) and runs the whole test suite. GPU tests skip visibly
+# where no GPU is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${MOEFORGE_BUILD_DIR:-build}
+export PATH="$PATH:/usr/local/cuda/bin"
+if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
+fi
+cmake --build "$BUILD_DIR" -j "$(nproc)"
+cd "$BUILD_DIR"
+ctest --output-on-failure -j "$(nproc)"

@@ -1,0 +1,469 @@
+#include "backends/cuda/codegen_cuda.h"
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include "backends/cuda/tile_library.h"
+#include "dsl/error.h"
+#include "dsl/printer.h"
+
+namespace moeforge {
+
+namespace {
+
+std::string c_name(const std::string &s) {
+  std::string out;
+  for (char c : s)
+    out += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  return out;
+}
+
+std::string c_type(DType t) { return t == DType::f32 ? "float" : (t == DType::bf16 ? "mf::bf16" : "__half"); }
+
+std::string float_literal(double v) {
+  if (std::isinf(v))
+    return v > 0 ? "mf::inf()" : "(-mf::inf())";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  std::string s = buf;
+  if (s.find_first_of(".eE") == std::string::npos)
+    s += ".0";
+  return "(" + s + "f)";
+}
+
+// Collects a kernel's arguments as its body is emitted, then prints the
+// signature, so every argument is one the body uses.
+class KernelBuilder {
+public:
+  KernelBuilder(const KernelProgram &prog, GeneratedKernel &k) : prog_(prog), k_(k) {}
+
+  std::string tensor(const std::string &name, bool writes = false) {
+    std::string c = "g_" + c_name(name);
+    if (add(KernelArg{KernelArg::Kind::tensor, name, nullptr})) {
+      const TensorDecl &t = prog_.tensor(name);
+      params_.push_back((writes ? "" : "const ") + c_type(t.dtype) + " *__restrict__ " + c);
+    }
+    return c;
+  }
+  std::string route(const RoutingNode *r, const std::string &array) {
+    std::string c = "rt_" + c_name(r->name) + "_" + array;
+    if (add(KernelArg{KernelArg::Kind::route, array, r}))
+      params_.push_back("const int *__restrict__ " + c);
+    return c;
+  }
+  // A Dim's extent as a C expression; dynamic extents become arguments.
+  std::string extent(const Dim &d) {
+    return extent_of(d.node());
+  }
+  std::string signature() const {
+    std::string s;
+    for (size_t i = 0; i < params_.size(); ++i)
+      s += (i ? ",\n    " : "") + params_[i];
+    return s;
+  }
+
+private:
+  std::string extent_of(const std::shared_ptr<const DimNode> &n) {
+    if (n->base)
+      return "(" + extent_of(n->base) + " * " + std::to_string(n->factor) + "LL)";
+    if (n->extent >= 0)
+      return std::to_string(n->extent) + "LL";
+    std::string c = "ext_" + c_name(n->name);
+    if (add(KernelArg{KernelArg::Kind::extent, n->name, nullptr}))
+      params_.push_back("long long " + c);
+    return c;
+  }
+  bool add(const KernelArg &a) {
+    for (const KernelArg &x : k_.args)
+      if (x.kind == a.kind && x.name == a.name && x.route == a.route)
+        return false;
+    k_.args.push_back(a);
+    return true;
+  }
+  const KernelProgram &prog_;
+  GeneratedKernel &k_;
+  std::vector<std::string> params_;
+};
+
+// Emits an expression as C: statements (loops for sums over a token's pairs)
+// go to `out`; emit() returns the value's expression, valid after them.
+class ExprEmitter {
+public:
+  ExprEmitter(const KernelProgram &prog, KernelBuilder &kb, std::ostringstream &out, int indent)
+      : prog_(prog), kb_(kb), out_(out), indent_(indent) {}
+
+  std::map<const VarNode *, std::string> vars;        // index variables in scope
+  std::map<const FuncNode *, std::string> registers;  // placeholders held in registers (accumulators)
+
+  std::string emit(const Expr &e) {
+    switch (e.kind()) {
+    case ExprKind::Const:
+      return float_literal(e.as<Const>()->value);
+    case ExprKind::Access:
+      return access(*e.as<Access>());
+    case ExprKind::Unary: {
+      auto *u = e.as<Unary>();
+      std::string a = emit(u->a);
+      switch (u->op) {
+      case UnaryOp::neg:
+        return "(-" + a + ")";
+      case UnaryOp::exp:
+        return "expf(" + a + ")";
+      case UnaryOp::log:
+        return "logf(" + a + ")";
+      case UnaryOp::tanh:
+        return "tanhf(" + a + ")";
+      default:
+        return std::string("mf::") + unary_op_name(u->op) + "(" + a + ")";
+      }
+    }
+    case ExprKind::Binary: {
+      auto *b = e.as<Binary>();
+      std::string x = emit(b->a), y = emit(b->b);
+      if (b->op == BinaryOp::max)
+        return "fmaxf(" + x + ", " + y + ")";
+      return "(" + x + " " + binary_op_name(b->op) + " " + y + ")";
+    }
+    case ExprKind::RouteSum:
+      return route_sum(*e.as<RouteSum>());
+    case ExprKind::Sum:
+    case ExprKind::Softmax:
+      break;
+    }
+    internal_check(false) << "the CUDA codegen cannot emit " << to_string(e) << " here (lowering should have split it)";
+  }
+
+  std::string index(const Index &ix) {
+    auto it = vars.find(ix.var.get());
+    internal_check(it != vars.end()) << "index variable " << ix.var.name() << " not in scope";
+    switch (ix.field) {
+    case RouteField::none:
+      return it->second;
+    case RouteField::token:
+      return "(" + it->second + " / " + std::to_string(ix.route->k) + "LL)";
+    case RouteField::expert:
+      return "(long long)" + kb_.route(ix.route.get(), "expert") + "[" + it->second + "]";
+    }
+    return "";
+  }
+
+  // Row-major offset of `t` at the given index expressions; a padded tensor's
+  // first index is a pair r, found at its padded position pair_pos[r].
+  std::string offset(const TensorDecl &t, const std::vector<std::string> &idx) {
+    std::string off;
+    for (size_t i = 0; i < idx.size(); ++i) {
+      std::string v = idx[i];
+      if (i == 0 && t.layout == RowLayout::padded)
+        v = "(long long)" + kb_.route(t.route, "pair_pos") + "[" + v + "]";
+      off = i == 0 ? v : "(" + off + " * " + kb_.extent(t.dims[i]) + " + " + v + ")";
+    }
+    return off.empty() ? "0" : off;
+  }
+
+  std::string temp(const char *prefix) { return std::string(prefix) + std::to_string(counter_++); }
+  std::string pad() const { return std::string(indent_, ' '); }
+  std::ostringstream &out() { return out_; }
+  int &indent() { return indent_; }
+
+private:
+  std::string access(const Access &a) {
+    if (a.func)
+      if (auto it = registers.find(a.func.get()); it != registers.end())
+        return it->second;
+    const TensorDecl &t = prog_.tensor(a.target_name());
+    std::vector<std::string> idx;
+    for (const Index &ix : a.args)
+      idx.push_back(index(ix));
+    return "mf::to_f32(" + kb_.tensor(t.name) + "[" + offset(t, idx) + "])";
+  }
+
+  std::string route_sum(const RouteSum &s) {
+    user_check(s.field == RouteField::token) << "expert_sum is not supported by the CUDA backend yet";
+    // Pairs are numbered r = t * k + slot: a token's pairs are k consecutive
+    // rows, so the combine is a fixed loop, deterministic and atomic-free.
+    std::string acc = temp("sum"), slot = temp("slot"), r = temp("r");
+    int k = s.route->k;
+    out_ << pad() << "float " << acc << " = 0.f;\n";
+    out_ << pad() << "for (int " << slot << " = 0; " << slot << " < " << k << "; ++" << slot << ") {\n";
+    indent_ += 2;
+    out_ << pad() << "const long long " << r << " = " << vars.at(s.target.get()) << " * " << k << "LL + " << slot
+         << ";\n";
+    vars[s.route->pair.get()] = r;
+    std::string v = emit(s.body);
+    out_ << pad() << acc << " += " << v << ";\n";
+    vars.erase(s.route->pair.get());
+    indent_ -= 2;
+    out_ << pad() << "}\n";
+    return acc;
+  }
+
+  const KernelProgram &prog_;
+  KernelBuilder &kb_;
+  std::ostringstream &out_;
+  int indent_;
+  int counter_ = 0;
+};
+
+void check_multiple_of_8(const GemmStep &g, const Dim &d, const char *role) {
+  user_check(d.is_dynamic() || d.extent() % 8 == 0)
+      << "definition '" << g.output << "': " << role << " dimension " << d.name() << " = " << d.extent()
+      << " is not a multiple of 8; the CUDA backend moves 16-byte vectors: pad " << d.name() << " to "
+      << (d.extent() + 7) / 8 * 8;
+}
+
+// ------------------------------------------------------------ GEMM kernels
+
+void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream &src, GeneratedKernel &k) {
+  const GemmTiling &t = g.tiling;
+  const int nb = static_cast<int>(g.b.size());
+  check_multiple_of_8(g, g.k, "reduced");
+  check_multiple_of_8(g, g.n, "column");
+  user_check(!g.k.is_dynamic() && !g.n.is_dynamic())
+      << "definition '" << g.output << "': the CUDA backend needs static K and N extents (" << g.k.name() << ", "
+      << g.n.name() << ")";
+  k.name = c_name(g.name);
+  k.step = g.name;
+  k.threads = t.threads();
+  KernelBuilder kb(prog, k);
+  const TensorDecl &out = prog.tensor(g.output);
+  std::string gA = kb.tensor(g.a);
+  std::vector<std::string> gB;
+  for (const std::string &b : g.b)
+    gB.push_back(kb.tensor(b));
+  std::string gC = kb.tensor(g.output, /*writes=*/true);
+  std::string K = std::to_string(g.k.extent()), N = std::to_string(g.n.extent());
+
+  std::ostringstream body;
+  body << "  using Cfg = mf::GemmConfig<" << t.tile_m << ", " << t.tile_n << ", " << t.tile_k << ", " << t.stages
+       << ", " << t.warps_m << ", " << t.warps_n << ", " << nb << ">;\n";
+  body << "  extern __shared__ __align__(128) unsigned char smem[];\n";
+  body << "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n";
+  body << "  constexpr int K = " << K << ", N = " << N << ";\n";
+  body << "  const int n0 = blockIdx.y * Cfg::BN;\n";
+  std::string sorted_pair;
+  if (g.route) {
+    const RoutingNode *r = g.route;
+    int sub = g.block / t.tile_m;
+    sorted_pair = kb.route(r, "sorted_pair");
+    body << "  // This block's rows: part " << "blockIdx.x % " << sub << " of routing tile blockIdx.x / " << sub
+         << " (one expert's rows, padded to " << g.block << ").\n";
+    body << "  const int tile = blockIdx.x / " << sub << ", part = blockIdx.x % " << sub << ";\n";
+    body << "  if (tile >= *" << kb.route(r, "num_tiles") << ") return;  // grids are sized by an upper bound\n";
+    body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
+    body << "  const int rows = " << kb.route(r, "tile_rows") << "[tile] - part * Cfg::BM;\n";
+    body << "  if (rows <= 0) return;\n";
+    body << "  const long long expert = " << kb.route(r, "tile_expert") << "[tile];\n";
+  } else {
+    body << "  const long long M = " << kb.extent(g.m) << ";\n";
+    body << "  const long long p0 = (long long)blockIdx.x * Cfg::BM;\n";
+    body << "  const int rows = (int)min((long long)Cfg::BM, M - p0);\n";
+    body << "  const long long expert = 0;  // one B for every row\n  (void)expert;\n";
+  }
+  // A rows: resolved once per tile, not per k step.
+  body << "  const mf::bf16 *gA[Cfg::A_ITERS];\n  bool a_ok[Cfg::A_ITERS];\n";
+  body << "#pragma unroll\n  for (int i = 0; i < Cfg::A_ITERS; ++i) {\n";
+  body << "    const int lr = Cfg::a_load_row(tid, i);\n";
+  switch (g.a_rows) {
+  case RowMap::direct:
+    body << "    const long long row = p0 + lr;  // " << g.a << " rows are in tile order\n";
+    body << "    a_ok[i] = lr < rows;\n";
+    break;
+  case RowMap::gather_pair:
+  case RowMap::gather_token: {
+    std::string div = g.a_rows == RowMap::gather_token ? " / " + std::to_string(g.route->k) : "";
+    body << "    const int r = lr < rows ? " << sorted_pair << "[p0 + lr] : -1;\n";
+    body << "    const long long row = r < 0 ? 0 : (long long)r" << div << ";  // gathered: "
+         << (div.empty() ? "pair r" : "token(r) = r" + div) << "\n";
+    body << "    a_ok[i] = r >= 0;\n";
+    break;
+  }
+  }
+  body << "    gA[i] = " << gA << " + row * K + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
+  body << "  const mf::bf16 *gB[" << nb << "] = {";
+  for (int b = 0; b < nb; ++b)
+    body << (b ? ", " : "") << gB[b] << (g.b_per_expert ? " + expert * K * N" : "");
+  body << "};\n";
+  body << "  float acc[" << nb << "][Cfg::MI][Cfg::NI][4] = {};\n";
+  body << "  mf::gemm_mainloop<Cfg>(smem, gA, a_ok, gB, K, N, n0, acc);\n\n";
+
+  // The epilogue: the algebra around the sums, per output element.
+  std::ostringstream epi;
+  ExprEmitter em(prog, kb, epi, 4);
+  std::string vr = "v_" + c_name(g.row_var.name()), vc = "v_" + c_name(g.col_var.name());
+  em.vars[g.row_var.get()] = vr;
+  em.vars[g.col_var.get()] = vc;
+  std::string params;
+  for (int b = 0; b < nb; ++b) {
+    em.registers[g.accumulators[b].get()] = "acc" + std::to_string(b);
+    params += "float acc" + std::to_string(b) + ", ";
+  }
+  std::string value = em.emit(g.epilogue);
+  body << "  // " << g.output << "(" << g.row_var.name() << ", " << g.col_var.name() << ") = " << g.epilogue << "\n";
+  body << "  auto epilogue = [&](" << params << "long long " << vr << ", long long " << vc << ") -> float {\n"
+       << epi.str() << "    return " << value << ";\n  };\n";
+  body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
+  body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n    if (lr >= rows) continue;\n";
+  if (g.route) {
+    body << "    const int r = " << sorted_pair << "[p0 + lr];\n    if (r < 0) continue;  // padding row\n";
+    body << "    const long long " << vr << " = r;\n";
+    body << "    const long long out_row = "
+         << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order")
+         << "\n";
+  } else {
+    body << "    const long long " << vr << " = p0 + lr, out_row = " << vr << ";\n";
+  }
+  body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
+  body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n      if (col >= N) continue;\n";
+  for (int e = 0; e < 2; ++e) {
+    body << "      const float v" << e << " = epilogue(";
+    for (int b = 0; b < nb; ++b)
+      body << "acc[" << b << "][mi][ni][h * 2 + " << e << "], ";
+    body << vr << ", col + " << e << ");\n";
+  }
+  body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n    }\n  }\n";
+  (void)out;
+
+  k.grid.kind = g.route ? GridShape::Kind::routed_tiles : GridShape::Kind::dense_tiles;
+  k.grid.route = g.route;
+  k.grid.count = {g.m};
+  k.grid.n = g.n;
+  k.grid.tile_m = t.tile_m;
+  k.grid.tile_n = t.tile_n;
+  k.grid.block = g.block;
+  k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2;
+  user_check(k.shared_bytes <= Schedule::max_shared_bytes)
+      << "definition '" << g.output << "': " << nb << " B operands with tile " << t.tile_m << "x" << t.tile_n << "x"
+      << t.tile_k << " and " << t.stages << " stages need " << k.shared_bytes << " bytes of shared memory, over "
+      << Schedule::max_shared_bytes << ": use fewer stages or a smaller tile";
+
+  src << "// " << g.name << ": " << g.output << " = epilogue(" << g.a << " x {";
+  for (int b = 0; b < nb; ++b)
+    src << (b ? ", " : "") << g.b[b];
+  src << "}), tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages\n";
+  src << "extern \"C\" __global__ void __launch_bounds__(" << t.threads() << ", 1) " << k.name << "(\n    "
+      << kb.signature() << ") {\n"
+      << body.str() << "}\n\n";
+}
+
+// ------------------------------------------------------------ element-wise kernels
+
+void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostringstream &src, GeneratedKernel &k) {
+  k.name = c_name(s.name);
+  k.step = s.name;
+  k.threads = 256;
+  KernelBuilder kb(prog, k);
+  const TensorDecl &out = prog.tensor(s.output);
+  std::string gOut = kb.tensor(s.output, /*writes=*/true);
+  const Softmax *softmax = s.body.as<Softmax>();
+
+  std::ostringstream body;
+  ExprEmitter em(prog, kb, body, 2);
+  // One thread per element; for a softmax, one thread per row of the others.
+  std::vector<Var> loop_vars;
+  for (const Var &v : s.vars)
+    if (!softmax || !v.same_as(softmax->var))
+      loop_vars.push_back(v);
+  std::string total = "1LL";
+  for (const Var &v : loop_vars)
+    total = "(" + total + " * " + kb.extent(v.dim()) + ")";
+  body << "  long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
+  body << "  if (idx >= " << total << ") return;\n";
+  for (size_t i = loop_vars.size(); i-- > 0;) {
+    std::string c = "v_" + c_name(loop_vars[i].name());
+    body << "  const long long " << c << " = idx % " << kb.extent(loop_vars[i].dim()) << ";\n";
+    body << "  idx /= " << kb.extent(loop_vars[i].dim()) << ";\n";
+    em.vars[loop_vars[i].get()] = c;
+  }
+  auto store = [&](const std::string &value) {
+    std::vector<std::string> idx;
+    for (const Var &v : s.vars)
+      idx.push_back(em.vars.at(v.get()));
+    em.out() << em.pad() << gOut << "[" << em.offset(out, idx) << "] = mf::from_f32<" << c_type(out.dtype) << ">("
+             << value << ");\n";
+  };
+  if (!softmax) {
+    store(em.emit(s.body));
+  } else {
+    // softmax along v: max, sum of exponentials, then the normalised values.
+    std::string v = "v_" + c_name(softmax->var.name()), n = kb.extent(softmax->var.dim());
+    em.vars[softmax->var.get()] = v;
+    auto loop = [&](const std::function<void(const std::string &)> &each) {
+      body << "  for (long long " << v << " = 0; " << v << " < " << n << "; ++" << v << ") {\n";
+      em.indent() += 2;
+      each(em.emit(softmax->body));
+      em.indent() -= 2;
+      body << "  }\n";
+    };
+    body << "  float row_max = -mf::inf(), row_sum = 0.f;\n";
+    loop([&](const std::string &x) { body << "    row_max = fmaxf(row_max, " << x << ");\n"; });
+    loop([&](const std::string &x) { body << "    row_sum += expf(" << x << " - row_max);\n"; });
+    loop([&](const std::string &x) { store("expf(" + x + " - row_max) / row_sum"); });
+  }
+  k.grid.kind = GridShape::Kind::elements;
+  for (const Var &v : loop_vars)
+    k.grid.count.push_back(v.dim());
+  src << "// " << s.name << ": " << s.output << "(";
+  for (size_t i = 0; i < s.vars.size(); ++i)
+    src << (i ? ", " : "") << s.vars[i].name();
+  src << ") = " << s.body << "\n";
+  src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n"
+      << body.str() << "}\n\n";
+}
+
+// ------------------------------------------------------------ the padded copy (blocked)
+
+void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstream &src, GeneratedKernel &k) {
+  k.name = c_name(s.name);
+  k.step = s.name;
+  k.threads = 256;
+  KernelBuilder kb(prog, k);
+  const TensorDecl &from = prog.tensor(s.src);
+  const Dim &cols = from.dims[1];
+  user_check(!cols.is_dynamic() && cols.extent() % 8 == 0)
+      << "tensor '" << s.src << "': its row length " << cols.name() << " must be a static multiple of 8 for the "
+      << "blocked permutation's 16-byte copies";
+  std::string gSrc = kb.tensor(s.src), gDst = kb.tensor(s.dst, true), sp = kb.route(s.route, "sorted_pair");
+  std::string padded = kb.route(s.route, "padded_rows");
+  long long chunks = cols.extent() / 8;
+  k.grid.kind = GridShape::Kind::padded_rows;
+  k.grid.route = s.route;
+  k.grid.chunks_per_row = chunks;
+  src << "// " << s.name << ": " << s.dst << "[p, :] = " << s.src << "[token(sorted_pair[p]), :], zero on padding\n";
+  src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n";
+  src << "  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
+  src << "  const long long p = idx / " << chunks << ", c = idx % " << chunks << ";\n";
+  src << "  if (p >= *" << padded << ") return;\n";
+  src << "  const int r = " << sp << "[p];\n";
+  src << "  uint4 v = make_uint4(0, 0, 0, 0);\n";
+  src << "  if (r >= 0) v = reinterpret_cast<const uint4 *>(" << gSrc << " + (long long)(r / " << s.route->k
+      << ") * " << cols.extent() << ")[c];\n";
+  src << "  reinterpret_cast<uint4 *>(" << gDst << " + p * " << cols.extent() << ")[c] = v;\n}\n\n";
+}
+
+} // namespace
+
+CudaModuleSource generate_cuda(const KernelProgram &program) {
+  CudaModuleSource m;
+  std::ostringstream src;
+  src << "// Generated by moeforge from the kernel program of schedule '" << program.schedule_name << "'.\n";
+  src << "#include \"" << kTileLibraryName << "\"\n\n";
+  for (const Step &step : program.steps) {
+    if (std::holds_alternative<RoutingStep>(step))
+      continue;
+    GeneratedKernel k;
+    if (auto *g = std::get_if<GemmStep>(&step))
+      emit_gemm(program, *g, src, k);
+    else if (auto *p = std::get_if<PointwiseStep>(&step))
+      emit_pointwise(program, *p, src, k);
+    else
+      emit_gather(program, std::get<GatherStep>(step), src, k);
+    m.kernels.push_back(std::move(k));
+  }
+  m.source = src.str();
+  return m;
+}
+
+} // namespace moeforge

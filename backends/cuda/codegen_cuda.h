@@ -1,0 +1,56 @@
+// CUDA C++ from a kernel program: one module holding one kernel per step
+// (routing excepted: the device routing has hand-written kernels). The source
+// is readable on purpose: `moeforge emit <example> --cuda` prints it. Kernels
+// include the tile library (tile_library.h) and stay thin over it.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "lowering/kernel_program.h"
+
+namespace moeforge {
+
+// One argument of a generated kernel, in order; the executor binds each.
+struct KernelArg {
+  enum class Kind { tensor, route, extent };
+  Kind kind;
+  std::string name;                  // tensor name, route array name, or Dim name
+  const RoutingNode *route = nullptr; // for Kind::route
+};
+
+// How many thread blocks a kernel runs, from the run's extents.
+struct GridShape {
+  enum class Kind {
+    routed_tiles, // x: max_tiles(route) * (block / tile_m); y: ceil(N / tile_n)
+    dense_tiles,  // x: ceil(M / tile_m); y: ceil(N / tile_n)
+    elements,     // x: ceil(product(count) / threads)
+    padded_rows,  // x: ceil(padded_rows(route) * chunks_per_row / threads)
+  };
+  Kind kind = Kind::elements;
+  const RoutingNode *route = nullptr;
+  std::vector<Dim> count; // dims multiplied for elements / M for dense tiles
+  Dim n;                  // columns, for tiles
+  int tile_m = 0, tile_n = 0, block = 0;
+  long long chunks_per_row = 0;
+};
+
+struct GeneratedKernel {
+  std::string name; // the extern "C" symbol
+  std::string step; // the kernel program step it runs
+  std::vector<KernelArg> args;
+  GridShape grid;
+  int threads = 256;
+  int shared_bytes = 0; // dynamic shared memory
+};
+
+struct CudaModuleSource {
+  std::string source;
+  std::vector<GeneratedKernel> kernels; // in step order (routing steps have none)
+};
+
+// Throws UserError for what the CUDA backend cannot do (e.g. a K or N that is
+// not a multiple of 8), naming the definition and the fix.
+CudaModuleSource generate_cuda(const KernelProgram &program);
+
+} // namespace moeforge

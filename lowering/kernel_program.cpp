@@ -1,0 +1,103 @@
+#include "lowering/kernel_program.h"
+
+#include "dsl/error.h"
+#include "dsl/printer.h"
+
+namespace moeforge {
+
+const char *row_layout_name(RowLayout l) {
+  switch (l) {
+  case RowLayout::dense:
+    return "dense";
+  case RowLayout::pair:
+    return "pair";
+  case RowLayout::padded:
+    return "padded";
+  }
+  return "?";
+}
+
+const char *row_map_name(RowMap m) {
+  switch (m) {
+  case RowMap::direct:
+    return "direct";
+  case RowMap::gather_pair:
+    return "gather_pair";
+  case RowMap::gather_token:
+    return "gather_token";
+  }
+  return "?";
+}
+
+const TensorDecl &KernelProgram::tensor(const std::string &name) const {
+  for (const TensorDecl &t : tensors)
+    if (t.name == name)
+      return t;
+  internal_check(false) << "no tensor '" << name << "' in the kernel program";
+}
+
+TensorDecl *KernelProgram::find(const std::string &name) {
+  for (TensorDecl &t : tensors)
+    if (t.name == name)
+      return &t;
+  return nullptr;
+}
+
+std::string step_name(const Step &s) {
+  return std::visit(
+      [](const auto &x) -> std::string {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, RoutingStep>)
+          return "route_" + x.route->name;
+        else
+          return x.name;
+      },
+      s);
+}
+
+std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
+  os << "kernel program (schedule " << p.schedule_name << ")\n";
+  for (const TensorDecl &t : p.tensors) {
+    os << "  tensor " << t.name << "[";
+    for (size_t i = 0; i < t.dims.size(); ++i)
+      os << (i ? ", " : "") << t.dims[i].name();
+    os << "] " << dtype_name(t.dtype);
+    if (t.layout != RowLayout::dense)
+      os << " rows=" << row_layout_name(t.layout) << "(" << t.route->name << ")";
+    if (t.is_input)
+      os << " input";
+    os << "\n";
+  }
+  for (const Step &s : p.steps) {
+    std::visit(
+        [&](const auto &x) {
+          using T = std::decay_t<decltype(x)>;
+          if constexpr (std::is_same_v<T, RoutingStep>) {
+            os << "  route " << x.route->name << ": top_k(" << x.probs << ", k = " << x.route->k
+               << ") -> counts, padded offsets (block " << x.block << "), sorted_pair, pair_pos, tiles\n";
+          } else if constexpr (std::is_same_v<T, GatherStep>) {
+            os << "  gather " << x.name << ": " << x.dst << "[p, :] = " << x.src << "[token(sorted_pair[p]), :]\n";
+          } else if constexpr (std::is_same_v<T, GemmStep>) {
+            const GemmTiling &g = x.tiling;
+            os << "  gemm " << x.name << ": grid " << (x.route ? "tiles(" + x.route->name + ")" : "rows")
+               << " x cols; tile " << g.tile_m << "x" << g.tile_n << "x" << g.tile_k << ", " << g.stages
+               << " stages, warps " << g.warps_m << "x" << g.warps_n << "\n";
+            os << "    A = " << x.a << " rows " << row_map_name(x.a_rows) << "; B =";
+            for (const std::string &b : x.b)
+              os << " " << b << (x.b_per_expert ? "[expert]" : "");
+            os << "; K = " << x.k.name() << ", N = " << x.n.name() << "\n";
+            os << "    " << x.output << "(" << x.row_var.name() << ", " << x.col_var.name()
+               << ") = " << x.epilogue << "  -> rows " << row_map_name(x.out_rows) << "\n";
+          } else {
+            os << "  pointwise " << x.name << ": " << x.output << "(";
+            for (size_t i = 0; i < x.vars.size(); ++i)
+              os << (i ? ", " : "") << x.vars[i].name();
+            os << ") = " << x.body << "\n";
+          }
+        },
+        s);
+  }
+  return os;
+}
+
+} // namespace moeforge

@@ -1,0 +1,107 @@
+// The kernel program: what a Pipeline becomes once a Schedule is applied. It
+// is target-independent (the CUDA codegen and, later, the LLVM CPU backend
+// read the same program) and small on purpose: a list of steps, each one
+// kernel over tensors whose row layout is explicit.
+//
+// Routed tensors (indexed by a route's pair variable r) are a *format* the
+// steps ask questions of, never a special case inside them:
+//   pair    rows in pair order r = t * k + slot (T * k rows)
+//   padded  rows sorted by expert, each expert padded to the block size
+//           (position p; sorted_pair[p] = r, or -1 on padding rows)
+// A GEMM tile walks padded positions p; how each operand row is found from p
+// is its RowMap:
+//   direct        row p (padded tensors) or m (dense GEMMs)
+//   gather_pair   row sorted_pair[p] of a pair-order tensor
+//   gather_token  row token(sorted_pair[p]) = sorted_pair[p] / k of a token tensor
+#pragma once
+
+#include <memory>
+#include <ostream>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "dsl/ir.h"
+#include "schedules/schedule.h"
+
+namespace moeforge {
+
+enum class RowLayout { dense, pair, padded };
+enum class RowMap { direct, gather_pair, gather_token };
+const char *row_layout_name(RowLayout l);
+const char *row_map_name(RowMap m);
+
+// A tensor the program reads or writes: an Input/Param, a Func, or a tensor
+// lowering introduced (a padded copy, an unfused accumulator).
+struct TensorDecl {
+  std::string name;
+  DType dtype = DType::f32;
+  std::vector<Dim> dims;
+  RowLayout layout = RowLayout::dense; // of the first dim, for routed tensors
+  const RoutingNode *route = nullptr;  // set for pair / padded layouts
+  bool is_input = false;               // an Input or Param, uploaded by the caller
+};
+
+// C[rows, n] = epilogue(sum_k A[rows, k] * B_i[expert?, k, n] for each i).
+struct GemmStep {
+  std::string name;
+  std::string output; // tensor written
+  RowMap out_rows = RowMap::direct;
+  const RoutingNode *route = nullptr; // grouped over the route's tiles; null: dense
+  Dim m, n, k;                        // m: the row Dim (dense) or the pairs Dim
+  std::string a;
+  RowMap a_rows = RowMap::direct;
+  std::vector<std::string> b; // one per accumulator (two for SwiGLU)
+  bool b_per_expert = false;  // B has a leading expert index: B[expert(r), k, n]
+  // The epilogue over accumulators: reads of the placeholder Funcs in
+  // `accumulators` (named acc0, acc1, ...) and of per-row or per-element
+  // tensors. Evaluated in fp32 and stored as the output's dtype.
+  Expr epilogue;
+  std::vector<FuncPtr> accumulators;
+  Var row_var, col_var; // the output's index variables (rows, n)
+  GemmTiling tiling;
+  int block = 128; // routing block (rows per padded segment)
+};
+
+// out(vars) = body, one thread per element; sums over the pairs of a token
+// (combine) are loops over the k slots; a top-level softmax along one index
+// becomes a row loop.
+struct PointwiseStep {
+  std::string name;
+  std::string output;
+  std::vector<Var> vars;
+  Expr body;
+};
+
+// The device routing: top-k over probs, counts, padded offsets, the stable
+// permutation (sorted_pair, pair_pos) and the tile table.
+struct RoutingStep {
+  const RoutingNode *route;
+  std::string probs; // f32 [T, E]
+  int block = 128;
+};
+
+// dst[p, :] = src[token(sorted_pair[p]), :], zero on padding rows (blocked).
+struct GatherStep {
+  std::string name;
+  const RoutingNode *route;
+  std::string src, dst;
+};
+
+using Step = std::variant<RoutingStep, GatherStep, GemmStep, PointwiseStep>;
+
+struct KernelProgram {
+  std::vector<TensorDecl> tensors;
+  std::vector<Step> steps;
+  std::vector<std::string> outputs;
+  std::vector<const RoutingNode *> routes;
+  std::string schedule_name;
+
+  const TensorDecl &tensor(const std::string &name) const;
+  TensorDecl *find(const std::string &name);
+};
+
+std::ostream &operator<<(std::ostream &os, const KernelProgram &p);
+std::string step_name(const Step &s);
+
+} // namespace moeforge

@@ -1,0 +1,443 @@
+#include "lowering/lower.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <iostream>
+#include <optional>
+#include <set>
+
+#include "dsl/check.h"
+#include "dsl/error.h"
+#include "dsl/ops.h"
+#include "dsl/printer.h"
+#include "dsl/visitor.h"
+
+namespace moeforge {
+
+namespace {
+
+// The route whose pair variable is `v`, if any.
+const RoutingNode *route_of_pair(const Pipeline &p, const Var &v) {
+  for (const RoutingPtr &r : p.routes())
+    if (r->pair.same_as(v))
+      return r.get();
+  return nullptr;
+}
+
+bool has_node(const Expr &e, ExprKind kind) {
+  struct Finder : IRVisitor {
+    ExprKind kind;
+    bool found = false;
+    void visit_node(const Sum &n) override {
+      found |= kind == ExprKind::Sum;
+      IRVisitor::visit_node(n);
+    }
+    void visit_node(const Softmax &n) override {
+      found |= kind == ExprKind::Softmax;
+      IRVisitor::visit_node(n);
+    }
+    void visit_node(const RouteSum &n) override {
+      found |= kind == ExprKind::RouteSum;
+      IRVisitor::visit_node(n);
+    }
+  } f;
+  f.kind = kind;
+  f.visit(e);
+  return f.found;
+}
+
+// A placeholder tensor read by lowered expressions: an accumulator or an
+// intermediate that lowering introduced. Never defined; only its name and
+// indices are read.
+FuncPtr placeholder(const std::string &name, std::vector<Var> args, DType t) {
+  auto f = std::make_shared<FuncNode>();
+  f->name = name;
+  f->args = std::move(args);
+  f->dtype = t;
+  return f;
+}
+
+// One contraction sum(k, A(row, k) * B([expert(r),] k, col)) of a GEMM.
+struct Contraction {
+  const Access *a = nullptr, *b = nullptr;
+  Var k;
+};
+
+[[noreturn]] void not_a_gemm(const FuncNode &f, const Expr &sum, const std::string &why) {
+  user_error << "definition '" << f.name << "': the CUDA backend compiles a contraction as sum(k, A(rows, k) * "
+             << "B(k, cols)) or B(expert(r), k, cols) with A and B bf16 tensors, but " << to_string(sum) << " "
+             << why;
+}
+
+Contraction match_contraction(const FuncNode &f, const Sum &s, const Expr &sum_expr, const Var &row,
+                              const Var &col, const RoutingNode *route) {
+  auto *mul = s.body.as<Binary>();
+  if (!mul || mul->op != BinaryOp::mul || !mul->a.as<Access>() || !mul->b.as<Access>())
+    not_a_gemm(f, sum_expr, "is not a product of two tensor reads");
+  const Access *x = mul->a.as<Access>(), *w = mul->b.as<Access>();
+  auto is_a = [&](const Access *a) {
+    if (a->args.size() != 2 || !a->args[1].is_plain() || !a->args[1].var.same_as(s.var))
+      return false;
+    const Index &ri = a->args[0];
+    if (ri.is_plain())
+      return ri.var.same_as(row);
+    return route && ri.field == RouteField::token && ri.route.get() == route;
+  };
+  auto is_b = [&](const Access *b) {
+    size_t n = b->args.size();
+    if (n != 2 && n != 3)
+      return false;
+    if (!b->args[n - 2].is_plain() || !b->args[n - 2].var.same_as(s.var) || !b->args[n - 1].is_plain() ||
+        !b->args[n - 1].var.same_as(col))
+      return false;
+    return n == 2 || (route && b->args[0].field == RouteField::expert && b->args[0].route.get() == route);
+  };
+  if (!(is_a(x) && is_b(w)))
+    std::swap(x, w);
+  if (!(is_a(x) && is_b(w)))
+    not_a_gemm(f, sum_expr,
+               "does not read A by (" + row.name() + ", " + s.var.name() + ") and B by (" + s.var.name() + ", " +
+                   col.name() + ")");
+  if (x->dtype != DType::bf16 || w->dtype != DType::bf16)
+    not_a_gemm(f, sum_expr,
+               "reads '" + x->target_name() + "' as " + dtype_name(x->dtype) + " and '" + w->target_name() +
+                   "' as " + dtype_name(w->dtype) + "; declare both bf16 (e.g. Func(\"name\", DType::bf16))");
+  return Contraction{x, w, s.var};
+}
+
+// Replaces each Sum by a read of its accumulator.
+struct ReplaceSums : IRMutator {
+  std::vector<const Sum *> sums;
+  std::vector<FuncPtr> accs;
+  Var row, col;
+  Expr mutate_node(const Sum &n, const Expr &) override {
+    for (size_t i = 0; i < sums.size(); ++i)
+      if (sums[i] == &n)
+        return Access::make(accs[i], {row, col});
+    internal_check(false) << "unmatched sum";
+  }
+};
+
+std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const Schedule &schedule) {
+  std::vector<const Sum *> sums;
+  std::vector<Expr> sum_exprs;
+  // Collect the outermost sums (nested ones are rejected by the matcher).
+  struct Outer : IRMutator {
+    std::vector<const Sum *> *sums;
+    std::vector<Expr> *exprs;
+    Expr mutate_node(const Sum &n, const Expr &self) override {
+      sums->push_back(&n);
+      exprs->push_back(self);
+      return self;
+    }
+  } outer;
+  outer.sums = &sums;
+  outer.exprs = &sum_exprs;
+  outer.mutate(f.body);
+  if (sums.empty())
+    return std::nullopt;
+  user_check(f.args.size() == 2) << "definition '" << f.name << "' has " << f.args.size()
+                                 << " indices: the CUDA backend compiles a contraction into a 2-D GEMM "
+                                 << "f(rows, cols); reshape it into (rows, cols)";
+  user_check(!has_node(f.body, ExprKind::Softmax) && !has_node(f.body, ExprKind::RouteSum))
+      << "definition '" << f.name << "' mixes a contraction with softmax or combine; split it into two Funcs";
+  const Var &row = f.args[0], &col = f.args[1];
+  const RoutingNode *route = route_of_pair(p, row);
+
+  GemmStep g;
+  g.name = "gemm_" + f.name;
+  g.output = f.name;
+  g.route = route;
+  g.m = row.dim();
+  g.n = col.dim();
+  g.row_var = row;
+  g.col_var = col;
+  g.tiling = schedule.for_func(f.name).tiling;
+  g.block = schedule.block();
+  ReplaceSums rs;
+  rs.row = row;
+  rs.col = col;
+  for (size_t i = 0; i < sums.size(); ++i) {
+    Contraction c = match_contraction(f, *sums[i], sum_exprs[i], row, col, route);
+    if (i == 0) {
+      g.a = c.a->target_name();
+      g.k = c.k.dim();
+      g.a_rows = route ? (c.a->args[0].is_plain() ? RowMap::gather_pair : RowMap::gather_token) : RowMap::direct;
+      g.b_per_expert = c.b->args.size() == 3;
+    } else {
+      user_check(c.a->target_name() == g.a && c.k.dim().same_as(g.k) && (c.b->args.size() == 3) == g.b_per_expert)
+          << "definition '" << f.name << "': its sums must share the A operand '" << g.a << "' and the reduced "
+          << "Dim " << g.k.name() << " to run as one GEMM (as SwiGLU's gate and up projections do); "
+          << to_string(sum_exprs[i]) << " differs: split it into its own Func";
+    }
+    g.b.push_back(c.b->target_name());
+    rs.sums.push_back(sums[i]);
+    rs.accs.push_back(placeholder("acc" + std::to_string(i), {row, col}, DType::f32));
+  }
+  g.epilogue = rs.mutate(f.body);
+  g.accumulators = rs.accs;
+  user_check(!has_node(g.epilogue, ExprKind::Sum))
+      << "definition '" << f.name << "': a sum inside a sum's operands is not a GEMM; define the inner sum as its "
+      << "own Func";
+  return g;
+}
+
+PointwiseStep make_pointwise(const FuncNode &f) {
+  if (auto *s = f.body.as<Softmax>())
+    user_check(!has_node(s->body, ExprKind::Softmax))
+        << "definition '" << f.name << "': nested softmax is not supported; split it into two Funcs";
+  else
+    user_check(!has_node(f.body, ExprKind::Softmax))
+        << "definition '" << f.name << "': the CUDA backend supports softmax only as a whole definition, "
+        << f.name << "(...) = softmax(v, ...); move it into its own Func";
+  struct ExpertSums : IRVisitor {
+    bool found = false;
+    void visit_node(const RouteSum &n) override {
+      found |= n.field == RouteField::expert;
+      IRVisitor::visit_node(n);
+    }
+  } es;
+  es.visit(f.body);
+  user_check(!es.found) << "definition '" << f.name << "': expert_sum outside a contraction is not supported by "
+                        << "the CUDA backend yet";
+  return PointwiseStep{"pointwise_" + f.name, f.name, f.args, f.body};
+}
+
+// Every read of a tensor in a step, by name.
+std::vector<std::string> reads(const Step &s) {
+  struct Reads : IRVisitor {
+    std::vector<std::string> names;
+    void visit_node(const Access &a) override { names.push_back(a.target_name()); }
+  } r;
+  std::visit(
+      [&](const auto &x) {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, GemmStep>) {
+          r.names.push_back(x.a);
+          r.names.insert(r.names.end(), x.b.begin(), x.b.end());
+          r.visit(x.epilogue);
+        } else if constexpr (std::is_same_v<T, PointwiseStep>) {
+          r.visit(x.body);
+        } else if constexpr (std::is_same_v<T, GatherStep>) {
+          r.names.push_back(x.src);
+        } else {
+          r.names.push_back(x.probs);
+        }
+      },
+      s);
+  return r.names;
+}
+
+bool debug_lowering() {
+  const char *d = std::getenv("MOEFORGE_DEBUG");
+  return d && (std::string(d).find("lower") != std::string::npos || std::string(d) == "all");
+}
+
+} // namespace
+
+KernelProgram build_steps(const Pipeline &p, const Schedule &schedule) {
+  schedule.validate(p);
+  KernelProgram prog;
+  prog.schedule_name = schedule.name();
+  for (const BufferPtr &b : p.buffers())
+    prog.tensors.push_back(TensorDecl{b->name, b->dtype, b->dims, RowLayout::dense, nullptr, true});
+  for (const Pipeline::Step &step : p.steps()) {
+    if (step.route) {
+      const RoutingNode &r = *step.route;
+      user_check(r.probs->dtype == DType::f32)
+          << "route '" << r.name << "': top_k reads '" << r.probs->name << "' as "
+          << dtype_name(r.probs->dtype) << "; the device routing needs f32 probabilities: declare Func(\""
+          << r.probs->name << "\", DType::f32)";
+      user_check(r.token_var.same_as(r.probs->args[0]))
+          << "route '" << r.name << "': the device routing reads '" << r.probs->name << "' as (token, expert); "
+          << "define it with the token index first";
+      prog.steps.push_back(RoutingStep{&r, r.probs->name, schedule.block()});
+      prog.routes.push_back(&r);
+      continue;
+    }
+    const FuncNode &f = *step.func;
+    TensorDecl t{f.name, f.dtype, {}, RowLayout::dense, nullptr, false};
+    for (const Var &v : f.args)
+      t.dims.push_back(v.dim());
+    if (!f.args.empty())
+      if (const RoutingNode *r = route_of_pair(p, f.args[0])) {
+        t.route = r;
+        t.layout = RowLayout::pair;
+      }
+    prog.tensors.push_back(std::move(t));
+    if (auto g = match_gemm(p, f, schedule))
+      prog.steps.push_back(std::move(*g));
+    else
+      prog.steps.push_back(make_pointwise(f));
+  }
+  for (const Func &f : p.outputs())
+    prog.outputs.push_back(f.name());
+  return prog;
+}
+
+KernelProgram fuse_gate_into_epilogue(KernelProgram p, const Schedule &schedule) {
+  if (schedule.gate() != GateFusion::epilogue)
+    return p;
+  for (Step &s : p.steps) {
+    auto *pw = std::get_if<PointwiseStep>(&s);
+    const RouteSum *rs = pw ? pw->body.as<RouteSum>() : nullptr;
+    if (!rs || rs->field != RouteField::token)
+      continue;
+    auto *mul = rs->body.as<Binary>();
+    if (!mul || mul->op != BinaryOp::mul)
+      continue;
+    const Var &r = rs->route->pair;
+    for (int side = 0; side < 2; ++side) {
+      const Expr &gate = side ? mul->b : mul->a, &val = side ? mul->a : mul->b;
+      auto *acc = val.as<Access>();
+      if (!acc || !acc->func || acc->args.size() != 2 || !acc->args[0].is_plain() || !acc->args[0].var.same_as(r))
+        continue;
+      auto fv = free_vars(gate);
+      if (fv.size() != 1 || !fv[0].same_as(r))
+        continue;
+      // The producer must be a GEMM over the same route with no other reader.
+      GemmStep *producer = nullptr;
+      int readers = 0;
+      for (Step &t : p.steps) {
+        if (auto *g = std::get_if<GemmStep>(&t); g && g->output == acc->func->name && g->route == rs->route.get())
+          producer = g;
+        for (const std::string &n : reads(t))
+          readers += n == acc->func->name;
+      }
+      if (!producer || readers != 1 || !producer->row_var.same_as(r))
+        continue;
+      producer->epilogue = gate * producer->epilogue;
+      pw->body = RouteSum::make(rs->route, rs->field, rs->target, val);
+      break;
+    }
+  }
+  return p;
+}
+
+KernelProgram split_unfused_epilogues(KernelProgram p, const Schedule &schedule) {
+  std::vector<Step> out;
+  for (Step &s : p.steps) {
+    auto *g = std::get_if<GemmStep>(&s);
+    bool trivial = g && g->accumulators.size() == 1 && g->epilogue.as<Access>() &&
+                   g->epilogue.as<Access>()->func == g->accumulators[0];
+    if (!g || trivial || schedule.for_func(g->output).fuse_epilogue) {
+      out.push_back(std::move(s));
+      continue;
+    }
+    // One GEMM per accumulator into an f32 tensor, then the epilogue as its
+    // own element-wise kernel.
+    const TensorDecl &dst = p.tensor(g->output);
+    struct Rename : IRMutator {
+      std::vector<FuncPtr> from, to;
+      Expr mutate_node(const Access &a, const Expr &self) override {
+        for (size_t i = 0; i < from.size(); ++i)
+          if (a.func == from[i])
+            return Access::make(to[i], a.args);
+        return self;
+      }
+    } rename;
+    for (size_t i = 0; i < g->accumulators.size(); ++i) {
+      std::string name = g->output + "_acc" + std::to_string(i);
+      TensorDecl t = dst;
+      t.name = name;
+      t.dtype = DType::f32;
+      p.tensors.push_back(t);
+      GemmStep part = *g;
+      part.name = "gemm_" + name;
+      part.output = name;
+      part.b = {g->b[i]};
+      part.accumulators = {g->accumulators[i]};
+      part.epilogue = Access::make(g->accumulators[i], {g->row_var, g->col_var});
+      out.push_back(part);
+      rename.from.push_back(g->accumulators[i]);
+      rename.to.push_back(placeholder(name, {g->row_var, g->col_var}, DType::f32));
+    }
+    out.push_back(PointwiseStep{"epilogue_" + g->output, g->output, {g->row_var, g->col_var}, rename.mutate(g->epilogue)});
+  }
+  p.steps = std::move(out);
+  return p;
+}
+
+KernelProgram insert_permutation(KernelProgram p, const Schedule &schedule) {
+  if (schedule.permutation() != Permutation::blocked)
+    return p;
+  std::vector<Step> out;
+  for (Step &s : p.steps) {
+    auto *g = std::get_if<GemmStep>(&s);
+    if (g && g->route && g->a_rows == RowMap::gather_token) {
+      // MegaBlocks: copy the routed rows into the padded, expert-sorted order once.
+      std::string padded = g->a + "_padded_" + g->route->name;
+      if (!p.find(padded)) {
+        const TensorDecl &src = p.tensor(g->a);
+        TensorDecl t{padded, src.dtype, {g->route->pairs, src.dims[1]}, RowLayout::padded, g->route, false};
+        p.tensors.push_back(t);
+        out.push_back(GatherStep{"gather_" + padded, g->route, g->a, padded});
+      }
+      g->a = padded;
+      g->a_rows = RowMap::direct;
+    }
+    out.push_back(std::move(s));
+  }
+  p.steps = std::move(out);
+  return p;
+}
+
+KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
+  for (TensorDecl &t : p.tensors) {
+    if (!t.route || t.layout == RowLayout::padded)
+      continue;
+    const GemmStep *producer = nullptr;
+    bool only_gemm_a = true;
+    for (const Step &s : p.steps) {
+      if (auto *g = std::get_if<GemmStep>(&s); g && g->output == t.name)
+        producer = g;
+      auto names = reads(s);
+      int n = static_cast<int>(std::count(names.begin(), names.end(), t.name));
+      auto *g = std::get_if<GemmStep>(&s);
+      if (n > (g && g->a == t.name ? 1 : 0))
+        only_gemm_a = false;
+    }
+    // GEMM outputs stay in the padded tile order (no scatter) when blocked, or
+    // when only other GEMMs read them; results for element-wise readers
+    // (combine) are scattered back to pair order by the scattered schedule.
+    if (producer && producer->route && (schedule.permutation() == Permutation::blocked || only_gemm_a))
+      t.layout = RowLayout::padded;
+  }
+  return p;
+}
+
+KernelProgram resolve_row_maps(KernelProgram p, const Schedule &) {
+  for (Step &s : p.steps) {
+    auto *g = std::get_if<GemmStep>(&s);
+    if (!g || !g->route)
+      continue;
+    const TensorDecl &a = p.tensor(g->a);
+    if (g->a_rows != RowMap::gather_token)
+      g->a_rows = a.layout == RowLayout::padded ? RowMap::direct : RowMap::gather_pair;
+    g->out_rows = p.tensor(g->output).layout == RowLayout::padded ? RowMap::direct : RowMap::gather_pair;
+  }
+  return p;
+}
+
+KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule) {
+  bool debug = debug_lowering();
+  auto dump = [&](const char *pass, const KernelProgram &p) {
+    if (debug)
+      std::cerr << "=== after " << pass << " ===\n" << p;
+  };
+  KernelProgram p = build_steps(pipeline, schedule);
+  dump("build_steps", p);
+  p = fuse_gate_into_epilogue(std::move(p), schedule);
+  dump("fuse_gate_into_epilogue", p);
+  p = split_unfused_epilogues(std::move(p), schedule);
+  dump("split_unfused_epilogues", p);
+  p = insert_permutation(std::move(p), schedule);
+  dump("insert_permutation", p);
+  p = assign_row_layouts(std::move(p), schedule);
+  dump("assign_row_layouts", p);
+  p = resolve_row_maps(std::move(p), schedule);
+  dump("resolve_row_maps", p);
+  return p;
+}
+
+} // namespace moeforge

@@ -1,0 +1,23 @@
+// Lowering: algebra + schedule -> kernel program. The passes run in the
+// order listed in lower.cpp's `lower`; MOEFORGE_DEBUG=lower prints the
+// program after each one. A Pipeline or Schedule the program cannot express
+// is a UserError that says which definition and why.
+#pragma once
+
+#include "dsl/pipeline.h"
+#include "lowering/kernel_program.h"
+#include "schedules/schedule.h"
+
+namespace moeforge {
+
+KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule);
+
+// The passes, in order (each is also usable alone, for tests).
+KernelProgram build_steps(const Pipeline &pipeline, const Schedule &schedule);
+KernelProgram fuse_gate_into_epilogue(KernelProgram p, const Schedule &schedule);
+KernelProgram split_unfused_epilogues(KernelProgram p, const Schedule &schedule);
+KernelProgram insert_permutation(KernelProgram p, const Schedule &schedule);
+KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule);
+KernelProgram resolve_row_maps(KernelProgram p, const Schedule &schedule);
+
+} // namespace moeforge

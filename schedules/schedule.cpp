@@ -1,0 +1,244 @@
+#include "schedules/schedule.h"
+
+#include <initializer_list>
+#include <sstream>
+
+#include "dsl/error.h"
+
+namespace moeforge {
+
+namespace {
+
+bool one_of(int v, std::initializer_list<int> allowed) {
+  for (int a : allowed)
+    if (v == a)
+      return true;
+  return false;
+}
+
+// Names travel through the text form inside double quotes, so a quote, a
+// backslash or a line break in one could not be replayed.
+bool printable_name(const std::string &s) {
+  if (s.empty())
+    return false;
+  for (char c : s)
+    if (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20)
+      return false;
+  return true;
+}
+
+std::string func_label(const std::string &func) {
+  return func == Schedule::all_funcs ? std::string("the default ('*')") : "'" + func + "'";
+}
+
+std::string quoted(const std::string &s) { return "\"" + s + "\""; }
+
+void check_func_name(const std::string &call, const std::string &func) {
+  user_check(printable_name(func)) << call << ": '" << func
+                                   << "' is not a usable Func name: pass a Func's name, or \"*\" for every "
+                                      "contraction (names cannot be empty or hold quotes, backslashes or "
+                                      "line breaks)";
+}
+
+} // namespace
+
+const char *permutation_name(Permutation p) {
+  switch (p) {
+  case Permutation::blocked:
+    return "blocked";
+  case Permutation::scattered:
+    return "scattered";
+  }
+  return "?";
+}
+
+const char *gate_fusion_name(GateFusion g) {
+  switch (g) {
+  case GateFusion::combine:
+    return "combine";
+  case GateFusion::epilogue:
+    return "epilogue";
+  }
+  return "?";
+}
+
+Schedule::Schedule(std::string name) : name_(std::move(name)) {
+  user_check(printable_name(name_)) << "schedule name '" << name_
+                                    << "' is not usable: give a non-empty label without quotes, backslashes or "
+                                       "line breaks (e.g. \"megablocks\")";
+}
+
+Schedule &Schedule::permutation(Permutation p) {
+  std::string call = std::string("permutation(") + permutation_name(p) + ")";
+  user_check(p == Permutation::blocked || p == Permutation::scattered)
+      << "permutation(" << static_cast<int>(p) << "): unknown strategy: use Permutation::blocked or "
+      << "Permutation::scattered";
+  permutation_ = p;
+  calls_.push_back(call);
+  return *this;
+}
+
+Schedule &Schedule::block(int rows) {
+  std::string call = "block(" + std::to_string(rows) + ")";
+  user_check(one_of(rows, {64, 128, 256}))
+      << call << ": block size " << rows << " is not supported: use 64, 128 or 256";
+  block_ = rows;
+  calls_.push_back(call);
+  return *this;
+}
+
+Schedule &Schedule::gate(GateFusion g) {
+  std::string call = std::string("gate(") + gate_fusion_name(g) + ")";
+  user_check(g == GateFusion::combine || g == GateFusion::epilogue)
+      << "gate(" << static_cast<int>(g) << "): unknown gate fusion: use GateFusion::combine or "
+      << "GateFusion::epilogue";
+  gate_ = g;
+  calls_.push_back(call);
+  return *this;
+}
+
+Schedule &Schedule::tile(const std::string &func, int m, int n, int k) {
+  std::ostringstream c;
+  c << "tile(" << quoted(func) << ", " << m << ", " << n << ", " << k << ")";
+  std::string call = c.str();
+  check_func_name(call, func);
+  user_check(one_of(m, {64, 128, 256})) << call << ": tile_m " << m << " of " << func_label(func)
+                                        << " is not supported: use 64, 128 or 256";
+  user_check(one_of(n, {64, 128, 256})) << call << ": tile_n " << n << " of " << func_label(func)
+                                        << " is not supported: use 64, 128 or 256";
+  user_check(one_of(k, {32, 64})) << call << ": tile_k " << k << " of " << func_label(func)
+                                  << " is not supported: use 32 or 64";
+  Overrides patch;
+  patch.tile_m = m;
+  patch.tile_n = n;
+  patch.tile_k = k;
+  commit(call, "tile", func, patch);
+  return *this;
+}
+
+Schedule &Schedule::stages(const std::string &func, int s) {
+  std::string call = "stages(" + quoted(func) + ", " + std::to_string(s) + ")";
+  check_func_name(call, func);
+  // One stage cannot overlap the next tile's loads with this tile's math;
+  // past 8 the returns vanish while shared memory runs out.
+  user_check(s >= 2 && s <= 8) << call << ": " << s << " stages for " << func_label(func)
+                               << " is not supported: use 2 to 8";
+  Overrides patch;
+  patch.stages = s;
+  commit(call, "stages", func, patch);
+  return *this;
+}
+
+Schedule &Schedule::warps(const std::string &func, int warps_m, int warps_n) {
+  std::ostringstream c;
+  c << "warps(" << quoted(func) << ", " << warps_m << ", " << warps_n << ")";
+  std::string call = c.str();
+  check_func_name(call, func);
+  // 4 warps (one warpgroup) or 8 (two): what the Hopper kernels are built for.
+  bool ok = warps_m >= 1 && warps_n >= 1 && warps_m <= 8 && warps_n <= 8 && one_of(warps_m * warps_n, {4, 8});
+  user_check(ok) << call << ": warps " << warps_m << "x" << warps_n << " for " << func_label(func)
+                 << " is not supported: use 4 or 8 warps in all (1x4, 2x2, 4x1, 1x8, 2x4, 4x2 or 8x1)";
+  Overrides patch;
+  patch.warps_m = warps_m;
+  patch.warps_n = warps_n;
+  commit(call, "warps", func, patch);
+  return *this;
+}
+
+Schedule &Schedule::fuse_epilogue(const std::string &func, bool fuse) {
+  std::string call = "fuse_epilogue(" + quoted(func) + ", " + (fuse ? "true" : "false") + ")";
+  check_func_name(call, func);
+  Overrides patch;
+  patch.fuse_epilogue = fuse;
+  commit(call, "fuse_epilogue", func, patch);
+  return *this;
+}
+
+FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
+  GemmTiling &t = base.tiling;
+  t.tile_m = o.tile_m.value_or(t.tile_m);
+  t.tile_n = o.tile_n.value_or(t.tile_n);
+  t.tile_k = o.tile_k.value_or(t.tile_k);
+  t.stages = o.stages.value_or(t.stages);
+  t.warps_m = o.warps_m.value_or(t.warps_m);
+  t.warps_n = o.warps_n.value_or(t.warps_n);
+  base.fuse_epilogue = o.fuse_epilogue.value_or(base.fuse_epilogue);
+  return base;
+}
+
+FuncSchedule Schedule::for_func(const std::string &func) const {
+  auto it = overrides_.find(func);
+  return it == overrides_.end() ? default_ : apply(default_, it->second);
+}
+
+void Schedule::commit(const std::string &call, const std::string &primitive, const std::string &func,
+                      const Overrides &patch) {
+  // Work on a copy so that a call that fails its checks leaves *this as it was.
+  Schedule next = *this;
+  if (func == all_funcs) {
+    next.default_ = apply(next.default_, patch);
+  } else {
+    Overrides &o = next.overrides_[func];
+    auto merge = [](auto &field, const auto &value) {
+      if (value)
+        field = value;
+    };
+    merge(o.tile_m, patch.tile_m);
+    merge(o.tile_n, patch.tile_n);
+    merge(o.tile_k, patch.tile_k);
+    merge(o.stages, patch.stages);
+    merge(o.warps_m, patch.warps_m);
+    merge(o.warps_n, patch.warps_n);
+    merge(o.fuse_epilogue, patch.fuse_epilogue);
+    if (next.named_by_.emplace(func, primitive).second)
+      next.funcs_.push_back(func);
+  }
+  next.check_tilings(call, func);
+  next.calls_.push_back(call);
+  *this = std::move(next);
+}
+
+// Tile, stages and warps are set by separate calls but constrain each other,
+// so every call that changes one rechecks the combination of each Func it
+// affects: a change to "*" reaches every Func that does not override it.
+void Schedule::check_tilings(const std::string &call, const std::string &changed_func) const {
+  std::vector<std::string> affected;
+  if (changed_func == all_funcs) {
+    affected.push_back(all_funcs);
+    affected.insert(affected.end(), funcs_.begin(), funcs_.end());
+  } else {
+    affected.push_back(changed_func);
+  }
+  for (const std::string &f : affected) {
+    GemmTiling t = for_func(f).tiling;
+    std::string who = func_label(f);
+    if (f != changed_func)
+      who += " (it overrides part of the default)";
+    // Tensor-core MMAs are 16 rows or columns wide: each warp needs a whole
+    // number of them.
+    user_check(t.tile_m % (t.warps_m * 16) == 0)
+        << call << ": warps " << t.warps_m << "x" << t.warps_n << " do not fit tile " << t.tile_m << "x" << t.tile_n
+        << "x" << t.tile_k << " of " << who << ": tile_m / warps_m = " << t.tile_m << " / " << t.warps_m << " = "
+        << t.tile_m / t.warps_m << " rows per warp, not a multiple of 16: use warps_m <= " << t.tile_m / 16
+        << " or tile_m >= " << std::max(64, t.warps_m * 16) << " (set warps before tiles when shrinking both)";
+    user_check(t.tile_n % (t.warps_n * 16) == 0)
+        << call << ": warps " << t.warps_m << "x" << t.warps_n << " do not fit tile " << t.tile_m << "x" << t.tile_n
+        << "x" << t.tile_k << " of " << who << ": tile_n / warps_n = " << t.tile_n << " / " << t.warps_n << " = "
+        << t.tile_n / t.warps_n << " columns per warp, not a multiple of 16: use warps_n <= " << t.tile_n / 16
+        << " or tile_n >= " << std::max(64, t.warps_n * 16) << " (set warps before tiles when shrinking both)";
+    int per_stage = t.shared_bytes() / t.stages;
+    int fit = max_shared_bytes / per_stage;
+    std::ostringstream fix;
+    if (fit >= 2)
+      fix << "use stages <= " << fit << " or a smaller tile (when changing both, call stages() first)";
+    else
+      fix << "use a smaller tile (tile_k 32, or smaller tile_m / tile_n)";
+    user_check(t.shared_bytes() <= max_shared_bytes)
+        << call << ": tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << " with " << t.stages << " stages of "
+        << who << " needs " << t.shared_bytes() << " bytes of shared memory (" << t.stages << " x (" << t.tile_m << "x"
+        << t.tile_k << " + " << t.tile_k << "x" << t.tile_n << ") x 2 bytes), more than the " << max_shared_bytes
+        << " bytes (227 KiB) of a Hopper thread block: " << fix.str();
+  }
+}
+
+} // namespace moeforge

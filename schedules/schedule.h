@@ -1,0 +1,153 @@
+// A Schedule says HOW a Pipeline is computed, never WHAT: the permutation
+// strategy for the routed rows, the block size they are padded or grouped to,
+// where the gate is applied, and per contraction the GEMM tiling, pipeline
+// depth, warp layout and epilogue fusion. Lowering reads it; the algebra never
+// sees it, so changing a schedule cannot change a result.
+//
+// A Schedule is data built by primitives. Each primitive first checks its
+// preconditions, throwing a UserError that names the value, the Func and the
+// fix, and then only records. Schedules are TRACED: every primitive call is
+// kept in order, so a schedule prints as the calls that built it
+// (`to_text()`), one per line, and replays from that text (`from_text()`).
+// That text is what `save()` writes, what a bug report carries and what an
+// autotuner searches over:
+//
+//     schedule("megablocks")
+//     permutation(blocked)
+//     block(128)
+//     tile("*", 128, 128, 32)
+//     tile("h", 64, 128, 32)
+//
+// Func names refer to the Pipeline's Funcs; "*" is the default for every
+// contraction and a name's own settings override it field by field. Names are
+// only resolved by `validate(pipeline)`, so one schedule can serve every
+// layer whose Funcs it names.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "dsl/pipeline.h"
+
+namespace moeforge {
+
+// How the routed (token, expert) pairs reach the expert GEMMs.
+enum class Permutation {
+  blocked,   // sort by expert and copy into blocks padded per expert (MegaBlocks)
+  scattered, // no copy: gathers and scatters are fused into the GEMM loads and stores (ScatterMoE)
+};
+
+// Where the gated combine's product gate(r) * o(r, i) is taken.
+enum class GateFusion {
+  combine,  // in the combine kernel that sums each token's pairs
+  epilogue, // in the epilogue of the last expert GEMM, before its store
+};
+
+const char *permutation_name(Permutation p);
+const char *gate_fusion_name(GateFusion g);
+
+// One GEMM's tiling: a thread block computes a tile_m x tile_n output tile,
+// stepping through K tile_k at a time with `stages` shared-memory buffers in
+// flight, its warps laid out warps_m x warps_n over the tile.
+struct GemmTiling {
+  int tile_m = 128, tile_n = 128, tile_k = 32, stages = 4, warps_m = 2, warps_n = 4;
+  int threads() const { return warps_m * warps_n * 32; }
+  // The A and B tiles of every stage, in bf16.
+  int shared_bytes() const { return stages * (tile_m * tile_k + tile_k * tile_n) * 2; }
+  bool operator==(const GemmTiling &) const = default;
+};
+
+// The schedule of one contraction (a Func whose body has a sum(...)).
+struct FuncSchedule {
+  GemmTiling tiling;
+  // The element-wise ops around the contraction (activation, the SwiGLU
+  // product) run in the GEMM's epilogue; false: a separate element-wise kernel.
+  bool fuse_epilogue = true;
+  bool operator==(const FuncSchedule &) const = default;
+};
+
+class Schedule {
+public:
+  // The Func name meaning "every contraction".
+  static constexpr const char *all_funcs = "*";
+  // Shared memory one thread block may use on Hopper (sm_90): 227 KiB.
+  static constexpr int max_shared_bytes = 227 * 1024;
+
+  // An empty schedule: blocked, block 128, gate in combine, default tiling.
+  // `name` is a label (e.g. "megablocks") that prints and round-trips.
+  explicit Schedule(std::string name = "custom");
+
+  // ---- primitives: check, then record; chainable.
+  Schedule &permutation(Permutation p);
+  // Rows per block of routed pairs: 64, 128 or 256.
+  Schedule &block(int rows);
+  Schedule &gate(GateFusion g);
+  // m, n in {64, 128, 256}; k in {32, 64}.
+  Schedule &tile(const std::string &func, int m, int n, int k);
+  // 2 to 8 shared-memory stages.
+  Schedule &stages(const std::string &func, int s);
+  // warps_m * warps_n is 4 or 8, and each warp's share of the tile
+  // (tile_m / warps_m, tile_n / warps_n) is a multiple of 16.
+  Schedule &warps(const std::string &func, int warps_m, int warps_n);
+  Schedule &fuse_epilogue(const std::string &func, bool fuse);
+
+  // ---- accessors
+  const std::string &name() const { return name_; }
+  Permutation permutation() const { return permutation_; }
+  int block() const { return block_; }
+  GateFusion gate() const { return gate_; }
+  // The settings of `func`: the "*" default with func's own overrides on top.
+  // A Func the schedule never named gets the default.
+  FuncSchedule for_func(const std::string &func) const;
+  // Funcs named by a primitive (not "*"), in the order first named.
+  const std::vector<std::string> &funcs() const { return funcs_; }
+  // The recorded primitive calls, one per element, as to_text() prints them.
+  const std::vector<std::string> &calls() const { return calls_; }
+
+  // Checks the schedule against a layer: every named Func exists and is a
+  // contraction; for a contraction over routed pairs, tile_m divides the
+  // block; every static dimension a contraction reads from an Input or Param
+  // is a multiple of 8. Throws a UserError otherwise.
+  void validate(const Pipeline &pipeline) const;
+
+  // ---- text: the trace, replayable (schedule_text.cpp)
+  // `schedule("<name>")` then one primitive call per line.
+  std::string to_text() const;
+  // Replays the calls in `text`; errors name `source_name` and the line.
+  // Blank lines and '#' comments are skipped; the schedule("<name>") line is
+  // optional (the name is then "custom").
+  static Schedule from_text(const std::string &text, const std::string &source_name = "<text>");
+  void save(const std::string &path) const;
+  static Schedule load(const std::string &path);
+
+private:
+  // A Func's settings that differ from "*"; unset fields follow the default.
+  struct Overrides {
+    std::optional<int> tile_m, tile_n, tile_k, stages, warps_m, warps_n;
+    std::optional<bool> fuse_epilogue;
+  };
+  static FuncSchedule apply(FuncSchedule base, const Overrides &o);
+
+  // Applies `patch` to func's settings ("*": the default) in a copy, rechecks
+  // every tiling it affects and only then records `call` and commits.
+  void commit(const std::string &call, const std::string &primitive, const std::string &func, const Overrides &patch);
+  void check_tilings(const std::string &call, const std::string &changed_func) const;
+
+  std::string name_;
+  Permutation permutation_ = Permutation::blocked;
+  int block_ = 128;
+  GateFusion gate_ = GateFusion::combine;
+  FuncSchedule default_;
+  std::map<std::string, Overrides> overrides_;
+  std::vector<std::string> funcs_;
+  std::map<std::string, std::string> named_by_; // func -> first primitive naming it
+  std::vector<std::string> calls_;
+};
+
+// Prints to_text().
+std::ostream &operator<<(std::ostream &os, const Schedule &s);
+
+} // namespace moeforge

@@ -1,0 +1,298 @@
+// The text form of a Schedule: its trace, one primitive call per line. The
+// parser only reads a line into a primitive name and typed arguments; the
+// values are then checked by replaying the primitive itself, so the text and
+// the C++ API can never disagree on what is allowed.
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <climits>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "dsl/error.h"
+#include "schedules/schedule.h"
+
+namespace moeforge {
+
+namespace {
+
+enum class ArgType { text, integer, permutation, gate, boolean };
+
+struct ArgSpec {
+  const char *name;
+  ArgType type;
+};
+
+struct Signature {
+  const char *primitive;
+  std::vector<ArgSpec> params;
+};
+
+const std::vector<Signature> &signatures() {
+  static const std::vector<Signature> all = {
+      {"schedule", {{"name", ArgType::text}}},
+      {"permutation", {{"strategy", ArgType::permutation}}},
+      {"block", {{"rows", ArgType::integer}}},
+      {"gate", {{"fusion", ArgType::gate}}},
+      {"tile", {{"func", ArgType::text}, {"m", ArgType::integer}, {"n", ArgType::integer}, {"k", ArgType::integer}}},
+      {"stages", {{"func", ArgType::text}, {"stages", ArgType::integer}}},
+      {"warps", {{"func", ArgType::text}, {"warps_m", ArgType::integer}, {"warps_n", ArgType::integer}}},
+      {"fuse_epilogue", {{"func", ArgType::text}, {"fuse", ArgType::boolean}}},
+  };
+  return all;
+}
+
+const char *expected_for(ArgType t) {
+  switch (t) {
+  case ArgType::text:
+    return "a quoted name";
+  case ArgType::integer:
+    return "an integer";
+  case ArgType::permutation:
+    return "blocked or scattered";
+  case ArgType::gate:
+    return "combine or epilogue";
+  case ArgType::boolean:
+    return "true or false";
+  }
+  return "?";
+}
+
+// One argument as written: a quoted string, or a bare word or number.
+struct Token {
+  bool quoted = false;
+  std::string text;
+};
+
+struct Statement {
+  std::string primitive;
+  std::vector<Token> args;
+};
+
+// Reads `primitive(arg, ...)` from one line; throws with `where` as prefix.
+class LineParser {
+public:
+  LineParser(const std::string &line, std::string where) : s_(line), where_(std::move(where)) {}
+
+  // False for a blank or comment-only line.
+  bool parse(Statement &out) {
+    skip_space();
+    if (at_end())
+      return false;
+    out.primitive = word();
+    if (out.primitive.empty())
+      fail() << "expected a primitive name (" << names() << "), found " << found();
+    skip_space();
+    if (!eat('('))
+      fail() << "expected '(' after '" << out.primitive << "', found " << found();
+    skip_space();
+    if (!eat(')')) {
+      for (;;) {
+        skip_space();
+        out.args.push_back(argument(out.primitive));
+        skip_space();
+        if (eat(')'))
+          break;
+        if (!eat(','))
+          fail() << "expected ',' or ')' in the arguments of '" << out.primitive << "', found " << found();
+      }
+    }
+    skip_space();
+    eat(';'); // tolerated, so a line copied from C++ still reads
+    skip_space();
+    if (!at_end())
+      fail() << "expected the end of the line after '" << out.primitive << "(...)', found " << found();
+    return true;
+  }
+
+  static std::string names() {
+    std::string out;
+    for (const Signature &sig : signatures())
+      out += (out.empty() ? "" : ", ") + std::string(sig.primitive);
+    return out;
+  }
+
+private:
+  detail::ErrorBuilder<UserError> fail() const { return detail::ErrorBuilder<UserError>(where_.c_str()); }
+
+  bool at_end() const { return pos_ >= s_.size() || s_[pos_] == '#'; }
+  void skip_space() {
+    while (pos_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[pos_])))
+      ++pos_;
+  }
+  bool eat(char c) {
+    if (pos_ < s_.size() && s_[pos_] == c) {
+      ++pos_;
+      return true;
+    }
+    return false;
+  }
+  std::string word() {
+    size_t start = pos_;
+    while (pos_ < s_.size() &&
+           (std::isalnum(static_cast<unsigned char>(s_[pos_])) || s_[pos_] == '_' || s_[pos_] == '-'))
+      ++pos_;
+    return s_.substr(start, pos_ - start);
+  }
+  std::string found() const {
+    if (at_end())
+      return "the end of the line";
+    size_t end = pos_;
+    while (end < s_.size() && end - pos_ < 20 && !std::isspace(static_cast<unsigned char>(s_[end])))
+      ++end;
+    // Appended piecewise: GCC 12 warns falsely (-Wrestrict) on "'" + substr + "'".
+    std::string out = "'";
+    out.append(s_, pos_, end - pos_);
+    out += '\'';
+    return out;
+  }
+  Token argument(const std::string &primitive) {
+    Token t;
+    if (eat('"')) {
+      size_t close = s_.find('"', pos_);
+      if (close == std::string::npos)
+        fail() << "unterminated string in the arguments of '" << primitive << "': expected a closing '\"'";
+      t.quoted = true;
+      t.text = s_.substr(pos_, close - pos_);
+      pos_ = close + 1;
+      return t;
+    }
+    t.text = word();
+    if (t.text.empty())
+      fail() << "expected an argument of '" << primitive << "', found " << found();
+    return t;
+  }
+
+  const std::string &s_;
+  std::string where_;
+  size_t pos_ = 0;
+};
+
+} // namespace
+
+std::string Schedule::to_text() const {
+  std::string out = "schedule(\"" + name_ + "\")\n";
+  for (const std::string &c : calls_)
+    out += c + "\n";
+  return out;
+}
+
+std::ostream &operator<<(std::ostream &os, const Schedule &s) { return os << s.to_text(); }
+
+Schedule Schedule::from_text(const std::string &text, const std::string &source_name) {
+  Schedule s;
+  std::istringstream in(text);
+  std::string line;
+  int line_no = 0;
+  bool any_call = false;
+  while (std::getline(in, line)) {
+    ++line_no;
+    std::string where = source_name + ":" + std::to_string(line_no) + ": ";
+    Statement st;
+    if (!LineParser(line, where).parse(st))
+      continue;
+    const Signature *sig = nullptr;
+    for (const Signature &candidate : signatures())
+      if (st.primitive == candidate.primitive)
+        sig = &candidate;
+    user_check(sig) << where << "unknown primitive '" << st.primitive << "': expected one of " << LineParser::names();
+    std::string usage = st.primitive + "(";
+    for (size_t i = 0; i < sig->params.size(); ++i)
+      usage += (i ? ", " : "") + std::string(sig->params[i].name);
+    usage += ")";
+    user_check(st.args.size() == sig->params.size())
+        << where << "'" << st.primitive << "' takes " << sig->params.size() << " argument"
+        << (sig->params.size() == 1 ? "" : "s") << " " << usage << ", found " << st.args.size();
+
+    // Typed values; the primitive checks their ranges when replayed below.
+    std::vector<long long> ints(st.args.size());
+    std::vector<Permutation> perms(st.args.size());
+    std::vector<GateFusion> gates(st.args.size());
+    std::vector<bool> bools(st.args.size());
+    for (size_t i = 0; i < st.args.size(); ++i) {
+      const Token &a = st.args[i];
+      const ArgSpec &p = sig->params[i];
+      bool ok = true;
+      switch (p.type) {
+      case ArgType::text:
+        ok = a.quoted;
+        break;
+      case ArgType::integer: {
+        const char *b = a.text.data(), *e = b + a.text.size();
+        auto [end, ec] = std::from_chars(b, e, ints[i]);
+        ok = !a.quoted && ec == std::errc() && end == e && ints[i] >= INT_MIN && ints[i] <= INT_MAX;
+        break;
+      }
+      case ArgType::permutation:
+        ok = !a.quoted && (a.text == "blocked" || a.text == "scattered");
+        perms[i] = a.text == "scattered" ? Permutation::scattered : Permutation::blocked;
+        break;
+      case ArgType::gate:
+        ok = !a.quoted && (a.text == "combine" || a.text == "epilogue");
+        gates[i] = a.text == "epilogue" ? GateFusion::epilogue : GateFusion::combine;
+        break;
+      case ArgType::boolean:
+        ok = !a.quoted && (a.text == "true" || a.text == "false");
+        bools[i] = a.text == "true";
+        break;
+      }
+      user_check(ok) << where << "argument '" << p.name << "' of " << usage << ": expected " << expected_for(p.type)
+                     << ", found " << (a.quoted ? "\"" + a.text + "\"" : "'" + a.text + "'");
+    }
+
+    const std::string &func = st.args.empty() ? st.primitive : st.args[0].text;
+    auto i = [&](size_t k) { return static_cast<int>(ints[k]); };
+    try {
+      if (st.primitive == "schedule") {
+        user_check(!any_call) << "schedule(\"" << st.args[0].text
+                              << "\") names the schedule, so it must come before every primitive: move it "
+                                 "to the first line";
+        s = Schedule(st.args[0].text);
+      } else if (st.primitive == "permutation") {
+        s.permutation(perms[0]);
+      } else if (st.primitive == "block") {
+        s.block(i(0));
+      } else if (st.primitive == "gate") {
+        s.gate(gates[0]);
+      } else if (st.primitive == "tile") {
+        s.tile(func, i(1), i(2), i(3));
+      } else if (st.primitive == "stages") {
+        s.stages(func, i(1));
+      } else if (st.primitive == "warps") {
+        s.warps(func, i(1), i(2));
+      } else if (st.primitive == "fuse_epilogue") {
+        s.fuse_epilogue(func, bools[1]);
+      } else {
+        internal_check(false) << "no replay for primitive " << st.primitive;
+      }
+    } catch (const UserError &e) {
+      throw UserError(where + e.what());
+    }
+    any_call = true;
+  }
+  return s;
+}
+
+void Schedule::save(const std::string &path) const {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  user_check(out.good()) << "cannot write schedule '" << name_ << "' to '" << path << "': " << std::strerror(errno);
+  out << to_text();
+  out.close();
+  user_check(!out.fail()) << "writing schedule '" << name_ << "' to '" << path << "' failed: " << std::strerror(errno);
+}
+
+Schedule Schedule::load(const std::string &path) {
+  std::error_code ec;
+  user_check(!std::filesystem::is_directory(path, ec))
+      << "cannot read schedule file '" << path << "': it is a directory; pass a file written by save()";
+  std::ifstream in(path, std::ios::binary);
+  user_check(in.good()) << "cannot read schedule file '" << path << "': " << std::strerror(errno);
+  std::ostringstream text;
+  text << in.rdbuf();
+  user_check(!in.bad()) << "reading schedule file '" << path << "' failed: " << std::strerror(errno);
+  return from_text(text.str(), path);
+}
+
+} // namespace moeforge

@@ -1,0 +1,113 @@
+// Checking a Schedule against one layer. The primitives already checked
+// everything that depends on the schedule alone; what is left depends on the
+// Pipeline: which Funcs exist and are contractions, which contractions run
+// over routed rows, and the static extents of the tensors they read.
+#include <algorithm>
+
+#include "dsl/error.h"
+#include "dsl/visitor.h"
+#include "schedules/schedule.h"
+
+namespace moeforge {
+
+namespace {
+
+struct HasSum : IRVisitor {
+  bool found = false;
+  void visit_node(const Sum &) override { found = true; }
+};
+
+bool is_contraction(const Func &f) {
+  HasSum v;
+  v.visit(f.body());
+  return v.found;
+}
+
+// The first Input/Param dimension read inside a sum(...) whose static extent
+// is not a multiple of 8. Only dimensions indexed by a plain variable count:
+// a route index (token(r), expert(r)) selects a row or a matrix and is never
+// moved as a vector, and the token extent is dynamic anyway.
+struct UnalignedDim : IRVisitor {
+  int in_sum = 0;
+  BufferPtr buffer;
+  Dim dim;
+  void visit_node(const Sum &s) override {
+    ++in_sum;
+    IRVisitor::visit_node(s);
+    --in_sum;
+  }
+  void visit_node(const Access &a) override {
+    if (buffer || !in_sum || !a.buffer)
+      return;
+    for (size_t i = 0; i < a.args.size(); ++i) {
+      const Dim &d = a.buffer->dims[i];
+      if (a.args[i].is_plain() && !d.is_dynamic() && d.extent() % 8 != 0) {
+        buffer = a.buffer;
+        dim = d;
+        return;
+      }
+    }
+  }
+};
+
+std::string join(const std::vector<std::string> &names) {
+  std::string out;
+  for (const std::string &n : names)
+    out += (out.empty() ? "" : ", ") + n;
+  return out.empty() ? "(none)" : out;
+}
+
+} // namespace
+
+void Schedule::validate(const Pipeline &pipeline) const {
+  std::vector<Func> funcs = pipeline.funcs();
+  std::vector<std::string> all, contractions;
+  for (const Func &f : funcs) {
+    all.push_back(f.name());
+    if (is_contraction(f))
+      contractions.push_back(f.name());
+  }
+
+  for (const std::string &name : funcs_) {
+    const std::string &primitive = named_by_.at(name);
+    user_check(std::find(all.begin(), all.end(), name) != all.end())
+        << "schedule '" << name_ << "': " << primitive << "() names '" << name
+        << "', which is not a Func of this pipeline: its Funcs are " << join(all)
+        << "; its contractions (what a schedule can tile) are " << join(contractions);
+    user_check(std::find(contractions.begin(), contractions.end(), name) != contractions.end())
+        << "schedule '" << name_ << "': '" << name << "' has no contraction: " << primitive
+        << "() applies only to Funcs with a sum(...); this pipeline's contractions are " << join(contractions);
+  }
+
+  for (const Func &f : funcs) {
+    if (!is_contraction(f))
+      continue;
+    const GemmTiling t = for_func(f.name()).tiling;
+
+    // Both permutations cut each expert's routed rows into blocks of block()
+    // rows (padded copies when blocked, index lists when scattered); a tile of
+    // rows must stay inside one block, hence inside one expert.
+    for (const RoutingPtr &route : pipeline.routes()) {
+      bool routed = std::any_of(f.args().begin(), f.args().end(), [&](const Var &v) { return v.same_as(route->pair); });
+      user_check(!routed || block_ % t.tile_m == 0)
+          << "schedule '" << name_ << "': '" << f.name() << "' runs over the routed pairs " << route->pair.name()
+          << " of route '" << route->name << "', and tile_m " << t.tile_m << " does not divide block " << block_
+          << ": use tile_m <= " << block_ << " or block " << t.tile_m
+          << " (a tile of routed rows must not straddle two experts)";
+    }
+
+    // The CUDA backend loads and stores 16-byte vectors (8 bf16), so every
+    // row it moves must start 16-byte aligned. Extents a tile does not divide
+    // are fine: the tail is masked.
+    UnalignedDim u;
+    u.visit(f.body());
+    if (u.buffer) {
+      int64_t n = u.dim.extent(), padded = (n + 7) / 8 * 8;
+      user_error << "dimension " << u.dim.name() << " = " << n << " of '" << u.buffer->name
+                 << "' is not a multiple of 8: the CUDA backend moves 16-byte vectors; pad " << u.dim.name() << " to "
+                 << padded << " (read by the contraction in '" << f.name() << "')";
+    }
+  }
+}
+
+} // namespace moeforge

@@ -1,0 +1,226 @@
+// Every UserError of schedules/: each test checks the message names the bad
+// value, the Func (or file and line) and the fix.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <functional>
+#include <string>
+
+#include "dsl/error.h"
+#include "examples/examples.h"
+#include "schedules/presets.h"
+
+using namespace moeforge;
+
+namespace {
+
+std::string error_of(const std::function<void()> &f) {
+  try {
+    f();
+  } catch (const UserError &e) {
+    return e.what();
+  }
+  FAIL("expected a UserError");
+  return "";
+}
+
+bool has(const std::string &msg, const std::string &part) { return msg.find(part) != std::string::npos; }
+
+#define CHECK_HAS(msg, part)                                                                                           \
+  do {                                                                                                                 \
+    INFO("message: ", msg);                                                                                            \
+    CHECK(has(msg, part));                                                                                             \
+  } while (0)
+
+Pipeline layer(const std::string &name, const ExampleShape &shape = {}) { return make_example(name, shape).pipeline; }
+
+} // namespace
+
+TEST_SUITE("schedule") {
+
+  TEST_CASE("schedule errors: block size") {
+    std::string m = error_of([] { Schedule().block(96); });
+    CHECK_HAS(m, "block(96)");
+    CHECK_HAS(m, "block size 96 is not supported: use 64, 128 or 256");
+  }
+
+  TEST_CASE("schedule errors: tile sizes") {
+    std::string m = error_of([] { Schedule().tile("h", 96, 128, 32); });
+    CHECK_HAS(m, "tile(\"h\", 96, 128, 32)");
+    CHECK_HAS(m, "tile_m 96 of 'h' is not supported: use 64, 128 or 256");
+    m = error_of([] { Schedule().tile("o", 128, 512, 32); });
+    CHECK_HAS(m, "tile_n 512 of 'o' is not supported: use 64, 128 or 256");
+    m = error_of([] { Schedule().tile("*", 128, 128, 16); });
+    CHECK_HAS(m, "tile_k 16 of the default ('*') is not supported: use 32 or 64");
+  }
+
+  TEST_CASE("schedule errors: stages") {
+    std::string m = error_of([] { Schedule().stages("h", 1); });
+    CHECK_HAS(m, "stages(\"h\", 1)");
+    CHECK_HAS(m, "1 stages for 'h' is not supported: use 2 to 8");
+    m = error_of([] { Schedule().stages("*", 9); });
+    CHECK_HAS(m, "9 stages for the default ('*') is not supported: use 2 to 8");
+  }
+
+  TEST_CASE("schedule errors: warp count") {
+    std::string m = error_of([] { Schedule().warps("h", 2, 3); });
+    CHECK_HAS(m, "warps(\"h\", 2, 3)");
+    CHECK_HAS(m, "warps 2x3 for 'h' is not supported: use 4 or 8 warps in all");
+    m = error_of([] { Schedule().warps("h", 0, 4); });
+    CHECK_HAS(m, "warps 0x4 for 'h'");
+    m = error_of([] { Schedule().warps("h", 16, 1); });
+    CHECK_HAS(m, "warps 16x1 for 'h'");
+  }
+
+  TEST_CASE("schedule errors: warps that do not fit the tile are rechecked on every change") {
+    // warps changed after the tile
+    std::string m = error_of([] { Schedule().tile("h", 64, 128, 32).warps("h", 8, 1); });
+    CHECK_HAS(m, "warps(\"h\", 8, 1): warps 8x1 do not fit tile 64x128x32 of 'h'");
+    CHECK_HAS(m, "tile_m / warps_m = 64 / 8 = 8 rows per warp, not a multiple of 16");
+    CHECK_HAS(m, "use warps_m <= 4 or tile_m >= 128");
+    // tile changed after the warps
+    m = error_of([] { Schedule().warps("*", 1, 8).tile("*", 128, 64, 32); });
+    CHECK_HAS(m, "tile(\"*\", 128, 64, 32): warps 1x8 do not fit tile 128x64x32 of the default ('*')");
+    CHECK_HAS(m, "tile_n / warps_n = 64 / 8 = 8 columns per warp");
+    CHECK_HAS(m, "use warps_n <= 4 or tile_n >= 128");
+    // a change to "*" reaches a Func that overrides only the tile
+    m = error_of([] { Schedule().tile("h", 64, 64, 32).warps("*", 1, 8); });
+    CHECK_HAS(m, "warps(\"*\", 1, 8): warps 1x8 do not fit tile 64x64x32 of 'h' (it overrides part of the default)");
+  }
+
+  TEST_CASE("schedule errors: shared memory beyond 227 KiB") {
+    std::string m = error_of([] { Schedule().tile("h", 256, 256, 64); });
+    CHECK_HAS(m, "tile 256x256x64 with 4 stages of 'h' needs 262144 bytes of shared memory");
+    CHECK_HAS(m, "4 x (256x64 + 64x256) x 2 bytes");
+    CHECK_HAS(m, "232448 bytes (227 KiB)");
+    CHECK_HAS(m, "use stages <= 3 or a smaller tile");
+    // raising the stages of the default rechecks it
+    m = error_of([] { Schedule().tile("*", 128, 128, 64).stages("*", 8); });
+    CHECK_HAS(m, "stages(\"*\", 8): tile 128x128x64 with 8 stages of the default ('*') needs 262144 bytes");
+    CHECK_HAS(m, "use stages <= 7");
+    // what fits is fine, once the stages come down first
+    CHECK_NOTHROW(Schedule().stages("h", 3).tile("h", 256, 256, 64));
+  }
+
+  TEST_CASE("schedule errors: unusable names") {
+    std::string m = error_of([] { Schedule().tile("", 128, 128, 32); });
+    CHECK_HAS(m, "'' is not a usable Func name: pass a Func's name, or \"*\" for every contraction");
+    m = error_of([] { Schedule().stages("a\"b", 3); });
+    CHECK_HAS(m, "'a\"b' is not a usable Func name");
+    m = error_of([] { Schedule("my\nschedule"); });
+    CHECK_HAS(m, "schedule name 'my\nschedule' is not usable");
+  }
+
+  TEST_CASE("schedule errors: unknown preset and schedule argument") {
+    std::string m = error_of([] { preset("gshard"); });
+    CHECK_HAS(m, "unknown schedule preset 'gshard': choose one of megablocks, scattermoe");
+    m = error_of([] { schedule_from_arg("megablock"); });
+    CHECK_HAS(m, "schedule 'megablock' is neither a preset (megablocks, scattermoe) nor an existing schedule file");
+  }
+
+  TEST_CASE("schedule errors: from_text names the source and line and what was expected") {
+    auto parse = [](const std::string &text) { return error_of([&] { Schedule::from_text(text, "s.txt"); }); };
+    std::string m = parse("block(128)\ntiles(\"h\", 64, 64, 32)\n");
+    CHECK_HAS(m, "s.txt:2: unknown primitive 'tiles': expected one of schedule, permutation, block, gate, tile");
+    m = parse("block 128\n");
+    CHECK_HAS(m, "s.txt:1: expected '(' after 'block', found '128'");
+    m = parse("\n(128)\n");
+    CHECK_HAS(m, "s.txt:2: expected a primitive name");
+    m = parse("tile(\"h\", 64, 64)\n");
+    CHECK_HAS(m, "s.txt:1: 'tile' takes 4 arguments tile(func, m, n, k), found 3");
+    m = parse("stages(\"h\", four)\n");
+    CHECK_HAS(m, "s.txt:1: argument 'stages' of stages(func, stages): expected an integer, found 'four'");
+    m = parse("block(99999999999)\n");
+    CHECK_HAS(m, "expected an integer, found '99999999999'");
+    m = parse("tile(h, 64, 64, 32)\n");
+    CHECK_HAS(m, "argument 'func' of tile(func, m, n, k): expected a quoted name, found 'h'");
+    m = parse("permutation(sorted)\n");
+    CHECK_HAS(m,
+              "s.txt:1: argument 'strategy' of permutation(strategy): expected blocked or scattered, found 'sorted'");
+    m = parse("gate(\"epilogue\")\n");
+    CHECK_HAS(m, "expected combine or epilogue, found \"epilogue\"");
+    m = parse("fuse_epilogue(\"h\", yes)\n");
+    CHECK_HAS(m, "expected true or false, found 'yes'");
+    m = parse("tile(\"h, 64, 64, 32)\n");
+    CHECK_HAS(m, "s.txt:1: unterminated string in the arguments of 'tile': expected a closing '\"'");
+    m = parse("block(64 128)\n");
+    CHECK_HAS(m, "s.txt:1: expected ',' or ')' in the arguments of 'block', found '128)'");
+    m = parse("block(64) block(128)\n");
+    CHECK_HAS(m, "s.txt:1: expected the end of the line after 'block(...)', found 'block(128)'");
+    m = parse("block(64)\nschedule(\"late\")\n");
+    CHECK_HAS(m, "s.txt:2: schedule(\"late\") names the schedule, so it must come before every primitive");
+  }
+
+  TEST_CASE("schedule errors: from_text replays the primitives' own checks with the line") {
+    std::string m = error_of([] { Schedule::from_text("schedule(\"x\")\n\nblock(96)\n", "tuned.schedule"); });
+    CHECK_HAS(m, "tuned.schedule:3: block(96): block size 96 is not supported: use 64, 128 or 256");
+    m = error_of([] { Schedule::from_text("tile(\"h\", 64, 128, 32)\nwarps(\"h\", 8, 1)\n", "t"); });
+    CHECK_HAS(m, "t:2: warps(\"h\", 8, 1): warps 8x1 do not fit tile 64x128x32 of 'h'");
+  }
+
+  TEST_CASE("schedule errors: load and save name the path") {
+    std::filesystem::path missing = std::filesystem::temp_directory_path() / "moeforge_no_such_dir" / "x.schedule";
+    std::string m = error_of([&] { Schedule::load(missing.string()); });
+    CHECK_HAS(m, "cannot read schedule file '" + missing.string() + "'");
+    CHECK_HAS(m, "No such file or directory");
+    m = error_of([&] { megablocks().save(missing.string()); });
+    CHECK_HAS(m, "cannot write schedule 'megablocks' to '" + missing.string() + "'");
+    std::string dir = std::filesystem::temp_directory_path().string();
+    m = error_of([&] { Schedule::load(dir); });
+    CHECK_HAS(m, "cannot read schedule file '" + dir + "': it is a directory");
+  }
+
+  TEST_CASE("schedule errors: validate names an unknown Func and lists the pipeline's Funcs") {
+    Schedule s = megablocks();
+    s.tile("w1", 64, 128, 32);
+    std::string m = error_of([&] { s.validate(layer("moe_mlp")); });
+    CHECK_HAS(m, "schedule 'megablocks': tile() names 'w1', which is not a Func of this pipeline");
+    CHECK_HAS(m, "its Funcs are logits, probs, route_gate, h, o, y");
+    CHECK_HAS(m, "its contractions (what a schedule can tile) are logits, h, o");
+  }
+
+  TEST_CASE("schedule errors: validate refuses a Func without a contraction") {
+    Schedule s;
+    s.tile("probs", 64, 64, 32);
+    std::string m = error_of([&] { s.validate(layer("moe_mlp")); });
+    CHECK_HAS(m, "'probs' has no contraction: tile() applies only to Funcs with a sum(...)");
+    CHECK_HAS(m, "this pipeline's contractions are logits, h, o");
+    Schedule g;
+    g.fuse_epilogue("route_gate", false);
+    m = error_of([&] { g.validate(layer("swiglu_moe")); });
+    CHECK_HAS(m, "'route_gate' has no contraction: fuse_epilogue() applies only to Funcs with a sum(...)");
+  }
+
+  TEST_CASE("schedule errors: validate refuses tile_m beyond the block for routed rows") {
+    Schedule s = megablocks();
+    s.tile("h", 256, 128, 32);
+    std::string m = error_of([&] { s.validate(layer("moe_mlp")); });
+    CHECK_HAS(m, "'h' runs over the routed pairs r of route 'route'");
+    CHECK_HAS(m, "tile_m 256 does not divide block 128: use tile_m <= 128 or block 256");
+    // through the default: the first routed contraction is named
+    Schedule d;
+    d.block(64).tile("*", 128, 128, 32);
+    m = error_of([&] { d.validate(layer("swiglu_moe")); });
+    CHECK_HAS(m, "'h' runs over the routed pairs r");
+    CHECK_HAS(m, "tile_m 128 does not divide block 64: use tile_m <= 64 or block 128");
+    // raising the block is the fix
+    d.block(128);
+    CHECK_NOTHROW(d.validate(layer("swiglu_moe")));
+  }
+
+  TEST_CASE("schedule errors: validate refuses dimensions that are not multiples of 8") {
+    ExampleShape shape;
+    shape.d = 100;
+    std::string m = error_of([&] { megablocks().validate(layer("moe_mlp", shape)); });
+    CHECK_HAS(m,
+              "dimension D = 100 of 'x' is not a multiple of 8: the CUDA backend moves 16-byte vectors; pad D to 104");
+    CHECK_HAS(m, "read by the contraction in 'logits'");
+    ExampleShape f;
+    f.f = 100;
+    m = error_of([&] { scattermoe().validate(layer("swiglu_moe", f)); });
+    CHECK_HAS(m,
+              "dimension F = 100 of 'w1' is not a multiple of 8: the CUDA backend moves 16-byte vectors; pad F to 104");
+    CHECK_HAS(m, "read by the contraction in 'h'");
+  }
+
+} // TEST_SUITE

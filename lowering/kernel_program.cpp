@@ -43,6 +43,10 @@ TensorDecl *KernelProgram::find(const std::string &name) {
   return nullptr;
 }
 
+const TensorDecl *KernelProgram::find(const std::string &name) const {
+  return const_cast<KernelProgram *>(this)->find(name);
+}
+
 std::string step_name(const Step &s) {
   return std::visit(
       [](const auto &x) -> std::string {

@@ -99,6 +99,7 @@ struct KernelProgram {
 
   const TensorDecl &tensor(const std::string &name) const;
   TensorDecl *find(const std::string &name);
+  const TensorDecl *find(const std::string &name) const;
 };
 
 std::ostream &operator<<(std::ostream &os, const KernelProgram &p);

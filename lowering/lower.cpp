@@ -306,8 +306,18 @@ KernelProgram fuse_gate_into_epilogue(KernelProgram p, const Schedule &schedule)
       }
       if (!producer || readers != 1 || !producer->row_var.same_as(r))
         continue;
+      // The GEMM now stores gate(r) * o(r, i): a different tensor, so it gets
+      // its own name and o itself is no longer materialised.
+      std::string gated = acc->func->name + "_gated";
+      TensorDecl t = p.tensor(acc->func->name);
+      p.tensors.erase(std::find_if(p.tensors.begin(), p.tensors.end(),
+                                   [&](const TensorDecl &x) { return x.name == acc->func->name; }));
+      t.name = gated;
+      p.tensors.push_back(t);
+      producer->output = gated;
       producer->epilogue = gate * producer->epilogue;
-      pw->body = RouteSum::make(rs->route, rs->field, rs->target, val);
+      Expr read = Access::make(placeholder(gated, acc->func->args, acc->func->dtype), acc->args);
+      pw->body = RouteSum::make(rs->route, rs->field, rs->target, read);
       break;
     }
   }

@@ -140,7 +140,7 @@ private:
         << "in definition of '" << func_ << "': the summand " << to_string(s.body) << " uses '" << s.target.name()
         << "' directly; inside a " << field << " sum write " << field << "(" << r.name() << ") instead";
     remove_var(fv, r);
-    add_unique(fv, s.target);
+    fv.insert(fv.begin(), s.target); // it appears first: combine(route, t, ...)
     return fv;
   }
 

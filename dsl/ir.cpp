@@ -26,7 +26,9 @@ Dim Dim::dynamic(std::string name) {
 }
 
 Dim Dim::scaled(std::string name, const Dim &base, int64_t factor) {
-  internal_check(base.defined() && factor > 0) << "bad scaled Dim";
+  user_check(base.defined()) << "Dim::scaled(\"" << name << "\", ...) needs a base Dim to scale";
+  user_check(factor > 0) << "Dim '" << name << "' = " << base.name() << " * " << factor
+                         << ": the factor must be positive";
   auto n = std::make_shared<DimNode>();
   n->name = std::move(name);
   n->base = base.node();

@@ -54,7 +54,8 @@ Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &opti
   // them; the selection (which experts) is a constant.
   const Var &r = node->pair;
   Index tok(route, RouteField::token, r), exp_(route, RouteField::expert, r);
-  Expr chosen = probs({tok, exp_});
+  // probs may be p(t, e) or p(e, t): index it in its own argument order.
+  Expr chosen = ei == 1 ? probs({tok, exp_}) : probs({exp_, tok});
   Func gate(options.name + "_gate", probs.dtype());
   if (options.renormalize) {
     Func total(options.name + "_gate_sum", DType::f32);

@@ -53,7 +53,8 @@ void print(std::ostream &os, const Expr &e, int context) {
     auto *u = e.as<Unary>();
     if (u->op == UnaryOp::neg) {
       os << "-";
-      print(os, u->a, 3);
+      // -(-x), not --x: that would read as a decrement in the DSL's syntax.
+      print(os, u->a, precedence(u->a) == 3 ? 4 : 3);
     } else {
       os << unary_op_name(u->op) << "(";
       print(os, u->a, 0);

@@ -57,8 +57,10 @@ Options parse(const std::vector<std::string> &args) {
       o.check = true;
       continue;
     }
-    bool takes_value = flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
-                       flag == "--f" || (o.command == "run" && (flag == "--seed" || flag == "--precision"));
+    // list takes no flags; print takes the shape flags; run also --seed and --precision.
+    bool takes_value = o.command != "list" &&
+                       (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
+                        flag == "--f" || (o.command == "run" && (flag == "--seed" || flag == "--precision")));
     user_check(takes_value) << "unknown flag '" << flag << "' for '" << o.command << "'";
     user_check(i + 1 < args.size()) << flag << " needs a value";
     const std::string &v = args[++i];

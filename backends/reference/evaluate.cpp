@@ -188,6 +188,7 @@ private:
                                [&](const BufferPtr &b) { return b->name == name; });
       user_check(known) << "'" << name << "' is not an Input or Param of this pipeline";
     }
+    std::map<const DimNode *, std::string> bound_by; // the first tensor over each Dim
     for (const BufferPtr &b : pipeline_.buffers()) {
       auto it = inputs.find(b->name);
       user_check(it != inputs.end()) << "no tensor given for " << (b->kind == BufferKind::input ? "input" : "param")
@@ -207,6 +208,7 @@ private:
             << "dimension " << i << " of '" << b->name << "' is " << d.name() << " = " << want << ", but the tensor "
             << "given has extent " << t.shape[i] << ": every tensor over " << d.name() << " must agree";
         extents_[d.get()] = t.shape[i];
+        bound_by.emplace(d.get(), b->name);
       }
       Value<S> v;
       v.shape = t.shape;
@@ -215,6 +217,17 @@ private:
     }
     for (const Dim &d : pipeline_.dims())
       extent(d.get());
+    // A derived Dim (a route's pairs, T * k) that a tensor binds must agree
+    // with its base, or routed reads would index past the routing.
+    for (const auto &[d, name] : bound_by) {
+      if (!d->base)
+        continue;
+      int64_t want = extent(d->base.get()) * d->factor;
+      user_check(extents_.at(d) == want)
+          << "'" << name << "' is indexed by " << d->name << " = " << d->base->name << " * " << d->factor << " = "
+          << want << ", but the tensor given has extent " << extents_.at(d) << ": every tensor over " << d->name
+          << " must have " << want << " rows";
+    }
   }
 
   static std::string describe_shape(const BufferNode &b) {

@@ -1,0 +1,184 @@
+// The moeforge command line through run_cli: what each command prints, its
+// exit code, and that every usage error returns 2 and says what is wrong.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "examples/examples.h"
+#include "tools/cli.h"
+
+using namespace moeforge;
+
+namespace {
+
+struct Run {
+  int code;
+  std::string out, err;
+};
+
+Run cli(const std::vector<std::string> &args) {
+  std::ostringstream out, err;
+  int code = run_cli(args, out, err);
+  return Run{code, out.str(), err.str()};
+}
+
+bool has(const std::string &text, const std::string &part) { return text.find(part) != std::string::npos; }
+
+// A usage error: exit code 2, nothing on out, the reason and the usage on err.
+void check_usage_error(const std::vector<std::string> &args, std::initializer_list<const char *> parts) {
+  Run r = cli(args);
+  INFO("err: " << r.err);
+  INFO("out: " << r.out);
+  CHECK(r.code == 2);
+  CHECK(r.out.empty());
+  CHECK(r.err.rfind("moeforge: ", 0) == 0);
+  CHECK(has(r.err, "usage: moeforge list"));
+  for (const char *p : parts)
+    CHECK_MESSAGE(has(r.err, p), "missing '" << std::string(p) << "'");
+}
+
+} // namespace
+
+TEST_CASE("cli: list prints every example") {
+  Run r = cli({"list"});
+  CHECK(r.code == 0);
+  CHECK(r.err.empty());
+  for (const std::string &name : example_names()) {
+    INFO(name);
+    CHECK(has(r.out, name + ": " + make_example(name, ExampleShape{}).description + "\n"));
+  }
+  CHECK(example_names().size() == 4);
+  CHECK(std::count(r.out.begin(), r.out.end(), '\n') == 4);
+}
+
+TEST_CASE("cli: print moe_mlp prints the algebra") {
+  Run r = cli({"print", "moe_mlp"});
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK(r.err.empty());
+  CHECK(has(r.out, "h(r, j) = gelu(sum(i, x(token(r), i) * w1(expert(r), i, j)))"));
+  CHECK(has(r.out, "route = top_k(probs, e, k = 2)"));
+  CHECK(has(r.out, "y(t, i) = combine(route, t, route_gate(r) * o(r, i))"));
+  CHECK(has(r.out, "D = 64;  E = 8;"));
+  // Shape flags reach the printed layer.
+  Run s = cli({"print", "moe_mlp", "--experts", "16", "--topk", "4", "--d", "32"});
+  INFO(s.out);
+  CHECK(s.code == 0);
+  CHECK(has(s.out, "D = 32;  E = 16;  route.pairs = T * 4;"));
+  CHECK(has(s.out, "route = top_k(probs, e, k = 4)"));
+}
+
+TEST_CASE("cli: run moe_mlp --check passes") {
+  Run r = cli({"run", "moe_mlp", "--tokens", "64", "--d", "32", "--f", "48", "--check"});
+  INFO(r.out);
+  INFO(r.err);
+  CHECK(r.code == 0);
+  CHECK(r.err.empty());
+  CHECK(has(r.out, "example   moe_mlp"));
+  CHECK(has(r.out, "routing   route: 128 pairs (64 tokens x k=2) over 8 experts"));
+  CHECK(has(r.out, "tokens per expert min"));
+  CHECK(has(r.out, "empty experts"));
+  CHECK(has(r.out, "checksum  y: "));
+  CHECK(has(r.out, "vs reference f64"));
+  CHECK(has(r.out, "PASS"));
+  CHECK_FALSE(has(r.out, "FAIL"));
+}
+
+TEST_CASE("cli: run swiglu_moe --check passes") {
+  Run r = cli({"run", "swiglu_moe", "--tokens", "40", "--experts", "4", "--topk", "4", "--d", "16", "--f", "24",
+               "--seed", "7", "--check"});
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK(has(r.out, "example   swiglu_moe"));
+  CHECK(has(r.out, "routing   route: 160 pairs (40 tokens x k=4) over 4 experts"));
+  // k = E: every expert gets every token.
+  CHECK(has(r.out, "tokens per expert min 40 / mean 40.0 / max 40; empty experts 0"));
+  CHECK(has(r.out, "checksum  y: "));
+  CHECK(has(r.out, "PASS"));
+  // f64 is its own oracle: the error is exactly zero.
+  Run d = cli({"run", "swiglu_moe", "--tokens", "16", "--d", "8", "--f", "8", "--precision", "f64", "--check"});
+  INFO(d.out);
+  CHECK(d.code == 0);
+  CHECK(has(d.out, "reference (Eigen, f64)"));
+  CHECK(has(d.out, "max relative error 0.00e+00"));
+  CHECK(has(d.out, "PASS"));
+}
+
+TEST_CASE("cli: the seed decides the checksum") {
+  auto checksum = [](const std::string &seed) {
+    Run r = cli({"run", "moe_mlp", "--tokens", "16", "--d", "8", "--f", "8", "--seed", seed});
+    REQUIRE(r.code == 0);
+    size_t at = r.out.find("checksum  y: ");
+    REQUIRE(at != std::string::npos);
+    return r.out.substr(at, r.out.find('\n', at) - at);
+  };
+  CHECK(checksum("3") == checksum("3"));
+  CHECK(checksum("3") != checksum("4"));
+}
+
+TEST_CASE("cli: run dense_mlp and attention have no routing line") {
+  Run r = cli({"run", "dense_mlp", "--tokens", "32", "--d", "16", "--f", "8"});
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK(has(r.out, "example   dense_mlp"));
+  CHECK(has(r.out, "inputs    x[32x16] w1[16x8] w2[8x16]"));
+  CHECK(has(r.out, "checksum  y: "));
+  CHECK_FALSE(has(r.out, "\nrouting "));
+  CHECK_FALSE(has(r.out, "check "));
+  Run a = cli({"run", "attention", "--tokens", "24", "--d", "8", "--check"});
+  INFO(a.out);
+  CHECK(a.code == 0);
+  CHECK(has(a.out, "checksum  out: "));
+  CHECK(has(a.out, "PASS"));
+  CHECK_FALSE(has(a.out, "\nrouting "));
+}
+
+TEST_CASE("cli: bad flag") {
+  check_usage_error({"run", "moe_mlp", "--token", "5"}, {"unknown flag '--token' for 'run'"});
+  // --check, --seed and --precision belong to run only.
+  check_usage_error({"print", "moe_mlp", "--check"}, {"unknown flag '--check' for 'print'"});
+  check_usage_error({"print", "moe_mlp", "--seed", "3"}, {"unknown flag '--seed' for 'print'"});
+  check_usage_error({"list", "--tokens", "3"}, {"unknown flag '--tokens' for 'list'"});
+}
+
+TEST_CASE("cli: missing flag value") {
+  check_usage_error({"run", "moe_mlp", "--tokens"}, {"--tokens needs a value"});
+  check_usage_error({"run", "moe_mlp", "--check", "--precision"}, {"--precision needs a value"});
+}
+
+TEST_CASE("cli: non-integer value") {
+  check_usage_error({"run", "moe_mlp", "--tokens", "abc"}, {"--tokens needs an integer, got 'abc'"});
+  check_usage_error({"run", "moe_mlp", "--d", "12x"}, {"--d needs an integer, got '12x'"});
+  check_usage_error({"print", "moe_mlp", "--experts", ""}, {"--experts needs an integer, got ''"});
+  check_usage_error({"run", "moe_mlp", "--seed", "99999999999999999999999"}, {"--seed needs an integer"});
+}
+
+TEST_CASE("cli: unknown example and missing example") {
+  check_usage_error({"run", "mixtral"}, {"unknown example 'mixtral'", "moe_mlp, swiglu_moe, dense_mlp, attention"});
+  check_usage_error({"print", "nope"}, {"unknown example 'nope'"});
+  check_usage_error({"run"}, {"'run' needs an example name", "moeforge list"});
+  check_usage_error({"print", "--tokens", "4"}, {"'print' needs an example name"});
+}
+
+TEST_CASE("cli: impossible shapes") {
+  check_usage_error({"run", "moe_mlp", "--experts", "4", "--topk", "5"},
+                    {"moe_mlp: --topk 5 with 4 experts", "choose 1 <= topk <= experts"});
+  check_usage_error({"print", "swiglu_moe", "--topk", "0"}, {"--topk 0 with 8 experts"});
+  check_usage_error({"run", "dense_mlp", "--tokens", "0"}, {"dense_mlp: --tokens must be at least 1 (got 0)"});
+  check_usage_error({"run", "attention", "--d", "-4"}, {"attention: --d must be at least 1 (got -4)"});
+}
+
+TEST_CASE("cli: unknown command and no command") {
+  check_usage_error({"train", "moe_mlp"}, {"unknown command 'train'", "use list, print or run"});
+  check_usage_error({}, {"no command given"});
+}
+
+TEST_CASE("cli: precision f16 is refused") {
+  check_usage_error({"run", "moe_mlp", "--precision", "f16"}, {"--precision must be f32 or f64, got 'f16'"});
+  Run ok = cli({"run", "dense_mlp", "--tokens", "4", "--d", "4", "--f", "4", "--precision", "f64"});
+  CHECK(ok.code == 0);
+  CHECK(has(ok.out, "reference (Eigen, f64)"));
+}

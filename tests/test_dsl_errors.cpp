@@ -254,7 +254,9 @@ TEST_CASE("dsl errors: combine summand using the target directly") {
   check_has(user_error_of([&] { y(w.t, w.i) = combine(route, w.t, route.gate(r) * w.x(w.t, w.i)); }),
             {"in definition of 'y'", "uses 't' directly", "inside a token sum write token(r) instead"});
   Func dw("dw");
-  check_has(user_error_of([&] { dw(w.e, w.i) = expert_sum(route, w.e, w.lg(route.token(r), w.e) * w.x(route.token(r), w.i)); }),
+  check_has(user_error_of([&] {
+              dw(w.e, w.i) = expert_sum(route, w.e, w.lg(route.token(r), w.e) * w.x(route.token(r), w.i));
+            }),
             {"in definition of 'dw'", "uses 'e' directly", "write expert(r) instead"});
 }
 

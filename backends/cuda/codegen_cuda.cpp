@@ -268,7 +268,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   body << "    const int lr = Cfg::a_load_row(tid, i);\n";
   switch (g.a_rows) {
   case RowMap::direct:
-    body << "    const long long row = p0 + lr;  // " << g.a << " rows are in tile order\n";
+    body << "    const long long row = lr < rows ? p0 + lr : 0;  // " << g.a << " rows are in tile order\n";
     body << "    a_ok[i] = lr < rows;\n";
     break;
   case RowMap::gather_pair:

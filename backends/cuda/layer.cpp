@@ -1,0 +1,245 @@
+#include "backends/cuda/layer.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "backends/cuda/tile_library.h"
+#include "dsl/error.h"
+#include "lowering/lower.h"
+
+namespace moeforge::cuda {
+
+namespace {
+
+uint16_t to_bf16_bits(double x) {
+  float f = static_cast<float>(round_to_bf16(x));
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+double from_bf16_bits(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+} // namespace
+
+CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, const std::string &arch) {
+  CompiledLayer c;
+  c.program = lower(pipeline, schedule);
+  c.source = generate_cuda(c.program);
+  CompileOptions options;
+  options.arch = arch;
+  options.headers.push_back({kTileLibraryName, kTileLibrarySource});
+  c.compiled = compile_cuda(c.source.source, "moeforge_" + schedule.name() + ".cu", options);
+  return c;
+}
+
+CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens)
+    : layer_(layer), tokens_(tokens), module_(layer.compiled.cubin, "moeforge layer"), routing_(device) {
+  user_check(tokens >= 1) << "a layer needs at least one token (got " << tokens << ")";
+  const KernelProgram &p = layer_.program;
+  // The one dynamic extent is the token count: every dynamic Dim is bound to it.
+  for (const TensorDecl &t : p.tensors)
+    for (const Dim &d : t.dims)
+      for (const DimNode *n = d.get(); n; n = n->base.get())
+        if (!n->base && n->extent < 0)
+          extents_[n->name] = tokens;
+  for (const RoutingNode *r : p.routes) {
+    RoutingShape shape;
+    shape.tokens = extent(r->token_dim());
+    shape.experts = static_cast<int>(r->expert_dim().extent());
+    shape.k = r->k;
+    for (const Step &s : p.steps)
+      if (auto *rs = std::get_if<RoutingStep>(&s); rs && rs->route == r)
+        shape.block = rs->block;
+    shape.check();
+    auto plan = std::make_unique<RoutingPlan>(shape);
+    padded_rows_[r] = plan->offsets.ptr() + sizeof(int32_t) * shape.experts;
+    plans_[r] = std::move(plan);
+  }
+  for (const TensorDecl &t : p.tensors) {
+    int64_t n = rows_of(t);
+    for (size_t i = 1; i < t.dims.size(); ++i)
+      n *= extent(t.dims[i]);
+    tensors_.emplace(t.name, DeviceBuffer(static_cast<size_t>(std::max<int64_t>(n, 1)) * dtype_bytes(t.dtype)));
+  }
+  bind();
+}
+
+int64_t CudaLayer::extent(const Dim &d) const {
+  const DimNode *n = d.get();
+  int64_t factor = 1;
+  for (; n->base; n = n->base.get())
+    factor *= n->factor;
+  return factor * (n->extent >= 0 ? n->extent : extents_.at(n->name));
+}
+
+int64_t CudaLayer::rows_of(const TensorDecl &t) const {
+  if (t.dims.empty())
+    return 1;
+  if (t.layout == RowLayout::padded)
+    return plans_.at(t.route)->shape.max_padded_rows();
+  return extent(t.dims[0]);
+}
+
+void CudaLayer::bind() {
+  for (const GeneratedKernel &g : layer_.source.kernels) {
+    Launch l{module_.kernel(g.name), &g, {}, {}, {}};
+    for (const KernelArg &a : g.args) {
+      switch (a.kind) {
+      case KernelArg::Kind::tensor:
+        l.args.push_back(tensors_.at(a.name).arg());
+        break;
+      case KernelArg::Kind::extent:
+        l.args.push_back(&extents_.at(a.name));
+        break;
+      case KernelArg::Kind::route: {
+        RoutingPlan &plan = *plans_.at(a.route);
+        DeviceBuffer *b = a.name == "expert"           ? &plan.expert
+                          : a.name == "pair_pos"       ? &plan.pair_pos
+                          : a.name == "sorted_pair"    ? &plan.sorted_pair
+                          : a.name == "tile_expert"    ? &plan.tile_expert
+                          : a.name == "tile_row_start" ? &plan.tile_row_start
+                          : a.name == "tile_rows"      ? &plan.tile_rows
+                          : a.name == "num_tiles"      ? &plan.num_tiles
+                                                       : nullptr;
+        if (a.name == "padded_rows") {
+          l.args.push_back(&padded_rows_.at(a.route));
+          break;
+        }
+        internal_check(b != nullptr) << "unknown routing array '" << a.name << "'";
+        l.args.push_back(b->arg());
+        break;
+      }
+      }
+    }
+    const GridShape &gs = g.grid;
+    l.block = Dim3{static_cast<unsigned>(g.threads), 1, 1};
+    int64_t gx = 1, gy = 1;
+    switch (gs.kind) {
+    case GridShape::Kind::routed_tiles:
+      gx = plans_.at(gs.route)->shape.max_tiles() * (gs.block / gs.tile_m);
+      gy = ceil_div(extent(gs.n), gs.tile_n);
+      break;
+    case GridShape::Kind::dense_tiles:
+      gx = ceil_div(extent(gs.count.at(0)), gs.tile_m);
+      gy = ceil_div(extent(gs.n), gs.tile_n);
+      break;
+    case GridShape::Kind::elements: {
+      int64_t n = 1;
+      for (const Dim &d : gs.count)
+        n *= extent(d);
+      gx = ceil_div(n, g.threads);
+      break;
+    }
+    case GridShape::Kind::padded_rows:
+      gx = ceil_div(plans_.at(gs.route)->shape.max_padded_rows() * gs.chunks_per_row, g.threads);
+      break;
+    }
+    user_check(gx >= 1 && gx < (1LL << 31) && gy < 65536)
+        << "kernel " << g.name << ": grid " << gx << " x " << gy << " is out of range for these shapes";
+    l.grid = Dim3{static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1};
+    if (g.shared_bytes > 48 * 1024)
+      l.kernel.set_max_dynamic_shared_memory(g.shared_bytes);
+    launches_.push_back(std::move(l));
+  }
+}
+
+void CudaLayer::upload(const TensorMap &inputs) {
+  for (const TensorDecl &t : layer_.program.tensors) {
+    if (!t.is_input)
+      continue;
+    auto it = inputs.find(t.name);
+    user_check(it != inputs.end()) << "no tensor given for input '" << t.name << "'";
+    const HostTensor &h = it->second;
+    std::vector<int64_t> want;
+    for (const Dim &d : t.dims)
+      want.push_back(extent(d));
+    user_check(h.shape == want) << "input '" << t.name << "' has the wrong shape for " << tokens_
+                                << " tokens: give it the declared Dims";
+    DeviceBuffer &b = tensors_.at(t.name);
+    if (t.dtype == DType::f32) {
+      b.upload(std::vector<float>(h.data.begin(), h.data.end()));
+    } else {
+      user_check(t.dtype == DType::bf16) << "input '" << t.name << "': f16 is not supported by the CUDA backend yet";
+      std::vector<uint16_t> bits(h.data.size());
+      for (size_t i = 0; i < bits.size(); ++i)
+        bits[i] = to_bf16_bits(h.data[i]);
+      b.upload(bits);
+    }
+  }
+}
+
+void CudaLayer::poison() {
+  for (const TensorDecl &t : layer_.program.tensors)
+    if (!t.is_input)
+      tensors_.at(t.name).fill32(kPoisonNaN);
+  for (auto &[r, plan] : plans_)
+    plan->poison(kPoisonOnes);
+}
+
+void CudaLayer::enqueue(const Stream &stream) {
+  // Steps run in program order; the routing step has no generated kernel.
+  size_t next = 0;
+  for (const Step &s : layer_.program.steps) {
+    if (auto *rs = std::get_if<RoutingStep>(&s)) {
+      routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream);
+      continue;
+    }
+    Launch &l = launches_.at(next++);
+    l.kernel.launch(l.grid, l.block, static_cast<unsigned>(l.gen->shared_bytes), stream, l.args.data());
+  }
+}
+
+HostTensor CudaLayer::download(const std::string &func) const {
+  const TensorDecl &t = layer_.program.tensor(func);
+  std::vector<int64_t> shape;
+  for (const Dim &d : t.dims)
+    shape.push_back(extent(d));
+  HostTensor out(shape);
+  int64_t row = 1;
+  for (size_t i = 1; i < shape.size(); ++i)
+    row *= shape[i];
+  const DeviceBuffer &b = tensors_.at(func);
+  std::vector<double> raw;
+  if (t.dtype == DType::f32) {
+    auto v = b.download<float>();
+    raw.assign(v.begin(), v.end());
+  } else {
+    auto v = b.download<uint16_t>();
+    raw.resize(v.size());
+    for (size_t i = 0; i < v.size(); ++i)
+      raw[i] = from_bf16_bits(v[i]);
+  }
+  if (t.layout != RowLayout::padded) {
+    std::copy(raw.begin(), raw.begin() + out.size(), out.data.begin());
+    return out;
+  }
+  std::vector<int32_t> pos = plans_.at(t.route)->pair_pos.download<int32_t>();
+  for (int64_t r = 0; r < shape[0]; ++r)
+    std::copy_n(raw.begin() + pos[r] * row, row, out.data.begin() + r * row);
+  return out;
+}
+
+std::vector<int32_t> CudaLayer::routed_experts(const std::string &route) const {
+  for (const auto &[r, plan] : plans_)
+    if (r->name == route)
+      return plan->expert.download<int32_t>(plan->shape.pairs());
+  user_error << "no route named '" << route << "' in this layer";
+}
+
+size_t CudaLayer::activation_bytes() const {
+  size_t n = 0;
+  for (const TensorDecl &t : layer_.program.tensors)
+    if (!t.is_input)
+      n += tensors_.at(t.name).bytes();
+  return n;
+}
+
+} // namespace moeforge::cuda

@@ -1,0 +1,82 @@
+// A layer compiled for the GPU: algebra + schedule lowered to a kernel
+// program, emitted as CUDA C++ and compiled by NVRTC (compile_layer needs no
+// GPU, so CI checks it), then bound to device buffers for a token count and
+// run without any device-to-host synchronisation (CudaLayer).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/codegen_cuda.h"
+#include "backends/cuda/device.h"
+#include "backends/cuda/module.h"
+#include "backends/cuda/nvrtc_compiler.h"
+#include "backends/cuda/routing_kernels.h"
+#include "backends/cuda/stream.h"
+#include "backends/reference/host_tensor.h"
+#include "dsl/pipeline.h"
+#include "lowering/kernel_program.h"
+#include "schedules/schedule.h"
+
+namespace moeforge::cuda {
+
+struct CompiledLayer {
+  KernelProgram program;
+  CudaModuleSource source;
+  CompileResult compiled;
+};
+
+// Lowers, generates and compiles (for `arch`, sm_90a by default). Works
+// without a GPU.
+CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, const std::string &arch = "sm_90a");
+
+// A compiled layer bound to device memory for `tokens` tokens.
+class CudaLayer {
+public:
+  CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens);
+
+  // Uploads every Input and Param (rounded to its dtype). Shapes must match
+  // the declared Dims with the token Dim = tokens.
+  void upload(const TensorMap &inputs);
+  // Fills every intermediate and output with a NaN pattern, so an element a
+  // kernel fails to write shows up in any comparison.
+  void poison();
+  // Enqueues the whole forward on `stream`: routing and every kernel. No host
+  // synchronisation, so it can be captured in a CUDA graph.
+  void enqueue(const Stream &stream);
+  // Downloads a Func's values as the reference lays them out (routed rows in
+  // pair order, whatever the device layout). Synchronises.
+  HostTensor download(const std::string &func) const;
+  // The experts the device chose, pair order (r = t * k + slot).
+  std::vector<int32_t> routed_experts(const std::string &route) const;
+
+  const CompiledLayer &compiled() const { return layer_; }
+  int64_t tokens() const { return tokens_; }
+  // Bytes of device memory held for intermediates and outputs (not inputs).
+  size_t activation_bytes() const;
+
+private:
+  struct Launch {
+    Kernel kernel;
+    const GeneratedKernel *gen;
+    std::vector<void *> args;
+    Dim3 grid, block;
+  };
+  int64_t extent(const Dim &d) const;
+  int64_t rows_of(const TensorDecl &t) const;
+  void bind();
+
+  const CompiledLayer &layer_;
+  int64_t tokens_;
+  Module module_;
+  DeviceRouting routing_;
+  std::map<std::string, DeviceBuffer> tensors_;
+  std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
+  std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows
+  std::map<std::string, long long> extents_;               // dynamic Dims, by name
+  std::vector<Launch> launches_;
+};
+
+} // namespace moeforge::cuda

@@ -1,0 +1,138 @@
+// The MoE forward pass on the GPU against the dense roof, in one process.
+//
+// Shapes, routing and FLOP counts are design.md's: mixtral, fine64, mbpaper;
+// uniform routing (random router) and skewed routing (logits plus a ramp over
+// the experts); FLOPs = 2 T k d (f1 + f), f1 = 2f for SwiGLU. Our time is the
+// whole forward: router GEMM, softmax, device routing, permutation, expert
+// GEMMs, combine, replayed as one CUDA graph. The roof is cuBLAS doing
+// X[Tk, d] W1[d, f1] and H[Tk, f] W2[f, d] with no routing, measured here.
+// Reported: TFLOP/s and ratio = roof time / our time, with the device name.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <memory>
+
+#include "backends/cuda/cublas_gemm.h"
+#include "backends/cuda/layer.h"
+#include "examples/biased_moe.h"
+#include "schedules/presets.h"
+
+using namespace moeforge;
+
+namespace {
+
+struct Shape {
+  const char *name;
+  int64_t tokens, d, f, experts, k;
+  bool swiglu;
+  double skew_ramp; // router bias ramp giving the busiest expert about 3x the mean
+  double flops() const { return 2.0 * tokens * k * d * ((swiglu ? 2.0 : 1.0) * f + f); }
+};
+
+const Shape kShapes[] = {
+    {"mixtral", 8192, 4096, 14336, 8, 2, true, 1.0},
+    {"fine64", 16384, 2048, 1408, 64, 8, true, 0.6},
+    {"mbpaper", 16384, 1024, 4096, 64, 1, false, 0.35},
+};
+
+cuda::Device &device() {
+  static cuda::Device d;
+  return d;
+}
+
+double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work) {
+  cuda::Event a, b;
+  work(); // warm-up
+  s.synchronize();
+  a.record(s);
+  for (int i = 0; i < reps; ++i)
+    work();
+  b.record(s);
+  b.synchronize();
+  return cuda::elapsed_ms(a, b) / reps;
+}
+
+// cuBLAS on the same GEMM shapes, no routing: the roof, per shape, once.
+double roof_ms(const Shape &s) {
+  static std::map<std::string, double> cache;
+  if (auto it = cache.find(s.name); it != cache.end())
+    return it->second;
+  int64_t rows = s.tokens * s.k, f1 = s.swiglu ? 2 * s.f : s.f;
+  cuda::DeviceBuffer x(rows * s.d * 2), w1(s.d * f1 * 2), h1(rows * f1 * 2), h(rows * s.f * 2), w2(s.f * s.d * 2),
+      y(rows * s.d * 2);
+  for (cuda::DeviceBuffer *b : {&x, &w1, &h, &w2})
+    b->fill32(0x3f803f80u); // bf16 1.0 pairs: finite inputs
+  cuda::CublasHandle handle;
+  cuda::Stream stream;
+  double ms = time_ms(stream, 20, [&] {
+    cuda::gemm_nn(handle, stream, rows, f1, s.d, x.ptr(), w1.ptr(), h1.ptr());
+    cuda::gemm_nn(handle, stream, rows, s.d, s.f, h.ptr(), w2.ptr(), y.ptr());
+  });
+  return cache[s.name] = ms;
+}
+
+void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name, bool skewed) {
+  if (!cuda::gpu_available()) {
+    state.SkipWithError("no GPU: libcuda.so.1 not found");
+    return;
+  }
+  ExampleShape es;
+  es.tokens = shape.tokens;
+  es.d = shape.d;
+  es.f = shape.f;
+  es.experts = shape.experts;
+  es.topk = shape.k;
+  Bias bias = skewed ? Bias::ramp : Bias::none;
+  Example ex = biased_moe(es, shape.swiglu, bias, shape.swiglu);
+  Schedule schedule = preset(schedule_name);
+  cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, schedule, device().arch_specific());
+  cuda::CudaLayer layer(device(), compiled, shape.tokens);
+  layer.upload(biased_inputs(ex, es, bias, 1, shape.skew_ramp));
+  cuda::Stream stream;
+  cuda::CudaGraph graph = cuda::CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
+
+  std::vector<int32_t> experts;
+  double ours = 0;
+  for (auto _ : state) {
+    double ms = time_ms(stream, 10, [&] { graph.launch(stream); });
+    state.SetIterationTime(ms / 1e3);
+    ours += ms;
+  }
+  ours /= static_cast<double>(state.iterations());
+  experts = layer.routed_experts(ex.route);
+  std::vector<int64_t> counts(shape.experts, 0);
+  for (int32_t e : experts)
+    ++counts[e];
+  double mean = double(shape.tokens * shape.k) / double(shape.experts);
+  double roof = roof_ms(shape);
+  state.counters["TFLOPs"] = shape.flops() / (ours * 1e-3) / 1e12;
+  state.counters["roof_TFLOPs"] = shape.flops() / (roof * 1e-3) / 1e12;
+  state.counters["ratio"] = roof / ours;
+  state.counters["max_over_mean"] = *std::max_element(counts.begin(), counts.end()) / mean;
+  state.counters["act_MiB"] = double(layer.activation_bytes()) / (1 << 20);
+  state.SetLabel(device().name());
+}
+
+void register_all() {
+  for (const Shape &s : kShapes)
+    for (const char *p : {"megablocks", "scattermoe"})
+      for (bool skew : {false, true}) {
+        std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
+        benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->Iterations(3);
+      }
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (through the device tool) from the repository root,
+# with .gpu/ carried: the GPU tests, compute-sanitizer on a small case, the
+# forward benchmark and PyTorch's grouped GEMM on the same shapes. Logs and
+# JSON go to $OUT. Usage: bash scripts/device_run.sh [tests|bench|all]
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
+date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/device.txt"
+status=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  # Every test, GPU ones included (they run for real here).
+  .gpu/moeforge_tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
+  grep -q "Status: SUCCESS" "$OUT/tests.log" || status=1
+  compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
+    -tc="cuda layer: the dense MLP*,cuda layer: a whole forward*" >"$OUT/memcheck.log" 2>&1
+  echo "memcheck exit code: $?" | tee -a "$OUT/memcheck.log"
+  tail -4 "$OUT/memcheck.log"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  .gpu/bench_moe_forward --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
+    --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | tail -20
+  PYTHONUNBUFFERED=1 python3 benchmarks/torch_grouped_mm.py 2>&1 | tee "$OUT/torch.jsonl"
+fi
+exit $status

@@ -1,0 +1,201 @@
+// CI checks of the GPU code path that need no GPU: lowering structure per
+// schedule, and the generated CUDA compiling through NVRTC for sm_90a with a
+// resource report inside bounds (no spills, registers and shared memory
+// within Hopper's limits).
+#include <doctest/doctest.h>
+
+#include "backends/cuda/layer.h"
+#include "examples/biased_moe.h"
+#include "dsl/printer.h"
+#include "lowering/lower.h"
+#include "schedules/presets.h"
+
+using namespace moeforge;
+
+namespace {
+
+// Every generated kernel has a resource report within Hopper's bounds.
+void check_resources(const cuda::CompiledLayer &c, const std::string &what) {
+  REQUIRE(!c.source.kernels.empty());
+  for (const GeneratedKernel &k : c.source.kernels) {
+    INFO(what << ": kernel " << k.name);
+    const cuda::ResourceReport *r = c.compiled.resources_of(k.name);
+    REQUIRE(r != nullptr);
+    CHECK(r->spill_store_bytes == 0);
+    CHECK(r->spill_load_bytes == 0);
+    CHECK(r->stack_frame_bytes == 0);
+    CHECK(r->registers > 0);
+    CHECK(r->registers <= 255);
+    CHECK(r->registers * k.threads <= 65536);
+    CHECK(k.shared_bytes + r->shared_bytes <= Schedule::max_shared_bytes);
+  }
+}
+
+ExampleShape small() {
+  ExampleShape s;
+  s.tokens = 64;
+  s.d = 128;
+  s.f = 256;
+  s.experts = 8;
+  s.topk = 2;
+  return s;
+}
+
+template <typename T> int count_steps(const KernelProgram &p) {
+  int n = 0;
+  for (const Step &s : p.steps)
+    n += std::holds_alternative<T>(s);
+  return n;
+}
+
+const GemmStep &gemm(const KernelProgram &p, const std::string &out) {
+  for (const Step &s : p.steps)
+    if (auto *g = std::get_if<GemmStep>(&s); g && g->output == out)
+      return *g;
+  FAIL("no GEMM writes " << out);
+  throw 0;
+}
+
+} // namespace
+
+TEST_CASE("codegen: every preset x MoE example compiles for sm_90a without spills") {
+  for (const char *example : {"moe_mlp", "swiglu_moe"})
+    for (const char *preset_name : {"megablocks", "scattermoe"}) {
+      Example ex = make_example(example, small());
+      cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset(preset_name));
+      CHECK(c.compiled.arch == "sm_90a");
+      CHECK(c.compiled.cubin.size() > 1000);
+      check_resources(c, std::string(example) + " / " + preset_name);
+    }
+}
+
+TEST_CASE("codegen: the dense MLP compiles through the same GEMM path") {
+  Example ex = make_example("dense_mlp", small());
+  cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset("megablocks"));
+  CHECK(count_steps<GemmStep>(c.program) == 2);
+  CHECK(count_steps<RoutingStep>(c.program) == 0);
+  check_resources(c, "dense_mlp");
+}
+
+TEST_CASE("codegen: a tile that does not divide d = f = 2880 compiles (masked)") {
+  ExampleShape s = small();
+  s.d = s.f = 2880;
+  Example ex = make_example("swiglu_moe", s);
+  cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset("scattermoe"));
+  check_resources(c, "swiglu_moe 2880");
+  CHECK(c.source.source.find("if (col >= N) continue;") != std::string::npos);
+}
+
+TEST_CASE("codegen: tile, stage and warp sweeps compile without spills") {
+  struct Case {
+    int m, n, k, stages, wm, wn, block;
+  };
+  for (Case cs : {Case{64, 128, 32, 3, 2, 2, 64}, Case{128, 64, 64, 3, 4, 1, 128}, Case{128, 256, 32, 3, 2, 4, 128},
+                  Case{64, 64, 64, 2, 2, 2, 256}, Case{256, 128, 32, 3, 4, 2, 256}}) {
+    Schedule s("sweep");
+    s.permutation(Permutation::scattered).block(cs.block).tile("*", cs.m, cs.n, cs.k).stages("*", cs.stages).warps(
+        "*", cs.wm, cs.wn);
+    Example ex = make_example("moe_mlp", small());
+    cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
+    check_resources(c, s.to_text());
+  }
+}
+
+TEST_CASE("lowering: megablocks copies routed rows into padded blocks and scattermoe gathers in the GEMM") {
+  Example ex = make_example("moe_mlp", small());
+  KernelProgram mb = lower(ex.pipeline, preset("megablocks"));
+  CHECK(count_steps<GatherStep>(mb) == 1);
+  CHECK(gemm(mb, "h").a_rows == RowMap::direct);
+  CHECK(mb.tensor("h").layout == RowLayout::padded);
+  CHECK(mb.tensor("o").layout == RowLayout::padded);
+  CHECK(gemm(mb, "o").out_rows == RowMap::direct);
+
+  KernelProgram sm = lower(ex.pipeline, preset("scattermoe"));
+  CHECK(count_steps<GatherStep>(sm) == 0);
+  CHECK(gemm(sm, "h").a_rows == RowMap::gather_token);
+  CHECK(sm.tensor("h").layout == RowLayout::padded); // only a GEMM reads h: kept in tile order
+  CHECK(sm.find("o") == nullptr);                          // the gate is fused: o_gated instead
+  CHECK(sm.tensor("o_gated").layout == RowLayout::pair);   // scattered back for the combine
+  CHECK(gemm(sm, "o_gated").out_rows == RowMap::gather_pair);
+}
+
+TEST_CASE("lowering: gate fusion moves gate(r) into the last GEMM's epilogue") {
+  Example ex = make_example("moe_mlp", small());
+  KernelProgram sm = lower(ex.pipeline, preset("scattermoe")); // gate in epilogue
+  CHECK(to_string(gemm(sm, "o_gated").epilogue) == "route_gate(r) * acc0(r, i)");
+  KernelProgram mb = lower(ex.pipeline, preset("megablocks")); // gate in combine
+  CHECK(to_string(gemm(mb, "o").epilogue) == "acc0(r, i)");
+}
+
+TEST_CASE("lowering: SwiGLU's two projections share one GEMM and unfused splits them") {
+  Example ex = make_example("swiglu_moe", small());
+  KernelProgram fused = lower(ex.pipeline, preset("megablocks"));
+  CHECK(gemm(fused, "h").b.size() == 2);
+  CHECK(to_string(gemm(fused, "h").epilogue) == "silu(acc0(r, j)) * acc1(r, j)");
+
+  Schedule s = preset("megablocks");
+  s.fuse_epilogue("h", false);
+  KernelProgram split = lower(ex.pipeline, s);
+  CHECK(gemm(split, "h_acc0").b.size() == 1);
+  CHECK(gemm(split, "h_acc1").b.size() == 1);
+  CHECK(split.tensor("h_acc0").dtype == DType::f32);
+  bool has_epilogue = false;
+  for (const Step &st : split.steps)
+    if (auto *p = std::get_if<PointwiseStep>(&st))
+      has_epilogue |= p->output == "h" && to_string(p->body) == "silu(h_acc0(r, j)) * h_acc1(r, j)";
+  CHECK(has_epilogue);
+  cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
+  check_resources(c, "swiglu unfused");
+}
+
+TEST_CASE("lowering: a router bias runs in the router GEMM's epilogue") {
+  Example ex = biased_moe(small(), false, Bias::ramp);
+  KernelProgram p = lower(ex.pipeline, preset("megablocks"));
+  CHECK(to_string(gemm(p, "logits").epilogue) == "acc0(t, e) + bias(e)");
+  cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset("megablocks"));
+  check_resources(c, "biased router");
+}
+
+TEST_CASE("codegen errors: what the CUDA backend cannot compile says why") {
+  // Attention's softmax wraps a contraction: the backend asks for two Funcs.
+  Example att = make_example("attention", small());
+  CHECK_THROWS_WITH_AS(lower(att.pipeline, preset("megablocks")),
+                       doctest::Contains("mixes a contraction with softmax or combine; split it into two Funcs"),
+                       UserError);
+  // Router probabilities stored as bf16 cannot feed the device top-k.
+  {
+    Dim T = Dim::dynamic("T"), D("D", 64), E("E", 8);
+    Var t("t", T), e("e", E), i("i", D);
+    Input x("x", {T, D});
+    Param wr("wr", {D, E});
+    Func logits("logits", DType::f32), probs("probs", DType::bf16), y("y");
+    logits(t, e) = sum(i, x(t, i) * wr(i, e));
+    probs(t, e) = softmax(e, logits(t, e));
+    Route route = top_k(probs, e, 2);
+    y(t) = combine(route, t, route.gate(route.pair()));
+    CHECK_THROWS_WITH_AS(lower(Pipeline({y}), preset("megablocks")),
+                         doctest::Contains("the device routing needs f32 probabilities"), UserError);
+  }
+  // An f32 GEMM operand.
+  {
+    Dim T = Dim::dynamic("T"), D("D", 64), F("F", 64);
+    Var t("t", T), i("i", D), j("j", F);
+    Input x("x", {T, D}, DType::f32);
+    Param w("w", {D, F});
+    Func y("y");
+    y(t, j) = sum(i, x(t, i) * w(i, j));
+    CHECK_THROWS_WITH_AS(lower(Pipeline({y}), preset("megablocks")), doctest::Contains("declare both bf16"),
+                         UserError);
+  }
+  // A transposed B operand.
+  {
+    Dim T = Dim::dynamic("T"), D("D", 64), F("F", 64);
+    Var t("t", T), i("i", D), j("j", F);
+    Input x("x", {T, D});
+    Param w("w", {F, D});
+    Func y("y");
+    y(t, j) = sum(i, x(t, i) * w(j, i));
+    CHECK_THROWS_WITH_AS(lower(Pipeline({y}), preset("megablocks")),
+                         doctest::Contains("does not read A by (t, i) and B by (i, j)"), UserError);
+  }
+}

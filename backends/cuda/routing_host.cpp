@@ -1,0 +1,201 @@
+#include "backends/cuda/routing_host.h"
+
+#include "dsl/error.h"
+
+#include <algorithm>
+#include <climits>
+#include <numeric>
+#include <sstream>
+
+namespace moeforge::cuda {
+
+void RoutingShape::check() const {
+  user_check(experts >= 1 && experts <= kMaxRoutingExperts)
+      << "routing with E = " << experts << " experts: the device routing supports 1 to " << kMaxRoutingExperts;
+  user_check(k >= 1 && k <= experts) << "routing with k = " << k << " of E = " << experts
+                                     << " experts: k must be between 1 and E";
+  user_check(block >= 1) << "routing with block size " << block << ": it must be positive (64, 128 or 256)";
+  user_check(tokens >= 0) << "routing " << tokens << " tokens: the count cannot be negative";
+  // Positions and pair numbers are int32 on the device.
+  user_check(max_padded_rows() <= INT_MAX)
+      << "routing " << to_string() << " needs " << max_padded_rows() << " padded rows, more than int32 indexes";
+}
+
+std::string RoutingShape::to_string() const {
+  std::ostringstream s;
+  s << "T=" << tokens << " E=" << experts << " k=" << k << " bs=" << block;
+  return s.str();
+}
+
+RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t> &expert) {
+  shape.check();
+  const int64_t P = shape.pairs();
+  const int E = shape.experts, bs = shape.block;
+  user_check(static_cast<int64_t>(expert.size()) == P)
+      << "route_on_host: " << expert.size() << " expert ids given for " << shape.to_string() << " (" << P << " pairs)";
+  RoutingTables t;
+  t.expert = expert;
+  t.counts.assign(E, 0);
+  for (int32_t e : expert) {
+    user_check(e >= 0 && e < E) << "route_on_host: expert id " << e << " is outside 0.." << E - 1;
+    ++t.counts[e];
+  }
+  t.offsets.assign(E + 1, 0);
+  t.offsets_unpadded.assign(E + 1, 0);
+  for (int e = 0; e < E; ++e) {
+    t.offsets[e + 1] = t.offsets[e] + (t.counts[e] + bs - 1) / bs * bs;
+    t.offsets_unpadded[e + 1] = t.offsets_unpadded[e] + t.counts[e];
+  }
+  // A stable counting sort: pairs are visited in order r, so each expert's
+  // pairs land in order.
+  std::vector<int32_t> next(t.offsets.begin(), t.offsets.end() - 1);
+  t.pair_pos.assign(P, -1);
+  t.sorted_pair.assign(shape.max_padded_rows(), -1);
+  for (int64_t r = 0; r < P; ++r) {
+    int32_t pos = next[expert[r]]++;
+    t.pair_pos[r] = pos;
+    t.sorted_pair[pos] = static_cast<int32_t>(r);
+  }
+  const int64_t max_tiles = shape.max_tiles();
+  t.tile_expert.assign(max_tiles, -1);
+  t.tile_row_start.assign(max_tiles, -1);
+  t.tile_rows.assign(max_tiles, 0);
+  int32_t i = 0;
+  for (int e = 0; e < E; ++e)
+    for (int32_t start = t.offsets[e]; start < t.offsets[e + 1]; start += bs, ++i) {
+      t.tile_expert[i] = e;
+      t.tile_row_start[i] = start;
+      t.tile_rows[i] = std::min(bs, t.counts[e] - (start - t.offsets[e]));
+    }
+  t.num_tiles = i;
+  return t;
+}
+
+HostTopK top_k_on_host(const RoutingShape &shape, const std::vector<float> &probs) {
+  shape.check();
+  const int E = shape.experts, k = shape.k;
+  user_check(static_cast<int64_t>(probs.size()) == shape.tokens * E)
+      << "top_k_on_host: " << probs.size() << " probabilities given for " << shape.to_string();
+  HostTopK out;
+  std::vector<int32_t> order(E);
+  for (int64_t t = 0; t < shape.tokens; ++t) {
+    const float *row = &probs[t * E];
+    std::iota(order.begin(), order.end(), 0);
+    // The comparator of eval_routing in backends/reference/evaluate.cpp.
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    for (int s = 0; s < k; ++s) {
+      out.expert.push_back(order[s]);
+      out.gate.push_back(row[order[s]]);
+    }
+  }
+  return out;
+}
+
+namespace {
+// Collects violations, but keeps the list short: one broken invariant
+// usually breaks it at many indices.
+class Violations {
+public:
+  template <typename... Parts> void add(const Parts &...parts) {
+    if (list_.size() < 20) {
+      std::ostringstream s;
+      (s << ... << parts);
+      list_.push_back(s.str());
+    }
+  }
+  std::vector<std::string> take() { return std::move(list_); }
+
+private:
+  std::vector<std::string> list_;
+};
+
+template <typename T> bool sized(Violations &v, const std::vector<T> &a, int64_t n, const char *name) {
+  if (static_cast<int64_t>(a.size()) == n)
+    return true;
+  v.add(name, " has ", a.size(), " entries, expected ", n);
+  return false;
+}
+} // namespace
+
+std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const RoutingTables &t) {
+  Violations v;
+  const int64_t P = shape.pairs(), E = shape.experts, bs = shape.block;
+  bool ok = sized(v, t.expert, P, "expert") & sized(v, t.counts, E, "counts") & sized(v, t.offsets, E + 1, "offsets") &
+            sized(v, t.offsets_unpadded, E + 1, "offsets_unpadded") & sized(v, t.pair_pos, P, "pair_pos") &
+            sized(v, t.sorted_pair, shape.max_padded_rows(), "sorted_pair") &
+            sized(v, t.tile_expert, shape.max_tiles(), "tile_expert") &
+            sized(v, t.tile_row_start, shape.max_tiles(), "tile_row_start") &
+            sized(v, t.tile_rows, shape.max_tiles(), "tile_rows");
+  if (!ok)
+    return v.take();
+  for (int64_t r = 0; r < P; ++r)
+    if (t.expert[r] < 0 || t.expert[r] >= E) {
+      v.add("expert[", r, "] = ", t.expert[r], " is not an expert");
+      return v.take();
+    }
+
+  // counts and offsets from their definitions.
+  std::vector<int64_t> count(E, 0);
+  for (int32_t e : t.expert)
+    ++count[e];
+  if (t.offsets[0] != 0 || t.offsets_unpadded[0] != 0)
+    v.add("offsets[0] and offsets_unpadded[0] must be 0");
+  for (int64_t e = 0; e < E; ++e) {
+    if (t.counts[e] != count[e])
+      v.add("counts[", e, "] = ", t.counts[e], ", but ", count[e], " pairs go to expert ", e);
+    if (t.offsets[e + 1] - t.offsets[e] != (count[e] + bs - 1) / bs * bs)
+      v.add("expert ", e, "'s padded segment [", t.offsets[e], ", ", t.offsets[e + 1], ") is not roundup(", count[e],
+            ", ", bs, ") rows");
+    if (t.offsets_unpadded[e + 1] - t.offsets_unpadded[e] != count[e])
+      v.add("offsets_unpadded of expert ", e, " do not span its ", count[e], " pairs");
+  }
+
+  // pair_pos: inside its expert's segment, in order of r (stable), and
+  // sorted_pair its inverse with -1 everywhere else.
+  std::vector<int64_t> seen(E, 0);
+  std::vector<char> hit(t.sorted_pair.size(), 0);
+  for (int64_t r = 0; r < P; ++r) {
+    int32_t e = t.expert[r];
+    int64_t want = t.offsets[e] + seen[e]++;
+    int32_t pos = t.pair_pos[r];
+    if (pos != want) {
+      v.add("pair_pos[", r, "] = ", pos, ", expected ", want, " (expert ", e, ", stable order)");
+      continue;
+    }
+    hit[pos] = 1;
+    if (t.sorted_pair[pos] != r)
+      v.add("sorted_pair[", pos, "] = ", t.sorted_pair[pos], ", but pair_pos[", r, "] = ", pos);
+  }
+  for (size_t p = 0; p < hit.size(); ++p)
+    if (!hit[p] && t.sorted_pair[p] != -1)
+      v.add("sorted_pair[", p, "] = ", t.sorted_pair[p], " at a padding row, expected -1");
+
+  // Tiles: the first num_tiles cover [0, offsets[E]) in order, each row once,
+  // each within one expert; the rest are empty.
+  int64_t tiles = t.num_tiles;
+  if (tiles != t.offsets[E] / bs || t.offsets[E] % bs != 0)
+    v.add("num_tiles = ", tiles, " for ", t.offsets[E], " padded rows of block ", bs);
+  tiles = std::clamp<int64_t>(tiles, 0, shape.max_tiles());
+  for (int64_t i = 0; i < tiles; ++i) {
+    int32_t e = t.tile_expert[i], start = t.tile_row_start[i], rows = t.tile_rows[i];
+    if (start != i * bs)
+      v.add("tile ", i, " starts at row ", start, ", expected ", i * bs, " (tiles cover rows once, in order)");
+    if (e < 0 || e >= E) {
+      v.add("tile ", i, " has expert ", e);
+      continue;
+    }
+    if (start < t.offsets[e] || start + bs > t.offsets[e + 1])
+      v.add("tile ", i, " rows [", start, ", ", start + bs, ") leave expert ", e, "'s segment [", t.offsets[e], ", ",
+            t.offsets[e + 1], ")");
+    int64_t valid = std::min<int64_t>(bs, t.offsets[e] + count[e] - start);
+    if (rows != valid || rows < 1)
+      v.add("tile_rows[", i, "] = ", rows, ", expected ", valid);
+  }
+  for (int64_t i = tiles; i < shape.max_tiles(); ++i)
+    if (t.tile_expert[i] != -1 || t.tile_row_start[i] != -1 || t.tile_rows[i] != 0)
+      v.add("tile ", i, " is past num_tiles = ", tiles, " but not marked empty (-1, -1, 0)");
+  return v.take();
+}
+
+} // namespace moeforge::cuda

@@ -1,0 +1,77 @@
+// The routing format the grouped expert GEMMs read, and its host oracle.
+//
+// After top-k, a step has P = T*k (token, expert) pairs, numbered
+// r = t*k + s (slot s = 0 holds the largest probability). The blocked
+// format sorts the pairs by expert, stably (pairs of one expert keep the
+// order of r), and pads each expert's segment to a multiple of the block
+// size bs, so that every tile of bs rows belongs to one expert:
+//
+//   counts[e]            pairs routed to expert e                    [E]
+//   offsets[e]           padded start of e's segment; offsets[E] =   [E+1]
+//                        sum of roundup(counts[e], bs)
+//   offsets_unpadded[e]  the same without padding                    [E+1]
+//   pair_pos[r]          padded row of pair r:                       [P]
+//                        offsets[expert[r]] + #{r' < r : expert[r'] = expert[r]}
+//   sorted_pair[p]       the pair at padded row p, or -1 at padding  [max_padded_rows]
+//   tile_expert[i]       expert of tile i                            [max_tiles]
+//   tile_row_start[i]    padded row of the tile's first row
+//   tile_rows[i]         valid rows in the tile, 1..bs
+//   num_tiles            tiles in use = offsets[E] / bs
+//
+// Grids are sized by max_tiles = ceil(P / bs) + E, an upper bound known on
+// the host, so no step ever copies num_tiles back. Tiles at and past
+// num_tiles hold tile_expert = -1, tile_row_start = -1, tile_rows = 0, and
+// consumers skip them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moeforge::cuda {
+
+struct RoutingShape {
+  int64_t tokens = 0; // T
+  int experts = 0;    // E, 1..kMaxRoutingExperts
+  int k = 0;          // experts per token, 1..E
+  int block = 128;    // bs: rows per tile (64, 128 or 256 for the GEMMs)
+
+  int64_t pairs() const { return tokens * k; }
+  int64_t max_tiles() const { return (pairs() + block - 1) / block + experts; }
+  int64_t max_padded_rows() const { return max_tiles() * block; }
+  // Throws UserError naming the bad field and its allowed range.
+  void check() const;
+  std::string to_string() const; // "T=100 E=8 k=2 bs=64"
+};
+
+// Top-k over experts is done by one warp holding E / 32 values per lane.
+inline constexpr int kMaxRoutingExperts = 256;
+
+struct RoutingTables {
+  std::vector<int32_t> expert; // [P], the input
+  std::vector<int32_t> counts, offsets, offsets_unpadded;
+  std::vector<int32_t> pair_pos, sorted_pair;
+  std::vector<int32_t> tile_expert, tile_row_start, tile_rows;
+  int32_t num_tiles = 0;
+};
+
+// The oracle: the tables for the expert ids of every pair (values 0..E-1).
+RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t> &expert);
+
+struct HostTopK {
+  std::vector<int32_t> expert; // [T*k]
+  std::vector<float> gate;     // [T*k], the chosen probabilities
+};
+
+// Top-k of each row of probs [T, E]: largest first, ties to the lower expert
+// index. The same rule as the Eigen reference (backends/reference/
+// evaluate.cpp, eval_routing), so every backend routes identically.
+HostTopK top_k_on_host(const RoutingShape &shape, const std::vector<float> &probs);
+
+// Every property the format promises, checked from the definitions above
+// rather than by recomputing: the permutation, stability, padding, tile
+// coverage. Returns the violations found (empty when the tables are right),
+// each naming the array and index.
+std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const RoutingTables &tables);
+
+} // namespace moeforge::cuda

@@ -1,0 +1,268 @@
+// GPU tests: the driver wrappers, the device routing against its host oracle
+// (with outputs poisoned first, and replayed from a CUDA graph), and cuBLAS
+// against a CPU loop. Without a GPU every case skips, saying why.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/cublas_gemm.h"
+#include "backends/cuda/device.h"
+#include "backends/cuda/module.h"
+#include "backends/cuda/nvrtc_compiler.h"
+#include "backends/cuda/routing_kernels.h"
+#include "backends/cuda/stream.h"
+#include "tests/gpu_test.h"
+
+using namespace moeforge::cuda;
+
+namespace {
+
+// Softmax rows of random logits; `skew` adds a ramp over experts so low
+// experts get more pairs (and high ones may get none).
+std::vector<float> random_probs(const RoutingShape &s, std::mt19937 &rng, float skew) {
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> p(static_cast<size_t>(s.tokens * s.experts));
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    float *row = &p[t * s.experts];
+    float mx = -INFINITY, sum = 0.0f;
+    for (int e = 0; e < s.experts; ++e)
+      mx = std::max(mx, row[e] = n(rng) - skew * e);
+    for (int e = 0; e < s.experts; ++e)
+      sum += row[e] = std::exp(row[e] - mx);
+    for (int e = 0; e < s.experts; ++e)
+      row[e] /= sum;
+  }
+  return p;
+}
+
+// Element by element, naming the first mismatch.
+template <typename T>
+void check_equal(const std::vector<T> &got, const std::vector<T> &want, const char *name, const RoutingShape &s) {
+  CAPTURE(s.to_string());
+  REQUIRE_MESSAGE(got.size() == want.size(), name << ": " << got.size() << " entries, expected " << want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      FAIL_CHECK(name << "[" << i << "] = " << got[i] << ", expected " << want[i]);
+      return;
+    }
+}
+
+void check_tables_equal(const RoutingTables &got, const RoutingTables &want, const RoutingShape &s) {
+  check_equal(got.expert, want.expert, "expert", s);
+  check_equal(got.counts, want.counts, "counts", s);
+  check_equal(got.offsets, want.offsets, "offsets", s);
+  check_equal(got.offsets_unpadded, want.offsets_unpadded, "offsets_unpadded", s);
+  check_equal(got.pair_pos, want.pair_pos, "pair_pos", s);
+  check_equal(got.sorted_pair, want.sorted_pair, "sorted_pair", s);
+  check_equal(got.tile_expert, want.tile_expert, "tile_expert", s);
+  check_equal(got.tile_row_start, want.tile_row_start, "tile_row_start", s);
+  check_equal(got.tile_rows, want.tile_rows, "tile_rows", s);
+  CHECK(got.num_tiles == want.num_tiles);
+}
+
+} // namespace
+
+TEST_SUITE("gpu") {
+
+  TEST_CASE("cuda gpu: driver smoke - device, alloc, memset, copies, a kernel, events") {
+    MOEFORGE_REQUIRE_GPU();
+    Device device;
+    MESSAGE(device.name() << " (" << device.arch() << "), " << device.sm_count() << " SMs, "
+                          << device.max_shared_memory_optin() << " B opt-in smem, " << device.l2_bytes() << " B L2");
+    CHECK(device.sm_count() > 0);
+    CHECK(device.cc_major() >= 7);
+
+    std::vector<int32_t> host(1000);
+    std::iota(host.begin(), host.end(), 0);
+    DeviceBuffer a = DeviceBuffer::from(host);
+    CHECK(a.download<int32_t>() == host);
+    DeviceBuffer b(a.bytes());
+    b.copy_from(a);
+    CHECK(b.download<int32_t>() == host);
+    b.memset(0);
+    CHECK(b.download<int32_t>() == std::vector<int32_t>(1000, 0));
+    b.fill32(kPoisonOnes);
+    CHECK(b.download<int32_t>() == std::vector<int32_t>(1000, -1));
+    DeviceBuffer empty(0);
+    CHECK(empty.ptr() == 0);
+
+    CompileResult compiled = compile_cuda(R"(
+extern "C" __global__ void add_one(int *x, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] += 1;
+})",
+                                          "add_one.cu", CompileOptions{device.arch()});
+    Module module(compiled.cubin, "add_one");
+    Kernel k = module.kernel("add_one");
+    KernelAttributes attrs = k.attributes();
+    CHECK(attrs.registers == compiled.resources_of("add_one")->registers);
+    CHECK(attrs.local_bytes == 0);
+    Stream stream;
+    Event start, stop;
+    int n = 1000;
+    void *args[] = {a.arg(), &n};
+    start.record(stream);
+    k.launch({(1000 + 255) / 256}, {256}, 0, stream, args);
+    stop.record(stream);
+    stream.synchronize();
+    CHECK(elapsed_ms(start, stop) >= 0.0f);
+    std::vector<int32_t> want = host;
+    for (int32_t &x : want)
+      ++x;
+    CHECK(a.download<int32_t>() == want);
+
+    // A missing kernel names itself and the module.
+    CHECK_THROWS_WITH_AS(module.kernel("nope"), doctest::Contains("cuModuleGetFunction failed: CUDA_ERROR_NOT_FOUND"),
+                         CudaError);
+    // Garbage is not a cubin.
+    std::vector<char> junk(64, 'x');
+    CHECK_THROWS_WITH_AS(Module(junk, "junk"), doctest::Contains("cuModuleLoadData failed: CUDA_ERROR_"), CudaError);
+  }
+
+  TEST_CASE("cuda gpu: device routing matches the host oracle") {
+    MOEFORGE_REQUIRE_GPU();
+    Device device;
+    DeviceRouting routing(device);
+    Stream stream;
+    std::mt19937 rng(5);
+    struct Case {
+      RoutingShape shape;
+      float skew;
+    };
+    std::vector<Case> cases = {
+        {{1, 8, 2, 64}, 0.0f},       // one token
+        {{100, 8, 2, 64}, 0.0f},     // T not a multiple of bs
+        {{1000, 64, 8, 128}, 0.0f},  // fine-grained
+        {{4096, 64, 1, 128}, 3.0f},  // skewed: high experts empty
+        {{3000, 16, 16, 256}, 0.0f}, // k = E
+        {{5000, 256, 8, 64}, 0.5f},  // the most experts, several chunks
+        {{2049, 3, 1, 64}, 50.0f},   // every token on expert 0
+        {{16384, 64, 8, 128}, 0.1f}, // fine64-sized routing: 64 chunks
+        {{777, 33, 5, 256}, 0.0f},   // E not a multiple of 32
+    };
+    for (const Case &c : cases) {
+      const RoutingShape &s = c.shape;
+      CAPTURE(s.to_string());
+      std::vector<float> probs = random_probs(s, rng, c.skew);
+      HostTopK top = top_k_on_host(s, probs);
+      RoutingTables want = route_on_host(s, top.expert);
+      REQUIRE(verify_routing_tables(s, want).empty());
+      DeviceBuffer d_probs = DeviceBuffer::from(probs);
+      RoutingPlan plan(s);
+      for (uint32_t poison : {kPoisonOnes, kPoisonNaN}) {
+        plan.poison(poison);
+        routing.run(d_probs.ptr(), plan, stream);
+        stream.synchronize();
+        check_tables_equal(plan.download(), want, s);
+        check_equal(plan.download_gate(), top.gate, "gate", s);
+      }
+    }
+  }
+
+  TEST_CASE("cuda gpu: device routing from given experts - edge cases") {
+    MOEFORGE_REQUIRE_GPU();
+    Device device;
+    DeviceRouting routing(device);
+    Stream stream;
+    auto run = [&](const RoutingShape &s, const std::vector<int32_t> &expert) {
+      CAPTURE(s.to_string());
+      RoutingPlan plan(s);
+      for (uint32_t poison : {kPoisonOnes, kPoisonNaN}) {
+        plan.poison(poison);
+        plan.expert.upload(expert);
+        routing.run_from_experts(plan, stream);
+        stream.synchronize();
+        check_tables_equal(plan.download(), route_on_host(s, expert), s);
+      }
+    };
+    run({5000, 8, 1, 128}, std::vector<int32_t>(5000, 7)); // all on the last expert
+    run({5000, 8, 1, 64}, std::vector<int32_t>(5000, 0));  // all on the first
+    std::vector<int32_t> alternating(4099);
+    for (size_t i = 0; i < alternating.size(); ++i)
+      alternating[i] = i % 2 ? 5 : 1; // experts 0, 2-4, 6, 7 empty
+    run({4099, 8, 1, 64}, alternating);
+    run({0, 8, 2, 64}, {}); // no tokens
+  }
+
+  TEST_CASE("cuda gpu: routing replayed from a CUDA graph gives the same tables") {
+    MOEFORGE_REQUIRE_GPU();
+    Device device;
+    DeviceRouting routing(device);
+    Stream stream;
+    std::mt19937 rng(9);
+    RoutingShape s{3000, 64, 8, 128};
+    DeviceBuffer d_probs = DeviceBuffer::from(random_probs(s, rng, 0.0f));
+    RoutingPlan plan(s);
+    CudaGraph graph = CudaGraph::capture(stream, [&] { routing.run(d_probs.ptr(), plan, stream); });
+    stream.synchronize();
+    plan.poison(kPoisonNaN); // capture ran nothing; the graph must write everything
+    graph.launch(stream);
+    stream.synchronize();
+    std::vector<float> probs = d_probs.download<float>();
+    HostTopK top = top_k_on_host(s, probs);
+    check_tables_equal(plan.download(), route_on_host(s, top.expert), s);
+
+    // New probabilities in the same buffer: the replay routes them.
+    std::vector<float> skewed = random_probs(s, rng, 1.0f);
+    d_probs.upload(skewed);
+    plan.poison(kPoisonOnes);
+    graph.launch(stream);
+    stream.synchronize();
+    check_tables_equal(plan.download(), route_on_host(s, top_k_on_host(s, skewed).expert), s);
+  }
+
+  TEST_CASE("cuda gpu: cuBLAS bf16 GEMMs match a CPU loop") {
+    MOEFORGE_REQUIRE_GPU();
+    Device device;
+    Stream stream;
+    CublasHandle cublas;
+    const int64_t M = 96, N = 80, K = 72;
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    auto random_bf16 = [&](int64_t n) {
+      std::vector<uint16_t> v(n);
+      for (uint16_t &x : v)
+        x = float_to_bf16(u(rng));
+      return v;
+    };
+    // Row-major element (i, j) of an r x c matrix, or of its stored transpose.
+    auto at = [](const std::vector<uint16_t> &m, int64_t i, int64_t j, int64_t cols, bool transposed, int64_t rows) {
+      return bf16_to_float(transposed ? m[j * rows + i] : m[i * cols + j]);
+    };
+    for (Transpose ta : {Transpose::no, Transpose::yes})
+      for (Transpose tb : {Transpose::no, Transpose::yes}) {
+        bool at_ = ta == Transpose::yes, bt = tb == Transpose::yes;
+        CAPTURE(at_);
+        CAPTURE(bt);
+        std::vector<uint16_t> a = random_bf16(M * K), b = random_bf16(K * N);
+        DeviceBuffer da = DeviceBuffer::from(a), db = DeviceBuffer::from(b);
+        DeviceBuffer dc(M * N * sizeof(float)), dc16(M * N * sizeof(uint16_t));
+        dc.fill32(kPoisonNaN);
+        dc16.fill32(kPoisonNaN);
+        gemm_bf16(cublas, stream, ta, tb, M, N, K, da.ptr(), db.ptr(), dc.ptr(), GemmOutput::f32);
+        gemm_bf16(cublas, stream, ta, tb, M, N, K, da.ptr(), db.ptr(), dc16.ptr(), GemmOutput::bf16);
+        stream.synchronize();
+        std::vector<float> c = dc.download<float>();
+        std::vector<uint16_t> c16 = dc16.download<uint16_t>();
+        double worst = 0.0, worst16 = 0.0;
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t j = 0; j < N; ++j) {
+            double want = 0.0;
+            for (int64_t q = 0; q < K; ++q)
+              want += double(at(a, i, q, K, at_, M)) * double(at(b, q, j, N, bt, K));
+            worst = std::max(worst, std::abs(c[i * N + j] - want));
+            worst16 = std::max(worst16, std::abs(bf16_to_float(c16[i * N + j]) - want));
+          }
+        // fp32 accumulation of K=72 products of bf16 values in [-1, 1].
+        CHECK(worst < 1e-4);
+        // bf16 output: half an ulp of values up to ~10 is 2^-5.
+        CHECK(worst16 < 0.04);
+      }
+  }
+
+} // TEST_SUITE("gpu")

@@ -1,0 +1,245 @@
+// NVRTC compilation without a GPU: the routing kernels compile for sm_90a,
+// ptxas' report parses, compile errors quote NVRTC, and the disk cache hits,
+// and survives corruption.
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "backends/cuda/compile_cache.h"
+#include "backends/cuda/nvrtc_compiler.h"
+#include "backends/cuda/ptxas_report.h"
+#include "backends/cuda/routing_kernels.h"
+
+using namespace moeforge::cuda;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A fresh directory, removed at the end of the test.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "moeforge-test-XXXXXX").string();
+    path = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+// Sets an environment variable for the life of the object, then restores it.
+struct ScopedEnv {
+  std::string name;
+  std::string old;
+  bool had;
+  ScopedEnv(std::string n, const std::string &value) : name(std::move(n)) {
+    const char *v = std::getenv(name.c_str());
+    had = v != nullptr;
+    old = v ? v : "";
+    ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (had)
+      ::setenv(name.c_str(), old.c_str(), 1);
+    else
+      ::unsetenv(name.c_str());
+  }
+};
+
+const char *kSmallKernel = R"(
+extern "C" __global__ void scale(float *x, float a, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] *= a;
+}
+)";
+
+} // namespace
+
+TEST_CASE("cuda: NVRTC compiles the routing kernels for sm_90a without spills") {
+  CompileOptions options = routing_compile_options("sm_90a");
+  options.use_cache = false; // exercise NVRTC itself
+  CompileResult r = compile_cuda(routing_kernels_source(), "routing_kernels.cu", options);
+  MESSAGE("NVRTC " << nvrtc_version() << ", headers from '" << cuda_include_directory() << "'");
+  CHECK_FALSE(r.from_cache);
+  REQUIRE(r.cubin.size() > 4);
+  CHECK(std::string(r.cubin.data(), 4) == "\x7f"
+                                          "ELF");
+  for (const std::string &name : routing_kernel_names()) {
+    const ResourceReport *rep = r.resources_of(name);
+    REQUIRE_MESSAGE(rep != nullptr, "ptxas reported nothing for " << name << "; log:\n" << r.log);
+    MESSAGE(to_string(*rep));
+    CHECK(rep->spill_store_bytes == 0);
+    CHECK(rep->spill_load_bytes == 0);
+    CHECK(rep->stack_frame_bytes == 0);
+    CHECK(rep->registers > 0);
+    // 256 threads per block must fit the 64K-register file.
+    CHECK(rep->registers * kRoutingThreads <= 65536);
+  }
+  // The scatter's per-warp counts live in shared memory, as designed.
+  CHECK(r.resources_of("moe_stable_scatter")->shared_bytes >= kMaxRoutingExperts * 4);
+}
+
+TEST_CASE("cuda: the ptxas report parser reads every field") {
+  const std::string log = R"(ptxas info    : 40 bytes gmem, 64 bytes cmem[3]
+ptxas info    : Compiling entry function '_Z2k2Pfi' for 'sm_90a'
+ptxas info    : Function properties for _Z2k2Pfi
+ptxas         .     616 bytes stack frame, 912 bytes spill stores, 992 bytes spill loads
+ptxas info    : Used 24 registers, used 1 barriers, 256 bytes smem, 360 bytes cmem[0], 8 bytes cmem[2]
+ptxas info    : Compile time = 30.703 ms
+ptxas info    : Function properties for helper
+ptxas         .     64 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Compiling entry function 'plain' for 'sm_90a'
+ptxas info    : Function properties for plain
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 10 registers, used 0 barriers
+)";
+  std::vector<ResourceReport> reps = parse_ptxas_report(log);
+  REQUIRE(reps.size() == 2);
+  const ResourceReport &a = reps[0];
+  CHECK(a.kernel == "_Z2k2Pfi");
+  CHECK(a.demangled == "k2(float*, int)");
+  CHECK(a.registers == 24);
+  CHECK(a.barriers == 1);
+  CHECK(a.stack_frame_bytes == 616);
+  CHECK(a.spill_store_bytes == 912);
+  CHECK(a.spill_load_bytes == 992);
+  CHECK(a.shared_bytes == 256);
+  CHECK(a.constant_bytes == 368);
+  // A device function's properties do not leak into the next kernel.
+  const ResourceReport &b = reps[1];
+  CHECK(b.kernel == "plain");
+  CHECK(b.registers == 10);
+  CHECK(b.spill_store_bytes == 0);
+  CHECK(b.stack_frame_bytes == 0);
+  CHECK(find_report(reps, "k2(float*, int)") == &reps[0]);
+  CHECK(find_report(reps, "absent") == nullptr);
+  CHECK(parse_ptxas_report("").empty());
+}
+
+TEST_CASE("cuda: a compile error quotes the NVRTC log and the failing line") {
+  const std::string source = "extern \"C\" __global__ void broken(float *x) {\n"
+                             "  x[0] = undefined_thing;\n"
+                             "}\n";
+  CompileOptions options;
+  options.use_cache = false;
+  try {
+    compile_cuda(source, "broken.cu", options);
+    FAIL("a broken source compiled");
+  } catch (const CompileError &e) {
+    std::string what = e.what();
+    MESSAGE(what);
+    // NVRTC's own line, e.g. broken.cu(2): error: identifier "undefined_thing" is undefined
+    CHECK(what.find("broken.cu(2): error: identifier \"undefined_thing\" is undefined") != std::string::npos);
+    CHECK(what.find("2 |   x[0] = undefined_thing;") != std::string::npos);
+    CHECK(what.find("NVRTC could not compile 'broken.cu' for sm_90a") == 0);
+    CHECK(e.log().find("undefined_thing") != std::string::npos);
+  }
+}
+
+TEST_CASE("cuda: a compile error in an in-memory header quotes the header's line") {
+  CompileOptions options;
+  options.use_cache = false;
+  options.headers = {{"tile.h", "#pragma once\ninline int twice(int v) { return v * nope; }\n"}};
+  try {
+    compile_cuda("#include \"tile.h\"\nextern \"C\" __global__ void k(int *x) { x[0] = twice(x[0]); }\n", "k.cu",
+                 options);
+    FAIL("a broken header compiled");
+  } catch (const CompileError &e) {
+    std::string what = e.what();
+    CHECK(what.find("tile.h(2): error") != std::string::npos);
+    CHECK(what.find("return v * nope;") != std::string::npos);
+  }
+}
+
+TEST_CASE("cuda: in-memory headers and options reach NVRTC") {
+  CompileOptions options;
+  options.use_cache = false;
+  options.headers = {{"scale.h", "#pragma once\n#define SCALE_OF(x) ((x) * FACTOR)\n"}};
+  options.extra_options = {"-DFACTOR=3"};
+  options.line_info = true;
+  options.fast_math = true;
+  CompileResult r = compile_cuda("#include \"scale.h\"\n#include <cuda_bf16.h>\n"
+                                 "extern \"C\" __global__ void k(__nv_bfloat16 *x) {"
+                                 " x[0] = __float2bfloat16(SCALE_OF(1.0f)); }\n",
+                                 "k.cu", options);
+  CHECK(r.resources_of("k") != nullptr);
+  std::vector<std::string> opts = nvrtc_options(options);
+  CHECK(std::find(opts.begin(), opts.end(), "--ptxas-options=-v") != opts.end());
+  CHECK(std::find(opts.begin(), opts.end(), "-lineinfo") != opts.end());
+  CHECK(std::find(opts.begin(), opts.end(), "--use_fast_math") != opts.end());
+}
+
+TEST_CASE("cuda: the compile cache hits the second time and survives a corrupt entry") {
+  TempDir dir;
+  ScopedEnv env("MOEFORGE_CACHE_DIR", dir.path.string());
+  CHECK(CompileCache::default_directory() == dir.path);
+
+  CompileResult first = compile_cuda(kSmallKernel, "scale.cu");
+  CHECK_FALSE(first.from_cache);
+  fs::path entry = dir.path / "nvrtc" / (first.cache_key + ".cubin-entry");
+  REQUIRE(fs::exists(entry));
+
+  CompileResult second = compile_cuda(kSmallKernel, "scale.cu");
+  CHECK(second.from_cache);
+  CHECK(second.cubin == first.cubin);
+  CHECK(second.log == first.log);
+  REQUIRE(second.resources_of("scale") != nullptr);
+  CHECK(second.resources_of("scale")->registers == first.resources_of("scale")->registers);
+
+  // Anything that changes the output changes the key.
+  CompileOptions other;
+  other.extra_options = {"-DUNUSED=1"};
+  CompileResult third = compile_cuda(kSmallKernel, "scale.cu", other);
+  CHECK_FALSE(third.from_cache);
+  CHECK(third.cache_key != first.cache_key);
+
+  SUBCASE("flipped byte in the cubin") {
+    std::fstream f(entry, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    char c = 0;
+    f.seekg(100);
+    f.get(c);
+    f.seekp(100);
+    f.put(static_cast<char>(c ^ 0x5a));
+  }
+  SUBCASE("truncated") { fs::resize_file(entry, fs::file_size(entry) / 2); }
+  SUBCASE("garbage") {
+    std::ofstream f(entry, std::ios::binary | std::ios::trunc);
+    f << "not a cache entry";
+  }
+  SUBCASE("empty") { std::ofstream f(entry, std::ios::binary | std::ios::trunc); }
+
+  CompileResult recompiled = compile_cuda(kSmallKernel, "scale.cu");
+  CHECK_FALSE(recompiled.from_cache);
+  CHECK(recompiled.cubin == first.cubin);
+  // ... and the recompile repaired the entry.
+  CHECK(compile_cuda(kSmallKernel, "scale.cu").from_cache);
+}
+
+TEST_CASE("cuda: the cache directory follows MOEFORGE_CACHE_DIR then XDG_CACHE_HOME then HOME") {
+  ScopedEnv home("HOME", "/home/someone");
+  {
+    ScopedEnv cache("MOEFORGE_CACHE_DIR", "/tmp/mf-cache");
+    CHECK(CompileCache::default_directory() == fs::path("/tmp/mf-cache"));
+  }
+  ScopedEnv cache("MOEFORGE_CACHE_DIR", "");
+  {
+    ScopedEnv xdg("XDG_CACHE_HOME", "/tmp/xdg");
+    CHECK(CompileCache::default_directory() == fs::path("/tmp/xdg/moeforge"));
+  }
+  ScopedEnv xdg("XDG_CACHE_HOME", "");
+  CHECK(CompileCache::default_directory() == fs::path("/home/someone/.cache/moeforge"));
+}
+
+TEST_CASE("cuda: cache keys separate fields") {
+  CHECK_FALSE(CacheKey::of({"ab", "c"}) == CacheKey::of({"a", "bc"}));
+  CHECK(CacheKey::of({"ab", "c"}) == CacheKey::of({"ab", "c"}));
+  CHECK(CacheKey::of({"x"}).hex().size() == 16);
+}

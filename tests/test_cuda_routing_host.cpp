@@ -1,0 +1,186 @@
+// The host oracle of the device routing: a golden example, the MoE edge
+// cases and a sweep, each checked against the format's definitions
+// (verify_routing_tables), plus the top-k rule against the Eigen reference.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/routing_host.h"
+#include "backends/reference/evaluate.h"
+#include "dsl/error.h"
+#include "examples/examples.h"
+
+using namespace moeforge::cuda;
+
+namespace {
+
+std::string joined(const std::vector<std::string> &v) {
+  std::string s;
+  for (const std::string &x : v)
+    s += x + "\n";
+  return s;
+}
+
+void check_tables(const RoutingShape &shape, const std::vector<int32_t> &expert) {
+  CAPTURE(shape.to_string());
+  RoutingTables t = route_on_host(shape, expert);
+  std::vector<std::string> violations = verify_routing_tables(shape, t);
+  CHECK_MESSAGE(violations.empty(), joined(violations));
+}
+
+std::vector<int32_t> random_experts(const RoutingShape &s, std::mt19937 &rng) {
+  // Distinct experts per token, as top-k makes them.
+  std::vector<int32_t> out, perm(s.experts);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    out.insert(out.end(), perm.begin(), perm.begin() + s.k);
+  }
+  return out;
+}
+
+} // namespace
+
+TEST_CASE("cuda: routing oracle on a worked example") {
+  RoutingShape s{3, 3, 1, 2}; // T=3 E=3 k=1 bs=2
+  RoutingTables t = route_on_host(s, {2, 0, 2});
+  CHECK(t.counts == std::vector<int32_t>{1, 0, 2});
+  CHECK(t.offsets == std::vector<int32_t>{0, 2, 2, 4});
+  CHECK(t.offsets_unpadded == std::vector<int32_t>{0, 1, 1, 3});
+  CHECK(t.pair_pos == std::vector<int32_t>{2, 0, 3});
+  // max_padded_rows = (ceil(3/2) + 3) * 2 = 10
+  CHECK(t.sorted_pair == std::vector<int32_t>{1, -1, 0, 2, -1, -1, -1, -1, -1, -1});
+  CHECK(t.num_tiles == 2);
+  CHECK(t.tile_expert == std::vector<int32_t>{0, 2, -1, -1, -1});
+  CHECK(t.tile_row_start == std::vector<int32_t>{0, 2, -1, -1, -1});
+  CHECK(t.tile_rows == std::vector<int32_t>{1, 2, 0, 0, 0});
+  CHECK(verify_routing_tables(s, t).empty());
+}
+
+TEST_CASE("cuda: routing oracle on the MoE edge cases") {
+  std::mt19937 rng(7);
+  SUBCASE("an expert with no pairs") {
+    RoutingShape s{100, 4, 1, 64};
+    std::vector<int32_t> e(100);
+    for (int i = 0; i < 100; ++i)
+      e[i] = i % 2 == 0 ? 0 : 3; // experts 1 and 2 empty
+    check_tables(s, e);
+    RoutingTables t = route_on_host(s, e);
+    CHECK(t.counts[1] == 0);
+    CHECK(t.offsets[1] == t.offsets[2]);
+  }
+  SUBCASE("every pair on one expert") {
+    RoutingShape s{300, 8, 1, 128};
+    check_tables(s, std::vector<int32_t>(300, 5));
+    CHECK(route_on_host(s, std::vector<int32_t>(300, 5)).num_tiles == 3);
+  }
+  SUBCASE("k = E") {
+    RoutingShape s{37, 6, 6, 64};
+    check_tables(s, random_experts(s, rng));
+  }
+  SUBCASE("one token") {
+    RoutingShape s{1, 8, 2, 256};
+    check_tables(s, random_experts(s, rng));
+  }
+  SUBCASE("T not a multiple of the block") {
+    RoutingShape s{1000, 16, 2, 128};
+    check_tables(s, random_experts(s, rng));
+  }
+  SUBCASE("no tokens") {
+    RoutingShape s{0, 8, 2, 64};
+    RoutingTables t = route_on_host(s, {});
+    CHECK(t.num_tiles == 0);
+    CHECK(t.tile_expert == std::vector<int32_t>(8, -1));
+    CHECK(verify_routing_tables(s, t).empty());
+  }
+  SUBCASE("256 experts") {
+    RoutingShape s{513, 256, 8, 64};
+    check_tables(s, random_experts(s, rng));
+  }
+}
+
+TEST_CASE("cuda: routing oracle sweep over shapes") {
+  std::mt19937 rng(11);
+  for (int64_t T : {1, 2, 63, 64, 65, 200, 1031})
+    for (int E : {1, 2, 7, 64})
+      for (int k : {1, 2, 8})
+        for (int bs : {1, 3, 64, 128}) {
+          if (k > E)
+            continue;
+          RoutingShape s{T, E, k, bs};
+          check_tables(s, random_experts(s, rng));
+        }
+}
+
+TEST_CASE("cuda: verify_routing_tables finds broken tables") {
+  RoutingShape s{8, 2, 1, 4};
+  std::vector<int32_t> e = {0, 1, 0, 0, 1, 1, 0, 1};
+  RoutingTables good = route_on_host(s, e);
+  REQUIRE(verify_routing_tables(s, good).empty());
+
+  SUBCASE("unstable order within an expert") {
+    RoutingTables t = good;
+    std::swap(t.pair_pos[0], t.pair_pos[2]); // both expert 0
+    std::swap(t.sorted_pair[t.pair_pos[0]], t.sorted_pair[t.pair_pos[2]]);
+    std::string v = joined(verify_routing_tables(s, t));
+    CHECK(v.find("pair_pos[0] = 1, expected 0 (expert 0, stable order)") != std::string::npos);
+  }
+  SUBCASE("a padding row not -1") {
+    RoutingTables t = good;
+    t.sorted_pair.back() = 3;
+    CHECK(joined(verify_routing_tables(s, t)).find("at a padding row, expected -1") != std::string::npos);
+  }
+  SUBCASE("a tile's valid rows") {
+    RoutingTables t = good;
+    t.tile_rows[0] = 3;
+    CHECK(joined(verify_routing_tables(s, t)).find("tile_rows[0] = 3, expected 4") != std::string::npos);
+  }
+  SUBCASE("a stale tile past num_tiles") {
+    RoutingTables t = good;
+    t.tile_expert.back() = 0;
+    CHECK(joined(verify_routing_tables(s, t)).find("past num_tiles") != std::string::npos);
+  }
+}
+
+TEST_CASE("cuda: routing shape errors name the field") {
+  auto message = [](RoutingShape s) {
+    try {
+      s.check();
+    } catch (const moeforge::UserError &e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(message({10, 300, 2, 64}) == "routing with E = 300 experts: the device routing supports 1 to 256");
+  CHECK(message({10, 8, 9, 64}) == "routing with k = 9 of E = 8 experts: k must be between 1 and E");
+  CHECK(message({10, 8, 2, 0}) == "routing with block size 0: it must be positive (64, 128 or 256)");
+  CHECK_THROWS_WITH_AS(route_on_host({2, 4, 1, 64}, {0, 4}), "route_on_host: expert id 4 is outside 0..3",
+                       moeforge::UserError);
+}
+
+TEST_CASE("cuda: host top-k breaks ties toward the lower expert") {
+  RoutingShape s{2, 5, 3, 64};
+  std::vector<float> probs = {0.1f, 0.3f, 0.1f, 0.3f, 0.2f, //
+                              0.2f, 0.2f, 0.2f, 0.2f, 0.2f};
+  HostTopK k = top_k_on_host(s, probs);
+  CHECK(k.expert == std::vector<int32_t>{1, 3, 4, 0, 1, 2});
+  CHECK(k.gate == std::vector<float>{0.3f, 0.3f, 0.2f, 0.2f, 0.2f, 0.2f});
+}
+
+TEST_CASE("cuda: host top-k routes exactly like the Eigen reference") {
+  moeforge::ExampleShape shape;
+  shape.tokens = 97;
+  shape.experts = 16;
+  shape.topk = 4;
+  moeforge::Example ex = moeforge::make_example("moe_mlp", shape);
+  moeforge::EvalResult res = moeforge::evaluate(ex.pipeline, ex.random_inputs(shape, 3), moeforge::Precision::f32);
+  const moeforge::HostTensor &p = res["probs"];
+  REQUIRE(p.shape == std::vector<int64_t>{97, 16});
+  std::vector<float> probs(p.data.begin(), p.data.end()); // f32 values, exact
+  HostTopK k = top_k_on_host({97, 16, 4, 64}, probs);
+  CHECK(k.expert == res.routes.at(ex.route).expert);
+}

@@ -91,15 +91,18 @@ TEST_SUITE("gpu") {
     DeviceBuffer empty(0);
     CHECK(empty.ptr() == 0);
 
+    CompileOptions options;
+    options.arch = device.arch(); // what this GPU runs
     CompileResult compiled = compile_cuda(R"(
 extern "C" __global__ void add_one(int *x, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] += 1;
 })",
-                                          "add_one.cu", CompileOptions{device.arch()});
+                                          "add_one.cu", options);
     Module module(compiled.cubin, "add_one");
     Kernel k = module.kernel("add_one");
     KernelAttributes attrs = k.attributes();
+    REQUIRE(compiled.resources_of("add_one") != nullptr);
     CHECK(attrs.registers == compiled.resources_of("add_one")->registers);
     CHECK(attrs.local_bytes == 0);
     Stream stream;
@@ -120,7 +123,9 @@ extern "C" __global__ void add_one(int *x, int n) {
     CHECK_THROWS_WITH_AS(module.kernel("nope"), doctest::Contains("cuModuleGetFunction failed: CUDA_ERROR_NOT_FOUND"),
                          CudaError);
     // Garbage is not a cubin.
-    std::vector<char> junk(64, 'x');
+    // (NUL-terminated: the driver reads input that is not ELF as PTX text.)
+    const std::string text = "this is not a cubin";
+    std::vector<char> junk(text.c_str(), text.c_str() + text.size() + 1);
     CHECK_THROWS_WITH_AS(Module(junk, "junk"), doctest::Contains("cuModuleLoadData failed: CUDA_ERROR_"), CudaError);
   }
 

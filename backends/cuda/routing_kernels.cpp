@@ -83,6 +83,8 @@ void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stre
   run_from_experts(plan, stream);
 }
 
+// Each args[] lists the kernel's parameters in the order of its signature in
+// routing_kernels_source.h; all launches share `stream`, which orders them.
 void DeviceRouting::run_from_experts(RoutingPlan &plan, const Stream &stream) const {
   const RoutingShape &s = plan.shape;
   int pairs = static_cast<int>(s.pairs()), experts = s.experts, block = s.block;

@@ -14,9 +14,9 @@ date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/device.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # Every test, GPU ones included (they run for real here).
-  .gpu/moeforge_tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
+  timeout 420 .gpu/moeforge_tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
   grep -q "Status: SUCCESS" "$OUT/tests.log" || status=1
-  compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
     -tc="cuda layer: the dense MLP*,cuda layer: a whole forward*" >"$OUT/memcheck.log" 2>&1
   echo "memcheck exit code: $?" | tee -a "$OUT/memcheck.log"
   tail -4 "$OUT/memcheck.log"

@@ -135,8 +135,8 @@ TEST_SUITE("gpu") {
         {"an expert with no tokens", shape(256, 128, 256, 8, 2), Bias::last_empty, false},
         {"every token on one expert (k = 1)", shape(300, 128, 128, 8, 1), Bias::all_to_first, true},
         {"T not a multiple of the block", shape(333, 128, 256, 8, 2), Bias::none, true},
-        {"T smaller than one block", shape(5, 128, 128, 4, 2), Bias::none, false},
-        {"k = E", shape(100, 128, 128, 4, 4), Bias::none, true},
+        {"T smaller than one block", shape(5, 128, 128, 8, 2), Bias::none, false},
+        {"k = E", shape(100, 128, 128, 8, 8), Bias::none, true},
         {"skewed routing", shape(1024, 128, 256, 16, 2), Bias::ramp, false},
     };
     for (const Case &c : cases)
@@ -158,7 +158,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("cuda layer: a dimension no tile divides (d = f = 2880)") {
     MOEFORGE_REQUIRE_GPU();
-    ExampleShape s = shape(96, 2880, 2880, 4, 2);
+    ExampleShape s = shape(96, 2880, 2880, 8, 2);
     Example ex = make_example("swiglu_moe", s);
     for (const char *p : {"megablocks", "scattermoe"}) {
       Outcome o = run_and_compare(ex, ex.random_inputs(s, 9), s.tokens, preset(p));

@@ -181,22 +181,32 @@ TEST_CASE("cuda: the compile cache hits the second time and survives a corrupt e
   ScopedEnv env("MOEFORGE_CACHE_DIR", dir.path.string());
   CHECK(CompileCache::default_directory() == dir.path);
 
-  CompileResult first = compile_cuda(kSmallKernel, "scale.cu");
+  // doctest re-runs this body once per SUBCASE. Seen on the H200 machine's
+  // NVRTC: compiling a source it already compiled in this process leaves the
+  // log (and so the ptxas report) empty; a per-run comment keeps each run new.
+  static int run = 0;
+  const std::string source = std::string(kSmallKernel) + "// run " + std::to_string(run++) + "\n";
+  CompileResult first = compile_cuda(source, "scale.cu");
   CHECK_FALSE(first.from_cache);
   fs::path entry = dir.path / "nvrtc" / (first.cache_key + ".cubin-entry");
   REQUIRE(fs::exists(entry));
 
-  CompileResult second = compile_cuda(kSmallKernel, "scale.cu");
+  CompileResult second = compile_cuda(source, "scale.cu");
   CHECK(second.from_cache);
   CHECK(second.cubin == first.cubin);
   CHECK(second.log == first.log);
-  REQUIRE(second.resources_of("scale") != nullptr);
-  CHECK(second.resources_of("scale")->registers == first.resources_of("scale")->registers);
+  // Not REQUIRE: a fatal failure before this test's SUBCASEs makes doctest
+  // re-run it without end.
+  INFO("NVRTC log: " << first.log);
+  CHECK(first.resources_of("scale") != nullptr);
+  CHECK(second.resources_of("scale") != nullptr);
+  if (first.resources_of("scale") && second.resources_of("scale"))
+    CHECK(second.resources_of("scale")->registers == first.resources_of("scale")->registers);
 
   // Anything that changes the output changes the key.
   CompileOptions other;
   other.extra_options = {"-DUNUSED=1"};
-  CompileResult third = compile_cuda(kSmallKernel, "scale.cu", other);
+  CompileResult third = compile_cuda(source, "scale.cu", other);
   CHECK_FALSE(third.from_cache);
   CHECK(third.cache_key != first.cache_key);
 
@@ -216,11 +226,11 @@ TEST_CASE("cuda: the compile cache hits the second time and survives a corrupt e
   }
   SUBCASE("empty") { std::ofstream f(entry, std::ios::binary | std::ios::trunc); }
 
-  CompileResult recompiled = compile_cuda(kSmallKernel, "scale.cu");
+  CompileResult recompiled = compile_cuda(source, "scale.cu");
   CHECK_FALSE(recompiled.from_cache);
   CHECK(recompiled.cubin == first.cubin);
   // ... and the recompile repaired the entry.
-  CHECK(compile_cuda(kSmallKernel, "scale.cu").from_cache);
+  CHECK(compile_cuda(source, "scale.cu").from_cache);
 }
 
 TEST_CASE("cuda: the cache directory follows MOEFORGE_CACHE_DIR then XDG_CACHE_HOME then HOME") {

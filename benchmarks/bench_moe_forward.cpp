@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <random>
 
 #include "backends/cuda/cublas_gemm.h"
 #include "backends/cuda/layer.h"
@@ -73,6 +74,25 @@ double roof_ms(const Shape &s) {
   return cache[s.name] = ms;
 }
 
+// Random inputs of the example's ranges. Tensors past 4M values repeat a 4M
+// random pattern: gigabytes of weights need no host-side random numbers to
+// time realistically, and x's rows still cover every routing choice.
+void upload_inputs(cuda::CudaLayer &layer, const Example &ex, const ExampleShape &es, Bias bias, double ramp) {
+  std::mt19937_64 rng(1);
+  for (const BufferPtr &b : ex.pipeline.buffers()) {
+    if (b->name == "bias") {
+      layer.upload_repeated("bias", router_bias(bias, es.experts, ramp));
+      continue;
+    }
+    int64_t n = 1;
+    for (const Dim &d : b->dims)
+      n *= d.is_dynamic() ? es.tokens : d.extent();
+    auto it = ex.init_scale.find(b->name);
+    double a = it == ex.init_scale.end() ? 1.0 : it->second;
+    layer.upload_repeated(b->name, random_tensor({std::min<int64_t>(n, 1 << 22)}, rng, -a, a));
+  }
+}
+
 void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name, bool skewed) {
   if (!cuda::gpu_available()) {
     state.SkipWithError("no GPU: libcuda.so.1 not found");
@@ -89,7 +109,7 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
   Schedule schedule = preset(schedule_name);
   cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, schedule, device().arch_specific());
   cuda::CudaLayer layer(device(), compiled, shape.tokens);
-  layer.upload(biased_inputs(ex, es, bias, 1, shape.skew_ramp));
+  upload_inputs(layer, ex, es, bias, shape.skew_ramp);
   cuda::Stream stream;
   cuda::CudaGraph graph = cuda::CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
 

@@ -42,12 +42,10 @@ inline Example biased_moe(const ExampleShape &s, bool swiglu, Bias bias, bool re
   return ex;
 }
 
-// Inputs for biased_moe: random weights, and the bias that forces `bias`.
-inline TensorMap biased_inputs(const Example &ex, const ExampleShape &s, Bias bias, uint64_t seed,
-                                double ramp = 1.5) {
-  TensorMap in = ex.random_inputs(s, seed);
-  HostTensor &b = in.at("bias");
-  for (int64_t e = 0; e < s.experts; ++e) {
+// The router bias(e) that forces `bias` over `experts` experts.
+inline HostTensor router_bias(Bias bias, int64_t experts, double ramp = 1.5) {
+  HostTensor b({experts});
+  for (int64_t e = 0; e < experts; ++e) {
     double v = 0;
     switch (bias) {
     case Bias::none:
@@ -56,14 +54,22 @@ inline TensorMap biased_inputs(const Example &ex, const ExampleShape &s, Bias bi
       v = e == 0 ? 30.0 : 0.0;
       break;
     case Bias::last_empty:
-      v = e == s.experts - 1 ? -30.0 : 0.0;
+      v = e == experts - 1 ? -30.0 : 0.0;
       break;
     case Bias::ramp:
-      v = ramp * double(e) / double(s.experts);
+      v = ramp * double(e) / double(experts);
       break;
     }
     b.data[e] = v;
   }
+  return b;
+}
+
+// Inputs for biased_moe: random weights, and the bias that forces `bias`.
+inline TensorMap biased_inputs(const Example &ex, const ExampleShape &s, Bias bias, uint64_t seed,
+                               double ramp = 1.5) {
+  TensorMap in = ex.random_inputs(s, seed);
+  in.at("bias") = router_bias(bias, s.experts, ramp);
   return in;
 }
 

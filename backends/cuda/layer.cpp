@@ -151,6 +151,26 @@ void CudaLayer::bind() {
   }
 }
 
+namespace {
+
+// The bytes of `values` stored as `t` (bf16 rounded to nearest even).
+std::vector<uint8_t> encode(const std::vector<double> &values, DType t, const std::string &name) {
+  user_check(t != DType::f16) << "input '" << name << "': f16 is not supported by the CUDA backend yet";
+  std::vector<uint8_t> bytes(values.size() * dtype_bytes(t));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (t == DType::f32) {
+      float f = static_cast<float>(values[i]);
+      std::memcpy(&bytes[i * 4], &f, 4);
+    } else {
+      uint16_t b = to_bf16_bits(values[i]);
+      std::memcpy(&bytes[i * 2], &b, 2);
+    }
+  }
+  return bytes;
+}
+
+} // namespace
+
 void CudaLayer::upload(const TensorMap &inputs) {
   for (const TensorDecl &t : layer_.program.tensors) {
     if (!t.is_input)
@@ -163,17 +183,25 @@ void CudaLayer::upload(const TensorMap &inputs) {
       want.push_back(extent(d));
     user_check(h.shape == want) << "input '" << t.name << "' has the wrong shape for " << tokens_
                                 << " tokens: give it the declared Dims";
-    DeviceBuffer &b = tensors_.at(t.name);
-    if (t.dtype == DType::f32) {
-      b.upload(std::vector<float>(h.data.begin(), h.data.end()));
-    } else {
-      user_check(t.dtype == DType::bf16) << "input '" << t.name << "': f16 is not supported by the CUDA backend yet";
-      std::vector<uint16_t> bits(h.data.size());
-      for (size_t i = 0; i < bits.size(); ++i)
-        bits[i] = to_bf16_bits(h.data[i]);
-      b.upload(bits);
-    }
+    tensors_.at(t.name).upload(encode(h.data, t.dtype, t.name));
   }
+}
+
+void CudaLayer::upload_repeated(const std::string &name, const HostTensor &pattern) {
+  const TensorDecl &t = layer_.program.tensor(name);
+  user_check(t.is_input) << "'" << name << "' is not an Input or Param";
+  DeviceBuffer &b = tensors_.at(name);
+  std::vector<uint8_t> bytes = encode(pattern.data, t.dtype, name);
+  user_check(!bytes.empty() && bytes.size() <= b.bytes()) << "pattern for '" << name << "' is empty or too large";
+  DeviceBuffer first(bytes.size());
+  first.upload(bytes);
+  // Device-to-device copies of the pattern fill the rest.
+  for (size_t at = 0; at < b.bytes();) {
+    size_t n = std::min(bytes.size(), b.bytes() - at);
+    MOEFORGE_CU(cuMemcpyDtoD, b.ptr() + at, first.ptr(), n);
+    at += n;
+  }
+  MOEFORGE_CU(cuCtxSynchronize);
 }
 
 void CudaLayer::poison() {

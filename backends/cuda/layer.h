@@ -40,6 +40,10 @@ public:
   // Uploads every Input and Param (rounded to its dtype). Shapes must match
   // the declared Dims with the token Dim = tokens.
   void upload(const TensorMap &inputs);
+  // Fills Input/Param `name` with `pattern`'s values repeated to its size:
+  // for benchmarks, whose large weights need realistic values but not
+  // gigabytes of host-side random numbers.
+  void upload_repeated(const std::string &name, const HostTensor &pattern);
   // Fills every intermediate and output with a NaN pattern, so an element a
   // kernel fails to write shows up in any comparison.
   void poison();

@@ -15,9 +15,10 @@ Schedule anchor(const std::string &name, Permutation permutation, GateFusion gat
   s.permutation(permutation)
       .block(128)
       .gate(gate)
-      .tile(Schedule::all_funcs, 128, 128, 32)
+      .tile(Schedule::all_funcs, 128, 128, 64)
       .stages(Schedule::all_funcs, 4)
-      .warps(Schedule::all_funcs, 2, 4)
+      .warps(Schedule::all_funcs, 8, 1)
+      .mma(Schedule::all_funcs, MmaKind::wgmma)
       .fuse_epilogue(Schedule::all_funcs, true);
   return s;
 }

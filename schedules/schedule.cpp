@@ -52,6 +52,16 @@ const char *permutation_name(Permutation p) {
   return "?";
 }
 
+const char *mma_kind_name(MmaKind m) {
+  switch (m) {
+  case MmaKind::mma_sync:
+    return "mma_sync";
+  case MmaKind::wgmma:
+    return "wgmma";
+  }
+  return "?";
+}
+
 const char *gate_fusion_name(GateFusion g) {
   switch (g) {
   case GateFusion::combine:
@@ -154,6 +164,17 @@ Schedule &Schedule::fuse_epilogue(const std::string &func, bool fuse) {
   return *this;
 }
 
+Schedule &Schedule::mma(const std::string &func, MmaKind kind) {
+  std::string call = "mma(" + quoted(func) + ", " + mma_kind_name(kind) + ")";
+  check_func_name(call, func);
+  user_check(kind == MmaKind::mma_sync || kind == MmaKind::wgmma)
+      << "mma(" << static_cast<int>(kind) << "): unknown instruction: use MmaKind::mma_sync or MmaKind::wgmma";
+  Overrides patch;
+  patch.mma = kind;
+  commit(call, "mma", func, patch);
+  return *this;
+}
+
 FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   GemmTiling &t = base.tiling;
   t.tile_m = o.tile_m.value_or(t.tile_m);
@@ -162,6 +183,7 @@ FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   t.stages = o.stages.value_or(t.stages);
   t.warps_m = o.warps_m.value_or(t.warps_m);
   t.warps_n = o.warps_n.value_or(t.warps_n);
+  t.mma = o.mma.value_or(t.mma);
   base.fuse_epilogue = o.fuse_epilogue.value_or(base.fuse_epilogue);
   return base;
 }
@@ -190,6 +212,7 @@ void Schedule::commit(const std::string &call, const std::string &primitive, con
     merge(o.warps_m, patch.warps_m);
     merge(o.warps_n, patch.warps_n);
     merge(o.fuse_epilogue, patch.fuse_epilogue);
+    merge(o.mma, patch.mma);
     if (next.named_by_.emplace(func, primitive).second)
       next.funcs_.push_back(func);
   }
@@ -226,6 +249,19 @@ void Schedule::check_tilings(const std::string &call, const std::string &changed
         << "x" << t.tile_k << " of " << who << ": tile_n / warps_n = " << t.tile_n << " / " << t.warps_n << " = "
         << t.tile_n / t.warps_n << " columns per warp, not a multiple of 16: use warps_n <= " << t.tile_n / 16
         << " or tile_n >= " << std::max(64, t.warps_n * 16) << " (set warps before tiles when shrinking both)";
+    if (t.mma == MmaKind::wgmma) {
+      // A warpgroup issues m64 wgmmas over 128-byte swizzled rows of 64 bf16.
+      user_check(t.tile_k == 64 && (t.tile_m == 64 || t.tile_m == 128))
+          << call << ": wgmma for " << who << " needs tile_k 64 and tile_m 64 or 128, but the tile is " << t.tile_m
+          << "x" << t.tile_n << "x" << t.tile_k << ": use tile(\"" << f << "\", 128, " << t.tile_n
+          << ", 64) (set the tile before mma(..., wgmma))";
+      user_check(t.warps_m == t.tile_m / 16 && t.warps_n == 1)
+          << call << ": wgmma for " << who << " runs one warpgroup per 64 rows, each warp owning 16 rows: warps "
+          << t.warps_m << "x" << t.warps_n << " do not match tile_m " << t.tile_m << ": use warps(\"" << f << "\", "
+          << t.tile_m / 16 << ", 1)";
+      user_check(t.stages >= 3) << call << ": wgmma for " << who
+                                << " keeps one group of MMAs in flight while refilling a stage: use stages >= 3";
+    }
     int per_stage = t.shared_bytes() / t.stages;
     int fit = max_shared_bytes / per_stage;
     std::ostringstream fix;

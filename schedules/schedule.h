@@ -46,6 +46,13 @@ enum class GateFusion {
   epilogue, // in the epilogue of the last expert GEMM, before its store
 };
 
+// The tensor-core instruction a GEMM's main loop is built on.
+enum class MmaKind {
+  mma_sync, // warp-level mma.sync m16n8k16 (sm_80 and later)
+  wgmma,    // Hopper warpgroup wgmma from shared memory (sm_90a): tile_k 64, one warpgroup per 64 rows
+};
+
+const char *mma_kind_name(MmaKind m);
 const char *permutation_name(Permutation p);
 const char *gate_fusion_name(GateFusion g);
 
@@ -54,6 +61,7 @@ const char *gate_fusion_name(GateFusion g);
 // flight, its warps laid out warps_m x warps_n over the tile.
 struct GemmTiling {
   int tile_m = 128, tile_n = 128, tile_k = 32, stages = 4, warps_m = 2, warps_n = 4;
+  MmaKind mma = MmaKind::mma_sync;
   int threads() const { return warps_m * warps_n * 32; }
   // The A and B tiles of every stage, in bf16.
   int shared_bytes() const { return stages * (tile_m * tile_k + tile_k * tile_n) * 2; }
@@ -93,6 +101,9 @@ public:
   // (tile_m / warps_m, tile_n / warps_n) is a multiple of 16.
   Schedule &warps(const std::string &func, int warps_m, int warps_n);
   Schedule &fuse_epilogue(const std::string &func, bool fuse);
+  // The tensor-core instruction; wgmma needs tile_k 64, tile_m 64 or 128 and
+  // warps (tile_m / 16) x 1 (each warp owns 16 rows of its warpgroup's 64).
+  Schedule &mma(const std::string &func, MmaKind kind);
 
   // ---- accessors
   const std::string &name() const { return name_; }
@@ -128,6 +139,7 @@ private:
   struct Overrides {
     std::optional<int> tile_m, tile_n, tile_k, stages, warps_m, warps_n;
     std::optional<bool> fuse_epilogue;
+    std::optional<MmaKind> mma;
   };
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);
 

@@ -18,7 +18,7 @@ namespace moeforge {
 
 namespace {
 
-enum class ArgType { text, integer, permutation, gate, boolean };
+enum class ArgType { text, integer, permutation, gate, boolean, mma };
 
 struct ArgSpec {
   const char *name;
@@ -40,6 +40,7 @@ const std::vector<Signature> &signatures() {
       {"stages", {{"func", ArgType::text}, {"stages", ArgType::integer}}},
       {"warps", {{"func", ArgType::text}, {"warps_m", ArgType::integer}, {"warps_n", ArgType::integer}}},
       {"fuse_epilogue", {{"func", ArgType::text}, {"fuse", ArgType::boolean}}},
+      {"mma", {{"func", ArgType::text}, {"kind", ArgType::mma}}},
   };
   return all;
 }
@@ -56,6 +57,8 @@ const char *expected_for(ArgType t) {
     return "combine or epilogue";
   case ArgType::boolean:
     return "true or false";
+  case ArgType::mma:
+    return "mma_sync or wgmma";
   }
   return "?";
 }
@@ -211,6 +214,7 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
     std::vector<Permutation> perms(st.args.size());
     std::vector<GateFusion> gates(st.args.size());
     std::vector<bool> bools(st.args.size());
+    std::vector<MmaKind> mmas(st.args.size());
     for (size_t i = 0; i < st.args.size(); ++i) {
       const Token &a = st.args[i];
       const ArgSpec &p = sig->params[i];
@@ -232,6 +236,10 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
       case ArgType::gate:
         ok = !a.quoted && (a.text == "combine" || a.text == "epilogue");
         gates[i] = a.text == "epilogue" ? GateFusion::epilogue : GateFusion::combine;
+        break;
+      case ArgType::mma:
+        ok = !a.quoted && (a.text == "mma_sync" || a.text == "wgmma");
+        mmas[i] = a.text == "wgmma" ? MmaKind::wgmma : MmaKind::mma_sync;
         break;
       case ArgType::boolean:
         ok = !a.quoted && (a.text == "true" || a.text == "false");
@@ -264,6 +272,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.warps(func, i(1), i(2));
       } else if (st.primitive == "fuse_epilogue") {
         s.fuse_epilogue(func, bools[1]);
+      } else if (st.primitive == "mma") {
+        s.mma(func, mmas[1]);
       } else {
         internal_check(false) << "no replay for primitive " << st.primitive;
       }

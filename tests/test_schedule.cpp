@@ -60,10 +60,10 @@ TEST_SUITE("schedule") {
     CHECK(s.block() == 128);
     CHECK(s.gate() == GateFusion::combine);
     FuncSchedule f = s.for_func("h");
-    CHECK(f.tiling == GemmTiling{128, 128, 32, 4, 2, 4});
+    CHECK(f.tiling == GemmTiling{128, 128, 64, 4, 8, 1, MmaKind::wgmma});
     CHECK(f.fuse_epilogue);
     CHECK(f.tiling.threads() == 256);
-    CHECK(f.tiling.shared_bytes() == 4 * (128 * 32 + 32 * 128) * 2);
+    CHECK(f.tiling.shared_bytes() == 4 * (128 * 64 + 64 * 128) * 2);
     CHECK(s.funcs().empty());
   }
 
@@ -73,7 +73,7 @@ TEST_SUITE("schedule") {
     CHECK(s.permutation() == Permutation::scattered);
     CHECK(s.block() == 128);
     CHECK(s.gate() == GateFusion::epilogue);
-    CHECK(s.for_func("*").tiling == GemmTiling{128, 128, 32, 4, 2, 4});
+    CHECK(s.for_func("*").tiling == GemmTiling{128, 128, 64, 4, 8, 1, MmaKind::wgmma});
     CHECK(s.for_func("*").fuse_epilogue);
   }
 
@@ -104,9 +104,10 @@ TEST_SUITE("schedule") {
                                     "permutation(blocked)\n"
                                     "block(128)\n"
                                     "gate(combine)\n"
-                                    "tile(\"*\", 128, 128, 32)\n"
+                                    "tile(\"*\", 128, 128, 64)\n"
                                     "stages(\"*\", 4)\n"
-                                    "warps(\"*\", 2, 4)\n"
+                                    "warps(\"*\", 8, 1)\n"
+                                    "mma(\"*\", wgmma)\n"
                                     "fuse_epilogue(\"*\", true)\n");
     Schedule s;
     s.tile("h", 64, 128, 32).block(64).fuse_epilogue("o", false);
@@ -183,6 +184,7 @@ TEST_SUITE("schedule") {
 
   TEST_CASE("schedule: a primitive that fails its checks records nothing") {
     Schedule s = megablocks();
+    s.mma("*", MmaKind::mma_sync); // warps 1x8 below are an mma.sync layout
     std::string before = s.to_text();
     CHECK_THROWS_AS(s.block(96), UserError);
     CHECK_THROWS_AS(s.tile("h", 64, 64, 16), UserError);
@@ -209,6 +211,7 @@ TEST_SUITE("schedule") {
 
   TEST_CASE("schedule: per-Func schedules validate against the MoE examples") {
     Schedule s = scattermoe();
+    s.mma("*", MmaKind::mma_sync).warps("*", 2, 4);
     s.block(256).tile("h", 256, 128, 64).stages("h", 3).tile("o", 64, 256, 32).fuse_epilogue("o", false);
     s.tile("logits", 64, 64, 32).warps("logits", 2, 2);
     for (const char *example : {"moe_mlp", "swiglu_moe"})

@@ -172,7 +172,7 @@ TEST_SUITE("schedule") {
 
   TEST_CASE("schedule errors: validate names an unknown Func and lists the pipeline's Funcs") {
     Schedule s = megablocks();
-    s.tile("w1", 64, 128, 32);
+    s.tile("w1", 128, 128, 64);
     std::string m = error_of([&] { s.validate(layer("moe_mlp")); });
     CHECK_HAS(m, "schedule 'megablocks': tile() names 'w1', which is not a Func of this pipeline");
     CHECK_HAS(m, "its Funcs are logits, probs, route_gate, h, o, y");
@@ -193,7 +193,7 @@ TEST_SUITE("schedule") {
 
   TEST_CASE("schedule errors: validate refuses tile_m beyond the block for routed rows") {
     Schedule s = megablocks();
-    s.tile("h", 256, 128, 32);
+    s.mma("h", MmaKind::mma_sync).tile("h", 256, 128, 32);
     std::string m = error_of([&] { s.validate(layer("moe_mlp")); });
     CHECK_HAS(m, "'h' runs over the routed pairs r of route 'route'");
     CHECK_HAS(m, "tile_m 256 does not divide block 128: use tile_m <= 128 or block 256");
@@ -223,4 +223,18 @@ TEST_SUITE("schedule") {
     CHECK_HAS(m, "read by the contraction in 'h'");
   }
 
+
+  TEST_CASE("schedule errors: wgmma needs a 64-deep tile, m64 or m128 and one warp per 16 rows") {
+    Schedule s;
+    CHECK_THROWS_WITH_AS(s.mma("h", MmaKind::wgmma), doctest::Contains("wgmma for 'h' needs tile_k 64"), UserError);
+    s.tile("h", 128, 128, 64);
+    CHECK_THROWS_WITH_AS(s.mma("h", MmaKind::wgmma), doctest::Contains("use warps(\"h\", 8, 1)"), UserError);
+    s.warps("h", 8, 1).mma("h", MmaKind::wgmma);
+    CHECK(s.for_func("h").tiling.mma == MmaKind::wgmma);
+    CHECK_THROWS_WITH_AS(s.stages("h", 2), doctest::Contains("use stages >= 3"), UserError);
+    CHECK_THROWS_WITH_AS(Schedule::from_text("mma(\"h\", tensorcore)\n", "s.txt"),
+                         doctest::Contains("expected mma_sync or wgmma"), UserError);
+    Schedule back = Schedule::from_text(s.to_text());
+    CHECK(back.for_func("h") == s.for_func("h"));
+  }
 } // TEST_SUITE

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "backends/cuda/tile_library.h"
+#include "schedules/schedule.h"
 #include "dsl/error.h"
 #include "dsl/printer.h"
 
@@ -226,7 +227,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       << g.n.name() << ")";
   k.name = c_name(g.name);
   k.step = g.name;
-  k.threads = t.threads();
   KernelBuilder kb(prog, k);
   const TensorDecl &out = prog.tensor(g.output);
   std::string gA = kb.tensor(g.a);
@@ -237,8 +237,18 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   std::string K = std::to_string(g.k.extent()), N = std::to_string(g.n.extent());
 
   std::ostringstream body;
-  body << "  using Cfg = mf::GemmConfig<" << t.tile_m << ", " << t.tile_n << ", " << t.tile_k << ", " << t.stages
-       << ", " << t.warps_m << ", " << t.warps_n << ", " << nb << ">;\n";
+  const bool wgmma = t.mma == MmaKind::wgmma;
+  if (wgmma) {
+    user_check(nb * t.tile_n / 2 <= 128)
+        << "definition '" << g.output << "': " << nb << " B operands with tile_n " << t.tile_n << " need "
+        << nb * t.tile_n / 2 << " accumulator registers per thread under wgmma: use tile_n " << 256 / (2 * nb)
+        << " or less";
+    body << "  using Cfg = mf::WgmmaConfig<" << t.tile_m << ", " << t.tile_n << ", " << t.stages << ", " << nb
+         << ">;  // Hopper warpgroup MMA\n";
+  } else {
+    body << "  using Cfg = mf::GemmConfig<" << t.tile_m << ", " << t.tile_n << ", " << t.tile_k << ", " << t.stages
+         << ", " << t.warps_m << ", " << t.warps_n << ", " << nb << ">;  // warp-level mma.sync\n";
+  }
   body << "  extern __shared__ __align__(128) unsigned char smem[];\n";
   body << "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n";
   body << "  constexpr int K = " << K << ", N = " << N << ";\n";
@@ -286,8 +296,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   for (int b = 0; b < nb; ++b)
     body << (b ? ", " : "") << gB[b] << (g.b_per_expert ? " + expert * K * N" : "");
   body << "};\n";
-  body << "  float acc[" << nb << "][Cfg::MI][Cfg::NI][4] = {};\n";
-  body << "  mf::gemm_mainloop<Cfg>(smem, gA, a_ok, gB, K, N, n0, acc);\n\n";
+  body << "  Cfg::Acc acc = {};\n";
+  body << "  Cfg::mainloop(smem, gA, a_ok, gB, K, N, n0, acc);\n\n";
 
   // The epilogue: the algebra around the sums, per output element.
   std::ostringstream epi;
@@ -320,7 +330,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   for (int e = 0; e < 2; ++e) {
     body << "      const float v" << e << " = epilogue(";
     for (int b = 0; b < nb; ++b)
-      body << "acc[" << b << "][mi][ni][h * 2 + " << e << "], ";
+      body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
     body << vr << ", col + " << e << ");\n";
   }
   body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n    }\n  }\n";
@@ -333,7 +343,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.tile_m = t.tile_m;
   k.grid.tile_n = t.tile_n;
   k.grid.block = g.block;
-  k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2;
+  k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0);
+  k.threads = wgmma ? t.tile_m * 2 : t.threads();
   user_check(k.shared_bytes <= Schedule::max_shared_bytes)
       << "definition '" << g.output << "': " << nb << " B operands with tile " << t.tile_m << "x" << t.tile_n << "x"
       << t.tile_k << " and " << t.stages << " stages need " << k.shared_bytes << " bytes of shared memory, over "
@@ -343,7 +354,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   for (int b = 0; b < nb; ++b)
     src << (b ? ", " : "") << g.b[b];
   src << "}), tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages\n";
-  src << "extern \"C\" __global__ void __launch_bounds__(" << t.threads() << ", 1) " << k.name << "(\n    "
+  src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ", 1) " << k.name << "(\n    "
       << kb.signature() << ") {\n"
       << body.str() << "}\n\n";
 }

@@ -35,7 +35,7 @@ CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, 
   c.source = generate_cuda(c.program);
   CompileOptions options;
   options.arch = arch;
-  options.headers.push_back({kTileLibraryName, kTileLibrarySource});
+  options.headers.push_back({kTileLibraryName, tile_library_source()});
   c.compiled = compile_cuda(c.source.source, "moeforge_" + schedule.name() + ".cu", options);
   return c;
 }

@@ -12,11 +12,15 @@
 // the same contract: fill acc[NB][MI][NI][4] for the block's output tile.
 #pragma once
 
+#include <string>
+
 namespace moeforge {
 
 inline constexpr const char *kTileLibraryName = "moeforge_tiles.cuh";
 
-inline constexpr const char *kTileLibrarySource = R"CUDA(
+// The library's text; MOEFORGE_WGMMA_INSTANCES is replaced by the wgmma
+// instruction wrappers (tile_library.cpp), one per supported N.
+inline constexpr const char *kTileLibraryTemplate = R"CUDA(
 #pragma once
 #include <cuda_bf16.h>
 
@@ -109,6 +113,9 @@ template <int BM_, int BN_, int BK_, int STAGES_, int WM_, int WN_, int NB_> str
   // The tile row and 16-byte chunk this thread copies in its i-th A load.
   __device__ static __forceinline__ int a_load_row(int tid, int i) { return (tid + i * THREADS) / CPR_A; }
   __device__ static __forceinline__ int a_load_chunk(int tid, int i) { return (tid + i * THREADS) % CPR_A; }
+  // This thread's accumulators: NB operands x MI x NI fragments x 4.
+  typedef float Acc[NB][MI][NI][4];
+  __device__ static __forceinline__ float get(const Acc &acc, int b, int mi, int ni, int e) { return acc[b][mi][ni][e]; }
   // Tile-local row / column of accumulator element (mi, ni, e) of this lane.
   __device__ static __forceinline__ int acc_row(int warp, int lane, int mi, int e) {
     return (warp / WN) * WTM + mi * 16 + (lane >> 2) + (e >> 1) * 8;
@@ -116,16 +123,19 @@ template <int BM_, int BN_, int BK_, int STAGES_, int WM_, int WN_, int NB_> str
   __device__ static __forceinline__ int acc_col(int warp, int lane, int ni, int e) {
     return (warp % WN) * WTN + ni * 8 + (lane & 3) * 2 + (e & 1);
   }
+  __device__ static void mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
+                                  const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc);
 };
 
-// The multi-stage main loop. gA[i]: where this thread's i-th A chunk row
+// The multi-stage mma.sync main loop. gA[i]: where this thread's i-th A chunk row
 // starts for k = 0 (already offset by its chunk), valid in a_ok[i]; gB[b]:
 // operand b's [K, N] matrix (already offset to the expert). K and N are
 // multiples of 8; tails are zero-filled so no tile size needs to divide them.
-template <class C>
-__device__ __forceinline__ void gemm_mainloop(unsigned char *smem, const bf16 *const (&gA)[C::A_ITERS],
-                                              const bool (&a_ok)[C::A_ITERS], const bf16 *const (&gB)[C::NB],
-                                              int K, int N, int n0, float (&acc)[C::NB][C::MI][C::NI][4]) {
+template <int BM_, int BN_, int BK_, int STAGES_, int WM_, int WN_, int NB_>
+__device__ __forceinline__ void GemmConfig<BM_, BN_, BK_, STAGES_, WM_, WN_, NB_>::mainloop(
+    unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS], const bf16 *const (&gB)[NB],
+    int K, int N, int n0, Acc &acc) {
+  typedef GemmConfig C;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / C::WN, wn = warp % C::WN;
   const unsigned s0 = smem_u32(smem);
@@ -206,7 +216,130 @@ __device__ __forceinline__ void gemm_mainloop(unsigned char *smem, const bf16 *c
   cp_async_wait<0>();
 }
 
+
+// ------------------------------------------------------------ Hopper: wgmma
+// The same tile contract as GemmConfig, computed by warpgroups with wgmma
+// (sm_90a): each warpgroup owns 64 rows x BN, its A (64 x 16) and B (16 x BN)
+// read straight from shared memory through matrix descriptors. Tiles are
+// staged with cp.async (which can gather rows: TMA cannot) in the 128-byte
+// swizzled layouts wgmma reads:
+//   sA (BM, 64) K-major: row m is 128 bytes, chunk c stored at c ^ (m & 7);
+//                        8-row atoms of 1024 bytes, stacked along M.
+//   sB (64, BN) N-major: 64-column slabs of 64 k-rows x 128 bytes (8 KiB),
+//                        chunk c of row k at c ^ (k & 7).
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned s_addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((s_addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62); // 128-byte swizzle
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// cp.async writes through the generic proxy; wgmma reads through the async one.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d += A * B for one m64 x N x k16 step; A K-major, B N-major (transposed).
+template <int N> struct Wgmma;
+MOEFORGE_WGMMA_INSTANCES
+
+template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaConfig {
+  static constexpr int BM = BM_, BN = BN_, BK = 64, STAGES = STAGES_, NB = NB_;
+  static constexpr int WG = BM / 64, THREADS = WG * 128;
+  static constexpr int A_ITERS = BM * 8 / THREADS, B_ITERS = BK * (BN / 8) / THREADS;
+  static constexpr int MI = 1, NI = BN / 8;
+  static constexpr int A_STAGE_BYTES = BM * 128, B_STAGE_BYTES = BK * BN * 2;
+  static constexpr int STAGE_BYTES = A_STAGE_BYTES + NB * B_STAGE_BYTES;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024; // + alignment slack
+  static_assert(BM == 64 || BM == 128, "wgmma tiles are 64 or 128 rows");
+  static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma tiles are 64, 128 or 256 columns");
+  static_assert(NB * BN / 2 <= 128, "accumulators past 128 registers per thread");
+  static_assert(STAGES >= 3, "wgmma overlaps one group in flight: at least three stages");
+
+  typedef float Acc[NB][BN / 2];
+  __device__ static __forceinline__ float get(const Acc &acc, int b, int, int ni, int e) { return acc[b][ni * 4 + e]; }
+  __device__ static __forceinline__ int a_load_row(int tid, int i) { return (tid + i * THREADS) / 8; }
+  __device__ static __forceinline__ int a_load_chunk(int tid, int i) { return (tid + i * THREADS) % 8; }
+  __device__ static __forceinline__ int acc_row(int warp, int lane, int, int e) {
+    return (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2) + (e >> 1) * 8;
+  }
+  __device__ static __forceinline__ int acc_col(int, int lane, int ni, int e) { return ni * 8 + (lane & 3) * 2 + (e & 1); }
+  __device__ static __forceinline__ unsigned a_off(int row, int ch) { return row * 128 + ((ch ^ (row & 7)) << 4); }
+  __device__ static __forceinline__ unsigned b_off(int k, int ch) {
+    return (ch >> 3) * (BK * 128) + k * 128 + (((ch & 7) ^ (k & 7)) << 4);
+  }
+
+  __device__ static void mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
+                                  const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u; // swizzle atoms are 1024-byte aligned
+    const int KT = (K + BK - 1) / BK;
+
+    auto load_stage = [&](int slot, int kt) {
+      const unsigned sA = s0 + slot * STAGE_BYTES;
+      const int k0 = kt * BK;
+#pragma unroll
+      for (int i = 0; i < A_ITERS; ++i) {
+        const int row = a_load_row(tid, i), ch = a_load_chunk(tid, i);
+        const bool ok = a_ok[i] && k0 + ch * 8 < K;
+        cp_async_16(sA + a_off(row, ch), ok ? gA[i] + k0 : gA[i], ok);
+      }
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const unsigned sB = sA + A_STAGE_BYTES + b * B_STAGE_BYTES;
+#pragma unroll
+        for (int i = 0; i < B_ITERS; ++i) {
+          const int c = tid + i * THREADS, k = c / (BN / 8), ch = c % (BN / 8);
+          const int kk = k0 + k, n = n0 + ch * 8;
+          const bool ok = kk < K && n < N;
+          cp_async_16(sB + b_off(k, ch), ok ? gB[b] + (long long)kk * N + n : gB[b], ok);
+        }
+      }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < KT)
+        load_stage(s, s);
+      cp_async_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_async_wait<STAGES - 2>();
+      fence_proxy_async();
+      __syncthreads();
+      const unsigned sA = s0 + (kt % STAGES) * STAGE_BYTES + wg * (64 * 128);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        // K-major A: the next 16 columns start 32 bytes on within the swizzled rows.
+        const unsigned long long da = wgmma_desc(sA + ks * 32, 16, 1024);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          const unsigned sB = s0 + (kt % STAGES) * STAGE_BYTES + A_STAGE_BYTES + b * B_STAGE_BYTES;
+          // N-major B: 16 k-rows are two 8-row groups (2 KiB); slabs are BK * 128 bytes apart.
+          const unsigned long long db = wgmma_desc(sB + ks * 2048, BK * 128, 1024);
+          Wgmma<BN>::mma(acc[b], da, db);
+        }
+      }
+      wgmma_commit();
+      // The group issued last iteration read the slot refilled below: wait
+      // for it (this warpgroup), then for every warpgroup.
+      wgmma_wait<1>();
+      __syncthreads();
+      const int next = kt + STAGES - 1;
+      if (next < KT)
+        load_stage(next % STAGES, next);
+      cp_async_commit();
+    }
+    wgmma_wait<0>();
+    cp_async_wait<0>();
+  }
+};
+
 } // namespace mf
 )CUDA";
+
+// The complete device library, as NVRTC receives it.
+const std::string &tile_library_source();
 
 } // namespace moeforge

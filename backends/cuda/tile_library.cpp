@@ -1,0 +1,41 @@
+#include "backends/cuda/tile_library.h"
+
+#include <sstream>
+
+namespace moeforge {
+
+namespace {
+
+// wgmma.mma_async m64nNk16 with N/2 fp32 accumulators per thread: the operand
+// list is too long to write by hand, so it is generated once per N.
+std::string wgmma_instance(int n) {
+  const int regs = n / 2;
+  std::ostringstream s;
+  s << "template <> struct Wgmma<" << n << "> {\n"
+    << "  __device__ static __forceinline__ void mma(float (&d)[" << regs
+    << "], unsigned long long da, unsigned long long db) {\n"
+    << "    asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n"
+    << "                 \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32.bf16.bf16 {";
+  for (int i = 0; i < regs; ++i)
+    s << (i ? ", " : "") << "%" << i;
+  s << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, 0, 1;\\n}\\n\"\n                 : ";
+  for (int i = 0; i < regs; ++i)
+    s << (i ? ", " : "") << "\"+f\"(d[" << i << "])";
+  s << "\n                 : \"l\"(da), \"l\"(db));\n  }\n};\n";
+  return s.str();
+}
+
+} // namespace
+
+const std::string &tile_library_source() {
+  static const std::string source = [] {
+    std::string t = kTileLibraryTemplate;
+    std::string instances = wgmma_instance(64) + wgmma_instance(128) + wgmma_instance(256);
+    const std::string marker = "MOEFORGE_WGMMA_INSTANCES";
+    t.replace(t.find(marker), marker.size(), instances);
+    return t;
+  }();
+  return source;
+}
+
+} // namespace moeforge

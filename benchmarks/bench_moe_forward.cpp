@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <random>
@@ -93,6 +94,17 @@ void upload_inputs(cuda::CudaLayer &layer, const Example &ex, const ExampleShape
   }
 }
 
+// The presets with per-Func tiles for these layers: the single-B GEMMs take
+// 256-wide tiles (SwiGLU's two-B GEMM already holds 2 x 128 columns), and the
+// router GEMM, only E columns wide, a 64-wide tile.
+Schedule tuned(const Shape &s) {
+  Schedule t = scattermoe();
+  t.tile("o", 128, 256, 64).stages("o", 4).tile("logits", 128, 64, 64);
+  if (!s.swiglu)
+    t.tile("h", 128, 256, 64).stages("h", 4);
+  return t;
+}
+
 void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name, bool skewed) {
   if (!cuda::gpu_available()) {
     state.SkipWithError("no GPU: libcuda.so.1 not found");
@@ -106,7 +118,7 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
   es.topk = shape.k;
   Bias bias = skewed ? Bias::ramp : Bias::none;
   Example ex = biased_moe(es, shape.swiglu, bias, shape.swiglu);
-  Schedule schedule = preset(schedule_name);
+  Schedule schedule = std::string(schedule_name) == "tuned" ? tuned(shape) : preset(schedule_name);
   cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, schedule, device().arch_specific());
   cuda::CudaLayer layer(device(), compiled, shape.tokens);
   upload_inputs(layer, ex, es, bias, shape.skew_ramp);
@@ -133,11 +145,18 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
   state.counters["max_over_mean"] = *std::max_element(counts.begin(), counts.end()) / mean;
   state.counters["act_MiB"] = double(layer.activation_bytes()) / (1 << 20);
   state.SetLabel(device().name());
+  if (std::getenv("MOEFORGE_PROFILE")) {
+    // Where the time goes, step by step (one run, after the timed ones).
+    layer.profile(stream);
+    for (const auto &[step, ms] : layer.profile(stream))
+      std::printf("profile %s %s %s: %-32s %8.3f ms\n", shape.name, schedule_name, skewed ? "skewed" : "uniform",
+                  step.c_str(), ms);
+  }
 }
 
 void register_all() {
   for (const Shape &s : kShapes)
-    for (const char *p : {"megablocks", "scattermoe"})
+    for (const char *p : {"megablocks", "scattermoe", "tuned"})
       for (bool skew : {false, true}) {
         std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
         benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)

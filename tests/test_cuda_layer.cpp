@@ -175,7 +175,12 @@ TEST_SUITE("gpu") {
     a.permutation(Permutation::scattered).block(64).tile("*", 64, 64, 64).stages("*", 3).warps("*", 2, 2);
     Schedule b("unfused");
     b.permutation(Permutation::blocked).block(256).tile("*", 128, 64, 32).fuse_epilogue("h", false);
-    for (const Schedule &sch : {a, b}) {
+    Schedule c("wgmma_wide");
+    c.permutation(Permutation::scattered).block(64).tile("*", 64, 256, 64).warps("*", 4, 1).stages("*", 3);
+    c.mma("*", MmaKind::wgmma).tile("h", 64, 128, 64);
+    Schedule d("wgmma_narrow");
+    d.permutation(Permutation::blocked).block(256).tile("*", 128, 64, 64).warps("*", 8, 1).mma("*", MmaKind::wgmma);
+    for (const Schedule &sch : {a, b, c, d}) {
       Outcome o = run_and_compare(ex, ex.random_inputs(s, 4), s.tokens, sch);
       INFO(sch.to_text());
       CHECK(o.y_error <= 1e-2);

@@ -208,6 +208,10 @@ private:
   int counter_ = 0;
 };
 
+// Row tiles per rasterisation group (mf::raster): 8 row tiles of 128 rows and
+// a band of column tiles fill one wave of Hopper's 132 SMs.
+constexpr int kRasterGroup = 8;
+
 void check_multiple_of_8(const GemmStep &g, const Dim &d, const char *role) {
   user_check(d.is_dynamic() || d.extent() % 8 == 0)
       << "definition '" << g.output << "': " << role << " dimension " << d.name() << " = " << d.extent()
@@ -252,15 +256,17 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   body << "  extern __shared__ __align__(128) unsigned char smem[];\n";
   body << "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n";
   body << "  constexpr int K = " << K << ", N = " << N << ";\n";
-  body << "  const int n0 = blockIdx.y * Cfg::BN;\n";
+  body << "  constexpr int NUM_N = (N + Cfg::BN - 1) / Cfg::BN;\n";
+  body << "  int m_tile, n_tile;\n  mf::raster(blockIdx.x, NUM_N, " << kRasterGroup << ", m_tile, n_tile);\n";
+  body << "  const int n0 = n_tile * Cfg::BN;\n";
   std::string sorted_pair;
   if (g.route) {
     const RoutingNode *r = g.route;
     int sub = g.block / t.tile_m;
     sorted_pair = kb.route(r, "sorted_pair");
-    body << "  // This block's rows: part " << "blockIdx.x % " << sub << " of routing tile blockIdx.x / " << sub
+    body << "  // This block's rows: part m_tile % " << sub << " of routing tile m_tile / " << sub
          << " (one expert's rows, padded to " << g.block << ").\n";
-    body << "  const int tile = blockIdx.x / " << sub << ", part = blockIdx.x % " << sub << ";\n";
+    body << "  const int tile = m_tile / " << sub << ", part = m_tile % " << sub << ";\n";
     body << "  if (tile >= *" << kb.route(r, "num_tiles") << ") return;  // grids are sized by an upper bound\n";
     body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
     body << "  const int rows = " << kb.route(r, "tile_rows") << "[tile] - part * Cfg::BM;\n";
@@ -268,7 +274,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  const long long expert = " << kb.route(r, "tile_expert") << "[tile];\n";
   } else {
     body << "  const long long M = " << kb.extent(g.m) << ";\n";
-    body << "  const long long p0 = (long long)blockIdx.x * Cfg::BM;\n";
+    body << "  const long long p0 = (long long)m_tile * Cfg::BM;\n";
     body << "  const int rows = (int)min((long long)Cfg::BM, M - p0);\n";
     body << "  const long long expert = 0;  // one B for every row\n  (void)expert;\n";
   }

@@ -123,13 +123,12 @@ void CudaLayer::bind() {
     l.block = Dim3{static_cast<unsigned>(g.threads), 1, 1};
     int64_t gx = 1, gy = 1;
     switch (gs.kind) {
+    // GEMMs run a 1-D grid over row x column tiles (rasterised in the kernel).
     case GridShape::Kind::routed_tiles:
-      gx = plans_.at(gs.route)->shape.max_tiles() * (gs.block / gs.tile_m);
-      gy = ceil_div(extent(gs.n), gs.tile_n);
+      gx = plans_.at(gs.route)->shape.max_tiles() * (gs.block / gs.tile_m) * ceil_div(extent(gs.n), gs.tile_n);
       break;
     case GridShape::Kind::dense_tiles:
-      gx = ceil_div(extent(gs.count.at(0)), gs.tile_m);
-      gy = ceil_div(extent(gs.n), gs.tile_n);
+      gx = ceil_div(extent(gs.count.at(0)), gs.tile_m) * ceil_div(extent(gs.n), gs.tile_n);
       break;
     case GridShape::Kind::elements: {
       int64_t n = 1;
@@ -223,6 +222,27 @@ void CudaLayer::enqueue(const Stream &stream) {
     Launch &l = launches_.at(next++);
     l.kernel.launch(l.grid, l.block, static_cast<unsigned>(l.gen->shared_bytes), stream, l.args.data());
   }
+}
+
+std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &stream) {
+  const auto &steps = layer_.program.steps;
+  std::vector<Event> marks(steps.size() + 1);
+  size_t next = 0;
+  marks[0].record(stream);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (auto *rs = std::get_if<RoutingStep>(&steps[i])) {
+      routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream);
+    } else {
+      Launch &l = launches_.at(next++);
+      l.kernel.launch(l.grid, l.block, static_cast<unsigned>(l.gen->shared_bytes), stream, l.args.data());
+    }
+    marks[i + 1].record(stream);
+  }
+  marks.back().synchronize();
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t i = 0; i < steps.size(); ++i)
+    out.emplace_back(step_name(steps[i]), elapsed_ms(marks[i], marks[i + 1]));
+  return out;
 }
 
 HostTensor CudaLayer::download(const std::string &func) const {

@@ -50,6 +50,9 @@ public:
   // Enqueues the whole forward on `stream`: routing and every kernel. No host
   // synchronisation, so it can be captured in a CUDA graph.
   void enqueue(const Stream &stream);
+  // Runs the forward once with an event around every step and returns each
+  // step's name and milliseconds, in program order (for benchmarks' notes).
+  std::vector<std::pair<std::string, double>> profile(const Stream &stream);
   // Downloads a Func's values as the reference lays them out (routed rows in
   // pair order, whatever the device layout). Synchronises.
   HostTensor download(const std::string &func) const;

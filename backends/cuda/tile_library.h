@@ -51,6 +51,20 @@ __device__ __forceinline__ void store2(bf16 *g, float a, float b) {
 }
 __device__ __forceinline__ void store2(float *g, float a, float b) { *reinterpret_cast<float2 *>(g) = make_float2(a, b); }
 
+// ------------------------------------------------------------ block order
+// Grouped rasterisation of a 1-D grid over num_m x num_n output tiles: blocks
+// run `group` row tiles at a time across every column tile, so one wave of
+// blocks reads a few row tiles of A and a band of B that both stay in L2,
+// instead of streaming all of A once per column tile.
+__device__ __forceinline__ void raster(int pid, int num_n, int group, int &m, int &n) {
+  const int num_m = gridDim.x / num_n;
+  const int per_group = group * num_n;
+  const int first_m = (pid / per_group) * group;
+  const int rows = min(num_m - first_m, group);
+  m = first_m + (pid % per_group) % rows;
+  n = (pid % per_group) / rows;
+}
+
 // ------------------------------------------------------------ async copies
 __device__ __forceinline__ unsigned smem_u32(const void *p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));

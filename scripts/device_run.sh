@@ -2,7 +2,8 @@
 # Runs on the GPU machine (through the device tool) from the repository root,
 # with .gpu/ carried: the GPU tests, compute-sanitizer on a small case, the
 # forward benchmark and PyTorch's grouped GEMM on the same shapes. Logs and
-# JSON go to $OUT. Usage: bash scripts/device_run.sh [tests|bench|all]
+# JSON go to $OUT. Usage: bash scripts/device_run.sh [tests|bench|ours|all]
+# (ours: our benchmark with the per-step profile, without PyTorch's.)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -21,9 +22,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "memcheck exit code: $?" | tee -a "$OUT/memcheck.log"
   tail -4 "$OUT/memcheck.log"
 fi
+if [ "$what" = bench ] || [ "$what" = ours ] || [ "$what" = all ]; then
+  MOEFORGE_PROFILE=1 .gpu/bench_moe_forward --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
+    --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -v "^profile" | tail -20
+  grep "^profile" "$OUT/bench.log" > "$OUT/profile.txt"
+fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  .gpu/bench_moe_forward --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
-    --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | tail -20
   PYTHONUNBUFFERED=1 python3 benchmarks/torch_grouped_mm.py 2>&1 | tee "$OUT/torch.jsonl"
 fi
 exit $status

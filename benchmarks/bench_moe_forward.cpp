@@ -97,8 +97,17 @@ void upload_inputs(cuda::CudaLayer &layer, const Example &ex, const ExampleShape
 // The presets with per-Func tiles for these layers: the single-B GEMMs take
 // 256-wide tiles (SwiGLU's two-B GEMM already holds 2 x 128 columns), and the
 // router GEMM, only E columns wide, a 64-wide tile.
-Schedule tuned(const Shape &s) {
+Schedule tuned(const Shape &s, const std::string &variant) {
   Schedule t = scattermoe();
+  if (variant == "tuned_2cta") {
+    // 96 KiB and 64 accumulators per block: two blocks share each SM.
+    t.tile("*", 128, 128, 64).stages("*", 3);
+    if (s.swiglu)
+      t.tile("h", 128, 64, 64);
+    return t;
+  }
+  if (variant == "tuned_ws")
+    t.mma("*", MmaKind::wgmma_ws);
   t.tile("o", 128, 256, 64).stages("o", 4).tile("logits", 128, 64, 64);
   if (!s.swiglu)
     t.tile("h", 128, 256, 64).stages("h", 4);
@@ -118,7 +127,8 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
   es.topk = shape.k;
   Bias bias = skewed ? Bias::ramp : Bias::none;
   Example ex = biased_moe(es, shape.swiglu, bias, shape.swiglu);
-  Schedule schedule = std::string(schedule_name) == "tuned" ? tuned(shape) : preset(schedule_name);
+  std::string name = schedule_name;
+  Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name) : preset(name);
   cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, schedule, device().arch_specific());
   cuda::CudaLayer layer(device(), compiled, shape.tokens);
   upload_inputs(layer, ex, es, bias, shape.skew_ramp);
@@ -156,7 +166,7 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
 
 void register_all() {
   for (const Shape &s : kShapes)
-    for (const char *p : {"megablocks", "scattermoe", "tuned"})
+    for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws"})
       for (bool skew : {false, true}) {
         std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
         benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)

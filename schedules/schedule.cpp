@@ -58,6 +58,8 @@ const char *mma_kind_name(MmaKind m) {
     return "mma_sync";
   case MmaKind::wgmma:
     return "wgmma";
+  case MmaKind::wgmma_ws:
+    return "wgmma_ws";
   }
   return "?";
 }
@@ -167,8 +169,8 @@ Schedule &Schedule::fuse_epilogue(const std::string &func, bool fuse) {
 Schedule &Schedule::mma(const std::string &func, MmaKind kind) {
   std::string call = "mma(" + quoted(func) + ", " + mma_kind_name(kind) + ")";
   check_func_name(call, func);
-  user_check(kind == MmaKind::mma_sync || kind == MmaKind::wgmma)
-      << "mma(" << static_cast<int>(kind) << "): unknown instruction: use MmaKind::mma_sync or MmaKind::wgmma";
+  user_check(kind == MmaKind::mma_sync || kind == MmaKind::wgmma || kind == MmaKind::wgmma_ws)
+      << "mma(" << static_cast<int>(kind) << "): unknown instruction: use MmaKind::mma_sync, wgmma or wgmma_ws";
   Overrides patch;
   patch.mma = kind;
   commit(call, "mma", func, patch);
@@ -249,7 +251,7 @@ void Schedule::check_tilings(const std::string &call, const std::string &changed
         << "x" << t.tile_k << " of " << who << ": tile_n / warps_n = " << t.tile_n << " / " << t.warps_n << " = "
         << t.tile_n / t.warps_n << " columns per warp, not a multiple of 16: use warps_n <= " << t.tile_n / 16
         << " or tile_n >= " << std::max(64, t.warps_n * 16) << " (set warps before tiles when shrinking both)";
-    if (t.mma == MmaKind::wgmma) {
+    if (t.mma == MmaKind::wgmma || t.mma == MmaKind::wgmma_ws) {
       // A warpgroup issues m64 wgmmas over 128-byte swizzled rows of 64 bf16.
       user_check(t.tile_k == 64 && (t.tile_m == 64 || t.tile_m == 128))
           << call << ": wgmma for " << who << " needs tile_k 64 and tile_m 64 or 128, but the tile is " << t.tile_m

@@ -50,6 +50,7 @@ enum class GateFusion {
 enum class MmaKind {
   mma_sync, // warp-level mma.sync m16n8k16 (sm_80 and later)
   wgmma,    // Hopper warpgroup wgmma from shared memory (sm_90a): tile_k 64, one warpgroup per 64 rows
+  wgmma_ws, // wgmma with one more, loading-only warpgroup and mbarrier-paced stages (warp specialised)
 };
 
 const char *mma_kind_name(MmaKind m);

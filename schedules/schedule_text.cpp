@@ -58,7 +58,7 @@ const char *expected_for(ArgType t) {
   case ArgType::boolean:
     return "true or false";
   case ArgType::mma:
-    return "mma_sync or wgmma";
+    return "mma_sync, wgmma or wgmma_ws";
   }
   return "?";
 }
@@ -238,8 +238,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         gates[i] = a.text == "epilogue" ? GateFusion::epilogue : GateFusion::combine;
         break;
       case ArgType::mma:
-        ok = !a.quoted && (a.text == "mma_sync" || a.text == "wgmma");
-        mmas[i] = a.text == "wgmma" ? MmaKind::wgmma : MmaKind::mma_sync;
+        ok = !a.quoted && (a.text == "mma_sync" || a.text == "wgmma" || a.text == "wgmma_ws");
+        mmas[i] = a.text == "wgmma" ? MmaKind::wgmma : a.text == "wgmma_ws" ? MmaKind::wgmma_ws : MmaKind::mma_sync;
         break;
       case ArgType::boolean:
         ok = !a.quoted && (a.text == "true" || a.text == "false");

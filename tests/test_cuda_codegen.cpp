@@ -101,6 +101,27 @@ TEST_CASE("codegen: tile, stage and warp sweeps compile without spills") {
   }
 }
 
+TEST_CASE("codegen: wgmma and warp-specialised wgmma tilings compile without spills") {
+  struct Case {
+    MmaKind mma;
+    int m, n, stages;
+  };
+  for (Case cs : {Case{MmaKind::wgmma, 64, 256, 3}, Case{MmaKind::wgmma, 128, 64, 3},
+                  Case{MmaKind::wgmma_ws, 128, 128, 4}, Case{MmaKind::wgmma_ws, 128, 256, 4},
+                  Case{MmaKind::wgmma_ws, 64, 128, 5}}) {
+    Schedule s("wgmma_sweep");
+    s.permutation(Permutation::scattered).tile("*", cs.m, cs.n, 64).warps("*", cs.m / 16, 1).stages("*", cs.stages);
+    s.mma("*", cs.mma);
+    if (cs.n == 256) // SwiGLU's h holds two accumulators: keep it to 128 columns
+      s.tile("h", cs.m, 128, 64);
+    for (const char *example : {"moe_mlp", "swiglu_moe"}) {
+      Example ex = make_example(example, small());
+      cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
+      check_resources(c, s.to_text());
+    }
+  }
+}
+
 TEST_CASE("lowering: megablocks copies routed rows into padded blocks and scattermoe gathers in the GEMM") {
   Example ex = make_example("moe_mlp", small());
   KernelProgram mb = lower(ex.pipeline, preset("megablocks"));

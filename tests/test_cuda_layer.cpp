@@ -180,7 +180,12 @@ TEST_SUITE("gpu") {
     c.mma("*", MmaKind::wgmma).tile("h", 64, 128, 64);
     Schedule d("wgmma_narrow");
     d.permutation(Permutation::blocked).block(256).tile("*", 128, 64, 64).warps("*", 8, 1).mma("*", MmaKind::wgmma);
-    for (const Schedule &sch : {a, b, c, d}) {
+    Schedule e("wgmma_ws");
+    e.permutation(Permutation::scattered).tile("*", 128, 128, 64).warps("*", 8, 1).mma("*", MmaKind::wgmma_ws);
+    Schedule f("wgmma_ws_blocked");
+    f.permutation(Permutation::blocked).block(64).tile("*", 64, 256, 64).warps("*", 4, 1).stages("*", 5);
+    f.mma("*", MmaKind::wgmma_ws).tile("h", 64, 128, 64);
+    for (const Schedule &sch : {a, b, c, d, e, f}) {
       Outcome o = run_and_compare(ex, ex.random_inputs(s, 4), s.tokens, sch);
       INFO(sch.to_text());
       CHECK(o.y_error <= 1e-2);

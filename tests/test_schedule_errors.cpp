@@ -233,7 +233,7 @@ TEST_SUITE("schedule") {
     CHECK(s.for_func("h").tiling.mma == MmaKind::wgmma);
     CHECK_THROWS_WITH_AS(s.stages("h", 2), doctest::Contains("use stages >= 3"), UserError);
     CHECK_THROWS_WITH_AS(Schedule::from_text("mma(\"h\", tensorcore)\n", "s.txt"),
-                         doctest::Contains("expected mma_sync or wgmma"), UserError);
+                         doctest::Contains("expected mma_sync, wgmma or wgmma_ws"), UserError);
     Schedule back = Schedule::from_text(s.to_text());
     CHECK(back.for_func("h") == s.for_func("h"));
   }

@@ -241,14 +241,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   std::string K = std::to_string(g.k.extent()), N = std::to_string(g.n.extent());
 
   std::ostringstream body;
-  const bool wgmma = t.mma == MmaKind::wgmma;
+  const bool ws = t.mma == MmaKind::wgmma_ws;
+  const bool wgmma = t.mma == MmaKind::wgmma || ws;
   if (wgmma) {
     user_check(nb * t.tile_n / 2 <= 128)
         << "definition '" << g.output << "': " << nb << " B operands with tile_n " << t.tile_n << " need "
         << nb * t.tile_n / 2 << " accumulator registers per thread under wgmma: use tile_n " << 256 / (2 * nb)
         << " or less";
-    body << "  using Cfg = mf::WgmmaConfig<" << t.tile_m << ", " << t.tile_n << ", " << t.stages << ", " << nb
-         << ">;  // Hopper warpgroup MMA\n";
+    body << "  using Cfg = mf::" << (ws ? "WgmmaWsConfig<" : "WgmmaConfig<") << t.tile_m << ", " << t.tile_n << ", "
+         << t.stages << ", " << nb << ">;  // Hopper warpgroup MMA" << (ws ? ", warp-specialised" : "") << "\n";
   } else {
     body << "  using Cfg = mf::GemmConfig<" << t.tile_m << ", " << t.tile_n << ", " << t.tile_k << ", " << t.stages
          << ", " << t.warps_m << ", " << t.warps_n << ", " << nb << ">;  // warp-level mma.sync\n";
@@ -303,7 +304,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << (b ? ", " : "") << gB[b] << (g.b_per_expert ? " + expert * K * N" : "");
   body << "};\n";
   body << "  Cfg::Acc acc = {};\n";
-  body << "  Cfg::mainloop(smem, gA, a_ok, gB, K, N, n0, acc);\n\n";
+  body << "  if (!Cfg::mainloop(smem, gA, a_ok, gB, K, N, n0, acc))\n    return;  // a loading-only warpgroup\n\n";
 
   // The epilogue: the algebra around the sums, per output element.
   std::ostringstream epi;
@@ -349,8 +350,16 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.tile_m = t.tile_m;
   k.grid.tile_n = t.tile_n;
   k.grid.block = g.block;
-  k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0);
-  k.threads = wgmma ? t.tile_m * 2 : t.threads();
+  k.shared_bytes =
+      t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) + (ws ? 16 * t.stages : 0);
+  k.threads = wgmma ? t.tile_m * 2 + (ws ? 128 : 0) : t.threads();
+  // Two blocks per SM when both fit (shared memory, and at most 64
+  // accumulators per thread so registers do): one block's epilogue and
+  // prologue then overlap the other's main loop. The warp-specialised kernel
+  // keeps one block and rebalances registers with setmaxnreg instead.
+  const int min_blocks = wgmma && !ws && 2 * k.shared_bytes <= Schedule::max_shared_bytes && nb * t.tile_n / 2 <= 64
+                             ? 2
+                             : 1;
   user_check(k.shared_bytes <= Schedule::max_shared_bytes)
       << "definition '" << g.output << "': " << nb << " B operands with tile " << t.tile_m << "x" << t.tile_n << "x"
       << t.tile_k << " and " << t.stages << " stages need " << k.shared_bytes << " bytes of shared memory, over "
@@ -360,7 +369,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   for (int b = 0; b < nb; ++b)
     src << (b ? ", " : "") << g.b[b];
   src << "}), tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages\n";
-  src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ", 1) " << k.name << "(\n    "
+  src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ", " << min_blocks << ") " << k.name
+      << "(\n    "
       << kb.signature() << ") {\n"
       << body.str() << "}\n\n";
 }

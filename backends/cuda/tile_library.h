@@ -137,7 +137,7 @@ template <int BM_, int BN_, int BK_, int STAGES_, int WM_, int WN_, int NB_> str
   __device__ static __forceinline__ int acc_col(int warp, int lane, int ni, int e) {
     return (warp % WN) * WTN + ni * 8 + (lane & 3) * 2 + (e & 1);
   }
-  __device__ static void mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
+  __device__ static bool mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
                                   const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc);
 };
 
@@ -146,7 +146,7 @@ template <int BM_, int BN_, int BK_, int STAGES_, int WM_, int WN_, int NB_> str
 // operand b's [K, N] matrix (already offset to the expert). K and N are
 // multiples of 8; tails are zero-filled so no tile size needs to divide them.
 template <int BM_, int BN_, int BK_, int STAGES_, int WM_, int WN_, int NB_>
-__device__ __forceinline__ void GemmConfig<BM_, BN_, BK_, STAGES_, WM_, WN_, NB_>::mainloop(
+__device__ __forceinline__ bool GemmConfig<BM_, BN_, BK_, STAGES_, WM_, WN_, NB_>::mainloop(
     unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS], const bf16 *const (&gB)[NB],
     int K, int N, int n0, Acc &acc) {
   typedef GemmConfig C;
@@ -228,6 +228,7 @@ __device__ __forceinline__ void GemmConfig<BM_, BN_, BK_, STAGES_, WM_, WN_, NB_
     compute_stage(kt % C::STAGES);
   }
   cp_async_wait<0>();
+  return true;
 }
 
 
@@ -283,7 +284,8 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaConfig {
     return (ch >> 3) * (BK * 128) + k * 128 + (((ch & 7) ^ (k & 7)) << 4);
   }
 
-  __device__ static void mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
+  // Returns true: every thread of this configuration holds accumulators.
+  __device__ static bool mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
                                   const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
     const int tid = threadIdx.x, wg = tid >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u; // swizzle atoms are 1024-byte aligned
@@ -347,6 +349,130 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaConfig {
     }
     wgmma_wait<0>();
     cp_async_wait<0>();
+    return true;
+  }
+};
+
+// ------------------------------------------------------------ Hopper: warp-specialised wgmma
+// mbarriers: a phase completes when `count` arrivals have been made.
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+}
+
+// WgmmaConfig's tile with one more warpgroup that only loads: the consumer
+// warpgroups (threads 0 .. BM*2-1, as in WgmmaConfig) never wait on a block
+// barrier, only on their stage's `full` mbarrier, and release the stage on
+// its `empty` mbarrier once their wgmmas have read it. The producer gathers
+// rows with cp.async (what TMA cannot do), and publishes a stage after its
+// copies completed and were fenced for the async proxy. (setmaxnreg was
+// tried to move registers from the producer to the consumers: ptxas still
+// compiled the kernel under the 168-register entry cap and spilled, so the
+// roles share the cap, which SwiGLU's 128 accumulators fit without spills.)
+template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_> {
+  typedef WgmmaConfig<BM_, BN_, STAGES_, NB_> Base;
+  using Base::BK;
+  using Base::BM;
+  using Base::BN;
+  using Base::NB;
+  using Base::STAGES;
+  using Base::STAGE_BYTES;
+  using Base::A_STAGE_BYTES;
+  using Base::B_STAGE_BYTES;
+  using typename Base::Acc;
+  static constexpr int CONSUMERS = Base::WG * 128, THREADS = CONSUMERS + 128;
+  static constexpr int A_ITERS = BM * 8 / 128, B_ITERS = BK * (BN / 8) / 128; // per producer thread
+  static constexpr int SMEM_BYTES = Base::SMEM_BYTES + 16 * STAGES;            // + the mbarriers
+  // Every thread computes the producer's row pointers (by its lane in the
+  // warpgroup), so the pointers stay valid whoever holds them.
+  __device__ static __forceinline__ int a_load_row(int tid, int i) { return ((tid & 127) + i * 128) / 8; }
+  __device__ static __forceinline__ int a_load_chunk(int tid, int i) { return ((tid & 127) + i * 128) % 8; }
+
+  // Returns false in the producer warpgroup, which must then leave the kernel.
+  __device__ static bool mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
+                                  const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u;
+    const unsigned full = s0 + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
+    const int KT = (K + BK - 1) / BK;
+    if (tid == 0)
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(full + 8 * s, 128);          // every producer thread
+        mbar_init(empty + 8 * s, CONSUMERS / 32); // every consumer warp
+      }
+    __syncthreads();
+
+    if (wg == Base::WG) { // ---- producer
+      const int t = tid & 127;
+      constexpr int LAG = STAGES - 2; // copy groups left in flight before publishing
+      for (int kt = 0; kt < KT + LAG; ++kt) {
+        if (kt < KT) {
+          const int slot = kt % STAGES;
+          if (kt >= STAGES)
+            mbar_wait(empty + 8 * slot, ((kt / STAGES) - 1) & 1);
+          const unsigned sA = s0 + slot * STAGE_BYTES;
+          const int k0 = kt * BK;
+#pragma unroll
+          for (int i = 0; i < A_ITERS; ++i) {
+            const int row = (t + i * 128) / 8, ch = (t + i * 128) % 8;
+            const bool ok = a_ok[i] && k0 + ch * 8 < K;
+            cp_async_16(sA + Base::a_off(row, ch), ok ? gA[i] + k0 : gA[i], ok);
+          }
+#pragma unroll
+          for (int b = 0; b < NB; ++b) {
+            const unsigned sB = sA + A_STAGE_BYTES + b * B_STAGE_BYTES;
+#pragma unroll
+            for (int i = 0; i < B_ITERS; ++i) {
+              const int c = t + i * 128, k = c / (BN / 8), ch = c % (BN / 8);
+              const int kk = k0 + k, n = n0 + ch * 8;
+              const bool ok = kk < K && n < N;
+              cp_async_16(sB + Base::b_off(k, ch), ok ? gB[b] + (long long)kk * N + n : gB[b], ok);
+            }
+          }
+        }
+        cp_async_commit();
+        // Groups up to kt - LAG have landed: fence them for wgmma and publish.
+        cp_async_wait<LAG>();
+        fence_proxy_async();
+        if (kt >= LAG)
+          mbar_arrive(full + 8 * ((kt - LAG) % STAGES));
+      }
+      return false;
+    }
+
+    // ---- consumers
+    for (int kt = 0; kt < KT; ++kt) {
+      const int slot = kt % STAGES;
+      mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
+      const unsigned sA = s0 + slot * STAGE_BYTES + wg * (64 * 128);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        const unsigned long long da = wgmma_desc(sA + ks * 32, 16, 1024);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          const unsigned sB = s0 + slot * STAGE_BYTES + A_STAGE_BYTES + b * B_STAGE_BYTES;
+          const unsigned long long db = wgmma_desc(sB + ks * 2048, BK * 128, 1024);
+          Wgmma<BN>::mma(acc[b], da, db);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<1>(); // the previous stage's wgmmas are done: release it
+      if (kt > 0 && (tid & 31) == 0)
+        mbar_arrive(empty + 8 * ((kt - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    return true;
   }
 };
 

@@ -182,10 +182,12 @@ TEST_CASE("cuda: the compile cache hits the second time and survives a corrupt e
   CHECK(CompileCache::default_directory() == dir.path);
 
   // doctest re-runs this body once per SUBCASE. Seen on the H200 machine's
-  // NVRTC: compiling a source it already compiled in this process leaves the
-  // log (and so the ptxas report) empty; a per-run comment keeps each run new.
+  // NVRTC: compiling code whose PTX it already assembled in this process
+  // leaves the log (and so the ptxas report) empty, even from a new source
+  // text; a per-run global variable makes each run's PTX new.
   static int run = 0;
-  const std::string source = std::string(kSmallKernel) + "// run " + std::to_string(run++) + "\n";
+  const std::string source =
+      std::string(kSmallKernel) + "__device__ int moeforge_test_run = " + std::to_string(run++) + ";\n";
   CompileResult first = compile_cuda(source, "scale.cu");
   CHECK_FALSE(first.from_cache);
   fs::path entry = dir.path / "nvrtc" / (first.cache_key + ".cubin-entry");

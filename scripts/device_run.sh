@@ -17,6 +17,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # Every test, GPU ones included (they run for real here).
   timeout 420 .gpu/moeforge_tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
   grep -q "Status: SUCCESS" "$OUT/tests.log" || status=1
+  # The CLI on the GPU: compile, run and check against the reference.
+  timeout 120 .gpu/moeforge run swiglu_moe --schedule scattermoe --tokens 1000 --d 256 --f 512 --check \
+    2>&1 | tee "$OUT/cli.log" | tail -12
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
     -tc="cuda layer: the dense MLP*,cuda layer: a whole forward*" >"$OUT/memcheck.log" 2>&1
   echo "memcheck exit code: $?" | tee -a "$OUT/memcheck.log"

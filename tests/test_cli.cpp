@@ -172,7 +172,7 @@ TEST_CASE("cli: impossible shapes") {
 }
 
 TEST_CASE("cli: unknown command and no command") {
-  check_usage_error({"train", "moe_mlp"}, {"unknown command 'train'", "use list, print or run"});
+  check_usage_error({"train", "moe_mlp"}, {"unknown command 'train'", "use list, print, run or emit"});
   check_usage_error({}, {"no command given"});
 }
 
@@ -181,4 +181,55 @@ TEST_CASE("cli: precision f16 is refused") {
   Run ok = cli({"run", "dense_mlp", "--tokens", "4", "--d", "4", "--f", "4", "--precision", "f64"});
   CHECK(ok.code == 0);
   CHECK(has(ok.out, "reference (Eigen, f64)"));
+}
+
+TEST_CASE("cli: emit --ir prints the lowered kernel program of a schedule") {
+  Run mb = cli({"emit", "moe_mlp", "--ir"});
+  CHECK(mb.code == 0);
+  CHECK(has(mb.out, "kernel program (schedule megablocks)"));
+  CHECK(has(mb.out, "gather gather_x_padded_route"));
+  CHECK(has(mb.out, "h(r, j) = gelu(acc0(r, j))"));
+  Run sm = cli({"emit", "swiglu_moe", "--schedule", "scattermoe", "--ir"});
+  CHECK(sm.code == 0);
+  CHECK(has(sm.out, "A = x rows gather_token; B = w1[expert] w3[expert]"));
+  CHECK(has(sm.out, "o_gated(r, i) = route_gate(r) * acc0(r, i)  -> rows gather_pair"));
+}
+
+TEST_CASE("cli: emit --cuda prints generated CUDA where the backend is built") {
+  Run r = cli({"emit", "moe_mlp", "--cuda"});
+#ifdef MOEFORGE_HAVE_CUDA
+  CHECK(r.code == 0);
+  CHECK(has(r.out, "#include \"moeforge_tiles.cuh\""));
+  CHECK(has(r.out, "extern \"C\" __global__ void __launch_bounds__(256, 1) gemm_h("));
+#else
+  CHECK(r.code == 2);
+  CHECK(has(r.err, "emit --ir works without it"));
+#endif
+}
+
+TEST_CASE("cli: emit, schedule and backend usage errors") {
+  check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "or --cuda"});
+  check_usage_error({"emit", "moe_mlp", "--ir", "--cuda"}, {"emit needs exactly one of --ir"});
+  check_usage_error({"emit", "moe_mlp", "--ir", "--schedule", "fastest"},
+                    {"schedule 'fastest' is neither a preset (megablocks, scattermoe)"});
+  check_usage_error({"emit", "moe_mlp", "--ir", "--d", "100"},
+                    {"dimension D = 100 of 'x' is not a multiple of 8"});
+  check_usage_error({"run", "moe_mlp", "--backend", "tpu"}, {"--backend must be reference or cuda, got 'tpu'"});
+  check_usage_error({"print", "moe_mlp", "--schedule", "megablocks"}, {"unknown flag '--schedule' for 'print'"});
+}
+
+TEST_CASE("cli: --backend cuda without a GPU says so and how to run anyway") {
+  std::string why;
+  Run r = cli({"run", "moe_mlp", "--backend", "cuda", "--tokens", "16"});
+  if (r.code == 0) {
+    MESSAGE("a GPU is present: the run went to it");
+    CHECK(has(r.out, "backend   cuda on "));
+    return;
+  }
+  CHECK(r.code == 2);
+  CHECK(has(r.err, "--backend cuda: "));
+  CHECK(has(r.err, "use --backend reference"));
+  Run ref = cli({"run", "moe_mlp", "--tokens", "16"});
+  CHECK(ref.code == 0);
+  CHECK(has(ref.out, "backend   reference (Eigen, f32); no GPU: "));
 }

@@ -10,6 +10,11 @@
 #include "backends/reference/evaluate.h"
 #include "dsl/error.h"
 #include "examples/examples.h"
+#include "lowering/lower.h"
+#include "schedules/presets.h"
+#ifdef MOEFORGE_HAVE_CUDA
+#include "tools/cli_gpu.h"
+#endif
 
 namespace moeforge {
 
@@ -19,7 +24,9 @@ const char *kUsage =
     "usage: moeforge list\n"
     "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
     "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
-    "                               --precision f32|f64] [--check]\n";
+    "                               --precision f32|f64 --schedule megablocks|scattermoe|<file>\n"
+    "                               --backend reference|cuda] [--check]\n"
+    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda\n";
 
 struct Options {
   std::string command, example;
@@ -27,6 +34,9 @@ struct Options {
   uint64_t seed = 1;
   Precision precision = Precision::f32;
   bool check = false;
+  std::string schedule = "megablocks";
+  std::string backend; // empty: the GPU when there is one, else the reference
+  bool emit_ir = false, emit_cuda = false;
 };
 
 int64_t parse_int(const std::string &flag, const std::string &text) {
@@ -42,8 +52,8 @@ Options parse(const std::vector<std::string> &args) {
   Options o;
   user_check(!args.empty()) << "no command given";
   o.command = args[0];
-  user_check(o.command == "list" || o.command == "print" || o.command == "run")
-      << "unknown command '" << o.command << "': use list, print or run";
+  user_check(o.command == "list" || o.command == "print" || o.command == "run" || o.command == "emit")
+      << "unknown command '" << o.command << "': use list, print, run or emit";
   size_t i = 1;
   if (o.command != "list") {
     user_check(args.size() > 1 && args[1].rfind("--", 0) != 0)
@@ -57,14 +67,25 @@ Options parse(const std::vector<std::string> &args) {
       o.check = true;
       continue;
     }
+    if ((flag == "--ir" || flag == "--cuda") && o.command == "emit") {
+      (flag == "--ir" ? o.emit_ir : o.emit_cuda) = true;
+      continue;
+    }
     // list takes no flags; print takes the shape flags; run also --seed and --precision.
     bool takes_value = o.command != "list" &&
                        (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
-                        flag == "--f" || (o.command == "run" && (flag == "--seed" || flag == "--precision")));
+                        flag == "--f" || (o.command == "run" && (flag == "--seed" || flag == "--precision")) ||
+                        (o.command == "run" && flag == "--backend") ||
+                        ((o.command == "run" || o.command == "emit") && flag == "--schedule"));
     user_check(takes_value) << "unknown flag '" << flag << "' for '" << o.command << "'";
     user_check(i + 1 < args.size()) << flag << " needs a value";
     const std::string &v = args[++i];
-    if (flag == "--precision") {
+    if (flag == "--schedule") {
+      o.schedule = v;
+    } else if (flag == "--backend") {
+      user_check(v == "reference" || v == "cuda") << "--backend must be reference or cuda, got '" << v << "'";
+      o.backend = v;
+    } else if (flag == "--precision") {
       user_check(v == "f32" || v == "f64") << "--precision must be f32 or f64, got '" << v << "'";
       o.precision = v == "f32" ? Precision::f32 : Precision::f64;
     } else if (flag == "--seed") {
@@ -78,6 +99,8 @@ Options parse(const std::vector<std::string> &args) {
                              : o.shape.f) = n;
     }
   }
+  user_check(o.command != "emit" || o.emit_ir != o.emit_cuda)
+      << "emit needs exactly one of --ir (the lowered kernel program) or --cuda (the generated CUDA source)";
   return o;
 }
 
@@ -91,12 +114,32 @@ void print_routing(std::ostream &out, const std::string &name, const RoutingResu
       << "; empty experts " << empty << std::defaultfloat << "\n";
 }
 
+// Whether this run goes to the GPU: asked for with --backend cuda (an error
+// without one), or by default when this build has the CUDA backend and a GPU
+// is present.
+bool use_gpu(const Options &o, std::string *no_gpu) {
+#ifdef MOEFORGE_HAVE_CUDA
+  bool present = cli_gpu_available(no_gpu);
+#else
+  bool present = false;
+  *no_gpu = "this build has no CUDA backend (the CUDA toolkit was not found when it was configured)";
+#endif
+  if (o.backend == "cuda") {
+    user_check(present) << "--backend cuda: " << *no_gpu << "; use --backend reference";
+  }
+  return o.backend != "reference" && present;
+}
+
 int run(const Options &o, std::ostream &out) {
   Example ex = make_example(o.example, o.shape);
+  // The schedule only matters on the GPU (the reference has none), where
+  // compiling checks it against the layer.
+  Schedule schedule = schedule_from_arg(o.schedule);
+  std::string no_gpu;
+  bool gpu = use_gpu(o, &no_gpu);
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
   const char *prec = o.precision == Precision::f32 ? "f32" : "f64";
   out << "example   " << ex.name << ": " << ex.description << "\n";
-  out << "backend   reference (Eigen, " << prec << "); the CUDA and CPU backends are not built yet\n";
   out << "inputs   ";
   for (const BufferPtr &b : ex.pipeline.buffers()) {
     out << " " << b->name << "[";
@@ -106,6 +149,12 @@ int run(const Options &o, std::ostream &out) {
     out << "]";
   }
   out << "\n";
+#ifdef MOEFORGE_HAVE_CUDA
+  if (gpu)
+    return cli_run_on_gpu(ex, o.shape, inputs, schedule, o.check, out);
+#endif
+  out << "backend   reference (Eigen, " << prec << ")" << (o.backend.empty() ? "; no GPU: " + no_gpu : "")
+      << "\n";
 
   auto start = std::chrono::steady_clock::now();
   EvalResult res = evaluate(ex.pipeline, inputs, o.precision);
@@ -117,8 +166,8 @@ int run(const Options &o, std::ostream &out) {
   out << "checksum  " << ex.output << ": " << std::setprecision(9) << y.checksum() << std::setprecision(6) << "\n";
   if (!o.check)
     return 0;
-  // The oracle: the same algebra in float64. With only the reference backend
-  // built, --check measures the run's precision against it.
+  // The oracle: the same algebra in float64. On the reference backend,
+  // --check measures the run's precision against it.
   EvalResult oracle = evaluate(ex.pipeline, inputs, Precision::f64);
   double err = max_relative_error(y, oracle[ex.output]);
   double tol = o.precision == Precision::f32 ? 1e-4 : 1e-12;
@@ -144,6 +193,21 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
       Example ex = make_example(o.example, o.shape);
       out << ex.pipeline;
       return 0;
+    }
+    if (o.command == "emit") {
+      Example ex = make_example(o.example, o.shape);
+      KernelProgram program = lower(ex.pipeline, schedule_from_arg(o.schedule));
+      if (o.emit_ir) {
+        out << program;
+        return 0;
+      }
+#ifdef MOEFORGE_HAVE_CUDA
+      out << cli_cuda_source(program);
+      return 0;
+#else
+      user_error << "emit --cuda: this build has no CUDA backend (the CUDA toolkit was not found when it was "
+                 << "configured); emit --ir works without it";
+#endif
     }
     return run(o, out);
   } catch (const UserError &e) {

@@ -72,7 +72,7 @@ TEST_CASE("cli: print moe_mlp prints the algebra") {
 }
 
 TEST_CASE("cli: run moe_mlp --check passes") {
-  Run r = cli({"run", "moe_mlp", "--tokens", "64", "--d", "32", "--f", "48", "--check"});
+  Run r = cli({"run", "moe_mlp", "--backend", "reference", "--tokens", "64", "--d", "32", "--f", "48", "--check"});
   INFO(r.out);
   INFO(r.err);
   CHECK(r.code == 0);
@@ -88,7 +88,7 @@ TEST_CASE("cli: run moe_mlp --check passes") {
 }
 
 TEST_CASE("cli: run swiglu_moe --check passes") {
-  Run r = cli({"run", "swiglu_moe", "--tokens", "40", "--experts", "4", "--topk", "4", "--d", "16", "--f", "24",
+  Run r = cli({"run", "swiglu_moe", "--backend", "reference", "--tokens", "40", "--experts", "4", "--topk", "4", "--d", "16", "--f", "24",
                "--seed", "7", "--check"});
   INFO(r.out);
   CHECK(r.code == 0);
@@ -99,7 +99,7 @@ TEST_CASE("cli: run swiglu_moe --check passes") {
   CHECK(has(r.out, "checksum  y: "));
   CHECK(has(r.out, "PASS"));
   // f64 is its own oracle: the error is exactly zero.
-  Run d = cli({"run", "swiglu_moe", "--tokens", "16", "--d", "8", "--f", "8", "--precision", "f64", "--check"});
+  Run d = cli({"run", "swiglu_moe", "--backend", "reference", "--tokens", "16", "--d", "8", "--f", "8", "--precision", "f64", "--check"});
   INFO(d.out);
   CHECK(d.code == 0);
   CHECK(has(d.out, "reference (Eigen, f64)"));
@@ -109,7 +109,7 @@ TEST_CASE("cli: run swiglu_moe --check passes") {
 
 TEST_CASE("cli: the seed decides the checksum") {
   auto checksum = [](const std::string &seed) {
-    Run r = cli({"run", "moe_mlp", "--tokens", "16", "--d", "8", "--f", "8", "--seed", seed});
+    Run r = cli({"run", "moe_mlp", "--backend", "reference", "--tokens", "16", "--d", "8", "--f", "8", "--seed", seed});
     REQUIRE(r.code == 0);
     size_t at = r.out.find("checksum  y: ");
     REQUIRE(at != std::string::npos);
@@ -120,7 +120,7 @@ TEST_CASE("cli: the seed decides the checksum") {
 }
 
 TEST_CASE("cli: run dense_mlp and attention have no routing line") {
-  Run r = cli({"run", "dense_mlp", "--tokens", "32", "--d", "16", "--f", "8"});
+  Run r = cli({"run", "dense_mlp", "--backend", "reference", "--tokens", "32", "--d", "16", "--f", "8"});
   INFO(r.out);
   CHECK(r.code == 0);
   CHECK(has(r.out, "example   dense_mlp"));
@@ -128,7 +128,7 @@ TEST_CASE("cli: run dense_mlp and attention have no routing line") {
   CHECK(has(r.out, "checksum  y: "));
   CHECK_FALSE(has(r.out, "\nrouting "));
   CHECK_FALSE(has(r.out, "check "));
-  Run a = cli({"run", "attention", "--tokens", "24", "--d", "8", "--check"});
+  Run a = cli({"run", "attention", "--backend", "reference", "--tokens", "24", "--d", "8", "--check"});
   INFO(a.out);
   CHECK(a.code == 0);
   CHECK(has(a.out, "checksum  out: "));
@@ -178,7 +178,7 @@ TEST_CASE("cli: unknown command and no command") {
 
 TEST_CASE("cli: precision f16 is refused") {
   check_usage_error({"run", "moe_mlp", "--precision", "f16"}, {"--precision must be f32 or f64, got 'f16'"});
-  Run ok = cli({"run", "dense_mlp", "--tokens", "4", "--d", "4", "--f", "4", "--precision", "f64"});
+  Run ok = cli({"run", "dense_mlp", "--backend", "reference", "--tokens", "4", "--d", "4", "--f", "4", "--precision", "f64"});
   CHECK(ok.code == 0);
   CHECK(has(ok.out, "reference (Eigen, f64)"));
 }
@@ -220,10 +220,13 @@ TEST_CASE("cli: emit, schedule and backend usage errors") {
 
 TEST_CASE("cli: --backend cuda without a GPU says so and how to run anyway") {
   std::string why;
-  Run r = cli({"run", "moe_mlp", "--backend", "cuda", "--tokens", "16"});
+  Run r = cli({"run", "moe_mlp", "--backend", "cuda", "--tokens", "16", "--check"});
   if (r.code == 0) {
     MESSAGE("a GPU is present: the run went to it");
     CHECK(has(r.out, "backend   cuda on "));
+    CHECK(has(r.out, "check     y "));
+    CHECK(has(r.out, "PASS"));
+    CHECK_FALSE(has(r.out, "FAIL"));
     return;
   }
   CHECK(r.code == 2);

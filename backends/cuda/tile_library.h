@@ -361,6 +361,11 @@ __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// Arrives on `bar` when all of this thread's earlier cp.async copies complete
+// (without adding to the expected count: the barrier was initialised for it).
+__device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
   unsigned done = 0;
   while (!done)
@@ -374,8 +379,9 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 // warpgroups (threads 0 .. BM*2-1, as in WgmmaConfig) never wait on a block
 // barrier, only on their stage's `full` mbarrier, and release the stage on
 // its `empty` mbarrier once their wgmmas have read it. The producer gathers
-// rows with cp.async (what TMA cannot do), and publishes a stage after its
-// copies completed and were fenced for the async proxy. (setmaxnreg was
+// rows with cp.async (what TMA cannot do); each copy's completion arrives on
+// the stage's `full` barrier, and consumers fence for the async proxy before
+// their wgmmas read it. (setmaxnreg was
 // tried to move registers from the producer to the consumers: ptxas still
 // compiled the kernel under the 168-register entry cap and spilled, so the
 // roles share the cap, which SwiGLU's 128 accumulators fit without spills.)
@@ -414,38 +420,33 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaWsConfig : WgmmaCo
 
     if (wg == Base::WG) { // ---- producer
       const int t = tid & 127;
-      constexpr int LAG = STAGES - 2; // copy groups left in flight before publishing
-      for (int kt = 0; kt < KT + LAG; ++kt) {
-        if (kt < KT) {
-          const int slot = kt % STAGES;
-          if (kt >= STAGES)
-            mbar_wait(empty + 8 * slot, ((kt / STAGES) - 1) & 1);
-          const unsigned sA = s0 + slot * STAGE_BYTES;
-          const int k0 = kt * BK;
+      for (int kt = 0; kt < KT; ++kt) {
+        const int slot = kt % STAGES;
+        if (kt >= STAGES)
+          mbar_wait(empty + 8 * slot, ((kt / STAGES) - 1) & 1);
+        const unsigned sA = s0 + slot * STAGE_BYTES;
+        const int k0 = kt * BK;
 #pragma unroll
-          for (int i = 0; i < A_ITERS; ++i) {
-            const int row = (t + i * 128) / 8, ch = (t + i * 128) % 8;
-            const bool ok = a_ok[i] && k0 + ch * 8 < K;
-            cp_async_16(sA + Base::a_off(row, ch), ok ? gA[i] + k0 : gA[i], ok);
-          }
+        for (int i = 0; i < A_ITERS; ++i) {
+          const int row = (t + i * 128) / 8, ch = (t + i * 128) % 8;
+          const bool ok = a_ok[i] && k0 + ch * 8 < K;
+          cp_async_16(sA + Base::a_off(row, ch), ok ? gA[i] + k0 : gA[i], ok);
+        }
 #pragma unroll
-          for (int b = 0; b < NB; ++b) {
-            const unsigned sB = sA + A_STAGE_BYTES + b * B_STAGE_BYTES;
+        for (int b = 0; b < NB; ++b) {
+          const unsigned sB = sA + A_STAGE_BYTES + b * B_STAGE_BYTES;
 #pragma unroll
-            for (int i = 0; i < B_ITERS; ++i) {
-              const int c = t + i * 128, k = c / (BN / 8), ch = c % (BN / 8);
-              const int kk = k0 + k, n = n0 + ch * 8;
-              const bool ok = kk < K && n < N;
-              cp_async_16(sB + Base::b_off(k, ch), ok ? gB[b] + (long long)kk * N + n : gB[b], ok);
-            }
+          for (int i = 0; i < B_ITERS; ++i) {
+            const int c = t + i * 128, k = c / (BN / 8), ch = c % (BN / 8);
+            const int kk = k0 + k, n = n0 + ch * 8;
+            const bool ok = kk < K && n < N;
+            cp_async_16(sB + Base::b_off(k, ch), ok ? gB[b] + (long long)kk * N + n : gB[b], ok);
           }
         }
-        cp_async_commit();
-        // Groups up to kt - LAG have landed: fence them for wgmma and publish.
-        cp_async_wait<LAG>();
-        fence_proxy_async();
-        if (kt >= LAG)
-          mbar_arrive(full + 8 * ((kt - LAG) % STAGES));
+        // The stage's `full` barrier counts this thread's arrival once all of
+        // its copies above have landed: no waiting here, so the producer runs
+        // as far ahead as the free stages allow.
+        cp_async_arrive_noinc(full + 8 * slot);
       }
       return false;
     }
@@ -454,6 +455,7 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaWsConfig : WgmmaCo
     for (int kt = 0; kt < KT; ++kt) {
       const int slot = kt % STAGES;
       mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
+      fence_proxy_async(); // the stage was written by cp.async (generic proxy); wgmma reads it (async proxy)
       const unsigned sA = s0 + slot * STAGE_BYTES + wg * (64 * 128);
       wgmma_fence();
 #pragma unroll

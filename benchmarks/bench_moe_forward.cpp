@@ -106,6 +106,14 @@ Schedule tuned(const Shape &s, const std::string &variant) {
       t.tile("h", 128, 64, 64);
     return t;
   }
+  if (variant == "tuned_ws_deep") {
+    // Warp-specialised with 128-wide tiles and six stages in flight (four
+    // for SwiGLU's two-B GEMM, whose stages are half as large again).
+    t.mma("*", MmaKind::wgmma_ws).stages("*", 6);
+    if (s.swiglu)
+      t.stages("h", 4);
+    return t;
+  }
   if (variant == "tuned_ws")
     t.mma("*", MmaKind::wgmma_ws);
   t.tile("o", 128, 256, 64).stages("o", 4).tile("logits", 128, 64, 64);
@@ -166,7 +174,7 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
 
 void register_all() {
   for (const Shape &s : kShapes)
-    for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws"})
+    for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep"})
       for (bool skew : {false, true}) {
         std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
         benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)

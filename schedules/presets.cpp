@@ -18,7 +18,7 @@ Schedule anchor(const std::string &name, Permutation permutation, GateFusion gat
       .tile(Schedule::all_funcs, 128, 128, 64)
       .stages(Schedule::all_funcs, 4)
       .warps(Schedule::all_funcs, 8, 1)
-      .mma(Schedule::all_funcs, MmaKind::wgmma)
+      .mma(Schedule::all_funcs, MmaKind::wgmma_ws)
       .fuse_epilogue(Schedule::all_funcs, true);
   return s;
 }

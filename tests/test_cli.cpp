@@ -200,7 +200,7 @@ TEST_CASE("cli: emit --cuda prints generated CUDA where the backend is built") {
 #ifdef MOEFORGE_HAVE_CUDA
   CHECK(r.code == 0);
   CHECK(has(r.out, "#include \"moeforge_tiles.cuh\""));
-  CHECK(has(r.out, "extern \"C\" __global__ void __launch_bounds__(256, 1) gemm_h("));
+  CHECK(has(r.out, "extern \"C\" __global__ void __launch_bounds__(384, 1) gemm_h("));
 #else
   CHECK(r.code == 2);
   CHECK(has(r.err, "emit --ir works without it"));

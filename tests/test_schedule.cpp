@@ -60,7 +60,7 @@ TEST_SUITE("schedule") {
     CHECK(s.block() == 128);
     CHECK(s.gate() == GateFusion::combine);
     FuncSchedule f = s.for_func("h");
-    CHECK(f.tiling == GemmTiling{128, 128, 64, 4, 8, 1, MmaKind::wgmma});
+    CHECK(f.tiling == GemmTiling{128, 128, 64, 4, 8, 1, MmaKind::wgmma_ws});
     CHECK(f.fuse_epilogue);
     CHECK(f.tiling.threads() == 256);
     CHECK(f.tiling.shared_bytes() == 4 * (128 * 64 + 64 * 128) * 2);
@@ -73,7 +73,7 @@ TEST_SUITE("schedule") {
     CHECK(s.permutation() == Permutation::scattered);
     CHECK(s.block() == 128);
     CHECK(s.gate() == GateFusion::epilogue);
-    CHECK(s.for_func("*").tiling == GemmTiling{128, 128, 64, 4, 8, 1, MmaKind::wgmma});
+    CHECK(s.for_func("*").tiling == GemmTiling{128, 128, 64, 4, 8, 1, MmaKind::wgmma_ws});
     CHECK(s.for_func("*").fuse_epilogue);
   }
 
@@ -107,7 +107,7 @@ TEST_SUITE("schedule") {
                                     "tile(\"*\", 128, 128, 64)\n"
                                     "stages(\"*\", 4)\n"
                                     "warps(\"*\", 8, 1)\n"
-                                    "mma(\"*\", wgmma)\n"
+                                    "mma(\"*\", wgmma_ws)\n"
                                     "fuse_epilogue(\"*\", true)\n");
     Schedule s;
     s.tile("h", 64, 128, 32).block(64).fuse_epilogue("o", false);

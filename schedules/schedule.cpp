@@ -239,28 +239,27 @@ void Schedule::check_tilings(const std::string &call, const std::string &changed
     std::string who = func_label(f);
     if (f != changed_func)
       who += " (it overrides part of the default)";
-    // Tensor-core MMAs are 16 rows or columns wide: each warp needs a whole
-    // number of them.
-    user_check(t.tile_m % (t.warps_m * 16) == 0)
-        << call << ": warps " << t.warps_m << "x" << t.warps_n << " do not fit tile " << t.tile_m << "x" << t.tile_n
-        << "x" << t.tile_k << " of " << who << ": tile_m / warps_m = " << t.tile_m << " / " << t.warps_m << " = "
-        << t.tile_m / t.warps_m << " rows per warp, not a multiple of 16: use warps_m <= " << t.tile_m / 16
-        << " or tile_m >= " << std::max(64, t.warps_m * 16) << " (set warps before tiles when shrinking both)";
-    user_check(t.tile_n % (t.warps_n * 16) == 0)
-        << call << ": warps " << t.warps_m << "x" << t.warps_n << " do not fit tile " << t.tile_m << "x" << t.tile_n
-        << "x" << t.tile_k << " of " << who << ": tile_n / warps_n = " << t.tile_n << " / " << t.warps_n << " = "
-        << t.tile_n / t.warps_n << " columns per warp, not a multiple of 16: use warps_n <= " << t.tile_n / 16
-        << " or tile_n >= " << std::max(64, t.warps_n * 16) << " (set warps before tiles when shrinking both)";
-    if (t.mma == MmaKind::wgmma || t.mma == MmaKind::wgmma_ws) {
+    if (t.mma == MmaKind::mma_sync) {
+      // Tensor-core MMAs are 16 rows or columns wide: each warp needs a whole
+      // number of them.
+      user_check(t.tile_m % (t.warps_m * 16) == 0)
+          << call << ": warps " << t.warps_m << "x" << t.warps_n << " do not fit tile " << t.tile_m << "x" << t.tile_n
+          << "x" << t.tile_k << " of " << who << ": tile_m / warps_m = " << t.tile_m << " / " << t.warps_m << " = "
+          << t.tile_m / t.warps_m << " rows per warp, not a multiple of 16: use warps_m <= " << t.tile_m / 16
+          << " or tile_m >= " << std::max(64, t.warps_m * 16) << " (set warps before tiles when shrinking both)";
+      user_check(t.tile_n % (t.warps_n * 16) == 0)
+          << call << ": warps " << t.warps_m << "x" << t.warps_n << " do not fit tile " << t.tile_m << "x" << t.tile_n
+          << "x" << t.tile_k << " of " << who << ": tile_n / warps_n = " << t.tile_n << " / " << t.warps_n << " = "
+          << t.tile_n / t.warps_n << " columns per warp, not a multiple of 16: use warps_n <= " << t.tile_n / 16
+          << " or tile_n >= " << std::max(64, t.warps_n * 16) << " (set warps before tiles when shrinking both)";
+    } else {
+      // wgmma lays its warps out itself (one warpgroup per 64 rows), so the
+      // warps setting does not apply.
       // A warpgroup issues m64 wgmmas over 128-byte swizzled rows of 64 bf16.
       user_check(t.tile_k == 64 && (t.tile_m == 64 || t.tile_m == 128))
           << call << ": wgmma for " << who << " needs tile_k 64 and tile_m 64 or 128, but the tile is " << t.tile_m
           << "x" << t.tile_n << "x" << t.tile_k << ": use tile(\"" << f << "\", 128, " << t.tile_n
           << ", 64) (set the tile before mma(..., wgmma))";
-      user_check(t.warps_m == t.tile_m / 16 && t.warps_n == 1)
-          << call << ": wgmma for " << who << " runs one warpgroup per 64 rows, each warp owning 16 rows: warps "
-          << t.warps_m << "x" << t.warps_n << " do not match tile_m " << t.tile_m << ": use warps(\"" << f << "\", "
-          << t.tile_m / 16 << ", 1)";
       user_check(t.stages >= 3) << call << ": wgmma for " << who
                                 << " keeps one group of MMAs in flight while refilling a stage: use stages >= 3";
     }

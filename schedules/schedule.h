@@ -99,11 +99,12 @@ public:
   // 2 to 8 shared-memory stages.
   Schedule &stages(const std::string &func, int s);
   // warps_m * warps_n is 4 or 8, and each warp's share of the tile
-  // (tile_m / warps_m, tile_n / warps_n) is a multiple of 16.
+  // (tile_m / warps_m, tile_n / warps_n) is a multiple of 16. Applies to
+  // mma_sync; wgmma lays out one warpgroup per 64 rows by itself.
   Schedule &warps(const std::string &func, int warps_m, int warps_n);
   Schedule &fuse_epilogue(const std::string &func, bool fuse);
   // The tensor-core instruction; wgmma needs tile_k 64, tile_m 64 or 128 and
-  // warps (tile_m / 16) x 1 (each warp owns 16 rows of its warpgroup's 64).
+  // at least 3 stages.
   Schedule &mma(const std::string &func, MmaKind kind);
 
   // ---- accessors

@@ -224,12 +224,14 @@ TEST_SUITE("schedule") {
   }
 
 
-  TEST_CASE("schedule errors: wgmma needs a 64-deep tile, m64 or m128 and one warp per 16 rows") {
+  TEST_CASE("schedule errors: wgmma needs a 64-deep tile of 64 or 128 rows and three stages") {
     Schedule s;
     CHECK_THROWS_WITH_AS(s.mma("h", MmaKind::wgmma), doctest::Contains("wgmma for 'h' needs tile_k 64"), UserError);
-    s.tile("h", 128, 128, 64);
-    CHECK_THROWS_WITH_AS(s.mma("h", MmaKind::wgmma), doctest::Contains("use warps(\"h\", 8, 1)"), UserError);
-    s.warps("h", 8, 1).mma("h", MmaKind::wgmma);
+    s.tile("h", 128, 128, 64).mma("h", MmaKind::wgmma);
+    // wgmma lays out its own warps: a layout mma.sync could not use is accepted.
+    s.warps("h", 1, 4);
+    CHECK_THROWS_WITH_AS(s.tile("h", 256, 128, 64), doctest::Contains("needs tile_k 64 and tile_m 64 or 128"),
+                         UserError);
     CHECK(s.for_func("h").tiling.mma == MmaKind::wgmma);
     CHECK_THROWS_WITH_AS(s.stages("h", 2), doctest::Contains("use stages >= 3"), UserError);
     CHECK_THROWS_WITH_AS(Schedule::from_text("mma(\"h\", tensorcore)\n", "s.txt"),

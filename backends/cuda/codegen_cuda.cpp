@@ -321,54 +321,26 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   body << "  // " << g.output << "(" << g.row_var.name() << ", " << g.col_var.name() << ") = " << g.epilogue << "\n";
   body << "  auto epilogue = [&](" << params << "long long " << vr << ", long long " << vc << ") -> float {\n"
        << epi.str() << "    return " << value << ";\n  };\n";
-  // wgmma kernels stage the tile through shared memory (free once the main
-  // loop is done) so each row leaves in 16-byte coalesced stores; mma.sync
-  // kernels store their fragments directly.
-  const bool staged = wgmma;
-  const std::string out_type = c_type(out.dtype);
-  if (staged)
-    body << "  Cfg::sync_consumers();  // no warpgroup still reads the pipeline's memory\n";
   body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
   body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n    if (lr >= rows) continue;\n";
   if (g.route) {
     body << "    const int r = " << sorted_pair << "[p0 + lr];\n    if (r < 0) continue;  // padding row\n";
     body << "    const long long " << vr << " = r;\n";
-    if (!staged)
-      body << "    const long long out_row = "
-           << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order")
-           << "\n";
+    body << "    const long long out_row = "
+         << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order")
+         << "\n";
   } else {
-    body << "    const long long " << vr << " = p0 + lr" << (staged ? "" : ", out_row = " + vr) << ";\n";
+    body << "    const long long " << vr << " = p0 + lr, out_row = " << vr << ";\n";
   }
   body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
-  body << "      const int c = Cfg::acc_col(warp, lane, ni, 0), col = n0 + c;\n      if (col >= N) continue;\n";
+  body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n      if (col >= N) continue;\n";
   for (int e = 0; e < 2; ++e) {
     body << "      const float v" << e << " = epilogue(";
     for (int b = 0; b < nb; ++b)
       body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
     body << vr << ", col + " << e << ");\n";
   }
-  if (staged)
-    body << "      mf::store2(Cfg::template staged<" << out_type << ">(smem, lr, c), v0, v1);\n    }\n  }\n";
-  else
-    body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n    }\n  }\n";
-  if (staged) {
-    body << "  Cfg::sync_consumers();  // the whole tile is staged\n";
-    body << "  constexpr int VEC = 16 / sizeof(" << out_type << "), CHUNKS = Cfg::BN / VEC;\n";
-    body << "  for (int i = tid; i < Cfg::BM * CHUNKS; i += Cfg::CONSUMERS) {\n";
-    body << "    const int lr = i / CHUNKS, c = (i % CHUNKS) * VEC, col = n0 + c;\n";
-    body << "    if (lr >= rows || col >= N) continue;\n";
-    if (g.route) {
-      body << "    const int r = " << sorted_pair << "[p0 + lr];\n    if (r < 0) continue;  // padding row\n";
-      body << "    const long long out_row = "
-           << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order")
-           << "\n";
-    } else {
-      body << "    const long long out_row = p0 + lr;\n";
-    }
-    body << "    *reinterpret_cast<uint4 *>(" << gC << " + out_row * N + col) =\n"
-         << "        *reinterpret_cast<const uint4 *>(Cfg::template staged<" << out_type << ">(smem, lr, c));\n  }\n";
-  }
+  body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n    }\n  }\n";
   (void)out;
 
   k.grid.kind = g.route ? GridShape::Kind::routed_tiles : GridShape::Kind::dense_tiles;

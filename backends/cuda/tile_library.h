@@ -272,17 +272,7 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaConfig {
   static_assert(STAGES >= 3, "wgmma overlaps one group in flight: at least three stages");
 
   typedef float Acc[NB][BN / 2];
-  static constexpr int CONSUMERS = THREADS; // every thread holds accumulators
   __device__ static __forceinline__ float get(const Acc &acc, int b, int, int ni, int e) { return acc[b][ni * 4 + e]; }
-  // The epilogue's staging tile over the (finished) pipeline's shared memory:
-  // BM rows of BN values, each row padded by 16 bytes against bank conflicts.
-  template <typename T> __device__ static __forceinline__ T *staged(unsigned char *smem, int row, int col) {
-    unsigned char *base = smem + (((smem_u32(smem) + 1023u) & ~1023u) - smem_u32(smem));
-    return reinterpret_cast<T *>(base + row * (BN * (int)sizeof(T) + 16)) + col;
-  }
-  static_assert(BM * (BN * 4 + 16) <= STAGES * STAGE_BYTES, "the staged tile fits in the pipeline's memory");
-  // Every thread has finished its main loop and written its staged values.
-  __device__ static __forceinline__ void sync_consumers() { __syncthreads(); }
   __device__ static __forceinline__ int a_load_row(int tid, int i) { return (tid + i * THREADS) / 8; }
   __device__ static __forceinline__ int a_load_chunk(int tid, int i) { return (tid + i * THREADS) % 8; }
   __device__ static __forceinline__ int acc_row(int warp, int lane, int, int e) {
@@ -407,10 +397,6 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaWsConfig : WgmmaCo
   using Base::B_STAGE_BYTES;
   using typename Base::Acc;
   static constexpr int CONSUMERS = Base::WG * 128, THREADS = CONSUMERS + 128;
-  // The producer warpgroup has left: consumers meet on named barrier 1.
-  __device__ static __forceinline__ void sync_consumers() {
-    asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory");
-  }
   static constexpr int A_ITERS = BM * 8 / 128, B_ITERS = BK * (BN / 8) / 128; // per producer thread
   static constexpr int SMEM_BYTES = Base::SMEM_BYTES + 16 * STAGES;            // + the mbarriers
   // Every thread computes the producer's row pointers (by its lane in the

@@ -3,6 +3,8 @@
 // name it looks for (checked against the toolkit's stub libcuda).
 #include <doctest/doctest.h>
 
+#include "backends/reference/host_tensor.h"
+
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -12,6 +14,8 @@
 #include "backends/cuda/nvrtc_compiler.h"
 
 using namespace moeforge::cuda;
+using moeforge::bf16_bits;
+using moeforge::bf16_value;
 
 TEST_CASE("cuda: gpu_available gives a reason when it says no") {
   std::string why;
@@ -81,11 +85,11 @@ TEST_CASE("cuda: cuBLAS errors name the call and the status") {
 }
 
 TEST_CASE("cuda: host bf16 conversion rounds to nearest even") {
-  CHECK(float_to_bf16(1.0f) == 0x3F80);
-  CHECK(bf16_to_float(0x3F80) == 1.0f);
+  CHECK(bf16_bits(1.0f) == 0x3F80);
+  CHECK(bf16_value(0x3F80) == 1.0f);
   // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even 1.
-  CHECK(float_to_bf16(1.0f + 1.0f / 256) == 0x3F80);
-  CHECK(float_to_bf16(1.0f + 3.0f / 256) == 0x3F82);
-  CHECK(float_to_bf16(-2.5f) == 0xC020);
-  CHECK(std::isnan(bf16_to_float(float_to_bf16(std::nanf("")))));
+  CHECK(bf16_bits(1.0f + 1.0f / 256) == 0x3F80);
+  CHECK(bf16_bits(1.0f + 3.0f / 256) == 0x3F82);
+  CHECK(bf16_bits(-2.5f) == 0xC020);
+  CHECK(std::isnan(bf16_value(bf16_bits(std::nanf("")))));
 }

@@ -3,6 +3,8 @@
 // against a CPU loop. Without a GPU every case skips, saying why.
 #include <doctest/doctest.h>
 
+#include "backends/reference/host_tensor.h"
+
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -19,6 +21,8 @@
 #include "tests/gpu_test.h"
 
 using namespace moeforge::cuda;
+using moeforge::bf16_bits;
+using moeforge::bf16_value;
 
 namespace {
 
@@ -232,12 +236,12 @@ extern "C" __global__ void add_one(int *x, int n) {
     auto random_bf16 = [&](int64_t n) {
       std::vector<uint16_t> v(n);
       for (uint16_t &x : v)
-        x = float_to_bf16(u(rng));
+        x = bf16_bits(u(rng));
       return v;
     };
     // Row-major element (i, j) of an r x c matrix, or of its stored transpose.
     auto at = [](const std::vector<uint16_t> &m, int64_t i, int64_t j, int64_t cols, bool transposed, int64_t rows) {
-      return bf16_to_float(transposed ? m[j * rows + i] : m[i * cols + j]);
+      return bf16_value(transposed ? m[j * rows + i] : m[i * cols + j]);
     };
     for (Transpose ta : {Transpose::no, Transpose::yes})
       for (Transpose tb : {Transpose::no, Transpose::yes}) {
@@ -261,7 +265,7 @@ extern "C" __global__ void add_one(int *x, int n) {
             for (int64_t q = 0; q < K; ++q)
               want += double(at(a, i, q, K, at_, M)) * double(at(b, q, j, N, bt, K));
             worst = std::max(worst, std::abs(c[i * N + j] - want));
-            worst16 = std::max(worst16, std::abs(bf16_to_float(c16[i * N + j]) - want));
+            worst16 = std::max(worst16, std::abs(bf16_value(c16[i * N + j]) - want));
           }
         // fp32 accumulation of K=72 products of bf16 values in [-1, 1].
         CHECK(worst < 1e-4);

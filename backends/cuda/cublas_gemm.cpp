@@ -59,21 +59,4 @@ void gemm_bf16(const CublasHandle &handle, const Stream &stream, Transpose trans
                "cublasGemmEx");
 }
 
-uint16_t float_to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if (std::isnan(x))
-    return static_cast<uint16_t>((bits >> 16) | 0x40); // stay a (quiet) NaN
-  // Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit.
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-float bf16_to_float(uint16_t b) {
-  uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
-
 } // namespace moeforge::cuda

@@ -71,9 +71,5 @@ inline void gemm_nt(const CublasHandle &h, const Stream &s, int64_t m, int64_t n
   gemm_bf16(h, s, Transpose::no, Transpose::yes, m, n, k, a, b, c, c_type);
 }
 
-// Host bf16 conversions for preparing inputs and checking outputs:
-// round-to-nearest-even, as the GPU converts.
-uint16_t float_to_bf16(float x);
-float bf16_to_float(uint16_t bits);
 
 } // namespace moeforge::cuda

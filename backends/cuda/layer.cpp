@@ -11,20 +11,6 @@ namespace moeforge::cuda {
 
 namespace {
 
-uint16_t to_bf16_bits(double x) {
-  float f = static_cast<float>(round_to_bf16(x));
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-double from_bf16_bits(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 } // namespace
@@ -161,7 +147,7 @@ std::vector<uint8_t> encode(const std::vector<double> &values, DType t, const st
       float f = static_cast<float>(values[i]);
       std::memcpy(&bytes[i * 4], &f, 4);
     } else {
-      uint16_t b = to_bf16_bits(values[i]);
+      uint16_t b = bf16_bits(static_cast<float>(values[i]));
       std::memcpy(&bytes[i * 2], &b, 2);
     }
   }
@@ -263,7 +249,7 @@ HostTensor CudaLayer::download(const std::string &func) const {
     auto v = b.download<uint16_t>();
     raw.resize(v.size());
     for (size_t i = 0; i < v.size(); ++i)
-      raw[i] = from_bf16_bits(v[i]);
+      raw[i] = bf16_value(v[i]);
   }
   if (t.layout != RowLayout::padded) {
     std::copy(raw.begin(), raw.begin() + out.size(), out.data.begin());

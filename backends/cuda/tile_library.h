@@ -261,7 +261,7 @@ MOEFORGE_WGMMA_INSTANCES
 template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, STAGES = STAGES_, NB = NB_;
   static constexpr int WG = BM / 64, THREADS = WG * 128;
-  static constexpr int A_ITERS = BM * 8 / THREADS, B_ITERS = BK * (BN / 8) / THREADS;
+  static constexpr int A_ITERS = BM * 8 / THREADS; // A chunks per thread and stage
   static constexpr int MI = 1, NI = BN / 8;
   static constexpr int A_STAGE_BYTES = BM * 128, B_STAGE_BYTES = BK * BN * 2;
   static constexpr int STAGE_BYTES = A_STAGE_BYTES + NB * B_STAGE_BYTES;
@@ -284,67 +284,78 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaConfig {
     return (ch >> 3) * (BK * 128) + k * 128 + (((ch & 7) ^ (k & 7)) << 4);
   }
 
+  // Copies k-tile kt into stage `slot`, spread over LOADERS threads of which
+  // this is thread t: A rows through their precomputed pointers, B rows of
+  // each operand; chunks past K or N are zero-filled.
+  template <int LOADERS>
+  __device__ static __forceinline__ void load_stage(unsigned s0, int slot, int kt, int t,
+                                                    const bf16 *const (&gA)[BM * 8 / LOADERS],
+                                                    const bool (&a_ok)[BM * 8 / LOADERS],
+                                                    const bf16 *const (&gB)[NB], int K, int N, int n0) {
+    const unsigned sA = s0 + slot * STAGE_BYTES;
+    const int k0 = kt * BK;
+#pragma unroll
+    for (int i = 0; i < BM * 8 / LOADERS; ++i) {
+      const int row = (t + i * LOADERS) / 8, ch = (t + i * LOADERS) % 8;
+      const bool ok = a_ok[i] && k0 + ch * 8 < K;
+      cp_async_16(sA + a_off(row, ch), ok ? gA[i] + k0 : gA[i], ok);
+    }
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const unsigned sB = sA + A_STAGE_BYTES + b * B_STAGE_BYTES;
+#pragma unroll
+      for (int i = 0; i < BK * (BN / 8) / LOADERS; ++i) {
+        const int c = t + i * LOADERS, k = c / (BN / 8), ch = c % (BN / 8);
+        const int kk = k0 + k, n = n0 + ch * 8;
+        const bool ok = kk < K && n < N;
+        cp_async_16(sB + b_off(k, ch), ok ? gB[b] + (long long)kk * N + n : gB[b], ok);
+      }
+    }
+  }
+
+  // Issues (without waiting) warpgroup wg's wgmmas over stage `slot`.
+  __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
+    const unsigned sA = s0 + slot * STAGE_BYTES + wg * (64 * 128);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ++ks) {
+      // K-major A: the next 16 columns start 32 bytes on within the swizzled rows.
+      const unsigned long long da = wgmma_desc(sA + ks * 32, 16, 1024);
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const unsigned sB = s0 + slot * STAGE_BYTES + A_STAGE_BYTES + b * B_STAGE_BYTES;
+        // N-major B: 16 k-rows are two 8-row groups (2 KiB); slabs are BK * 128 bytes apart.
+        const unsigned long long db = wgmma_desc(sB + ks * 2048, BK * 128, 1024);
+        Wgmma<BN>::mma(acc[b], da, db);
+      }
+    }
+    wgmma_commit();
+  }
+
   // Returns true: every thread of this configuration holds accumulators.
   __device__ static bool mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
                                   const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
     const int tid = threadIdx.x, wg = tid >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u; // swizzle atoms are 1024-byte aligned
     const int KT = (K + BK - 1) / BK;
-
-    auto load_stage = [&](int slot, int kt) {
-      const unsigned sA = s0 + slot * STAGE_BYTES;
-      const int k0 = kt * BK;
-#pragma unroll
-      for (int i = 0; i < A_ITERS; ++i) {
-        const int row = a_load_row(tid, i), ch = a_load_chunk(tid, i);
-        const bool ok = a_ok[i] && k0 + ch * 8 < K;
-        cp_async_16(sA + a_off(row, ch), ok ? gA[i] + k0 : gA[i], ok);
-      }
-#pragma unroll
-      for (int b = 0; b < NB; ++b) {
-        const unsigned sB = sA + A_STAGE_BYTES + b * B_STAGE_BYTES;
-#pragma unroll
-        for (int i = 0; i < B_ITERS; ++i) {
-          const int c = tid + i * THREADS, k = c / (BN / 8), ch = c % (BN / 8);
-          const int kk = k0 + k, n = n0 + ch * 8;
-          const bool ok = kk < K && n < N;
-          cp_async_16(sB + b_off(k, ch), ok ? gB[b] + (long long)kk * N + n : gB[b], ok);
-        }
-      }
-    };
-
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < KT)
-        load_stage(s, s);
+        load_stage<THREADS>(s0, s, s, tid, gA, a_ok, gB, K, N, n0);
       cp_async_commit();
     }
     for (int kt = 0; kt < KT; ++kt) {
       cp_async_wait<STAGES - 2>();
       fence_proxy_async();
       __syncthreads();
-      const unsigned sA = s0 + (kt % STAGES) * STAGE_BYTES + wg * (64 * 128);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BK / 16; ++ks) {
-        // K-major A: the next 16 columns start 32 bytes on within the swizzled rows.
-        const unsigned long long da = wgmma_desc(sA + ks * 32, 16, 1024);
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          const unsigned sB = s0 + (kt % STAGES) * STAGE_BYTES + A_STAGE_BYTES + b * B_STAGE_BYTES;
-          // N-major B: 16 k-rows are two 8-row groups (2 KiB); slabs are BK * 128 bytes apart.
-          const unsigned long long db = wgmma_desc(sB + ks * 2048, BK * 128, 1024);
-          Wgmma<BN>::mma(acc[b], da, db);
-        }
-      }
-      wgmma_commit();
+      mma_stage(s0, kt % STAGES, wg, acc);
       // The group issued last iteration read the slot refilled below: wait
       // for it (this warpgroup), then for every warpgroup.
       wgmma_wait<1>();
       __syncthreads();
       const int next = kt + STAGES - 1;
       if (next < KT)
-        load_stage(next % STAGES, next);
+        load_stage<THREADS>(s0, next % STAGES, next, tid, gA, a_ok, gB, K, N, n0);
       cp_async_commit();
     }
     wgmma_wait<0>();
@@ -397,7 +408,7 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaWsConfig : WgmmaCo
   using Base::B_STAGE_BYTES;
   using typename Base::Acc;
   static constexpr int CONSUMERS = Base::WG * 128, THREADS = CONSUMERS + 128;
-  static constexpr int A_ITERS = BM * 8 / 128, B_ITERS = BK * (BN / 8) / 128; // per producer thread
+  static constexpr int A_ITERS = BM * 8 / 128; // A chunks per producer thread and stage
   static constexpr int SMEM_BYTES = Base::SMEM_BYTES + 16 * STAGES;            // + the mbarriers
   // Every thread computes the producer's row pointers (by its lane in the
   // warpgroup), so the pointers stay valid whoever holds them.
@@ -424,25 +435,7 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaWsConfig : WgmmaCo
         const int slot = kt % STAGES;
         if (kt >= STAGES)
           mbar_wait(empty + 8 * slot, ((kt / STAGES) - 1) & 1);
-        const unsigned sA = s0 + slot * STAGE_BYTES;
-        const int k0 = kt * BK;
-#pragma unroll
-        for (int i = 0; i < A_ITERS; ++i) {
-          const int row = (t + i * 128) / 8, ch = (t + i * 128) % 8;
-          const bool ok = a_ok[i] && k0 + ch * 8 < K;
-          cp_async_16(sA + Base::a_off(row, ch), ok ? gA[i] + k0 : gA[i], ok);
-        }
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          const unsigned sB = sA + A_STAGE_BYTES + b * B_STAGE_BYTES;
-#pragma unroll
-          for (int i = 0; i < B_ITERS; ++i) {
-            const int c = t + i * 128, k = c / (BN / 8), ch = c % (BN / 8);
-            const int kk = k0 + k, n = n0 + ch * 8;
-            const bool ok = kk < K && n < N;
-            cp_async_16(sB + Base::b_off(k, ch), ok ? gB[b] + (long long)kk * N + n : gB[b], ok);
-          }
-        }
+        Base::template load_stage<128>(s0, slot, kt, t, gA, a_ok, gB, K, N, n0);
         // The stage's `full` barrier counts this thread's arrival once all of
         // its copies above have landed: no waiting here, so the producer runs
         // as far ahead as the free stages allow.
@@ -456,19 +449,7 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaWsConfig : WgmmaCo
       const int slot = kt % STAGES;
       mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
       fence_proxy_async(); // the stage was written by cp.async (generic proxy); wgmma reads it (async proxy)
-      const unsigned sA = s0 + slot * STAGE_BYTES + wg * (64 * 128);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BK / 16; ++ks) {
-        const unsigned long long da = wgmma_desc(sA + ks * 32, 16, 1024);
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          const unsigned sB = s0 + slot * STAGE_BYTES + A_STAGE_BYTES + b * B_STAGE_BYTES;
-          const unsigned long long db = wgmma_desc(sB + ks * 2048, BK * 128, 1024);
-          Wgmma<BN>::mma(acc[b], da, db);
-        }
-      }
-      wgmma_commit();
+      Base::mma_stage(s0, slot, wg, acc);
       wgmma_wait<1>(); // the previous stage's wgmmas are done: release it
       if (kt > 0 && (tid & 31) == 0)
         mbar_arrive(empty + 8 * ((kt - 1) % STAGES));

@@ -36,17 +36,23 @@ double HostTensor::checksum() const {
   return s;
 }
 
-double round_to_bf16(double x) {
-  float f = static_cast<float>(x);
+uint16_t bf16_bits(float x) {
   uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f))
-    return x;
-  u += 0x7fffu + ((u >> 16) & 1u); // round to nearest, ties to even
-  u &= 0xffff0000u;
+  std::memcpy(&u, &x, 4);
+  if (std::isnan(x))
+    return static_cast<uint16_t>((u >> 16) | 0x40); // stay a (quiet) NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                   // round to nearest, ties to even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float bf16_value(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
+
+double round_to_bf16(double x) { return bf16_value(bf16_bits(static_cast<float>(x))); }
 
 HostTensor random_tensor(std::vector<int64_t> shape, std::mt19937_64 &rng, double lo, double hi, bool bf16) {
   HostTensor t(std::move(shape));

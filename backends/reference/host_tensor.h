@@ -33,7 +33,11 @@ using TensorMap = std::map<std::string, HostTensor>;
 HostTensor random_tensor(std::vector<int64_t> shape, std::mt19937_64 &rng, double lo = -1.0, double hi = 1.0,
                          bool bf16 = true);
 
-// Round-to-nearest-even to bfloat16 (as the GPU stores it), returned as double.
+// bfloat16 storage, as the GPU converts: round to nearest, ties to even (a
+// NaN stays a quiet NaN). bf16_bits gives the 16 stored bits, bf16_value
+// reads them back, round_to_bf16 does both.
+uint16_t bf16_bits(float x);
+float bf16_value(uint16_t bits);
 double round_to_bf16(double x);
 
 // Largest |a - b| / max(|b|, floor) over all elements: the relative error of a

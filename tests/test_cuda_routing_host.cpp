@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/cuda/routing_host.h"
+#include "runtime/routing_host.h"
 #include "backends/reference/evaluate.h"
 #include "dsl/error.h"
 #include "examples/examples.h"

@@ -6,7 +6,7 @@
 #include "backends/cuda/device.h"
 #include "backends/cuda/module.h"
 #include "backends/cuda/nvrtc_compiler.h"
-#include "backends/cuda/routing_host.h"
+#include "runtime/routing_host.h"
 #include "backends/cuda/stream.h"
 
 #include <string>

@@ -1,4 +1,4 @@
-#include "backends/cuda/routing_host.h"
+#include "runtime/routing_host.h"
 
 #include "dsl/error.h"
 

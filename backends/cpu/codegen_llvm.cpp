@@ -1,0 +1,546 @@
+#include "backends/cpu/codegen_llvm.h"
+
+#include <functional>
+#include <map>
+
+#include <llvm/IR/IRBuilder.h>
+#include <llvm/IR/Intrinsics.h>
+#include <llvm/IR/LLVMContext.h>
+#include <llvm/IR/Module.h>
+#include <llvm/IR/Verifier.h>
+#include <llvm/Support/raw_ostream.h>
+
+#include "dsl/error.h"
+#include "dsl/printer.h"
+
+namespace moeforge::cpu {
+
+LlvmModule::LlvmModule() = default;
+LlvmModule::LlvmModule(LlvmModule &&) noexcept = default;
+LlvmModule &LlvmModule::operator=(LlvmModule &&) noexcept = default;
+LlvmModule::~LlvmModule() {
+  module.reset(); // the module refers to its context: it goes first
+  context.reset();
+}
+
+std::string LlvmModule::ir_text() const {
+  std::string s;
+  llvm::raw_string_ostream os(s);
+  module->print(os, nullptr);
+  return os.str();
+}
+
+namespace {
+
+using llvm::Value;
+
+std::string symbol_name(const std::string &step) {
+  std::string out = "moeforge_";
+  for (char c : step)
+    out += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  return out;
+}
+
+// One step's function: the entry block holds the allocas and the loads of
+// the arguments (so each is loaded once, whatever loop first asks for it);
+// code goes into the blocks after it.
+class FunctionBuilder {
+public:
+  FunctionBuilder(const KernelProgram &prog, llvm::Module &m, CpuKernel &k)
+      : prog_(prog), kernel_(k), ctx_(m.getContext()), b(ctx_), entry_b_(ctx_) {
+    auto *fty = llvm::FunctionType::get(llvm::Type::getVoidTy(ctx_), {ptr_ty()}, false);
+    fn_ = llvm::Function::Create(fty, llvm::Function::ExternalLinkage, k.symbol, m);
+    fn_->addFnAttr(llvm::Attribute::NoUnwind);
+    args_ = fn_->getArg(0);
+    args_->setName("args");
+    entry_ = llvm::BasicBlock::Create(ctx_, "entry", fn_);
+    entry_b_.SetInsertPoint(entry_);
+    b.SetInsertPoint(llvm::BasicBlock::Create(ctx_, "body", fn_));
+  }
+
+  // Closes the entry block and returns from the current block.
+  void finish() {
+    entry_b_.CreateBr(&*std::next(fn_->begin()));
+    b.CreateRetVoid();
+  }
+
+  llvm::Type *ptr_ty() { return llvm::PointerType::get(ctx_, 0); }
+  llvm::Type *i64() { return b.getInt64Ty(); }
+  llvm::Type *f32() { return b.getFloatTy(); }
+  Value *c64(int64_t v) { return b.getInt64(static_cast<uint64_t>(v)); }
+  Value *cf(double v) { return llvm::ConstantFP::get(f32(), v); }
+
+  Value *tensor(const std::string &name) { return arg(CpuArg{CpuArg::Kind::tensor, name, nullptr}, "t_" + name); }
+  Value *route(const RoutingNode *r, const std::string &array) {
+    return arg(CpuArg{CpuArg::Kind::route, array, r}, r->name + "_" + array);
+  }
+  // A route scalar (num_tiles, padded_rows) as i64.
+  Value *route_scalar(const RoutingNode *r, const std::string &name) {
+    std::string key = "scalar:" + r->name + ":" + name;
+    if (auto it = loaded_.find(key); it != loaded_.end())
+      return it->second;
+    Value *v = entry_b_.CreateSExt(entry_b_.CreateLoad(b.getInt32Ty(), route(r, name)), i64(), name);
+    return loaded_[key] = v;
+  }
+  // route array[index] as i64.
+  Value *route_at(const RoutingNode *r, const std::string &array, Value *index) {
+    Value *p = b.CreateGEP(b.getInt32Ty(), route(r, array), index);
+    return b.CreateSExt(b.CreateLoad(b.getInt32Ty(), p), i64(), array);
+  }
+  // A Dim's extent as i64; dynamic extents are arguments.
+  Value *extent(const Dim &d) { return extent_of(d.get()); }
+
+  Value *alloca_f32(int64_t n, const std::string &name) {
+    return entry_b_.CreateAlloca(f32(), entry_b_.getInt64(n), name);
+  }
+
+  // for (i = begin; i < end; i += step) body(i)
+  void for_loop(Value *begin, Value *end, const std::string &name, const std::function<void(Value *)> &body,
+                int64_t step = 1) {
+    llvm::BasicBlock *pre = b.GetInsertBlock();
+    auto *head = llvm::BasicBlock::Create(ctx_, name + ".head", fn_);
+    auto *loop = llvm::BasicBlock::Create(ctx_, name + ".body", fn_);
+    auto *exit = llvm::BasicBlock::Create(ctx_, name + ".exit", fn_);
+    b.CreateBr(head);
+    b.SetInsertPoint(head);
+    llvm::PHINode *i = b.CreatePHI(i64(), 2, name);
+    i->addIncoming(begin, pre);
+    b.CreateCondBr(b.CreateICmpSLT(i, end), loop, exit);
+    b.SetInsertPoint(loop);
+    body(i);
+    Value *next = b.CreateAdd(i, c64(step), name + ".next", /*HasNUW=*/true, /*HasNSW=*/true);
+    i->addIncoming(next, b.GetInsertBlock());
+    b.CreateBr(head);
+    b.SetInsertPoint(exit);
+  }
+
+  void if_then(Value *cond, const std::function<void()> &then) {
+    auto *yes = llvm::BasicBlock::Create(ctx_, "then", fn_);
+    auto *done = llvm::BasicBlock::Create(ctx_, "endif", fn_);
+    b.CreateCondBr(cond, yes, done);
+    b.SetInsertPoint(yes);
+    then();
+    b.CreateBr(done);
+    b.SetInsertPoint(done);
+  }
+
+  // Element `offset` of tensor t, as f32 (bf16 widened exactly).
+  Value *load(const TensorDecl &t, Value *offset) {
+    Value *base = tensor(t.name);
+    if (t.dtype == DType::f32)
+      return b.CreateLoad(f32(), b.CreateGEP(f32(), base, offset));
+    Value *bits = b.CreateLoad(b.getInt16Ty(), b.CreateGEP(b.getInt16Ty(), base, offset));
+    Value *wide = b.CreateShl(b.CreateZExt(bits, b.getInt32Ty()), 16);
+    return b.CreateBitCast(wide, f32());
+  }
+
+  // Stores f32 `v` as t's dtype: bf16 rounds to nearest, ties to even, and a
+  // NaN stays a quiet NaN (the GPU's __float2bfloat16_rn).
+  void store(const TensorDecl &t, Value *offset, Value *v) {
+    Value *base = tensor(t.name);
+    if (t.dtype == DType::f32) {
+      b.CreateStore(v, b.CreateGEP(f32(), base, offset));
+      return;
+    }
+    Value *u = b.CreateBitCast(v, b.getInt32Ty());
+    Value *lsb = b.CreateAnd(b.CreateLShr(u, 16), 1);
+    Value *rounded = b.CreateLShr(b.CreateAdd(u, b.CreateAdd(lsb, b.getInt32(0x7fff))), 16);
+    Value *nan = b.CreateOr(b.CreateLShr(u, 16), 0x40);
+    Value *bits = b.CreateSelect(b.CreateFCmpUNO(v, v), nan, rounded);
+    b.CreateStore(b.CreateTrunc(bits, b.getInt16Ty()), b.CreateGEP(b.getInt16Ty(), base, offset));
+  }
+
+  // Row-major offset of t at `idx`; a padded tensor's first index is a pair
+  // r, found at its padded row pair_pos[r].
+  Value *offset(const TensorDecl &t, const std::vector<Value *> &idx) {
+    internal_check(idx.size() == t.dims.size()) << "tensor '" << t.name << "' indexed with " << idx.size() << " indices";
+    Value *off = c64(0);
+    for (size_t i = 0; i < idx.size(); ++i) {
+      Value *v = idx[i];
+      if (i == 0 && t.layout == RowLayout::padded)
+        v = route_at(t.route, "pair_pos", v);
+      off = i == 0 ? v : b.CreateAdd(b.CreateMul(off, extent(t.dims[i])), v);
+    }
+    return off;
+  }
+
+  llvm::Function *function() { return fn_; }
+  llvm::LLVMContext &context() { return ctx_; }
+
+private:
+  Value *arg(const CpuArg &a, const std::string &name) {
+    size_t i = 0;
+    for (; i < kernel_.args.size(); ++i)
+      if (kernel_.args[i] == a)
+        break;
+    std::string key = "arg:" + std::to_string(i);
+    if (auto it = loaded_.find(key); it != loaded_.end())
+      return it->second;
+    if (i == kernel_.args.size())
+      kernel_.args.push_back(a);
+    Value *slot = entry_b_.CreateConstGEP1_64(ptr_ty(), args_, i);
+    return loaded_[key] = entry_b_.CreateLoad(ptr_ty(), slot, name);
+  }
+
+  Value *extent_of(const DimNode *n) {
+    if (n->base)
+      return b.CreateMul(extent_of(n->base.get()), c64(n->factor));
+    if (n->extent >= 0)
+      return c64(n->extent);
+    std::string key = "extent:" + n->name;
+    if (auto it = loaded_.find(key); it != loaded_.end())
+      return it->second;
+    Value *p = arg(CpuArg{CpuArg::Kind::extent, n->name, nullptr}, "ext_" + n->name);
+    return loaded_[key] = entry_b_.CreateLoad(i64(), p, n->name);
+  }
+
+  const KernelProgram &prog_;
+  CpuKernel &kernel_;
+  llvm::LLVMContext &ctx_;
+
+public:
+  llvm::IRBuilder<> b; // the code being emitted
+
+private:
+  llvm::IRBuilder<> entry_b_;
+  llvm::Function *fn_ = nullptr;
+  llvm::Argument *args_ = nullptr;
+  llvm::BasicBlock *entry_ = nullptr;
+  std::map<std::string, Value *> loaded_;
+};
+
+// Emits an expression as f32 arithmetic. Index variables in scope and the
+// accumulators (held in registers) are looked up by node.
+class ExprEmitter {
+public:
+  ExprEmitter(const KernelProgram &prog, FunctionBuilder &fb, const std::string &step)
+      : prog_(prog), fb_(fb), b(fb.b), step_(step) {}
+
+  std::map<const VarNode *, Value *> vars;
+  std::map<const FuncNode *, Value *> registers;
+
+  Value *emit(const Expr &e) {
+    switch (e.kind()) {
+    case ExprKind::Const:
+      return fb_.cf(e.as<Const>()->value);
+    case ExprKind::Access:
+      return access(*e.as<Access>());
+    case ExprKind::Unary:
+      return unary(*e.as<Unary>());
+    case ExprKind::Binary: {
+      auto *n = e.as<Binary>();
+      Value *x = emit(n->a), *y = emit(n->b);
+      switch (n->op) {
+      case BinaryOp::add:
+        return b.CreateFAdd(x, y);
+      case BinaryOp::sub:
+        return b.CreateFSub(x, y);
+      case BinaryOp::mul:
+        return b.CreateFMul(x, y);
+      case BinaryOp::div:
+        return b.CreateFDiv(x, y);
+      case BinaryOp::max:
+        return b.CreateBinaryIntrinsic(llvm::Intrinsic::maxnum, x, y);
+      }
+      break;
+    }
+    case ExprKind::RouteSum:
+      return route_sum(*e.as<RouteSum>());
+    case ExprKind::Sum:
+    case ExprKind::Softmax:
+      break;
+    }
+    internal_check(false) << "step " << step_ << ": the CPU codegen cannot emit " << to_string(e)
+                          << " here (lowering should have split it)";
+  }
+
+  Value *index(const Index &ix) {
+    auto it = vars.find(ix.var.get());
+    internal_check(it != vars.end()) << "step " << step_ << ": index variable " << ix.var.name() << " not in scope";
+    switch (ix.field) {
+    case RouteField::none:
+      return it->second;
+    case RouteField::token: // pairs are numbered r = t * k + slot
+      return b.CreateSDiv(it->second, fb_.c64(ix.route->k));
+    case RouteField::expert:
+      return fb_.route_at(ix.route.get(), "expert", it->second);
+    }
+    return nullptr;
+  }
+
+private:
+  Value *access(const Access &a) {
+    if (a.func)
+      if (auto it = registers.find(a.func.get()); it != registers.end())
+        return it->second;
+    const TensorDecl &t = prog_.tensor(a.target_name());
+    std::vector<Value *> idx;
+    for (const Index &ix : a.args)
+      idx.push_back(index(ix));
+    return fb_.load(t, fb_.offset(t, idx));
+  }
+
+  Value *call_libm(const char *name, Value *x) {
+    llvm::Module *m = fb_.function()->getParent();
+    auto callee = m->getOrInsertFunction(name, fb_.f32(), fb_.f32());
+    return b.CreateCall(callee, {x});
+  }
+  Value *exp(Value *x) { return b.CreateUnaryIntrinsic(llvm::Intrinsic::exp, x); }
+  Value *sigmoid(Value *x) { return b.CreateFDiv(fb_.cf(1.0), b.CreateFAdd(fb_.cf(1.0), exp(b.CreateFNeg(x)))); }
+
+  Value *unary(const Unary &u) {
+    Value *x = emit(u.a);
+    switch (u.op) {
+    case UnaryOp::neg:
+      return b.CreateFNeg(x);
+    case UnaryOp::exp:
+      return exp(x);
+    case UnaryOp::log:
+      return b.CreateUnaryIntrinsic(llvm::Intrinsic::log, x);
+    case UnaryOp::tanh:
+      return call_libm("tanhf", x);
+    case UnaryOp::sigmoid:
+      return sigmoid(x);
+    case UnaryOp::relu:
+      return b.CreateBinaryIntrinsic(llvm::Intrinsic::maxnum, x, fb_.cf(0.0));
+    case UnaryOp::gelu: {
+      // The tanh form, as the reference and the GPU compute it.
+      Value *x3 = b.CreateFMul(b.CreateFMul(x, x), x);
+      Value *inner = b.CreateFMul(fb_.cf(0.7978845608028654), b.CreateFAdd(x, b.CreateFMul(fb_.cf(0.044715), x3)));
+      Value *t = call_libm("tanhf", inner);
+      return b.CreateFMul(b.CreateFMul(fb_.cf(0.5), x), b.CreateFAdd(fb_.cf(1.0), t));
+    }
+    case UnaryOp::silu:
+      return b.CreateFMul(x, sigmoid(x));
+    }
+    internal_check(false) << "step " << step_ << ": unknown unary op";
+  }
+
+  Value *route_sum(const RouteSum &s) {
+    user_check(s.field == RouteField::token)
+        << "step " << step_ << ": expert_sum is not supported by the CPU backend yet";
+    // A token's pairs are the k consecutive rows t * k + slot: a fixed loop,
+    // deterministic, in slot order.
+    Value *acc = fb_.alloca_f32(1, "combine");
+    b.CreateStore(fb_.cf(0.0), acc);
+    Value *t = vars.at(s.target.get());
+    int k = s.route->k;
+    fb_.for_loop(fb_.c64(0), fb_.c64(k), "slot", [&](Value *slot) {
+      vars[s.route->pair.get()] = b.CreateAdd(b.CreateMul(t, fb_.c64(k)), slot);
+      Value *v = emit(s.body);
+      b.CreateStore(b.CreateFAdd(b.CreateLoad(fb_.f32(), acc), v), acc);
+      vars.erase(s.route->pair.get());
+    });
+    return b.CreateLoad(fb_.f32(), acc);
+  }
+
+  const KernelProgram &prog_;
+  FunctionBuilder &fb_;
+  llvm::IRBuilder<> &b;
+  std::string step_;
+};
+
+int64_t static_extent(const GemmStep &g, const Dim &d, const char *role) {
+  user_check(!d.is_dynamic()) << "step " << g.name << ": the CPU backend needs a static " << role << " extent, but "
+                              << d.name() << " is dynamic";
+  return d.extent();
+}
+
+// ------------------------------------------------------------ GEMM
+
+void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb) {
+  auto &b = fb.b;
+  const int64_t K = static_extent(g, g.k, "reduced"), N = static_extent(g, g.n, "column");
+  const int nb = static_cast<int>(g.b.size());
+  // Columns in blocks of the schedule's tile_n: the accumulators of one row
+  // block stay in L1 while K streams through; the last block may be partial
+  // (an untiled N such as 72 with tile_n 64).
+  const int64_t TN = std::min<int64_t>(g.tiling.tile_n, N);
+  const TensorDecl &A = prog.tensor(g.a), &C = prog.tensor(g.output);
+  std::vector<const TensorDecl *> B;
+  for (const std::string &name : g.b)
+    B.push_back(&prog.tensor(name));
+  std::vector<Value *> acc;
+  for (int i = 0; i < nb; ++i)
+    acc.push_back(fb.alloca_f32(TN, "acc" + std::to_string(i)));
+
+  // One output row: p is the row in tile order (padded position, or m when
+  // dense), r the pair (or m), expert the B slice.
+  auto row = [&](Value *p, Value *r, Value *expert) {
+    Value *a_row = g.a_rows == RowMap::direct         ? p
+                   : g.a_rows == RowMap::gather_pair ? r
+                                                     : b.CreateSDiv(r, fb.c64(g.route->k));
+    Value *out_row = g.out_rows == RowMap::direct ? p : r;
+    Value *a_base = b.CreateMul(a_row, fb.c64(K));
+    Value *b_base = g.b_per_expert ? b.CreateMul(expert, fb.c64(K * N)) : fb.c64(0);
+    fb.for_loop(fb.c64(0), fb.c64(N), "n0", [&](Value *n0) {
+      Value *width = b.CreateSelect(b.CreateICmpSLT(b.CreateSub(fb.c64(N), n0), fb.c64(TN)),
+                                    b.CreateSub(fb.c64(N), n0), fb.c64(TN), "width");
+      for (int i = 0; i < nb; ++i)
+        fb.for_loop(fb.c64(0), width, "zero", [&](Value *j) {
+          b.CreateStore(fb.cf(0.0), b.CreateGEP(fb.f32(), acc[i], j));
+        });
+      fb.for_loop(fb.c64(0), fb.c64(K), "k", [&](Value *kk) {
+        Value *a = fb.load(A, b.CreateAdd(a_base, kk));
+        Value *b_row = b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, fb.c64(N)), n0));
+        for (int i = 0; i < nb; ++i)
+          fb.for_loop(fb.c64(0), width, "j", [&](Value *j) {
+            Value *slot = b.CreateGEP(fb.f32(), acc[i], j);
+            Value *prod = b.CreateFMul(a, fb.load(*B[i], b.CreateAdd(b_row, j)));
+            b.CreateStore(b.CreateFAdd(b.CreateLoad(fb.f32(), slot), prod), slot);
+          });
+      });
+      // The epilogue, per element, in f32; stored as C's dtype.
+      fb.for_loop(fb.c64(0), width, "epi", [&](Value *j) {
+        ExprEmitter em(prog, fb, g.name);
+        Value *col = b.CreateAdd(n0, j);
+        em.vars[g.row_var.get()] = r;
+        em.vars[g.col_var.get()] = col;
+        for (int i = 0; i < nb; ++i)
+          em.registers[g.accumulators[i].get()] = b.CreateLoad(fb.f32(), b.CreateGEP(fb.f32(), acc[i], j));
+        Value *v = em.emit(g.epilogue);
+        fb.store(C, b.CreateAdd(b.CreateMul(out_row, fb.c64(N)), col), v);
+      });
+    }, TN);
+  };
+
+  if (g.route) {
+    // Grouped: the used tiles of the routing table, each one expert's rows.
+    const RoutingNode *rt = g.route;
+    fb.for_loop(fb.c64(0), fb.route_scalar(rt, "num_tiles"), "tile", [&](Value *tile) {
+      Value *expert = fb.route_at(rt, "tile_expert", tile);
+      Value *p0 = fb.route_at(rt, "tile_row_start", tile);
+      Value *rows = fb.route_at(rt, "tile_rows", tile);
+      fb.for_loop(fb.c64(0), rows, "lr", [&](Value *lr) {
+        Value *p = b.CreateAdd(p0, lr);
+        Value *r = fb.route_at(rt, "sorted_pair", p);
+        fb.if_then(b.CreateICmpSGE(r, fb.c64(0)), [&] { row(p, r, expert); }); // padding rows: nothing to do
+      });
+    });
+  } else {
+    fb.for_loop(fb.c64(0), fb.extent(g.m), "m", [&](Value *m) { row(m, m, fb.c64(0)); });
+  }
+}
+
+// ------------------------------------------------------------ element-wise
+
+void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, FunctionBuilder &fb) {
+  auto &b = fb.b;
+  const TensorDecl &out = prog.tensor(s.output);
+  const Softmax *softmax = s.body.as<Softmax>();
+  ExprEmitter em(prog, fb, s.name);
+  std::vector<Var> loop_vars;
+  for (const Var &v : s.vars)
+    if (!softmax || !v.same_as(softmax->var))
+      loop_vars.push_back(v);
+
+  auto store = [&](Value *value) {
+    std::vector<Value *> idx;
+    for (const Var &v : s.vars)
+      idx.push_back(em.vars.at(v.get()));
+    fb.store(out, fb.offset(out, idx), value);
+  };
+  auto inner = [&] {
+    if (!softmax) {
+      store(em.emit(s.body));
+      return;
+    }
+    // softmax along v: the row's max, the sum of exponentials, then the
+    // normalised values (max-subtracted, as the reference).
+    Value *mx = fb.alloca_f32(1, "row_max"), *sum = fb.alloca_f32(1, "row_sum");
+    b.CreateStore(llvm::ConstantFP::getInfinity(fb.f32(), /*Negative=*/true), mx);
+    b.CreateStore(fb.cf(0.0), sum);
+    Value *n = fb.extent(softmax->var.dim());
+    auto loop = [&](const std::function<void(Value *)> &each) {
+      fb.for_loop(fb.c64(0), n, "sm", [&](Value *v) {
+        em.vars[softmax->var.get()] = v;
+        each(em.emit(softmax->body));
+      });
+    };
+    loop([&](Value *x) {
+      b.CreateStore(b.CreateBinaryIntrinsic(llvm::Intrinsic::maxnum, b.CreateLoad(fb.f32(), mx), x), mx);
+    });
+    loop([&](Value *x) {
+      Value *e = b.CreateUnaryIntrinsic(llvm::Intrinsic::exp, b.CreateFSub(x, b.CreateLoad(fb.f32(), mx)));
+      b.CreateStore(b.CreateFAdd(b.CreateLoad(fb.f32(), sum), e), sum);
+    });
+    loop([&](Value *x) {
+      Value *e = b.CreateUnaryIntrinsic(llvm::Intrinsic::exp, b.CreateFSub(x, b.CreateLoad(fb.f32(), mx)));
+      store(b.CreateFDiv(e, b.CreateLoad(fb.f32(), sum)));
+    });
+  };
+  // Nested loops, the first index outermost (row-major stores).
+  std::function<void(size_t)> nest = [&](size_t i) {
+    if (i == loop_vars.size()) {
+      inner();
+      return;
+    }
+    fb.for_loop(fb.c64(0), fb.extent(loop_vars[i].dim()), loop_vars[i].name(), [&](Value *v) {
+      em.vars[loop_vars[i].get()] = v;
+      nest(i + 1);
+    });
+  };
+  nest(0);
+}
+
+// ------------------------------------------------------------ the padded copy (blocked)
+
+void emit_gather(const KernelProgram &prog, const GatherStep &s, FunctionBuilder &fb) {
+  auto &b = fb.b;
+  const TensorDecl &src = prog.tensor(s.src), &dst = prog.tensor(s.dst);
+  internal_check(src.dtype == dst.dtype) << "step " << s.name << ": gather between different dtypes";
+  const Dim &cols = src.dims[1];
+  user_check(!cols.is_dynamic()) << "step " << s.name << ": the row length " << cols.name() << " of '" << s.src
+                                 << "' must be static for the CPU backend";
+  const int64_t row_bytes = cols.extent() * dtype_bytes(src.dtype);
+  Value *gsrc = fb.tensor(s.src), *gdst = fb.tensor(s.dst);
+  fb.for_loop(fb.c64(0), fb.route_scalar(s.route, "padded_rows"), "p", [&](Value *p) {
+    Value *r = fb.route_at(s.route, "sorted_pair", p);
+    Value *to = b.CreateGEP(b.getInt8Ty(), gdst, b.CreateMul(p, fb.c64(row_bytes)));
+    Value *is_pad = b.CreateICmpSLT(r, fb.c64(0));
+    Value *token = b.CreateSDiv(r, fb.c64(s.route->k));
+    fb.if_then(is_pad, [&] { b.CreateMemSet(to, b.getInt8(0), row_bytes, llvm::MaybeAlign(2)); });
+    fb.if_then(b.CreateNot(is_pad), [&] {
+      Value *from = b.CreateGEP(b.getInt8Ty(), gsrc, b.CreateMul(token, fb.c64(row_bytes)));
+      b.CreateMemCpy(to, llvm::MaybeAlign(2), from, llvm::MaybeAlign(2), row_bytes);
+    });
+  });
+}
+
+void check_dtypes(const KernelProgram &prog, const std::string &step) {
+  for (const TensorDecl &t : prog.tensors)
+    user_check(t.dtype != DType::f16) << "step " << step << ": tensor '" << t.name
+                                      << "' is f16, which the CPU backend does not support yet; use bf16 or f32";
+}
+
+} // namespace
+
+LlvmModule generate_llvm(const KernelProgram &program) {
+  LlvmModule m;
+  m.context = std::make_unique<llvm::LLVMContext>();
+  m.module = std::make_unique<llvm::Module>("moeforge_" + program.schedule_name, *m.context);
+  for (const Step &step : program.steps) {
+    if (std::holds_alternative<RoutingStep>(step))
+      continue; // routing runs on the host (runtime/routing_host.h)
+    CpuKernel k;
+    k.step = step_name(step);
+    k.symbol = symbol_name(k.step);
+    check_dtypes(program, k.step);
+    FunctionBuilder fb(program, *m.module, k);
+    if (auto *g = std::get_if<GemmStep>(&step))
+      emit_gemm(program, *g, fb);
+    else if (auto *p = std::get_if<PointwiseStep>(&step))
+      emit_pointwise(program, *p, fb);
+    else
+      emit_gather(program, std::get<GatherStep>(step), fb);
+    fb.finish();
+    std::string msg;
+    llvm::raw_string_ostream os(msg);
+    internal_check(!llvm::verifyFunction(*fb.function(), &os))
+        << "step " << k.step << ": the generated LLVM function is invalid: " << os.str();
+    m.kernels.push_back(std::move(k));
+  }
+  return m;
+}
+
+} // namespace moeforge::cpu

@@ -1,0 +1,45 @@
+// Kernel program -> LLVM IR: one function per step (routing stays on the
+// host), built with IRBuilder. Loops are plain counted loops over allocas;
+// the O2 pipeline (jit.h) promotes them to registers and vectorises the
+// inner ones.
+//   GEMM       routed: tiles of the routing table x rows in the tile, or
+//              dense: rows; then N in blocks of the schedule's tile_n, K.
+//              Operand rows follow the step's RowMaps; fp32 accumulators;
+//              the epilogue expression per element; padding rows skipped.
+//   pointwise  loops over the Func's domain; combine = a loop over the
+//              token's k pairs; a top-level softmax = three row loops.
+//   gather     padded row p = row token(sorted_pair[p]), zero on padding.
+// LLVM types stay out of this header (its users need no LLVM include path).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/cpu/cpu_kernel.h"
+#include "lowering/kernel_program.h"
+
+namespace llvm {
+class LLVMContext;
+class Module;
+} // namespace llvm
+
+namespace moeforge::cpu {
+
+struct LlvmModule {
+  std::unique_ptr<llvm::LLVMContext> context;
+  std::unique_ptr<llvm::Module> module;
+  std::vector<CpuKernel> kernels; // in program order
+  LlvmModule();
+  LlvmModule(LlvmModule &&) noexcept;
+  LlvmModule &operator=(LlvmModule &&) noexcept;
+  ~LlvmModule();
+  // The module as LLVM assembly text.
+  std::string ir_text() const;
+};
+
+// Throws UserError (naming the step) for what the CPU backend cannot run
+// (f16 tensors, dynamic K or N extents).
+LlvmModule generate_llvm(const KernelProgram &program);
+
+} // namespace moeforge::cpu

@@ -1,0 +1,35 @@
+// The calling convention between generated CPU code and the runtime. Every
+// step becomes one function `void f(void **args)`; args[i] points at what
+// the i-th CpuArg names. One pointer array keeps the generated signatures
+// uniform, so the runtime calls every step the same way.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dsl/ir.h"
+
+namespace moeforge::cpu {
+
+struct CpuArg {
+  enum class Kind {
+    tensor, // the tensor's storage (float or bf16 bits as uint16)
+    extent, // an int64_t: a dynamic Dim's extent (by the Dim's name)
+    route,  // an int32_t array of the route's tables (routing_host.h names),
+            // or the scalars num_tiles / padded_rows
+  };
+  Kind kind;
+  std::string name;
+  const RoutingNode *route = nullptr;
+  bool operator==(const CpuArg &) const = default;
+};
+
+using StepFunction = void (*)(void **args);
+
+struct CpuKernel {
+  std::string symbol; // the LLVM function's name
+  std::string step;   // the kernel program step it runs
+  std::vector<CpuArg> args;
+};
+
+} // namespace moeforge::cpu

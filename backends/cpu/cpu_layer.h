@@ -1,0 +1,76 @@
+// A layer compiled for the CPU: algebra + schedule lowered to the same kernel
+// program the CUDA backend reads, emitted as LLVM IR and JIT-compiled
+// (codegen_llvm.h, jit.h), then bound to host buffers for a token count
+// (CpuLayer). Numerics follow the GPU: bf16 storage rounded to nearest even,
+// fp32 arithmetic; buffers use the device layouts (padded rows included), so
+// every schedule's layout, permutation and masking is exercised.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/cpu/jit.h"
+#include "backends/reference/host_tensor.h"
+#include "dsl/pipeline.h"
+#include "lowering/kernel_program.h"
+#include "runtime/routing_host.h"
+#include "schedules/schedule.h"
+
+namespace moeforge::cpu {
+
+struct CompiledCpuLayer {
+  KernelProgram program;
+  std::shared_ptr<const JitProgram> jit;
+};
+
+// Lowers, generates and JIT-compiles (cached within the process).
+CompiledCpuLayer compile_cpu_layer(const Pipeline &pipeline, const Schedule &schedule);
+
+// The layer's generated LLVM IR as text, before or after the O2 pipeline
+// (for `moeforge emit --llvm`).
+std::string cpu_llvm_ir(const Pipeline &pipeline, const Schedule &schedule, bool optimised = false);
+
+// A compiled layer bound to host memory for `tokens` tokens. The pipeline
+// and the CompiledCpuLayer must outlive it.
+class CpuLayer {
+public:
+  CpuLayer(const CompiledCpuLayer &layer, int64_t tokens);
+
+  // Copies every Input and Param in (rounded to its dtype). Shapes must match
+  // the declared Dims with the token Dim = tokens.
+  void upload(const TensorMap &inputs);
+  // Fills every intermediate and output with NaN, so an element no step
+  // writes shows up in any comparison.
+  void poison();
+  // The whole forward: routing on the host, then every step in order.
+  void run();
+  // A Func's values as the reference lays them out (routed rows in pair
+  // order, whatever the layout here).
+  HostTensor download(const std::string &func) const;
+  // The experts chosen, pair order (r = t * k + slot). After run().
+  std::vector<int32_t> routed_experts(const std::string &route) const;
+
+  const CompiledCpuLayer &compiled() const { return layer_; }
+  int64_t tokens() const { return tokens_; }
+
+private:
+  struct RouteState {
+    cuda::RoutingShape shape;
+    cuda::RoutingTables tables;
+    int32_t padded_rows = 0;
+  };
+  int64_t extent(const Dim &d) const;
+  int64_t rows_of(const TensorDecl &t) const;
+  void route(const RoutingStep &step);
+  void *arg(const CpuArg &a);
+
+  const CompiledCpuLayer &layer_;
+  int64_t tokens_;
+  std::map<std::string, std::vector<uint8_t>> tensors_;
+  std::map<const RoutingNode *, RouteState> routes_;
+  std::map<std::string, int64_t> extents_; // dynamic Dims, by name
+};
+
+} // namespace moeforge::cpu

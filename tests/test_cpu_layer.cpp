@@ -1,0 +1,119 @@
+// The LLVM CPU backend against the Eigen reference: every preset x example,
+// the dense MLP, the MoE edge cases, an untiled dimension, repeated runs and
+// the compile cache. Outputs are poisoned (NaN) before each run, so an
+// element no step writes fails the comparison.
+#include <doctest/doctest.h>
+
+#include "cpu_compare.h"
+
+using namespace moeforge;
+using namespace moeforge::cpu_test;
+
+TEST_SUITE("cpu") {
+  TEST_CASE("cpu layer: every preset x example matches the reference") {
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (const std::string &p : preset_names()) {
+        ExampleShape s = shape(200, 64, 128, 8, 2);
+        Example ex = make_example(name, s);
+        Outcome o = run_and_compare(ex, ex.random_inputs(s, 11), s.tokens, preset(p));
+        INFO(name << " / " << p);
+        CHECK(o.routing_mismatches == 0);
+        CHECK(o.y_error <= 1e-2);
+      }
+  }
+
+  TEST_CASE("cpu layer: the dense MLP (no routing) matches the reference") {
+    ExampleShape s = shape(150, 64, 128, 1, 1);
+    Example ex = make_example("dense_mlp", s);
+    for (const std::string &p : preset_names()) {
+      Outcome o = run_and_compare(ex, ex.random_inputs(s, 5), s.tokens, preset(p));
+      INFO(p);
+      CHECK(o.y_error <= 1e-2);
+    }
+  }
+
+  TEST_CASE("cpu layer: MoE edge cases under every preset") {
+    struct Case {
+      const char *what;
+      ExampleShape s;
+      Bias bias;
+      bool swiglu;
+    };
+    const Case cases[] = {
+        {"an expert with no tokens", shape(256, 64, 128, 8, 2), Bias::last_empty, false},
+        {"every token on one expert (k = 1)", shape(300, 64, 64, 8, 1), Bias::all_to_first, true},
+        {"T not a multiple of the block", shape(333, 64, 128, 8, 2), Bias::none, true},
+        {"T smaller than one block", shape(5, 64, 64, 8, 2), Bias::none, false},
+        {"one token", shape(1, 64, 64, 8, 2), Bias::none, true},
+        {"k = E", shape(100, 64, 64, 8, 8), Bias::none, true},
+        {"skewed routing", shape(512, 64, 128, 16, 2), Bias::ramp, false},
+    };
+    for (const Case &c : cases)
+      for (const std::string &p : preset_names()) {
+        Example ex = biased_moe(c.s, c.swiglu, c.bias, c.swiglu);
+        TensorMap in = biased_inputs(ex, c.s, c.bias, 3);
+        Outcome o = run_and_compare(ex, in, c.s.tokens, preset(p));
+        INFO(c.what << " / " << p);
+        CHECK(o.routing_mismatches == 0);
+        CHECK(o.y_error <= 1e-2);
+        if (c.bias == Bias::last_empty)
+          CHECK(o.counts.back() == 0);
+        if (c.bias == Bias::all_to_first)
+          CHECK(o.counts.front() == c.s.tokens);
+        if (c.bias == Bias::ramp)
+          CHECK(*std::max_element(o.counts.begin(), o.counts.end()) >= 2 * c.s.tokens * c.s.topk / c.s.experts);
+      }
+  }
+
+  TEST_CASE("cpu layer: dimensions no tile divides (d = f = 72, 64-wide tiles)") {
+    ExampleShape s = shape(90, 72, 72, 8, 2);
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (const char *perm : {"blocked", "scattered"}) {
+        Example ex = make_example(name, s);
+        Schedule sch(std::string("untiled_") + perm);
+        sch.permutation(std::string(perm) == "blocked" ? Permutation::blocked : Permutation::scattered)
+            .block(64)
+            .tile("*", 64, 64, 32);
+        Outcome o = run_and_compare(ex, ex.random_inputs(s, 9), s.tokens, sch);
+        INFO(name << " / " << perm);
+        CHECK(o.y_error <= 1e-2);
+      }
+  }
+
+  TEST_CASE("cpu layer: a second run rewrites everything, and programs are compiled once") {
+    ExampleShape s = shape(64, 64, 64, 8, 2);
+    Example ex = make_example("swiglu_moe", s);
+    cpu::CompiledCpuLayer a = cpu::compile_cpu_layer(ex.pipeline, preset("megablocks"));
+    cpu::CompiledCpuLayer b = cpu::compile_cpu_layer(ex.pipeline, preset("megablocks"));
+    CHECK(a.jit.get() == b.jit.get()); // the cache hit: one JIT for the same IR
+    cpu::CpuLayer layer(a, s.tokens);
+    TensorMap in = ex.random_inputs(s, 2);
+    layer.upload(in);
+    layer.run();
+    HostTensor first = layer.download("y");
+    layer.poison();
+    layer.run();
+    CHECK(normalized_error(layer.download("y"), first) == 0.0);
+    // A different token count reuses the same compiled program.
+    ExampleShape s2 = s;
+    s2.tokens = 37;
+    cpu::CpuLayer other(a, s2.tokens);
+    TensorMap in2 = ex.random_inputs(s2, 3);
+    other.upload(in2);
+    other.poison();
+    other.run();
+    CHECK(normalized_error(other.download("y"), evaluate(ex.pipeline, in2)["y"]) <= 1e-2);
+  }
+
+  TEST_CASE("cpu layer: the generated LLVM IR has one function per step") {
+    ExampleShape s = shape(64, 64, 64, 8, 2);
+    Example ex = make_example("moe_mlp", s);
+    std::string ir = cpu::cpu_llvm_ir(ex.pipeline, preset("megablocks"));
+    CHECK(ir.find("define void @moeforge_gemm_h(ptr") != std::string::npos);
+    CHECK(ir.find("define void @moeforge_gather_x_padded_") != std::string::npos);
+    CHECK(ir.find("define void @moeforge_pointwise_y(ptr") != std::string::npos);
+    std::string opt = cpu::cpu_llvm_ir(ex.pipeline, preset("megablocks"), /*optimised=*/true);
+    CHECK(opt.find("define void @moeforge_gemm_h(") != std::string::npos);
+    CHECK(opt.find("<8 x float>") != std::string::npos); // the K loop was vectorised
+  }
+}

@@ -65,7 +65,7 @@ TEST_SUITE("cpu") {
       }
   }
 
-  TEST_CASE("cpu layer: dimensions no tile divides (d = f = 72, 64-wide tiles)") {
+  TEST_CASE("cpu layer: dimensions no tile divides (d = f = 72 with 64-wide tiles)") {
     ExampleShape s = shape(90, 72, 72, 8, 2);
     for (const char *name : {"moe_mlp", "swiglu_moe"})
       for (const char *perm : {"blocked", "scattered"}) {
@@ -80,7 +80,7 @@ TEST_SUITE("cpu") {
       }
   }
 
-  TEST_CASE("cpu layer: a second run rewrites everything, and programs are compiled once") {
+  TEST_CASE("cpu layer: a second run rewrites everything and programs are compiled once") {
     ExampleShape s = shape(64, 64, 64, 8, 2);
     Example ex = make_example("swiglu_moe", s);
     cpu::CompiledCpuLayer a = cpu::compile_cpu_layer(ex.pipeline, preset("megablocks"));

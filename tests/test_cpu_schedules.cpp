@@ -43,18 +43,18 @@ int sweep(const char *example, Permutation perm) {
 } // namespace
 
 TEST_SUITE("cpu") {
-  TEST_CASE("cpu schedules: moe_mlp, blocked, 36 schedules") { CHECK(sweep("moe_mlp", Permutation::blocked) == 36); }
-  TEST_CASE("cpu schedules: moe_mlp, scattered, 36 schedules") {
+  TEST_CASE("cpu schedules: moe_mlp blocked (36 schedules)") { CHECK(sweep("moe_mlp", Permutation::blocked) == 36); }
+  TEST_CASE("cpu schedules: moe_mlp scattered (36 schedules)") {
     CHECK(sweep("moe_mlp", Permutation::scattered) == 36);
   }
-  TEST_CASE("cpu schedules: swiglu_moe, blocked, 36 schedules") {
+  TEST_CASE("cpu schedules: swiglu_moe blocked (36 schedules)") {
     CHECK(sweep("swiglu_moe", Permutation::blocked) == 36);
   }
-  TEST_CASE("cpu schedules: swiglu_moe, scattered, 36 schedules") {
+  TEST_CASE("cpu schedules: swiglu_moe scattered (36 schedules)") {
     CHECK(sweep("swiglu_moe", Permutation::scattered) == 36);
   }
 
-  TEST_CASE("cpu schedules: random small shapes with random valid schedules (40 cases, seeded)") {
+  TEST_CASE("cpu schedules: random small shapes with random valid schedules (40 seeded cases)") {
     std::mt19937_64 rng(2026);
     auto pick = [&](std::initializer_list<int> xs) {
       return *(xs.begin() + std::uniform_int_distribution<size_t>(0, xs.size() - 1)(rng));

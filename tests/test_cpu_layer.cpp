@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include "cpu_compare.h"
+#include "dsl/error.h"
 
 using namespace moeforge;
 using namespace moeforge::cpu_test;
@@ -115,5 +116,22 @@ TEST_SUITE("cpu") {
     std::string opt = cpu::cpu_llvm_ir(ex.pipeline, preset("megablocks"), /*optimised=*/true);
     CHECK(opt.find("define void @moeforge_gemm_h(") != std::string::npos);
     CHECK(opt.find("<8 x float>") != std::string::npos); // the K loop was vectorised
+  }
+}
+
+TEST_SUITE("cpu") {
+  TEST_CASE("cpu layer: user errors name the problem") {
+    ExampleShape s = shape(16, 64, 64, 8, 2);
+    Example ex = make_example("moe_mlp", s);
+    cpu::CompiledCpuLayer c = cpu::compile_cpu_layer(ex.pipeline, preset("scattermoe"));
+    CHECK_THROWS_WITH_AS(cpu::CpuLayer(c, 0), "a layer needs at least one token (got 0)", UserError);
+    cpu::CpuLayer layer(c, s.tokens);
+    TensorMap in = ex.random_inputs(s, 1);
+    in.erase("w2");
+    CHECK_THROWS_WITH_AS(layer.upload(in), "no tensor given for input 'w2'", UserError);
+    in = ex.random_inputs(shape(17, 64, 64, 8, 2), 1);
+    CHECK_THROWS_WITH_AS(layer.upload(in),
+                         "input 'x' has the wrong shape for 16 tokens: give it the declared Dims", UserError);
+    CHECK_THROWS_WITH_AS(layer.routed_experts("nope"), "no route named 'nope' in this layer", UserError);
   }
 }

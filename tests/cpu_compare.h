@@ -15,21 +15,9 @@
 
 namespace moeforge::cpu_test {
 
-// max |a - b| / max |b|: the right scale for bf16 storage with fp32
-// accumulation, where small entries carry absolute error. NaN (an element no
-// step wrote) is infinitely wrong.
 inline double normalized_error(const HostTensor &a, const HostTensor &b) {
   REQUIRE(a.shape == b.shape);
-  double scale = 1e-30, worst = 0;
-  for (double v : b.data)
-    scale = std::max(scale, std::fabs(v));
-  for (size_t i = 0; i < a.data.size(); ++i) {
-    double d = std::fabs(a.data[i] - b.data[i]);
-    if (std::isnan(d))
-      return INFINITY;
-    worst = std::max(worst, d);
-  }
-  return worst / scale;
+  return max_normalized_error(a, b);
 }
 
 struct Outcome {

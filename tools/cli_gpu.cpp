@@ -61,13 +61,7 @@ int cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap
   for (const auto &[name, want] : ref.values) {
     if (!compiled.program.find(name))
       continue;
-    HostTensor got = layer.download(name);
-    double scale = 1e-30, worst = 0;
-    for (double v : want.data)
-      scale = std::max(scale, std::fabs(v));
-    for (size_t i = 0; i < got.data.size(); ++i)
-      worst = std::max(worst, std::isnan(got.data[i]) ? INFINITY : std::fabs(got.data[i] - want.data[i]));
-    double err = worst / scale;
+    double err = max_normalized_error(layer.download(name), want);
     bool pass = err <= 1e-2;
     ok &= pass;
     out << "check     " << std::setw(16) << std::left << name << std::right << " max |gpu - ref| / max |ref| = "

@@ -12,23 +12,6 @@ namespace moeforge::cpu {
 
 namespace {
 
-// bf16 storage: round to nearest, ties to even; a NaN stays a quiet NaN.
-uint16_t to_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if (std::isnan(x))
-    return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-float from_bf16(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 void check_dtype(const TensorDecl &t) {
   user_check(t.dtype != DType::f16) << "tensor '" << t.name << "' is f16, which the CPU backend does not support yet";
 }
@@ -111,7 +94,7 @@ void CpuLayer::upload(const TensorMap &inputs) {
       if (t.dtype == DType::f32) {
         std::memcpy(&buf[i * 4], &f, 4);
       } else {
-        uint16_t b = to_bf16(f);
+        uint16_t b = bf16_bits(f);
         std::memcpy(&buf[i * 2], &b, 2);
       }
     }
@@ -120,7 +103,7 @@ void CpuLayer::upload(const TensorMap &inputs) {
 
 void CpuLayer::poison() {
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  const uint16_t nan16 = to_bf16(nan);
+  const uint16_t nan16 = bf16_bits(nan);
   for (const TensorDecl &t : layer_.program.tensors) {
     if (t.is_input)
       continue;
@@ -209,7 +192,7 @@ HostTensor CpuLayer::download(const std::string &func) const {
     }
     uint16_t b;
     std::memcpy(&b, &buf[i * 2], 2);
-    return from_bf16(b);
+    return bf16_value(b);
   };
   if (t.layout != RowLayout::padded) {
     for (int64_t i = 0; i < out.size(); ++i)

@@ -62,6 +62,20 @@ HostTensor random_tensor(std::vector<int64_t> shape, std::mt19937_64 &rng, doubl
   return t;
 }
 
+double max_normalized_error(const HostTensor &a, const HostTensor &b) {
+  internal_check(a.shape == b.shape) << "comparing tensors of different shapes";
+  double scale = 1e-30, worst = 0;
+  for (double v : b.data)
+    scale = std::max(scale, std::fabs(v));
+  for (size_t i = 0; i < a.data.size(); ++i) {
+    double d = std::fabs(a.data[i] - b.data[i]);
+    if (std::isnan(d))
+      return INFINITY;
+    worst = std::max(worst, d);
+  }
+  return worst / scale;
+}
+
 double max_relative_error(const HostTensor &a, const HostTensor &b, double floor) {
   internal_check(a.shape == b.shape) << "comparing tensors of different shapes";
   double worst = 0;

@@ -40,6 +40,11 @@ uint16_t bf16_bits(float x);
 float bf16_value(uint16_t bits);
 double round_to_bf16(double x);
 
+// max |a - b| / max |b|: the error of a backend with bf16 storage and fp32
+// accumulation against reference b, relative to b's scale (small entries
+// carry absolute error). A NaN in a (an element nothing wrote) is infinite.
+double max_normalized_error(const HostTensor &a, const HostTensor &b);
+
 // Largest |a - b| / max(|b|, floor) over all elements: the relative error of a
 // against reference b, with `floor` keeping near-zero entries from dominating.
 double max_relative_error(const HostTensor &a, const HostTensor &b, double floor = 1e-3);

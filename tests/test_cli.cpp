@@ -208,13 +208,14 @@ TEST_CASE("cli: emit --cuda prints generated CUDA where the backend is built") {
 }
 
 TEST_CASE("cli: emit, schedule and backend usage errors") {
-  check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "or --cuda"});
-  check_usage_error({"emit", "moe_mlp", "--ir", "--cuda"}, {"emit needs exactly one of --ir"});
+  check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "--cuda", "or --llvm"});
+  check_usage_error({"emit", "moe_mlp", "--ir", "--cuda"}, {"emit needs exactly one of --ir, --cuda or --llvm",
+                                                            "got --ir and --cuda"});
   check_usage_error({"emit", "moe_mlp", "--ir", "--schedule", "fastest"},
                     {"schedule 'fastest' is neither a preset (megablocks, scattermoe)"});
   check_usage_error({"emit", "moe_mlp", "--ir", "--d", "100"},
                     {"dimension D = 100 of 'x' is not a multiple of 8"});
-  check_usage_error({"run", "moe_mlp", "--backend", "tpu"}, {"--backend must be reference or cuda, got 'tpu'"});
+  check_usage_error({"run", "moe_mlp", "--backend", "tpu"}, {"--backend must be reference, cpu or cuda, got 'tpu'"});
   check_usage_error({"print", "moe_mlp", "--schedule", "megablocks"}, {"unknown flag '--schedule' for 'print'"});
 }
 
@@ -231,8 +232,43 @@ TEST_CASE("cli: --backend cuda without a GPU says so and how to run anyway") {
   }
   CHECK(r.code == 2);
   CHECK(has(r.err, "--backend cuda: "));
-  CHECK(has(r.err, "use --backend reference"));
-  Run ref = cli({"run", "moe_mlp", "--tokens", "16"});
-  CHECK(ref.code == 0);
-  CHECK(has(ref.out, "backend   reference (Eigen, f32); no GPU: "));
+  CHECK(has(r.err, "use --backend cpu or reference"));
+  // Without a GPU, run goes to the CPU backend where it is built.
+  Run dflt = cli({"run", "moe_mlp", "--tokens", "16"});
+  CHECK(dflt.code == 0);
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  CHECK(has(dflt.out, "backend   cpu (LLVM JIT, one thread), schedule 'megablocks'; no GPU: "));
+#else
+  CHECK(has(dflt.out, "backend   reference (Eigen, f32); no GPU: "));
+#endif
+}
+
+TEST_CASE("cli: run on the CPU backend checks every Func against the reference") {
+  Run r = cli({"run", "swiglu_moe", "--backend", "cpu", "--schedule", "scattermoe", "--tokens", "100", "--check"});
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK(has(r.out, "backend   cpu (LLVM JIT, one thread), schedule 'scattermoe'"));
+  CHECK(has(r.out, "routing   route: 200 pairs (100 tokens x k=2) over 8 experts"));
+  for (const char *f : {"h ", "logits ", "probs ", "route_gate ", "route_gate_sum ", "y "})
+    CHECK_MESSAGE(has(r.out, std::string("check     ") + f), "no check of " << f);
+  CHECK(has(r.out, "(tolerance 1e-2): PASS"));
+  CHECK_FALSE(has(r.out, "FAIL"));
+#else
+  CHECK(r.code == 2);
+  CHECK(has(r.err, "--backend cpu: this build has no CPU backend"));
+#endif
+}
+
+TEST_CASE("cli: emit --llvm prints the CPU backend's optimised IR") {
+  Run r = cli({"emit", "moe_mlp", "--llvm"});
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  CHECK(r.code == 0);
+  CHECK(has(r.out, "define void @moeforge_gemm_h("));
+  CHECK(has(r.out, "define void @moeforge_pointwise_y("));
+  CHECK(has(r.out, "<8 x float>")); // the O2 pipeline vectorised the loops
+#else
+  CHECK(r.code == 2);
+  CHECK(has(r.err, "emit --llvm: this build has no CPU backend"));
+#endif
 }

@@ -12,9 +12,7 @@
 #include "examples/examples.h"
 #include "lowering/lower.h"
 #include "schedules/presets.h"
-#ifdef MOEFORGE_HAVE_CUDA
-#include "tools/cli_gpu.h"
-#endif
+#include "tools/cli_backend.h"
 
 namespace moeforge {
 
@@ -25,8 +23,8 @@ const char *kUsage =
     "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
     "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
     "                               --precision f32|f64 --schedule megablocks|scattermoe|<file>\n"
-    "                               --backend reference|cuda] [--check]\n"
-    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda\n";
+    "                               --backend reference|cpu|cuda] [--check]\n"
+    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm\n";
 
 struct Options {
   std::string command, example;
@@ -35,8 +33,8 @@ struct Options {
   Precision precision = Precision::f32;
   bool check = false;
   std::string schedule = "megablocks";
-  std::string backend; // empty: the GPU when there is one, else the reference
-  bool emit_ir = false, emit_cuda = false;
+  std::string backend; // empty: the GPU when there is one, else the CPU backend, else the reference
+  std::string emit;    // ir, cuda or llvm
 };
 
 int64_t parse_int(const std::string &flag, const std::string &text) {
@@ -67,8 +65,10 @@ Options parse(const std::vector<std::string> &args) {
       o.check = true;
       continue;
     }
-    if ((flag == "--ir" || flag == "--cuda") && o.command == "emit") {
-      (flag == "--ir" ? o.emit_ir : o.emit_cuda) = true;
+    if ((flag == "--ir" || flag == "--cuda" || flag == "--llvm") && o.command == "emit") {
+      user_check(o.emit.empty()) << "emit needs exactly one of --ir, --cuda or --llvm, got --" << o.emit << " and "
+                                 << flag;
+      o.emit = flag.substr(2);
       continue;
     }
     // list takes no flags; print takes the shape flags; run also --seed and --precision.
@@ -83,7 +83,8 @@ Options parse(const std::vector<std::string> &args) {
     if (flag == "--schedule") {
       o.schedule = v;
     } else if (flag == "--backend") {
-      user_check(v == "reference" || v == "cuda") << "--backend must be reference or cuda, got '" << v << "'";
+      user_check(v == "reference" || v == "cpu" || v == "cuda")
+          << "--backend must be reference, cpu or cuda, got '" << v << "'";
       o.backend = v;
     } else if (flag == "--precision") {
       user_check(v == "f32" || v == "f64") << "--precision must be f32 or f64, got '" << v << "'";
@@ -99,8 +100,9 @@ Options parse(const std::vector<std::string> &args) {
                              : o.shape.f) = n;
     }
   }
-  user_check(o.command != "emit" || o.emit_ir != o.emit_cuda)
-      << "emit needs exactly one of --ir (the lowered kernel program) or --cuda (the generated CUDA source)";
+  user_check(o.command != "emit" || !o.emit.empty())
+      << "emit needs exactly one of --ir (the lowered kernel program), --cuda (the generated CUDA source) or "
+      << "--llvm (the CPU backend's optimised LLVM IR)";
   return o;
 }
 
@@ -114,29 +116,89 @@ void print_routing(std::ostream &out, const std::string &name, const RoutingResu
       << "; empty experts " << empty << std::defaultfloat << "\n";
 }
 
-// Whether this run goes to the GPU: asked for with --backend cuda (an error
-// without one), or by default when this build has the CUDA backend and a GPU
-// is present.
-bool use_gpu(const Options &o, std::string *no_gpu) {
+constexpr bool kHaveCuda =
 #ifdef MOEFORGE_HAVE_CUDA
-  bool present = cli_gpu_available(no_gpu);
+    true;
 #else
-  bool present = false;
-  *no_gpu = "this build has no CUDA backend (the CUDA toolkit was not found when it was configured)";
+    false;
 #endif
+constexpr bool kHaveCpu =
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+    true;
+#else
+    false;
+#endif
+
+bool gpu_present(std::string *why) {
+#ifdef MOEFORGE_HAVE_CUDA
+  return cli_gpu_available(why);
+#else
+  *why = "this build has no CUDA backend (the CUDA toolkit was not found when it was configured)";
+  return false;
+#endif
+}
+
+// The backend a run goes to: --backend, or by default the GPU when this build
+// has the CUDA backend and a GPU is present, else the LLVM CPU backend when
+// built, else the reference. Asking for one that is missing is a usage error.
+std::string choose_backend(const Options &o, std::string *why_not_gpu) {
+  bool gpu = gpu_present(why_not_gpu);
   if (o.backend == "cuda") {
-    user_check(present) << "--backend cuda: " << *no_gpu << "; use --backend reference";
+    user_check(gpu) << "--backend cuda: " << *why_not_gpu << "; use --backend cpu or reference";
   }
-  return o.backend != "reference" && present;
+  if (o.backend == "cpu") {
+    user_check(kHaveCpu) << "--backend cpu: this build has no CPU backend (LLVM 19 was not found when it was "
+                         << "configured: install llvm-19-dev); use --backend reference";
+  }
+  if (!o.backend.empty())
+    return o.backend;
+  return gpu ? "cuda" : (kHaveCpu ? "cpu" : "reference");
+}
+
+BackendRun run_backend(const std::string &backend, const Example &ex, const ExampleShape &shape,
+                       const TensorMap &inputs, const Schedule &schedule) {
+#ifdef MOEFORGE_HAVE_CUDA
+  if (backend == "cuda")
+    return cli_run_on_gpu(ex, shape, inputs, schedule);
+#endif
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  if (backend == "cpu")
+    return cli_run_on_cpu(ex, shape, inputs, schedule);
+#endif
+  internal_check(false) << "backend " << backend << " is not built";
+}
+
+void print_time_and_checksum(std::ostream &out, double ms, const std::string &func, const HostTensor &y) {
+  out << "time      " << std::fixed << std::setprecision(3) << ms << " ms\n" << std::defaultfloat;
+  out << "checksum  " << func << ": " << std::setprecision(9) << y.checksum() << std::setprecision(6) << "\n";
+}
+
+// A compiled backend against the float64 reference: every Func it
+// materialises, relative to the reference's largest value (bf16 storage).
+bool check_backend(std::ostream &out, const BackendRun &run, const EvalResult &ref) {
+  bool ok = true;
+  for (const auto &[name, want] : ref.values) {
+    auto got = run.values.find(name);
+    if (got == run.values.end())
+      continue; // not materialised under this schedule (e.g. o when the gate is fused)
+    double err = max_normalized_error(got->second, want);
+    bool pass = err <= 1e-2;
+    ok &= pass;
+    out << "check     " << std::setw(16) << std::left << name << std::right << " max |ours - ref| / max |ref| = "
+        << std::scientific << std::setprecision(2) << err << " (tolerance 1e-2): " << (pass ? "PASS" : "FAIL")
+        << "\n"
+        << std::defaultfloat;
+  }
+  return ok;
 }
 
 int run(const Options &o, std::ostream &out) {
   Example ex = make_example(o.example, o.shape);
-  // The schedule only matters on the GPU (the reference has none), where
-  // compiling checks it against the layer.
+  // The schedule only matters to the compiled backends, whose compilers check
+  // it against the layer.
   Schedule schedule = schedule_from_arg(o.schedule);
   std::string no_gpu;
-  bool gpu = use_gpu(o, &no_gpu);
+  std::string backend = choose_backend(o, &no_gpu);
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
   const char *prec = o.precision == Precision::f32 ? "f32" : "f64";
   out << "example   " << ex.name << ": " << ex.description << "\n";
@@ -149,21 +211,28 @@ int run(const Options &o, std::ostream &out) {
     out << "]";
   }
   out << "\n";
-#ifdef MOEFORGE_HAVE_CUDA
-  if (gpu)
-    return cli_run_on_gpu(ex, o.shape, inputs, schedule, o.check, out);
-#endif
+
+  if (backend != "reference") {
+    BackendRun run = run_backend(backend, ex, o.shape, inputs, schedule);
+    out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'"
+        << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
+    for (const auto &[name, r] : run.routes)
+      print_routing(out, name, r);
+    print_time_and_checksum(out, run.ms, ex.output, run.values.at(ex.output));
+    if (!o.check)
+      return 0;
+    return check_backend(out, run, evaluate(ex.pipeline, inputs, Precision::f64)) ? 0 : 1;
+  }
+
   out << "backend   reference (Eigen, " << prec << ")" << (o.backend.empty() ? "; no GPU: " + no_gpu : "")
       << "\n";
-
   auto start = std::chrono::steady_clock::now();
   EvalResult res = evaluate(ex.pipeline, inputs, o.precision);
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   for (const auto &[name, r] : res.routes)
     print_routing(out, name, r);
   const HostTensor &y = res[ex.output];
-  out << "time      " << std::fixed << std::setprecision(2) << ms << " ms\n" << std::defaultfloat;
-  out << "checksum  " << ex.output << ": " << std::setprecision(9) << y.checksum() << std::setprecision(6) << "\n";
+  print_time_and_checksum(out, ms, ex.output, y);
   if (!o.check)
     return 0;
   // The oracle: the same algebra in float64. On the reference backend,
@@ -179,6 +248,17 @@ int run(const Options &o, std::ostream &out) {
 }
 
 } // namespace
+
+RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std::vector<int32_t> experts) {
+  RoutingResult r;
+  r.tokens = tokens;
+  r.experts = route.expert_dim().extent();
+  r.k = route.k;
+  for (size_t p = 0; p < experts.size(); ++p)
+    r.token.push_back(static_cast<int32_t>(p / static_cast<size_t>(route.k)));
+  r.expert = std::move(experts);
+  return r;
+}
 
 int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostream &err) {
   Options o;
@@ -196,18 +276,25 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
     }
     if (o.command == "emit") {
       Example ex = make_example(o.example, o.shape);
-      KernelProgram program = lower(ex.pipeline, schedule_from_arg(o.schedule));
-      if (o.emit_ir) {
-        out << program;
+      Schedule schedule = schedule_from_arg(o.schedule);
+      if (o.emit == "ir") {
+        out << lower(ex.pipeline, schedule);
         return 0;
       }
+      if (o.emit == "cuda") {
+        user_check(kHaveCuda) << "emit --cuda: this build has no CUDA backend (the CUDA toolkit was not found when "
+                              << "it was configured); emit --ir works without it";
 #ifdef MOEFORGE_HAVE_CUDA
-      out << cli_cuda_source(program);
-      return 0;
-#else
-      user_error << "emit --cuda: this build has no CUDA backend (the CUDA toolkit was not found when it was "
-                 << "configured); emit --ir works without it";
+        out << cli_cuda_source(ex.pipeline, schedule);
 #endif
+        return 0;
+      }
+      user_check(kHaveCpu) << "emit --llvm: this build has no CPU backend (LLVM 19 was not found when it was "
+                           << "configured: install llvm-19-dev); emit --ir works without it";
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+      out << cli_llvm_ir(ex.pipeline, schedule);
+#endif
+      return 0;
     }
     return run(o, out);
   } catch (const UserError &e) {

@@ -1,0 +1,35 @@
+// What the CLI needs from a compiled backend (CUDA or LLVM CPU): run an
+// example once under a schedule and hand back what it computed. cli.cpp does
+// the printing and the --check against the reference, the same for both.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backends/reference/evaluate.h"
+#include "examples/examples.h"
+#include "schedules/schedule.h"
+
+namespace moeforge {
+
+struct BackendRun {
+  std::string backend;                        // e.g. "cuda on NVIDIA H200 (sm_90a)"
+  double ms = 0;                              // one forward, after a warm-up
+  std::map<std::string, RoutingResult> routes; // the experts each route chose
+  TensorMap values;                           // every Func the schedule materialises, pair order
+};
+
+// The routing statistics' input from a backend's expert ids (pair order).
+RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std::vector<int32_t> experts);
+
+// Each is built only with its backend (MOEFORGE_HAVE_CUDA, MOEFORGE_HAVE_CPU_BACKEND).
+bool cli_gpu_available(std::string *why);
+BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                          const Schedule &schedule);
+std::string cli_cuda_source(const Pipeline &pipeline, const Schedule &schedule);
+BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                          const Schedule &schedule);
+std::string cli_llvm_ir(const Pipeline &pipeline, const Schedule &schedule);
+
+} // namespace moeforge

@@ -1,0 +1,33 @@
+// The CLI's LLVM CPU backend (built with MOEFORGE_HAVE_CPU_BACKEND).
+#include <chrono>
+
+#include "backends/cpu/cpu_layer.h"
+#include "tools/cli_backend.h"
+
+namespace moeforge {
+
+std::string cli_llvm_ir(const Pipeline &pipeline, const Schedule &schedule) {
+  return cpu::cpu_llvm_ir(pipeline, schedule, /*optimised=*/true);
+}
+
+BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                          const Schedule &schedule) {
+  cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(ex.pipeline, schedule);
+  cpu::CpuLayer layer(compiled, shape.tokens);
+  layer.upload(inputs);
+  layer.poison();
+  layer.run(); // warm-up: first touch of every buffer
+  auto start = std::chrono::steady_clock::now();
+  layer.run();
+  BackendRun run;
+  run.backend = "cpu (LLVM JIT, one thread)";
+  run.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  for (const RoutingNode *r : compiled.program.routes)
+    run.routes[r->name] = routing_from_experts(*r, shape.tokens, layer.routed_experts(r->name));
+  for (const TensorDecl &t : compiled.program.tensors)
+    if (!t.is_input)
+      run.values[t.name] = layer.download(t.name);
+  return run;
+}
+
+} // namespace moeforge

@@ -207,7 +207,7 @@ TEST_CASE("cli: emit --cuda prints generated CUDA where the backend is built") {
 #endif
 }
 
-TEST_CASE("cli: emit, schedule and backend usage errors") {
+TEST_CASE("cli: emit and schedule and backend usage errors") {
   check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "--cuda", "or --llvm"});
   check_usage_error({"emit", "moe_mlp", "--ir", "--cuda"}, {"emit needs exactly one of --ir, --cuda or --llvm",
                                                             "got --ir and --cuda"});

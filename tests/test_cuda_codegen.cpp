@@ -86,7 +86,7 @@ TEST_CASE("codegen: a tile that does not divide d = f = 2880 compiles (masked)")
   CHECK(c.source.source.find("if (col >= N) continue;") != std::string::npos);
 }
 
-TEST_CASE("codegen: tile, stage and warp sweeps compile without spills") {
+TEST_CASE("codegen: tile and stage and warp sweeps compile without spills") {
   struct Case {
     int m, n, k, stages, wm, wn, block;
   };

@@ -73,7 +73,7 @@ void check_tables_equal(const RoutingTables &got, const RoutingTables &want, con
 
 TEST_SUITE("gpu") {
 
-  TEST_CASE("cuda gpu: driver smoke - device, alloc, memset, copies, a kernel, events") {
+  TEST_CASE("cuda gpu: driver smoke - device alloc memset copies kernel and events") {
     MOEFORGE_REQUIRE_GPU();
     Device device;
     MESSAGE(device.name() << " (" << device.arch() << "), " << device.sm_count() << " SMs, "

@@ -10,14 +10,6 @@
 
 namespace moeforge::cpu {
 
-namespace {
-
-void check_dtype(const TensorDecl &t) {
-  user_check(t.dtype != DType::f16) << "tensor '" << t.name << "' is f16, which the CPU backend does not support yet";
-}
-
-} // namespace
-
 CompiledCpuLayer compile_cpu_layer(const Pipeline &pipeline, const Schedule &schedule) {
   CompiledCpuLayer c;
   c.program = lower(pipeline, schedule);
@@ -33,72 +25,18 @@ std::string cpu_llvm_ir(const Pipeline &pipeline, const Schedule &schedule, bool
   return m.ir_text();
 }
 
-CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens) : layer_(layer), tokens_(tokens) {
-  user_check(tokens >= 1) << "a layer needs at least one token (got " << tokens << ")";
-  const KernelProgram &p = layer_.program;
-  // The one dynamic extent is the token count: every dynamic Dim is bound to it.
-  for (const TensorDecl &t : p.tensors)
-    for (const Dim &d : t.dims)
-      for (const DimNode *n = d.get(); n; n = n->base.get())
-        if (!n->base && n->extent < 0)
-          extents_[n->name] = tokens;
-  for (const Step &s : p.steps)
-    if (auto *rs = std::get_if<RoutingStep>(&s)) {
-      RouteState &st = routes_[rs->route];
-      st.shape.tokens = extent(rs->route->token_dim());
-      st.shape.experts = static_cast<int>(rs->route->expert_dim().extent());
-      st.shape.k = rs->route->k;
-      st.shape.block = rs->block;
-      st.shape.check();
-    }
-  for (const TensorDecl &t : p.tensors) {
-    check_dtype(t);
-    int64_t n = rows_of(t);
-    for (size_t i = 1; i < t.dims.size(); ++i)
-      n *= extent(t.dims[i]);
-    tensors_[t.name].assign(static_cast<size_t>(std::max<int64_t>(n, 1)) * dtype_bytes(t.dtype), 0);
-  }
-}
-
-int64_t CpuLayer::extent(const Dim &d) const {
-  const DimNode *n = d.get();
-  int64_t factor = 1;
-  for (; n->base; n = n->base.get())
-    factor *= n->factor;
-  return factor * (n->extent >= 0 ? n->extent : extents_.at(n->name));
-}
-
-int64_t CpuLayer::rows_of(const TensorDecl &t) const {
-  if (t.dims.empty())
-    return 1;
-  if (t.layout == RowLayout::padded)
-    return routes_.at(t.route).shape.max_padded_rows();
-  return extent(t.dims[0]);
+CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens)
+    : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens) {
+  for (const auto &[r, shape] : shapes_.routings())
+    routes_[r].shape = shape;
+  for (const TensorDecl &t : layer_.program.tensors)
+    tensors_[t.name].assign(static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype), 0);
 }
 
 void CpuLayer::upload(const TensorMap &inputs) {
-  for (const TensorDecl &t : layer_.program.tensors) {
-    if (!t.is_input)
-      continue;
-    auto it = inputs.find(t.name);
-    user_check(it != inputs.end()) << "no tensor given for input '" << t.name << "'";
-    const HostTensor &h = it->second;
-    std::vector<int64_t> want;
-    for (const Dim &d : t.dims)
-      want.push_back(extent(d));
-    user_check(h.shape == want) << "input '" << t.name << "' has the wrong shape for " << tokens_
-                                << " tokens: give it the declared Dims";
-    std::vector<uint8_t> &buf = tensors_.at(t.name);
-    for (size_t i = 0; i < h.data.size(); ++i) {
-      float f = static_cast<float>(h.data[i]);
-      if (t.dtype == DType::f32) {
-        std::memcpy(&buf[i * 4], &f, 4);
-      } else {
-        uint16_t b = bf16_bits(f);
-        std::memcpy(&buf[i * 2], &b, 2);
-      }
-    }
-  }
+  for (const TensorDecl &t : layer_.program.tensors)
+    if (t.is_input)
+      tensors_.at(t.name) = shapes_.encode_input(t, inputs);
 }
 
 void CpuLayer::poison() {
@@ -130,7 +68,7 @@ void *CpuLayer::arg(const CpuArg &a) {
   case CpuArg::Kind::tensor:
     return tensors_.at(a.name).data();
   case CpuArg::Kind::extent:
-    return &extents_.at(a.name);
+    return shapes_.dynamic_extent(a.name);
   case CpuArg::Kind::route: {
     RouteState &st = routes_.at(a.route);
     cuda::RoutingTables &t = st.tables;
@@ -176,35 +114,12 @@ void CpuLayer::run() {
 
 HostTensor CpuLayer::download(const std::string &func) const {
   const TensorDecl &t = layer_.program.tensor(func);
-  std::vector<int64_t> shape;
-  for (const Dim &d : t.dims)
-    shape.push_back(extent(d));
-  HostTensor out(shape);
-  int64_t row = 1;
-  for (size_t i = 1; i < shape.size(); ++i)
-    row *= shape[i];
-  const std::vector<uint8_t> &buf = tensors_.at(func);
-  auto value = [&](int64_t i) -> double {
-    if (t.dtype == DType::f32) {
-      float f;
-      std::memcpy(&f, &buf[i * 4], 4);
-      return f;
-    }
-    uint16_t b;
-    std::memcpy(&b, &buf[i * 2], 2);
-    return bf16_value(b);
-  };
-  if (t.layout != RowLayout::padded) {
-    for (int64_t i = 0; i < out.size(); ++i)
-      out.data[i] = value(i);
-    return out;
-  }
-  const std::vector<int32_t> &pos = routes_.at(t.route).tables.pair_pos;
-  user_check(!pos.empty()) << "download('" << func << "'): run the layer first (its rows are in routed order)";
-  for (int64_t r = 0; r < shape[0]; ++r)
-    for (int64_t c = 0; c < row; ++c)
-      out.data[r * row + c] = value(pos[r] * row + c);
-  return out;
+  const std::vector<uint8_t> &bytes = tensors_.at(func);
+  if (t.layout != RowLayout::padded)
+    return shapes_.decode(t, bytes);
+  const cuda::RoutingTables &tables = routes_.at(t.route).tables;
+  internal_check(!tables.pair_pos.empty()) << "'" << func << "' read before its route ran";
+  return shapes_.decode(t, bytes, &tables.pair_pos);
 }
 
 std::vector<int32_t> CpuLayer::routed_experts(const std::string &route) const {

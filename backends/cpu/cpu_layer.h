@@ -15,6 +15,7 @@
 #include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
 #include "lowering/kernel_program.h"
+#include "runtime/program_shapes.h"
 #include "runtime/routing_host.h"
 #include "schedules/schedule.h"
 
@@ -61,16 +62,14 @@ private:
     cuda::RoutingTables tables;
     int32_t padded_rows = 0;
   };
-  int64_t extent(const Dim &d) const;
-  int64_t rows_of(const TensorDecl &t) const;
   void route(const RoutingStep &step);
   void *arg(const CpuArg &a);
 
   const CompiledCpuLayer &layer_;
   int64_t tokens_;
+  ProgramShapes shapes_;
   std::map<std::string, std::vector<uint8_t>> tensors_;
   std::map<const RoutingNode *, RouteState> routes_;
-  std::map<std::string, int64_t> extents_; // dynamic Dims, by name
 };
 
 } // namespace moeforge::cpu

@@ -27,51 +27,16 @@ CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, 
 }
 
 CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens)
-    : layer_(layer), tokens_(tokens), module_(layer.compiled.cubin, "moeforge layer"), routing_(device) {
-  user_check(tokens >= 1) << "a layer needs at least one token (got " << tokens << ")";
-  const KernelProgram &p = layer_.program;
-  // The one dynamic extent is the token count: every dynamic Dim is bound to it.
-  for (const TensorDecl &t : p.tensors)
-    for (const Dim &d : t.dims)
-      for (const DimNode *n = d.get(); n; n = n->base.get())
-        if (!n->base && n->extent < 0)
-          extents_[n->name] = tokens;
-  for (const RoutingNode *r : p.routes) {
-    RoutingShape shape;
-    shape.tokens = extent(r->token_dim());
-    shape.experts = static_cast<int>(r->expert_dim().extent());
-    shape.k = r->k;
-    for (const Step &s : p.steps)
-      if (auto *rs = std::get_if<RoutingStep>(&s); rs && rs->route == r)
-        shape.block = rs->block;
-    shape.check();
+    : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens), module_(layer.compiled.cubin, "moeforge layer"),
+      routing_(device) {
+  for (const auto &[r, shape] : shapes_.routings()) {
     auto plan = std::make_unique<RoutingPlan>(shape);
     padded_rows_[r] = plan->offsets.ptr() + sizeof(int32_t) * shape.experts;
     plans_[r] = std::move(plan);
   }
-  for (const TensorDecl &t : p.tensors) {
-    int64_t n = rows_of(t);
-    for (size_t i = 1; i < t.dims.size(); ++i)
-      n *= extent(t.dims[i]);
-    tensors_.emplace(t.name, DeviceBuffer(static_cast<size_t>(std::max<int64_t>(n, 1)) * dtype_bytes(t.dtype)));
-  }
+  for (const TensorDecl &t : layer_.program.tensors)
+    tensors_.emplace(t.name, DeviceBuffer(static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype)));
   bind();
-}
-
-int64_t CudaLayer::extent(const Dim &d) const {
-  const DimNode *n = d.get();
-  int64_t factor = 1;
-  for (; n->base; n = n->base.get())
-    factor *= n->factor;
-  return factor * (n->extent >= 0 ? n->extent : extents_.at(n->name));
-}
-
-int64_t CudaLayer::rows_of(const TensorDecl &t) const {
-  if (t.dims.empty())
-    return 1;
-  if (t.layout == RowLayout::padded)
-    return plans_.at(t.route)->shape.max_padded_rows();
-  return extent(t.dims[0]);
 }
 
 void CudaLayer::bind() {
@@ -83,7 +48,7 @@ void CudaLayer::bind() {
         l.args.push_back(tensors_.at(a.name).arg());
         break;
       case KernelArg::Kind::extent:
-        l.args.push_back(&extents_.at(a.name));
+        l.args.push_back(shapes_.dynamic_extent(a.name));
         break;
       case KernelArg::Kind::route: {
         RoutingPlan &plan = *plans_.at(a.route);
@@ -111,15 +76,16 @@ void CudaLayer::bind() {
     switch (gs.kind) {
     // GEMMs run a 1-D grid over row x column tiles (rasterised in the kernel).
     case GridShape::Kind::routed_tiles:
-      gx = plans_.at(gs.route)->shape.max_tiles() * (gs.block / gs.tile_m) * ceil_div(extent(gs.n), gs.tile_n);
+      gx = plans_.at(gs.route)->shape.max_tiles() * (gs.block / gs.tile_m) *
+           ceil_div(shapes_.extent(gs.n), gs.tile_n);
       break;
     case GridShape::Kind::dense_tiles:
-      gx = ceil_div(extent(gs.count.at(0)), gs.tile_m) * ceil_div(extent(gs.n), gs.tile_n);
+      gx = ceil_div(shapes_.extent(gs.count.at(0)), gs.tile_m) * ceil_div(shapes_.extent(gs.n), gs.tile_n);
       break;
     case GridShape::Kind::elements: {
       int64_t n = 1;
       for (const Dim &d : gs.count)
-        n *= extent(d);
+        n *= shapes_.extent(d);
       gx = ceil_div(n, g.threads);
       break;
     }
@@ -136,47 +102,17 @@ void CudaLayer::bind() {
   }
 }
 
-namespace {
-
-// The bytes of `values` stored as `t` (bf16 rounded to nearest even).
-std::vector<uint8_t> encode(const std::vector<double> &values, DType t, const std::string &name) {
-  user_check(t != DType::f16) << "input '" << name << "': f16 is not supported by the CUDA backend yet";
-  std::vector<uint8_t> bytes(values.size() * dtype_bytes(t));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (t == DType::f32) {
-      float f = static_cast<float>(values[i]);
-      std::memcpy(&bytes[i * 4], &f, 4);
-    } else {
-      uint16_t b = bf16_bits(static_cast<float>(values[i]));
-      std::memcpy(&bytes[i * 2], &b, 2);
-    }
-  }
-  return bytes;
-}
-
-} // namespace
-
 void CudaLayer::upload(const TensorMap &inputs) {
-  for (const TensorDecl &t : layer_.program.tensors) {
-    if (!t.is_input)
-      continue;
-    auto it = inputs.find(t.name);
-    user_check(it != inputs.end()) << "no tensor given for input '" << t.name << "'";
-    const HostTensor &h = it->second;
-    std::vector<int64_t> want;
-    for (const Dim &d : t.dims)
-      want.push_back(extent(d));
-    user_check(h.shape == want) << "input '" << t.name << "' has the wrong shape for " << tokens_
-                                << " tokens: give it the declared Dims";
-    tensors_.at(t.name).upload(encode(h.data, t.dtype, t.name));
-  }
+  for (const TensorDecl &t : layer_.program.tensors)
+    if (t.is_input)
+      tensors_.at(t.name).upload(shapes_.encode_input(t, inputs));
 }
 
 void CudaLayer::upload_repeated(const std::string &name, const HostTensor &pattern) {
   const TensorDecl &t = layer_.program.tensor(name);
   user_check(t.is_input) << "'" << name << "' is not an Input or Param";
   DeviceBuffer &b = tensors_.at(name);
-  std::vector<uint8_t> bytes = encode(pattern.data, t.dtype, name);
+  std::vector<uint8_t> bytes = encode_values(pattern.data, t.dtype);
   user_check(!bytes.empty() && bytes.size() <= b.bytes()) << "pattern for '" << name << "' is empty or too large";
   DeviceBuffer first(bytes.size());
   first.upload(bytes);
@@ -233,32 +169,11 @@ std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &str
 
 HostTensor CudaLayer::download(const std::string &func) const {
   const TensorDecl &t = layer_.program.tensor(func);
-  std::vector<int64_t> shape;
-  for (const Dim &d : t.dims)
-    shape.push_back(extent(d));
-  HostTensor out(shape);
-  int64_t row = 1;
-  for (size_t i = 1; i < shape.size(); ++i)
-    row *= shape[i];
-  const DeviceBuffer &b = tensors_.at(func);
-  std::vector<double> raw;
-  if (t.dtype == DType::f32) {
-    auto v = b.download<float>();
-    raw.assign(v.begin(), v.end());
-  } else {
-    auto v = b.download<uint16_t>();
-    raw.resize(v.size());
-    for (size_t i = 0; i < v.size(); ++i)
-      raw[i] = bf16_value(v[i]);
-  }
-  if (t.layout != RowLayout::padded) {
-    std::copy(raw.begin(), raw.begin() + out.size(), out.data.begin());
-    return out;
-  }
+  std::vector<uint8_t> bytes = tensors_.at(func).download<uint8_t>();
+  if (t.layout != RowLayout::padded)
+    return shapes_.decode(t, bytes);
   std::vector<int32_t> pos = plans_.at(t.route)->pair_pos.download<int32_t>();
-  for (int64_t r = 0; r < shape[0]; ++r)
-    std::copy_n(raw.begin() + pos[r] * row, row, out.data.begin() + r * row);
-  return out;
+  return shapes_.decode(t, bytes, &pos);
 }
 
 std::vector<int32_t> CudaLayer::routed_experts(const std::string &route) const {

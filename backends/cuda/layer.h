@@ -18,6 +18,7 @@
 #include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
 #include "lowering/kernel_program.h"
+#include "runtime/program_shapes.h"
 #include "schedules/schedule.h"
 
 namespace moeforge::cuda {
@@ -71,18 +72,16 @@ private:
     std::vector<void *> args;
     Dim3 grid, block;
   };
-  int64_t extent(const Dim &d) const;
-  int64_t rows_of(const TensorDecl &t) const;
   void bind();
 
   const CompiledLayer &layer_;
   int64_t tokens_;
+  ProgramShapes shapes_;
   Module module_;
   DeviceRouting routing_;
   std::map<std::string, DeviceBuffer> tensors_;
   std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
   std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows
-  std::map<std::string, long long> extents_;               // dynamic Dims, by name
   std::vector<Launch> launches_;
 };
 

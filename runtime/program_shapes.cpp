@@ -1,0 +1,109 @@
+#include "runtime/program_shapes.h"
+
+#include <cstring>
+
+#include "dsl/error.h"
+
+namespace moeforge {
+
+std::vector<uint8_t> encode_values(const std::vector<double> &values, DType t) {
+  internal_check(t != DType::f16) << "f16 storage";
+  const int bytes = dtype_bytes(t);
+  std::vector<uint8_t> out(values.size() * bytes);
+  for (size_t i = 0; i < values.size(); ++i) {
+    float f = static_cast<float>(values[i]);
+    if (t == DType::f32) {
+      std::memcpy(&out[i * 4], &f, 4);
+    } else {
+      uint16_t b = bf16_bits(f);
+      std::memcpy(&out[i * 2], &b, 2);
+    }
+  }
+  return out;
+}
+
+ProgramShapes::ProgramShapes(const KernelProgram &program, int64_t tokens) : tokens_(tokens) {
+  user_check(tokens >= 1) << "a layer needs at least one token (got " << tokens << ")";
+  for (const TensorDecl &t : program.tensors) {
+    user_check(t.dtype != DType::f16) << "tensor '" << t.name << "' is f16, which no backend stores yet: use bf16";
+    for (const Dim &d : t.dims)
+      for (const DimNode *n = d.get(); n; n = n->base.get())
+        if (!n->base && n->extent < 0)
+          dynamic_[n->name] = tokens;
+  }
+  for (const Step &s : program.steps)
+    if (auto *rs = std::get_if<RoutingStep>(&s)) {
+      cuda::RoutingShape shape;
+      shape.tokens = extent(rs->route->token_dim());
+      shape.experts = static_cast<int>(rs->route->expert_dim().extent());
+      shape.k = rs->route->k;
+      shape.block = rs->block;
+      shape.check();
+      routings_[rs->route] = shape;
+    }
+}
+
+int64_t ProgramShapes::extent(const Dim &d) const {
+  const DimNode *n = d.get();
+  int64_t factor = 1;
+  for (; n->base; n = n->base.get())
+    factor *= n->factor;
+  return factor * (n->extent >= 0 ? n->extent : dynamic_.at(n->name));
+}
+
+std::vector<int64_t> ProgramShapes::shape(const TensorDecl &t) const {
+  std::vector<int64_t> s;
+  for (const Dim &d : t.dims)
+    s.push_back(extent(d));
+  return s;
+}
+
+int64_t ProgramShapes::elements(const TensorDecl &t) const {
+  std::vector<int64_t> s = shape(t);
+  if (t.layout == RowLayout::padded)
+    s.at(0) = routing(t.route).max_padded_rows();
+  int64_t n = 1;
+  for (int64_t e : s)
+    n *= e;
+  return std::max<int64_t>(n, 1);
+}
+
+long long *ProgramShapes::dynamic_extent(const std::string &dim) { return &dynamic_.at(dim); }
+
+std::vector<uint8_t> ProgramShapes::encode_input(const TensorDecl &t, const TensorMap &inputs) const {
+  auto it = inputs.find(t.name);
+  user_check(it != inputs.end()) << "no tensor given for input '" << t.name << "'";
+  const HostTensor &h = it->second;
+  user_check(h.shape == shape(t)) << "input '" << t.name << "' has the wrong shape for " << tokens_
+                                  << " tokens: give it the declared Dims";
+  return encode_values(h.data, t.dtype);
+}
+
+HostTensor ProgramShapes::decode(const TensorDecl &t, const std::vector<uint8_t> &bytes,
+                                 const std::vector<int32_t> *pair_pos) const {
+  HostTensor out(shape(t));
+  int64_t row = 1;
+  for (size_t i = 1; i < out.shape.size(); ++i)
+    row *= out.shape[i];
+  auto value = [&](int64_t i) -> double {
+    if (t.dtype == DType::f32) {
+      float f;
+      std::memcpy(&f, &bytes[i * 4], 4);
+      return f;
+    }
+    uint16_t b;
+    std::memcpy(&b, &bytes[i * 2], 2);
+    return bf16_value(b);
+  };
+  // Routed rows stored in the padded order come back in pair order.
+  const bool padded = t.layout == RowLayout::padded;
+  internal_check(!padded || pair_pos) << "decoding padded '" << t.name << "' needs its route's pair_pos";
+  for (int64_t r = 0; r < (out.shape.empty() ? 1 : out.shape[0]); ++r) {
+    int64_t from = padded ? (*pair_pos)[r] : r;
+    for (int64_t i = 0; i < row; ++i)
+      out.data[r * row + i] = value(from * row + i);
+  }
+  return out;
+}
+
+} // namespace moeforge

@@ -1,0 +1,53 @@
+// A kernel program's storage for one token count, as every backend lays it
+// out: the token Dim bound to `tokens`, each route's routing shape (its
+// padded layout's rows), each tensor's element count; and the conversions
+// between the user's host tensors (the reference's layout, doubles) and the
+// backends' bytes (bf16 rounded to nearest even or f32, routed rows padded).
+// The CUDA and CPU runtimes share it, so their buffers agree by construction.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backends/reference/host_tensor.h"
+#include "lowering/kernel_program.h"
+#include "runtime/routing_host.h"
+
+namespace moeforge {
+
+// `values` stored as `t`: f32, or bf16 rounded to nearest even.
+std::vector<uint8_t> encode_values(const std::vector<double> &values, DType t);
+
+class ProgramShapes {
+public:
+  // UserError for tokens < 1 or a dtype no backend stores (f16).
+  ProgramShapes(const KernelProgram &program, int64_t tokens);
+
+  int64_t tokens() const { return tokens_; }
+  int64_t extent(const Dim &d) const;
+  const cuda::RoutingShape &routing(const RoutingNode *route) const { return routings_.at(route); }
+  const std::map<const RoutingNode *, cuda::RoutingShape> &routings() const { return routings_; }
+  // Stored elements of t (padded layouts hold max_padded_rows rows); at least 1.
+  int64_t elements(const TensorDecl &t) const;
+  // t's shape as the user and the reference see it (routed rows: T * k).
+  std::vector<int64_t> shape(const TensorDecl &t) const;
+  // Where a dynamic Dim's extent lives, for kernel arguments (stable address).
+  long long *dynamic_extent(const std::string &dim);
+
+  // The bytes of input t from `inputs` (shape checked, values rounded to t's
+  // dtype); UserError naming the tensor otherwise.
+  std::vector<uint8_t> encode_input(const TensorDecl &t, const TensorMap &inputs) const;
+  // t's stored bytes back in the reference's layout; a padded tensor needs the
+  // route's pair_pos (where each pair's row is stored).
+  HostTensor decode(const TensorDecl &t, const std::vector<uint8_t> &bytes,
+                    const std::vector<int32_t> *pair_pos = nullptr) const;
+
+private:
+  int64_t tokens_;
+  std::map<std::string, long long> dynamic_; // every dynamic Dim is the token count
+  std::map<const RoutingNode *, cuda::RoutingShape> routings_;
+};
+
+} // namespace moeforge

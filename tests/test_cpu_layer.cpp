@@ -81,6 +81,23 @@ TEST_SUITE("cpu") {
       }
   }
 
+  TEST_CASE("cpu layer: a cached JIT serves an identical layer built anew") {
+    // The cache is keyed by IR text, so a second, separately built pipeline
+    // with the same algebra gets the first one's functions; its arguments must
+    // still name its own routes (the first pipeline is gone by then).
+    ExampleShape s = shape(96, 64, 128, 8, 2);
+    std::shared_ptr<const cpu::JitProgram> first_jit;
+    {
+      Example gone = make_example("moe_mlp", s);
+      first_jit = cpu::compile_cpu_layer(gone.pipeline, preset("scattermoe")).jit;
+    }
+    Example ex = make_example("moe_mlp", s);
+    Outcome o = run_and_compare(ex, ex.random_inputs(s, 5), s.tokens, preset("scattermoe"));
+    CHECK(cpu::compile_cpu_layer(ex.pipeline, preset("scattermoe")).jit.get() == first_jit.get());
+    CHECK(o.routing_mismatches == 0);
+    CHECK(o.y_error <= 1e-2);
+  }
+
   TEST_CASE("cpu layer: a second run rewrites everything and programs are compiled once") {
     ExampleShape s = shape(64, 64, 64, 8, 2);
     Example ex = make_example("swiglu_moe", s);

@@ -13,7 +13,9 @@ namespace moeforge::cpu {
 CompiledCpuLayer compile_cpu_layer(const Pipeline &pipeline, const Schedule &schedule) {
   CompiledCpuLayer c;
   c.program = lower(pipeline, schedule);
-  c.jit = jit_compile(generate_llvm(c.program), "schedule '" + schedule.name() + "'");
+  LlvmModule module = generate_llvm(c.program);
+  c.kernels = module.kernels;
+  c.jit = jit_compile(std::move(module), "schedule '" + schedule.name() + "'");
   return c;
 }
 
@@ -101,11 +103,12 @@ void CpuLayer::run() {
       route(*rs);
       continue;
     }
-    internal_check(next < jit.kernels.size() && jit.kernels[next].step == step_name(s))
+    const std::vector<CpuKernel> &kernels = layer_.kernels;
+    internal_check(next < kernels.size() && kernels[next].step == step_name(s) && next < jit.functions.size())
         << "compiled steps do not match the program at " << step_name(s);
     // Arguments are bound per call: the routing tables are rebuilt each run.
     args.clear();
-    for (const CpuArg &a : jit.kernels[next].args)
+    for (const CpuArg &a : kernels[next].args)
       args.push_back(arg(a));
     jit.functions[next](args.data());
     ++next;

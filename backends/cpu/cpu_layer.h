@@ -23,6 +23,11 @@ namespace moeforge::cpu {
 
 struct CompiledCpuLayer {
   KernelProgram program;
+  // This program's kernels and their arguments. The JIT's functions may come
+  // from the cache, compiled for an identical program whose arguments name
+  // other (possibly freed) RoutingNodes: bind arguments from here, never from
+  // jit->kernels.
+  std::vector<CpuKernel> kernels;
   std::shared_ptr<const JitProgram> jit;
 };
 

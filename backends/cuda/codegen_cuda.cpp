@@ -232,7 +232,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.name = c_name(g.name);
   k.step = g.name;
   KernelBuilder kb(prog, k);
-  const TensorDecl &out = prog.tensor(g.output);
   std::string gA = kb.tensor(g.a);
   std::vector<std::string> gB;
   for (const std::string &b : g.b)
@@ -341,7 +340,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << vr << ", col + " << e << ");\n";
   }
   body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n    }\n  }\n";
-  (void)out;
 
   k.grid.kind = g.route ? GridShape::Kind::routed_tiles : GridShape::Kind::dense_tiles;
   k.grid.route = g.route;

@@ -9,6 +9,7 @@
 
 #include "backends/reference/evaluate.h"
 #include "examples/examples.h"
+#include "lowering/kernel_program.h"
 #include "schedules/schedule.h"
 
 namespace moeforge {
@@ -22,6 +23,17 @@ struct BackendRun {
 
 // The routing statistics' input from a backend's expert ids (pair order).
 RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std::vector<int32_t> experts);
+
+// Fills run.routes and run.values from a finished layer of either backend
+// (both offer routed_experts(route) and download(func) in pair order).
+template <typename Layer>
+void collect_results(BackendRun &run, const KernelProgram &program, const Layer &layer, int64_t tokens) {
+  for (const RoutingNode *r : program.routes)
+    run.routes[r->name] = routing_from_experts(*r, tokens, layer.routed_experts(r->name));
+  for (const TensorDecl &t : program.tensors)
+    if (!t.is_input)
+      run.values[t.name] = layer.download(t.name);
+}
 
 // Each is built only with its backend (MOEFORGE_HAVE_CUDA, MOEFORGE_HAVE_CPU_BACKEND).
 bool cli_gpu_available(std::string *why);

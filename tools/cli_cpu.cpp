@@ -22,11 +22,7 @@ BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const Te
   BackendRun run;
   run.backend = "cpu (LLVM JIT, one thread)";
   run.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  for (const RoutingNode *r : compiled.program.routes)
-    run.routes[r->name] = routing_from_experts(*r, shape.tokens, layer.routed_experts(r->name));
-  for (const TensorDecl &t : compiled.program.tensors)
-    if (!t.is_input)
-      run.values[t.name] = layer.download(t.name);
+  collect_results(run, compiled.program, layer, shape.tokens);
   return run;
 }
 

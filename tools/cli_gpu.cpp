@@ -31,11 +31,7 @@ BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const Te
   BackendRun run;
   run.backend = "cuda on " + device.name() + " (" + device.arch_specific() + ")";
   run.ms = cuda::elapsed_ms(start, stop);
-  for (const RoutingNode *r : compiled.program.routes)
-    run.routes[r->name] = routing_from_experts(*r, shape.tokens, layer.routed_experts(r->name));
-  for (const TensorDecl &t : compiled.program.tensors)
-    if (!t.is_input)
-      run.values[t.name] = layer.download(t.name);
+  collect_results(run, compiled.program, layer, shape.tokens);
   return run;
 }
 

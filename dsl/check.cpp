@@ -79,6 +79,15 @@ public:
     }
     case ExprKind::RouteSum:
       return visit_route_sum(*e.as<RouteSum>(), bound);
+    case ExprKind::IndexEq: {
+      auto *q = e.as<IndexEq>();
+      user_check(q->a.dim().same_as(q->b.dim()))
+          << "in definition of '" << func_ << "': " << to_string(e) << " compares indices over "
+          << describe_dim(q->a.dim()) << " and " << describe_dim(q->b.dim()) << ": compare indices over one Dim";
+      std::vector<Var> fv{q->a.var};
+      add_unique(fv, q->b.var);
+      return fv;
+    }
     }
     internal_check(false) << "unknown expression kind";
   }

@@ -134,6 +134,8 @@ const char *unary_op_name(UnaryOp op) {
     return "gelu";
   case UnaryOp::silu:
     return "silu";
+  case UnaryOp::step:
+    return "step";
   }
   return "?";
 }
@@ -184,6 +186,16 @@ Expr RouteSum::make(RoutingPtr route, RouteField field, Var target, Expr body) {
   user_check(route && target.defined() && body.defined()) << "combine() needs a route, a variable and a summand";
   internal_check(field != RouteField::none) << "RouteSum without a field";
   return Expr(std::make_shared<RouteSum>(std::move(route), field, std::move(target), std::move(body)));
+}
+
+Expr IndexEq::make(const Index &a, const Index &b) {
+  user_check(a.dim().same_as(b.dim())) << "an index comparison needs two indices over one Dim, but '" << a.var.name()
+                                       << "' ranges over " << a.dim().name() << " and '" << b.var.name()
+                                       << "' over " << b.dim().name();
+  // Weakly typed like a constant: an indicator adopts the type it multiplies.
+  auto n = std::make_shared<IndexEq>(a, b, DType::f32);
+  n->weak_type = true;
+  return Expr(std::move(n));
 }
 
 // ---------------------------------------------------------------- Func

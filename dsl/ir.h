@@ -128,7 +128,8 @@ using BufferPtr = std::shared_ptr<const BufferNode>;
   X(Binary)                                                                    \
   X(Sum)                                                                       \
   X(Softmax)                                                                   \
-  X(RouteSum)
+  X(RouteSum)                                                                  \
+  X(IndexEq)
 
 enum class ExprKind {
 #define MOEFORGE_ENUM(n) n,
@@ -189,7 +190,9 @@ struct Access : ExprNode {
   Dim target_dim(size_t i) const;
 };
 
-enum class UnaryOp { neg, exp, log, tanh, sigmoid, relu, gelu, silu };
+// step(x) = x > 0 ? 1 : 0: the derivative of relu and the router of max's
+// gradient (autodiff.h); it has no useful derivative of its own.
+enum class UnaryOp { neg, exp, log, tanh, sigmoid, relu, gelu, silu, step };
 const char *unary_op_name(UnaryOp op);
 
 struct Unary : ExprNode {
@@ -246,6 +249,17 @@ struct RouteSum : ExprNode {
       : ExprNode(static_kind, b.dtype()), route(std::move(r)), field(f),
         target(std::move(t)), body(std::move(b)) {}
   static Expr make(RoutingPtr route, RouteField field, Var target, Expr body);
+};
+
+// [a == b]: 1 where two indices over the same Dim agree, else 0. The gradient
+// of a gate read probs(token(r), expert(r)) scatters into d_probs(t, e) with
+// combine(route, t, g(r) * [expert(r) == e]) (autodiff.h); no comparison of
+// values is expressible with it, only of indices.
+struct IndexEq : ExprNode {
+  static constexpr ExprKind static_kind = ExprKind::IndexEq;
+  Index a, b;
+  IndexEq(Index x, Index y, DType t) : ExprNode(static_kind, t), a(std::move(x)), b(std::move(y)) {}
+  static Expr make(const Index &a, const Index &b);
 };
 
 // ---------------------------------------------------------------- Func

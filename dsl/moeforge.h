@@ -1,6 +1,7 @@
 // The moeforge algebra in one include.
 #pragma once
 
+#include "dsl/autodiff.h"
 #include "dsl/check.h"
 #include "dsl/dtype.h"
 #include "dsl/error.h"

@@ -19,6 +19,9 @@ Expr relu(const Expr &a) { return Unary::make(UnaryOp::relu, a); }
 Expr gelu(const Expr &a) { return Unary::make(UnaryOp::gelu, a); }
 Expr silu(const Expr &a) { return Unary::make(UnaryOp::silu, a); }
 
+Expr step(const Expr &a) { return Unary::make(UnaryOp::step, a); }
+Expr index_eq(const Index &a, const Index &b) { return IndexEq::make(a, b); }
+
 Expr sum(const Var &var, const Expr &body) { return Sum::make(var, body); }
 Expr softmax(const Var &var, const Expr &body) { return Softmax::make(var, body); }
 

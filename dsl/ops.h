@@ -25,6 +25,11 @@ Expr gelu(const Expr &a);
 // SiLU (swish): x * sigmoid(x).
 Expr silu(const Expr &a);
 
+// step(x) = x > 0 ? 1 : 0 (relu's derivative).
+Expr step(const Expr &a);
+// [a == b]: 1 where the two indices agree, else 0 (e.g. expert(r) == e).
+Expr index_eq(const Index &a, const Index &b);
+
 // sum over var: a contraction when body is a product using var on both sides.
 Expr sum(const Var &var, const Expr &body);
 // softmax of body along var (var stays an index of the result).

@@ -36,6 +36,11 @@ struct Dependencies : IRVisitor {
     add(routes, s.route);
     IRVisitor::visit_node(s);
   }
+  void visit_node(const IndexEq &q) override {
+    for (const Index *i : {&q.a, &q.b})
+      if (i->route)
+        add(routes, i->route);
+  }
 };
 
 } // namespace

@@ -102,6 +102,11 @@ void print(std::ostream &os, const Expr &e, int context) {
     os << ")";
     break;
   }
+  case ExprKind::IndexEq: {
+    auto *q = e.as<IndexEq>();
+    os << "[" << q->a << " == " << q->b << "]";
+    break;
+  }
   }
   if (parens)
     os << ")";

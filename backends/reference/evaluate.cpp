@@ -113,6 +113,8 @@ template <typename S> S apply_unary(UnaryOp op, S x) {
   }
   case UnaryOp::silu:
     return x / (S(1) + std::exp(-x));
+  case UnaryOp::step:
+    return x > S(0) ? S(1) : S(0);
   }
   return x;
 }
@@ -141,6 +143,10 @@ bool reads_expert(const Expr &e, const RoutingNode *route) {
     void visit_node(const Access &a) override {
       for (const Index &i : a.args)
         found |= i.field == RouteField::expert && i.route.get() == route;
+    }
+    void visit_node(const IndexEq &q) override {
+      for (const Index *i : {&q.a, &q.b})
+        found |= i->field == RouteField::expert && i->route.get() == route;
     }
     void visit_node(const RouteSum &s) override {
       if (s.route.get() != route)
@@ -351,6 +357,8 @@ private:
     }
     case ExprKind::RouteSum:
       return eval_route_sum(*e.as<RouteSum>());
+    case ExprKind::IndexEq:
+      return eval_index_eq(*e.as<IndexEq>());
     }
     internal_check(false) << "unknown expression kind";
   }
@@ -404,6 +412,54 @@ private:
         off += value * src_strides[j];
       }
       out.data[o] = src.data[off];
+      for (int d = static_cast<int>(idx.size()) - 1; d >= 0; --d) {
+        if (++idx[d] < out.shape[d])
+          break;
+        idx[d] = 0;
+      }
+    }
+    return out;
+  }
+
+  // [a == b] over the variables of both indices, with routed indices looked
+  // up in their routing and a fixed expert (inside a segment) used as is.
+  Value<S> eval_index_eq(const IndexEq &q) {
+    Value<S> out;
+    const Index *ix[2] = {&q.a, &q.b};
+    int axis[2] = {-1, -1};
+    int64_t fixed[2] = {0, 0};
+    for (int j = 0; j < 2; ++j) {
+      if (ix[j]->field == RouteField::expert) {
+        auto f = fixed_expert_.find(ix[j]->route.get());
+        if (f != fixed_expert_.end()) {
+          fixed[j] = f->second;
+          continue;
+        }
+      }
+      int ax = out.axis_of(ix[j]->var.get());
+      if (ax < 0) {
+        ax = static_cast<int>(out.axes.size());
+        out.axes.push_back(ix[j]->var.get());
+        out.shape.push_back(domain_size(ix[j]->var.get()));
+      }
+      axis[j] = ax;
+    }
+    out.data.resize(static_cast<size_t>(product(out.shape)));
+    std::vector<int64_t> idx(out.axes.size(), 0);
+    for (size_t o = 0; o < out.data.size(); ++o) {
+      int64_t value[2];
+      for (int j = 0; j < 2; ++j) {
+        value[j] = fixed[j];
+        if (axis[j] < 0)
+          continue;
+        const std::vector<int64_t> *sub = subset(out.axes[axis[j]]);
+        value[j] = sub ? (*sub)[idx[axis[j]]] : idx[axis[j]];
+        if (ix[j]->field == RouteField::token)
+          value[j] = routes_.at(ix[j]->route.get()).token[value[j]];
+        else if (ix[j]->field == RouteField::expert)
+          value[j] = routes_.at(ix[j]->route.get()).expert[value[j]];
+      }
+      out.data[o] = value[0] == value[1] ? S(1) : S(0);
       for (int d = static_cast<int>(idx.size()) - 1; d >= 0; --d) {
         if (++idx[d] < out.shape[d])
           break;

@@ -1,0 +1,95 @@
+// Checking reference gradients against central finite differences in f64:
+// L = sum(seed * output); dL/dX from grad() against (L(X + h) - L(X - h)) / 2h
+// one element at a time.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "backends/reference/evaluate.h"
+#include "dsl/moeforge.h"
+
+namespace moeforge::testing {
+
+inline TensorMap only_buffers_of(const Pipeline &p, const TensorMap &all) {
+  TensorMap in;
+  for (const BufferPtr &b : p.buffers())
+    if (all.count(b->name))
+      in[b->name] = all.at(b->name);
+  return in;
+}
+
+// Forward value of the loss, and the routes it chose.
+inline double loss(const Pipeline &p, const std::string &out, const TensorMap &inputs, const HostTensor &seed,
+                   std::map<std::string, RoutingResult> *routes = nullptr) {
+  EvalResult r = evaluate(p, only_buffers_of(p, inputs), Precision::f64);
+  const HostTensor &y = r[out];
+  double l = 0;
+  for (int64_t i = 0; i < y.size(); ++i)
+    l += seed.data[i] * y.data[i];
+  if (routes)
+    *routes = r.routes;
+  return l;
+}
+
+struct GradCheck {
+  int attempted = 0, checked = 0, skipped = 0;
+  double worst = 0;
+};
+
+// Checks the gradient of every name in `wrt` at up to max_points positions
+// each. Perturbations that flip a top-k choice are skipped (the selection is
+// a constant of the derivative, not of the finite difference).
+inline GradCheck check_gradients(const Pipeline &p, const Func &out, const TensorMap &inputs,
+                                 const std::vector<std::string> &wrt, uint64_t rng_seed = 7, int max_points = 30) {
+  std::mt19937_64 rng(rng_seed);
+  std::map<std::string, RoutingResult> base_routes;
+  EvalResult fwd = evaluate(p, only_buffers_of(p, inputs), Precision::f64);
+  HostTensor seed = random_tensor(fwd[out.name()].shape, rng, -1.0, 1.0, false);
+  loss(p, out.name(), inputs, seed, &base_routes);
+
+  Gradients g = grad(p, out);
+  TensorMap with_seed = inputs;
+  with_seed[g.seed] = seed;
+  EvalResult back = evaluate(g.pipeline, only_buffers_of(g.pipeline, with_seed), Precision::f64);
+
+  GradCheck res;
+  for (const std::string &name : wrt) {
+    const HostTensor &analytic = back[g[name].name()];
+    const HostTensor &x = inputs.at(name);
+    REQUIRE(analytic.shape == x.shape);
+    std::vector<int64_t> pos(static_cast<size_t>(x.size()));
+    for (size_t i = 0; i < pos.size(); ++i)
+      pos[i] = static_cast<int64_t>(i);
+    std::shuffle(pos.begin(), pos.end(), rng);
+    if (static_cast<int>(pos.size()) > max_points)
+      pos.resize(static_cast<size_t>(max_points));
+    for (int64_t at : pos) {
+      ++res.attempted;
+      double x0 = x.data[at], h = 1e-6 * std::max(1.0, std::fabs(x0));
+      TensorMap plus = inputs, minus = inputs;
+      plus[name].data[at] = x0 + h;
+      minus[name].data[at] = x0 - h;
+      std::map<std::string, RoutingResult> rp, rm;
+      double lp = loss(p, out.name(), plus, seed, &rp), lm = loss(p, out.name(), minus, seed, &rm);
+      bool stable = true;
+      for (const auto &[rn, rr] : base_routes)
+        stable &= rp.at(rn).expert == rr.expert && rm.at(rn).expert == rr.expert;
+      if (!stable) {
+        ++res.skipped;
+        continue;
+      }
+      double fd = (lp - lm) / (2 * h), a = analytic.data[at];
+      double err = std::fabs(a - fd) / std::max(std::fabs(fd), 1e-2);
+      res.worst = std::max(res.worst, err);
+      ++res.checked;
+      CHECK_MESSAGE(err <= 1e-6, "d_" << name << "[" << at << "]: grad " << a << " vs finite difference " << fd);
+    }
+  }
+  return res;
+}
+
+} // namespace moeforge::testing

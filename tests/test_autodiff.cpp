@@ -233,3 +233,25 @@ TEST_CASE("index comparison through a route: a one-hot of the chosen experts") {
     CHECK(row == 2.0);
   }
 }
+
+TEST_CASE("autodiff: the router gradient of top-1, and perturbations that flip the choice are skipped") {
+  Dim T = Dim::dynamic("T"), E("E", 3), D("D", 2);
+  Var t("t", T), e("e", E), i("i", D);
+  Input z("z", {T, E}, DType::f32), v("v", {T, D}, DType::f32);
+  Func probs("probs");
+  probs(t, e) = softmax(e, z(t, e));
+  Route route = top_k(probs, e, 1);
+  Var r = route.pair();
+  Func y("y");
+  y(t, i) = combine(route, t, route.gate(r) * v(route.token(r), i));
+  std::mt19937_64 rng(9);
+  TensorMap in{{"z", random_tensor({3, 3}, rng, -1, 1, false)}, {"v", random_tensor({3, 2}, rng, -1, 1, false)}};
+  // Token 0's two best experts tie to within the finite-difference step.
+  in["z"].at({0, 0}) = 0.5;
+  in["z"].at({0, 1}) = 0.5 + 1e-9;
+  in["z"].at({0, 2}) = -1.0;
+  auto res = check_gradients(Pipeline({y}), y, in, {"z", "v"});
+  CHECK(res.skipped >= 1);
+  CHECK(res.checked == res.attempted - res.skipped);
+  CHECK(res.checked >= 10);
+}

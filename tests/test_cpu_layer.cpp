@@ -6,6 +6,7 @@
 
 #include "cpu_compare.h"
 #include "dsl/error.h"
+#include "examples/gradient_nodes.h"
 
 using namespace moeforge;
 using namespace moeforge::cpu_test;
@@ -150,5 +151,16 @@ TEST_SUITE("cpu") {
     CHECK_THROWS_WITH_AS(layer.upload(in),
                          "input 'x' has the wrong shape for 16 tokens: give it the declared Dims", UserError);
     CHECK_THROWS_WITH_AS(layer.routed_experts("nope"), "no route named 'nope' in this layer", UserError);
+  }
+
+  TEST_CASE("cpu layer: step and [a == b] (the gradient nodes) match the reference") {
+    ExampleShape s = shape(77, 24, 8, 8, 2);
+    Example ex = gradient_nodes_layer(s);
+    for (const char *p : {"megablocks", "scattermoe"}) {
+      Outcome o = run_and_compare(ex, ex.random_inputs(s, 13), s.tokens, preset(p));
+      INFO(p);
+      CHECK(o.routing_mismatches == 0);
+      CHECK(o.worst_error <= 1e-5); // f32 end to end: no bf16 rounding here
+    }
   }
 }

@@ -6,6 +6,7 @@
 
 #include "backends/cuda/layer.h"
 #include "examples/biased_moe.h"
+#include "examples/gradient_nodes.h"
 #include "dsl/printer.h"
 #include "lowering/lower.h"
 #include "schedules/presets.h"
@@ -219,4 +220,12 @@ TEST_CASE("codegen errors: what the CUDA backend cannot compile says why") {
     CHECK_THROWS_WITH_AS(lower(Pipeline({y}), preset("megablocks")),
                          doctest::Contains("does not read A by (t, i) and B by (i, j)"), UserError);
   }
+}
+
+TEST_CASE("codegen: step and [a == b] (the gradient nodes) compile for sm_90a") {
+  Example ex = gradient_nodes_layer(small());
+  cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset("scattermoe"));
+  check_resources(c, "gradient nodes");
+  CHECK(c.source.source.find("mf::step(") != std::string::npos);
+  CHECK(c.source.source.find(" == ") != std::string::npos);
 }

@@ -227,6 +227,10 @@ public:
       return access(*e.as<Access>());
     case ExprKind::Unary:
       return unary(*e.as<Unary>());
+    case ExprKind::IndexEq: { // [a == b]: 1 where the two indices agree
+      auto *n = e.as<IndexEq>();
+      return b.CreateSelect(b.CreateICmpEQ(index(n->a), index(n->b)), fb_.cf(1.0), fb_.cf(0.0));
+    }
     case ExprKind::Binary: {
       auto *n = e.as<Binary>();
       Value *x = emit(n->a), *y = emit(n->b);
@@ -312,6 +316,8 @@ private:
     }
     case UnaryOp::silu:
       return b.CreateFMul(x, sigmoid(x));
+    case UnaryOp::step: // x > 0 ? 1 : 0 (the derivative of relu and max)
+      return b.CreateSelect(b.CreateFCmpOGT(x, fb_.cf(0.0)), fb_.cf(1.0), fb_.cf(0.0));
     }
     internal_check(false) << "step " << step_ << ": unknown unary op";
   }

@@ -130,6 +130,10 @@ public:
     }
     case ExprKind::RouteSum:
       return route_sum(*e.as<RouteSum>());
+    case ExprKind::IndexEq: { // [a == b]: 1 where the two indices agree
+      auto *n = e.as<IndexEq>();
+      return "(" + index(n->a) + " == " + index(n->b) + " ? 1.f : 0.f)";
+    }
     case ExprKind::Sum:
     case ExprKind::Softmax:
       break;

@@ -39,6 +39,7 @@ __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 __device__ __forceinline__ float relu(float x) { return x > 0.f ? x : 0.f; }
+__device__ __forceinline__ float step(float x) { return x > 0.f ? 1.f : 0.f; } // relu' and max'
 // GeLU, tanh form (as the reference).
 __device__ __forceinline__ float gelu(float x) {
   const float c = 0.7978845608028654f;

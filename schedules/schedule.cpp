@@ -177,6 +177,18 @@ Schedule &Schedule::mma(const std::string &func, MmaKind kind) {
   return *this;
 }
 
+Schedule &Schedule::raster(const std::string &func, int row_tiles) {
+  std::string call = "raster(" + quoted(func) + ", " + std::to_string(row_tiles) + ")";
+  check_func_name(call, func);
+  user_check(row_tiles >= 1 && row_tiles <= 64)
+      << call << ": " << row_tiles << " row tiles per band for " << func_label(func)
+      << " is not supported: use 1 to 64 (1 walks the tiles row by row)";
+  Overrides patch;
+  patch.raster = row_tiles;
+  commit(call, "raster", func, patch);
+  return *this;
+}
+
 FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   GemmTiling &t = base.tiling;
   t.tile_m = o.tile_m.value_or(t.tile_m);
@@ -186,6 +198,7 @@ FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   t.warps_m = o.warps_m.value_or(t.warps_m);
   t.warps_n = o.warps_n.value_or(t.warps_n);
   t.mma = o.mma.value_or(t.mma);
+  t.raster = o.raster.value_or(t.raster);
   base.fuse_epilogue = o.fuse_epilogue.value_or(base.fuse_epilogue);
   return base;
 }
@@ -215,6 +228,7 @@ void Schedule::commit(const std::string &call, const std::string &primitive, con
     merge(o.warps_n, patch.warps_n);
     merge(o.fuse_epilogue, patch.fuse_epilogue);
     merge(o.mma, patch.mma);
+    merge(o.raster, patch.raster);
     if (next.named_by_.emplace(func, primitive).second)
       next.funcs_.push_back(func);
   }

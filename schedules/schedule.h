@@ -63,6 +63,9 @@ const char *gate_fusion_name(GateFusion g);
 struct GemmTiling {
   int tile_m = 128, tile_n = 128, tile_k = 32, stages = 4, warps_m = 2, warps_n = 4;
   MmaKind mma = MmaKind::mma_sync;
+  // Row tiles per band of the GEMM's block order (grouped rasterisation):
+  // a wave of blocks covers this many row tiles across the column tiles.
+  int raster = 8;
   int threads() const { return warps_m * warps_n * 32; }
   // The A and B tiles of every stage, in bf16.
   int shared_bytes() const { return stages * (tile_m * tile_k + tile_k * tile_n) * 2; }
@@ -106,6 +109,8 @@ public:
   // The tensor-core instruction; wgmma needs tile_k 64, tile_m 64 or 128 and
   // at least 3 stages.
   Schedule &mma(const std::string &func, MmaKind kind);
+  // Row tiles per rasterisation band, 1 to 64 (1: plain row-major order).
+  Schedule &raster(const std::string &func, int row_tiles);
 
   // ---- accessors
   const std::string &name() const { return name_; }
@@ -142,6 +147,7 @@ private:
     std::optional<int> tile_m, tile_n, tile_k, stages, warps_m, warps_n;
     std::optional<bool> fuse_epilogue;
     std::optional<MmaKind> mma;
+    std::optional<int> raster;
   };
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);
 

@@ -41,6 +41,7 @@ const std::vector<Signature> &signatures() {
       {"warps", {{"func", ArgType::text}, {"warps_m", ArgType::integer}, {"warps_n", ArgType::integer}}},
       {"fuse_epilogue", {{"func", ArgType::text}, {"fuse", ArgType::boolean}}},
       {"mma", {{"func", ArgType::text}, {"kind", ArgType::mma}}},
+      {"raster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
   };
   return all;
 }
@@ -274,6 +275,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.fuse_epilogue(func, bools[1]);
       } else if (st.primitive == "mma") {
         s.mma(func, mmas[1]);
+      } else if (st.primitive == "raster") {
+        s.raster(func, i(1));
       } else {
         internal_check(false) << "no replay for primitive " << st.primitive;
       }

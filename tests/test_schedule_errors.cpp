@@ -239,4 +239,15 @@ TEST_SUITE("schedule") {
     Schedule back = Schedule::from_text(s.to_text());
     CHECK(back.for_func("h") == s.for_func("h"));
   }
+
+  TEST_CASE("schedule errors: raster takes 1 to 64 row tiles per band") {
+    Schedule s;
+    CHECK_THROWS_WITH_AS(s.raster("h", 0), doctest::Contains("raster(\"h\", 0): 0 row tiles per band for 'h'"),
+                         UserError);
+    CHECK_THROWS_WITH_AS(s.raster("*", 65), doctest::Contains("use 1 to 64"), UserError);
+    s.raster("h", 16);
+    CHECK(s.for_func("h").tiling.raster == 16);
+    CHECK(s.for_func("o").tiling.raster == 8);
+    CHECK(Schedule::from_text(s.to_text()).for_func("h") == s.for_func("h"));
+  }
 } // TEST_SUITE

@@ -212,10 +212,6 @@ private:
   int counter_ = 0;
 };
 
-// Row tiles per rasterisation group (mf::raster): 8 row tiles of 128 rows and
-// a band of column tiles fill one wave of Hopper's 132 SMs.
-constexpr int kRasterGroup = 8;
-
 void check_multiple_of_8(const GemmStep &g, const Dim &d, const char *role) {
   user_check(d.is_dynamic() || d.extent() % 8 == 0)
       << "definition '" << g.output << "': " << role << " dimension " << d.name() << " = " << d.extent()
@@ -261,7 +257,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   body << "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n";
   body << "  constexpr int K = " << K << ", N = " << N << ";\n";
   body << "  constexpr int NUM_N = (N + Cfg::BN - 1) / Cfg::BN;\n";
-  body << "  int m_tile, n_tile;\n  mf::raster(blockIdx.x, NUM_N, " << kRasterGroup << ", m_tile, n_tile);\n";
+  body << "  int m_tile, n_tile;\n  mf::raster(blockIdx.x, NUM_N, " << t.raster << ", m_tile, n_tile);\n";
   body << "  const int n0 = n_tile * Cfg::BN;\n";
   std::string sorted_pair;
   if (g.route) {

@@ -12,23 +12,24 @@
 #include "backends/reference/evaluate.h"
 #include "examples/biased_moe.h"
 #include "gpu_test.h"
+#include "layer_compare.h"
 #include "schedules/presets.h"
 
 using namespace moeforge;
 
 namespace {
 
+using testing::EdgeCase;
+using testing::Outcome;
+using testing::shape;
+
 double normalized_error(const HostTensor &a, const HostTensor &b) {
   REQUIRE(a.shape == b.shape);
   return max_normalized_error(a, b);
 }
 
-struct Outcome {
-  double y_error = 0;
-  int routing_mismatches = 0;
-  std::vector<int64_t> counts;
-};
-
+// Compiles and runs ex on the GPU (optionally through a captured CUDA graph,
+// poisoned again between two replays) and compares it with the reference.
 Outcome run_and_compare(const Example &ex, const TensorMap &inputs, int64_t tokens, const Schedule &schedule,
                         bool use_graph = false) {
   static cuda::Device device;
@@ -47,36 +48,7 @@ Outcome run_and_compare(const Example &ex, const TensorMap &inputs, int64_t toke
     layer.enqueue(stream);
   }
   stream.synchronize();
-
-  EvalResult ref = evaluate(ex.pipeline, inputs, Precision::f64);
-  Outcome out;
-  const RoutingResult &rr = ref.routes.at(ex.route);
-  std::vector<int32_t> got = layer.routed_experts(ex.route);
-  for (size_t p = 0; p < rr.expert.size(); ++p)
-    out.routing_mismatches += got[p] != rr.expert[p];
-  out.counts = rr.expert_counts();
-  // Every intermediate the reference computes is compared, not just y.
-  for (const auto &[name, value] : ref.values) {
-    if (!compiled.program.find(name))
-      continue; // not materialised under this schedule (e.g. o when the gate is fused)
-    HostTensor dev = layer.download(name);
-    double err = normalized_error(dev, value);
-    INFO("Func " << name << " (" << schedule.name() << ")");
-    CHECK(err <= 2e-2);
-    if (name == ex.output)
-      out.y_error = err;
-  }
-  return out;
-}
-
-ExampleShape shape(int64_t tokens, int64_t d, int64_t f, int64_t experts, int64_t k) {
-  ExampleShape s;
-  s.tokens = tokens;
-  s.d = d;
-  s.f = f;
-  s.experts = experts;
-  s.topk = k;
-  return s;
+  return testing::compare_with_reference(ex, inputs, compiled.program, layer, schedule.to_text(), 2e-2);
 }
 
 } // namespace
@@ -114,21 +86,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("cuda layer: MoE edge cases under both presets") {
     MOEFORGE_REQUIRE_GPU();
-    struct Case {
-      const char *what;
-      ExampleShape s;
-      Bias bias;
-      bool swiglu;
-    };
-    const Case cases[] = {
-        {"an expert with no tokens", shape(256, 128, 256, 8, 2), Bias::last_empty, false},
-        {"every token on one expert (k = 1)", shape(300, 128, 128, 8, 1), Bias::all_to_first, true},
-        {"T not a multiple of the block", shape(333, 128, 256, 8, 2), Bias::none, true},
-        {"T smaller than one block", shape(5, 128, 128, 8, 2), Bias::none, false},
-        {"k = E", shape(100, 128, 128, 8, 8), Bias::none, true},
-        {"skewed routing", shape(1024, 128, 256, 16, 2), Bias::ramp, false},
-    };
-    for (const Case &c : cases)
+    for (const EdgeCase &c : testing::edge_cases(128, 256))
       for (const char *p : {"megablocks", "scattermoe"}) {
         Example ex = biased_moe(c.s, c.swiglu, c.bias, c.swiglu);
         TensorMap in = biased_inputs(ex, c.s, c.bias, 3);
@@ -136,12 +94,7 @@ TEST_SUITE("gpu") {
         INFO(c.what << " / " << p);
         CHECK(o.routing_mismatches == 0);
         CHECK(o.y_error <= 1e-2);
-        if (c.bias == Bias::last_empty)
-          CHECK(o.counts.back() == 0);
-        if (c.bias == Bias::all_to_first)
-          CHECK(o.counts.front() == c.s.tokens);
-        if (c.bias == Bias::ramp)
-          CHECK(*std::max_element(o.counts.begin(), o.counts.end()) >= 2 * c.s.tokens * c.s.topk / c.s.experts);
+        testing::check_edge_routing(c, o);
       }
   }
 

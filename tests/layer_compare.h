@@ -1,0 +1,95 @@
+// Shared by the compiled backends' tests (CPU and CUDA): the MoE edge cases
+// and the comparison of a finished layer with the float64 Eigen reference,
+// Func by Func, after its outputs were poisoned with NaN.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "backends/reference/evaluate.h"
+#include "examples/biased_moe.h"
+#include "lowering/kernel_program.h"
+
+namespace moeforge::testing {
+
+inline ExampleShape shape(int64_t tokens, int64_t d, int64_t f, int64_t experts, int64_t k) {
+  ExampleShape s;
+  s.tokens = tokens;
+  s.d = d;
+  s.f = f;
+  s.experts = experts;
+  s.topk = k;
+  return s;
+}
+
+struct Outcome {
+  double y_error = 0;
+  double worst_error = 0; // over every materialised Func
+  int routing_mismatches = 0;
+  std::vector<int64_t> counts; // pairs per expert (the reference's routing)
+};
+
+// Every Func the program materialises against the reference (normalised max
+// error <= tolerance), and the experts the layer chose against the
+// reference's. Layer: cpu::CpuLayer or cuda::CudaLayer, after a run.
+template <typename Layer>
+Outcome compare_with_reference(const Example &ex, const TensorMap &inputs, const KernelProgram &program,
+                               const Layer &layer, const std::string &schedule_text, double tolerance) {
+  EvalResult ref = evaluate(ex.pipeline, inputs, Precision::f64);
+  Outcome out;
+  if (!ex.route.empty()) {
+    const RoutingResult &rr = ref.routes.at(ex.route);
+    std::vector<int32_t> got = layer.routed_experts(ex.route);
+    REQUIRE(got.size() == rr.expert.size());
+    for (size_t p = 0; p < rr.expert.size(); ++p)
+      out.routing_mismatches += got[p] != rr.expert[p];
+    out.counts = rr.expert_counts();
+  }
+  for (const auto &[name, value] : ref.values) {
+    if (!program.find(name))
+      continue; // not materialised under this schedule (o when the gate is fused)
+    HostTensor got = layer.download(name);
+    REQUIRE(got.shape == value.shape);
+    double err = max_normalized_error(got, value);
+    INFO("Func " << name << " under\n" << schedule_text);
+    CHECK(err <= tolerance);
+    out.worst_error = std::max(out.worst_error, err);
+    if (name == ex.output)
+      out.y_error = err;
+  }
+  return out;
+}
+
+// The MoE edge cases every compiled backend runs, at widths d and f.
+struct EdgeCase {
+  const char *what;
+  ExampleShape s;
+  Bias bias;
+  bool swiglu;
+};
+
+inline std::vector<EdgeCase> edge_cases(int64_t d, int64_t f) {
+  return {
+      {"an expert with no tokens", shape(256, d, f, 8, 2), Bias::last_empty, false},
+      {"every token on one expert (k = 1)", shape(300, d, d, 8, 1), Bias::all_to_first, true},
+      {"T not a multiple of the block", shape(333, d, f, 8, 2), Bias::none, true},
+      {"T smaller than one block", shape(5, d, d, 8, 2), Bias::none, false},
+      {"one token", shape(1, d, d, 8, 2), Bias::none, true},
+      {"k = E", shape(100, d, d, 8, 8), Bias::none, true},
+      {"skewed routing", shape(512, d, f, 16, 2), Bias::ramp, false},
+  };
+}
+
+// What each edge case promises about the reference's routing.
+inline void check_edge_routing(const EdgeCase &c, const Outcome &o) {
+  if (c.bias == Bias::last_empty)
+    CHECK(o.counts.back() == 0);
+  if (c.bias == Bias::all_to_first)
+    CHECK(o.counts.front() == c.s.tokens);
+  if (c.bias == Bias::ramp)
+    CHECK(*std::max_element(o.counts.begin(), o.counts.end()) >= 2 * c.s.tokens * c.s.topk / c.s.experts);
+}
+
+} // namespace moeforge::testing

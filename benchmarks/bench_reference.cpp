@@ -26,9 +26,16 @@ void BM_reference(benchmark::State &state, const char *example, moeforge::Precis
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-BENCHMARK_CAPTURE(BM_reference, moe_mlp_f32, "moe_mlp", moeforge::Precision::f32)->Arg(256)->Arg(1024)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_reference, swiglu_moe_f32, "swiglu_moe", moeforge::Precision::f32)->Arg(1024)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_reference, moe_mlp_f64, "moe_mlp", moeforge::Precision::f64)->Arg(1024)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_reference, moe_mlp_f32, "moe_mlp", moeforge::Precision::f32)
+    ->Arg(256)
+    ->Arg(1024)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_reference, swiglu_moe_f32, "swiglu_moe", moeforge::Precision::f32)
+    ->Arg(1024)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_reference, moe_mlp_f64, "moe_mlp", moeforge::Precision::f64)
+    ->Arg(1024)
+    ->Unit(benchmark::kMillisecond);
 
 } // namespace
 

@@ -18,8 +18,8 @@ const Func &Gradients::operator[](const std::string &name) const {
     std::string known;
     for (const auto &[n, f] : of)
       known += (known.empty() ? "" : ", ") + n;
-    user_error << "no gradient for '" << name << "': the output does not depend on it (gradients exist for "
-               << known << ")";
+    user_error << "no gradient for '" << name << "': the output does not depend on it (gradients exist for " << known
+               << ")";
   }
   return it->second;
 }
@@ -84,7 +84,7 @@ protected:
     auto saved = map_;
     map_.erase(s.var.get()); // bound here: shadows the outer variable
     Var v = s.var;
-    if (captures(v)) {      // a replacement would be captured: rename the binder
+    if (captures(v)) { // a replacement would be captured: rename the binder
       Var fresh(v.name() + "'", v.dim());
       map_.insert_or_assign(v.get(), Index(fresh));
       v = fresh;
@@ -397,8 +397,8 @@ private:
           << "autodiff: no rule for " << to_string(e) << ", which reads through two routes";
       route = ix.route;
       int &at = ix.field == RouteField::token ? token_at : expert_at;
-      user_check(at < 0) << "autodiff: no rule for " << to_string(e) << ", which reads "
-                         << route_field_name(ix.field) << "(" << ix.var.name() << ") twice";
+      user_check(at < 0) << "autodiff: no rule for " << to_string(e) << ", which reads " << route_field_name(ix.field)
+                         << "(" << ix.var.name() << ") twice";
       at = static_cast<int>(k);
     }
     if (route) {
@@ -459,8 +459,8 @@ private:
 
 Gradients grad(const Pipeline &p, const Func &output, const std::string &seed_name) {
   user_check(output.is_defined()) << "grad: the output Func is not defined";
-  bool found = std::any_of(p.steps().begin(), p.steps().end(),
-                           [&](const Pipeline::Step &s) { return s.func == output.node(); });
+  bool found =
+      std::any_of(p.steps().begin(), p.steps().end(), [&](const Pipeline::Step &s) { return s.func == output.node(); });
   user_check(found) << "grad: '" << output.name() << "' is not a Func of this pipeline";
   std::string seed = seed_name.empty() ? "d_" + output.name() : seed_name;
   for (const BufferPtr &b : p.buffers())

@@ -22,13 +22,13 @@
 namespace moeforge {
 
 struct Gradients {
-  std::string seed;             // the seed Input's name ("d_<output>")
+  std::string seed; // the seed Input's name ("d_<output>")
   // forward name (Func, Input or Param) -> its gradient Func. The output's own
   // gradient is the seed Input, so the output is absent. Forward values the
   // derivatives need (gelu's argument, say) become Funcs "<func>_<what>" over
   // their free indices, read by the gradients rather than recomputed.
   std::map<std::string, Func> of;
-  Pipeline pipeline;            // outputs: every gradient Func (the forward is recomputed in it)
+  Pipeline pipeline; // outputs: every gradient Func (the forward is recomputed in it)
 
   // The gradient of a Func, Input or Param by its forward name; a UserError
   // names the candidates when the output does not depend on it.

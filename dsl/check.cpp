@@ -61,20 +61,18 @@ public:
       bound.push_back(s->var);
       auto fv = visit(s->body, bound);
       bound.pop_back();
-      user_check(contains(fv, s->var))
-          << "in definition of '" << func_ << "': sum over '" << s->var.name() << "' but the summand "
-          << to_string(s->body) << " does not use '" << s->var.name()
-          << "': index the summand by it or drop the sum";
+      user_check(contains(fv, s->var)) << "in definition of '" << func_ << "': sum over '" << s->var.name()
+                                       << "' but the summand " << to_string(s->body) << " does not use '"
+                                       << s->var.name() << "': index the summand by it or drop the sum";
       remove_var(fv, s->var);
       return fv;
     }
     case ExprKind::Softmax: {
       auto *s = e.as<Softmax>();
       auto fv = visit(s->body, bound);
-      user_check(contains(fv, s->var))
-          << "in definition of '" << func_ << "': softmax along '" << s->var.name() << "' but "
-          << to_string(s->body) << " does not use '" << s->var.name()
-          << "': normalise along an index the expression has";
+      user_check(contains(fv, s->var)) << "in definition of '" << func_ << "': softmax along '" << s->var.name()
+                                       << "' but " << to_string(s->body) << " does not use '" << s->var.name()
+                                       << "': normalise along an index the expression has";
       return fv;
     }
     case ExprKind::RouteSum:
@@ -106,8 +104,7 @@ private:
         dims << (i ? ", " : "") << a.target_dim(i).name();
       user_error << "in definition of '" << func_ << "': '" << name << "' has " << rank << " dimension"
                  << (rank == 1 ? "" : "s") << " (" << dims.str() << ") but " << to_string(e) << " gives "
-                 << a.args.size() << " ind" << (a.args.size() == 1 ? "ex" : "ices")
-                 << ": give one index per dimension";
+                 << a.args.size() << " ind" << (a.args.size() == 1 ? "ex" : "ices") << ": give one index per dimension";
     }
     std::vector<Var> fv;
     for (size_t i = 0; i < rank; ++i) {
@@ -116,10 +113,9 @@ private:
       if (!ix.dim().same_as(want)) {
         std::string what = ix.is_plain() ? "index '" + ix.var.name() + "'"
                                          : std::string(route_field_name(ix.field)) + "(" + ix.var.name() + ")";
-        user_error << "in definition of '" << func_ << "': " << what << " ranges over "
-                   << describe_dim(ix.dim()) << " but dimension " << i << " of '" << name << "' is "
-                   << describe_dim(want) << " in " << to_string(e)
-                   << ": index it with a variable over " << want.name() << " (or reorder the indices)";
+        user_error << "in definition of '" << func_ << "': " << what << " ranges over " << describe_dim(ix.dim())
+                   << " but dimension " << i << " of '" << name << "' is " << describe_dim(want) << " in "
+                   << to_string(e) << ": index it with a variable over " << want.name() << " (or reorder the indices)";
       }
       add_unique(fv, ix.var);
     }
@@ -141,13 +137,13 @@ private:
     bound.push_back(r);
     auto fv = visit(s.body, bound);
     bound.pop_back();
-    user_check(contains(fv, r)) << "in definition of '" << func_ << "': the summand " << to_string(s.body)
-                                << " of the " << field << " sum does not use the pair variable '" << r.name()
-                                << "' of route '" << route.name << "': index it by " << r.name() << ", "
+    user_check(contains(fv, r)) << "in definition of '" << func_ << "': the summand " << to_string(s.body) << " of the "
+                                << field << " sum does not use the pair variable '" << r.name() << "' of route '"
+                                << route.name << "': index it by " << r.name() << ", "
                                 << "token(" << r.name() << ") or expert(" << r.name() << ")";
-    user_check(!contains(fv, s.target))
-        << "in definition of '" << func_ << "': the summand " << to_string(s.body) << " uses '" << s.target.name()
-        << "' directly; inside a " << field << " sum write " << field << "(" << r.name() << ") instead";
+    user_check(!contains(fv, s.target)) << "in definition of '" << func_ << "': the summand " << to_string(s.body)
+                                        << " uses '" << s.target.name() << "' directly; inside a " << field
+                                        << " sum write " << field << "(" << r.name() << ") instead";
     remove_var(fv, r);
     fv.insert(fv.begin(), s.target); // it appears first: combine(route, t, ...)
     return fv;
@@ -166,8 +162,8 @@ std::vector<Var> free_vars(const Expr &e) {
 
 DType check_definition(const FuncNode &func, const std::vector<Index> &args, const Expr &body) {
   const std::string &name = func.name;
-  user_check(!func.defined()) << "'" << name << "' is already defined as " << name << "(...) = "
-                              << to_string(func.body) << ": a Func is defined once; use a new Func";
+  user_check(!func.defined()) << "'" << name << "' is already defined as " << name << "(...) = " << to_string(func.body)
+                              << ": a Func is defined once; use a new Func";
   user_check(body.defined()) << "'" << name << "' is defined by an empty expression";
   std::vector<Var> lhs;
   for (const Index &ix : args) {

@@ -39,15 +39,14 @@ private:
 
 } // namespace moeforge
 
-#define user_check(cond)                                                       \
-  if (cond) {                                                                  \
-  } else                                                                       \
+#define user_check(cond)                                                                                               \
+  if (cond) {                                                                                                          \
+  } else                                                                                                               \
     ::moeforge::detail::ErrorBuilder<::moeforge::UserError>("")
 
 #define user_error ::moeforge::detail::ErrorBuilder<::moeforge::UserError>("")
 
-#define internal_check(cond)                                                   \
-  if (cond) {                                                                  \
-  } else                                                                       \
-    ::moeforge::detail::ErrorBuilder<::moeforge::InternalError>(               \
-        "internal error (" __FILE__ "): " #cond ": ")
+#define internal_check(cond)                                                                                           \
+  if (cond) {                                                                                                          \
+  } else                                                                                                               \
+    ::moeforge::detail::ErrorBuilder<::moeforge::InternalError>("internal error (" __FILE__ "): " #cond ": ")

@@ -62,9 +62,9 @@ const char *route_field_name(RouteField f) {
 
 Index::Index(RoutingPtr r, RouteField f, const Var &pair) : var(pair), field(f), route(std::move(r)) {
   internal_check(route && field != RouteField::none) << "routed Index without a route";
-  user_check(pair.same_as(route->pair))
-      << "route '" << route->name << "': " << route_field_name(f) << "(" << pair.name()
-      << ") needs the route's own pair variable '" << route->pair.name() << "' (route.pair())";
+  user_check(pair.same_as(route->pair)) << "route '" << route->name << "': " << route_field_name(f) << "("
+                                        << pair.name() << ") needs the route's own pair variable '"
+                                        << route->pair.name() << "' (route.pair())";
 }
 
 const Dim &Index::dim() const {
@@ -190,8 +190,8 @@ Expr RouteSum::make(RoutingPtr route, RouteField field, Var target, Expr body) {
 
 Expr IndexEq::make(const Index &a, const Index &b) {
   user_check(a.dim().same_as(b.dim())) << "an index comparison needs two indices over one Dim, but '" << a.var.name()
-                                       << "' ranges over " << a.dim().name() << " and '" << b.var.name()
-                                       << "' over " << b.dim().name();
+                                       << "' ranges over " << a.dim().name() << " and '" << b.var.name() << "' over "
+                                       << b.dim().name();
   // Weakly typed like a constant: an indicator adopts the type it multiplies.
   auto n = std::make_shared<IndexEq>(a, b, DType::f32);
   n->weak_type = true;
@@ -223,8 +223,8 @@ void FuncRef::operator=(const Expr &body) {
 FuncRef::operator Expr() const {
   // Reading a Func needs its type and shape, so it must be defined first; this
   // also rules out a definition that reads itself.
-  user_check(func_->defined()) << "'" << func_->name << "' is used before it is defined: define "
-                               << func_->name << "(...) = ... before reading it";
+  user_check(func_->defined()) << "'" << func_->name << "' is used before it is defined: define " << func_->name
+                               << "(...) = ... before reading it";
   return Access::make(func_, args_);
 }
 

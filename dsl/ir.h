@@ -121,14 +121,14 @@ using BufferPtr = std::shared_ptr<const BufferNode>;
 // ---------------------------------------------------------------- Expr
 
 // The list of expression node kinds; generates the enum and visitor methods.
-#define MOEFORGE_EXPR_NODES(X)                                                 \
-  X(Const)                                                                     \
-  X(Access)                                                                    \
-  X(Unary)                                                                     \
-  X(Binary)                                                                    \
-  X(Sum)                                                                       \
-  X(Softmax)                                                                   \
-  X(RouteSum)                                                                  \
+#define MOEFORGE_EXPR_NODES(X)                                                                                         \
+  X(Const)                                                                                                             \
+  X(Access)                                                                                                            \
+  X(Unary)                                                                                                             \
+  X(Binary)                                                                                                            \
+  X(Sum)                                                                                                               \
+  X(Softmax)                                                                                                           \
+  X(RouteSum)                                                                                                          \
   X(IndexEq)
 
 enum class ExprKind {
@@ -156,9 +156,7 @@ public:
   const ExprNode *get() const { return node_.get(); }
   bool same_as(const Expr &o) const { return node_ == o.node_; }
   template <typename T> const T *as() const {
-    return node_ && node_->kind == T::static_kind
-               ? static_cast<const T *>(node_.get())
-               : nullptr;
+    return node_ && node_->kind == T::static_kind ? static_cast<const T *>(node_.get()) : nullptr;
   }
 
 private:
@@ -199,8 +197,7 @@ struct Unary : ExprNode {
   static constexpr ExprKind static_kind = ExprKind::Unary;
   UnaryOp op;
   Expr a;
-  Unary(UnaryOp o, Expr x)
-      : ExprNode(static_kind, x.dtype()), op(o), a(std::move(x)) {}
+  Unary(UnaryOp o, Expr x) : ExprNode(static_kind, x.dtype()), op(o), a(std::move(x)) {}
   static Expr make(UnaryOp op, Expr a);
 };
 
@@ -211,8 +208,7 @@ struct Binary : ExprNode {
   static constexpr ExprKind static_kind = ExprKind::Binary;
   BinaryOp op;
   Expr a, b;
-  Binary(BinaryOp o, Expr x, Expr y, DType t)
-      : ExprNode(static_kind, t), op(o), a(std::move(x)), b(std::move(y)) {}
+  Binary(BinaryOp o, Expr x, Expr y, DType t) : ExprNode(static_kind, t), op(o), a(std::move(x)), b(std::move(y)) {}
   static Expr make(BinaryOp op, Expr a, Expr b);
 };
 
@@ -246,8 +242,7 @@ struct RouteSum : ExprNode {
   Var target;
   Expr body;
   RouteSum(RoutingPtr r, RouteField f, Var t, Expr b)
-      : ExprNode(static_kind, b.dtype()), route(std::move(r)), field(f),
-        target(std::move(t)), body(std::move(b)) {}
+      : ExprNode(static_kind, b.dtype()), route(std::move(r)), field(f), target(std::move(t)), body(std::move(b)) {}
   static Expr make(RoutingPtr route, RouteField field, Var target, Expr body);
 };
 

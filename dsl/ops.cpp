@@ -37,10 +37,10 @@ Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &opti
                       << args[0].name() << ", " << args[1].name() << ")': pass the expert index";
   const Var &token = args[1 - ei];
   int64_t E = expert.dim().extent();
-  user_check(!expert.dim().is_dynamic())
-      << "top_k: the expert Dim '" << expert.dim().name() << "' must have a static extent";
-  user_check(k >= 1 && k <= E) << "top_k: k = " << k << " but '" << probs.name() << "' has " << E
-                               << " experts along '" << expert.name() << "': choose 1 <= k <= " << E;
+  user_check(!expert.dim().is_dynamic()) << "top_k: the expert Dim '" << expert.dim().name()
+                                         << "' must have a static extent";
+  user_check(k >= 1 && k <= E) << "top_k: k = " << k << " but '" << probs.name() << "' has " << E << " experts along '"
+                               << expert.name() << "': choose 1 <= k <= " << E;
   user_check(!options.name.empty()) << "top_k: the route needs a name";
 
   auto node = std::make_shared<RoutingNode>();

@@ -1,8 +1,8 @@
 #include "dsl/pipeline.h"
 
 #include <algorithm>
-#include <map>
 #include <functional>
+#include <map>
 #include <set>
 
 #include "dsl/error.h"

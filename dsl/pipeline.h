@@ -15,8 +15,8 @@ class Pipeline {
 public:
   // One step of the pipeline in dependency order: a definition or a routing.
   struct Step {
-    FuncPtr func;      // set for a definition
-    RoutingPtr route;  // set for a top_k routing
+    FuncPtr func;     // set for a definition
+    RoutingPtr route; // set for a top_k routing
   };
 
   explicit Pipeline(std::vector<Func> outputs);

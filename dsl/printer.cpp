@@ -96,8 +96,8 @@ void print(std::ostream &os, const Expr &e, int context) {
   }
   case ExprKind::RouteSum: {
     auto *s = e.as<RouteSum>();
-    os << (s->field == RouteField::token ? "combine(" : "expert_sum(") << s->route->name << ", "
-       << s->target.name() << ", ";
+    os << (s->field == RouteField::token ? "combine(" : "expert_sum(") << s->route->name << ", " << s->target.name()
+       << ", ";
     print(os, s->body, 0);
     os << ")";
     break;
@@ -158,8 +158,8 @@ std::ostream &operator<<(std::ostream &os, const Buffer &b) {
 
 std::ostream &operator<<(std::ostream &os, const RoutingNode &r) {
   return os << r.name << " = top_k(" << r.probs->name << ", " << r.expert_var.name() << ", k = " << r.k
-            << ")  -- pairs " << r.pair.name() << " over " << r.pairs.name() << " = " << r.token_dim().name()
-            << " * " << r.k;
+            << ")  -- pairs " << r.pair.name() << " over " << r.pairs.name() << " = " << r.token_dim().name() << " * "
+            << r.k;
 }
 
 std::string to_string(const Expr &e) {

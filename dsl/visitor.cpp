@@ -7,8 +7,8 @@ namespace moeforge {
 void IRVisitor::visit(const Expr &e) {
   internal_check(e.defined()) << "visiting an undefined expression";
   switch (e.kind()) {
-#define MOEFORGE_DISPATCH(n)                                                   \
-  case ExprKind::n:                                                            \
+#define MOEFORGE_DISPATCH(n)                                                                                           \
+  case ExprKind::n:                                                                                                    \
     return visit_node(*e.as<n>());
     MOEFORGE_EXPR_NODES(MOEFORGE_DISPATCH)
 #undef MOEFORGE_DISPATCH
@@ -30,8 +30,8 @@ void IRVisitor::visit_node(const IndexEq &) {}
 Expr IRMutator::mutate(const Expr &e) {
   internal_check(e.defined()) << "mutating an undefined expression";
   switch (e.kind()) {
-#define MOEFORGE_DISPATCH(n)                                                   \
-  case ExprKind::n:                                                            \
+#define MOEFORGE_DISPATCH(n)                                                                                           \
+  case ExprKind::n:                                                                                                    \
     return mutate_node(*e.as<n>(), e);
     MOEFORGE_EXPR_NODES(MOEFORGE_DISPATCH)
 #undef MOEFORGE_DISPATCH

@@ -37,8 +37,12 @@ inline Example biased_moe(const ExampleShape &s, bool swiglu, Bias bias, bool re
   o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
   y(t, i) = combine(route, t, route.gate(r) * o(r, i));
   double sd = 1.0 / std::sqrt(double(s.d));
-  Example ex{swiglu ? "biased_swiglu" : "biased_gelu", "test MoE with a router bias", Pipeline({y}), "y",
-             route.name(), {{"x", 1.0}, {"wr", sd}, {"w1", sd}, {"w3", sd}, {"w2", 1.0 / std::sqrt(double(s.f))}}};
+  Example ex{swiglu ? "biased_swiglu" : "biased_gelu",
+             "test MoE with a router bias",
+             Pipeline({y}),
+             "y",
+             route.name(),
+             {{"x", 1.0}, {"wr", sd}, {"w1", sd}, {"w3", sd}, {"w2", 1.0 / std::sqrt(double(s.f))}}};
   return ex;
 }
 
@@ -66,8 +70,7 @@ inline HostTensor router_bias(Bias bias, int64_t experts, double ramp = 1.5) {
 }
 
 // Inputs for biased_moe: random weights, and the bias that forces `bias`.
-inline TensorMap biased_inputs(const Example &ex, const ExampleShape &s, Bias bias, uint64_t seed,
-                               double ramp = 1.5) {
+inline TensorMap biased_inputs(const Example &ex, const ExampleShape &s, Bias bias, uint64_t seed, double ramp = 1.5) {
   TensorMap in = ex.random_inputs(s, seed);
   in.at("bias") = router_bias(bias, s.experts, ramp);
   return in;

@@ -52,9 +52,14 @@ Example moe_mlp(const ExampleShape &s) {
   o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
   Func y("y");
   y(t, i) = combine(route, t, route.gate(r) * o(r, i));
-  return Example{"moe_mlp", "GeLU-MLP MoE: softmax router, top-k, gelu(x W1[e]) W2[e], gated combine",
-                 Pipeline({y}), "y", route.name(),
-                 {{"x", 1.0}, {"wr", 1.0 / std::sqrt(double(s.d))}, {"w1", 1.0 / std::sqrt(double(s.d))},
+  return Example{"moe_mlp",
+                 "GeLU-MLP MoE: softmax router, top-k, gelu(x W1[e]) W2[e], gated combine",
+                 Pipeline({y}),
+                 "y",
+                 route.name(),
+                 {{"x", 1.0},
+                  {"wr", 1.0 / std::sqrt(double(s.d))},
+                  {"w1", 1.0 / std::sqrt(double(s.d))},
                   {"w2", 1.0 / std::sqrt(double(s.f))}}};
 }
 
@@ -76,9 +81,9 @@ Example swiglu_moe(const ExampleShape &s) {
   Func y("y");
   y(t, i) = combine(route, t, route.gate(r) * o(r, i));
   double sd = 1.0 / std::sqrt(double(s.d));
-  return Example{"swiglu_moe", "Mixtral-style SwiGLU MoE: renormalised top-k gates, silu(x W1[e]) * (x W3[e]) W2[e]",
-                 Pipeline({y}), "y", route.name(),
-                 {{"x", 1.0}, {"wr", sd}, {"w1", sd}, {"w3", sd}, {"w2", 1.0 / std::sqrt(double(s.f))}}};
+  return Example{"swiglu_moe",  "Mixtral-style SwiGLU MoE: renormalised top-k gates, silu(x W1[e]) * (x W3[e]) W2[e]",
+                 Pipeline({y}), "y",
+                 route.name(),  {{"x", 1.0}, {"wr", sd}, {"w1", sd}, {"w3", sd}, {"w2", 1.0 / std::sqrt(double(s.f))}}};
 }
 
 Example dense_mlp(const ExampleShape &s) {
@@ -90,7 +95,11 @@ Example dense_mlp(const ExampleShape &s) {
   h(t, j) = gelu(sum(i, x(t, i) * w1(i, j)));
   Func y("y");
   y(t, i) = sum(j, h(t, j) * w2(j, i));
-  return Example{"dense_mlp", "a dense GeLU MLP (no routing): gelu(x W1) W2", Pipeline({y}), "y", "",
+  return Example{"dense_mlp",
+                 "a dense GeLU MLP (no routing): gelu(x W1) W2",
+                 Pipeline({y}),
+                 "y",
+                 "",
                  {{"x", 1.0}, {"w1", 1.0 / std::sqrt(double(s.d))}, {"w2", 1.0 / std::sqrt(double(s.f))}}};
 }
 
@@ -102,8 +111,12 @@ Example attention(const ExampleShape &s) {
   p(t, u) = softmax(u, sum(i, q(t, i) * k(u, i)) * (1.0 / std::sqrt(double(s.d))));
   Func out("out");
   out(t, i) = sum(u, p(t, u) * v(u, i));
-  return Example{"attention", "softmax attention over the tokens: softmax(q k^T / sqrt(d)) v", Pipeline({out}),
-                 "out", "", {{"q", 1.0}, {"k", 1.0}, {"v", 1.0}}};
+  return Example{"attention",
+                 "softmax attention over the tokens: softmax(q k^T / sqrt(d)) v",
+                 Pipeline({out}),
+                 "out",
+                 "",
+                 {{"q", 1.0}, {"k", 1.0}, {"v", 1.0}}};
 }
 
 } // namespace

@@ -30,8 +30,8 @@ struct Example {
   std::string name;
   std::string description;
   Pipeline pipeline;
-  std::string output;      // the Func that is the layer's result
-  std::string route;       // the route's name; empty for a layer without routing
+  std::string output; // the Func that is the layer's result
+  std::string route;  // the route's name; empty for a layer without routing
   // Uniform init range of each Input/Param, scaled by fan-in so activations stay O(1).
   std::map<std::string, double> init_scale;
 

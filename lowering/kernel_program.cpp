@@ -90,8 +90,8 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
             for (const std::string &b : x.b)
               os << " " << b << (x.b_per_expert ? "[expert]" : "");
             os << "; K = " << x.k.name() << ", N = " << x.n.name() << "\n";
-            os << "    " << x.output << "(" << x.row_var.name() << ", " << x.col_var.name()
-               << ") = " << x.epilogue << "  -> rows " << row_map_name(x.out_rows) << "\n";
+            os << "    " << x.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << x.epilogue
+               << "  -> rows " << row_map_name(x.out_rows) << "\n";
           } else {
             os << "  pointwise " << x.name << ": " << x.output << "(";
             for (size_t i = 0; i < x.vars.size(); ++i)

@@ -65,12 +65,11 @@ struct Contraction {
 
 [[noreturn]] void not_a_gemm(const FuncNode &f, const Expr &sum, const std::string &why) {
   user_error << "definition '" << f.name << "': the CUDA backend compiles a contraction as sum(k, A(rows, k) * "
-             << "B(k, cols)) or B(expert(r), k, cols) with A and B bf16 tensors, but " << to_string(sum) << " "
-             << why;
+             << "B(k, cols)) or B(expert(r), k, cols) with A and B bf16 tensors, but " << to_string(sum) << " " << why;
 }
 
-Contraction match_contraction(const FuncNode &f, const Sum &s, const Expr &sum_expr, const Var &row,
-                              const Var &col, const RoutingNode *route) {
+Contraction match_contraction(const FuncNode &f, const Sum &s, const Expr &sum_expr, const Var &row, const Var &col,
+                              const RoutingNode *route) {
   auto *mul = s.body.as<Binary>();
   if (!mul || mul->op != BinaryOp::mul || !mul->a.as<Access>() || !mul->b.as<Access>())
     not_a_gemm(f, sum_expr, "is not a product of two tensor reads");
@@ -100,8 +99,8 @@ Contraction match_contraction(const FuncNode &f, const Sum &s, const Expr &sum_e
                    col.name() + ")");
   if (x->dtype != DType::bf16 || w->dtype != DType::bf16)
     not_a_gemm(f, sum_expr,
-               "reads '" + x->target_name() + "' as " + dtype_name(x->dtype) + " and '" + w->target_name() +
-                   "' as " + dtype_name(w->dtype) + "; declare both bf16 (e.g. Func(\"name\", DType::bf16))");
+               "reads '" + x->target_name() + "' as " + dtype_name(x->dtype) + " and '" + w->target_name() + "' as " +
+                   dtype_name(w->dtype) + "; declare both bf16 (e.g. Func(\"name\", DType::bf16))");
   return Contraction{x, w, s.var};
 }
 
@@ -188,8 +187,8 @@ PointwiseStep make_pointwise(const FuncNode &f) {
         << "definition '" << f.name << "': nested softmax is not supported; split it into two Funcs";
   else
     user_check(!has_node(f.body, ExprKind::Softmax))
-        << "definition '" << f.name << "': the CUDA backend supports softmax only as a whole definition, "
-        << f.name << "(...) = softmax(v, ...); move it into its own Func";
+        << "definition '" << f.name << "': the CUDA backend supports softmax only as a whole definition, " << f.name
+        << "(...) = softmax(v, ...); move it into its own Func";
   struct ExpertSums : IRVisitor {
     bool found = false;
     void visit_node(const RouteSum &n) override {
@@ -245,9 +244,8 @@ KernelProgram build_steps(const Pipeline &p, const Schedule &schedule) {
     if (step.route) {
       const RoutingNode &r = *step.route;
       user_check(r.probs->dtype == DType::f32)
-          << "route '" << r.name << "': top_k reads '" << r.probs->name << "' as "
-          << dtype_name(r.probs->dtype) << "; the device routing needs f32 probabilities: declare Func(\""
-          << r.probs->name << "\", DType::f32)";
+          << "route '" << r.name << "': top_k reads '" << r.probs->name << "' as " << dtype_name(r.probs->dtype)
+          << "; the device routing needs f32 probabilities: declare Func(\"" << r.probs->name << "\", DType::f32)";
       user_check(r.token_var.same_as(r.probs->args[0]))
           << "route '" << r.name << "': the device routing reads '" << r.probs->name << "' as (token, expert); "
           << "define it with the token index first";
@@ -362,7 +360,8 @@ KernelProgram split_unfused_epilogues(KernelProgram p, const Schedule &schedule)
       rename.from.push_back(g->accumulators[i]);
       rename.to.push_back(placeholder(name, {g->row_var, g->col_var}, DType::f32));
     }
-    out.push_back(PointwiseStep{"epilogue_" + g->output, g->output, {g->row_var, g->col_var}, rename.mutate(g->epilogue)});
+    out.push_back(
+        PointwiseStep{"epilogue_" + g->output, g->output, {g->row_var, g->col_var}, rename.mutate(g->epilogue)});
   }
   p.steps = std::move(out);
   return p;

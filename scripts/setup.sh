@@ -9,7 +9,7 @@ if command -v apt-get >/dev/null 2>&1; then
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   # llvm-19-dev: the newest LLVM Debian 12 offers; the CPU backend JITs with ORC.
-  PKGS="cmake ninja-build g++ libeigen3-dev doctest-dev libbenchmark-dev llvm-19-dev"
+  PKGS="cmake ninja-build g++ clang-format libeigen3-dev doctest-dev libbenchmark-dev llvm-19-dev"
   missing=""
   for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
   if [ -n "$missing" ]; then

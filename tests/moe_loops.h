@@ -116,8 +116,7 @@ inline MoeLoops moe(const HostTensor &x, const Routing &route, const HostTensor 
 }
 
 // |a - b| <= tol * max(|b|, floor) everywhere, with a readable failure.
-inline void check_close(const HostTensor &a, const HostTensor &b, double tol, const char *what,
-                        double floor = 1e-3) {
+inline void check_close(const HostTensor &a, const HostTensor &b, double tol, const char *what, double floor = 1e-3) {
   INFO("comparing " << what);
   REQUIRE(a.shape == b.shape);
   double err = max_relative_error(a, b, floor);

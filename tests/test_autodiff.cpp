@@ -79,8 +79,12 @@ TEST_CASE("autodiff: unary ops against finite differences") {
     const char *name;
     Expr (*f)(const Expr &);
   };
-  const Op ops[] = {{"neg", [](const Expr &x) { return -x; }}, {"exp", exp},         {"tanh", tanh},
-                    {"sigmoid", sigmoid},                       {"relu", relu},       {"gelu", gelu},
+  const Op ops[] = {{"neg", [](const Expr &x) { return -x; }},
+                    {"exp", exp},
+                    {"tanh", tanh},
+                    {"sigmoid", sigmoid},
+                    {"relu", relu},
+                    {"gelu", gelu},
                     {"silu", silu}};
   for (const Op &op : ops) {
     CAPTURE(op.name);

@@ -88,8 +88,8 @@ TEST_CASE("cli: run moe_mlp --check passes") {
 }
 
 TEST_CASE("cli: run swiglu_moe --check passes") {
-  Run r = cli({"run", "swiglu_moe", "--backend", "reference", "--tokens", "40", "--experts", "4", "--topk", "4", "--d", "16", "--f", "24",
-               "--seed", "7", "--check"});
+  Run r = cli({"run", "swiglu_moe", "--backend", "reference", "--tokens", "40", "--experts", "4", "--topk", "4", "--d",
+               "16", "--f", "24", "--seed", "7", "--check"});
   INFO(r.out);
   CHECK(r.code == 0);
   CHECK(has(r.out, "example   swiglu_moe"));
@@ -99,7 +99,8 @@ TEST_CASE("cli: run swiglu_moe --check passes") {
   CHECK(has(r.out, "checksum  y: "));
   CHECK(has(r.out, "PASS"));
   // f64 is its own oracle: the error is exactly zero.
-  Run d = cli({"run", "swiglu_moe", "--backend", "reference", "--tokens", "16", "--d", "8", "--f", "8", "--precision", "f64", "--check"});
+  Run d = cli({"run", "swiglu_moe", "--backend", "reference", "--tokens", "16", "--d", "8", "--f", "8", "--precision",
+               "f64", "--check"});
   INFO(d.out);
   CHECK(d.code == 0);
   CHECK(has(d.out, "reference (Eigen, f64)"));
@@ -178,7 +179,8 @@ TEST_CASE("cli: unknown command and no command") {
 
 TEST_CASE("cli: precision f16 is refused") {
   check_usage_error({"run", "moe_mlp", "--precision", "f16"}, {"--precision must be f32 or f64, got 'f16'"});
-  Run ok = cli({"run", "dense_mlp", "--backend", "reference", "--tokens", "4", "--d", "4", "--f", "4", "--precision", "f64"});
+  Run ok = cli(
+      {"run", "dense_mlp", "--backend", "reference", "--tokens", "4", "--d", "4", "--f", "4", "--precision", "f64"});
   CHECK(ok.code == 0);
   CHECK(has(ok.out, "reference (Eigen, f64)"));
 }
@@ -209,12 +211,11 @@ TEST_CASE("cli: emit --cuda prints generated CUDA where the backend is built") {
 
 TEST_CASE("cli: emit and schedule and backend usage errors") {
   check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "--cuda", "or --llvm"});
-  check_usage_error({"emit", "moe_mlp", "--ir", "--cuda"}, {"emit needs exactly one of --ir, --cuda or --llvm",
-                                                            "got --ir and --cuda"});
+  check_usage_error({"emit", "moe_mlp", "--ir", "--cuda"},
+                    {"emit needs exactly one of --ir, --cuda or --llvm", "got --ir and --cuda"});
   check_usage_error({"emit", "moe_mlp", "--ir", "--schedule", "fastest"},
                     {"schedule 'fastest' is neither a preset (megablocks, scattermoe)"});
-  check_usage_error({"emit", "moe_mlp", "--ir", "--d", "100"},
-                    {"dimension D = 100 of 'x' is not a multiple of 8"});
+  check_usage_error({"emit", "moe_mlp", "--ir", "--d", "100"}, {"dimension D = 100 of 'x' is not a multiple of 8"});
   check_usage_error({"run", "moe_mlp", "--backend", "tpu"}, {"--backend must be reference, cpu or cuda, got 'tpu'"});
   check_usage_error({"print", "moe_mlp", "--schedule", "megablocks"}, {"unknown flag '--schedule' for 'print'"});
 }

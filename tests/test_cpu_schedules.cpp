@@ -76,8 +76,8 @@ TEST_SUITE("cpu") {
           .fuse_epilogue("h", between(0, 1) == 1);
       Example ex = biased_moe(s, swiglu, bias, /*renormalize=*/swiglu);
       TensorMap in = biased_inputs(ex, s, bias, 100 + i);
-      INFO("case " << i << ": T=" << s.tokens << " d=" << s.d << " f=" << s.f << " E=" << s.experts
-                   << " k=" << s.topk << (swiglu ? " swiglu" : " gelu") << " bias " << static_cast<int>(bias));
+      INFO("case " << i << ": T=" << s.tokens << " d=" << s.d << " f=" << s.f << " E=" << s.experts << " k=" << s.topk
+                   << (swiglu ? " swiglu" : " gelu") << " bias " << static_cast<int>(bias));
       Outcome o = run_and_compare(ex, in, s.tokens, sch);
       CHECK(o.routing_mismatches == 0);
     }

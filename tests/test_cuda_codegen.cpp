@@ -5,9 +5,9 @@
 #include <doctest/doctest.h>
 
 #include "backends/cuda/layer.h"
+#include "dsl/printer.h"
 #include "examples/biased_moe.h"
 #include "examples/gradient_nodes.h"
-#include "dsl/printer.h"
 #include "lowering/lower.h"
 #include "schedules/presets.h"
 
@@ -94,8 +94,11 @@ TEST_CASE("codegen: tile and stage and warp sweeps compile without spills") {
   for (Case cs : {Case{64, 128, 32, 3, 2, 2, 64}, Case{128, 64, 64, 3, 4, 1, 128}, Case{128, 256, 32, 3, 2, 4, 128},
                   Case{64, 64, 64, 2, 2, 2, 256}, Case{256, 128, 32, 3, 4, 2, 256}}) {
     Schedule s("sweep");
-    s.permutation(Permutation::scattered).block(cs.block).tile("*", cs.m, cs.n, cs.k).stages("*", cs.stages).warps(
-        "*", cs.wm, cs.wn);
+    s.permutation(Permutation::scattered)
+        .block(cs.block)
+        .tile("*", cs.m, cs.n, cs.k)
+        .stages("*", cs.stages)
+        .warps("*", cs.wm, cs.wn);
     Example ex = make_example("moe_mlp", small());
     cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
     check_resources(c, s.to_text());
@@ -107,9 +110,9 @@ TEST_CASE("codegen: wgmma and warp-specialised wgmma tilings compile without spi
     MmaKind mma;
     int m, n, stages;
   };
-  for (Case cs : {Case{MmaKind::wgmma, 64, 256, 3}, Case{MmaKind::wgmma, 128, 64, 3},
-                  Case{MmaKind::wgmma_ws, 128, 128, 4}, Case{MmaKind::wgmma_ws, 128, 256, 4},
-                  Case{MmaKind::wgmma_ws, 64, 128, 5}}) {
+  for (Case cs :
+       {Case{MmaKind::wgmma, 64, 256, 3}, Case{MmaKind::wgmma, 128, 64, 3}, Case{MmaKind::wgmma_ws, 128, 128, 4},
+        Case{MmaKind::wgmma_ws, 128, 256, 4}, Case{MmaKind::wgmma_ws, 64, 128, 5}}) {
     Schedule s("wgmma_sweep");
     s.permutation(Permutation::scattered).tile("*", cs.m, cs.n, 64).warps("*", cs.m / 16, 1).stages("*", cs.stages);
     s.mma("*", cs.mma);
@@ -135,9 +138,9 @@ TEST_CASE("lowering: megablocks copies routed rows into padded blocks and scatte
   KernelProgram sm = lower(ex.pipeline, preset("scattermoe"));
   CHECK(count_steps<GatherStep>(sm) == 0);
   CHECK(gemm(sm, "h").a_rows == RowMap::gather_token);
-  CHECK(sm.tensor("h").layout == RowLayout::padded); // only a GEMM reads h: kept in tile order
-  CHECK(sm.find("o") == nullptr);                          // the gate is fused: o_gated instead
-  CHECK(sm.tensor("o_gated").layout == RowLayout::pair);   // scattered back for the combine
+  CHECK(sm.tensor("h").layout == RowLayout::padded);     // only a GEMM reads h: kept in tile order
+  CHECK(sm.find("o") == nullptr);                        // the gate is fused: o_gated instead
+  CHECK(sm.tensor("o_gated").layout == RowLayout::pair); // scattered back for the combine
   CHECK(gemm(sm, "o_gated").out_rows == RowMap::gather_pair);
 }
 
@@ -206,8 +209,7 @@ TEST_CASE("codegen errors: what the CUDA backend cannot compile says why") {
     Param w("w", {D, F});
     Func y("y");
     y(t, j) = sum(i, x(t, i) * w(i, j));
-    CHECK_THROWS_WITH_AS(lower(Pipeline({y}), preset("megablocks")), doctest::Contains("declare both bf16"),
-                         UserError);
+    CHECK_THROWS_WITH_AS(lower(Pipeline({y}), preset("megablocks")), doctest::Contains("declare both bf16"), UserError);
   }
   // A transposed B operand.
   {

@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "runtime/routing_host.h"
 #include "backends/reference/evaluate.h"
 #include "dsl/error.h"
 #include "examples/examples.h"
+#include "runtime/routing_host.h"
 
 using namespace moeforge::cuda;
 

@@ -263,8 +263,8 @@ TEST_CASE("dsl build: Pipeline steps in dependency order") {
   CHECK(funcs == std::vector<std::string>{"logits", "probs", "route_gate", "h", "o", "y"});
 
   Example sw = make_example("swiglu_moe", ExampleShape{16, 4, 2, 8, 6});
-  CHECK(step_names(sw.pipeline) == std::vector<std::string>{"logits", "probs", "top_k:route", "route_gate_sum",
-                                                            "route_gate", "h", "o", "y"});
+  CHECK(step_names(sw.pipeline) ==
+        std::vector<std::string>{"logits", "probs", "top_k:route", "route_gate_sum", "route_gate", "h", "o", "y"});
 }
 
 TEST_CASE("dsl build: Pipeline buffers in first-read order and dims") {

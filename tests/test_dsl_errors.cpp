@@ -49,8 +49,7 @@ struct World {
 } // namespace
 
 TEST_CASE("dsl errors: Dim with a non-positive extent") {
-  check_has(user_error_of([] { Dim d("D", 0); }),
-            {"Dim 'D' has extent 0", "must be positive", "Dim::dynamic(\"D\")"});
+  check_has(user_error_of([] { Dim d("D", 0); }), {"Dim 'D' has extent 0", "must be positive", "Dim::dynamic(\"D\")"});
   CHECK_THROWS_WITH_AS(Dim("F", -3), doctest::Contains("Dim 'F' has extent -3"), UserError);
   Dim T = Dim::dynamic("T");
   check_has(user_error_of([&] { Dim::scaled("P", T, 0); }), {"Dim 'P' = T * 0", "the factor must be positive"});
@@ -82,9 +81,8 @@ TEST_CASE("dsl errors: parse_dtype names the choices") {
 TEST_CASE("dsl errors: wrong arity") {
   World w;
   Func f("f");
-  check_has(user_error_of([&] { f(w.t) = w.x(w.t); }),
-            {"in definition of 'f'", "'x' has 2 dimensions (T, D)", "x(t) gives 1 index",
-             "give one index per dimension"});
+  check_has(user_error_of([&] { f(w.t) = w.x(w.t); }), {"in definition of 'f'", "'x' has 2 dimensions (T, D)",
+                                                        "x(t) gives 1 index", "give one index per dimension"});
   Func g("g");
   check_has(user_error_of([&] { g(w.t, w.i, w.j) = w.x(w.t, w.i) * w.w1(w.i, w.j); }),
             {"in definition of 'g'", "'w1' has 3 dimensions (E, D, F)", "w1(i, j) gives 2 indices"});
@@ -121,8 +119,8 @@ TEST_CASE("dsl errors: unbound index on the right side") {
   World w;
   Func f("f");
   check_has(user_error_of([&] { f(w.t) = w.x(w.t, w.i); }),
-            {"in definition of 'f'", "index 'i' is used on the right side but is not on the left",
-             "add it to f(...)", "sum(i, ...)"});
+            {"in definition of 'f'", "index 'i' is used on the right side but is not on the left", "add it to f(...)",
+             "sum(i, ...)"});
 }
 
 TEST_CASE("dsl errors: sum over a var the summand does not use") {
@@ -175,7 +173,9 @@ TEST_CASE("dsl errors: reading an undefined Func") {
   check_has(user_error_of([&] { f(w.t, w.i) = f(w.t, w.i) + 1.0; }), {"'f' is used before it is defined"});
   // An access built below the Func handle is caught by the checker.
   Func h("h");
-  check_has(user_error_of([&] { h(w.t, w.i) = Access::make(g.node(), {w.t, w.i}); }),
+  check_has(user_error_of([&] {
+              h(w.t, w.i) = Access::make(g.node(), {w.t, w.i});
+            }),
             {"in definition of 'h'", "'g' is used before it is defined: define g(...) first"});
 }
 
@@ -254,9 +254,8 @@ TEST_CASE("dsl errors: combine summand using the target directly") {
   check_has(user_error_of([&] { y(w.t, w.i) = combine(route, w.t, route.gate(r) * w.x(w.t, w.i)); }),
             {"in definition of 'y'", "uses 't' directly", "inside a token sum write token(r) instead"});
   Func dw("dw");
-  check_has(user_error_of([&] {
-              dw(w.e, w.i) = expert_sum(route, w.e, w.lg(route.token(r), w.e) * w.x(route.token(r), w.i));
-            }),
+  check_has(user_error_of(
+                [&] { dw(w.e, w.i) = expert_sum(route, w.e, w.lg(route.token(r), w.e) * w.x(route.token(r), w.i)); }),
             {"in definition of 'dw'", "uses 'e' directly", "write expert(r) instead"});
 }
 
@@ -318,8 +317,7 @@ TEST_CASE("evaluator errors: missing and unknown inputs") {
   check_has(user_error_of([&] { evaluate(ex.pipeline, missing); }), {"no tensor given for input 'x'"});
   TensorMap extra = in;
   extra["w3"] = HostTensor({4, 4, 3});
-  check_has(user_error_of([&] { evaluate(ex.pipeline, extra); }),
-            {"'w3' is not an Input or Param of this pipeline"});
+  check_has(user_error_of([&] { evaluate(ex.pipeline, extra); }), {"'w3' is not an Input or Param of this pipeline"});
   EvalResult res = evaluate(ex.pipeline, in);
   check_has(user_error_of([&] { res["nope"]; }), {"no value named 'nope' was evaluated"});
 }
@@ -329,8 +327,7 @@ TEST_CASE("evaluator errors: wrong rank and wrong element count") {
   Example ex = make_example("moe_mlp", shape);
   TensorMap in = ex.random_inputs(shape, 1);
   in["wr"] = HostTensor({4, 4, 1});
-  check_has(user_error_of([&] { evaluate(ex.pipeline, in); }),
-            {"'wr' has 3 dimensions but is declared wr(D, E)"});
+  check_has(user_error_of([&] { evaluate(ex.pipeline, in); }), {"'wr' has 3 dimensions but is declared wr(D, E)"});
   in = ex.random_inputs(shape, 1);
   in["wr"].data.pop_back();
   check_has(user_error_of([&] { evaluate(ex.pipeline, in); }), {"'wr' holds 15 values but its shape needs 16"});
@@ -378,8 +375,7 @@ TEST_CASE("evaluator errors: a tensor over the route pairs must have T times k r
   TensorMap in;
   in["lg"] = HostTensor({3, 4}, 0.0);
   in["g"] = HostTensor({5, 4}, 1.0); // 3 tokens x k = 2 is 6 pairs
-  check_has(user_error_of([&] { evaluate(p, in); }),
-            {"'g'", "route.pairs", "5", "6"});
+  check_has(user_error_of([&] { evaluate(p, in); }), {"'g'", "route.pairs", "5", "6"});
   in["g"] = HostTensor({6, 4}, 1.0);
   CHECK_NOTHROW(evaluate(p, in));
 }
@@ -389,19 +385,33 @@ TEST_CASE("evaluator errors: a tensor over the route pairs must have T times k r
 TEST_CASE("example errors: unknown names and impossible shapes") {
   check_has(user_error_of([] { make_example("mixtral", ExampleShape{}); }),
             {"unknown example 'mixtral'", "choose one of moe_mlp, swiglu_moe, dense_mlp, attention"});
-  check_has(user_error_of([] { make_example("moe_mlp", ExampleShape{16, 4, 5, 8, 8}); }),
+  check_has(user_error_of([] {
+              make_example("moe_mlp", ExampleShape{16, 4, 5, 8, 8});
+            }),
             {"moe_mlp: --topk 5 with 4 experts", "choose 1 <= topk <= experts"});
-  check_has(user_error_of([] { make_example("swiglu_moe", ExampleShape{16, 4, 0, 8, 8}); }),
+  check_has(user_error_of([] {
+              make_example("swiglu_moe", ExampleShape{16, 4, 0, 8, 8});
+            }),
             {"swiglu_moe: --topk 0 with 4 experts"});
-  check_has(user_error_of([] { make_example("dense_mlp", ExampleShape{0, 4, 2, 8, 8}); }),
+  check_has(user_error_of([] {
+              make_example("dense_mlp", ExampleShape{0, 4, 2, 8, 8});
+            }),
             {"dense_mlp: --tokens must be at least 1 (got 0)"});
-  check_has(user_error_of([] { make_example("moe_mlp", ExampleShape{-2, 4, 2, 8, 8}); }),
+  check_has(user_error_of([] {
+              make_example("moe_mlp", ExampleShape{-2, 4, 2, 8, 8});
+            }),
             {"--tokens must be at least 1 (got -2)"});
-  check_has(user_error_of([] { make_example("attention", ExampleShape{4, 4, 2, 0, 8}); }),
+  check_has(user_error_of([] {
+              make_example("attention", ExampleShape{4, 4, 2, 0, 8});
+            }),
             {"attention: --d must be at least 1 (got 0)"});
-  check_has(user_error_of([] { make_example("moe_mlp", ExampleShape{4, 4, 2, 8, 0}); }),
+  check_has(user_error_of([] {
+              make_example("moe_mlp", ExampleShape{4, 4, 2, 8, 0});
+            }),
             {"moe_mlp: --f must be at least 1 (got 0)"});
-  check_has(user_error_of([] { make_example("moe_mlp", ExampleShape{4, 0, 1, 8, 8}); }),
+  check_has(user_error_of([] {
+              make_example("moe_mlp", ExampleShape{4, 0, 1, 8, 8});
+            }),
             {"moe_mlp: --experts must be at least 1 (got 0)"});
   // Routing flags do not matter to the layers without routing.
   CHECK_NOTHROW(make_example("dense_mlp", ExampleShape{4, 1, 5, 8, 8}));

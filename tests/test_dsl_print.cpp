@@ -160,8 +160,7 @@ TEST_CASE("dsl print: the swiglu_moe and attention pipelines") {
   Example sw = make_example("swiglu_moe", ExampleShape{256, 8, 2, 64, 128});
   std::string text = str(sw.pipeline);
   INFO(text);
-  CHECK(text.find("route_gate_sum(t) = combine(route, t, probs(token(r), expert(r)))  : f32\n") !=
-        std::string::npos);
+  CHECK(text.find("route_gate_sum(t) = combine(route, t, probs(token(r), expert(r)))  : f32\n") != std::string::npos);
   CHECK(text.find("route_gate(r) = probs(token(r), expert(r)) / route_gate_sum(token(r))  : f32\n") !=
         std::string::npos);
   CHECK(text.find("h(r, j) = silu(sum(i, x(token(r), i) * w1(expert(r), i, j))) * "

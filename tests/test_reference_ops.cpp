@@ -72,16 +72,14 @@ TEST_CASE("reference ops: unary ops against std formulas") {
       {"exp", [](const Expr &x) { return exp(x); }, [](double x) { return std::exp(x); }, false},
       {"log", [](const Expr &x) { return log(x); }, [](double x) { return std::log(x); }, true},
       {"tanh", [](const Expr &x) { return tanh(x); }, [](double x) { return std::tanh(x); }, false},
-      {"sigmoid", [](const Expr &x) { return sigmoid(x); }, [](double x) { return 1.0 / (1.0 + std::exp(-x)); },
-       false},
+      {"sigmoid", [](const Expr &x) { return sigmoid(x); }, [](double x) { return 1.0 / (1.0 + std::exp(-x)); }, false},
       {"relu", [](const Expr &x) { return relu(x); }, [](double x) { return x > 0 ? x : 0.0; }, false},
       {"gelu", [](const Expr &x) { return gelu(x); },
        [](double x) {
          return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / 3.14159265358979323846) * (x + 0.044715 * x * x * x)));
        },
        false},
-      {"silu", [](const Expr &x) { return silu(x); }, [](double x) { return x * (1.0 / (1.0 + std::exp(-x))); },
-       false},
+      {"silu", [](const Expr &x) { return silu(x); }, [](double x) { return x * (1.0 / (1.0 + std::exp(-x))); }, false},
   };
   for (const Case &c : cases) {
     INFO("op " << c.name);

@@ -223,7 +223,6 @@ TEST_SUITE("schedule") {
     CHECK_HAS(m, "read by the contraction in 'h'");
   }
 
-
   TEST_CASE("schedule errors: wgmma needs a 64-deep tile of 64 or 128 rows and three stages") {
     Schedule s;
     CHECK_THROWS_WITH_AS(s.mma("h", MmaKind::wgmma), doctest::Contains("wgmma for 'h' needs tile_k 64"), UserError);

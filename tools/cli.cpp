@@ -18,13 +18,12 @@ namespace moeforge {
 
 namespace {
 
-const char *kUsage =
-    "usage: moeforge list\n"
-    "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
-    "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
-    "                               --precision f32|f64 --schedule megablocks|scattermoe|<file>\n"
-    "                               --backend reference|cpu|cuda] [--check]\n"
-    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm\n";
+const char *kUsage = "usage: moeforge list\n"
+                     "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
+                     "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
+                     "                               --precision f32|f64 --schedule megablocks|scattermoe|<file>\n"
+                     "                               --backend reference|cpu|cuda] [--check]\n"
+                     "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm\n";
 
 struct Options {
   std::string command, example;
@@ -41,8 +40,7 @@ int64_t parse_int(const std::string &flag, const std::string &text) {
   char *end = nullptr;
   errno = 0;
   long long v = std::strtoll(text.c_str(), &end, 10);
-  user_check(!text.empty() && *end == '\0' && errno == 0)
-      << flag << " needs an integer, got '" << text << "'";
+  user_check(!text.empty() && *end == '\0' && errno == 0) << flag << " needs an integer, got '" << text << "'";
   return v;
 }
 
@@ -72,11 +70,11 @@ Options parse(const std::vector<std::string> &args) {
       continue;
     }
     // list takes no flags; print takes the shape flags; run also --seed and --precision.
-    bool takes_value = o.command != "list" &&
-                       (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
-                        flag == "--f" || (o.command == "run" && (flag == "--seed" || flag == "--precision")) ||
-                        (o.command == "run" && flag == "--backend") ||
-                        ((o.command == "run" || o.command == "emit") && flag == "--schedule"));
+    bool takes_value =
+        o.command != "list" && (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
+                                flag == "--f" || (o.command == "run" && (flag == "--seed" || flag == "--precision")) ||
+                                (o.command == "run" && flag == "--backend") ||
+                                ((o.command == "run" || o.command == "emit") && flag == "--schedule"));
     user_check(takes_value) << "unknown flag '" << flag << "' for '" << o.command << "'";
     user_check(i + 1 < args.size()) << flag << " needs a value";
     const std::string &v = args[++i];
@@ -110,10 +108,10 @@ void print_routing(std::ostream &out, const std::string &name, const RoutingResu
   std::vector<int64_t> c = r.expert_counts();
   auto [mn, mx] = std::minmax_element(c.begin(), c.end());
   int64_t empty = std::count(c.begin(), c.end(), int64_t{0});
-  out << "routing   " << name << ": " << r.token.size() << " pairs (" << r.tokens << " tokens x k=" << r.k
-      << ") over " << r.experts << " experts; tokens per expert min " << *mn << " / mean " << std::fixed
-      << std::setprecision(1) << double(r.token.size()) / double(r.experts) << " / max " << *mx
-      << "; empty experts " << empty << std::defaultfloat << "\n";
+  out << "routing   " << name << ": " << r.token.size() << " pairs (" << r.tokens << " tokens x k=" << r.k << ") over "
+      << r.experts << " experts; tokens per expert min " << *mn << " / mean " << std::fixed << std::setprecision(1)
+      << double(r.token.size()) / double(r.experts) << " / max " << *mx << "; empty experts " << empty
+      << std::defaultfloat << "\n";
 }
 
 constexpr bool kHaveCuda =
@@ -184,9 +182,9 @@ bool check_backend(std::ostream &out, const BackendRun &run, const EvalResult &r
     double err = max_normalized_error(got->second, want);
     bool pass = err <= 1e-2;
     ok &= pass;
-    out << "check     " << std::setw(16) << std::left << name << std::right << " max |ours - ref| / max |ref| = "
-        << std::scientific << std::setprecision(2) << err << " (tolerance 1e-2): " << (pass ? "PASS" : "FAIL")
-        << "\n"
+    out << "check     " << std::setw(16) << std::left << name << std::right
+        << " max |ours - ref| / max |ref| = " << std::scientific << std::setprecision(2) << err
+        << " (tolerance 1e-2): " << (pass ? "PASS" : "FAIL") << "\n"
         << std::defaultfloat;
   }
   return ok;
@@ -224,8 +222,7 @@ int run(const Options &o, std::ostream &out) {
     return check_backend(out, run, evaluate(ex.pipeline, inputs, Precision::f64)) ? 0 : 1;
   }
 
-  out << "backend   reference (Eigen, " << prec << ")" << (o.backend.empty() ? "; no GPU: " + no_gpu : "")
-      << "\n";
+  out << "backend   reference (Eigen, " << prec << ")" << (o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
   auto start = std::chrono::steady_clock::now();
   EvalResult res = evaluate(ex.pipeline, inputs, o.precision);
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

@@ -15,10 +15,10 @@
 namespace moeforge {
 
 struct BackendRun {
-  std::string backend;                        // e.g. "cuda on NVIDIA H200 (sm_90a)"
-  double ms = 0;                              // one forward, after a warm-up
+  std::string backend;                         // e.g. "cuda on NVIDIA H200 (sm_90a)"
+  double ms = 0;                               // one forward, after a warm-up
   std::map<std::string, RoutingResult> routes; // the experts each route chose
-  TensorMap values;                           // every Func the schedule materialises, pair order
+  TensorMap values;                            // every Func the schedule materialises, pair order
 };
 
 // The routing statistics' input from a backend's expert ids (pair order).

@@ -153,7 +153,8 @@ public:
   // Row-major offset of t at `idx`; a padded tensor's first index is a pair
   // r, found at its padded row pair_pos[r].
   Value *offset(const TensorDecl &t, const std::vector<Value *> &idx) {
-    internal_check(idx.size() == t.dims.size()) << "tensor '" << t.name << "' indexed with " << idx.size() << " indices";
+    internal_check(idx.size() == t.dims.size())
+        << "tensor '" << t.name << "' indexed with " << idx.size() << " indices";
     Value *off = c64(0);
     for (size_t i = 0; i < idx.size(); ++i) {
       Value *v = idx[i];
@@ -373,41 +374,43 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
   // One output row: p is the row in tile order (padded position, or m when
   // dense), r the pair (or m), expert the B slice.
   auto row = [&](Value *p, Value *r, Value *expert) {
-    Value *a_row = g.a_rows == RowMap::direct         ? p
+    Value *a_row = g.a_rows == RowMap::direct        ? p
                    : g.a_rows == RowMap::gather_pair ? r
                                                      : b.CreateSDiv(r, fb.c64(g.route->k));
     Value *out_row = g.out_rows == RowMap::direct ? p : r;
     Value *a_base = b.CreateMul(a_row, fb.c64(K));
     Value *b_base = g.b_per_expert ? b.CreateMul(expert, fb.c64(K * N)) : fb.c64(0);
-    fb.for_loop(fb.c64(0), fb.c64(N), "n0", [&](Value *n0) {
-      Value *width = b.CreateSelect(b.CreateICmpSLT(b.CreateSub(fb.c64(N), n0), fb.c64(TN)),
-                                    b.CreateSub(fb.c64(N), n0), fb.c64(TN), "width");
-      for (int i = 0; i < nb; ++i)
-        fb.for_loop(fb.c64(0), width, "zero", [&](Value *j) {
-          b.CreateStore(fb.cf(0.0), b.CreateGEP(fb.f32(), acc[i], j));
-        });
-      fb.for_loop(fb.c64(0), fb.c64(K), "k", [&](Value *kk) {
-        Value *a = fb.load(A, b.CreateAdd(a_base, kk));
-        Value *b_row = b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, fb.c64(N)), n0));
-        for (int i = 0; i < nb; ++i)
-          fb.for_loop(fb.c64(0), width, "j", [&](Value *j) {
-            Value *slot = b.CreateGEP(fb.f32(), acc[i], j);
-            Value *prod = b.CreateFMul(a, fb.load(*B[i], b.CreateAdd(b_row, j)));
-            b.CreateStore(b.CreateFAdd(b.CreateLoad(fb.f32(), slot), prod), slot);
+    fb.for_loop(
+        fb.c64(0), fb.c64(N), "n0",
+        [&](Value *n0) {
+          Value *width = b.CreateSelect(b.CreateICmpSLT(b.CreateSub(fb.c64(N), n0), fb.c64(TN)),
+                                        b.CreateSub(fb.c64(N), n0), fb.c64(TN), "width");
+          for (int i = 0; i < nb; ++i)
+            fb.for_loop(fb.c64(0), width, "zero",
+                        [&](Value *j) { b.CreateStore(fb.cf(0.0), b.CreateGEP(fb.f32(), acc[i], j)); });
+          fb.for_loop(fb.c64(0), fb.c64(K), "k", [&](Value *kk) {
+            Value *a = fb.load(A, b.CreateAdd(a_base, kk));
+            Value *b_row = b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, fb.c64(N)), n0));
+            for (int i = 0; i < nb; ++i)
+              fb.for_loop(fb.c64(0), width, "j", [&](Value *j) {
+                Value *slot = b.CreateGEP(fb.f32(), acc[i], j);
+                Value *prod = b.CreateFMul(a, fb.load(*B[i], b.CreateAdd(b_row, j)));
+                b.CreateStore(b.CreateFAdd(b.CreateLoad(fb.f32(), slot), prod), slot);
+              });
           });
-      });
-      // The epilogue, per element, in f32; stored as C's dtype.
-      fb.for_loop(fb.c64(0), width, "epi", [&](Value *j) {
-        ExprEmitter em(prog, fb, g.name);
-        Value *col = b.CreateAdd(n0, j);
-        em.vars[g.row_var.get()] = r;
-        em.vars[g.col_var.get()] = col;
-        for (int i = 0; i < nb; ++i)
-          em.registers[g.accumulators[i].get()] = b.CreateLoad(fb.f32(), b.CreateGEP(fb.f32(), acc[i], j));
-        Value *v = em.emit(g.epilogue);
-        fb.store(C, b.CreateAdd(b.CreateMul(out_row, fb.c64(N)), col), v);
-      });
-    }, TN);
+          // The epilogue, per element, in f32; stored as C's dtype.
+          fb.for_loop(fb.c64(0), width, "epi", [&](Value *j) {
+            ExprEmitter em(prog, fb, g.name);
+            Value *col = b.CreateAdd(n0, j);
+            em.vars[g.row_var.get()] = r;
+            em.vars[g.col_var.get()] = col;
+            for (int i = 0; i < nb; ++i)
+              em.registers[g.accumulators[i].get()] = b.CreateLoad(fb.f32(), b.CreateGEP(fb.f32(), acc[i], j));
+            Value *v = em.emit(g.epilogue);
+            fb.store(C, b.CreateAdd(b.CreateMul(out_row, fb.c64(N)), col), v);
+          });
+        },
+        TN);
   };
 
   if (g.route) {

@@ -30,8 +30,7 @@ void check(llvm::Error err, const std::string &what, const char *doing) {
 
 template <typename T> T take(llvm::Expected<T> value, const std::string &what, const char *doing) {
   if (!value)
-    throw InternalError("CPU backend, " + what + ": " + doing +
-                        " failed: " + llvm::toString(value.takeError()));
+    throw InternalError("CPU backend, " + what + ": " + doing + " failed: " + llvm::toString(value.takeError()));
   return std::move(*value);
 }
 
@@ -109,9 +108,9 @@ std::shared_ptr<const JitProgram> jit_compile(LlvmModule m, const std::string &w
   std::unique_ptr<llvm::orc::LLJIT> jit =
       take(llvm::orc::LLJITBuilder().setJITTargetMachineBuilder(std::move(jtmb)).create(), what, "creating LLJIT");
   // Generated code calls libm (tanhf, expf, logf): resolve it in this process.
-  auto libs = take(llvm::orc::DynamicLibrarySearchGenerator::GetForCurrentProcess(
-                       jit->getDataLayout().getGlobalPrefix()),
-                   what, "opening the process's symbols");
+  auto libs =
+      take(llvm::orc::DynamicLibrarySearchGenerator::GetForCurrentProcess(jit->getDataLayout().getGlobalPrefix()), what,
+           "opening the process's symbols");
   jit->getMainJITDylib().addGenerator(std::move(libs));
   check(jit->addIRModule(llvm::orc::ThreadSafeModule(std::move(m.module), std::move(m.context))), what,
         "adding the module to the JIT");

@@ -18,8 +18,8 @@ namespace moeforge::cpu {
 struct JitProgram {
   std::vector<CpuKernel> kernels;
   std::vector<StepFunction> functions;
-  std::string ir;           // the unoptimised IR (the cache key)
-  std::string optimised_ir; // after the O2 pipeline
+  std::string ir;            // the unoptimised IR (the cache key)
+  std::string optimised_ir;  // after the O2 pipeline
   std::shared_ptr<void> jit; // the LLJIT instance, type-erased
 };
 

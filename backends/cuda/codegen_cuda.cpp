@@ -7,9 +7,9 @@
 #include <sstream>
 
 #include "backends/cuda/tile_library.h"
-#include "schedules/schedule.h"
 #include "dsl/error.h"
 #include "dsl/printer.h"
+#include "schedules/schedule.h"
 
 namespace moeforge {
 
@@ -56,9 +56,7 @@ public:
     return c;
   }
   // A Dim's extent as a C expression; dynamic extents become arguments.
-  std::string extent(const Dim &d) {
-    return extent_of(d.node());
-  }
+  std::string extent(const Dim &d) { return extent_of(d.node()); }
   std::string signature() const {
     std::string s;
     for (size_t i = 0; i < params_.size(); ++i)
@@ -96,8 +94,8 @@ public:
   ExprEmitter(const KernelProgram &prog, KernelBuilder &kb, std::ostringstream &out, int indent)
       : prog_(prog), kb_(kb), out_(out), indent_(indent) {}
 
-  std::map<const VarNode *, std::string> vars;        // index variables in scope
-  std::map<const FuncNode *, std::string> registers;  // placeholders held in registers (accumulators)
+  std::map<const VarNode *, std::string> vars;       // index variables in scope
+  std::map<const FuncNode *, std::string> registers; // placeholders held in registers (accumulators)
 
   std::string emit(const Expr &e) {
     switch (e.kind()) {
@@ -243,10 +241,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   const bool ws = t.mma == MmaKind::wgmma_ws;
   const bool wgmma = t.mma == MmaKind::wgmma || ws;
   if (wgmma) {
-    user_check(nb * t.tile_n / 2 <= 128)
-        << "definition '" << g.output << "': " << nb << " B operands with tile_n " << t.tile_n << " need "
-        << nb * t.tile_n / 2 << " accumulator registers per thread under wgmma: use tile_n " << 256 / (2 * nb)
-        << " or less";
+    user_check(nb * t.tile_n / 2 <= 128) << "definition '" << g.output << "': " << nb << " B operands with tile_n "
+                                         << t.tile_n << " need " << nb * t.tile_n / 2
+                                         << " accumulator registers per thread under wgmma: use tile_n "
+                                         << 256 / (2 * nb) << " or less";
     body << "  using Cfg = mf::" << (ws ? "WgmmaWsConfig<" : "WgmmaConfig<") << t.tile_m << ", " << t.tile_n << ", "
          << t.stages << ", " << nb << ">;  // Hopper warpgroup MMA" << (ws ? ", warp-specialised" : "") << "\n";
   } else {
@@ -291,8 +289,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   case RowMap::gather_token: {
     std::string div = g.a_rows == RowMap::gather_token ? " / " + std::to_string(g.route->k) : "";
     body << "    const int r = lr < rows ? " << sorted_pair << "[p0 + lr] : -1;\n";
-    body << "    const long long row = r < 0 ? 0 : (long long)r" << div << ";  // gathered: "
-         << (div.empty() ? "pair r" : "token(r) = r" + div) << "\n";
+    body << "    const long long row = r < 0 ? 0 : (long long)r" << div
+         << ";  // gathered: " << (div.empty() ? "pair r" : "token(r) = r" + div) << "\n";
     body << "    a_ok[i] = r >= 0;\n";
     break;
   }
@@ -326,8 +324,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "    const int r = " << sorted_pair << "[p0 + lr];\n    if (r < 0) continue;  // padding row\n";
     body << "    const long long " << vr << " = r;\n";
     body << "    const long long out_row = "
-         << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order")
-         << "\n";
+         << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order") << "\n";
   } else {
     body << "    const long long " << vr << " = p0 + lr, out_row = " << vr << ";\n";
   }
@@ -355,9 +352,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // accumulators per thread so registers do): one block's epilogue and
   // prologue then overlap the other's main loop. The warp-specialised kernel
   // keeps one block and rebalances registers with setmaxnreg instead.
-  const int min_blocks = wgmma && !ws && 2 * k.shared_bytes <= Schedule::max_shared_bytes && nb * t.tile_n / 2 <= 64
-                             ? 2
-                             : 1;
+  const int min_blocks =
+      wgmma && !ws && 2 * k.shared_bytes <= Schedule::max_shared_bytes && nb * t.tile_n / 2 <= 64 ? 2 : 1;
   user_check(k.shared_bytes <= Schedule::max_shared_bytes)
       << "definition '" << g.output << "': " << nb << " B operands with tile " << t.tile_m << "x" << t.tile_n << "x"
       << t.tile_k << " and " << t.stages << " stages need " << k.shared_bytes << " bytes of shared memory, over "
@@ -368,8 +364,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     src << (b ? ", " : "") << g.b[b];
   src << "}), tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages\n";
   src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ", " << min_blocks << ") " << k.name
-      << "(\n    "
-      << kb.signature() << ") {\n"
+      << "(\n    " << kb.signature() << ") {\n"
       << body.str() << "}\n\n";
 }
 
@@ -436,8 +431,8 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   for (size_t i = 0; i < s.vars.size(); ++i)
     src << (i ? ", " : "") << s.vars[i].name();
   src << ") = " << s.body << "\n";
-  src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ") " << k.name << "(\n    "
-      << kb.signature() << ") {\n"
+  src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ") " << k.name << "(\n    " << kb.signature()
+      << ") {\n"
       << body.str() << "}\n\n";
 }
 
@@ -466,8 +461,8 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   src << "  if (p >= *" << padded << ") return;\n";
   src << "  const int r = " << sp << "[p];\n";
   src << "  uint4 v = make_uint4(0, 0, 0, 0);\n";
-  src << "  if (r >= 0) v = reinterpret_cast<const uint4 *>(" << gSrc << " + (long long)(r / " << s.route->k
-      << ") * " << cols.extent() << ")[c];\n";
+  src << "  if (r >= 0) v = reinterpret_cast<const uint4 *>(" << gSrc << " + (long long)(r / " << s.route->k << ") * "
+      << cols.extent() << ")[c];\n";
   src << "  reinterpret_cast<uint4 *>(" << gDst << " + p * " << cols.extent() << ")[c] = v;\n}\n\n";
 }
 

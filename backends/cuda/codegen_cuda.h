@@ -15,7 +15,7 @@ namespace moeforge {
 struct KernelArg {
   enum class Kind { tensor, route, extent };
   Kind kind;
-  std::string name;                  // tensor name, route array name, or Dim name
+  std::string name;                   // tensor name, route array name, or Dim name
   const RoutingNode *route = nullptr; // for Kind::route
 };
 

@@ -71,5 +71,4 @@ inline void gemm_nt(const CublasHandle &h, const Stream &s, int64_t m, int64_t n
   gemm_bf16(h, s, Transpose::no, Transpose::yes, m, n, k, a, b, c, c_type);
 }
 
-
 } // namespace moeforge::cuda

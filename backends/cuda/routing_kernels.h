@@ -6,8 +6,8 @@
 #include "backends/cuda/device.h"
 #include "backends/cuda/module.h"
 #include "backends/cuda/nvrtc_compiler.h"
-#include "runtime/routing_host.h"
 #include "backends/cuda/stream.h"
+#include "runtime/routing_host.h"
 
 #include <string>
 #include <vector>

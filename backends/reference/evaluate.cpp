@@ -229,10 +229,10 @@ private:
       if (!d->base)
         continue;
       int64_t want = extent(d->base.get()) * d->factor;
-      user_check(extents_.at(d) == want)
-          << "'" << name << "' is indexed by " << d->name << " = " << d->base->name << " * " << d->factor << " = "
-          << want << ", but the tensor given has extent " << extents_.at(d) << ": every tensor over " << d->name
-          << " must have " << want << " rows";
+      user_check(extents_.at(d) == want) << "'" << name << "' is indexed by " << d->name << " = " << d->base->name
+                                         << " * " << d->factor << " = " << want << ", but the tensor given has extent "
+                                         << extents_.at(d) << ": every tensor over " << d->name << " must have " << want
+                                         << " rows";
     }
   }
 
@@ -314,9 +314,8 @@ private:
       std::iota(order.begin(), order.end(), 0);
       // Largest first; ties go to the lower expert index, so routing is a
       // deterministic function of the probabilities on every backend.
-      std::partial_sort(order.begin(), order.begin() + r.k, order.end(), [&](int32_t a, int32_t b) {
-        return row[a] > row[b] || (row[a] == row[b] && a < b);
-      });
+      std::partial_sort(order.begin(), order.begin() + r.k, order.end(),
+                        [&](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
       for (int s = 0; s < r.k; ++s) {
         res.token.push_back(static_cast<int32_t>(t));
         res.expert.push_back(order[static_cast<size_t>(s)]);
@@ -497,8 +496,7 @@ private:
         axes.push_back(k);
     Value<S> out;
     out.axes = axes;
-    std::array<std::vector<int64_t>, 2> st{std::vector<int64_t>(axes.size(), 0),
-                                           std::vector<int64_t>(axes.size(), 0)};
+    std::array<std::vector<int64_t>, 2> st{std::vector<int64_t>(axes.size(), 0), std::vector<int64_t>(axes.size(), 0)};
     std::vector<int64_t> as = a.strides(), bs = b.strides();
     for (size_t i = 0; i < axes.size(); ++i) {
       int ia = a.axis_of(axes[i]), ib = b.axis_of(axes[i]);

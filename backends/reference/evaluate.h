@@ -31,7 +31,7 @@ struct RoutingResult {
 };
 
 struct EvalResult {
-  TensorMap values;                         // every Func, by name
+  TensorMap values;                            // every Func, by name
   std::map<std::string, RoutingResult> routes; // every route, by name
   std::map<std::string, int64_t> extents;      // every Dim, by name
   const HostTensor &operator[](const std::string &func) const;

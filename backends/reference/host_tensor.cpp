@@ -41,7 +41,7 @@ uint16_t bf16_bits(float x) {
   std::memcpy(&u, &x, 4);
   if (std::isnan(x))
     return static_cast<uint16_t>((u >> 16) | 0x40); // stay a (quiet) NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                   // round to nearest, ties to even
+  u += 0x7fffu + ((u >> 16) & 1u);                  // round to nearest, ties to even
   return static_cast<uint16_t>(u >> 16);
 }
 

@@ -55,6 +55,21 @@ struct RoutingTables {
   int32_t num_tiles = 0;
 };
 
+// The per-pair or per-tile array named `name` (as generated kernels name
+// their routing arguments) in a set of routing tables: the host's
+// RoutingTables or a device RoutingPlan, which share the member names; null
+// for another name (the scalars num_tiles and padded_rows are the caller's).
+template <typename Tables> auto *routing_array(Tables &t, const std::string &name) {
+  using Member = decltype(&t.expert);
+  return name == "expert"           ? &t.expert
+         : name == "pair_pos"       ? &t.pair_pos
+         : name == "sorted_pair"    ? &t.sorted_pair
+         : name == "tile_expert"    ? &t.tile_expert
+         : name == "tile_row_start" ? &t.tile_row_start
+         : name == "tile_rows"      ? &t.tile_rows
+                                    : static_cast<Member>(nullptr);
+}
+
 // The oracle: the tables for the expert ids of every pair (values 0..E-1).
 RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t> &expert);
 

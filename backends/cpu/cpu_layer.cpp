@@ -78,13 +78,7 @@ void *CpuLayer::arg(const CpuArg &a) {
       return &t.num_tiles;
     if (a.name == "padded_rows")
       return &st.padded_rows;
-    std::vector<int32_t> *v = a.name == "expert"           ? &t.expert
-                              : a.name == "pair_pos"       ? &t.pair_pos
-                              : a.name == "sorted_pair"    ? &t.sorted_pair
-                              : a.name == "tile_expert"    ? &t.tile_expert
-                              : a.name == "tile_row_start" ? &t.tile_row_start
-                              : a.name == "tile_rows"      ? &t.tile_rows
-                                                           : nullptr;
+    std::vector<int32_t> *v = cuda::routing_array(t, a.name);
     internal_check(v != nullptr) << "unknown routing array '" << a.name << "'";
     internal_check(!v->empty()) << "routing array '" << a.name << "' of route '" << a.route->name
                                 << "' read before the route ran";

@@ -52,14 +52,7 @@ void CudaLayer::bind() {
         break;
       case KernelArg::Kind::route: {
         RoutingPlan &plan = *plans_.at(a.route);
-        DeviceBuffer *b = a.name == "expert"           ? &plan.expert
-                          : a.name == "pair_pos"       ? &plan.pair_pos
-                          : a.name == "sorted_pair"    ? &plan.sorted_pair
-                          : a.name == "tile_expert"    ? &plan.tile_expert
-                          : a.name == "tile_row_start" ? &plan.tile_row_start
-                          : a.name == "tile_rows"      ? &plan.tile_rows
-                          : a.name == "num_tiles"      ? &plan.num_tiles
-                                                       : nullptr;
+        DeviceBuffer *b = a.name == "num_tiles" ? &plan.num_tiles : routing_array(plan, a.name);
         if (a.name == "padded_rows") {
           l.args.push_back(&padded_rows_.at(a.route));
           break;

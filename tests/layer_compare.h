@@ -92,4 +92,19 @@ inline void check_edge_routing(const EdgeCase &c, const Outcome &o) {
     CHECK(*std::max_element(o.counts.begin(), o.counts.end()) >= 2 * c.s.tokens * c.s.topk / c.s.experts);
 }
 
+// Every edge case at widths d and f under every named preset, through
+// `run(example, inputs, tokens, preset name) -> Outcome` of one backend.
+template <typename Run> void check_edge_cases(int64_t d, int64_t f, const std::vector<std::string> &presets, Run run) {
+  for (const EdgeCase &c : edge_cases(d, f))
+    for (const std::string &p : presets) {
+      Example ex = biased_moe(c.s, c.swiglu, c.bias, c.swiglu);
+      TensorMap in = biased_inputs(ex, c.s, c.bias, 3);
+      Outcome o = run(ex, in, c.s.tokens, p);
+      INFO(c.what << " / " << p);
+      CHECK(o.routing_mismatches == 0);
+      CHECK(o.y_error <= 1e-2);
+      check_edge_routing(c, o);
+    }
+}
+
 } // namespace moeforge::testing

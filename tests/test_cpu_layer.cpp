@@ -35,16 +35,10 @@ TEST_SUITE("cpu") {
   }
 
   TEST_CASE("cpu layer: MoE edge cases under every preset") {
-    for (const EdgeCase &c : testing::edge_cases(64, 128))
-      for (const std::string &p : preset_names()) {
-        Example ex = biased_moe(c.s, c.swiglu, c.bias, c.swiglu);
-        TensorMap in = biased_inputs(ex, c.s, c.bias, 3);
-        Outcome o = run_and_compare(ex, in, c.s.tokens, preset(p));
-        INFO(c.what << " / " << p);
-        CHECK(o.routing_mismatches == 0);
-        CHECK(o.y_error <= 1e-2);
-        testing::check_edge_routing(c, o);
-      }
+    testing::check_edge_cases(64, 128, preset_names(),
+                              [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
+                                return run_and_compare(ex, in, tokens, preset(p));
+                              });
   }
 
   TEST_CASE("cpu layer: dimensions no tile divides (d = f = 72 with 64-wide tiles)") {

@@ -86,16 +86,10 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("cuda layer: MoE edge cases under both presets") {
     MOEFORGE_REQUIRE_GPU();
-    for (const EdgeCase &c : testing::edge_cases(128, 256))
-      for (const char *p : {"megablocks", "scattermoe"}) {
-        Example ex = biased_moe(c.s, c.swiglu, c.bias, c.swiglu);
-        TensorMap in = biased_inputs(ex, c.s, c.bias, 3);
-        Outcome o = run_and_compare(ex, in, c.s.tokens, preset(p));
-        INFO(c.what << " / " << p);
-        CHECK(o.routing_mismatches == 0);
-        CHECK(o.y_error <= 1e-2);
-        testing::check_edge_routing(c, o);
-      }
+    testing::check_edge_cases(128, 256, preset_names(),
+                              [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
+                                return run_and_compare(ex, in, tokens, preset(p));
+                              });
   }
 
   TEST_CASE("cuda layer: a dimension no tile divides (d = f = 2880)") {

@@ -5,23 +5,24 @@
 // the experts); FLOPs = 2 T k d (f1 + f), f1 = 2f for SwiGLU. Our time is the
 // whole forward: router GEMM, softmax, device routing, permutation, expert
 // GEMMs, combine, replayed as one CUDA graph. The roof is cuBLAS doing
-// X[Tk, d] W1[d, f1] and H[Tk, f] W2[f, d] with no routing, measured here.
+// X[Tk, d] W1[d, f1] and H[Tk, f] W2[f, d] with no routing, measured here
+// (benchmarks/dense_roof.h, shared with the training benchmarks).
 // Reported: TFLOP/s and ratio = roof time / our time, with the device name.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <memory>
 #include <random>
 
-#include "backends/cuda/cublas_gemm.h"
 #include "backends/cuda/layer.h"
+#include "benchmarks/dense_roof.h"
 #include "examples/biased_moe.h"
 #include "schedules/presets.h"
 
 using namespace moeforge;
+using bench::time_ms;
 
 namespace {
 
@@ -42,37 +43,6 @@ const Shape kShapes[] = {
 cuda::Device &device() {
   static cuda::Device d;
   return d;
-}
-
-double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work) {
-  cuda::Event a, b;
-  work(); // warm-up
-  s.synchronize();
-  a.record(s);
-  for (int i = 0; i < reps; ++i)
-    work();
-  b.record(s);
-  b.synchronize();
-  return cuda::elapsed_ms(a, b) / reps;
-}
-
-// cuBLAS on the same GEMM shapes, no routing: the roof, per shape, once.
-double roof_ms(const Shape &s) {
-  static std::map<std::string, double> cache;
-  if (auto it = cache.find(s.name); it != cache.end())
-    return it->second;
-  int64_t rows = s.tokens * s.k, f1 = s.swiglu ? 2 * s.f : s.f;
-  cuda::DeviceBuffer x(rows * s.d * 2), w1(s.d * f1 * 2), h1(rows * f1 * 2), h(rows * s.f * 2), w2(s.f * s.d * 2),
-      y(rows * s.d * 2);
-  for (cuda::DeviceBuffer *b : {&x, &w1, &h, &w2})
-    b->fill32(0x3f803f80u); // bf16 1.0 pairs: finite inputs
-  cuda::CublasHandle handle;
-  cuda::Stream stream;
-  double ms = time_ms(stream, 20, [&] {
-    cuda::gemm_nn(handle, stream, rows, f1, s.d, x.ptr(), w1.ptr(), h1.ptr());
-    cuda::gemm_nn(handle, stream, rows, s.d, s.f, h.ptr(), w2.ptr(), y.ptr());
-  });
-  return cache[s.name] = ms;
 }
 
 // Random inputs of the example's ranges. Tensors past 4M values repeat a 4M
@@ -169,7 +139,7 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
   for (int32_t e : experts)
     ++counts[e];
   double mean = double(shape.tokens * shape.k) / double(shape.experts);
-  double roof = roof_ms(shape);
+  double roof = bench::roof_forward_ms({shape.tokens, shape.k, shape.d, shape.f, shape.swiglu});
   state.counters["TFLOPs"] = shape.flops() / (ours * 1e-3) / 1e12;
   state.counters["roof_TFLOPs"] = shape.flops() / (roof * 1e-3) / 1e12;
   state.counters["ratio"] = roof / ours;

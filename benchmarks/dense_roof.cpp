@@ -1,0 +1,89 @@
+#include "benchmarks/dense_roof.h"
+
+#include "backends/cuda/cublas_gemm.h"
+#include "backends/cuda/device.h"
+
+#include <initializer_list>
+#include <map>
+#include <tuple>
+
+namespace moeforge::bench {
+
+namespace {
+
+constexpr int kReps = 20;
+constexpr uint32_t kBf16OnePair = 0x3f803f80u; // two bf16 1.0 values
+
+using Key = std::tuple<int64_t, int64_t, int64_t, bool>; // rows, d, f, swiglu
+
+Key key_of(const RoofShape &s) { return {s.rows(), s.d, s.f, s.swiglu}; }
+
+cuda::DeviceBuffer bf16_buffer(int64_t rows, int64_t cols) {
+  return cuda::DeviceBuffer(static_cast<size_t>(rows) * static_cast<size_t>(cols) * 2);
+}
+
+void fill_ones(std::initializer_list<cuda::DeviceBuffer *> buffers) {
+  for (cuda::DeviceBuffer *b : buffers)
+    b->fill32(kBf16OnePair);
+}
+
+} // namespace
+
+double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work) {
+  cuda::Event a, b;
+  work(); // warm-up
+  s.synchronize();
+  a.record(s);
+  for (int i = 0; i < reps; ++i)
+    work();
+  b.record(s);
+  b.synchronize();
+  return cuda::elapsed_ms(a, b) / reps;
+}
+
+double roof_forward_ms(const RoofShape &s) {
+  static std::map<Key, double> cache;
+  if (auto it = cache.find(key_of(s)); it != cache.end())
+    return it->second;
+  int64_t rows = s.rows(), f1 = s.f1();
+  cuda::DeviceBuffer x = bf16_buffer(rows, s.d), w1 = bf16_buffer(s.d, f1), h1 = bf16_buffer(rows, f1),
+                     h = bf16_buffer(rows, s.f), w2 = bf16_buffer(s.f, s.d), y = bf16_buffer(rows, s.d);
+  fill_ones({&x, &w1, &h, &w2});
+  cuda::CublasHandle handle;
+  cuda::Stream stream;
+  double ms = time_ms(stream, kReps, [&] {
+    cuda::gemm_nn(handle, stream, rows, f1, s.d, x.ptr(), w1.ptr(), h1.ptr());
+    cuda::gemm_nn(handle, stream, rows, s.d, s.f, h.ptr(), w2.ptr(), y.ptr());
+  });
+  return cache[key_of(s)] = ms;
+}
+
+double roof_forward_backward_ms(const RoofShape &s) {
+  static std::map<Key, double> cache;
+  if (auto it = cache.find(key_of(s)); it != cache.end())
+    return it->second;
+  int64_t rows = s.rows(), f1 = s.f1();
+  // Forward operands and outputs.
+  cuda::DeviceBuffer x = bf16_buffer(rows, s.d), w1 = bf16_buffer(s.d, f1), h1 = bf16_buffer(rows, f1),
+                     h = bf16_buffer(rows, s.f), w2 = bf16_buffer(s.f, s.d), y = bf16_buffer(rows, s.d);
+  // Backward: the upstream gradient dY, the gradient entering W1's GEMM
+  // (dH1, after the activation's backward), and the four results.
+  cuda::DeviceBuffer dy = bf16_buffer(rows, s.d), dh1 = bf16_buffer(rows, f1), dh = bf16_buffer(rows, s.f),
+                     dw2 = bf16_buffer(s.f, s.d), dx = bf16_buffer(rows, s.d), dw1 = bf16_buffer(s.d, f1);
+  fill_ones({&x, &w1, &h, &w2, &dy, &dh1});
+  cuda::CublasHandle handle;
+  cuda::Stream stream;
+  double ms = time_ms(stream, kReps, [&] {
+    cuda::gemm_nn(handle, stream, rows, f1, s.d, x.ptr(), w1.ptr(), h1.ptr());   // H1 = X W1
+    cuda::gemm_nn(handle, stream, rows, s.d, s.f, h.ptr(), w2.ptr(), y.ptr());   // Y = H W2
+    cuda::gemm_nt(handle, stream, rows, s.f, s.d, dy.ptr(), w2.ptr(), dh.ptr()); // dH = dY W2^T
+    cuda::gemm_tn(handle, stream, s.f, s.d, rows, h.ptr(), dy.ptr(), dw2.ptr()); // dW2 = H^T dY
+    cuda::gemm_nt(handle, stream, rows, s.d, f1, dh1.ptr(), w1.ptr(), dx.ptr()); // dX = dH1 W1^T
+    cuda::gemm_tn(handle, stream, s.d, f1, rows, x.ptr(), dh1.ptr(), dw1.ptr()); // dW1 = X^T dH1
+  });
+  return cache[key_of(s)] = ms;
+}
+
+RoofTimes dense_roof(const RoofShape &shape) { return {roof_forward_ms(shape), roof_forward_backward_ms(shape)}; }
+
+} // namespace moeforge::bench

@@ -1,0 +1,62 @@
+// The dense roof (design.md): cuBLAS doing the GEMMs of an MoE layer's
+// shapes with no routing, as if every token copy went to one expert. One
+// implementation, shared by every benchmark that reports `ratio = roof time /
+// our time`, so forward and training numbers are measured against the same
+// thing.
+//
+//   forward:  H1[Tk, f1] = X[Tk, d] W1[d, f1]      Y[Tk, d] = H[Tk, f] W2[f, d]
+//   backward: dH[Tk, f]  = dY W2^T                  dW2[f, d] = H^T dY
+//             dX[Tk, d]  = dH1 W1^T                 dW1[d, f1] = X^T dH1
+//
+// f1 = 2f for SwiGLU (W1 and W3 side by side), f otherwise. bf16 operands and
+// outputs, fp32 accumulation (backends/cuda/cublas_gemm.h). No gather,
+// activation, gate or combine is in the roof. Inputs are bf16 1.0 (finite
+// results, no NaN slow paths). The backward GEMMs read fixed buffers, not
+// the forward's outputs: only the GEMM shapes matter here.
+//
+// A cuda::Device for the GPU must exist (cuBLAS attaches to its primary
+// context) before any call. Each time is measured once per shape and process
+// and cached; the first call for a shape allocates its buffers (mixtral's
+// forward + backward: about 4 GiB) and frees them before returning.
+#pragma once
+
+#include "backends/cuda/stream.h"
+
+#include <cstdint>
+#include <functional>
+
+namespace moeforge::bench {
+
+struct RoofShape {
+  int64_t tokens = 0; // T
+  int64_t k = 1;      // top-k: the roof's GEMMs have T * k rows
+  int64_t d = 0;      // model dimension
+  int64_t f = 0;      // per-expert hidden dimension
+  bool swiglu = false;
+
+  int64_t rows() const { return tokens * k; }
+  int64_t f1() const { return swiglu ? 2 * f : f; }
+  // design.md's FLOP counts: 2 T k d (f1 + f) forward, twice that backward.
+  double forward_flops() const { return 2.0 * double(rows()) * double(d) * double(f1() + f); }
+  double forward_backward_flops() const { return 3.0 * forward_flops(); }
+};
+
+// Average milliseconds of GPU time per call of `work` (which queues on `s`):
+// one warm-up call, then `reps` calls between two events.
+double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work);
+
+// The forward roof: the two forward GEMMs, 20 timed repetitions.
+double roof_forward_ms(const RoofShape &shape);
+
+// The training roof: the two forward GEMMs and the four backward GEMMs in
+// one timed loop, 20 repetitions.
+double roof_forward_backward_ms(const RoofShape &shape);
+
+struct RoofTimes {
+  double forward_ms = 0;
+  double forward_backward_ms = 0;
+};
+// Both of the above.
+RoofTimes dense_roof(const RoofShape &shape);
+
+} // namespace moeforge::bench

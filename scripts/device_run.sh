@@ -2,8 +2,10 @@
 # Runs on the GPU machine (through the device tool) from the repository root,
 # with .gpu/ carried: the GPU tests, compute-sanitizer on a small case, the
 # forward benchmark and PyTorch's grouped GEMM on the same shapes. Logs and
-# JSON go to $OUT. Usage: bash scripts/device_run.sh [tests|bench|ours|all]
-# (ours: our benchmark with the per-step profile, without PyTorch's.)
+# JSON go to $OUT. Usage: bash scripts/device_run.sh [tests|bench|ours|train-torch|all]
+# (ours: our benchmark with the per-step profile, without PyTorch's;
+# train-torch: PyTorch's forward + backward with torch._grouped_mm only,
+# needing no build: torch_train.log and torch_train.json.)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -32,5 +34,9 @@ if [ "$what" = bench ] || [ "$what" = ours ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   PYTHONUNBUFFERED=1 python3 benchmarks/torch_grouped_mm.py 2>&1 | tee "$OUT/torch.jsonl"
+fi
+if [ "$what" = train-torch ]; then
+  PYTHONUNBUFFERED=1 python3 benchmarks/torch_grouped_mm_train.py --out "$OUT/torch_train.json" 2>&1 |
+    tee "$OUT/torch_train.log" || status=1
 fi
 exit $status

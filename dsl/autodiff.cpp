@@ -32,13 +32,33 @@ bool has(const std::vector<Var> &vs, const Var &v) {
   return std::any_of(vs.begin(), vs.end(), [&](const Var &u) { return same_var(u, v); });
 }
 
-// Does e read any tensor? A subexpression that reads nothing is a constant
-// and needs no adjoint.
-bool reads_anything(const Expr &e) {
+// Does e depend on any Input or Param? A subexpression that depends on none
+// is a constant and needs no adjoint: numbers, extents, index comparisons,
+// and reads of Funcs built from those alone (the per-expert routing counts of
+// a load-balancing loss: top-k selection is a constant). `memo` caches the
+// answer per Func.
+bool reads_anything(const Expr &e, std::map<const FuncNode *, bool> &memo) {
   struct Finder : IRVisitor {
+    std::map<const FuncNode *, bool> *memo;
     bool found = false;
-    void visit_node(const Access &) override { found = true; }
+    void visit_node(const Access &a) override {
+      if (found)
+        return;
+      if (a.buffer) {
+        found = true;
+        return;
+      }
+      auto it = memo->find(a.func.get());
+      if (it == memo->end()) {
+        Finder inner;
+        inner.memo = memo;
+        inner.visit(a.func->body);
+        it = memo->emplace(a.func.get(), inner.found).first;
+      }
+      found = it->second;
+    }
   } f;
+  f.memo = &memo;
   f.visit(e);
   return f.found;
 }
@@ -129,12 +149,18 @@ class Differentiator {
 public:
   explicit Differentiator(const Pipeline &p) : pipeline_(p) {}
 
-  Gradients run(const Func &output, const std::string &seed_name) {
-    std::vector<Dim> dims;
-    for (const Var &v : output.args())
-      dims.push_back(v.dim());
-    Input seed(seed_name, dims, DType::f32);
-    add(output.node().get(), seed(std::vector<Index>(output.args().begin(), output.args().end())));
+  // The total gradient of sum over k of <seeds[k], outputs[k]>.
+  Gradients run(const std::vector<Func> &outputs, const std::vector<std::string> &seeds) {
+    std::map<const FuncNode *, size_t> output_at;
+    for (size_t k = 0; k < outputs.size(); ++k) {
+      const Func &output = outputs[k];
+      std::vector<Dim> dims;
+      for (const Var &v : output.args())
+        dims.push_back(v.dim());
+      Input seed(seeds[k], dims, DType::f32); // a 0-D output gets a 0-D seed
+      add(output.node().get(), seed(std::vector<Index>(output.args().begin(), output.args().end())));
+      output_at.emplace(output.node().get(), k);
+    }
 
     std::map<std::string, Func> of;
     std::vector<Func> outs;
@@ -145,18 +171,20 @@ public:
       const FuncNode &f = *it->func;
       auto c = contributions_.find(&f);
       if (c == contributions_.end())
-        continue; // the output does not depend on f
+        continue; // no output depends on f
       func_ = it->func;
       std::vector<Var> scope = f.args;
-      if (&f == output.node().get()) {
-        // The output's gradient is the seed itself: no Func to define. Only
-        // definitions the output depends on are visited, and none of those
-        // reads the output, so the seed is its only term.
-        internal_check(c->second.size() == 1) << "the output '" << f.name << "' has gradient terms besides the seed";
+      auto out = output_at.find(&f);
+      if (out != output_at.end() && c->second.size() == 1) {
+        // An output that no other output reads: its gradient is the seed
+        // itself (the first term), no Func to define. The reverse sweep
+        // visits f after everything that reads it, so no term is missing.
         back(f.body, c->second.front(), scope);
         continue;
       }
-      Func d = define("d_" + f.name, f.args, c->second);
+      // An output that another output also reads gets its seed plus those
+      // terms, in a Func named after the seed ("d_probs_total").
+      Func d = define(out != output_at.end() ? seeds[out->second] + "_total" : "d_" + f.name, f.args, c->second);
       of.emplace(f.name, d);
       outs.push_back(d);
       back(f.body, d(std::vector<Index>(f.args.begin(), f.args.end())), scope);
@@ -169,8 +197,14 @@ public:
       of.emplace(b->name, d);
       outs.push_back(d);
     }
-    user_check(!outs.empty()) << "grad: '" << output.name() << "' reads no Input or Param: nothing to differentiate";
-    return Gradients{seed_name, std::move(of), Pipeline(outs)};
+    if (outs.empty()) {
+      std::string names;
+      for (const Func &o : outputs)
+        names += (names.empty() ? "'" : ", '") + o.name() + "'";
+      user_error << "grad: " << names << (outputs.size() == 1 ? " reads" : " read")
+                 << " no Input or Param: nothing to differentiate";
+    }
+    return Gradients{seeds.front(), seeds, std::move(of), Pipeline(outs)};
   }
 
 private:
@@ -252,11 +286,12 @@ private:
   // Propagates adj = d(output)/d(e) into e. scope: the variables in scope at
   // e (the definition's indices, then enclosing sums' and routes' variables).
   void back(const Expr &e, const Expr &adj, std::vector<Var> &scope) {
-    if (!reads_anything(e))
+    if (!reads_anything(e, constant_memo_))
       return;
     switch (e.kind()) {
     case ExprKind::Const:
     case ExprKind::IndexEq:
+    case ExprKind::Extent: // a count, constant for differentiation
       return;
     case ExprKind::Unary:
       return back_unary(*e.as<Unary>(), e, adj, scope);
@@ -350,16 +385,16 @@ private:
       back(b.a, adj, scope);
       return back(b.b, -adj, scope);
     case BinaryOp::mul:
-      if (reads_anything(b.a))
+      if (reads_anything(b.a, constant_memo_))
         back(b.a, adj * value_of(b.b, scope, "rhs"), scope);
-      if (reads_anything(b.b))
+      if (reads_anything(b.b, constant_memo_))
         back(b.b, value_of(b.a, scope, "lhs") * adj, scope);
       return;
     case BinaryOp::div: {
       Expr den = value_of(b.b, scope, "den");
-      if (reads_anything(b.a))
+      if (reads_anything(b.a, constant_memo_))
         back(b.a, adj / den, scope);
-      if (reads_anything(b.b))
+      if (reads_anything(b.b, constant_memo_))
         back(b.b, -(adj * value_of(b.a, scope, "num")) / (den * den), scope);
       return;
     }
@@ -452,20 +487,44 @@ private:
   std::map<const void *, std::vector<Expr>> contributions_;
   std::map<const BufferNode *, std::vector<Var>> buffer_vars_;
   std::map<const DimNode *, Func> ones_;
-  std::vector<std::string> names_; // Funcs made for forward values
+  std::vector<std::string> names_;                 // Funcs made for forward values
+  std::map<const FuncNode *, bool> constant_memo_; // reads_anything, per Func
 };
 
 } // namespace
 
 Gradients grad(const Pipeline &p, const Func &output, const std::string &seed_name) {
-  user_check(output.is_defined()) << "grad: the output Func is not defined";
-  bool found =
-      std::any_of(p.steps().begin(), p.steps().end(), [&](const Pipeline::Step &s) { return s.func == output.node(); });
-  user_check(found) << "grad: '" << output.name() << "' is not a Func of this pipeline";
-  std::string seed = seed_name.empty() ? "d_" + output.name() : seed_name;
-  for (const BufferPtr &b : p.buffers())
-    user_check(b->name != seed) << "grad: the seed name '" << seed << "' is already an Input or Param";
-  return Differentiator(p).run(output, seed);
+  return grad(p, std::vector<Func>{output}, std::vector<std::string>{seed_name});
+}
+
+Gradients grad(const Pipeline &p, const std::vector<Func> &outputs, const std::vector<std::string> &seed_names) {
+  user_check(!outputs.empty())
+      << "grad: no output Func given: pass the Funcs to differentiate, e.g. grad(p, {y, loss})";
+  user_check(seed_names.empty() || seed_names.size() == outputs.size())
+      << "grad: " << outputs.size() << " outputs but " << seed_names.size()
+      << " seed names: give one seed name per output (\"\" for the default \"d_<output>\"), or none";
+  std::vector<std::string> seeds;
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    const Func &output = outputs[k];
+    user_check(output.node() != nullptr) << "grad: output " << k << " is an empty Func";
+    user_check(output.is_defined()) << "grad: the output Func '" << output.name() << "' is not defined";
+    bool found = std::any_of(p.steps().begin(), p.steps().end(),
+                             [&](const Pipeline::Step &s) { return s.func == output.node(); });
+    user_check(found) << "grad: '" << output.name() << "' is not a Func of this pipeline";
+    for (size_t j = 0; j < k; ++j)
+      user_check(outputs[j].node() != output.node())
+          << "grad: '" << output.name() << "' is given twice as an output: list each output once";
+    std::string seed = seed_names.empty() || seed_names[k].empty() ? "d_" + output.name() : seed_names[k];
+    for (const BufferPtr &b : p.buffers())
+      user_check(b->name != seed) << "grad: the seed name '" << seed << "' is already an Input or Param";
+    for (const Func &f : p.funcs())
+      user_check(f.name() != seed) << "grad: the seed name '" << seed << "' of '" << output.name()
+                                   << "' is already a Func of the pipeline: pass another seed name";
+    user_check(std::find(seeds.begin(), seeds.end(), seed) == seeds.end())
+        << "grad: the seed name '" << seed << "' is given for two outputs: give each output its own seed";
+    seeds.push_back(seed);
+  }
+  return Differentiator(p).run(outputs, seeds);
 }
 
 } // namespace moeforge

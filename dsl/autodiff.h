@@ -16,15 +16,19 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "dsl/pipeline.h"
 
 namespace moeforge {
 
 struct Gradients {
-  std::string seed; // the seed Input's name ("d_<output>")
-  // forward name (Func, Input or Param) -> its gradient Func. The output's own
-  // gradient is the seed Input, so the output is absent. Forward values the
+  std::string seed;               // the (first) output's seed Input ("d_<output>")
+  std::vector<std::string> seeds; // every output's seed Input, in the order of the outputs
+  // forward name (Func, Input or Param) -> its gradient Func. An output's own
+  // gradient is its seed Input, so the output is absent, unless another output
+  // reads it: then it is a Func "<seed>_total" (the seed plus the other
+  // outputs' terms). Forward values the
   // derivatives need (gelu's argument, say) become Funcs "<func>_<what>" over
   // their free indices, read by the gradients rather than recomputed.
   std::map<std::string, Func> of;
@@ -40,5 +44,14 @@ struct Gradients {
 // (a read with a repeated index, a routed read mixing routes) are UserErrors
 // that name the construct.
 Gradients grad(const Pipeline &p, const Func &output, const std::string &seed_name = "");
+
+// Differentiates several outputs at once: the total gradient of the sum over
+// k of <seed_k, outputs[k]>, each output seeded by its own Input (named
+// seed_names[k], or "d_<output>" when seed_names is empty or the name is "")
+// shaped like it; a 0-D output (a loss) gets a 0-D seed, a scalar. The
+// gradients of a tensor reached from several outputs add up. With auxiliary
+// losses as extra outputs (dsl/losses.h), grad(p, {y, lb_loss, z_loss}) with
+// the losses' seeds set to 1 gives a training step's gradients.
+Gradients grad(const Pipeline &p, const std::vector<Func> &outputs, const std::vector<std::string> &seed_names = {});
 
 } // namespace moeforge

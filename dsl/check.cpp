@@ -41,6 +41,7 @@ public:
   std::vector<Var> visit(const Expr &e, std::vector<Var> &bound) {
     switch (e.kind()) {
     case ExprKind::Const:
+    case ExprKind::Extent: // a number known when the layer runs: no free index
       return {};
     case ExprKind::Access:
       return visit_access(*e.as<Access>(), e);

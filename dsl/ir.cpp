@@ -198,6 +198,14 @@ Expr IndexEq::make(const Index &a, const Index &b) {
   return Expr(std::move(n));
 }
 
+Expr Extent::make(const Dim &d) {
+  user_check(d.defined()) << "extent() needs a Dim: pass the Dim whose extent you want (e.g. extent(T))";
+  // Weakly typed like a constant: a count adopts the type it divides.
+  auto n = std::make_shared<Extent>(d, DType::f32);
+  n->weak_type = true;
+  return Expr(std::move(n));
+}
+
 // ---------------------------------------------------------------- Func
 
 Func::Func(std::string name) {

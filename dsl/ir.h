@@ -129,7 +129,8 @@ using BufferPtr = std::shared_ptr<const BufferNode>;
   X(Sum)                                                                                                               \
   X(Softmax)                                                                                                           \
   X(RouteSum)                                                                                                          \
-  X(IndexEq)
+  X(IndexEq)                                                                                                           \
+  X(Extent)
 
 enum class ExprKind {
 #define MOEFORGE_ENUM(n) n,
@@ -255,6 +256,17 @@ struct IndexEq : ExprNode {
   Index a, b;
   IndexEq(Index x, Index y, DType t) : ExprNode(static_kind, t), a(std::move(x)), b(std::move(y)) {}
   static Expr make(const Index &a, const Index &b);
+};
+
+// The extent of a Dim as a value: the token count of a mean over tokens,
+// sum(t, ...) / extent(T), which for a dynamic Dim is known only when the
+// layer runs (a route's pairs Dim gives T * k). Weakly typed like a constant;
+// it reads no tensor and has no free index, so its derivative is 0.
+struct Extent : ExprNode {
+  static constexpr ExprKind static_kind = ExprKind::Extent;
+  Dim dim;
+  Extent(Dim d, DType t) : ExprNode(static_kind, t), dim(std::move(d)) {}
+  static Expr make(const Dim &d);
 };
 
 // ---------------------------------------------------------------- Func

@@ -6,6 +6,7 @@
 #include "dsl/dtype.h"
 #include "dsl/error.h"
 #include "dsl/ir.h"
+#include "dsl/losses.h"
 #include "dsl/ops.h"
 #include "dsl/pipeline.h"
 #include "dsl/printer.h"

@@ -22,6 +22,8 @@ Expr silu(const Expr &a) { return Unary::make(UnaryOp::silu, a); }
 Expr step(const Expr &a) { return Unary::make(UnaryOp::step, a); }
 Expr index_eq(const Index &a, const Index &b) { return IndexEq::make(a, b); }
 
+Expr extent(const Dim &d) { return Extent::make(d); }
+
 Expr sum(const Var &var, const Expr &body) { return Sum::make(var, body); }
 Expr softmax(const Var &var, const Expr &body) { return Softmax::make(var, body); }
 

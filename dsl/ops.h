@@ -30,6 +30,11 @@ Expr step(const Expr &a);
 // [a == b]: 1 where the two indices agree, else 0 (e.g. expert(r) == e).
 Expr index_eq(const Index &a, const Index &b);
 
+// The extent of d as a value (a float): extent(T) is the token count, known
+// only when the layer runs for a dynamic T; a mean over the tokens is
+// sum(t, ...) / extent(T). Its derivative is 0.
+Expr extent(const Dim &d);
+
 // sum over var: a contraction when body is a product using var on both sides.
 Expr sum(const Var &var, const Expr &body);
 // softmax of body along var (var stays an index of the result).

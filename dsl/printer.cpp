@@ -107,6 +107,9 @@ void print(std::ostream &os, const Expr &e, int context) {
     os << "[" << q->a << " == " << q->b << "]";
     break;
   }
+  case ExprKind::Extent:
+    os << "extent(" << e.as<Extent>()->dim.name() << ")";
+    break;
   }
   if (parens)
     os << ")";

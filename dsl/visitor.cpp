@@ -26,6 +26,7 @@ void IRVisitor::visit_node(const Sum &n) { visit(n.body); }
 void IRVisitor::visit_node(const Softmax &n) { visit(n.body); }
 void IRVisitor::visit_node(const RouteSum &n) { visit(n.body); }
 void IRVisitor::visit_node(const IndexEq &) {}
+void IRVisitor::visit_node(const Extent &) {}
 
 Expr IRMutator::mutate(const Expr &e) {
   internal_check(e.defined()) << "mutating an undefined expression";
@@ -58,6 +59,7 @@ Expr IRMutator::mutate_node(const Softmax &n, const Expr &self) {
   return b.same_as(n.body) ? self : Softmax::make(n.var, b);
 }
 Expr IRMutator::mutate_node(const IndexEq &, const Expr &self) { return self; }
+Expr IRMutator::mutate_node(const Extent &, const Expr &self) { return self; }
 Expr IRMutator::mutate_node(const RouteSum &n, const Expr &self) {
   Expr b = mutate(n.body);
   return b.same_as(n.body) ? self : RouteSum::make(n.route, n.field, n.target, b);

@@ -358,6 +358,11 @@ private:
       return eval_route_sum(*e.as<RouteSum>());
     case ExprKind::IndexEq:
       return eval_index_eq(*e.as<IndexEq>());
+    case ExprKind::Extent: { // the whole extent, never a segment's subset
+      Value<S> v;
+      v.data = {static_cast<S>(extent(e.as<Extent>()->dim.get()))};
+      return v;
+    }
     }
     internal_check(false) << "unknown expression kind";
   }

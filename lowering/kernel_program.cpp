@@ -13,6 +13,8 @@ const char *row_layout_name(RowLayout l) {
     return "pair";
   case RowLayout::padded:
     return "padded";
+  case RowLayout::padded_t:
+    return "padded_t";
   }
   return "?";
 }
@@ -80,15 +82,25 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
             os << "  route " << x.route->name << ": top_k(" << x.probs << ", k = " << x.route->k
                << ") -> counts, padded offsets (block " << x.block << "), sorted_pair, pair_pos, tiles\n";
           } else if constexpr (std::is_same_v<T, GatherStep>) {
-            os << "  gather " << x.name << ": " << x.dst << "[p, :] = " << x.src << "[token(sorted_pair[p]), :]\n";
+            os << "  gather " << x.name << ": " << x.dst << "[p, :] = " << x.src
+               << (x.rows == RowMap::gather_token ? "[token(sorted_pair[p]), :]\n" : "[sorted_pair[p], :]\n");
+          } else if constexpr (std::is_same_v<T, TransposeStep>) {
+            os << "  transpose " << x.name << ": " << x.dst << " = " << x.src << "^T";
+            if (x.route)
+              os << " over the padded rows of " << x.route->name << " (rows " << row_map_name(x.rows) << ")";
+            os << "\n";
           } else if constexpr (std::is_same_v<T, GemmStep>) {
             const GemmTiling &g = x.tiling;
             os << "  gemm " << x.name << ": grid " << (x.route ? "tiles(" + x.route->name + ")" : "rows")
                << " x cols; tile " << g.tile_m << "x" << g.tile_n << "x" << g.tile_k << ", " << g.stages
                << " stages, warps " << g.warps_m << "x" << g.warps_n << "\n";
-            os << "    A = " << x.a << " rows " << row_map_name(x.a_rows) << "; B =";
+            if (x.expert_k)
+              os << "    expert reduction over the routed rows of " << x.route->name << "\n";
+            os << "    A = " << x.a << (x.a_trans ? "^T" : "") << " rows " << row_map_name(x.a_rows) << "; B =";
             for (const std::string &b : x.b)
-              os << " " << b << (x.b_per_expert ? "[expert]" : "");
+              os << " " << b << (x.b_trans ? "^T" : "") << (x.b_per_expert ? "[expert]" : "");
+            if (x.expert_k)
+              os << " rows " << row_map_name(x.b_rows);
             os << "; K = " << x.k.name() << ", N = " << x.n.name() << "\n";
             os << "    " << x.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << x.epilogue
                << "  -> rows " << row_map_name(x.out_rows) << "\n";

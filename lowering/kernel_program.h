@@ -13,6 +13,16 @@
 //   direct        row p (padded tensors) or m (dense GEMMs)
 //   gather_pair   row sorted_pair[p] of a pair-order tensor
 //   gather_token  row token(sorted_pair[p]) = sorted_pair[p] / k of a token tensor
+//
+// The backward pass adds two shapes of GEMM, both run by the same main loops
+// once lowering has materialised their operands in the layouts those loops
+// read (A[rows, k], B[k, n]):
+//   transposed operands  A read as A(k, row) or B as B([e,] n, k): a
+//                        TransposeStep writes A^T / B^T first
+//   expert reductions    C[e, m, n] = sum over the routed rows p of expert e
+//                        of A(p, m) * B(p, n) (the weight gradients): K is
+//                        the expert's padded segment, A^T is stored with the
+//                        padded rows last (padded_t) and B in padded order
 #pragma once
 
 #include <memory>
@@ -26,7 +36,7 @@
 
 namespace moeforge {
 
-enum class RowLayout { dense, pair, padded };
+enum class RowLayout { dense, pair, padded, padded_t };
 enum class RowMap { direct, gather_pair, gather_token };
 const char *row_layout_name(RowLayout l);
 const char *row_map_name(RowMap m);
@@ -37,9 +47,11 @@ struct TensorDecl {
   std::string name;
   DType dtype = DType::f32;
   std::vector<Dim> dims;
-  RowLayout layout = RowLayout::dense; // of the first dim, for routed tensors
-  const RoutingNode *route = nullptr;  // set for pair / padded layouts
-  bool is_input = false;               // an Input or Param, uploaded by the caller
+  // Of the first dim, for routed tensors; padded_t: the *last* dim holds the
+  // padded rows (an expert reduction's transposed A operand).
+  RowLayout layout = RowLayout::dense;
+  const RoutingNode *route = nullptr; // set for pair / padded layouts
+  bool is_input = false;              // an Input or Param, uploaded by the caller
 };
 
 // C[rows, n] = epilogue(sum_k A[rows, k] * B_i[expert?, k, n] for each i).
@@ -53,6 +65,14 @@ struct GemmStep {
   RowMap a_rows = RowMap::direct;
   std::vector<std::string> b; // one per accumulator (two for SwiGLU)
   bool b_per_expert = false;  // B has a leading expert index: B[expert(r), k, n]
+  // Operands stored the other way round (A[k, rows], B[expert?, n, k]);
+  // materialize_transposes rewrites them to read a transposed copy.
+  bool a_trans = false, b_trans = false;
+  // An expert reduction (see above): the output is [E, m, n]; A and B are
+  // routed tensors read by pair rows (a_rows, b_rows) until
+  // materialize_transposes gives A^T (padded_t) and B in padded order.
+  bool expert_k = false;
+  RowMap b_rows = RowMap::direct;
   // The epilogue over accumulators: reads of the placeholder Funcs in
   // `accumulators` (named acc0, acc1, ...) and of per-row or per-element
   // tensors. Evaluated in fp32 and stored as the output's dtype.
@@ -64,7 +84,9 @@ struct GemmStep {
 };
 
 // out(vars) = body, one thread per element; sums over the pairs of a token
-// (combine) are loops over the k slots; a top-level softmax along one index
+// (combine) are loops over the k slots, sums over an expert's pairs
+// (expert_sum) loops over its segment of sorted_pair, reductions sum(i, ...)
+// that are not GEMMs loops over i; a top-level softmax along one index
 // becomes a row loop.
 struct PointwiseStep {
   std::string name;
@@ -81,14 +103,26 @@ struct RoutingStep {
   int block = 128;
 };
 
-// dst[p, :] = src[token(sorted_pair[p]), :], zero on padding rows (blocked).
+// dst[p, :] = src[row(sorted_pair[p]), :], zero on padding rows (blocked);
+// row(r) = token(r) (rows = gather_token) or r (gather_pair).
 struct GatherStep {
   std::string name;
   const RoutingNode *route;
   std::string src, dst;
+  RowMap rows = RowMap::gather_token;
 };
 
-using Step = std::variant<RoutingStep, GatherStep, GemmStep, PointwiseStep>;
+// dst = the transpose of src's last two dims (leading dims kept), or, for a
+// routed source (route set), dst[c, p] = src[row(p), c] over every padded
+// position p (zero on padding), row(p) given by `rows` as for GEMM operands.
+struct TransposeStep {
+  std::string name;
+  std::string src, dst;
+  const RoutingNode *route = nullptr;
+  RowMap rows = RowMap::direct;
+};
+
+using Step = std::variant<RoutingStep, GatherStep, GemmStep, PointwiseStep, TransposeStep>;
 
 struct KernelProgram {
   std::vector<TensorDecl> tensors;

@@ -1,5 +1,7 @@
 #include "lowering/lower.h"
 
+#include "lowering/decompose.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
@@ -61,6 +63,7 @@ FuncPtr placeholder(const std::string &name, std::vector<Var> args, DType t) {
 struct Contraction {
   const Access *a = nullptr, *b = nullptr;
   Var k;
+  bool a_trans = false, b_trans = false; // read as A(k, row) / B([e,] col, k)
 };
 
 [[noreturn]] void not_a_gemm(const FuncNode &f, const Expr &sum, const std::string &why) {
@@ -68,40 +71,52 @@ struct Contraction {
              << "B(k, cols)) or B(expert(r), k, cols) with A and B bf16 tensors, but " << to_string(sum) << " " << why;
 }
 
+// Whether a read is stored in bf16: declared so, or an intermediate that
+// decomposition stores in bf16 because a GEMM reads it.
+bool stored_bf16(const Access *a, const std::vector<std::string> &bf16_operands) {
+  return a->dtype == DType::bf16 ||
+         (a->func && std::find(bf16_operands.begin(), bf16_operands.end(), a->func->name) != bf16_operands.end());
+}
+
 Contraction match_contraction(const FuncNode &f, const Sum &s, const Expr &sum_expr, const Var &row, const Var &col,
-                              const RoutingNode *route) {
+                              const RoutingNode *route, const std::vector<std::string> &bf16) {
   auto *mul = s.body.as<Binary>();
   if (!mul || mul->op != BinaryOp::mul || !mul->a.as<Access>() || !mul->b.as<Access>())
     not_a_gemm(f, sum_expr, "is not a product of two tensor reads");
   const Access *x = mul->a.as<Access>(), *w = mul->b.as<Access>();
-  auto is_a = [&](const Access *a) {
-    if (a->args.size() != 2 || !a->args[1].is_plain() || !a->args[1].var.same_as(s.var))
-      return false;
+  auto is = [](const Index &i, const Var &v) { return i.is_plain() && i.var.same_as(v); };
+  // A(row, k), A(token(r), k), or a dense A(k, row) (transposed).
+  auto a_form = [&](const Access *a) -> int {
+    if (a->args.size() != 2)
+      return 0;
     const Index &ri = a->args[0];
-    if (ri.is_plain())
-      return ri.var.same_as(row);
-    return route && ri.field == RouteField::token && ri.route.get() == route;
+    if (is(a->args[1], s.var) &&
+        (is(ri, row) || (route && ri.field == RouteField::token && ri.route.get() == route && ri.var.same_as(row))))
+      return 1;
+    return !route && is(a->args[0], s.var) && is(a->args[1], row) ? 2 : 0;
   };
-  auto is_b = [&](const Access *b) {
+  // B(k, col) or B(col, k) (transposed), optionally after expert(r).
+  auto b_form = [&](const Access *b) -> int {
     size_t n = b->args.size();
     if (n != 2 && n != 3)
-      return false;
-    if (!b->args[n - 2].is_plain() || !b->args[n - 2].var.same_as(s.var) || !b->args[n - 1].is_plain() ||
-        !b->args[n - 1].var.same_as(col))
-      return false;
-    return n == 2 || (route && b->args[0].field == RouteField::expert && b->args[0].route.get() == route);
+      return 0;
+    if (n == 3 && !(route && b->args[0].field == RouteField::expert && b->args[0].route.get() == route))
+      return 0;
+    if (is(b->args[n - 2], s.var) && is(b->args[n - 1], col))
+      return 1;
+    return is(b->args[n - 2], col) && is(b->args[n - 1], s.var) ? 2 : 0;
   };
-  if (!(is_a(x) && is_b(w)))
+  if (!(a_form(x) && b_form(w)))
     std::swap(x, w);
-  if (!(is_a(x) && is_b(w)))
+  if (!(a_form(x) && b_form(w)))
     not_a_gemm(f, sum_expr,
                "does not read A by (" + row.name() + ", " + s.var.name() + ") and B by (" + s.var.name() + ", " +
                    col.name() + ")");
-  if (x->dtype != DType::bf16 || w->dtype != DType::bf16)
+  if (!stored_bf16(x, bf16) || !stored_bf16(w, bf16))
     not_a_gemm(f, sum_expr,
                "reads '" + x->target_name() + "' as " + dtype_name(x->dtype) + " and '" + w->target_name() + "' as " +
                    dtype_name(w->dtype) + "; declare both bf16 (e.g. Func(\"name\", DType::bf16))");
-  return Contraction{x, w, s.var};
+  return Contraction{x, w, s.var, a_form(x) == 2, b_form(w) == 2};
 }
 
 // Replaces each Sum by a read of its accumulator.
@@ -117,7 +132,8 @@ struct ReplaceSums : IRMutator {
   }
 };
 
-std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const Schedule &schedule) {
+std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const Schedule &schedule,
+                                   const std::vector<std::string> &bf16) {
   std::vector<const Sum *> sums;
   std::vector<Expr> sum_exprs;
   // Collect the outermost sums (nested ones are rejected by the matcher).
@@ -134,6 +150,10 @@ std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const S
   outer.exprs = &sum_exprs;
   outer.mutate(f.body);
   if (sums.empty())
+    return std::nullopt;
+  // Sums with at most one free index are reductions (a dot product per row,
+  // softmax's normaliser): loops of an element-wise kernel, not GEMMs.
+  if (std::all_of(sum_exprs.begin(), sum_exprs.end(), [](const Expr &e) { return free_vars(e).size() <= 1; }))
     return std::nullopt;
   user_check(f.args.size() == 2) << "definition '" << f.name << "' has " << f.args.size()
                                  << " indices: the CUDA backend compiles a contraction into a 2-D GEMM "
@@ -157,14 +177,17 @@ std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const S
   rs.row = row;
   rs.col = col;
   for (size_t i = 0; i < sums.size(); ++i) {
-    Contraction c = match_contraction(f, *sums[i], sum_exprs[i], row, col, route);
+    Contraction c = match_contraction(f, *sums[i], sum_exprs[i], row, col, route, bf16);
     if (i == 0) {
       g.a = c.a->target_name();
       g.k = c.k.dim();
       g.a_rows = route ? (c.a->args[0].is_plain() ? RowMap::gather_pair : RowMap::gather_token) : RowMap::direct;
       g.b_per_expert = c.b->args.size() == 3;
+      g.a_trans = c.a_trans;
+      g.b_trans = c.b_trans;
     } else {
-      user_check(c.a->target_name() == g.a && c.k.dim().same_as(g.k) && (c.b->args.size() == 3) == g.b_per_expert)
+      user_check(c.a->target_name() == g.a && c.k.dim().same_as(g.k) && (c.b->args.size() == 3) == g.b_per_expert &&
+                 c.a_trans == g.a_trans && c.b_trans == g.b_trans)
           << "definition '" << f.name << "': its sums must share the A operand '" << g.a << "' and the reduced "
           << "Dim " << g.k.name() << " to run as one GEMM (as SwiGLU's gate and up projections do); "
           << to_string(sum_exprs[i]) << " differs: split it into its own Func";
@@ -181,6 +204,49 @@ std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const S
   return g;
 }
 
+// f(e, i, j) = expert_sum(route, e, A(r, i) * B(r, j)) with plain reads
+// (decompose made them so): an expert reduction GEMM.
+std::optional<GemmStep> match_expert_gemm(const FuncNode &f, const Schedule &schedule,
+                                          const std::vector<std::string> &bf16) {
+  auto *rs = f.body.as<RouteSum>();
+  if (!rs || rs->field != RouteField::expert)
+    return std::nullopt;
+  auto *mul = rs->body.as<Binary>();
+  const Access *a = mul && mul->op == BinaryOp::mul ? mul->a.as<Access>() : nullptr;
+  const Access *b = mul && mul->op == BinaryOp::mul ? mul->b.as<Access>() : nullptr;
+  const Var &r = rs->route->pair;
+  auto rows = [&](const Access *x) {
+    return x->args[0].field == RouteField::token ? RowMap::gather_token : RowMap::gather_pair;
+  };
+  auto ok = [&](const Access *x, const Var &col) {
+    return x && x->args.size() == 2 && x->args[0].var.same_as(r) && x->args[0].field != RouteField::expert &&
+           x->args[1].is_plain() && x->args[1].var.same_as(col) && stored_bf16(x, bf16);
+  };
+  user_check(f.args.size() == 3 && ok(a, f.args[1]) && ok(b, f.args[2]))
+      << "definition '" << f.name << "': an expert_sum compiles as a per-expert GEMM " << f.name
+      << "(e, i, j) = expert_sum(route, e, A(r, i) * B(r, j)) with A and B bf16 reads by the pair r or token(r); "
+      << to_string(f.body) << " is not of that form";
+  GemmStep g;
+  g.name = "gemm_" + f.name;
+  g.output = f.name;
+  g.route = rs->route.get();
+  g.expert_k = true;
+  g.m = f.args[1].dim();
+  g.n = f.args[2].dim();
+  g.k = rs->route->pairs;
+  g.a = a->target_name();
+  g.a_rows = rows(a);
+  g.b = {b->target_name()};
+  g.b_rows = rows(b);
+  g.row_var = f.args[1];
+  g.col_var = f.args[2];
+  g.accumulators = {placeholder("acc0", {g.row_var, g.col_var}, DType::f32)};
+  g.epilogue = Access::make(g.accumulators[0], {g.row_var, g.col_var});
+  g.tiling = schedule.for_func(f.name).tiling;
+  g.block = schedule.block();
+  return g;
+}
+
 PointwiseStep make_pointwise(const FuncNode &f) {
   if (auto *s = f.body.as<Softmax>())
     user_check(!has_node(s->body, ExprKind::Softmax))
@@ -189,16 +255,6 @@ PointwiseStep make_pointwise(const FuncNode &f) {
     user_check(!has_node(f.body, ExprKind::Softmax))
         << "definition '" << f.name << "': the CUDA backend supports softmax only as a whole definition, " << f.name
         << "(...) = softmax(v, ...); move it into its own Func";
-  struct ExpertSums : IRVisitor {
-    bool found = false;
-    void visit_node(const RouteSum &n) override {
-      found |= n.field == RouteField::expert;
-      IRVisitor::visit_node(n);
-    }
-  } es;
-  es.visit(f.body);
-  user_check(!es.found) << "definition '" << f.name << "': expert_sum outside a contraction is not supported by "
-                        << "the CUDA backend yet";
   return PointwiseStep{"pointwise_" + f.name, f.name, f.args, f.body};
 }
 
@@ -217,7 +273,7 @@ std::vector<std::string> reads(const Step &s) {
           r.visit(x.epilogue);
         } else if constexpr (std::is_same_v<T, PointwiseStep>) {
           r.visit(x.body);
-        } else if constexpr (std::is_same_v<T, GatherStep>) {
+        } else if constexpr (std::is_same_v<T, GatherStep> || std::is_same_v<T, TransposeStep>) {
           r.names.push_back(x.src);
         } else {
           r.names.push_back(x.probs);
@@ -238,6 +294,7 @@ KernelProgram build_steps(const Pipeline &p, const Schedule &schedule) {
   schedule.validate(p);
   KernelProgram prog;
   prog.schedule_name = schedule.name();
+  Decomposer decomposer(p, !schedule.recompute());
   for (const BufferPtr &b : p.buffers())
     prog.tensors.push_back(TensorDecl{b->name, b->dtype, b->dims, RowLayout::dense, nullptr, true});
   for (const Pipeline::Step &step : p.steps()) {
@@ -253,21 +310,28 @@ KernelProgram build_steps(const Pipeline &p, const Schedule &schedule) {
       prog.routes.push_back(&r);
       continue;
     }
-    const FuncNode &f = *step.func;
-    TensorDecl t{f.name, f.dtype, {}, RowLayout::dense, nullptr, false};
-    for (const Var &v : f.args)
-      t.dims.push_back(v.dim());
-    if (!f.args.empty())
-      if (const RoutingNode *r = route_of_pair(p, f.args[0])) {
-        t.route = r;
-        t.layout = RowLayout::pair;
-      }
-    prog.tensors.push_back(std::move(t));
-    if (auto g = match_gemm(p, f, schedule))
-      prog.steps.push_back(std::move(*g));
-    else
-      prog.steps.push_back(make_pointwise(f));
+    for (const FuncPtr &part : decomposer.decompose(step.func)) {
+      const FuncNode &f = *part;
+      TensorDecl t{f.name, f.dtype, {}, RowLayout::dense, nullptr, false};
+      for (const Var &v : f.args)
+        t.dims.push_back(v.dim());
+      if (!f.args.empty())
+        if (const RoutingNode *r = route_of_pair(p, f.args[0])) {
+          t.route = r;
+          t.layout = RowLayout::pair;
+        }
+      prog.tensors.push_back(std::move(t));
+      if (auto g = match_expert_gemm(f, schedule, decomposer.bf16_operands()))
+        prog.steps.push_back(std::move(*g));
+      else if (auto g = match_gemm(p, f, schedule, decomposer.bf16_operands()))
+        prog.steps.push_back(std::move(*g));
+      else
+        prog.steps.push_back(make_pointwise(f));
+    }
   }
+  // Intermediates a GEMM reads as an operand are stored in bf16.
+  for (const std::string &name : decomposer.bf16_operands())
+    prog.find(name)->dtype = DType::bf16;
   for (const Func &f : p.outputs())
     prog.outputs.push_back(f.name());
   return prog;
@@ -373,7 +437,7 @@ KernelProgram insert_permutation(KernelProgram p, const Schedule &schedule) {
   std::vector<Step> out;
   for (Step &s : p.steps) {
     auto *g = std::get_if<GemmStep>(&s);
-    if (g && g->route && g->a_rows == RowMap::gather_token) {
+    if (g && g->route && !g->expert_k && g->a_rows == RowMap::gather_token) {
       // MegaBlocks: copy the routed rows into the padded, expert-sorted order once.
       std::string padded = g->a + "_padded_" + g->route->name;
       if (!p.find(padded)) {
@@ -418,13 +482,73 @@ KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
 KernelProgram resolve_row_maps(KernelProgram p, const Schedule &) {
   for (Step &s : p.steps) {
     auto *g = std::get_if<GemmStep>(&s);
-    if (!g || !g->route)
-      continue;
+    if (!g || !g->route || g->expert_k)
+      continue; // expert reductions: materialize_transposes places their operands
     const TensorDecl &a = p.tensor(g->a);
     if (g->a_rows != RowMap::gather_token)
       g->a_rows = a.layout == RowLayout::padded ? RowMap::direct : RowMap::gather_pair;
     g->out_rows = p.tensor(g->output).layout == RowLayout::padded ? RowMap::direct : RowMap::gather_pair;
   }
+  return p;
+}
+
+KernelProgram materialize_transposes(KernelProgram p, const Schedule &) {
+  std::vector<Step> out;
+  std::set<std::string> made;
+  auto add = [&](TensorDecl t, Step step) {
+    if (!made.insert(t.name).second)
+      return;
+    p.tensors.push_back(std::move(t));
+    out.push_back(std::move(step));
+  };
+  // The layout a routed operand's row map starts from.
+  auto rows_of = [&](const std::string &name, RowMap asked) {
+    const TensorDecl &t = p.tensor(name);
+    if (asked == RowMap::gather_token)
+      return RowMap::gather_token;
+    return t.layout == RowLayout::padded ? RowMap::direct : RowMap::gather_pair;
+  };
+  for (Step &s : p.steps) {
+    auto *g = std::get_if<GemmStep>(&s);
+    if (!g) {
+      out.push_back(std::move(s));
+      continue;
+    }
+    if (g->expert_k) {
+      // A^T with the padded rows last (zero on padding), B in padded order
+      // (zero on padding: a padded GEMM output's padding rows are never written).
+      const RoutingNode *r = g->route;
+      const TensorDecl &a = p.tensor(g->a), &b = p.tensor(g->b[0]);
+      TensorDecl at{g->a + "_T_" + r->name, DType::bf16, {a.dims[1], r->pairs}, RowLayout::padded_t, r, false};
+      add(at, TransposeStep{"transpose_" + at.name, g->a, at.name, r, rows_of(g->a, g->a_rows)});
+      TensorDecl bp{g->b[0] + "_rows_" + r->name, DType::bf16, {r->pairs, b.dims[1]}, RowLayout::padded, r, false};
+      add(bp, GatherStep{"gather_" + bp.name, r, g->b[0], bp.name, rows_of(g->b[0], g->b_rows)});
+      g->a = at.name;
+      g->b = {bp.name};
+      g->a_rows = g->b_rows = RowMap::direct;
+    }
+    if (g->a_trans) {
+      const TensorDecl &a = p.tensor(g->a);
+      TensorDecl at{g->a + "_T", a.dtype, {a.dims[1], a.dims[0]}, RowLayout::dense, nullptr, false};
+      add(at, TransposeStep{"transpose_" + at.name, g->a, at.name});
+      g->a = at.name;
+      g->a_trans = false;
+    }
+    if (g->b_trans) {
+      for (std::string &name : g->b) {
+        const TensorDecl &b = p.tensor(name);
+        TensorDecl bt = b;
+        bt.name = name + "_T";
+        bt.is_input = false;
+        std::swap(bt.dims[bt.dims.size() - 1], bt.dims[bt.dims.size() - 2]);
+        add(bt, TransposeStep{"transpose_" + bt.name, name, bt.name});
+        name = bt.name;
+      }
+      g->b_trans = false;
+    }
+    out.push_back(std::move(s));
+  }
+  p.steps = std::move(out);
   return p;
 }
 
@@ -446,6 +570,8 @@ KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule) {
   dump("assign_row_layouts", p);
   p = resolve_row_maps(std::move(p), schedule);
   dump("resolve_row_maps", p);
+  p = materialize_transposes(std::move(p), schedule);
+  dump("materialize_transposes", p);
   return p;
 }
 

@@ -19,5 +19,6 @@ KernelProgram split_unfused_epilogues(KernelProgram p, const Schedule &schedule)
 KernelProgram insert_permutation(KernelProgram p, const Schedule &schedule);
 KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule);
 KernelProgram resolve_row_maps(KernelProgram p, const Schedule &schedule);
+KernelProgram materialize_transposes(KernelProgram p, const Schedule &schedule);
 
 } // namespace moeforge

@@ -62,6 +62,8 @@ int64_t ProgramShapes::elements(const TensorDecl &t) const {
   std::vector<int64_t> s = shape(t);
   if (t.layout == RowLayout::padded)
     s.at(0) = routing(t.route).max_padded_rows();
+  if (t.layout == RowLayout::padded_t)
+    s.back() = routing(t.route).max_padded_rows();
   int64_t n = 1;
   for (int64_t e : s)
     n *= e;
@@ -98,6 +100,7 @@ HostTensor ProgramShapes::decode(const TensorDecl &t, const std::vector<uint8_t>
   // Routed rows stored in the padded order come back in pair order.
   const bool padded = t.layout == RowLayout::padded;
   internal_check(!padded || pair_pos) << "decoding padded '" << t.name << "' needs its route's pair_pos";
+  internal_check(t.layout != RowLayout::padded_t) << "'" << t.name << "' is a transposed internal copy";
   for (int64_t r = 0; r < (out.shape.empty() ? 1 : out.shape[0]); ++r) {
     int64_t from = padded ? (*pair_pos)[r] : r;
     for (int64_t i = 0; i < row; ++i)

@@ -67,6 +67,8 @@ template <typename Tables> auto *routing_array(Tables &t, const std::string &nam
          : name == "tile_expert"    ? &t.tile_expert
          : name == "tile_row_start" ? &t.tile_row_start
          : name == "tile_rows"      ? &t.tile_rows
+         : name == "offsets"        ? &t.offsets
+         : name == "counts"         ? &t.counts
                                     : static_cast<Member>(nullptr);
 }
 

@@ -109,6 +109,12 @@ Schedule &Schedule::gate(GateFusion g) {
   return *this;
 }
 
+Schedule &Schedule::recompute(bool on) {
+  recompute_ = on;
+  calls_.push_back(std::string("recompute(") + (on ? "true" : "false") + ")");
+  return *this;
+}
+
 Schedule &Schedule::tile(const std::string &func, int m, int n, int k) {
   std::ostringstream c;
   c << "tile(" << quoted(func) << ", " << m << ", " << n << ", " << k << ")";

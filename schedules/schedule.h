@@ -97,6 +97,10 @@ public:
   // Rows per block of routed pairs: 64, 128 or 256.
   Schedule &block(int rows);
   Schedule &gate(GateFusion g);
+  // Training: whether the backward recomputes the forward's pre-activations
+  // (the expert GEMMs over the inputs) instead of reading what the forward
+  // stored. Less activation memory, more FLOPs.
+  Schedule &recompute(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -117,6 +121,7 @@ public:
   Permutation permutation() const { return permutation_; }
   int block() const { return block_; }
   GateFusion gate() const { return gate_; }
+  bool recompute() const { return recompute_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
   FuncSchedule for_func(const std::string &func) const;
@@ -160,6 +165,7 @@ private:
   Permutation permutation_ = Permutation::blocked;
   int block_ = 128;
   GateFusion gate_ = GateFusion::combine;
+  bool recompute_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

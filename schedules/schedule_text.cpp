@@ -36,6 +36,7 @@ const std::vector<Signature> &signatures() {
       {"permutation", {{"strategy", ArgType::permutation}}},
       {"block", {{"rows", ArgType::integer}}},
       {"gate", {{"fusion", ArgType::gate}}},
+      {"recompute", {{"on", ArgType::boolean}}},
       {"tile", {{"func", ArgType::text}, {"m", ArgType::integer}, {"n", ArgType::integer}, {"k", ArgType::integer}}},
       {"stages", {{"func", ArgType::text}, {"stages", ArgType::integer}}},
       {"warps", {{"func", ArgType::text}, {"warps_m", ArgType::integer}, {"warps_n", ArgType::integer}}},
@@ -265,6 +266,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.block(i(0));
       } else if (st.primitive == "gate") {
         s.gate(gates[0]);
+      } else if (st.primitive == "recompute") {
+        s.recompute(bools[0]);
       } else if (st.primitive == "tile") {
         s.tile(func, i(1), i(2), i(3));
       } else if (st.primitive == "stages") {

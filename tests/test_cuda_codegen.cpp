@@ -182,11 +182,6 @@ TEST_CASE("lowering: a router bias runs in the router GEMM's epilogue") {
 }
 
 TEST_CASE("codegen errors: what the CUDA backend cannot compile says why") {
-  // Attention's softmax wraps a contraction: the backend asks for two Funcs.
-  Example att = make_example("attention", small());
-  CHECK_THROWS_WITH_AS(lower(att.pipeline, preset("megablocks")),
-                       doctest::Contains("mixes a contraction with softmax or combine; split it into two Funcs"),
-                       UserError);
   // Router probabilities stored as bf16 cannot feed the device top-k.
   {
     Dim T = Dim::dynamic("T"), D("D", 64), E("E", 8);
@@ -201,7 +196,31 @@ TEST_CASE("codegen errors: what the CUDA backend cannot compile says why") {
     CHECK_THROWS_WITH_AS(lower(Pipeline({y}), preset("megablocks")),
                          doctest::Contains("the device routing needs f32 probabilities"), UserError);
   }
-  // An f32 GEMM operand.
+  // An expert_sum whose factors read both output indices together.
+  {
+    Example ex = make_example("moe_mlp", small());
+    Func h = ex.pipeline.func("h");
+    const RoutingNode &rn = *ex.pipeline.routes()[0];
+    Route route(ex.pipeline.routes()[0], ex.pipeline.func("route_gate"));
+    Var e("e", rn.expert_dim()), j("j", h.args()[1].dim()), j2("j2", h.args()[1].dim());
+    Func g("g");
+    g(e, j, j2) = expert_sum(route, e, h(route.pair(), j) * h(route.pair(), j2) * h(route.pair(), j));
+    CHECK_NOTHROW(lower(Pipeline({g}), preset("megablocks")));
+    Func bad("bad");
+    bad(e, j, j2) = expert_sum(route, e, h(route.pair(), j) * (h(route.pair(), j2) + h(route.pair(), j)));
+    CHECK_THROWS_WITH_AS(lower(Pipeline({bad}), preset("megablocks")),
+                         doctest::Contains("so the expert_sum is not a product of two row-indexed matrices"),
+                         UserError);
+  }
+}
+
+TEST_CASE("lowering: contractions the kernels cannot read directly are decomposed") {
+  // Attention's softmax wraps a contraction: the contraction becomes a GEMM
+  // Func of its own and the softmax reads it.
+  Example att = make_example("attention", small());
+  KernelProgram a = lower(att.pipeline, preset("megablocks"));
+  CHECK(count_steps<GemmStep>(a) >= 2);
+  // An f32 operand: a bf16 copy (an element-wise step) feeds the GEMM.
   {
     Dim T = Dim::dynamic("T"), D("D", 64), F("F", 64);
     Var t("t", T), i("i", D), j("j", F);
@@ -209,9 +228,12 @@ TEST_CASE("codegen errors: what the CUDA backend cannot compile says why") {
     Param w("w", {D, F});
     Func y("y");
     y(t, j) = sum(i, x(t, i) * w(i, j));
-    CHECK_THROWS_WITH_AS(lower(Pipeline({y}), preset("megablocks")), doctest::Contains("declare both bf16"), UserError);
+    KernelProgram p = lower(Pipeline({y}), preset("megablocks"));
+    CHECK(p.tensor("y_a").dtype == DType::bf16);
+    CHECK(count_steps<PointwiseStep>(p) == 1);
+    CHECK(std::get<GemmStep>(p.steps.back()).a == "y_a");
   }
-  // A transposed B operand.
+  // A transposed B operand: a transpose step writes w^T first.
   {
     Dim T = Dim::dynamic("T"), D("D", 64), F("F", 64);
     Var t("t", T), i("i", D), j("j", F);
@@ -219,8 +241,10 @@ TEST_CASE("codegen errors: what the CUDA backend cannot compile says why") {
     Param w("w", {F, D});
     Func y("y");
     y(t, j) = sum(i, x(t, i) * w(j, i));
-    CHECK_THROWS_WITH_AS(lower(Pipeline({y}), preset("megablocks")),
-                         doctest::Contains("does not read A by (t, i) and B by (i, j)"), UserError);
+    KernelProgram p = lower(Pipeline({y}), preset("megablocks"));
+    CHECK(count_steps<TransposeStep>(p) == 1);
+    CHECK(std::get<GemmStep>(p.steps.back()).b[0] == "w_T");
+    CHECK(p.tensor("w_T").dims[0].name() == "D");
   }
 }
 

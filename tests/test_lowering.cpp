@@ -26,7 +26,7 @@ TEST_CASE("lowering: MOEFORGE_DEBUG=lower prints the program after every pass in
   const std::string text = captured.str();
   size_t at = 0;
   for (const char *pass : {"build_steps", "fuse_gate_into_epilogue", "split_unfused_epilogues", "insert_permutation",
-                           "assign_row_layouts", "resolve_row_maps"}) {
+                           "assign_row_layouts", "resolve_row_maps", "materialize_transposes"}) {
     size_t found = text.find(std::string("=== after ") + pass + " ===", at);
     CHECK_MESSAGE(found != std::string::npos, "no dump after " << pass << " (in order)");
     if (found != std::string::npos)
@@ -35,7 +35,8 @@ TEST_CASE("lowering: MOEFORGE_DEBUG=lower prints the program after every pass in
   // The last dump is the program lower() returned.
   std::ostringstream final_program;
   final_program << p;
-  CHECK(text.substr(text.rfind("=== after resolve_row_maps ===\n") + 31) == final_program.str());
+  const std::string last = "=== after materialize_transposes ===\n";
+  CHECK(text.substr(text.rfind(last) + last.size()) == final_program.str());
 }
 
 TEST_CASE("lowering: without MOEFORGE_DEBUG nothing is printed") {

@@ -518,7 +518,7 @@ KernelProgram materialize_transposes(KernelProgram p, const Schedule &) {
       // A^T with the padded rows last (zero on padding), B in padded order
       // (zero on padding: a padded GEMM output's padding rows are never written).
       const RoutingNode *r = g->route;
-      const TensorDecl &a = p.tensor(g->a), &b = p.tensor(g->b[0]);
+      const TensorDecl a = p.tensor(g->a), b = p.tensor(g->b[0]); // copies: add() grows p.tensors
       TensorDecl at{g->a + "_T_" + r->name, DType::bf16, {a.dims[1], r->pairs}, RowLayout::padded_t, r, false};
       add(at, TransposeStep{"transpose_" + at.name, g->a, at.name, r, rows_of(g->a, g->a_rows)});
       TensorDecl bp{g->b[0] + "_rows_" + r->name, DType::bf16, {r->pairs, b.dims[1]}, RowLayout::padded, r, false};

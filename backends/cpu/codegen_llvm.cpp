@@ -89,6 +89,18 @@ public:
   }
   // A Dim's extent as i64; dynamic extents are arguments.
   Value *extent(const Dim &d) { return extent_of(d.get()); }
+  // The rows of r's padded layout, max_padded_rows = (ceil(T * k / block) +
+  // E) * block (runtime/routing_host.h): the row stride of a padded_t tensor.
+  Value *max_padded_rows(const RoutingNode *r) {
+    int64_t block = 0;
+    for (const Step &s : prog_.steps)
+      if (auto *rs = std::get_if<RoutingStep>(&s); rs && rs->route == r)
+        block = rs->block;
+    internal_check(block > 0) << "route '" << r->name << "' has no routing step";
+    Value *tiles = b.CreateAdd(b.CreateSDiv(b.CreateAdd(extent(r->pairs), c64(block - 1)), c64(block)),
+                               c64(r->expert_dim().extent()));
+    return b.CreateMul(tiles, c64(block), "max_padded_rows");
+  }
 
   Value *alloca_f32(int64_t n, const std::string &name) {
     return entry_b_.CreateAlloca(f32(), entry_b_.getInt64(n), name);
@@ -155,6 +167,8 @@ public:
   Value *offset(const TensorDecl &t, const std::vector<Value *> &idx) {
     internal_check(idx.size() == t.dims.size())
         << "tensor '" << t.name << "' indexed with " << idx.size() << " indices";
+    internal_check(t.layout != RowLayout::padded_t)
+        << "tensor '" << t.name << "' is a transposed padded copy: only expert-reduction GEMMs read it";
     Value *off = c64(0);
     for (size_t i = 0; i < idx.size(); ++i) {
       Value *v = idx[i];
@@ -252,8 +266,11 @@ public:
     case ExprKind::RouteSum:
       return route_sum(*e.as<RouteSum>());
     case ExprKind::Sum:
+      return reduction(*e.as<Sum>());
+    case ExprKind::Extent: // a dynamic extent is known only now
+      return b.CreateSIToFP(fb_.extent(e.as<Extent>()->dim), fb_.f32());
     case ExprKind::Softmax:
-      break;
+      break; // only as a whole definition (emit_pointwise)
     }
     internal_check(false) << "step " << step_ << ": the CPU codegen cannot emit " << to_string(e)
                           << " here (lowering should have split it)";
@@ -323,21 +340,42 @@ private:
     internal_check(false) << "step " << step_ << ": unknown unary op";
   }
 
-  Value *route_sum(const RouteSum &s) {
-    user_check(s.field == RouteField::token)
-        << "step " << step_ << ": expert_sum is not supported by the CPU backend yet";
-    // A token's pairs are the k consecutive rows t * k + slot: a fixed loop,
-    // deterministic, in slot order.
-    Value *acc = fb_.alloca_f32(1, "combine");
+  // sum(i, body) with at most one free index left (lowering keeps GEMM-shaped
+  // sums out of element-wise steps): a loop over i, in order, in f32.
+  Value *reduction(const Sum &s) {
+    Value *acc = fb_.alloca_f32(1, "sum_" + s.var.name());
     b.CreateStore(fb_.cf(0.0), acc);
-    Value *t = vars.at(s.target.get());
-    int k = s.route->k;
-    fb_.for_loop(fb_.c64(0), fb_.c64(k), "slot", [&](Value *slot) {
-      vars[s.route->pair.get()] = b.CreateAdd(b.CreateMul(t, fb_.c64(k)), slot);
-      Value *v = emit(s.body);
-      b.CreateStore(b.CreateFAdd(b.CreateLoad(fb_.f32(), acc), v), acc);
-      vars.erase(s.route->pair.get());
+    fb_.for_loop(fb_.c64(0), fb_.extent(s.var.dim()), s.var.name(), [&](Value *i) {
+      vars[s.var.get()] = i;
+      b.CreateStore(b.CreateFAdd(b.CreateLoad(fb_.f32(), acc), emit(s.body)), acc);
     });
+    vars.erase(s.var.get());
+    return b.CreateLoad(fb_.f32(), acc);
+  }
+
+  Value *route_sum(const RouteSum &s) {
+    Value *acc = fb_.alloca_f32(1, s.field == RouteField::token ? "combine" : "expert_sum");
+    b.CreateStore(fb_.cf(0.0), acc);
+    Value *target = vars.at(s.target.get());
+    const Var &pair = s.route->pair;
+    auto add = [&](Value *r) {
+      vars[pair.get()] = r;
+      b.CreateStore(b.CreateFAdd(b.CreateLoad(fb_.f32(), acc), emit(s.body)), acc);
+      vars.erase(pair.get());
+    };
+    if (s.field == RouteField::token) {
+      // A token's pairs are the k consecutive rows t * k + slot: a fixed
+      // loop, deterministic, in slot order.
+      int k = s.route->k;
+      fb_.for_loop(fb_.c64(0), fb_.c64(k), "slot",
+                   [&](Value *slot) { add(b.CreateAdd(b.CreateMul(target, fb_.c64(k)), slot)); });
+    } else {
+      // An expert's pairs are the first counts[e] rows of its padded segment,
+      // in pair order (the sort is stable).
+      Value *p0 = fb_.route_at(s.route.get(), "offsets", target);
+      Value *p1 = b.CreateAdd(p0, fb_.route_at(s.route.get(), "counts", target));
+      fb_.for_loop(p0, p1, "seg", [&](Value *p) { add(fb_.route_at(s.route.get(), "sorted_pair", p)); });
+    }
     return b.CreateLoad(fb_.f32(), acc);
   }
 
@@ -357,7 +395,9 @@ int64_t static_extent(const GemmStep &g, const Dim &d, const char *role) {
 
 void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb) {
   auto &b = fb.b;
-  const int64_t K = static_extent(g, g.k, "reduced"), N = static_extent(g, g.n, "column");
+  // K may be dynamic (d_wr = x^T d_logits reduces over the tokens); N sizes
+  // the accumulators, so it is static.
+  const int64_t N = static_extent(g, g.n, "column");
   const int nb = static_cast<int>(g.b.size());
   // Columns in blocks of the schedule's tile_n: the accumulators of one row
   // block stay in L1 while K streams through; the last block may be partial
@@ -371,15 +411,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
   for (int i = 0; i < nb; ++i)
     acc.push_back(fb.alloca_f32(TN, "acc" + std::to_string(i)));
 
-  // One output row: p is the row in tile order (padded position, or m when
-  // dense), r the pair (or m), expert the B slice.
-  auto row = [&](Value *p, Value *r, Value *expert) {
-    Value *a_row = g.a_rows == RowMap::direct        ? p
-                   : g.a_rows == RowMap::gather_pair ? r
-                                                     : b.CreateSDiv(r, fb.c64(g.route->k));
-    Value *out_row = g.out_rows == RowMap::direct ? p : r;
-    Value *a_base = b.CreateMul(a_row, fb.c64(K));
-    Value *b_base = g.b_per_expert ? b.CreateMul(expert, fb.c64(K * N)) : fb.c64(0);
+  // One output row of C, stored at row `out_row`, the epilogue's row index
+  // being `row_index`: N in blocks of TN; accumulate(n0, update) calls
+  // update(i, b_row, a) once per k: acc_i[j] += a * B_i[b_row + j].
+  using Update = std::function<void(int i, Value *b_row, Value *a)>;
+  auto columns = [&](Value *out_row, Value *row_index,
+                     const std::function<void(Value * n0, const Update &)> &accumulate) {
     fb.for_loop(
         fb.c64(0), fb.c64(N), "n0",
         [&](Value *n0) {
@@ -388,21 +425,19 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
           for (int i = 0; i < nb; ++i)
             fb.for_loop(fb.c64(0), width, "zero",
                         [&](Value *j) { b.CreateStore(fb.cf(0.0), b.CreateGEP(fb.f32(), acc[i], j)); });
-          fb.for_loop(fb.c64(0), fb.c64(K), "k", [&](Value *kk) {
-            Value *a = fb.load(A, b.CreateAdd(a_base, kk));
-            Value *b_row = b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, fb.c64(N)), n0));
-            for (int i = 0; i < nb; ++i)
-              fb.for_loop(fb.c64(0), width, "j", [&](Value *j) {
-                Value *slot = b.CreateGEP(fb.f32(), acc[i], j);
-                Value *prod = b.CreateFMul(a, fb.load(*B[i], b.CreateAdd(b_row, j)));
-                b.CreateStore(b.CreateFAdd(b.CreateLoad(fb.f32(), slot), prod), slot);
-              });
+          // acc[i][j] += a * B_i[b_row + j] for the columns of this block.
+          accumulate(n0, [&](int i, Value *b_row, Value *a) {
+            fb.for_loop(fb.c64(0), width, "j", [&](Value *j) {
+              Value *slot = b.CreateGEP(fb.f32(), acc[i], j);
+              Value *prod = b.CreateFMul(a, fb.load(*B[i], b.CreateAdd(b_row, j)));
+              b.CreateStore(b.CreateFAdd(b.CreateLoad(fb.f32(), slot), prod), slot);
+            });
           });
           // The epilogue, per element, in f32; stored as C's dtype.
           fb.for_loop(fb.c64(0), width, "epi", [&](Value *j) {
             ExprEmitter em(prog, fb, g.name);
             Value *col = b.CreateAdd(n0, j);
-            em.vars[g.row_var.get()] = r;
+            em.vars[g.row_var.get()] = row_index;
             em.vars[g.col_var.get()] = col;
             for (int i = 0; i < nb; ++i)
               em.registers[g.accumulators[i].get()] = b.CreateLoad(fb.f32(), b.CreateGEP(fb.f32(), acc[i], j));
@@ -411,6 +446,50 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
           });
         },
         TN);
+  };
+
+  if (g.expert_k) {
+    // C[e, m, n] = sum over e's padded segment [offsets[e], offsets[e+1]) of
+    // A^T[m, p] * B[p, n]; both operands are zero on padding rows, and an
+    // expert with no rows gets zeros.
+    const RoutingNode *rt = g.route;
+    internal_check(A.layout == RowLayout::padded_t && B[0]->layout == RowLayout::padded && nb == 1)
+        << "step " << g.name << ": an expert reduction reads A^T (padded_t) and B (padded)";
+    Value *stride = fb.max_padded_rows(rt), *M = fb.extent(g.m);
+    fb.for_loop(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
+      Value *p0 = fb.route_at(rt, "offsets", e);
+      Value *p1 = fb.route_at(rt, "offsets", b.CreateAdd(e, fb.c64(1)));
+      fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
+        Value *a_base = b.CreateMul(m, stride);
+        columns(b.CreateAdd(b.CreateMul(e, M), m), m, [&](Value *n0, const Update &update) {
+          fb.for_loop(p0, p1, "p", [&](Value *p) {
+            Value *a = fb.load(A, b.CreateAdd(a_base, p));
+            update(0, b.CreateAdd(b.CreateMul(p, fb.c64(N)), n0), a);
+          });
+        });
+      });
+    });
+    return;
+  }
+
+  Value *K = fb.extent(g.k);
+  // One output row: p is the row in tile order (padded position, or m when
+  // dense), r the pair (or m), expert the B slice.
+  auto row = [&](Value *p, Value *r, Value *expert) {
+    Value *a_row = g.a_rows == RowMap::direct        ? p
+                   : g.a_rows == RowMap::gather_pair ? r
+                                                     : b.CreateSDiv(r, fb.c64(g.route->k));
+    Value *out_row = g.out_rows == RowMap::direct ? p : r;
+    Value *a_base = b.CreateMul(a_row, K);
+    Value *b_base = g.b_per_expert ? b.CreateMul(expert, b.CreateMul(K, fb.c64(N))) : fb.c64(0);
+    columns(out_row, r, [&](Value *n0, const Update &update) {
+      fb.for_loop(fb.c64(0), K, "k", [&](Value *kk) {
+        Value *a = fb.load(A, b.CreateAdd(a_base, kk));
+        Value *b_row = b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, fb.c64(N)), n0));
+        for (int i = 0; i < nb; ++i)
+          update(i, b_row, a);
+      });
+    });
   };
 
   if (g.route) {
@@ -492,26 +571,100 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, FunctionB
   nest(0);
 }
 
-// ------------------------------------------------------------ the padded copy (blocked)
+// ------------------------------------------------------------ copies into the padded order
 
+// The source row of padded position p whose pair is r (r >= 0): the token
+// r / k, the pair r, or p itself (a padded source).
+Value *source_row(FunctionBuilder &fb, const RoutingNode *route, RowMap rows, Value *p, Value *r) {
+  switch (rows) {
+  case RowMap::gather_token:
+    return fb.b.CreateSDiv(r, fb.c64(route->k));
+  case RowMap::gather_pair:
+    return r;
+  case RowMap::direct:
+    return p;
+  }
+  return nullptr;
+}
+
+// dst[p, :] = src[row(p), :] for p < padded_rows, zero on padding rows.
 void emit_gather(const KernelProgram &prog, const GatherStep &s, FunctionBuilder &fb) {
   auto &b = fb.b;
   const TensorDecl &src = prog.tensor(s.src), &dst = prog.tensor(s.dst);
-  internal_check(src.dtype == dst.dtype) << "step " << s.name << ": gather between different dtypes";
   const Dim &cols = src.dims[1];
   user_check(!cols.is_dynamic()) << "step " << s.name << ": the row length " << cols.name() << " of '" << s.src
                                  << "' must be static for the CPU backend";
-  const int64_t row_bytes = cols.extent() * dtype_bytes(src.dtype);
+  const int64_t n = cols.extent(), row_bytes = n * dtype_bytes(dst.dtype);
+  const bool same = src.dtype == dst.dtype;
   Value *gsrc = fb.tensor(s.src), *gdst = fb.tensor(s.dst);
   fb.for_loop(fb.c64(0), fb.route_scalar(s.route, "padded_rows"), "p", [&](Value *p) {
     Value *r = fb.route_at(s.route, "sorted_pair", p);
     Value *to = b.CreateGEP(b.getInt8Ty(), gdst, b.CreateMul(p, fb.c64(row_bytes)));
     Value *is_pad = b.CreateICmpSLT(r, fb.c64(0));
-    Value *token = b.CreateSDiv(r, fb.c64(s.route->k));
     fb.if_then(is_pad, [&] { b.CreateMemSet(to, b.getInt8(0), row_bytes, llvm::MaybeAlign(2)); });
     fb.if_then(b.CreateNot(is_pad), [&] {
-      Value *from = b.CreateGEP(b.getInt8Ty(), gsrc, b.CreateMul(token, fb.c64(row_bytes)));
-      b.CreateMemCpy(to, llvm::MaybeAlign(2), from, llvm::MaybeAlign(2), row_bytes);
+      Value *row = source_row(fb, s.route, s.rows, p, r);
+      if (same) {
+        Value *from = b.CreateGEP(b.getInt8Ty(), gsrc, b.CreateMul(row, fb.c64(row_bytes)));
+        b.CreateMemCpy(to, llvm::MaybeAlign(2), from, llvm::MaybeAlign(2), row_bytes);
+        return;
+      }
+      // An operand copy that changes the storage type (f32 -> bf16).
+      fb.for_loop(fb.c64(0), fb.c64(n), "c", [&](Value *c) {
+        fb.store(dst, b.CreateAdd(b.CreateMul(p, fb.c64(n)), c),
+                 fb.load(src, b.CreateAdd(b.CreateMul(row, fb.c64(n)), c)));
+      });
+    });
+  });
+}
+
+// ------------------------------------------------------------ transposes
+
+void emit_transpose(const KernelProgram &prog, const TransposeStep &s, FunctionBuilder &fb) {
+  auto &b = fb.b;
+  const TensorDecl &src = prog.tensor(s.src), &dst = prog.tensor(s.dst);
+  if (s.route) {
+    // dst[c, p] = src[row(p), c] over every padded position p < max_padded_rows,
+    // zero past padded_rows and on padding rows: the expert reduction's K loop
+    // reads whole padded segments.
+    internal_check(dst.layout == RowLayout::padded_t && src.dims.size() == 2)
+        << "step " << s.name << ": a routed transpose writes a padded_t copy of a 2-D tensor";
+    Value *cols = fb.extent(src.dims[1]), *stride = fb.max_padded_rows(s.route);
+    Value *used = fb.route_scalar(s.route, "padded_rows");
+    fb.for_loop(fb.c64(0), stride, "p", [&](Value *p) {
+      Value *in_use = b.CreateICmpSLT(p, used);
+      Value *r = b.CreateSelect(in_use, fb.route_at(s.route, "sorted_pair", p), fb.c64(-1));
+      Value *is_pad = b.CreateICmpSLT(r, fb.c64(0));
+      fb.if_then(is_pad, [&] {
+        fb.for_loop(fb.c64(0), cols, "c",
+                    [&](Value *c) { fb.store(dst, b.CreateAdd(b.CreateMul(c, stride), p), fb.cf(0.0)); });
+      });
+      fb.if_then(b.CreateNot(is_pad), [&] {
+        Value *from = b.CreateMul(source_row(fb, s.route, s.rows, p, r), cols);
+        fb.for_loop(fb.c64(0), cols, "c", [&](Value *c) {
+          fb.store(dst, b.CreateAdd(b.CreateMul(c, stride), p), fb.load(src, b.CreateAdd(from, c)));
+        });
+      });
+    });
+    return;
+  }
+  // Dense: [..., R, C] -> [..., C, R], the leading dims kept.
+  const size_t n = src.dims.size();
+  internal_check(n >= 2 && dst.dims.size() == n && dst.dims[n - 2].same_as(src.dims[n - 1]) &&
+                 dst.dims[n - 1].same_as(src.dims[n - 2]))
+      << "step " << s.name << ": '" << s.dst << "' is not the transpose of '" << s.src << "'";
+  Value *lead = fb.c64(1);
+  for (size_t i = 0; i + 2 < n; ++i)
+    lead = b.CreateMul(lead, fb.extent(src.dims[i]));
+  Value *R = fb.extent(src.dims[n - 2]), *C = fb.extent(src.dims[n - 1]);
+  fb.for_loop(fb.c64(0), lead, "l", [&](Value *l) {
+    Value *base = b.CreateMul(l, b.CreateMul(R, C));
+    fb.for_loop(fb.c64(0), R, "r", [&](Value *r) {
+      fb.for_loop(fb.c64(0), C, "c", [&](Value *c) {
+        Value *from = b.CreateAdd(base, b.CreateAdd(b.CreateMul(r, C), c));
+        Value *to = b.CreateAdd(base, b.CreateAdd(b.CreateMul(c, R), r));
+        fb.store(dst, to, fb.load(src, from));
+      });
     });
   });
 }
@@ -540,6 +693,8 @@ LlvmModule generate_llvm(const KernelProgram &program) {
       emit_gemm(program, *g, fb);
     else if (auto *p = std::get_if<PointwiseStep>(&step))
       emit_pointwise(program, *p, fb);
+    else if (auto *t = std::get_if<TransposeStep>(&step))
+      emit_transpose(program, *t, fb);
     else
       emit_gather(program, std::get<GatherStep>(step), fb);
     fb.finish();

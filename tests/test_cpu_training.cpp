@@ -1,0 +1,243 @@
+// Training on the LLVM CPU backend: training_algebra(layer, y) compiled as one
+// program (forward, then every gradient: transposed operands, expert
+// reductions, reductions over tokens) and checked against the float64 Eigen
+// reference of the same algebra, Func by Func. Every intermediate and output
+// is poisoned (NaN) before the run, so a kernel that writes nothing fails.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+
+#include "cpu_compare.h"
+#include "dsl/training.h"
+#include "examples/aux_loss_example.h"
+
+using namespace moeforge;
+using namespace moeforge::cpu_test;
+
+namespace {
+
+// The algebra of one training step: the forward outputs and the gradients
+// of every Input and Param, with the seeds (the outputs' upstream gradients)
+// as extra Inputs.
+struct Training {
+  Pipeline pipeline;
+  std::vector<std::string> gradients, seeds, outputs; // seeds[i] belongs to outputs[i]
+};
+
+Training training_of(const Example &ex) {
+  TrainingAlgebra t = training_algebra(ex.pipeline, ex.pipeline.func(ex.output));
+  return Training{t.pipeline, t.gradients, {t.seed}, {t.output}};
+}
+
+// Several outputs (a layer with its auxiliary losses): grad() seeds each.
+Training training_of(const Pipeline &forward, const std::vector<Func> &outputs) {
+  Gradients g = grad(forward, outputs);
+  Training t{forward, {}, g.seeds, {}};
+  std::vector<Func> all = outputs;
+  for (const Func &f : outputs)
+    t.outputs.push_back(f.name());
+  for (const BufferPtr &b : forward.buffers())
+    if (auto it = g.of.find(b->name); it != g.of.end()) {
+      all.push_back(it->second);
+      t.gradients.push_back(it->second.name());
+    }
+  t.pipeline = Pipeline(all);
+  return t;
+}
+
+// The inputs plus a random upstream gradient ~ U(-1, 1) (f32) per output,
+// shaped like it.
+TensorMap with_seed_gradients(const Pipeline &forward, const Training &t, TensorMap inputs, uint64_t seed) {
+  EvalResult y = evaluate(forward, inputs, Precision::f64);
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i < t.seeds.size(); ++i)
+    inputs[t.seeds[i]] = random_tensor(y[t.outputs[i]].shape, rng, -1.0, 1.0, /*bf16=*/false);
+  return inputs;
+}
+
+// max |a - b| / max(max |b|, floor): the normalised error of layer_compare.h,
+// except for gradients that are zero in exact arithmetic (the router's
+// gradients when every token's gate is renormalised to 1), where the f64
+// reference holds rounding noise (~1e-28) and the CPU exact zeros.
+double gradient_error(const HostTensor &got, const HostTensor &ref, double floor = 1e-6) {
+  REQUIRE(got.shape == ref.shape);
+  double scale = floor, worst = 0;
+  for (double v : ref.data)
+    scale = std::max(scale, std::fabs(v));
+  for (size_t i = 0; i < got.data.size(); ++i) {
+    double d = std::fabs(got.data[i] - ref.data[i]);
+    if (std::isnan(d))
+      return INFINITY; // an element nothing wrote
+    worst = std::max(worst, d);
+  }
+  return worst / scale;
+}
+
+struct TrainingOutcome {
+  Outcome outcome; // worst_error: over the outputs, every gradient and every materialised intermediate
+  std::vector<std::string> gradients;
+};
+
+// Compiles and runs training step t of `forward` (routed by `route`, empty
+// for none) under `schedule` and compares every output, every gradient and
+// every other materialised Func with the float64 reference.
+TrainingOutcome train_and_compare(const Pipeline &forward, const std::string &route, const Training &t,
+                                  const TensorMap &inputs, int64_t tokens, const Schedule &schedule,
+                                  double tolerance = 2e-2) {
+  TensorMap in = with_seed_gradients(forward, t, inputs, 17);
+  cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(t.pipeline, schedule);
+  cpu::CpuLayer layer(compiled, tokens);
+  layer.upload(in);
+  layer.poison();
+  layer.run();
+  EvalResult ref = evaluate(t.pipeline, in, Precision::f64);
+  TrainingOutcome out{{}, t.gradients};
+  if (!route.empty()) {
+    const RoutingResult &rr = ref.routes.at(route);
+    std::vector<int32_t> got = layer.routed_experts(route);
+    REQUIRE(got.size() == rr.expert.size());
+    for (size_t p = 0; p < rr.expert.size(); ++p)
+      out.outcome.routing_mismatches += got[p] != rr.expert[p];
+    out.outcome.counts = rr.expert_counts();
+  }
+  for (const auto &[name, value] : ref.values) {
+    if (!compiled.program.find(name))
+      continue; // not materialised under this schedule (o when the gate is fused)
+    double err = gradient_error(layer.download(name), value);
+    INFO("Func " << name << " under\n" << schedule.to_text());
+    CHECK(err <= tolerance);
+    out.outcome.worst_error = std::max(out.outcome.worst_error, err);
+    if (name == t.outputs[0])
+      out.outcome.y_error = err;
+  }
+  // Every output and gradient is an output of the program, so the loop above saw it.
+  for (const std::string &g : t.gradients)
+    CHECK(compiled.program.find(g) != nullptr);
+  for (const std::string &o : t.outputs)
+    CHECK(compiled.program.find(o) != nullptr);
+  return out;
+}
+
+TrainingOutcome train_and_compare(const Example &ex, const TensorMap &inputs, int64_t tokens,
+                                  const Schedule &schedule) {
+  return train_and_compare(ex.pipeline, ex.route, training_of(ex), inputs, tokens, schedule);
+}
+
+Schedule named(const std::string &preset_name, bool recompute) {
+  Schedule s = preset(preset_name);
+  if (recompute)
+    s.recompute(true);
+  return s;
+}
+
+} // namespace
+
+TEST_SUITE("cpu") {
+  TEST_CASE("cpu training: moe_mlp and swiglu_moe gradients match the reference under every preset") {
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (int64_t tokens : {64, 200})
+        for (const char *p : {"megablocks", "scattermoe"})
+          for (bool recompute : {false, true}) {
+            ExampleShape s = shape(tokens, 64, 128, 8, 2);
+            Example ex = make_example(name, s);
+            TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 11), s.tokens, named(p, recompute));
+            INFO(name << " / T = " << tokens << " / " << p << (recompute ? " / recompute" : ""));
+            CHECK(o.outcome.routing_mismatches == 0);
+            CHECK(o.outcome.y_error <= 1e-2);
+            CHECK(o.outcome.worst_error <= 2e-2);
+            CHECK(o.gradients.size() == (std::string(name) == "moe_mlp" ? 4u : 5u)); // d_x d_wr d_w1 (d_w3) d_w2
+          }
+  }
+
+  TEST_CASE("cpu training: the dense MLP (no routing) gradients match the reference") {
+    ExampleShape s = shape(150, 64, 128, 1, 1);
+    Example ex = make_example("dense_mlp", s);
+    for (const char *p : {"megablocks", "scattermoe"})
+      for (bool recompute : {false, true}) {
+        TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 5), s.tokens, named(p, recompute));
+        INFO(p << (recompute ? " / recompute" : ""));
+        CHECK(o.outcome.worst_error <= 2e-2);
+        CHECK(!o.gradients.empty());
+      }
+  }
+
+  TEST_CASE("cpu training: MoE edge cases (empty expert and one busy expert and ragged tails)") {
+    for (const testing::EdgeCase &c : testing::edge_cases(64, 128)) {
+      if (c.bias == Bias::ramp || c.s.topk == c.s.experts)
+        continue; // the forward tests cover these; keep the training sweep short
+      for (const char *p : {"megablocks", "scattermoe"}) {
+        Example ex = biased_moe(c.s, c.swiglu, c.bias, c.swiglu);
+        TensorMap in = biased_inputs(ex, c.s, c.bias, 3);
+        TrainingOutcome o = train_and_compare(ex, in, c.s.tokens, named(p, false));
+        INFO(std::string(c.what) << " / " << p);
+        CHECK(o.outcome.routing_mismatches == 0);
+        CHECK(o.outcome.worst_error <= 2e-2);
+        testing::check_edge_routing(c, o.outcome);
+      }
+    }
+  }
+
+  TEST_CASE("cpu training: the auxiliary losses (reductions over tokens and extent(T)) and their gradients") {
+    // lb_loss and z_loss are 0-D Funcs of sums over the tokens and pairs
+    // divided by extent(T) or extent(pairs): reductions with no free index.
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (const char *p : {"megablocks", "scattermoe"}) {
+        ExampleShape s = shape(150, 64, 128, 8, 2);
+        AuxLossLayer a = make_aux_loss_example(name, s);
+        Training t = training_of(a.example.pipeline, a.output_funcs());
+        REQUIRE(t.seeds.size() == 3);
+        TrainingOutcome o = train_and_compare(a.example.pipeline, a.example.route, t, a.example.random_inputs(s, 8),
+                                              s.tokens, preset(p));
+        INFO(name << " / " << p);
+        CHECK(o.outcome.routing_mismatches == 0);
+        CHECK(o.outcome.worst_error <= 2e-2);
+      }
+  }
+
+  TEST_CASE("cpu training: dense transposes are exact copies of their sources") {
+    // The weights' transposes are downloadable (dense layouts): each must be
+    // the input with its last two dims swapped, bit for bit.
+    ExampleShape s = shape(40, 64, 96, 8, 2);
+    Example ex = make_example("swiglu_moe", s);
+    Training train = training_of(ex);
+    TensorMap in = with_seed_gradients(ex.pipeline, train, ex.random_inputs(s, 4), 9);
+    cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(train.pipeline, preset("scattermoe"));
+    cpu::CpuLayer layer(compiled, s.tokens);
+    layer.upload(in);
+    layer.poison();
+    layer.run();
+    int checked = 0;
+    for (const char *src : {"x", "wr", "w1", "w2", "w3"}) {
+      std::string dst = std::string(src) + "_T";
+      if (!compiled.program.find(dst))
+        continue;
+      const HostTensor &a = in.at(src);
+      HostTensor t = layer.download(dst);
+      size_t n = a.shape.size();
+      REQUIRE(t.shape.size() == n);
+      CHECK(t.shape[n - 1] == a.shape[n - 2]);
+      CHECK(t.shape[n - 2] == a.shape[n - 1]);
+      int64_t rows = a.shape[n - 2], cols = a.shape[n - 1], lead = a.size() / (rows * cols);
+      int64_t wrong = 0;
+      for (int64_t l = 0; l < lead; ++l)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            wrong += t.data[(l * cols + c) * rows + r] != a.data[(l * rows + r) * cols + c];
+      INFO(dst);
+      CHECK(wrong == 0);
+      ++checked;
+    }
+    CHECK(checked >= 4); // x_T (K = T), wr_T, w1_T, w2_T, w3_T
+  }
+
+  TEST_CASE("cpu training: the lowered program has the backward's new steps") {
+    ExampleShape s = shape(64, 64, 128, 8, 2);
+    Example ex = make_example("moe_mlp", s);
+    std::string ir = cpu::cpu_llvm_ir(training_of(ex).pipeline, preset("megablocks"));
+    CHECK(ir.find("define void @moeforge_transpose_w1_T(ptr") != std::string::npos);
+    CHECK(ir.find("define void @moeforge_transpose_x_T_route(ptr") != std::string::npos);
+    CHECK(ir.find("define void @moeforge_gemm_d_w1(ptr") != std::string::npos);
+    CHECK(ir.find("define void @moeforge_gemm_d_wr(ptr") != std::string::npos);
+  }
+}

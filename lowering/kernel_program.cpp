@@ -2,6 +2,7 @@
 
 #include "dsl/error.h"
 #include "dsl/printer.h"
+#include "dsl/visitor.h"
 
 namespace moeforge {
 
@@ -57,6 +58,44 @@ std::string step_name(const Step &s) {
           return "route_" + x.route->name;
         else
           return x.name;
+      },
+      s);
+}
+
+std::vector<std::string> step_reads(const Step &s) {
+  struct Reads : IRVisitor {
+    std::vector<std::string> names;
+    void visit_node(const Access &a) override { names.push_back(a.target_name()); }
+  } r;
+  std::visit(
+      [&](const auto &x) {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, GemmStep>) {
+          r.names.push_back(x.a);
+          r.names.insert(r.names.end(), x.b.begin(), x.b.end());
+          r.visit(x.epilogue);
+        } else if constexpr (std::is_same_v<T, PointwiseStep>) {
+          r.visit(x.body);
+        } else if constexpr (std::is_same_v<T, GatherStep> || std::is_same_v<T, TransposeStep>) {
+          r.names.push_back(x.src);
+        } else {
+          r.names.push_back(x.probs);
+        }
+      },
+      s);
+  return r.names;
+}
+
+std::string step_output(const Step &s) {
+  return std::visit(
+      [](const auto &x) -> std::string {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, RoutingStep>)
+          return "";
+        else if constexpr (std::is_same_v<T, GatherStep> || std::is_same_v<T, TransposeStep>)
+          return x.dst;
+        else
+          return x.output;
       },
       s);
 }

@@ -52,6 +52,11 @@ struct TensorDecl {
   RowLayout layout = RowLayout::dense;
   const RoutingNode *route = nullptr; // set for pair / padded layouts
   bool is_input = false;              // an Input or Param, uploaded by the caller
+  // The last dim is stored with a row stride rounded up to 8 and a zero tail:
+  // a transposed A whose K (the token count) is dynamic, so the GEMM's
+  // 16-byte loads stay aligned and read zeros past K. A backend that reads
+  // element by element may ignore it (the storage is only larger).
+  bool stride8 = false;
 };
 
 // C[rows, n] = epilogue(sum_k A[rows, k] * B_i[expert?, k, n] for each i).
@@ -138,5 +143,9 @@ struct KernelProgram {
 
 std::ostream &operator<<(std::ostream &os, const KernelProgram &p);
 std::string step_name(const Step &s);
+// The tensors a step reads (each read once per mention) and the one it
+// writes (empty for a routing step, which writes its route's tables).
+std::vector<std::string> step_reads(const Step &s);
+std::string step_output(const Step &s);
 
 } // namespace moeforge

@@ -258,31 +258,6 @@ PointwiseStep make_pointwise(const FuncNode &f) {
   return PointwiseStep{"pointwise_" + f.name, f.name, f.args, f.body};
 }
 
-// Every read of a tensor in a step, by name.
-std::vector<std::string> reads(const Step &s) {
-  struct Reads : IRVisitor {
-    std::vector<std::string> names;
-    void visit_node(const Access &a) override { names.push_back(a.target_name()); }
-  } r;
-  std::visit(
-      [&](const auto &x) {
-        using T = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<T, GemmStep>) {
-          r.names.push_back(x.a);
-          r.names.insert(r.names.end(), x.b.begin(), x.b.end());
-          r.visit(x.epilogue);
-        } else if constexpr (std::is_same_v<T, PointwiseStep>) {
-          r.visit(x.body);
-        } else if constexpr (std::is_same_v<T, GatherStep> || std::is_same_v<T, TransposeStep>) {
-          r.names.push_back(x.src);
-        } else {
-          r.names.push_back(x.probs);
-        }
-      },
-      s);
-  return r.names;
-}
-
 bool debug_lowering() {
   const char *d = std::getenv("MOEFORGE_DEBUG");
   return d && (std::string(d).find("lower") != std::string::npos || std::string(d) == "all");
@@ -294,7 +269,7 @@ KernelProgram build_steps(const Pipeline &p, const Schedule &schedule) {
   schedule.validate(p);
   KernelProgram prog;
   prog.schedule_name = schedule.name();
-  Decomposer decomposer(p, !schedule.recompute());
+  Decomposer decomposer(p, /*share_forward_sums=*/true);
   for (const BufferPtr &b : p.buffers())
     prog.tensors.push_back(TensorDecl{b->name, b->dtype, b->dims, RowLayout::dense, nullptr, true});
   for (const Pipeline::Step &step : p.steps()) {
@@ -363,7 +338,7 @@ KernelProgram fuse_gate_into_epilogue(KernelProgram p, const Schedule &schedule)
       for (Step &t : p.steps) {
         if (auto *g = std::get_if<GemmStep>(&t); g && g->output == acc->func->name && g->route == rs->route.get())
           producer = g;
-        for (const std::string &n : reads(t))
+        for (const std::string &n : step_reads(t))
           readers += n == acc->func->name;
       }
       if (!producer || readers != 1 || !producer->row_var.same_as(r))
@@ -464,7 +439,7 @@ KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
     for (const Step &s : p.steps) {
       if (auto *g = std::get_if<GemmStep>(&s); g && g->output == t.name)
         producer = g;
-      auto names = reads(s);
+      auto names = step_reads(s);
       int n = static_cast<int>(std::count(names.begin(), names.end(), t.name));
       auto *g = std::get_if<GemmStep>(&s);
       if (n > (g && g->a == t.name ? 1 : 0))
@@ -530,6 +505,7 @@ KernelProgram materialize_transposes(KernelProgram p, const Schedule &) {
     if (g->a_trans) {
       const TensorDecl &a = p.tensor(g->a);
       TensorDecl at{g->a + "_T", a.dtype, {a.dims[1], a.dims[0]}, RowLayout::dense, nullptr, false};
+      at.stride8 = a.dims[0].is_dynamic();
       add(at, TransposeStep{"transpose_" + at.name, g->a, at.name});
       g->a = at.name;
       g->a_trans = false;

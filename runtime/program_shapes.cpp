@@ -64,6 +64,8 @@ int64_t ProgramShapes::elements(const TensorDecl &t) const {
     s.at(0) = routing(t.route).max_padded_rows();
   if (t.layout == RowLayout::padded_t)
     s.back() = routing(t.route).max_padded_rows();
+  if (t.stride8 && !s.empty())
+    s.back() = (s.back() + 7) / 8 * 8;
   int64_t n = 1;
   for (int64_t e : s)
     n *= e;
@@ -107,6 +109,18 @@ HostTensor ProgramShapes::decode(const TensorDecl &t, const std::vector<uint8_t>
       out.data[r * row + i] = value(from * row + i);
   }
   return out;
+}
+
+int64_t saved_bytes(const TrainingProgram &t, int64_t tokens) {
+  ProgramShapes shapes(t.program, tokens);
+  int64_t bytes = 0;
+  for (const std::string &n : t.saved) {
+    const TensorDecl &d = t.program.tensor(n);
+    bytes += shapes.elements(d) * dtype_bytes(d.dtype);
+  }
+  for (const auto &[route, shape] : shapes.routings())
+    bytes += 4 * (2 * shape.pairs() + shape.max_padded_rows());
+  return bytes;
 }
 
 } // namespace moeforge

@@ -13,6 +13,7 @@
 
 #include "backends/reference/host_tensor.h"
 #include "lowering/kernel_program.h"
+#include "lowering/training.h"
 #include "runtime/routing_host.h"
 
 namespace moeforge {
@@ -49,5 +50,11 @@ private:
   std::map<std::string, long long> dynamic_; // every dynamic Dim is the token count
   std::map<const RoutingNode *, cuda::RoutingShape> routings_;
 };
+
+// The activation memory of a training step for `tokens` tokens: the bytes of
+// the tensors the forward keeps for the backward (TrainingProgram::saved) plus
+// the routing tables the backward reads (pair_pos and expert per pair,
+// sorted_pair per padded row, 4 bytes each).
+int64_t saved_bytes(const TrainingProgram &t, int64_t tokens);
 
 } // namespace moeforge

@@ -97,9 +97,11 @@ public:
   // Rows per block of routed pairs: 64, 128 or 256.
   Schedule &block(int rows);
   Schedule &gate(GateFusion g);
-  // Training: whether the backward recomputes the forward's pre-activations
-  // (the expert GEMMs over the inputs) instead of reading what the forward
-  // stored. Less activation memory, more FLOPs.
+  // Training: whether the backward recomputes the routed activations it
+  // reads instead of keeping the forward's copies: those made by element-wise
+  // steps, gathers and the GEMMs that read the layer's inputs (the first
+  // expert GEMM); outputs of GEMMs over other activations stay stored.
+  // Less activation memory, more FLOPs (lowering/training.h).
   Schedule &recompute(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);

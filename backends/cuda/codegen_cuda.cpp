@@ -132,7 +132,10 @@ public:
       auto *n = e.as<IndexEq>();
       return "(" + index(n->a) + " == " + index(n->b) + " ? 1.f : 0.f)";
     }
+    case ExprKind::Extent:
+      return "((float)" + kb_.extent(e.as<Extent>()->dim) + ")";
     case ExprKind::Sum:
+      return reduction(*e.as<Sum>());
     case ExprKind::Softmax:
       break;
     }
@@ -183,8 +186,26 @@ private:
     return "mf::to_f32(" + kb_.tensor(t.name) + "[" + offset(t, idx) + "])";
   }
 
+  // sum(i, body) that lowering kept element-wise (a reduction, not a GEMM):
+  // a loop over i in this thread.
+  std::string reduction(const Sum &s) {
+    std::string acc = temp("sum"), v = temp("i");
+    out_ << pad() << "float " << acc << " = 0.f;\n";
+    out_ << pad() << "for (long long " << v << " = 0; " << v << " < " << kb_.extent(s.var.dim()) << "; ++" << v
+         << ") {\n";
+    indent_ += 2;
+    vars[s.var.get()] = v;
+    std::string x = emit(s.body);
+    out_ << pad() << acc << " += " << x << ";\n";
+    vars.erase(s.var.get());
+    indent_ -= 2;
+    out_ << pad() << "}\n";
+    return acc;
+  }
+
   std::string route_sum(const RouteSum &s) {
-    user_check(s.field == RouteField::token) << "expert_sum is not supported by the CUDA backend yet";
+    if (s.field == RouteField::expert)
+      return expert_sum(s);
     // Pairs are numbered r = t * k + slot: a token's pairs are k consecutive
     // rows, so the combine is a fixed loop, deterministic and atomic-free.
     std::string acc = temp("sum"), slot = temp("slot"), r = temp("r");
@@ -203,12 +224,48 @@ private:
     return acc;
   }
 
+  // expert_sum(route, e, body): a loop over expert e's pairs, which sit at
+  // padded rows offsets[e] .. offsets[e] + counts[e] - 1 in sorted_pair.
+  std::string expert_sum(const RouteSum &s) {
+    const RoutingNode *r = s.route.get();
+    std::string acc = temp("sum"), p = temp("p"), pr = temp("r"), e = vars.at(s.target.get());
+    std::string off = kb_.route(r, "offsets"), cnt = kb_.route(r, "counts"), sp = kb_.route(r, "sorted_pair");
+    out_ << pad() << "float " << acc << " = 0.f;\n";
+    out_ << pad() << "for (long long " << p << " = " << off << "[" << e << "]; " << p << " < " << off << "[" << e
+         << "] + " << cnt << "[" << e << "]; ++" << p << ") {\n";
+    indent_ += 2;
+    out_ << pad() << "const long long " << pr << " = " << sp << "[" << p << "];\n";
+    vars[r->pair.get()] = pr;
+    std::string v = emit(s.body);
+    out_ << pad() << acc << " += " << v << ";\n";
+    vars.erase(r->pair.get());
+    indent_ -= 2;
+    out_ << pad() << "}\n";
+    return acc;
+  }
+
   const KernelProgram &prog_;
   KernelBuilder &kb_;
   std::ostringstream &out_;
   int indent_;
   int counter_ = 0;
 };
+
+// The routing block of a route (its RoutingStep's).
+int route_block(const KernelProgram &prog, const RoutingNode *r) {
+  for (const Step &s : prog.steps)
+    if (auto *rs = std::get_if<RoutingStep>(&s); rs && rs->route == r)
+      return rs->block;
+  internal_check(false) << "no routing step for route " << r->name;
+}
+
+// max_padded_rows of a route as a C expression: (ceil(P / bs) + E) * bs, the
+// row stride of its padded_t tensors (runtime/routing_host.h).
+std::string max_padded_rows(const KernelProgram &prog, KernelBuilder &kb, const RoutingNode *r) {
+  std::string bs = std::to_string(route_block(prog, r)) + "LL";
+  return "((" + kb.extent(r->pairs) + " + " + bs + " - 1) / " + bs + " + " + std::to_string(r->expert_dim().extent()) +
+         "LL) * " + bs;
+}
 
 void check_multiple_of_8(const GemmStep &g, const Dim &d, const char *role) {
   user_check(d.is_dynamic() || d.extent() % 8 == 0)
@@ -224,9 +281,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   const int nb = static_cast<int>(g.b.size());
   check_multiple_of_8(g, g.k, "reduced");
   check_multiple_of_8(g, g.n, "column");
-  user_check(!g.k.is_dynamic() && !g.n.is_dynamic())
-      << "definition '" << g.output << "': the CUDA backend needs static K and N extents (" << g.k.name() << ", "
-      << g.n.name() << ")";
+  user_check(!g.n.is_dynamic()) << "definition '" << g.output << "': the CUDA backend needs a static column extent ("
+                                << g.n.name() << ")";
   k.name = c_name(g.name);
   k.step = g.name;
   KernelBuilder kb(prog, k);
@@ -235,7 +291,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   for (const std::string &b : g.b)
     gB.push_back(kb.tensor(b));
   std::string gC = kb.tensor(g.output, /*writes=*/true);
-  std::string K = std::to_string(g.k.extent()), N = std::to_string(g.n.extent());
+  const std::string N = std::to_string(g.n.extent());
 
   std::ostringstream body;
   const bool ws = t.mma == MmaKind::wgmma_ws;
@@ -253,12 +309,39 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   }
   body << "  extern __shared__ __align__(128) unsigned char smem[];\n";
   body << "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n";
-  body << "  constexpr int K = " << K << ", N = " << N << ";\n";
+  body << "  constexpr int N = " << N << ";\n";
+  if (g.expert_k)
+    body << "  // K: this expert's padded rows (below)\n";
+  else if (g.k.is_dynamic())
+    body << "  const int K = (int)" << kb.extent(g.k) << ";\n"
+         << "  const long long LDA = "
+         << (prog.tensor(g.a).stride8 ? "(K + 7) / 8 * 8;  // zero-padded rows\n" : "K;\n");
+  else
+    body << "  constexpr int K = " << g.k.extent() << ";\n";
   body << "  constexpr int NUM_N = (N + Cfg::BN - 1) / Cfg::BN;\n";
-  body << "  int m_tile, n_tile;\n  mf::raster(blockIdx.x, NUM_N, " << t.raster << ", m_tile, n_tile);\n";
+  body << "  int m_tile, n_tile;\n";
+  if (g.expert_k) {
+    // One grid slice per expert; the expert's padded segment of sorted rows
+    // is the reduction (K) range, empty for an expert with no pairs.
+    const RoutingNode *r = g.route;
+    std::string off = kb.route(r, "offsets");
+    body << "  constexpr long long M = " << g.m.extent() << ";\n";
+    body << "  constexpr int NUM_M = (int)((M + Cfg::BM - 1) / Cfg::BM);\n";
+    body << "  const long long expert = blockIdx.x / (NUM_M * NUM_N);\n";
+    body << "  const int pid = blockIdx.x % (NUM_M * NUM_N);\n";
+    body << "  m_tile = pid / NUM_N;\n  n_tile = pid % NUM_N;\n";
+    body << "  const long long k_begin = " << off << "[expert];\n";
+    body << "  const int K = (int)(" << off << "[expert + 1] - k_begin);\n";
+    body << "  const long long LDA = " << max_padded_rows(prog, kb, r) << ";  // " << g.a << "'s padded row stride\n";
+  } else {
+    body << "  mf::raster(blockIdx.x, NUM_N, " << t.raster << ", m_tile, n_tile);\n";
+  }
   body << "  const int n0 = n_tile * Cfg::BN;\n";
   std::string sorted_pair;
-  if (g.route) {
+  if (g.expert_k) {
+    body << "  const long long p0 = (long long)m_tile * Cfg::BM;\n";
+    body << "  const int rows = (int)min((long long)Cfg::BM, M - p0);\n";
+  } else if (g.route) {
     const RoutingNode *r = g.route;
     int sub = g.block / t.tile_m;
     sorted_pair = kb.route(r, "sorted_pair");
@@ -295,10 +378,17 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     break;
   }
   }
-  body << "    gA[i] = " << gA << " + row * K + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
+  if (g.expert_k)
+    body << "    gA[i] = " << gA << " + row * LDA + k_begin + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
+  else
+    body << "    gA[i] = " << gA << " + row * " << (g.k.is_dynamic() ? "LDA" : "K")
+         << " + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
   body << "  const mf::bf16 *gB[" << nb << "] = {";
   for (int b = 0; b < nb; ++b)
-    body << (b ? ", " : "") << gB[b] << (g.b_per_expert ? " + expert * K * N" : "");
+    body << (b ? ", " : "") << gB[b]
+         << (g.expert_k       ? " + k_begin * N"
+             : g.b_per_expert ? " + (long long)expert * K * N"
+                              : "");
   body << "};\n";
   body << "  Cfg::Acc acc = {};\n";
   body << "  if (!Cfg::mainloop(smem, gA, a_ok, gB, K, N, n0, acc))\n    return;  // a loading-only warpgroup\n\n";
@@ -320,7 +410,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
        << epi.str() << "    return " << value << ";\n  };\n";
   body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
   body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n    if (lr >= rows) continue;\n";
-  if (g.route) {
+  if (g.expert_k) {
+    body << "    const long long " << vr << " = p0 + lr, out_row = expert * M + " << vr << ";\n";
+  } else if (g.route) {
     body << "    const int r = " << sorted_pair << "[p0 + lr];\n    if (r < 0) continue;  // padding row\n";
     body << "    const long long " << vr << " = r;\n";
     body << "    const long long out_row = "
@@ -338,7 +430,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   }
   body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n    }\n  }\n";
 
-  k.grid.kind = g.route ? GridShape::Kind::routed_tiles : GridShape::Kind::dense_tiles;
+  k.grid.kind = g.expert_k ? GridShape::Kind::expert_tiles
+                : g.route  ? GridShape::Kind::routed_tiles
+                           : GridShape::Kind::dense_tiles;
   k.grid.route = g.route;
   k.grid.count = {g.m};
   k.grid.n = g.n;
@@ -454,16 +548,80 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   k.grid.kind = GridShape::Kind::padded_rows;
   k.grid.route = s.route;
   k.grid.chunks_per_row = chunks;
-  src << "// " << s.name << ": " << s.dst << "[p, :] = " << s.src << "[token(sorted_pair[p]), :], zero on padding\n";
+  std::string row = s.rows == RowMap::gather_token  ? "(long long)(r / " + std::to_string(s.route->k) + ")"
+                    : s.rows == RowMap::gather_pair ? "(long long)r"
+                                                    : "p";
+  src << "// " << s.name << ": " << s.dst << "[p, :] = " << s.src << "[" << row
+      << "] (r = sorted_pair[p]), zero on padding\n";
   src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n";
   src << "  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
   src << "  const long long p = idx / " << chunks << ", c = idx % " << chunks << ";\n";
   src << "  if (p >= *" << padded << ") return;\n";
   src << "  const int r = " << sp << "[p];\n";
   src << "  uint4 v = make_uint4(0, 0, 0, 0);\n";
-  src << "  if (r >= 0) v = reinterpret_cast<const uint4 *>(" << gSrc << " + (long long)(r / " << s.route->k << ") * "
-      << cols.extent() << ")[c];\n";
+  src << "  if (r >= 0) v = reinterpret_cast<const uint4 *>(" << gSrc << " + " << row << " * " << cols.extent()
+      << ")[c];\n";
   src << "  reinterpret_cast<uint4 *>(" << gDst << " + p * " << cols.extent() << ")[c] = v;\n}\n\n";
+}
+
+// ------------------------------------------------------------ transposes
+
+// 32 x 32 tiles through shared memory, so both the reads and the writes are
+// coalesced. Dense: the last two dims swap, one grid slice per leading index.
+// Routed: dst[c, p] = src[row(p), c] over every padded position p.
+void emit_transpose(const KernelProgram &prog, const TransposeStep &s, std::ostringstream &src, GeneratedKernel &k) {
+  k.name = c_name(s.name);
+  k.step = s.name;
+  k.threads = 256;
+  KernelBuilder kb(prog, k);
+  const TensorDecl &from = prog.tensor(s.src), &to = prog.tensor(s.dst);
+  std::string gSrc = kb.tensor(s.src), gDst = kb.tensor(s.dst, true);
+  std::ostringstream body;
+  std::string R, C, batch = "1LL";
+  if (s.route) {
+    R = max_padded_rows(prog, kb, s.route);
+    C = kb.extent(from.dims.back());
+  } else {
+    size_t n = from.dims.size();
+    R = kb.extent(from.dims[n - 2]);
+    C = kb.extent(from.dims[n - 1]);
+    for (size_t i = 0; i + 2 < n; ++i)
+      batch = "(" + batch + " * " + kb.extent(from.dims[i]) + ")";
+  }
+  body << "  __shared__ float tile[32][33];\n";
+  body << "  const long long R = " << R << ", C = " << C << ";\n";
+  // dst's row stride: R, or R rounded up to 8 with a zero tail (stride8).
+  body << "  const long long RS = " << (to.stride8 ? "(R + 7) / 8 * 8" : "R") << ";\n";
+  body << "  const long long tiles_r = (R + 31) / 32, tiles_c = (C + 31) / 32;\n";
+  body << "  const long long b = blockIdx.x / (tiles_r * tiles_c), t = blockIdx.x % (tiles_r * tiles_c);\n";
+  body << "  if (b >= " << batch << ") return;\n";
+  body << "  const long long r0 = (t / tiles_c) * 32, c0 = (t % tiles_c) * 32;\n";
+  body << "  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;\n";
+  body << "  for (int i = ty; i < 32; i += 8) {\n";
+  body << "    const long long r = r0 + i, c = c0 + tx;\n";
+  body << "    float v = 0.f;\n";
+  if (s.route) {
+    std::string sp = kb.route(s.route, "sorted_pair"), padded = kb.route(s.route, "padded_rows");
+    std::string row = s.rows == RowMap::gather_token  ? "(long long)(pr / " + std::to_string(s.route->k) + ")"
+                      : s.rows == RowMap::gather_pair ? "(long long)pr"
+                                                      : "r";
+    body << "    const int pr = r < *" << padded << " ? " << sp << "[r] : -1;  // padding and unused rows: 0\n";
+    body << "    if (pr >= 0 && c < C) v = mf::to_f32(" << gSrc << "[" << row << " * C + c]);\n";
+  } else {
+    body << "    if (r < R && c < C) v = mf::to_f32(" << gSrc << "[(b * R + r) * C + c]);\n";
+  }
+  body << "    tile[i][tx] = v;\n  }\n  __syncthreads();\n";
+  body << "  for (int i = ty; i < 32; i += 8) {\n";
+  body << "    const long long c = c0 + i, r = r0 + tx;\n";
+  body << "    if (c < C && r < RS) " << gDst << "[(b * C + c) * RS + r] = mf::from_f32<" << c_type(to.dtype)
+       << ">(tile[tx][i]);\n  }\n";
+  k.grid.kind = GridShape::Kind::transpose;
+  k.grid.route = s.route;
+  k.grid.count = s.route ? std::vector<Dim>{from.dims.back()} : from.dims;
+  src << "// " << s.name << ": " << s.dst << " = " << s.src << "^T"
+      << (s.route ? " over the padded rows of " + s.route->name : "") << "\n";
+  src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n"
+      << body.str() << "}\n\n";
 }
 
 } // namespace
@@ -481,6 +639,8 @@ CudaModuleSource generate_cuda(const KernelProgram &program) {
       emit_gemm(program, *g, src, k);
     else if (auto *p = std::get_if<PointwiseStep>(&step))
       emit_pointwise(program, *p, src, k);
+    else if (auto *t = std::get_if<TransposeStep>(&step))
+      emit_transpose(program, *t, src, k);
     else
       emit_gather(program, std::get<GatherStep>(step), src, k);
     m.kernels.push_back(std::move(k));

@@ -1,5 +1,6 @@
 #include "backends/cuda/layer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -16,13 +17,17 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 } // namespace
 
 CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, const std::string &arch) {
+  return compile_program(lower(pipeline, schedule), arch);
+}
+
+CompiledLayer compile_program(KernelProgram program, const std::string &arch) {
   CompiledLayer c;
-  c.program = lower(pipeline, schedule);
+  c.program = std::move(program);
   c.source = generate_cuda(c.program);
   CompileOptions options;
   options.arch = arch;
   options.headers.push_back({kTileLibraryName, tile_library_source()});
-  c.compiled = compile_cuda(c.source.source, "moeforge_" + schedule.name() + ".cu", options);
+  c.compiled = compile_cuda(c.source.source, "moeforge_" + c.program.schedule_name + ".cu", options);
   return c;
 }
 
@@ -40,6 +45,10 @@ CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t t
 }
 
 void CudaLayer::bind() {
+  // Kernels are generated in step order, one per non-routing step.
+  int next = 0;
+  for (const Step &s : layer_.program.steps)
+    launch_of_.push_back(std::holds_alternative<RoutingStep>(s) ? -1 : next++);
   for (const GeneratedKernel &g : layer_.source.kernels) {
     Launch l{module_.kernel(g.name), &g, {}, {}, {}};
     for (const KernelArg &a : g.args) {
@@ -84,6 +93,19 @@ void CudaLayer::bind() {
     case GridShape::Kind::padded_rows:
       gx = ceil_div(plans_.at(gs.route)->shape.max_padded_rows() * gs.chunks_per_row, g.threads);
       break;
+    case GridShape::Kind::expert_tiles:
+      gx = plans_.at(gs.route)->shape.experts * ceil_div(shapes_.extent(gs.count.at(0)), gs.tile_m) *
+           ceil_div(shapes_.extent(gs.n), gs.tile_n);
+      break;
+    case GridShape::Kind::transpose: {
+      size_t n = gs.count.size();
+      int64_t rows = gs.route ? plans_.at(gs.route)->shape.max_padded_rows() : shapes_.extent(gs.count.at(n - 2));
+      int64_t cols = shapes_.extent(gs.count.back()), batch = 1;
+      for (size_t i = 0; !gs.route && i + 2 < n; ++i)
+        batch *= shapes_.extent(gs.count[i]);
+      gx = batch * ceil_div(rows, 32) * ceil_div(cols, 32);
+      break;
+    }
     }
     user_check(gx >= 1 && gx < (1LL << 31) && gy < 65536)
         << "kernel " << g.name << ": grid " << gx << " x " << gy << " is out of range for these shapes";
@@ -98,6 +120,12 @@ void CudaLayer::upload(const TensorMap &inputs) {
   for (const TensorDecl &t : layer_.program.tensors)
     if (t.is_input)
       tensors_.at(t.name).upload(shapes_.encode_input(t, inputs));
+}
+
+void CudaLayer::upload(const std::string &name, const HostTensor &value) {
+  const TensorDecl &t = layer_.program.tensor(name);
+  user_check(t.is_input) << "'" << name << "' is not an Input or Param of the layer";
+  tensors_.at(name).upload(shapes_.encode_input(t, TensorMap{{name, value}}));
 }
 
 void CudaLayer::upload_repeated(const std::string &name, const HostTensor &pattern) {
@@ -125,37 +153,40 @@ void CudaLayer::poison() {
     plan->poison(kPoisonOnes);
 }
 
-void CudaLayer::enqueue(const Stream &stream) {
-  // Steps run in program order; the routing step has no generated kernel.
-  size_t next = 0;
-  for (const Step &s : layer_.program.steps) {
-    if (auto *rs = std::get_if<RoutingStep>(&s)) {
-      routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream);
-      continue;
-    }
-    Launch &l = launches_.at(next++);
-    l.kernel.launch(l.grid, l.block, static_cast<unsigned>(l.gen->shared_bytes), stream, l.args.data());
+void CudaLayer::run_step(size_t step, const Stream &stream) {
+  if (auto *rs = std::get_if<RoutingStep>(&layer_.program.steps[step])) {
+    routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream); // no generated kernel
+    return;
   }
+  Launch &l = launches_.at(launch_of_.at(step));
+  l.kernel.launch(l.grid, l.block, static_cast<unsigned>(l.gen->shared_bytes), stream, l.args.data());
+}
+
+void CudaLayer::enqueue(const Stream &stream) { enqueue(stream, 0, layer_.program.steps.size()); }
+
+void CudaLayer::enqueue(const Stream &stream, size_t begin, size_t end) {
+  internal_check(begin <= end && end <= layer_.program.steps.size()) << "step range out of bounds";
+  for (size_t i = begin; i < end; ++i)
+    run_step(i, stream);
 }
 
 std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &stream) {
+  return profile(stream, 0, layer_.program.steps.size());
+}
+
+std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &stream, size_t begin, size_t end) {
   const auto &steps = layer_.program.steps;
-  std::vector<Event> marks(steps.size() + 1);
-  size_t next = 0;
+  internal_check(begin <= end && end <= steps.size()) << "step range out of bounds";
+  std::vector<Event> marks(end - begin + 1);
   marks[0].record(stream);
-  for (size_t i = 0; i < steps.size(); ++i) {
-    if (auto *rs = std::get_if<RoutingStep>(&steps[i])) {
-      routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream);
-    } else {
-      Launch &l = launches_.at(next++);
-      l.kernel.launch(l.grid, l.block, static_cast<unsigned>(l.gen->shared_bytes), stream, l.args.data());
-    }
-    marks[i + 1].record(stream);
+  for (size_t i = begin; i < end; ++i) {
+    run_step(i, stream);
+    marks[i - begin + 1].record(stream);
   }
   marks.back().synchronize();
   std::vector<std::pair<std::string, double>> out;
-  for (size_t i = 0; i < steps.size(); ++i)
-    out.emplace_back(step_name(steps[i]), elapsed_ms(marks[i], marks[i + 1]));
+  for (size_t i = begin; i < end; ++i)
+    out.emplace_back(step_name(steps[i]), elapsed_ms(marks[i - begin], marks[i - begin + 1]));
   return out;
 }
 

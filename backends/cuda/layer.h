@@ -32,6 +32,8 @@ struct CompiledLayer {
 // Lowers, generates and compiles (for `arch`, sm_90a by default). Works
 // without a GPU.
 CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, const std::string &arch = "sm_90a");
+// Generates and compiles an already lowered program (a training program, say).
+CompiledLayer compile_program(KernelProgram program, const std::string &arch = "sm_90a");
 
 // A compiled layer bound to device memory for `tokens` tokens.
 class CudaLayer {
@@ -41,6 +43,8 @@ public:
   // Uploads every Input and Param (rounded to its dtype). Shapes must match
   // the declared Dims with the token Dim = tokens.
   void upload(const TensorMap &inputs);
+  // Uploads one Input or Param (shape checked, rounded to its dtype).
+  void upload(const std::string &name, const HostTensor &value);
   // Fills Input/Param `name` with `pattern`'s values repeated to its size:
   // for benchmarks, whose large weights need realistic values but not
   // gigabytes of host-side random numbers.
@@ -51,9 +55,13 @@ public:
   // Enqueues the whole forward on `stream`: routing and every kernel. No host
   // synchronisation, so it can be captured in a CUDA graph.
   void enqueue(const Stream &stream);
+  // Enqueues the program's steps [begin, end) only (a training program's
+  // forward or backward).
+  void enqueue(const Stream &stream, size_t begin, size_t end);
   // Runs the forward once with an event around every step and returns each
   // step's name and milliseconds, in program order (for benchmarks' notes).
   std::vector<std::pair<std::string, double>> profile(const Stream &stream);
+  std::vector<std::pair<std::string, double>> profile(const Stream &stream, size_t begin, size_t end);
   // Downloads a Func's values as the reference lays them out (routed rows in
   // pair order, whatever the device layout). Synchronises.
   HostTensor download(const std::string &func) const;
@@ -72,6 +80,7 @@ private:
     std::vector<void *> args;
     Dim3 grid, block;
   };
+  void run_step(size_t step, const Stream &stream);
   void bind();
 
   const CompiledLayer &layer_;
@@ -83,6 +92,7 @@ private:
   std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
   std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows
   std::vector<Launch> launches_;
+  std::vector<int> launch_of_; // step -> its launch (-1 for routing)
 };
 
 } // namespace moeforge::cuda

@@ -1,0 +1,61 @@
+// Training on the GPU: a layer's forward and backward compiled as one
+// training program (lowering/training.h) and bound to device memory, with
+// the two entry points a training loop calls. The forward leaves the
+// activations the backward needs in the layer's buffers; the backward reads
+// them and the upstream gradient and writes every Input's and Param's
+// gradient. Neither synchronises with the host, so both can be captured in a
+// CUDA graph.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "backends/cuda/layer.h"
+#include "lowering/training.h"
+
+namespace moeforge::cuda {
+
+struct CompiledTraining {
+  TrainingProgram training;
+  CompiledLayer layer; // layer.program is training.program
+};
+
+// Lowers (forward output `output` of `forward`) for training under
+// `schedule`, generates and compiles it. Works without a GPU.
+CompiledTraining compile_training(const Pipeline &forward, const Func &output, const Schedule &schedule,
+                                  const std::string &arch = "sm_90a");
+
+class TrainingLayer {
+public:
+  // `compiled` must outlive the layer.
+  TrainingLayer(const Device &device, const CompiledTraining &compiled, int64_t tokens);
+
+  // Every Input and Param of the forward (the upstream gradient is separate).
+  void upload(const TensorMap &inputs);
+  // The upstream gradient d(loss)/d(output), shaped like the output.
+  void upload_upstream_gradient(const HostTensor &grad);
+  void poison() { layer_.poison(); }
+  void forward(const Stream &stream);
+  void backward(const Stream &stream);
+  // Per-step times of the forward or the backward (for benchmarks' notes).
+  std::vector<std::pair<std::string, double>> profile_forward(const Stream &stream);
+  std::vector<std::pair<std::string, double>> profile_backward(const Stream &stream);
+
+  HostTensor output() const { return layer_.download(compiled_.training.output); }
+  // The gradient of Input or Param `name` ("x", "w1", ...). Synchronises.
+  HostTensor gradient(const std::string &name) const;
+  // Any Func the program materialises (the output, a gradient, an
+  // intermediate such as d_h), in the reference's layout.
+  HostTensor download(const std::string &func) const { return layer_.download(func); }
+  std::vector<int32_t> routed_experts(const std::string &route) const { return layer_.routed_experts(route); }
+  // Bytes the forward keeps for the backward (activations and routing tables).
+  int64_t saved_bytes() const;
+
+  const CudaLayer &layer() const { return layer_; }
+
+private:
+  const CompiledTraining &compiled_;
+  CudaLayer layer_;
+};
+
+} // namespace moeforge::cuda

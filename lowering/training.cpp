@@ -1,0 +1,177 @@
+#include "lowering/training.h"
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <set>
+
+#include "dsl/error.h"
+#include "dsl/visitor.h"
+#include "lowering/lower.h"
+
+namespace moeforge {
+
+namespace {
+
+bool contains(const std::vector<std::string> &v, const std::string &s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
+// Steps the output needs, found backwards from it; routing steps always are
+// (the forward routes, the backward reuses its tables).
+std::vector<bool> forward_steps(const KernelProgram &p, const std::string &output) {
+  std::vector<bool> needed(p.steps.size(), false);
+  std::set<std::string> wanted{output};
+  for (size_t i = p.steps.size(); i-- > 0;) {
+    const Step &s = p.steps[i];
+    if (!std::holds_alternative<RoutingStep>(s) && !wanted.count(step_output(s)))
+      continue;
+    needed[i] = true;
+    for (const std::string &r : step_reads(s))
+      wanted.insert(r);
+  }
+  return needed;
+}
+
+// Renames reads of tensors in a step (the backward reading its own copies).
+struct RenameReads : IRMutator {
+  const std::map<std::string, std::string> *to;
+  Expr mutate_node(const Access &a, const Expr &self) override {
+    auto it = to->find(a.target_name());
+    if (it == to->end())
+      return self;
+    auto f = std::make_shared<FuncNode>();
+    f->name = it->second;
+    f->dtype = a.dtype;
+    for (const Index &i : a.args)
+      f->args.push_back(i.var); // only the name and indices of a read are used
+    return Access::make(f, a.args);
+  }
+};
+
+void rename_reads(Step &s, const std::map<std::string, std::string> &to) {
+  auto name = [&](std::string &n) {
+    if (auto it = to.find(n); it != to.end())
+      n = it->second;
+  };
+  RenameReads m;
+  m.to = &to;
+  std::visit(
+      [&](auto &x) {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, GemmStep>) {
+          name(x.a);
+          for (std::string &b : x.b)
+            name(b);
+          x.epilogue = m.mutate(x.epilogue);
+        } else if constexpr (std::is_same_v<T, PointwiseStep>) {
+          x.body = m.mutate(x.body);
+        } else if constexpr (std::is_same_v<T, GatherStep> || std::is_same_v<T, TransposeStep>) {
+          name(x.src);
+        }
+      },
+      s);
+}
+
+void set_output(Step &s, const std::string &out) {
+  std::visit(
+      [&](auto &x) {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, GatherStep> || std::is_same_v<T, TransposeStep>) {
+          x.dst = out;
+          x.name += "_re";
+        } else if constexpr (!std::is_same_v<T, RoutingStep>) {
+          x.output = out;
+          x.name += "_re";
+        }
+      },
+      s);
+}
+
+} // namespace
+
+TrainingProgram lower_training(const Pipeline &forward, const Func &output, const Schedule &schedule) {
+  TrainingAlgebra algebra = training_algebra(forward, output);
+  KernelProgram p = lower(algebra.pipeline, schedule);
+  std::vector<bool> fwd = forward_steps(p, algebra.output);
+
+  std::vector<Step> f_steps, b_steps;
+  std::map<std::string, size_t> producer; // forward tensor -> index in f_steps
+  for (size_t i = 0; i < p.steps.size(); ++i) {
+    if (fwd[i]) {
+      if (std::string o = step_output(p.steps[i]); !o.empty())
+        producer[o] = f_steps.size();
+      f_steps.push_back(p.steps[i]);
+    } else {
+      b_steps.push_back(p.steps[i]);
+    }
+  }
+
+  TrainingProgram t;
+  t.output = algebra.output;
+  t.seed = algebra.seed;
+  t.gradients = algebra.gradients;
+  t.of = algebra.of;
+
+  if (schedule.recompute()) {
+    // Which forward tensors are cheap to make again: routed matrices from
+    // element-wise steps, gathers, or GEMMs whose A is an input (or its gather).
+    auto is_input = [&](const std::string &n) { return p.find(n) && p.find(n)->is_input; };
+    std::function<bool(const std::string &)> cheap = [&](const std::string &n) -> bool {
+      auto it = producer.find(n);
+      const TensorDecl *d = p.find(n);
+      if (it == producer.end() || !d || !d->route || d->dims.size() != 2)
+        return false;
+      const Step &s = f_steps[it->second];
+      if (std::holds_alternative<GatherStep>(s) || std::holds_alternative<PointwiseStep>(s))
+        return true;
+      if (auto *g = std::get_if<GemmStep>(&s)) {
+        if (is_input(g->a))
+          return true;
+        auto a = producer.find(g->a);
+        return a != producer.end() && std::holds_alternative<GatherStep>(f_steps[a->second]) &&
+               is_input(std::get<GatherStep>(f_steps[a->second]).src);
+      }
+      return false;
+    };
+    // Clone, dependencies first, every cheap forward tensor the backward
+    // reads and the cheap forward tensors those clones read in turn.
+    std::map<std::string, std::string> copies;
+    std::vector<Step> clones;
+    std::function<void(const std::string &)> clone = [&](const std::string &n) {
+      if (copies.count(n) || !cheap(n))
+        return;
+      Step s = f_steps[producer.at(n)];
+      for (const std::string &r : step_reads(s))
+        clone(r);
+      rename_reads(s, copies);
+      std::string copy = n + "_re";
+      TensorDecl d = p.tensor(n);
+      d.name = copy;
+      p.tensors.push_back(d);
+      set_output(s, copy);
+      clones.push_back(std::move(s));
+      copies[n] = copy;
+      t.recomputed.push_back(n);
+    };
+    for (const Step &s : b_steps)
+      for (const std::string &r : step_reads(s))
+        if (producer.count(r))
+          clone(r);
+    for (Step &s : b_steps)
+      rename_reads(s, copies);
+    b_steps.insert(b_steps.begin(), clones.begin(), clones.end());
+  }
+
+  t.forward_steps = f_steps.size();
+  p.steps = std::move(f_steps);
+  p.steps.insert(p.steps.end(), b_steps.begin(), b_steps.end());
+  for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
+    for (const std::string &r : step_reads(p.steps[i]))
+      if (producer.count(r) && !contains(t.saved, r))
+        t.saved.push_back(r);
+  t.program = std::move(p);
+  return t;
+}
+
+} // namespace moeforge

@@ -32,6 +32,9 @@ public:
 
   // Every Input and Param of the forward (the upstream gradient is separate).
   void upload(const TensorMap &inputs);
+  // Fills an Input or Param (or the upstream gradient) with `pattern` repeated
+  // (benchmarks: realistic values without gigabytes of host random numbers).
+  void upload_repeated(const std::string &name, const HostTensor &pattern) { layer_.upload_repeated(name, pattern); }
   // The upstream gradient d(loss)/d(output), shaped like the output.
   void upload_upstream_gradient(const HostTensor &grad);
   void poison() { layer_.poison(); }

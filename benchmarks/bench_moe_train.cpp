@@ -1,0 +1,152 @@
+// A training step of the MoE layer on the GPU, forward + backward, against the
+// dense roof of the same GEMMs, in one process.
+//
+// Shapes, routing and FLOPs are design.md's (mixtral, fine64, mbpaper;
+// forward 2 T k d (f1 + f), backward twice that). Our time is the whole step
+// as one CUDA graph: router GEMM, softmax, device routing, permutation,
+// expert GEMMs, combine, then the derived backward (gradients of x, the
+// router and every expert weight: transposes, SDD/DSD-shaped GEMMs, expert
+// reductions, the gate and router gradients). The roof is cuBLAS doing the
+// forward and backward GEMMs with no routing (benchmarks/dense_roof.h).
+// Reported: TFLOP/s, ratio = roof time / our time, forward and backward
+// milliseconds, and the activation memory the forward keeps for the
+// backward (saved_MiB) for each memory choice (store or recompute).
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+
+#include "backends/cuda/training_layer.h"
+#include "benchmarks/dense_roof.h"
+#include "examples/biased_moe.h"
+#include "schedules/presets.h"
+
+using namespace moeforge;
+using bench::time_ms;
+
+namespace {
+
+struct Shape {
+  const char *name;
+  int64_t tokens, d, f, experts, k;
+  bool swiglu;
+  bench::RoofShape roof() const { return {tokens, k, d, f, swiglu}; }
+};
+
+const Shape kShapes[] = {
+    {"mixtral", 8192, 4096, 14336, 8, 2, true},
+    {"fine64", 16384, 2048, 1408, 64, 8, true},
+    {"mbpaper", 16384, 1024, 4096, 64, 1, false},
+};
+
+cuda::Device &device() {
+  static cuda::Device d;
+  return d;
+}
+
+// The forward benchmark's tuned schedule (256-wide tiles for single-B GEMMs,
+// warp-specialised wgmma), which the backward's GEMMs share by default.
+Schedule tuned(const Shape &s) {
+  Schedule t = scattermoe();
+  t.mma("*", MmaKind::wgmma_ws).tile("o", 128, 256, 64).stages("o", 4).tile("logits", 128, 64, 64);
+  if (!s.swiglu)
+    t.tile("h", 128, 256, 64).stages("h", 4);
+  return t;
+}
+
+void upload_inputs(cuda::TrainingLayer &layer, const Example &ex, const ExampleShape &es, const std::string &seed) {
+  std::mt19937_64 rng(1);
+  for (const BufferPtr &b : ex.pipeline.buffers()) {
+    if (b->name == "bias") { // uniform routing: no router bias
+      layer.upload_repeated("bias", router_bias(Bias::none, es.experts, 0));
+      continue;
+    }
+    int64_t n = 1;
+    for (const Dim &d : b->dims)
+      n *= d.is_dynamic() ? es.tokens : d.extent();
+    auto it = ex.init_scale.find(b->name);
+    double a = it == ex.init_scale.end() ? 1.0 : it->second;
+    layer.upload_repeated(b->name, random_tensor({std::min<int64_t>(n, 1 << 22)}, rng, -a, a));
+  }
+  layer.upload_repeated(seed, random_tensor({1 << 22}, rng, -1, 1));
+}
+
+void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, bool recompute) {
+  ExampleShape es;
+  es.tokens = shape.tokens;
+  es.d = shape.d;
+  es.f = shape.f;
+  es.experts = shape.experts;
+  es.topk = shape.k;
+  Example ex = biased_moe(es, shape.swiglu, Bias::none, shape.swiglu);
+  std::string name = schedule_name;
+  Schedule schedule = name == "tuned" ? tuned(shape) : preset(name);
+  schedule.recompute(recompute);
+  std::string why;
+  if (!cuda::gpu_available(&why)) {
+    cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, "sm_90a");
+    state.SkipWithError(("compiled; no GPU to run on: " + why).c_str());
+    return;
+  }
+  cuda::CompiledTraining compiled =
+      cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device().arch_specific());
+  cuda::TrainingLayer layer(device(), compiled, shape.tokens);
+  upload_inputs(layer, ex, es, compiled.training.seed);
+  cuda::Stream stream;
+  cuda::CudaGraph fwd = cuda::CudaGraph::capture(stream, [&] { layer.forward(stream); });
+  cuda::CudaGraph bwd = cuda::CudaGraph::capture(stream, [&] { layer.backward(stream); });
+
+  double ours = 0;
+  for (auto _ : state) {
+    double ms = time_ms(stream, 5, [&] {
+      fwd.launch(stream);
+      bwd.launch(stream);
+    });
+    state.SetIterationTime(ms / 1e3);
+    ours += ms;
+  }
+  ours /= static_cast<double>(state.iterations());
+  double f_ms = time_ms(stream, 5, [&] { fwd.launch(stream); });
+  double b_ms = time_ms(stream, 5, [&] { bwd.launch(stream); });
+  bench::RoofShape rs = shape.roof();
+  double roof = bench::roof_forward_backward_ms(rs);
+  state.counters["TFLOPs"] = rs.forward_backward_flops() / (ours * 1e-3) / 1e12;
+  state.counters["roof_TFLOPs"] = rs.forward_backward_flops() / (roof * 1e-3) / 1e12;
+  state.counters["ratio"] = roof / ours;
+  state.counters["fwd_ms"] = f_ms;
+  state.counters["bwd_ms"] = b_ms;
+  state.counters["saved_MiB"] = double(layer.saved_bytes()) / (1 << 20);
+  state.SetLabel(device().name());
+  if (std::getenv("MOEFORGE_PROFILE")) {
+    for (const auto &[step, ms] : layer.profile_forward(stream))
+      std::printf("profile %s %s%s fwd: %-36s %8.3f ms\n", shape.name, schedule_name, recompute ? "+re" : "",
+                  step.c_str(), ms);
+    for (const auto &[step, ms] : layer.profile_backward(stream))
+      std::printf("profile %s %s%s bwd: %-36s %8.3f ms\n", shape.name, schedule_name, recompute ? "+re" : "",
+                  step.c_str(), ms);
+  }
+}
+
+void register_all() {
+  for (const Shape &s : kShapes)
+    for (const char *p : {"megablocks", "scattermoe", "tuned"})
+      for (bool re : {false, true}) {
+        std::string name = std::string("train/") + s.name + "/" + p + (re ? "/recompute" : "/store");
+        benchmark::RegisterBenchmark(name.c_str(), BM_train, s, p, re)
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->Iterations(2);
+      }
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

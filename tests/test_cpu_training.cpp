@@ -5,10 +5,13 @@
 // is poisoned (NaN) before the run, so a kernel that writes nothing fails.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
+#include "backends/cpu/cpu_training.h"
 #include "cpu_compare.h"
+#include "dsl/error.h"
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
 
@@ -239,5 +242,84 @@ TEST_SUITE("cpu") {
     CHECK(ir.find("define void @moeforge_transpose_x_T_route(ptr") != std::string::npos);
     CHECK(ir.find("define void @moeforge_gemm_d_w1(ptr") != std::string::npos);
     CHECK(ir.find("define void @moeforge_gemm_d_wr(ptr") != std::string::npos);
+  }
+
+  TEST_CASE("cpu training: forward and backward as two entry points, and a second backward on the saved state") {
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (bool recompute : {false, true}) {
+          INFO(name << " / " << p << (recompute ? " / recompute" : ""));
+          ExampleShape s = shape(150, 64, 128, 8, 2);
+          Example ex = make_example(name, s);
+          Training train = training_of(ex);
+          TensorMap in = with_seed_gradients(ex.pipeline, train, ex.random_inputs(s, 12), 21);
+          cpu::CompiledCpuTraining compiled =
+              cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), named(p, recompute));
+          const TrainingProgram &tp = compiled.training;
+          REQUIRE(tp.seed == train.seeds[0]);
+          REQUIRE(tp.gradients.size() == tp.of.size());
+          cpu::CpuTrainingLayer layer(compiled, s.tokens);
+          layer.upload(in); // the upstream gradient goes separately
+          layer.poison();
+          layer.upload_upstream_gradient(in.at(tp.seed));
+          layer.forward();
+          EvalResult ref = evaluate(train.pipeline, in, Precision::f64);
+          CHECK(gradient_error(layer.output(), ref[ex.output]) <= 1e-2);
+          // The forward writes no gradient: they are still poisoned.
+          for (const std::string &of : tp.of) {
+            std::vector<double> g = layer.gradient(of).data;
+            CHECK(std::all_of(g.begin(), g.end(), [](double v) { return std::isnan(v); }));
+          }
+          layer.backward();
+          std::map<std::string, HostTensor> first;
+          for (size_t i = 0; i < tp.of.size(); ++i) {
+            INFO("gradient of " << tp.of[i]);
+            first[tp.of[i]] = layer.gradient(tp.of[i]);
+            CHECK(gradient_error(first[tp.of[i]], ref[tp.gradients[i]]) <= 2e-2);
+          }
+          CHECK(layer.routed_experts(ex.route) == ref.routes.at(ex.route).expert);
+          // A new upstream gradient, the same forward: the backward reuses the
+          // saved activations and routing.
+          std::mt19937_64 rng(33);
+          in[tp.seed] = random_tensor(in.at(tp.seed).shape, rng, -1.0, 1.0, /*bf16=*/false);
+          layer.upload_upstream_gradient(in.at(tp.seed));
+          layer.backward();
+          EvalResult ref2 = evaluate(train.pipeline, in, Precision::f64);
+          CHECK(gradient_error(layer.output(), ref2[ex.output]) <= 1e-2);
+          for (size_t i = 0; i < tp.of.size(); ++i) {
+            INFO("second backward: gradient of " << tp.of[i]);
+            HostTensor g = layer.gradient(tp.of[i]);
+            CHECK(gradient_error(g, ref2[tp.gradients[i]]) <= 2e-2);
+            if (tp.of[i] == "x" || tp.of[i] == "w2")
+              CHECK(g.data != first[tp.of[i]].data);
+          }
+          CHECK(layer.saved_bytes() == saved_bytes(tp, s.tokens));
+          CHECK(layer.saved_bytes() > 0);
+        }
+  }
+
+  TEST_CASE("cpu training: gradient() of an unknown name and backward() before forward() are user errors") {
+    ExampleShape s = shape(32, 64, 128, 8, 2);
+    Example ex = make_example("moe_mlp", s);
+    cpu::CompiledCpuTraining compiled =
+        cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), preset("megablocks"));
+    cpu::CpuTrainingLayer layer(compiled, s.tokens);
+    TensorMap in = ex.random_inputs(s, 2);
+    layer.upload(in);
+    CHECK_THROWS_WITH_AS(layer.gradient("nope"),
+                         doctest::Contains("no gradient for 'nope': the layer's output depends on x, wr, w1, w2"),
+                         UserError);
+    CHECK_THROWS_WITH_AS(layer.backward(), doctest::Contains("backward() before forward()"), UserError);
+    CHECK_THROWS_WITH_AS(layer.backward(), doctest::Contains("run forward() first"), UserError);
+    HostTensor dy({s.tokens, s.d});
+    layer.upload_upstream_gradient(dy);
+    layer.forward();
+    CHECK_NOTHROW(layer.backward());
+    // New inputs make the saved activations stale.
+    layer.upload(in);
+    CHECK_THROWS_WITH_AS(layer.backward(), doctest::Contains("run forward() first"), UserError);
+    TensorMap missing = in;
+    missing.erase("w2");
+    CHECK_THROWS_WITH_AS(layer.upload(missing), doctest::Contains("no tensor given for input 'w2'"), UserError);
   }
 }

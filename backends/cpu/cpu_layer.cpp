@@ -10,13 +10,17 @@
 
 namespace moeforge::cpu {
 
-CompiledCpuLayer compile_cpu_layer(const Pipeline &pipeline, const Schedule &schedule) {
+CompiledCpuLayer compile_cpu_program(KernelProgram program, const std::string &what) {
   CompiledCpuLayer c;
-  c.program = lower(pipeline, schedule);
+  c.program = std::move(program);
   LlvmModule module = generate_llvm(c.program);
   c.kernels = module.kernels;
-  c.jit = jit_compile(std::move(module), "schedule '" + schedule.name() + "'");
+  c.jit = jit_compile(std::move(module), what);
   return c;
+}
+
+CompiledCpuLayer compile_cpu_layer(const Pipeline &pipeline, const Schedule &schedule) {
+  return compile_cpu_program(lower(pipeline, schedule), "schedule '" + schedule.name() + "'");
 }
 
 std::string cpu_llvm_ir(const Pipeline &pipeline, const Schedule &schedule, bool optimised) {
@@ -31,6 +35,9 @@ CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens)
     : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens) {
   for (const auto &[r, shape] : shapes_.routings())
     routes_[r].shape = shape;
+  size_t next = 0;
+  for (const Step &s : layer_.program.steps)
+    kernel_of_step_.push_back(std::holds_alternative<RoutingStep>(s) ? layer_.kernels.size() : next++);
   for (const TensorDecl &t : layer_.program.tensors)
     tensors_[t.name].assign(static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype), 0);
 }
@@ -39,6 +46,12 @@ void CpuLayer::upload(const TensorMap &inputs) {
   for (const TensorDecl &t : layer_.program.tensors)
     if (t.is_input)
       tensors_.at(t.name) = shapes_.encode_input(t, inputs);
+}
+
+void CpuLayer::upload(const std::string &name, const HostTensor &value) {
+  const TensorDecl *t = layer_.program.find(name);
+  user_check(t != nullptr && t->is_input) << "'" << name << "' is not an Input or Param of this layer";
+  tensors_.at(name) = shapes_.encode_input(*t, TensorMap{{name, value}});
 }
 
 void CpuLayer::poison() {
@@ -88,24 +101,27 @@ void *CpuLayer::arg(const CpuArg &a) {
   return nullptr;
 }
 
-void CpuLayer::run() {
+void CpuLayer::run(size_t begin, size_t end) {
+  const std::vector<Step> &steps = layer_.program.steps;
+  internal_check(begin <= end && end <= steps.size())
+      << "steps [" << begin << ", " << end << ") of a program of " << steps.size();
   const JitProgram &jit = *layer_.jit;
-  size_t next = 0;
+  const std::vector<CpuKernel> &kernels = layer_.kernels;
   std::vector<void *> args;
-  for (const Step &s : layer_.program.steps) {
+  for (size_t i = begin; i < end; ++i) {
+    const Step &s = steps[i];
     if (auto *rs = std::get_if<RoutingStep>(&s)) {
       route(*rs);
       continue;
     }
-    const std::vector<CpuKernel> &kernels = layer_.kernels;
-    internal_check(next < kernels.size() && kernels[next].step == step_name(s) && next < jit.functions.size())
+    size_t k = kernel_of_step_[i];
+    internal_check(k < kernels.size() && kernels[k].step == step_name(s) && k < jit.functions.size())
         << "compiled steps do not match the program at " << step_name(s);
     // Arguments are bound per call: the routing tables are rebuilt each run.
     args.clear();
-    for (const CpuArg &a : kernels[next].args)
+    for (const CpuArg &a : kernels[k].args)
       args.push_back(arg(a));
-    jit.functions[next](args.data());
-    ++next;
+    jit.functions[k](args.data());
   }
 }
 

@@ -34,6 +34,10 @@ struct CompiledCpuLayer {
 // Lowers, generates and JIT-compiles (cached within the process).
 CompiledCpuLayer compile_cpu_layer(const Pipeline &pipeline, const Schedule &schedule);
 
+// Generates and JIT-compiles an already lowered program (a training program,
+// lowering/training.h); `what` names it in LLVM errors.
+CompiledCpuLayer compile_cpu_program(KernelProgram program, const std::string &what);
+
 // The layer's generated LLVM IR as text, before or after the O2 pipeline
 // (for `moeforge emit --llvm`).
 std::string cpu_llvm_ir(const Pipeline &pipeline, const Schedule &schedule, bool optimised = false);
@@ -47,11 +51,17 @@ public:
   // Copies every Input and Param in (rounded to its dtype). Shapes must match
   // the declared Dims with the token Dim = tokens.
   void upload(const TensorMap &inputs);
+  // Copies one Input or Param in (UserError naming it when it is not one).
+  void upload(const std::string &name, const HostTensor &value);
   // Fills every intermediate and output with NaN, so an element no step
   // writes shows up in any comparison.
   void poison();
   // The whole forward: routing on the host, then every step in order.
-  void run();
+  void run() { run(0, layer_.program.steps.size()); }
+  // Steps [begin, end) of the program in order, routing steps included (a
+  // training program's forward or backward). Later steps read what earlier
+  // runs left in the buffers and the routing tables.
+  void run(size_t begin, size_t end);
   // A Func's values as the reference lays them out (routed rows in pair
   // order, whatever the layout here).
   HostTensor download(const std::string &func) const;
@@ -71,6 +81,9 @@ private:
   void *arg(const CpuArg &a);
 
   const CompiledCpuLayer &layer_;
+  // kernel_of_step_[s]: the index into layer_.kernels of step s (routing
+  // steps run on the host and have none).
+  std::vector<size_t> kernel_of_step_;
   int64_t tokens_;
   ProgramShapes shapes_;
   std::map<std::string, std::vector<uint8_t>> tensors_;

@@ -173,7 +173,7 @@ TEST_CASE("cli: impossible shapes") {
 }
 
 TEST_CASE("cli: unknown command and no command") {
-  check_usage_error({"train", "moe_mlp"}, {"unknown command 'train'", "use list, print, run or emit"});
+  check_usage_error({"fit", "moe_mlp"}, {"unknown command 'fit'", "use list, print, run, train or emit"});
   check_usage_error({}, {"no command given"});
 }
 
@@ -272,4 +272,93 @@ TEST_CASE("cli: emit --llvm prints the CPU backend's optimised IR") {
   CHECK(r.code == 2);
   CHECK(has(r.err, "emit --llvm: this build has no CPU backend"));
 #endif
+}
+
+TEST_CASE("cli: train moe_mlp --check on the CPU backend: forward, backward, saved activations, every gradient") {
+  Run r = cli({"train", "moe_mlp", "--backend", "cpu", "--check"});
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK(r.err.empty());
+  CHECK(has(r.out, "example   moe_mlp"));
+  CHECK(has(r.out, "upstream gradient d_y[256x64]"));
+  CHECK(has(r.out, "backend   cpu (LLVM JIT, one thread), schedule 'megablocks'\n"));
+  CHECK(has(r.out, "routing   route: 512 pairs (256 tokens x k=2) over 8 experts"));
+  CHECK(has(r.out, "\nforward   "));
+  CHECK(has(r.out, "\nbackward  "));
+  // The activation memory and which tensors make it.
+  CHECK(has(r.out, "\nsaved     "));
+  CHECK(has(r.out, " MiB kept for the backward: "));
+  CHECK(has(r.out, " h 0.125, "));
+  CHECK(has(r.out, ", routing tables 0.010 (MiB)\n"));
+  CHECK_FALSE(has(r.out, "\nrecompute"));
+  for (const char *f : {"y ", "d_x ", "d_wr ", "d_w1 ", "d_w2 "}) {
+    CHECK_MESSAGE(has(r.out, std::string("check     ") + f), "no check of " << f);
+    CHECK_MESSAGE(has(r.out, "checksum  " + std::string(f).substr(0, std::string(f).size() - 1) + ": "),
+                  "no checksum of " << f);
+  }
+  CHECK(std::count(r.out.begin(), r.out.end(), '\n') > 10);
+  CHECK(has(r.out, "(tolerance 2e-2): PASS"));
+  CHECK_FALSE(has(r.out, "FAIL"));
+  // The seed decides the inputs and the upstream gradient.
+  Run again = cli({"train", "moe_mlp", "--backend", "cpu", "--tokens", "32", "--seed", "5"});
+  Run other = cli({"train", "moe_mlp", "--backend", "cpu", "--tokens", "32", "--seed", "6"});
+  auto checksum = [](const std::string &out) { return out.substr(out.find("checksum  d_x: ")); };
+  CHECK(again.code == 0);
+  CHECK(checksum(again.out) ==
+        checksum(cli({"train", "moe_mlp", "--backend", "cpu", "--tokens", "32", "--seed", "5"}).out));
+  CHECK(checksum(again.out) != checksum(other.out));
+#else
+  CHECK(r.code == 2);
+  CHECK(has(r.err, "--backend cpu: this build has no CPU backend"));
+#endif
+}
+
+TEST_CASE("cli: train swiglu_moe --schedule scattermoe --recompute --check passes on the CPU backend") {
+  Run r = cli({"train", "swiglu_moe", "--schedule", "scattermoe", "--recompute", "--backend", "cpu", "--tokens", "100",
+               "--experts", "8", "--k", "1", "--check"});
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK(has(r.out, "backend   cpu (LLVM JIT, one thread), schedule 'scattermoe' with recompute"));
+  CHECK(has(r.out, "routing   route: 100 pairs (100 tokens x k=1) over 8 experts"));
+  CHECK(has(r.out, "\nrecompute "));
+  CHECK(has(r.out, " h "));
+  CHECK(has(r.out, "(made again by the backward)"));
+  for (const char *f : {"y ", "d_x ", "d_wr ", "d_w1 ", "d_w3 ", "d_w2 "})
+    CHECK_MESSAGE(has(r.out, std::string("check     ") + f), "no check of " << f);
+  // k = 1 with renormalised gates: every gate is 1, the router's gradient is 0
+  // in exact arithmetic and is compared against the floor.
+  CHECK(has(r.out, "max |ours - ref| / floor"));
+  CHECK(has(r.out, "PASS; ~0 in exact arithmetic, floor = 1e-3 x the largest value of y and the gradients"));
+  CHECK(has(r.out, "(tolerance 2e-2): PASS"));
+  CHECK_FALSE(has(r.out, "FAIL"));
+  // Recompute keeps less for the backward than storing.
+  auto saved_mib = [](const std::string &out) {
+    size_t at = out.find("saved     ");
+    REQUIRE(at != std::string::npos);
+    return std::stod(out.substr(at + 10));
+  };
+  Run store = cli({"train", "swiglu_moe", "--schedule", "scattermoe", "--backend", "cpu", "--tokens", "100",
+                   "--experts", "8", "--k", "1"});
+  CHECK(store.code == 0);
+  CHECK_FALSE(has(store.out, "\nrecompute "));
+  CHECK(saved_mib(r.out) < saved_mib(store.out));
+#else
+  CHECK(r.code == 2);
+#endif
+}
+
+TEST_CASE("cli: train usage errors") {
+  check_usage_error({"train", "moe_mlp", "--precision", "f64"}, {"unknown flag '--precision' for 'train'"});
+  check_usage_error({"train", "moe_mlp", "--recompute", "yes"}, {"unknown flag 'yes' for 'train'"});
+  check_usage_error({"train", "moe_mlp", "--backend", "reference"},
+                    {"--backend of train must be cpu or cuda, got 'reference'"});
+  check_usage_error({"train", "moe_mlp", "--k"}, {"--k needs a value"});
+  check_usage_error({"train", "moe_mlp", "--k", "9"}, {"moe_mlp: --topk 9 with 8 experts"});
+  check_usage_error({"train", "moe_mlp", "--schedule", "fastest"}, {"schedule 'fastest' is neither a preset"});
+  check_usage_error({"train"}, {"'train' needs an example name"});
+  // --recompute and --k belong to train only.
+  check_usage_error({"run", "moe_mlp", "--recompute"}, {"unknown flag '--recompute' for 'run'"});
+  check_usage_error({"run", "moe_mlp", "--k", "2"}, {"unknown flag '--k' for 'run'"});
 }

@@ -6,11 +6,15 @@
 #include <cstdlib>
 #include <iomanip>
 #include <optional>
+#include <random>
+#include <sstream>
 
 #include "backends/reference/evaluate.h"
 #include "dsl/error.h"
+#include "dsl/training.h"
 #include "examples/examples.h"
 #include "lowering/lower.h"
+#include "runtime/program_shapes.h"
 #include "schedules/presets.h"
 #include "tools/cli_backend.h"
 
@@ -18,12 +22,15 @@ namespace moeforge {
 
 namespace {
 
-const char *kUsage = "usage: moeforge list\n"
-                     "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
-                     "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
-                     "                               --precision f32|f64 --schedule megablocks|scattermoe|<file>\n"
-                     "                               --backend reference|cpu|cuda] [--check]\n"
-                     "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm\n";
+const char *kUsage =
+    "usage: moeforge list\n"
+    "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
+    "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
+    "                               --precision f32|f64 --schedule megablocks|scattermoe|<file>\n"
+    "                               --backend reference|cpu|cuda] [--check]\n"
+    "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|<file>]\n"
+    "                                 [--recompute] [--backend cpu|cuda] [--check]\n"
+    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm\n";
 
 struct Options {
   std::string command, example;
@@ -31,6 +38,7 @@ struct Options {
   uint64_t seed = 1;
   Precision precision = Precision::f32;
   bool check = false;
+  bool recompute = false; // train: schedule.recompute(true)
   std::string schedule = "megablocks";
   std::string backend; // empty: the GPU when there is one, else the CPU backend, else the reference
   std::string emit;    // ir, cuda or llvm
@@ -48,8 +56,9 @@ Options parse(const std::vector<std::string> &args) {
   Options o;
   user_check(!args.empty()) << "no command given";
   o.command = args[0];
-  user_check(o.command == "list" || o.command == "print" || o.command == "run" || o.command == "emit")
-      << "unknown command '" << o.command << "': use list, print, run or emit";
+  user_check(o.command == "list" || o.command == "print" || o.command == "run" || o.command == "train" ||
+             o.command == "emit")
+      << "unknown command '" << o.command << "': use list, print, run, train or emit";
   size_t i = 1;
   if (o.command != "list") {
     user_check(args.size() > 1 && args[1].rfind("--", 0) != 0)
@@ -59,8 +68,12 @@ Options parse(const std::vector<std::string> &args) {
   }
   for (; i < args.size(); ++i) {
     const std::string &flag = args[i];
-    if (flag == "--check" && o.command == "run") {
+    if (flag == "--check" && (o.command == "run" || o.command == "train")) {
       o.check = true;
+      continue;
+    }
+    if (flag == "--recompute" && o.command == "train") {
+      o.recompute = true;
       continue;
     }
     if ((flag == "--ir" || flag == "--cuda" || flag == "--llvm") && o.command == "emit") {
@@ -69,17 +82,24 @@ Options parse(const std::vector<std::string> &args) {
       o.emit = flag.substr(2);
       continue;
     }
-    // list takes no flags; print takes the shape flags; run also --seed and --precision.
+    // list takes no flags; print takes the shape flags; run also --seed,
+    // --precision, --backend and --schedule; train --seed, --backend and
+    // --schedule, and --k for --topk; emit --schedule.
+    bool runs = o.command == "run" || o.command == "train";
     bool takes_value =
-        o.command != "list" && (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
-                                flag == "--f" || (o.command == "run" && (flag == "--seed" || flag == "--precision")) ||
-                                (o.command == "run" && flag == "--backend") ||
-                                ((o.command == "run" || o.command == "emit") && flag == "--schedule"));
+        o.command != "list" &&
+        (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" || flag == "--f" ||
+         (o.command == "train" && flag == "--k") || (runs && (flag == "--seed" || flag == "--backend")) ||
+         (o.command == "run" && flag == "--precision") || ((runs || o.command == "emit") && flag == "--schedule"));
     user_check(takes_value) << "unknown flag '" << flag << "' for '" << o.command << "'";
     user_check(i + 1 < args.size()) << flag << " needs a value";
     const std::string &v = args[++i];
     if (flag == "--schedule") {
       o.schedule = v;
+    } else if (flag == "--backend" && o.command == "train") {
+      user_check(v == "cpu" || v == "cuda")
+          << "--backend of train must be cpu or cuda, got '" << v << "' (--check compares with the reference)";
+      o.backend = v;
     } else if (flag == "--backend") {
       user_check(v == "reference" || v == "cpu" || v == "cuda")
           << "--backend must be reference, cpu or cuda, got '" << v << "'";
@@ -91,11 +111,11 @@ Options parse(const std::vector<std::string> &args) {
       o.seed = static_cast<uint64_t>(parse_int(flag, v));
     } else {
       int64_t n = parse_int(flag, v);
-      (flag == "--tokens"    ? o.shape.tokens
-       : flag == "--experts" ? o.shape.experts
-       : flag == "--topk"    ? o.shape.topk
-       : flag == "--d"       ? o.shape.d
-                             : o.shape.f) = n;
+      (flag == "--tokens"                  ? o.shape.tokens
+       : flag == "--experts"               ? o.shape.experts
+       : flag == "--topk" || flag == "--k" ? o.shape.topk
+       : flag == "--d"                     ? o.shape.d
+                                           : o.shape.f) = n;
     }
   }
   user_check(o.command != "emit" || !o.emit.empty())
@@ -141,15 +161,18 @@ bool gpu_present(std::string *why) {
 // built, else the reference. Asking for one that is missing is a usage error.
 std::string choose_backend(const Options &o, std::string *why_not_gpu) {
   bool gpu = gpu_present(why_not_gpu);
+  bool train = o.command == "train"; // the reference has no training runtime of its own
   if (o.backend == "cuda") {
-    user_check(gpu) << "--backend cuda: " << *why_not_gpu << "; use --backend cpu or reference";
+    user_check(gpu) << "--backend cuda: " << *why_not_gpu << "; use --backend cpu" << (train ? "" : " or reference");
   }
   if (o.backend == "cpu") {
     user_check(kHaveCpu) << "--backend cpu: this build has no CPU backend (LLVM 19 was not found when it was "
-                         << "configured: install llvm-19-dev); use --backend reference";
+                         << "configured: install llvm-19-dev)" << (train ? "" : "; use --backend reference");
   }
   if (!o.backend.empty())
     return o.backend;
+  user_check(!train || gpu || kHaveCpu) << "train needs a compiled backend: " << *why_not_gpu
+                                        << ", and this build has no CPU backend (install llvm-19-dev)";
   return gpu ? "cuda" : (kHaveCpu ? "cpu" : "reference");
 }
 
@@ -188,6 +211,136 @@ bool check_backend(std::ostream &out, const BackendRun &run, const EvalResult &r
         << std::defaultfloat;
   }
   return ok;
+}
+
+BackendTraining train_on_backend(const std::string &backend, const Example &ex, const ExampleShape &shape,
+                                 const TensorMap &inputs, const HostTensor &upstream, const Schedule &schedule) {
+#ifdef MOEFORGE_HAVE_CUDA
+  if (backend == "cuda")
+    return cli_train_on_gpu(ex, shape, inputs, upstream, schedule);
+#endif
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  if (backend == "cpu")
+    return cli_train_on_cpu(ex, shape, inputs, upstream, schedule);
+#endif
+  internal_check(false) << "backend " << backend << " is not built";
+}
+
+void print_shape(std::ostream &out, const std::string &name, const HostTensor &t) {
+  out << " " << name << "[";
+  for (size_t i = 0; i < t.shape.size(); ++i)
+    out << (i ? "x" : "") << t.shape[i];
+  out << "]";
+}
+
+std::string mib(int64_t bytes) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(bytes < (10 << 20) ? 3 : 1) << double(bytes) / double(1 << 20);
+  return s.str();
+}
+
+// The upstream gradient d(loss)/d(output): U(-1, 1), bf16-exact (so the
+// backend and the reference see the same values), shaped like the output.
+HostTensor random_upstream_gradient(const Example &ex, int64_t tokens, uint64_t seed) {
+  std::vector<int64_t> shape;
+  for (const Var &v : ex.pipeline.func(ex.output).args())
+    shape.push_back(v.dim().is_dynamic() ? tokens : v.dim().extent());
+  std::mt19937_64 rng(seed ^ 0x9e3779b97f4a7c15ull); // apart from the inputs' stream
+  return random_tensor(shape, rng, -1.0, 1.0, /*bf16=*/true);
+}
+
+// y and every gradient against the float64 reference of the training algebra.
+// A gradient that is zero in exact arithmetic (the router's, when renormalised
+// gates make y independent of it) holds rounding noise on both sides, so each
+// error is relative to at least 1e-3 x the largest value of y and the
+// gradients, as the tests' compare_with_reference does.
+bool check_training(std::ostream &out, const BackendTraining &run, const Example &ex, TensorMap inputs,
+                    const HostTensor &upstream) {
+  const TrainingProgram &t = run.training;
+  TrainingAlgebra algebra = training_algebra(ex.pipeline, ex.pipeline.func(ex.output));
+  inputs[t.seed] = upstream;
+  EvalResult ref = evaluate(algebra.pipeline, inputs, Precision::f64);
+  std::vector<std::string> names = {t.output};
+  names.insert(names.end(), t.gradients.begin(), t.gradients.end());
+  double floor = 0;
+  for (const std::string &n : names)
+    for (double v : ref[n].data)
+      floor = std::max(floor, 1e-3 * std::fabs(v));
+  bool ok = true;
+  for (const std::string &n : names) {
+    const HostTensor &want = ref[n], &got = run.values.at(n);
+    internal_check(got.shape == want.shape) << "'" << n << "' has the wrong shape";
+    double scale = 0, worst = 0;
+    for (double v : want.data)
+      scale = std::max(scale, std::fabs(v));
+    for (size_t i = 0; i < got.data.size(); ++i)
+      worst = std::max(worst, std::isnan(got.data[i]) ? INFINITY : std::fabs(got.data[i] - want.data[i]));
+    double err = worst / std::max({scale, floor, 1e-30});
+    bool pass = err <= 2e-2;
+    ok &= pass;
+    out << "check     " << std::setw(16) << std::left << n << std::right
+        << (scale < floor ? " max |ours - ref| / floor        = " : " max |ours - ref| / max |ref| = ")
+        << std::scientific << std::setprecision(2) << err << " (tolerance 2e-2): " << (pass ? "PASS" : "FAIL")
+        << (scale < floor ? "; ~0 in exact arithmetic, floor = 1e-3 x the largest value of y and the gradients" : "")
+        << "\n"
+        << std::defaultfloat;
+  }
+  return ok;
+}
+
+// One training step: forward, then backward, on a compiled backend.
+int train(const Options &o, std::ostream &out) {
+  Example ex = make_example(o.example, o.shape);
+  Schedule schedule = schedule_from_arg(o.schedule);
+  if (o.recompute)
+    schedule.recompute(true);
+  std::string no_gpu;
+  std::string backend = choose_backend(o, &no_gpu);
+  TensorMap inputs = ex.random_inputs(o.shape, o.seed);
+  HostTensor upstream = random_upstream_gradient(ex, o.shape.tokens, o.seed);
+  BackendTraining run = train_on_backend(backend, ex, o.shape, inputs, upstream, schedule);
+  const TrainingProgram &t = run.training;
+
+  out << "example   " << ex.name << ": " << ex.description << "\n";
+  out << "inputs   ";
+  for (const BufferPtr &b : ex.pipeline.buffers())
+    print_shape(out, b->name, inputs.at(b->name));
+  out << "; upstream gradient";
+  print_shape(out, t.seed, upstream);
+  out << "\n";
+  out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'"
+      << (o.recompute ? " with recompute" : "") << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "")
+      << "\n";
+  for (const auto &[name, r] : run.routes)
+    print_routing(out, name, r);
+  out << "forward   " << std::fixed << std::setprecision(3) << run.forward_ms << " ms\n";
+  out << "backward  " << run.backward_ms << " ms\n" << std::defaultfloat;
+  // The activation memory: what the forward keeps for the backward.
+  ProgramShapes shapes(t.program, o.shape.tokens);
+  int64_t tables = run.saved_bytes;
+  std::string parts;
+  for (const std::string &n : t.saved) {
+    const TensorDecl &d = t.program.tensor(n);
+    int64_t bytes = shapes.elements(d) * dtype_bytes(d.dtype);
+    tables -= bytes;
+    parts += (parts.empty() ? " " : ", ") + n + " " + mib(bytes);
+  }
+  if (tables > 0)
+    parts += (parts.empty() ? " " : ", ") + std::string("routing tables ") + mib(tables);
+  out << "saved     " << mib(run.saved_bytes) << " MiB kept for the backward:" << parts << " (MiB)\n";
+  if (!t.recomputed.empty()) {
+    out << "recompute";
+    for (const std::string &n : t.recomputed)
+      out << " " << n;
+    out << " (made again by the backward)\n";
+  }
+  out << "checksum  " << t.output << ": " << std::setprecision(9) << run.values.at(t.output).checksum() << "\n";
+  for (const std::string &g : t.gradients)
+    out << "checksum  " << g << ": " << run.values.at(g).checksum() << "\n";
+  out << std::setprecision(6);
+  if (!o.check)
+    return 0;
+  return check_training(out, run, ex, inputs, upstream) ? 0 : 1;
 }
 
 int run(const Options &o, std::ostream &out) {
@@ -293,6 +446,8 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
 #endif
       return 0;
     }
+    if (o.command == "train")
+      return train(o, out);
     return run(o, out);
   } catch (const UserError &e) {
     err << "moeforge: " << e.what() << "\n" << kUsage;

@@ -3,6 +3,9 @@
 //   moeforge print <example> [shape flags]
 //   moeforge run <example> [--tokens N --experts E --topk K --d D --f F
 //                           --seed S --precision f32|f64] [--check]
+//   moeforge train <example> [shape flags, --seed S, --schedule S, --recompute,
+//                             --backend cpu|cuda] [--check]
+//   moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm
 // Returns the exit code: 0 success, 1 a failed --check, 2 a usage error (bad
 // flag, bad value, impossible shape), with the reason on `err`.
 #pragma once

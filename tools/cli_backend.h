@@ -10,6 +10,7 @@
 #include "backends/reference/evaluate.h"
 #include "examples/examples.h"
 #include "lowering/kernel_program.h"
+#include "lowering/training.h"
 #include "schedules/schedule.h"
 
 namespace moeforge {
@@ -19,6 +20,16 @@ struct BackendRun {
   double ms = 0;                               // one forward, after a warm-up
   std::map<std::string, RoutingResult> routes; // the experts each route chose
   TensorMap values;                            // every Func the schedule materialises, pair order
+};
+
+// One training step on a compiled backend: the forward, then the backward.
+struct BackendTraining {
+  std::string backend;
+  double forward_ms = 0, backward_ms = 0;      // one step, after a warm-up step
+  TrainingProgram training;                    // what was compiled (saved and recomputed tensors)
+  int64_t saved_bytes = 0;                     // the activation memory kept for the backward
+  std::map<std::string, RoutingResult> routes; // the experts each route chose
+  TensorMap values;                            // the output and every gradient, by their Funcs' names
 };
 
 // The routing statistics' input from a backend's expert ids (pair order).
@@ -35,13 +46,30 @@ void collect_results(BackendRun &run, const KernelProgram &program, const Layer 
       run.values[t.name] = layer.download(t.name);
 }
 
+// Fills run from a finished training layer of either backend (cpu::
+// CpuTrainingLayer, cuda::TrainingLayer).
+template <typename Layer>
+void collect_training(BackendTraining &run, const TrainingProgram &t, const Layer &layer, int64_t tokens) {
+  for (const RoutingNode *r : t.program.routes)
+    run.routes[r->name] = routing_from_experts(*r, tokens, layer.routed_experts(r->name));
+  run.values[t.output] = layer.output();
+  for (size_t i = 0; i < t.of.size(); ++i)
+    run.values[t.gradients[i]] = layer.gradient(t.of[i]);
+  run.saved_bytes = layer.saved_bytes();
+  run.training = t;
+}
+
 // Each is built only with its backend (MOEFORGE_HAVE_CUDA, MOEFORGE_HAVE_CPU_BACKEND).
 bool cli_gpu_available(std::string *why);
 BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
                           const Schedule &schedule);
+BackendTraining cli_train_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                                 const HostTensor &upstream, const Schedule &schedule);
 std::string cli_cuda_source(const Pipeline &pipeline, const Schedule &schedule);
 BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
                           const Schedule &schedule);
+BackendTraining cli_train_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                                 const HostTensor &upstream, const Schedule &schedule);
 std::string cli_llvm_ir(const Pipeline &pipeline, const Schedule &schedule);
 
 } // namespace moeforge

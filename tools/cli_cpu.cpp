@@ -2,6 +2,7 @@
 #include <chrono>
 
 #include "backends/cpu/cpu_layer.h"
+#include "backends/cpu/cpu_training.h"
 #include "tools/cli_backend.h"
 
 namespace moeforge {
@@ -23,6 +24,29 @@ BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const Te
   run.backend = "cpu (LLVM JIT, one thread)";
   run.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   collect_results(run, compiled.program, layer, shape.tokens);
+  return run;
+}
+
+BackendTraining cli_train_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                                 const HostTensor &upstream, const Schedule &schedule) {
+  cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
+  cpu::CpuTrainingLayer layer(compiled, shape.tokens);
+  layer.upload(inputs);
+  layer.poison();
+  layer.upload_upstream_gradient(upstream);
+  layer.forward(); // warm-up: first touch of every buffer
+  layer.backward();
+  using Clock = std::chrono::steady_clock;
+  auto start = Clock::now();
+  layer.forward();
+  auto mid = Clock::now();
+  layer.backward();
+  auto stop = Clock::now();
+  BackendTraining run;
+  run.backend = "cpu (LLVM JIT, one thread)";
+  run.forward_ms = std::chrono::duration<double, std::milli>(mid - start).count();
+  run.backward_ms = std::chrono::duration<double, std::milli>(stop - mid).count();
+  collect_training(run, compiled.training, layer, shape.tokens);
   return run;
 }
 

@@ -1,6 +1,7 @@
 // The CLI's CUDA backend (built with MOEFORGE_HAVE_CUDA).
 #include "backends/cuda/codegen_cuda.h"
 #include "backends/cuda/layer.h"
+#include "backends/cuda/training_layer.h"
 #include "lowering/lower.h"
 #include "tools/cli_backend.h"
 
@@ -32,6 +33,35 @@ BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const Te
   run.backend = "cuda on " + device.name() + " (" + device.arch_specific() + ")";
   run.ms = cuda::elapsed_ms(start, stop);
   collect_results(run, compiled.program, layer, shape.tokens);
+  return run;
+}
+
+BackendTraining cli_train_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                                 const HostTensor &upstream, const Schedule &schedule) {
+  cuda::Device device;
+  cuda::CompiledTraining compiled =
+      cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device.arch_specific());
+  cuda::TrainingLayer layer(device, compiled, shape.tokens);
+  layer.upload(inputs);
+  layer.poison();
+  layer.upload_upstream_gradient(upstream);
+  cuda::Stream stream;
+  layer.forward(stream); // warm-up: module load, first touch
+  layer.backward(stream);
+  stream.synchronize();
+  cuda::Event start, mid, stop;
+  start.record(stream);
+  layer.forward(stream);
+  mid.record(stream);
+  layer.backward(stream);
+  stop.record(stream);
+  stop.synchronize();
+
+  BackendTraining run;
+  run.backend = "cuda on " + device.name() + " (" + device.arch_specific() + ")";
+  run.forward_ms = cuda::elapsed_ms(start, mid);
+  run.backward_ms = cuda::elapsed_ms(mid, stop);
+  collect_training(run, compiled.training, layer, shape.tokens);
   return run;
 }
 

@@ -46,10 +46,19 @@ cuda::Device &device() {
   return d;
 }
 
-// The forward benchmark's tuned schedule (256-wide tiles for single-B GEMMs,
-// warp-specialised wgmma), which the backward's GEMMs share by default.
-Schedule tuned(const Shape &s) {
+// The forward benchmark's tuned schedule (256-wide tiles for its single-B
+// GEMMs, warp-specialised wgmma; the backward's GEMMs get the default tile),
+// or, wide, 256-wide tiles for every single-B GEMM, the backward's included.
+Schedule tuned(const Shape &s, bool wide) {
   Schedule t = scattermoe();
+  if (wide) {
+    // Every single-B GEMM (the backward's included) on 128 x 256 tiles;
+    // SwiGLU's two-B forward GEMM stays at 128 columns per B.
+    t.mma("*", MmaKind::wgmma_ws).tile("*", 128, 256, 64).tile("logits", 128, 64, 64);
+    if (s.swiglu)
+      t.tile("h", 128, 128, 64);
+    return t;
+  }
   t.mma("*", MmaKind::wgmma_ws).tile("o", 128, 256, 64).stages("o", 4).tile("logits", 128, 64, 64);
   if (!s.swiglu)
     t.tile("h", 128, 256, 64).stages("h", 4);
@@ -82,7 +91,7 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   es.topk = shape.k;
   Example ex = biased_moe(es, shape.swiglu, Bias::none, shape.swiglu);
   std::string name = schedule_name;
-  Schedule schedule = name == "tuned" ? tuned(shape) : preset(name);
+  Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name == "tuned_wide") : preset(name);
   schedule.recompute(recompute);
   std::string why;
   if (!cuda::gpu_available(&why)) {
@@ -131,7 +140,7 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
 
 void register_all() {
   for (const Shape &s : kShapes)
-    for (const char *p : {"megablocks", "scattermoe", "tuned"})
+    for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_wide"})
       for (bool re : {false, true}) {
         std::string name = std::string("train/") + s.name + "/" + p + (re ? "/recompute" : "/store");
         benchmark::RegisterBenchmark(name.c_str(), BM_train, s, p, re)

@@ -71,7 +71,9 @@ struct GemmStep {
   std::vector<std::string> b; // one per accumulator (two for SwiGLU)
   bool b_per_expert = false;  // B has a leading expert index: B[expert(r), k, n]
   // Operands stored the other way round (A[k, rows], B[expert?, n, k]);
-  // materialize_transposes rewrites them to read a transposed copy.
+  // materialize_transposes rewrites A^T reads, and B^T reads of mma.sync
+  // GEMMs, to read a transposed copy. b_trans stays set for wgmma GEMMs,
+  // whose main loops read B^T in place (and on the CPU).
   bool a_trans = false, b_trans = false;
   // An expert reduction (see above): the output is [E, m, n]; A and B are
   // routed tensors read by pair rows (a_rows, b_rows) until

@@ -510,7 +510,9 @@ KernelProgram materialize_transposes(KernelProgram p, const Schedule &) {
       g->a = at.name;
       g->a_trans = false;
     }
-    if (g->b_trans) {
+    // The Hopper main loops read a transposed B in place (K-major tiles);
+    // mma.sync's loop reads [K, N] only, so B^T is written first for it.
+    if (g->b_trans && g->tiling.mma == MmaKind::mma_sync) {
       for (std::string &name : g->b) {
         const TensorDecl &b = p.tensor(name);
         TensorDecl bt = b;

@@ -205,7 +205,11 @@ TEST_SUITE("cpu") {
     Example ex = make_example("swiglu_moe", s);
     Training train = training_of(ex);
     TensorMap in = with_seed_gradients(ex.pipeline, train, ex.random_inputs(s, 4), 9);
-    cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(train.pipeline, preset("scattermoe"));
+    // mma.sync GEMMs read B as [K, N]: the weights' transposes are written
+    // (the wgmma loops read them in place instead).
+    Schedule sync = preset("scattermoe");
+    sync.mma("*", MmaKind::mma_sync);
+    cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(train.pipeline, sync);
     cpu::CpuLayer layer(compiled, s.tokens);
     layer.upload(in);
     layer.poison();
@@ -237,7 +241,9 @@ TEST_SUITE("cpu") {
   TEST_CASE("cpu training: the lowered program has the backward's new steps") {
     ExampleShape s = shape(64, 64, 128, 8, 2);
     Example ex = make_example("moe_mlp", s);
-    std::string ir = cpu::cpu_llvm_ir(training_of(ex).pipeline, preset("megablocks"));
+    Schedule sync = preset("megablocks");
+    sync.mma("*", MmaKind::mma_sync);
+    std::string ir = cpu::cpu_llvm_ir(training_of(ex).pipeline, sync);
     CHECK(ir.find("define void @moeforge_transpose_w1_T(ptr") != std::string::npos);
     CHECK(ir.find("define void @moeforge_transpose_x_T_route(ptr") != std::string::npos);
     CHECK(ir.find("define void @moeforge_gemm_d_w1(ptr") != std::string::npos);

@@ -241,10 +241,18 @@ TEST_CASE("lowering: contractions the kernels cannot read directly are decompose
     Param w("w", {F, D});
     Func y("y");
     y(t, j) = sum(i, x(t, i) * w(j, i));
-    KernelProgram p = lower(Pipeline({y}), preset("megablocks"));
+    Schedule sync = preset("megablocks");
+    sync.mma("*", MmaKind::mma_sync);
+    KernelProgram p = lower(Pipeline({y}), sync);
     CHECK(count_steps<TransposeStep>(p) == 1);
     CHECK(std::get<GemmStep>(p.steps.back()).b[0] == "w_T");
     CHECK(p.tensor("w_T").dims[0].name() == "D");
+    // The wgmma loops read it in place: no transpose step.
+    KernelProgram q = lower(Pipeline({y}), preset("megablocks"));
+    CHECK(count_steps<TransposeStep>(q) == 0);
+    CHECK(std::get<GemmStep>(q.steps.back()).b_trans);
+    cuda::CompiledLayer c = cuda::compile_layer(Pipeline({y}), preset("megablocks"));
+    CHECK(c.source.source.find("B read transposed") != std::string::npos);
   }
 }
 

@@ -124,6 +124,16 @@ TEST_SUITE("gpu") {
         }
   }
 
+  TEST_CASE("cuda training: mma.sync GEMMs with materialised weight transposes") {
+    MOEFORGE_REQUIRE_GPU();
+    ExampleShape s = shape(200, 64, 128, 8, 2);
+    Example ex = make_example("swiglu_moe", s);
+    Schedule sync = preset("megablocks");
+    sync.mma("*", MmaKind::mma_sync);
+    Outcome o = train_and_compare(ex, ex.random_inputs(s, 3), s.tokens, sync);
+    CHECK(o.routing_mismatches == 0);
+  }
+
   TEST_CASE("cuda training: the MoE edge cases") {
     MOEFORGE_REQUIRE_GPU();
     testing::check_edge_cases(64, 128, {"megablocks", "scattermoe"},

@@ -410,6 +410,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
   std::vector<Value *> acc;
   for (int i = 0; i < nb; ++i)
     acc.push_back(fb.alloca_f32(TN, "acc" + std::to_string(i)));
+  internal_check(!g.b_trans || !g.expert_k) << "an expert reduction's B is never transposed";
+  Value *b_stride_t = g.b_trans ? fb.extent(g.k) : nullptr; // a transposed B's row length
 
   // One output row of C, stored at row `out_row`, the epilogue's row index
   // being `row_index`: N in blocks of TN; accumulate(n0, update) calls
@@ -429,7 +431,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
           accumulate(n0, [&](int i, Value *b_row, Value *a) {
             fb.for_loop(fb.c64(0), width, "j", [&](Value *j) {
               Value *slot = b.CreateGEP(fb.f32(), acc[i], j);
-              Value *prod = b.CreateFMul(a, fb.load(*B[i], b.CreateAdd(b_row, j)));
+              // b_row: B[k, n0] (row-major [K, N]), or for a B read in place
+              // transposed ([N, K]), B[n0, k]: column j is then K further on.
+              Value *at = g.b_trans ? b.CreateAdd(b_row, b.CreateMul(j, b_stride_t)) : b.CreateAdd(b_row, j);
+              Value *prod = b.CreateFMul(a, fb.load(*B[i], at));
               b.CreateStore(b.CreateFAdd(b.CreateLoad(fb.f32(), slot), prod), slot);
             });
           });
@@ -485,7 +490,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
     columns(out_row, r, [&](Value *n0, const Update &update) {
       fb.for_loop(fb.c64(0), K, "k", [&](Value *kk) {
         Value *a = fb.load(A, b.CreateAdd(a_base, kk));
-        Value *b_row = b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, fb.c64(N)), n0));
+        Value *b_row = g.b_trans ? b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(n0, K), kk))
+                                 : b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, fb.c64(N)), n0));
         for (int i = 0; i < nb; ++i)
           update(i, b_row, a);
       });

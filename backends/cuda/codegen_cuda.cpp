@@ -9,6 +9,7 @@
 #include "backends/cuda/tile_library.h"
 #include "dsl/error.h"
 #include "dsl/printer.h"
+#include "dsl/visitor.h"
 #include "schedules/schedule.h"
 
 namespace moeforge {
@@ -94,6 +95,10 @@ public:
   ExprEmitter(const KernelProgram &prog, KernelBuilder &kb, std::ostringstream &out, int indent)
       : prog_(prog), kb_(kb), out_(out), indent_(indent) {}
 
+  // A warp computes each element: the outermost reductions are split over
+  // its lanes (lane, lane + 32, ...) and summed with shuffles; everything
+  // else is computed alike by every lane.
+  bool warp_split = false;
   std::map<const VarNode *, std::string> vars;       // index variables in scope
   std::map<const FuncNode *, std::string> registers; // placeholders held in registers (accumulators)
 
@@ -190,16 +195,21 @@ private:
   // a loop over i in this thread.
   std::string reduction(const Sum &s) {
     std::string acc = temp("sum"), v = temp("i");
+    const bool split = warp_split && split_depth_ == 0;
     out_ << pad() << "float " << acc << " = 0.f;\n";
-    out_ << pad() << "for (long long " << v << " = 0; " << v << " < " << kb_.extent(s.var.dim()) << "; ++" << v
-         << ") {\n";
+    out_ << pad() << "for (long long " << v << " = " << (split ? "lane" : "0") << "; " << v << " < "
+         << kb_.extent(s.var.dim()) << "; " << (split ? v + " += 32" : "++" + v) << ") {\n";
     indent_ += 2;
+    split_depth_ += split;
     vars[s.var.get()] = v;
     std::string x = emit(s.body);
     out_ << pad() << acc << " += " << x << ";\n";
     vars.erase(s.var.get());
+    split_depth_ -= split;
     indent_ -= 2;
     out_ << pad() << "}\n";
+    if (split)
+      out_ << pad() << acc << " = mf::warp_sum(" << acc << ");\n";
     return acc;
   }
 
@@ -249,7 +259,21 @@ private:
   std::ostringstream &out_;
   int indent_;
   int counter_ = 0;
+  int split_depth_ = 0;
 };
+
+// Whether e holds a reduction long enough to split over a warp's lanes.
+bool has_long_reduction(const Expr &e) {
+  struct Finder : IRVisitor {
+    bool found = false;
+    void visit_node(const Sum &n) override {
+      found |= n.var.dim().is_dynamic() || n.var.dim().extent() >= 64;
+      IRVisitor::visit_node(n);
+    }
+  } f;
+  f.visit(e);
+  return f.found;
+}
 
 // The routing block of a route (its RoutingStep's).
 int route_block(const KernelProgram &prog, const RoutingNode *r) {
@@ -302,8 +326,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
                                          << " accumulator registers per thread under wgmma: use tile_n "
                                          << 256 / (2 * nb) << " or less";
     body << "  using Cfg = mf::" << (ws ? "WgmmaWsConfig<" : "WgmmaConfig<") << t.tile_m << ", " << t.tile_n << ", "
-         << t.stages << ", " << nb << ">;  // Hopper warpgroup MMA" << (ws ? ", warp-specialised" : "") << "\n";
+         << t.stages << ", " << nb << (g.b_trans ? ", true" : "") << ">;  // Hopper warpgroup MMA"
+         << (ws ? ", warp-specialised" : "") << (g.b_trans ? ", B read transposed ([N, K])" : "") << "\n";
   } else {
+    internal_check(!g.b_trans) << "mma.sync reads B as [K, N]: lowering materialises B^T for it";
     body << "  using Cfg = mf::GemmConfig<" << t.tile_m << ", " << t.tile_n << ", " << t.tile_k << ", " << t.stages
          << ", " << t.warps_m << ", " << t.warps_n << ", " << nb << ">;  // warp-level mma.sync\n";
   }
@@ -329,7 +355,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  constexpr int NUM_M = (int)((M + Cfg::BM - 1) / Cfg::BM);\n";
     body << "  const long long expert = blockIdx.x / (NUM_M * NUM_N);\n";
     body << "  const int pid = blockIdx.x % (NUM_M * NUM_N);\n";
-    body << "  m_tile = pid / NUM_N;\n  n_tile = pid % NUM_N;\n";
+    body << "  mf::raster_mn(pid, NUM_M, NUM_N, " << t.raster << ", m_tile, n_tile);  // within the expert\n";
     body << "  const long long k_begin = " << off << "[expert];\n";
     body << "  const int K = (int)(" << off << "[expert + 1] - k_begin);\n";
     body << "  const long long LDA = " << max_padded_rows(prog, kb, r) << ";  // " << g.a << "'s padded row stride\n";
@@ -485,7 +511,15 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   std::string total = "1LL";
   for (const Var &v : loop_vars)
     total = "(" + total + " * " + kb.extent(v.dim()) + ")";
-  body << "  long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
+  // Dot products and sums over the tokens: a warp per element (coalesced
+  // reads along the reduced index, and 32x the parallelism of a thread each).
+  em.warp_split = !softmax && has_long_reduction(s.body);
+  if (em.warp_split) {
+    body << "  long long idx = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // a warp per element\n";
+    body << "  const int lane = threadIdx.x & 31;\n";
+  } else {
+    body << "  long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
+  }
   body << "  if (idx >= " << total << ") return;\n";
   for (size_t i = loop_vars.size(); i-- > 0;) {
     std::string c = "v_" + c_name(loop_vars[i].name());
@@ -497,8 +531,8 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     std::vector<std::string> idx;
     for (const Var &v : s.vars)
       idx.push_back(em.vars.at(v.get()));
-    em.out() << em.pad() << gOut << "[" << em.offset(out, idx) << "] = mf::from_f32<" << c_type(out.dtype) << ">("
-             << value << ");\n";
+    em.out() << em.pad() << (em.warp_split ? "if (lane == 0) " : "") << gOut << "[" << em.offset(out, idx)
+             << "] = mf::from_f32<" << c_type(out.dtype) << ">(" << value << ");\n";
   };
   if (!softmax) {
     store(em.emit(s.body));
@@ -519,6 +553,7 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     loop([&](const std::string &x) { store("expf(" + x + " - row_max) / row_sum"); });
   }
   k.grid.kind = GridShape::Kind::elements;
+  k.grid.threads_per_element = em.warp_split ? 32 : 1;
   for (const Var &v : loop_vars)
     k.grid.count.push_back(v.dim());
   src << "// " << s.name << ": " << s.output << "(";

@@ -36,6 +36,7 @@ struct GridShape {
   Dim n;                  // columns, for tiles
   int tile_m = 0, tile_n = 0, block = 0;
   long long chunks_per_row = 0;
+  int threads_per_element = 1; // elements: 32 when a warp computes each element
 };
 
 struct GeneratedKernel {

@@ -46,6 +46,14 @@ __device__ __forceinline__ float gelu(float x) {
   return 0.5f * x * (1.f + tanhf(c * (x + 0.044715f * x * x * x)));
 }
 
+// The sum of v over the 32 lanes of a warp, in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // Stores two adjacent elements (n, n+1) of a row; 4 or 8 bytes at once.
 __device__ __forceinline__ void store2(bf16 *g, float a, float b) {
   *reinterpret_cast<__nv_bfloat162 *>(g) = __floats2bfloat162_rn(a, b);
@@ -57,13 +65,15 @@ __device__ __forceinline__ void store2(float *g, float a, float b) { *reinterpre
 // run `group` row tiles at a time across every column tile, so one wave of
 // blocks reads a few row tiles of A and a band of B that both stay in L2,
 // instead of streaming all of A once per column tile.
-__device__ __forceinline__ void raster(int pid, int num_n, int group, int &m, int &n) {
-  const int num_m = gridDim.x / num_n;
+__device__ __forceinline__ void raster_mn(int pid, int num_m, int num_n, int group, int &m, int &n) {
   const int per_group = group * num_n;
   const int first_m = (pid / per_group) * group;
   const int rows = min(num_m - first_m, group);
   m = first_m + (pid % per_group) % rows;
   n = (pid % per_group) / rows;
+}
+__device__ __forceinline__ void raster(int pid, int num_n, int group, int &m, int &n) {
+  raster_mn(pid, gridDim.x / num_n, num_n, group, m, n);
 }
 
 // ------------------------------------------------------------ async copies
@@ -255,11 +265,14 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 // cp.async writes through the generic proxy; wgmma reads through the async one.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// d += A * B for one m64 x N x k16 step; A K-major, B N-major (transposed).
-template <int N> struct Wgmma;
+// d += A * B for one m64 x N x k16 step; A K-major, B N-major (TRANS_B = 1,
+// B[K, N] in global memory) or K-major (TRANS_B = 0, B stored [N, K]).
+template <int N, int TRANS_B> struct Wgmma;
 MOEFORGE_WGMMA_INSTANCES
 
-template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaConfig {
+// BT: the B operands are stored transposed, [N, K] (a backward pass's W^T read
+// in place): their tiles are staged K-major like A's.
+template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, STAGES = STAGES_, NB = NB_;
   static constexpr int WG = BM / 64, THREADS = WG * 128;
   static constexpr int A_ITERS = BM * 8 / THREADS; // A chunks per thread and stage
@@ -284,6 +297,8 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaConfig {
   __device__ static __forceinline__ unsigned b_off(int k, int ch) {
     return (ch >> 3) * (BK * 128) + k * 128 + (((ch & 7) ^ (k & 7)) << 4);
   }
+  // BT: row n of the tile is 128 bytes of K, swizzled as A's rows are.
+  __device__ static __forceinline__ unsigned bt_off(int n, int ch) { return n * 128 + ((ch ^ (n & 7)) << 4); }
 
   // Copies k-tile kt into stage `slot`, spread over LOADERS threads of which
   // this is thread t: A rows through their precomputed pointers, B rows of
@@ -306,10 +321,17 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaConfig {
       const unsigned sB = sA + A_STAGE_BYTES + b * B_STAGE_BYTES;
 #pragma unroll
       for (int i = 0; i < BK * (BN / 8) / LOADERS; ++i) {
-        const int c = t + i * LOADERS, k = c / (BN / 8), ch = c % (BN / 8);
-        const int kk = k0 + k, n = n0 + ch * 8;
-        const bool ok = kk < K && n < N;
-        cp_async_16(sB + b_off(k, ch), ok ? gB[b] + (long long)kk * N + n : gB[b], ok);
+        const int c = t + i * LOADERS;
+        if (BT) { // row n of B^T: 8 chunks of K
+          const int n = c / 8, ch = c % 8, nn = n0 + n, kk = k0 + ch * 8;
+          const bool ok = nn < N && kk < K;
+          cp_async_16(sB + bt_off(n, ch), ok ? gB[b] + (long long)nn * K + kk : gB[b], ok);
+        } else {
+          const int k = c / (BN / 8), ch = c % (BN / 8);
+          const int kk = k0 + k, n = n0 + ch * 8;
+          const bool ok = kk < K && n < N;
+          cp_async_16(sB + b_off(k, ch), ok ? gB[b] + (long long)kk * N + n : gB[b], ok);
+        }
       }
     }
   }
@@ -326,8 +348,10 @@ template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaConfig {
       for (int b = 0; b < NB; ++b) {
         const unsigned sB = s0 + slot * STAGE_BYTES + A_STAGE_BYTES + b * B_STAGE_BYTES;
         // N-major B: 16 k-rows are two 8-row groups (2 KiB); slabs are BK * 128 bytes apart.
-        const unsigned long long db = wgmma_desc(sB + ks * 2048, BK * 128, 1024);
-        Wgmma<BN>::mma(acc[b], da, db);
+        // K-major B (BT): as A, the next 16 k start 32 bytes on.
+        const unsigned long long db =
+            BT ? wgmma_desc(sB + ks * 32, 16, 1024) : wgmma_desc(sB + ks * 2048, BK * 128, 1024);
+        Wgmma<BN, BT ? 0 : 1>::mma(acc[b], da, db);
       }
     }
     wgmma_commit();
@@ -397,8 +421,9 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 // tried to move registers from the producer to the consumers: ptxas still
 // compiled the kernel under the 168-register entry cap and spilled, so the
 // roles share the cap, which SwiGLU's 128 accumulators fit without spills.)
-template <int BM_, int BN_, int STAGES_, int NB_> struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_> {
-  typedef WgmmaConfig<BM_, BN_, STAGES_, NB_> Base;
+template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false>
+struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
+  typedef WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> Base;
   using Base::BK;
   using Base::BM;
   using Base::BN;

@@ -11,6 +11,7 @@
 
 #include "backends/cuda/training_layer.h"
 #include "dsl/training.h"
+#include "examples/aux_loss_example.h"
 #include "examples/biased_moe.h"
 #include "gpu_test.h"
 #include "layer_compare.h"
@@ -140,6 +141,56 @@ TEST_SUITE("gpu") {
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
                                 return train_and_compare(ex, in, tokens, preset(p));
                               });
+  }
+
+  TEST_CASE("cuda training: the auxiliary losses and their gradients (0-D reductions over tokens and pairs)") {
+    MOEFORGE_REQUIRE_GPU();
+    static cuda::Device device;
+    for (const char *name : {"moe_mlp", "swiglu_moe"}) {
+      ExampleShape s = shape(150, 64, 128, 8, 2);
+      AuxLossLayer a = make_aux_loss_example(name, s);
+      std::vector<Func> outputs = a.output_funcs();
+      Gradients g = grad(a.example.pipeline, outputs);
+      std::vector<Func> all = outputs;
+      for (const BufferPtr &b : a.example.pipeline.buffers())
+        if (auto it = g.of.find(b->name); it != g.of.end())
+          all.push_back(it->second);
+      Example t = a.example;
+      t.pipeline = Pipeline(all);
+      // Every output's upstream gradient, random, shaped like the output.
+      TensorMap in = a.example.random_inputs(s, 8);
+      EvalResult fwd = evaluate(a.example.pipeline, in, Precision::f64);
+      std::mt19937_64 rng(21);
+      for (size_t i = 0; i < g.seeds.size(); ++i)
+        in[g.seeds[i]] = random_tensor(fwd[outputs[i].name()].shape, rng, -1.0, 1.0, /*bf16=*/false);
+      cuda::CompiledLayer c = cuda::compile_layer(t.pipeline, preset("scattermoe"), device.arch_specific());
+      cuda::CudaLayer layer(device, c, s.tokens);
+      layer.upload(in);
+      layer.poison();
+      cuda::Stream stream;
+      layer.enqueue(stream);
+      stream.synchronize();
+      INFO(name);
+      Outcome o = testing::compare_with_reference(t, in, c.program, layer, "scattermoe", 2e-2, 1e-3);
+      CHECK(o.routing_mismatches == 0);
+    }
+  }
+
+  TEST_CASE("cuda training: backward before forward and an unknown gradient are user errors") {
+    MOEFORGE_REQUIRE_GPU();
+    static cuda::Device device;
+    ExampleShape s = shape(64, 64, 128, 8, 2);
+    Example ex = make_example("moe_mlp", s);
+    cuda::CompiledTraining c =
+        cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), preset("megablocks"), device.arch_specific());
+    cuda::TrainingLayer layer(device, c, s.tokens);
+    layer.upload(ex.random_inputs(s, 1));
+    cuda::Stream stream;
+    CHECK_THROWS_WITH_AS(layer.backward(stream), doctest::Contains("run forward() first"), UserError);
+    layer.forward(stream);
+    CHECK_NOTHROW(layer.backward(stream));
+    stream.synchronize();
+    CHECK_THROWS_WITH_AS(layer.gradient("nope"), doctest::Contains("depends on x, wr, w1, w2"), UserError);
   }
 
   TEST_CASE("cuda training: the dense MLP (no routing)") {

@@ -16,6 +16,7 @@ TrainingLayer::TrainingLayer(const Device &device, const CompiledTraining &compi
     : compiled_(compiled), layer_(device, compiled.layer, tokens) {}
 
 void TrainingLayer::upload(const TensorMap &inputs) {
+  forward_ran_ = false;
   for (const TensorDecl &t : compiled_.training.program.tensors)
     if (t.is_input && t.name != compiled_.training.seed) {
       auto it = inputs.find(t.name);
@@ -26,17 +27,28 @@ void TrainingLayer::upload(const TensorMap &inputs) {
 
 void TrainingLayer::upload_upstream_gradient(const HostTensor &grad) { layer_.upload(compiled_.training.seed, grad); }
 
-void TrainingLayer::forward(const Stream &stream) { layer_.enqueue(stream, 0, compiled_.training.forward_steps); }
+void TrainingLayer::forward(const Stream &stream) {
+  layer_.enqueue(stream, 0, compiled_.training.forward_steps);
+  forward_ran_ = true;
+}
+
+void TrainingLayer::check_forward_ran() const {
+  user_check(forward_ran_) << "backward() before forward(): the backward reads the activations the forward keeps "
+                           << "for it; run forward() first (again after upload() of new inputs or poison())";
+}
 
 void TrainingLayer::backward(const Stream &stream) {
+  check_forward_ran();
   layer_.enqueue(stream, compiled_.training.forward_steps, compiled_.training.program.steps.size());
 }
 
 std::vector<std::pair<std::string, double>> TrainingLayer::profile_forward(const Stream &stream) {
+  forward_ran_ = true;
   return layer_.profile(stream, 0, compiled_.training.forward_steps);
 }
 
 std::vector<std::pair<std::string, double>> TrainingLayer::profile_backward(const Stream &stream) {
+  check_forward_ran();
   return layer_.profile(stream, compiled_.training.forward_steps, compiled_.training.program.steps.size());
 }
 

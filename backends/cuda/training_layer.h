@@ -34,11 +34,19 @@ public:
   void upload(const TensorMap &inputs);
   // Fills an Input or Param (or the upstream gradient) with `pattern` repeated
   // (benchmarks: realistic values without gigabytes of host random numbers).
-  void upload_repeated(const std::string &name, const HostTensor &pattern) { layer_.upload_repeated(name, pattern); }
+  void upload_repeated(const std::string &name, const HostTensor &pattern) {
+    layer_.upload_repeated(name, pattern);
+    forward_ran_ &= name == compiled_.training.seed;
+  }
   // The upstream gradient d(loss)/d(output), shaped like the output.
   void upload_upstream_gradient(const HostTensor &grad);
-  void poison() { layer_.poison(); }
+  void poison() {
+    layer_.poison();
+    forward_ran_ = false;
+  }
   void forward(const Stream &stream);
+  // UserError unless forward() was enqueued since the last upload() or
+  // poison(): the backward reads what the forward keeps for it.
   void backward(const Stream &stream);
   // Per-step times of the forward or the backward (for benchmarks' notes).
   std::vector<std::pair<std::string, double>> profile_forward(const Stream &stream);
@@ -57,8 +65,11 @@ public:
   const CudaLayer &layer() const { return layer_; }
 
 private:
+  void check_forward_ran() const;
+
   const CompiledTraining &compiled_;
   CudaLayer layer_;
+  bool forward_ran_ = false;
 };
 
 } // namespace moeforge::cuda

@@ -17,11 +17,11 @@ bool contains(const std::vector<std::string> &v, const std::string &s) {
   return std::find(v.begin(), v.end(), s) != v.end();
 }
 
-// Steps the output needs, found backwards from it; routing steps always are
-// (the forward routes, the backward reuses its tables).
-std::vector<bool> forward_steps(const KernelProgram &p, const std::string &output) {
+// Steps any of the outputs needs, found backwards from them; routing steps
+// always are (the forward routes, the backward reuses its tables).
+std::vector<bool> forward_steps(const KernelProgram &p, const std::vector<std::string> &outputs) {
   std::vector<bool> needed(p.steps.size(), false);
-  std::set<std::string> wanted{output};
+  std::set<std::string> wanted(outputs.begin(), outputs.end());
   for (size_t i = p.steps.size(); i-- > 0;) {
     const Step &s = p.steps[i];
     if (!std::holds_alternative<RoutingStep>(s) && !wanted.count(step_output(s)))
@@ -88,12 +88,41 @@ void set_output(Step &s, const std::string &out) {
       s);
 }
 
+std::string joined(const std::vector<std::string> &v) {
+  std::string s;
+  for (const std::string &x : v)
+    s += (s.empty() ? "'" : ", '") + x + "'";
+  return s;
+}
+
 } // namespace
 
+size_t TrainingProgram::output_index(const std::string &name, const std::string &what) const {
+  auto it = std::find(outputs.begin(), outputs.end(), name);
+  user_check(it != outputs.end()) << what << ": no output '" << name << "': the training step's outputs are "
+                                  << joined(outputs);
+  return static_cast<size_t>(it - outputs.begin());
+}
+
+bool TrainingProgram::is_seed(const std::string &name) const { return contains(seeds, name); }
+
+void TrainingProgram::check_seeds_uploaded(const std::vector<bool> &uploaded) const {
+  internal_check(uploaded.size() == seeds.size()) << "one flag per seed";
+  for (size_t k = 0; k < seeds.size(); ++k)
+    user_check(uploaded[k]) << "backward() without the upstream gradient of output '" << outputs[k] << "' (input '"
+                            << seeds[k] << "'): call upload_upstream_gradient(\"" << outputs[k]
+                            << "\", ...) first (again after poison()); every output needs one, a 0-D loss's is "
+                            << "usually a 0-D tensor holding 1.0";
+}
+
 TrainingProgram lower_training(const Pipeline &forward, const Func &output, const Schedule &schedule) {
-  TrainingAlgebra algebra = training_algebra(forward, output);
+  return lower_training(forward, std::vector<Func>{output}, schedule);
+}
+
+TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> &outputs, const Schedule &schedule) {
+  TrainingAlgebra algebra = training_algebra(forward, outputs);
   KernelProgram p = lower(algebra.pipeline, schedule);
-  std::vector<bool> fwd = forward_steps(p, algebra.output);
+  std::vector<bool> fwd = forward_steps(p, algebra.outputs);
 
   std::vector<Step> f_steps, b_steps;
   std::map<std::string, size_t> producer; // forward tensor -> index in f_steps
@@ -108,6 +137,8 @@ TrainingProgram lower_training(const Pipeline &forward, const Func &output, cons
   }
 
   TrainingProgram t;
+  t.outputs = algebra.outputs;
+  t.seeds = algebra.seeds;
   t.output = algebra.output;
   t.seed = algebra.seed;
   t.gradients = algebra.gradients;

@@ -1,6 +1,7 @@
 // Lowering for training: the layer's forward and backward as one kernel
-// program, split into two entry points. The forward is every step the
-// layer's output needs (routing included); the backward is the rest and reads
+// program, split into two entry points. The forward is every step any of the
+// layer's outputs needs (routing included: the layer's output and, with
+// auxiliary losses, each loss); the backward is the rest and reads
 // what the forward left in memory: those tensors are the activations a
 // training step keeps between its forward and its backward (`saved`).
 //
@@ -24,14 +25,26 @@ namespace moeforge {
 struct TrainingProgram {
   KernelProgram program;                  // the forward's steps first, then the backward's
   size_t forward_steps = 0;               // steps [0, forward_steps) are the forward
-  std::string output, seed;               // the forward output ("y") and the upstream gradient Input ("d_y")
+  std::vector<std::string> outputs;       // the forward outputs ("y", "lb_loss", ...), in the order given
+  std::vector<std::string> seeds;         // seeds[k]: the upstream gradient Input of outputs[k] ("d_y", ...)
+  std::string output, seed;               // outputs[0] and seeds[0]
   std::vector<std::string> gradients, of; // "d_x", ... and the Input or Param each belongs to
   // Tensors the forward writes and the backward reads, in program order.
   std::vector<std::string> saved;
   std::vector<std::string> recomputed; // forward tensors the backward makes again
+
+  // The index of forward output `name` in outputs; a UserError that names
+  // the outputs otherwise (`what` says who asked, e.g. "output()").
+  size_t output_index(const std::string &name, const std::string &what) const;
+  bool is_seed(const std::string &name) const;
+  // A UserError naming the first output whose upstream gradient was not
+  // uploaded (uploaded[k] for seeds[k]): the backward would read garbage.
+  void check_seeds_uploaded(const std::vector<bool> &uploaded) const;
 };
 
-// Lowers training_algebra(forward, output) under `schedule`.
+// Lowers training_algebra(forward, outputs) under `schedule`.
+TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> &outputs, const Schedule &schedule);
+// One output: lower_training(forward, {output}, schedule).
 TrainingProgram lower_training(const Pipeline &forward, const Func &output, const Schedule &schedule);
 
 } // namespace moeforge

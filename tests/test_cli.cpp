@@ -349,6 +349,37 @@ TEST_CASE("cli: train swiglu_moe --schedule scattermoe --recompute --check passe
 #endif
 }
 
+TEST_CASE("cli: train moe_mlp --aux --check: the auxiliary losses, their values and every gradient on the CPU") {
+  Run r = cli({"train", "moe_mlp", "--aux", "--backend", "cpu", "--check"});
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK(r.err.empty());
+  CHECK(has(r.out, "example   moe_mlp_aux: "));
+  CHECK(has(r.out, "upstream gradients d_y[256x64] d_lb_loss[] = 1 d_z_loss[] = 1\n"));
+  CHECK(has(r.out, "\nloss      lb_loss = 0.01"));
+  CHECK(has(r.out, "\nloss      z_loss = "));
+  for (const char *f : {"y ", "lb_loss ", "z_loss ", "d_x ", "d_wr ", "d_w1 ", "d_w2 "}) {
+    CHECK_MESSAGE(has(r.out, std::string("check     ") + f), "no check of " << f);
+    CHECK_MESSAGE(has(r.out, "checksum  " + std::string(f).substr(0, std::string(f).size() - 1) + ": "),
+                  "no checksum of " << f);
+  }
+  CHECK(has(r.out, "(tolerance 2e-2): PASS"));
+  CHECK_FALSE(has(r.out, "FAIL"));
+  // The losses' gradients reach the router: d_wr differs from y's alone.
+  Run plain = cli({"train", "moe_mlp", "--backend", "cpu"});
+  auto line = [](const std::string &out, const std::string &start) {
+    size_t at = out.find(start);
+    REQUIRE(at != std::string::npos);
+    return out.substr(at, out.find('\n', at) - at);
+  };
+  CHECK(line(r.out, "checksum  y: ") == line(plain.out, "checksum  y: "));
+  CHECK(line(r.out, "checksum  d_wr: ") != line(plain.out, "checksum  d_wr: "));
+#else
+  CHECK(r.code == 2);
+#endif
+}
+
 TEST_CASE("cli: train usage errors") {
   check_usage_error({"train", "moe_mlp", "--precision", "f64"}, {"unknown flag '--precision' for 'train'"});
   check_usage_error({"train", "moe_mlp", "--recompute", "yes"}, {"unknown flag 'yes' for 'train'"});
@@ -361,4 +392,7 @@ TEST_CASE("cli: train usage errors") {
   // --recompute and --k belong to train only.
   check_usage_error({"run", "moe_mlp", "--recompute"}, {"unknown flag '--recompute' for 'run'"});
   check_usage_error({"run", "moe_mlp", "--k", "2"}, {"unknown flag '--k' for 'run'"});
+  check_usage_error({"run", "moe_mlp", "--aux"}, {"unknown flag '--aux' for 'run'"});
+  check_usage_error({"train", "dense_mlp", "--aux"},
+                    {"unknown example with auxiliary losses 'dense_mlp': choose moe_mlp or swiglu_moe"});
 }

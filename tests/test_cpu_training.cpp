@@ -28,26 +28,13 @@ struct Training {
   std::vector<std::string> gradients, seeds, outputs; // seeds[i] belongs to outputs[i]
 };
 
-Training training_of(const Example &ex) {
-  TrainingAlgebra t = training_algebra(ex.pipeline, ex.pipeline.func(ex.output));
-  return Training{t.pipeline, t.gradients, {t.seed}, {t.output}};
+// One output or several (a layer with its auxiliary losses): one seed each.
+Training training_of(const Pipeline &forward, const std::vector<Func> &outputs) {
+  TrainingAlgebra t = training_algebra(forward, outputs);
+  return Training{t.pipeline, t.gradients, t.seeds, t.outputs};
 }
 
-// Several outputs (a layer with its auxiliary losses): grad() seeds each.
-Training training_of(const Pipeline &forward, const std::vector<Func> &outputs) {
-  Gradients g = grad(forward, outputs);
-  Training t{forward, {}, g.seeds, {}};
-  std::vector<Func> all = outputs;
-  for (const Func &f : outputs)
-    t.outputs.push_back(f.name());
-  for (const BufferPtr &b : forward.buffers())
-    if (auto it = g.of.find(b->name); it != g.of.end()) {
-      all.push_back(it->second);
-      t.gradients.push_back(it->second.name());
-    }
-  t.pipeline = Pipeline(all);
-  return t;
-}
+Training training_of(const Example &ex) { return training_of(ex.pipeline, {ex.pipeline.func(ex.output)}); }
 
 // The inputs plus a random upstream gradient ~ U(-1, 1) (f32) per output,
 // shaped like it.
@@ -327,5 +314,102 @@ TEST_SUITE("cpu") {
     TensorMap missing = in;
     missing.erase("w2");
     CHECK_THROWS_WITH_AS(layer.upload(missing), doctest::Contains("no tensor given for input 'w2'"), UserError);
+  }
+
+  TEST_CASE("cpu training: moe_mlp and swiglu_moe with the auxiliary losses through CpuTrainingLayer") {
+    // Three outputs (y, lb_loss, z_loss), three seeds: d_y random, the
+    // losses' 0-D seeds 1.0 (the losses join the training loss as they are).
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (bool recompute : {false, true}) {
+          INFO(name << " / " << p << (recompute ? " / recompute" : ""));
+          ExampleShape s = shape(150, 64, 128, 8, 2);
+          AuxLossLayer a = make_aux_loss_example(name, s);
+          const Pipeline &forward = a.example.pipeline;
+          cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(forward, a.output_funcs(), named(p, recompute));
+          const TrainingProgram &tp = compiled.training;
+          REQUIRE(tp.outputs == std::vector<std::string>{"y", "lb_loss", "z_loss"});
+          REQUIRE(tp.seeds == std::vector<std::string>{"d_y", "d_lb_loss", "d_z_loss"});
+          CHECK(tp.output == "y");
+          CHECK(tp.seed == "d_y");
+          TensorMap in = a.example.random_inputs(s, 8);
+          std::mt19937_64 rng(41);
+          in["d_y"] = random_tensor({s.tokens, s.d}, rng, -1.0, 1.0, /*bf16=*/false);
+          in["d_lb_loss"] = HostTensor(std::vector<int64_t>{}, 1.0);
+          in["d_z_loss"] = HostTensor(std::vector<int64_t>{}, 1.0);
+          cpu::CpuTrainingLayer layer(compiled, s.tokens);
+          layer.upload(in);
+          layer.poison();
+          for (size_t k = 0; k < tp.outputs.size(); ++k)
+            layer.upload_upstream_gradient(tp.outputs[k], in.at(tp.seeds[k]));
+          layer.forward();
+          layer.backward();
+          EvalResult ref = evaluate(training_algebra(forward, a.output_funcs()).pipeline, in, Precision::f64);
+          CHECK(layer.routed_experts(a.example.route) == ref.routes.at(a.example.route).expert);
+          for (const std::string &o : tp.outputs) {
+            INFO("output " << o);
+            CHECK(gradient_error(layer.output(o), ref[o]) <= 1e-2);
+          }
+          CHECK(layer.output().data == layer.output("y").data);
+          CHECK(layer.output("lb_loss").shape.empty());
+          for (size_t i = 0; i < tp.of.size(); ++i) {
+            INFO("gradient of " << tp.of[i]);
+            CHECK(gradient_error(layer.gradient(tp.of[i]), ref[tp.gradients[i]]) <= 2e-2);
+          }
+          // The losses reach the router: d_wr differs from y's alone.
+          in["d_lb_loss"] = HostTensor(std::vector<int64_t>{}, 0.0);
+          in["d_z_loss"] = HostTensor(std::vector<int64_t>{}, 0.0);
+          HostTensor with_losses = layer.gradient("wr");
+          layer.upload_upstream_gradient("lb_loss", in.at("d_lb_loss"));
+          layer.upload_upstream_gradient("z_loss", in.at("d_z_loss"));
+          layer.backward();
+          EvalResult ref0 = evaluate(training_algebra(forward, a.output_funcs()).pipeline, in, Precision::f64);
+          CHECK(gradient_error(layer.gradient("wr"), ref0["d_wr"]) <= 2e-2);
+          CHECK(layer.gradient("wr").data != with_losses.data);
+        }
+  }
+
+  TEST_CASE("cpu training: a missing upstream gradient and an unknown output are user errors") {
+    ExampleShape s = shape(32, 64, 128, 8, 2);
+    AuxLossLayer a = make_aux_loss_example("moe_mlp", s);
+    cpu::CompiledCpuTraining compiled =
+        cpu::compile_cpu_training(a.example.pipeline, a.output_funcs(), preset("megablocks"));
+    cpu::CpuTrainingLayer layer(compiled, s.tokens);
+    layer.upload(a.example.random_inputs(s, 2));
+    layer.poison();
+    HostTensor dy({s.tokens, s.d}), one(std::vector<int64_t>{}, 1.0);
+    layer.upload_upstream_gradient(dy); // the first output's: y
+    layer.forward();
+    CHECK_THROWS_WITH_AS(layer.backward(),
+                         doctest::Contains("backward() without the upstream gradient of output 'lb_loss' (input "
+                                           "'d_lb_loss'): call upload_upstream_gradient(\"lb_loss\", ...) first"),
+                         UserError);
+    layer.upload_upstream_gradient("lb_loss", one);
+    CHECK_THROWS_WITH_AS(layer.backward(), doctest::Contains("upstream gradient of output 'z_loss'"), UserError);
+    layer.upload_upstream_gradient("z_loss", one);
+    CHECK_NOTHROW(layer.backward());
+    // poison() forgets them all.
+    layer.poison();
+    layer.forward();
+    CHECK_THROWS_WITH_AS(layer.backward(), doctest::Contains("upstream gradient of output 'y' (input 'd_y')"),
+                         UserError);
+    // Unknown outputs name the known ones.
+    CHECK_THROWS_WITH_AS(layer.upload_upstream_gradient("loss", one),
+                         doctest::Contains("upload_upstream_gradient: no output 'loss': the training step's outputs "
+                                           "are 'y', 'lb_loss', 'z_loss'"),
+                         UserError);
+    CHECK_THROWS_WITH_AS(layer.output("d_y"), doctest::Contains("output(): no output 'd_y'"), UserError);
+    // One output: the one-argument form and the output's name agree.
+    Example ex = make_example("moe_mlp", s);
+    cpu::CompiledCpuTraining single =
+        cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), preset("megablocks"));
+    cpu::CpuTrainingLayer one_output(single, s.tokens);
+    one_output.upload(ex.random_inputs(s, 2));
+    one_output.forward();
+    CHECK_THROWS_WITH_AS(one_output.backward(), doctest::Contains("upstream gradient of output 'y'"), UserError);
+    one_output.upload_upstream_gradient("y", dy);
+    CHECK_NOTHROW(one_output.backward());
+    CHECK_THROWS_WITH_AS(one_output.upload_upstream_gradient("lb_loss", one),
+                         doctest::Contains("the training step's outputs are 'y'"), UserError);
   }
 }

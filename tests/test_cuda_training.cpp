@@ -67,6 +67,38 @@ Outcome train_and_compare(const Example &ex, TensorMap inputs, int64_t tokens, c
                                          schedule.to_text(), 2e-2, /*floor_fraction=*/1e-3);
 }
 
+// The layer with its auxiliary losses through cuda::TrainingLayer: d_y
+// random, the losses' 0-D seeds 1.0; every output, gradient and kept
+// intermediate against the reference of the training algebra.
+Outcome train_aux_and_compare(const AuxLossLayer &a, TensorMap inputs, int64_t tokens, const Schedule &schedule) {
+  static cuda::Device device;
+  std::vector<Func> outputs = a.output_funcs();
+  cuda::CompiledTraining compiled =
+      cuda::compile_training(a.example.pipeline, outputs, schedule, device.arch_specific());
+  const TrainingProgram &tp = compiled.training;
+  REQUIRE(tp.outputs == a.outputs);
+  cuda::TrainingLayer layer(device, compiled, tokens);
+  std::mt19937_64 rng(11);
+  inputs[tp.seeds[0]] = random_tensor({tokens, a.example.pipeline.func(tp.outputs[0]).args()[1].dim().extent()}, rng,
+                                      -1.0, 1.0, /*bf16=*/false);
+  for (size_t k = 1; k < tp.seeds.size(); ++k)
+    inputs[tp.seeds[k]] = HostTensor(std::vector<int64_t>{}, 1.0);
+  layer.upload(inputs);
+  layer.poison();
+  for (size_t k = 0; k < tp.outputs.size(); ++k)
+    layer.upload_upstream_gradient(tp.outputs[k], inputs.at(tp.seeds[k]));
+  cuda::Stream stream;
+  layer.forward(stream);
+  layer.backward(stream);
+  stream.synchronize();
+  Example t = a.example;
+  t.pipeline = training_algebra(a.example.pipeline, outputs).pipeline;
+  for (const std::string &o : tp.outputs)
+    CHECK(layer.output(o).data == layer.download(o).data);
+  return testing::compare_with_reference(t, inputs, tp.program, layer, schedule.to_text(), 2e-2,
+                                         /*floor_fraction=*/1e-3);
+}
+
 void check_resources(const cuda::CompiledLayer &c, const std::string &what) {
   REQUIRE(!c.source.kernels.empty());
   for (const GeneratedKernel &k : c.source.kernels) {
@@ -91,11 +123,32 @@ TEST_CASE("cuda training: every preset x example x memory choice compiles for sm
         cuda::CompiledTraining c =
             cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), training_preset(p, recompute));
         check_resources(c.layer, std::string(name) + " / " + p + (recompute ? " / recompute" : ""));
-        // The backward has the transposed and the expert-reduction kernels.
+        // The backward has the expert reductions, reading A (M-major) and B in place.
         CHECK(c.layer.source.source.find("k_begin") != std::string::npos);
-        CHECK(c.layer.source.source.find("over the padded rows of route") != std::string::npos);
+        CHECK(c.layer.source.source.find("A and B read in place by rows") != std::string::npos);
+        CHECK(c.layer.source.source.find("over the padded rows of route") == std::string::npos);
         CHECK(c.training.forward_steps < c.training.program.steps.size());
       }
+}
+
+TEST_CASE("cuda training: with the auxiliary losses, every preset compiles for sm_90a without spills") {
+  ExampleShape s = shape(64, 64, 128, 8, 2);
+  for (const char *name : {"moe_mlp", "swiglu_moe"})
+    for (const char *p : {"megablocks", "scattermoe"}) {
+      AuxLossLayer a = make_aux_loss_example(name, s);
+      cuda::CompiledTraining c = cuda::compile_training(a.example.pipeline, a.output_funcs(), preset(p));
+      check_resources(c.layer, std::string(name) + "_aux / " + p);
+      CHECK(c.training.outputs == std::vector<std::string>{"y", "lb_loss", "z_loss"});
+      CHECK(c.training.seeds == std::vector<std::string>{"d_y", "d_lb_loss", "d_z_loss"});
+      CHECK(c.training.forward_steps < c.training.program.steps.size());
+      // The losses are forward outputs: the forward computes them.
+      for (const char *loss : {"lb_loss", "z_loss"}) {
+        bool in_forward = false;
+        for (size_t i = 0; i < c.training.forward_steps; ++i)
+          in_forward |= step_output(c.training.program.steps[i]) == loss;
+        CHECK_MESSAGE(in_forward, loss << " is not computed by the forward");
+      }
+    }
 }
 
 TEST_CASE("cuda training: recompute keeps less for the backward") {
@@ -188,9 +241,60 @@ TEST_SUITE("gpu") {
     cuda::Stream stream;
     CHECK_THROWS_WITH_AS(layer.backward(stream), doctest::Contains("run forward() first"), UserError);
     layer.forward(stream);
+    CHECK_THROWS_WITH_AS(layer.backward(stream), doctest::Contains("upstream gradient of output 'y' (input 'd_y')"),
+                         UserError);
+    layer.upload_upstream_gradient(HostTensor({s.tokens, s.d}));
     CHECK_NOTHROW(layer.backward(stream));
     stream.synchronize();
     CHECK_THROWS_WITH_AS(layer.gradient("nope"), doctest::Contains("depends on x, wr, w1, w2"), UserError);
+  }
+
+  TEST_CASE("cuda training: moe_mlp and swiglu_moe with the auxiliary losses through TrainingLayer") {
+    MOEFORGE_REQUIRE_GPU();
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (bool recompute : {false, true}) {
+          ExampleShape s = shape(150, 64, 128, 8, 2);
+          AuxLossLayer a = make_aux_loss_example(name, s);
+          INFO(name << " / " << p << (recompute ? " / recompute" : ""));
+          Outcome o = train_aux_and_compare(a, a.example.random_inputs(s, 8), s.tokens, training_preset(p, recompute));
+          CHECK(o.routing_mismatches == 0);
+        }
+  }
+
+  TEST_CASE("cuda training: a missing upstream gradient and an unknown output are user errors") {
+    MOEFORGE_REQUIRE_GPU();
+    static cuda::Device device;
+    ExampleShape s = shape(64, 64, 128, 8, 2);
+    AuxLossLayer a = make_aux_loss_example("moe_mlp", s);
+    cuda::CompiledTraining c =
+        cuda::compile_training(a.example.pipeline, a.output_funcs(), preset("megablocks"), device.arch_specific());
+    cuda::TrainingLayer layer(device, c, s.tokens);
+    layer.upload(a.example.random_inputs(s, 1));
+    layer.poison();
+    HostTensor one(std::vector<int64_t>{}, 1.0);
+    layer.upload_upstream_gradient(HostTensor({s.tokens, s.d})); // the first output's: y
+    cuda::Stream stream;
+    layer.forward(stream);
+    CHECK_THROWS_WITH_AS(layer.backward(stream),
+                         doctest::Contains("backward() without the upstream gradient of output 'lb_loss' (input "
+                                           "'d_lb_loss'): call upload_upstream_gradient(\"lb_loss\", ...) first"),
+                         UserError);
+    layer.upload_upstream_gradient("lb_loss", one);
+    CHECK_THROWS_WITH_AS(layer.backward(stream), doctest::Contains("upstream gradient of output 'z_loss'"), UserError);
+    // upload_repeated of a seed by its name counts as its upload (benchmarks).
+    layer.upload_repeated("d_z_loss", one);
+    CHECK_NOTHROW(layer.backward(stream));
+    stream.synchronize();
+    layer.poison();
+    layer.forward(stream);
+    CHECK_THROWS_WITH_AS(layer.backward(stream), doctest::Contains("upstream gradient of output 'y'"), UserError);
+    CHECK_THROWS_WITH_AS(layer.upload_upstream_gradient("loss", one),
+                         doctest::Contains("upload_upstream_gradient: no output 'loss': the training step's outputs "
+                                           "are 'y', 'lb_loss', 'z_loss'"),
+                         UserError);
+    CHECK_THROWS_WITH_AS(layer.output("d_y"), doctest::Contains("output(): no output 'd_y'"), UserError);
+    stream.synchronize();
   }
 
   TEST_CASE("cuda training: the dense MLP (no routing)") {

@@ -12,6 +12,7 @@
 #include "backends/reference/evaluate.h"
 #include "dsl/error.h"
 #include "dsl/training.h"
+#include "examples/aux_loss_example.h"
 #include "examples/examples.h"
 #include "lowering/lower.h"
 #include "runtime/program_shapes.h"
@@ -29,7 +30,7 @@ const char *kUsage =
     "                               --precision f32|f64 --schedule megablocks|scattermoe|<file>\n"
     "                               --backend reference|cpu|cuda] [--check]\n"
     "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|<file>]\n"
-    "                                 [--recompute] [--backend cpu|cuda] [--check]\n"
+    "                                 [--recompute] [--aux] [--backend cpu|cuda] [--check]\n"
     "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm\n";
 
 struct Options {
@@ -39,6 +40,7 @@ struct Options {
   Precision precision = Precision::f32;
   bool check = false;
   bool recompute = false; // train: schedule.recompute(true)
+  bool aux = false;       // train: with the example's auxiliary losses as more outputs
   std::string schedule = "megablocks";
   std::string backend; // empty: the GPU when there is one, else the CPU backend, else the reference
   std::string emit;    // ir, cuda or llvm
@@ -74,6 +76,10 @@ Options parse(const std::vector<std::string> &args) {
     }
     if (flag == "--recompute" && o.command == "train") {
       o.recompute = true;
+      continue;
+    }
+    if (flag == "--aux" && o.command == "train") {
+      o.aux = true;
       continue;
     }
     if ((flag == "--ir" || flag == "--cuda" || flag == "--llvm") && o.command == "emit") {
@@ -213,15 +219,15 @@ bool check_backend(std::ostream &out, const BackendRun &run, const EvalResult &r
   return ok;
 }
 
-BackendTraining train_on_backend(const std::string &backend, const Example &ex, const ExampleShape &shape,
-                                 const TensorMap &inputs, const HostTensor &upstream, const Schedule &schedule) {
+BackendTraining train_on_backend(const std::string &backend, const TrainingTask &task, const ExampleShape &shape,
+                                 const TensorMap &inputs, const Schedule &schedule) {
 #ifdef MOEFORGE_HAVE_CUDA
   if (backend == "cuda")
-    return cli_train_on_gpu(ex, shape, inputs, upstream, schedule);
+    return cli_train_on_gpu(task, shape, inputs, schedule);
 #endif
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
   if (backend == "cpu")
-    return cli_train_on_cpu(ex, shape, inputs, upstream, schedule);
+    return cli_train_on_cpu(task, shape, inputs, schedule);
 #endif
   internal_check(false) << "backend " << backend << " is not built";
 }
@@ -241,26 +247,50 @@ std::string mib(int64_t bytes) {
 
 // The upstream gradient d(loss)/d(output): U(-1, 1), bf16-exact (so the
 // backend and the reference see the same values), shaped like the output.
-HostTensor random_upstream_gradient(const Example &ex, int64_t tokens, uint64_t seed) {
+HostTensor random_upstream_gradient(const Func &output, int64_t tokens, uint64_t seed) {
   std::vector<int64_t> shape;
-  for (const Var &v : ex.pipeline.func(ex.output).args())
+  for (const Var &v : output.args())
     shape.push_back(v.dim().is_dynamic() ? tokens : v.dim().extent());
   std::mt19937_64 rng(seed ^ 0x9e3779b97f4a7c15ull); // apart from the inputs' stream
   return random_tensor(shape, rng, -1.0, 1.0, /*bf16=*/true);
 }
 
-// y and every gradient against the float64 reference of the training algebra.
+// The example's training step: its output with a random upstream gradient
+// and, with --aux, its auxiliary losses (examples/aux_loss_example.h), each
+// with upstream gradient 1 (the loss is added to the training loss as is).
+TrainingTask training_task(const Options &o) {
+  auto make = [&]() -> TrainingTask {
+    if (o.aux) {
+      AuxLossLayer a = make_aux_loss_example(o.example, o.shape);
+      return {a.example, a.output_funcs(), {}};
+    }
+    Example ex = make_example(o.example, o.shape);
+    return {ex, {ex.pipeline.func(ex.output)}, {}};
+  };
+  TrainingTask task = make();
+  task.upstream[task.outputs[0].name()] = random_upstream_gradient(task.outputs[0], o.shape.tokens, o.seed);
+  for (size_t k = 1; k < task.outputs.size(); ++k) {
+    std::vector<int64_t> shape;
+    for (const Var &v : task.outputs[k].args())
+      shape.push_back(v.dim().is_dynamic() ? o.shape.tokens : v.dim().extent());
+    task.upstream[task.outputs[k].name()] = HostTensor(shape, 1.0);
+  }
+  return task;
+}
+
+// Every output (y, and the losses with --aux) and every gradient against the
+// float64 reference of the training algebra.
 // A gradient that is zero in exact arithmetic (the router's, when renormalised
 // gates make y independent of it) holds rounding noise on both sides, so each
 // error is relative to at least 1e-3 x the largest value of y and the
 // gradients, as the tests' compare_with_reference does.
-bool check_training(std::ostream &out, const BackendTraining &run, const Example &ex, TensorMap inputs,
-                    const HostTensor &upstream) {
+bool check_training(std::ostream &out, const BackendTraining &run, const TrainingTask &task, TensorMap inputs) {
   const TrainingProgram &t = run.training;
-  TrainingAlgebra algebra = training_algebra(ex.pipeline, ex.pipeline.func(ex.output));
-  inputs[t.seed] = upstream;
+  TrainingAlgebra algebra = training_algebra(task.example.pipeline, task.outputs);
+  for (size_t k = 0; k < t.seeds.size(); ++k)
+    inputs[t.seeds[k]] = task.upstream.at(t.outputs[k]);
   EvalResult ref = evaluate(algebra.pipeline, inputs, Precision::f64);
-  std::vector<std::string> names = {t.output};
+  std::vector<std::string> names = t.outputs;
   names.insert(names.end(), t.gradients.begin(), t.gradients.end());
   double floor = 0;
   for (const std::string &n : names)
@@ -290,23 +320,28 @@ bool check_training(std::ostream &out, const BackendTraining &run, const Example
 
 // One training step: forward, then backward, on a compiled backend.
 int train(const Options &o, std::ostream &out) {
-  Example ex = make_example(o.example, o.shape);
+  TrainingTask task = training_task(o);
+  const Example &ex = task.example;
   Schedule schedule = schedule_from_arg(o.schedule);
   if (o.recompute)
     schedule.recompute(true);
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu);
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
-  HostTensor upstream = random_upstream_gradient(ex, o.shape.tokens, o.seed);
-  BackendTraining run = train_on_backend(backend, ex, o.shape, inputs, upstream, schedule);
+  BackendTraining run = train_on_backend(backend, task, o.shape, inputs, schedule);
   const TrainingProgram &t = run.training;
 
   out << "example   " << ex.name << ": " << ex.description << "\n";
   out << "inputs   ";
   for (const BufferPtr &b : ex.pipeline.buffers())
     print_shape(out, b->name, inputs.at(b->name));
-  out << "; upstream gradient";
-  print_shape(out, t.seed, upstream);
+  out << "; upstream gradient" << (t.seeds.size() > 1 ? "s" : "");
+  for (size_t k = 0; k < t.seeds.size(); ++k) {
+    const HostTensor &u = task.upstream.at(t.outputs[k]);
+    print_shape(out, t.seeds[k], u);
+    if (k > 0 && u.size() == 1)
+      out << " = " << u.data[0];
+  }
   out << "\n";
   out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'"
       << (o.recompute ? " with recompute" : "") << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "")
@@ -334,13 +369,18 @@ int train(const Options &o, std::ostream &out) {
       out << " " << n;
     out << " (made again by the backward)\n";
   }
-  out << "checksum  " << t.output << ": " << std::setprecision(9) << run.values.at(t.output).checksum() << "\n";
+  out << std::setprecision(9);
+  for (size_t k = 1; k < t.outputs.size(); ++k) // the losses' values
+    if (const HostTensor &l = run.values.at(t.outputs[k]); l.size() == 1)
+      out << "loss      " << t.outputs[k] << " = " << l.data[0] << "\n";
+  for (const std::string &n : t.outputs)
+    out << "checksum  " << n << ": " << run.values.at(n).checksum() << "\n";
   for (const std::string &g : t.gradients)
     out << "checksum  " << g << ": " << run.values.at(g).checksum() << "\n";
   out << std::setprecision(6);
   if (!o.check)
     return 0;
-  return check_training(out, run, ex, inputs, upstream) ? 0 : 1;
+  return check_training(out, run, task, inputs) ? 0 : 1;
 }
 
 int run(const Options &o, std::ostream &out) {

@@ -29,7 +29,16 @@ struct BackendTraining {
   TrainingProgram training;                    // what was compiled (saved and recomputed tensors)
   int64_t saved_bytes = 0;                     // the activation memory kept for the backward
   std::map<std::string, RoutingResult> routes; // the experts each route chose
-  TensorMap values;                            // the output and every gradient, by their Funcs' names
+  TensorMap values;                            // every output and gradient, by their Funcs' names
+};
+
+// What one training step trains: the example's forward outputs (its own, and
+// with --aux its auxiliary losses) and each one's upstream gradient, by the
+// output's name.
+struct TrainingTask {
+  Example example;
+  std::vector<Func> outputs;
+  TensorMap upstream; // output name -> d(loss)/d(output), shaped like it
 };
 
 // The routing statistics' input from a backend's expert ids (pair order).
@@ -52,7 +61,8 @@ template <typename Layer>
 void collect_training(BackendTraining &run, const TrainingProgram &t, const Layer &layer, int64_t tokens) {
   for (const RoutingNode *r : t.program.routes)
     run.routes[r->name] = routing_from_experts(*r, tokens, layer.routed_experts(r->name));
-  run.values[t.output] = layer.output();
+  for (const std::string &o : t.outputs)
+    run.values[o] = layer.output(o);
   for (size_t i = 0; i < t.of.size(); ++i)
     run.values[t.gradients[i]] = layer.gradient(t.of[i]);
   run.saved_bytes = layer.saved_bytes();
@@ -63,13 +73,13 @@ void collect_training(BackendTraining &run, const TrainingProgram &t, const Laye
 bool cli_gpu_available(std::string *why);
 BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
                           const Schedule &schedule);
-BackendTraining cli_train_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
-                                 const HostTensor &upstream, const Schedule &schedule);
+BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
+                                 const Schedule &schedule);
 std::string cli_cuda_source(const Pipeline &pipeline, const Schedule &schedule);
 BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
                           const Schedule &schedule);
-BackendTraining cli_train_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
-                                 const HostTensor &upstream, const Schedule &schedule);
+BackendTraining cli_train_on_cpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
+                                 const Schedule &schedule);
 std::string cli_llvm_ir(const Pipeline &pipeline, const Schedule &schedule);
 
 } // namespace moeforge

@@ -27,13 +27,14 @@ BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const Te
   return run;
 }
 
-BackendTraining cli_train_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
-                                 const HostTensor &upstream, const Schedule &schedule) {
-  cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
+BackendTraining cli_train_on_cpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
+                                 const Schedule &schedule) {
+  cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(task.example.pipeline, task.outputs, schedule);
   cpu::CpuTrainingLayer layer(compiled, shape.tokens);
   layer.upload(inputs);
   layer.poison();
-  layer.upload_upstream_gradient(upstream);
+  for (const auto &[output, grad] : task.upstream)
+    layer.upload_upstream_gradient(output, grad);
   layer.forward(); // warm-up: first touch of every buffer
   layer.backward();
   using Clock = std::chrono::steady_clock;

@@ -36,15 +36,16 @@ BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const Te
   return run;
 }
 
-BackendTraining cli_train_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
-                                 const HostTensor &upstream, const Schedule &schedule) {
+BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
+                                 const Schedule &schedule) {
   cuda::Device device;
   cuda::CompiledTraining compiled =
-      cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device.arch_specific());
+      cuda::compile_training(task.example.pipeline, task.outputs, schedule, device.arch_specific());
   cuda::TrainingLayer layer(device, compiled, shape.tokens);
   layer.upload(inputs);
   layer.poison();
-  layer.upload_upstream_gradient(upstream);
+  for (const auto &[output, grad] : task.upstream)
+    layer.upload_upstream_gradient(output, grad);
   cuda::Stream stream;
   layer.forward(stream); // warm-up: module load, first touch
   layer.backward(stream);

@@ -4,20 +4,28 @@
 
 namespace moeforge::cpu {
 
-CompiledCpuTraining compile_cpu_training(const Pipeline &forward, const Func &output, const Schedule &schedule) {
+CompiledCpuTraining compile_cpu_training(const Pipeline &forward, const std::vector<Func> &outputs,
+                                         const Schedule &schedule) {
   CompiledCpuTraining c;
-  c.training = lower_training(forward, output, schedule);
-  c.layer = compile_cpu_program(c.training.program,
-                                "training of '" + output.name() + "' under schedule '" + schedule.name() + "'");
+  c.training = lower_training(forward, outputs, schedule);
+  std::string names;
+  for (const std::string &o : c.training.outputs)
+    names += (names.empty() ? "'" : ", '") + o + "'";
+  c.layer =
+      compile_cpu_program(c.training.program, "training of " + names + " under schedule '" + schedule.name() + "'");
   return c;
 }
 
+CompiledCpuTraining compile_cpu_training(const Pipeline &forward, const Func &output, const Schedule &schedule) {
+  return compile_cpu_training(forward, std::vector<Func>{output}, schedule);
+}
+
 CpuTrainingLayer::CpuTrainingLayer(const CompiledCpuTraining &compiled, int64_t tokens)
-    : compiled_(compiled), layer_(compiled.layer, tokens) {}
+    : compiled_(compiled), layer_(compiled.layer, tokens), seeds_uploaded_(compiled.training.seeds.size(), false) {}
 
 void CpuTrainingLayer::upload(const TensorMap &inputs) {
   for (const TensorDecl &t : compiled_.training.program.tensors)
-    if (t.is_input && t.name != compiled_.training.seed) {
+    if (t.is_input && !compiled_.training.is_seed(t.name)) {
       auto it = inputs.find(t.name);
       user_check(it != inputs.end()) << "no tensor given for input '" << t.name << "'";
       layer_.upload(t.name, it->second);
@@ -25,13 +33,20 @@ void CpuTrainingLayer::upload(const TensorMap &inputs) {
   forward_ran_ = false;
 }
 
+void CpuTrainingLayer::upload_upstream_gradient(const std::string &output, const HostTensor &grad) {
+  size_t k = compiled_.training.output_index(output, "upload_upstream_gradient");
+  layer_.upload(compiled_.training.seeds[k], grad);
+  seeds_uploaded_[k] = true;
+}
+
 void CpuTrainingLayer::upload_upstream_gradient(const HostTensor &grad) {
-  layer_.upload(compiled_.training.seed, grad);
+  upload_upstream_gradient(compiled_.training.output, grad);
 }
 
 void CpuTrainingLayer::poison() {
   layer_.poison();
   forward_ran_ = false;
+  seeds_uploaded_.assign(seeds_uploaded_.size(), false);
 }
 
 void CpuTrainingLayer::forward() {
@@ -42,7 +57,12 @@ void CpuTrainingLayer::forward() {
 void CpuTrainingLayer::backward() {
   user_check(forward_ran_) << "backward() before forward(): the backward reads the activations the forward keeps "
                            << "for it; run forward() first (again after upload() of new inputs or poison())";
+  compiled_.training.check_seeds_uploaded(seeds_uploaded_);
   layer_.run(compiled_.training.forward_steps, compiled_.training.program.steps.size());
+}
+
+HostTensor CpuTrainingLayer::output(const std::string &name) const {
+  return layer_.download(compiled_.training.outputs[compiled_.training.output_index(name, "output()")]);
 }
 
 HostTensor CpuTrainingLayer::gradient(const std::string &name) const {

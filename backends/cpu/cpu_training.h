@@ -4,8 +4,9 @@
 // training loop calls: the API of cuda::TrainingLayer. The forward leaves
 // the activations the backward needs (TrainingProgram::saved) and the
 // routing tables in the layer's buffers; the backward reads them and the
-// upstream gradient and writes every Input's and Param's gradient. A
-// backward can run again after a new upstream gradient without a new forward.
+// upstream gradients (one per output: the layer's and, with auxiliary losses,
+// each loss's) and writes every Input's and Param's gradient. A backward can
+// run again after a new upstream gradient without a new forward.
 #pragma once
 
 #include <string>
@@ -21,8 +22,11 @@ struct CompiledCpuTraining {
   CompiledCpuLayer layer; // layer.program is training.program
 };
 
-// Lowers (forward output `output` of `forward`) for training under
+// Lowers (forward outputs `outputs` of `forward`) for training under
 // `schedule`, generates LLVM IR and JIT-compiles it (cached in the process).
+CompiledCpuTraining compile_cpu_training(const Pipeline &forward, const std::vector<Func> &outputs,
+                                         const Schedule &schedule);
+// One output: compile_cpu_training(forward, {output}, schedule).
 CompiledCpuTraining compile_cpu_training(const Pipeline &forward, const Func &output, const Schedule &schedule);
 
 class CpuTrainingLayer {
@@ -34,18 +38,28 @@ public:
   // New inputs make the saved activations stale: forward() again before the
   // next backward().
   void upload(const TensorMap &inputs);
-  // The upstream gradient d(loss)/d(output), shaped like the output.
+  // The upstream gradient d(loss)/d(output) of forward output `output`
+  // ("y", "lb_loss", ...), shaped like it (a 0-D loss: a 0-D tensor, usually
+  // HostTensor({}, 1.0)). UserError naming the outputs for an unknown one.
+  void upload_upstream_gradient(const std::string &output, const HostTensor &grad);
+  // The first output's (the layer's own, "y").
   void upload_upstream_gradient(const HostTensor &grad);
   // Fills every intermediate, output and gradient with NaN (so an element no
-  // step writes shows up); the saved activations with them.
+  // step writes shows up); the saved activations with them. Every upstream
+  // gradient must be uploaded again before the next backward().
   void poison();
-  // Routing, then every step the output needs.
+  // Routing, then every step the outputs need.
   void forward();
   // Every gradient, from the forward's saved tensors and the upstream
-  // gradient. UserError when no forward ran since the last upload or poison.
+  // gradients. UserError when no forward ran since the last upload or
+  // poison, or when an output's upstream gradient was not uploaded since the
+  // last poison (or ever).
   void backward();
 
+  // The first forward output ("y"), or the one named (UserError naming the
+  // outputs for an unknown one).
   HostTensor output() const { return layer_.download(compiled_.training.output); }
+  HostTensor output(const std::string &name) const;
   // The gradient of Input or Param `name` ("x", "w1", ...); UserError naming
   // the known names otherwise.
   HostTensor gradient(const std::string &name) const;
@@ -62,7 +76,8 @@ public:
 private:
   const CompiledCpuTraining &compiled_;
   CpuLayer layer_;
-  bool forward_ran_ = false; // since the last upload() or poison()
+  bool forward_ran_ = false;         // since the last upload() or poison()
+  std::vector<bool> seeds_uploaded_; // per output, since the last poison()
 };
 
 } // namespace moeforge::cpu

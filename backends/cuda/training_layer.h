@@ -2,7 +2,8 @@
 // training program (lowering/training.h) and bound to device memory, with
 // the two entry points a training loop calls. The forward leaves the
 // activations the backward needs in the layer's buffers; the backward reads
-// them and the upstream gradient and writes every Input's and Param's
+// them and the upstream gradients (one per output: the layer's and, with
+// auxiliary losses, each loss's) and writes every Input's and Param's
 // gradient. Neither synchronises with the host, so both can be captured in a
 // CUDA graph.
 #pragma once
@@ -20,8 +21,11 @@ struct CompiledTraining {
   CompiledLayer layer; // layer.program is training.program
 };
 
-// Lowers (forward output `output` of `forward`) for training under
+// Lowers (forward outputs `outputs` of `forward`) for training under
 // `schedule`, generates and compiles it. Works without a GPU.
+CompiledTraining compile_training(const Pipeline &forward, const std::vector<Func> &outputs, const Schedule &schedule,
+                                  const std::string &arch = "sm_90a");
+// One output: compile_training(forward, {output}, schedule, arch).
 CompiledTraining compile_training(const Pipeline &forward, const Func &output, const Schedule &schedule,
                                   const std::string &arch = "sm_90a");
 
@@ -32,27 +36,31 @@ public:
 
   // Every Input and Param of the forward (the upstream gradient is separate).
   void upload(const TensorMap &inputs);
-  // Fills an Input or Param (or the upstream gradient) with `pattern` repeated
-  // (benchmarks: realistic values without gigabytes of host random numbers).
-  void upload_repeated(const std::string &name, const HostTensor &pattern) {
-    layer_.upload_repeated(name, pattern);
-    forward_ran_ &= name == compiled_.training.seed;
-  }
-  // The upstream gradient d(loss)/d(output), shaped like the output.
+  // Fills an Input or Param (or an upstream gradient, by its seed's name
+  // "d_y") with `pattern` repeated (benchmarks: realistic values without
+  // gigabytes of host random numbers).
+  void upload_repeated(const std::string &name, const HostTensor &pattern);
+  // The upstream gradient d(loss)/d(output) of forward output `output`
+  // ("y", "lb_loss", ...), shaped like it (a 0-D loss: a 0-D tensor, usually
+  // HostTensor({}, 1.0)). UserError naming the outputs for an unknown one.
+  void upload_upstream_gradient(const std::string &output, const HostTensor &grad);
+  // The first output's (the layer's own, "y").
   void upload_upstream_gradient(const HostTensor &grad);
-  void poison() {
-    layer_.poison();
-    forward_ran_ = false;
-  }
+  // Every upstream gradient must be uploaded again before the next backward().
+  void poison();
   void forward(const Stream &stream);
   // UserError unless forward() was enqueued since the last upload() or
-  // poison(): the backward reads what the forward keeps for it.
+  // poison() (the backward reads what the forward keeps for it) and every
+  // output's upstream gradient was uploaded since the last poison().
   void backward(const Stream &stream);
   // Per-step times of the forward or the backward (for benchmarks' notes).
   std::vector<std::pair<std::string, double>> profile_forward(const Stream &stream);
   std::vector<std::pair<std::string, double>> profile_backward(const Stream &stream);
 
+  // The first forward output ("y"), or the one named (UserError naming the
+  // outputs for an unknown one). Synchronises.
   HostTensor output() const { return layer_.download(compiled_.training.output); }
+  HostTensor output(const std::string &name) const;
   // The gradient of Input or Param `name` ("x", "w1", ...). Synchronises.
   HostTensor gradient(const std::string &name) const;
   // Any Func the program materialises (the output, a gradient, an
@@ -70,6 +78,7 @@ private:
   const CompiledTraining &compiled_;
   CudaLayer layer_;
   bool forward_ran_ = false;
+  std::vector<bool> seeds_uploaded_; // per output, since the last poison()
 };
 
 } // namespace moeforge::cuda

@@ -134,7 +134,8 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
                << " x cols; tile " << g.tile_m << "x" << g.tile_n << "x" << g.tile_k << ", " << g.stages
                << " stages, warps " << g.warps_m << "x" << g.warps_n << "\n";
             if (x.expert_k)
-              os << "    expert reduction over the routed rows of " << x.route->name << "\n";
+              os << "    expert reduction over the routed rows of " << x.route->name
+                 << (x.operands_in_place ? ", operands read in place" : "") << "\n";
             os << "    A = " << x.a << (x.a_trans ? "^T" : "") << " rows " << row_map_name(x.a_rows) << "; B =";
             for (const std::string &b : x.b)
               os << " " << b << (x.b_trans ? "^T" : "") << (x.b_per_expert ? "[expert]" : "");

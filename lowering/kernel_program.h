@@ -80,6 +80,10 @@ struct GemmStep {
   // materialize_transposes gives A^T (padded_t) and B in padded order.
   bool expert_k = false;
   RowMap b_rows = RowMap::direct;
+  // An expert reduction for the Hopper loops, which read A and B in place
+  // through their row maps (a_rows, b_rows: direct for a padded tensor)
+  // instead of from a transposed A and a gathered B.
+  bool operands_in_place = false;
   // The epilogue over accumulators: reads of the placeholder Funcs in
   // `accumulators` (named acc0, acc1, ...) and of per-row or per-element
   // tensors. Evaluated in fp32 and stored as the output's dtype.

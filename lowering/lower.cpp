@@ -489,8 +489,13 @@ KernelProgram materialize_transposes(KernelProgram p, const Schedule &) {
       out.push_back(std::move(s));
       continue;
     }
-    if (g->expert_k) {
-      // A^T with the padded rows last (zero on padding), B in padded order
+    if (g->expert_k && g->tiling.mma != MmaKind::mma_sync) {
+      // wgmma reads A M-major (trans-a) and B by rows from where they are.
+      g->a_rows = rows_of(g->a, g->a_rows);
+      g->b_rows = rows_of(g->b[0], g->b_rows);
+      g->operands_in_place = true;
+    } else if (g->expert_k) {
+      // mma.sync: A^T with the padded rows last (zero on padding), B in padded order
       // (zero on padding: a padded GEMM output's padding rows are never written).
       const RoutingNode *r = g->route;
       const TensorDecl a = p.tensor(g->a), b = p.tensor(g->b[0]); // copies: add() grows p.tensors

@@ -458,6 +458,30 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
     // A^T[m, p] * B[p, n]; both operands are zero on padding rows, and an
     // expert with no rows gets zeros.
     const RoutingNode *rt = g.route;
+    if (g.operands_in_place) {
+      // A and B read where they are: row(p) of each through its row map,
+      // padding rows (sorted_pair[p] < 0) skipped.
+      Value *M = fb.extent(g.m);
+      auto row_of = [&](RowMap m, Value *p, Value *r) -> Value * {
+        return m == RowMap::direct ? p : m == RowMap::gather_pair ? r : b.CreateSDiv(r, fb.c64(rt->k));
+      };
+      fb.for_loop(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
+        Value *p0 = fb.route_at(rt, "offsets", e);
+        Value *p1 = fb.route_at(rt, "offsets", b.CreateAdd(e, fb.c64(1)));
+        fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
+          columns(b.CreateAdd(b.CreateMul(e, M), m), m, [&](Value *n0, const Update &update) {
+            fb.for_loop(p0, p1, "p", [&](Value *p) {
+              Value *r = fb.route_at(rt, "sorted_pair", p);
+              fb.if_then(b.CreateICmpSGE(r, fb.c64(0)), [&] {
+                Value *a = fb.load(A, b.CreateAdd(b.CreateMul(row_of(g.a_rows, p, r), M), m));
+                update(0, b.CreateAdd(b.CreateMul(row_of(g.b_rows, p, r), fb.c64(N)), n0), a);
+              });
+            });
+          });
+        });
+      });
+      return;
+    }
     internal_check(A.layout == RowLayout::padded_t && B[0]->layout == RowLayout::padded && nb == 1)
         << "step " << g.name << ": an expert reduction reads A^T (padded_t) and B (padded)";
     Value *stride = fb.max_padded_rows(rt), *M = fb.extent(g.m);

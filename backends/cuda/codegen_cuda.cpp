@@ -318,9 +318,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   const std::string N = std::to_string(g.n.extent());
 
   std::ostringstream body;
-  const bool ws = t.mma == MmaKind::wgmma_ws;
-  const bool wgmma = t.mma == MmaKind::wgmma || ws;
-  if (wgmma) {
+  const bool in_place = g.operands_in_place;
+  // The in-place expert reduction runs the plain (all threads load) loop.
+  const bool ws = t.mma == MmaKind::wgmma_ws && !in_place;
+  const bool wgmma = t.mma == MmaKind::wgmma || t.mma == MmaKind::wgmma_ws;
+  internal_check(!in_place || (wgmma && g.expert_k && nb == 1)) << "in-place operands are for wgmma expert reductions";
+  if (in_place) {
+    body << "  using Cfg = mf::WgmmaRowsConfig<" << t.tile_m << ", " << t.tile_n << ", " << t.stages
+         << ">;  // Hopper warpgroup MMA, A and B read in place by rows\n";
+  } else if (wgmma) {
     user_check(nb * t.tile_n / 2 <= 128) << "definition '" << g.output << "': " << nb << " B operands with tile_n "
                                          << t.tile_n << " need " << nb * t.tile_n / 2
                                          << " accumulator registers per thread under wgmma: use tile_n "
@@ -358,7 +364,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  mf::raster_mn(pid, NUM_M, NUM_N, " << t.raster << ", m_tile, n_tile);  // within the expert\n";
     body << "  const long long k_begin = " << off << "[expert];\n";
     body << "  const int K = (int)(" << off << "[expert + 1] - k_begin);\n";
-    body << "  const long long LDA = " << max_padded_rows(prog, kb, r) << ";  // " << g.a << "'s padded row stride\n";
+    if (!in_place)
+      body << "  const long long LDA = " << max_padded_rows(prog, kb, r) << ";  // " << g.a << "'s padded row stride\n";
   } else {
     body << "  mf::raster(blockIdx.x, NUM_N, " << t.raster << ", m_tile, n_tile);\n";
   }
@@ -385,39 +392,47 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  const int rows = (int)min((long long)Cfg::BM, M - p0);\n";
     body << "  const long long expert = 0;  // one B for every row\n  (void)expert;\n";
   }
-  // A rows: resolved once per tile, not per k step.
-  body << "  const mf::bf16 *gA[Cfg::A_ITERS];\n  bool a_ok[Cfg::A_ITERS];\n";
-  body << "#pragma unroll\n  for (int i = 0; i < Cfg::A_ITERS; ++i) {\n";
-  body << "    const int lr = Cfg::a_load_row(tid, i);\n";
-  switch (g.a_rows) {
-  case RowMap::direct:
-    body << "    const long long row = lr < rows ? p0 + lr : 0;  // " << g.a << " rows are in tile order\n";
-    body << "    a_ok[i] = lr < rows;\n";
-    break;
-  case RowMap::gather_pair:
-  case RowMap::gather_token: {
-    std::string div = g.a_rows == RowMap::gather_token ? " / " + std::to_string(g.route->k) : "";
-    body << "    const int r = lr < rows ? " << sorted_pair << "[p0 + lr] : -1;\n";
-    body << "    const long long row = r < 0 ? 0 : (long long)r" << div
-         << ";  // gathered: " << (div.empty() ? "pair r" : "token(r) = r" + div) << "\n";
-    body << "    a_ok[i] = r >= 0;\n";
-    break;
+  if (in_place) {
+    // Row maps of the reduced index p: 0 = row p (padded), d = sorted_pair[p] / d.
+    auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };
+    body << "  Cfg::Acc acc = {};\n";
+    body << "  Cfg::mainloop(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0] << ", "
+         << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc);\n\n";
+  } else {
+    // A rows: resolved once per tile, not per k step.
+    body << "  const mf::bf16 *gA[Cfg::A_ITERS];\n  bool a_ok[Cfg::A_ITERS];\n";
+    body << "#pragma unroll\n  for (int i = 0; i < Cfg::A_ITERS; ++i) {\n";
+    body << "    const int lr = Cfg::a_load_row(tid, i);\n";
+    switch (g.a_rows) {
+    case RowMap::direct:
+      body << "    const long long row = lr < rows ? p0 + lr : 0;  // " << g.a << " rows are in tile order\n";
+      body << "    a_ok[i] = lr < rows;\n";
+      break;
+    case RowMap::gather_pair:
+    case RowMap::gather_token: {
+      std::string div = g.a_rows == RowMap::gather_token ? " / " + std::to_string(g.route->k) : "";
+      body << "    const int r = lr < rows ? " << sorted_pair << "[p0 + lr] : -1;\n";
+      body << "    const long long row = r < 0 ? 0 : (long long)r" << div
+           << ";  // gathered: " << (div.empty() ? "pair r" : "token(r) = r" + div) << "\n";
+      body << "    a_ok[i] = r >= 0;\n";
+      break;
+    }
+    }
+    if (g.expert_k)
+      body << "    gA[i] = " << gA << " + row * LDA + k_begin + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
+    else
+      body << "    gA[i] = " << gA << " + row * " << (g.k.is_dynamic() ? "LDA" : "K")
+           << " + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
+    body << "  const mf::bf16 *gB[" << nb << "] = {";
+    for (int b = 0; b < nb; ++b)
+      body << (b ? ", " : "") << gB[b]
+           << (g.expert_k       ? " + k_begin * N"
+               : g.b_per_expert ? " + (long long)expert * K * N"
+                                : "");
+    body << "};\n";
+    body << "  Cfg::Acc acc = {};\n";
+    body << "  if (!Cfg::mainloop(smem, gA, a_ok, gB, K, N, n0, acc))\n    return;  // a loading-only warpgroup\n\n";
   }
-  }
-  if (g.expert_k)
-    body << "    gA[i] = " << gA << " + row * LDA + k_begin + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
-  else
-    body << "    gA[i] = " << gA << " + row * " << (g.k.is_dynamic() ? "LDA" : "K")
-         << " + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
-  body << "  const mf::bf16 *gB[" << nb << "] = {";
-  for (int b = 0; b < nb; ++b)
-    body << (b ? ", " : "") << gB[b]
-         << (g.expert_k       ? " + k_begin * N"
-             : g.b_per_expert ? " + (long long)expert * K * N"
-                              : "");
-  body << "};\n";
-  body << "  Cfg::Acc acc = {};\n";
-  body << "  if (!Cfg::mainloop(smem, gA, a_ok, gB, K, N, n0, acc))\n    return;  // a loading-only warpgroup\n\n";
 
   // The epilogue: the algebra around the sums, per output element.
   std::ostringstream epi;
@@ -467,6 +482,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.block = g.block;
   k.shared_bytes =
       t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) + (ws ? 16 * t.stages : 0);
+  if (in_place)
+    user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
   k.threads = wgmma ? t.tile_m * 2 + (ws ? 128 : 0) : t.threads();
   // Two blocks per SM when both fit (shared memory, and at most 64
   // accumulators per thread so registers do): one block's epilogue and

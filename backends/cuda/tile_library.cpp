@@ -10,17 +10,20 @@ namespace {
 // list is too long to write by hand, so it is generated once per N.
 // trans_b: 1 for B stored N-major in shared memory (B[K, N] in global), 0
 // for K-major (B stored [N, K]: a transposed operand read as it is).
-std::string wgmma_instance(int n, int trans_b) {
+// trans_a: 1 for A stored M-major in shared memory (an expert reduction's
+// A, whose rows are the reduced index).
+std::string wgmma_instance(int n, int trans_b, int trans_a = 0) {
   const int regs = n / 2;
   std::ostringstream s;
-  s << "template <> struct Wgmma<" << n << ", " << trans_b << "> {\n"
+  s << "template <> struct Wgmma<" << n << ", " << trans_b << ", " << trans_a << "> {\n"
     << "  __device__ static __forceinline__ void mma(float (&d)[" << regs
     << "], unsigned long long da, unsigned long long db) {\n"
     << "    asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n"
     << "                 \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32.bf16.bf16 {";
   for (int i = 0; i < regs; ++i)
     s << (i ? ", " : "") << "%" << i;
-  s << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, 0, " << trans_b << ";\\n}\\n\"\n                 : ";
+  s << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, " << trans_a << ", " << trans_b
+    << ";\\n}\\n\"\n                 : ";
   for (int i = 0; i < regs; ++i)
     s << (i ? ", " : "") << "\"+f\"(d[" << i << "])";
   s << "\n                 : \"l\"(da), \"l\"(db));\n  }\n};\n";
@@ -34,7 +37,7 @@ const std::string &tile_library_source() {
     std::string t = kTileLibraryTemplate;
     std::string instances;
     for (int n : {64, 128, 256})
-      instances += wgmma_instance(n, 1) + wgmma_instance(n, 0);
+      instances += wgmma_instance(n, 1) + wgmma_instance(n, 0) + wgmma_instance(n, 1, 1);
     const std::string marker = "MOEFORGE_WGMMA_INSTANCES";
     t.replace(t.find(marker), marker.size(), instances);
     return t;

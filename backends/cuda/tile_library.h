@@ -267,7 +267,8 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 
 // d += A * B for one m64 x N x k16 step; A K-major, B N-major (TRANS_B = 1,
 // B[K, N] in global memory) or K-major (TRANS_B = 0, B stored [N, K]).
-template <int N, int TRANS_B> struct Wgmma;
+// TRANS_A = 1: A M-major in shared memory (staged like an N-major B).
+template <int N, int TRANS_B, int TRANS_A = 0> struct Wgmma;
 MOEFORGE_WGMMA_INSTANCES
 
 // BT: the B operands are stored transposed, [N, K] (a backward pass's W^T read
@@ -386,6 +387,103 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
     wgmma_wait<0>();
     cp_async_wait<0>();
     return true;
+  }
+};
+
+// ------------------------------------------------------------ Hopper: expert reductions in place
+// C[m, n] = sum over an expert's padded rows p of A[row_a(p), m] * B[row_b(p), n]
+// (a weight gradient, X^T dH over the rows routed to the expert), with both
+// operands read where they are: each stage holds BK rows p of A (its BM
+// columns from m0) and of B (BN columns from n0), gathered through
+// sorted_pair, zero on padding rows. Both are staged MN-major (64-column
+// slabs of BK rows x 128 bytes, as WgmmaConfig's B), and wgmma reads A
+// transposed (trans-a), so no transposed copy of A is ever written.
+// Row maps: div 0 reads row p itself (a padded tensor), div d reads row
+// sorted_pair[p] / d (d = 1: pair order; d = k: the token's row).
+template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
+  static constexpr int BM = BM_, BN = BN_, BK = 64, STAGES = STAGES_, NB = 1;
+  static constexpr int WG = BM / 64, THREADS = WG * 128;
+  static constexpr int MI = 1, NI = BN / 8;
+  static constexpr int A_STAGE_BYTES = BK * BM * 2, B_STAGE_BYTES = BK * BN * 2;
+  static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;
+  static_assert(BM == 64 || BM == 128, "wgmma tiles are 64 or 128 rows");
+  static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma tiles are 64, 128 or 256 columns");
+  static_assert(STAGES >= 3, "wgmma overlaps one group in flight: at least three stages");
+
+  typedef float Acc[1][BN / 2];
+  __device__ static __forceinline__ float get(const Acc &acc, int b, int, int ni, int e) { return acc[b][ni * 4 + e]; }
+  __device__ static __forceinline__ int acc_row(int warp, int lane, int, int e) {
+    return (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2) + (e >> 1) * 8;
+  }
+  __device__ static __forceinline__ int acc_col(int, int lane, int ni, int e) { return ni * 8 + (lane & 3) * 2 + (e & 1); }
+  // MN-major: chunk ch (8 columns) of k-row k, in 64-column slabs.
+  __device__ static __forceinline__ unsigned mn_off(int k, int ch) {
+    return (ch >> 3) * (BK * 128) + k * 128 + (((ch & 7) ^ (k & 7)) << 4);
+  }
+
+  // One operand's BK rows x COLS columns of stage k-tile kt into s.
+  template <int COLS>
+  __device__ static __forceinline__ void load_rows(unsigned s, const bf16 *g, int div, int cols, int c0,
+                                                   const int *sorted_pair, long long p_begin, int k0, int K) {
+#pragma unroll
+    for (int i = 0; i < BK * (COLS / 8) / THREADS; ++i) {
+      const int c = threadIdx.x + i * THREADS, k = c / (COLS / 8), ch = c % (COLS / 8);
+      const int kk = k0 + k, col = c0 + ch * 8;
+      const int r = kk < K ? sorted_pair[p_begin + kk] : -1;
+      const long long row = div == 0 ? p_begin + kk : (long long)(r / div);
+      const bool ok = r >= 0 && col < cols;
+      cp_async_16(s + mn_off(k, ch), ok ? g + row * cols + col : g, ok);
+    }
+  }
+
+  __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
+    const unsigned sA = s0 + slot * STAGE_BYTES + wg * (BK * 128); // this warpgroup's 64 columns of A
+    const unsigned sB = s0 + slot * STAGE_BYTES + A_STAGE_BYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ++ks) {
+      // M-/N-major: 16 k-rows are two 8-row groups (2 KiB); slabs BK * 128 bytes apart.
+      const unsigned long long da = wgmma_desc(sA + ks * 2048, BK * 128, 1024);
+      const unsigned long long db = wgmma_desc(sB + ks * 2048, BK * 128, 1024);
+      Wgmma<BN, 1, 1>::mma(acc[0], da, db);
+    }
+    wgmma_commit();
+  }
+
+  // K = the expert's padded rows (a multiple of the routing block; 0 for an
+  // expert without pairs: acc stays zero).
+  __device__ static void mainloop(unsigned char *smem, const bf16 *A, int a_div, int M, int m0, const bf16 *B,
+                                  int b_div, int N, int n0, const int *sorted_pair, long long p_begin, int K,
+                                  Acc &acc) {
+    const int wg = threadIdx.x >> 7;
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u;
+    const int KT = (K + BK - 1) / BK;
+    auto load = [&](int slot, int kt) {
+      const unsigned sA = s0 + slot * STAGE_BYTES;
+      load_rows<BM>(sA, A, a_div, M, m0, sorted_pair, p_begin, kt * BK, K);
+      load_rows<BN>(sA + A_STAGE_BYTES, B, b_div, N, n0, sorted_pair, p_begin, kt * BK, K);
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < KT)
+        load(s, s);
+      cp_async_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_async_wait<STAGES - 2>();
+      fence_proxy_async();
+      __syncthreads();
+      mma_stage(s0, kt % STAGES, wg, acc);
+      wgmma_wait<1>();
+      __syncthreads();
+      const int next = kt + STAGES - 1;
+      if (next < KT)
+        load(next % STAGES, next);
+      cp_async_commit();
+    }
+    wgmma_wait<0>();
+    cp_async_wait<0>();
   }
 };
 

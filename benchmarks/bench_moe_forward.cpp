@@ -18,6 +18,7 @@
 
 #include "backends/cuda/layer.h"
 #include "benchmarks/dense_roof.h"
+#include "benchmarks/moe_shapes.h"
 #include "examples/biased_moe.h"
 #include "schedules/presets.h"
 
@@ -26,42 +27,11 @@ using bench::time_ms;
 
 namespace {
 
-struct Shape {
-  const char *name;
-  int64_t tokens, d, f, experts, k;
-  bool swiglu;
-  double skew_ramp; // router bias ramp giving the busiest expert about 3x the mean
-  double flops() const { return 2.0 * tokens * k * d * ((swiglu ? 2.0 : 1.0) * f + f); }
-};
-
-const Shape kShapes[] = {
-    {"mixtral", 8192, 4096, 14336, 8, 2, true, 1.0},
-    {"fine64", 16384, 2048, 1408, 64, 8, true, 0.6},
-    {"mbpaper", 16384, 1024, 4096, 64, 1, false, 0.35},
-};
+using Shape = bench::MoeShape;
 
 cuda::Device &device() {
   static cuda::Device d;
   return d;
-}
-
-// Random inputs of the example's ranges. Tensors past 4M values repeat a 4M
-// random pattern: gigabytes of weights need no host-side random numbers to
-// time realistically, and x's rows still cover every routing choice.
-void upload_inputs(cuda::CudaLayer &layer, const Example &ex, const ExampleShape &es, Bias bias, double ramp) {
-  std::mt19937_64 rng(1);
-  for (const BufferPtr &b : ex.pipeline.buffers()) {
-    if (b->name == "bias") {
-      layer.upload_repeated("bias", router_bias(bias, es.experts, ramp));
-      continue;
-    }
-    int64_t n = 1;
-    for (const Dim &d : b->dims)
-      n *= d.is_dynamic() ? es.tokens : d.extent();
-    auto it = ex.init_scale.find(b->name);
-    double a = it == ex.init_scale.end() ? 1.0 : it->second;
-    layer.upload_repeated(b->name, random_tensor({std::min<int64_t>(n, 1 << 22)}, rng, -a, a));
-  }
 }
 
 // The presets with per-Func tiles for these layers: the single-B GEMMs take
@@ -102,12 +72,7 @@ Schedule tuned(const Shape &s, const std::string &variant) {
 }
 
 void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name, bool skewed) {
-  ExampleShape es;
-  es.tokens = shape.tokens;
-  es.d = shape.d;
-  es.f = shape.f;
-  es.experts = shape.experts;
-  es.topk = shape.k;
+  ExampleShape es = shape.example();
   Bias bias = skewed ? Bias::ramp : Bias::none;
   Example ex = biased_moe(es, shape.swiglu, bias, shape.swiglu);
   std::string name = schedule_name;
@@ -122,7 +87,7 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
   }
   cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, schedule, device().arch_specific());
   cuda::CudaLayer layer(device(), compiled, shape.tokens);
-  upload_inputs(layer, ex, es, bias, shape.skew_ramp);
+  bench::upload_inputs(layer, ex, es, bias, shape.skew_ramp);
   cuda::Stream stream;
   cuda::CudaGraph graph = cuda::CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
 
@@ -156,7 +121,7 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
 }
 
 void register_all() {
-  for (const Shape &s : kShapes)
+  for (const Shape &s : bench::kMoeShapes)
     for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep", "tuned_b64",
                           "tuned_r4", "tuned_r16"})
       for (bool skew : {false, true}) {

@@ -20,6 +20,7 @@
 
 #include "backends/cuda/training_layer.h"
 #include "benchmarks/dense_roof.h"
+#include "benchmarks/moe_shapes.h"
 #include "examples/biased_moe.h"
 #include "schedules/presets.h"
 
@@ -28,18 +29,7 @@ using bench::time_ms;
 
 namespace {
 
-struct Shape {
-  const char *name;
-  int64_t tokens, d, f, experts, k;
-  bool swiglu;
-  bench::RoofShape roof() const { return {tokens, k, d, f, swiglu}; }
-};
-
-const Shape kShapes[] = {
-    {"mixtral", 8192, 4096, 14336, 8, 2, true},
-    {"fine64", 16384, 2048, 1408, 64, 8, true},
-    {"mbpaper", 16384, 1024, 4096, 64, 1, false},
-};
+using Shape = bench::MoeShape;
 
 cuda::Device &device() {
   static cuda::Device d;
@@ -65,30 +55,8 @@ Schedule tuned(const Shape &s, bool wide) {
   return t;
 }
 
-void upload_inputs(cuda::TrainingLayer &layer, const Example &ex, const ExampleShape &es, const std::string &seed) {
-  std::mt19937_64 rng(1);
-  for (const BufferPtr &b : ex.pipeline.buffers()) {
-    if (b->name == "bias") { // uniform routing: no router bias
-      layer.upload_repeated("bias", router_bias(Bias::none, es.experts, 0));
-      continue;
-    }
-    int64_t n = 1;
-    for (const Dim &d : b->dims)
-      n *= d.is_dynamic() ? es.tokens : d.extent();
-    auto it = ex.init_scale.find(b->name);
-    double a = it == ex.init_scale.end() ? 1.0 : it->second;
-    layer.upload_repeated(b->name, random_tensor({std::min<int64_t>(n, 1 << 22)}, rng, -a, a));
-  }
-  layer.upload_repeated(seed, random_tensor({1 << 22}, rng, -1, 1));
-}
-
 void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, bool recompute) {
-  ExampleShape es;
-  es.tokens = shape.tokens;
-  es.d = shape.d;
-  es.f = shape.f;
-  es.experts = shape.experts;
-  es.topk = shape.k;
+  ExampleShape es = shape.example();
   Example ex = biased_moe(es, shape.swiglu, Bias::none, shape.swiglu);
   std::string name = schedule_name;
   Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name == "tuned_wide") : preset(name);
@@ -102,7 +70,9 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   cuda::CompiledTraining compiled =
       cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device().arch_specific());
   cuda::TrainingLayer layer(device(), compiled, shape.tokens);
-  upload_inputs(layer, ex, es, compiled.training.seed);
+  bench::upload_inputs(layer, ex, es, Bias::none, 0);
+  std::mt19937_64 rng(2);
+  layer.upload_repeated(compiled.training.seed, random_tensor({1 << 22}, rng, -1, 1));
   cuda::Stream stream;
   cuda::CudaGraph fwd = cuda::CudaGraph::capture(stream, [&] { layer.forward(stream); });
   cuda::CudaGraph bwd = cuda::CudaGraph::capture(stream, [&] { layer.backward(stream); });
@@ -139,7 +109,7 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
 }
 
 void register_all() {
-  for (const Shape &s : kShapes)
+  for (const Shape &s : bench::kMoeShapes)
     for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_wide"})
       for (bool re : {false, true}) {
         std::string name = std::string("train/") + s.name + "/" + p + (re ? "/recompute" : "/store");

@@ -65,4 +65,21 @@ Expr IRMutator::mutate_node(const RouteSum &n, const Expr &self) {
   return b.same_as(n.body) ? self : RouteSum::make(n.route, n.field, n.target, b);
 }
 
+bool contains_kind(const Expr &e, ExprKind kind) {
+  struct Finder : IRVisitor {
+    ExprKind kind;
+    bool found = false;
+#define MOEFORGE_FIND(n)                                                                                               \
+  void visit_node(const n &node) override {                                                                            \
+    found |= node.kind == kind;                                                                                        \
+    IRVisitor::visit_node(node);                                                                                       \
+  }
+    MOEFORGE_EXPR_NODES(MOEFORGE_FIND)
+#undef MOEFORGE_FIND
+  } f;
+  f.kind = kind;
+  f.visit(e);
+  return f.found;
+}
+
 } // namespace moeforge

@@ -30,4 +30,7 @@ protected:
 #undef MOEFORGE_MUTATE
 };
 
+// Whether e has a node of `kind` anywhere in it (e itself included).
+bool contains_kind(const Expr &e, ExprKind kind);
+
 } // namespace moeforge

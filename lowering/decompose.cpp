@@ -64,28 +64,6 @@ Expr product(const std::vector<Expr> &factors) {
   return p.defined() ? p : Expr(1.0);
 }
 
-bool has_kind(const Expr &e, ExprKind kind) {
-  struct Finder : IRVisitor {
-    ExprKind kind;
-    bool found = false;
-    void visit_node(const Sum &n) override {
-      found |= kind == ExprKind::Sum;
-      IRVisitor::visit_node(n);
-    }
-    void visit_node(const Softmax &n) override {
-      found |= kind == ExprKind::Softmax;
-      IRVisitor::visit_node(n);
-    }
-    void visit_node(const RouteSum &n) override {
-      found |= kind == ExprKind::RouteSum;
-      IRVisitor::visit_node(n);
-    }
-  } f;
-  f.kind = kind;
-  f.visit(e);
-  return f.found;
-}
-
 // Replaces free variables by others (over the same Dims), for comparing
 // expressions up to the names of their indices.
 struct Rename : IRMutator {
@@ -132,7 +110,7 @@ struct Decomposer::Split {
 Decomposer::Decomposer(const Pipeline &p, bool share_forward_sums)
     : pipeline_(p), share_forward_sums_(share_forward_sums) {
   for (const Func &f : p.funcs())
-    if (has_kind(f.body(), ExprKind::Sum))
+    if (contains_kind(f.body(), ExprKind::Sum))
       whole_[f.body().get()] = f.node();
 }
 
@@ -289,8 +267,8 @@ Expr Decomposer::extract_sums(const FuncNode &f, const Expr &body, std::vector<F
   } outer;
   outer.each = [&](const Sum &s, const Expr &self) -> Expr {
     std::vector<Var> fv = free_vars(self);
-    if (fv.size() != 2 || has_kind(s.body, ExprKind::Sum) || has_kind(s.body, ExprKind::Softmax) ||
-        has_kind(s.body, ExprKind::RouteSum))
+    if (fv.size() != 2 || contains_kind(s.body, ExprKind::Sum) || contains_kind(s.body, ExprKind::Softmax) ||
+        contains_kind(s.body, ExprKind::RouteSum))
       return self;
     // Rows: a route's pair index if there is one, else the index f lists first.
     auto rank = [&](const Var &v) {
@@ -395,10 +373,10 @@ std::vector<FuncPtr> Decomposer::decompose(const FuncPtr &f) {
     auto g = std::make_shared<FuncNode>(*f);
     g->body = body;
     body = expert_reduction(*g, parts);
-  } else if (f->args.size() == 2 && !has_kind(body, ExprKind::Softmax) && !has_kind(body, ExprKind::RouteSum) &&
-             has_kind(body, ExprKind::Sum)) {
+  } else if (f->args.size() == 2 && !contains_kind(body, ExprKind::Softmax) &&
+             !contains_kind(body, ExprKind::RouteSum) && contains_kind(body, ExprKind::Sum)) {
     body = rewrite_gemm_sums(*f, body, parts);
-  } else if (has_kind(body, ExprKind::Sum)) {
+  } else if (contains_kind(body, ExprKind::Sum)) {
     body = extract_sums(*f, body, parts);
   }
   if (body.same_as(f->body)) {

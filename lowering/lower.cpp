@@ -26,28 +26,6 @@ const RoutingNode *route_of_pair(const Pipeline &p, const Var &v) {
   return nullptr;
 }
 
-bool has_node(const Expr &e, ExprKind kind) {
-  struct Finder : IRVisitor {
-    ExprKind kind;
-    bool found = false;
-    void visit_node(const Sum &n) override {
-      found |= kind == ExprKind::Sum;
-      IRVisitor::visit_node(n);
-    }
-    void visit_node(const Softmax &n) override {
-      found |= kind == ExprKind::Softmax;
-      IRVisitor::visit_node(n);
-    }
-    void visit_node(const RouteSum &n) override {
-      found |= kind == ExprKind::RouteSum;
-      IRVisitor::visit_node(n);
-    }
-  } f;
-  f.kind = kind;
-  f.visit(e);
-  return f.found;
-}
-
 // A placeholder tensor read by lowered expressions: an accumulator or an
 // intermediate that lowering introduced. Never defined; only its name and
 // indices are read.
@@ -158,7 +136,7 @@ std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const S
   user_check(f.args.size() == 2) << "definition '" << f.name << "' has " << f.args.size()
                                  << " indices: the CUDA backend compiles a contraction into a 2-D GEMM "
                                  << "f(rows, cols); reshape it into (rows, cols)";
-  user_check(!has_node(f.body, ExprKind::Softmax) && !has_node(f.body, ExprKind::RouteSum))
+  user_check(!contains_kind(f.body, ExprKind::Softmax) && !contains_kind(f.body, ExprKind::RouteSum))
       << "definition '" << f.name << "' mixes a contraction with softmax or combine; split it into two Funcs";
   const Var &row = f.args[0], &col = f.args[1];
   const RoutingNode *route = route_of_pair(p, row);
@@ -198,7 +176,7 @@ std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const S
   }
   g.epilogue = rs.mutate(f.body);
   g.accumulators = rs.accs;
-  user_check(!has_node(g.epilogue, ExprKind::Sum))
+  user_check(!contains_kind(g.epilogue, ExprKind::Sum))
       << "definition '" << f.name << "': a sum inside a sum's operands is not a GEMM; define the inner sum as its "
       << "own Func";
   return g;
@@ -249,10 +227,10 @@ std::optional<GemmStep> match_expert_gemm(const FuncNode &f, const Schedule &sch
 
 PointwiseStep make_pointwise(const FuncNode &f) {
   if (auto *s = f.body.as<Softmax>())
-    user_check(!has_node(s->body, ExprKind::Softmax))
+    user_check(!contains_kind(s->body, ExprKind::Softmax))
         << "definition '" << f.name << "': nested softmax is not supported; split it into two Funcs";
   else
-    user_check(!has_node(f.body, ExprKind::Softmax))
+    user_check(!contains_kind(f.body, ExprKind::Softmax))
         << "definition '" << f.name << "': the CUDA backend supports softmax only as a whole definition, " << f.name
         << "(...) = softmax(v, ...); move it into its own Func";
   return PointwiseStep{"pointwise_" + f.name, f.name, f.args, f.body};

@@ -106,6 +106,22 @@ size_t TrainingProgram::output_index(const std::string &name, const std::string 
 
 bool TrainingProgram::is_seed(const std::string &name) const { return contains(seeds, name); }
 
+void TrainingProgram::check_ready_for_backward(bool forward_ran, const std::vector<bool> &uploaded) const {
+  user_check(forward_ran) << "backward() before forward(): the backward reads the activations the forward keeps "
+                          << "for it; run forward() first (again after upload() of new inputs or poison())";
+  check_seeds_uploaded(uploaded);
+}
+
+const std::string &TrainingProgram::gradient_of(const std::string &name) const {
+  for (size_t i = 0; i < of.size(); ++i)
+    if (of[i] == name)
+      return gradients[i];
+  std::string known;
+  for (const std::string &o : of)
+    known += (known.empty() ? "" : ", ") + o;
+  user_error << "no gradient for '" << name << "': the layer's output depends on " << known;
+}
+
 void TrainingProgram::check_seeds_uploaded(const std::vector<bool> &uploaded) const {
   internal_check(uploaded.size() == seeds.size()) << "one flag per seed";
   for (size_t k = 0; k < seeds.size(); ++k)

@@ -40,6 +40,12 @@ struct TrainingProgram {
   // A UserError naming the first output whose upstream gradient was not
   // uploaded (uploaded[k] for seeds[k]): the backward would read garbage.
   void check_seeds_uploaded(const std::vector<bool> &uploaded) const;
+  // What a backward needs before it runs: a forward since the last upload or
+  // poison, and every seed (UserErrors that say which and what to call).
+  void check_ready_for_backward(bool forward_ran, const std::vector<bool> &uploaded) const;
+  // The gradient Func of Input or Param `name` ("x" -> "d_x"); a UserError
+  // naming the Inputs and Params the outputs depend on otherwise.
+  const std::string &gradient_of(const std::string &name) const;
 };
 
 // Lowers training_algebra(forward, outputs) under `schedule`.

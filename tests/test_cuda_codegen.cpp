@@ -4,6 +4,8 @@
 // within Hopper's limits).
 #include <doctest/doctest.h>
 
+#include "cuda_resources.h"
+
 #include "backends/cuda/layer.h"
 #include "dsl/printer.h"
 #include "examples/biased_moe.h"
@@ -12,25 +14,9 @@
 #include "schedules/presets.h"
 
 using namespace moeforge;
+using testing::check_resources;
 
 namespace {
-
-// Every generated kernel has a resource report within Hopper's bounds.
-void check_resources(const cuda::CompiledLayer &c, const std::string &what) {
-  REQUIRE(!c.source.kernels.empty());
-  for (const GeneratedKernel &k : c.source.kernels) {
-    INFO(what << ": kernel " << k.name);
-    const cuda::ResourceReport *r = c.compiled.resources_of(k.name);
-    REQUIRE(r != nullptr);
-    CHECK(r->spill_store_bytes == 0);
-    CHECK(r->spill_load_bytes == 0);
-    CHECK(r->stack_frame_bytes == 0);
-    CHECK(r->registers > 0);
-    CHECK(r->registers <= 255);
-    CHECK(r->registers * k.threads <= 65536);
-    CHECK(k.shared_bytes + r->shared_bytes <= Schedule::max_shared_bytes);
-  }
-}
 
 ExampleShape small() {
   ExampleShape s;

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "backends/cuda/training_layer.h"
+#include "cuda_resources.h"
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
 #include "examples/biased_moe.h"
@@ -18,6 +19,7 @@
 #include "schedules/presets.h"
 
 using namespace moeforge;
+using testing::check_resources;
 
 namespace {
 
@@ -97,19 +99,6 @@ Outcome train_aux_and_compare(const AuxLossLayer &a, TensorMap inputs, int64_t t
     CHECK(layer.output(o).data == layer.download(o).data);
   return testing::compare_with_reference(t, inputs, tp.program, layer, schedule.to_text(), 2e-2,
                                          /*floor_fraction=*/1e-3);
-}
-
-void check_resources(const cuda::CompiledLayer &c, const std::string &what) {
-  REQUIRE(!c.source.kernels.empty());
-  for (const GeneratedKernel &k : c.source.kernels) {
-    INFO(what << ": kernel " << k.name);
-    const cuda::ResourceReport *r = c.compiled.resources_of(k.name);
-    REQUIRE(r != nullptr);
-    CHECK(r->spill_store_bytes == 0);
-    CHECK(r->spill_load_bytes == 0);
-    CHECK(r->registers * k.threads <= 65536);
-    CHECK(k.shared_bytes + r->shared_bytes <= Schedule::max_shared_bytes);
-  }
 }
 
 } // namespace

@@ -55,9 +55,7 @@ void CpuTrainingLayer::forward() {
 }
 
 void CpuTrainingLayer::backward() {
-  user_check(forward_ran_) << "backward() before forward(): the backward reads the activations the forward keeps "
-                           << "for it; run forward() first (again after upload() of new inputs or poison())";
-  compiled_.training.check_seeds_uploaded(seeds_uploaded_);
+  compiled_.training.check_ready_for_backward(forward_ran_, seeds_uploaded_);
   layer_.run(compiled_.training.forward_steps, compiled_.training.program.steps.size());
 }
 
@@ -66,14 +64,7 @@ HostTensor CpuTrainingLayer::output(const std::string &name) const {
 }
 
 HostTensor CpuTrainingLayer::gradient(const std::string &name) const {
-  const TrainingProgram &t = compiled_.training;
-  for (size_t i = 0; i < t.of.size(); ++i)
-    if (t.of[i] == name)
-      return layer_.download(t.gradients[i]);
-  std::string known;
-  for (const std::string &o : t.of)
-    known += (known.empty() ? "" : ", ") + o;
-  user_error << "no gradient for '" << name << "': the layer's output depends on " << known;
+  return layer_.download(compiled_.training.gradient_of(name));
 }
 
 int64_t CpuTrainingLayer::saved_bytes() const { return moeforge::saved_bytes(compiled_.training, layer_.tokens()); }

@@ -65,13 +65,11 @@ void TrainingLayer::forward(const Stream &stream) {
 }
 
 void TrainingLayer::check_forward_ran() const {
-  user_check(forward_ran_) << "backward() before forward(): the backward reads the activations the forward keeps "
-                           << "for it; run forward() first (again after upload() of new inputs or poison())";
+  compiled_.training.check_ready_for_backward(forward_ran_, seeds_uploaded_);
 }
 
 void TrainingLayer::backward(const Stream &stream) {
   check_forward_ran();
-  compiled_.training.check_seeds_uploaded(seeds_uploaded_);
   layer_.enqueue(stream, compiled_.training.forward_steps, compiled_.training.program.steps.size());
 }
 
@@ -82,7 +80,6 @@ std::vector<std::pair<std::string, double>> TrainingLayer::profile_forward(const
 
 std::vector<std::pair<std::string, double>> TrainingLayer::profile_backward(const Stream &stream) {
   check_forward_ran();
-  compiled_.training.check_seeds_uploaded(seeds_uploaded_);
   return layer_.profile(stream, compiled_.training.forward_steps, compiled_.training.program.steps.size());
 }
 
@@ -91,14 +88,7 @@ HostTensor TrainingLayer::output(const std::string &name) const {
 }
 
 HostTensor TrainingLayer::gradient(const std::string &name) const {
-  const TrainingProgram &t = compiled_.training;
-  for (size_t i = 0; i < t.of.size(); ++i)
-    if (t.of[i] == name)
-      return layer_.download(t.gradients[i]);
-  std::string known;
-  for (const std::string &o : t.of)
-    known += (known.empty() ? "" : ", ") + o;
-  user_error << "no gradient for '" << name << "': the layer's output depends on " << known;
+  return layer_.download(compiled_.training.gradient_of(name));
 }
 
 int64_t TrainingLayer::saved_bytes() const { return moeforge::saved_bytes(compiled_.training, layer_.tokens()); }

@@ -1,0 +1,59 @@
+// What the GPU benchmarks share: design.md's three shapes, the example layer
+// of a shape, and its inputs on a device layer.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+
+#include "benchmarks/dense_roof.h"
+#include "examples/biased_moe.h"
+
+namespace moeforge::bench {
+
+struct MoeShape {
+  const char *name;
+  int64_t tokens, d, f, experts, k;
+  bool swiglu;
+  double skew_ramp; // router bias ramp giving the busiest expert about 3x the mean
+  double flops() const { return 2.0 * tokens * k * d * ((swiglu ? 2.0 : 1.0) * f + f); }
+  RoofShape roof() const { return {tokens, k, d, f, swiglu}; }
+  ExampleShape example() const {
+    ExampleShape es;
+    es.tokens = tokens;
+    es.d = d;
+    es.f = f;
+    es.experts = experts;
+    es.topk = k;
+    return es;
+  }
+};
+
+inline constexpr MoeShape kMoeShapes[] = {
+    {"mixtral", 8192, 4096, 14336, 8, 2, true, 1.0},
+    {"fine64", 16384, 2048, 1408, 64, 8, true, 0.6},
+    {"mbpaper", 16384, 1024, 4096, 64, 1, false, 0.35},
+};
+
+// Random inputs of the example's ranges on `layer` (a cuda::CudaLayer or
+// cuda::TrainingLayer), the router bias from `bias`. Tensors past 4M values
+// repeat a 4M random pattern: gigabytes of weights need no host-side random
+// numbers to time realistically, and x's rows still cover every routing choice.
+template <typename Layer>
+void upload_inputs(Layer &layer, const Example &ex, const ExampleShape &es, Bias bias, double ramp) {
+  std::mt19937_64 rng(1);
+  for (const BufferPtr &b : ex.pipeline.buffers()) {
+    if (b->name == "bias") {
+      layer.upload_repeated("bias", router_bias(bias, es.experts, ramp));
+      continue;
+    }
+    int64_t n = 1;
+    for (const Dim &d : b->dims)
+      n *= d.is_dynamic() ? es.tokens : d.extent();
+    auto it = ex.init_scale.find(b->name);
+    double a = it == ex.init_scale.end() ? 1.0 : it->second;
+    layer.upload_repeated(b->name, random_tensor({std::min<int64_t>(n, 1 << 22)}, rng, -a, a));
+  }
+}
+
+} // namespace moeforge::bench

@@ -1,0 +1,30 @@
+// Shared by the CUDA tests that compile without a GPU: ptxas' resource report
+// of every generated kernel is within what one SM gives a block.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "backends/cuda/layer.h"
+
+namespace moeforge::testing {
+
+// No spills or stack, registers and shared memory within an SM's budget.
+inline void check_resources(const cuda::CompiledLayer &c, const std::string &what) {
+  REQUIRE(!c.source.kernels.empty());
+  for (const GeneratedKernel &k : c.source.kernels) {
+    INFO(what << ": kernel " << k.name);
+    const cuda::ResourceReport *r = c.compiled.resources_of(k.name);
+    REQUIRE(r != nullptr);
+    CHECK(r->spill_store_bytes == 0);
+    CHECK(r->spill_load_bytes == 0);
+    CHECK(r->stack_frame_bytes == 0);
+    CHECK(r->registers > 0);
+    CHECK(r->registers <= 255);
+    CHECK(r->registers * k.threads <= 65536);
+    CHECK(k.shared_bytes + r->shared_bytes <= Schedule::max_shared_bytes);
+  }
+}
+
+} // namespace moeforge::testing

@@ -319,13 +319,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
 
   std::ostringstream body;
   const bool in_place = g.operands_in_place;
-  // The in-place expert reduction runs the plain (all threads load) loop.
-  const bool ws = t.mma == MmaKind::wgmma_ws && !in_place;
+  const bool ws = t.mma == MmaKind::wgmma_ws;
   const bool wgmma = t.mma == MmaKind::wgmma || t.mma == MmaKind::wgmma_ws;
   internal_check(!in_place || (wgmma && g.expert_k && nb == 1)) << "in-place operands are for wgmma expert reductions";
   if (in_place) {
-    body << "  using Cfg = mf::WgmmaRowsConfig<" << t.tile_m << ", " << t.tile_n << ", " << t.stages
-         << ">;  // Hopper warpgroup MMA, A and B read in place by rows\n";
+    body << "  using Cfg = mf::" << (ws ? "WgmmaRowsWsConfig<" : "WgmmaRowsConfig<") << t.tile_m << ", " << t.tile_n
+         << ", " << t.stages << ">;  // Hopper warpgroup MMA, A and B read in place by rows"
+         << (ws ? ", warp-specialised" : "") << "\n";
   } else if (wgmma) {
     user_check(nb * t.tile_n / 2 <= 128) << "definition '" << g.output << "': " << nb << " B operands with tile_n "
                                          << t.tile_n << " need " << nb * t.tile_n / 2
@@ -396,8 +396,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     // Row maps of the reduced index p: 0 = row p (padded), d = sorted_pair[p] / d.
     auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };
     body << "  Cfg::Acc acc = {};\n";
-    body << "  Cfg::mainloop(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0] << ", "
-         << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc);\n\n";
+    body << "  if (!Cfg::mainloop(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0] << ", "
+         << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
+         << "    return;  // a loading-only warpgroup\n\n";
   } else {
     // A rows: resolved once per tile, not per k step.
     body << "  const mf::bf16 *gA[Cfg::A_ITERS];\n  bool a_ok[Cfg::A_ITERS];\n";

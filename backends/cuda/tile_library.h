@@ -422,19 +422,29 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
     return (ch >> 3) * (BK * 128) + k * 128 + (((ch & 7) ^ (k & 7)) << 4);
   }
 
-  // One operand's BK rows x COLS columns of stage k-tile kt into s.
-  template <int COLS>
-  __device__ static __forceinline__ void load_rows(unsigned s, const bf16 *g, int div, int cols, int c0,
+  // One operand's BK rows x COLS columns of stage k-tile kt into s, spread
+  // over LOADERS threads of which this is thread t.
+  template <int COLS, int LOADERS>
+  __device__ static __forceinline__ void load_rows(unsigned s, int t, const bf16 *g, int div, int cols, int c0,
                                                    const int *sorted_pair, long long p_begin, int k0, int K) {
 #pragma unroll
-    for (int i = 0; i < BK * (COLS / 8) / THREADS; ++i) {
-      const int c = threadIdx.x + i * THREADS, k = c / (COLS / 8), ch = c % (COLS / 8);
+    for (int i = 0; i < BK * (COLS / 8) / LOADERS; ++i) {
+      const int c = t + i * LOADERS, k = c / (COLS / 8), ch = c % (COLS / 8);
       const int kk = k0 + k, col = c0 + ch * 8;
       const int r = kk < K ? sorted_pair[p_begin + kk] : -1;
       const long long row = div == 0 ? p_begin + kk : (long long)(r / div);
       const bool ok = r >= 0 && col < cols;
       cp_async_16(s + mn_off(k, ch), ok ? g + row * cols + col : g, ok);
     }
+  }
+
+  template <int LOADERS>
+  __device__ static __forceinline__ void load_stage(unsigned s0, int slot, int kt, int t, const bf16 *A, int a_div,
+                                                    int M, int m0, const bf16 *B, int b_div, int N, int n0,
+                                                    const int *sorted_pair, long long p_begin, int K) {
+    const unsigned sA = s0 + slot * STAGE_BYTES;
+    load_rows<BM, LOADERS>(sA, t, A, a_div, M, m0, sorted_pair, p_begin, kt * BK, K);
+    load_rows<BN, LOADERS>(sA + A_STAGE_BYTES, t, B, b_div, N, n0, sorted_pair, p_begin, kt * BK, K);
   }
 
   __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
@@ -452,17 +462,16 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
   }
 
   // K = the expert's padded rows (a multiple of the routing block; 0 for an
-  // expert without pairs: acc stays zero).
-  __device__ static void mainloop(unsigned char *smem, const bf16 *A, int a_div, int M, int m0, const bf16 *B,
+  // expert without pairs: acc stays zero). Returns true (every thread holds
+  // accumulators).
+  __device__ static bool mainloop(unsigned char *smem, const bf16 *A, int a_div, int M, int m0, const bf16 *B,
                                   int b_div, int N, int n0, const int *sorted_pair, long long p_begin, int K,
                                   Acc &acc) {
     const int wg = threadIdx.x >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u;
     const int KT = (K + BK - 1) / BK;
     auto load = [&](int slot, int kt) {
-      const unsigned sA = s0 + slot * STAGE_BYTES;
-      load_rows<BM>(sA, A, a_div, M, m0, sorted_pair, p_begin, kt * BK, K);
-      load_rows<BN>(sA + A_STAGE_BYTES, B, b_div, N, n0, sorted_pair, p_begin, kt * BK, K);
+      load_stage<THREADS>(s0, slot, kt, threadIdx.x, A, a_div, M, m0, B, b_div, N, n0, sorted_pair, p_begin, K);
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -484,6 +493,7 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
     }
     wgmma_wait<0>();
     cp_async_wait<0>();
+    return true;
   }
 };
 
@@ -507,6 +517,47 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
                  : "=r"(done)
                  : "r"(bar), "r"(parity)
                  : "memory");
+}
+
+// The warp-specialised pipeline both Hopper loops share. The last warpgroup
+// produces: load(slot, kt, t) issues stage kt's copies (t = its thread,
+// 0..127) and each copy's completion arrives on the stage's `full` barrier;
+// the CONSUMERS threads before it wait on `full`, run mma(slot) and release
+// the stage on `empty` once their wgmmas have read it. Returns false in the
+// producer, which must then leave the kernel.
+template <int STAGES, int CONSUMERS, typename Load, typename Mma>
+__device__ __forceinline__ bool ws_pipeline(unsigned full, int KT, Load load, Mma mma) {
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const unsigned empty = full + 8 * STAGES;
+  if (tid == 0)
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 128);             // every producer thread
+      mbar_init(empty + 8 * s, CONSUMERS / 32); // every consumer warp
+    }
+  __syncthreads();
+  if (wg == CONSUMERS / 128) { // ---- producer
+    for (int kt = 0; kt < KT; ++kt) {
+      const int slot = kt % STAGES;
+      if (kt >= STAGES)
+        mbar_wait(empty + 8 * slot, ((kt / STAGES) - 1) & 1);
+      load(slot, kt, tid & 127);
+      // Arrives once this thread's copies above have landed: no waiting here,
+      // so the producer runs as far ahead as the free stages allow.
+      cp_async_arrive_noinc(full + 8 * slot);
+    }
+    return false;
+  }
+  for (int kt = 0; kt < KT; ++kt) { // ---- consumers
+    const int slot = kt % STAGES;
+    mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
+    fence_proxy_async(); // the stage was written by cp.async (generic proxy); wgmma reads it (async proxy)
+    mma(slot);
+    wgmma_wait<1>(); // the previous stage's wgmmas are done: release it
+    if (kt > 0 && (tid & 31) == 0)
+      mbar_arrive(empty + 8 * ((kt - 1) % STAGES));
+  }
+  wgmma_wait<0>();
+  return true;
 }
 
 // WgmmaConfig's tile with one more warpgroup that only loads: the consumer
@@ -542,44 +593,36 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   // Returns false in the producer warpgroup, which must then leave the kernel.
   __device__ static bool mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
                                   const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
-    const int tid = threadIdx.x, wg = tid >> 7;
+    const int wg = threadIdx.x >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u;
-    const unsigned full = s0 + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
-    const int KT = (K + BK - 1) / BK;
-    if (tid == 0)
-      for (int s = 0; s < STAGES; ++s) {
-        mbar_init(full + 8 * s, 128);          // every producer thread
-        mbar_init(empty + 8 * s, CONSUMERS / 32); // every consumer warp
-      }
-    __syncthreads();
+    return ws_pipeline<STAGES, CONSUMERS>(
+        s0 + STAGES * STAGE_BYTES, (K + BK - 1) / BK,
+        [&](int slot, int kt, int t) { Base::template load_stage<128>(s0, slot, kt, t, gA, a_ok, gB, K, N, n0); },
+        [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
+  }
+};
 
-    if (wg == Base::WG) { // ---- producer
-      const int t = tid & 127;
-      for (int kt = 0; kt < KT; ++kt) {
-        const int slot = kt % STAGES;
-        if (kt >= STAGES)
-          mbar_wait(empty + 8 * slot, ((kt / STAGES) - 1) & 1);
-        Base::template load_stage<128>(s0, slot, kt, t, gA, a_ok, gB, K, N, n0);
-        // The stage's `full` barrier counts this thread's arrival once all of
-        // its copies above have landed: no waiting here, so the producer runs
-        // as far ahead as the free stages allow.
-        cp_async_arrive_noinc(full + 8 * slot);
-      }
-      return false;
-    }
+// WgmmaRowsConfig with a producer warpgroup (ws_pipeline): the consumers
+// never wait on a block barrier, and the row lookups through sorted_pair are
+// off their path.
+template <int BM_, int BN_, int STAGES_> struct WgmmaRowsWsConfig : WgmmaRowsConfig<BM_, BN_, STAGES_> {
+  typedef WgmmaRowsConfig<BM_, BN_, STAGES_> Base;
+  using typename Base::Acc;
+  static constexpr int STAGES = STAGES_, CONSUMERS = Base::WG * 128, THREADS = CONSUMERS + 128;
+  static constexpr int SMEM_BYTES = Base::SMEM_BYTES + 16 * STAGES; // + the mbarriers
 
-    // ---- consumers
-    for (int kt = 0; kt < KT; ++kt) {
-      const int slot = kt % STAGES;
-      mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
-      fence_proxy_async(); // the stage was written by cp.async (generic proxy); wgmma reads it (async proxy)
-      Base::mma_stage(s0, slot, wg, acc);
-      wgmma_wait<1>(); // the previous stage's wgmmas are done: release it
-      if (kt > 0 && (tid & 31) == 0)
-        mbar_arrive(empty + 8 * ((kt - 1) % STAGES));
-    }
-    wgmma_wait<0>();
-    return true;
+  // Returns false in the producer warpgroup, which must then leave the kernel.
+  __device__ static bool mainloop(unsigned char *smem, const bf16 *A, int a_div, int M, int m0, const bf16 *B,
+                                  int b_div, int N, int n0, const int *sorted_pair, long long p_begin, int K,
+                                  Acc &acc) {
+    const int wg = threadIdx.x >> 7;
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u;
+    return ws_pipeline<STAGES, CONSUMERS>(
+        s0 + STAGES * Base::STAGE_BYTES, (K + Base::BK - 1) / Base::BK,
+        [&](int slot, int kt, int t) {
+          Base::template load_stage<128>(s0, slot, kt, t, A, a_div, M, m0, B, b_div, N, n0, sorted_pair, p_begin, K);
+        },
+        [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
   }
 };
 

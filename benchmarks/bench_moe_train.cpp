@@ -59,7 +59,9 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   ExampleShape es = shape.example();
   Example ex = biased_moe(es, shape.swiglu, Bias::none, shape.swiglu);
   std::string name = schedule_name;
-  Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name == "tuned_wide") : preset(name);
+  Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name.rfind("tuned_wide", 0) == 0) : preset(name);
+  if (name == "tuned_wide_persist")
+    schedule.persistent("*", true);
   schedule.recompute(recompute);
   std::string why;
   if (!cuda::gpu_available(&why)) {
@@ -110,7 +112,7 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
 
 void register_all() {
   for (const Shape &s : bench::kMoeShapes)
-    for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_wide"})
+    for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_wide", "tuned_wide_persist"})
       for (bool re : {false, true}) {
         std::string name = std::string("train/") + s.name + "/" + p + (re ? "/recompute" : "/store");
         benchmark::RegisterBenchmark(name.c_str(), BM_train, s, p, re)

@@ -195,6 +195,15 @@ Schedule &Schedule::raster(const std::string &func, int row_tiles) {
   return *this;
 }
 
+Schedule &Schedule::persistent(const std::string &func, bool on) {
+  std::string call = "persistent(" + quoted(func) + ", " + (on ? "true" : "false") + ")";
+  check_func_name(call, func);
+  Overrides patch;
+  patch.persistent = on;
+  commit(call, "persistent", func, patch);
+  return *this;
+}
+
 FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   GemmTiling &t = base.tiling;
   t.tile_m = o.tile_m.value_or(t.tile_m);
@@ -205,6 +214,7 @@ FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   t.warps_n = o.warps_n.value_or(t.warps_n);
   t.mma = o.mma.value_or(t.mma);
   t.raster = o.raster.value_or(t.raster);
+  t.persistent = o.persistent.value_or(t.persistent);
   base.fuse_epilogue = o.fuse_epilogue.value_or(base.fuse_epilogue);
   return base;
 }
@@ -235,6 +245,7 @@ void Schedule::commit(const std::string &call, const std::string &primitive, con
     merge(o.fuse_epilogue, patch.fuse_epilogue);
     merge(o.mma, patch.mma);
     merge(o.raster, patch.raster);
+    merge(o.persistent, patch.persistent);
     if (next.named_by_.emplace(func, primitive).second)
       next.funcs_.push_back(func);
   }

@@ -66,6 +66,9 @@ struct GemmTiling {
   // Row tiles per band of the GEMM's block order (grouped rasterisation):
   // a wave of blocks covers this many row tiles across the column tiles.
   int raster = 8;
+  // One block per SM walks the output tiles (wgmma_ws only): its producer
+  // warpgroup loads the next tile while the consumers run this one's epilogue.
+  bool persistent = false;
   int threads() const { return warps_m * warps_n * 32; }
   // The A and B tiles of every stage, in bf16.
   int shared_bytes() const { return stages * (tile_m * tile_k + tile_k * tile_n) * 2; }
@@ -117,6 +120,8 @@ public:
   Schedule &mma(const std::string &func, MmaKind kind);
   // Row tiles per rasterisation band, 1 to 64 (1: plain row-major order).
   Schedule &raster(const std::string &func, int row_tiles);
+  // Persistent blocks (GemmTiling::persistent); needs mma wgmma_ws.
+  Schedule &persistent(const std::string &func, bool on);
 
   // ---- accessors
   const std::string &name() const { return name_; }
@@ -155,6 +160,7 @@ private:
     std::optional<bool> fuse_epilogue;
     std::optional<MmaKind> mma;
     std::optional<int> raster;
+    std::optional<bool> persistent;
   };
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);
 

@@ -43,6 +43,7 @@ const std::vector<Signature> &signatures() {
       {"fuse_epilogue", {{"func", ArgType::text}, {"fuse", ArgType::boolean}}},
       {"mma", {{"func", ArgType::text}, {"kind", ArgType::mma}}},
       {"raster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
+      {"persistent", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -280,6 +281,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.mma(func, mmas[1]);
       } else if (st.primitive == "raster") {
         s.raster(func, i(1));
+      } else if (st.primitive == "persistent") {
+        s.persistent(func, bools[1]);
       } else {
         internal_check(false) << "no replay for primitive " << st.primitive;
       }

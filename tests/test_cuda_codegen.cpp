@@ -56,6 +56,27 @@ TEST_CASE("codegen: every preset x MoE example compiles for sm_90a without spill
     }
 }
 
+TEST_CASE("codegen: persistent GEMMs compile without spills and loop over their tiles") {
+  for (const char *example : {"moe_mlp", "swiglu_moe"})
+    for (const char *preset_name : {"megablocks", "scattermoe"}) {
+      Example ex = make_example(example, small());
+      Schedule s = preset(preset_name);
+      s.persistent("*", true);
+      cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
+      check_resources(c, std::string(example) + " / " + preset_name + " / persistent");
+      CHECK(c.source.source.find("tile_id += gridDim.x") != std::string::npos);
+      for (const GeneratedKernel &k : c.source.kernels)
+        if (k.grid.kind == GridShape::Kind::routed_tiles || k.grid.kind == GridShape::Kind::dense_tiles)
+          CHECK(k.grid.persistent);
+    }
+  // Persistent blocks need the warp-specialised loop.
+  Example ex = make_example("moe_mlp", small());
+  Schedule s = preset("megablocks");
+  s.mma("*", MmaKind::wgmma).persistent("*", true);
+  CHECK_THROWS_WITH_AS(cuda::compile_layer(ex.pipeline, s), doctest::Contains("persistent blocks need the warp"),
+                       UserError);
+}
+
 TEST_CASE("codegen: the dense MLP compiles through the same GEMM path") {
   Example ex = make_example("dense_mlp", small());
   cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset("megablocks"));

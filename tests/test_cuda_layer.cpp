@@ -121,7 +121,15 @@ TEST_SUITE("gpu") {
     Schedule f("wgmma_ws_blocked");
     f.permutation(Permutation::blocked).block(64).tile("*", 64, 256, 64).warps("*", 4, 1).stages("*", 5);
     f.mma("*", MmaKind::wgmma_ws).tile("h", 64, 128, 64);
-    for (const Schedule &sch : {a, b, c, d, e, f}) {
+    // Persistent blocks walking every tile, scattered and blocked (a routed
+    // grid's upper bound leaves tiles to skip), and a dense router GEMM.
+    Schedule g("persistent_scattered");
+    g.permutation(Permutation::scattered).tile("*", 128, 128, 64).warps("*", 8, 1).mma("*", MmaKind::wgmma_ws);
+    g.persistent("*", true);
+    Schedule h("persistent_blocked");
+    h.permutation(Permutation::blocked).block(64).tile("*", 64, 256, 64).warps("*", 4, 1).stages("*", 5);
+    h.mma("*", MmaKind::wgmma_ws).tile("h", 64, 128, 64).persistent("*", true);
+    for (const Schedule &sch : {a, b, c, d, e, f, g, h}) {
       Outcome o = run_and_compare(ex, ex.random_inputs(s, 4), s.tokens, sch);
       INFO(sch.to_text());
       CHECK(o.y_error <= 1e-2);

@@ -167,6 +167,19 @@ TEST_SUITE("gpu") {
         }
   }
 
+  TEST_CASE("cuda training: persistent GEMMs in the forward and the backward") {
+    MOEFORGE_REQUIRE_GPU();
+    ExampleShape s = shape(300, 64, 128, 8, 2);
+    for (const char *name : {"moe_mlp", "swiglu_moe"}) {
+      Example ex = make_example(name, s);
+      Schedule p = preset("scattermoe");
+      p.persistent("*", true);
+      INFO(name);
+      Outcome o = train_and_compare(ex, ex.random_inputs(s, 5), s.tokens, p);
+      CHECK(o.routing_mismatches == 0);
+    }
+  }
+
   TEST_CASE("cuda training: mma.sync GEMMs with materialised weight transposes") {
     MOEFORGE_REQUIRE_GPU();
     ExampleShape s = shape(200, 64, 128, 8, 2);

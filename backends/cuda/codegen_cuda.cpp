@@ -352,7 +352,20 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  constexpr int K = " << g.k.extent() << ";\n";
   body << "  constexpr int NUM_N = (N + Cfg::BN - 1) / Cfg::BN;\n";
   body << "  int m_tile, n_tile;\n";
-  if (g.expert_k) {
+  // Persistent blocks (warp-specialised GEMMs; expert reductions run one
+  // block per tile): a loop over the tiles, `skip` leaving one tile.
+  const bool persistent = t.persistent && !g.expert_k;
+  user_check(!persistent || ws) << "definition '" << g.output << "': persistent blocks need the warp-specialised "
+                                << "loop: add mma(\"" << g.output << "\", wgmma_ws) or drop persistent";
+  const char *skip = persistent ? "continue" : "return";
+  if (persistent) {
+    std::string rows_total = g.route ? "(" + max_padded_rows(prog, kb, g.route) + ") / Cfg::BM"
+                                     : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
+    body << "  const long long TOTAL = (" << rows_total << ") * NUM_N;  // output tiles (an upper bound when routed)\n";
+    body << "  auto ring = Cfg::ring(smem);\n";
+    body << "  for (long long tile_id = blockIdx.x; tile_id < TOTAL; tile_id += gridDim.x) {\n";
+    body << "  mf::raster_mn((int)tile_id, (int)(TOTAL / NUM_N), NUM_N, " << t.raster << ", m_tile, n_tile);\n";
+  } else if (g.expert_k) {
     // One grid slice per expert; the expert's padded segment of sorted rows
     // is the reduction (K) range, empty for an expert with no pairs.
     const RoutingNode *r = g.route;
@@ -381,10 +394,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  // This block's rows: part m_tile % " << sub << " of routing tile m_tile / " << sub
          << " (one expert's rows, padded to " << g.block << ").\n";
     body << "  const int tile = m_tile / " << sub << ", part = m_tile % " << sub << ";\n";
-    body << "  if (tile >= *" << kb.route(r, "num_tiles") << ") return;  // grids are sized by an upper bound\n";
+    body << "  if (tile >= *" << kb.route(r, "num_tiles") << ") " << skip
+         << ";  // grids are sized by an upper bound\n";
     body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
     body << "  const int rows = " << kb.route(r, "tile_rows") << "[tile] - part * Cfg::BM;\n";
-    body << "  if (rows <= 0) return;\n";
+    body << "  if (rows <= 0) " << skip << ";\n";
     body << "  const long long expert = " << kb.route(r, "tile_expert") << "[tile];\n";
   } else {
     body << "  const long long M = " << kb.extent(g.m) << ";\n";
@@ -432,7 +446,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
                                 : "");
     body << "};\n";
     body << "  Cfg::Acc acc = {};\n";
-    body << "  if (!Cfg::mainloop(smem, gA, a_ok, gB, K, N, n0, acc))\n    return;  // a loading-only warpgroup\n\n";
+    if (persistent)
+      body << "  if (!Cfg::tile(ring, gA, a_ok, gB, K, N, n0, acc))\n    continue;  // the producer: on to the next "
+              "tile\n\n";
+    else
+      body << "  if (!Cfg::mainloop(smem, gA, a_ok, gB, K, N, n0, acc))\n    return;  // a loading-only warpgroup\n\n";
   }
 
   // The epilogue: the algebra around the sums, per output element.
@@ -471,6 +489,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << vr << ", col + " << e << ");\n";
   }
   body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n    }\n  }\n";
+  if (persistent)
+    body << "  }  // next tile\n";
 
   k.grid.kind = g.expert_k ? GridShape::Kind::expert_tiles
                 : g.route  ? GridShape::Kind::routed_tiles
@@ -481,6 +501,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.tile_m = t.tile_m;
   k.grid.tile_n = t.tile_n;
   k.grid.block = g.block;
+  k.grid.persistent = persistent;
   k.shared_bytes =
       t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) + (ws ? 16 * t.stages : 0);
   if (in_place)

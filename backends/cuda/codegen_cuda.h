@@ -37,6 +37,7 @@ struct GridShape {
   int tile_m = 0, tile_n = 0, block = 0;
   long long chunks_per_row = 0;
   int threads_per_element = 1; // elements: 32 when a warp computes each element
+  bool persistent = false;     // tiles: at most one block per SM, each walking tiles
 };
 
 struct GeneratedKernel {

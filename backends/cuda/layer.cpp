@@ -33,7 +33,7 @@ CompiledLayer compile_program(KernelProgram program, const std::string &arch) {
 
 CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens)
     : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens), module_(layer.compiled.cubin, "moeforge layer"),
-      routing_(device) {
+      routing_(device), sm_count_(device.sm_count()) {
   for (const auto &[r, shape] : shapes_.routings()) {
     auto plan = std::make_unique<RoutingPlan>(shape);
     padded_rows_[r] = plan->offsets.ptr() + sizeof(int32_t) * shape.experts;
@@ -107,6 +107,8 @@ void CudaLayer::bind() {
       break;
     }
     }
+    if (gs.persistent)
+      gx = std::min<int64_t>(gx, sm_count_);
     user_check(gx >= 1 && gx < (1LL << 31) && gy < 65536)
         << "kernel " << g.name << ": grid " << gx << " x " << gy << " is out of range for these shapes";
     l.grid = Dim3{static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1};

@@ -590,6 +590,56 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   __device__ static __forceinline__ int a_load_row(int tid, int i) { return ((tid & 127) + i * 128) / 8; }
   __device__ static __forceinline__ int a_load_chunk(int tid, int i) { return ((tid & 127) + i * 128) % 8; }
 
+  // ---- persistent blocks: one ring of stages for every tile a block runs.
+  // Producer and consumers walk the same tiles with the same K, so their
+  // stage counters (`it`) agree; the consumers release a tile's last stage
+  // before its epilogue, so the producer fills the ring with the next tile's
+  // data while the epilogue stores this one.
+  struct Ring {
+    unsigned s0, full, empty;
+    int it;
+  };
+  __device__ static Ring ring(unsigned char *smem) {
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u;
+    Ring r{s0, s0 + STAGES * STAGE_BYTES, s0 + STAGES * STAGE_BYTES + 8 * STAGES, 0};
+    if (threadIdx.x == 0)
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(r.full + 8 * s, 128);
+        mbar_init(r.empty + 8 * s, CONSUMERS / 32);
+      }
+    __syncthreads();
+    return r;
+  }
+  // One output tile: the producer issues its loads and returns false (go on
+  // to the next tile); the consumers accumulate it into acc and return true.
+  __device__ static bool tile(Ring &r, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
+                              const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
+    const int tid = threadIdx.x, wg = tid >> 7, KT = (K + BK - 1) / BK;
+    if (wg == Base::WG) {
+      for (int kt = 0; kt < KT; ++kt, ++r.it) {
+        const int slot = r.it % STAGES;
+        if (r.it >= STAGES)
+          mbar_wait(r.empty + 8 * slot, ((r.it / STAGES) - 1) & 1);
+        Base::template load_stage<128>(r.s0, slot, kt, tid & 127, gA, a_ok, gB, K, N, n0);
+        cp_async_arrive_noinc(r.full + 8 * slot);
+      }
+      return false;
+    }
+    for (int kt = 0; kt < KT; ++kt, ++r.it) {
+      const int slot = r.it % STAGES;
+      mbar_wait(r.full + 8 * slot, (r.it / STAGES) & 1);
+      fence_proxy_async();
+      Base::mma_stage(r.s0, slot, wg, acc);
+      wgmma_wait<1>();
+      if (kt > 0 && (tid & 31) == 0)
+        mbar_arrive(r.empty + 8 * ((r.it - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    if (KT > 0 && (tid & 31) == 0)
+      mbar_arrive(r.empty + 8 * ((r.it - 1) % STAGES)); // the tile's last stage
+    return true;
+  }
+
   // Returns false in the producer warpgroup, which must then leave the kernel.
   __device__ static bool mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
                                   const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {

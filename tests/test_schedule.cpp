@@ -138,6 +138,18 @@ TEST_SUITE("schedule") {
     CHECK_FALSE(back.for_func("o").fuse_epilogue);
   }
 
+  TEST_CASE("schedule: the training and persistent primitives replay from their text") {
+    Schedule s = scattermoe();
+    s.recompute(true).persistent("o", true);
+    CHECK(s.to_text().find("recompute(true)") != std::string::npos);
+    CHECK(s.to_text().find("persistent(\"o\", true)") != std::string::npos);
+    Schedule back = Schedule::from_text(s.to_text(), "t.schedule");
+    CHECK(back.recompute());
+    CHECK(back.for_func("o").tiling.persistent);
+    CHECK_FALSE(back.for_func("h").tiling.persistent);
+    CHECK_FALSE(scattermoe().recompute());
+  }
+
   TEST_CASE("schedule: from_text skips blanks and comments and takes C++-style lines without a header") {
     Schedule s = Schedule::from_text("# tuned on H200\n"
                                      "\n"

@@ -11,6 +11,7 @@
 
 #include "backends/reference/evaluate.h"
 #include "dsl/moeforge.h"
+#include "examples/examples.h"
 
 namespace moeforge::testing {
 
@@ -22,16 +23,32 @@ inline TensorMap only_buffers_of(const Pipeline &p, const TensorMap &all) {
   return in;
 }
 
-// Forward value of the loss, and the routes it chose.
-inline double loss(const Pipeline &p, const std::string &out, const TensorMap &inputs, const HostTensor &seed,
-                   std::map<std::string, RoutingResult> *routes = nullptr) {
+// Random inputs of an example, not rounded to bf16 (f64 differences).
+inline TensorMap example_inputs(const Example &ex, const ExampleShape &s, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  TensorMap out;
+  for (const BufferPtr &bp : ex.pipeline.buffers()) {
+    std::vector<int64_t> dims;
+    for (const Dim &d : bp->dims)
+      dims.push_back(d.is_dynamic() ? s.tokens : d.extent());
+    auto it = ex.init_scale.find(bp->name);
+    double sc = it == ex.init_scale.end() ? 1.0 : it->second;
+    out[bp->name] = random_tensor(dims, rng, -sc, sc, false);
+  }
+  return out;
+}
+
+// L = sum over k of <seed_k, outputs[k]>, and the routes the forward chose.
+inline double total_loss(const Pipeline &p, const std::vector<Func> &outputs, const TensorMap &inputs,
+                         const std::vector<HostTensor> &seeds, std::map<std::string, RoutingResult> *routes) {
   EvalResult r = evaluate(p, only_buffers_of(p, inputs), Precision::f64);
-  const HostTensor &y = r[out];
   double l = 0;
-  for (int64_t i = 0; i < y.size(); ++i)
-    l += seed.data[i] * y.data[i];
-  if (routes)
-    *routes = r.routes;
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    const HostTensor &y = r[outputs[k].name()];
+    for (int64_t i = 0; i < y.size(); ++i)
+      l += seeds[k].data[i] * y.data[i];
+  }
+  *routes = r.routes;
   return l;
 }
 
@@ -41,20 +58,25 @@ struct GradCheck {
 };
 
 // Checks the gradient of every name in `wrt` at up to max_points positions
-// each. Perturbations that flip a top-k choice are skipped (the selection is
-// a constant of the derivative, not of the finite difference).
-inline GradCheck check_gradients(const Pipeline &p, const Func &out, const TensorMap &inputs,
-                                 const std::vector<std::string> &wrt, uint64_t rng_seed = 7, int max_points = 30) {
+// each, for L over all the outputs with random seeds (grad(p, outputs)).
+// Perturbations that flip a top-k choice are skipped (the selection is a
+// constant of the derivative, not of the finite difference).
+inline GradCheck check_gradients(const Pipeline &p, const std::vector<Func> &outputs, const TensorMap &inputs,
+                                 const std::vector<std::string> &wrt, uint64_t rng_seed = 7, int max_points = 24) {
   std::mt19937_64 rng(rng_seed);
-  std::map<std::string, RoutingResult> base_routes;
   EvalResult fwd = evaluate(p, only_buffers_of(p, inputs), Precision::f64);
-  HostTensor seed = random_tensor(fwd[out.name()].shape, rng, -1.0, 1.0, false);
-  loss(p, out.name(), inputs, seed, &base_routes);
+  std::vector<HostTensor> seeds;
+  for (const Func &o : outputs)
+    seeds.push_back(random_tensor(fwd[o.name()].shape, rng, -1.0, 1.0, false));
+  std::map<std::string, RoutingResult> base_routes;
+  total_loss(p, outputs, inputs, seeds, &base_routes);
 
-  Gradients g = grad(p, out);
-  TensorMap with_seed = inputs;
-  with_seed[g.seed] = seed;
-  EvalResult back = evaluate(g.pipeline, only_buffers_of(g.pipeline, with_seed), Precision::f64);
+  Gradients g = grad(p, outputs);
+  REQUIRE(g.seeds.size() == outputs.size());
+  TensorMap with_seeds = inputs;
+  for (size_t k = 0; k < outputs.size(); ++k)
+    with_seeds[g.seeds[k]] = seeds[k];
+  EvalResult back = evaluate(g.pipeline, only_buffers_of(g.pipeline, with_seeds), Precision::f64);
 
   GradCheck res;
   for (const std::string &name : wrt) {
@@ -74,7 +96,7 @@ inline GradCheck check_gradients(const Pipeline &p, const Func &out, const Tenso
       plus[name].data[at] = x0 + h;
       minus[name].data[at] = x0 - h;
       std::map<std::string, RoutingResult> rp, rm;
-      double lp = loss(p, out.name(), plus, seed, &rp), lm = loss(p, out.name(), minus, seed, &rm);
+      double lp = total_loss(p, outputs, plus, seeds, &rp), lm = total_loss(p, outputs, minus, seeds, &rm);
       bool stable = true;
       for (const auto &[rn, rr] : base_routes)
         stable &= rp.at(rn).expert == rr.expert && rm.at(rn).expert == rr.expert;
@@ -90,6 +112,12 @@ inline GradCheck check_gradients(const Pipeline &p, const Func &out, const Tenso
     }
   }
   return res;
+}
+
+// One output.
+inline GradCheck check_gradients(const Pipeline &p, const Func &out, const TensorMap &inputs,
+                                 const std::vector<std::string> &wrt, uint64_t rng_seed = 7, int max_points = 30) {
+  return check_gradients(p, std::vector<Func>{out}, inputs, wrt, rng_seed, max_points);
 }
 
 } // namespace moeforge::testing

@@ -12,6 +12,7 @@
 
 using namespace moeforge;
 using moeforge::testing::check_gradients;
+using moeforge::testing::example_inputs;
 
 namespace {
 
@@ -39,21 +40,6 @@ struct World {
     CHECK(r.skipped == 0);
   }
 };
-
-// Random inputs of an example, not rounded to bf16 (f64 differences).
-TensorMap example_inputs(const Example &ex, const ExampleShape &s, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  TensorMap out;
-  for (const BufferPtr &bp : ex.pipeline.buffers()) {
-    std::vector<int64_t> dims;
-    for (const Dim &d : bp->dims)
-      dims.push_back(d.is_dynamic() ? s.tokens : d.extent());
-    auto it = ex.init_scale.find(bp->name);
-    double sc = it == ex.init_scale.end() ? 1.0 : it->second;
-    out[bp->name] = random_tensor(dims, rng, -sc, sc, false);
-  }
-  return out;
-}
 
 void check_example(const std::string &name, const std::vector<std::string> &wrt) {
   ExampleShape s;

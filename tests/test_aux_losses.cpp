@@ -14,8 +14,11 @@
 #include "examples/aux_loss_example.h"
 
 using namespace moeforge;
+using moeforge::testing::check_gradients;
+using moeforge::testing::example_inputs;
 using moeforge::testing::GradCheck;
 using moeforge::testing::only_buffers_of;
+using moeforge::testing::total_loss;
 
 namespace {
 
@@ -27,91 +30,6 @@ ExampleShape small_shape() {
   s.d = 3;
   s.f = 4;
   return s;
-}
-
-// Random inputs of an example, not rounded to bf16 (f64 differences).
-TensorMap example_inputs(const Example &ex, const ExampleShape &s, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  TensorMap out;
-  for (const BufferPtr &bp : ex.pipeline.buffers()) {
-    std::vector<int64_t> dims;
-    for (const Dim &d : bp->dims)
-      dims.push_back(d.is_dynamic() ? s.tokens : d.extent());
-    auto it = ex.init_scale.find(bp->name);
-    double sc = it == ex.init_scale.end() ? 1.0 : it->second;
-    out[bp->name] = random_tensor(dims, rng, -sc, sc, false);
-  }
-  return out;
-}
-
-// L = sum over k of <seed_k, outputs[k]>, and the routes the forward chose.
-double total_loss(const Pipeline &p, const std::vector<Func> &outputs, const TensorMap &inputs,
-                  const std::vector<HostTensor> &seeds, std::map<std::string, RoutingResult> *routes) {
-  EvalResult r = evaluate(p, only_buffers_of(p, inputs), Precision::f64);
-  double l = 0;
-  for (size_t k = 0; k < outputs.size(); ++k) {
-    const HostTensor &y = r[outputs[k].name()];
-    for (int64_t i = 0; i < y.size(); ++i)
-      l += seeds[k].data[i] * y.data[i];
-  }
-  *routes = r.routes;
-  return l;
-}
-
-// check_gradients (autodiff_check.h) for several outputs at once: random
-// seeds for every output, grad(p, outputs), and each named tensor's gradient
-// at up to max_points positions against a central difference of L. A
-// perturbation that flips a top-k choice is skipped.
-GradCheck check_multi_gradients(const Pipeline &p, const std::vector<Func> &outputs, const TensorMap &inputs,
-                                const std::vector<std::string> &wrt, uint64_t rng_seed = 7, int max_points = 24) {
-  std::mt19937_64 rng(rng_seed);
-  EvalResult fwd = evaluate(p, only_buffers_of(p, inputs), Precision::f64);
-  std::vector<HostTensor> seeds;
-  for (const Func &o : outputs)
-    seeds.push_back(random_tensor(fwd[o.name()].shape, rng, -1.0, 1.0, false));
-  std::map<std::string, RoutingResult> base_routes;
-  total_loss(p, outputs, inputs, seeds, &base_routes);
-
-  Gradients g = grad(p, outputs);
-  REQUIRE(g.seeds.size() == outputs.size());
-  TensorMap with_seeds = inputs;
-  for (size_t k = 0; k < outputs.size(); ++k)
-    with_seeds[g.seeds[k]] = seeds[k];
-  EvalResult back = evaluate(g.pipeline, only_buffers_of(g.pipeline, with_seeds), Precision::f64);
-
-  GradCheck res;
-  for (const std::string &name : wrt) {
-    const HostTensor &analytic = back[g[name].name()];
-    const HostTensor &x = inputs.at(name);
-    REQUIRE(analytic.shape == x.shape);
-    std::vector<int64_t> pos(static_cast<size_t>(x.size()));
-    std::iota(pos.begin(), pos.end(), int64_t{0});
-    std::shuffle(pos.begin(), pos.end(), rng);
-    if (static_cast<int>(pos.size()) > max_points)
-      pos.resize(static_cast<size_t>(max_points));
-    for (int64_t at : pos) {
-      ++res.attempted;
-      double x0 = x.data[at], h = 1e-6 * std::max(1.0, std::fabs(x0));
-      TensorMap plus = inputs, minus = inputs;
-      plus[name].data[at] = x0 + h;
-      minus[name].data[at] = x0 - h;
-      std::map<std::string, RoutingResult> rp, rm;
-      double lp = total_loss(p, outputs, plus, seeds, &rp), lm = total_loss(p, outputs, minus, seeds, &rm);
-      bool stable = true;
-      for (const auto &[rn, rr] : base_routes)
-        stable &= rp.at(rn).expert == rr.expert && rm.at(rn).expert == rr.expert;
-      if (!stable) {
-        ++res.skipped;
-        continue;
-      }
-      double fd = (lp - lm) / (2 * h), a = analytic.data[at];
-      double err = std::fabs(a - fd) / std::max(std::fabs(fd), 1e-2);
-      res.worst = std::max(res.worst, err);
-      ++res.checked;
-      CHECK_MESSAGE(err <= 1e-6, "d_" << name << "[" << at << "]: grad " << a << " vs finite difference " << fd);
-    }
-  }
-  return res;
 }
 
 // Most sampled elements checked; a flipped routing may skip a few, never most.
@@ -302,7 +220,7 @@ TEST_CASE("aux losses: y and both losses together against finite differences") {
       if (name == "swiglu_moe")
         wrt.push_back("w3");
       TensorMap in = example_inputs(a.example, s, 13);
-      check_coverage(name + " y + losses", check_multi_gradients(a.example.pipeline, a.output_funcs(), in, wrt, 3),
+      check_coverage(name + " y + losses", check_gradients(a.example.pipeline, a.output_funcs(), in, wrt, 3),
                      wrt.size());
     }
   }
@@ -355,7 +273,7 @@ TEST_CASE("aux losses: an output that another output reads gets its seed plus th
   CHECK(to_string(gr["g"]) == "seed_g_total(t, i) = seed_g(t, i) + d_f(t) * g(t, i) + g(t, i) * d_f(t)");
   std::mt19937_64 rng(4);
   TensorMap in{{"a", random_tensor({5, 3}, rng, -1, 1, false)}, {"w", random_tensor({3}, rng, -1, 1, false)}};
-  auto r = check_multi_gradients(p, {f, g}, in, {"a", "w"});
+  auto r = check_gradients(p, {f, g}, in, {"a", "w"});
   CHECK(r.checked == 18);
   // A single output in the list is the single-output grad.
   CHECK(to_string(grad(p, {f})["a"]) == to_string(grad(p, f)["a"]));
@@ -378,7 +296,7 @@ TEST_CASE("aux losses: perturbations that flip the routing are skipped") {
   in["z"].at({0, 1}) = 0.5 + 1e-9;
   in["z"].at({0, 2}) = -1.0;
   Pipeline p({lb, zl});
-  auto r = check_multi_gradients(p, {lb, zl}, in, {"z"});
+  auto r = check_gradients(p, {lb, zl}, in, {"z"});
   CHECK(r.skipped >= 1);
   CHECK(r.checked == r.attempted - r.skipped);
   CHECK(r.checked >= 8);

@@ -18,7 +18,6 @@ using moeforge::testing::check_gradients;
 using moeforge::testing::example_inputs;
 using moeforge::testing::GradCheck;
 using moeforge::testing::only_buffers_of;
-using moeforge::testing::total_loss;
 
 namespace {
 

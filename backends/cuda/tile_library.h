@@ -265,6 +265,35 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 // cp.async writes through the generic proxy; wgmma reads through the async one.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// The multi-stage cp.async pipeline both plain Hopper loops share (every
+// thread loads): load(slot, kt) issues k-tile kt's copies into a stage,
+// mma(slot) issues the warpgroup's wgmmas over one, STAGES - 1 tiles ahead.
+template <int STAGES, typename Load, typename Mma>
+__device__ __forceinline__ void cp_async_pipeline(int KT, Load load, Mma mma) {
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < KT)
+      load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    fence_proxy_async();
+    __syncthreads();
+    mma(kt % STAGES);
+    // The group issued last iteration read the slot refilled below: wait
+    // for it (this warpgroup), then for every warpgroup.
+    wgmma_wait<1>();
+    __syncthreads();
+    const int next = kt + STAGES - 1;
+    if (next < KT)
+      load(next % STAGES, next);
+    cp_async_commit();
+  }
+  wgmma_wait<0>();
+  cp_async_wait<0>();
+}
+
 // d += A * B for one m64 x N x k16 step; A K-major, B N-major (TRANS_B = 1,
 // B[K, N] in global memory) or K-major (TRANS_B = 0, B stored [N, K]).
 // TRANS_A = 1: A M-major in shared memory (staged like an N-major B).
@@ -363,29 +392,10 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
                                   const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
     const int tid = threadIdx.x, wg = tid >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u; // swizzle atoms are 1024-byte aligned
-    const int KT = (K + BK - 1) / BK;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < KT)
-        load_stage<THREADS>(s0, s, s, tid, gA, a_ok, gB, K, N, n0);
-      cp_async_commit();
-    }
-    for (int kt = 0; kt < KT; ++kt) {
-      cp_async_wait<STAGES - 2>();
-      fence_proxy_async();
-      __syncthreads();
-      mma_stage(s0, kt % STAGES, wg, acc);
-      // The group issued last iteration read the slot refilled below: wait
-      // for it (this warpgroup), then for every warpgroup.
-      wgmma_wait<1>();
-      __syncthreads();
-      const int next = kt + STAGES - 1;
-      if (next < KT)
-        load_stage<THREADS>(s0, next % STAGES, next, tid, gA, a_ok, gB, K, N, n0);
-      cp_async_commit();
-    }
-    wgmma_wait<0>();
-    cp_async_wait<0>();
+    cp_async_pipeline<STAGES>(
+        (K + BK - 1) / BK,
+        [&](int slot, int kt) { load_stage<THREADS>(s0, slot, kt, tid, gA, a_ok, gB, K, N, n0); },
+        [&](int slot) { mma_stage(s0, slot, wg, acc); });
     return true;
   }
 };
@@ -469,30 +479,12 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
                                   Acc &acc) {
     const int wg = threadIdx.x >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u;
-    const int KT = (K + BK - 1) / BK;
-    auto load = [&](int slot, int kt) {
-      load_stage<THREADS>(s0, slot, kt, threadIdx.x, A, a_div, M, m0, B, b_div, N, n0, sorted_pair, p_begin, K);
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < KT)
-        load(s, s);
-      cp_async_commit();
-    }
-    for (int kt = 0; kt < KT; ++kt) {
-      cp_async_wait<STAGES - 2>();
-      fence_proxy_async();
-      __syncthreads();
-      mma_stage(s0, kt % STAGES, wg, acc);
-      wgmma_wait<1>();
-      __syncthreads();
-      const int next = kt + STAGES - 1;
-      if (next < KT)
-        load(next % STAGES, next);
-      cp_async_commit();
-    }
-    wgmma_wait<0>();
-    cp_async_wait<0>();
+    cp_async_pipeline<STAGES>(
+        (K + BK - 1) / BK,
+        [&](int slot, int kt) {
+          load_stage<THREADS>(s0, slot, kt, threadIdx.x, A, a_div, M, m0, B, b_div, N, n0, sorted_pair, p_begin, K);
+        },
+        [&](int slot) { mma_stage(s0, slot, wg, acc); });
     return true;
   }
 };

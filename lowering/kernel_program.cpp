@@ -74,6 +74,8 @@ std::vector<std::string> step_reads(const Step &s) {
           r.names.push_back(x.a);
           r.names.insert(r.names.end(), x.b.begin(), x.b.end());
           r.visit(x.epilogue);
+          for (const GemmStep::Extra &e : x.extra)
+            r.visit(e.value);
         } else if constexpr (std::is_same_v<T, PointwiseStep>) {
           r.visit(x.body);
         } else if constexpr (std::is_same_v<T, GatherStep> || std::is_same_v<T, TransposeStep>) {
@@ -98,6 +100,16 @@ std::string step_output(const Step &s) {
           return x.output;
       },
       s);
+}
+
+std::vector<std::string> step_outputs(const Step &s) {
+  std::vector<std::string> out;
+  if (std::string o = step_output(s); !o.empty())
+    out.push_back(o);
+  if (auto *g = std::get_if<GemmStep>(&s))
+    for (const GemmStep::Extra &e : g->extra)
+      out.push_back(e.output);
+  return out;
 }
 
 std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
@@ -144,6 +156,9 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
             os << "; K = " << x.k.name() << ", N = " << x.n.name() << "\n";
             os << "    " << x.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << x.epilogue
                << "  -> rows " << row_map_name(x.out_rows) << "\n";
+            for (const GemmStep::Extra &e : x.extra)
+              os << "    and " << e.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << e.value
+                 << "\n";
           } else {
             os << "  pointwise " << x.name << ": " << x.output << "(";
             for (size_t i = 0; i < x.vars.size(); ++i)

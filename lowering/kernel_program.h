@@ -90,6 +90,14 @@ struct GemmStep {
   Expr epilogue;
   std::vector<FuncPtr> accumulators;
   Var row_var, col_var; // the output's index variables (rows, n)
+  // More tensors the epilogue writes at the same (row, col): element-wise
+  // consumers fused into the GEMM (fuse_elementwise_consumers). Each is
+  // stored in its tensor's own row layout.
+  struct Extra {
+    std::string output;
+    Expr value; // over the accumulators and per-element reads, as `epilogue`
+  };
+  std::vector<Extra> extra;
   GemmTiling tiling;
   int block = 128; // routing block (rows per padded segment)
 };
@@ -153,5 +161,7 @@ std::string step_name(const Step &s);
 // writes (empty for a routing step, which writes its route's tables).
 std::vector<std::string> step_reads(const Step &s);
 std::string step_output(const Step &s);
+// Every tensor a step writes: step_output's, then a GEMM's extra outputs.
+std::vector<std::string> step_outputs(const Step &s);
 
 } // namespace moeforge

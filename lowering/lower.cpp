@@ -513,6 +513,122 @@ KernelProgram materialize_transposes(KernelProgram p, const Schedule &) {
   return p;
 }
 
+namespace {
+
+// Renames index variables (a route's pair variable is never renamed: the
+// consumer and the GEMM share it).
+struct RenameVars : IRMutator {
+  std::map<const VarNode *, Var> to;
+  Index index(const Index &i) const {
+    auto it = to.find(i.var.get());
+    return it == to.end() || !i.is_plain() ? i : Index(it->second);
+  }
+  Expr mutate_node(const Access &a, const Expr &self) override {
+    std::vector<Index> args;
+    for (const Index &i : a.args)
+      args.push_back(index(i));
+    return a.func ? Access::make(a.func, args) : Access::make(a.buffer, args);
+  }
+  Expr mutate_node(const IndexEq &n, const Expr &self) override { return IndexEq::make(index(n.a), index(n.b)); }
+};
+
+// Replaces reads of `name` at exactly (row, col) by `value`; counts others.
+struct Substitute : IRMutator {
+  std::string name;
+  Var row, col;
+  Expr value;
+  int other_reads = 0;
+  Expr mutate_node(const Access &a, const Expr &self) override {
+    if (a.target_name() != name)
+      return self;
+    if (a.args.size() == 2 && a.args[0].is_plain() && a.args[0].var.same_as(row) && a.args[1].is_plain() &&
+        a.args[1].var.same_as(col))
+      return value;
+    ++other_reads;
+    return self;
+  }
+};
+
+} // namespace
+
+size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule) {
+  auto producer = [&](const std::string &name) -> long {
+    for (size_t k = 0; k < p.steps.size(); ++k)
+      for (const std::string &o : step_outputs(p.steps[k]))
+        if (o == name)
+          return static_cast<long>(k);
+    return -1; // an input
+  };
+  for (size_t i = begin; i < end; ++i) {
+    auto *pw = std::get_if<PointwiseStep>(&p.steps[i]);
+    if (!pw || pw->vars.size() != 2 || contains_kind(pw->body, ExprKind::Sum) ||
+        contains_kind(pw->body, ExprKind::Softmax) || contains_kind(pw->body, ExprKind::RouteSum))
+      continue;
+    // The latest GEMM of this part whose output the step reads.
+    std::vector<std::string> reads = step_reads(p.steps[i]);
+    long j = -1;
+    for (const std::string &r : reads) {
+      long k = producer(r);
+      if (k >= static_cast<long>(begin) && k < static_cast<long>(i) && std::holds_alternative<GemmStep>(p.steps[k]) &&
+          std::get<GemmStep>(p.steps[k]).output == r)
+        j = std::max(j, k);
+    }
+    if (j < 0)
+      continue;
+    GemmStep &g = std::get<GemmStep>(p.steps[j]);
+    const Var &v0 = pw->vars[0], &v1 = pw->vars[1];
+    bool v0_routed =
+        std::any_of(p.routes.begin(), p.routes.end(), [&](const RoutingNode *r) { return r->pair.same_as(v0); });
+    bool rows_match = g.route ? v0.same_as(g.row_var) : (!v0_routed && v0.dim().same_as(g.m));
+    if (g.expert_k || !rows_match || !v1.dim().same_as(g.n) || !schedule.for_func(g.output).fuse_epilogue)
+      continue;
+    // Every other read must be ready when the GEMM runs.
+    bool ready = true;
+    for (const std::string &r : reads)
+      ready &= r == g.output || producer(r) < j;
+    if (!ready)
+      continue;
+    RenameVars rename;
+    rename.to[v1.get()] = g.col_var;
+    if (!g.route)
+      rename.to[v0.get()] = g.row_var;
+    Substitute sub;
+    sub.name = g.output;
+    sub.row = g.row_var;
+    sub.col = g.col_var;
+    sub.value = g.epilogue;
+    Expr value = sub.mutate(rename.mutate(pw->body));
+    if (sub.other_reads)
+      continue; // reads the GEMM's output elsewhere than its own element
+    g.extra.push_back({pw->output, value});
+    p.steps.erase(p.steps.begin() + static_cast<long>(i));
+    --i;
+    --end;
+  }
+  // A GEMM output no step reads and the caller does not want is not stored:
+  // its first extra output becomes the primary one.
+  for (size_t k = begin; k < end; ++k) {
+    auto *g = std::get_if<GemmStep>(&p.steps[k]);
+    if (!g || g->extra.empty() || std::find(p.outputs.begin(), p.outputs.end(), g->output) != p.outputs.end())
+      continue;
+    bool read = false;
+    for (const Step &s : p.steps)
+      for (const std::string &r : step_reads(s))
+        read |= r == g->output;
+    if (read)
+      continue;
+    std::string dropped = g->output;
+    g->output = g->extra.front().output;
+    g->epilogue = g->extra.front().value;
+    g->extra.erase(g->extra.begin());
+    const TensorDecl &t = p.tensor(g->output);
+    g->out_rows = t.layout == RowLayout::pair ? RowMap::gather_pair : RowMap::direct;
+    p.tensors.erase(
+        std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &x) { return x.name == dropped; }));
+  }
+  return end;
+}
+
 KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule) {
   bool debug = debug_lowering();
   auto dump = [&](const char *pass, const KernelProgram &p) {

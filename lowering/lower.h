@@ -21,4 +21,12 @@ KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule);
 KernelProgram resolve_row_maps(KernelProgram p, const Schedule &schedule);
 KernelProgram materialize_transposes(KernelProgram p, const Schedule &schedule);
 
+// Element-wise steps of steps [begin, end) that read a GEMM's output at its
+// (row, col), and whose other reads are ready when that GEMM runs, become
+// extra outputs of the GEMM's epilogue (unless the schedule says
+// fuse_epilogue(func, false)); a GEMM output nothing reads any more is then
+// not stored. Returns the new end. lower_training runs it on the forward and
+// the backward separately, so no work crosses from one to the other.
+size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule);
+
 } // namespace moeforge

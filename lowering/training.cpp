@@ -210,9 +210,16 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     b_steps.insert(b_steps.begin(), clones.begin(), clones.end());
   }
 
-  t.forward_steps = f_steps.size();
+  const size_t forward_count = f_steps.size();
   p.steps = std::move(f_steps);
   p.steps.insert(p.steps.end(), b_steps.begin(), b_steps.end());
+  // The forward's element-wise steps move into its GEMMs' epilogues (the
+  // SwiGLU product and activation beside the stored pre-activations). The
+  // backward's stay separate kernels: they read several saved activations per
+  // element, which in an epilogue are uncoalesced and not overlapped with the
+  // main loop (H200: mixtral's d_h GEMM went from 3.3 to 7.2 ms fused, more
+  // than the two kernels it replaced; benchmarks/NOTES.md, training v7).
+  t.forward_steps = fuse_elementwise_consumers(p, 0, forward_count, schedule);
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))
       if (producer.count(r) && !contains(t.saved, r))

@@ -417,7 +417,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
   // being `row_index`: N in blocks of TN; accumulate(n0, update) calls
   // update(i, b_row, a) once per k: acc_i[j] += a * B_i[b_row + j].
   using Update = std::function<void(int i, Value *b_row, Value *a)>;
-  auto columns = [&](Value *out_row, Value *row_index,
+  // p_row: the row in tile order, where a fused output in the padded layout
+  // goes (a pair-order one goes to row_index).
+  auto columns = [&](Value *out_row, Value *row_index, Value *p_row,
                      const std::function<void(Value * n0, const Update &)> &accumulate) {
     fb.for_loop(
         fb.c64(0), fb.c64(N), "n0",
@@ -448,6 +450,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
               em.registers[g.accumulators[i].get()] = b.CreateLoad(fb.f32(), b.CreateGEP(fb.f32(), acc[i], j));
             Value *v = em.emit(g.epilogue);
             fb.store(C, b.CreateAdd(b.CreateMul(out_row, fb.c64(N)), col), v);
+            for (const GemmStep::Extra &x : g.extra) { // fused element-wise outputs
+              const TensorDecl &t = prog.tensor(x.output);
+              Value *at = !g.route || t.layout == RowLayout::padded ? p_row : row_index;
+              fb.store(t, b.CreateAdd(b.CreateMul(at, fb.c64(N)), col), em.emit(x.value));
+            }
           });
         },
         TN);
@@ -469,7 +476,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
         Value *p0 = fb.route_at(rt, "offsets", e);
         Value *p1 = fb.route_at(rt, "offsets", b.CreateAdd(e, fb.c64(1)));
         fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
-          columns(b.CreateAdd(b.CreateMul(e, M), m), m, [&](Value *n0, const Update &update) {
+          columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, const Update &update) {
             fb.for_loop(p0, p1, "p", [&](Value *p) {
               Value *r = fb.route_at(rt, "sorted_pair", p);
               fb.if_then(b.CreateICmpSGE(r, fb.c64(0)), [&] {
@@ -490,7 +497,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
       Value *p1 = fb.route_at(rt, "offsets", b.CreateAdd(e, fb.c64(1)));
       fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
         Value *a_base = b.CreateMul(m, stride);
-        columns(b.CreateAdd(b.CreateMul(e, M), m), m, [&](Value *n0, const Update &update) {
+        columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, const Update &update) {
           fb.for_loop(p0, p1, "p", [&](Value *p) {
             Value *a = fb.load(A, b.CreateAdd(a_base, p));
             update(0, b.CreateAdd(b.CreateMul(p, fb.c64(N)), n0), a);
@@ -511,7 +518,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
     Value *out_row = g.out_rows == RowMap::direct ? p : r;
     Value *a_base = b.CreateMul(a_row, K);
     Value *b_base = g.b_per_expert ? b.CreateMul(expert, b.CreateMul(K, fb.c64(N))) : fb.c64(0);
-    columns(out_row, r, [&](Value *n0, const Update &update) {
+    columns(out_row, r, p, [&](Value *n0, const Update &update) {
       fb.for_loop(fb.c64(0), K, "k", [&](Value *kk) {
         Value *a = fb.load(A, b.CreateAdd(a_base, kk));
         Value *b_row = g.b_trans ? b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(n0, K), kk))

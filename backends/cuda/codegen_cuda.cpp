@@ -464,10 +464,22 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     em.registers[g.accumulators[b].get()] = "acc" + std::to_string(b);
     params += "float acc" + std::to_string(b) + ", ";
   }
-  std::string value = em.emit(g.epilogue);
-  body << "  // " << g.output << "(" << g.row_var.name() << ", " << g.col_var.name() << ") = " << g.epilogue << "\n";
-  body << "  auto epilogue = [&](" << params << "long long " << vr << ", long long " << vc << ") -> float {\n"
-       << epi.str() << "    return " << value << ";\n  };\n";
+  // One lambda per output: the GEMM's own, then the fused element-wise ones.
+  std::vector<std::pair<std::string, Expr>> outputs{{g.output, g.epilogue}};
+  for (const GemmStep::Extra &e : g.extra)
+    outputs.emplace_back(e.output, e.value);
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    std::ostringstream code;
+    ExprEmitter eo(prog, kb, code, 4);
+    eo.vars = em.vars;
+    eo.registers = em.registers;
+    std::string value = eo.emit(outputs[o].second);
+    body << "  // " << outputs[o].first << "(" << g.row_var.name() << ", " << g.col_var.name()
+         << ") = " << outputs[o].second << "\n";
+    body << "  auto epilogue" << (o ? std::to_string(o) : "") << " = [&](" << params << "long long " << vr
+         << ", long long " << vc << ") -> float {\n"
+         << code.str() << "    return " << value << ";\n  };\n";
+  }
   body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
   body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n    if (lr >= rows) continue;\n";
   if (g.expert_k) {
@@ -488,7 +500,22 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
     body << vr << ", col + " << e << ");\n";
   }
-  body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n    }\n  }\n";
+  body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n";
+  for (size_t o = 1; o < outputs.size(); ++o) {
+    // A fused output is stored in its own layout: padded (tile order) or pair.
+    const TensorDecl &t = prog.tensor(outputs[o].first);
+    std::string row = !g.route || t.layout == RowLayout::padded ? "p0 + lr" : "(long long)r";
+    body << "      {\n";
+    for (int e = 0; e < 2; ++e) {
+      body << "        const float w" << e << " = epilogue" << o << "(";
+      for (int b = 0; b < nb; ++b)
+        body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
+      body << vr << ", col + " << e << ");\n";
+    }
+    body << "        mf::store2(" << kb.tensor(outputs[o].first, /*writes=*/true) << " + " << row
+         << " * N + col, w0, w1);\n      }\n";
+  }
+  body << "    }\n  }\n";
   if (persistent)
     body << "  }  // next tile\n";
 

@@ -454,14 +454,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   }
 
   // The epilogue: the algebra around the sums, per output element.
-  std::ostringstream epi;
-  ExprEmitter em(prog, kb, epi, 4);
   std::string vr = "v_" + c_name(g.row_var.name()), vc = "v_" + c_name(g.col_var.name());
-  em.vars[g.row_var.get()] = vr;
-  em.vars[g.col_var.get()] = vc;
+  std::map<const FuncNode *, std::string> accumulators; // held in registers, passed to each lambda
   std::string params;
   for (int b = 0; b < nb; ++b) {
-    em.registers[g.accumulators[b].get()] = "acc" + std::to_string(b);
+    accumulators[g.accumulators[b].get()] = "acc" + std::to_string(b);
     params += "float acc" + std::to_string(b) + ", ";
   }
   // One lambda per output: the GEMM's own, then the fused element-wise ones.
@@ -471,8 +468,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   for (size_t o = 0; o < outputs.size(); ++o) {
     std::ostringstream code;
     ExprEmitter eo(prog, kb, code, 4);
-    eo.vars = em.vars;
-    eo.registers = em.registers;
+    eo.vars[g.row_var.get()] = vr;
+    eo.vars[g.col_var.get()] = vc;
+    eo.registers = accumulators;
     std::string value = eo.emit(outputs[o].second);
     body << "  // " << outputs[o].first << "(" << g.row_var.name() << ", " << g.col_var.name()
          << ") = " << outputs[o].second << "\n";

@@ -21,22 +21,14 @@ CompiledCpuTraining compile_cpu_training(const Pipeline &forward, const Func &ou
 }
 
 CpuTrainingLayer::CpuTrainingLayer(const CompiledCpuTraining &compiled, int64_t tokens)
-    : compiled_(compiled), layer_(compiled.layer, tokens), seeds_uploaded_(compiled.training.seeds.size(), false) {}
+    : compiled_(compiled), layer_(compiled.layer, tokens), state_(compiled.training) {}
 
 void CpuTrainingLayer::upload(const TensorMap &inputs) {
-  for (const TensorDecl &t : compiled_.training.program.tensors)
-    if (t.is_input && !compiled_.training.is_seed(t.name)) {
-      auto it = inputs.find(t.name);
-      user_check(it != inputs.end()) << "no tensor given for input '" << t.name << "'";
-      layer_.upload(t.name, it->second);
-    }
-  forward_ran_ = false;
+  state_.upload_inputs(inputs, [&](const std::string &name, const HostTensor &t) { layer_.upload(name, t); });
 }
 
 void CpuTrainingLayer::upload_upstream_gradient(const std::string &output, const HostTensor &grad) {
-  size_t k = compiled_.training.output_index(output, "upload_upstream_gradient");
-  layer_.upload(compiled_.training.seeds[k], grad);
-  seeds_uploaded_[k] = true;
+  layer_.upload(state_.upstream_gradient_of(output), grad);
 }
 
 void CpuTrainingLayer::upload_upstream_gradient(const HostTensor &grad) {
@@ -45,17 +37,16 @@ void CpuTrainingLayer::upload_upstream_gradient(const HostTensor &grad) {
 
 void CpuTrainingLayer::poison() {
   layer_.poison();
-  forward_ran_ = false;
-  seeds_uploaded_.assign(seeds_uploaded_.size(), false);
+  state_.poisoned();
 }
 
 void CpuTrainingLayer::forward() {
   layer_.run(0, compiled_.training.forward_steps);
-  forward_ran_ = true;
+  state_.forward_ran();
 }
 
 void CpuTrainingLayer::backward() {
-  compiled_.training.check_ready_for_backward(forward_ran_, seeds_uploaded_);
+  state_.check_ready_for_backward();
   layer_.run(compiled_.training.forward_steps, compiled_.training.program.steps.size());
 }
 

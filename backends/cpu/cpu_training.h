@@ -14,6 +14,7 @@
 
 #include "backends/cpu/cpu_layer.h"
 #include "lowering/training.h"
+#include "runtime/training_state.h"
 
 namespace moeforge::cpu {
 
@@ -76,8 +77,7 @@ public:
 private:
   const CompiledCpuTraining &compiled_;
   CpuLayer layer_;
-  bool forward_ran_ = false;         // since the last upload() or poison()
-  std::vector<bool> seeds_uploaded_; // per output, since the last poison()
+  TrainingState state_;
 };
 
 } // namespace moeforge::cpu

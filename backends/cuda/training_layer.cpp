@@ -20,33 +20,19 @@ CompiledTraining compile_training(const Pipeline &forward, const Func &output, c
 }
 
 TrainingLayer::TrainingLayer(const Device &device, const CompiledTraining &compiled, int64_t tokens)
-    : compiled_(compiled), layer_(device, compiled.layer, tokens),
-      seeds_uploaded_(compiled.training.seeds.size(), false) {}
+    : compiled_(compiled), layer_(device, compiled.layer, tokens), state_(compiled.training) {}
 
 void TrainingLayer::upload(const TensorMap &inputs) {
-  forward_ran_ = false;
-  for (const TensorDecl &t : compiled_.training.program.tensors)
-    if (t.is_input && !compiled_.training.is_seed(t.name)) {
-      auto it = inputs.find(t.name);
-      user_check(it != inputs.end()) << "no tensor given for input '" << t.name << "'";
-      layer_.upload(t.name, it->second);
-    }
+  state_.upload_inputs(inputs, [&](const std::string &name, const HostTensor &t) { layer_.upload(name, t); });
 }
 
 void TrainingLayer::upload_repeated(const std::string &name, const HostTensor &pattern) {
   layer_.upload_repeated(name, pattern);
-  const std::vector<std::string> &seeds = compiled_.training.seeds;
-  auto seed = std::find(seeds.begin(), seeds.end(), name);
-  if (seed == seeds.end())
-    forward_ran_ = false; // a new input: the saved activations are stale
-  else
-    seeds_uploaded_[static_cast<size_t>(seed - seeds.begin())] = true;
+  state_.uploaded(name);
 }
 
 void TrainingLayer::upload_upstream_gradient(const std::string &output, const HostTensor &grad) {
-  size_t k = compiled_.training.output_index(output, "upload_upstream_gradient");
-  layer_.upload(compiled_.training.seeds[k], grad);
-  seeds_uploaded_[k] = true;
+  layer_.upload(state_.upstream_gradient_of(output), grad);
 }
 
 void TrainingLayer::upload_upstream_gradient(const HostTensor &grad) {
@@ -55,31 +41,26 @@ void TrainingLayer::upload_upstream_gradient(const HostTensor &grad) {
 
 void TrainingLayer::poison() {
   layer_.poison();
-  forward_ran_ = false;
-  seeds_uploaded_.assign(seeds_uploaded_.size(), false);
+  state_.poisoned();
 }
 
 void TrainingLayer::forward(const Stream &stream) {
   layer_.enqueue(stream, 0, compiled_.training.forward_steps);
-  forward_ran_ = true;
-}
-
-void TrainingLayer::check_forward_ran() const {
-  compiled_.training.check_ready_for_backward(forward_ran_, seeds_uploaded_);
+  state_.forward_ran();
 }
 
 void TrainingLayer::backward(const Stream &stream) {
-  check_forward_ran();
+  state_.check_ready_for_backward();
   layer_.enqueue(stream, compiled_.training.forward_steps, compiled_.training.program.steps.size());
 }
 
 std::vector<std::pair<std::string, double>> TrainingLayer::profile_forward(const Stream &stream) {
-  forward_ran_ = true;
+  state_.forward_ran();
   return layer_.profile(stream, 0, compiled_.training.forward_steps);
 }
 
 std::vector<std::pair<std::string, double>> TrainingLayer::profile_backward(const Stream &stream) {
-  check_forward_ran();
+  state_.check_ready_for_backward();
   return layer_.profile(stream, compiled_.training.forward_steps, compiled_.training.program.steps.size());
 }
 

@@ -13,6 +13,7 @@
 
 #include "backends/cuda/layer.h"
 #include "lowering/training.h"
+#include "runtime/training_state.h"
 
 namespace moeforge::cuda {
 
@@ -73,12 +74,9 @@ public:
   const CudaLayer &layer() const { return layer_; }
 
 private:
-  void check_forward_ran() const;
-
   const CompiledTraining &compiled_;
   CudaLayer layer_;
-  bool forward_ran_ = false;
-  std::vector<bool> seeds_uploaded_; // per output, since the last poison()
+  TrainingState state_;
 };
 
 } // namespace moeforge::cuda

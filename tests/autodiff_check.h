@@ -23,6 +23,18 @@ inline TensorMap only_buffers_of(const Pipeline &p, const TensorMap &all) {
   return in;
 }
 
+// The examples' shape for finite differences: small enough for one forward
+// per perturbed element (6 tokens, 4 experts, k = 2, d = 3, f = 4).
+inline ExampleShape finite_difference_shape() {
+  ExampleShape s;
+  s.tokens = 6;
+  s.experts = 4;
+  s.topk = 2;
+  s.d = 3;
+  s.f = 4;
+  return s;
+}
+
 // Random inputs of an example, not rounded to bf16 (f64 differences).
 inline TensorMap example_inputs(const Example &ex, const ExampleShape &s, uint64_t seed) {
   std::mt19937_64 rng(seed);

@@ -42,12 +42,7 @@ struct World {
 };
 
 void check_example(const std::string &name, const std::vector<std::string> &wrt) {
-  ExampleShape s;
-  s.tokens = 6;
-  s.experts = 4;
-  s.topk = 2;
-  s.d = 3;
-  s.f = 4;
+  ExampleShape s = moeforge::testing::finite_difference_shape();
   Example ex = make_example(name, s);
   auto r = check_gradients(ex.pipeline, ex.pipeline.func(ex.output), example_inputs(ex, s, 11), wrt, 5, 24);
   MESSAGE(name << ": " << r.checked << " elements checked, " << r.skipped << " skipped (routing flipped), worst "

@@ -16,20 +16,11 @@
 using namespace moeforge;
 using moeforge::testing::check_gradients;
 using moeforge::testing::example_inputs;
+using moeforge::testing::finite_difference_shape;
 using moeforge::testing::GradCheck;
 using moeforge::testing::only_buffers_of;
 
 namespace {
-
-ExampleShape small_shape() {
-  ExampleShape s;
-  s.tokens = 6;
-  s.experts = 4;
-  s.topk = 2;
-  s.d = 3;
-  s.f = 4;
-  return s;
-}
 
 // Most sampled elements checked; a flipped routing may skip a few, never most.
 void check_coverage(const std::string &what, const GradCheck &r, size_t tensors) {
@@ -109,7 +100,7 @@ TEST_CASE("aux losses: a mean over tokens differentiates with extent as a consta
 TEST_CASE("aux losses: the load-balancing loss against a hand-written loop") {
   for (const std::string name : {"moe_mlp", "swiglu_moe"}) {
     CAPTURE(name);
-    ExampleShape s = small_shape();
+    ExampleShape s = finite_difference_shape();
     s.tokens = 9;
     AuxLossLayer a = make_aux_loss_example(name, s, {1.0, 1.0});
     for (uint64_t seed : {1, 2, 3}) {
@@ -133,7 +124,7 @@ TEST_CASE("aux losses: the load-balancing loss against a hand-written loop") {
 }
 
 TEST_CASE("aux losses: the z-loss against a hand-written loop") {
-  ExampleShape s = small_shape();
+  ExampleShape s = finite_difference_shape();
   s.tokens = 7;
   AuxLossLayer a = make_aux_loss_example("moe_mlp", s, {0.01, 0.5});
   for (uint64_t seed : {4, 5}) {
@@ -157,7 +148,7 @@ TEST_CASE("aux losses: the z-loss against a hand-written loop") {
 }
 
 TEST_CASE("aux losses: the layer's own output is unchanged by adding the losses") {
-  ExampleShape s = small_shape();
+  ExampleShape s = finite_difference_shape();
   for (const std::string name : {"moe_mlp", "swiglu_moe"}) {
     CAPTURE(name);
     Example plain = make_example(name, s);
@@ -176,7 +167,7 @@ TEST_CASE("aux losses: the layer's own output is unchanged by adding the losses"
 }
 
 TEST_CASE("aux losses: the losses print as math") {
-  AuxLossLayer a = make_aux_loss_example("moe_mlp", small_shape());
+  AuxLossLayer a = make_aux_loss_example("moe_mlp", finite_difference_shape());
   const Pipeline &p = a.example.pipeline;
   CHECK(to_string(p.func("lb_loss_fraction")) ==
         "lb_loss_fraction(e) = sum(r, [expert(r) == e]) / extent(route.pairs)");
@@ -187,7 +178,7 @@ TEST_CASE("aux losses: the losses print as math") {
 }
 
 TEST_CASE("aux losses: each loss alone against finite differences") {
-  ExampleShape s = small_shape();
+  ExampleShape s = finite_difference_shape();
   for (const std::string name : {"moe_mlp", "swiglu_moe"}) {
     CAPTURE(name);
     AuxLossLayer a = make_aux_loss_example(name, s, {1.0, 1.0});
@@ -208,7 +199,7 @@ TEST_CASE("aux losses: each loss alone against finite differences") {
 }
 
 TEST_CASE("aux losses: y and both losses together against finite differences") {
-  ExampleShape s = small_shape();
+  ExampleShape s = finite_difference_shape();
   for (const std::string name : {"moe_mlp", "swiglu_moe"}) {
     CAPTURE(name);
     // The example's coefficients, and large ones that make the losses'
@@ -226,7 +217,7 @@ TEST_CASE("aux losses: y and both losses together against finite differences") {
 }
 
 TEST_CASE("aux losses: the gradient of several outputs is the sum of their gradients") {
-  ExampleShape s = small_shape();
+  ExampleShape s = finite_difference_shape();
   AuxLossLayer a = make_aux_loss_example("swiglu_moe", s, {2.0, 0.5});
   const Pipeline &p = a.example.pipeline;
   TensorMap in = example_inputs(a.example, s, 17);

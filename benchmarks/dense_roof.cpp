@@ -27,6 +27,21 @@ void fill_ones(std::initializer_list<cuda::DeviceBuffer *> buffers) {
     b->fill32(kBf16OnePair);
 }
 
+// The forward's two GEMMs and their buffers (inputs 1.0): H1 = X W1, Y = H W2.
+struct ForwardGemms {
+  int64_t rows, d, f, f1;
+  cuda::DeviceBuffer x, w1, h1, h, w2, y;
+  explicit ForwardGemms(const RoofShape &s)
+      : rows(s.rows()), d(s.d), f(s.f), f1(s.f1()), x(bf16_buffer(rows, d)), w1(bf16_buffer(d, f1)),
+        h1(bf16_buffer(rows, f1)), h(bf16_buffer(rows, f)), w2(bf16_buffer(f, d)), y(bf16_buffer(rows, d)) {
+    fill_ones({&x, &w1, &h, &w2});
+  }
+  void enqueue(const cuda::CublasHandle &handle, const cuda::Stream &stream) {
+    cuda::gemm_nn(handle, stream, rows, f1, d, x.ptr(), w1.ptr(), h1.ptr());
+    cuda::gemm_nn(handle, stream, rows, d, f, h.ptr(), w2.ptr(), y.ptr());
+  }
+};
+
 } // namespace
 
 double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work) {
@@ -45,16 +60,10 @@ double roof_forward_ms(const RoofShape &s) {
   static std::map<Key, double> cache;
   if (auto it = cache.find(key_of(s)); it != cache.end())
     return it->second;
-  int64_t rows = s.rows(), f1 = s.f1();
-  cuda::DeviceBuffer x = bf16_buffer(rows, s.d), w1 = bf16_buffer(s.d, f1), h1 = bf16_buffer(rows, f1),
-                     h = bf16_buffer(rows, s.f), w2 = bf16_buffer(s.f, s.d), y = bf16_buffer(rows, s.d);
-  fill_ones({&x, &w1, &h, &w2});
+  ForwardGemms fwd(s);
   cuda::CublasHandle handle;
   cuda::Stream stream;
-  double ms = time_ms(stream, kReps, [&] {
-    cuda::gemm_nn(handle, stream, rows, f1, s.d, x.ptr(), w1.ptr(), h1.ptr());
-    cuda::gemm_nn(handle, stream, rows, s.d, s.f, h.ptr(), w2.ptr(), y.ptr());
-  });
+  double ms = time_ms(stream, kReps, [&] { fwd.enqueue(handle, stream); });
   return cache[key_of(s)] = ms;
 }
 
@@ -62,24 +71,21 @@ double roof_forward_backward_ms(const RoofShape &s) {
   static std::map<Key, double> cache;
   if (auto it = cache.find(key_of(s)); it != cache.end())
     return it->second;
-  int64_t rows = s.rows(), f1 = s.f1();
-  // Forward operands and outputs.
-  cuda::DeviceBuffer x = bf16_buffer(rows, s.d), w1 = bf16_buffer(s.d, f1), h1 = bf16_buffer(rows, f1),
-                     h = bf16_buffer(rows, s.f), w2 = bf16_buffer(s.f, s.d), y = bf16_buffer(rows, s.d);
+  ForwardGemms fwd(s);
+  int64_t rows = fwd.rows, f1 = fwd.f1;
   // Backward: the upstream gradient dY, the gradient entering W1's GEMM
   // (dH1, after the activation's backward), and the four results.
   cuda::DeviceBuffer dy = bf16_buffer(rows, s.d), dh1 = bf16_buffer(rows, f1), dh = bf16_buffer(rows, s.f),
                      dw2 = bf16_buffer(s.f, s.d), dx = bf16_buffer(rows, s.d), dw1 = bf16_buffer(s.d, f1);
-  fill_ones({&x, &w1, &h, &w2, &dy, &dh1});
+  fill_ones({&dy, &dh1});
   cuda::CublasHandle handle;
   cuda::Stream stream;
   double ms = time_ms(stream, kReps, [&] {
-    cuda::gemm_nn(handle, stream, rows, f1, s.d, x.ptr(), w1.ptr(), h1.ptr());   // H1 = X W1
-    cuda::gemm_nn(handle, stream, rows, s.d, s.f, h.ptr(), w2.ptr(), y.ptr());   // Y = H W2
-    cuda::gemm_nt(handle, stream, rows, s.f, s.d, dy.ptr(), w2.ptr(), dh.ptr()); // dH = dY W2^T
-    cuda::gemm_tn(handle, stream, s.f, s.d, rows, h.ptr(), dy.ptr(), dw2.ptr()); // dW2 = H^T dY
-    cuda::gemm_nt(handle, stream, rows, s.d, f1, dh1.ptr(), w1.ptr(), dx.ptr()); // dX = dH1 W1^T
-    cuda::gemm_tn(handle, stream, s.d, f1, rows, x.ptr(), dh1.ptr(), dw1.ptr()); // dW1 = X^T dH1
+    fwd.enqueue(handle, stream);                                                     // H1 = X W1, Y = H W2
+    cuda::gemm_nt(handle, stream, rows, s.f, s.d, dy.ptr(), fwd.w2.ptr(), dh.ptr()); // dH = dY W2^T
+    cuda::gemm_tn(handle, stream, s.f, s.d, rows, fwd.h.ptr(), dy.ptr(), dw2.ptr()); // dW2 = H^T dY
+    cuda::gemm_nt(handle, stream, rows, s.d, f1, dh1.ptr(), fwd.w1.ptr(), dx.ptr()); // dX = dH1 W1^T
+    cuda::gemm_tn(handle, stream, s.d, f1, rows, fwd.x.ptr(), dh1.ptr(), dw1.ptr()); // dW1 = X^T dH1
   });
   return cache[key_of(s)] = ms;
 }

@@ -6,6 +6,7 @@
 # (ours: our benchmark with the per-step profile, without PyTorch's;
 # train-torch: PyTorch's forward + backward with torch._grouped_mm only,
 # needing no build: torch_train.log and torch_train.json.)
+# BENCH_FILTER: a Google Benchmark filter for the forward benchmark (default all).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -28,7 +29,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   tail -4 "$OUT/memcheck.log"
 fi
 if [ "$what" = bench ] || [ "$what" = ours ] || [ "$what" = all ]; then
-  MOEFORGE_PROFILE=1 .gpu/bench_moe_forward --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
+  MOEFORGE_PROFILE=1 .gpu/bench_moe_forward --benchmark_filter="${BENCH_FILTER:-.}" \
+    --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
     --benchmark_counters_tabular=true 2>&1 | tee "$OUT/bench.log" | grep -v "^profile" | tail -20
   grep "^profile" "$OUT/bench.log" > "$OUT/profile.txt"
 fi

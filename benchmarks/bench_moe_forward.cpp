@@ -61,9 +61,12 @@ Schedule tuned(const Shape &s, const std::string &variant) {
     t.block(64).tile("*", 64, 256, 64).warps("*", 4, 1).tile("h", 64, s.swiglu ? 128 : 256, 64);
     return t;
   }
-  if (variant == "tuned_ws" || variant == "tuned_r4" || variant == "tuned_r16" || variant == "tuned_persist")
+  const bool tma = variant.rfind("tuned_tma", 0) == 0;
+  if (variant == "tuned_ws" || variant == "tuned_r4" || variant == "tuned_r16" || variant == "tuned_persist" || tma)
     t.mma("*", MmaKind::wgmma_ws);
-  if (variant == "tuned_persist") // one block per SM walks the tiles: epilogues overlap the next tile's loads
+  if (tma) // the producer loads B tiles with TMA
+    t.tma("*", true);
+  if (variant == "tuned_persist" || variant == "tuned_tma_persist") // epilogues overlap the next tile's loads
     t.persistent("*", true);
   if (variant == "tuned_r4" || variant == "tuned_r16")
     t.raster("*", variant == "tuned_r4" ? 4 : 16);
@@ -125,7 +128,7 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
 void register_all() {
   for (const Shape &s : bench::kMoeShapes)
     for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep", "tuned_b64",
-                          "tuned_r4", "tuned_r16", "tuned_persist"})
+                          "tuned_r4", "tuned_r16", "tuned_persist", "tuned_tma", "tuned_tma_persist"})
       for (bool skew : {false, true}) {
         std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
         benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)

@@ -204,6 +204,15 @@ Schedule &Schedule::persistent(const std::string &func, bool on) {
   return *this;
 }
 
+Schedule &Schedule::tma(const std::string &func, bool on) {
+  std::string call = "tma(" + quoted(func) + ", " + (on ? "true" : "false") + ")";
+  check_func_name(call, func);
+  Overrides patch;
+  patch.tma = on;
+  commit(call, "tma", func, patch);
+  return *this;
+}
+
 FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   GemmTiling &t = base.tiling;
   t.tile_m = o.tile_m.value_or(t.tile_m);
@@ -215,6 +224,7 @@ FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   t.mma = o.mma.value_or(t.mma);
   t.raster = o.raster.value_or(t.raster);
   t.persistent = o.persistent.value_or(t.persistent);
+  t.tma = o.tma.value_or(t.tma);
   base.fuse_epilogue = o.fuse_epilogue.value_or(base.fuse_epilogue);
   return base;
 }
@@ -246,6 +256,7 @@ void Schedule::commit(const std::string &call, const std::string &primitive, con
     merge(o.mma, patch.mma);
     merge(o.raster, patch.raster);
     merge(o.persistent, patch.persistent);
+    merge(o.tma, patch.tma);
     if (next.named_by_.emplace(func, primitive).second)
       next.funcs_.push_back(func);
   }

@@ -69,6 +69,9 @@ struct GemmTiling {
   // One block per SM walks the output tiles (wgmma_ws only): its producer
   // warpgroup loads the next tile while the consumers run this one's epilogue.
   bool persistent = false;
+  // wgmma_ws: the producer loads dense B tiles (weights) with TMA, one copy
+  // instruction per 64 x 64 box, instead of 16-byte cp.async per thread.
+  bool tma = false;
   int threads() const { return warps_m * warps_n * 32; }
   // The A and B tiles of every stage, in bf16.
   int shared_bytes() const { return stages * (tile_m * tile_k + tile_k * tile_n) * 2; }
@@ -122,6 +125,9 @@ public:
   Schedule &raster(const std::string &func, int row_tiles);
   // Persistent blocks (GemmTiling::persistent); needs mma wgmma_ws.
   Schedule &persistent(const std::string &func, bool on);
+  // TMA loads of the B tiles (GemmTiling::tma); used by wgmma_ws GEMMs whose
+  // B is a dense [K, N] matrix (per expert), ignored by the other loops.
+  Schedule &tma(const std::string &func, bool on);
 
   // ---- accessors
   const std::string &name() const { return name_; }
@@ -161,6 +167,7 @@ private:
     std::optional<MmaKind> mma;
     std::optional<int> raster;
     std::optional<bool> persistent;
+    std::optional<bool> tma;
   };
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);
 

@@ -44,6 +44,7 @@ const std::vector<Signature> &signatures() {
       {"mma", {{"func", ArgType::text}, {"kind", ArgType::mma}}},
       {"raster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
       {"persistent", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
+      {"tma", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -283,6 +284,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.raster(func, i(1));
       } else if (st.primitive == "persistent") {
         s.persistent(func, bools[1]);
+      } else if (st.primitive == "tma") {
+        s.tma(func, bools[1]);
       } else {
         internal_check(false) << "no replay for primitive " << st.primitive;
       }

@@ -77,6 +77,42 @@ TEST_CASE("codegen: persistent GEMMs compile without spills and loop over their 
                        UserError);
 }
 
+TEST_CASE("codegen: TMA B tiles compile without spills with one tensor map per B operand") {
+  for (const char *example : {"moe_mlp", "swiglu_moe"})
+    for (const char *preset_name : {"megablocks", "scattermoe"})
+      for (bool persistent : {false, true}) {
+        Example ex = make_example(example, small());
+        Schedule s = preset(preset_name);
+        s.tma("*", true).persistent("*", persistent);
+        cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
+        check_resources(c, std::string(example) + " / " + preset_name + " / tma");
+        CHECK(c.source.source.find(persistent ? "Cfg::tile_tma(" : "Cfg::mainloop_tma(") != std::string::npos);
+        // Every GEMM's B operands travel as tensor maps, not pointers.
+        for (const GeneratedKernel &k : c.source.kernels) {
+          if (k.grid.kind != GridShape::Kind::routed_tiles && k.grid.kind != GridShape::Kind::dense_tiles)
+            continue;
+          const GemmStep *g = nullptr;
+          for (const Step &st : c.program.steps)
+            if (auto *gs = std::get_if<GemmStep>(&st); gs && gs->name == k.step)
+              g = gs;
+          REQUIRE(g != nullptr);
+          int maps = 0;
+          for (const KernelArg &a : k.args) {
+            maps += a.kind == KernelArg::Kind::tma;
+            if (a.kind == KernelArg::Kind::tma)
+              CHECK((a.rows == g->k.extent() && a.cols == g->n.extent()));
+          }
+          CHECK(maps == static_cast<int>(g->b.size()));
+        }
+      }
+  // The plain wgmma loop has no producer to issue them: tma is ignored there.
+  Example ex = make_example("moe_mlp", small());
+  Schedule s = preset("scattermoe");
+  s.mma("*", MmaKind::wgmma).tma("*", true);
+  cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
+  CHECK(c.source.source.find("mainloop_tma") == std::string::npos);
+}
+
 TEST_CASE("codegen: the dense MLP compiles through the same GEMM path") {
   Example ex = make_example("dense_mlp", small());
   cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset("megablocks"));

@@ -56,6 +56,16 @@ public:
       params_.push_back("const int *__restrict__ " + c);
     return c;
   }
+  // A TMA tensor map of `name` seen as batches of [rows, cols] matrices.
+  std::string tma(const std::string &name, long long rows, long long cols) {
+    std::string c = "tma_" + c_name(name);
+    KernelArg a{KernelArg::Kind::tma, name, nullptr};
+    a.rows = rows;
+    a.cols = cols;
+    if (add(a))
+      params_.push_back("const __grid_constant__ mf::TmaDesc " + c);
+    return c;
+  }
   // A Dim's extent as a C expression; dynamic extents become arguments.
   std::string extent(const Dim &d) { return extent_of(d.node()); }
   std::string signature() const {
@@ -310,16 +320,20 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.name = c_name(g.name);
   k.step = g.name;
   KernelBuilder kb(prog, k);
+  const bool in_place = g.operands_in_place;
+  const bool ws = t.mma == MmaKind::wgmma_ws;
+  // B by TMA: a dense [K, N] matrix per expert (or one for all rows) whose
+  // shape is known here; transposed B, expert reductions and dynamic K stay
+  // on cp.async.
+  const bool tma = ws && t.tma && !in_place && !g.b_trans && !g.expert_k && !g.k.is_dynamic();
   std::string gA = kb.tensor(g.a);
   std::vector<std::string> gB;
   for (const std::string &b : g.b)
-    gB.push_back(kb.tensor(b));
+    gB.push_back(tma ? "" : kb.tensor(b));
   std::string gC = kb.tensor(g.output, /*writes=*/true);
   const std::string N = std::to_string(g.n.extent());
 
   std::ostringstream body;
-  const bool in_place = g.operands_in_place;
-  const bool ws = t.mma == MmaKind::wgmma_ws;
   const bool wgmma = t.mma == MmaKind::wgmma || t.mma == MmaKind::wgmma_ws;
   internal_check(!in_place || (wgmma && g.expert_k && nb == 1)) << "in-place operands are for wgmma expert reductions";
   if (in_place) {
@@ -355,6 +369,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // Persistent blocks (warp-specialised GEMMs; expert reductions run one
   // block per tile): a loop over the tiles, `skip` leaving one tile.
   const bool persistent = t.persistent && !g.expert_k;
+
   user_check(!persistent || ws) << "definition '" << g.output << "': persistent blocks need the warp-specialised "
                                 << "loop: add mma(\"" << g.output << "\", wgmma_ws) or drop persistent";
   const char *skip = persistent ? "continue" : "return";
@@ -438,19 +453,32 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     else
       body << "    gA[i] = " << gA << " + row * " << (g.k.is_dynamic() ? "LDA" : "K")
            << " + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
-    body << "  const mf::bf16 *gB[" << nb << "] = {";
-    for (int b = 0; b < nb; ++b)
-      body << (b ? ", " : "") << gB[b]
-           << (g.expert_k       ? " + k_begin * N"
-               : g.b_per_expert ? " + (long long)expert * K * N"
-                                : "");
-    body << "};\n";
+    if (tma) {
+      body << "  const mf::TmaDesc *tB[" << nb << "] = {";
+      for (int b = 0; b < nb; ++b)
+        body << (b ? ", " : "") << "&" << kb.tma(g.b[b], g.k.extent(), g.n.extent());
+      body << "};  // B tiles by TMA, batch " << (g.b_per_expert ? "= expert" : "0") << "\n";
+    } else {
+      body << "  const mf::bf16 *gB[" << nb << "] = {";
+      for (int b = 0; b < nb; ++b)
+        body << (b ? ", " : "") << gB[b]
+             << (g.expert_k       ? " + k_begin * N"
+                 : g.b_per_expert ? " + (long long)expert * K * N"
+                                  : "");
+      body << "};\n";
+    }
     body << "  Cfg::Acc acc = {};\n";
+    const std::string batch = g.b_per_expert ? "(int)expert" : "0";
     if (persistent)
-      body << "  if (!Cfg::tile(ring, gA, a_ok, gB, K, N, n0, acc))\n    continue;  // the producer: on to the next "
-              "tile\n\n";
+      body << "  if (!Cfg::"
+           << (tma ? "tile_tma(ring, gA, a_ok, tB, " + batch + ", K, n0, acc)"
+                   : "tile(ring, gA, a_ok, gB, K, N, n0, acc)")
+           << ")\n    continue;  // the producer: on to the next tile\n\n";
     else
-      body << "  if (!Cfg::mainloop(smem, gA, a_ok, gB, K, N, n0, acc))\n    return;  // a loading-only warpgroup\n\n";
+      body << "  if (!Cfg::"
+           << (tma ? "mainloop_tma(smem, gA, a_ok, tB, " + batch + ", K, n0, acc)"
+                   : "mainloop(smem, gA, a_ok, gB, K, N, n0, acc)")
+           << ")\n    return;  // a loading-only warpgroup\n\n";
   }
 
   // The epilogue: the algebra around the sums, per output element.

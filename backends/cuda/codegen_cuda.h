@@ -13,10 +13,16 @@ namespace moeforge {
 
 // One argument of a generated kernel, in order; the executor binds each.
 struct KernelArg {
-  enum class Kind { tensor, route, extent };
+  enum class Kind {
+    tensor, // a device pointer
+    route,  // a routing array
+    extent, // a dynamic extent (long long)
+    tma, // a TMA tensor map (CUtensorMap) of a bf16 tensor seen as {cols, rows, batches}, 64 x 64 boxes, 128B swizzle
+  };
   Kind kind;
   std::string name;                   // tensor name, route array name, or Dim name
   const RoutingNode *route = nullptr; // for Kind::route
+  long long cols = 0, rows = 0;       // for Kind::tma: one matrix of the tensor (batches = elements / (rows * cols))
 };
 
 // How many thread blocks a kernel runs, from the run's extents.

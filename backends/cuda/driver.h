@@ -68,7 +68,8 @@ namespace moeforge::cuda {
   X(cuEventRecord)                                                                                                     \
   X(cuEventSynchronize)                                                                                                \
   X(cuEventElapsedTime)                                                                                                \
-  X(cuEventDestroy)
+  X(cuEventDestroy)                                                                                                    \
+  X(cuTensorMapEncodeTiled)
 
 struct DriverApi {
 #define MOEFORGE_DRIVER_MEMBER(name) decltype(&::name) name = nullptr;

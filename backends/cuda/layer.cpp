@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "backends/cuda/tensor_map.h"
 #include "backends/cuda/tile_library.h"
 #include "dsl/error.h"
 #include "lowering/lower.h"
@@ -56,6 +57,12 @@ void CudaLayer::bind() {
       case KernelArg::Kind::tensor:
         l.args.push_back(tensors_.at(a.name).arg());
         break;
+      case KernelArg::Kind::tma: {
+        const DeviceBuffer &b = tensors_.at(a.name);
+        tensor_maps_.push_back(encode_bf16_tiles(b.ptr(), b.bytes(), a.rows, a.cols, a.name));
+        l.args.push_back(&tensor_maps_.back());
+        break;
+      }
       case KernelArg::Kind::extent:
         l.args.push_back(shapes_.dynamic_extent(a.name));
         break;

@@ -4,6 +4,7 @@
 // run without any device-to-host synchronisation (CudaLayer).
 #pragma once
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -91,6 +92,7 @@ private:
   std::map<std::string, DeviceBuffer> tensors_;
   std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
   std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows
+  std::deque<CUtensorMap> tensor_maps_;                    // TMA arguments (a deque: their addresses stay put)
   std::vector<Launch> launches_;
   std::vector<int> launch_of_; // step -> its launch (-1 for routing)
   int sm_count_;               // persistent GEMMs launch at most one block per SM

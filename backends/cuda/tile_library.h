@@ -36,14 +36,23 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) { return __float2bfloat16_rn(x); }
 
 __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
-__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
+// Epilogue math runs once per output element, outside the MMA pipeline: the
+// fast forms (MUFU exp2 / rcp / tanh, relative error ~2^-11) are well inside
+// the bf16 the results are stored in, and IEEE division or tanhf cost a GEMM
+// with short K (mbpaper: 16 k-steps) a measurable share of its time.
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + __expf(-x)); }
+__device__ __forceinline__ float tanh_fast(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ float relu(float x) { return x > 0.f ? x : 0.f; }
 __device__ __forceinline__ float step(float x) { return x > 0.f ? 1.f : 0.f; } // relu' and max'
 // GeLU, tanh form (as the reference).
 __device__ __forceinline__ float gelu(float x) {
   const float c = 0.7978845608028654f;
-  return 0.5f * x * (1.f + tanhf(c * (x + 0.044715f * x * x * x)));
+  return 0.5f * x * (1.f + tanh_fast(c * (x + 0.044715f * x * x * x)));
 }
 
 // The sum of v over the 32 lanes of a warp, in every lane.
@@ -334,11 +343,8 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
   // this is thread t: A rows through their precomputed pointers, B rows of
   // each operand; chunks past K or N are zero-filled.
   template <int LOADERS>
-  __device__ static __forceinline__ void load_stage(unsigned s0, int slot, int kt, int t,
-                                                    const bf16 *const (&gA)[BM * 8 / LOADERS],
-                                                    const bool (&a_ok)[BM * 8 / LOADERS],
-                                                    const bf16 *const (&gB)[NB], int K, int N, int n0) {
-    const unsigned sA = s0 + slot * STAGE_BYTES;
+  __device__ static __forceinline__ void load_a(unsigned sA, int kt, int t, const bf16 *const (&gA)[BM * 8 / LOADERS],
+                                                const bool (&a_ok)[BM * 8 / LOADERS], int K) {
     const int k0 = kt * BK;
 #pragma unroll
     for (int i = 0; i < BM * 8 / LOADERS; ++i) {
@@ -346,6 +352,15 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
       const bool ok = a_ok[i] && k0 + ch * 8 < K;
       cp_async_16(sA + a_off(row, ch), ok ? gA[i] + k0 : gA[i], ok);
     }
+  }
+  template <int LOADERS>
+  __device__ static __forceinline__ void load_stage(unsigned s0, int slot, int kt, int t,
+                                                    const bf16 *const (&gA)[BM * 8 / LOADERS],
+                                                    const bool (&a_ok)[BM * 8 / LOADERS],
+                                                    const bf16 *const (&gB)[NB], int K, int N, int n0) {
+    const unsigned sA = s0 + slot * STAGE_BYTES;
+    const int k0 = kt * BK;
+    load_a<LOADERS>(sA, kt, t, gA, a_ok, K);
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       const unsigned sB = sA + A_STAGE_BYTES + b * B_STAGE_BYTES;
@@ -511,6 +526,27 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
                  : "memory");
 }
 
+// Adds `bytes` to the transaction count the barrier's current phase waits
+// for (TMA copies complete them), without arriving.
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// ------------------------------------------------------------ TMA
+// A tensor map (CUtensorMap, 128 bytes) encoded on the host by
+// cuTensorMapEncodeTiled and passed as a __grid_constant__ kernel argument.
+struct __align__(64) TmaDesc {
+  unsigned long long bits[16];
+};
+// One box of a 3-D tensor (coordinates innermost first) into shared memory at
+// s_dst; its bytes complete on `bar`. Out-of-range elements read as zero.
+__device__ __forceinline__ void tma_load_3d(unsigned s_dst, const TmaDesc *map, int c0, int c1, int c2, unsigned bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(s_dst),
+               "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+               : "memory");
+}
+
 // The warp-specialised pipeline both Hopper loops share. The last warpgroup
 // produces: load(slot, kt, t) issues stage kt's copies (t = its thread,
 // 0..127) and each copy's completion arrives on the stage's `full` barrier;
@@ -606,13 +642,25 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   // to the next tile); the consumers accumulate it into acc and return true.
   __device__ static bool tile(Ring &r, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
                               const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
+    return ring_tile(r, K, acc, [&](int slot, int kt, int t) {
+      Base::template load_stage<128>(r.s0, slot, kt, t, gA, a_ok, gB, K, N, n0);
+    });
+  }
+  // The same with B by TMA (load_stage_tma).
+  __device__ static bool tile_tma(Ring &r, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
+                                  const TmaDesc *const (&tB)[NB], int batch, int K, int n0, Acc &acc) {
+    return ring_tile(r, K, acc, [&](int slot, int kt, int t) {
+      load_stage_tma(r.s0, r.full, slot, kt, t, gA, a_ok, tB, batch, K, n0);
+    });
+  }
+  template <typename Load> __device__ static bool ring_tile(Ring &r, int K, Acc &acc, Load load) {
     const int tid = threadIdx.x, wg = tid >> 7, KT = (K + BK - 1) / BK;
     if (wg == Base::WG) {
       for (int kt = 0; kt < KT; ++kt, ++r.it) {
         const int slot = r.it % STAGES;
         if (r.it >= STAGES)
           mbar_wait(r.empty + 8 * slot, ((r.it / STAGES) - 1) & 1);
-        Base::template load_stage<128>(r.s0, slot, kt, tid & 127, gA, a_ok, gB, K, N, n0);
+        load(slot, kt, tid & 127);
         cp_async_arrive_noinc(r.full + 8 * slot);
       }
       return false;
@@ -640,6 +688,41 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
     return ws_pipeline<STAGES, CONSUMERS>(
         s0 + STAGES * STAGE_BYTES, (K + BK - 1) / BK,
         [&](int slot, int kt, int t) { Base::template load_stage<128>(s0, slot, kt, t, gA, a_ok, gB, K, N, n0); },
+        [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
+  }
+
+  // ---- B by TMA. tB[b]: operand b as a 3-D tensor map {N, K, batches}
+  // with 64 x 64 boxes and the 128-byte swizzle, which lays each box out
+  // exactly as b_off does (64-column slabs of 64 k-rows x 128 bytes, chunk c
+  // of row k at c ^ (k & 7)): the consumers' wgmmas read it unchanged. One
+  // producer thread issues the NB x BN / 64 boxes and tells the stage's
+  // `full` barrier how many bytes to expect before arriving; the copy
+  // engine zero-fills past K and N. A stays on cp.async (rows may be
+  // gathered), spread over the 128 producer threads.
+  __device__ static __forceinline__ void load_stage_tma(unsigned s0, unsigned full, int slot, int kt, int t,
+                                                        const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
+                                                        const TmaDesc *const (&tB)[NB], int batch, int K, int n0) {
+    const unsigned sA = s0 + slot * STAGE_BYTES;
+    Base::template load_a<128>(sA, kt, t, gA, a_ok, K);
+    if (t == 0) {
+      const unsigned bar = full + 8 * slot;
+      mbar_expect_tx(bar, NB * B_STAGE_BYTES);
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int s = 0; s < BN / 64; ++s)
+          tma_load_3d(sA + A_STAGE_BYTES + b * B_STAGE_BYTES + s * (BK * 128), tB[b], n0 + s * 64, kt * BK, batch,
+                      bar);
+    }
+  }
+  __device__ static bool mainloop_tma(unsigned char *smem, const bf16 *const (&gA)[A_ITERS],
+                                      const bool (&a_ok)[A_ITERS], const TmaDesc *const (&tB)[NB], int batch, int K,
+                                      int n0, Acc &acc) {
+    const int wg = threadIdx.x >> 7;
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
+    return ws_pipeline<STAGES, CONSUMERS>(
+        full, (K + BK - 1) / BK,
+        [&](int slot, int kt, int t) { load_stage_tma(s0, full, slot, kt, t, gA, a_ok, tB, batch, K, n0); },
         [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
   }
 };

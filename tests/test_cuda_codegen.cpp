@@ -77,7 +77,7 @@ TEST_CASE("codegen: persistent GEMMs compile without spills and loop over their 
                        UserError);
 }
 
-TEST_CASE("codegen: TMA B tiles compile without spills with one tensor map per B operand") {
+TEST_CASE("codegen: TMA tiles compile without spills with a tensor map per B operand and consecutive A") {
   for (const char *example : {"moe_mlp", "swiglu_moe"})
     for (const char *preset_name : {"megablocks", "scattermoe"})
       for (bool persistent : {false, true}) {
@@ -96,13 +96,19 @@ TEST_CASE("codegen: TMA B tiles compile without spills with one tensor map per B
             if (auto *gs = std::get_if<GemmStep>(&st); gs && gs->name == k.step)
               g = gs;
           REQUIRE(g != nullptr);
+          // B: [K, N] per expert; A: every row of [rows, K] when its rows
+          // are consecutive (tile order or dense), else gathered by cp.async.
           int maps = 0;
           for (const KernelArg &a : k.args) {
-            maps += a.kind == KernelArg::Kind::tma;
-            if (a.kind == KernelArg::Kind::tma)
+            if (a.kind != KernelArg::Kind::tma)
+              continue;
+            ++maps;
+            if (a.name == g->a)
+              CHECK((a.rows == 0 && a.cols == g->k.extent()));
+            else
               CHECK((a.rows == g->k.extent() && a.cols == g->n.extent()));
           }
-          CHECK(maps == static_cast<int>(g->b.size()));
+          CHECK(maps == static_cast<int>(g->b.size()) + (g->a_rows == RowMap::direct));
         }
       }
   // The plain wgmma loop has no producer to issue them: tma is ignored there.

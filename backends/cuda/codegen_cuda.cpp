@@ -326,7 +326,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // shape is known here; transposed B, expert reductions and dynamic K stay
   // on cp.async.
   const bool tma = ws && t.tma && !in_place && !g.b_trans && !g.expert_k && !g.k.is_dynamic();
-  std::string gA = kb.tensor(g.a);
+  // A by TMA too when its rows are consecutive (tile order, or a dense A).
+  const bool a_tma = tma && g.a_rows == RowMap::direct;
+  internal_check(!tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
+      << "GEMM operands are bf16 (lowering converts them)";
+  std::string gA = a_tma ? "" : kb.tensor(g.a);
   std::vector<std::string> gB;
   for (const std::string &b : g.b)
     gB.push_back(tma ? "" : kb.tensor(b));
@@ -429,30 +433,37 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
          << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
          << "    return;  // a loading-only warpgroup\n\n";
   } else {
-    // A rows: resolved once per tile, not per k step.
-    body << "  const mf::bf16 *gA[Cfg::A_ITERS];\n  bool a_ok[Cfg::A_ITERS];\n";
-    body << "#pragma unroll\n  for (int i = 0; i < Cfg::A_ITERS; ++i) {\n";
-    body << "    const int lr = Cfg::a_load_row(tid, i);\n";
-    switch (g.a_rows) {
-    case RowMap::direct:
-      body << "    const long long row = lr < rows ? p0 + lr : 0;  // " << g.a << " rows are in tile order\n";
-      body << "    a_ok[i] = lr < rows;\n";
-      break;
-    case RowMap::gather_pair:
-    case RowMap::gather_token: {
-      std::string div = g.a_rows == RowMap::gather_token ? " / " + std::to_string(g.route->k) : "";
-      body << "    const int r = lr < rows ? " << sorted_pair << "[p0 + lr] : -1;\n";
-      body << "    const long long row = r < 0 ? 0 : (long long)r" << div
-           << ";  // gathered: " << (div.empty() ? "pair r" : "token(r) = r" + div) << "\n";
-      body << "    a_ok[i] = r >= 0;\n";
-      break;
+    if (a_tma) {
+      body << "  const Cfg::ATma a_load{&" << kb.tma(g.a, 0, g.k.extent()) << ", (int)p0};  // " << g.a
+           << " rows in tile order, by TMA\n";
+    } else {
+      // A rows: resolved once per tile, not per k step.
+      body << "  const mf::bf16 *gA[Cfg::A_ITERS];\n  bool a_ok[Cfg::A_ITERS];\n";
+      body << "#pragma unroll\n  for (int i = 0; i < Cfg::A_ITERS; ++i) {\n";
+      body << "    const int lr = Cfg::a_load_row(tid, i);\n";
+      switch (g.a_rows) {
+      case RowMap::direct:
+        body << "    const long long row = lr < rows ? p0 + lr : 0;  // " << g.a << " rows are in tile order\n";
+        body << "    a_ok[i] = lr < rows;\n";
+        break;
+      case RowMap::gather_pair:
+      case RowMap::gather_token: {
+        std::string div = g.a_rows == RowMap::gather_token ? " / " + std::to_string(g.route->k) : "";
+        body << "    const int r = lr < rows ? " << sorted_pair << "[p0 + lr] : -1;\n";
+        body << "    const long long row = r < 0 ? 0 : (long long)r" << div
+             << ";  // gathered: " << (div.empty() ? "pair r" : "token(r) = r" + div) << "\n";
+        body << "    a_ok[i] = r >= 0;\n";
+        break;
+      }
+      }
+      if (g.expert_k)
+        body << "    gA[i] = " << gA << " + row * LDA + k_begin + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
+      else
+        body << "    gA[i] = " << gA << " + row * " << (g.k.is_dynamic() ? "LDA" : "K")
+             << " + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
+      if (tma)
+        body << "  const Cfg::ACopy a_load{gA, a_ok};\n";
     }
-    }
-    if (g.expert_k)
-      body << "    gA[i] = " << gA << " + row * LDA + k_begin + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
-    else
-      body << "    gA[i] = " << gA << " + row * " << (g.k.is_dynamic() ? "LDA" : "K")
-           << " + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
     if (tma) {
       body << "  const mf::TmaDesc *tB[" << nb << "] = {";
       for (int b = 0; b < nb; ++b)
@@ -471,12 +482,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     const std::string batch = g.b_per_expert ? "(int)expert" : "0";
     if (persistent)
       body << "  if (!Cfg::"
-           << (tma ? "tile_tma(ring, gA, a_ok, tB, " + batch + ", K, n0, acc)"
+           << (tma ? "tile_tma(ring, a_load, tB, " + batch + ", K, n0, rows, acc)"
                    : "tile(ring, gA, a_ok, gB, K, N, n0, acc)")
            << ")\n    continue;  // the producer: on to the next tile\n\n";
     else
       body << "  if (!Cfg::"
-           << (tma ? "mainloop_tma(smem, gA, a_ok, tB, " + batch + ", K, n0, acc)"
+           << (tma ? "mainloop_tma(smem, a_load, tB, " + batch + ", K, n0, rows, acc)"
                    : "mainloop(smem, gA, a_ok, gB, K, N, n0, acc)")
            << ")\n    return;  // a loading-only warpgroup\n\n";
   }

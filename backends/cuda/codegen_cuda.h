@@ -22,7 +22,7 @@ struct KernelArg {
   Kind kind;
   std::string name;                   // tensor name, route array name, or Dim name
   const RoutingNode *route = nullptr; // for Kind::route
-  long long cols = 0, rows = 0;       // for Kind::tma: one matrix of the tensor (batches = elements / (rows * cols))
+  long long cols = 0, rows = 0;       // for Kind::tma: one [rows, cols] matrix (rows 0: all the tensor holds)
 };
 
 // How many thread blocks a kernel runs, from the run's extents.

@@ -59,7 +59,9 @@ void CudaLayer::bind() {
         break;
       case KernelArg::Kind::tma: {
         const DeviceBuffer &b = tensors_.at(a.name);
-        tensor_maps_.push_back(encode_bf16_tiles(b.ptr(), b.bytes(), a.rows, a.cols, a.name));
+        // rows 0: one matrix of every row the buffer holds.
+        const long long rows = a.rows ? a.rows : static_cast<long long>(b.bytes() / 2 / a.cols);
+        tensor_maps_.push_back(encode_bf16_tiles(b.ptr(), b.bytes(), rows, a.cols, a.name));
         l.args.push_back(&tensor_maps_.back());
         break;
       }

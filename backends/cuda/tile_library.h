@@ -646,14 +646,17 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
       Base::template load_stage<128>(r.s0, slot, kt, t, gA, a_ok, gB, K, N, n0);
     });
   }
-  // The same with B by TMA (load_stage_tma).
-  __device__ static bool tile_tma(Ring &r, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
-                                  const TmaDesc *const (&tB)[NB], int batch, int K, int n0, Acc &acc) {
-    return ring_tile(r, K, acc, [&](int slot, int kt, int t) {
-      load_stage_tma(r.s0, r.full, slot, kt, t, gA, a_ok, tB, batch, K, n0);
-    });
+  // The same with B by TMA and A by `a` (ACopy or ATma; load_stage_tma);
+  // `rows`: the tile's valid rows (mainloop_tma).
+  template <typename ALoad>
+  __device__ static bool tile_tma(Ring &r, const ALoad &a, const TmaDesc *const (&tB)[NB], int batch, int K, int n0,
+                                  int rows, Acc &acc) {
+    return ring_tile(
+        r, K, acc, [&](int slot, int kt, int t) { load_stage_tma(r.s0, r.full, slot, kt, t, a, tB, batch, K, n0); },
+        rows > (threadIdx.x >> 7) * 64);
   }
-  template <typename Load> __device__ static bool ring_tile(Ring &r, int K, Acc &acc, Load load) {
+  template <typename Load>
+  __device__ static bool ring_tile(Ring &r, int K, Acc &acc, Load load, bool active = true) {
     const int tid = threadIdx.x, wg = tid >> 7, KT = (K + BK - 1) / BK;
     if (wg == Base::WG) {
       for (int kt = 0; kt < KT; ++kt, ++r.it) {
@@ -669,7 +672,8 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
       const int slot = r.it % STAGES;
       mbar_wait(r.full + 8 * slot, (r.it / STAGES) & 1);
       fence_proxy_async();
-      Base::mma_stage(r.s0, slot, wg, acc);
+      if (active)
+        Base::mma_stage(r.s0, slot, wg, acc);
       wgmma_wait<1>();
       if (kt > 0 && (tid & 31) == 0)
         mbar_arrive(r.empty + 8 * ((r.it - 1) % STAGES));
@@ -695,35 +699,65 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   // with 64 x 64 boxes and the 128-byte swizzle, which lays each box out
   // exactly as b_off does (64-column slabs of 64 k-rows x 128 bytes, chunk c
   // of row k at c ^ (k & 7)): the consumers' wgmmas read it unchanged. One
-  // producer thread issues the NB x BN / 64 boxes and tells the stage's
-  // `full` barrier how many bytes to expect before arriving; the copy
-  // engine zero-fills past K and N. A stays on cp.async (rows may be
-  // gathered), spread over the 128 producer threads.
+  // producer thread tells the stage's `full` barrier how many bytes to
+  // expect, then issues the boxes; the copy engine zero-fills past K and N.
+  // A comes through one of two loaders:
+  //   ACopy: rows through per-thread pointers (gathered rows), cp.async over
+  //          the 128 producer threads, zero past the tile's rows;
+  //   ATma:  BM consecutive rows from row0 of a 2-D tensor map {K, rows}
+  //          (a padded tensor in tile order, or a dense one), BM / 64 boxes
+  //          laid out as a_off does (8-row atoms of 128-byte swizzled rows).
+  //          Rows past the tile's are padding: their results are never stored.
+  struct ACopy {
+    const bf16 *const (&gA)[A_ITERS];
+    const bool (&a_ok)[A_ITERS];
+    static constexpr unsigned TMA_BYTES = 0;
+    __device__ void load(unsigned sA, int kt, int t, int K, unsigned) const {
+      Base::template load_a<128>(sA, kt, t, gA, a_ok, K);
+    }
+  };
+  struct ATma {
+    const TmaDesc *map;
+    int row0;
+    static constexpr unsigned TMA_BYTES = A_STAGE_BYTES;
+    __device__ void load(unsigned sA, int kt, int t, int, unsigned bar) const {
+      if (t == 0)
+#pragma unroll
+        for (int j = 0; j < BM / 64; ++j)
+          tma_load_3d(sA + j * (64 * 128), map, kt * BK, row0 + j * 64, 0, bar);
+    }
+  };
+  template <typename ALoad>
   __device__ static __forceinline__ void load_stage_tma(unsigned s0, unsigned full, int slot, int kt, int t,
-                                                        const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
-                                                        const TmaDesc *const (&tB)[NB], int batch, int K, int n0) {
-    const unsigned sA = s0 + slot * STAGE_BYTES;
-    Base::template load_a<128>(sA, kt, t, gA, a_ok, K);
-    if (t == 0) {
-      const unsigned bar = full + 8 * slot;
-      mbar_expect_tx(bar, NB * B_STAGE_BYTES);
+                                                        const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
+                                                        int K, int n0) {
+    const unsigned sA = s0 + slot * STAGE_BYTES, bar = full + 8 * slot;
+    if (t == 0) // before any copy of this stage can complete
+      mbar_expect_tx(bar, NB * B_STAGE_BYTES + ALoad::TMA_BYTES);
+    a.load(sA, kt, t, K, bar);
+    if (t == 0)
 #pragma unroll
       for (int b = 0; b < NB; ++b)
 #pragma unroll
         for (int s = 0; s < BN / 64; ++s)
           tma_load_3d(sA + A_STAGE_BYTES + b * B_STAGE_BYTES + s * (BK * 128), tB[b], n0 + s * 64, kt * BK, batch,
                       bar);
-    }
   }
-  __device__ static bool mainloop_tma(unsigned char *smem, const bf16 *const (&gA)[A_ITERS],
-                                      const bool (&a_ok)[A_ITERS], const TmaDesc *const (&tB)[NB], int batch, int K,
-                                      int n0, Acc &acc) {
+  // A warpgroup whose 64 rows are all past the tile's `rows` (an expert's
+  // last, partly filled tile) skips its wgmmas but keeps the stage protocol:
+  // the other warpgroup then has the tensor cores to itself.
+  template <typename ALoad>
+  __device__ static bool mainloop_tma(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
+                                      int K, int n0, int rows, Acc &acc) {
     const int wg = threadIdx.x >> 7;
+    const bool active = rows > wg * 64;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
     return ws_pipeline<STAGES, CONSUMERS>(
-        full, (K + BK - 1) / BK,
-        [&](int slot, int kt, int t) { load_stage_tma(s0, full, slot, kt, t, gA, a_ok, tB, batch, K, n0); },
-        [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
+        full, (K + BK - 1) / BK, [&](int slot, int kt, int t) { load_stage_tma(s0, full, slot, kt, t, a, tB, batch, K, n0); },
+        [&](int slot) {
+          if (active)
+            Base::mma_stage(s0, slot, wg, acc);
+        });
   }
 };
 

@@ -549,6 +549,49 @@ struct Substitute : IRMutator {
   }
 };
 
+// combine(route, t, body) over a route with k = 1 sums the one pair r = t of
+// each token: it is `body` itself, written at row r. Inlines every such
+// combine of `g`'s route into its body and renames t to r, so the result
+// reads like an element-wise step over (r, col). For k > 1 a token's k pairs
+// sit in different GEMM tiles, so no epilogue sees the whole sum (it would
+// need atomics, and lose determinism): those combines are left alone.
+struct InlineSinglePairCombine : IRMutator {
+  const RoutingNode *route = nullptr;
+  Var token;
+  bool ok = true; // false: a sum over pairs that is not such a combine
+  Expr mutate_node(const RouteSum &n, const Expr &self) override {
+    if (n.route.get() != route || route->k != 1 || n.field != RouteField::token || !n.target.same_as(token)) {
+      ok = false;
+      return self;
+    }
+    return mutate(n.body);
+  }
+};
+
+// The body of an element-wise step (t, col) made of k = 1 combines over the
+// routed GEMM g's pairs, as an expression over g's (pair, col); nullopt when
+// it is not one.
+std::optional<Expr> single_pair_combine(const PointwiseStep &pw, const GemmStep &g) {
+  const RoutingNode *r = g.route;
+  if (!r || g.expert_k || r->k != 1 || !g.row_var.same_as(r->pair) || !pw.vars[0].dim().same_as(r->token_dim()))
+    return std::nullopt;
+  InlineSinglePairCombine inline_combines;
+  inline_combines.route = r;
+  inline_combines.token = pw.vars[0];
+  Expr body = inline_combines.mutate(pw.body);
+  if (!inline_combines.ok || contains_kind(body, ExprKind::RouteSum))
+    return std::nullopt;
+  RenameVars to_pair; // other reads at token t read at r: the same row when k = 1
+  to_pair.to[pw.vars[0].get()] = r->pair;
+  return to_pair.mutate(body);
+}
+
+// The row map of a GEMM's primary output: tile order for dense GEMMs and
+// padded tensors, pair r otherwise (pair order, or a token's row when k = 1).
+RowMap output_rows(const GemmStep &g, const TensorDecl &t) {
+  return g.route && t.layout != RowLayout::padded ? RowMap::gather_pair : RowMap::direct;
+}
+
 } // namespace
 
 size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule) {
@@ -562,8 +605,8 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
   for (size_t i = begin; i < end; ++i) {
     auto *pw = std::get_if<PointwiseStep>(&p.steps[i]);
     if (!pw || pw->vars.size() != 2 || contains_kind(pw->body, ExprKind::Sum) ||
-        contains_kind(pw->body, ExprKind::Softmax) || contains_kind(pw->body, ExprKind::RouteSum))
-      continue;
+        contains_kind(pw->body, ExprKind::Softmax) || !schedule.for_func(pw->output).fuse_epilogue)
+      continue; // fuse_epilogue(f, false) keeps f's own step too (split_unfused_epilogues made it)
     // The latest GEMM of this part whose output the step reads.
     std::vector<std::string> reads = step_reads(p.steps[i]);
     long j = -1;
@@ -577,9 +620,17 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
       continue;
     GemmStep &g = std::get<GemmStep>(p.steps[j]);
     const Var &v0 = pw->vars[0], &v1 = pw->vars[1];
-    bool v0_routed =
-        std::any_of(p.routes.begin(), p.routes.end(), [&](const RoutingNode *r) { return r->pair.same_as(v0); });
-    bool rows_match = g.route ? v0.same_as(g.row_var) : (!v0_routed && v0.dim().same_as(g.m));
+    Expr body = pw->body;
+    bool rows_match = false;
+    if (contains_kind(body, ExprKind::RouteSum)) {
+      std::optional<Expr> combine = single_pair_combine(*pw, g);
+      rows_match = combine.has_value();
+      body = combine.value_or(body);
+    } else {
+      bool v0_routed =
+          std::any_of(p.routes.begin(), p.routes.end(), [&](const RoutingNode *r) { return r->pair.same_as(v0); });
+      rows_match = g.route ? v0.same_as(g.row_var) : (!v0_routed && v0.dim().same_as(g.m));
+    }
     if (g.expert_k || !rows_match || !v1.dim().same_as(g.n) || !schedule.for_func(g.output).fuse_epilogue)
       continue;
     // Every other read must be ready when the GEMM runs.
@@ -597,7 +648,7 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
     sub.row = g.row_var;
     sub.col = g.col_var;
     sub.value = g.epilogue;
-    Expr value = sub.mutate(rename.mutate(pw->body));
+    Expr value = sub.mutate(rename.mutate(body));
     if (sub.other_reads)
       continue; // reads the GEMM's output elsewhere than its own element
     g.extra.push_back({pw->output, value});
@@ -621,20 +672,23 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
     g->output = g->extra.front().output;
     g->epilogue = g->extra.front().value;
     g->extra.erase(g->extra.begin());
-    const TensorDecl &t = p.tensor(g->output);
-    g->out_rows = t.layout == RowLayout::pair ? RowMap::gather_pair : RowMap::direct;
+    g->out_rows = output_rows(*g, p.tensor(g->output));
     p.tensors.erase(
         std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &x) { return x.name == dropped; }));
   }
   return end;
 }
 
-KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule) {
-  bool debug = debug_lowering();
-  auto dump = [&](const char *pass, const KernelProgram &p) {
-    if (debug)
-      std::cerr << "=== after " << pass << " ===\n" << p;
-  };
+namespace {
+
+void dump(const char *pass, const KernelProgram &p) {
+  if (debug_lowering())
+    std::cerr << "=== after " << pass << " ===\n" << p;
+}
+
+} // namespace
+
+KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &schedule) {
   KernelProgram p = build_steps(pipeline, schedule);
   dump("build_steps", p);
   p = fuse_gate_into_epilogue(std::move(p), schedule);
@@ -649,6 +703,14 @@ KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule) {
   dump("resolve_row_maps", p);
   p = materialize_transposes(std::move(p), schedule);
   dump("materialize_transposes", p);
+  return p;
+}
+
+KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule) {
+  KernelProgram p = lower_before_fusion(pipeline, schedule);
+  // Last, so that the row layouts and row maps it reads are final.
+  fuse_elementwise_consumers(p, 0, p.steps.size(), schedule);
+  dump("fuse_elementwise_consumers", p);
   return p;
 }
 

@@ -137,7 +137,7 @@ TrainingProgram lower_training(const Pipeline &forward, const Func &output, cons
 
 TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> &outputs, const Schedule &schedule) {
   TrainingAlgebra algebra = training_algebra(forward, outputs);
-  KernelProgram p = lower(algebra.pipeline, schedule);
+  KernelProgram p = lower_before_fusion(algebra.pipeline, schedule); // fused per part below
   std::vector<bool> fwd = forward_steps(p, algebra.outputs);
 
   std::vector<Step> f_steps, b_steps;

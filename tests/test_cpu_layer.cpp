@@ -7,6 +7,7 @@
 #include "cpu_compare.h"
 #include "dsl/error.h"
 #include "examples/gradient_nodes.h"
+#include "softmax_layers.h"
 
 using namespace moeforge;
 using namespace moeforge::cpu_test;
@@ -96,6 +97,42 @@ TEST_SUITE("cpu") {
     other.poison();
     other.run();
     CHECK(normalized_error(other.download("y"), evaluate(ex.pipeline, in2)["y"]) <= 1e-2);
+  }
+
+  TEST_CASE("cpu layer: a k = 1 MoE whose combine runs in the GEMM epilogue matches the reference") {
+    // k = 1: y(t, i) is written by o's GEMM at row r = t (no pointwise_y).
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (const std::string &p : preset_names())
+        for (int64_t tokens : {int64_t(200), int64_t(5)}) {
+          ExampleShape s = shape(tokens, 64, 128, 8, 1);
+          Example ex = make_example(name, s);
+          cpu::CompiledCpuLayer c = cpu::compile_cpu_layer(ex.pipeline, preset(p));
+          INFO(name << " / " << p << " / T = " << tokens);
+          CHECK(c.jit->ir.find("@moeforge_pointwise_y(") == std::string::npos);
+          Outcome o = run_and_compare(ex, ex.random_inputs(s, 21), s.tokens, preset(p));
+          CHECK(o.routing_mismatches == 0);
+          CHECK(o.y_error <= 1e-2);
+        }
+    // Skewed routing with renormalised gates (each gate is 1 for k = 1).
+    ExampleShape s = shape(300, 64, 128, 16, 1);
+    Example ex = biased_moe(s, true, Bias::ramp, true);
+    for (const std::string &p : preset_names()) {
+      Outcome o = run_and_compare(ex, biased_inputs(ex, s, Bias::ramp, 4), s.tokens, preset(p));
+      INFO(p);
+      CHECK(o.routing_mismatches == 0);
+      CHECK(o.y_error <= 1e-2);
+    }
+  }
+
+  TEST_CASE("cpu layer: softmax rows of every shape match the reference") {
+    // The layers the CUDA tests run a warp per row on (softmax_layers.h).
+    for (const std::string &what : testing::softmax_row_kinds()) {
+      ExampleShape s = shape(45, 1, 1, 1, 1); // only the token count matters
+      Example ex = testing::softmax_rows(what);
+      Outcome o = run_and_compare(ex, ex.random_inputs(s, 8), s.tokens, preset("megablocks"), 1e-5);
+      INFO(what);
+      CHECK(o.y_error <= 1e-5); // f32 end to end
+    }
   }
 
   TEST_CASE("cpu layer: the generated LLVM IR has one function per step") {

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include "cuda_resources.h"
+#include "softmax_layers.h"
 
 #include "backends/cuda/layer.h"
 #include "dsl/printer.h"
@@ -311,4 +312,81 @@ TEST_CASE("codegen: step and [a == b] (the gradient nodes) compile for sm_90a") 
   check_resources(c, "gradient nodes");
   CHECK(c.source.source.find("mf::step(") != std::string::npos);
   CHECK(c.source.source.find(" == ") != std::string::npos);
+}
+
+namespace {
+
+// The source of one generated kernel, from its signature to the next kernel.
+std::string kernel_source(const cuda::CompiledLayer &c, const std::string &name) {
+  const std::string &src = c.source.source;
+  size_t at = src.find(" " + name + "(\n");
+  REQUIRE(at != std::string::npos);
+  return src.substr(at, src.find("extern \"C\"", at) - at);
+}
+
+const GeneratedKernel &kernel_named(const cuda::CompiledLayer &c, const std::string &name) {
+  for (const GeneratedKernel &k : c.source.kernels)
+    if (k.name == name)
+      return k;
+  FAIL("no kernel " << name);
+  throw 0;
+}
+
+} // namespace
+
+TEST_CASE("codegen: a k = 1 combine in the GEMM epilogue compiles for sm_90a without spills") {
+  ExampleShape s = small();
+  s.topk = 1;
+  ExampleShape mbpaper = s; // the benchmark's layer: d = 1024, f = 4096, E = 64
+  mbpaper.d = 1024;
+  mbpaper.f = 4096;
+  mbpaper.experts = 64;
+  struct Case {
+    const char *example;
+    ExampleShape shape;
+  };
+  for (const Case &cs : {Case{"moe_mlp", s}, Case{"swiglu_moe", s}, Case{"moe_mlp", mbpaper}})
+    for (const char *preset_name : {"megablocks", "scattermoe"}) {
+      const char *example = cs.example;
+      INFO(example << " / " << preset_name << " / d = " << cs.shape.d);
+      Example ex = make_example(example, cs.shape);
+      cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset(preset_name));
+      check_resources(c, std::string(example) + " / " + preset_name + " / k = 1");
+      // No combine kernel: o's GEMM writes y at row r (= t for k = 1).
+      for (const GeneratedKernel &k : c.source.kernels)
+        CHECK(k.step != "pointwise_y");
+      std::string gemm_o = kernel_source(c, "gemm_o");
+      CHECK(gemm_o.find("g_y + out_row * N + col") != std::string::npos);
+      CHECK(gemm_o.find("out_row = r;") != std::string::npos);
+    }
+}
+
+TEST_CASE("codegen: softmax runs a warp per row and compiles without spills") {
+  // The router's softmax over E = 64 experts: two columns per lane, in registers.
+  ExampleShape s = small();
+  s.experts = 64;
+  Example moe = make_example("moe_mlp", s);
+  cuda::CompiledLayer c = cuda::compile_layer(moe.pipeline, preset("scattermoe"));
+  check_resources(c, "moe_mlp router softmax");
+  CHECK(kernel_named(c, "pointwise_probs").grid.threads_per_element == 32);
+  std::string probs = kernel_source(c, "pointwise_probs");
+  CHECK(probs.find("mf::warp_max(row_max)") != std::string::npos);
+  CHECK(probs.find("mf::warp_sum(row_sum)") != std::string::npos);
+  CHECK(probs.find("float xs[2]") != std::string::npos);
+  // Every row shape: registers (short), strided passes (long, dynamic), rows
+  // from two variables.
+  for (const std::string &what : testing::softmax_row_kinds()) {
+    INFO(what);
+    Example ex = testing::softmax_rows(what);
+    cuda::CompiledLayer sc = cuda::compile_layer(ex.pipeline, preset("megablocks"));
+    check_resources(sc, "softmax " + what);
+    const GeneratedKernel &k = kernel_named(sc, "pointwise_p");
+    CHECK(k.grid.threads_per_element == 32);
+    CHECK(k.grid.count.size() == (what == "3d" ? 2u : 1u));
+    std::string src = kernel_source(sc, "pointwise_p");
+    CHECK(src.find("mf::warp_max(row_max)") != std::string::npos);
+    bool in_registers = what == "short" || what == "3d";
+    CHECK((src.find("float xs[3]") != std::string::npos) == in_registers);
+    CHECK((src.find(" += 32)") != std::string::npos) == !in_registers);
+  }
 }

@@ -14,6 +14,7 @@
 #include "gpu_test.h"
 #include "layer_compare.h"
 #include "schedules/presets.h"
+#include "softmax_layers.h"
 
 using namespace moeforge;
 
@@ -64,6 +65,41 @@ TEST_SUITE("gpu") {
         INFO(name << " / " << p);
         CHECK(o.routing_mismatches == 0);
         CHECK(o.y_error <= 1e-2);
+      }
+  }
+
+  TEST_CASE("cuda layer: k = 1 with the combine in the GEMM epilogue matches the reference") {
+    MOEFORGE_REQUIRE_GPU();
+    // E = 64 as the mbpaper benchmark: y written by o's GEMM at row r = t.
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (const char *p : {"megablocks", "scattermoe"}) {
+        ExampleShape s = shape(700, 256, 512, 64, 1);
+        Example ex = make_example(name, s);
+        Outcome o = run_and_compare(ex, ex.random_inputs(s, 17), s.tokens, preset(p));
+        INFO(name << " / " << p);
+        CHECK(o.routing_mismatches == 0);
+        CHECK(o.y_error <= 1e-2);
+      }
+    // Skewed routing, renormalised gates, replayed from a CUDA graph after a poison.
+    ExampleShape s = shape(333, 128, 256, 16, 1);
+    Example ex = biased_moe(s, true, Bias::ramp, true);
+    for (const char *p : {"megablocks", "scattermoe"}) {
+      Outcome o = run_and_compare(ex, biased_inputs(ex, s, Bias::ramp, 6), s.tokens, preset(p), /*use_graph=*/true);
+      INFO(p);
+      CHECK(o.routing_mismatches == 0);
+      CHECK(o.y_error <= 1e-2);
+    }
+  }
+
+  TEST_CASE("cuda layer: softmax a warp per row matches the reference for every row shape") {
+    MOEFORGE_REQUIRE_GPU();
+    for (const std::string &what : testing::softmax_row_kinds())
+      for (int64_t tokens : {int64_t(1), int64_t(45), int64_t(1000)}) {
+        ExampleShape s = shape(tokens, 1, 1, 1, 1); // only the token count matters
+        Example ex = testing::softmax_rows(what);
+        Outcome o = run_and_compare(ex, ex.random_inputs(s, 8), s.tokens, preset("megablocks"));
+        INFO(what << " / T = " << tokens);
+        CHECK(o.y_error <= 1e-5); // f32 end to end
       }
   }
 

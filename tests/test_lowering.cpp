@@ -8,6 +8,7 @@
 #include <set>
 #include <sstream>
 
+#include "dsl/ops.h"
 #include "dsl/printer.h"
 #include "examples/examples.h"
 #include "lowering/lower.h"
@@ -28,8 +29,9 @@ TEST_CASE("lowering: MOEFORGE_DEBUG=lower prints the program after every pass in
   std::cerr.rdbuf(old);
   const std::string text = captured.str();
   size_t at = 0;
-  for (const char *pass : {"build_steps", "fuse_gate_into_epilogue", "split_unfused_epilogues", "insert_permutation",
-                           "assign_row_layouts", "resolve_row_maps", "materialize_transposes"}) {
+  for (const char *pass :
+       {"build_steps", "fuse_gate_into_epilogue", "split_unfused_epilogues", "insert_permutation", "assign_row_layouts",
+        "resolve_row_maps", "materialize_transposes", "fuse_elementwise_consumers"}) {
     size_t found = text.find(std::string("=== after ") + pass + " ===", at);
     CHECK_MESSAGE(found != std::string::npos, "no dump after " << pass << " (in order)");
     if (found != std::string::npos)
@@ -38,7 +40,7 @@ TEST_CASE("lowering: MOEFORGE_DEBUG=lower prints the program after every pass in
   // The last dump is the program lower() returned.
   std::ostringstream final_program;
   final_program << p;
-  const std::string last = "=== after materialize_transposes ===\n";
+  const std::string last = "=== after fuse_elementwise_consumers ===\n";
   CHECK(text.substr(text.rfind(last) + last.size()) == final_program.str());
 }
 
@@ -100,4 +102,96 @@ TEST_CASE("lowering: a training forward's element-wise steps run in its GEMMs' e
     for (const std::string &o : step_outputs(st))
       ready.insert(o);
   }
+}
+
+namespace {
+
+// The mbpaper benchmark's layer (d = 1024, f = 4096, E = 64, k = 1; T is
+// dynamic, so the token count does not matter here), or k pairs per token.
+ExampleShape mbpaper_shape(int64_t k) {
+  ExampleShape s;
+  s.d = 1024;
+  s.f = 4096;
+  s.experts = 64;
+  s.topk = k;
+  return s;
+}
+
+const PointwiseStep *pointwise_writing(const KernelProgram &p, const std::string &name) {
+  for (const Step &st : p.steps)
+    if (auto *pw = std::get_if<PointwiseStep>(&st); pw && pw->output == name)
+      return pw;
+  return nullptr;
+}
+
+const GemmStep *gemm_writing(const KernelProgram &p, const std::string &name) {
+  for (const Step &st : p.steps)
+    if (auto *g = std::get_if<GemmStep>(&st)) {
+      std::vector<std::string> outs = step_outputs(st);
+      if (std::find(outs.begin(), outs.end(), name) != outs.end())
+        return g;
+    }
+  return nullptr;
+}
+
+} // namespace
+
+TEST_CASE("lowering: a k = 1 combine runs in the last GEMM's epilogue") {
+  for (const char *name : {"moe_mlp", "swiglu_moe"})
+    for (const char *schedule : {"megablocks", "scattermoe"}) {
+      INFO(name << " / " << schedule);
+      Example ex = make_example(name, mbpaper_shape(1));
+      KernelProgram p = lower(ex.pipeline, preset(schedule));
+      CHECK(pointwise_writing(p, "y") == nullptr);
+      const GemmStep *g = gemm_writing(p, "y");
+      REQUIRE(g != nullptr);
+      // o (or o_gated) is read by nothing else: not stored, y is the GEMM's
+      // own output, written at row r (= t for k = 1), not in tile order.
+      CHECK(g->output == "y");
+      CHECK(g->extra.empty());
+      CHECK(g->out_rows == RowMap::gather_pair);
+      CHECK(p.find("o") == nullptr);
+      CHECK(p.find("o_gated") == nullptr);
+      CHECK(p.tensor("y").layout == RowLayout::dense);
+      // scattermoe's gate is in the epilogue already; megablocks' moves
+      // there with the combine.
+      CHECK(to_string(g->epilogue) == "route_gate(r) * acc0(r, i)");
+    }
+}
+
+TEST_CASE("lowering: a k = 2 combine stays an element-wise step") {
+  for (const char *schedule : {"megablocks", "scattermoe"}) {
+    INFO(schedule);
+    KernelProgram p = lower(make_example("moe_mlp", mbpaper_shape(2)).pipeline, preset(schedule));
+    // A token's two pairs are in different tiles: no epilogue sees both.
+    CHECK(pointwise_writing(p, "y") != nullptr);
+    CHECK(gemm_writing(p, "y") == nullptr);
+  }
+}
+
+TEST_CASE("lowering: fuse_epilogue of the GEMM false keeps the k = 1 combine a step") {
+  Schedule s = preset("megablocks");
+  s.fuse_epilogue("o", false);
+  KernelProgram p = lower(make_example("moe_mlp", mbpaper_shape(1)).pipeline, s);
+  CHECK(pointwise_writing(p, "y") != nullptr);
+  CHECK(p.find("o") != nullptr);
+}
+
+TEST_CASE("lowering: a k = 1 combine with a residual reads the residual at the pair's token") {
+  Dim T = Dim::dynamic("T"), D("D", 64), F("F", 128), E("E", 8);
+  Var t("t", T), e("e", E), i("i", D), j("j", F);
+  Input x("x", {T, D});
+  Param wr("wr", {D, E}), w1("w1", {E, D, F}), w2("w2", {E, F, D});
+  Func logits("logits", DType::f32), probs("probs", DType::f32), h("h"), o("o"), y("y");
+  logits(t, e) = sum(i, x(t, i) * wr(i, e));
+  probs(t, e) = softmax(e, logits(t, e));
+  Route route = top_k(probs, e, 1);
+  Var r = route.pair();
+  h(r, j) = gelu(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j)));
+  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
+  y(t, i) = x(t, i) + combine(route, t, route.gate(r) * o(r, i));
+  KernelProgram p = lower(Pipeline({y}), preset("scattermoe"));
+  CHECK(pointwise_writing(p, "y") == nullptr);
+  REQUIRE(gemm_writing(p, "y") != nullptr);
+  CHECK(to_string(gemm_writing(p, "y")->epilogue) == "x(r, i) + route_gate(r) * acc0(r, i)");
 }

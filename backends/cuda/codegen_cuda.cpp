@@ -593,20 +593,74 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
 
 // ------------------------------------------------------------ element-wise kernels
 
+// A softmax row whose extent is static and at most this many columns per lane
+// times 32 is held in registers: each element is read (its body evaluated)
+// once instead of once per pass.
+constexpr long long kSoftmaxRegisterColumns = 8;
+
+// softmax(v, body) over one row, computed by a warp: lane l takes columns l,
+// l + 32, ... (coalesced reads and writes), the row's max and sum of
+// exponentials are warp reductions, then each lane writes its columns.
+// `store(value)` writes the element at the column in em.vars[v].
+void emit_softmax_row(ExprEmitter &em, KernelBuilder &kb, const Softmax &sm,
+                      const std::function<void(const std::string &)> &store) {
+  std::ostringstream &body = em.out();
+  std::string v = "v_" + c_name(sm.var.name()), n = kb.extent(sm.var.dim());
+  em.vars[sm.var.get()] = v;
+  const Dim &d = sm.var.dim();
+  if (!d.is_dynamic() && d.extent() <= 32 * kSoftmaxRegisterColumns) {
+    const long long cols = (d.extent() + 31) / 32;
+    // Per lane: xs[ci] = body at column lane + 32 ci, then its exponential.
+    auto columns = [&](const std::function<void()> &each) {
+      body << "#pragma unroll\n  for (int ci = 0; ci < " << cols << "; ++ci) {\n";
+      body << "    const long long " << v << " = lane + 32LL * ci;\n";
+      body << "    if (" << v << " >= " << n << ") continue;  // past the row\n";
+      em.indent() += 2;
+      each();
+      em.indent() -= 2;
+      body << "  }\n";
+    };
+    body << "  float xs[" << cols << "];  // this lane's columns of the row\n";
+    body << "  float row_max = -mf::inf(), row_sum = 0.f;\n";
+    columns([&] {
+      std::string x = em.emit(sm.body);
+      body << "    xs[ci] = " << x << ";\n    row_max = fmaxf(row_max, xs[ci]);\n";
+    });
+    body << "  row_max = mf::warp_max(row_max);\n";
+    columns([&] { body << "    xs[ci] = expf(xs[ci] - row_max);\n    row_sum += xs[ci];\n"; });
+    body << "  row_sum = mf::warp_sum(row_sum);\n";
+    columns([&] { store("xs[ci] / row_sum"); });
+    return;
+  }
+  // Long or dynamic rows: three strided passes, the body evaluated in each
+  // (the row's reads hit in cache after the first).
+  auto loop = [&](const std::function<void(const std::string &)> &each) {
+    body << "  for (long long " << v << " = lane; " << v << " < " << n << "; " << v << " += 32) {\n";
+    em.indent() += 2;
+    each(em.emit(sm.body));
+    em.indent() -= 2;
+    body << "  }\n";
+  };
+  body << "  float row_max = -mf::inf(), row_sum = 0.f;\n";
+  loop([&](const std::string &x) { body << "    row_max = fmaxf(row_max, " << x << ");\n"; });
+  body << "  row_max = mf::warp_max(row_max);\n";
+  loop([&](const std::string &x) { body << "    row_sum += expf(" << x << " - row_max);\n"; });
+  body << "  row_sum = mf::warp_sum(row_sum);\n";
+  loop([&](const std::string &x) { store("expf(" + x + " - row_max) / row_sum"); });
+}
+
 void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostringstream &src, GeneratedKernel &k) {
   k.name = c_name(s.name);
   k.step = s.name;
+  k.threads = 256;
   KernelBuilder kb(prog, k);
   const TensorDecl &out = prog.tensor(s.output);
   std::string gOut = kb.tensor(s.output, /*writes=*/true);
   const Softmax *softmax = s.body.as<Softmax>();
-  // A softmax thread walks a whole row three times: small blocks spread the
-  // few rows (one per token) over every SM.
-  k.threads = softmax ? 64 : 256;
 
   std::ostringstream body;
   ExprEmitter em(prog, kb, body, 2);
-  // One thread per element; for a softmax, one thread per row of the others.
+  // One thread per element; for a softmax, one warp per row of the others.
   std::vector<Var> loop_vars;
   for (const Var &v : s.vars)
     if (!softmax || !v.same_as(softmax->var))
@@ -616,14 +670,18 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     total = "(" + total + " * " + kb.extent(v.dim()) + ")";
   // Dot products and sums over the tokens: a warp per element (coalesced
   // reads along the reduced index, and 32x the parallelism of a thread each).
+  // A softmax splits its row over the lanes itself; its body is one lane's.
   em.warp_split = !softmax && has_long_reduction(s.body);
-  if (em.warp_split) {
-    body << "  long long idx = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // a warp per element\n";
+  const bool warp_per_element = softmax || em.warp_split;
+  if (warp_per_element) {
+    body << "  long long idx = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // a warp per "
+         << (softmax ? "row" : "element") << "\n";
     body << "  const int lane = threadIdx.x & 31;\n";
   } else {
     body << "  long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
   }
-  body << "  if (idx >= " << total << ") return;\n";
+  body << "  if (idx >= " << total << ") return;"
+       << (warp_per_element ? "  // whole warps: shuffles see every lane" : "") << "\n";
   for (size_t i = loop_vars.size(); i-- > 0;) {
     std::string c = "v_" + c_name(loop_vars[i].name());
     body << "  const long long " << c << " = idx % " << kb.extent(loop_vars[i].dim()) << ";\n";
@@ -637,26 +695,12 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     em.out() << em.pad() << (em.warp_split ? "if (lane == 0) " : "") << gOut << "[" << em.offset(out, idx)
              << "] = mf::from_f32<" << c_type(out.dtype) << ">(" << value << ");\n";
   };
-  if (!softmax) {
+  if (softmax)
+    emit_softmax_row(em, kb, *softmax, store);
+  else
     store(em.emit(s.body));
-  } else {
-    // softmax along v: max, sum of exponentials, then the normalised values.
-    std::string v = "v_" + c_name(softmax->var.name()), n = kb.extent(softmax->var.dim());
-    em.vars[softmax->var.get()] = v;
-    auto loop = [&](const std::function<void(const std::string &)> &each) {
-      body << "  for (long long " << v << " = 0; " << v << " < " << n << "; ++" << v << ") {\n";
-      em.indent() += 2;
-      each(em.emit(softmax->body));
-      em.indent() -= 2;
-      body << "  }\n";
-    };
-    body << "  float row_max = -mf::inf(), row_sum = 0.f;\n";
-    loop([&](const std::string &x) { body << "    row_max = fmaxf(row_max, " << x << ");\n"; });
-    loop([&](const std::string &x) { body << "    row_sum += expf(" << x << " - row_max);\n"; });
-    loop([&](const std::string &x) { store("expf(" + x + " - row_max) / row_sum"); });
-  }
   k.grid.kind = GridShape::Kind::elements;
-  k.grid.threads_per_element = em.warp_split ? 32 : 1;
+  k.grid.threads_per_element = warp_per_element ? 32 : 1;
   for (const Var &v : loop_vars)
     k.grid.count.push_back(v.dim());
   src << "// " << s.name << ": " << s.output << "(";

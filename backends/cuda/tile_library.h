@@ -63,6 +63,14 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The max of v over the 32 lanes of a warp, in every lane (a softmax row's).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 // Stores two adjacent elements (n, n+1) of a row; 4 or 8 bytes at once.
 __device__ __forceinline__ void store2(bf16 *g, float a, float b) {
   *reinterpret_cast<__nv_bfloat162 *>(g) = __floats2bfloat162_rn(a, b);

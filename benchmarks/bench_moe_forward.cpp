@@ -39,12 +39,14 @@ cuda::Device &device() {
 // router GEMM, only E columns wide, a 64-wide tile.
 Schedule tuned(const Shape &s, const std::string &variant) {
   Schedule t = scattermoe();
-  if (variant == "tuned_2cta") {
+  if (variant == "tuned_2cta" || variant == "tuned_tma_2cta") {
     // 96 KiB and 64 accumulators per block: two blocks share each SM (the
     // plain wgmma loop: the warp-specialised one keeps one block per SM).
     t.mma("*", MmaKind::wgmma).tile("*", 128, 128, 64).stages("*", 3);
     if (s.swiglu)
       t.tile("h", 128, 64, 64);
+    if (variant == "tuned_tma_2cta") // loads by TMA, stages paced by mbarriers and a block barrier
+      t.tma("*", true);
     return t;
   }
   if (variant == "tuned_ws_deep") {
@@ -131,7 +133,7 @@ void register_all() {
   for (const Shape &s : bench::kMoeShapes)
     for (const char *p :
          {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep", "tuned_b64", "tuned_r4",
-          "tuned_r16", "tuned_persist", "tuned_tma", "tuned_tma_persist", "tuned_tma_blocked"})
+          "tuned_r16", "tuned_persist", "tuned_tma", "tuned_tma_persist", "tuned_tma_blocked", "tuned_tma_2cta"})
       for (bool skew : {false, true}) {
         std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
         benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)

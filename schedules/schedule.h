@@ -69,8 +69,9 @@ struct GemmTiling {
   // One block per SM walks the output tiles (wgmma_ws only): its producer
   // warpgroup loads the next tile while the consumers run this one's epilogue.
   bool persistent = false;
-  // wgmma_ws: the producer loads dense B tiles (weights) with TMA, one copy
-  // instruction per 64 x 64 box, instead of 16-byte cp.async per thread.
+  // wgmma / wgmma_ws: dense B tiles (weights), and A rows in tile order, come
+  // through TMA, one copy instruction per 64 x 64 box, instead of 16-byte
+  // cp.async per thread.
   bool tma = false;
   int threads() const { return warps_m * warps_n * 32; }
   // The A and B tiles of every stage, in bf16.
@@ -125,8 +126,8 @@ public:
   Schedule &raster(const std::string &func, int row_tiles);
   // Persistent blocks (GemmTiling::persistent); needs mma wgmma_ws.
   Schedule &persistent(const std::string &func, bool on);
-  // TMA loads of the B tiles (GemmTiling::tma); used by wgmma_ws GEMMs whose
-  // B is a dense [K, N] matrix (per expert), ignored by the other loops.
+  // TMA loads (GemmTiling::tma); used by wgmma and wgmma_ws GEMMs whose B is
+  // a dense [K, N] matrix (per expert), ignored by mma_sync.
   Schedule &tma(const std::string &func, bool on);
 
   // ---- accessors

@@ -112,11 +112,18 @@ TEST_CASE("codegen: TMA tiles compile without spills with a tensor map per B ope
           CHECK(maps == static_cast<int>(g->b.size()) + (g->a_rows == RowMap::direct));
         }
       }
-  // The plain wgmma loop has no producer to issue them: tma is ignored there.
+  // The plain wgmma loop (two blocks per SM at 128x128, 3 stages) loads
+  // through TMA too; mma.sync ignores it.
   Example ex = make_example("moe_mlp", small());
   Schedule s = preset("scattermoe");
-  s.mma("*", MmaKind::wgmma).tma("*", true);
+  s.mma("*", MmaKind::wgmma).stages("*", 3).tma("*", true);
   cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
+  check_resources(c, "moe_mlp / scattermoe / plain wgmma / tma");
+  CHECK(c.source.source.find("WgmmaConfig<128, 128, 3, 1>") != std::string::npos);
+  CHECK(c.source.source.find("Cfg::mainloop_tma(") != std::string::npos);
+  CHECK(c.source.source.find("__launch_bounds__(256, 2)") != std::string::npos);
+  s.mma("*", MmaKind::mma_sync).tile("*", 128, 128, 32);
+  c = cuda::compile_layer(ex.pipeline, s);
   CHECK(c.source.source.find("mainloop_tma") == std::string::npos);
 }
 

@@ -183,9 +183,15 @@ TEST_SUITE("gpu") {
     Schedule b("tma_blocked_persistent");
     b.permutation(Permutation::blocked).block(64).tile("*", 64, 256, 64).stages("*", 5);
     b.mma("*", MmaKind::wgmma_ws).tile("h", 64, 128, 64).persistent("*", true).tma("*", true);
+    Schedule c("tma_plain_wgmma");
+    c.permutation(Permutation::scattered).tile("*", 128, 128, 64).stages("*", 3).mma("*", MmaKind::wgmma);
+    c.tma("*", true);
+    Schedule d("tma_plain_wgmma_blocked");
+    d.permutation(Permutation::blocked).tile("*", 128, 128, 64).stages("*", 4).mma("*", MmaKind::wgmma);
+    d.tma("*", true).tile("h", 128, 64, 64);
     for (const char *example : {"moe_mlp", "swiglu_moe"}) {
       Example ex = make_example(example, s);
-      for (const Schedule &sch : {a, b}) {
+      for (const Schedule &sch : {a, b, c, d}) {
         Outcome o = run_and_compare(ex, ex.random_inputs(s, 5), s.tokens, sch);
         INFO(example << " " << sch.to_text());
         CHECK(o.y_error <= 1e-2);

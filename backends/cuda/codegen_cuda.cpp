@@ -322,10 +322,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   KernelBuilder kb(prog, k);
   const bool in_place = g.operands_in_place;
   const bool ws = t.mma == MmaKind::wgmma_ws;
+  const bool wgmma = t.mma == MmaKind::wgmma || ws;
   // B by TMA: a dense [K, N] matrix per expert (or one for all rows) whose
   // shape is known here; transposed B, expert reductions and dynamic K stay
   // on cp.async.
-  const bool tma = ws && t.tma && !in_place && !g.b_trans && !g.expert_k && !g.k.is_dynamic();
+  const bool tma = wgmma && t.tma && !in_place && !g.b_trans && !g.expert_k && !g.k.is_dynamic();
   // A by TMA too when its rows are consecutive (tile order, or a dense A).
   const bool a_tma = tma && g.a_rows == RowMap::direct;
   internal_check(!tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
@@ -338,7 +339,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   const std::string N = std::to_string(g.n.extent());
 
   std::ostringstream body;
-  const bool wgmma = t.mma == MmaKind::wgmma || t.mma == MmaKind::wgmma_ws;
   internal_check(!in_place || (wgmma && g.expert_k && nb == 1)) << "in-place operands are for wgmma expert reductions";
   if (in_place) {
     body << "  using Cfg = mf::" << (ws ? "WgmmaRowsWsConfig<" : "WgmmaRowsConfig<") << t.tile_m << ", " << t.tile_n
@@ -566,8 +566,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.tile_n = t.tile_n;
   k.grid.block = g.block;
   k.grid.persistent = persistent;
-  k.shared_bytes =
-      t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) + (ws ? 16 * t.stages : 0);
+  k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) +
+                   (ws || tma ? 16 * t.stages : 0);
   if (in_place)
     user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
   k.threads = wgmma ? t.tile_m * 2 + (ws ? 128 : 0) : t.threads();

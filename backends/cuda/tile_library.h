@@ -260,6 +260,49 @@ __device__ __forceinline__ bool GemmConfig<BM_, BN_, BK_, STAGES_, WM_, WN_, NB_
 }
 
 
+// ------------------------------------------------------------ Hopper: mbarriers and TMA
+// mbarriers: a phase completes when `count` arrivals have been made.
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` when all of this thread's earlier cp.async copies complete
+// (without adding to the expected count: the barrier was initialised for it).
+__device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+}
+
+// Adds `bytes` to the transaction count the barrier's current phase waits
+// for (TMA copies complete them), without arriving.
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// ------------------------------------------------------------ TMA
+// A tensor map (CUtensorMap, 128 bytes) encoded on the host by
+// cuTensorMapEncodeTiled and passed as a __grid_constant__ kernel argument.
+struct __align__(64) TmaDesc {
+  unsigned long long bits[16];
+};
+// One box of a 3-D tensor (coordinates innermost first) into shared memory at
+// s_dst; its bytes complete on `bar`. Out-of-range elements read as zero.
+__device__ __forceinline__ void tma_load_3d(unsigned s_dst, const TmaDesc *map, int c0, int c1, int c2, unsigned bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(s_dst),
+               "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+               : "memory");
+}
+
 // ------------------------------------------------------------ Hopper: wgmma
 // The same tile contract as GemmConfig, computed by warpgroups with wgmma
 // (sm_90a): each warpgroup owns 64 rows x BN, its A (64 x 16) and B (16 x BN)
@@ -410,6 +453,90 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
     wgmma_commit();
   }
 
+  // ---- B by TMA. tB[b]: operand b as a 3-D tensor map {N, K, batches}
+  // with 64 x 64 boxes and the 128-byte swizzle, which lays each box out
+  // exactly as b_off does (64-column slabs of 64 k-rows x 128 bytes, chunk c
+  // of row k at c ^ (k & 7)): the consumers' wgmmas read it unchanged. One
+  // loading thread tells the stage's `full` barrier how many bytes to
+  // expect, then issues the boxes; the copy engine zero-fills past K and N.
+  // A comes through one of two loaders:
+  //   ACopy: rows through per-thread pointers (gathered rows), cp.async over
+  //          the loading threads, zero past the tile's rows;
+  //   ATma:  BM consecutive rows from row0 of a 2-D tensor map {K, rows}
+  //          (a padded tensor in tile order, or a dense one), BM / 64 boxes
+  //          laid out as a_off does (8-row atoms of 128-byte swizzled rows).
+  //          Rows past the tile's are padding: their results are never stored.
+  template <int LOADERS> struct ACopyBy {
+    const bf16 *const (&gA)[BM * 8 / LOADERS];
+    const bool (&a_ok)[BM * 8 / LOADERS];
+    static constexpr unsigned TMA_BYTES = 0;
+    __device__ void load(unsigned sA, int kt, int t, int K, unsigned) const { load_a<LOADERS>(sA, kt, t, gA, a_ok, K); }
+  };
+  typedef ACopyBy<THREADS> ACopy;
+  struct ATma {
+    const TmaDesc *map;
+    int row0;
+    static constexpr unsigned TMA_BYTES = A_STAGE_BYTES;
+    __device__ void load(unsigned sA, int kt, int t, int, unsigned bar) const {
+      if (t == 0)
+#pragma unroll
+        for (int j = 0; j < BM / 64; ++j)
+          tma_load_3d(sA + j * (64 * 128), map, kt * BK, row0 + j * 64, 0, bar);
+    }
+  };
+  template <typename ALoad>
+  __device__ static __forceinline__ void load_stage_tma(unsigned s0, unsigned full, int slot, int kt, int t,
+                                                        const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
+                                                        int K, int n0) {
+    const unsigned sA = s0 + slot * STAGE_BYTES, bar = full + 8 * slot;
+    if (t == 0) // before any copy of this stage can complete
+      mbar_expect_tx(bar, NB * B_STAGE_BYTES + ALoad::TMA_BYTES);
+    a.load(sA, kt, t, K, bar);
+    if (t == 0)
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int s = 0; s < BN / 64; ++s)
+          tma_load_3d(sA + A_STAGE_BYTES + b * B_STAGE_BYTES + s * (BK * 128), tB[b], n0 + s * 64, kt * BK, batch,
+                      bar);
+  }
+  // The plain loop with TMA: every thread loads (its share of A when A is
+  // gathered) and thread 0 issues the boxes; each stage's `full` mbarrier
+  // completes when every thread's copies and the boxes' bytes have landed.
+  // A block barrier per k step guards the slot being refilled, as in
+  // cp_async_pipeline; two blocks per SM then overlap one's epilogue with
+  // the other's main loop. `rows`: see WgmmaWsConfig::mainloop_tma.
+  template <typename ALoad>
+  __device__ static bool mainloop_tma(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
+                                      int K, int n0, int rows, Acc &acc) {
+    const int tid = threadIdx.x, wg = tid >> 7, KT = (K + BK - 1) / BK;
+    const bool active = rows > wg * 64;
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
+    if (tid == 0)
+      for (int s = 0; s < STAGES; ++s)
+        mbar_init(full + 8 * s, THREADS);
+    __syncthreads();
+    auto load = [&](int kt) {
+      load_stage_tma(s0, full, kt % STAGES, kt, tid, a, tB, batch, K, n0);
+      cp_async_arrive_noinc(full + 8 * (kt % STAGES));
+    };
+    for (int kt = 0; kt < STAGES - 1 && kt < KT; ++kt)
+      load(kt);
+    for (int kt = 0; kt < KT; ++kt) {
+      const int slot = kt % STAGES;
+      mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
+      fence_proxy_async(); // A may have come through cp.async (the generic proxy)
+      if (active)
+        mma_stage(s0, slot, wg, acc);
+      wgmma_wait<1>(); // this warpgroup is done with stage kt - 1 ...
+      __syncthreads(); // ... and so is every other: its slot takes stage kt + STAGES - 1
+      if (kt + STAGES - 1 < KT)
+        load(kt + STAGES - 1);
+    }
+    wgmma_wait<0>();
+    return true;
+  }
+
   // Returns true: every thread of this configuration holds accumulators.
   __device__ static bool mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
                                   const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
@@ -513,48 +640,6 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
 };
 
 // ------------------------------------------------------------ Hopper: warp-specialised wgmma
-// mbarriers: a phase completes when `count` arrivals have been made.
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Arrives on `bar` when all of this thread's earlier cp.async copies complete
-// (without adding to the expected count: the barrier was initialised for it).
-__device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  unsigned done = 0;
-  while (!done)
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-}
-
-// Adds `bytes` to the transaction count the barrier's current phase waits
-// for (TMA copies complete them), without arriving.
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// ------------------------------------------------------------ TMA
-// A tensor map (CUtensorMap, 128 bytes) encoded on the host by
-// cuTensorMapEncodeTiled and passed as a __grid_constant__ kernel argument.
-struct __align__(64) TmaDesc {
-  unsigned long long bits[16];
-};
-// One box of a 3-D tensor (coordinates innermost first) into shared memory at
-// s_dst; its bytes complete on `bar`. Out-of-range elements read as zero.
-__device__ __forceinline__ void tma_load_3d(unsigned s_dst, const TmaDesc *map, int c0, int c1, int c2, unsigned bar) {
-  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-               " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(s_dst),
-               "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-               : "memory");
-}
-
 // The warp-specialised pipeline both Hopper loops share. The last warpgroup
 // produces: load(slot, kt, t) issues stage kt's copies (t = its thread,
 // 0..127) and each copy's completion arrives on the stage's `full` barrier;
@@ -660,7 +745,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   __device__ static bool tile_tma(Ring &r, const ALoad &a, const TmaDesc *const (&tB)[NB], int batch, int K, int n0,
                                   int rows, Acc &acc) {
     return ring_tile(
-        r, K, acc, [&](int slot, int kt, int t) { load_stage_tma(r.s0, r.full, slot, kt, t, a, tB, batch, K, n0); },
+        r, K, acc, [&](int slot, int kt, int t) { Base::load_stage_tma(r.s0, r.full, slot, kt, t, a, tB, batch, K, n0); },
         rows > (threadIdx.x >> 7) * 64);
   }
   template <typename Load>
@@ -703,54 +788,8 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
         [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
   }
 
-  // ---- B by TMA. tB[b]: operand b as a 3-D tensor map {N, K, batches}
-  // with 64 x 64 boxes and the 128-byte swizzle, which lays each box out
-  // exactly as b_off does (64-column slabs of 64 k-rows x 128 bytes, chunk c
-  // of row k at c ^ (k & 7)): the consumers' wgmmas read it unchanged. One
-  // producer thread tells the stage's `full` barrier how many bytes to
-  // expect, then issues the boxes; the copy engine zero-fills past K and N.
-  // A comes through one of two loaders:
-  //   ACopy: rows through per-thread pointers (gathered rows), cp.async over
-  //          the 128 producer threads, zero past the tile's rows;
-  //   ATma:  BM consecutive rows from row0 of a 2-D tensor map {K, rows}
-  //          (a padded tensor in tile order, or a dense one), BM / 64 boxes
-  //          laid out as a_off does (8-row atoms of 128-byte swizzled rows).
-  //          Rows past the tile's are padding: their results are never stored.
-  struct ACopy {
-    const bf16 *const (&gA)[A_ITERS];
-    const bool (&a_ok)[A_ITERS];
-    static constexpr unsigned TMA_BYTES = 0;
-    __device__ void load(unsigned sA, int kt, int t, int K, unsigned) const {
-      Base::template load_a<128>(sA, kt, t, gA, a_ok, K);
-    }
-  };
-  struct ATma {
-    const TmaDesc *map;
-    int row0;
-    static constexpr unsigned TMA_BYTES = A_STAGE_BYTES;
-    __device__ void load(unsigned sA, int kt, int t, int, unsigned bar) const {
-      if (t == 0)
-#pragma unroll
-        for (int j = 0; j < BM / 64; ++j)
-          tma_load_3d(sA + j * (64 * 128), map, kt * BK, row0 + j * 64, 0, bar);
-    }
-  };
-  template <typename ALoad>
-  __device__ static __forceinline__ void load_stage_tma(unsigned s0, unsigned full, int slot, int kt, int t,
-                                                        const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
-                                                        int K, int n0) {
-    const unsigned sA = s0 + slot * STAGE_BYTES, bar = full + 8 * slot;
-    if (t == 0) // before any copy of this stage can complete
-      mbar_expect_tx(bar, NB * B_STAGE_BYTES + ALoad::TMA_BYTES);
-    a.load(sA, kt, t, K, bar);
-    if (t == 0)
-#pragma unroll
-      for (int b = 0; b < NB; ++b)
-#pragma unroll
-        for (int s = 0; s < BN / 64; ++s)
-          tma_load_3d(sA + A_STAGE_BYTES + b * B_STAGE_BYTES + s * (BK * 128), tB[b], n0 + s * 64, kt * BK, batch,
-                      bar);
-  }
+  typedef typename Base::template ACopyBy<128> ACopy; // the producer warpgroup loads
+  typedef typename Base::ATma ATma;
   // A warpgroup whose 64 rows are all past the tile's `rows` (an expert's
   // last, partly filled tile) skips its wgmmas but keeps the stage protocol:
   // the other warpgroup then has the tensor cores to itself.
@@ -761,7 +800,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
     const bool active = rows > wg * 64;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
     return ws_pipeline<STAGES, CONSUMERS>(
-        full, (K + BK - 1) / BK, [&](int slot, int kt, int t) { load_stage_tma(s0, full, slot, kt, t, a, tB, batch, K, n0); },
+        full, (K + BK - 1) / BK, [&](int slot, int kt, int t) { Base::load_stage_tma(s0, full, slot, kt, t, a, tB, batch, K, n0); },
         [&](int slot) {
           if (active)
             Base::mma_stage(s0, slot, wg, acc);

@@ -185,6 +185,40 @@ TEST_SUITE("cpu") {
       }
   }
 
+  TEST_CASE("cpu training: outputs and gradients lowered as one program (lower and its fusions) match the reference") {
+    // The whole gradient algebra through lower(), not lower_training: the
+    // element-wise fusions then see the backward's steps beside the
+    // forward's, and a step reading a reduction of a GEMM's output (the
+    // z-loss's exp(logits - max)) must not move into that GEMM's epilogue.
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (const char *p : {"megablocks", "scattermoe"}) {
+        ExampleShape s = shape(150, 64, 128, 8, 2);
+        AuxLossLayer a = make_aux_loss_example(name, s);
+        std::vector<Func> outputs = a.output_funcs();
+        Gradients g = grad(a.example.pipeline, outputs);
+        std::vector<Func> all = outputs;
+        for (const BufferPtr &b : a.example.pipeline.buffers())
+          if (auto it = g.of.find(b->name); it != g.of.end())
+            all.push_back(it->second);
+        Example t = a.example;
+        t.pipeline = Pipeline(all);
+        TensorMap in = a.example.random_inputs(s, 8);
+        EvalResult fwd = evaluate(a.example.pipeline, in, Precision::f64);
+        std::mt19937_64 rng(21);
+        for (size_t i = 0; i < g.seeds.size(); ++i)
+          in[g.seeds[i]] = random_tensor(fwd[outputs[i].name()].shape, rng, -1.0, 1.0, /*bf16=*/false);
+        INFO(name << " / " << p);
+        cpu::CompiledCpuLayer c = cpu::compile_cpu_layer(t.pipeline, preset(p));
+        cpu::CpuLayer layer(c, s.tokens);
+        layer.upload(in);
+        layer.poison();
+        layer.run();
+        // Exactly-zero router gradients compare against a floor (test_cuda_training.cpp).
+        Outcome o = testing::compare_with_reference(t, in, c.program, layer, p, 2e-2, 1e-3);
+        CHECK(o.routing_mismatches == 0);
+      }
+  }
+
   TEST_CASE("cpu training: dense transposes are exact copies of their sources") {
     // The weights' transposes are downloadable (dense layouts): each must be
     // the input with its last two dims swapped, bit for bit.

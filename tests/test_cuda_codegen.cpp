@@ -8,7 +8,9 @@
 #include "softmax_layers.h"
 
 #include "backends/cuda/layer.h"
+#include "dsl/autodiff.h"
 #include "dsl/printer.h"
+#include "examples/aux_loss_example.h"
 #include "examples/biased_moe.h"
 #include "examples/gradient_nodes.h"
 #include "lowering/lower.h"
@@ -125,6 +127,26 @@ TEST_CASE("codegen: TMA tiles compile without spills with a tensor map per B ope
   s.mma("*", MmaKind::mma_sync).tile("*", 128, 128, 32);
   c = cuda::compile_layer(ex.pipeline, s);
   CHECK(c.source.source.find("mainloop_tma") == std::string::npos);
+}
+
+TEST_CASE("codegen: a dense GEMM's fused extra output is stored at its own row") {
+  // The z-loss's exp(logits) fuses into the router GEMM's epilogue when the
+  // outputs and gradients are lowered as one program; its store must be at
+  // row (p0 + lr), not p0 + lr * N (a missing bracket once).
+  ExampleShape s = small();
+  s.tokens = 150;
+  AuxLossLayer a = make_aux_loss_example("moe_mlp", s);
+  std::vector<Func> all = a.output_funcs();
+  Gradients g = grad(a.example.pipeline, all);
+  for (const BufferPtr &b : a.example.pipeline.buffers())
+    if (auto it = g.of.find(b->name); it != g.of.end())
+      all.push_back(it->second);
+  KernelProgram p = lower(Pipeline(all), preset("scattermoe"));
+  const GemmStep &logits = gemm(p, "logits");
+  REQUIRE(logits.extra.size() == 1);
+  std::string src = generate_cuda(p).source;
+  CHECK(src.find("g_" + logits.extra[0].output + " + (p0 + lr) * N + col") != std::string::npos);
+  CHECK(src.find("p0 + lr * N") == std::string::npos);
 }
 
 TEST_CASE("codegen: the dense MLP compiles through the same GEMM path") {

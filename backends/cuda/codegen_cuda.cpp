@@ -541,7 +541,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   for (size_t o = 1; o < outputs.size(); ++o) {
     // A fused output is stored in its own layout: padded (tile order) or pair.
     const TensorDecl &t = prog.tensor(outputs[o].first);
-    std::string row = !g.route || t.layout == RowLayout::padded ? "p0 + lr" : "(long long)r";
+    std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)" : "(long long)r";
     body << "      {\n";
     for (int e = 0; e < 2; ++e) {
       body << "        const float w" << e << " = epilogue" << o << "(";

@@ -70,6 +70,8 @@ Schedule tuned(const Shape &s, const std::string &variant) {
     t.tma("*", true);
   if (variant == "tuned_tma_blocked") // a padded copy of x: the first GEMM's A by TMA as well
     t.permutation(Permutation::blocked);
+  if (variant == "tuned_tma_cluster") // pairs of row tiles share B through multicast
+    t.cluster("*", 2);
   if (variant == "tuned_persist" || variant == "tuned_tma_persist") // epilogues overlap the next tile's loads
     t.persistent("*", true);
   if (variant == "tuned_r4" || variant == "tuned_r16")
@@ -131,9 +133,9 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
 
 void register_all() {
   for (const Shape &s : bench::kMoeShapes)
-    for (const char *p :
-         {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep", "tuned_b64", "tuned_r4",
-          "tuned_r16", "tuned_persist", "tuned_tma", "tuned_tma_persist", "tuned_tma_blocked", "tuned_tma_2cta"})
+    for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep", "tuned_b64",
+                          "tuned_r4", "tuned_r16", "tuned_persist", "tuned_tma", "tuned_tma_persist",
+                          "tuned_tma_blocked", "tuned_tma_2cta", "tuned_tma_cluster"})
       for (bool skew : {false, true}) {
         std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
         benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)

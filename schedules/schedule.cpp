@@ -213,6 +213,17 @@ Schedule &Schedule::tma(const std::string &func, bool on) {
   return *this;
 }
 
+Schedule &Schedule::cluster(const std::string &func, int row_tiles) {
+  std::string call = "cluster(" + quoted(func) + ", " + std::to_string(row_tiles) + ")";
+  check_func_name(call, func);
+  user_check(row_tiles == 1 || row_tiles == 2)
+      << call << ": clusters of " << row_tiles << " row tiles are not supported: use 1 (none) or 2";
+  Overrides patch;
+  patch.cluster_m = row_tiles;
+  commit(call, "cluster", func, patch);
+  return *this;
+}
+
 FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   GemmTiling &t = base.tiling;
   t.tile_m = o.tile_m.value_or(t.tile_m);
@@ -225,6 +236,7 @@ FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   t.raster = o.raster.value_or(t.raster);
   t.persistent = o.persistent.value_or(t.persistent);
   t.tma = o.tma.value_or(t.tma);
+  t.cluster_m = o.cluster_m.value_or(t.cluster_m);
   base.fuse_epilogue = o.fuse_epilogue.value_or(base.fuse_epilogue);
   return base;
 }
@@ -257,6 +269,7 @@ void Schedule::commit(const std::string &call, const std::string &primitive, con
     merge(o.raster, patch.raster);
     merge(o.persistent, patch.persistent);
     merge(o.tma, patch.tma);
+    merge(o.cluster_m, patch.cluster_m);
     if (next.named_by_.emplace(func, primitive).second)
       next.funcs_.push_back(func);
   }

@@ -73,6 +73,10 @@ struct GemmTiling {
   // through TMA, one copy instruction per 64 x 64 box, instead of 16-byte
   // cp.async per thread.
   bool tma = false;
+  // Thread blocks per cluster along M (1 or 2; wgmma_ws with tma): two row
+  // tiles of one expert share their B tiles, each block loading half and
+  // multicasting it to both, which halves B's traffic from L2.
+  int cluster_m = 1;
   int threads() const { return warps_m * warps_n * 32; }
   // The A and B tiles of every stage, in bf16.
   int shared_bytes() const { return stages * (tile_m * tile_k + tile_k * tile_n) * 2; }
@@ -129,6 +133,8 @@ public:
   // TMA loads (GemmTiling::tma); used by wgmma and wgmma_ws GEMMs whose B is
   // a dense [K, N] matrix (per expert), ignored by mma_sync.
   Schedule &tma(const std::string &func, bool on);
+  // Row tiles per thread-block cluster (GemmTiling::cluster_m): 1 or 2.
+  Schedule &cluster(const std::string &func, int row_tiles);
 
   // ---- accessors
   const std::string &name() const { return name_; }
@@ -169,6 +175,7 @@ private:
     std::optional<int> raster;
     std::optional<bool> persistent;
     std::optional<bool> tma;
+    std::optional<int> cluster_m;
   };
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);
 

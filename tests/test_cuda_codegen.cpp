@@ -129,6 +129,31 @@ TEST_CASE("codegen: TMA tiles compile without spills with a tensor map per B ope
   CHECK(c.source.source.find("mainloop_tma") == std::string::npos);
 }
 
+TEST_CASE("codegen: two-block clusters compile without spills and need the TMA warp-specialised loop") {
+  for (const char *example : {"moe_mlp", "swiglu_moe"})
+    for (const char *preset_name : {"megablocks", "scattermoe"}) {
+      Example ex = make_example(example, small());
+      Schedule s = preset(preset_name);
+      s.tma("*", true).cluster("*", 2);
+      cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
+      check_resources(c, std::string(example) + " / " + preset_name + " / cluster");
+      CHECK(c.source.source.find("__cluster_dims__(2, 1, 1)") != std::string::npos);
+      CHECK(c.source.source.find("Cfg::mainloop_tma_pair(") != std::string::npos);
+      for (const GeneratedKernel &k : c.source.kernels)
+        if (k.grid.kind == GridShape::Kind::routed_tiles || k.grid.kind == GridShape::Kind::dense_tiles)
+          CHECK(k.grid.cluster_m == 2);
+    }
+  Example ex = make_example("moe_mlp", small());
+  Schedule s = preset("scattermoe");
+  s.cluster("*", 2);
+  CHECK_THROWS_WITH_AS(cuda::compile_layer(ex.pipeline, s), doctest::Contains("add mma(\"logits\", wgmma_ws) and tma"),
+                       UserError);
+  s.tma("*", true).tile("h", 64, 128, 64);
+  CHECK_THROWS_WITH_AS(cuda::compile_layer(ex.pipeline, s), doctest::Contains("need tile_m = the routing block (128)"),
+                       UserError);
+  CHECK_THROWS_WITH_AS(s.cluster("*", 4), doctest::Contains("use 1 (none) or 2"), UserError);
+}
+
 TEST_CASE("codegen: a dense GEMM's fused extra output is stored at its own row") {
   // The z-loss's exp(logits) fuses into the router GEMM's epilogue when the
   // outputs and gradients are lowered as one program; its store must be at

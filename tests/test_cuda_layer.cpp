@@ -189,9 +189,17 @@ TEST_SUITE("gpu") {
     Schedule d("tma_plain_wgmma_blocked");
     d.permutation(Permutation::blocked).tile("*", 128, 128, 64).stages("*", 4).mma("*", MmaKind::wgmma);
     d.tma("*", true).tile("h", 128, 64, 64);
+    // Two-block clusters sharing B: pairs of one expert multicast, the
+    // others (an expert's odd last tile, a pair across experts) run alone.
+    Schedule e("tma_cluster_scattered");
+    e.permutation(Permutation::scattered).tile("*", 128, 256, 64).mma("*", MmaKind::wgmma_ws).tma("*", true);
+    e.cluster("*", 2).tile("h", 128, 128, 64);
+    Schedule f("tma_cluster_blocked_b64");
+    f.permutation(Permutation::blocked).block(64).tile("*", 64, 256, 64).stages("*", 5);
+    f.mma("*", MmaKind::wgmma_ws).tile("h", 64, 128, 64).tma("*", true).cluster("*", 2);
     for (const char *example : {"moe_mlp", "swiglu_moe"}) {
       Example ex = make_example(example, s);
-      for (const Schedule &sch : {a, b, c, d}) {
+      for (const Schedule &sch : {a, b, c, d, e, f}) {
         Outcome o = run_and_compare(ex, ex.random_inputs(s, 5), s.tokens, sch);
         INFO(example << " " << sch.to_text());
         CHECK(o.y_error <= 1e-2);

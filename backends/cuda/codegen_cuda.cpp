@@ -373,6 +373,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // Persistent blocks (warp-specialised GEMMs; expert reductions run one
   // block per tile): a loop over the tiles, `skip` leaving one tile.
   const bool persistent = t.persistent && !g.expert_k;
+  // Two blocks per cluster sharing B (row tiles 2m, 2m + 1 of one expert).
+  const bool cluster = t.cluster_m == 2 && !g.expert_k && !in_place;
+  user_check(!cluster || (ws && tma && !persistent && !g.b_trans && !g.k.is_dynamic()))
+      << "definition '" << g.output << "': clusters of two row tiles multicast TMA loads from the warp-specialised "
+      << "loop: add mma(\"" << g.output << "\", wgmma_ws) and tma(\"" << g.output
+      << "\", true), without persistent, or drop cluster";
+  user_check(!cluster || !g.route || g.block == t.tile_m)
+      << "definition '" << g.output << "': clusters of two row tiles need tile_m = the routing block (" << g.block
+      << "), not " << t.tile_m << ": set tile(\"" << g.output << "\", " << g.block << ", ...) or drop cluster";
 
   user_check(!persistent || ws) << "definition '" << g.output << "': persistent blocks need the warp-specialised "
                                 << "loop: add mma(\"" << g.output << "\", wgmma_ws) or drop persistent";
@@ -398,6 +407,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  const int K = (int)(" << off << "[expert + 1] - k_begin);\n";
     if (!in_place)
       body << "  const long long LDA = " << max_padded_rows(prog, kb, r) << ";  // " << g.a << "'s padded row stride\n";
+  } else if (cluster) {
+    // Blocks 2c and 2c + 1 form a cluster: row tiles 2m and 2m + 1 of one column tile.
+    body << "  mf::raster(blockIdx.x >> 1, NUM_N, " << t.raster << ", m_tile, n_tile);\n";
+    body << "  m_tile = 2 * m_tile + (blockIdx.x & 1);  // this block's row tile in the cluster's pair\n";
   } else {
     body << "  mf::raster(blockIdx.x, NUM_N, " << t.raster << ", m_tile, n_tile);\n";
   }
@@ -423,6 +436,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  const long long M = " << kb.extent(g.m) << ";\n";
     body << "  const long long p0 = (long long)m_tile * Cfg::BM;\n";
     body << "  const int rows = (int)min((long long)Cfg::BM, M - p0);\n";
+    if (cluster)
+      body << "  if (rows <= 0) return;  // the grid's last pair is rounded up\n";
     body << "  const long long expert = 0;  // one B for every row\n  (void)expert;\n";
   }
   if (in_place) {
@@ -485,11 +500,22 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
            << (tma ? "tile_tma(ring, a_load, tB, " + batch + ", K, n0, rows, acc)"
                    : "tile(ring, gA, a_ok, gB, K, N, n0, acc)")
            << ")\n    continue;  // the producer: on to the next tile\n\n";
-    else
+    else if (cluster) {
+      // Both blocks of the pair decide alike: share B when both tiles hold rows of one expert.
+      if (g.route)
+        body << "  const int pair_tile = m_tile & ~1;\n  const bool share = pair_tile + 1 < *"
+             << kb.route(g.route, "num_tiles") << " && " << kb.route(g.route, "tile_expert")
+             << "[pair_tile] == " << kb.route(g.route, "tile_expert") << "[pair_tile + 1];\n";
+      else
+        body << "  const bool share = (long long)(m_tile | 1) * Cfg::BM < M;  // both row tiles hold rows\n";
+      body << "  if (!Cfg::mainloop_tma_pair(smem, a_load, tB, " << batch
+           << ", K, n0, rows, share, acc))\n    return;  // a loading-only warpgroup\n\n";
+    } else {
       body << "  if (!Cfg::"
            << (tma ? "mainloop_tma(smem, a_load, tB, " + batch + ", K, n0, rows, acc)"
                    : "mainloop(smem, gA, a_ok, gB, K, N, n0, acc)")
            << ")\n    return;  // a loading-only warpgroup\n\n";
+    }
   }
 
   // The epilogue: the algebra around the sums, per output element.
@@ -586,8 +612,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   for (int b = 0; b < nb; ++b)
     src << (b ? ", " : "") << g.b[b];
   src << "}), tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages\n";
-  src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ", " << min_blocks << ") " << k.name
-      << "(\n    " << kb.signature() << ") {\n"
+  k.grid.cluster_m = cluster ? 2 : 1;
+  src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ", " << min_blocks << ") "
+      << (cluster ? "__cluster_dims__(2, 1, 1) " : "") << k.name << "(\n    " << kb.signature() << ") {\n"
       << body.str() << "}\n\n";
 }
 

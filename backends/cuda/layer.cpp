@@ -87,10 +87,12 @@ void CudaLayer::bind() {
     switch (gs.kind) {
     // GEMMs run a 1-D grid over row x column tiles (rasterised in the kernel).
     case GridShape::Kind::routed_tiles:
-      gx = plans_.at(gs.route)->shape.max_tiles() * (gs.block / gs.tile_m) * ceil_div(shapes_.extent(gs.n), gs.tile_n);
+      gx = ceil_div(plans_.at(gs.route)->shape.max_tiles() * (gs.block / gs.tile_m), gs.cluster_m) * gs.cluster_m *
+           ceil_div(shapes_.extent(gs.n), gs.tile_n);
       break;
     case GridShape::Kind::dense_tiles:
-      gx = ceil_div(shapes_.extent(gs.count.at(0)), gs.tile_m) * ceil_div(shapes_.extent(gs.n), gs.tile_n);
+      gx = ceil_div(ceil_div(shapes_.extent(gs.count.at(0)), gs.tile_m), gs.cluster_m) * gs.cluster_m *
+           ceil_div(shapes_.extent(gs.n), gs.tile_n);
       break;
     case GridShape::Kind::elements: {
       int64_t n = 1;

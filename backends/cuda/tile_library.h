@@ -303,6 +303,33 @@ __device__ __forceinline__ void tma_load_3d(unsigned s_dst, const TmaDesc *map, 
                : "memory");
 }
 
+// ------------------------------------------------------------ Hopper: 2-block clusters
+// The same box multicast into the shared memory of every block in cta_mask
+// (same offsets), completing bytes on each block's barrier at `bar`.
+__device__ __forceinline__ void tma_load_3d_multicast(unsigned s_dst, const TmaDesc *map, int c0, int c1, int c2,
+                                                      unsigned bar, unsigned short cta_mask) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(s_dst),
+               "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(cta_mask)
+               : "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every block of the cluster arrives, then waits for all.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// Arrives on the barrier at the same offset in block `rank`'s shared memory.
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
+  asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+               "r"(rank)
+               : "memory");
+}
+
 // ------------------------------------------------------------ Hopper: wgmma
 // The same tile contract as GemmConfig, computed by warpgroups with wgmma
 // (sm_90a): each warpgroup owns 64 rows x BN, its A (64 x 16) and B (16 x BN)
@@ -805,6 +832,72 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
           if (active)
             Base::mma_stage(s0, slot, wg, acc);
         });
+  }
+
+  // ---- two blocks of a cluster on row tiles of one expert (same B tiles).
+  // Each block loads its own A and half of every stage's B boxes, multicast
+  // into both blocks; each block's `full` barrier expects the whole stage.
+  // A slot is refilled only when the consumers of both blocks have released
+  // it (their warps arrive on both blocks' `empty` barriers), and neither
+  // block leaves its main loop before the other (remote arrivals target its
+  // barriers). share = false: the blocks run mainloop_tma independently (a
+  // partner tile of another expert, or none).
+  template <typename ALoad>
+  __device__ static bool mainloop_tma_pair(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB],
+                                           int batch, int K, int n0, int rows, bool share, Acc &acc) {
+    if (!share)
+      return mainloop_tma(smem, a, tB, batch, K, n0, rows, acc);
+    const int tid = threadIdx.x, wg = tid >> 7, KT = (K + BK - 1) / BK;
+    const unsigned rank = cluster_rank(), peer = rank ^ 1u;
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
+    if (tid == 0) {
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(full + 8 * s, 128);                 // this block's producer threads
+        mbar_init(empty + 8 * s, 2 * CONSUMERS / 32); // the consumer warps of both blocks
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    cluster_sync(); // the peer's copies may land on these barriers from now on
+    if (wg == Base::WG) { // ---- producer
+      const int t = tid & 127;
+      for (int kt = 0; kt < KT; ++kt) {
+        const int slot = kt % STAGES;
+        if (kt >= STAGES)
+          mbar_wait(empty + 8 * slot, ((kt / STAGES) - 1) & 1);
+        const unsigned sA = s0 + slot * STAGE_BYTES, bar = full + 8 * slot;
+        if (t == 0)
+          mbar_expect_tx(bar, NB * B_STAGE_BYTES + ALoad::TMA_BYTES);
+        a.load(sA, kt, t, K, bar);
+        if (t == 0)
+#pragma unroll
+          for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int s = 0; s < BN / 64; ++s)
+              if (((b * (BN / 64) + s) & 1) == (int)rank)
+                tma_load_3d_multicast(sA + A_STAGE_BYTES + b * B_STAGE_BYTES + s * (BK * 128), tB[b], n0 + s * 64,
+                                      kt * BK, batch, bar, (unsigned short)3);
+        cp_async_arrive_noinc(bar);
+      }
+      cluster_sync();
+      return false;
+    }
+    const bool active = rows > wg * 64;
+    for (int kt = 0; kt < KT; ++kt) { // ---- consumers
+      const int slot = kt % STAGES;
+      mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
+      fence_proxy_async();
+      if (active)
+        Base::mma_stage(s0, slot, wg, acc);
+      wgmma_wait<1>();
+      if (kt > 0 && (tid & 31) == 0) {
+        const unsigned prev = empty + 8 * ((kt - 1) % STAGES);
+        mbar_arrive(prev);
+        mbar_arrive_cluster(prev, peer);
+      }
+    }
+    wgmma_wait<0>();
+    cluster_sync();
+    return true;
   }
 };
 

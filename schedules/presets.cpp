@@ -19,6 +19,7 @@ Schedule anchor(const std::string &name, Permutation permutation, GateFusion gat
       .stages(Schedule::all_funcs, 4)
       .warps(Schedule::all_funcs, 8, 1)
       .mma(Schedule::all_funcs, MmaKind::wgmma_ws)
+      .tma(Schedule::all_funcs, true)
       .fuse_epilogue(Schedule::all_funcs, true);
   return s;
 }

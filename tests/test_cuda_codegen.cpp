@@ -145,7 +145,7 @@ TEST_CASE("codegen: two-block clusters compile without spills and need the TMA w
     }
   Example ex = make_example("moe_mlp", small());
   Schedule s = preset("scattermoe");
-  s.cluster("*", 2);
+  s.tma("*", false).cluster("*", 2);
   CHECK_THROWS_WITH_AS(cuda::compile_layer(ex.pipeline, s), doctest::Contains("add mma(\"logits\", wgmma_ws) and tma"),
                        UserError);
   s.tma("*", true).tile("h", 64, 128, 64);

@@ -60,7 +60,9 @@ TEST_SUITE("schedule") {
     CHECK(s.block() == 128);
     CHECK(s.gate() == GateFusion::combine);
     FuncSchedule f = s.for_func("h");
-    CHECK(f.tiling == GemmTiling{128, 128, 64, 4, 8, 1, MmaKind::wgmma_ws});
+    GemmTiling expected{128, 128, 64, 4, 8, 1, MmaKind::wgmma_ws};
+    expected.tma = true;
+    CHECK(f.tiling == expected);
     CHECK(f.fuse_epilogue);
     CHECK(f.tiling.threads() == 256);
     CHECK(f.tiling.shared_bytes() == 4 * (128 * 64 + 64 * 128) * 2);
@@ -73,7 +75,9 @@ TEST_SUITE("schedule") {
     CHECK(s.permutation() == Permutation::scattered);
     CHECK(s.block() == 128);
     CHECK(s.gate() == GateFusion::epilogue);
-    CHECK(s.for_func("*").tiling == GemmTiling{128, 128, 64, 4, 8, 1, MmaKind::wgmma_ws});
+    GemmTiling expected{128, 128, 64, 4, 8, 1, MmaKind::wgmma_ws};
+    expected.tma = true;
+    CHECK(s.for_func("*").tiling == expected);
     CHECK(s.for_func("*").fuse_epilogue);
   }
 
@@ -108,6 +112,7 @@ TEST_SUITE("schedule") {
                                     "stages(\"*\", 4)\n"
                                     "warps(\"*\", 8, 1)\n"
                                     "mma(\"*\", wgmma_ws)\n"
+                                    "tma(\"*\", true)\n"
                                     "fuse_epilogue(\"*\", true)\n");
     Schedule s;
     s.tile("h", 64, 128, 32).block(64).fuse_epilogue("o", false);
@@ -140,7 +145,12 @@ TEST_SUITE("schedule") {
 
   TEST_CASE("schedule: the training and persistent primitives replay from their text") {
     Schedule s = scattermoe();
-    s.recompute(true).persistent("o", true);
+    s.recompute(true).persistent("o", true).tma("h", false).cluster("o", 2);
+    Schedule replayed = Schedule::from_text(s.to_text(), "t.schedule");
+    CHECK_FALSE(replayed.for_func("h").tiling.tma);
+    CHECK(replayed.for_func("o").tiling.tma);
+    CHECK(replayed.for_func("o").tiling.cluster_m == 2);
+    CHECK(replayed.for_func("h").tiling.cluster_m == 1);
     CHECK(s.to_text().find("recompute(true)") != std::string::npos);
     CHECK(s.to_text().find("persistent(\"o\", true)") != std::string::npos);
     Schedule back = Schedule::from_text(s.to_text(), "t.schedule");

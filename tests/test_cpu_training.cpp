@@ -14,6 +14,7 @@
 #include "dsl/error.h"
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
+#include "whole_gradient.h"
 
 using namespace moeforge;
 using namespace moeforge::cpu_test;
@@ -193,20 +194,9 @@ TEST_SUITE("cpu") {
     for (const char *name : {"moe_mlp", "swiglu_moe"})
       for (const char *p : {"megablocks", "scattermoe"}) {
         ExampleShape s = shape(150, 64, 128, 8, 2);
-        AuxLossLayer a = make_aux_loss_example(name, s);
-        std::vector<Func> outputs = a.output_funcs();
-        Gradients g = grad(a.example.pipeline, outputs);
-        std::vector<Func> all = outputs;
-        for (const BufferPtr &b : a.example.pipeline.buffers())
-          if (auto it = g.of.find(b->name); it != g.of.end())
-            all.push_back(it->second);
-        Example t = a.example;
-        t.pipeline = Pipeline(all);
-        TensorMap in = a.example.random_inputs(s, 8);
-        EvalResult fwd = evaluate(a.example.pipeline, in, Precision::f64);
-        std::mt19937_64 rng(21);
-        for (size_t i = 0; i < g.seeds.size(); ++i)
-          in[g.seeds[i]] = random_tensor(fwd[outputs[i].name()].shape, rng, -1.0, 1.0, /*bf16=*/false);
+        testing::WholeGradient w = testing::outputs_and_gradients(make_aux_loss_example(name, s), s);
+        const Example &t = w.example;
+        const TensorMap &in = w.inputs;
         INFO(name << " / " << p);
         cpu::CompiledCpuLayer c = cpu::compile_cpu_layer(t.pipeline, preset(p));
         cpu::CpuLayer layer(c, s.tokens);

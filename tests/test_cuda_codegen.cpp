@@ -6,9 +6,9 @@
 
 #include "cuda_resources.h"
 #include "softmax_layers.h"
+#include "whole_gradient.h"
 
 #include "backends/cuda/layer.h"
-#include "dsl/autodiff.h"
 #include "dsl/printer.h"
 #include "examples/aux_loss_example.h"
 #include "examples/biased_moe.h"
@@ -160,13 +160,8 @@ TEST_CASE("codegen: a dense GEMM's fused extra output is stored at its own row")
   // row (p0 + lr), not p0 + lr * N (a missing bracket once).
   ExampleShape s = small();
   s.tokens = 150;
-  AuxLossLayer a = make_aux_loss_example("moe_mlp", s);
-  std::vector<Func> all = a.output_funcs();
-  Gradients g = grad(a.example.pipeline, all);
-  for (const BufferPtr &b : a.example.pipeline.buffers())
-    if (auto it = g.of.find(b->name); it != g.of.end())
-      all.push_back(it->second);
-  KernelProgram p = lower(Pipeline(all), preset("scattermoe"));
+  testing::WholeGradient w = testing::outputs_and_gradients(make_aux_loss_example("moe_mlp", s), s);
+  KernelProgram p = lower(w.example.pipeline, preset("scattermoe"));
   const GemmStep &logits = gemm(p, "logits");
   REQUIRE(logits.extra.size() == 1);
   std::string src = generate_cuda(p).source;

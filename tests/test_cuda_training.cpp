@@ -17,6 +17,7 @@
 #include "gpu_test.h"
 #include "layer_compare.h"
 #include "schedules/presets.h"
+#include "whole_gradient.h"
 
 using namespace moeforge;
 using testing::check_resources;
@@ -203,21 +204,10 @@ TEST_SUITE("gpu") {
     static cuda::Device device;
     for (const char *name : {"moe_mlp", "swiglu_moe"}) {
       ExampleShape s = shape(150, 64, 128, 8, 2);
-      AuxLossLayer a = make_aux_loss_example(name, s);
-      std::vector<Func> outputs = a.output_funcs();
-      Gradients g = grad(a.example.pipeline, outputs);
-      std::vector<Func> all = outputs;
-      for (const BufferPtr &b : a.example.pipeline.buffers())
-        if (auto it = g.of.find(b->name); it != g.of.end())
-          all.push_back(it->second);
-      Example t = a.example;
-      t.pipeline = Pipeline(all);
       // Every output's upstream gradient, random, shaped like the output.
-      TensorMap in = a.example.random_inputs(s, 8);
-      EvalResult fwd = evaluate(a.example.pipeline, in, Precision::f64);
-      std::mt19937_64 rng(21);
-      for (size_t i = 0; i < g.seeds.size(); ++i)
-        in[g.seeds[i]] = random_tensor(fwd[outputs[i].name()].shape, rng, -1.0, 1.0, /*bf16=*/false);
+      testing::WholeGradient w = testing::outputs_and_gradients(make_aux_loss_example(name, s), s);
+      const Example &t = w.example;
+      const TensorMap &in = w.inputs;
       cuda::CompiledLayer c = cuda::compile_layer(t.pipeline, preset("scattermoe"), device.arch_specific());
       cuda::CudaLayer layer(device, c, s.tokens);
       layer.upload(in);

@@ -511,10 +511,12 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
           tma_load_3d(sA + j * (64 * 128), map, kt * BK, row0 + j * 64, 0, bar);
     }
   };
-  template <typename ALoad>
+  // PAIR: this block is `rank` of a 2-block cluster sharing B: it issues
+  // every other box, multicast to both blocks (mainloop_tma_pair).
+  template <bool PAIR = false, typename ALoad>
   __device__ static __forceinline__ void load_stage_tma(unsigned s0, unsigned full, int slot, int kt, int t,
                                                         const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
-                                                        int K, int n0) {
+                                                        int K, int n0, unsigned rank = 0) {
     const unsigned sA = s0 + slot * STAGE_BYTES, bar = full + 8 * slot;
     if (t == 0) // before any copy of this stage can complete
       mbar_expect_tx(bar, NB * B_STAGE_BYTES + ALoad::TMA_BYTES);
@@ -523,9 +525,13 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
 #pragma unroll
       for (int b = 0; b < NB; ++b)
 #pragma unroll
-        for (int s = 0; s < BN / 64; ++s)
-          tma_load_3d(sA + A_STAGE_BYTES + b * B_STAGE_BYTES + s * (BK * 128), tB[b], n0 + s * 64, kt * BK, batch,
-                      bar);
+        for (int s = 0; s < BN / 64; ++s) {
+          const unsigned dst = sA + A_STAGE_BYTES + b * B_STAGE_BYTES + s * (BK * 128);
+          if (!PAIR)
+            tma_load_3d(dst, tB[b], n0 + s * 64, kt * BK, batch, bar);
+          else if (((b * (BN / 64) + s) & 1) == (int)rank)
+            tma_load_3d_multicast(dst, tB[b], n0 + s * 64, kt * BK, batch, bar, (unsigned short)3);
+        }
   }
   // The plain loop with TMA: every thread loads (its share of A when A is
   // gathered) and thread 0 issues the boxes; each stage's `full` mbarrier
@@ -864,19 +870,8 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
         const int slot = kt % STAGES;
         if (kt >= STAGES)
           mbar_wait(empty + 8 * slot, ((kt / STAGES) - 1) & 1);
-        const unsigned sA = s0 + slot * STAGE_BYTES, bar = full + 8 * slot;
-        if (t == 0)
-          mbar_expect_tx(bar, NB * B_STAGE_BYTES + ALoad::TMA_BYTES);
-        a.load(sA, kt, t, K, bar);
-        if (t == 0)
-#pragma unroll
-          for (int b = 0; b < NB; ++b)
-#pragma unroll
-            for (int s = 0; s < BN / 64; ++s)
-              if (((b * (BN / 64) + s) & 1) == (int)rank)
-                tma_load_3d_multicast(sA + A_STAGE_BYTES + b * B_STAGE_BYTES + s * (BK * 128), tB[b], n0 + s * 64,
-                                      kt * BK, batch, bar, (unsigned short)3);
-        cp_async_arrive_noinc(bar);
+        Base::template load_stage_tma<true>(s0, full, slot, kt, t, a, tB, batch, K, n0, rank);
+        cp_async_arrive_noinc(full + 8 * slot);
       }
       cluster_sync();
       return false;

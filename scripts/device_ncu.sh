@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Nsight Compute on the GPU machine: our expert GEMMs and cuBLAS's kernels
-# for one benchmark case, with the sections that say what bounds a GEMM.
-# Usage: bash scripts/device_ncu.sh [benchmark filter]
+# Nsight Compute on the GPU machine: our kernels and cuBLAS's for one
+# benchmark case, with the sections that say what bounds a GEMM (speed of
+# light, L2 and DRAM traffic, pipe use, warp stalls).
+# Usage: bash scripts/device_ncu.sh [benchmark filter] [kernel regex] [launches] [tag]
+#   kernel regex: ours are gemm_<func>; cuBLAS's are nvjet* / sm90_xmma* on
+#   Hopper (default: both, ours first).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
 filter=${1:-forward/mixtral/tuned/uniform}
-timeout 500 ncu --clock-control none -k regex:gemm --launch-count 8 \
+kernels=${2:-gemm|nvjet|xmma}
+launches=${3:-8}
+tag=${4:-ncu}
+timeout 500 ncu --clock-control none -k "regex:$kernels" --launch-count "$launches" \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
   --section WarpStateStats --section Occupancy --section LaunchStats \
-  .gpu/bench_moe_forward --benchmark_filter="$filter" >"$OUT/ncu.txt" 2>&1
+  --metrics lts__t_bytes.sum.per_second,dram__bytes_read.sum.per_second,lts__t_sector_hit_rate.pct \
+  .gpu/bench_moe_forward --benchmark_filter="$filter" >"$OUT/$tag.txt" 2>&1
 echo "ncu exit $?"
-grep -E "^  [a-z_0-9]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Executed Ipc Active|Issue Slots Busy|Shared Memory" "$OUT/ncu.txt" | head -120
+grep -E "^  [a-zA-Z_0-9]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|lts__t_bytes|dram__bytes_read|hit_rate|Executed Ipc Active|Issue Slots Busy|Stall" "$OUT/$tag.txt" | head -80

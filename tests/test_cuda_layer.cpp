@@ -52,34 +52,30 @@ Outcome run_and_compare(const Example &ex, const TensorMap &inputs, int64_t toke
   return testing::compare_with_reference(ex, inputs, compiled.program, layer, schedule.to_text(), 2e-2);
 }
 
+// Both MoE examples under both presets at shape s, inputs from `seed`.
+void check_every_preset(const ExampleShape &s, uint64_t seed) {
+  for (const char *name : {"moe_mlp", "swiglu_moe"})
+    for (const char *p : {"megablocks", "scattermoe"}) {
+      Example ex = make_example(name, s);
+      Outcome o = run_and_compare(ex, ex.random_inputs(s, seed), s.tokens, preset(p));
+      INFO(name << " / " << p);
+      CHECK(o.routing_mismatches == 0);
+      CHECK(o.y_error <= 1e-2);
+    }
+}
+
 } // namespace
 
 TEST_SUITE("gpu") {
   TEST_CASE("cuda layer: every preset x example matches the reference") {
     MOEFORGE_REQUIRE_GPU();
-    for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (const char *p : {"megablocks", "scattermoe"}) {
-        ExampleShape s = shape(512, 256, 512, 8, 2);
-        Example ex = make_example(name, s);
-        Outcome o = run_and_compare(ex, ex.random_inputs(s, 11), s.tokens, preset(p));
-        INFO(name << " / " << p);
-        CHECK(o.routing_mismatches == 0);
-        CHECK(o.y_error <= 1e-2);
-      }
+    check_every_preset(shape(512, 256, 512, 8, 2), 11);
   }
 
   TEST_CASE("cuda layer: k = 1 with the combine in the GEMM epilogue matches the reference") {
     MOEFORGE_REQUIRE_GPU();
     // E = 64 as the mbpaper benchmark: y written by o's GEMM at row r = t.
-    for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (const char *p : {"megablocks", "scattermoe"}) {
-        ExampleShape s = shape(700, 256, 512, 64, 1);
-        Example ex = make_example(name, s);
-        Outcome o = run_and_compare(ex, ex.random_inputs(s, 17), s.tokens, preset(p));
-        INFO(name << " / " << p);
-        CHECK(o.routing_mismatches == 0);
-        CHECK(o.y_error <= 1e-2);
-      }
+    check_every_preset(shape(700, 256, 512, 64, 1), 17);
     // Skewed routing, renormalised gates, replayed from a CUDA graph after a poison.
     ExampleShape s = shape(333, 128, 256, 16, 1);
     Example ex = biased_moe(s, true, Bias::ramp, true);

@@ -310,6 +310,45 @@ void check_multiple_of_8(const GemmStep &g, const Dim &d, const char *role) {
 
 // ------------------------------------------------------------ GEMM kernels
 
+// The A operand's loader, once per tile: a TMA map of rows in tile order
+// (a_tma), or each loading thread's row pointers, gathered through
+// sorted_pair where the rows are routed (wrapped as Cfg::ACopy for the TMA
+// loops, which take B through tensor maps).
+void emit_a_operand(const GemmStep &g, KernelBuilder &kb, const std::string &gA, const std::string &sorted_pair,
+                    bool tma, bool a_tma, std::ostringstream &body) {
+  if (a_tma) {
+    body << "  const Cfg::ATma a_load{&" << kb.tma(g.a, 0, g.k.extent()) << ", (int)p0};  // " << g.a
+         << " rows in tile order, by TMA\n";
+  } else {
+    // A rows: resolved once per tile, not per k step.
+    body << "  const mf::bf16 *gA[Cfg::A_ITERS];\n  bool a_ok[Cfg::A_ITERS];\n";
+    body << "#pragma unroll\n  for (int i = 0; i < Cfg::A_ITERS; ++i) {\n";
+    body << "    const int lr = Cfg::a_load_row(tid, i);\n";
+    switch (g.a_rows) {
+    case RowMap::direct:
+      body << "    const long long row = lr < rows ? p0 + lr : 0;  // " << g.a << " rows are in tile order\n";
+      body << "    a_ok[i] = lr < rows;\n";
+      break;
+    case RowMap::gather_pair:
+    case RowMap::gather_token: {
+      std::string div = g.a_rows == RowMap::gather_token ? " / " + std::to_string(g.route->k) : "";
+      body << "    const int r = lr < rows ? " << sorted_pair << "[p0 + lr] : -1;\n";
+      body << "    const long long row = r < 0 ? 0 : (long long)r" << div
+           << ";  // gathered: " << (div.empty() ? "pair r" : "token(r) = r" + div) << "\n";
+      body << "    a_ok[i] = r >= 0;\n";
+      break;
+    }
+    }
+    if (g.expert_k)
+      body << "    gA[i] = " << gA << " + row * LDA + k_begin + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
+    else
+      body << "    gA[i] = " << gA << " + row * " << (g.k.is_dynamic() ? "LDA" : "K")
+           << " + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
+    if (tma)
+      body << "  const Cfg::ACopy a_load{gA, a_ok};\n";
+  }
+}
+
 void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream &src, GeneratedKernel &k) {
   const GemmTiling &t = g.tiling;
   const int nb = static_cast<int>(g.b.size());
@@ -448,37 +487,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
          << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
          << "    return;  // a loading-only warpgroup\n\n";
   } else {
-    if (a_tma) {
-      body << "  const Cfg::ATma a_load{&" << kb.tma(g.a, 0, g.k.extent()) << ", (int)p0};  // " << g.a
-           << " rows in tile order, by TMA\n";
-    } else {
-      // A rows: resolved once per tile, not per k step.
-      body << "  const mf::bf16 *gA[Cfg::A_ITERS];\n  bool a_ok[Cfg::A_ITERS];\n";
-      body << "#pragma unroll\n  for (int i = 0; i < Cfg::A_ITERS; ++i) {\n";
-      body << "    const int lr = Cfg::a_load_row(tid, i);\n";
-      switch (g.a_rows) {
-      case RowMap::direct:
-        body << "    const long long row = lr < rows ? p0 + lr : 0;  // " << g.a << " rows are in tile order\n";
-        body << "    a_ok[i] = lr < rows;\n";
-        break;
-      case RowMap::gather_pair:
-      case RowMap::gather_token: {
-        std::string div = g.a_rows == RowMap::gather_token ? " / " + std::to_string(g.route->k) : "";
-        body << "    const int r = lr < rows ? " << sorted_pair << "[p0 + lr] : -1;\n";
-        body << "    const long long row = r < 0 ? 0 : (long long)r" << div
-             << ";  // gathered: " << (div.empty() ? "pair r" : "token(r) = r" + div) << "\n";
-        body << "    a_ok[i] = r >= 0;\n";
-        break;
-      }
-      }
-      if (g.expert_k)
-        body << "    gA[i] = " << gA << " + row * LDA + k_begin + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
-      else
-        body << "    gA[i] = " << gA << " + row * " << (g.k.is_dynamic() ? "LDA" : "K")
-             << " + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
-      if (tma)
-        body << "  const Cfg::ACopy a_load{gA, a_ok};\n";
-    }
+    emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, body);
     if (tma) {
       body << "  const mf::TmaDesc *tB[" << nb << "] = {";
       for (int b = 0; b < nb; ++b)

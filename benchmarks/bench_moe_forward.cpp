@@ -15,6 +15,8 @@
 #include <cstdlib>
 #include <memory>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "backends/cuda/layer.h"
 #include "benchmarks/dense_roof.h"
@@ -70,8 +72,10 @@ Schedule tuned(const Shape &s, const std::string &variant) {
     t.tma("*", true);
   if (variant == "tuned_tma_blocked") // a padded copy of x: the first GEMM's A by TMA as well
     t.permutation(Permutation::blocked);
-  if (variant == "tuned_tma_cluster") // pairs of row tiles share B through multicast
+  if (variant == "tuned_tma_cluster" || variant == "tuned_tma_cluster_b128") // pairs of row tiles share B (multicast)
     t.cluster("*", 2);
+  if (variant == "tuned_tma_cluster") // pairs are the halves of a 256-row routing tile: always one expert
+    t.block(256);
   if (variant == "tuned_persist" || variant == "tuned_tma_persist") // epilogues overlap the next tile's loads
     t.persistent("*", true);
   if (variant == "tuned_r4" || variant == "tuned_r16")
@@ -87,7 +91,11 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
   Bias bias = skewed ? Bias::ramp : Bias::none;
   Example ex = biased_moe(es, shape.swiglu, bias, shape.swiglu);
   std::string name = schedule_name;
-  Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name) : preset(name);
+  // A name ending in ".sched" is a schedule file (Schedule::save's text):
+  // MOEFORGE_BENCH_SCHEDULES lists such files to time beside the variants.
+  Schedule schedule = name.size() > 6 && name.substr(name.size() - 6) == ".sched" ? Schedule::load(name)
+                      : name.rfind("tuned", 0) == 0                               ? tuned(shape, name)
+                                                                                  : preset(name);
   // Compiling needs no GPU: without one, every variant is still lowered and
   // compiled (a schedule or codegen error shows here), then skipped.
   std::string why;
@@ -131,11 +139,37 @@ void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name,
   }
 }
 
+// The schedule files named in MOEFORGE_BENCH_SCHEDULES (comma-separated).
+std::vector<std::string> schedule_files() {
+  std::vector<std::string> files;
+  const char *env = std::getenv("MOEFORGE_BENCH_SCHEDULES");
+  std::string list = env ? env : "", item;
+  for (size_t i = 0; i <= list.size(); ++i)
+    if (i == list.size() || list[i] == ',') {
+      if (!item.empty())
+        files.push_back(item);
+      item.clear();
+    } else {
+      item += list[i];
+    }
+  return files;
+}
+
 void register_all() {
+  static const std::vector<std::string> files = schedule_files(); // the names must outlive registration
+  for (const Shape &s : bench::kMoeShapes)
+    for (const std::string &f : files)
+      for (bool skew : {false, true}) {
+        std::string name = std::string("forward/") + s.name + "/" + f + (skew ? "/skewed" : "/uniform");
+        benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, f.c_str(), skew)
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->Iterations(3);
+      }
   for (const Shape &s : bench::kMoeShapes)
     for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep", "tuned_b64",
                           "tuned_r4", "tuned_r16", "tuned_persist", "tuned_tma", "tuned_tma_persist",
-                          "tuned_tma_blocked", "tuned_tma_2cta", "tuned_tma_cluster"})
+                          "tuned_tma_blocked", "tuned_tma_2cta", "tuned_tma_cluster", "tuned_tma_cluster_b128"})
       for (bool skew : {false, true}) {
         std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
         benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)

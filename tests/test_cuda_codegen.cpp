@@ -148,9 +148,16 @@ TEST_CASE("codegen: two-block clusters compile without spills and need the TMA w
   s.tma("*", false).cluster("*", 2);
   CHECK_THROWS_WITH_AS(cuda::compile_layer(ex.pipeline, s), doctest::Contains("add mma(\"logits\", wgmma_ws) and tma"),
                        UserError);
-  s.tma("*", true).tile("h", 64, 128, 64);
-  CHECK_THROWS_WITH_AS(cuda::compile_layer(ex.pipeline, s), doctest::Contains("need tile_m = the routing block (128)"),
+  s.tma("*", true).block(256).tile("h", 64, 128, 64);
+  CHECK_THROWS_WITH_AS(cuda::compile_layer(ex.pipeline, s),
+                       doctest::Contains("need the routing block (256) to be tile_m or twice it, not tile_m 64"),
                        UserError);
+  // block = 2 tile_m: a pair is the two halves of one routing tile (one
+  // expert), sharing whenever the second half holds rows.
+  s.tile("h", 128, 128, 64);
+  cuda::CompiledLayer halves = cuda::compile_layer(ex.pipeline, s);
+  check_resources(halves, "moe_mlp / scattermoe / cluster over 256-row blocks");
+  CHECK(halves.source.source.find("const bool share = rt_route_tile_rows[tile] > Cfg::BM;") != std::string::npos);
   CHECK_THROWS_WITH_AS(s.cluster("*", 4), doctest::Contains("use 1 (none) or 2"), UserError);
 }
 

@@ -203,6 +203,32 @@ TEST_SUITE("gpu") {
     }
   }
 
+  TEST_CASE("cuda layer: two-block clusters on the halves of 256-row routing tiles match the reference") {
+    MOEFORGE_REQUIRE_GPU();
+    // block(256) with 128-row tiles: each cluster takes both halves of one
+    // expert's routing tile and multicasts B when the second half holds rows;
+    // a half-empty routing tile (an expert's last) runs its first half alone.
+    // 1500 tokens x k = 2 over 8 experts: ~375 rows each, so every expert has
+    // a shared pair and a lone last half; 700 x k = 1 over 16: ~44 rows, so
+    // nothing shares. d = 200, f = 328: K and N tails in the boxes.
+    Schedule a("cluster_halves_scattered");
+    a.permutation(Permutation::scattered).block(256).tile("*", 128, 256, 64).mma("*", MmaKind::wgmma_ws);
+    a.tma("*", true).cluster("*", 2).tile("h", 128, 128, 64);
+    Schedule b("cluster_halves_blocked");
+    b.permutation(Permutation::blocked).block(256).tile("*", 128, 128, 64).mma("*", MmaKind::wgmma_ws);
+    b.tma("*", true).cluster("*", 2).stages("*", 3);
+    for (const ExampleShape &s : {shape(1500, 200, 328, 8, 2), shape(700, 256, 512, 16, 1)})
+      for (const char *example : {"moe_mlp", "swiglu_moe"}) {
+        Example ex = make_example(example, s);
+        for (const Schedule &sch : {a, b}) {
+          Outcome o = run_and_compare(ex, ex.random_inputs(s, 6), s.tokens, sch);
+          INFO(example << " T=" << s.tokens << " " << sch.to_text());
+          CHECK(o.routing_mismatches == 0);
+          CHECK(o.y_error <= 1e-2);
+        }
+      }
+  }
+
   TEST_CASE("cuda layer: a whole forward captured in a CUDA graph replays correctly") {
     MOEFORGE_REQUIRE_GPU();
     // Capture fails on any device-to-host synchronisation inside the step.

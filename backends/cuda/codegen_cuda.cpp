@@ -418,9 +418,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       << "definition '" << g.output << "': clusters of two row tiles multicast TMA loads from the warp-specialised "
       << "loop: add mma(\"" << g.output << "\", wgmma_ws) and tma(\"" << g.output
       << "\", true), without persistent, or drop cluster";
-  user_check(!cluster || !g.route || g.block == t.tile_m)
-      << "definition '" << g.output << "': clusters of two row tiles need tile_m = the routing block (" << g.block
-      << "), not " << t.tile_m << ": set tile(\"" << g.output << "\", " << g.block << ", ...) or drop cluster";
+  // Routed pairs: consecutive routing tiles (block = tile_m; they share B
+  // when one expert holds both), or the two halves of one routing tile
+  // (block = 2 tile_m: always one expert, every pair shares).
+  user_check(!cluster || !g.route || g.block == t.tile_m || g.block == 2 * t.tile_m)
+      << "definition '" << g.output << "': clusters of two row tiles need the routing block (" << g.block
+      << ") to be tile_m or twice it, not tile_m " << t.tile_m << ": set tile(\"" << g.output << "\", " << g.block
+      << ", ...), block(" << 2 * t.tile_m << ") or drop cluster";
 
   user_check(!persistent || ws) << "definition '" << g.output << "': persistent blocks need the warp-specialised "
                                 << "loop: add mma(\"" << g.output << "\", wgmma_ws) or drop persistent";
@@ -511,7 +515,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
            << ")\n    continue;  // the producer: on to the next tile\n\n";
     else if (cluster) {
       // Both blocks of the pair decide alike: share B when both tiles hold rows of one expert.
-      if (g.route)
+      if (g.route && g.block == 2 * t.tile_m)
+        body << "  const bool share = " << kb.route(g.route, "tile_rows")
+             << "[tile] > Cfg::BM;  // both halves of the routing tile hold rows\n";
+      else if (g.route)
         body << "  const int pair_tile = m_tile & ~1;\n  const bool share = pair_tile + 1 < *"
              << kb.route(g.route, "num_tiles") << " && " << kb.route(g.route, "tile_expert")
              << "[pair_tile] == " << kb.route(g.route, "tile_expert") << "[pair_tile + 1];\n";

@@ -322,10 +322,13 @@ __device__ __forceinline__ unsigned cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
-// Arrives on the barrier at the same offset in block `rank`'s shared memory.
+// Arrives on the barrier at the same offset in block `rank`'s shared memory,
+// with the default release at the block's scope: what is released is a slot
+// whose reads (wgmma) have completed, so no cluster-wide ordering is owed,
+// and .release.cluster cost the pair loop a third of its speed (NOTES v11).
 __device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
   asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+               "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
                "r"(rank)
                : "memory");
 }
@@ -679,7 +682,10 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
 // the CONSUMERS threads before it wait on `full`, run mma(slot) and release
 // the stage on `empty` once their wgmmas have read it. Returns false in the
 // producer, which must then leave the kernel.
-template <int STAGES, int CONSUMERS, typename Load, typename Mma>
+// GENERIC: some of a stage arrives through cp.async (the generic proxy), so
+// consumers fence before wgmma reads it; stages written by TMA alone need no
+// fence (the mbarrier's completion makes the async proxy's writes visible).
+template <int STAGES, int CONSUMERS, bool GENERIC = true, typename Load, typename Mma>
 __device__ __forceinline__ bool ws_pipeline(unsigned full, int KT, Load load, Mma mma) {
   const int tid = threadIdx.x, wg = tid >> 7;
   const unsigned empty = full + 8 * STAGES;
@@ -704,7 +710,8 @@ __device__ __forceinline__ bool ws_pipeline(unsigned full, int KT, Load load, Mm
   for (int kt = 0; kt < KT; ++kt) { // ---- consumers
     const int slot = kt % STAGES;
     mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
-    fence_proxy_async(); // the stage was written by cp.async (generic proxy); wgmma reads it (async proxy)
+    if (GENERIC)
+      fence_proxy_async(); // the stage was written by cp.async (generic proxy); wgmma reads it (async proxy)
     mma(slot);
     wgmma_wait<1>(); // the previous stage's wgmmas are done: release it
     if (kt > 0 && (tid & 31) == 0)
@@ -832,7 +839,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
     const int wg = threadIdx.x >> 7;
     const bool active = rows > wg * 64;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
-    return ws_pipeline<STAGES, CONSUMERS>(
+    return ws_pipeline<STAGES, CONSUMERS, ALoad::TMA_BYTES == 0>(
         full, (K + BK - 1) / BK, [&](int slot, int kt, int t) { Base::load_stage_tma(s0, full, slot, kt, t, a, tB, batch, K, n0); },
         [&](int slot) {
           if (active)
@@ -844,16 +851,21 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   // Each block loads its own A and half of every stage's B boxes, multicast
   // into both blocks; each block's `full` barrier expects the whole stage.
   // A slot is refilled only when the consumers of both blocks have released
-  // it (their warps arrive on both blocks' `empty` barriers), and neither
-  // block leaves its main loop before the other (remote arrivals target its
-  // barriers). share = false: the blocks run mainloop_tma independently (a
-  // partner tile of another expert, or none).
+  // it (each consumer warp arrives on its own block's `empty` barrier from
+  // lane 0 and on the peer's from lane 1). share = false: the blocks run
+  // mainloop_tma independently (a partner tile of another expert, or none).
+  // Lifetimes without a closing cluster barrier: a block touches the peer's
+  // shared memory only through its multicast boxes, which the peer's
+  // consumers wait for, and through releases of slots the peer's producer
+  // will refill, which that producer waits for; so every remote access lands
+  // before the peer can finish, and the releases of the last STAGES slots,
+  // which nobody waits for, are not made.
   template <typename ALoad>
   __device__ static bool mainloop_tma_pair(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB],
                                            int batch, int K, int n0, int rows, bool share, Acc &acc) {
     if (!share)
       return mainloop_tma(smem, a, tB, batch, K, n0, rows, acc);
-    const int tid = threadIdx.x, wg = tid >> 7, KT = (K + BK - 1) / BK;
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, KT = (K + BK - 1) / BK;
     const unsigned rank = cluster_rank(), peer = rank ^ 1u;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
     if (tid == 0) {
@@ -863,7 +875,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    cluster_sync(); // the peer's copies may land on these barriers from now on
+    cluster_sync(); // the peer's copies and releases may reach these barriers from now on
     if (wg == Base::WG) { // ---- producer
       const int t = tid & 127;
       for (int kt = 0; kt < KT; ++kt) {
@@ -873,25 +885,26 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
         Base::template load_stage_tma<true>(s0, full, slot, kt, t, a, tB, batch, K, n0, rank);
         cp_async_arrive_noinc(full + 8 * slot);
       }
-      cluster_sync();
       return false;
     }
     const bool active = rows > wg * 64;
     for (int kt = 0; kt < KT; ++kt) { // ---- consumers
       const int slot = kt % STAGES;
       mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
-      fence_proxy_async();
+      if (ALoad::TMA_BYTES == 0)
+        fence_proxy_async(); // A came through cp.async
       if (active)
         Base::mma_stage(s0, slot, wg, acc);
       wgmma_wait<1>();
-      if (kt > 0 && (tid & 31) == 0) {
+      if (kt > 0 && kt - 1 + STAGES < KT) { // stage kt - 1's slot will be refilled: release it
         const unsigned prev = empty + 8 * ((kt - 1) % STAGES);
-        mbar_arrive(prev);
-        mbar_arrive_cluster(prev, peer);
+        if (lane == 0)
+          mbar_arrive(prev);
+        else if (lane == 1)
+          mbar_arrive_cluster(prev, peer);
       }
     }
     wgmma_wait<0>();
-    cluster_sync();
     return true;
   }
 };

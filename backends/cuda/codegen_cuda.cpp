@@ -314,14 +314,19 @@ void check_multiple_of_8(const GemmStep &g, const Dim &d, const char *role) {
 // (a_tma), or each loading thread's row pointers, gathered through
 // sorted_pair where the rows are routed (wrapped as Cfg::ACopy for the TMA
 // loops, which take B through tensor maps).
+// producer_only: a warp-specialised loop, where the consumers never load A
+// and need not wait for these lookups (a persistent block's consumers would
+// wait for them at every tile).
 void emit_a_operand(const GemmStep &g, KernelBuilder &kb, const std::string &gA, const std::string &sorted_pair,
-                    bool tma, bool a_tma, std::ostringstream &body) {
+                    bool tma, bool a_tma, bool producer_only, std::ostringstream &body) {
   if (a_tma) {
-    body << "  const Cfg::ATma a_load{&" << kb.tma(g.a, 0, g.k.extent()) << ", (int)p0};  // " << g.a
+    body << "  const Cfg::ATma a_load{&" << kb.tma(g.a, 0, g.k.extent()) << ", (int)p0, rows};  // " << g.a
          << " rows in tile order, by TMA\n";
   } else {
     // A rows: resolved once per tile, not per k step.
     body << "  const mf::bf16 *gA[Cfg::A_ITERS];\n  bool a_ok[Cfg::A_ITERS];\n";
+    if (producer_only)
+      body << "  if (tid >= Cfg::CONSUMERS)  // the producer warpgroup's copies\n";
     body << "#pragma unroll\n  for (int i = 0; i < Cfg::A_ITERS; ++i) {\n";
     body << "    const int lr = Cfg::a_load_row(tid, i);\n";
     switch (g.a_rows) {
@@ -483,6 +488,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       body << "  if (rows <= 0) return;  // the grid's last pair is rounded up\n";
     body << "  const long long expert = 0;  // one B for every row\n  (void)expert;\n";
   }
+  // Latency trims that cost registers, for tiles whose accumulators leave
+  // room (under 128 per thread; SwiGLU's 2 x 128-wide tile spills with them):
+  // the epilogue's rows through sorted_pair are loaded before the main loop,
+  // which hides their latency, and a persistent block's consumers skip the
+  // producer's A row lookups, which they would otherwise wait for per tile.
+  const bool roomy = !wgmma || nb * t.tile_n / 2 < 128;
+  const bool prefetch_rows = g.route && !g.expert_k && !in_place && roomy;
   if (in_place) {
     // Row maps of the reduced index p: 0 = row p (padded), d = sorted_pair[p] / d.
     auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };
@@ -491,7 +503,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
          << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
          << "    return;  // a loading-only warpgroup\n\n";
   } else {
-    emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, body);
+    emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, ws && persistent && roomy, body);
     if (tma) {
       body << "  const mf::TmaDesc *tB[" << nb << "] = {";
       for (int b = 0; b < nb; ++b)
@@ -505,6 +517,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
                  : g.b_per_expert ? " + (long long)expert * K * N"
                                   : "");
       body << "};\n";
+    }
+    if (prefetch_rows) {
+      // The epilogue's rows through sorted_pair, loaded now so that the
+      // main loop hides their latency.
+      body << "  int r_pre[Cfg::MI][2];  // pair r of each accumulator row, -1 past the tile's rows\n"
+           << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n"
+           << "    for (int h = 0; h < 2; ++h) {\n"
+           << "      const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n"
+           << "      r_pre[mi][h] = lr < rows ? " << sorted_pair << "[p0 + lr] : -1;\n    }\n";
     }
     body << "  Cfg::Acc acc = {};\n";
     const std::string batch = g.b_per_expert ? "(int)expert" : "0";
@@ -564,7 +585,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   if (g.expert_k) {
     body << "    const long long " << vr << " = p0 + lr, out_row = expert * M + " << vr << ";\n";
   } else if (g.route) {
-    body << "    const int r = " << sorted_pair << "[p0 + lr];\n    if (r < 0) continue;  // padding row\n";
+    body << "    const int r = " << (prefetch_rows ? std::string("r_pre[mi][h]") : sorted_pair + "[p0 + lr]")
+         << ";\n    if (r < 0) continue;  // padding row\n";
     body << "    const long long " << vr << " = r;\n";
     body << "    const long long out_row = "
          << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order") << "\n";

@@ -493,25 +493,32 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
   //   ACopy: rows through per-thread pointers (gathered rows), cp.async over
   //          the loading threads, zero past the tile's rows;
   //   ATma:  BM consecutive rows from row0 of a 2-D tensor map {K, rows}
-  //          (a padded tensor in tile order, or a dense one), BM / 64 boxes
-  //          laid out as a_off does (8-row atoms of 128-byte swizzled rows).
-  //          Rows past the tile's are padding: their results are never stored.
+  //          (a padded tensor in tile order, or a dense one), one box per
+  //          64 rows that hold any of the tile's `rows`, laid out as a_off
+  //          does (8-row atoms of 128-byte swizzled rows). Rows past `rows`
+  //          are padding: their results are never stored, and a warpgroup
+  //          whose 64 rows are all padding neither reads nor loads them (an
+  //          expert's last tile often holds a few rows: its A traffic halves).
   template <int LOADERS> struct ACopyBy {
     const bf16 *const (&gA)[BM * 8 / LOADERS];
     const bool (&a_ok)[BM * 8 / LOADERS];
-    static constexpr unsigned TMA_BYTES = 0;
+    static constexpr bool BY_TMA = false;
+    __device__ unsigned tma_bytes() const { return 0; }
     __device__ void load(unsigned sA, int kt, int t, int K, unsigned) const { load_a<LOADERS>(sA, kt, t, gA, a_ok, K); }
   };
   typedef ACopyBy<THREADS> ACopy;
   struct ATma {
     const TmaDesc *map;
-    int row0;
-    static constexpr unsigned TMA_BYTES = A_STAGE_BYTES;
+    int row0, rows;
+    static constexpr bool BY_TMA = true;
+    __device__ int boxes() const { return min(BM / 64, (rows + 63) / 64); }
+    __device__ unsigned tma_bytes() const { return boxes() * (64 * 128); }
     __device__ void load(unsigned sA, int kt, int t, int, unsigned bar) const {
       if (t == 0)
 #pragma unroll
         for (int j = 0; j < BM / 64; ++j)
-          tma_load_3d(sA + j * (64 * 128), map, kt * BK, row0 + j * 64, 0, bar);
+          if (j < boxes())
+            tma_load_3d(sA + j * (64 * 128), map, kt * BK, row0 + j * 64, 0, bar);
     }
   };
   // PAIR: this block is `rank` of a 2-block cluster sharing B: it issues
@@ -521,10 +528,10 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
                                                         const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
                                                         int K, int n0, unsigned rank = 0) {
     const unsigned sA = s0 + slot * STAGE_BYTES, bar = full + 8 * slot;
-    if (t == 0) // before any copy of this stage can complete
-      mbar_expect_tx(bar, NB * B_STAGE_BYTES + ALoad::TMA_BYTES);
-    a.load(sA, kt, t, K, bar);
-    if (t == 0)
+    if (t == 0) { // the whole stage's bytes, before any copy of it can complete
+      mbar_expect_tx(bar, NB * B_STAGE_BYTES + a.tma_bytes());
+      // B's boxes first: in a pair the peer's stage waits for them too,
+      // and A's cp.async copies below may stall this thread's issue.
 #pragma unroll
       for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -535,6 +542,8 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
           else if (((b * (BN / 64) + s) & 1) == (int)rank)
             tma_load_3d_multicast(dst, tB[b], n0 + s * 64, kt * BK, batch, bar, (unsigned short)3);
         }
+    }
+    a.load(sA, kt, t, K, bar);
   }
   // The plain loop with TMA: every thread loads (its share of A when A is
   // gathered) and thread 0 issues the boxes; each stage's `full` mbarrier
@@ -839,7 +848,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
     const int wg = threadIdx.x >> 7;
     const bool active = rows > wg * 64;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
-    return ws_pipeline<STAGES, CONSUMERS, ALoad::TMA_BYTES == 0>(
+    return ws_pipeline<STAGES, CONSUMERS, !ALoad::BY_TMA>(
         full, (K + BK - 1) / BK, [&](int slot, int kt, int t) { Base::load_stage_tma(s0, full, slot, kt, t, a, tB, batch, K, n0); },
         [&](int slot) {
           if (active)
@@ -891,7 +900,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
     for (int kt = 0; kt < KT; ++kt) { // ---- consumers
       const int slot = kt % STAGES;
       mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
-      if (ALoad::TMA_BYTES == 0)
+      if (!ALoad::BY_TMA)
         fence_proxy_async(); // A came through cp.async
       if (active)
         Base::mma_stage(s0, slot, wg, acc);

@@ -75,7 +75,10 @@ struct GemmTiling {
   bool tma = false;
   // Thread blocks per cluster along M (1 or 2; wgmma_ws with tma): two row
   // tiles of one expert share their B tiles, each block loading half and
-  // multicasting it to both, which halves B's traffic from L2.
+  // multicasting it to both, which halves B's traffic from L2. The pair is
+  // two consecutive routing tiles (block = tile_m: shared when one expert
+  // holds both) or the two halves of one (block = 2 tile_m: always shared
+  // when the second half holds rows).
   int cluster_m = 1;
   int threads() const { return warps_m * warps_n * 32; }
   // The A and B tiles of every stage, in bf16.

@@ -67,7 +67,9 @@ TEST_CASE("codegen: persistent GEMMs compile without spills and loop over their 
       s.persistent("*", true);
       cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
       check_resources(c, std::string(example) + " / " + preset_name + " / persistent");
-      CHECK(c.source.source.find("tile_id += gridDim.x") != std::string::npos);
+      // Tiles drawn in order from the counter, which the last block zeroes.
+      CHECK(c.source.source.find("tile_id = Cfg::next_tile(ring, tile_counter)") != std::string::npos);
+      CHECK(c.source.source.find("Cfg::tiles_done(tile_counter);") != std::string::npos);
       for (const GeneratedKernel &k : c.source.kernels)
         if (k.grid.kind == GridShape::Kind::routed_tiles || k.grid.kind == GridShape::Kind::dense_tiles)
           CHECK(k.grid.persistent);

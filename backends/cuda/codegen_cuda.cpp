@@ -66,6 +66,13 @@ public:
       params_.push_back("const __grid_constant__ mf::TmaDesc " + c);
     return c;
   }
+  // Two ints the runtime zeroes once, from which persistent blocks draw
+  // their tiles (WgmmaWsConfig::next_tile; the kernel leaves them zero).
+  std::string tile_counter() {
+    if (add(KernelArg{KernelArg::Kind::counter, "tile_counter", nullptr}))
+      params_.push_back("int *__restrict__ tile_counter");
+    return "tile_counter";
+  }
   // A Dim's extent as a C expression; dynamic extents become arguments.
   std::string extent(const Dim &d) { return extent_of(d.node()); }
   std::string signature() const {
@@ -435,11 +442,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
                                 << "loop: add mma(\"" << g.output << "\", wgmma_ws) or drop persistent";
   const char *skip = persistent ? "continue" : "return";
   if (persistent) {
-    std::string rows_total = g.route ? "(" + max_padded_rows(prog, kb, g.route) + ") / Cfg::BM"
+    // Routed: the routing's own tile count (read on the device), so no
+    // block walks the upper bound's empty tiles.
+    std::string rows_total = g.route ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " +
+                                           std::to_string(g.block / t.tile_m)
                                      : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
-    body << "  const long long TOTAL = (" << rows_total << ") * NUM_N;  // output tiles (an upper bound when routed)\n";
+    body << "  const long long TOTAL = (" << rows_total << ") * NUM_N;  // output tiles\n";
     body << "  auto ring = Cfg::ring(smem);\n";
-    body << "  for (long long tile_id = blockIdx.x; tile_id < TOTAL; tile_id += gridDim.x) {\n";
+    body << "  for (long long tile_id = blockIdx.x; tile_id < TOTAL; tile_id = Cfg::next_tile(ring, "
+         << kb.tile_counter() << ")) {\n";
     body << "  mf::raster_mn((int)tile_id, (int)(TOTAL / NUM_N), NUM_N, " << t.raster << ", m_tile, n_tile);\n";
   } else if (g.expert_k) {
     // One grid slice per expert; the expert's padded segment of sorted rows
@@ -618,7 +629,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   }
   body << "    }\n  }\n";
   if (persistent)
-    body << "  }  // next tile\n";
+    body << "  }  // next tile\n  Cfg::tiles_done(tile_counter);\n";
 
   k.grid.kind = g.expert_k ? GridShape::Kind::expert_tiles
                 : g.route  ? GridShape::Kind::routed_tiles
@@ -631,7 +642,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.block = g.block;
   k.grid.persistent = persistent;
   k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) +
-                   (ws || tma ? 16 * t.stages : 0);
+                   (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0); // + the tile-id ring (Ring)
   if (in_place)
     user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
   k.threads = wgmma ? t.tile_m * 2 + (ws ? 128 : 0) : t.threads();

@@ -18,6 +18,7 @@ struct KernelArg {
     route,  // a routing array
     extent, // a dynamic extent (long long)
     tma, // a TMA tensor map (CUtensorMap) of a bf16 tensor seen as {cols, rows, batches}, 64 x 64 boxes, 128B swizzle
+    counter, // two int32 the runtime zeroes once and the kernel leaves zero (persistent blocks' tile counter)
   };
   Kind kind;
   std::string name;                   // tensor name, route array name, or Dim name

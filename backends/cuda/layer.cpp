@@ -68,6 +68,11 @@ void CudaLayer::bind() {
       case KernelArg::Kind::extent:
         l.args.push_back(shapes_.dynamic_extent(a.name));
         break;
+      case KernelArg::Kind::counter: // zero now; each launch leaves it zero for the next
+        counters_.emplace_back(2 * sizeof(int32_t));
+        counters_.back().fill32(0);
+        l.args.push_back(counters_.back().arg());
+        break;
       case KernelArg::Kind::route: {
         RoutingPlan &plan = *plans_.at(a.route);
         DeviceBuffer *b = a.name == "num_tiles" ? &plan.num_tiles : routing_array(plan, a.name);

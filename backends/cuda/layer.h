@@ -93,6 +93,7 @@ private:
   std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
   std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows
   std::deque<CUtensorMap> tensor_maps_;                    // TMA arguments (a deque: their addresses stay put)
+  std::deque<DeviceBuffer> counters_;                      // persistent GEMMs' tile counters, likewise
   std::vector<Launch> launches_;
   std::vector<int> launch_of_; // step -> its launch (-1 for routing)
   int sm_count_;               // persistent GEMMs launch at most one block per SM

@@ -765,20 +765,67 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   // stage counters (`it`) agree; the consumers release a tile's last stage
   // before its epilogue, so the producer fills the ring with the next tile's
   // data while the epilogue stores this one.
+  //
+  // Blocks take tiles in order from a counter (next_tile): the tiles in
+  // flight then stay a window of consecutive ids, as when the hardware hands
+  // out one block per tile, so an expert's weights are read from DRAM about
+  // once. With a fixed stride (tile blockIdx.x + i * gridDim.x) blocks drift
+  // apart and the same GEMM read a third more from DRAM (NOTES v14). The
+  // producer's thread 0 draws the next id and publishes it in a 2-slot ring
+  // (tile_full: it has written the slot; tile_empty: every warp has read it).
   struct Ring {
-    unsigned s0, full, empty;
-    int it;
+    unsigned s0, full, empty, tile_full, tile_empty, tile_ids;
+    int it, fetches;
   };
+  static constexpr int TILE_RING_BYTES = 16 * 2 + 8 * 2; // 2 x (two mbarriers) + 2 slots of a tile id
   __device__ static Ring ring(unsigned char *smem) {
-    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u;
-    Ring r{s0, s0 + STAGES * STAGE_BYTES, s0 + STAGES * STAGE_BYTES + 8 * STAGES, 0};
-    if (threadIdx.x == 0)
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, bars = s0 + STAGES * STAGE_BYTES;
+    Ring r{s0, bars, bars + 8 * STAGES, bars + 16 * STAGES, bars + 16 * STAGES + 16, bars + 16 * STAGES + 32, 0, 0};
+    if (threadIdx.x == 0) {
       for (int s = 0; s < STAGES; ++s) {
         mbar_init(r.full + 8 * s, 128);
         mbar_init(r.empty + 8 * s, CONSUMERS / 32);
       }
+      for (int s = 0; s < 2; ++s) {
+        mbar_init(r.tile_full + 8 * s, 1);
+        mbar_init(r.tile_empty + 8 * s, THREADS / 32);
+      }
+    }
     __syncthreads();
     return r;
+  }
+  // The id of this block's next tile (every thread calls it once per tile,
+  // in the same order); counter[0]: ids drawn beyond the first gridDim.x.
+  __device__ static long long next_tile(Ring &r, int *counter) {
+    const int slot = r.fetches & 1, round = r.fetches >> 1;
+    const int tid = threadIdx.x;
+    ++r.fetches;
+    if (tid == CONSUMERS) { // the producer's first thread draws
+      if (round > 0)
+        mbar_wait(r.tile_empty + 8 * slot, (round - 1) & 1);
+      const long long id = (long long)gridDim.x + atomicAdd(counter, 1);
+      asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(r.tile_ids + 8 * slot), "l"(id) : "memory");
+      mbar_arrive(r.tile_full + 8 * slot); // releases the store
+    }
+    mbar_wait(r.tile_full + 8 * slot, round & 1);
+    long long id;
+    asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(id) : "r"(r.tile_ids + 8 * slot) : "memory");
+    __syncwarp();
+    if ((tid & 31) == 0)
+      mbar_arrive(r.tile_empty + 8 * slot);
+    return id;
+  }
+  // After the loop over tiles: the last block to finish zeroes the counter
+  // (counter[1] counts finished blocks) for the next launch, which the
+  // stream orders after this one; no block draws again by then.
+  __device__ static void tiles_done(int *counter) {
+    if (threadIdx.x != CONSUMERS)
+      return;
+    __threadfence(); // this block's draws are done before it counts itself finished
+    if (atomicAdd(counter + 1, 1) == (int)gridDim.x - 1) {
+      counter[0] = 0;
+      counter[1] = 0;
+    }
   }
   // One output tile: the producer issues its loads and returns false (go on
   // to the next tile); the consumers accumulate it into acc and return true.

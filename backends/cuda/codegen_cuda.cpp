@@ -642,7 +642,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.block = g.block;
   k.grid.persistent = persistent;
   k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) +
-                   (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0); // + the tile-id ring (Ring)
+                   (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0); // + the tile-id ring (WgmmaWsConfig::ring)
   if (in_place)
     user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
   k.threads = wgmma ? t.tile_m * 2 + (ws ? 128 : 0) : t.threads();

@@ -777,7 +777,8 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
     unsigned s0, full, empty, tile_full, tile_empty, tile_ids;
     int it, fetches;
   };
-  static constexpr int TILE_RING_BYTES = 16 * 2 + 8 * 2; // 2 x (two mbarriers) + 2 slots of a tile id
+  // Shared memory past the stages: STAGES x (full, empty), then 2 x
+  // (tile_full, tile_empty) and 2 tile ids, 48 bytes (the codegen's count).
   __device__ static Ring ring(unsigned char *smem) {
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, bars = s0 + STAGES * STAGE_BYTES;
     Ring r{s0, bars, bars + 8 * STAGES, bars + 16 * STAGES, bars + 16 * STAGES + 16, bars + 16 * STAGES + 32, 0, 0};

@@ -413,7 +413,13 @@ TEST_CASE("codegen: a k = 1 combine in the GEMM epilogue compiles for sm_90a wit
       // No combine kernel: o's GEMM writes y at row r (= t for k = 1).
       for (const GeneratedKernel &k : c.source.kernels)
         CHECK(k.step != "pointwise_y");
+      // h = gelu(acc) in tile order reads no pair index: no sorted_pair
+      // lookup in its epilogue (rows below `rows` are real pairs); y's
+      // epilogue reads route_gate(r) and stores at row r, so it looks r up.
+      std::string gemm_h = kernel_source(c, "gemm_h");
+      CHECK(gemm_h.find("const int r = -1;  // unread") != std::string::npos);
       std::string gemm_o = kernel_source(c, "gemm_o");
+      CHECK(gemm_o.find("const int r = -1;  // unread") == std::string::npos);
       CHECK(gemm_o.find("g_y + out_row * N + col") != std::string::npos);
       CHECK(gemm_o.find("out_row = r;") != std::string::npos);
     }

@@ -317,6 +317,15 @@ void check_multiple_of_8(const GemmStep &g, const Dim &d, const char *role) {
 
 // ------------------------------------------------------------ GEMM kernels
 
+// Whether C code uses the identifier `name` (not as part of a longer one).
+bool mentions(const std::string &code, const std::string &name) {
+  auto ident = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  for (size_t at = code.find(name); at != std::string::npos; at = code.find(name, at + 1))
+    if ((at == 0 || !ident(code[at - 1])) && (at + name.size() == code.size() || !ident(code[at + name.size()])))
+      return true;
+  return false;
+}
+
 // The A operand's loader, once per tile: a TMA map of rows in tile order
 // (a_tma), or each loading thread's row pointers, gathered through
 // sorted_pair where the rows are routed (wrapped as Cfg::ACopy for the TMA
@@ -444,9 +453,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   if (persistent) {
     // Routed: the routing's own tile count (read on the device), so no
     // block walks the upper bound's empty tiles.
-    std::string rows_total = g.route ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " +
-                                           std::to_string(g.block / t.tile_m)
-                                     : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
+    std::string rows_total =
+        g.route ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " + std::to_string(g.block / t.tile_m)
+                : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
     body << "  const long long TOTAL = (" << rows_total << ") * NUM_N;  // output tiles\n";
     body << "  auto ring = Cfg::ring(smem);\n";
     body << "  for (long long tile_id = blockIdx.x; tile_id < TOTAL; tile_id = Cfg::next_tile(ring, "
@@ -499,13 +508,47 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       body << "  if (rows <= 0) return;  // the grid's last pair is rounded up\n";
     body << "  const long long expert = 0;  // one B for every row\n  (void)expert;\n";
   }
+  // The epilogue: the algebra around the sums, per output element.
+  std::string vr = "v_" + c_name(g.row_var.name()), vc = "v_" + c_name(g.col_var.name());
+  std::map<const FuncNode *, std::string> accumulators; // held in registers, passed to each lambda
+  std::string params;
+  for (int b = 0; b < nb; ++b) {
+    accumulators[g.accumulators[b].get()] = "acc" + std::to_string(b);
+    params += "float acc" + std::to_string(b) + ", ";
+  }
+  // One lambda per output: the GEMM's own, then the fused element-wise ones.
+  std::vector<std::pair<std::string, Expr>> outputs{{g.output, g.epilogue}};
+  for (const GemmStep::Extra &e : g.extra)
+    outputs.emplace_back(e.output, e.value);
+  std::ostringstream epilogues; // emitted after the main loop
+  bool reads_row = false;       // does any epilogue read the row index (pair r)?
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    std::ostringstream code;
+    ExprEmitter eo(prog, kb, code, 4);
+    eo.vars[g.row_var.get()] = vr;
+    eo.vars[g.col_var.get()] = vc;
+    eo.registers = accumulators;
+    std::string value = eo.emit(outputs[o].second);
+    epilogues << "  // " << outputs[o].first << "(" << g.row_var.name() << ", " << g.col_var.name()
+              << ") = " << outputs[o].second << "\n";
+    epilogues << "  auto epilogue" << (o ? std::to_string(o) : "") << " = [&](" << params << "long long " << vr
+              << ", long long " << vc << ") -> float {\n"
+              << code.str() << "    return " << value << ";\n  };\n";
+    reads_row |= mentions(code.str() + value, vr);
+  }
   // Latency trims that cost registers, for tiles whose accumulators leave
   // room (under 128 per thread; SwiGLU's 2 x 128-wide tile spills with them):
   // the epilogue's rows through sorted_pair are loaded before the main loop,
   // which hides their latency, and a persistent block's consumers skip the
   // producer's A row lookups, which they would otherwise wait for per tile.
   const bool roomy = !wgmma || nb * t.tile_n / 2 < 128;
-  const bool prefetch_rows = g.route && !g.expert_k && !in_place && roomy;
+  // A routed tile's rows below `rows` are all real pairs, so an epilogue
+  // that stores in tile order and never reads the pair index (h = gelu(acc),
+  // say) needs no sorted_pair lookup: it was a dependent load per tile.
+  bool pair_rows = g.out_rows != RowMap::direct || reads_row;
+  for (const GemmStep::Extra &e : g.extra)
+    pair_rows |= prog.tensor(e.output).layout != RowLayout::padded;
+  const bool prefetch_rows = g.route && !g.expert_k && !in_place && roomy && pair_rows;
   if (in_place) {
     // Row maps of the reduced index p: 0 = row p (padded), d = sorted_pair[p] / d.
     auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };
@@ -566,38 +609,17 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     }
   }
 
-  // The epilogue: the algebra around the sums, per output element.
-  std::string vr = "v_" + c_name(g.row_var.name()), vc = "v_" + c_name(g.col_var.name());
-  std::map<const FuncNode *, std::string> accumulators; // held in registers, passed to each lambda
-  std::string params;
-  for (int b = 0; b < nb; ++b) {
-    accumulators[g.accumulators[b].get()] = "acc" + std::to_string(b);
-    params += "float acc" + std::to_string(b) + ", ";
-  }
-  // One lambda per output: the GEMM's own, then the fused element-wise ones.
-  std::vector<std::pair<std::string, Expr>> outputs{{g.output, g.epilogue}};
-  for (const GemmStep::Extra &e : g.extra)
-    outputs.emplace_back(e.output, e.value);
-  for (size_t o = 0; o < outputs.size(); ++o) {
-    std::ostringstream code;
-    ExprEmitter eo(prog, kb, code, 4);
-    eo.vars[g.row_var.get()] = vr;
-    eo.vars[g.col_var.get()] = vc;
-    eo.registers = accumulators;
-    std::string value = eo.emit(outputs[o].second);
-    body << "  // " << outputs[o].first << "(" << g.row_var.name() << ", " << g.col_var.name()
-         << ") = " << outputs[o].second << "\n";
-    body << "  auto epilogue" << (o ? std::to_string(o) : "") << " = [&](" << params << "long long " << vr
-         << ", long long " << vc << ") -> float {\n"
-         << code.str() << "    return " << value << ";\n  };\n";
-  }
+  body << epilogues.str();
   body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
   body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n    if (lr >= rows) continue;\n";
   if (g.expert_k) {
     body << "    const long long " << vr << " = p0 + lr, out_row = expert * M + " << vr << ";\n";
   } else if (g.route) {
-    body << "    const int r = " << (prefetch_rows ? std::string("r_pre[mi][h]") : sorted_pair + "[p0 + lr]")
-         << ";\n    if (r < 0) continue;  // padding row\n";
+    if (pair_rows)
+      body << "    const int r = " << (prefetch_rows ? std::string("r_pre[mi][h]") : sorted_pair + "[p0 + lr]")
+           << ";\n    if (r < 0) continue;  // padding row\n";
+    else
+      body << "    const int r = -1;  // unread: rows below `rows` are real pairs, stored in tile order\n";
     body << "    const long long " << vr << " = r;\n";
     body << "    const long long out_row = "
          << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order") << "\n";

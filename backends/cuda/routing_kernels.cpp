@@ -7,7 +7,7 @@ namespace moeforge::cuda {
 
 const std::vector<std::string> &routing_kernel_names() {
   static const std::vector<std::string> names = {"moe_topk", "moe_chunk_histogram", "moe_scan_offsets",
-                                                 "moe_stable_scatter", "moe_tile_table"};
+                                                 "moe_stable_scatter"};
   return names;
 }
 
@@ -70,7 +70,6 @@ DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routin
   histogram_ = module_.kernel("moe_chunk_histogram");
   scan_ = module_.kernel("moe_scan_offsets");
   scatter_ = module_.kernel("moe_stable_scatter");
-  tiles_ = module_.kernel("moe_tile_table");
 }
 
 void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream) const {
@@ -89,16 +88,29 @@ void DeviceRouting::run_from_experts(RoutingPlan &plan, const Stream &stream) co
   const RoutingShape &s = plan.shape;
   int pairs = static_cast<int>(s.pairs()), experts = s.experts, block = s.block;
   int chunks = static_cast<int>(plan.chunks), max_tiles = static_cast<int>(s.max_tiles());
-  // Padding rows read -1; the scatter then writes every real row.
-  plan.sorted_pair.fill32_async(0xFFFFFFFFu, stream);
+  int max_padded_rows = static_cast<int>(s.max_padded_rows());
   if (chunks > 0) {
     void *args[] = {plan.expert.arg(), &pairs, &experts, plan.chunk_counts.arg()};
     histogram_.launch({static_cast<unsigned>(chunks)}, {kRoutingThreads}, 0, stream, args);
   }
   {
-    void *args[] = {plan.chunk_counts.arg(), &chunks,           &experts,           &block,
-                    plan.chunk_base.arg(),   plan.counts.arg(), plan.offsets.arg(), plan.offsets_unpadded.arg(),
-                    plan.num_tiles.arg()};
+    // Also the tile table and sorted_pair's padding rows (-1); the scatter
+    // then writes every real row.
+    void *args[] = {plan.chunk_counts.arg(),
+                    &chunks,
+                    &experts,
+                    &block,
+                    &max_tiles,
+                    &max_padded_rows,
+                    plan.chunk_base.arg(),
+                    plan.counts.arg(),
+                    plan.offsets.arg(),
+                    plan.offsets_unpadded.arg(),
+                    plan.num_tiles.arg(),
+                    plan.tile_expert.arg(),
+                    plan.tile_row_start.arg(),
+                    plan.tile_rows.arg(),
+                    plan.sorted_pair.arg()};
     scan_.launch({1}, {kRoutingThreads}, 0, stream, args);
   }
   if (chunks > 0) {
@@ -106,12 +118,6 @@ void DeviceRouting::run_from_experts(RoutingPlan &plan, const Stream &stream) co
         plan.expert.arg(),     &pairs, &experts, plan.chunk_base.arg(), plan.offsets.arg(), plan.pair_pos.arg(),
         plan.sorted_pair.arg()};
     scatter_.launch({static_cast<unsigned>(chunks)}, {kRoutingThreads}, 0, stream, args);
-  }
-  {
-    void *args[] = {
-        plan.counts.arg(),         plan.offsets.arg(),  &experts, &block, &max_tiles, plan.tile_expert.arg(),
-        plan.tile_row_start.arg(), plan.tile_rows.arg()};
-    tiles_.launch({blocks_for(max_tiles, kRoutingThreads)}, {kRoutingThreads}, 0, stream, args);
   }
 }
 

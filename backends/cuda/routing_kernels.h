@@ -73,7 +73,7 @@ public:
 private:
   CompileResult compiled_;
   Module module_;
-  Kernel topk_, histogram_, scan_, scatter_, tiles_;
+  Kernel topk_, histogram_, scan_, scatter_;
 };
 
 } // namespace moeforge::cuda

@@ -8,10 +8,11 @@
 //   moe_topk             one warp per token: k rounds of a warp argmax
 //   moe_chunk_histogram  per chunk of MF_CHUNK pairs, pairs per expert
 //   moe_scan_offsets     one block: per expert a scan over chunks, then a scan
-//                        over experts (counts, padded and unpadded offsets)
+//                        over experts (counts, padded and unpadded offsets),
+//                        then the tile table and the -1 of every padding row
+//                        of sorted_pair (one launch: each was a graph node)
 //   moe_stable_scatter   per chunk: each pair's rank among earlier pairs of
 //                        its expert, hence pair_pos and sorted_pair
-//   moe_tile_table       one thread per tile of the max_tiles upper bound
 #pragma once
 
 namespace moeforge::cuda {
@@ -107,35 +108,12 @@ moe_chunk_histogram(const int *__restrict__ expert, // (P)
     chunk_counts[(long long)blockIdx.x * experts + e] = sCount[e];
 }
 
-// One block. Thread e scans expert e's counts over chunks (chunk_base[c, e]
-// = e's pairs in chunks before c); warp 0 then scans the experts.
-extern "C" __global__ void __launch_bounds__(MF_THREADS)
-moe_scan_offsets(const int *__restrict__ chunk_counts, // (chunks, E)
-                 int chunks, int experts, int block,
-                 int *__restrict__ chunk_base,        // (chunks, E)
-                 int *__restrict__ counts,            // (E)
-                 int *__restrict__ offsets,           // (E+1), padded
-                 int *__restrict__ offsets_unpadded,  // (E+1)
-                 int *__restrict__ num_tiles) {       // (1)
-  __shared__ int sCount[MF_MAX_EXPERTS];
-  __shared__ int sPadded[MF_MAX_EXPERTS];
-  for (int e = threadIdx.x; e < experts; e += MF_THREADS) {
-    int running = 0;
-#pragma unroll 8
-    for (int c = 0; c < chunks; ++c) {
-      const int n = chunk_counts[(long long)c * experts + e];
-      chunk_base[(long long)c * experts + e] = running;
-      running += n;
-    }
-    counts[e] = running;
-    sCount[e] = running;
-    sPadded[e] = (running + block - 1) / block * block;
-  }
-  __syncthreads();
-  if (threadIdx.x >= 32)
-    return;
-  // Lane l owns experts l*kExpertsPerLane ...: sum them, scan the lane sums
-  // across the warp, then walk the owned experts again writing offsets.
+// Warp 0 of moe_scan_offsets. Lane l owns experts l*kExpertsPerLane ...: sum
+// them, scan the lane sums across the warp, then walk the owned experts again
+// writing offsets (to global memory and to sOffsets).
+__device__ void scan_experts(int experts, int block, const int *sCount, const int *sPadded, int *sOffsets,
+                             int *__restrict__ offsets, int *__restrict__ offsets_unpadded,
+                             int *__restrict__ num_tiles) {
   const int lane = threadIdx.x;
   int sum_p = 0, sum_u = 0;
 #pragma unroll
@@ -162,6 +140,7 @@ moe_scan_offsets(const int *__restrict__ chunk_counts, // (chunks, E)
     const int e = lane * kExpertsPerLane + j;
     if (e < experts) {
       offsets[e] = run_p;
+      sOffsets[e] = run_p;
       offsets_unpadded[e] = run_u;
       run_p += sPadded[e];
       run_u += sCount[e];
@@ -169,9 +148,79 @@ moe_scan_offsets(const int *__restrict__ chunk_counts, // (chunks, E)
   }
   if (lane == 31) {
     offsets[experts] = incl_p;
+    sOffsets[experts] = incl_p;
     offsets_unpadded[experts] = incl_u;
     *num_tiles = incl_p / block;
   }
+}
+
+// One block. Thread e scans expert e's counts over chunks (chunk_base[c, e]
+// = e's pairs in chunks before c); warp 0 then scans the experts; then the
+// whole block writes the tile table and the padding rows of sorted_pair
+// (-1; moe_stable_scatter writes every real row).
+extern "C" __global__ void __launch_bounds__(MF_THREADS)
+moe_scan_offsets(const int *__restrict__ chunk_counts, // (chunks, E)
+                 int chunks, int experts, int block, int max_tiles, int max_padded_rows,
+                 int *__restrict__ chunk_base,        // (chunks, E)
+                 int *__restrict__ counts,            // (E)
+                 int *__restrict__ offsets,           // (E+1), padded
+                 int *__restrict__ offsets_unpadded,  // (E+1)
+                 int *__restrict__ num_tiles,         // (1)
+                 int *__restrict__ tile_expert,       // (max_tiles)
+                 int *__restrict__ tile_row_start,    // (max_tiles)
+                 int *__restrict__ tile_rows,         // (max_tiles)
+                 int *__restrict__ sorted_pair) {     // (max_padded_rows)
+  __shared__ int sCount[MF_MAX_EXPERTS];
+  __shared__ int sPadded[MF_MAX_EXPERTS];
+  __shared__ int sOffsets[MF_MAX_EXPERTS + 1];
+  for (int e = threadIdx.x; e < experts; e += MF_THREADS) {
+    int running = 0;
+#pragma unroll 8
+    for (int c = 0; c < chunks; ++c) {
+      const int n = chunk_counts[(long long)c * experts + e];
+      chunk_base[(long long)c * experts + e] = running;
+      running += n;
+    }
+    counts[e] = running;
+    sCount[e] = running;
+    sPadded[e] = (running + block - 1) / block * block;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32)
+    scan_experts(experts, block, sCount, sPadded, sOffsets, offsets, offsets_unpadded, num_tiles);
+  __syncthreads();
+  // Tile i covers padded rows [i*block, (i+1)*block). Its expert is the
+  // largest e with offsets[e] <= i*block: empty experts have empty segments,
+  // so the largest such e is the one whose segment holds the row.
+  for (int i = threadIdx.x; i < max_tiles; i += MF_THREADS) {
+    const long long row = (long long)i * block;
+    if (row >= sOffsets[experts]) {
+      tile_expert[i] = -1;
+      tile_row_start[i] = -1;
+      tile_rows[i] = 0;
+      continue;
+    }
+    int lo = 0, hi = experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (sOffsets[mid] <= row)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int rows_left = sCount[lo] - (int)(row - sOffsets[lo]);
+    tile_expert[i] = lo;
+    tile_row_start[i] = (int)row;
+    tile_rows[i] = rows_left < block ? rows_left : block;
+  }
+  // Padding rows: each expert's segment past its pairs (a warp per expert),
+  // then everything past the last segment.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int e = warp; e < experts; e += kWarps)
+    for (int r = sOffsets[e] + sCount[e] + lane; r < sOffsets[e + 1]; r += 32)
+      sorted_pair[r] = -1;
+  for (int r = sOffsets[experts] + threadIdx.x; r < max_padded_rows; r += MF_THREADS)
+    sorted_pair[r] = -1;
 }
 
 // pair_pos[r] = offsets[e] + (pairs r' < r with expert e), e = expert[r];
@@ -230,43 +279,6 @@ moe_stable_scatter(const int *__restrict__ expert,     // (P)
   }
 }
 
-// Tile i covers padded rows [i*block, (i+1)*block). Its expert is the
-// largest e with offsets[e] <= i*block: empty experts have empty segments,
-// so the largest such e is the one whose segment holds the row.
-extern "C" __global__ void __launch_bounds__(MF_THREADS)
-moe_tile_table(const int *__restrict__ counts,  // (E)
-               const int *__restrict__ offsets, // (E+1)
-               int experts, int block, int max_tiles,
-               int *__restrict__ tile_expert,    // (max_tiles)
-               int *__restrict__ tile_row_start, // (max_tiles)
-               int *__restrict__ tile_rows) {    // (max_tiles)
-  __shared__ int sOffsets[MF_MAX_EXPERTS + 1];
-  for (int e = threadIdx.x; e <= experts; e += MF_THREADS)
-    sOffsets[e] = offsets[e];
-  __syncthreads();
-  const int i = blockIdx.x * MF_THREADS + threadIdx.x;
-  if (i >= max_tiles)
-    return;
-  const long long row = (long long)i * block;
-  if (row >= sOffsets[experts]) {
-    tile_expert[i] = -1;
-    tile_row_start[i] = -1;
-    tile_rows[i] = 0;
-    return;
-  }
-  int lo = 0, hi = experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (sOffsets[mid] <= row)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const int rows_left = counts[lo] - (int)(row - sOffsets[lo]);
-  tile_expert[i] = lo;
-  tile_row_start[i] = (int)row;
-  tile_rows[i] = rows_left < block ? rows_left : block;
-}
 )moeforge";
 
 } // namespace moeforge::cuda

@@ -143,6 +143,8 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   state.counters["max_over_mean"] = *std::max_element(counts.begin(), counts.end()) / mean;
   state.counters["act_MiB"] = double(layer.activation_bytes()) / (1 << 20);
   state.SetLabel(device().name());
+  for (const std::string &line : layer.timeline(stream)) // a MOEFORGE_TIMELINE build only
+    std::printf("timeline %s %s %s: %s\n", shape.name, schedule_name, skewed ? "skewed" : "uniform", line.c_str());
   if (std::getenv("MOEFORGE_PROFILE")) {
     // Where the time goes, step by step (one run, after the timed ones).
     layer.profile(stream);

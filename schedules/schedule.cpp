@@ -213,6 +213,15 @@ Schedule &Schedule::tma(const std::string &func, bool on) {
   return *this;
 }
 
+Schedule &Schedule::tma_store(const std::string &func, bool on) {
+  std::string call = "tma_store(" + quoted(func) + ", " + (on ? "true" : "false") + ")";
+  check_func_name(call, func);
+  Overrides patch;
+  patch.tma_store = on;
+  commit(call, "tma_store", func, patch);
+  return *this;
+}
+
 Schedule &Schedule::cluster(const std::string &func, int row_tiles) {
   std::string call = "cluster(" + quoted(func) + ", " + std::to_string(row_tiles) + ")";
   check_func_name(call, func);
@@ -236,6 +245,7 @@ FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   t.raster = o.raster.value_or(t.raster);
   t.persistent = o.persistent.value_or(t.persistent);
   t.tma = o.tma.value_or(t.tma);
+  t.tma_store = o.tma_store.value_or(t.tma_store);
   t.cluster_m = o.cluster_m.value_or(t.cluster_m);
   base.fuse_epilogue = o.fuse_epilogue.value_or(base.fuse_epilogue);
   return base;
@@ -269,6 +279,7 @@ void Schedule::commit(const std::string &call, const std::string &primitive, con
     merge(o.raster, patch.raster);
     merge(o.persistent, patch.persistent);
     merge(o.tma, patch.tma);
+    merge(o.tma_store, patch.tma_store);
     merge(o.cluster_m, patch.cluster_m);
     if (next.named_by_.emplace(func, primitive).second)
       next.funcs_.push_back(func);

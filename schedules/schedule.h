@@ -73,6 +73,12 @@ struct GemmTiling {
   // through TMA, one copy instruction per 64 x 64 box, instead of 16-byte
   // cp.async per thread.
   bool tma = false;
+  // wgmma / wgmma_ws, not persistent: a bf16 output stored in tile order
+  // (h in blocked or scattered MoE layers, a dense layer's output) leaves
+  // through TMA: the tile staged in shared memory, then one copy per 64 x 64
+  // box, instead of each thread storing its accumulator fragments. Other
+  // outputs are stored as before.
+  bool tma_store = false;
   // Thread blocks per cluster along M (1 or 2; wgmma_ws with tma): two row
   // tiles of one expert share their B tiles, each block loading half and
   // multicasting it to both, which halves B's traffic from L2. The pair is
@@ -136,6 +142,8 @@ public:
   // TMA loads (GemmTiling::tma); used by wgmma and wgmma_ws GEMMs whose B is
   // a dense [K, N] matrix (per expert), ignored by mma_sync.
   Schedule &tma(const std::string &func, bool on);
+  // Output tiles stored through TMA (GemmTiling::tma_store).
+  Schedule &tma_store(const std::string &func, bool on);
   // Row tiles per thread-block cluster (GemmTiling::cluster_m): 1 or 2.
   Schedule &cluster(const std::string &func, int row_tiles);
 
@@ -178,6 +186,7 @@ private:
     std::optional<int> raster;
     std::optional<bool> persistent;
     std::optional<bool> tma;
+    std::optional<bool> tma_store;
     std::optional<int> cluster_m;
   };
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);

@@ -45,6 +45,7 @@ const std::vector<Signature> &signatures() {
       {"raster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
       {"persistent", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"tma", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
+      {"tma_store", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"cluster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
   };
   return all;
@@ -287,6 +288,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.persistent(func, bools[1]);
       } else if (st.primitive == "tma") {
         s.tma(func, bools[1]);
+      } else if (st.primitive == "tma_store") {
+        s.tma_store(func, bools[1]);
       } else if (st.primitive == "cluster") {
         s.cluster(func, i(1));
       } else {

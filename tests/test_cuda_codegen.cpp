@@ -131,6 +131,49 @@ TEST_CASE("codegen: TMA tiles compile without spills with a tensor map per B ope
   CHECK(c.source.source.find("mainloop_tma") == std::string::npos);
 }
 
+TEST_CASE("codegen: tma_store sends tile-order bf16 outputs through TMA and leaves the others alone") {
+  for (const char *example : {"moe_mlp", "swiglu_moe", "dense_mlp"})
+    for (const char *preset_name : {"megablocks", "scattermoe"})
+      for (MmaKind mma : {MmaKind::wgmma_ws, MmaKind::wgmma}) {
+        Example ex = make_example(example, small());
+        Schedule s = preset(preset_name);
+        s.mma("*", mma).stages("*", 3).tma("*", true).tma_store("*", true);
+        cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
+        check_resources(c, std::string(example) + " / " + preset_name + " / tma_store");
+        for (const Step &st : c.program.steps) {
+          auto *g = std::get_if<GemmStep>(&st);
+          if (!g)
+            continue;
+          const GeneratedKernel *k = nullptr;
+          for (const GeneratedKernel &x : c.source.kernels)
+            if (x.step == g->name)
+              k = &x;
+          REQUIRE(k != nullptr);
+          // h (bf16, in tile order) and the dense MLP's output go through a
+          // tensor map of themselves; y (f32, scattered to pairs or tokens)
+          // and logits (f32) keep their pointers.
+          bool out_map = false, out_pointer = false;
+          for (const KernelArg &a : k->args) {
+            out_map |= a.kind == KernelArg::Kind::tma && a.name == g->output;
+            out_pointer |= a.kind == KernelArg::Kind::tensor && a.name == g->output;
+          }
+          const bool expect = c.program.tensor(g->output).dtype == DType::bf16 && g->extra.empty() &&
+                              (!g->route || g->out_rows == RowMap::direct);
+          CHECK((expect || g->output != "h"));
+          const std::string what = std::string(example) + " / " + preset_name + " / " + g->name;
+          INFO(what);
+          CHECK(out_map == expect);
+          CHECK(out_pointer == !expect);
+        }
+        CHECK(c.source.source.find("Cfg::out_store(") != std::string::npos);
+      }
+  // Persistent blocks keep their plain stores: the ring holds the next tile.
+  Example ex = make_example("moe_mlp", small());
+  Schedule s = preset("scattermoe");
+  s.mma("*", MmaKind::wgmma_ws).tma("*", true).tma_store("*", true).persistent("*", true);
+  CHECK(cuda::compile_layer(ex.pipeline, s).source.source.find("out_store") == std::string::npos);
+}
+
 TEST_CASE("codegen: two-block clusters compile without spills and need the TMA warp-specialised loop") {
   for (const char *example : {"moe_mlp", "swiglu_moe"})
     for (const char *preset_name : {"megablocks", "scattermoe"}) {

@@ -203,6 +203,41 @@ TEST_SUITE("gpu") {
     }
   }
 
+  TEST_CASE("cuda layer: output tiles stored through TMA match the reference") {
+    MOEFORGE_REQUIRE_GPU();
+    // tma_store: h (bf16, tile order) leaves each tile through shared memory
+    // and the copy engine. d = 200, f = 328: the boxes cross N (dropped
+    // columns) and every expert's last tile holds padding rows (staged as
+    // zeros); a warpgroup with no rows stores nothing. Under the warp-
+    // specialised loop, the plain wgmma loop, clusters and the blocked
+    // permutation, and the MoE edge cases.
+    Schedule a("tma_store_scattered");
+    a.permutation(Permutation::scattered).tile("*", 128, 128, 64).mma("*", MmaKind::wgmma_ws).tma("*", true);
+    a.tile("o", 128, 256, 64).tma_store("*", true);
+    Schedule b("tma_store_plain_wgmma_blocked");
+    b.permutation(Permutation::blocked).tile("*", 128, 128, 64).stages("*", 3).mma("*", MmaKind::wgmma);
+    b.tma("*", true).tile("h", 128, 64, 64).tma_store("*", true);
+    Schedule c("tma_store_cluster_halves");
+    c.permutation(Permutation::scattered).block(256).tile("*", 128, 256, 64).mma("*", MmaKind::wgmma_ws);
+    c.tma("*", true).cluster("*", 2).tile("h", 128, 128, 64).tma_store("*", true);
+    Schedule d("tma_store_b64");
+    d.permutation(Permutation::scattered).block(64).tile("*", 64, 256, 64).stages("*", 5);
+    d.mma("*", MmaKind::wgmma_ws).tile("h", 64, 128, 64).tma("*", true).tma_store("*", true);
+    for (const ExampleShape &s : {shape(333, 200, 328, 8, 2), shape(1500, 256, 512, 8, 1)})
+      for (const char *example : {"moe_mlp", "swiglu_moe", "dense_mlp"}) {
+        Example ex = make_example(example, s);
+        for (const Schedule &sch : {a, b, c, d}) {
+          Outcome o = run_and_compare(ex, ex.random_inputs(s, 7), s.tokens, sch);
+          INFO(example << " T=" << s.tokens << " " << sch.to_text());
+          CHECK(o.y_error <= 1e-2);
+        }
+      }
+    testing::check_edge_cases(128, 256, {"tma_store"},
+                              [&](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
+                                return run_and_compare(ex, in, tokens, a);
+                              });
+  }
+
   TEST_CASE("cuda layer: two-block clusters on the halves of 256-row routing tiles match the reference") {
     MOEFORGE_REQUIRE_GPU();
     // block(256) with 128-row tiles: each cluster takes both halves of one

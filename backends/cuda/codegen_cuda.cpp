@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -13,6 +14,8 @@
 #include "schedules/schedule.h"
 
 namespace moeforge {
+
+bool timeline_requested() { return std::getenv("MOEFORGE_TIMELINE") != nullptr; }
 
 namespace {
 
@@ -370,6 +373,83 @@ void emit_a_operand(const GemmStep &g, KernelBuilder &kb, const std::string &gA,
   }
 }
 
+// The epilogue with plain stores: each thread stores its accumulator
+// fragments (two columns at a time) of every row below `rows`, the GEMM's
+// output and each fused one in its own layout.
+void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBuilder &kb, int nb, const std::string &vr,
+                         const std::vector<std::pair<std::string, Expr>> &outputs, bool pair_rows, bool prefetch_rows,
+                         const std::string &sorted_pair, const std::string &gC, std::ostringstream &body) {
+  body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
+
+  body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n    if (lr >= rows) continue;\n";
+  if (g.expert_k) {
+    body << "    const long long " << vr << " = p0 + lr, out_row = expert * M + " << vr << ";\n";
+  } else if (g.route) {
+    if (pair_rows)
+      body << "    const int r = " << (prefetch_rows ? std::string("r_pre[mi][h]") : sorted_pair + "[p0 + lr]")
+           << ";\n    if (r < 0) continue;  // padding row\n";
+    else
+      body << "    const int r = -1;  // unread: rows below `rows` are real pairs, stored in tile order\n";
+    body << "    const long long " << vr << " = r;\n";
+    body << "    const long long out_row = "
+         << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order") << "\n";
+  } else {
+    body << "    const long long " << vr << " = p0 + lr, out_row = " << vr << ";\n";
+  }
+  body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
+  body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n      if (col >= N) continue;\n";
+  for (int e = 0; e < 2; ++e) {
+    body << "      const float v" << e << " = epilogue(";
+    for (int b = 0; b < nb; ++b)
+      body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
+    body << vr << ", col + " << e << ");\n";
+  }
+  body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n";
+  for (size_t o = 1; o < outputs.size(); ++o) {
+    // A fused output is stored in its own layout: padded (tile order) or pair.
+    const TensorDecl &t = prog.tensor(outputs[o].first);
+    std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)" : "(long long)r";
+    body << "      {\n";
+    for (int e = 0; e < 2; ++e) {
+      body << "        const float w" << e << " = epilogue" << o << "(";
+      for (int b = 0; b < nb; ++b)
+        body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
+      body << vr << ", col + " << e << ");\n";
+    }
+    body << "        mf::store2(" << kb.tensor(outputs[o].first, /*writes=*/true) << " + " << row
+         << " * N + col, w0, w1);\n      }\n";
+  }
+  body << "    }\n  }\n";
+}
+
+// The epilogue through TMA (GemmTiling::tma_store; WgmmaConfig::out_put2 and
+// out_store): every thread stages its values, zero on rows past the tile's
+// `rows` and columns past N (the copy drops columns past N; padding rows
+// of a tile-order output are the tile's own), then each warpgroup's boxes
+// go out in one copy per 64 x 64 box.
+void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const std::string &vr,
+                             std::ostringstream &body) {
+  body << "  const unsigned s_out = Cfg::out_begin(smem);  // the ring, idle now: the tile's staging area\n";
+  body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
+  body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n";
+  if (g.route)
+    body << "    const long long " << vr << " = -1;  // unread: rows below `rows` are real pairs, in tile order\n";
+  else
+    body << "    const long long " << vr << " = p0 + lr;\n";
+  body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
+  body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n";
+  body << "      float v0 = 0.f, v1 = 0.f;\n";
+  body << "      if (lr < rows && col < N) {\n";
+  for (int e = 0; e < 2; ++e) {
+    body << "        v" << e << " = epilogue(";
+    for (int b = 0; b < nb; ++b)
+      body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
+    body << vr << ", col + " << e << ");\n";
+  }
+  body << "      }\n      Cfg::out_put2(s_out, lr, col - n0, v0, v1);\n    }\n  }\n";
+  body << "  Cfg::out_store(s_out, &" << kb.tma(g.output, 0, g.n.extent()) << ", p0, rows, n0, N);\n";
+}
+
 void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream &src, GeneratedKernel &k) {
   const GemmTiling &t = g.tiling;
   const int nb = static_cast<int>(g.b.size());
@@ -395,7 +475,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   std::vector<std::string> gB;
   for (const std::string &b : g.b)
     gB.push_back(tma ? "" : kb.tensor(b));
-  std::string gC = kb.tensor(g.output, /*writes=*/true);
   const std::string N = std::to_string(g.n.extent());
 
   std::ostringstream body;
@@ -419,6 +498,14 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   }
   body << "  extern __shared__ __align__(128) unsigned char smem[];\n";
   body << "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n";
+  // Timeline stamps (nothing unless compiled with MF_TIMELINE): a block per
+  // tile only, whose phases are the tile's.
+  const bool stamps = timeline_requested() && !(t.persistent && !g.expert_k);
+  auto stamp = [&](int phase) {
+    if (stamps)
+      body << "  MF_STAMP(" << phase << ");\n";
+  };
+  stamp(0);
   body << "  constexpr int N = " << N << ";\n";
   if (g.expert_k)
     body << "  // K: this expert's padded rows (below)\n";
@@ -549,10 +636,19 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   for (const GemmStep::Extra &e : g.extra)
     pair_rows |= prog.tensor(e.output).layout != RowLayout::padded;
   const bool prefetch_rows = g.route && !g.expert_k && !in_place && roomy && pair_rows;
+  // The output tile through TMA (GemmTiling::tma_store): a bf16 output in
+  // tile order with no pair lookups, staged in the ring, which a block per
+  // tile no longer needs once its main loop is done (persistent blocks are
+  // already loading the next tile into it).
+  const bool out_tma = t.tma_store && tma && !persistent && !g.expert_k && g.extra.empty() &&
+                       prog.tensor(g.output).dtype == DType::bf16 &&
+                       (!g.route || (g.out_rows == RowMap::direct && !pair_rows));
+  const std::string gC = out_tma ? "" : kb.tensor(g.output, /*writes=*/true);
   if (in_place) {
     // Row maps of the reduced index p: 0 = row p (padded), d = sorted_pair[p] / d.
     auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };
     body << "  Cfg::Acc acc = {};\n";
+    stamp(1);
     body << "  if (!Cfg::mainloop(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0] << ", "
          << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
          << "    return;  // a loading-only warpgroup\n\n";
@@ -582,6 +678,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
            << "      r_pre[mi][h] = lr < rows ? " << sorted_pair << "[p0 + lr] : -1;\n    }\n";
     }
     body << "  Cfg::Acc acc = {};\n";
+    stamp(1);
     const std::string batch = g.b_per_expert ? "(int)expert" : "0";
     if (persistent)
       body << "  if (!Cfg::"
@@ -609,47 +706,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     }
   }
 
+  stamp(3);
   body << epilogues.str();
-  body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
-  body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n    if (lr >= rows) continue;\n";
-  if (g.expert_k) {
-    body << "    const long long " << vr << " = p0 + lr, out_row = expert * M + " << vr << ";\n";
-  } else if (g.route) {
-    if (pair_rows)
-      body << "    const int r = " << (prefetch_rows ? std::string("r_pre[mi][h]") : sorted_pair + "[p0 + lr]")
-           << ";\n    if (r < 0) continue;  // padding row\n";
-    else
-      body << "    const int r = -1;  // unread: rows below `rows` are real pairs, stored in tile order\n";
-    body << "    const long long " << vr << " = r;\n";
-    body << "    const long long out_row = "
-         << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order") << "\n";
-  } else {
-    body << "    const long long " << vr << " = p0 + lr, out_row = " << vr << ";\n";
-  }
-  body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
-  body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n      if (col >= N) continue;\n";
-  for (int e = 0; e < 2; ++e) {
-    body << "      const float v" << e << " = epilogue(";
-    for (int b = 0; b < nb; ++b)
-      body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
-    body << vr << ", col + " << e << ");\n";
-  }
-  body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n";
-  for (size_t o = 1; o < outputs.size(); ++o) {
-    // A fused output is stored in its own layout: padded (tile order) or pair.
-    const TensorDecl &t = prog.tensor(outputs[o].first);
-    std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)" : "(long long)r";
-    body << "      {\n";
-    for (int e = 0; e < 2; ++e) {
-      body << "        const float w" << e << " = epilogue" << o << "(";
-      for (int b = 0; b < nb; ++b)
-        body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
-      body << vr << ", col + " << e << ");\n";
-    }
-    body << "        mf::store2(" << kb.tensor(outputs[o].first, /*writes=*/true) << " + " << row
-         << " * N + col, w0, w1);\n      }\n";
-  }
-  body << "    }\n  }\n";
+  if (out_tma)
+    emit_tma_store_epilogue(g, kb, nb, vr, body);
+  else
+    emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, sorted_pair, gC, body);
+  stamp(4);
   if (persistent)
     body << "  }  // next tile\n  Cfg::tiles_done(tile_counter);\n";
 
@@ -910,6 +973,8 @@ CudaModuleSource generate_cuda(const KernelProgram &program) {
   CudaModuleSource m;
   std::ostringstream src;
   src << "// Generated by moeforge from the kernel program of schedule '" << program.schedule_name << "'.\n";
+  if (timeline_requested()) // GEMMs stamp their phases (tile_library.h, CudaLayer::timeline)
+    src << "#define MF_TIMELINE 1\n";
   src << "#include \"" << kTileLibraryName << "\"\n\n";
   for (const Step &step : program.steps) {
     if (std::holds_alternative<RoutingStep>(step))

@@ -66,4 +66,8 @@ struct CudaModuleSource {
 // not a multiple of 8), naming the definition and the fix.
 CudaModuleSource generate_cuda(const KernelProgram &program);
 
+// MOEFORGE_TIMELINE is set: GEMM kernels are generated with timer stamps at
+// their phases (tile_library.h's MF_STAMP), which CudaLayer::timeline() reads.
+bool timeline_requested();
+
 } // namespace moeforge

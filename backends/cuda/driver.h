@@ -52,6 +52,7 @@ namespace moeforge::cuda {
   X(cuModuleLoadData)                                                                                                  \
   X(cuModuleUnload)                                                                                                    \
   X(cuModuleGetFunction)                                                                                               \
+  X(cuModuleGetGlobal)                                                                                                 \
   X(cuFuncSetAttribute)                                                                                                \
   X(cuFuncGetAttribute)                                                                                                \
   X(cuLaunchKernel)                                                                                                    \

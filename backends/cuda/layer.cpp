@@ -6,6 +6,7 @@
 
 #include "backends/cuda/tensor_map.h"
 #include "backends/cuda/tile_library.h"
+#include "backends/cuda/timeline.h"
 #include "dsl/error.h"
 #include "lowering/lower.h"
 
@@ -206,6 +207,29 @@ std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &str
   for (size_t i = begin; i < end; ++i)
     out.emplace_back(step_name(steps[i]), elapsed_ms(marks[i - begin], marks[i - begin + 1]));
   return out;
+}
+
+std::vector<std::string> CudaLayer::timeline(const Stream &stream) {
+  std::vector<std::string> lines;
+  if (layer_.source.source.find("#define MF_TIMELINE") == std::string::npos)
+    return lines;
+  auto [stamps, bytes] = module_.global("mf_timeline");
+  const auto &steps = layer_.program.steps;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const bool gemm = std::holds_alternative<GemmStep>(steps[i]);
+    if (gemm)
+      MOEFORGE_CU(cuMemsetD8, stamps, 0, bytes);
+    run_step(i, stream);
+    if (!gemm)
+      continue;
+    stream.synchronize();
+    std::vector<uint64_t> raw(bytes / sizeof(uint64_t));
+    MOEFORGE_CU(cuMemcpyDtoH, raw.data(), stamps, bytes);
+    const Launch &l = launches_.at(launch_of_.at(i));
+    lines.push_back(format_timeline(l.gen->name, summarize_timeline(raw, l.grid.x)));
+  }
+  stream.synchronize();
+  return lines;
 }
 
 HostTensor CudaLayer::download(const std::string &func) const {

@@ -63,6 +63,10 @@ public:
   // step's name and milliseconds, in program order (for benchmarks' notes).
   std::vector<std::pair<std::string, double>> profile(const Stream &stream);
   std::vector<std::pair<std::string, double>> profile(const Stream &stream, size_t begin, size_t end);
+  // With a timeline build (MOEFORGE_TIMELINE=1 when the layer was compiled):
+  // runs the forward once, step by step, and returns for each GEMM a line
+  // saying what its blocks spent their time on (timeline.h). Empty otherwise.
+  std::vector<std::string> timeline(const Stream &stream);
   // Downloads a Func's values as the reference lays them out (routed rows in
   // pair order, whatever the device layout). Synchronises.
   HostTensor download(const std::string &func) const;

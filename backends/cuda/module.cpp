@@ -77,4 +77,13 @@ Kernel Module::kernel(const std::string &kernel) const {
   return Kernel(f, kernel);
 }
 
+std::pair<CUdeviceptr, size_t> Module::global(const std::string &name) const {
+  internal_check(module_ != nullptr) << "global '" << name << "' asked of an unloaded module";
+  CUdeviceptr ptr = 0;
+  size_t bytes = 0;
+  check_about(driver().cuModuleGetGlobal(&ptr, &bytes, module_, name.c_str()), "cuModuleGetGlobal",
+              "global '" + name + "' in module '" + name_ + "'");
+  return {ptr, bytes};
+}
+
 } // namespace moeforge::cuda

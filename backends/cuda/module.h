@@ -6,6 +6,7 @@
 #include "backends/cuda/stream.h"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moeforge::cuda {
@@ -62,6 +63,9 @@ public:
   // The __global__ function named `kernel` (as compiled: use extern "C" or
   // the mangled name).
   Kernel kernel(const std::string &kernel) const;
+  // The device address and size of the __device__ variable `name` (as
+  // compiled: extern "C" or a plain global), e.g. a debugging buffer.
+  std::pair<CUdeviceptr, size_t> global(const std::string &name) const;
   const std::string &name() const { return name_; }
 
 private:

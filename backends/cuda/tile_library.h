@@ -24,6 +24,36 @@ inline constexpr const char *kTileLibraryTemplate = R"CUDA(
 #pragma once
 #include <cuda_bf16.h>
 
+// ------------------------------------------------------------ timeline (debugging)
+// Compiled with -DMF_TIMELINE (MOEFORGE_TIMELINE=1 at run time), GEMM
+// kernels stamp the global timer at the phases of a tile into
+// mf_timeline[block][phase] (thread 0, the first consumer thread):
+//   0 entry, 1 main loop called (tile table read), 2 first stage landed,
+//   3 main loop done, 4 epilogue done, 5 the SM's id.
+// CudaLayer::timeline() reads it back after each GEMM. Otherwise MF_STAMP
+// is nothing.
+#ifdef MF_TIMELINE
+#define MF_TIMELINE_BLOCKS 65536
+extern "C" {
+__device__ unsigned long long mf_timeline[MF_TIMELINE_BLOCKS * 8]; // defined here: one NVRTC unit
+}
+__device__ __forceinline__ void mf_stamp(int phase) {
+  if (threadIdx.x == 0 && blockIdx.x < MF_TIMELINE_BLOCKS) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    mf_timeline[blockIdx.x * 8 + phase] = t;
+    if (phase == 0) {
+      unsigned sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      mf_timeline[blockIdx.x * 8 + 5] = sm;
+    }
+  }
+}
+#define MF_STAMP(phase) mf_stamp(phase)
+#else
+#define MF_STAMP(phase)
+#endif
+
 namespace mf {
 
 typedef __nv_bfloat16 bf16;
@@ -301,6 +331,25 @@ __device__ __forceinline__ void tma_load_3d(unsigned s_dst, const TmaDesc *map, 
                " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(s_dst),
                "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
                : "memory");
+}
+
+// The reverse: a box of shared memory (laid out as the map's swizzle says)
+// to the tensor at {c0, c1, c2}; the copy engine drops what falls outside
+// the tensor. Completion is tracked per thread in bulk groups.
+__device__ __forceinline__ void tma_store_3d(const TmaDesc *map, unsigned s_src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(s_src)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// This thread's bulk copies have read their shared memory (which may then be
+// reused or freed); their global writes may still be on their way.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// A barrier among the first `threads` threads of the block (id 1..15; 0 is
+// __syncthreads'), for a subset such as the consumer warpgroups.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ------------------------------------------------------------ Hopper: 2-block clusters
@@ -582,6 +631,45 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
     return true;
   }
 
+  // ---- the output tile by TMA (a bf16 output in tile order). Plain stores
+  // of accumulator fragments write 8 rows x 4 bytes per warp instruction,
+  // and a tile's epilogue waited ~4 us for them (NOTES v18). Instead each
+  // warpgroup stages its 64 rows in the ring, idle once the main loop is
+  // done, as BN/64 boxes of 64 rows x 128 bytes swizzled as the tensor map
+  // (and a_off) lay them out, and one thread per warpgroup hands them to the
+  // copy engine. The block's shared memory lives until that copy has read
+  // it; the global writes complete on their own.
+  // out_begin: every consumer has finished reading the ring (a warpgroup
+  // may run a few stages behind the other); returns the staging base.
+  __device__ static __forceinline__ unsigned out_begin(unsigned char *smem) {
+    named_barrier(1, BM * 2);
+    return (smem_u32(smem) + 1023u) & ~1023u;
+  }
+  // Values of tile row `row`, tile columns col and col + 1 (col even).
+  __device__ static __forceinline__ void out_put2(unsigned s, int row, int col, float v0, float v1) {
+    const int r = row & 63, chunk = (col & 63) >> 3;
+    const unsigned at = s + ((row >> 6) * (BN / 64) + (col >> 6)) * (64 * 128) + r * 128 + ((chunk ^ (r & 7)) << 4) +
+                        (col & 7) * 2;
+    const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(*reinterpret_cast<const unsigned *>(&v)) : "memory");
+  }
+  // Stores warpgroup wg's boxes at rows row0 + 64 wg (if any of the tile's
+  // `rows` fall there) and columns n0 ... (those under N).
+  __device__ static __forceinline__ void out_store(unsigned s, const TmaDesc *map, long long row0, int rows, int n0,
+                                                   int N) {
+    const int tid = threadIdx.x, wg = tid >> 7;
+    fence_proxy_async();          // this thread's staged values, visible to the copy engine
+    named_barrier(2 + wg, 128);   // ... and every thread's of this warpgroup
+    if ((tid & 127) == 0 && rows > wg * 64) {
+#pragma unroll
+      for (int b = 0; b < BN / 64; ++b)
+        if (n0 + b * 64 < N)
+          tma_store_3d(map, s + (wg * (BN / 64) + b) * (64 * 128), n0 + b * 64, (int)(row0 + wg * 64), 0);
+      bulk_commit();
+      bulk_wait_read();
+    }
+  }
+
   // Returns true: every thread of this configuration holds accumulators.
   __device__ static bool mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
                                   const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
@@ -719,6 +807,8 @@ __device__ __forceinline__ bool ws_pipeline(unsigned full, int KT, Load load, Mm
   for (int kt = 0; kt < KT; ++kt) { // ---- consumers
     const int slot = kt % STAGES;
     mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
+    if (kt == 0)
+      MF_STAMP(2);
     if (GENERIC)
       fence_proxy_async(); // the stage was written by cp.async (generic proxy); wgmma reads it (async proxy)
     mma(slot);
@@ -948,6 +1038,8 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
     for (int kt = 0; kt < KT; ++kt) { // ---- consumers
       const int slot = kt % STAGES;
       mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
+      if (kt == 0)
+        MF_STAMP(2);
       if (!ALoad::BY_TMA)
         fence_proxy_async(); // A came through cp.async
       if (active)

@@ -77,7 +77,7 @@ struct GemmTiling {
   // (h in blocked or scattered MoE layers, a dense layer's output) leaves
   // through TMA: the tile staged in shared memory, then one copy per 64 x 64
   // box, instead of each thread storing its accumulator fragments. Other
-  // outputs are stored as before.
+  // outputs, and GEMMs in clusters, are stored as before.
   bool tma_store = false;
   // Thread blocks per cluster along M (1 or 2; wgmma_ws with tma): two row
   // tiles of one expert share their B tiles, each block loading half and

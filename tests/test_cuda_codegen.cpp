@@ -167,11 +167,18 @@ TEST_CASE("codegen: tma_store sends tile-order bf16 outputs through TMA and leav
         }
         CHECK(c.source.source.find("Cfg::out_store(") != std::string::npos);
       }
-  // Persistent blocks keep their plain stores: the ring holds the next tile.
+  // Persistent blocks stage in a buffer past the ring (the ring holds the
+  // next tile), free again once the previous copy has read it.
   Example ex = make_example("moe_mlp", small());
   Schedule s = preset("scattermoe");
-  s.mma("*", MmaKind::wgmma_ws).tma("*", true).tma_store("*", true).persistent("*", true);
-  CHECK(cuda::compile_layer(ex.pipeline, s).source.source.find("out_store") == std::string::npos);
+  s.mma("*", MmaKind::wgmma_ws).stages("*", 3).tma("*", true).tma_store("*", true).persistent("*", true);
+  cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
+  check_resources(c, "moe_mlp / persistent tma_store");
+  CHECK(c.source.source.find("Cfg::out_reuse(ring.out)") != std::string::npos);
+  CHECK(c.source.source.find("Cfg::out_done()") != std::string::npos);
+  for (const GeneratedKernel &k : c.source.kernels)
+    if (k.name == "gemm_h") // three stages of 128 x 64 and 64 x 128, and the 128 x 128 output tile
+      CHECK(k.shared_bytes >= 3 * (128 * 64 + 64 * 128) * 2 + 128 * 128 * 2);
 }
 
 TEST_CASE("codegen: two-block clusters compile without spills and need the TMA warp-specialised loop") {

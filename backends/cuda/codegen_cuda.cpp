@@ -427,9 +427,12 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
 // `rows` and columns past N (the copy drops columns past N; padding rows
 // of a tile-order output are the tile's own), then each warpgroup's boxes
 // go out in one copy per 64 x 64 box.
-void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const std::string &vr,
+void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const std::string &vr, bool persistent,
                              std::ostringstream &body) {
-  body << "  const unsigned s_out = Cfg::out_begin(smem);  // the ring, idle now: the tile's staging area\n";
+  if (persistent) // once the previous tile's copy has read it
+    body << "  const unsigned s_out = Cfg::out_reuse(ring.out);  // past the ring: the tile's own staging\n";
+  else
+    body << "  const unsigned s_out = Cfg::out_begin(smem);  // the ring, idle now: the tile's staging area\n";
   body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
   body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n";
   if (g.route)
@@ -447,7 +450,11 @@ void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const
     body << vr << ", col + " << e << ");\n";
   }
   body << "      }\n      Cfg::out_put2(s_out, lr, col - n0, v0, v1);\n    }\n  }\n";
-  body << "  Cfg::out_store(s_out, &" << kb.tma(g.output, 0, g.n.extent()) << ", p0, rows, n0, N);\n";
+  // A block per tile waits until the copy has read its staging (the block's
+  // shared memory must outlive it); a persistent block goes on to its next
+  // tile, the copy overlapping its main loop, and waits once at the end.
+  body << "  Cfg::out_store(s_out, &" << kb.tma(g.output, 0, g.n.extent()) << ", p0, rows, n0, N, "
+       << (persistent ? "false" : "true") << ");\n";
 }
 
 void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream &src, GeneratedKernel &k) {
@@ -500,12 +507,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   body << "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n";
   // Timeline stamps (nothing unless compiled with MF_TIMELINE): a block per
   // tile only, whose phases are the tile's.
-  const bool stamps = timeline_requested() && !(t.persistent && !g.expert_k);
+  const bool stamp_tiles = t.persistent && !g.expert_k; // persistent blocks stamp per tile
   auto stamp = [&](int phase) {
-    if (stamps)
-      body << "  MF_STAMP(" << phase << ");\n";
+    if (timeline_requested())
+      body << (stamp_tiles ? "  MF_STAMP_AT(tile_id, " : "  MF_STAMP(") << phase << ");\n";
   };
-  stamp(0);
+  if (!stamp_tiles)
+    stamp(0);
   body << "  constexpr int N = " << N << ";\n";
   if (g.expert_k)
     body << "  // K: this expert's padded rows (below)\n";
@@ -536,6 +544,59 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
 
   user_check(!persistent || ws) << "definition '" << g.output << "': persistent blocks need the warp-specialised "
                                 << "loop: add mma(\"" << g.output << "\", wgmma_ws) or drop persistent";
+  // The epilogue: the algebra around the sums, per output element.
+  std::string vr = "v_" + c_name(g.row_var.name()), vc = "v_" + c_name(g.col_var.name());
+  std::map<const FuncNode *, std::string> accumulators; // held in registers, passed to each lambda
+  std::string params;
+  for (int b = 0; b < nb; ++b) {
+    accumulators[g.accumulators[b].get()] = "acc" + std::to_string(b);
+    params += "float acc" + std::to_string(b) + ", ";
+  }
+  // One lambda per output: the GEMM's own, then the fused element-wise ones.
+  std::vector<std::pair<std::string, Expr>> outputs{{g.output, g.epilogue}};
+  for (const GemmStep::Extra &e : g.extra)
+    outputs.emplace_back(e.output, e.value);
+  std::ostringstream epilogues; // emitted after the main loop
+  bool reads_row = false;       // does any epilogue read the row index (pair r)?
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    std::ostringstream code;
+    ExprEmitter eo(prog, kb, code, 4);
+    eo.vars[g.row_var.get()] = vr;
+    eo.vars[g.col_var.get()] = vc;
+    eo.registers = accumulators;
+    std::string value = eo.emit(outputs[o].second);
+    epilogues << "  // " << outputs[o].first << "(" << g.row_var.name() << ", " << g.col_var.name()
+              << ") = " << outputs[o].second << "\n";
+    epilogues << "  auto epilogue" << (o ? std::to_string(o) : "") << " = [&](" << params << "long long " << vr
+              << ", long long " << vc << ") -> float {\n"
+              << code.str() << "    return " << value << ";\n  };\n";
+    reads_row |= mentions(code.str() + value, vr);
+  }
+  // Latency trims that cost registers, for tiles whose accumulators leave
+  // room (under 128 per thread; SwiGLU's 2 x 128-wide tile spills with them):
+  // the epilogue's rows through sorted_pair are loaded before the main loop,
+  // which hides their latency, and a persistent block's consumers skip the
+  // producer's A row lookups, which they would otherwise wait for per tile.
+  const bool roomy = !wgmma || nb * t.tile_n / 2 < 128;
+  // A routed tile's rows below `rows` are all real pairs, so an epilogue
+  // that stores in tile order and never reads the pair index (h = gelu(acc),
+  // say) needs no sorted_pair lookup: it was a dependent load per tile.
+  bool pair_rows = g.out_rows != RowMap::direct || reads_row;
+  for (const GemmStep::Extra &e : g.extra)
+    pair_rows |= prog.tensor(e.output).layout != RowLayout::padded;
+  const bool prefetch_rows = g.route && !g.expert_k && !in_place && roomy && pair_rows;
+  // The output tile through TMA (GemmTiling::tma_store): a bf16 output in
+  // tile order with no pair lookups, staged in the ring, which a block per
+  // tile no longer needs once its main loop is done, or (persistent blocks,
+  // whose producer is filling the ring with the next tile) in a buffer of
+  // its own past the ring, whose copy then overlaps the next main loop.
+  // Not in clusters yet: there the staged tile came out unwritten on the
+  // GPU (h left as its poison, block 256 with the halves paired) and the
+  // cause is not found; clusters keep plain stores.
+  const bool out_tma = t.tma_store && tma && !cluster && !g.expert_k && g.extra.empty() &&
+                       prog.tensor(g.output).dtype == DType::bf16 &&
+                       (!g.route || (g.out_rows == RowMap::direct && !pair_rows));
+  const std::string gC = out_tma ? "" : kb.tensor(g.output, /*writes=*/true);
   const char *skip = persistent ? "continue" : "return";
   if (persistent) {
     // Routed: the routing's own tile count (read on the device), so no
@@ -544,9 +605,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
         g.route ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " + std::to_string(g.block / t.tile_m)
                 : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
     body << "  const long long TOTAL = (" << rows_total << ") * NUM_N;  // output tiles\n";
-    body << "  auto ring = Cfg::ring(smem);\n";
+    body << "  auto ring = Cfg::ring(smem"
+         << (out_tma ? ", Cfg::BM * Cfg::BN * 2);  // + the output tile's staging" : ");") << "\n";
     body << "  for (long long tile_id = blockIdx.x; tile_id < TOTAL; tile_id = Cfg::next_tile(ring, "
          << kb.tile_counter() << ")) {\n";
+    stamp(0);
     body << "  mf::raster_mn((int)tile_id, (int)(TOTAL / NUM_N), NUM_N, " << t.raster << ", m_tile, n_tile);\n";
   } else if (g.expert_k) {
     // One grid slice per expert; the expert's padded segment of sorted rows
@@ -595,55 +658,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       body << "  if (rows <= 0) return;  // the grid's last pair is rounded up\n";
     body << "  const long long expert = 0;  // one B for every row\n  (void)expert;\n";
   }
-  // The epilogue: the algebra around the sums, per output element.
-  std::string vr = "v_" + c_name(g.row_var.name()), vc = "v_" + c_name(g.col_var.name());
-  std::map<const FuncNode *, std::string> accumulators; // held in registers, passed to each lambda
-  std::string params;
-  for (int b = 0; b < nb; ++b) {
-    accumulators[g.accumulators[b].get()] = "acc" + std::to_string(b);
-    params += "float acc" + std::to_string(b) + ", ";
-  }
-  // One lambda per output: the GEMM's own, then the fused element-wise ones.
-  std::vector<std::pair<std::string, Expr>> outputs{{g.output, g.epilogue}};
-  for (const GemmStep::Extra &e : g.extra)
-    outputs.emplace_back(e.output, e.value);
-  std::ostringstream epilogues; // emitted after the main loop
-  bool reads_row = false;       // does any epilogue read the row index (pair r)?
-  for (size_t o = 0; o < outputs.size(); ++o) {
-    std::ostringstream code;
-    ExprEmitter eo(prog, kb, code, 4);
-    eo.vars[g.row_var.get()] = vr;
-    eo.vars[g.col_var.get()] = vc;
-    eo.registers = accumulators;
-    std::string value = eo.emit(outputs[o].second);
-    epilogues << "  // " << outputs[o].first << "(" << g.row_var.name() << ", " << g.col_var.name()
-              << ") = " << outputs[o].second << "\n";
-    epilogues << "  auto epilogue" << (o ? std::to_string(o) : "") << " = [&](" << params << "long long " << vr
-              << ", long long " << vc << ") -> float {\n"
-              << code.str() << "    return " << value << ";\n  };\n";
-    reads_row |= mentions(code.str() + value, vr);
-  }
-  // Latency trims that cost registers, for tiles whose accumulators leave
-  // room (under 128 per thread; SwiGLU's 2 x 128-wide tile spills with them):
-  // the epilogue's rows through sorted_pair are loaded before the main loop,
-  // which hides their latency, and a persistent block's consumers skip the
-  // producer's A row lookups, which they would otherwise wait for per tile.
-  const bool roomy = !wgmma || nb * t.tile_n / 2 < 128;
-  // A routed tile's rows below `rows` are all real pairs, so an epilogue
-  // that stores in tile order and never reads the pair index (h = gelu(acc),
-  // say) needs no sorted_pair lookup: it was a dependent load per tile.
-  bool pair_rows = g.out_rows != RowMap::direct || reads_row;
-  for (const GemmStep::Extra &e : g.extra)
-    pair_rows |= prog.tensor(e.output).layout != RowLayout::padded;
-  const bool prefetch_rows = g.route && !g.expert_k && !in_place && roomy && pair_rows;
-  // The output tile through TMA (GemmTiling::tma_store): a bf16 output in
-  // tile order with no pair lookups, staged in the ring, which a block per
-  // tile no longer needs once its main loop is done (persistent blocks are
-  // already loading the next tile into it).
-  const bool out_tma = t.tma_store && tma && !persistent && !g.expert_k && g.extra.empty() &&
-                       prog.tensor(g.output).dtype == DType::bf16 &&
-                       (!g.route || (g.out_rows == RowMap::direct && !pair_rows));
-  const std::string gC = out_tma ? "" : kb.tensor(g.output, /*writes=*/true);
   if (in_place) {
     // Row maps of the reduced index p: 0 = row p (padded), d = sorted_pair[p] / d.
     auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };
@@ -709,12 +723,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   stamp(3);
   body << epilogues.str();
   if (out_tma)
-    emit_tma_store_epilogue(g, kb, nb, vr, body);
+    emit_tma_store_epilogue(g, kb, nb, vr, persistent, body);
   else
     emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, sorted_pair, gC, body);
   stamp(4);
   if (persistent)
-    body << "  }  // next tile\n  Cfg::tiles_done(tile_counter);\n";
+    body << "  }  // next tile\n  Cfg::tiles_done(tile_counter);\n" << (out_tma ? "  Cfg::out_done();\n" : "");
 
   k.grid.kind = g.expert_k ? GridShape::Kind::expert_tiles
                 : g.route  ? GridShape::Kind::routed_tiles
@@ -727,7 +741,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.block = g.block;
   k.grid.persistent = persistent;
   k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) +
-                   (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0); // + the tile-id ring (WgmmaWsConfig::ring)
+                   (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0) + // + the tile-id ring (WgmmaWsConfig::ring)
+                   (persistent && out_tma ? t.tile_m * t.tile_n * 2 : 0);    // + the output tile's own staging
   if (in_place)
     user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
   k.threads = wgmma ? t.tile_m * 2 + (ws ? 128 : 0) : t.threads();

@@ -226,7 +226,9 @@ std::vector<std::string> CudaLayer::timeline(const Stream &stream) {
     std::vector<uint64_t> raw(bytes / sizeof(uint64_t));
     MOEFORGE_CU(cuMemcpyDtoH, raw.data(), stamps, bytes);
     const Launch &l = launches_.at(launch_of_.at(i));
-    lines.push_back(format_timeline(l.gen->name, summarize_timeline(raw, l.grid.x)));
+    // Persistent blocks stamp per tile, beyond the grid's size.
+    const int64_t slots = l.gen->grid.persistent ? kTimelineBlocks : l.grid.x;
+    lines.push_back(format_timeline(l.gen->name, summarize_timeline(raw, slots)));
   }
   stream.synchronize();
   return lines;

@@ -29,7 +29,8 @@ inline constexpr const char *kTileLibraryTemplate = R"CUDA(
 // kernels stamp the global timer at the phases of a tile into
 // mf_timeline[block][phase] (thread 0, the first consumer thread):
 //   0 entry, 1 main loop called (tile table read), 2 first stage landed,
-//   3 main loop done, 4 epilogue done, 5 the SM's id.
+//   3 main loop done, 4 epilogue done, 5 the SM's id;
+// persistent blocks stamp per tile (at mf_timeline[tile]; no phase 2).
 // CudaLayer::timeline() reads it back after each GEMM. Otherwise MF_STAMP
 // is nothing.
 #ifdef MF_TIMELINE
@@ -37,21 +38,23 @@ inline constexpr const char *kTileLibraryTemplate = R"CUDA(
 extern "C" {
 __device__ unsigned long long mf_timeline[MF_TIMELINE_BLOCKS * 8]; // defined here: one NVRTC unit
 }
-__device__ __forceinline__ void mf_stamp(int phase) {
-  if (threadIdx.x == 0 && blockIdx.x < MF_TIMELINE_BLOCKS) {
+__device__ __forceinline__ void mf_stamp(long long at, int phase) {
+  if (threadIdx.x == 0 && at < MF_TIMELINE_BLOCKS) {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    mf_timeline[blockIdx.x * 8 + phase] = t;
+    mf_timeline[at * 8 + phase] = t;
     if (phase == 0) {
       unsigned sm;
       asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      mf_timeline[blockIdx.x * 8 + 5] = sm;
+      mf_timeline[at * 8 + 5] = sm;
     }
   }
 }
-#define MF_STAMP(phase) mf_stamp(phase)
+#define MF_STAMP(phase) mf_stamp(blockIdx.x, phase)
+#define MF_STAMP_AT(tile, phase) mf_stamp(tile, phase) // persistent blocks: per tile
 #else
 #define MF_STAMP(phase)
+#define MF_STAMP_AT(tile, phase)
 #endif
 
 namespace mf {
@@ -653,10 +656,25 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
     const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(*reinterpret_cast<const unsigned *>(&v)) : "memory");
   }
+  // Persistent blocks stage in a buffer past the ring (Ring::out): each
+  // warpgroup's part is free again once its previous copy has read it.
+  __device__ static __forceinline__ unsigned out_reuse(unsigned s) {
+    const int tid = threadIdx.x;
+    if ((tid & 127) == 0)
+      bulk_wait_read();
+    named_barrier(2 + (tid >> 7), 128);
+    return s;
+  }
+  // After a persistent block's last tile: its copies have read their staging.
+  __device__ static __forceinline__ void out_done() {
+    if ((threadIdx.x & 127) == 0)
+      bulk_wait_read();
+  }
   // Stores warpgroup wg's boxes at rows row0 + 64 wg (if any of the tile's
-  // `rows` fall there) and columns n0 ... (those under N).
+  // `rows` fall there) and columns n0 ... (those under N); wait: until the
+  // copy has read the staging (else out_reuse / out_done wait).
   __device__ static __forceinline__ void out_store(unsigned s, const TmaDesc *map, long long row0, int rows, int n0,
-                                                   int N) {
+                                                   int N, bool wait) {
     const int tid = threadIdx.x, wg = tid >> 7;
     fence_proxy_async();          // this thread's staged values, visible to the copy engine
     named_barrier(2 + wg, 128);   // ... and every thread's of this warpgroup
@@ -666,7 +684,8 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
         if (n0 + b * 64 < N)
           tma_store_3d(map, s + (wg * (BN / 64) + b) * (64 * 128), n0 + b * 64, (int)(row0 + wg * 64), 0);
       bulk_commit();
-      bulk_wait_read();
+      if (wait)
+        bulk_wait_read();
     }
   }
 
@@ -864,14 +883,16 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   // producer's thread 0 draws the next id and publishes it in a 2-slot ring
   // (tile_full: it has written the slot; tile_empty: every warp has read it).
   struct Ring {
-    unsigned s0, full, empty, tile_full, tile_empty, tile_ids;
+    unsigned s0, full, empty, tile_full, tile_empty, tile_ids, out;
     int it, fetches;
   };
-  // Shared memory past the stages: STAGES x (full, empty), then 2 x
+  // Shared memory past the stages: out_bytes of output staging (out_reuse;
+  // 1024-aligned, as the stages are), STAGES x (full, empty), then 2 x
   // (tile_full, tile_empty) and 2 tile ids, 48 bytes (the codegen's count).
-  __device__ static Ring ring(unsigned char *smem) {
-    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, bars = s0 + STAGES * STAGE_BYTES;
-    Ring r{s0, bars, bars + 8 * STAGES, bars + 16 * STAGES, bars + 16 * STAGES + 16, bars + 16 * STAGES + 32, 0, 0};
+  __device__ static Ring ring(unsigned char *smem, unsigned out_bytes = 0) {
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, out = s0 + STAGES * STAGE_BYTES, bars = out + out_bytes;
+    Ring r{s0, bars, bars + 8 * STAGES, bars + 16 * STAGES, bars + 16 * STAGES + 16, bars + 16 * STAGES + 32, out,
+           0, 0};
     if (threadIdx.x == 0) {
       for (int s = 0; s < STAGES; ++s) {
         mbar_init(r.full + 8 * s, 128);

@@ -109,6 +109,8 @@ std::vector<std::string> step_outputs(const Step &s) {
   if (auto *g = std::get_if<GemmStep>(&s))
     for (const GemmStep::Extra &e : g->extra)
       out.push_back(e.output);
+  if (auto *r = std::get_if<RoutingStep>(&s); r && !r->gate_output.empty())
+    out.push_back(r->gate_output);
   return out;
 }
 
@@ -130,8 +132,12 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
         [&](const auto &x) {
           using T = std::decay_t<decltype(x)>;
           if constexpr (std::is_same_v<T, RoutingStep>) {
-            os << "  route " << x.route->name << ": top_k(" << x.probs << ", k = " << x.route->k
-               << ") -> counts, padded offsets (block " << x.block << "), sorted_pair, pair_pos, tiles\n";
+            os << "  route " << x.route->name << ": top_k(" << (x.softmax ? "softmax(" + x.probs + ")" : x.probs)
+               << ", k = " << x.route->k << ") -> counts, padded offsets (block " << x.block
+               << "), sorted_pair, pair_pos, tiles";
+            if (!x.gate_output.empty())
+              os << "; gate -> " << x.gate_output;
+            os << "\n";
           } else if constexpr (std::is_same_v<T, GatherStep>) {
             os << "  gather " << x.name << ": " << x.dst << "[p, :] = " << x.src
                << (x.rows == RowMap::gather_token ? "[token(sorted_pair[p]), :]\n" : "[sorted_pair[p], :]\n");

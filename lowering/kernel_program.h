@@ -118,8 +118,16 @@ struct PointwiseStep {
 // permutation (sorted_pair, pair_pos) and the tile table.
 struct RoutingStep {
   const RoutingNode *route;
-  std::string probs; // f32 [T, E]
+  std::string probs; // f32 [T, E]: the scores top-k selects by
   int block = 128;
+  // Set by softmax_into_routing: `probs` holds logits, and the routing takes
+  // the row softmax itself (as a pointwise softmax step would) before
+  // selecting, so the probabilities are never stored.
+  bool softmax = false;
+  // Set by gate_from_routing: a pair-order f32 tensor [pairs] the routing
+  // writes with each pair's chosen score (the gate S(token(r), expert(r))),
+  // in place of the pointwise step that read it back from `probs`.
+  std::string gate_output;
 };
 
 // dst[p, :] = src[row(sorted_pair[p]), :], zero on padding rows (blocked);
@@ -161,7 +169,8 @@ std::string step_name(const Step &s);
 // writes (empty for a routing step, which writes its route's tables).
 std::vector<std::string> step_reads(const Step &s);
 std::string step_output(const Step &s);
-// Every tensor a step writes: step_output's, then a GEMM's extra outputs.
+// Every tensor a step writes: step_output's, then a GEMM's extra outputs or
+// a routing step's gate_output.
 std::vector<std::string> step_outputs(const Step &s);
 
 } // namespace moeforge

@@ -259,7 +259,7 @@ KernelProgram build_steps(const Pipeline &p, const Schedule &schedule) {
       user_check(r.token_var.same_as(r.probs->args[0]))
           << "route '" << r.name << "': the device routing reads '" << r.probs->name << "' as (token, expert); "
           << "define it with the token index first";
-      prog.steps.push_back(RoutingStep{&r, r.probs->name, schedule.block()});
+      prog.steps.push_back(RoutingStep{&r, r.probs->name, schedule.block(), /*softmax=*/false, /*gate_output=*/""});
       prog.routes.push_back(&r);
       continue;
     }
@@ -681,6 +681,97 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
 
 namespace {
 
+bool is_output(const KernelProgram &p, const std::string &name) {
+  return std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end();
+}
+
+void erase_tensor(KernelProgram &p, const std::string &name) {
+  p.tensors.erase(
+      std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &t) { return t.name == name; }));
+}
+
+// A read of the route's scores at its pairs' choices, S(token(r), expert(r)):
+// the value top-k selected for pair r.
+bool reads_chosen_score(const Expr &e, const RoutingStep &rs) {
+  const RoutingNode *r = rs.route;
+  auto at = [&](const Index &i, RouteField f) { return i.field == f && i.route.get() == r && i.var.same_as(r->pair); };
+  auto *a = e.as<Access>();
+  return a && a->target_name() == rs.probs && a->args.size() == 2 && at(a->args[0], RouteField::token) &&
+         at(a->args[1], RouteField::expert);
+}
+
+} // namespace
+
+KernelProgram gate_from_routing(KernelProgram p, const Schedule &) {
+  for (size_t i = 0; i < p.steps.size(); ++i) {
+    auto *rs = std::get_if<RoutingStep>(&p.steps[i]);
+    if (!rs || !rs->gate_output.empty())
+      continue;
+    // The routing writes gates in pair order (r = t * k + slot) as f32, so the
+    // tensor must be stored that way.
+    for (size_t j = i + 1; j < p.steps.size(); ++j) {
+      auto *pw = std::get_if<PointwiseStep>(&p.steps[j]);
+      if (!pw || pw->vars.size() != 1 || !pw->vars[0].same_as(rs->route->pair) || !reads_chosen_score(pw->body, *rs))
+        continue;
+      const TensorDecl &t = p.tensor(pw->output);
+      if (t.dtype != DType::f32 || t.layout != RowLayout::pair || t.route != rs->route || t.stride8)
+        continue;
+      rs->gate_output = pw->output;
+      p.steps.erase(p.steps.begin() + static_cast<long>(j)); // after i: rs stays valid
+      break;
+    }
+  }
+  return p;
+}
+
+KernelProgram softmax_into_routing(KernelProgram p, const Schedule &) {
+  for (size_t i = 0; i < p.steps.size(); ++i) {
+    auto *rs = std::get_if<RoutingStep>(&p.steps[i]);
+    if (!rs || rs->softmax || is_output(p, rs->probs))
+      continue;
+    const RoutingNode *r = rs->route;
+    // The scores' one producer and their readers: the routing must be the
+    // only one, or the probabilities have to be stored anyway.
+    long producer = -1;
+    int producers = 0, readers = 0;
+    for (size_t k = 0; k < p.steps.size(); ++k) {
+      for (const std::string &o : step_outputs(p.steps[k]))
+        if (o == rs->probs) {
+          producer = static_cast<long>(k);
+          ++producers;
+        }
+      for (const std::string &n : step_reads(p.steps[k]))
+        readers += n == rs->probs;
+    }
+    if (producers != 1 || readers != 1 || producer > static_cast<long>(i))
+      continue;
+    // Exactly S(t, e) = softmax(e, L(t, e)) over the route's (token, expert).
+    auto *pw = std::get_if<PointwiseStep>(&p.steps[producer]);
+    const Softmax *sm = pw ? pw->body.as<Softmax>() : nullptr;
+    const Access *l = sm ? sm->body.as<Access>() : nullptr;
+    auto plain = [](const Index &x, const Var &v) { return x.is_plain() && x.var.same_as(v); };
+    if (!l || pw->vars.size() != 2 || !pw->vars[0].same_as(r->token_var) || !pw->vars[1].same_as(r->expert_var) ||
+        !sm->var.same_as(r->expert_var) || l->args.size() != 2 || !plain(l->args[0], r->token_var) ||
+        !plain(l->args[1], r->expert_var))
+      continue;
+    // The routing reads L as it read S: f32 rows of E, densely stored.
+    const TensorDecl *logits = p.find(l->target_name());
+    if (!logits || logits->dtype != DType::f32 || logits->layout != RowLayout::dense || logits->stride8 ||
+        logits->dims.size() != 2 || !logits->dims[0].same_as(r->token_dim()) ||
+        !logits->dims[1].same_as(r->expert_dim()))
+      continue;
+    std::string scores = rs->probs;
+    rs->probs = logits->name;
+    rs->softmax = true;
+    p.steps.erase(p.steps.begin() + producer); // before i: rs is invalid from here
+    erase_tensor(p, scores);
+    --i;
+  }
+  return p;
+}
+
+namespace {
+
 void dump(const char *pass, const KernelProgram &p) {
   if (debug_lowering())
     std::cerr << "=== after " << pass << " ===\n" << p;
@@ -711,6 +802,12 @@ KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule) {
   // Last, so that the row layouts and row maps it reads are final.
   fuse_elementwise_consumers(p, 0, p.steps.size(), schedule);
   dump("fuse_elementwise_consumers", p);
+  // Forward only: training's backward reads the probabilities (lower_training
+  // runs lower_before_fusion, not these).
+  p = gate_from_routing(std::move(p), schedule);
+  dump("gate_from_routing", p);
+  p = softmax_into_routing(std::move(p), schedule);
+  dump("softmax_into_routing", p);
   return p;
 }
 

@@ -20,10 +20,22 @@ KernelProgram insert_permutation(KernelProgram p, const Schedule &schedule);
 KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule);
 KernelProgram resolve_row_maps(KernelProgram p, const Schedule &schedule);
 KernelProgram materialize_transposes(KernelProgram p, const Schedule &schedule);
-// Last: fuse_elementwise_consumers over the whole program (below).
+// Then fuse_elementwise_consumers over the whole program (below), and last
+// the two that move work into the routing (forward programs only):
+//
+// gate_from_routing: a step g(r) = S(token(r), expert(r)), S the route's
+// scores and r its pair (the plain top-k gate), is removed; the routing step
+// writes the chosen scores to g itself (RoutingStep::gate_output).
+KernelProgram gate_from_routing(KernelProgram p, const Schedule &schedule);
+// softmax_into_routing: when the scores are S(t, e) = softmax(e, L(t, e)) of
+// an f32 tensor L and nothing but the routing reads S (after
+// gate_from_routing) nor asks for it as an output, S's step and tensor go:
+// the routing reads L and takes the softmax itself (RoutingStep::softmax).
+KernelProgram softmax_into_routing(KernelProgram p, const Schedule &schedule);
 
-// Every pass above but the last: lower_training fuses the forward's and the
-// backward's element-wise steps separately, so no work crosses between them.
+// The passes up to materialize_transposes: lower_training fuses the
+// forward's and the backward's element-wise steps separately, so no work
+// crosses between them (and keeps the probabilities, which the backward reads).
 KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &schedule);
 
 // Element-wise steps of steps [begin, end) that read a GEMM's output at its

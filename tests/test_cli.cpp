@@ -267,7 +267,9 @@ TEST_CASE("cli: emit --llvm prints the CPU backend's optimised IR") {
   CHECK(r.code == 0);
   CHECK(has(r.out, "define void @moeforge_gemm_h("));
   CHECK(has(r.out, "define void @moeforge_pointwise_y("));
-  CHECK(has(r.out, "<8 x float>")); // the O2 pipeline vectorised the loops
+  // The O2 pipeline vectorised the loops (8 or 16 lanes, as the host's
+  // vector units allow).
+  CHECK((has(r.out, "<8 x float>") || has(r.out, "<16 x float>")));
 #else
   CHECK(r.code == 2);
   CHECK(has(r.err, "emit --llvm: this build has no CPU backend"));

@@ -476,12 +476,14 @@ TEST_CASE("codegen: a k = 1 combine in the GEMM epilogue compiles for sm_90a wit
 }
 
 TEST_CASE("codegen: softmax runs a warp per row and compiles without spills") {
-  // The router's softmax over E = 64 experts: two columns per lane, in registers.
+  // The router's softmax over E = 64 experts: two columns per lane, in
+  // registers. swiglu_moe's renormalised gates read the probabilities, so its
+  // softmax stays a step (moe_mlp's runs in the routing: lower.h).
   ExampleShape s = small();
   s.experts = 64;
-  Example moe = make_example("moe_mlp", s);
+  Example moe = make_example("swiglu_moe", s);
   cuda::CompiledLayer c = cuda::compile_layer(moe.pipeline, preset("scattermoe"));
-  check_resources(c, "moe_mlp router softmax");
+  check_resources(c, "swiglu_moe router softmax");
   CHECK(kernel_named(c, "pointwise_probs").grid.threads_per_element == 32);
   std::string probs = kernel_source(c, "pointwise_probs");
   CHECK(probs.find("mf::warp_max(row_max)") != std::string::npos);

@@ -29,9 +29,9 @@ TEST_CASE("lowering: MOEFORGE_DEBUG=lower prints the program after every pass in
   std::cerr.rdbuf(old);
   const std::string text = captured.str();
   size_t at = 0;
-  for (const char *pass :
-       {"build_steps", "fuse_gate_into_epilogue", "split_unfused_epilogues", "insert_permutation", "assign_row_layouts",
-        "resolve_row_maps", "materialize_transposes", "fuse_elementwise_consumers"}) {
+  for (const char *pass : {"build_steps", "fuse_gate_into_epilogue", "split_unfused_epilogues", "insert_permutation",
+                           "assign_row_layouts", "resolve_row_maps", "materialize_transposes",
+                           "fuse_elementwise_consumers", "gate_from_routing", "softmax_into_routing"}) {
     size_t found = text.find(std::string("=== after ") + pass + " ===", at);
     CHECK_MESSAGE(found != std::string::npos, "no dump after " << pass << " (in order)");
     if (found != std::string::npos)
@@ -40,7 +40,7 @@ TEST_CASE("lowering: MOEFORGE_DEBUG=lower prints the program after every pass in
   // The last dump is the program lower() returned.
   std::ostringstream final_program;
   final_program << p;
-  const std::string last = "=== after fuse_elementwise_consumers ===\n";
+  const std::string last = "=== after softmax_into_routing ===\n";
   CHECK(text.substr(text.rfind(last) + last.size()) == final_program.str());
 }
 

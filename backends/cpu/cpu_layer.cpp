@@ -66,16 +66,46 @@ void CpuLayer::poison() {
   }
 }
 
+namespace {
+
+// Each row's softmax in place, as the generated pointwise softmax computes it
+// (codegen_llvm.cpp, emit_pointwise: maxnum, then the sum of exp(x - max) in
+// column order, then exp(x - max) / sum), so a routing that takes the softmax
+// itself selects and gates exactly as one that read stored probabilities.
+void softmax_rows(std::vector<float> &v, int64_t rows, int64_t cols) {
+  for (int64_t t = 0; t < rows; ++t) {
+    float *row = &v[static_cast<size_t>(t * cols)];
+    float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+    for (int64_t e = 0; e < cols; ++e)
+      mx = std::fmax(mx, row[e]);
+    for (int64_t e = 0; e < cols; ++e)
+      sum += std::exp(row[e] - mx);
+    for (int64_t e = 0; e < cols; ++e)
+      row[e] = std::exp(row[e] - mx) / sum;
+  }
+}
+
+} // namespace
+
 void CpuLayer::route(const RoutingStep &step) {
   RouteState &st = routes_.at(step.route);
   const std::vector<uint8_t> &raw = tensors_.at(step.probs);
   std::vector<float> probs(static_cast<size_t>(st.shape.tokens * st.shape.experts));
   std::memcpy(probs.data(), raw.data(), probs.size() * sizeof(float));
+  if (step.softmax) // step.probs holds the router's logits (lower.h, softmax_into_routing)
+    softmax_rows(probs, st.shape.tokens, st.shape.experts);
   // The reference's rule (largest first, ties to the lower expert), then the
   // blocked format's tables: the same code the GPU routing is checked with.
   cuda::HostTopK top = cuda::top_k_on_host(st.shape, probs);
   st.tables = cuda::route_on_host(st.shape, top.expert);
   st.padded_rows = st.tables.offsets.back();
+  if (!step.gate_output.empty()) { // the chosen probabilities, pair order (gate_from_routing)
+    std::vector<uint8_t> &gate = tensors_.at(step.gate_output);
+    internal_check(gate.size() == top.gate.size() * sizeof(float))
+        << "gate tensor '" << step.gate_output << "' holds " << gate.size() << " bytes for " << top.gate.size()
+        << " pairs";
+    std::memcpy(gate.data(), top.gate.data(), gate.size());
+  }
 }
 
 void *CpuLayer::arg(const CpuArg &a) {

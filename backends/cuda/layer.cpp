@@ -174,7 +174,11 @@ void CudaLayer::poison() {
 
 void CudaLayer::run_step(size_t step, const Stream &stream) {
   if (auto *rs = std::get_if<RoutingStep>(&layer_.program.steps[step])) {
-    routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream); // no generated kernel
+    // No generated kernel. Lowering may have given the routing the router's
+    // softmax and the gate tensor to write (lower.h, softmax_into_routing and
+    // gate_from_routing); otherwise the gates stay in the plan.
+    CUdeviceptr gate = rs->gate_output.empty() ? 0 : tensors_.at(rs->gate_output).ptr();
+    routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream, rs->softmax, gate);
     return;
   }
   Launch &l = launches_.at(launch_of_.at(step));

@@ -72,11 +72,13 @@ DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routin
   scatter_ = module_.kernel("moe_stable_scatter");
 }
 
-void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream) const {
+void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax,
+                        CUdeviceptr gate) const {
   const RoutingShape &s = plan.shape;
   if (s.tokens > 0) {
-    int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k;
-    void *args[] = {&probs, &tokens, &experts, &k, plan.expert.arg(), plan.gate.arg()};
+    int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, apply_softmax = softmax ? 1 : 0;
+    void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
+    void *args[] = {&probs, &tokens, &experts, &k, &apply_softmax, plan.expert.arg(), gate_arg};
     topk_.launch({blocks_for(s.tokens, kRoutingThreads / 32)}, {kRoutingThreads}, 0, stream, args);
   }
   run_from_experts(plan, stream);

@@ -62,8 +62,12 @@ public:
 
   // Routes probs (f32 [T, E] row-major, on the device) into `plan`. Queued on
   // `stream`; returns at once. Probabilities must not be NaN (the order of
-  // NaNs is undefined on every backend).
-  void run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream) const;
+  // NaNs is undefined on every backend). With `softmax`, probs holds logits
+  // and the routing selects by their row softmax, computed as the generated
+  // pointwise softmax computes it. The gates (the chosen probabilities, pair
+  // order) go to `gate` (f32 [T*k]) when given, else to plan.gate.
+  void run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax = false,
+           CUdeviceptr gate = 0) const;
   // The same from plan.expert, already filled (expert ids 0..E-1; a router
   // computed elsewhere, or a test's chosen distribution). plan.gate is untouched.
   void run_from_experts(RoutingPlan &plan, const Stream &stream) const;

@@ -3,9 +3,10 @@
 // -D, so host and device agree on them). The format it produces is described
 // in routing_host.h; route_on_host() there is its oracle.
 //
-// Five steps, no host synchronisation between them, every result
+// Four steps, no host synchronisation between them, every result
 // deterministic (no atomics decide a position):
-//   moe_topk             one warp per token: k rounds of a warp argmax
+//   moe_topk             one warp per token: the row's softmax when asked
+//                        (the router's, fused), then k rounds of a warp argmax
 //   moe_chunk_histogram  per chunk of MF_CHUNK pairs, pairs per expert
 //   moe_scan_offsets     one block: per expert a scan over chunks, then a scan
 //                        over experts (counts, padded and unpadded offsets),
@@ -37,20 +38,51 @@ __device__ __forceinline__ bool beats(float p, int e, float q, int f) {
   return e != kNoExpert && (f == kNoExpert || p > q || (p == q && e < f));
 }
 
-// expert[t*k + s], gate[t*k + s]: the s-th largest probability of row t.
-// Lane l holds experts l, l+32, l+64, ... in registers (loads coalesce, and
-// the loops over them unroll, so nothing goes to local memory); a bit per
-// held expert says whether it is still a candidate.
+// The row's softmax in place: p = expf(x - max) / sum of expf(x - max), the
+// formula and the order of every operation of the generated pointwise softmax
+// (codegen_cuda.cpp, emit_softmax_row: lane l holds columns l, l+32, ...,
+// sums them in that order, then the same butterflies), so routing logits with
+// softmax = 1 selects and gates bit for bit as routing stored probabilities.
+__device__ __forceinline__ void row_softmax(float (&rP)[kExpertsPerLane], unsigned live) {
+  float row_max = -__int_as_float(0x7f800000), row_sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kExpertsPerLane; ++j)
+    if ((live >> j) & 1u)
+      row_max = fmaxf(row_max, rP[j]);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1)
+    row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, d));
+#pragma unroll
+  for (int j = 0; j < kExpertsPerLane; ++j)
+    if ((live >> j) & 1u) {
+      rP[j] = expf(rP[j] - row_max);
+      row_sum += rP[j];
+    }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1)
+    row_sum += __shfl_xor_sync(kFullMask, row_sum, d);
+#pragma unroll
+  for (int j = 0; j < kExpertsPerLane; ++j)
+    if ((live >> j) & 1u)
+      rP[j] = rP[j] / row_sum;
+}
+
+// expert[t*k + s], gate[t*k + s]: the s-th largest probability of row t,
+// where the probabilities are `scores`, or their row softmax when `softmax`
+// is set (scores are then logits). Lane l holds experts l, l+32, l+64, ... in
+// registers (loads coalesce, and the loops over them unroll, so nothing goes
+// to local memory); a bit per held expert says whether it is still a
+// candidate.
 extern "C" __global__ void __launch_bounds__(MF_THREADS)
-moe_topk(const float *__restrict__ probs,  // (T, E)
-         int tokens, int experts, int k,
-         int *__restrict__ expert,         // (T*k)
-         float *__restrict__ gate) {       // (T*k)
+moe_topk(const float *__restrict__ scores,  // (T, E)
+         int tokens, int experts, int k, int softmax,
+         int *__restrict__ expert,          // (T*k)
+         float *__restrict__ gate) {        // (T*k)
   const int lane = threadIdx.x & 31;
   const long long t = (long long)blockIdx.x * kWarps + (threadIdx.x >> 5);
   if (t >= tokens)
     return; // uniform per warp: the shuffles below see full warps
-  const float *row = probs + t * experts;
+  const float *row = scores + t * experts;
   float rP[kExpertsPerLane]; // (E / 32) probabilities of this lane
   unsigned live = 0;
 #pragma unroll
@@ -59,6 +91,8 @@ moe_topk(const float *__restrict__ probs,  // (T, E)
     rP[j] = e < experts ? row[e] : 0.0f;
     live |= (e < experts ? 1u : 0u) << j;
   }
+  if (softmax) // uniform over the grid
+    row_softmax(rP, live);
   for (int s = 0; s < k; ++s) {
     // This lane's best candidate; j ascending is expert ascending, so a
     // strict > keeps the lower expert on ties.

@@ -590,9 +590,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // tile no longer needs once its main loop is done, or (persistent blocks,
   // whose producer is filling the ring with the next tile) in a buffer of
   // its own past the ring, whose copy then overlaps the next main loop.
-  // Not in clusters yet: there the staged tile came out unwritten on the
-  // GPU (h left as its poison, block 256 with the halves paired) and the
-  // cause is not found; clusters keep plain stores.
+  // Not in clusters yet: untested there (the failure first blamed on the
+  // pair was the clusters' rasterisation, since fixed), so they keep plain
+  // stores.
   const bool out_tma = t.tma_store && tma && !cluster && !g.expert_k && g.extra.empty() &&
                        prog.tensor(g.output).dtype == DType::bf16 &&
                        (!g.route || (g.out_rows == RowMap::direct && !pair_rows));
@@ -627,7 +627,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       body << "  const long long LDA = " << max_padded_rows(prog, kb, r) << ";  // " << g.a << "'s padded row stride\n";
   } else if (cluster) {
     // Blocks 2c and 2c + 1 form a cluster: row tiles 2m and 2m + 1 of one column tile.
-    body << "  mf::raster(blockIdx.x >> 1, NUM_N, " << t.raster << ", m_tile, n_tile);\n";
+    // Rasterised over the pairs: gridDim.x / 2 / NUM_N of them (mf::raster
+    // would count gridDim.x / NUM_N row tiles, twice too many, and map a
+    // partial last band of pairs wrongly, leaving tiles unwritten).
+    body << "  mf::raster_mn(blockIdx.x >> 1, (int)(gridDim.x / 2 / NUM_N), NUM_N, " << t.raster
+         << ", m_tile, n_tile);\n";
     body << "  m_tile = 2 * m_tile + (blockIdx.x & 1);  // this block's row tile in the cluster's pair\n";
   } else {
     body << "  mf::raster(blockIdx.x, NUM_N, " << t.raster << ", m_tile, n_tile);\n";

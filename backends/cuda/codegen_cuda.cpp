@@ -373,6 +373,15 @@ void emit_a_operand(const GemmStep &g, KernelBuilder &kb, const std::string &gA,
   }
 }
 
+// The call of an epilogue lambda `fn` on element e (0 or 1) of a thread's
+// column pair: every accumulator's value there, the row, the column.
+std::string epilogue_call(const std::string &fn, int nb, const std::string &vr, int e) {
+  std::string call = fn + "(";
+  for (int b = 0; b < nb; ++b)
+    call += "Cfg::get(acc, " + std::to_string(b) + ", mi, ni, h * 2 + " + std::to_string(e) + "), ";
+  return call + vr + ", col + " + std::to_string(e) + ")";
+}
+
 // The epilogue with plain stores: each thread stores its accumulator
 // fragments (two columns at a time) of every row below `rows`, the GEMM's
 // output and each fused one in its own layout.
@@ -398,24 +407,17 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
   }
   body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
   body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n      if (col >= N) continue;\n";
-  for (int e = 0; e < 2; ++e) {
-    body << "      const float v" << e << " = epilogue(";
-    for (int b = 0; b < nb; ++b)
-      body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
-    body << vr << ", col + " << e << ");\n";
-  }
+  for (int e = 0; e < 2; ++e)
+    body << "      const float v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
   body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n";
   for (size_t o = 1; o < outputs.size(); ++o) {
     // A fused output is stored in its own layout: padded (tile order) or pair.
     const TensorDecl &t = prog.tensor(outputs[o].first);
     std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)" : "(long long)r";
     body << "      {\n";
-    for (int e = 0; e < 2; ++e) {
-      body << "        const float w" << e << " = epilogue" << o << "(";
-      for (int b = 0; b < nb; ++b)
-        body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
-      body << vr << ", col + " << e << ");\n";
-    }
+    for (int e = 0; e < 2; ++e)
+      body << "        const float w" << e << " = " << epilogue_call("epilogue" + std::to_string(o), nb, vr, e)
+           << ";\n";
     body << "        mf::store2(" << kb.tensor(outputs[o].first, /*writes=*/true) << " + " << row
          << " * N + col, w0, w1);\n      }\n";
   }
@@ -443,12 +445,8 @@ void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const
   body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n";
   body << "      float v0 = 0.f, v1 = 0.f;\n";
   body << "      if (lr < rows && col < N) {\n";
-  for (int e = 0; e < 2; ++e) {
-    body << "        v" << e << " = epilogue(";
-    for (int b = 0; b < nb; ++b)
-      body << "Cfg::get(acc, " << b << ", mi, ni, h * 2 + " << e << "), ";
-    body << vr << ", col + " << e << ");\n";
-  }
+  for (int e = 0; e < 2; ++e)
+    body << "        v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
   body << "      }\n      Cfg::out_put2(s_out, lr, col - n0, v0, v1);\n    }\n  }\n";
   // A block per tile waits until the copy has read its staging (the block's
   // shared memory must outlive it); a persistent block goes on to its next

@@ -269,6 +269,36 @@ TEST_SUITE("gpu") {
       }
   }
 
+  TEST_CASE("cuda layer: persistent two-block clusters match the reference") {
+    MOEFORGE_REQUIRE_GPU();
+    // The pair walks items drawn by rank 0: consecutive routing tiles
+    // (sharing B when one expert holds both, each loading its own otherwise,
+    // the last of an odd count with an idle partner), or the halves of
+    // 256-row routing tiles (an expert's last half-empty tile leaves rank 1
+    // idle). Shapes as the non-persistent cluster tests, plus the dense MLP
+    // (an odd count of row tiles) and the MoE edge cases.
+    Schedule a("persistent_pairs_scattered");
+    a.permutation(Permutation::scattered).tile("*", 128, 256, 64).mma("*", MmaKind::wgmma_ws).tma("*", true);
+    a.cluster("*", 2).persistent("*", true).tile("h", 128, 128, 64);
+    Schedule b("persistent_pairs_halves_blocked");
+    b.permutation(Permutation::blocked).block(256).tile("*", 128, 128, 64).mma("*", MmaKind::wgmma_ws);
+    b.tma("*", true).cluster("*", 2).persistent("*", true).stages("*", 3);
+    for (const ExampleShape &s : {shape(1500, 200, 328, 8, 2), shape(700, 256, 512, 16, 1), shape(333, 200, 328, 8, 2)})
+      for (const char *example : {"moe_mlp", "swiglu_moe", "dense_mlp"}) {
+        Example ex = make_example(example, s);
+        for (const Schedule &sch : {a, b}) {
+          Outcome o = run_and_compare(ex, ex.random_inputs(s, 8), s.tokens, sch);
+          INFO(example << " T=" << s.tokens << " " << sch.to_text());
+          CHECK(o.routing_mismatches == 0);
+          CHECK(o.y_error <= 1e-2);
+        }
+      }
+    testing::check_edge_cases(128, 256, {"persistent pairs"},
+                              [&](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
+                                return run_and_compare(ex, in, tokens, a);
+                              });
+  }
+
   TEST_CASE("cuda layer: a whole forward captured in a CUDA graph replays correctly") {
     MOEFORGE_REQUIRE_GPU();
     // Capture fails on any device-to-host synchronisation inside the step.

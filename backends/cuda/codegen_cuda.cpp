@@ -406,7 +406,11 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
     body << "    const long long " << vr << " = p0 + lr, out_row = " << vr << ";\n";
   }
   body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
-  body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n      if (col >= N) continue;\n";
+  // When BN divides N every tile is whole: no column test, and no branch
+  // around each column pair, which kept the compiler from interleaving the
+  // pairs' math (the epilogue stalled on each pair's dependency chain).
+  body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n";
+  body << "      if (N % Cfg::BN != 0 && col >= N) continue;\n";
   for (int e = 0; e < 2; ++e)
     body << "      const float v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
   body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n";
@@ -444,7 +448,7 @@ void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const
   body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
   body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n";
   body << "      float v0 = 0.f, v1 = 0.f;\n";
-  body << "      if (lr < rows && col < N) {\n";
+  body << "      if (lr < rows && (N % Cfg::BN == 0 || col < N)) {\n";
   for (int e = 0; e < 2; ++e)
     body << "        v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
   body << "      }\n      Cfg::out_put2(s_out, lr, col - n0, v0, v1);\n    }\n  }\n";
@@ -528,10 +532,14 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   const bool persistent = t.persistent && !g.expert_k;
   // Two blocks per cluster sharing B (row tiles 2m, 2m + 1 of one expert).
   const bool cluster = t.cluster_m == 2 && !g.expert_k && !in_place;
-  user_check(!cluster || (ws && tma && !persistent && !g.b_trans && !g.k.is_dynamic()))
+  user_check(!cluster || (ws && tma && !g.b_trans && !g.k.is_dynamic()))
       << "definition '" << g.output << "': clusters of two row tiles multicast TMA loads from the warp-specialised "
-      << "loop: add mma(\"" << g.output << "\", wgmma_ws) and tma(\"" << g.output
-      << "\", true), without persistent, or drop cluster";
+      << "loop: add mma(\"" << g.output << "\", wgmma_ws) and tma(\"" << g.output << "\", true), or drop cluster";
+  // Persistent clusters: the pair walks (pair of row tiles, column tile)
+  // items together (WgmmaWsConfig::pair_ring); a block whose tile of the
+  // pair is empty runs the item's stages with no rows, keeping the pair in
+  // step.
+  const bool pair_items = persistent && cluster;
   // Routed pairs: consecutive routing tiles (block = tile_m; they share B
   // when one expert holds both), or the two halves of one routing tile
   // (block = 2 tile_m: always one expert, every pair shares).
@@ -596,7 +604,20 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
                        (!g.route || (g.out_rows == RowMap::direct && !pair_rows));
   const std::string gC = out_tma ? "" : kb.tensor(g.output, /*writes=*/true);
   const char *skip = persistent ? "continue" : "return";
-  if (persistent) {
+  if (pair_items) {
+    std::string rows_total =
+        g.route ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " + std::to_string(g.block / t.tile_m)
+                : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
+    body << "  const long long PAIRS = (" << rows_total << " + 1) / 2;  // pairs of row tiles\n";
+    body << "  const long long TOTAL = PAIRS * NUM_N;  // items: a pair of row tiles x a column tile\n";
+    body << "  auto ring = Cfg::pair_ring(smem);\n  const int rank = (int)mf::cluster_rank();\n";
+    body << "  for (long long item = blockIdx.x >> 1; item < TOTAL; item = Cfg::pair_next(ring, " << kb.tile_counter()
+         << ")) {\n";
+    body << "  const long long tile_id = 2 * item + rank;  // this block's tile of the item\n";
+    stamp(0);
+    body << "  mf::raster_mn((int)item, (int)PAIRS, NUM_N, " << t.raster << ", m_tile, n_tile);\n";
+    body << "  m_tile = 2 * m_tile + rank;  // this block's row tile in the pair\n";
+  } else if (persistent) {
     // Routed: the routing's own tile count (read on the device), so no
     // block walks the upper bound's empty tiles.
     std::string rows_total =
@@ -645,18 +666,31 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     sorted_pair = kb.route(r, "sorted_pair");
     body << "  // This block's rows: part m_tile % " << sub << " of routing tile m_tile / " << sub
          << " (one expert's rows, padded to " << g.block << ").\n";
-    body << "  const int tile = m_tile / " << sub << ", part = m_tile % " << sub << ";\n";
-    body << "  if (tile >= *" << kb.route(r, "num_tiles") << ") " << skip
-         << ";  // grids are sized by an upper bound\n";
-    body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
-    body << "  const int rows = " << kb.route(r, "tile_rows") << "[tile] - part * Cfg::BM;\n";
-    body << "  if (rows <= 0) " << skip << ";\n";
+    const std::string num_tiles = kb.route(r, "num_tiles");
+    if (pair_items) {
+      // Past the last routing tile (an odd count): the partner's tile, no rows.
+      body << "  const bool live = m_tile / " << sub << " < *" << num_tiles << ";\n";
+      body << "  const int tile = (live ? m_tile : m_tile - rank) / " << sub << ", part = m_tile % " << sub << ";\n";
+      body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
+      body << "  const int rows = live ? max(0, " << kb.route(r, "tile_rows")
+           << "[tile] - part * Cfg::BM) : 0;  // 0: this block only keeps the pair in step\n";
+    } else {
+      body << "  const int tile = m_tile / " << sub << ", part = m_tile % " << sub << ";\n";
+      body << "  if (tile >= *" << num_tiles << ") " << skip << ";  // grids are sized by an upper bound\n";
+      body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
+      body << "  const int rows = " << kb.route(r, "tile_rows") << "[tile] - part * Cfg::BM;\n";
+      body << "  if (rows <= 0) " << skip << ";\n";
+    }
     body << "  const long long expert = " << kb.route(r, "tile_expert") << "[tile];\n";
   } else {
     body << "  const long long M = " << kb.extent(g.m) << ";\n";
     body << "  const long long p0 = (long long)m_tile * Cfg::BM;\n";
-    body << "  const int rows = (int)min((long long)Cfg::BM, M - p0);\n";
-    if (cluster)
+    if (pair_items)
+      body
+          << "  const int rows = (int)max(0LL, min((long long)Cfg::BM, M - p0));  // 0: the last pair's missing half\n";
+    else
+      body << "  const int rows = (int)min((long long)Cfg::BM, M - p0);\n";
+    if (cluster && !pair_items)
       body << "  if (rows <= 0) return;  // the grid's last pair is rounded up\n";
     body << "  const long long expert = 0;  // one B for every row\n  (void)expert;\n";
   }
@@ -696,7 +730,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  Cfg::Acc acc = {};\n";
     stamp(1);
     const std::string batch = g.b_per_expert ? "(int)expert" : "0";
-    if (persistent)
+    if (persistent && !cluster)
       body << "  if (!Cfg::"
            << (tma ? "tile_tma(ring, a_load, tB, " + batch + ", K, n0, rows, acc)"
                    : "tile(ring, gA, a_ok, gB, K, N, n0, acc)")
@@ -712,8 +746,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
              << "[pair_tile] == " << kb.route(g.route, "tile_expert") << "[pair_tile + 1];\n";
       else
         body << "  const bool share = (long long)(m_tile | 1) * Cfg::BM < M;  // both row tiles hold rows\n";
-      body << "  if (!Cfg::mainloop_tma_pair(smem, a_load, tB, " << batch
-           << ", K, n0, rows, share, acc))\n    return;  // a loading-only warpgroup\n\n";
+      if (pair_items)
+        body << "  if (!Cfg::pair_tile_tma(ring, a_load, tB, " << batch
+             << ", K, n0, rows, share, acc))\n    continue;  // the producer: on to the next item\n\n";
+      else
+        body << "  if (!Cfg::mainloop_tma_pair(smem, a_load, tB, " << batch
+             << ", K, n0, rows, share, acc))\n    return;  // a loading-only warpgroup\n\n";
     } else {
       body << "  if (!Cfg::"
            << (tma ? "mainloop_tma(smem, a_load, tB, " + batch + ", K, n0, rows, acc)"
@@ -729,7 +767,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   else
     emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, sorted_pair, gC, body);
   stamp(4);
-  if (persistent)
+  if (pair_items)
+    body << "  }  // next item\n  Cfg::pair_done(tile_counter);\n";
+  else if (persistent)
     body << "  }  // next tile\n  Cfg::tiles_done(tile_counter);\n" << (out_tma ? "  Cfg::out_done();\n" : "");
 
   k.grid.kind = g.expert_k ? GridShape::Kind::expert_tiles

@@ -124,8 +124,8 @@ void CudaLayer::bind() {
       break;
     }
     }
-    if (gs.persistent)
-      gx = std::min<int64_t>(gx, sm_count_);
+    if (gs.persistent) // one block per SM; whole clusters
+      gx = std::min<int64_t>(gx, std::max<int64_t>(gs.cluster_m, sm_count_ / gs.cluster_m * gs.cluster_m));
     user_check(gx >= 1 && gx < (1LL << 31) && gy < 65536)
         << "kernel " << g.name << ": grid " << gx << " x " << gy << " is out of range for these shapes";
     l.grid = Dim3{static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1};

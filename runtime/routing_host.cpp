@@ -61,12 +61,31 @@ RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t
   t.tile_row_start.assign(max_tiles, -1);
   t.tile_rows.assign(max_tiles, 0);
   int32_t i = 0;
-  for (int e = 0; e < E; ++e)
-    for (int32_t start = t.offsets[e]; start < t.offsets[e + 1]; start += bs, ++i) {
-      t.tile_expert[i] = e;
-      t.tile_row_start[i] = start;
-      t.tile_rows[i] = std::min(bs, t.counts[e] - (start - t.offsets[e]));
+  auto put = [&](int e, int32_t start) {
+    t.tile_expert[i] = e;
+    t.tile_row_start[i] = start;
+    t.tile_rows[i] = std::min(bs, t.counts[e] - (start - t.offsets[e]));
+    ++i;
+  };
+  // Pair-aligned order (routing_host.h): each expert's whole pairs, then
+  // the tails of odd experts two by two, the pair after its second's pairs.
+  int pending = -1; // an odd expert whose tail waits for a partner
+  for (int e = 0; e < E; ++e) {
+    const int32_t n = (t.offsets[e + 1] - t.offsets[e]) / bs;
+    for (int32_t k = 0; k < n / 2 * 2; ++k)
+      put(e, t.offsets[e] + k * bs);
+    if (n % 2 == 0)
+      continue;
+    if (pending < 0) {
+      pending = e;
+      continue;
     }
+    put(pending, t.offsets[pending + 1] - bs);
+    put(e, t.offsets[e + 1] - bs);
+    pending = -1;
+  }
+  if (pending >= 0)
+    put(pending, t.offsets[pending + 1] - bs);
   t.num_tiles = i;
   return t;
 }
@@ -171,16 +190,19 @@ std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const 
     if (!hit[p] && t.sorted_pair[p] != -1)
       v.add("sorted_pair[", p, "] = ", t.sorted_pair[p], " at a padding row, expected -1");
 
-  // Tiles: the first num_tiles cover [0, offsets[E]) in order, each row once,
-  // each within one expert; the rest are empty.
+  // Tiles: the first num_tiles cover [0, offsets[E]) in the pair-aligned
+  // order (the oracle's), each row once, each within one expert; the rest
+  // are empty.
   int64_t tiles = t.num_tiles;
   if (tiles != t.offsets[E] / bs || t.offsets[E] % bs != 0)
     v.add("num_tiles = ", tiles, " for ", t.offsets[E], " padded rows of block ", bs);
   tiles = std::clamp<int64_t>(tiles, 0, shape.max_tiles());
+  const RoutingTables order = route_on_host(shape, t.expert);
   for (int64_t i = 0; i < tiles; ++i) {
     int32_t e = t.tile_expert[i], start = t.tile_row_start[i], rows = t.tile_rows[i];
-    if (start != i * bs)
-      v.add("tile ", i, " starts at row ", start, ", expected ", i * bs, " (tiles cover rows once, in order)");
+    if (i < order.num_tiles && start != order.tile_row_start[i])
+      v.add("tile ", i, " starts at row ", start, ", expected ", order.tile_row_start[i],
+            " (tiles cover rows once, pair-aligned)");
     if (e < 0 || e >= E) {
       v.add("tile ", i, " has expert ", e);
       continue;

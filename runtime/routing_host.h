@@ -18,6 +18,13 @@
 //   tile_rows[i]         valid rows in the tile, 1..bs
 //   num_tiles            tiles in use = offsets[E] / bs
 //
+// Tiles come pair-aligned, so that tiles 2m and 2m + 1 (what a two-block
+// cluster takes) are one expert's wherever they can be: walking the experts
+// in order, an expert's first 2 floor(n / 2) tiles (n = its segment / bs)
+// follow in row order; an odd expert's last tile (its tail) waits for the
+// next odd expert's, and the two follow that expert's pairs; a tail left
+// without a partner comes last. E.g. n = (3, 2, 1): tiles e0 e0 e1 e1 e0' e2.
+//
 // Grids are sized by max_tiles = ceil(P / bs) + E, an upper bound known on
 // the host, so no step ever copies num_tiles back. Tiles at and past
 // num_tiles hold tile_expert = -1, tile_row_start = -1, tile_rows = 0, and

@@ -144,15 +144,24 @@ extern "C" __global__ void add_one(int *x, int n) {
       float skew;
     };
     std::vector<Case> cases = {
-        {{1, 8, 2, 64}, 0.0f},       // one token
-        {{100, 8, 2, 64}, 0.0f},     // T not a multiple of bs
-        {{1000, 64, 8, 128}, 0.0f},  // fine-grained
-        {{4096, 64, 1, 128}, 3.0f},  // skewed: high experts empty
-        {{3000, 16, 16, 256}, 0.0f}, // k = E
-        {{5000, 256, 8, 64}, 0.5f},  // the most experts, several chunks
-        {{2049, 3, 1, 64}, 50.0f},   // every token on expert 0
-        {{16384, 64, 8, 128}, 0.1f}, // fine64-sized routing: 64 chunks
-        {{777, 33, 5, 256}, 0.0f},   // E not a multiple of 32
+        {{1, 8, 2, 64}, 0.0f},        // one token
+        {{100, 8, 2, 64}, 0.0f},      // T not a multiple of bs
+        {{1000, 64, 8, 128}, 0.0f},   // fine-grained
+        {{4096, 64, 1, 128}, 3.0f},   // skewed: high experts empty
+        {{3000, 16, 16, 256}, 0.0f},  // k = E
+        {{5000, 256, 8, 64}, 0.5f},   // the most experts, several chunks
+        {{2049, 3, 1, 64}, 50.0f},    // every token on expert 0
+        {{16384, 64, 8, 128}, 0.1f},  // fine64-sized routing: 128 chunks of 1024 pairs
+        {{777, 33, 5, 256}, 0.0f},    // E not a multiple of 32; tokens straddle chunks
+        {{16384, 64, 1, 128}, 0.0f},  // mbpaper-sized: 128 chunks of 128 pairs
+        {{8192, 8, 2, 128}, 0.0f},    // mixtral-sized
+        {{999, 128, 3, 64}, 0.2f},    // moe_topk_e128; the chunk does not divide P
+        {{700, 256, 256, 64}, 0.0f},  // k = E = 256
+        {{2000, 32, 32, 128}, 0.0f},  // k = E = 32, the largest E of moe_topk_e32
+        {{3000, 1, 1, 128}, 0.0f},    // one expert, many chunks
+        {{1, 1, 1, 64}, 0.0f},        // one pair
+        {{100000, 16, 4, 128}, 0.0f}, // chunks of 3200 pairs: many steps per warp
+        {{0, 8, 2, 64}, 0.0f},        // no tokens: offsets, empty tiles and padding still written
     };
     for (const Case &c : cases) {
       const RoutingShape &s = c.shape;
@@ -195,7 +204,13 @@ extern "C" __global__ void add_one(int *x, int n) {
     for (size_t i = 0; i < alternating.size(); ++i)
       alternating[i] = i % 2 ? 5 : 1; // experts 0, 2-4, 6, 7 empty
     run({4099, 8, 1, 64}, alternating);
-    run({0, 8, 2, 64}, {}); // no tokens
+    run({0, 8, 2, 64}, {});                               // no tokens
+    run({3000, 1, 1, 64}, std::vector<int32_t>(3000, 0)); // one expert
+    std::mt19937 rng(13);
+    std::vector<int32_t> clustered(200000); // runs of one expert, so chunks and warps see few experts
+    for (size_t i = 0; i < clustered.size(); ++i)
+      clustered[i] = static_cast<int32_t>((i / 1000 + rng() % 2) % 256);
+    run({100000, 256, 2, 128}, clustered);
   }
 
   TEST_CASE("cuda gpu: routing replayed from a CUDA graph gives the same tables") {
@@ -204,25 +219,29 @@ extern "C" __global__ void add_one(int *x, int n) {
     DeviceRouting routing(device);
     Stream stream;
     std::mt19937 rng(9);
-    RoutingShape s{3000, 64, 8, 128};
-    DeviceBuffer d_probs = DeviceBuffer::from(random_probs(s, rng, 0.0f));
-    RoutingPlan plan(s);
-    CudaGraph graph = CudaGraph::capture(stream, [&] { routing.run(d_probs.ptr(), plan, stream); });
-    stream.synchronize();
-    plan.poison(kPoisonNaN); // capture ran nothing; the graph must write everything
-    graph.launch(stream);
-    stream.synchronize();
-    std::vector<float> probs = d_probs.download<float>();
-    HostTopK top = top_k_on_host(s, probs);
-    check_tables_equal(plan.download(), route_on_host(s, top.expert), s);
+    // Top-k, histogram and scatter (heavy rows); top-k counting the chunks itself.
+    for (RoutingShape s : {RoutingShape{3000, 64, 8, 128}, RoutingShape{16384, 64, 1, 128}}) {
+      CAPTURE(s.to_string());
+      CHECK(routing_fuses_counts(s) == (s.k == 1));
+      DeviceBuffer d_probs = DeviceBuffer::from(random_probs(s, rng, 0.0f));
+      RoutingPlan plan(s);
+      CudaGraph graph = CudaGraph::capture(stream, [&] { routing.run(d_probs.ptr(), plan, stream); });
+      stream.synchronize();
+      plan.poison(kPoisonNaN); // capture ran nothing; the graph must write everything
+      graph.launch(stream);
+      stream.synchronize();
+      std::vector<float> probs = d_probs.download<float>();
+      HostTopK top = top_k_on_host(s, probs);
+      check_tables_equal(plan.download(), route_on_host(s, top.expert), s);
 
-    // New probabilities in the same buffer: the replay routes them.
-    std::vector<float> skewed = random_probs(s, rng, 1.0f);
-    d_probs.upload(skewed);
-    plan.poison(kPoisonOnes);
-    graph.launch(stream);
-    stream.synchronize();
-    check_tables_equal(plan.download(), route_on_host(s, top_k_on_host(s, skewed).expert), s);
+      // New probabilities in the same buffer: the replay routes them.
+      std::vector<float> skewed = random_probs(s, rng, 1.0f);
+      d_probs.upload(skewed);
+      plan.poison(kPoisonOnes);
+      graph.launch(stream);
+      stream.synchronize();
+      check_tables_equal(plan.download(), route_on_host(s, top_k_on_host(s, skewed).expert), s);
+    }
   }
 
   TEST_CASE("cuda gpu: cuBLAS bf16 GEMMs match a CPU loop") {

@@ -1,5 +1,6 @@
-// NVRTC compilation without a GPU: the routing kernels compile for sm_90a,
-// ptxas' report parses, compile errors quote NVRTC, and the disk cache hits,
+// NVRTC compilation without a GPU: the routing kernels compile for sm_90a
+// (and the host sizes their chunks and picks their top-k kernel), ptxas'
+// report parses, compile errors quote NVRTC, and the disk cache hits,
 // and survives corruption.
 #include <doctest/doctest.h>
 
@@ -82,8 +83,61 @@ TEST_CASE("cuda: NVRTC compiles the routing kernels for sm_90a without spills") 
     // 256 threads per block must fit the 64K-register file.
     CHECK(rep->registers * kRoutingThreads <= 65536);
   }
-  // The scatter's per-warp counts live in shared memory, as designed.
-  CHECK(r.resources_of("moe_stable_scatter")->shared_bytes >= kMaxRoutingExperts * 4);
+  // The per-expert counters live in shared memory, as designed: one row per
+  // chunk in the top-k and histogram kernels, one per warp in the scatter.
+  for (int experts : {1, 64, 256})
+    CHECK(r.resources_of(routing_topk_kernel(experts))->shared_bytes >= kMaxRoutingExperts * 4);
+  CHECK(r.resources_of("moe_chunk_histogram")->shared_bytes >= kMaxRoutingExperts * 4);
+  CHECK(r.resources_of("moe_scan_scatter")->shared_bytes >= kRoutingThreads / 32 * kMaxRoutingExperts * 4);
+}
+
+TEST_CASE("cuda: routing chunks fill the GPU, and each E has its top-k kernel") {
+  struct Case {
+    RoutingShape shape;
+    int64_t chunk, chunks;
+  };
+  for (const Case &c : {
+           Case{{16384, 64, 1, 128}, 128, 128},  // mbpaper: P = 16384
+           Case{{8192, 8, 2, 128}, 128, 128},    // mixtral-like: P = 16384
+           Case{{16384, 64, 8, 128}, 1024, 128}, // fine64: P = 131072
+           Case{{5000, 256, 8, 64}, 640, 63},    // E = 256: at most 64 chunks (the count table stays small)
+           Case{{999, 128, 3, 64}, 128, 24},     // P = 2997: the chunk does not divide P
+           Case{{1, 8, 2, 64}, 128, 1},          // P < one chunk
+           Case{{0, 8, 2, 64}, 128, 0},          // no pairs, no chunks
+       }) {
+    CAPTURE(c.shape.to_string());
+    const int64_t chunk = routing_chunk_pairs(c.shape);
+    CHECK(chunk == c.chunk);
+    CHECK((c.shape.pairs() + chunk - 1) / chunk == c.chunks);
+  }
+  // Any shape: whole quanta, at most kRoutingTargetChunks chunks, and not so
+  // large that one fewer quantum would still keep within the target.
+  for (int64_t tokens : {1, 77, 4096, 100000, 1000003})
+    for (int experts : {1, 7, 64, 200, 256}) {
+      RoutingShape s{tokens, experts, std::min(experts, 5), 128};
+      CAPTURE(s.to_string());
+      const int64_t chunk = routing_chunk_pairs(s),
+                    target = std::min(kRoutingTargetChunks, kRoutingMaxChunkCounts / experts);
+      CHECK(chunk % kRoutingChunkQuantum == 0);
+      CHECK(chunk >= kRoutingChunkQuantum);
+      CHECK((s.pairs() + chunk - 1) / chunk <= target);
+      if (chunk > kRoutingChunkQuantum)
+        CHECK((s.pairs() + chunk - kRoutingChunkQuantum - 1) / (chunk - kRoutingChunkQuantum) > target);
+    }
+  // The top-k counts the chunk's pairs itself when a block's share is light.
+  CHECK(routing_fuses_counts({16384, 64, 1, 128}));  // 128 tokens a chunk: 2 passes of 64, k = 1
+  CHECK(routing_fuses_counts({8192, 8, 2, 128}));    // 64 tokens a chunk: 1 pass, k = 2
+  CHECK(!routing_fuses_counts({16384, 64, 8, 128})); // 2 passes, k = 8
+  CHECK(!routing_fuses_counts({5000, 256, 8, 64}));  // 80 tokens, 8 a pass, k = 8
+  CHECK(routing_topk_tokens_per_pass(64) == kRoutingThreads / 4);
+  CHECK(routing_topk_tokens_per_pass(256) == kRoutingThreads / 32);
+  CHECK(routing_topk_kernel(1) == "moe_topk_e32");
+  CHECK(routing_topk_kernel(32) == "moe_topk_e32");
+  CHECK(routing_topk_kernel(33) == "moe_topk_e64");
+  CHECK(routing_topk_kernel(64) == "moe_topk_e64");
+  CHECK(routing_topk_kernel(65) == "moe_topk_e128");
+  CHECK(routing_topk_kernel(129) == "moe_topk_e256");
+  CHECK(routing_topk_kernel(kMaxRoutingExperts) == "moe_topk_e256");
 }
 
 TEST_CASE("cuda: the ptxas report parser reads every field") {

@@ -61,6 +61,30 @@ TEST_CASE("cuda: routing oracle on a worked example") {
   CHECK(verify_routing_tables(s, t).empty());
 }
 
+TEST_CASE("cuda: routing tiles come pair-aligned") {
+  // n = (3, 2, 1) tiles per expert (bs = 2): e0's pair, e1's pair, then the
+  // tails of e0 and e2 together; tiles 2m, 2m + 1 are one expert's or two tails.
+  RoutingShape s{10, 3, 1, 2};
+  RoutingTables t = route_on_host(s, {0, 1, 0, 0, 1, 2, 0, 1, 0, 1});
+  CHECK(t.num_tiles == 6);
+  CHECK(std::vector<int32_t>(t.tile_expert.begin(), t.tile_expert.begin() + 6) ==
+        std::vector<int32_t>{0, 0, 1, 1, 0, 2});
+  CHECK(std::vector<int32_t>(t.tile_row_start.begin(), t.tile_row_start.begin() + 6) ==
+        std::vector<int32_t>{0, 2, 6, 8, 4, 10});
+  CHECK(std::vector<int32_t>(t.tile_rows.begin(), t.tile_rows.begin() + 6) == std::vector<int32_t>{2, 2, 2, 2, 1, 1});
+  CHECK(verify_routing_tables(s, t).empty());
+  // A tail without a partner comes last: n = (1, 2).
+  RoutingShape s2{5, 2, 1, 2};
+  RoutingTables t2 = route_on_host(s2, {1, 0, 1, 1, 1});
+  CHECK(std::vector<int32_t>(t2.tile_row_start.begin(), t2.tile_row_start.begin() + 3) ==
+        std::vector<int32_t>{2, 4, 0});
+  // The row-order table of before is now a violation.
+  std::swap(t.tile_row_start[3], t.tile_row_start[4]);
+  std::swap(t.tile_expert[3], t.tile_expert[4]);
+  std::swap(t.tile_rows[3], t.tile_rows[4]);
+  CHECK(!verify_routing_tables(s, t).empty());
+}
+
 TEST_CASE("cuda: routing oracle on the MoE edge cases") {
   std::mt19937 rng(7);
   SUBCASE("an expert with no pairs") {

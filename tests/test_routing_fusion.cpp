@@ -332,7 +332,9 @@ TEST_SUITE("gpu") {
                                                                 {4096, 64, 1, 128},
                                                                 {777, 33, 5, 256},
                                                                 {3000, 256, 8, 64},
-                                                                {500, 16, 16, 128}}) {
+                                                                {500, 16, 16, 128},
+                                                                {999, 128, 3, 64},
+                                                                {16384, 64, 1, 128}}) {
       CAPTURE(s.to_string());
       std::vector<float> logits = grid_logits(s, rng);
       cuda::HostTopK want = cuda::top_k_on_host(s, host_softmax(logits, s));
@@ -364,9 +366,13 @@ TEST_SUITE("gpu") {
     MOEFORGE_REQUIRE_GPU();
     cuda::Device device;
     cuda::Stream stream;
-    for (int64_t k : {1, 2}) {
-      INFO("k = " << k);
-      ExampleShape s = moe_shape(1000, 64, k);
+    struct Case {
+      int64_t experts, k;
+    };
+    // Each of the routing's top-k kernels (one per bound on E).
+    for (const Case &ek : {Case{64, 1}, Case{64, 2}, Case{8, 2}, Case{128, 3}, Case{256, 4}}) {
+      INFO("E = " << ek.experts << ", k = " << ek.k);
+      ExampleShape s = moe_shape(1000, ek.experts, ek.k);
       Example ex = make_example("moe_mlp", s);
       TensorMap in = ex.random_inputs(s, 29);
       auto run = [&](KernelProgram program) {

@@ -3,20 +3,80 @@
 #include "backends/cuda/routing_kernels_source.h"
 #include "dsl/error.h"
 
+#include <algorithm>
+
 namespace moeforge::cuda {
 
+namespace {
+// The top-k kernels (MF_TOPK_KERNEL in routing_kernels_source.h): each routes
+// rows of up to 32 * cols experts with `group` lanes per token, so a lane
+// holds 32 / group * cols probabilities and a block routes
+// kRoutingThreads / group tokens at a time: 16 per lane amortise the group's
+// shuffles; above 128 experts, a warp per token (8 per lane) spreads the
+// long argmax rounds of large rows over more warps.
+struct TopkKernel {
+  const char *name;
+  int cols, group;
+};
+constexpr TopkKernel kTopkKernels[] = {
+    {"moe_topk_e32", 1, 4}, {"moe_topk_e64", 2, 4}, {"moe_topk_e128", 4, 8}, {"moe_topk_e256", 8, 32}};
+constexpr int kTopkKernelCount = sizeof(kTopkKernels) / sizeof(kTopkKernels[0]);
+
+int topk_index(int experts) {
+  int i = 0;
+  while (i + 1 < kTopkKernelCount && 32 * kTopkKernels[i].cols < experts)
+    ++i;
+  return i;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+} // namespace
+
 const std::vector<std::string> &routing_kernel_names() {
-  static const std::vector<std::string> names = {"moe_topk", "moe_chunk_histogram", "moe_scan_offsets",
-                                                 "moe_stable_scatter"};
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const TopkKernel &k : kTopkKernels)
+      n.push_back(k.name);
+    n.push_back("moe_chunk_histogram");
+    n.push_back("moe_scan_scatter");
+    return n;
+  }();
   return names;
 }
 
-const char *routing_kernels_source() { return kRoutingKernelsSource; }
+const std::string &routing_topk_kernel(int experts) { return routing_kernel_names().at(topk_index(experts)); }
+
+int64_t routing_chunk_pairs(const RoutingShape &shape) {
+  shape.check();
+  const int64_t target = std::clamp<int64_t>(kRoutingMaxChunkCounts / shape.experts, 1, kRoutingTargetChunks);
+  return std::max<int64_t>(1, ceil_div(ceil_div(shape.pairs(), target), kRoutingChunkQuantum)) * kRoutingChunkQuantum;
+}
+
+int64_t routing_topk_tokens_per_pass(int experts) { return kRoutingThreads / kTopkKernels[topk_index(experts)].group; }
+
+bool routing_fuses_counts(const RoutingShape &shape) {
+  const int64_t chunk = routing_chunk_pairs(shape), k = shape.k;
+  // The most tokens a chunk's pairs belong to: two more when k does not
+  // divide the chunk, for the tokens straddling its ends.
+  const int64_t tokens = chunk / k + (chunk % k ? 2 : 0);
+  return ceil_div(tokens, routing_topk_tokens_per_pass(shape.experts)) * k <= kRoutingFusedRounds;
+}
+
+const char *routing_kernels_source() {
+  static const std::string source = [] {
+    std::string s = kRoutingKernelsSource;
+    for (const TopkKernel &k : kTopkKernels)
+      s += "MF_TOPK_KERNEL(" + std::string(k.name) + ", " + std::to_string(k.group) + ", " + std::to_string(k.cols) +
+           ")\n";
+    return s;
+  }();
+  return source.c_str();
+}
 
 CompileOptions routing_compile_options(const std::string &arch) {
   CompileOptions o;
   o.arch = arch;
-  o.extra_options = {"-DMF_THREADS=" + std::to_string(kRoutingThreads), "-DMF_CHUNK=" + std::to_string(kRoutingChunk),
+  o.extra_options = {"-DMF_THREADS=" + std::to_string(kRoutingThreads),
                      "-DMF_MAX_EXPERTS=" + std::to_string(kMaxRoutingExperts)};
   return o;
 }
@@ -27,21 +87,26 @@ CompileResult compile_routing_kernels(const std::string &arch) {
 
 namespace {
 size_t i32(int64_t n) { return static_cast<size_t>(n) * sizeof(int32_t); }
-unsigned blocks_for(int64_t items, int64_t per_block) {
-  return static_cast<unsigned>((items + per_block - 1) / per_block);
+// Ints per row of chunk_counts: as count_stride() in routing_kernels_source.h.
+int64_t count_stride(int experts) {
+  int64_t stride = 32;
+  while (stride < experts)
+    stride *= 2;
+  return stride;
 }
 } // namespace
 
 RoutingPlan::RoutingPlan(const RoutingShape &s)
-    : shape((s.check(), s)), chunks((s.pairs() + kRoutingChunk - 1) / kRoutingChunk), expert(i32(s.pairs())),
-      gate(i32(s.pairs())), counts(i32(s.experts)), offsets(i32(s.experts + 1)), offsets_unpadded(i32(s.experts + 1)),
-      pair_pos(i32(s.pairs())), sorted_pair(i32(s.max_padded_rows())), tile_expert(i32(s.max_tiles())),
-      tile_row_start(i32(s.max_tiles())), tile_rows(i32(s.max_tiles())), num_tiles(i32(1)),
-      chunk_counts(i32(chunks * s.experts)), chunk_base(i32(chunks * s.experts)) {}
+    : shape((s.check(), s)), chunk(routing_chunk_pairs(s)), chunks(ceil_div(s.pairs(), chunk)),
+      fused(routing_fuses_counts(s)), topk_chunk(fused ? chunk : routing_topk_tokens_per_pass(s.experts) * s.k),
+      expert(i32(s.pairs())), gate(i32(s.pairs())), counts(i32(s.experts)), offsets(i32(s.experts + 1)),
+      offsets_unpadded(i32(s.experts + 1)), pair_pos(i32(s.pairs())), sorted_pair(i32(s.max_padded_rows())),
+      tile_expert(i32(s.max_tiles())), tile_row_start(i32(s.max_tiles())), tile_rows(i32(s.max_tiles())),
+      num_tiles(i32(1)), chunk_counts(i32(chunks * count_stride(s.experts))) {}
 
 void RoutingPlan::poison(uint32_t pattern, bool including_expert) {
   for (DeviceBuffer *b : {&gate, &counts, &offsets, &offsets_unpadded, &pair_pos, &sorted_pair, &tile_expert,
-                          &tile_row_start, &tile_rows, &num_tiles, &chunk_counts, &chunk_base})
+                          &tile_row_start, &tile_rows, &num_tiles, &chunk_counts})
     b->fill32(pattern);
   if (including_expert)
     expert.fill32(pattern);
@@ -66,61 +131,73 @@ std::vector<float> RoutingPlan::download_gate() const { return gate.download<flo
 
 DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routing_kernels(arch)) {
   module_ = Module(compiled_.cubin, "routing_kernels");
-  topk_ = module_.kernel("moe_topk");
+  for (int i = 0; i < kTopkKernelCount; ++i)
+    topk_[i] = module_.kernel(kTopkKernels[i].name);
   histogram_ = module_.kernel("moe_chunk_histogram");
-  scan_ = module_.kernel("moe_scan_offsets");
-  scatter_ = module_.kernel("moe_stable_scatter");
-}
-
-void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax,
-                        CUdeviceptr gate) const {
-  const RoutingShape &s = plan.shape;
-  if (s.tokens > 0) {
-    int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, apply_softmax = softmax ? 1 : 0;
-    void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
-    void *args[] = {&probs, &tokens, &experts, &k, &apply_softmax, plan.expert.arg(), gate_arg};
-    topk_.launch({blocks_for(s.tokens, kRoutingThreads / 32)}, {kRoutingThreads}, 0, stream, args);
-  }
-  run_from_experts(plan, stream);
+  scan_scatter_ = module_.kernel("moe_scan_scatter");
 }
 
 // Each args[] lists the kernel's parameters in the order of its signature in
 // routing_kernels_source.h; all launches share `stream`, which orders them.
+void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax,
+                        CUdeviceptr gate) const {
+  const RoutingShape &s = plan.shape;
+  if (s.pairs() > 0) {
+    int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, apply_softmax = softmax ? 1 : 0;
+    int chunk = static_cast<int>(plan.topk_chunk);
+    CUdeviceptr no_counts = 0;
+    void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
+    void *counts_arg = plan.fused ? plan.chunk_counts.arg() : static_cast<void *>(&no_counts);
+    void *args[] = {&probs, &tokens, &experts, &k, &apply_softmax, &chunk, plan.expert.arg(), gate_arg, counts_arg};
+    const unsigned blocks = static_cast<unsigned>(ceil_div(s.pairs(), plan.topk_chunk));
+    topk_[topk_index(s.experts)].launch({blocks}, {kRoutingThreads}, 0, stream, args);
+  }
+  if (!plan.fused)
+    histogram(plan, stream);
+  scan_scatter(plan, stream);
+}
+
 void DeviceRouting::run_from_experts(RoutingPlan &plan, const Stream &stream) const {
+  histogram(plan, stream);
+  scan_scatter(plan, stream);
+}
+
+void DeviceRouting::histogram(RoutingPlan &plan, const Stream &stream) const {
+  if (plan.chunks == 0)
+    return;
+  int pairs = static_cast<int>(plan.shape.pairs()), experts = plan.shape.experts;
+  int chunk = static_cast<int>(plan.chunk);
+  void *args[] = {plan.expert.arg(), &pairs, &experts, &chunk, plan.chunk_counts.arg()};
+  histogram_.launch({static_cast<unsigned>(plan.chunks)}, {kRoutingThreads}, 0, stream, args);
+}
+
+void DeviceRouting::scan_scatter(RoutingPlan &plan, const Stream &stream) const {
   const RoutingShape &s = plan.shape;
   int pairs = static_cast<int>(s.pairs()), experts = s.experts, block = s.block;
-  int chunks = static_cast<int>(plan.chunks), max_tiles = static_cast<int>(s.max_tiles());
-  int max_padded_rows = static_cast<int>(s.max_padded_rows());
-  if (chunks > 0) {
-    void *args[] = {plan.expert.arg(), &pairs, &experts, plan.chunk_counts.arg()};
-    histogram_.launch({static_cast<unsigned>(chunks)}, {kRoutingThreads}, 0, stream, args);
-  }
-  {
-    // Also the tile table and sorted_pair's padding rows (-1); the scatter
-    // then writes every real row.
-    void *args[] = {plan.chunk_counts.arg(),
-                    &chunks,
-                    &experts,
-                    &block,
-                    &max_tiles,
-                    &max_padded_rows,
-                    plan.chunk_base.arg(),
-                    plan.counts.arg(),
-                    plan.offsets.arg(),
-                    plan.offsets_unpadded.arg(),
-                    plan.num_tiles.arg(),
-                    plan.tile_expert.arg(),
-                    plan.tile_row_start.arg(),
-                    plan.tile_rows.arg(),
-                    plan.sorted_pair.arg()};
-    scan_.launch({1}, {kRoutingThreads}, 0, stream, args);
-  }
-  if (chunks > 0) {
-    void *args[] = {
-        plan.expert.arg(),     &pairs, &experts, plan.chunk_base.arg(), plan.offsets.arg(), plan.pair_pos.arg(),
-        plan.sorted_pair.arg()};
-    scatter_.launch({static_cast<unsigned>(chunks)}, {kRoutingThreads}, 0, stream, args);
-  }
+  int chunk = static_cast<int>(plan.chunk), chunks = static_cast<int>(plan.chunks);
+  int max_tiles = static_cast<int>(s.max_tiles()), max_padded_rows = static_cast<int>(s.max_padded_rows());
+  void *args[] = {plan.expert.arg(),
+                  plan.chunk_counts.arg(),
+                  &pairs,
+                  &experts,
+                  &chunk,
+                  &chunks,
+                  &block,
+                  &max_tiles,
+                  &max_padded_rows,
+                  plan.counts.arg(),
+                  plan.offsets.arg(),
+                  plan.offsets_unpadded.arg(),
+                  plan.num_tiles.arg(),
+                  plan.tile_expert.arg(),
+                  plan.tile_row_start.arg(),
+                  plan.tile_rows.arg(),
+                  plan.pair_pos.arg(),
+                  plan.sorted_pair.arg()};
+  // At least one block: with no pairs it still writes the offsets, the
+  // empty tile table and the padding rows.
+  const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, plan.chunks));
+  scan_scatter_.launch({blocks}, {kRoutingThreads}, 0, stream, args);
 }
 
 } // namespace moeforge::cuda

@@ -9,41 +9,72 @@
 #include "backends/cuda/stream.h"
 #include "runtime/routing_host.h"
 
+#include <array>
 #include <string>
 #include <vector>
 
 namespace moeforge::cuda {
 
-// Threads per block of every routing kernel, and pairs per chunk of the
-// counting sort: a chunk is one block's share of the histogram and scatter.
-// Larger chunks mean fewer chunks for the single-block scan to walk.
+// Threads per block of every routing kernel.
 inline constexpr int kRoutingThreads = 256;
-inline constexpr int kRoutingChunk = 2048;
 
-// The routing kernels' names in the module, in launch order.
+// Pairs per chunk of the counting sort: the histogram and the scatter run a
+// block per chunk (and the top-k when it counts, see routing_fuses_counts),
+// so the chunk is chosen from the shape to make about kRoutingTargetChunks
+// blocks, one per SM of an H100 / H200 (132 SMs): fewer leave SMs idle in
+// these latency-bound kernels, more make a second wave. Every scatter block
+// reads the whole (chunks, E) count table, so with many experts the chunks
+// are fewer (chunks * E <= kRoutingMaxChunkCounts). A chunk is a multiple of
+// kRoutingChunkQuantum pairs (each warp of a scatter block takes 1/8 of it),
+// and at least that many, so a block's fixed costs stay amortised.
+inline constexpr int64_t kRoutingTargetChunks = 128;
+inline constexpr int64_t kRoutingMaxChunkCounts = 16384;
+inline constexpr int64_t kRoutingChunkQuantum = 128;
+int64_t routing_chunk_pairs(const RoutingShape &shape);
+
+// Every kernel of the routing module. One top-k kernel per bound on E (see
+// routing_topk_kernel), then moe_chunk_histogram and moe_scan_scatter.
 const std::vector<std::string> &routing_kernel_names();
-// NVRTC input for the routing kernels (the -D constants above added to `options`).
+// The top-k kernel that routes `experts` experts: moe_topk_e32 .. _e256,
+// and how many tokens a block of it routes at a time (a pass).
+const std::string &routing_topk_kernel(int experts);
+int64_t routing_topk_tokens_per_pass(int experts);
+
+// Whether the top-k kernel, a block per chunk, also counts each chunk's
+// pairs per expert, saving the histogram's launch: when a chunk is light
+// work for a block, at most kRoutingFusedRounds argmax rounds (passes over
+// its tokens times k). Heavier chunks would leave too few blocks to hide
+// the latency of their rounds; the top-k then runs a block per pass of
+// tokens and moe_chunk_histogram counts.
+inline constexpr int64_t kRoutingFusedRounds = 4;
+bool routing_fuses_counts(const RoutingShape &shape);
+
+// NVRTC input for the routing kernels, its top-k kernels instantiated (the
+// -D constants above added to `options`).
 const char *routing_kernels_source();
 CompileOptions routing_compile_options(const std::string &arch);
 // Compiles (or loads from the cache) the routing kernels for `arch`; no GPU needed.
 CompileResult compile_routing_kernels(const std::string &arch);
 
 // The device buffers of one routing, sized for `shape` (see routing_host.h
-// for each array's meaning). Outputs are written by DeviceRouting::run; the
-// chunk_* buffers are its scratch.
+// for each array's meaning). Outputs are written by DeviceRouting::run;
+// chunk_counts is its scratch.
 struct RoutingPlan {
   explicit RoutingPlan(const RoutingShape &shape);
 
   RoutingShape shape;
-  int64_t chunks = 0;                                  // ceil(P / kRoutingChunk)
-  DeviceBuffer expert, gate;                           // int32, f32 [P]
-  DeviceBuffer counts;                                 // int32 [E]
-  DeviceBuffer offsets, offsets_unpadded;              // int32 [E+1]
-  DeviceBuffer pair_pos;                               // int32 [P]
-  DeviceBuffer sorted_pair;                            // int32 [max_padded_rows]
+  int64_t chunk = 0;                      // routing_chunk_pairs(shape)
+  int64_t chunks = 0;                     // ceil(P / chunk)
+  bool fused = false;                     // routing_fuses_counts(shape)
+  int64_t topk_chunk = 0;                 // pairs per top-k block: chunk when fused, else one pass of tokens
+  DeviceBuffer expert, gate;              // int32, f32 [P]
+  DeviceBuffer counts;                    // int32 [E]
+  DeviceBuffer offsets, offsets_unpadded; // int32 [E+1]
+  DeviceBuffer pair_pos;                  // int32 [P]
+  DeviceBuffer sorted_pair;               // int32 [max_padded_rows]
   DeviceBuffer tile_expert, tile_row_start, tile_rows; // int32 [max_tiles]
   DeviceBuffer num_tiles;                              // int32 [1]
-  DeviceBuffer chunk_counts, chunk_base;               // int32 [chunks, E]
+  DeviceBuffer chunk_counts;                           // int32 [chunks, 32 * 2^n >= E]
 
   // Writes `pattern` over every output (not `expert` when it is the input,
   // see DeviceRouting::run_from_experts), so tests see unwritten entries.
@@ -75,9 +106,16 @@ public:
   const CompileResult &compiled() const { return compiled_; }
 
 private:
+  // The offsets, tiles and placement of every pair from plan.expert and
+  // plan.chunk_counts, both filled.
+  void scan_scatter(RoutingPlan &plan, const Stream &stream) const;
+  // plan.chunk_counts from plan.expert.
+  void histogram(RoutingPlan &plan, const Stream &stream) const;
+
   CompileResult compiled_;
   Module module_;
-  Kernel topk_, histogram_, scan_, scatter_;
+  std::array<Kernel, 4> topk_; // by bound on E: 32, 64, 128, 256
+  Kernel histogram_, scan_scatter_;
 };
 
 } // namespace moeforge::cuda

@@ -1,19 +1,30 @@
 // The CUDA source of the device routing, compiled at run time with NVRTC
-// (routing_kernels.cpp passes MF_THREADS, MF_CHUNK and MF_MAX_EXPERTS with
-// -D, so host and device agree on them). The format it produces is described
-// in routing_host.h; route_on_host() there is its oracle.
+// (routing_kernels.cpp passes MF_THREADS and MF_MAX_EXPERTS with -D, so host
+// and device agree on them, and appends the top-k kernels' instantiations).
+// The format it produces is described in routing_host.h; route_on_host()
+// there is its oracle.
 //
-// Four steps, no host synchronisation between them, every result
-// deterministic (no atomics decide a position):
-//   moe_topk             one warp per token: the row's softmax when asked
-//                        (the router's, fused), then k rounds of a warp argmax
-//   moe_chunk_histogram  per chunk of MF_CHUNK pairs, pairs per expert
-//   moe_scan_offsets     one block: per expert a scan over chunks, then a scan
-//                        over experts (counts, padded and unpadded offsets),
-//                        then the tile table and the -1 of every padding row
-//                        of sorted_pair (one launch: each was a graph node)
-//   moe_stable_scatter   per chunk: each pair's rank among earlier pairs of
-//                        its expert, hence pair_pos and sorted_pair
+// The P = T*k pairs are cut into chunks of `chunk` pairs (a launch argument,
+// routing_chunk_pairs() on the host: about a block per SM); no host
+// synchronisation between the launches, every result deterministic (no
+// atomics decide a position):
+//   moe_topk_e*          top-k of the tokens with a pair in its block's
+//                        chunk: the row's softmax when asked (the router's,
+//                        fused), k rounds of an argmax over a group of
+//                        lanes; then, when fused (routing_fuses_counts),
+//                        the chunk's pairs per expert (chunk_counts). One
+//                        kernel per bound on E (32, 64, 128, 256): lanes per
+//                        token and probabilities per lane are compile-time.
+//   moe_chunk_histogram  chunk_counts, when the top-k did not count (its
+//                        blocks then cover fewer pairs than a chunk) or the
+//                        caller supplies the experts
+//   moe_scan_scatter     a block per chunk: sums the whole chunk_counts
+//                        table (the expert offsets, and its chunk's base per
+//                        expert), places its chunk's pairs (pair_pos,
+//                        sorted_pair), and writes its share of the tile table
+//                        and of the -1 padding rows; block 0 writes counts
+//                        and offsets
+// So a routing is two launches (three when not fused), from given experts two.
 #pragma once
 
 namespace moeforge::cuda {
@@ -26,11 +37,49 @@ inline constexpr const char kRoutingKernelsSource[] = R"moeforge(
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kNoExpert = 0x7fffffff;
 constexpr int kWarps = MF_THREADS / 32;
-constexpr int kPairsPerThread = MF_CHUNK / MF_THREADS;
 constexpr int kExpertsPerLane = MF_MAX_EXPERTS / 32;
+// The top-k and scatter grids are about a block per SM (a chunk each; the
+// top-k's are larger when it does not count), so ptxas may spend registers
+// on keeping loads in flight rather than on fitting more blocks: their
+// launch bounds ask for at least 1 block per SM, not the default.
+constexpr int kMinBlocksPerSm = 1;
 static_assert(MF_THREADS % 32 == 0, "whole warps");
-static_assert(MF_CHUNK % MF_THREADS == 0, "a chunk is whole rounds of the block");
 static_assert(MF_MAX_EXPERTS % 32 == 0 && MF_MAX_EXPERTS <= MF_THREADS, "one thread per expert in a block");
+
+// The pairs [begin, end) of this block's chunk (empty for the one block of
+// moe_scan_scatter when there are no pairs).
+struct Chunk {
+  int begin, end;
+};
+__device__ __forceinline__ Chunk this_chunk(int pairs, int chunk) {
+  const int begin = blockIdx.x * chunk; // < pairs: a block per chunk
+  return {begin, begin + min(chunk, pairs - begin)};
+}
+
+// Rows of chunk_counts (chunks, count_stride) hold E counts, then zeros up
+// to 32 times a power of two, so that each warp of moe_scan_scatter reads its
+// slice of a row (count_stride / kWarps experts) as a power of two of int4s.
+__device__ __forceinline__ int count_stride(int experts) {
+  int stride = 32;
+  while (stride < experts)
+    stride *= 2;
+  return stride;
+}
+
+// Shared per-expert counters of a chunk: zeroed, counted into with shared
+// atomics (they only count, so the result is order-independent), stored as
+// row blockIdx.x of chunk_counts.
+__device__ __forceinline__ void zero_counts(int *sCount, int experts) {
+  for (int e = threadIdx.x; e < count_stride(experts); e += MF_THREADS)
+    sCount[e] = 0;
+  __syncthreads();
+}
+__device__ __forceinline__ void store_counts(const int *sCount, int experts, int *__restrict__ chunk_counts) {
+  __syncthreads();
+  const int stride = count_stride(experts);
+  for (int e = threadIdx.x; e < stride; e += MF_THREADS)
+    chunk_counts[(long long)blockIdx.x * stride + e] = sCount[e];
+}
 
 // The top-k order: larger probability first, then the lower expert index.
 // kNoExpert marks "no candidate" and loses to everything.
@@ -38,75 +87,95 @@ __device__ __forceinline__ bool beats(float p, int e, float q, int f) {
   return e != kNoExpert && (f == kNoExpert || p > q || (p == q && e < f));
 }
 
-// The row's softmax in place: p = expf(x - max) / sum of expf(x - max), the
-// formula and the order of every operation of the generated pointwise softmax
-// (codegen_cuda.cpp, emit_softmax_row: lane l holds columns l, l+32, ...,
-// sums them in that order, then the same butterflies), so routing logits with
-// softmax = 1 selects and gates bit for bit as routing stored probabilities.
-__device__ __forceinline__ void row_softmax(float (&rP)[kExpertsPerLane], unsigned live) {
-  float row_max = -__int_as_float(0x7f800000), row_sum = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kExpertsPerLane; ++j)
-    if ((live >> j) & 1u)
-      row_max = fmaxf(row_max, rP[j]);
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1)
-    row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, d));
-#pragma unroll
-  for (int j = 0; j < kExpertsPerLane; ++j)
-    if ((live >> j) & 1u) {
-      rP[j] = expf(rP[j] - row_max);
-      row_sum += rP[j];
-    }
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1)
-    row_sum += __shfl_xor_sync(kFullMask, row_sum, d);
-#pragma unroll
-  for (int j = 0; j < kExpertsPerLane; ++j)
-    if ((live >> j) & 1u)
-      rP[j] = rP[j] / row_sum;
-}
+// A token's row as a group of kGroup lanes holds it. The generated pointwise
+// softmax (codegen_cuda.cpp, emit_softmax_row) spreads a row over a warp:
+// lane l holds columns l, l+32, ..., sums them in that order, then adds
+// across lanes with butterflies over d = 16, 8, 4, 2, 1. Here lane q of a
+// group plays that warp's lanes l = q + kGroup*i (i < kVirt): the butterflies
+// over d >= kGroup pair lanes this lane plays (additions in registers), the
+// others pair lanes of the group (shuffles). Every addition has the operands
+// of the generated softmax's, so the probabilities are bit for bit its own.
+// Slot s = j*kVirt + i holds column q + kGroup*i + 32*j; slots ascending are
+// columns ascending. The code is branch-free per slot (slots past the row
+// hold -inf, whose exponential adds an exact 0), so the slots' arithmetic
+// interleaves.
+template <int kGroup, int kCols> struct Row {
+  static constexpr int kVirt = 32 / kGroup;
+  static constexpr int kSlots = kVirt * kCols;
+  static_assert(32 % kGroup == 0 && kSlots <= 32, "a bit of `live` per slot");
 
-// expert[t*k + s], gate[t*k + s]: the s-th largest probability of row t,
-// where the probabilities are `scores`, or their row softmax when `softmax`
-// is set (scores are then logits). Lane l holds experts l, l+32, l+64, ... in
-// registers (loads coalesce, and the loops over them unroll, so nothing goes
-// to local memory); a bit per held expert says whether it is still a
-// candidate.
-extern "C" __global__ void __launch_bounds__(MF_THREADS)
-moe_topk(const float *__restrict__ scores,  // (T, E)
-         int tokens, int experts, int k, int softmax,
-         int *__restrict__ expert,          // (T*k)
-         float *__restrict__ gate) {        // (T*k)
-  const int lane = threadIdx.x & 31;
-  const long long t = (long long)blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (t >= tokens)
-    return; // uniform per warp: the shuffles below see full warps
-  const float *row = scores + t * experts;
-  float rP[kExpertsPerLane]; // (E / 32) probabilities of this lane
-  unsigned live = 0;
+  float p[kSlots];      // the scores; with the softmax, its numerators expf(x - max)
+  float row_sum = 1.0f; // with the softmax, its denominator
+  unsigned live = 0;    // bit s: slot s is a column of the row, still a candidate
+
+  __device__ static int column(int q, int s) { return q + kGroup * (s % kVirt) + 32 * (s / kVirt); }
+  __device__ static int slot(int column) { return (column >> 5) * kVirt + (column & 31) / kGroup; }
+  __device__ bool has(int s) const { return (live >> s) & 1u; }
+
+  __device__ void load(const float *__restrict__ row, int experts, int q, bool valid) {
+    live = 0;
 #pragma unroll
-  for (int j = 0; j < kExpertsPerLane; ++j) {
-    const int e = j * 32 + lane;
-    rP[j] = e < experts ? row[e] : 0.0f;
-    live |= (e < experts ? 1u : 0u) << j;
+    for (int s = 0; s < kSlots; ++s) {
+      const bool in_row = valid && column(q, s) < experts;
+      p[s] = in_row ? row[column(q, s)] : -__int_as_float(0x7f800000);
+      live |= (in_row ? 1u : 0u) << s;
+    }
   }
-  if (softmax) // uniform over the grid
-    row_softmax(rP, live);
-  for (int s = 0; s < k; ++s) {
-    // This lane's best candidate; j ascending is expert ascending, so a
-    // strict > keeps the lower expert on ties.
-    float best = 0.0f;
+
+  // The numerators and the denominator of p = expf(x - max) / sum of
+  // expf(x - max), with the order of every operation of the generated softmax
+  // (see above). The division waits for take_best: only the chosen
+  // probabilities need it.
+  __device__ void softmax() {
+    float row_max = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+      row_max = fmaxf(row_max, p[s]);
+#pragma unroll
+    for (int d = kGroup / 2; d > 0; d >>= 1)
+      row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, d));
+    float sum[kVirt]; // per played lane, its columns in order
+#pragma unroll
+    for (int i = 0; i < kVirt; ++i)
+      sum[i] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      p[s] = expf(p[s] - row_max);
+      sum[s % kVirt] += p[s];
+    }
+    // Butterflies d = 16 .. kGroup: played lane i meets i + d / kGroup.
+#pragma unroll
+    for (int step = kVirt / 2; step > 0; step >>= 1)
+#pragma unroll
+      for (int i = 0; i < step; ++i)
+        sum[i] += sum[i + step];
+    row_sum = sum[0];
+#pragma unroll
+    for (int d = kGroup / 2; d > 0; d >>= 1)
+      row_sum += __shfl_xor_sync(kFullMask, row_sum, d);
+  }
+
+  // The group's candidate of largest p (the lowest column on ties), known to
+  // every lane of the group; kNoExpert when the row has none. `below` gets
+  // this lane's largest p among its candidates in columns below its own best
+  // (-inf if none): with the lane's best, it bounds the p of every
+  // candidate of the lane other than the group's best.
+  __device__ int best_numerator(int q, float &best, float &below) const {
+    const float kMinusInf = -__int_as_float(0x7f800000);
+    best = below = kMinusInf;
     int best_e = kNoExpert;
 #pragma unroll
-    for (int j = 0; j < kExpertsPerLane; ++j)
-      if (((live >> j) & 1u) && (best_e == kNoExpert || rP[j] > best)) {
-        best = rP[j];
-        best_e = j * 32 + lane;
-      }
+    for (int s = 0; s < kSlots; ++s) { // columns ascending: strict > keeps the lower on ties
+      const bool better = has(s) && (best_e == kNoExpert || p[s] > best);
+      below = better ? best : below;
+      best = better ? p[s] : best;
+      best_e = better ? column(q, s) : best_e;
+    }
+    const float lane_best = best;
+    const int lane_best_e = best_e;
     // Butterfly argmax: a total order, so every lane ends with the winner.
 #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) {
+    for (int d = kGroup / 2; d > 0; d >>= 1) {
       const float other = __shfl_xor_sync(kFullMask, best, d);
       const int other_e = __shfl_xor_sync(kFullMask, best_e, d);
       if (beats(other, other_e, best, best_e)) {
@@ -114,41 +183,215 @@ moe_topk(const float *__restrict__ scores,  // (T, E)
         best_e = other_e;
       }
     }
-    if (lane == (best_e & 31))
-      live &= ~(1u << (best_e >> 5));
-    if (lane == 0) {
-      expert[t * k + s] = best_e;
-      gate[t * k + s] = best;
-    }
+    below = lane_best_e == best_e ? below : lane_best;
+    return best_e;
   }
+
+  // Division rounds, so a smaller numerator than `best` can give the same
+  // probability `prob`, and a lower column with it wins the tie. Such
+  // numerators are >= lower: probabilities are monotone in the numerator,
+  // and equal ones have numerators within a relative 2^-22 (2^-140 absolute
+  // where the probability is subnormal, as row_sum <= E <= 256).
+  __device__ static float tie_bound(float best) { return best * 0.99999f - 0x1p-126f; }
+  __device__ unsigned may_tie(int q, int best_e, float lower) const {
+    unsigned maybe = 0;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+      maybe |= (has(s) && column(q, s) < best_e && p[s] >= lower ? 1u : 0u) << s;
+    return maybe;
+  }
+
+  // p[s] for a slot known at run time only: a select per slot, as indexing
+  // the array with it would put the array in local memory.
+  __device__ float at(int slot) const {
+    float v = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+      v = s == slot ? p[s] : v;
+    return v;
+  }
+
+  // The lowest column of the group among the slots of `maybe` (slots below
+  // best_e that may tie) whose probability is `prob`. A loop over the set
+  // bits, with one division per slot tried: unrolled over every slot, the
+  // compiler would compute all the divisions before knowing which it needs.
+  __device__ int lower_tie(int q, unsigned maybe, float prob) const {
+    int tie = kNoExpert;
+    for (; maybe != 0; maybe &= maybe - 1) { // slots ascending: columns ascending
+      const int s = __ffs(maybe) - 1;
+      if (at(s) / row_sum == prob) {
+        tie = column(q, s);
+        break;
+      }
+    }
+#pragma unroll
+    for (int d = kGroup / 2; d > 0; d >>= 1)
+      tie = min(tie, __shfl_xor_sync(kFullMask, tie, d));
+    return tie;
+  }
+
+  // The group's next choice: the largest probability (p, or p / row_sum with
+  // the softmax), the lower column on ties, known to every lane of the group;
+  // it stops being a candidate. kNoExpert when the row has none.
+  __device__ int take_best(int q, bool softmax, float &prob) {
+    float best, below;
+    int best_e = best_numerator(q, best, below);
+    prob = best;
+    if (softmax) {
+      prob = best / row_sum;
+      const float lower = tie_bound(best);
+      // Rare: only when a lane of the warp may hold a tie.
+      if (__any_sync(kFullMask, best_e != kNoExpert && below >= lower))
+        best_e = min(best_e, lower_tie(q, may_tie(q, best_e, lower), prob));
+    }
+    if (best_e != kNoExpert && q == best_e % kGroup)
+      live &= ~(1u << slot(best_e));
+    return best_e;
+  }
+};
+
+// expert[t*k + s], gate[t*k + s] for this block's chunk of pairs: the s-th
+// largest probability of row t, where the probabilities are `scores`, or
+// their row softmax when `softmax` is set (scores are then logits); then,
+// unless chunk_counts is null, the chunk's pairs per expert into it. A token
+// whose pairs straddle two chunks is routed by both blocks, each writing its
+// own pairs.
+template <int kGroup, int kCols>
+__device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int tokens, int experts, int k,
+                                           int softmax, int chunk, int *__restrict__ expert,
+                                           float *__restrict__ gate, int *__restrict__ chunk_counts) {
+  __shared__ int sCount[MF_MAX_EXPERTS];
+  const bool counts = chunk_counts != nullptr; // uniform over the grid
+  if (counts)
+    zero_counts(sCount, experts);
+  constexpr int kTokensPerPass = MF_THREADS / kGroup;
+  const Chunk c = this_chunk(tokens * k, chunk);
+  const int first_token = c.begin / k, end_token = (c.end - 1) / k + 1; // the tokens of pairs begin .. end-1
+  const int q = threadIdx.x % kGroup;
+  const int warp_first = (threadIdx.x >> 5) * (32 / kGroup); // the warp's first group
+  auto load = [&](Row<kGroup, kCols> &row, int pass) {
+    const int t = pass + threadIdx.x / kGroup;
+    row.load(scores + (long long)t * experts, experts, q, t < end_token);
+  };
+  auto route = [&](Row<kGroup, kCols> &row, int pass) {
+    const int t = pass + threadIdx.x / kGroup;
+    if (softmax) // uniform over the grid
+      row.softmax();
+    for (int s = 0; s < k; ++s) {
+      float prob;
+      const int best_e = row.take_best(q, softmax, prob);
+      const int r = t * k + s;
+      if (t < end_token && q == 0 && r >= c.begin && r < c.end) {
+        expert[r] = best_e;
+        gate[r] = prob;
+        if (counts)
+          atomicAdd(&sCount[best_e], 1);
+      }
+    }
+  };
+  // A warp's passes run while it has tokens, so the shuffles see full warps;
+  // groups past the last token hold no columns and write nothing. Each pass
+  // loads the next pass's rows before it routes, to overlap their latency,
+  // into the other of two rows (a copy would wait for the load).
+  auto has_pass = [&](int pass) { return pass + warp_first < end_token; };
+  Row<kGroup, kCols> a, b;
+  load(a, first_token);
+  for (int pass = first_token; has_pass(pass); pass += 2 * kTokensPerPass) {
+    const int second = pass + kTokensPerPass;
+    if (has_pass(second))
+      load(b, second);
+    route(a, pass);
+    if (!has_pass(second))
+      break;
+    if (has_pass(second + kTokensPerPass))
+      load(a, second + kTokensPerPass);
+    route(b, second);
+  }
+  if (counts)
+    store_counts(sCount, experts, chunk_counts);
 }
 
-// chunk_counts[c, e]: pairs of chunk c (pairs c*MF_CHUNK ...) routed to e.
-// Shared-memory atomics only count, so the result is order-independent.
+// A top-k kernel for rows of E <= 32 * cols experts, `group` lanes per token.
+// routing_kernels.cpp instantiates it once per entry of its table of top-k
+// kernels (routing_topk_kernel), appended to this source.
+#define MF_TOPK_KERNEL(name, group, cols)                                                                        \
+  extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)                                      \
+  name(const float *__restrict__ scores, /* (T, E) */ int tokens, int experts, int k, int softmax, int chunk,    \
+       int *__restrict__ expert, /* (T*k) */ float *__restrict__ gate, /* (T*k) */                               \
+       int *__restrict__ chunk_counts) { /* (chunks, count_stride) */                                            \
+    topk_chunk<group, cols>(scores, tokens, experts, k, softmax, chunk, expert, gate, chunk_counts);             \
+  }
+
+// chunk_counts[c, e]: pairs of chunk c routed to e, for experts given.
 extern "C" __global__ void __launch_bounds__(MF_THREADS)
 moe_chunk_histogram(const int *__restrict__ expert, // (P)
-                    int pairs, int experts,
-                    int *__restrict__ chunk_counts) { // (chunks, E)
+                    int pairs, int experts, int chunk,
+                    int *__restrict__ chunk_counts) { // (chunks, count_stride)
   __shared__ int sCount[MF_MAX_EXPERTS];
-  for (int e = threadIdx.x; e < experts; e += MF_THREADS)
-    sCount[e] = 0;
-  __syncthreads();
-  const long long begin = (long long)blockIdx.x * MF_CHUNK;
-  for (int i = threadIdx.x; i < MF_CHUNK; i += MF_THREADS)
-    if (begin + i < pairs)
-      atomicAdd(&sCount[expert[begin + i]], 1);
-  __syncthreads();
-  for (int e = threadIdx.x; e < experts; e += MF_THREADS)
-    chunk_counts[(long long)blockIdx.x * experts + e] = sCount[e];
+  zero_counts(sCount, experts);
+  const Chunk c = this_chunk(pairs, chunk);
+  for (int r = c.begin + threadIdx.x; r < c.end; r += MF_THREADS)
+    atomicAdd(&sCount[expert[r]], 1);
+  store_counts(sCount, experts, chunk_counts);
 }
 
-// Warp 0 of moe_scan_offsets. Lane l owns experts l*kExpertsPerLane ...: sum
-// them, scan the lane sums across the warp, then walk the owned experts again
-// writing offsets (to global memory and to sOffsets).
+// For the experts of this warp's slice (count_stride / kWarps of them from
+// warp * that): sCount[e] = e's pairs in every chunk, sBefore[e] = those in
+// chunks before this block's, sPadded[e] = sCount[e] rounded up to `block`.
+// The slice is `vectors` int4 columns; lane (g, v) sums column v of chunks
+// g, g + groups, ..., kBatch loads in flight at once, then butterflies over
+// g add the lanes of each column.
+__device__ void sum_chunk_counts(const int *__restrict__ chunk_counts, int chunks, int experts, int block,
+                                 int *sCount, int *sBefore, int *sPadded) {
+  const int stride = count_stride(experts), vectors = stride / 32, groups = 32 / vectors;
+  const int lane = threadIdx.x & 31, v = lane % vectors, g = lane / vectors;
+  const int first = (threadIdx.x >> 5) * (stride / kWarps) + 4 * v; // this lane's column's first expert
+  int total[4] = {0, 0, 0, 0}, before[4] = {0, 0, 0, 0};
+  constexpr int kBatch = 8; // loads issued before the first is used
+  for (int c0 = g; c0 < chunks; c0 += kBatch * groups) {
+    int4 n[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int c = c0 + u * groups;
+      n[u] = c < chunks ? *reinterpret_cast<const int4 *>(chunk_counts + (long long)c * stride + first)
+                        : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int earlier = c0 + u * groups < (int)blockIdx.x ? 1 : 0;
+      const int n4[4] = {n[u].x, n[u].y, n[u].z, n[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        total[i] += n4[i];
+        before[i] += earlier * n4[i];
+      }
+    }
+  }
+  for (int d = vectors; d < 32; d <<= 1)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      total[i] += __shfl_xor_sync(kFullMask, total[i], d);
+      before[i] += __shfl_xor_sync(kFullMask, before[i], d);
+    }
+  if (g == 0)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (first + i < experts) {
+        sCount[first + i] = total[i];
+        sBefore[first + i] = before[i];
+        sPadded[first + i] = (total[i] + block - 1) / block * block;
+      }
+}
+
+// Warp 0: sOffsets[e] (e <= E), the padded offsets. Lane l owns experts
+// l*kExpertsPerLane ...: sum them, scan the lane sums across the warp, then
+// walk the owned experts again. Block 0 also writes counts, offsets,
+// offsets_unpadded and num_tiles (every block computes the same).
 __device__ void scan_experts(int experts, int block, const int *sCount, const int *sPadded, int *sOffsets,
-                             int *__restrict__ offsets, int *__restrict__ offsets_unpadded,
-                             int *__restrict__ num_tiles) {
+                             int *__restrict__ counts, int *__restrict__ offsets,
+                             int *__restrict__ offsets_unpadded, int *__restrict__ num_tiles) {
   const int lane = threadIdx.x;
+  const bool writes = blockIdx.x == 0;
   int sum_p = 0, sum_u = 0;
 #pragma unroll
   for (int j = 0; j < kExpertsPerLane; ++j) {
@@ -173,144 +416,275 @@ __device__ void scan_experts(int experts, int block, const int *sCount, const in
   for (int j = 0; j < kExpertsPerLane; ++j) {
     const int e = lane * kExpertsPerLane + j;
     if (e < experts) {
-      offsets[e] = run_p;
       sOffsets[e] = run_p;
-      offsets_unpadded[e] = run_u;
+      if (writes) {
+        counts[e] = sCount[e];
+        offsets[e] = run_p;
+        offsets_unpadded[e] = run_u;
+      }
       run_p += sPadded[e];
       run_u += sCount[e];
     }
   }
   if (lane == 31) {
-    offsets[experts] = incl_p;
     sOffsets[experts] = incl_p;
-    offsets_unpadded[experts] = incl_u;
-    *num_tiles = incl_p / block;
+    if (writes) {
+      offsets[experts] = incl_p;
+      offsets_unpadded[experts] = incl_u;
+      *num_tiles = incl_p / block;
+    }
   }
 }
 
-// One block. Thread e scans expert e's counts over chunks (chunk_base[c, e]
-// = e's pairs in chunks before c); warp 0 then scans the experts; then the
-// whole block writes the tile table and the padding rows of sorted_pair
-// (-1; moe_stable_scatter writes every real row).
-extern "C" __global__ void __launch_bounds__(MF_THREADS)
-moe_scan_offsets(const int *__restrict__ chunk_counts, // (chunks, E)
-                 int chunks, int experts, int block, int max_tiles, int max_padded_rows,
-                 int *__restrict__ chunk_base,        // (chunks, E)
-                 int *__restrict__ counts,            // (E)
-                 int *__restrict__ offsets,           // (E+1), padded
-                 int *__restrict__ offsets_unpadded,  // (E+1)
-                 int *__restrict__ num_tiles,         // (1)
-                 int *__restrict__ tile_expert,       // (max_tiles)
-                 int *__restrict__ tile_row_start,    // (max_tiles)
-                 int *__restrict__ tile_rows,         // (max_tiles)
-                 int *__restrict__ sorted_pair) {     // (max_padded_rows)
-  __shared__ int sCount[MF_MAX_EXPERTS];
-  __shared__ int sPadded[MF_MAX_EXPERTS];
-  __shared__ int sOffsets[MF_MAX_EXPERTS + 1];
-  for (int e = threadIdx.x; e < experts; e += MF_THREADS) {
-    int running = 0;
-#pragma unroll 8
-    for (int c = 0; c < chunks; ++c) {
-      const int n = chunk_counts[(long long)c * experts + e];
-      chunk_base[(long long)c * experts + e] = running;
-      running += n;
-    }
-    counts[e] = running;
-    sCount[e] = running;
-    sPadded[e] = (running + block - 1) / block * block;
+// Warp `warp`'s share of the chunk: pairs [begin, end), in steps of 32.
+struct WarpPairs {
+  int begin, end;
+};
+__device__ __forceinline__ WarpPairs warp_pairs(Chunk c, int chunk, int warp) {
+  const int per_warp = chunk / kWarps; // the host makes chunk a multiple of kWarps
+  const int size = c.end - c.begin, lo = min(size, warp * per_warp);
+  return {c.begin + lo, c.begin + min(size, lo + per_warp)};
+}
+
+// The experts of kIdSteps consecutive steps (32 pairs each) of a warp's
+// share from `first`, loaded together so that their latencies overlap; -1
+// past its end (no pair: a group of its own for __match_any_sync).
+constexpr int kIdSteps = 4;
+struct StepIds {
+  int e[kIdSteps];
+};
+__device__ __forceinline__ StepIds load_ids(const int *__restrict__ expert, WarpPairs wp, int first) {
+  StepIds ids;
+#pragma unroll
+  for (int u = 0; u < kIdSteps; ++u) {
+    const int r = first + 32 * u + (threadIdx.x & 31);
+    ids.e[u] = r < wp.end ? expert[r] : -1;
   }
-  __syncthreads();
-  if (threadIdx.x < 32)
-    scan_experts(experts, block, sCount, sPadded, sOffsets, offsets, offsets_unpadded, num_tiles);
-  __syncthreads();
-  // Tile i covers padded rows [i*block, (i+1)*block). Its expert is the
-  // largest e with offsets[e] <= i*block: empty experts have empty segments,
-  // so the largest such e is the one whose segment holds the row.
-  for (int i = threadIdx.x; i < max_tiles; i += MF_THREADS) {
-    const long long row = (long long)i * block;
-    if (row >= sOffsets[experts]) {
-      tile_expert[i] = -1;
-      tile_row_start[i] = -1;
-      tile_rows[i] = 0;
-      continue;
+  return ids;
+}
+
+// sWarpCount[w][e] = pairs of expert e in warp w's share, given the experts
+// of its first steps. Only warp w touches row w, so __syncwarp orders it.
+__device__ void count_warp_pairs(const int *__restrict__ expert, int experts, WarpPairs wp, StepIds first_ids,
+                                 int *row) {
+  const int lane = threadIdx.x & 31;
+  for (int e = lane; e < experts; e += 32)
+    row[e] = 0;
+  __syncwarp();
+  for (int first = wp.begin; first < wp.end; first += 32 * kIdSteps) { // uniform per warp
+    const StepIds ids = first == wp.begin ? first_ids : load_ids(expert, wp, first);
+#pragma unroll
+    for (int u = 0; u < kIdSteps && first + 32 * u < wp.end; ++u) {
+      const int e = ids.e[u];
+      const unsigned peers = __match_any_sync(kFullMask, e);
+      if (e >= 0 && __popc(peers & ((1u << lane) - 1u)) == 0) // the group's lowest lane speaks for it
+        row[e] += __popc(peers);
+      __syncwarp();
     }
+  }
+}
+
+// pair_pos[r] = sOffsets[e] + row[e] + (earlier lanes of r's step with
+// expert e), then row[e] moves past the step's pairs of e: row[e] starts at
+// e's pairs before this warp's share, so the order of r is kept. The
+// experts of the first steps are count_warp_pairs', still in registers.
+__device__ void place_warp_pairs(const int *__restrict__ expert, WarpPairs wp, StepIds first_ids,
+                                 const int *sOffsets, int *row, int *__restrict__ pair_pos,
+                                 int *__restrict__ sorted_pair) {
+  const int lane = threadIdx.x & 31;
+  for (int first = wp.begin; first < wp.end; first += 32 * kIdSteps) { // uniform per warp
+    const StepIds ids = first == wp.begin ? first_ids : load_ids(expert, wp, first);
+#pragma unroll
+    for (int u = 0; u < kIdSteps && first + 32 * u < wp.end; ++u) {
+      const int r = first + 32 * u + lane, e = ids.e[u];
+      const unsigned peers = __match_any_sync(kFullMask, e);
+      const int rank = __popc(peers & ((1u << lane) - 1u));
+      const int before = e >= 0 ? row[e] : 0;
+      __syncwarp(); // every lane has read row[e] before its group's lowest lane moves it
+      if (e >= 0) {
+        const int pos = sOffsets[e] + before + rank;
+        pair_pos[r] = pos;
+        sorted_pair[pos] = r;
+        if (rank == 0)
+          row[e] = before + __popc(peers);
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// The pair-aligned tile order (routing_host.h): expert e's tiles are n =
+// sPadded[e] / block; its first n & ~1 follow one another from sPairBase[e],
+// and the tails (the last tile of an odd n) pair up in expert order: the
+// j-th odd expert for odd j puts the (j-1)-th's tail and its own after its
+// pairs; an unpaired last tail goes at sPairBase[E]. Warp 1 (as warp 0 scans
+// the offsets): lane l owns experts l*kExpertsPerLane ..., scanning first the
+// odd experts (their ranks, sOddRank, and the experts by rank, sOddExpert),
+// then the slots each expert takes.
+struct TilePairs {
+  int *base, *odd_rank, *odd_expert, *num_odd;
+};
+__device__ void scan_tile_pairs(int experts, int block, const int *sPadded, TilePairs tp) {
+  const int lane = threadIdx.x & 31;
+  int odd = 0;
+#pragma unroll
+  for (int j = 0; j < kExpertsPerLane; ++j) {
+    const int e = lane * kExpertsPerLane + j;
+    if (e < experts)
+      odd += (sPadded[e] / block) & 1;
+  }
+  int incl_o = odd;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int o = __shfl_up_sync(kFullMask, incl_o, d);
+    if (lane >= d)
+      incl_o += o;
+  }
+  int rank = incl_o - odd, slots = 0;
+#pragma unroll
+  for (int j = 0; j < kExpertsPerLane; ++j) {
+    const int e = lane * kExpertsPerLane + j;
+    if (e < experts) {
+      const int n = sPadded[e] / block;
+      slots += (n & ~1) + ((n & 1) && (rank & 1) ? 2 : 0);
+      if (n & 1) {
+        tp.odd_rank[e] = rank;
+        tp.odd_expert[rank++] = e;
+      }
+    }
+  }
+  int incl_s = slots;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(kFullMask, incl_s, d);
+    if (lane >= d)
+      incl_s += v;
+  }
+  int run = incl_s - slots;
+  rank = incl_o - odd;
+#pragma unroll
+  for (int j = 0; j < kExpertsPerLane; ++j) {
+    const int e = lane * kExpertsPerLane + j;
+    if (e < experts) {
+      const int n = sPadded[e] / block;
+      tp.base[e] = run;
+      run += (n & ~1) + ((n & 1) && (rank & 1) ? 2 : 0);
+      rank += n & 1;
+    }
+  }
+  if (lane == 31) {
+    tp.base[experts] = incl_s;
+    *tp.num_odd = incl_o;
+  }
+}
+
+// Tile i of the pair-aligned order: the largest e with base[e] <= i holds
+// position i (experts taking no slots have empty ranges), either as one of
+// its pairs' tiles or in its tail pair; past base[E], the unpaired tail.
+__device__ void write_tile(int i, int experts, int block, const int *sCount, const int *sPadded, const int *sOffsets,
+                           TilePairs tp, int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
+                           int *__restrict__ tile_rows) {
+  if ((long long)i * block >= sOffsets[experts]) {
+    tile_expert[i] = -1;
+    tile_row_start[i] = -1;
+    tile_rows[i] = 0;
+    return;
+  }
+  int e;
+  if (i >= tp.base[experts]) {
+    e = tp.odd_expert[*tp.num_odd - 1];
+  } else {
     int lo = 0, hi = experts - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (sOffsets[mid] <= row)
+      if (tp.base[mid] <= i)
         lo = mid;
       else
         hi = mid - 1;
     }
-    const int rows_left = sCount[lo] - (int)(row - sOffsets[lo]);
-    tile_expert[i] = lo;
-    tile_row_start[i] = (int)row;
-    tile_rows[i] = rows_left < block ? rows_left : block;
+    const int j = i - tp.base[lo], whole = (sPadded[lo] / block) & ~1;
+    e = lo;
+    if (j < whole) {
+      tile_expert[i] = e;
+      tile_row_start[i] = sOffsets[e] + j * block;
+      tile_rows[i] = min(block, sCount[e] - j * block);
+      return;
+    }
+    if (j == whole) // the first of the tail pair: the previous odd expert's
+      e = tp.odd_expert[tp.odd_rank[lo] - 1];
   }
-  // Padding rows: each expert's segment past its pairs (a warp per expert),
-  // then everything past the last segment.
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int e = warp; e < experts; e += kWarps)
+  const int k = sPadded[e] / block - 1; // the expert's last tile
+  tile_expert[i] = e;
+  tile_row_start[i] = sOffsets[e] + k * block;
+  tile_rows[i] = sCount[e] - k * block;
+}
+
+// This block's share (block b takes every gridDim.x-th item) of the tile
+// table and of sorted_pair's padding rows (-1): each expert's segment past
+// its pairs (a warp per expert), then everything past the last segment.
+__device__ void write_tiles_and_padding(int experts, int block, int max_tiles, int max_padded_rows,
+                                        const int *sCount, const int *sPadded, const int *sOffsets, TilePairs tp,
+                                        int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
+                                        int *__restrict__ tile_rows, int *__restrict__ sorted_pair) {
+  const int thread = blockIdx.x * MF_THREADS + threadIdx.x, threads = gridDim.x * MF_THREADS;
+  for (int i = thread; i < max_tiles; i += threads)
+    write_tile(i, experts, block, sCount, sPadded, sOffsets, tp, tile_expert, tile_row_start, tile_rows);
+  const int lane = threadIdx.x & 31;
+  for (int e = thread >> 5; e < experts; e += threads >> 5)
     for (int r = sOffsets[e] + sCount[e] + lane; r < sOffsets[e + 1]; r += 32)
       sorted_pair[r] = -1;
-  for (int r = sOffsets[experts] + threadIdx.x; r < max_padded_rows; r += MF_THREADS)
+  for (int r = sOffsets[experts] + thread; r < max_padded_rows; r += threads)
     sorted_pair[r] = -1;
 }
 
+// Block b (at least one, also for no pairs) places chunk b's pairs:
 // pair_pos[r] = offsets[e] + (pairs r' < r with expert e), e = expert[r];
-// sorted_pair[pair_pos[r]] = r. The block walks its chunk in rounds of
-// MF_THREADS consecutive pairs. In a round, a pair's rank among earlier pairs
-// of its expert is: earlier rounds and chunks (sRunning) + earlier warps of
-// this round (sWarpCount) + earlier lanes of its warp (match_any + popc).
-extern "C" __global__ void __launch_bounds__(MF_THREADS)
-moe_stable_scatter(const int *__restrict__ expert,     // (P)
-                   int pairs, int experts,
-                   const int *__restrict__ chunk_base, // (chunks, E)
-                   const int *__restrict__ offsets,    // (E+1)
-                   int *__restrict__ pair_pos,         // (P)
-                   int *__restrict__ sorted_pair) {    // (max_padded_rows), -1 filled before
-  __shared__ int sRunning[MF_MAX_EXPERTS];            // next free row of each expert
-  __shared__ int sWarpCount[kWarps][MF_MAX_EXPERTS];  // this round's pairs per (warp, expert)
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const unsigned lower_lanes = (1u << lane) - 1u;
+// sorted_pair[pair_pos[r]] = r. A pair's rank among earlier pairs of its
+// expert is: earlier chunks (sBefore) + earlier warps' shares of this chunk
+// (a scan of sWarpCount over warps) + earlier steps and lanes of its warp.
+extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
+moe_scan_scatter(const int *__restrict__ expert,       // (P)
+                 const int *__restrict__ chunk_counts, // (chunks, count_stride)
+                 int pairs, int experts, int chunk, int chunks, int block, int max_tiles, int max_padded_rows,
+                 int *__restrict__ counts,             // (E)
+                 int *__restrict__ offsets,            // (E+1), padded
+                 int *__restrict__ offsets_unpadded,   // (E+1)
+                 int *__restrict__ num_tiles,          // (1)
+                 int *__restrict__ tile_expert,        // (max_tiles)
+                 int *__restrict__ tile_row_start,     // (max_tiles)
+                 int *__restrict__ tile_rows,          // (max_tiles)
+                 int *__restrict__ pair_pos,           // (P)
+                 int *__restrict__ sorted_pair) {      // (max_padded_rows)
+  __shared__ int sWarpCount[kWarps][MF_MAX_EXPERTS];
+  __shared__ int sCount[MF_MAX_EXPERTS], sBefore[MF_MAX_EXPERTS], sPadded[MF_MAX_EXPERTS];
+  __shared__ int sOffsets[MF_MAX_EXPERTS + 1];
+  __shared__ int sPairBase[MF_MAX_EXPERTS + 1], sOddRank[MF_MAX_EXPERTS], sOddExpert[MF_MAX_EXPERTS], sNumOdd;
+  const TilePairs tp{sPairBase, sOddRank, sOddExpert, &sNumOdd};
+  const int warp = threadIdx.x >> 5;
+  const WarpPairs wp = warp_pairs(this_chunk(pairs, chunk), chunk, warp);
+  const StepIds first_ids = load_ids(expert, wp, wp.begin); // in flight with the count table's loads
+  sum_chunk_counts(chunk_counts, chunks, experts, block, sCount, sBefore, sPadded);
+  count_warp_pairs(expert, experts, wp, first_ids, sWarpCount[warp]);
+  __syncthreads();
+  if (warp == 0)
+    scan_experts(experts, block, sCount, sPadded, sOffsets, counts, offsets, offsets_unpadded, num_tiles);
+  else if (warp == 1)
+    scan_tile_pairs(experts, block, sPadded, tp);
+  // Meanwhile: each warp's share of each expert starts after the earlier
+  // chunks' and warps' pairs of it.
   for (int e = threadIdx.x; e < experts; e += MF_THREADS) {
-    sRunning[e] = offsets[e] + chunk_base[(long long)blockIdx.x * experts + e];
+    int running = sBefore[e];
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w)
-      sWarpCount[w][e] = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      const int n = sWarpCount[w][e];
+      sWarpCount[w][e] = running;
+      running += n;
+    }
   }
   __syncthreads();
-  const long long begin = (long long)blockIdx.x * MF_CHUNK;
-  for (int round = 0; round < kPairsPerThread; ++round) {
-    const long long first = begin + (long long)round * MF_THREADS;
-    if (first >= pairs)
-      break; // uniform over the block
-    const long long r = first + threadIdx.x;
-    const int e = r < pairs ? expert[r] : -1; // -1: no pair, its own group
-    const unsigned peers = __match_any_sync(kFullMask, e);
-    const int rank = __popc(peers & lower_lanes);
-    if (e >= 0 && rank == 0) // the group's lowest lane speaks for it
-      sWarpCount[warp][e] = __popc(peers);
-    __syncthreads();
-    if (e >= 0) {
-      int pos = sRunning[e] + rank;
-      for (int w = 0; w < warp; ++w)
-        pos += sWarpCount[w][e];
-      pair_pos[r] = pos;
-      sorted_pair[pos] = (int)r;
-    }
-    __syncthreads();
-    for (int x = threadIdx.x; x < experts; x += MF_THREADS) {
-      int round_total = 0;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        round_total += sWarpCount[w][x];
-        sWarpCount[w][x] = 0;
-      }
-      sRunning[x] += round_total;
-    }
-    __syncthreads();
-  }
+  place_warp_pairs(expert, wp, first_ids, sOffsets, sWarpCount[warp], pair_pos, sorted_pair);
+  write_tiles_and_padding(experts, block, max_tiles, max_padded_rows, sCount, sPadded, sOffsets, tp, tile_expert,
+                          tile_row_start, tile_rows, sorted_pair);
 }
 
 )moeforge";

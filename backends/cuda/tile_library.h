@@ -1017,8 +1017,15 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
     long long id;
     asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(id) : "r"(r.tile_ids + 8 * slot) : "memory");
     __syncwarp();
-    if ((tid & 31) == 0)
-      mbar_arrive_release_cluster(r.tile_empty + 8 * slot, 0); // the id is read: rank 0 may reuse the slot
+    // The id is read: rank 0 may reuse the slot. At the block's scope, as
+    // the stage releases: a cluster-scope release would first wait for this
+    // warp's epilogue stores to land (~1 us between items, measured).
+    if ((tid & 31) == 0) {
+      if (rank == 0)
+        mbar_arrive(r.tile_empty + 8 * slot);
+      else
+        mbar_arrive_cluster(r.tile_empty + 8 * slot, 0);
+    }
     return id;
   }
   __device__ static void pair_done(int *counter) {

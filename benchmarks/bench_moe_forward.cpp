@@ -77,6 +77,11 @@ Schedule tuned(const Shape &s, const std::string &variant) {
   // whose A (rows in tile order) comes by TMA too.
   if (variant == "tuned_tma_cluster" || variant == "tuned_tma_cluster_o")
     t.block(256).cluster(variant == "tuned_tma_cluster" ? "*" : "o", 2);
+  // _pair_o: pairs of 128-row tiles (pair-aligned routing tiles: one
+  // expert's, or two experts' last tiles loading B each) walked by persistent
+  // clusters, for the second GEMM only.
+  if (variant == "tuned_tma_pair_o")
+    t.cluster("o", 2).persistent("o", true);
   if (variant == "tuned_persist" || variant == "tuned_tma_persist") // epilogues overlap the next tile's loads
     t.persistent("*", true);
   if (variant == "tuned_r4" || variant == "tuned_r16")
@@ -182,9 +187,10 @@ void register_all() {
             ->Iterations(3);
       }
   for (const Shape &s : bench::kMoeShapes)
-    for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep", "tuned_b64",
-                          "tuned_r4", "tuned_r16", "tuned_persist", "tuned_tma", "tuned_tma_persist",
-                          "tuned_tma_blocked", "tuned_tma_2cta", "tuned_tma_cluster", "tuned_tma_cluster_o"})
+    for (const char *p :
+         {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep", "tuned_b64", "tuned_r4",
+          "tuned_r16", "tuned_persist", "tuned_tma", "tuned_tma_persist", "tuned_tma_blocked", "tuned_tma_2cta",
+          "tuned_tma_cluster", "tuned_tma_cluster_o", "tuned_tma_pair_o"})
       for (bool skew : {false, true}) {
         std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
         benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)

@@ -480,7 +480,7 @@ TEST_CASE("codegen: a k = 1 combine in the GEMM epilogue compiles for sm_90a wit
       CHECK(gemm_h.find("const int r = -1;  // unread") != std::string::npos);
       std::string gemm_o = kernel_source(c, "gemm_o");
       CHECK(gemm_o.find("const int r = -1;  // unread") == std::string::npos);
-      CHECK(gemm_o.find("g_y + out_row * N + col") != std::string::npos);
+      CHECK(gemm_o.find("g_y + out_row * N") != std::string::npos);
       CHECK(gemm_o.find("out_row = r;") != std::string::npos);
     }
 }
@@ -515,4 +515,25 @@ TEST_CASE("codegen: softmax runs a warp per row and compiles without spills") {
     CHECK((src.find("float xs[3]") != std::string::npos) == in_registers);
     CHECK((src.find(" += 32)") != std::string::npos) == !in_registers);
   }
+}
+
+TEST_CASE("codegen: outputs of whole wgmma tiles are stored two column groups at a time") {
+  // h and o_gated (bf16, whole tiles) go out through mf::store2x2; the
+  // router's 8 logits in a 128-wide tile and a masked 2880-wide h keep the
+  // 2-column stores. f32 outputs of whole tiles: the k = 1 case, y.
+  Example ex = make_example("moe_mlp", small());
+  const std::string src = cuda::compile_layer(ex.pipeline, preset("scattermoe")).source.source;
+  CHECK(src.find("mf::store2x2(g_h + out_row * N, col, v0, v1, w0, w1);") != std::string::npos);
+  CHECK(src.find("mf::store2x2(g_o_gated + out_row * N, col, v0, v1, w0, w1);") != std::string::npos);
+  CHECK(src.find("mf::store2(g_logits + out_row * N + col, v0, v1);") != std::string::npos); // N = 8: masked
+  ExampleShape s = small();
+  s.d = s.f = 2880;
+  Example masked = make_example("moe_mlp", s);
+  CHECK(cuda::compile_layer(masked.pipeline, preset("scattermoe")).source.source.find("mf::store2x2(") ==
+        std::string::npos);
+  ExampleShape one = small();
+  one.topk = 1;
+  Example k1 = make_example("moe_mlp", one);
+  CHECK(cuda::compile_layer(k1.pipeline, preset("scattermoe")).source.source.find("mf::store2x2(g_y + out_row * N") !=
+        std::string::npos);
 }

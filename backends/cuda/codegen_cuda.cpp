@@ -375,11 +375,14 @@ void emit_a_operand(const GemmStep &g, KernelBuilder &kb, const std::string &gA,
 
 // The call of an epilogue lambda `fn` on element e (0 or 1) of a thread's
 // column pair: every accumulator's value there, the row, the column.
-std::string epilogue_call(const std::string &fn, int nb, const std::string &vr, int e) {
+// `ni` and `col` name the column group and its first column (the next
+// group: "ni + 1", "col + 8").
+std::string epilogue_call(const std::string &fn, int nb, const std::string &vr, int e, const std::string &ni = "ni",
+                          const std::string &col = "col") {
   std::string call = fn + "(";
   for (int b = 0; b < nb; ++b)
-    call += "Cfg::get(acc, " + std::to_string(b) + ", mi, ni, h * 2 + " + std::to_string(e) + "), ";
-  return call + vr + ", col + " + std::to_string(e) + ")";
+    call += "Cfg::get(acc, " + std::to_string(b) + ", mi, " + ni + ", h * 2 + " + std::to_string(e) + "), ";
+  return call + vr + ", " + col + " + " + std::to_string(e) + ")";
 }
 
 // The epilogue with plain stores: each thread stores its accumulator
@@ -387,7 +390,8 @@ std::string epilogue_call(const std::string &fn, int nb, const std::string &vr, 
 // output and each fused one in its own layout.
 void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBuilder &kb, int nb, const std::string &vr,
                          const std::vector<std::pair<std::string, Expr>> &outputs, bool pair_rows, bool prefetch_rows,
-                         const std::string &sorted_pair, const std::string &gC, std::ostringstream &body) {
+                         bool wide_stores, const std::string &sorted_pair, const std::string &gC,
+                         std::ostringstream &body) {
   body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
 
   body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n    if (lr >= rows) continue;\n";
@@ -404,6 +408,20 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
          << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order") << "\n";
   } else {
     body << "    const long long " << vr << " = p0 + lr, out_row = " << vr << ";\n";
+  }
+  if (wide_stores) {
+    // Two column groups at a time, the halves exchanged with the neighbour
+    // lane (mf::store2x2): a bf16 row's 4-byte stores wrote half sectors and
+    // the epilogue waited on the store queue (NOTES v19); now a warp's
+    // store writes whole 32-byte sectors, with half the instructions.
+    body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ni += 2) {\n";
+    body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n";
+    for (int e = 0; e < 2; ++e)
+      body << "      const float v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
+    for (int e = 0; e < 2; ++e)
+      body << "      const float w" << e << " = " << epilogue_call("epilogue", nb, vr, e, "ni + 1", "col + 8") << ";\n";
+    body << "      mf::store2x2(" << gC << " + out_row * N, col, v0, v1, w0, w1);\n    }\n  }\n";
+    return;
   }
   body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
   // When BN divides N every tile is whole: no column test, and no branch
@@ -764,8 +782,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   body << epilogues.str();
   if (out_tma)
     emit_tma_store_epilogue(g, kb, nb, vr, persistent, body);
-  else
-    emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, sorted_pair, gC, body);
+  else {
+    // 8-byte (bf16) or 16-byte (f32) stores for an output of whole tiles
+    // under wgmma (its accumulator columns: ni * 8 + 2 (lane & 3)), no
+    // fused outputs.
+    const DType out = prog.tensor(g.output).dtype;
+    const bool wide_stores = wgmma && outputs.size() == 1 && g.n.extent() % t.tile_n == 0 && t.tile_n % 16 == 0 &&
+                             (out == DType::bf16 || out == DType::f32);
+    emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, wide_stores, sorted_pair, gC, body);
+  }
   stamp(4);
   if (pair_items)
     body << "  }  // next item\n  Cfg::pair_done(tile_counter);\n";

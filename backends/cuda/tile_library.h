@@ -91,6 +91,30 @@ __device__ __forceinline__ float gelu(float x) {
   return fmaf(h, tanh_fast(x * fmaf(x * x, ca, c)), h);
 }
 
+// A thread's values of one row at columns col, col + 1 (v) and col + 8,
+// col + 9 (w), col = 8 ni + 2 (lane & 3) (wgmma's accumulator columns), in
+// 8-byte stores of four consecutive columns: even lanes keep their group-ni
+// pair and take the neighbour's, odd lanes the group-ni+1 pairs; a quad then
+// writes 16 consecutive columns, one whole 32-byte sector. Lanes of a quad
+// share the row (and so whether it is stored), so the exchange partner is
+// always active.
+__device__ __forceinline__ void store2x2(bf16 *row, int col, float v0, float v1, float w0, float w1) {
+  const bool odd = threadIdx.x & 1;
+  const __nv_bfloat162 pv = __floats2bfloat162_rn(v0, v1), pw = __floats2bfloat162_rn(w0, w1);
+  const unsigned p = *reinterpret_cast<const unsigned *>(&pv), q = *reinterpret_cast<const unsigned *>(&pw);
+  const unsigned got = __shfl_xor_sync(__activemask(), odd ? p : q, 1);
+  *reinterpret_cast<uint2 *>(row + (odd ? col + 6 : col)) = odd ? make_uint2(got, q) : make_uint2(p, got);
+}
+// The same for an f32 row: 16-byte stores (a quad writes 64 bytes), half
+// the store instructions of two-column float2 stores.
+__device__ __forceinline__ void store2x2(float *row, int col, float v0, float v1, float w0, float w1) {
+  const bool odd = threadIdx.x & 1;
+  const unsigned mask = __activemask();
+  const float g0 = __shfl_xor_sync(mask, odd ? v0 : w0, 1), g1 = __shfl_xor_sync(mask, odd ? v1 : w1, 1);
+  *reinterpret_cast<float4 *>(row + (odd ? col + 6 : col)) =
+      odd ? make_float4(g0, g1, w0, w1) : make_float4(v0, v1, g0, g1);
+}
+
 // The sum of v over the 32 lanes of a warp, in every lane.
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

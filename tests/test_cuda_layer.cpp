@@ -64,6 +64,21 @@ void check_every_preset(const ExampleShape &s, uint64_t seed) {
     }
 }
 
+// Every example at every shape under every schedule, inputs from `seed`.
+void check_schedules(const std::vector<ExampleShape> &shapes, const std::vector<const char *> &examples,
+                     const std::vector<Schedule> &schedules, uint64_t seed) {
+  for (const ExampleShape &s : shapes)
+    for (const char *example : examples) {
+      Example ex = make_example(example, s);
+      for (const Schedule &sch : schedules) {
+        Outcome o = run_and_compare(ex, ex.random_inputs(s, seed), s.tokens, sch);
+        INFO(example << " T=" << s.tokens << " " << sch.to_text());
+        CHECK(o.routing_mismatches == 0);
+        CHECK(o.y_error <= 1e-2);
+      }
+    }
+}
+
 } // namespace
 
 TEST_SUITE("gpu") {
@@ -257,42 +272,26 @@ TEST_SUITE("gpu") {
     Schedule b("cluster_halves_blocked");
     b.permutation(Permutation::blocked).block(256).tile("*", 128, 128, 64).mma("*", MmaKind::wgmma_ws);
     b.tma("*", true).cluster("*", 2).stages("*", 3);
-    for (const ExampleShape &s : {shape(1500, 200, 328, 8, 2), shape(700, 256, 512, 16, 1)})
-      for (const char *example : {"moe_mlp", "swiglu_moe"}) {
-        Example ex = make_example(example, s);
-        for (const Schedule &sch : {a, b}) {
-          Outcome o = run_and_compare(ex, ex.random_inputs(s, 6), s.tokens, sch);
-          INFO(example << " T=" << s.tokens << " " << sch.to_text());
-          CHECK(o.routing_mismatches == 0);
-          CHECK(o.y_error <= 1e-2);
-        }
-      }
+    check_schedules({shape(1500, 200, 328, 8, 2), shape(700, 256, 512, 16, 1)}, {"moe_mlp", "swiglu_moe"}, {a, b}, 6);
   }
 
   TEST_CASE("cuda layer: persistent two-block clusters match the reference") {
     MOEFORGE_REQUIRE_GPU();
-    // The pair walks items drawn by rank 0: consecutive routing tiles
-    // (sharing B when one expert holds both, each loading its own otherwise,
-    // the last of an odd count with an idle partner), or the halves of
-    // 256-row routing tiles (an expert's last half-empty tile leaves rank 1
-    // idle). Shapes as the non-persistent cluster tests, plus the dense MLP
-    // (an odd count of row tiles) and the MoE edge cases.
+    // The pair walks items drawn by rank 0: routing tiles 2m and 2m + 1 in
+    // the pair-aligned order (one expert's, sharing B; or two experts' last
+    // tiles, each loading its own; or the last of an odd count with an idle
+    // partner), or the halves of 256-row routing tiles (an expert's last
+    // half-empty tile leaves rank 1 idle). Shapes as the non-persistent
+    // cluster tests, plus the dense MLP (an odd count of row tiles) and the
+    // MoE edge cases.
     Schedule a("persistent_pairs_scattered");
     a.permutation(Permutation::scattered).tile("*", 128, 256, 64).mma("*", MmaKind::wgmma_ws).tma("*", true);
     a.cluster("*", 2).persistent("*", true).tile("h", 128, 128, 64);
     Schedule b("persistent_pairs_halves_blocked");
     b.permutation(Permutation::blocked).block(256).tile("*", 128, 128, 64).mma("*", MmaKind::wgmma_ws);
     b.tma("*", true).cluster("*", 2).persistent("*", true).stages("*", 3);
-    for (const ExampleShape &s : {shape(1500, 200, 328, 8, 2), shape(700, 256, 512, 16, 1), shape(333, 200, 328, 8, 2)})
-      for (const char *example : {"moe_mlp", "swiglu_moe", "dense_mlp"}) {
-        Example ex = make_example(example, s);
-        for (const Schedule &sch : {a, b}) {
-          Outcome o = run_and_compare(ex, ex.random_inputs(s, 8), s.tokens, sch);
-          INFO(example << " T=" << s.tokens << " " << sch.to_text());
-          CHECK(o.routing_mismatches == 0);
-          CHECK(o.y_error <= 1e-2);
-        }
-      }
+    check_schedules({shape(1500, 200, 328, 8, 2), shape(700, 256, 512, 16, 1), shape(333, 200, 328, 8, 2)},
+                    {"moe_mlp", "swiglu_moe", "dense_mlp"}, {a, b}, 8);
     testing::check_edge_cases(128, 256, {"persistent pairs"},
                               [&](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
                                 return run_and_compare(ex, in, tokens, a);

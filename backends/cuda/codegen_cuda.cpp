@@ -622,10 +622,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
                        (!g.route || (g.out_rows == RowMap::direct && !pair_rows));
   const std::string gC = out_tma ? "" : kb.tensor(g.output, /*writes=*/true);
   const char *skip = persistent ? "continue" : "return";
+  // Persistent blocks' row tiles. Routed: the routing's own tile count (read
+  // on the device), so no block walks the upper bound's empty tiles.
+  const std::string rows_total =
+      g.route ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " + std::to_string(g.block / t.tile_m)
+              : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
   if (pair_items) {
-    std::string rows_total =
-        g.route ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " + std::to_string(g.block / t.tile_m)
-                : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
     body << "  const long long PAIRS = (" << rows_total << " + 1) / 2;  // pairs of row tiles\n";
     body << "  const long long TOTAL = PAIRS * NUM_N;  // items: a pair of row tiles x a column tile\n";
     body << "  auto ring = Cfg::pair_ring(smem);\n  const int rank = (int)mf::cluster_rank();\n";
@@ -636,11 +638,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  mf::raster_mn((int)item, (int)PAIRS, NUM_N, " << t.raster << ", m_tile, n_tile);\n";
     body << "  m_tile = 2 * m_tile + rank;  // this block's row tile in the pair\n";
   } else if (persistent) {
-    // Routed: the routing's own tile count (read on the device), so no
-    // block walks the upper bound's empty tiles.
-    std::string rows_total =
-        g.route ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " + std::to_string(g.block / t.tile_m)
-                : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
     body << "  const long long TOTAL = (" << rows_total << ") * NUM_N;  // output tiles\n";
     body << "  auto ring = Cfg::ring(smem"
          << (out_tma ? ", Cfg::BM * Cfg::BN * 2);  // + the output tile's staging" : ");") << "\n";

@@ -383,6 +383,18 @@ __device__ void sum_chunk_counts(const int *__restrict__ chunk_counts, int chunk
       }
 }
 
+// The sum of v over this lane and the lanes below it (a full warp).
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int below = __shfl_up_sync(kFullMask, v, d);
+    if (lane >= d)
+      v += below;
+  }
+  return v;
+}
+
 // Warp 0: sOffsets[e] (e <= E), the padded offsets. Lane l owns experts
 // l*kExpertsPerLane ...: sum them, scan the lane sums across the warp, then
 // walk the owned experts again. Block 0 also writes counts, offsets,
@@ -401,16 +413,7 @@ __device__ void scan_experts(int experts, int block, const int *sCount, const in
       sum_u += sCount[e];
     }
   }
-  int incl_p = sum_p, incl_u = sum_u;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int p = __shfl_up_sync(kFullMask, incl_p, d);
-    const int u = __shfl_up_sync(kFullMask, incl_u, d);
-    if (lane >= d) {
-      incl_p += p;
-      incl_u += u;
-    }
-  }
+  const int incl_p = warp_inclusive_sum(sum_p), incl_u = warp_inclusive_sum(sum_u);
   int run_p = incl_p - sum_p, run_u = incl_u - sum_u;
 #pragma unroll
   for (int j = 0; j < kExpertsPerLane; ++j) {
@@ -533,13 +536,7 @@ __device__ void scan_tile_pairs(int experts, int block, const int *sPadded, Tile
     if (e < experts)
       odd += (sPadded[e] / block) & 1;
   }
-  int incl_o = odd;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int o = __shfl_up_sync(kFullMask, incl_o, d);
-    if (lane >= d)
-      incl_o += o;
-  }
+  const int incl_o = warp_inclusive_sum(odd);
   int rank = incl_o - odd, slots = 0;
 #pragma unroll
   for (int j = 0; j < kExpertsPerLane; ++j) {
@@ -553,13 +550,7 @@ __device__ void scan_tile_pairs(int experts, int block, const int *sPadded, Tile
       }
     }
   }
-  int incl_s = slots;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(kFullMask, incl_s, d);
-    if (lane >= d)
-      incl_s += v;
-  }
+  const int incl_s = warp_inclusive_sum(slots);
   int run = incl_s - slots;
   rank = incl_o - odd;
 #pragma unroll

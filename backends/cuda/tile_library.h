@@ -942,20 +942,26 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   // Shared memory past the stages: out_bytes of output staging (out_reuse;
   // 1024-aligned, as the stages are), STAGES x (full, empty), then 2 x
   // (tile_full, tile_empty) and 2 tile ids, 48 bytes (the codegen's count).
-  __device__ static Ring ring(unsigned char *smem, unsigned out_bytes = 0) {
+  // blocks: whose warps release the stages and read the ids (1, or 2 for
+  // a cluster's pair, pair_ring). Thread 0 initialises the barriers.
+  __device__ static Ring ring_layout(unsigned char *smem, unsigned out_bytes, int blocks) {
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, out = s0 + STAGES * STAGE_BYTES, bars = out + out_bytes;
     Ring r{s0, bars, bars + 8 * STAGES, bars + 16 * STAGES, bars + 16 * STAGES + 16, bars + 16 * STAGES + 32, out,
            0, 0};
     if (threadIdx.x == 0) {
       for (int s = 0; s < STAGES; ++s) {
-        mbar_init(r.full + 8 * s, 128);
-        mbar_init(r.empty + 8 * s, CONSUMERS / 32);
+        mbar_init(r.full + 8 * s, 128);                      // this block's producer threads
+        mbar_init(r.empty + 8 * s, blocks * CONSUMERS / 32); // the consumer warps
       }
       for (int s = 0; s < 2; ++s) {
         mbar_init(r.tile_full + 8 * s, 1);
-        mbar_init(r.tile_empty + 8 * s, THREADS / 32);
+        mbar_init(r.tile_empty + 8 * s, blocks * THREADS / 32); // every warp (pairs: rank 0's)
       }
     }
+    return r;
+  }
+  __device__ static Ring ring(unsigned char *smem, unsigned out_bytes = 0) {
+    const Ring r = ring_layout(smem, out_bytes, 1);
     __syncthreads();
     return r;
   }
@@ -1004,20 +1010,9 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   // so no remote release or id can reach a block that has left.
   // Shared memory: as ring() with no staging.
   __device__ static Ring pair_ring(unsigned char *smem) {
-    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, bars = s0 + STAGES * STAGE_BYTES;
-    Ring r{s0, bars, bars + 8 * STAGES, bars + 16 * STAGES, bars + 16 * STAGES + 16, bars + 16 * STAGES + 32, 0,
-           0, 0};
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < STAGES; ++s) {
-        mbar_init(r.full + 8 * s, 128);                 // this block's producer threads
-        mbar_init(r.empty + 8 * s, 2 * CONSUMERS / 32); // the consumer warps of both blocks
-      }
-      for (int s = 0; s < 2; ++s) {
-        mbar_init(r.tile_full + 8 * s, 1);
-        mbar_init(r.tile_empty + 8 * s, 2 * THREADS / 32); // rank 0's: every warp of both blocks
-      }
+    const Ring r = ring_layout(smem, 0, 2);
+    if (threadIdx.x == 0)
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
     cluster_sync(); // the peer's copies, releases and ids may reach these barriers from now on
     return r;
   }

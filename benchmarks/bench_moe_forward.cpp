@@ -80,8 +80,12 @@ Schedule tuned(const Shape &s, const std::string &variant) {
   // _pair_o: pairs of 128-row tiles (pair-aligned routing tiles: one
   // expert's, or two experts' last tiles loading B each) walked by persistent
   // clusters, for the second GEMM only.
-  if (variant == "tuned_tma_pair_o")
+  if (variant == "tuned_tma_pair_o" || variant == "tuned_tma_persist_pair_o")
     t.cluster("o", 2).persistent("o", true);
+  // _persist_pair_o: and persistent blocks for the first GEMM, whose next
+  // tile's first stages then load under this tile's epilogue.
+  if (variant == "tuned_tma_persist_pair_o")
+    t.persistent("h", true);
   if (variant == "tuned_persist" || variant == "tuned_tma_persist") // epilogues overlap the next tile's loads
     t.persistent("*", true);
   if (variant == "tuned_r4" || variant == "tuned_r16")
@@ -190,7 +194,7 @@ void register_all() {
     for (const char *p :
          {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep", "tuned_b64", "tuned_r4",
           "tuned_r16", "tuned_persist", "tuned_tma", "tuned_tma_persist", "tuned_tma_blocked", "tuned_tma_2cta",
-          "tuned_tma_cluster", "tuned_tma_cluster_o", "tuned_tma_pair_o"})
+          "tuned_tma_cluster", "tuned_tma_cluster_o", "tuned_tma_pair_o", "tuned_tma_persist_pair_o"})
       for (bool skew : {false, true}) {
         std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
         benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)

@@ -166,6 +166,7 @@ TEST_CASE("codegen: tma_store sends tile-order bf16 outputs through TMA and leav
           CHECK(out_pointer == !expect);
         }
         CHECK(c.source.source.find("Cfg::out_store(") != std::string::npos);
+        CHECK(c.source.source.find("Cfg::out_put4(s_out, warp, lane, ni,") != std::string::npos); // by stmatrix
       }
   // Persistent blocks stage in a buffer past the ring (the ring holds the
   // next tile), free again once the previous copy has read it.

@@ -68,6 +68,22 @@ TEST_CASE("timeline: phases, SM busy time and gaps from synthetic stamps") {
   CHECK(line.find("gap between blocks 1.00 us") != std::string::npos);
 }
 
+TEST_CASE("timeline: tiles that noted their rows are split into tiles of at most 64 rows and fuller ones") {
+  std::vector<uint64_t> raw(4 * cuda::kTimelineSlots, 0);
+  put(raw, 0, {1000, 2000, 3000, 9000, 11000, 7, 129}); // 128 rows: main loop 6 us
+  put(raw, 1, {1000, 2000, 3000, 7000, 8000, 8, 66});   // 65 rows: still both warpgroups, 4 us
+  put(raw, 2, {1000, 2000, 3000, 5000, 6000, 9, 65});   // 64 rows: 2 us
+  put(raw, 3, {1000, 2000, 3000, 6000, 7000, 10, 0});   // no note: in neither
+  cuda::TimelineSummary s = cuda::summarize_timeline(raw, 4);
+  CHECK(s.blocks == 4);
+  CHECK(s.half_tiles == 1);
+  CHECK(s.full_tiles == 2);
+  CHECK(s.half_main_loop_us == doctest::Approx(2.0));
+  CHECK(s.full_main_loop_us == doctest::Approx(5.0));
+  CHECK(cuda::format_timeline("gemm_h", s)
+            .find("main loop of tiles <= 64 rows 2.00 us (1), of fuller tiles 5.00 us (2)") != std::string::npos);
+}
+
 TEST_CASE("timeline: stamps out of order or missing are not counted as finished blocks") {
   std::vector<uint64_t> raw(2 * cuda::kTimelineSlots, 0);
   put(raw, 0, {5000, 4000, 0, 6000, 7000, 1}); // called before entry
@@ -87,6 +103,7 @@ TEST_CASE("timeline: the stamped GEMMs compile for sm_90a within their resources
   cuda::CompiledLayer stamped = cuda::compile_layer(ex.pipeline, s);
   CHECK(stamped.source.source.find("#define MF_TIMELINE") != std::string::npos);
   CHECK(stamped.source.source.find("MF_STAMP(4)") != std::string::npos);
+  CHECK(stamped.source.source.find("MF_NOTE_ROWS(rows)") != std::string::npos);
   testing::check_resources(stamped, "moe_mlp / timeline");
 }
 

@@ -446,7 +446,7 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
   body << "    }\n  }\n";
 }
 
-// The epilogue through TMA (GemmTiling::tma_store; WgmmaConfig::out_put2 and
+// The epilogue through TMA (GemmTiling::tma_store; WgmmaConfig::out_put4 and
 // out_store): every thread stages its values, zero on rows past the tile's
 // `rows` and columns past N (the copy drops columns past N; padding rows
 // of a tile-order output are the tile's own), then each warpgroup's boxes
@@ -457,19 +457,29 @@ void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const
     body << "  const unsigned s_out = Cfg::out_reuse(ring.out);  // past the ring: the tile's own staging\n";
   else
     body << "  const unsigned s_out = Cfg::out_begin(smem);  // the ring, idle now: the tile's staging area\n";
-  body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
-  body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n";
+  // Two column groups per stmatrix (Cfg::out_put4). Values past `rows` or N
+  // are staged as 0 (the copy clips columns past N; rows past `rows` are
+  // the tile's padding). The guard is a select, not a branch, where the
+  // epilogue reads nothing by row or column out of range: routed outputs
+  // never read the row here, and a tile that divides N has no column past it.
+  body << "  const int mi = 0;  // wgmma: one row group per warp\n";
+  body << "#pragma unroll\n  for (int ni = 0; ni < Cfg::NI; ni += 2) {\n";
+  body << "    float v[2][4];  // [group ni, ni + 1][row h = 0, 1 x column e = 0, 1]\n";
+  body << "#pragma unroll\n    for (int dn = 0; dn < 2; ++dn)\n#pragma unroll\n"
+       << "    for (int h = 0; h < 2; ++h) {\n";
+  body << "      const int lr = Cfg::acc_row(warp, lane, 0, h * 2);\n";
   if (g.route)
-    body << "    const long long " << vr << " = -1;  // unread: rows below `rows` are real pairs, in tile order\n";
+    body << "      const long long " << vr << " = -1;  // unread: rows below `rows` are real pairs, in tile order\n";
   else
-    body << "    const long long " << vr << " = p0 + lr;\n";
-  body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
-  body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n";
-  body << "      float v0 = 0.f, v1 = 0.f;\n";
-  body << "      if (lr < rows && (N % Cfg::BN == 0 || col < N)) {\n";
+    body << "      const long long " << vr << " = p0 + lr;\n";
+  body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni + dn, 0);\n";
+  body << "      const bool ok = lr < rows && (N % Cfg::BN == 0 || col < N);\n";
   for (int e = 0; e < 2; ++e)
-    body << "        v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
-  body << "      }\n      Cfg::out_put2(s_out, lr, col - n0, v0, v1);\n    }\n  }\n";
+    body << "      v[dn][h * 2 + " << e << "] = ok ? " << epilogue_call("epilogue", nb, vr, e, "ni + dn")
+         << " : 0.f;\n";
+  body << "    }\n";
+  body << "    Cfg::out_put4(s_out, warp, lane, ni, v[0][0], v[0][1], v[0][2], v[0][3], v[1][0], v[1][1], v[1][2], "
+          "v[1][3]);\n  }\n";
   // A block per tile waits until the copy has read its staging (the block's
   // shared memory must outlive it); a persistent block goes on to its next
   // tile, the copy overlapping its main loop, and waits once at the end.
@@ -531,6 +541,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   auto stamp = [&](int phase) {
     if (timeline_requested())
       body << (stamp_tiles ? "  MF_STAMP_AT(tile_id, " : "  MF_STAMP(") << phase << ");\n";
+  };
+  // With the main-loop call, the tile's rows (timeline: tiles of an expert's
+  // last rows apart from full ones).
+  auto stamp_rows = [&] {
+    if (timeline_requested())
+      body << (stamp_tiles ? "  MF_NOTE_ROWS_AT(tile_id, rows);\n" : "  MF_NOTE_ROWS(rows);\n");
   };
   if (!stamp_tiles)
     stamp(0);
@@ -744,6 +760,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     }
     body << "  Cfg::Acc acc = {};\n";
     stamp(1);
+    stamp_rows();
     const std::string batch = g.b_per_expert ? "(int)expert" : "0";
     if (persistent && !cluster)
       body << "  if (!Cfg::"

@@ -29,7 +29,8 @@ inline constexpr const char *kTileLibraryTemplate = R"CUDA(
 // kernels stamp the global timer at the phases of a tile into
 // mf_timeline[block][phase] (thread 0, the first consumer thread):
 //   0 entry, 1 main loop called (tile table read), 2 first stage landed,
-//   3 main loop done, 4 epilogue done, 5 the SM's id;
+//   3 main loop done, 4 epilogue done, 5 the SM's id, 6 the tile's rows + 1
+//   (a value, not a time: tiles of an expert's last rows told apart);
 // persistent blocks stamp per tile (at mf_timeline[tile]; no phase 2).
 // CudaLayer::timeline() reads it back after each GEMM. Otherwise MF_STAMP
 // is nothing.
@@ -50,11 +51,19 @@ __device__ __forceinline__ void mf_stamp(long long at, int phase) {
     }
   }
 }
+__device__ __forceinline__ void mf_note_rows(long long at, int rows) {
+  if (threadIdx.x == 0 && at < MF_TIMELINE_BLOCKS)
+    mf_timeline[at * 8 + 6] = (unsigned long long)(rows + 1);
+}
 #define MF_STAMP(phase) mf_stamp(blockIdx.x, phase)
 #define MF_STAMP_AT(tile, phase) mf_stamp(tile, phase) // persistent blocks: per tile
+#define MF_NOTE_ROWS(rows) mf_note_rows(blockIdx.x, rows)
+#define MF_NOTE_ROWS_AT(tile, rows) mf_note_rows(tile, rows)
 #else
 #define MF_STAMP(phase)
 #define MF_STAMP_AT(tile, phase)
+#define MF_NOTE_ROWS(rows)
+#define MF_NOTE_ROWS_AT(tile, rows)
 #endif
 
 namespace mf {
@@ -701,13 +710,27 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
     named_barrier(1, BM * 2);
     return (smem_u32(smem) + 1023u) & ~1023u;
   }
-  // Values of tile row `row`, tile columns col and col + 1 (col even).
-  __device__ static __forceinline__ void out_put2(unsigned s, int row, int col, float v0, float v1) {
-    const int r = row & 63, chunk = (col & 63) >> 3;
-    const unsigned at = s + ((row >> 6) * (BN / 64) + (col >> 6)) * (64 * 128) + r * 128 + ((chunk ^ (r & 7)) << 4) +
-                        (col & 7) * 2;
-    const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(*reinterpret_cast<const unsigned *>(&v)) : "memory");
+  // A warp's values of column groups ni and ni + 1 (8 columns each) of its
+  // 16 rows, staged by one stmatrix (four 8x8 matrices, a row of 16 bytes
+  // each, from the accumulator fragments as they lie: 16 instructions per
+  // thread for a 128 x 256 tile, against 64 stores of a column pair). v:
+  // group ni's pairs (row lane / 4: v0, v1; row + 8: v2, v3); w: group
+  // ni + 1's. Lane L gives the address of row L % 8 of matrix L / 8
+  // (matrices: rows 0-7 and 8-15 of group ni, then of group ni + 1): box
+  // (row / 64, column / 64), 128 bytes a row, 16-byte chunk c of row r at
+  // c ^ (r & 7), the tensor map's 128-byte swizzle.
+  __device__ static __forceinline__ void out_put4(unsigned s, int warp, int lane, int ni, float v0, float v1, float v2,
+                                                  float v3, float w0, float w1, float w2, float w3) {
+    const int j = lane >> 3, row = (warp >> 2) * 64 + (warp & 3) * 16 + (j & 1) * 8 + (lane & 7);
+    const int group = ni + (j >> 1), r = row & 63;
+    const unsigned at =
+        s + ((row >> 6) * (BN / 64) + (group >> 3)) * (64 * 128) + r * 128 + (((group & 7) ^ (r & 7)) << 4);
+    const __nv_bfloat162 a = __floats2bfloat162_rn(v0, v1), b = __floats2bfloat162_rn(v2, v3),
+                         c = __floats2bfloat162_rn(w0, w1), d = __floats2bfloat162_rn(w2, w3);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(at),
+                 "r"(*reinterpret_cast<const unsigned *>(&a)), "r"(*reinterpret_cast<const unsigned *>(&b)),
+                 "r"(*reinterpret_cast<const unsigned *>(&c)), "r"(*reinterpret_cast<const unsigned *>(&d))
+                 : "memory");
   }
   // Persistent blocks stage in a buffer past the ring (Ring::out): each
   // warpgroup's part is free again once its previous copy has read it.

@@ -18,7 +18,7 @@ TimelineSummary summarize_timeline(const std::vector<uint64_t> &stamps, int64_t 
   TimelineSummary s;
   std::map<uint64_t, std::vector<Block>> by_sm;
   uint64_t first_entry = UINT64_MAX, last_end = 0;
-  double setup = 0, first = 0, main = 0, epi = 0, busy = 0;
+  double setup = 0, first = 0, main = 0, epi = 0, busy = 0, half_main = 0, full_main = 0;
   blocks = std::min<int64_t>(blocks, static_cast<int64_t>(stamps.size()) / kTimelineSlots);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint64_t *t = &stamps[static_cast<size_t>(b) * kTimelineSlots];
@@ -41,6 +41,11 @@ TimelineSummary summarize_timeline(const std::vector<uint64_t> &stamps, int64_t 
     busy += double(k.end - k.entry);
     s.max_main_loop_us = std::max(s.max_main_loop_us, double(k.done - loop_from) / 1e3);
     s.max_epilogue_us = std::max(s.max_epilogue_us, double(k.end - k.done) / 1e3);
+    if (t[6] > 0) { // rows + 1
+      const bool half = t[6] - 1 <= 64;
+      (half ? s.half_tiles : s.full_tiles) += 1;
+      (half ? half_main : full_main) += double(k.done - loop_from);
+    }
     first_entry = std::min(first_entry, k.entry);
     last_end = std::max(last_end, k.end);
     by_sm[t[5]].push_back(k);
@@ -55,6 +60,8 @@ TimelineSummary summarize_timeline(const std::vector<uint64_t> &stamps, int64_t 
   s.main_loop_us = main / n / 1e3;
   s.epilogue_us = epi / n / 1e3;
   s.busy = busy / (double(s.sms) * double(last_end - first_entry));
+  s.half_main_loop_us = s.half_tiles ? half_main / s.half_tiles / 1e3 : 0.0;
+  s.full_main_loop_us = s.full_tiles ? full_main / s.full_tiles / 1e3 : 0.0;
   double gaps = 0;
   int64_t gap_count = 0;
   for (auto &[sm, list] : by_sm) {
@@ -77,7 +84,13 @@ std::string format_timeline(const std::string &kernel, const TimelineSummary &s)
                 "gap between blocks %.2f us",
                 kernel.c_str(), s.blocks, s.early_exits, s.sms, s.span_us, s.setup_us, s.first_stage_us, s.main_loop_us,
                 s.max_main_loop_us, s.epilogue_us, s.max_epilogue_us, 100.0 * s.busy, s.gap_us);
-  return line;
+  std::string out = line;
+  if (s.half_tiles + s.full_tiles > 0) {
+    std::snprintf(line, sizeof line, "; main loop of tiles <= 64 rows %.2f us (%d), of fuller tiles %.2f us (%d)",
+                  s.half_main_loop_us, s.half_tiles, s.full_main_loop_us, s.full_tiles);
+    out += line;
+  }
+  return out;
 }
 
 } // namespace moeforge::cuda

@@ -27,6 +27,10 @@ struct TimelineSummary {
   double max_main_loop_us = 0, max_epilogue_us = 0;
   double busy = 0;   // finished blocks' summed time / (SMs x span)
   double gap_us = 0; // mean time an SM waits between one block's end and its next block's entry
+  // Tiles that noted their rows (slot 6): those of at most 64 rows (an
+  // expert's last rows, one consumer warpgroup active) against the fuller ones.
+  int half_tiles = 0, full_tiles = 0;
+  double half_main_loop_us = 0, full_main_loop_us = 0;
 };
 
 // Summarises the raw stamps (kTimelineSlots per block, zero where unset)

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include "cuda_resources.h"
+#include "layer_compare.h"
 #include "softmax_layers.h"
 #include "whole_gradient.h"
 
@@ -21,15 +22,7 @@ using testing::check_resources;
 
 namespace {
 
-ExampleShape small() {
-  ExampleShape s;
-  s.tokens = 64;
-  s.d = 128;
-  s.f = 256;
-  s.experts = 8;
-  s.topk = 2;
-  return s;
-}
+ExampleShape small() { return testing::shape(64, 128, 256, 8, 2); }
 
 template <typename T> int count_steps(const KernelProgram &p) {
   int n = 0;

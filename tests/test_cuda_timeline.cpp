@@ -12,6 +12,7 @@
 #include "cuda_resources.h"
 #include "examples/examples.h"
 #include "gpu_test.h"
+#include "layer_compare.h"
 #include "schedules/presets.h"
 
 using namespace moeforge;
@@ -30,15 +31,7 @@ void put(std::vector<uint64_t> &raw, int block, std::initializer_list<uint64_t> 
     raw[static_cast<size_t>(block) * cuda::kTimelineSlots + i++] = v;
 }
 
-ExampleShape small() {
-  ExampleShape s;
-  s.tokens = 300;
-  s.d = 128;
-  s.f = 256;
-  s.experts = 8;
-  s.topk = 2;
-  return s;
-}
+ExampleShape small() { return testing::shape(300, 128, 256, 8, 2); }
 
 } // namespace
 

@@ -467,7 +467,7 @@ void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const
   body << "    float v[2][4];  // [group ni, ni + 1][row h = 0, 1 x column e = 0, 1]\n";
   body << "#pragma unroll\n    for (int dn = 0; dn < 2; ++dn)\n#pragma unroll\n"
        << "    for (int h = 0; h < 2; ++h) {\n";
-  body << "      const int lr = Cfg::acc_row(warp, lane, 0, h * 2);\n";
+  body << "      const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n";
   if (g.route)
     body << "      const long long " << vr << " = -1;  // unread: rows below `rows` are real pairs, in tile order\n";
   else

@@ -33,18 +33,18 @@ TimelineSummary summarize_timeline(const std::vector<uint64_t> &stamps, int64_t 
     if (k.first && (k.first < k.call || k.first > k.done))
       k.first = 0;
     ++s.blocks;
-    const uint64_t loop_from = k.first ? k.first : k.call;
+    const double loop = double(k.done - (k.first ? k.first : k.call)); // ns, from the first stage when stamped
     setup += double(k.call - k.entry);
     first += k.first ? double(k.first - k.call) : 0.0;
-    main += double(k.done - loop_from);
+    main += loop;
     epi += double(k.end - k.done);
     busy += double(k.end - k.entry);
-    s.max_main_loop_us = std::max(s.max_main_loop_us, double(k.done - loop_from) / 1e3);
+    s.max_main_loop_us = std::max(s.max_main_loop_us, loop / 1e3);
     s.max_epilogue_us = std::max(s.max_epilogue_us, double(k.end - k.done) / 1e3);
     if (t[6] > 0) { // rows + 1
       const bool half = t[6] - 1 <= 64;
       (half ? s.half_tiles : s.full_tiles) += 1;
-      (half ? half_main : full_main) += double(k.done - loop_from);
+      (half ? half_main : full_main) += loop;
     }
     first_entry = std::min(first_entry, k.entry);
     last_end = std::max(last_end, k.end);

@@ -18,10 +18,17 @@ def main(run_dir):
         t = json.loads(line)
         torch[(t["shape"], t["routing"])] = t
     rows = {}
+    skipped = []
     for b in bench["benchmarks"]:
-        _, shape, schedule, routing = b["name"].split("/")[:4]
+        # forward/<shape>/<schedule>/<routing>/...: a schedule file's name holds slashes of its own.
+        parts = b["name"].split("/")
+        at = next(i for i in range(2, len(parts)) if parts[i] in ("uniform", "skewed"))
+        shape, schedule, routing = parts[1], "/".join(parts[2:at]), parts[at]
+        if b.get("error_occurred"):  # a schedule that does not fit the shape: skipped with its reason
+            skipped.append(f"{shape}/{schedule}/{routing}: {b.get('error_message', '')}")
+            continue
         rows.setdefault((shape, routing), []).append((schedule, b))
-    device = bench["benchmarks"][0].get("label", "?")
+    device = next((b["label"] for b in bench["benchmarks"] if b.get("label")), "?")
     print(f"Device: {device}; date {bench['context']['date']}. ratio = cuBLAS roof time / our time (same process).\n")
     print("| shape | routing | max/mean | schedule | ms | TFLOP/s | ratio | torch._grouped_mm TFLOP/s | ours / torch |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -35,6 +42,8 @@ def main(run_dir):
                   f"{b['TFLOPs']:.0f} | {b['ratio']:.2f} | {tt:.0f} | {b['TFLOPs'] / tt:.2f} |" if tt else
                   f"| {shape} | {routing} | {b['max_over_mean']:.2f} | {schedule}{mark} | {b['real_time']:.3f} | "
                   f"{b['TFLOPs']:.0f} | {b['ratio']:.2f} | n/a | n/a |")
+    if skipped:
+        print(f"\nSkipped ({len(skipped)}): " + "; ".join(sorted(set(s.split(':')[0] for s in skipped))))
 
 
 if __name__ == "__main__":

@@ -376,6 +376,21 @@ TEST_CASE("codegen errors: what the CUDA backend cannot compile says why") {
   }
 }
 
+TEST_CASE("codegen: the benchmarks' best schedules compile without serialised wgmmas at their widths") {
+  // ptxas serialises every wgmma of a kernel when one sits under a branch
+  // inside a group (warning C7520), which costs most of the MMA rate; at
+  // the tests' small widths some kernels have it (a K of one or two k-tiles
+  // unrolls the loop), so this looks at the shapes the schedules are for:
+  // mbpaper's best schedule (GeLU, d = 1024, f = 4096, 64 experts, k = 1)
+  // and SwiGLU's two-B projection at a mixtral-like width.
+  Schedule best = Schedule::load(MOEFORGE_SOURCE_DIR "/benchmarks/schedules/s23_pair_o_persist_h.sched");
+  check_resources(cuda::compile_layer(make_example("moe_mlp", testing::shape(4096, 1024, 4096, 64, 1)).pipeline, best),
+                  "moe_mlp / s23 at mbpaper's widths", true);
+  check_resources(
+      cuda::compile_layer(make_example("swiglu_moe", testing::shape(4096, 4096, 14336, 8, 2)).pipeline, scattermoe()),
+      "swiglu_moe / scattermoe at mixtral's widths", true);
+}
+
 TEST_CASE("lowering: contractions the kernels cannot read directly are decomposed") {
   // Attention's softmax wraps a contraction: the contraction becomes a GEMM
   // Func of its own and the softmax reads it.

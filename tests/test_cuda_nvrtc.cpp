@@ -142,6 +142,7 @@ TEST_CASE("cuda: routing chunks fill the GPU, and each E has its top-k kernel") 
 
 TEST_CASE("cuda: the ptxas report parser reads every field") {
   const std::string log = R"(ptxas info    : 40 bytes gmem, 64 bytes cmem[3]
+ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to program dependence on compiler-inserted WG.AR in divergent path in the function 'plain'
 ptxas info    : Compiling entry function '_Z2k2Pfi' for 'sm_90a'
 ptxas info    : Function properties for _Z2k2Pfi
 ptxas         .     616 bytes stack frame, 912 bytes spill stores, 992 bytes spill loads
@@ -172,6 +173,8 @@ ptxas info    : Used 10 registers, used 0 barriers
   CHECK(b.registers == 10);
   CHECK(b.spill_store_bytes == 0);
   CHECK(b.stack_frame_bytes == 0);
+  CHECK(b.wgmma_serialized);
+  CHECK(!a.wgmma_serialized);
   CHECK(find_report(reps, "k2(float*, int)") == &reps[0]);
   CHECK(find_report(reps, "absent") == nullptr);
   CHECK(parse_ptxas_report("").empty());

@@ -29,6 +29,9 @@ const std::regex kUsed(R"(Used (\d+) registers)");
 const std::regex kBarriers(R"(used (\d+) barriers)");
 const std::regex kShared(R"((\d+) bytes smem)");
 const std::regex kConstant(R"((\d+) bytes cmem\[\d+\])");
+//   ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to
+//                   ... in the function 'gemm_h'   (one line, before the entries)
+const std::regex kSerialized(R"(wgmma\.mma_async instructions are serialized.* in the function '([^']+)')");
 
 } // namespace
 
@@ -40,7 +43,12 @@ std::vector<ResourceReport> parse_ptxas_report(const std::string &log) {
   std::istringstream lines(log);
   std::string line;
   std::smatch m;
+  std::vector<std::string> serialized;
   while (std::getline(lines, line)) {
+    if (std::regex_search(line, m, kSerialized)) {
+      serialized.push_back(m[1]);
+      continue;
+    }
     if (std::regex_search(line, m, kEntry)) {
       ResourceReport r;
       r.kernel = m[1];
@@ -74,6 +82,9 @@ std::vector<ResourceReport> parse_ptxas_report(const std::string &log) {
         r.constant_bytes += std::stoi((*it)[1]);
     }
   }
+  for (ResourceReport &r : reports)
+    for (const std::string &name : serialized)
+      r.wgmma_serialized |= name == r.kernel;
   return reports;
 }
 

@@ -19,6 +19,9 @@ struct ResourceReport {
   int stack_frame_bytes = 0; // per thread, local memory for arrays and spills
   int shared_bytes = 0;      // static __shared__ per block
   int constant_bytes = 0;    // summed over the constant banks listed for the kernel
+  // ptxas serialised the kernel's wgmmas (warning C7520: a wgmma under a
+  // branch, say), which costs most of their throughput.
+  bool wgmma_serialized = false;
 };
 
 // One report per entry function ("Compiling entry function 'k' for 'sm_90a'"),

@@ -3,9 +3,11 @@
 #include "backends/cuda/cublas_gemm.h"
 #include "backends/cuda/device.h"
 
+#include <cstring>
 #include <initializer_list>
 #include <map>
 #include <tuple>
+#include <vector>
 
 namespace moeforge::bench {
 
@@ -14,27 +16,43 @@ namespace {
 constexpr int kReps = 20;
 constexpr uint32_t kBf16OnePair = 0x3f803f80u; // two bf16 1.0 values
 
-using Key = std::tuple<int64_t, int64_t, int64_t, bool>; // rows, d, f, swiglu
+using Key = std::tuple<int64_t, int64_t, int64_t, bool, RoofData>; // rows, d, f, swiglu, inputs
 
-Key key_of(const RoofShape &s) { return {s.rows(), s.d, s.f, s.swiglu}; }
+Key key_of(const RoofShape &s, RoofData data) { return {s.rows(), s.d, s.f, s.swiglu, data}; }
 
 cuda::DeviceBuffer bf16_buffer(int64_t rows, int64_t cols) {
   return cuda::DeviceBuffer(static_cast<size_t>(rows) * static_cast<size_t>(cols) * 2);
 }
 
-void fill_ones(std::initializer_list<cuda::DeviceBuffer *> buffers) {
-  for (cuda::DeviceBuffer *b : buffers)
-    b->fill32(kBf16OnePair);
+// bf16 in [-1, 1) from a fixed xorshift stream (rounded to nearest even),
+// or 1.0 everywhere.
+void fill_inputs(std::initializer_list<cuda::DeviceBuffer *> buffers, RoofData data) {
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  for (cuda::DeviceBuffer *b : buffers) {
+    if (data == RoofData::ones) {
+      b->fill32(kBf16OnePair);
+      continue;
+    }
+    std::vector<uint16_t> host(b->bytes() / 2);
+    for (uint16_t &v : host) {
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      const float x = float(state >> 40) * 0x1p-23f - 1.0f; // 24 random bits: [-1, 1)
+      uint32_t bits;
+      std::memcpy(&bits, &x, 4);
+      v = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+    b->upload(host);
+  }
 }
 
 // The forward's two GEMMs and their buffers (inputs 1.0): H1 = X W1, Y = H W2.
 struct ForwardGemms {
   int64_t rows, d, f, f1;
   cuda::DeviceBuffer x, w1, h1, h, w2, y;
-  explicit ForwardGemms(const RoofShape &s)
+  ForwardGemms(const RoofShape &s, RoofData data)
       : rows(s.rows()), d(s.d), f(s.f), f1(s.f1()), x(bf16_buffer(rows, d)), w1(bf16_buffer(d, f1)),
         h1(bf16_buffer(rows, f1)), h(bf16_buffer(rows, f)), w2(bf16_buffer(f, d)), y(bf16_buffer(rows, d)) {
-    fill_ones({&x, &w1, &h, &w2});
+    fill_inputs({&x, &w1, &h, &w2}, data);
   }
   void enqueue(const cuda::CublasHandle &handle, const cuda::Stream &stream) {
     cuda::gemm_nn(handle, stream, rows, f1, d, x.ptr(), w1.ptr(), h1.ptr());
@@ -56,28 +74,28 @@ double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &wor
   return cuda::elapsed_ms(a, b) / reps;
 }
 
-double roof_forward_ms(const RoofShape &s) {
+double roof_forward_ms(const RoofShape &s, RoofData data) {
   static std::map<Key, double> cache;
-  if (auto it = cache.find(key_of(s)); it != cache.end())
+  if (auto it = cache.find(key_of(s, data)); it != cache.end())
     return it->second;
-  ForwardGemms fwd(s);
+  ForwardGemms fwd(s, data);
   cuda::CublasHandle handle;
   cuda::Stream stream;
   double ms = time_ms(stream, kReps, [&] { fwd.enqueue(handle, stream); });
-  return cache[key_of(s)] = ms;
+  return cache[key_of(s, data)] = ms;
 }
 
-double roof_forward_backward_ms(const RoofShape &s) {
+double roof_forward_backward_ms(const RoofShape &s, RoofData data) {
   static std::map<Key, double> cache;
-  if (auto it = cache.find(key_of(s)); it != cache.end())
+  if (auto it = cache.find(key_of(s, data)); it != cache.end())
     return it->second;
-  ForwardGemms fwd(s);
+  ForwardGemms fwd(s, data);
   int64_t rows = fwd.rows, f1 = fwd.f1;
   // Backward: the upstream gradient dY, the gradient entering W1's GEMM
   // (dH1, after the activation's backward), and the four results.
   cuda::DeviceBuffer dy = bf16_buffer(rows, s.d), dh1 = bf16_buffer(rows, f1), dh = bf16_buffer(rows, s.f),
                      dw2 = bf16_buffer(s.f, s.d), dx = bf16_buffer(rows, s.d), dw1 = bf16_buffer(s.d, f1);
-  fill_ones({&dy, &dh1});
+  fill_inputs({&dy, &dh1}, data);
   cuda::CublasHandle handle;
   cuda::Stream stream;
   double ms = time_ms(stream, kReps, [&] {
@@ -87,7 +105,7 @@ double roof_forward_backward_ms(const RoofShape &s) {
     cuda::gemm_nt(handle, stream, rows, s.d, f1, dh1.ptr(), fwd.w1.ptr(), dx.ptr()); // dX = dH1 W1^T
     cuda::gemm_tn(handle, stream, s.d, f1, rows, fwd.x.ptr(), dh1.ptr(), dw1.ptr()); // dW1 = X^T dH1
   });
-  return cache[key_of(s)] = ms;
+  return cache[key_of(s, data)] = ms;
 }
 
 RoofTimes dense_roof(const RoofShape &shape) { return {roof_forward_ms(shape), roof_forward_backward_ms(shape)}; }

@@ -10,9 +10,13 @@
 //
 // f1 = 2f for SwiGLU (W1 and W3 side by side), f otherwise. bf16 operands and
 // outputs, fp32 accumulation (backends/cuda/cublas_gemm.h). No gather,
-// activation, gate or combine is in the roof. Inputs are bf16 1.0 (finite
-// results, no NaN slow paths). The backward GEMMs read fixed buffers, not
-// the forward's outputs: only the GEMM shapes matter here.
+// activation, gate or combine is in the roof. Inputs are random bf16 in
+// [-1, 1), as our layers' are: a tensor core's power, so the clock an SM
+// holds under a long GEMM, depends on the operands' bits, and inputs of 1.0
+// (which the roof read before 2026-11-23) let cuBLAS run faster than on
+// real data (RoofData::ones keeps that measurement, for comparison). The
+// backward GEMMs read fixed buffers, not the forward's outputs: only the
+// GEMM shapes matter here.
 //
 // A cuda::Device for the GPU must exist (cuBLAS attaches to its primary
 // context) before any call. Each time is measured once per shape and process
@@ -45,12 +49,15 @@ struct RoofShape {
 // one warm-up call, then `reps` calls between two events.
 double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work);
 
+// The roof's inputs: random bf16 in [-1, 1) (the roof), or all 1.0.
+enum class RoofData { random, ones };
+
 // The forward roof: the two forward GEMMs, 20 timed repetitions.
-double roof_forward_ms(const RoofShape &shape);
+double roof_forward_ms(const RoofShape &shape, RoofData data = RoofData::random);
 
 // The training roof: the two forward GEMMs and the four backward GEMMs in
 // one timed loop, 20 repetitions.
-double roof_forward_backward_ms(const RoofShape &shape);
+double roof_forward_backward_ms(const RoofShape &shape, RoofData data = RoofData::random);
 
 struct RoofTimes {
   double forward_ms = 0;

@@ -45,7 +45,7 @@ void fill_inputs(std::initializer_list<cuda::DeviceBuffer *> buffers, RoofData d
   }
 }
 
-// The forward's two GEMMs and their buffers (inputs 1.0): H1 = X W1, Y = H W2.
+// The forward's two GEMMs and their buffers (inputs: fill_inputs): H1 = X W1, Y = H W2.
 struct ForwardGemms {
   int64_t rows, d, f, f1;
   cuda::DeviceBuffer x, w1, h1, h, w2, y;

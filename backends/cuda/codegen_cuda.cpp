@@ -824,13 +824,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) +
                    (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0) + // + the tile-id ring (WgmmaWsConfig::ring)
                    (persistent && out_tma ? t.tile_m * t.tile_n * 2 : 0);    // + the output tile's own staging
-  if (in_place)
+  if (in_place) {
     user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
+  }
   k.threads = wgmma ? t.tile_m * 2 + (ws ? 128 : 0) : t.threads();
   // Two blocks per SM when both fit (shared memory, and at most 64
   // accumulators per thread so registers do): one block's epilogue and
   // prologue then overlap the other's main loop. The warp-specialised kernel
-  // keeps one block and rebalances registers with setmaxnreg instead.
+  // keeps one block, its producer and consumers under one register cap
+  // (ptxas does not compile a role to setmaxnreg's counts: NOTES session 9).
   const int min_blocks =
       wgmma && !ws && 2 * k.shared_bytes <= Schedule::max_shared_bytes && nb * t.tile_n / 2 <= 64 ? 2 : 1;
   user_check(k.shared_bytes <= Schedule::max_shared_bytes)

@@ -100,6 +100,10 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   state.counters["bwd_ms"] = b_ms;
   state.counters["saved_MiB"] = double(layer.saved_bytes()) / (1 << 20);
   state.SetLabel(device().name());
+  // A MOEFORGE_TIMELINE build: each GEMM's tile phases (setup, main loop,
+  // epilogue), forward and backward alike.
+  for (const std::string &line : layer.timeline(stream))
+    std::printf("timeline %s %s%s: %s\n", shape.name, schedule_name, recompute ? "+re" : "", line.c_str());
   if (std::getenv("MOEFORGE_PROFILE")) {
     for (const auto &[step, ms] : layer.profile_forward(stream))
       std::printf("profile %s %s%s fwd: %-36s %8.3f ms\n", shape.name, schedule_name, recompute ? "+re" : "",

@@ -245,7 +245,9 @@ TEST_CASE("codegen: a tile that does not divide d = f = 2880 compiles (masked)")
   Example ex = make_example("swiglu_moe", s);
   cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset("scattermoe"));
   check_resources(c, "swiglu_moe 2880");
-  CHECK(c.source.source.find("if (N % Cfg::BN != 0 && col >= N) continue;") != std::string::npos);
+  // wgmma: the wide stores skip a quad's columns past N and bound the rest.
+  CHECK(c.source.source.find("if (N % Cfg::BN != 0 && col - (lane & 3) * 2 >= N) continue;") != std::string::npos);
+  CHECK(c.source.source.find(" + out_row * N, col, v0, v1, w0, w1, N);") != std::string::npos);
   CHECK(c.source.source.find("constexpr int N = 2880;") != std::string::npos); // 2880 % 128: the test stays
 }
 
@@ -526,20 +528,20 @@ TEST_CASE("codegen: softmax runs a warp per row and compiles without spills") {
   }
 }
 
-TEST_CASE("codegen: outputs of whole wgmma tiles are stored two column groups at a time") {
-  // h and o_gated (bf16, whole tiles) go out through mf::store2x2; the
-  // router's 8 logits in a 128-wide tile and a masked 2880-wide h keep the
-  // 2-column stores. f32 outputs of whole tiles: the k = 1 case, y.
+TEST_CASE("codegen: outputs of wgmma tiles are stored two column groups at a time") {
+  // h and o_gated (bf16) go out through mf::store2x2, bounded by N; so do
+  // the router's 8 logits in a 128-wide tile and a 2880-wide h (partial last
+  // tiles). f32 outputs: the k = 1 case, y.
   Example ex = make_example("moe_mlp", small());
   const std::string src = cuda::compile_layer(ex.pipeline, preset("scattermoe")).source.source;
-  CHECK(src.find("mf::store2x2(g_h + out_row * N, col, v0, v1, w0, w1);") != std::string::npos);
-  CHECK(src.find("mf::store2x2(g_o_gated + out_row * N, col, v0, v1, w0, w1);") != std::string::npos);
-  CHECK(src.find("mf::store2(g_logits + out_row * N + col, v0, v1);") != std::string::npos); // N = 8: masked
+  CHECK(src.find("mf::store2x2(g_h + out_row * N, col, v0, v1, w0, w1, N);") != std::string::npos);
+  CHECK(src.find("mf::store2x2(g_o_gated + out_row * N, col, v0, v1, w0, w1, N);") != std::string::npos);
+  CHECK(src.find("mf::store2x2(g_logits + out_row * N, col, v0, v1, w0, w1, N);") != std::string::npos); // N = 8
   ExampleShape s = small();
   s.d = s.f = 2880;
   Example masked = make_example("moe_mlp", s);
-  CHECK(cuda::compile_layer(masked.pipeline, preset("scattermoe")).source.source.find("mf::store2x2(") ==
-        std::string::npos);
+  CHECK(cuda::compile_layer(masked.pipeline, preset("scattermoe"))
+            .source.source.find("mf::store2x2(g_h + out_row * N, col, v0, v1, w0, w1, N);") != std::string::npos);
   ExampleShape one = small();
   one.topk = 1;
   Example k1 = make_example("moe_mlp", one);

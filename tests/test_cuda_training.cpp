@@ -168,6 +168,28 @@ TEST_SUITE("gpu") {
         }
   }
 
+  // bench_moe_train's tuned_wide schedule (warp-specialised wgmma, 128 x 256
+  // tiles for every single-B GEMM, the backward's expert reductions
+  // included) on dims no tile divides (the last column tile of each GEMM
+  // partial, stored by the wide epilogue with its column bound) and on many
+  // experts with a small f, as real models use.
+  TEST_CASE("cuda training: wide wgmma tiles on dims no tile divides and on 128 experts") {
+    MOEFORGE_REQUIRE_GPU();
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (ExampleShape s : {shape(300, 200, 328, 8, 2), shape(700, 136, 200, 128, 4)})
+        for (bool recompute : {false, true}) {
+          Example ex = make_example(name, s);
+          Schedule w = scattermoe();
+          w.mma("*", MmaKind::wgmma_ws).tile("*", 128, 256, 64).tile("logits", 128, 64, 64);
+          if (std::string(name) == "swiglu_moe")
+            w.tile("h", 128, 128, 64); // two B operands: 128 accumulators each at most
+          w.recompute(recompute);
+          INFO(name << " d " << s.d << " f " << s.f << " E " << s.experts << (recompute ? " / recompute" : ""));
+          Outcome o = train_and_compare(ex, ex.random_inputs(s, 9), s.tokens, w);
+          CHECK(o.routing_mismatches == 0);
+        }
+  }
+
   TEST_CASE("cuda training: persistent GEMMs in the forward and the backward") {
     MOEFORGE_REQUIRE_GPU();
     ExampleShape s = shape(300, 64, 128, 8, 2);

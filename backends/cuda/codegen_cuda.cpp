@@ -414,13 +414,18 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
     // lane (mf::store2x2): a bf16 row's 4-byte stores wrote half sectors and
     // the epilogue waited on the store queue (NOTES v19); now a warp's
     // store writes whole 32-byte sectors, with half the instructions.
+    // A row's last tile (BN not dividing N): the quad's 16 columns are
+    // all past N (skipped), or the second 8 are (computed at in-range
+    // columns, since the epilogue may read by column, and not stored).
     body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ni += 2) {\n";
     body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n";
+    body << "      if (N % Cfg::BN != 0 && col - (lane & 3) * 2 >= N) continue;  // the quad's columns, all past N\n";
+    body << "      const int col8 = N % Cfg::BN != 0 && col + 8 >= N ? col : col + 8;  // read in range\n";
     for (int e = 0; e < 2; ++e)
       body << "      const float v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
     for (int e = 0; e < 2; ++e)
-      body << "      const float w" << e << " = " << epilogue_call("epilogue", nb, vr, e, "ni + 1", "col + 8") << ";\n";
-    body << "      mf::store2x2(" << gC << " + out_row * N, col, v0, v1, w0, w1);\n    }\n  }\n";
+      body << "      const float w" << e << " = " << epilogue_call("epilogue", nb, vr, e, "ni + 1", "col8") << ";\n";
+    body << "      mf::store2x2(" << gC << " + out_row * N, col, v0, v1, w0, w1, N);\n    }\n  }\n";
     return;
   }
   body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
@@ -797,11 +802,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   if (out_tma)
     emit_tma_store_epilogue(g, kb, nb, vr, persistent, body);
   else {
-    // 8-byte (bf16) or 16-byte (f32) stores for an output of whole tiles
-    // under wgmma (its accumulator columns: ni * 8 + 2 (lane & 3)), no
-    // fused outputs.
+    // 8-byte (bf16) or 16-byte (f32) stores under wgmma (its accumulator
+    // columns: ni * 8 + 2 (lane & 3)), no fused outputs.
     const DType out = prog.tensor(g.output).dtype;
-    const bool wide_stores = wgmma && outputs.size() == 1 && g.n.extent() % t.tile_n == 0 && t.tile_n % 16 == 0 &&
+    const bool wide_stores = wgmma && outputs.size() == 1 && t.tile_n % 16 == 0 &&
                              (out == DType::bf16 || out == DType::f32);
     emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, wide_stores, sorted_pair, gC, body);
   }

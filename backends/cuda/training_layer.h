@@ -57,6 +57,9 @@ public:
   // Per-step times of the forward or the backward (for benchmarks' notes).
   std::vector<std::pair<std::string, double>> profile_forward(const Stream &stream);
   std::vector<std::pair<std::string, double>> profile_backward(const Stream &stream);
+  // A timeline build's tile phases of every GEMM, forward and backward
+  // (CudaLayer::timeline); empty otherwise.
+  std::vector<std::string> timeline(const Stream &stream) { return layer_.timeline(stream); }
 
   // The first forward output ("y"), or the one named (UserError naming the
   // outputs for an unknown one). Synchronises.

@@ -805,8 +805,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     // 8-byte (bf16) or 16-byte (f32) stores under wgmma (its accumulator
     // columns: ni * 8 + 2 (lane & 3)), no fused outputs.
     const DType out = prog.tensor(g.output).dtype;
-    const bool wide_stores = wgmma && outputs.size() == 1 && t.tile_n % 16 == 0 &&
-                             (out == DType::bf16 || out == DType::f32);
+    const bool wide_stores =
+        wgmma && outputs.size() == 1 && t.tile_n % 16 == 0 && (out == DType::bf16 || out == DType::f32);
     emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, wide_stores, sorted_pair, gC, body);
   }
   stamp(4);

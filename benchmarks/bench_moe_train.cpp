@@ -21,6 +21,7 @@
 #include "backends/cuda/training_layer.h"
 #include "benchmarks/dense_roof.h"
 #include "benchmarks/moe_shapes.h"
+#include "benchmarks/train_schedule.h"
 #include "examples/biased_moe.h"
 #include "schedules/presets.h"
 
@@ -38,17 +39,11 @@ cuda::Device &device() {
 
 // The forward benchmark's tuned schedule (256-wide tiles for its single-B
 // GEMMs, warp-specialised wgmma; the backward's GEMMs get the default tile),
-// or, wide, 256-wide tiles for every single-B GEMM, the backward's included.
+// or, wide, bench::tuned_wide: 256-wide tiles for the backward's too.
 Schedule tuned(const Shape &s, bool wide) {
+  if (wide)
+    return bench::tuned_wide(s.swiglu);
   Schedule t = scattermoe();
-  if (wide) {
-    // Every single-B GEMM (the backward's included) on 128 x 256 tiles;
-    // SwiGLU's two-B forward GEMM stays at 128 columns per B.
-    t.mma("*", MmaKind::wgmma_ws).tile("*", 128, 256, 64).tile("logits", 128, 64, 64);
-    if (s.swiglu)
-      t.tile("h", 128, 128, 64);
-    return t;
-  }
   t.mma("*", MmaKind::wgmma_ws).tile("o", 128, 256, 64).stages("o", 4).tile("logits", 128, 64, 64);
   if (!s.swiglu)
     t.tile("h", 128, 256, 64).stages("h", 4);

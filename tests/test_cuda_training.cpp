@@ -10,6 +10,7 @@
 #include <random>
 
 #include "backends/cuda/training_layer.h"
+#include "benchmarks/train_schedule.h"
 #include "cuda_resources.h"
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
@@ -168,9 +169,9 @@ TEST_SUITE("gpu") {
         }
   }
 
-  // bench_moe_train's tuned_wide schedule (warp-specialised wgmma, 128 x 256
-  // tiles for every single-B GEMM, the backward's expert reductions
-  // included) on dims no tile divides (the last column tile of each GEMM
+  // bench_moe_train's tuned_wide schedule (bench::tuned_wide: warp-specialised
+  // wgmma, 128 x 256 tiles for every single-B GEMM, the backward's expert
+  // reductions included) on dims no tile divides (the last column tile of each GEMM
   // partial, stored by the wide epilogue with its column bound) and on many
   // experts with a small f, as real models use.
   TEST_CASE("cuda training: wide wgmma tiles on dims no tile divides and on 128 experts") {
@@ -179,10 +180,7 @@ TEST_SUITE("gpu") {
       for (ExampleShape s : {shape(300, 200, 328, 8, 2), shape(700, 136, 200, 128, 4)})
         for (bool recompute : {false, true}) {
           Example ex = make_example(name, s);
-          Schedule w = scattermoe();
-          w.mma("*", MmaKind::wgmma_ws).tile("*", 128, 256, 64).tile("logits", 128, 64, 64);
-          if (std::string(name) == "swiglu_moe")
-            w.tile("h", 128, 128, 64); // two B operands: 128 accumulators each at most
+          Schedule w = bench::tuned_wide(std::string(name) == "swiglu_moe");
           w.recompute(recompute);
           INFO(name << " d " << s.d << " f " << s.f << " E " << s.experts << (recompute ? " / recompute" : ""));
           Outcome o = train_and_compare(ex, ex.random_inputs(s, 9), s.tokens, w);

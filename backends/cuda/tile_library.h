@@ -842,7 +842,8 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
       return sorted_pair[p_begin + max(0, min(k_row(kt), K - 1))];
     }
     // Thread t of the loaders, over the expert's padded rows p_begin ..
-    // p_begin + K - 1 (K > 0: an expert with no rows runs no stage).
+    // p_begin + K - 1 (K > 0: an expert with no rows runs no stage); a
+    // padded position fits an int, as sorted_pair's int entries index pairs.
     __device__ __forceinline__ void start(int t_, const int *sp, long long begin, int k) {
       sorted_pair = sp, p_begin = (int)begin, K = k, t = t_;
       ahead[0] = lookup(0);

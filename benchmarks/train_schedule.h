@@ -1,0 +1,21 @@
+// The training benchmark's widest schedule, shared with the GPU test that
+// checks it, so that what is timed is what is tested.
+#pragma once
+
+#include "schedules/presets.h"
+
+namespace moeforge::bench {
+
+// ScatterMoE's routing with warp-specialised wgmma and 128 x 256 tiles for
+// every single-B GEMM, the backward's included; SwiGLU's two-B forward GEMM
+// (h) stays at 128 columns per B, since 128 accumulator registers per
+// thread is all wgmma leaves room for.
+inline Schedule tuned_wide(bool swiglu) {
+  Schedule t = scattermoe();
+  t.mma("*", MmaKind::wgmma_ws).tile("*", 128, 256, 64).tile("logits", 128, 64, 64);
+  if (swiglu)
+    t.tile("h", 128, 128, 64);
+  return t;
+}
+
+} // namespace moeforge::bench

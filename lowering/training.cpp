@@ -95,6 +95,25 @@ std::string joined(const std::vector<std::string> &v) {
   return s;
 }
 
+// schedule.bf16_activations(): the routed f32 matrices that are neither the
+// step's outputs nor its gradients, the routing's gate nor an input (the
+// tensors autodiff and lowering introduced: pre-activations, the backward's
+// per-pair gradients) become bf16. Per-pair vectors (gates and their
+// gradients) stay f32: they are small, and a gate rounded to bf16 would
+// scale every row of its pair by the rounding.
+void store_in_bf16(KernelProgram &p, const TrainingProgram &t) {
+  std::set<std::string> keep(t.outputs.begin(), t.outputs.end());
+  keep.insert(t.gradients.begin(), t.gradients.end());
+  keep.insert(t.seeds.begin(), t.seeds.end());
+  for (const Step &s : p.steps)
+    if (auto *r = std::get_if<RoutingStep>(&s); r && !r->gate_output.empty())
+      keep.insert(r->gate_output);
+  for (TensorDecl &d : p.tensors)
+    if (d.dtype == DType::f32 && !d.is_input && !d.stride8 && d.route && d.dims.size() == 2 &&
+        (d.layout == RowLayout::pair || d.layout == RowLayout::padded) && !keep.count(d.name))
+      d.dtype = DType::bf16;
+}
+
 } // namespace
 
 size_t TrainingProgram::output_index(const std::string &name, const std::string &what) const {
@@ -220,6 +239,8 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   // main loop (H200: mixtral's d_h GEMM went from 3.3 to 7.2 ms fused, more
   // than the two kernels it replaced; benchmarks/NOTES.md, training v7).
   t.forward_steps = fuse_elementwise_consumers(p, 0, forward_count, schedule);
+  if (schedule.bf16_activations())
+    store_in_bf16(p, t);
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))
       if (producer.count(r) && !contains(t.saved, r))

@@ -109,6 +109,12 @@ Schedule &Schedule::gate(GateFusion g) {
   return *this;
 }
 
+Schedule &Schedule::bf16_activations(bool on) {
+  bf16_activations_ = on;
+  calls_.push_back(std::string("bf16_activations(") + (on ? "true" : "false") + ")");
+  return *this;
+}
+
 Schedule &Schedule::recompute(bool on) {
   recompute_ = on;
   calls_.push_back(std::string("recompute(") + (on ? "true" : "false") + ")");

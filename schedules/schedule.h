@@ -123,6 +123,13 @@ public:
   // expert GEMM); outputs of GEMMs over other activations stay stored.
   // Less activation memory, more FLOPs (lowering/training.h).
   Schedule &recompute(bool on);
+  // Training: the routed tensors lowering introduces between steps in f32
+  // (the pre-activations the forward keeps for the backward, the backward's
+  // per-pair gradients between its GEMMs and element-wise steps) are stored
+  // in bf16 instead, as the layer's own activations are: half their memory
+  // and their traffic, at bf16's rounding of each stored value (the GEMMs
+  // still accumulate in f32).
+  Schedule &bf16_activations(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -153,6 +160,7 @@ public:
   int block() const { return block_; }
   GateFusion gate() const { return gate_; }
   bool recompute() const { return recompute_; }
+  bool bf16_activations() const { return bf16_activations_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
   FuncSchedule for_func(const std::string &func) const;
@@ -201,6 +209,7 @@ private:
   int block_ = 128;
   GateFusion gate_ = GateFusion::combine;
   bool recompute_ = false;
+  bool bf16_activations_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

@@ -37,6 +37,7 @@ const std::vector<Signature> &signatures() {
       {"block", {{"rows", ArgType::integer}}},
       {"gate", {{"fusion", ArgType::gate}}},
       {"recompute", {{"on", ArgType::boolean}}},
+      {"bf16_activations", {{"on", ArgType::boolean}}},
       {"tile", {{"func", ArgType::text}, {"m", ArgType::integer}, {"n", ArgType::integer}, {"k", ArgType::integer}}},
       {"stages", {{"func", ArgType::text}, {"stages", ArgType::integer}}},
       {"warps", {{"func", ArgType::text}, {"warps_m", ArgType::integer}, {"warps_n", ArgType::integer}}},
@@ -272,6 +273,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.gate(gates[0]);
       } else if (st.primitive == "recompute") {
         s.recompute(bools[0]);
+      } else if (st.primitive == "bf16_activations") {
+        s.bf16_activations(bools[0]);
       } else if (st.primitive == "tile") {
         s.tile(func, i(1), i(2), i(3));
       } else if (st.primitive == "stages") {

@@ -14,6 +14,8 @@
 #include "dsl/error.h"
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
+#include "lowering/training.h"
+#include "runtime/program_shapes.h"
 #include "whole_gradient.h"
 
 using namespace moeforge;
@@ -313,6 +315,54 @@ TEST_SUITE("cpu") {
           CHECK(layer.saved_bytes() == saved_bytes(tp, s.tokens));
           CHECK(layer.saved_bytes() > 0);
         }
+  }
+
+  TEST_CASE("cpu training: bf16_activations stores the introduced routed tensors in bf16, within tolerance") {
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (bool recompute : {false, true}) {
+        INFO(name << (recompute ? " / recompute" : ""));
+        ExampleShape s = shape(150, 64, 128, 8, 2);
+        Example ex = make_example(name, s);
+        Training train = training_of(ex);
+        TensorMap in = with_seed_gradients(ex.pipeline, train, ex.random_inputs(s, 14), 23);
+        Schedule f32 = named("scattermoe", recompute), bf16 = named("scattermoe", recompute);
+        bf16.bf16_activations(true);
+        CHECK(Schedule::from_text(bf16.to_text()).bf16_activations());
+        TrainingProgram wide = lower_training(ex.pipeline, ex.pipeline.func(ex.output), f32);
+        cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), bf16);
+        const TrainingProgram &tp = compiled.training;
+        // The routed matrices autodiff introduced are bf16 now; the gates,
+        // the gradients the caller reads and the inputs are not.
+        int narrowed = 0;
+        for (const TensorDecl &d : tp.program.tensors) {
+          const TensorDecl &before = wide.program.tensor(d.name);
+          if (before.dtype == d.dtype)
+            continue;
+          ++narrowed;
+          CHECK(d.dtype == DType::bf16);
+          CHECK(d.route != nullptr);
+          CHECK(d.dims.size() == 2);
+        }
+        CHECK(narrowed >= 2); // the pre-activation and the per-pair gradient d_h at least
+        CHECK(tp.program.tensor("d_h").dtype == DType::bf16);
+        CHECK(tp.program.tensor("route_gate").dtype == DType::f32);
+        for (const std::string &g : tp.gradients)
+          CHECK(tp.program.tensor(g).dtype == wide.program.tensor(g).dtype);
+        if (!recompute)
+          CHECK(saved_bytes(tp, s.tokens) < saved_bytes(wide, s.tokens));
+        cpu::CpuTrainingLayer layer(compiled, s.tokens);
+        layer.upload(in);
+        layer.poison();
+        layer.upload_upstream_gradient(in.at(tp.seed));
+        layer.forward();
+        layer.backward();
+        EvalResult ref = evaluate(train.pipeline, in, Precision::f64);
+        CHECK(gradient_error(layer.output(), ref[ex.output]) <= 1e-2);
+        for (size_t i = 0; i < tp.of.size(); ++i) {
+          INFO("gradient of " << tp.of[i]);
+          CHECK(gradient_error(layer.gradient(tp.of[i]), ref[tp.gradients[i]]) <= 2e-2);
+        }
+      }
   }
 
   TEST_CASE("cpu training: gradient() of an unknown name and backward() before forward() are user errors") {

@@ -10,6 +10,8 @@
 #include "whole_gradient.h"
 
 #include "backends/cuda/layer.h"
+#include "backends/cuda/training_layer.h"
+#include "benchmarks/train_schedule.h"
 #include "dsl/printer.h"
 #include "examples/aux_loss_example.h"
 #include "examples/biased_moe.h"
@@ -494,6 +496,38 @@ TEST_CASE("codegen: a k = 1 combine in the GEMM epilogue compiles for sm_90a wit
       CHECK(gemm_o.find("g_y + out_row * N") != std::string::npos);
       CHECK(gemm_o.find("out_row = r;") != std::string::npos);
     }
+}
+
+TEST_CASE("codegen: element-wise steps move eight elements per thread where the innermost extent allows") {
+  // The training step's element-wise kernels over (pair, column): eight
+  // consecutive columns per thread, 16-byte loads of the matrices read
+  // along them and one store; per-pair dot products keep a warp each.
+  for (bool bf16 : {false, true}) {
+    Example ex = make_example("swiglu_moe", small());
+    Schedule s = bench::tuned_wide(true);
+    s.bf16_activations(bf16);
+    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
+    INFO((bf16 ? "bf16" : "f32") << " activations");
+    check_resources(c.layer, "swiglu_moe training, tuned_wide");
+    for (const char *name :
+         {"pointwise_d_o", "pointwise_d_x_s_a", "pointwise_d_x_s_a2", "pointwise_d_x", "pointwise_y"}) {
+      INFO(name);
+      const GeneratedKernel &k = kernel_named(c.layer, name);
+      CHECK(k.grid.elements_per_thread == 8);
+      CHECK(k.grid.threads_per_element == 1);
+      std::string src = kernel_source(c.layer, name);
+      CHECK(src.find("mf::store8(") != std::string::npos);
+      CHECK(src.find("mf::load8(") != std::string::npos);
+    }
+    // d_o = gate(r) * d_y(token(r), i): the gate is one scalar read, d_y one
+    // eight-wide load; the combine loads o's rows inside its loop over slots.
+    std::string d_o = kernel_source(c.layer, "pointwise_d_o");
+    CHECK(d_o.find("g_route_gate[") != std::string::npos);
+    CHECK(d_o.find("mf::load8(g_d_y + ") != std::string::npos);
+    const GeneratedKernel &gate = kernel_named(c.layer, "pointwise_d_route_gate");
+    CHECK(gate.grid.threads_per_element == 32);
+    CHECK(gate.grid.elements_per_thread == 1);
+  }
 }
 
 TEST_CASE("codegen: softmax runs a warp per row and compiles without spills") {

@@ -122,6 +122,14 @@ public:
   std::map<const VarNode *, std::string> vars;       // index variables in scope
   std::map<const FuncNode *, std::string> registers; // placeholders held in registers (accumulators)
 
+  // Eight elements per thread (emit_pointwise): values are expressions in a
+  // lane u = 0..7, vec_var being vars[vec_var] = (vec_base + u); sums keep
+  // eight accumulators, added to in unrolled loops over u. A read contiguous
+  // in vec_var becomes one eight-wide load at the point it is needed, and
+  // `array[u]` in the expression.
+  const VarNode *vec_var = nullptr;
+  std::string vec_base;
+
   std::string emit(const Expr &e) {
     switch (e.kind()) {
     case ExprKind::Const:
@@ -205,32 +213,77 @@ private:
       if (auto it = registers.find(a.func.get()); it != registers.end())
         return it->second;
     const TensorDecl &t = prog_.tensor(a.target_name());
+    if (std::string v = hoisted(a, t); !v.empty())
+      return v;
     std::vector<std::string> idx;
     for (const Index &ix : a.args)
       idx.push_back(index(ix));
     return "mf::to_f32(" + kb_.tensor(t.name) + "[" + offset(t, idx) + "])";
   }
 
+  // The eight-wide load of a read whose last index is vec_var itself and
+  // whose other indices do not involve it (so the eight elements are
+  // consecutive in memory and aligned to eight, the extent being a multiple
+  // of eight); empty when the read does not qualify.
+  std::string hoisted(const Access &a, const TensorDecl &t) {
+    if (!vec_var || a.args.empty() || t.stride8 || t.dtype == DType::f16)
+      return "";
+    const Index &last = a.args.back();
+    if (last.var.get() != vec_var || last.field != RouteField::none ||
+        (a.args.size() == 1 && t.layout == RowLayout::padded))
+      return "";
+    for (size_t i = 0; i + 1 < a.args.size(); ++i)
+      if (a.args[i].var.get() == vec_var)
+        return "";
+    std::string lane_var = vars.at(vec_var);
+    vars[vec_var] = vec_base;
+    std::vector<std::string> idx;
+    for (const Index &ix : a.args)
+      idx.push_back(index(ix));
+    std::string at = kb_.tensor(t.name) + " + " + offset(t, idx);
+    vars[vec_var] = lane_var;
+    auto [it, fresh] = loads_.emplace(at, "");
+    if (fresh) {
+      it->second = temp("ld");
+      out_ << pad() << "float " << it->second << "[8];\n"
+           << pad() << "mf::load8(" << at << ", " << it->second << ");\n";
+    }
+    return it->second + "[u]";
+  }
+
+  // A sum's accumulator: one float, or eight in vector mode.
+  void declare_sum(const std::string &acc) {
+    out_ << pad() << "float " << acc << (vec_var ? "[8] = {}" : " = 0.f") << ";\n";
+  }
+  void add_to(const std::string &acc, const std::string &x) {
+    if (vec_var)
+      out_ << pad() << "#pragma unroll\n" << pad() << "for (int u = 0; u < 8; ++u) " << acc << "[u] += " << x << ";\n";
+    else
+      out_ << pad() << acc << " += " << x << ";\n";
+  }
+  std::string sum_value(const std::string &acc) const { return vec_var ? acc + "[u]" : acc; }
+
   // sum(i, body) that lowering kept element-wise (a reduction, not a GEMM):
   // a loop over i in this thread.
   std::string reduction(const Sum &s) {
     std::string acc = temp("sum"), v = temp("i");
     const bool split = warp_split && split_depth_ == 0;
-    out_ << pad() << "float " << acc << " = 0.f;\n";
+    declare_sum(acc);
     out_ << pad() << "for (long long " << v << " = " << (split ? "lane" : "0") << "; " << v << " < "
          << kb_.extent(s.var.dim()) << "; " << (split ? v + " += 32" : "++" + v) << ") {\n";
     indent_ += 2;
     split_depth_ += split;
+    const auto loads = loads_; // loads inside the loop are its own
     vars[s.var.get()] = v;
-    std::string x = emit(s.body);
-    out_ << pad() << acc << " += " << x << ";\n";
+    add_to(acc, emit(s.body));
+    loads_ = loads;
     vars.erase(s.var.get());
     split_depth_ -= split;
     indent_ -= 2;
     out_ << pad() << "}\n";
     if (split)
       out_ << pad() << acc << " = mf::warp_sum(" << acc << ");\n";
-    return acc;
+    return sum_value(acc);
   }
 
   std::string route_sum(const RouteSum &s) {
@@ -240,18 +293,19 @@ private:
     // rows, so the combine is a fixed loop, deterministic and atomic-free.
     std::string acc = temp("sum"), slot = temp("slot"), r = temp("r");
     int k = s.route->k;
-    out_ << pad() << "float " << acc << " = 0.f;\n";
+    declare_sum(acc);
     out_ << pad() << "for (int " << slot << " = 0; " << slot << " < " << k << "; ++" << slot << ") {\n";
     indent_ += 2;
     out_ << pad() << "const long long " << r << " = " << vars.at(s.target.get()) << " * " << k << "LL + " << slot
          << ";\n";
     vars[s.route->pair.get()] = r;
-    std::string v = emit(s.body);
-    out_ << pad() << acc << " += " << v << ";\n";
+    const auto loads = loads_;
+    add_to(acc, emit(s.body));
+    loads_ = loads;
     vars.erase(s.route->pair.get());
     indent_ -= 2;
     out_ << pad() << "}\n";
-    return acc;
+    return sum_value(acc);
   }
 
   // expert_sum(route, e, body): a loop over expert e's pairs, which sit at
@@ -260,18 +314,19 @@ private:
     const RoutingNode *r = s.route.get();
     std::string acc = temp("sum"), p = temp("p"), pr = temp("r"), e = vars.at(s.target.get());
     std::string off = kb_.route(r, "offsets"), cnt = kb_.route(r, "counts"), sp = kb_.route(r, "sorted_pair");
-    out_ << pad() << "float " << acc << " = 0.f;\n";
+    declare_sum(acc);
     out_ << pad() << "for (long long " << p << " = " << off << "[" << e << "]; " << p << " < " << off << "[" << e
          << "] + " << cnt << "[" << e << "]; ++" << p << ") {\n";
     indent_ += 2;
     out_ << pad() << "const long long " << pr << " = " << sp << "[" << p << "];\n";
     vars[r->pair.get()] = pr;
-    std::string v = emit(s.body);
-    out_ << pad() << acc << " += " << v << ";\n";
+    const auto loads = loads_;
+    add_to(acc, emit(s.body));
+    loads_ = loads;
     vars.erase(r->pair.get());
     indent_ -= 2;
     out_ << pad() << "}\n";
-    return acc;
+    return sum_value(acc);
   }
 
   const KernelProgram &prog_;
@@ -280,7 +335,24 @@ private:
   int indent_;
   int counter_ = 0;
   int split_depth_ = 0;
+  std::map<std::string, std::string> loads_; // eight-wide loads in scope, by address
 };
+
+// Whether e sums over the pairs of a token or an expert indexed by v (the
+// loop bounds would then differ between the eight elements of a thread).
+bool sums_over_routes_of(const Expr &e, const Var &v) {
+  struct Finder : IRVisitor {
+    const VarNode *v;
+    bool found = false;
+    void visit_node(const RouteSum &n) override {
+      found |= n.target.get() == v;
+      IRVisitor::visit_node(n);
+    }
+  } f;
+  f.v = v.get();
+  f.visit(e);
+  return f.found;
+}
 
 // Whether e holds a reduction long enough to split over a warp's lanes.
 bool has_long_reduction(const Expr &e) {
@@ -936,34 +1008,68 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   // A softmax splits its row over the lanes itself; its body is one lane's.
   em.warp_split = !softmax && has_long_reduction(s.body);
   const bool warp_per_element = softmax || em.warp_split;
+  // Eight consecutive elements of the innermost index per thread, when its
+  // extent is a static multiple of eight (and not a padded tensor's row
+  // index): the index arithmetic (64-bit divisions, one per index) is done
+  // once, reads along that index are 16-byte loads and the store one, where
+  // a thread per element spent more instructions on indices than on data.
+  const bool vectorize = !warp_per_element && !s.vars.empty() && !s.vars.back().dim().is_dynamic() &&
+                         s.vars.back().dim().extent() % 8 == 0 && out.dtype != DType::f16 && !out.stride8 &&
+                         !(s.vars.size() == 1 && out.layout == RowLayout::padded) &&
+                         !sums_over_routes_of(s.body, s.vars.back());
+  const int per_thread = vectorize ? 8 : 1;
   if (warp_per_element) {
     body << "  long long idx = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // a warp per "
          << (softmax ? "row" : "element") << "\n";
     body << "  const int lane = threadIdx.x & 31;\n";
   } else {
-    body << "  long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
+    body << "  long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;"
+         << (vectorize ? "  // eight elements per thread" : "") << "\n";
   }
-  body << "  if (idx >= " << total << ") return;"
+  body << "  if (idx >= " << total << (vectorize ? " / 8" : "") << ") return;"
        << (warp_per_element ? "  // whole warps: shuffles see every lane" : "") << "\n";
   for (size_t i = loop_vars.size(); i-- > 0;) {
     std::string c = "v_" + c_name(loop_vars[i].name());
-    body << "  const long long " << c << " = idx % " << kb.extent(loop_vars[i].dim()) << ";\n";
-    body << "  idx /= " << kb.extent(loop_vars[i].dim()) << ";\n";
+    const std::string ext = kb.extent(loop_vars[i].dim());
+    if (vectorize && i + 1 == loop_vars.size()) {
+      body << "  const long long " << c << "0 = idx % (" << ext << " / 8) * 8;\n";
+      body << "  idx /= " << ext << " / 8;\n";
+      em.vec_var = loop_vars[i].get();
+      em.vec_base = c + "0";
+    } else {
+      body << "  const long long " << c << " = idx % " << ext << ";\n";
+      body << "  idx /= " << ext << ";\n";
+    }
     em.vars[loop_vars[i].get()] = c;
   }
-  auto store = [&](const std::string &value) {
+  // The output's indices, once every one is in scope (a softmax's own index
+  // is its row loop's).
+  auto out_index = [&] {
     std::vector<std::string> idx;
     for (const Var &v : s.vars)
       idx.push_back(em.vars.at(v.get()));
-    em.out() << em.pad() << (em.warp_split ? "if (lane == 0) " : "") << gOut << "[" << em.offset(out, idx)
-             << "] = mf::from_f32<" << c_type(out.dtype) << ">(" << value << ");\n";
+    return idx;
   };
-  if (softmax)
-    emit_softmax_row(em, kb, *softmax, store);
-  else
-    store(em.emit(s.body));
+  if (vectorize) {
+    em.vars[em.vec_var] = "(" + em.vec_base + " + u)";
+    std::string value = em.emit(s.body);
+    std::vector<std::string> out_idx = out_index();
+    out_idx.back() = em.vec_base;
+    body << "  float out[8];\n#pragma unroll\n  for (int u = 0; u < 8; ++u)\n    out[u] = " << value << ";\n";
+    body << "  mf::store8(" << gOut << " + " << em.offset(out, out_idx) << ", out);\n";
+  } else {
+    auto store = [&](const std::string &value) {
+      em.out() << em.pad() << (em.warp_split ? "if (lane == 0) " : "") << gOut << "[" << em.offset(out, out_index())
+               << "] = mf::from_f32<" << c_type(out.dtype) << ">(" << value << ");\n";
+    };
+    if (softmax)
+      emit_softmax_row(em, kb, *softmax, store);
+    else
+      store(em.emit(s.body));
+  }
   k.grid.kind = GridShape::Kind::elements;
   k.grid.threads_per_element = warp_per_element ? 32 : 1;
+  k.grid.elements_per_thread = per_thread;
   for (const Var &v : loop_vars)
     k.grid.count.push_back(v.dim());
   src << "// " << s.name << ": " << s.output << "(";

@@ -44,6 +44,7 @@ struct GridShape {
   int tile_m = 0, tile_n = 0, block = 0;
   long long chunks_per_row = 0;
   int threads_per_element = 1; // elements: 32 when a warp computes each element
+  int elements_per_thread = 1; // elements: 8 when a thread computes eight consecutive ones
   bool persistent = false;     // tiles: at most one block per SM, each walking tiles
   int cluster_m = 1;           // tiles: blocks per cluster along M (the row tiles are rounded up to a multiple)
 };

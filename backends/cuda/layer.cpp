@@ -104,7 +104,7 @@ void CudaLayer::bind() {
       int64_t n = 1;
       for (const Dim &d : gs.count)
         n *= shapes_.extent(d);
-      gx = ceil_div(n * gs.threads_per_element, g.threads);
+      gx = ceil_div(n / gs.elements_per_thread * gs.threads_per_element, g.threads);
       break;
     }
     case GridShape::Kind::padded_rows:

@@ -364,6 +364,28 @@ Expr Decomposer::share_sums(const FuncNode &f, const Expr &body, std::vector<Fun
   return share.mutate(body);
 }
 
+// Every sum (outermost first) whose free indices are some, but not all, of
+// f's: a part over those indices, in f's order.
+Expr Decomposer::hoist_invariant_sums(const FuncNode &f, const Expr &body, std::vector<FuncPtr> &parts) {
+  if (f.args.empty() || contains_kind(body, ExprKind::Softmax))
+    return body;
+  struct Hoist : IRMutator {
+    std::function<Expr(const Sum &, const Expr &)> each;
+    Expr mutate_node(const Sum &n, const Expr &self) override { return each(n, self); }
+    Expr inside(const Sum &n, const Expr &self) { return IRMutator::mutate_node(n, self); }
+  } hoist;
+  hoist.each = [&](const Sum &s, const Expr &self) -> Expr {
+    std::vector<Var> fv = free_vars(self), args;
+    for (const Var &a : f.args)
+      if (std::any_of(fv.begin(), fv.end(), [&](const Var &v) { return v.same_as(a); }))
+        args.push_back(a);
+    if (args.size() != fv.size() || args.size() == f.args.size())
+      return hoist.inside(s, self); // reads a bound index, or every one of f's
+    return part(f.name + "_sum", args, self, DType::f32, parts);
+  };
+  return hoist.mutate(body);
+}
+
 std::vector<FuncPtr> Decomposer::decompose(const FuncPtr &f) {
   if (!done_.insert(f->name).second)
     return {};
@@ -379,6 +401,8 @@ std::vector<FuncPtr> Decomposer::decompose(const FuncPtr &f) {
   } else if (contains_kind(body, ExprKind::Sum)) {
     body = extract_sums(*f, body, parts);
   }
+  if (!body.as<RouteSum>())
+    body = hoist_invariant_sums(*f, body, parts);
   if (body.same_as(f->body)) {
     parts.push_back(f);
   } else {

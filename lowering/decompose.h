@@ -13,6 +13,10 @@
 //              moved into its own Func (f32) and read back element-wise
 //   reduction  a sum with one free index (a dot product per row) stays
 //              inline: the element-wise kernels loop over it
+//   invariant  a sum that does not depend on every index of its definition
+//              (softmax's backward: d(t, e) = p(t, e) * (g(t, e) - sum(e',
+//              p(t, e') g(t, e')))) becomes its own Func (f32) over the
+//              indices it reads, made once per row instead of once per element
 //   expert     expert_sum(route, e, A(r, i) * B(r, j)) keeps its form (an
 //              expert reduction GEMM) once both sides are plain reads
 //
@@ -54,6 +58,7 @@ private:
   Expr plain_operands(const FuncNode &f, const Expr &sum, const Var &row, const Var &col, std::vector<FuncPtr> &parts);
   Expr expert_reduction(const FuncNode &f, std::vector<FuncPtr> &parts);
   Expr share_sums(const FuncNode &f, const Expr &body, std::vector<FuncPtr> &parts);
+  Expr hoist_invariant_sums(const FuncNode &f, const Expr &body, std::vector<FuncPtr> &parts);
   // A read of a new (or already made, equal) definition name(args) = body.
   Expr part(const std::string &name, const std::vector<Var> &args, const Expr &body, DType t,
             std::vector<FuncPtr> &parts);

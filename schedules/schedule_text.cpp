@@ -37,7 +37,6 @@ const std::vector<Signature> &signatures() {
       {"block", {{"rows", ArgType::integer}}},
       {"gate", {{"fusion", ArgType::gate}}},
       {"recompute", {{"on", ArgType::boolean}}},
-      {"bf16_activations", {{"on", ArgType::boolean}}},
       {"tile", {{"func", ArgType::text}, {"m", ArgType::integer}, {"n", ArgType::integer}, {"k", ArgType::integer}}},
       {"stages", {{"func", ArgType::text}, {"stages", ArgType::integer}}},
       {"warps", {{"func", ArgType::text}, {"warps_m", ArgType::integer}, {"warps_n", ArgType::integer}}},
@@ -48,6 +47,7 @@ const std::vector<Signature> &signatures() {
       {"tma", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"tma_store", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"cluster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
+      {"bf16_activations", {{"on", ArgType::boolean}}},
   };
   return all;
 }

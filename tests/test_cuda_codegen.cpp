@@ -530,6 +530,47 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
   }
 }
 
+TEST_CASE("codegen: a few long reductions run a block per element") {
+  // The router bias's gradient: d_bias(e) = sum over every token of
+  // d_logits(t, e), E = 8 elements: a block of 256 threads each.
+  Example ex = biased_moe(small(), false, Bias::none);
+  cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), preset("scattermoe"));
+  check_resources(c.layer, "biased_gelu training");
+  const GeneratedKernel &k = kernel_named(c.layer, "pointwise_d_bias");
+  CHECK(k.grid.threads_per_element == k.threads);
+  std::string src = kernel_source(c.layer, "pointwise_d_bias");
+  CHECK(src.find("mf::block_sum(") != std::string::npos);
+  CHECK(src.find("+= blockDim.x") != std::string::npos);
+  CHECK(src.find("if (threadIdx.x == 0) ") != std::string::npos);
+  // Per-pair dot products are many: a warp each, as before.
+  CHECK(kernel_named(c.layer, "pointwise_d_route_gate").grid.threads_per_element == 32);
+}
+
+TEST_CASE("codegen: the router's weight gradient (K = the tokens) splits K over the grid's y") {
+  for (const char *p : {"megablocks", "scattermoe"})
+    for (bool wide : {false, true}) {
+      INFO(p << (wide ? " / tuned_wide" : ""));
+      Example ex = make_example("moe_mlp", small());
+      Schedule s = wide ? bench::tuned_wide(false) : preset(p);
+      cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
+      check_resources(c.layer, "moe_mlp training");
+      const GeneratedKernel &k = kernel_named(c.layer, "gemm_d_wr");
+      CHECK(k.grid.split_k);
+      CHECK(k.grid.split_k_dim.is_dynamic());
+      CHECK(k.zero_first == "d_wr");
+      std::string src = kernel_source(c.layer, "gemm_d_wr");
+      CHECK(src.find("mf::add2(") != std::string::npos);
+      CHECK(src.find("const int k_begin = (int)blockIdx.y * k_slice;") != std::string::npos);
+      // Every other GEMM keeps one block per tile and plain stores.
+      for (const GeneratedKernel &other : c.layer.source.kernels)
+        if (other.name != "gemm_d_wr") {
+          INFO(other.name);
+          CHECK_FALSE(other.grid.split_k);
+          CHECK(other.zero_first.empty());
+        }
+    }
+}
+
 TEST_CASE("codegen: softmax runs a warp per row and compiles without spills") {
   // The router's softmax over E = 64 experts: two columns per lane, in
   // registers. swiglu_moe's renormalised gates read the probabilities, so its

@@ -211,6 +211,22 @@ TEST_SUITE("gpu") {
     CHECK(o.routing_mismatches == 0);
   }
 
+  // 3000 tokens: the router's weight gradient x^T d_logits (K = T) runs as
+  // slices of K over the grid's y, the last one partial and one past K
+  // (CudaLayer sizes the slices), every slice adding into the zeroed d_wr.
+  TEST_CASE("cuda training: the router's weight gradient split over the tokens") {
+    MOEFORGE_REQUIRE_GPU();
+    ExampleShape s = shape(3000, 64, 128, 8, 2);
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (bool wide : {false, true}) {
+        Example ex = make_example(name, s);
+        Schedule sch = wide ? bench::tuned_wide(std::string(name) == "swiglu_moe") : preset("scattermoe");
+        INFO(name << (wide ? " / tuned_wide" : " / scattermoe"));
+        Outcome o = train_and_compare(ex, ex.random_inputs(s, 4), s.tokens, sch);
+        CHECK(o.routing_mismatches == 0);
+      }
+  }
+
   TEST_CASE("cuda training: the MoE edge cases") {
     MOEFORGE_REQUIRE_GPU();
     testing::check_edge_cases(64, 128, {"megablocks", "scattermoe"},

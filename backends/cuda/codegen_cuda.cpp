@@ -117,8 +117,9 @@ public:
 
   // A warp computes each element: the outermost reductions are split over
   // its lanes (lane, lane + 32, ...) and summed with shuffles; everything
-  // else is computed alike by every lane.
-  bool warp_split = false;
+  // else is computed alike by every lane. block_split: the whole block
+  // computes each element, its threads splitting the reductions alike.
+  bool warp_split = false, block_split = false;
   std::map<const VarNode *, std::string> vars;       // index variables in scope
   std::map<const FuncNode *, std::string> registers; // placeholders held in registers (accumulators)
 
@@ -269,8 +270,9 @@ private:
     std::string acc = temp("sum"), v = temp("i");
     const bool split = warp_split && split_depth_ == 0;
     declare_sum(acc);
-    out_ << pad() << "for (long long " << v << " = " << (split ? "lane" : "0") << "; " << v << " < "
-         << kb_.extent(s.var.dim()) << "; " << (split ? v + " += 32" : "++" + v) << ") {\n";
+    const std::string first = block_split ? "threadIdx.x" : "lane", step = block_split ? " += blockDim.x" : " += 32";
+    out_ << pad() << "for (long long " << v << " = " << (split ? first : "0") << "; " << v << " < "
+         << kb_.extent(s.var.dim()) << "; " << (split ? v + step : "++" + v) << ") {\n";
     indent_ += 2;
     split_depth_ += split;
     const auto loads = loads_; // loads inside the loop are its own
@@ -282,7 +284,7 @@ private:
     indent_ -= 2;
     out_ << pad() << "}\n";
     if (split)
-      out_ << pad() << acc << " = mf::warp_sum(" << acc << ");\n";
+      out_ << pad() << acc << " = mf::" << (block_split ? "block_sum(" : "warp_sum(") << acc << ");\n";
     return sum_value(acc);
   }
 
@@ -409,7 +411,7 @@ bool mentions(const std::string &code, const std::string &name) {
 // and need not wait for these lookups (a persistent block's consumers would
 // wait for them at every tile).
 void emit_a_operand(const GemmStep &g, KernelBuilder &kb, const std::string &gA, const std::string &sorted_pair,
-                    bool tma, bool a_tma, bool producer_only, std::ostringstream &body) {
+                    bool tma, bool a_tma, bool producer_only, bool split_k, std::ostringstream &body) {
   if (a_tma) {
     body << "  const Cfg::ATma a_load{&" << kb.tma(g.a, 0, g.k.extent()) << ", (int)p0, rows};  // " << g.a
          << " rows in tile order, by TMA\n";
@@ -438,7 +440,7 @@ void emit_a_operand(const GemmStep &g, KernelBuilder &kb, const std::string &gA,
     if (g.expert_k)
       body << "    gA[i] = " << gA << " + row * LDA + k_begin + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
     else
-      body << "    gA[i] = " << gA << " + row * " << (g.k.is_dynamic() ? "LDA" : "K")
+      body << "    gA[i] = " << gA << " + row * " << (g.k.is_dynamic() ? "LDA" : "K") << (split_k ? " + k_begin" : "")
            << " + Cfg::a_load_chunk(tid, i) * 8;\n  }\n";
     if (tma)
       body << "  const Cfg::ACopy a_load{gA, a_ok};\n";
@@ -462,7 +464,7 @@ std::string epilogue_call(const std::string &fn, int nb, const std::string &vr, 
 // output and each fused one in its own layout.
 void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBuilder &kb, int nb, const std::string &vr,
                          const std::vector<std::pair<std::string, Expr>> &outputs, bool pair_rows, bool prefetch_rows,
-                         bool wide_stores, const std::string &sorted_pair, const std::string &gC,
+                         bool wide_stores, bool add, const std::string &sorted_pair, const std::string &gC,
                          std::ostringstream &body) {
   body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
 
@@ -508,7 +510,8 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
   body << "      if (N % Cfg::BN != 0 && col >= N) continue;\n";
   for (int e = 0; e < 2; ++e)
     body << "      const float v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
-  body << "      mf::store2(" << gC << " + out_row * N + col, v0, v1);\n";
+  body << "      mf::" << (add ? "add2(" : "store2(") << gC << " + out_row * N + col, v0, v1);"
+       << (add ? "  // this K slice's share" : "") << "\n";
   for (size_t o = 1; o < outputs.size(); ++o) {
     // A fused output is stored in its own layout: padded (tile order) or pair.
     const TensorDecl &t = prog.tensor(outputs[o].first);
@@ -628,8 +631,28 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   if (!stamp_tiles)
     stamp(0);
   body << "  constexpr int N = " << N << ";\n";
+  // Split-K: a dense GEMM over a dynamic K (the tokens: the router's weight
+  // gradient x^T d_logits) has a handful of output tiles and a long K, so a
+  // block per tile left most SMs idle. The grid's y slices K into runs of
+  // whole k-tiles; each slice adds its partial sums into the f32 output,
+  // which the runtime zeroes first. Only for a plain accumulator epilogue,
+  // which is linear in the partial sums, and B as [K, N] (B^T's rows are K
+  // long, which the loops take from K, here the slice's length).
+  const bool split_k = !g.route && !g.expert_k && !in_place && !g.b_trans && g.k.is_dynamic() && !t.persistent &&
+                       t.cluster_m == 1 && nb == 1 && g.extra.empty() && prog.tensor(g.output).dtype == DType::f32 &&
+                       g.epilogue.as<Access>() && g.epilogue.as<Access>()->func == g.accumulators[0];
   if (g.expert_k)
     body << "  // K: this expert's padded rows (below)\n";
+  else if (split_k)
+    body << "  const int K_ALL = (int)" << kb.extent(g.k) << ";\n"
+         << "  const long long LDA = "
+         << (prog.tensor(g.a).stride8 ? "(K_ALL + 7) / 8 * 8;  // zero-padded rows\n" : "K_ALL;\n")
+         << "  // This block's slice of K (split-K over gridDim.y): whole k-tiles.\n"
+         << "  const int k_slice = (K_ALL + (int)gridDim.y * " << t.tile_k << " - 1) / ((int)gridDim.y * " << t.tile_k
+         << ") * " << t.tile_k << ";\n"
+         << "  const int k_begin = (int)blockIdx.y * k_slice;\n"
+         << "  const int K = min(k_slice, K_ALL - k_begin);\n"
+         << "  if (K <= 0) return;  // the whole block: a slice past K\n";
   else if (g.k.is_dynamic())
     body << "  const int K = (int)" << kb.extent(g.k) << ";\n"
          << "  const long long LDA = "
@@ -811,7 +834,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
          << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
          << "    return;  // a loading-only warpgroup\n\n";
   } else {
-    emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, ws && persistent && roomy, body);
+    emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, ws && persistent && roomy, split_k, body);
     if (tma) {
       body << "  const mf::TmaDesc *tB[" << nb << "] = {";
       for (int b = 0; b < nb; ++b)
@@ -822,6 +845,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       for (int b = 0; b < nb; ++b)
         body << (b ? ", " : "") << gB[b]
              << (g.expert_k       ? " + k_begin * N"
+                 : split_k        ? " + (long long)k_begin * N"
                  : g.b_per_expert ? " + (long long)expert * K * N"
                                   : "");
       body << "};\n";
@@ -878,8 +902,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     // columns: ni * 8 + 2 (lane & 3)), no fused outputs.
     const DType out = prog.tensor(g.output).dtype;
     const bool wide_stores =
-        wgmma && outputs.size() == 1 && t.tile_n % 16 == 0 && (out == DType::bf16 || out == DType::f32);
-    emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, wide_stores, sorted_pair, gC, body);
+        !split_k && wgmma && outputs.size() == 1 && t.tile_n % 16 == 0 && (out == DType::bf16 || out == DType::f32);
+    emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, wide_stores, split_k, sorted_pair, gC,
+                        body);
   }
   stamp(4);
   if (pair_items)
@@ -897,6 +922,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.tile_n = t.tile_n;
   k.grid.block = g.block;
   k.grid.persistent = persistent;
+  if (split_k) {
+    k.grid.split_k = true;
+    k.grid.split_k_dim = g.k;
+    k.grid.tile_k = t.tile_k;
+    k.zero_first = g.output;
+  }
   k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) +
                    (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0) + // + the tile-id ring (WgmmaWsConfig::ring)
                    (persistent && out_tma ? t.tile_m * t.tile_n * 2 : 0);    // + the output tile's own staging
@@ -1007,6 +1038,13 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   // reads along the reduced index, and 32x the parallelism of a thread each).
   // A softmax splits its row over the lanes itself; its body is one lane's.
   em.warp_split = !softmax && has_long_reduction(s.body);
+  // Few elements, each a long reduction (a bias's gradient, a sum over
+  // every token): a block per element, or most SMs would sit idle while a
+  // warp each walked its reduction.
+  long long elements = 1;
+  for (const Var &v : loop_vars)
+    elements = v.dim().is_dynamic() ? 1LL << 40 : elements * v.dim().extent();
+  em.block_split = em.warp_split && elements <= 4096;
   const bool warp_per_element = softmax || em.warp_split;
   // Eight consecutive elements of the innermost index per thread, when its
   // extent is a static multiple of eight (and not a padded tensor's row
@@ -1018,7 +1056,10 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
                          !(s.vars.size() == 1 && out.layout == RowLayout::padded) &&
                          !sums_over_routes_of(s.body, s.vars.back());
   const int per_thread = vectorize ? 8 : 1;
-  if (warp_per_element) {
+  if (em.block_split) {
+    body << "  long long idx = blockIdx.x;  // a block per element\n";
+    body << "  const int lane = threadIdx.x & 31;\n";
+  } else if (warp_per_element) {
     body << "  long long idx = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // a warp per "
          << (softmax ? "row" : "element") << "\n";
     body << "  const int lane = threadIdx.x & 31;\n";
@@ -1059,8 +1100,12 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     body << "  mf::store8(" << gOut << " + " << em.offset(out, out_idx) << ", out);\n";
   } else {
     auto store = [&](const std::string &value) {
-      em.out() << em.pad() << (em.warp_split ? "if (lane == 0) " : "") << gOut << "[" << em.offset(out, out_index())
-               << "] = mf::from_f32<" << c_type(out.dtype) << ">(" << value << ");\n";
+      em.out() << em.pad()
+               << (em.block_split  ? "if (threadIdx.x == 0) "
+                   : em.warp_split ? "if (lane == 0) "
+                                   : "")
+               << gOut << "[" << em.offset(out, out_index()) << "] = mf::from_f32<" << c_type(out.dtype) << ">("
+               << value << ");\n";
     };
     if (softmax)
       emit_softmax_row(em, kb, *softmax, store);
@@ -1068,7 +1113,7 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
       store(em.emit(s.body));
   }
   k.grid.kind = GridShape::Kind::elements;
-  k.grid.threads_per_element = warp_per_element ? 32 : 1;
+  k.grid.threads_per_element = em.block_split ? k.threads : warp_per_element ? 32 : 1;
   k.grid.elements_per_thread = per_thread;
   for (const Var &v : loop_vars)
     k.grid.count.push_back(v.dim());

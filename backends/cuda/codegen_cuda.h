@@ -45,8 +45,13 @@ struct GridShape {
   long long chunks_per_row = 0;
   int threads_per_element = 1; // elements: 32 when a warp computes each element
   int elements_per_thread = 1; // elements: 8 when a thread computes eight consecutive ones
-  bool persistent = false;     // tiles: at most one block per SM, each walking tiles
-  int cluster_m = 1;           // tiles: blocks per cluster along M (the row tiles are rounded up to a multiple)
+  // dense_tiles: y slices the reduction (K, of extent split_k_dim) into
+  // whole k-tiles of tile_k, as many slices as fill the SMs (split-K).
+  bool split_k = false;
+  Dim split_k_dim;
+  int tile_k = 0;
+  bool persistent = false; // tiles: at most one block per SM, each walking tiles
+  int cluster_m = 1;       // tiles: blocks per cluster along M (the row tiles are rounded up to a multiple)
 };
 
 struct GeneratedKernel {
@@ -56,6 +61,9 @@ struct GeneratedKernel {
   GridShape grid;
   int threads = 256;
   int shared_bytes = 0; // dynamic shared memory
+  // A tensor the runtime zeroes before each launch (a split-K GEMM's output,
+  // which the slices add into); empty for none.
+  std::string zero_first;
 };
 
 struct CudaModuleSource {

@@ -52,7 +52,7 @@ void CudaLayer::bind() {
   for (const Step &s : layer_.program.steps)
     launch_of_.push_back(std::holds_alternative<RoutingStep>(s) ? -1 : next++);
   for (const GeneratedKernel &g : layer_.source.kernels) {
-    Launch l{module_.kernel(g.name), &g, {}, {}, {}};
+    Launch l{module_.kernel(g.name), &g, {}, {}, {}, 0, 0};
     for (const KernelArg &a : g.args) {
       switch (a.kind) {
       case KernelArg::Kind::tensor:
@@ -124,11 +124,21 @@ void CudaLayer::bind() {
       break;
     }
     }
+    if (gs.split_k) {
+      // Slices of K that fill the SMs, each at least four k-tiles long.
+      const int64_t k_tiles = ceil_div(shapes_.extent(gs.split_k_dim), gs.tile_k);
+      gy = std::max<int64_t>(1, std::min<int64_t>(sm_count_ / std::max<int64_t>(gx, 1), k_tiles / 4));
+    }
     if (gs.persistent) // one block per SM; whole clusters
       gx = std::min<int64_t>(gx, std::max<int64_t>(gs.cluster_m, sm_count_ / gs.cluster_m * gs.cluster_m));
     user_check(gx >= 1 && gx < (1LL << 31) && gy < 65536)
         << "kernel " << g.name << ": grid " << gx << " x " << gy << " is out of range for these shapes";
     l.grid = Dim3{static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1};
+    if (!g.zero_first.empty()) {
+      const DeviceBuffer &out = tensors_.at(g.zero_first);
+      l.zero = out.ptr();
+      l.zero_words = out.bytes() / 4;
+    }
     if (g.shared_bytes > 48 * 1024)
       l.kernel.set_max_dynamic_shared_memory(g.shared_bytes);
     launches_.push_back(std::move(l));
@@ -182,6 +192,8 @@ void CudaLayer::run_step(size_t step, const Stream &stream) {
     return;
   }
   Launch &l = launches_.at(launch_of_.at(step));
+  if (l.zero_words)
+    MOEFORGE_CU(cuMemsetD32Async, l.zero, 0u, l.zero_words, stream.handle());
   l.kernel.launch(l.grid, l.block, static_cast<unsigned>(l.gen->shared_bytes), stream, l.args.data());
 }
 

@@ -84,6 +84,8 @@ private:
     const GeneratedKernel *gen;
     std::vector<void *> args;
     Dim3 grid, block;
+    CUdeviceptr zero = 0; // zeroed before each launch (GeneratedKernel::zero_first)
+    size_t zero_words = 0;
   };
   void run_step(size_t step, const Stream &stream);
   void bind();

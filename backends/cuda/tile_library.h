@@ -171,6 +171,19 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The sum of v over the threads of a block (whole warps, at most 32), in
+// every thread; every thread of the block calls it.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float part[32];
+  v = warp_sum(v);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads(); // an earlier block_sum's readers are done with part
+  if (lane == 0)
+    part[warp] = v;
+  __syncthreads();
+  return warp_sum(lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f);
+}
+
 // The max of v over the 32 lanes of a warp, in every lane (a softmax row's).
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -184,6 +197,12 @@ __device__ __forceinline__ void store2(bf16 *g, float a, float b) {
   *reinterpret_cast<__nv_bfloat162 *>(g) = __floats2bfloat162_rn(a, b);
 }
 __device__ __forceinline__ void store2(float *g, float a, float b) { *reinterpret_cast<float2 *>(g) = make_float2(a, b); }
+// A split-K slice's partial sums, added into the zeroed output (RED.ADD: the
+// old value is never read back).
+__device__ __forceinline__ void add2(float *g, float a, float b) {
+  atomicAdd(g, a);
+  atomicAdd(g + 1, b);
+}
 
 // ------------------------------------------------------------ block order
 // Grouped rasterisation of a 1-D grid over num_m x num_n output tiles: blocks

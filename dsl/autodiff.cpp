@@ -270,6 +270,7 @@ private:
     names_.push_back(name);
     Func f(name, DType::f32);
     f(std::vector<Index>(args.begin(), args.end())) = e;
+    f.node()->schedule_of = func_->schedule_of.empty() ? func_->name : func_->schedule_of;
     return f(std::vector<Index>(args.begin(), args.end()));
   }
 

@@ -277,6 +277,10 @@ struct FuncNode {
   Expr body;
   bool has_declared_type = false;
   DType dtype = DType::f32; // declared, else inferred from the body
+  // The Func whose schedule this one follows when a schedule does not name
+  // it: autodiff's stored values of a Func's subexpressions (h_silu_in, the
+  // input of h's silu) follow h. Empty: its own.
+  std::string schedule_of;
   bool defined() const { return body.defined(); }
 };
 

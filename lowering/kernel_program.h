@@ -100,6 +100,9 @@ struct GemmStep {
   std::vector<Extra> extra;
   GemmTiling tiling;
   int block = 128; // routing block (rows per padded segment)
+  // One accumulator of a GEMM whose epilogue the schedule keeps apart
+  // (fuse_epilogue false; split_unfused_epilogues): never merged back.
+  bool unfused = false;
 };
 
 // out(vars) = body, one thread per element; sums over the pairs of a token

@@ -37,6 +37,15 @@ FuncPtr placeholder(const std::string &name, std::vector<Var> args, DType t) {
   return f;
 }
 
+// f's tiling: its own where the schedule names it, else that of the Func
+// it follows (FuncNode::schedule_of), else the default.
+GemmTiling tiling_of(const FuncNode &f, const Schedule &schedule) {
+  const auto &named = schedule.funcs();
+  if (f.schedule_of.empty() || std::find(named.begin(), named.end(), f.name) != named.end())
+    return schedule.for_func(f.name).tiling;
+  return schedule.for_func(f.schedule_of).tiling;
+}
+
 // One contraction sum(k, A(row, k) * B([expert(r),] k, col)) of a GEMM.
 struct Contraction {
   const Access *a = nullptr, *b = nullptr;
@@ -149,7 +158,7 @@ std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const S
   g.n = col.dim();
   g.row_var = row;
   g.col_var = col;
-  g.tiling = schedule.for_func(f.name).tiling;
+  g.tiling = tiling_of(f, schedule);
   g.block = schedule.block();
   ReplaceSums rs;
   rs.row = row;
@@ -220,7 +229,7 @@ std::optional<GemmStep> match_expert_gemm(const FuncNode &f, const Schedule &sch
   g.col_var = f.args[2];
   g.accumulators = {placeholder("acc0", {g.row_var, g.col_var}, DType::f32)};
   g.epilogue = Access::make(g.accumulators[0], {g.row_var, g.col_var});
-  g.tiling = schedule.for_func(f.name).tiling;
+  g.tiling = tiling_of(f, schedule);
   g.block = schedule.block();
   return g;
 }
@@ -373,6 +382,7 @@ KernelProgram split_unfused_epilogues(KernelProgram p, const Schedule &schedule)
       part.b = {g->b[i]};
       part.accumulators = {g->accumulators[i]};
       part.epilogue = Access::make(g->accumulators[i], {g->row_var, g->col_var});
+      part.unfused = true;
       out.push_back(part);
       rename.from.push_back(g->accumulators[i]);
       rename.to.push_back(placeholder(name, {g->row_var, g->col_var}, DType::f32));
@@ -532,20 +542,29 @@ struct RenameVars : IRMutator {
   Expr mutate_node(const IndexEq &n, const Expr &self) override { return IndexEq::make(index(n.a), index(n.b)); }
 };
 
-// Replaces reads of `name` at exactly (row, col) by `value`; counts others.
+// Replaces reads of each named tensor at exactly (row, col) by its value;
+// counts others.
 struct Substitute : IRMutator {
-  std::string name;
+  std::map<std::string, Expr> values;
   Var row, col;
-  Expr value;
   int other_reads = 0;
   Expr mutate_node(const Access &a, const Expr &self) override {
-    if (a.target_name() != name)
+    auto it = values.find(a.target_name());
+    if (it == values.end())
       return self;
     if (a.args.size() == 2 && a.args[0].is_plain() && a.args[0].var.same_as(row) && a.args[1].is_plain() &&
         a.args[1].var.same_as(col))
-      return value;
+      return it->second;
     ++other_reads;
     return self;
+  }
+};
+
+// Replaces reads of one accumulator placeholder by another's.
+struct RenameAccumulator : IRMutator {
+  FuncPtr from, to;
+  Expr mutate_node(const Access &a, const Expr &self) override {
+    return a.func == from ? Access::make(to, a.args) : self;
   }
 };
 
@@ -594,6 +613,55 @@ RowMap output_rows(const GemmStep &g, const TensorDecl &t) {
 
 } // namespace
 
+size_t merge_sibling_gemms(KernelProgram &p, size_t begin, size_t end) {
+  auto producer = [&](const std::string &name) -> long {
+    for (size_t k = 0; k < p.steps.size(); ++k)
+      for (const std::string &o : step_outputs(p.steps[k]))
+        if (o == name)
+          return static_cast<long>(k);
+    return -1; // an input
+  };
+  auto siblings = [](const GemmStep &x, const GemmStep &y) {
+    return x.route == y.route && x.m.same_as(y.m) && x.n.same_as(y.n) && x.k.same_as(y.k) && x.a == y.a &&
+           x.a_rows == y.a_rows && x.a_trans == y.a_trans && x.b_per_expert == y.b_per_expert &&
+           x.b_trans == y.b_trans && !x.expert_k && !y.expert_k && !x.operands_in_place && !y.operands_in_place &&
+           x.out_rows == y.out_rows && x.block == y.block && x.tiling == y.tiling && y.b.size() == 1 &&
+           y.accumulators.size() == 1 && !x.unfused && !y.unfused;
+  };
+  for (size_t i = begin; i < end; ++i) {
+    auto *g = std::get_if<GemmStep>(&p.steps[i]);
+    if (!g)
+      continue;
+    for (size_t j = i + 1; j < end; ++j) {
+      auto *h = std::get_if<GemmStep>(&p.steps[j]);
+      // The merged GEMM holds one accumulator per B: wgmma's registers allow
+      // tile_n / 2 of them per thread and B (at most 128).
+      const int nb = static_cast<int>(g->b.size()) + 1;
+      const bool fits = g->tiling.mma == MmaKind::mma_sync || nb * g->tiling.tile_n / 2 <= 128;
+      if (!h || !siblings(*g, *h) || !fits || producer(h->b[0]) >= static_cast<long>(i))
+        continue;
+      RenameVars vars;
+      vars.to[h->col_var.get()] = g->col_var;
+      if (!g->route)
+        vars.to[h->row_var.get()] = g->row_var;
+      RenameAccumulator acc;
+      acc.from = h->accumulators[0];
+      acc.to = placeholder("acc" + std::to_string(g->accumulators.size()), {g->row_var, g->col_var}, DType::f32);
+      auto moved = [&](const Expr &e) { return acc.mutate(vars.mutate(e)); };
+      g->b.push_back(h->b[0]);
+      g->accumulators.push_back(acc.to);
+      g->extra.push_back({h->output, moved(h->epilogue)});
+      for (const GemmStep::Extra &e : h->extra)
+        g->extra.push_back({e.output, moved(e.value)});
+      g->name += "_" + h->output;
+      p.steps.erase(p.steps.begin() + static_cast<long>(j));
+      --j;
+      --end;
+    }
+  }
+  return end;
+}
+
 size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule) {
   auto producer = [&](const std::string &name) -> long {
     for (size_t k = 0; k < p.steps.size(); ++k)
@@ -612,8 +680,7 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
     long j = -1;
     for (const std::string &r : reads) {
       long k = producer(r);
-      if (k >= static_cast<long>(begin) && k < static_cast<long>(i) && std::holds_alternative<GemmStep>(p.steps[k]) &&
-          std::get<GemmStep>(p.steps[k]).output == r)
+      if (k >= static_cast<long>(begin) && k < static_cast<long>(i) && std::holds_alternative<GemmStep>(p.steps[k]))
         j = std::max(j, k);
     }
     if (j < 0)
@@ -633,10 +700,11 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
     }
     if (g.expert_k || !rows_match || !v1.dim().same_as(g.n) || !schedule.for_func(g.output).fuse_epilogue)
       continue;
-    // Every other read must be ready when the GEMM runs.
+    // Every other read must be ready when the GEMM runs; reads of the
+    // GEMM's own outputs (its output and the fused ones) become their values.
     bool ready = true;
     for (const std::string &r : reads)
-      ready &= r == g.output || producer(r) < j;
+      ready &= producer(r) <= j;
     if (!ready)
       continue;
     RenameVars rename;
@@ -644,10 +712,11 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
     if (!g.route)
       rename.to[v0.get()] = g.row_var;
     Substitute sub;
-    sub.name = g.output;
+    sub.values[g.output] = g.epilogue;
+    for (const GemmStep::Extra &e : g.extra)
+      sub.values[e.output] = e.value;
     sub.row = g.row_var;
     sub.col = g.col_var;
-    sub.value = g.epilogue;
     Expr value = sub.mutate(rename.mutate(body));
     if (sub.other_reads)
       continue; // reads the GEMM's output elsewhere than its own element
@@ -799,8 +868,9 @@ KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &sche
 
 KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule) {
   KernelProgram p = lower_before_fusion(pipeline, schedule);
-  // Last, so that the row layouts and row maps it reads are final.
-  fuse_elementwise_consumers(p, 0, p.steps.size(), schedule);
+  // Last, so that the row layouts and row maps they read are final.
+  const size_t end = merge_sibling_gemms(p, 0, p.steps.size());
+  fuse_elementwise_consumers(p, 0, end, schedule);
   dump("fuse_elementwise_consumers", p);
   // Forward only: training's backward reads the probabilities (lower_training
   // runs lower_before_fusion, not these).

@@ -50,4 +50,12 @@ KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &sche
 // work crosses from one to the other.
 size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule);
 
+// GEMMs of steps [begin, end) over the same A, rows, columns and tiling
+// (SwiGLU's x W1 and x W3, once autodiff has made them Funcs of their own)
+// become one GEMM with a B and an accumulator each, so A is read once; the
+// later GEMM's output becomes an extra output of the first. Only where the
+// merged accumulators fit (wgmma: tile_n / 2 registers per B and thread, at
+// most 128) and the later B is ready at the first. Returns the new end.
+size_t merge_sibling_gemms(KernelProgram &p, size_t begin, size_t end);
+
 } // namespace moeforge

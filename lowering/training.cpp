@@ -238,7 +238,10 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   // element, which in an epilogue are uncoalesced and not overlapped with the
   // main loop (H200: mixtral's d_h GEMM went from 3.3 to 7.2 ms fused, more
   // than the two kernels it replaced; benchmarks/NOTES.md, training v7).
-  t.forward_steps = fuse_elementwise_consumers(p, 0, forward_count, schedule);
+  // Sibling GEMMs first (SwiGLU's two projections, which autodiff made two
+  // Funcs), so that their element-wise consumers see one epilogue.
+  const size_t merged = merge_sibling_gemms(p, 0, forward_count);
+  t.forward_steps = fuse_elementwise_consumers(p, 0, merged, schedule);
   if (schedule.bf16_activations())
     store_in_bf16(p, t);
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)

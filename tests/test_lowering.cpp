@@ -104,6 +104,37 @@ TEST_CASE("lowering: a training forward's element-wise steps run in its GEMMs' e
   }
 }
 
+TEST_CASE("lowering: SwiGLU's two projections in training run as one GEMM, in h's tiling") {
+  ExampleShape s;
+  s.tokens = 32;
+  Example ex = make_example("swiglu_moe", s);
+  for (bool h_tiled : {false, true}) {
+    INFO((h_tiled ? "tile(h, 128, 128, 64) over a 128 x 256 default" : "the preset's tiling"));
+    Schedule sch = preset("scattermoe");
+    if (h_tiled)
+      sch.mma("*", MmaKind::wgmma_ws).tile("*", 128, 256, 64).tile("h", 128, 128, 64);
+    TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+    int gemms = 0;
+    size_t h = t.forward_steps;
+    for (size_t i = 0; i < t.forward_steps; ++i)
+      if (auto *g = std::get_if<GemmStep>(&t.program.steps[i]); g && g->route) {
+        ++gemms;
+        if (g->b.size() == 2)
+          h = i;
+      }
+    CHECK(gemms == 2); // x [W1 W3], then h W2
+    REQUIRE(h < t.forward_steps);
+    const GemmStep &g = std::get<GemmStep>(t.program.steps[h]);
+    CHECK(g.b == std::vector<std::string>{"w1", "w3"});
+    CHECK(g.tiling.tile_n == 128); // h's own: autodiff's h_silu_in and h_rhs follow it
+    // Every output of both projections and of the element-wise steps
+    // between them comes out of its one epilogue.
+    std::vector<std::string> outs = step_outputs(t.program.steps[h]);
+    for (const char *o : {"h_silu_in", "h_rhs", "h"})
+      CHECK(std::find(outs.begin(), outs.end(), o) != outs.end());
+  }
+}
+
 namespace {
 
 // The mbpaper benchmark's layer (d = 1024, f = 4096, E = 64, k = 1; T is

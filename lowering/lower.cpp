@@ -725,6 +725,28 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
     --i;
     --end;
   }
+  // A fused output no step reads and the caller does not want is not stored
+  // (its value lives on in the outputs it was substituted into).
+  auto unread = [&](const std::string &name) {
+    if (std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end())
+      return false;
+    for (const Step &s : p.steps)
+      for (const std::string &r : step_reads(s))
+        if (r == name)
+          return false;
+    return true;
+  };
+  for (size_t k = begin; k < end; ++k)
+    if (auto *g = std::get_if<GemmStep>(&p.steps[k]))
+      for (size_t e = 0; e < g->extra.size();)
+        if (unread(g->extra[e].output)) {
+          const std::string dropped = g->extra[e].output;
+          g->extra.erase(g->extra.begin() + static_cast<long>(e));
+          p.tensors.erase(
+              std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &x) { return x.name == dropped; }));
+        } else {
+          ++e;
+        }
   // A GEMM output no step reads and the caller does not want is not stored:
   // its first extra output becomes the primary one.
   for (size_t k = begin; k < end; ++k) {

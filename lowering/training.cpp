@@ -88,6 +88,79 @@ void set_output(Step &s, const std::string &out) {
       s);
 }
 
+// Replaces index variables by others, keeping each index's route field.
+struct RenameIndices : IRMutator {
+  std::map<const VarNode *, Var> to;
+  Index index(const Index &i) const {
+    auto it = to.find(i.var.get());
+    if (it == to.end())
+      return i;
+    return i.is_plain() ? Index(it->second) : Index(i.route, i.field, it->second);
+  }
+  Expr mutate_node(const Access &a, const Expr &self) override {
+    std::vector<Index> args;
+    for (const Index &i : a.args)
+      args.push_back(index(i));
+    return a.func ? Access::make(a.func, args) : Access::make(a.buffer, args);
+  }
+  Expr mutate_node(const IndexEq &n, const Expr &self) override { return IndexEq::make(index(n.a), index(n.b)); }
+};
+
+// Replaces reads of one tensor, at plain indices, by its element-wise
+// definition there; `failed` counts reads it could not replace.
+struct InlineValue : IRMutator {
+  const PointwiseStep *def;
+  int failed = 0;
+  Expr mutate_node(const Access &a, const Expr &self) override {
+    if (a.target_name() != def->output)
+      return self;
+    RenameIndices at;
+    for (size_t i = 0; i < a.args.size(); ++i) {
+      if (!a.args[i].is_plain()) {
+        ++failed;
+        return self;
+      }
+      at.to[def->vars[i].get()] = a.args[i].var;
+    }
+    return at.mutate(def->body);
+  }
+};
+
+// The forward's element-wise values that the backward reads only in its own
+// element-wise steps (SwiGLU's h_lhs = silu(h_silu_in)) are made again where
+// the backward reads them, from the tensors they are made of, instead of
+// being kept: an exp and a division per element against writing and
+// reading back a T * k x f tensor. Values that sum or combine, and those a
+// backward GEMM reads, stay kept.
+void inline_elementwise_values(const std::vector<Step> &f_steps, std::vector<Step> &b_steps,
+                               const std::vector<std::string> &outputs) {
+  for (const Step &s : f_steps) {
+    auto *def = std::get_if<PointwiseStep>(&s);
+    if (!def || contains(outputs, def->output) || contains_kind(def->body, ExprKind::Sum) ||
+        contains_kind(def->body, ExprKind::RouteSum) || contains_kind(def->body, ExprKind::Softmax))
+      continue;
+    bool only_elementwise = true, read = false;
+    for (const Step &b : b_steps)
+      if (contains(step_reads(b), def->output)) {
+        read = true;
+        only_elementwise &= std::holds_alternative<PointwiseStep>(b);
+      }
+    if (!read || !only_elementwise)
+      continue;
+    std::vector<Step> inlined = b_steps;
+    bool ok = true;
+    for (Step &b : inlined)
+      if (auto *pw = std::get_if<PointwiseStep>(&b)) {
+        InlineValue v;
+        v.def = def;
+        pw->body = v.mutate(pw->body);
+        ok &= v.failed == 0;
+      }
+    if (ok)
+      b_steps = std::move(inlined);
+  }
+}
+
 std::string joined(const std::vector<std::string> &v) {
   std::string s;
   for (const std::string &x : v)
@@ -229,6 +302,7 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     b_steps.insert(b_steps.begin(), clones.begin(), clones.end());
   }
 
+  inline_elementwise_values(f_steps, b_steps, t.outputs);
   const size_t forward_count = f_steps.size();
   p.steps = std::move(f_steps);
   p.steps.insert(p.steps.end(), b_steps.begin(), b_steps.end());

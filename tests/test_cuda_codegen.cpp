@@ -229,7 +229,7 @@ TEST_CASE("codegen: a dense GEMM's fused extra output is stored at its own row")
   const GemmStep &logits = gemm(p, "logits");
   REQUIRE(logits.extra.size() == 1);
   std::string src = generate_cuda(p).source;
-  CHECK(src.find("g_" + logits.extra[0].output + " + (p0 + lr) * N + col") != std::string::npos);
+  CHECK(src.find("g_" + logits.extra[0].output + " + (p0 + lr) * N") != std::string::npos);
   CHECK(src.find("p0 + lr * N") == std::string::npos);
 }
 
@@ -519,10 +519,11 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
       CHECK(src.find("mf::store8(") != std::string::npos);
       CHECK(src.find("mf::load8(") != std::string::npos);
     }
-    // d_o = gate(r) * d_y(token(r), i): the gate is one scalar read, d_y one
-    // eight-wide load; the combine loads o's rows inside its loop over slots.
+    // d_o = gate(r) * d_y(token(r), i): the renormalised gate made again
+    // from two scalar reads (it is not kept), d_y one eight-wide load.
     std::string d_o = kernel_source(c.layer, "pointwise_d_o");
-    CHECK(d_o.find("g_route_gate[") != std::string::npos);
+    CHECK(d_o.find("g_route_gate_sum[") != std::string::npos);
+    CHECK(d_o.find("g_route_gate[") == std::string::npos);
     CHECK(d_o.find("mf::load8(g_d_y + ") != std::string::npos);
     const GeneratedKernel &gate = kernel_named(c.layer, "pointwise_d_route_gate");
     CHECK(gate.grid.threads_per_element == 32);

@@ -82,8 +82,13 @@ TEST_CASE("lowering: a training forward's element-wise steps run in its GEMMs' e
       for (const GemmStep::Extra &e : g->extra)
         extras.push_back(e.output);
   }
-  CHECK(std::find(extras.begin(), extras.end(), "h_lhs") != extras.end());
   CHECK(std::find(extras.begin(), extras.end(), "h") != extras.end());
+  // h_lhs = silu(h_silu_in) is neither kept nor stored: the backward's one
+  // element-wise reader makes it again from h_silu_in.
+  CHECK(std::find(extras.begin(), extras.end(), "h_lhs") == extras.end());
+  CHECK(t.program.find("h_lhs") == nullptr);
+  CHECK(std::find(t.saved.begin(), t.saved.end(), "h_lhs") == t.saved.end());
+  CHECK(std::find(t.saved.begin(), t.saved.end(), "h_silu_in") != t.saved.end());
   // The backward keeps its element-wise steps (see lowering/training.cpp).
   bool backward_pointwise = false;
   for (size_t i = t.forward_steps; i < t.program.steps.size(); ++i)

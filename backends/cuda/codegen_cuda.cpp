@@ -499,7 +499,21 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
       body << "      const float v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
     for (int e = 0; e < 2; ++e)
       body << "      const float w" << e << " = " << epilogue_call("epilogue", nb, vr, e, "ni + 1", "col8") << ";\n";
-    body << "      mf::store2x2(" << gC << " + out_row * N, col, v0, v1, w0, w1, N);\n    }\n  }\n";
+    body << "      mf::store2x2(" << gC << " + out_row * N, col, v0, v1, w0, w1, N);\n";
+    for (size_t o = 1; o < outputs.size(); ++o) {
+      // A fused output, in its own layout: padded (tile order) or pair.
+      const TensorDecl &t = prog.tensor(outputs[o].first);
+      const std::string fn = "epilogue" + std::to_string(o);
+      std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)" : "(long long)r";
+      body << "      {\n";
+      for (int e = 0; e < 2; ++e)
+        body << "        const float x" << e << " = " << epilogue_call(fn, nb, vr, e) << ";\n";
+      for (int e = 0; e < 2; ++e)
+        body << "        const float y" << e << " = " << epilogue_call(fn, nb, vr, e, "ni + 1", "col8") << ";\n";
+      body << "        mf::store2x2(" << kb.tensor(outputs[o].first, /*writes=*/true) << " + " << row
+           << " * N, col, x0, x1, y0, y1, N);\n      }\n";
+    }
+    body << "    }\n  }\n";
     return;
   }
   body << "#pragma unroll\n    for (int ni = 0; ni < Cfg::NI; ++ni) {\n";
@@ -899,10 +913,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     emit_tma_store_epilogue(g, kb, nb, vr, persistent, body);
   else {
     // 8-byte (bf16) or 16-byte (f32) stores under wgmma (its accumulator
-    // columns: ni * 8 + 2 (lane & 3)), no fused outputs.
-    const DType out = prog.tensor(g.output).dtype;
-    const bool wide_stores =
-        !split_k && wgmma && outputs.size() == 1 && t.tile_n % 16 == 0 && (out == DType::bf16 || out == DType::f32);
+    // columns: ni * 8 + 2 (lane & 3)), for every output alike.
+    bool wide_stores = !split_k && wgmma && t.tile_n % 16 == 0;
+    for (const auto &[name, value] : outputs)
+      wide_stores &= prog.tensor(name).dtype == DType::bf16 || prog.tensor(name).dtype == DType::f32;
     emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, wide_stores, split_k, sorted_pair, gC,
                         body);
   }

@@ -50,7 +50,7 @@ Schedule tuned(const Shape &s, bool wide) {
   return t;
 }
 
-void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, bool recompute) {
+void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, bool recompute, bool skewed) {
   ExampleShape es = shape.example();
   Example ex = biased_moe(es, shape.swiglu, Bias::none, shape.swiglu);
   std::string name = schedule_name;
@@ -67,7 +67,7 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   cuda::CompiledTraining compiled =
       cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device().arch_specific());
   cuda::TrainingLayer layer(device(), compiled, shape.tokens);
-  bench::upload_inputs(layer, ex, es, Bias::none, 0);
+  bench::upload_inputs(layer, ex, es, skewed ? Bias::ramp : Bias::none, shape.skew_ramp);
   std::mt19937_64 rng(2);
   layer.upload_repeated(compiled.training.seed, random_tensor({1 << 22}, rng, -1, 1));
   cuda::Stream stream;
@@ -94,31 +94,48 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   state.counters["fwd_ms"] = f_ms;
   state.counters["bwd_ms"] = b_ms;
   state.counters["saved_MiB"] = double(layer.saved_bytes()) / (1 << 20);
+  // Every tensor the step holds beyond its inputs and weights (activations,
+  // intermediates, gradients), all allocated up front: the step's peak
+  // beyond them, as torch's step_peak_MiB counts it.
+  state.counters["step_MiB"] = double(layer.layer().activation_bytes()) / (1 << 20);
   state.SetLabel(device().name());
   // A MOEFORGE_TIMELINE build: each GEMM's tile phases (setup, main loop,
   // epilogue), forward and backward alike.
+  const std::string tag = std::string(schedule_name) + (recompute ? "+re" : "") + (skewed ? " skewed" : "");
   for (const std::string &line : layer.timeline(stream))
-    std::printf("timeline %s %s%s: %s\n", shape.name, schedule_name, recompute ? "+re" : "", line.c_str());
+    std::printf("timeline %s %s: %s\n", shape.name, tag.c_str(), line.c_str());
   if (std::getenv("MOEFORGE_PROFILE")) {
     for (const auto &[step, ms] : layer.profile_forward(stream))
-      std::printf("profile %s %s%s fwd: %-36s %8.3f ms\n", shape.name, schedule_name, recompute ? "+re" : "",
-                  step.c_str(), ms);
+      std::printf("profile %s %s fwd: %-36s %8.3f ms\n", shape.name, tag.c_str(), step.c_str(), ms);
     for (const auto &[step, ms] : layer.profile_backward(stream))
-      std::printf("profile %s %s%s bwd: %-36s %8.3f ms\n", shape.name, schedule_name, recompute ? "+re" : "",
-                  step.c_str(), ms);
+      std::printf("profile %s %s bwd: %-36s %8.3f ms\n", shape.name, tag.c_str(), step.c_str(), ms);
   }
 }
 
+// train/<shape>/<routing>/<schedule>/<memory>: every schedule on the design
+// shapes with uniform routing; the widest schedule also with skewed routing
+// (a ramp on the router logits: the busiest expert gets about 3x the mean)
+// and on the extra shapes.
 void register_all() {
-  for (const Shape &s : bench::kMoeShapes)
+  auto add = [](const Shape &s, const char *p, bool re, bool skewed) {
+    std::string name =
+        std::string("train/") + s.name + (skewed ? "/skewed/" : "/uniform/") + p + (re ? "/recompute" : "/store");
+    benchmark::RegisterBenchmark(name.c_str(), BM_train, s, p, re, skewed)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(2);
+  };
+  for (const Shape &s : bench::kMoeShapes) {
     for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_wide", "tuned_wide_persist"})
-      for (bool re : {false, true}) {
-        std::string name = std::string("train/") + s.name + "/" + p + (re ? "/recompute" : "/store");
-        benchmark::RegisterBenchmark(name.c_str(), BM_train, s, p, re)
-            ->UseManualTime()
-            ->Unit(benchmark::kMillisecond)
-            ->Iterations(2);
-      }
+      for (bool re : {false, true})
+        add(s, p, re, false);
+    add(s, "tuned_wide", false, true);
+  }
+  for (const Shape &s : bench::kExtraTrainShapes)
+    for (bool skewed : {false, true})
+      for (bool re : {false, true})
+        if (!(skewed && re))
+          add(s, "tuned_wide", re, skewed);
 }
 
 } // namespace

@@ -35,6 +35,14 @@ inline constexpr MoeShape kMoeShapes[] = {
     {"mbpaper", 16384, 1024, 4096, 64, 1, false, 0.35},
 };
 
+// Two more training shapes, as real models have them: many experts with a
+// small f (Qwen3-30B-A3B's 128 experts, f = 768, top-8) and d = f = 2880,
+// no multiple of 128 (gpt-oss-120b's 128 experts, top-4).
+inline constexpr MoeShape kExtraTrainShapes[] = {
+    {"qwen3moe", 16384, 2048, 768, 128, 8, true, 0.6},
+    {"gptoss", 8192, 2880, 2880, 128, 4, true, 0.6},
+};
+
 // Random inputs of the example's ranges on `layer` (a cuda::CudaLayer or
 // cuda::TrainingLayer), the router bias from `bias`. Tensors past 4M values
 // repeat a 4M random pattern: gigabytes of weights need no host-side random

@@ -48,6 +48,10 @@ SHAPES = [  # name, T, d, f, E, k, swiglu, skew ramp (as torch_grouped_mm.py)
     ("mixtral", 8192, 4096, 14336, 8, 2, True, 1.0),
     ("fine64", 16384, 2048, 1408, 64, 8, True, 0.6),
     ("mbpaper", 16384, 1024, 4096, 64, 1, False, 0.35),
+    # bench_moe_train's extra shapes (benchmarks/moe_shapes.h): Qwen3-30B-A3B's
+    # 128 experts with f = 768, and gpt-oss-120b's d = f = 2880.
+    ("qwen3moe", 16384, 2048, 768, 128, 8, True, 0.6),
+    ("gptoss", 8192, 2880, 2880, 128, 4, True, 0.6),
 ]
 
 MiB = float(1 << 20)

@@ -115,6 +115,12 @@ Schedule &Schedule::bf16_activations(bool on) {
   return *this;
 }
 
+Schedule &Schedule::reuse_memory(bool on) {
+  reuse_memory_ = on;
+  calls_.push_back(std::string("reuse_memory(") + (on ? "true" : "false") + ")");
+  return *this;
+}
+
 Schedule &Schedule::recompute(bool on) {
   recompute_ = on;
   calls_.push_back(std::string("recompute(") + (on ? "true" : "false") + ")");

@@ -130,6 +130,13 @@ public:
   // and their traffic, at bf16's rounding of each stored value (the GEMMs
   // still accumulate in f32).
   Schedule &bf16_activations(bool on);
+  // Tensors share device memory by lifetime (runtime/memory_plan.h): a
+  // tensor's bytes are reused once the steps that read it have run, so a
+  // layer holds the working set of its busiest step instead of every
+  // intermediate at once. Outputs, gradients and what a training forward
+  // keeps for its backward are never reused; other intermediates cannot be
+  // downloaded after a run (the GPU backend; the CPU backend ignores it).
+  Schedule &reuse_memory(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -161,6 +168,7 @@ public:
   GateFusion gate() const { return gate_; }
   bool recompute() const { return recompute_; }
   bool bf16_activations() const { return bf16_activations_; }
+  bool reuse_memory() const { return reuse_memory_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
   FuncSchedule for_func(const std::string &func) const;
@@ -210,6 +218,7 @@ private:
   GateFusion gate_ = GateFusion::combine;
   bool recompute_ = false;
   bool bf16_activations_ = false;
+  bool reuse_memory_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

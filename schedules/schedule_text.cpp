@@ -48,6 +48,7 @@ const std::vector<Signature> &signatures() {
       {"tma_store", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"cluster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
       {"bf16_activations", {{"on", ArgType::boolean}}},
+      {"reuse_memory", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -275,6 +276,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.recompute(bools[0]);
       } else if (st.primitive == "bf16_activations") {
         s.bf16_activations(bools[0]);
+      } else if (st.primitive == "reuse_memory") {
+        s.reuse_memory(bools[0]);
       } else if (st.primitive == "tile") {
         s.tile(func, i(1), i(2), i(3));
       } else if (st.primitive == "stages") {

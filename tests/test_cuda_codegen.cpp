@@ -531,6 +531,27 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
   }
 }
 
+TEST_CASE("codegen: the backward's GEMMs over transposed weights read them by TMA") {
+  // dH = dO W2^T and dX = dH1 W1^T read W^T in place, stored [N, K] per
+  // expert: boxes of 64 rows n x 64 k, K-major as wgmma takes B^T.
+  Example ex = make_example("swiglu_moe", small());
+  cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), bench::tuned_wide(true));
+  check_resources(c.layer, "swiglu_moe training, tuned_wide");
+  for (const auto &[gemm, w] : {std::pair{"gemm_d_h", "w2"}, {"gemm_d_x_s", "w1"}, {"gemm_d_x_s2", "w3"}}) {
+    INFO(gemm);
+    std::string src = kernel_source(c.layer, gemm);
+    CHECK(src.find("B read transposed ([N, K])") != std::string::npos);
+    CHECK(src.find("const __grid_constant__ mf::TmaDesc tma_" + std::string(w)) != std::string::npos);
+    bool b_map = false;
+    for (const KernelArg &a : kernel_named(c.layer, gemm).args)
+      if (a.kind == KernelArg::Kind::tma && a.name == w) {
+        b_map = true;
+        CHECK(a.rows == (std::string(w) == "w2" ? small().f : small().d)); // [N, K]: N rows
+      }
+    CHECK(b_map);
+  }
+}
+
 TEST_CASE("codegen: a few long reductions run a block per element") {
   // The router bias's gradient: d_bias(e) = sum over every token of
   // d_logits(t, e), E = 8 elements: a block of 256 threads each.

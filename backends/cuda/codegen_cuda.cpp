@@ -594,10 +594,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   const bool in_place = g.operands_in_place;
   const bool ws = t.mma == MmaKind::wgmma_ws;
   const bool wgmma = t.mma == MmaKind::wgmma || ws;
-  // B by TMA: a dense [K, N] matrix per expert (or one for all rows) whose
-  // shape is known here; transposed B, expert reductions and dynamic K stay
-  // on cp.async.
-  const bool tma = wgmma && t.tma && !in_place && !g.b_trans && !g.expert_k && !g.k.is_dynamic();
+  // B by TMA: a dense [K, N] matrix per expert (or one for all rows), or
+  // its transpose [N, K] read in place (the backward's dX = dH W^T), whose
+  // shape is known here; expert reductions and dynamic K stay on cp.async.
+  const bool tma = wgmma && t.tma && !in_place && !g.expert_k && !g.k.is_dynamic();
   // A by TMA too when its rows are consecutive (tile order, or a dense A).
   const bool a_tma = tma && g.a_rows == RowMap::direct;
   internal_check(!tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
@@ -852,7 +852,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     if (tma) {
       body << "  const mf::TmaDesc *tB[" << nb << "] = {";
       for (int b = 0; b < nb; ++b)
-        body << (b ? ", " : "") << "&" << kb.tma(g.b[b], g.k.extent(), g.n.extent());
+        body << (b ? ", " : "") << "&"
+             << (g.b_trans ? kb.tma(g.b[b], g.n.extent(), g.k.extent()) : kb.tma(g.b[b], g.k.extent(), g.n.extent()));
       body << "};  // B tiles by TMA, batch " << (g.b_per_expert ? "= expert" : "0") << "\n";
     } else {
       body << "  const mf::bf16 *gB[" << nb << "] = {";

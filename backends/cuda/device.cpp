@@ -67,17 +67,27 @@ DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
     MOEFORGE_CU(cuMemAlloc, &ptr_, bytes);
 }
 
+DeviceBuffer DeviceBuffer::view(CUdeviceptr ptr, size_t bytes) {
+  DeviceBuffer b;
+  b.ptr_ = ptr;
+  b.bytes_ = bytes;
+  b.owned_ = false;
+  return b;
+}
+
 DeviceBuffer::~DeviceBuffer() {
-  if (ptr_)
+  if (ptr_ && owned_)
     driver().cuMemFree(ptr_);
 }
 
 DeviceBuffer::DeviceBuffer(DeviceBuffer &&other) noexcept
-    : ptr_(std::exchange(other.ptr_, 0)), bytes_(std::exchange(other.bytes_, 0)) {}
+    : ptr_(std::exchange(other.ptr_, 0)), bytes_(std::exchange(other.bytes_, 0)),
+      owned_(std::exchange(other.owned_, true)) {}
 
 DeviceBuffer &DeviceBuffer::operator=(DeviceBuffer &&other) noexcept {
   std::swap(ptr_, other.ptr_);
   std::swap(bytes_, other.bytes_);
+  std::swap(owned_, other.owned_);
   return *this;
 }
 

@@ -77,6 +77,9 @@ public:
   DeviceBuffer() = default;
   // Zero bytes is allowed: no allocation, ptr() is 0.
   explicit DeviceBuffer(size_t bytes);
+  // `bytes` at `ptr` inside another buffer, which must outlive this one; not
+  // freed by it.
+  static DeviceBuffer view(CUdeviceptr ptr, size_t bytes);
   ~DeviceBuffer();
   DeviceBuffer(DeviceBuffer &&other) noexcept;
   DeviceBuffer &operator=(DeviceBuffer &&other) noexcept;
@@ -129,6 +132,7 @@ private:
   void check_fits(size_t bytes, const char *what) const;
   CUdeviceptr ptr_ = 0;
   size_t bytes_ = 0;
+  bool owned_ = true;
 };
 
 } // namespace moeforge::cuda

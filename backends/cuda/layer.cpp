@@ -33,7 +33,7 @@ CompiledLayer compile_program(KernelProgram program, const std::string &arch) {
   return c;
 }
 
-CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens)
+CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens, size_t keep_across)
     : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens), module_(layer.compiled.cubin, "moeforge layer"),
       routing_(device), sm_count_(device.sm_count()) {
   for (const auto &[r, shape] : shapes_.routings()) {
@@ -41,8 +41,15 @@ CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t t
     padded_rows_[r] = plan->offsets.ptr() + sizeof(int32_t) * shape.experts;
     plans_[r] = std::move(plan);
   }
+  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype); };
+  if (layer_.program.reuse_memory) {
+    plan_ = std::make_unique<MemoryPlan>(plan_memory(layer_.program, bytes, keep_across));
+    arena_ = DeviceBuffer(plan_->arena_bytes);
+  }
   for (const TensorDecl &t : layer_.program.tensors)
-    tensors_.emplace(t.name, DeviceBuffer(static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype)));
+    tensors_.emplace(t.name, plan_ && !t.is_input
+                                 ? DeviceBuffer::view(arena_.ptr() + plan_->offset.at(t.name), bytes(t))
+                                 : DeviceBuffer(bytes(t)));
   bind();
 }
 
@@ -252,6 +259,9 @@ std::vector<std::string> CudaLayer::timeline(const Stream &stream) {
 
 HostTensor CudaLayer::download(const std::string &func) const {
   const TensorDecl &t = layer_.program.tensor(func);
+  user_check(!plan_ || plan_->outlives_run(func))
+      << "'" << func << "' shares its memory with other tensors under reuse_memory(true): its value is gone once "
+      << "the steps that read it have run; download it from a layer compiled without reuse_memory";
   std::vector<uint8_t> bytes = tensors_.at(func).download<uint8_t>();
   if (t.layout != RowLayout::padded)
     return shapes_.decode(t, bytes);
@@ -267,6 +277,8 @@ std::vector<int32_t> CudaLayer::routed_experts(const std::string &route) const {
 }
 
 size_t CudaLayer::activation_bytes() const {
+  if (plan_)
+    return plan_->arena_bytes;
   size_t n = 0;
   for (const TensorDecl &t : layer_.program.tensors)
     if (!t.is_input)

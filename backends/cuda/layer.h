@@ -19,6 +19,7 @@
 #include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
 #include "lowering/kernel_program.h"
+#include "runtime/memory_plan.h"
 #include "runtime/program_shapes.h"
 #include "schedules/schedule.h"
 
@@ -39,7 +40,10 @@ CompiledLayer compile_program(KernelProgram program, const std::string &arch = "
 // A compiled layer bound to device memory for `tokens` tokens.
 class CudaLayer {
 public:
-  CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens);
+  // keep_across: under Schedule::reuse_memory, tensors written before this
+  // step and read at or after it keep their memory to the end (a training
+  // program's forward steps: what the backward reads); 0 for none.
+  CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens, size_t keep_across = 0);
 
   // Uploads every Input and Param (rounded to its dtype). Shapes must match
   // the declared Dims with the token Dim = tokens.
@@ -68,14 +72,17 @@ public:
   // saying what its blocks spent their time on (timeline.h). Empty otherwise.
   std::vector<std::string> timeline(const Stream &stream);
   // Downloads a Func's values as the reference lays them out (routed rows in
-  // pair order, whatever the device layout). Synchronises.
+  // pair order, whatever the device layout). Synchronises. Under
+  // reuse_memory, only tensors whose values outlive the run (outputs,
+  // gradients, what the forward keeps): UserError for the others.
   HostTensor download(const std::string &func) const;
   // The experts the device chose, pair order (r = t * k + slot).
   std::vector<int32_t> routed_experts(const std::string &route) const;
 
   const CompiledLayer &compiled() const { return layer_; }
   int64_t tokens() const { return tokens_; }
-  // Bytes of device memory held for intermediates and outputs (not inputs).
+  // Bytes of device memory held for intermediates and outputs (not inputs):
+  // under reuse_memory, the shared arena's.
   size_t activation_bytes() const;
 
 private:
@@ -95,7 +102,9 @@ private:
   ProgramShapes shapes_;
   Module module_;
   DeviceRouting routing_;
-  std::map<std::string, DeviceBuffer> tensors_;
+  std::unique_ptr<MemoryPlan> plan_; // reuse_memory: where each tensor sits in arena_
+  DeviceBuffer arena_;
+  std::map<std::string, DeviceBuffer> tensors_; // views into arena_ for planned tensors
   std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
   std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows
   std::deque<CUtensorMap> tensor_maps_;                    // TMA arguments (a deque: their addresses stay put)

@@ -658,7 +658,9 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
   // ---- B by TMA. tB[b]: operand b as a 3-D tensor map {N, K, batches}
   // with 64 x 64 boxes and the 128-byte swizzle, which lays each box out
   // exactly as b_off does (64-column slabs of 64 k-rows x 128 bytes, chunk c
-  // of row k at c ^ (k & 7)): the consumers' wgmmas read it unchanged. One
+  // of row k at c ^ (k & 7)): the consumers' wgmmas read it unchanged. BT:
+  // B^T stored [N, K], a map {K, N, batches} whose boxes of 64 rows n land
+  // as bt_off lays them out. One
   // loading thread tells the stage's `full` barrier how many bytes to
   // expect, then issues the boxes; the copy engine zero-fills past K and N.
   // A comes through one of two loaders:
@@ -708,11 +710,14 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
       for (int b = 0; b < NB; ++b)
 #pragma unroll
         for (int s = 0; s < BN / 64; ++s) {
+          // N-major B: slab s of 64 columns x 64 k-rows; K-major B^T (BT):
+          // 64 rows n x 64 k, laid out as bt_off does (A's layout).
           const unsigned dst = sA + A_STAGE_BYTES + b * B_STAGE_BYTES + s * (BK * 128);
+          const int c0 = BT ? kt * BK : n0 + s * 64, c1 = BT ? n0 + s * 64 : kt * BK;
           if (!PAIR)
-            tma_load_3d(dst, tB[b], n0 + s * 64, kt * BK, batch, bar);
+            tma_load_3d(dst, tB[b], c0, c1, batch, bar);
           else if (((b * (BN / 64) + s) & 1) == (int)rank)
-            tma_load_3d_multicast(dst, tB[b], n0 + s * 64, kt * BK, batch, bar, (unsigned short)3);
+            tma_load_3d_multicast(dst, tB[b], c0, c1, batch, bar, (unsigned short)3);
         }
     }
     a.load(sA, kt, t, K, bar);

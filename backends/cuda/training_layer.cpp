@@ -20,7 +20,8 @@ CompiledTraining compile_training(const Pipeline &forward, const Func &output, c
 }
 
 TrainingLayer::TrainingLayer(const Device &device, const CompiledTraining &compiled, int64_t tokens)
-    : compiled_(compiled), layer_(device, compiled.layer, tokens), state_(compiled.training) {}
+    : compiled_(compiled), layer_(device, compiled.layer, tokens, compiled.training.forward_steps),
+      state_(compiled.training) {}
 
 void TrainingLayer::upload(const TensorMap &inputs) {
   state_.upload_inputs(inputs, [&](const std::string &name, const HostTensor &t) { layer_.upload(name, t); });

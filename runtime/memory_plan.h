@@ -1,0 +1,42 @@
+// Where each tensor of a kernel program lives when tensors share memory
+// (Schedule::reuse_memory): one arena, each tensor at an offset, two tensors
+// overlapping only if no step runs while both hold values someone reads.
+//
+// A tensor is live from the first step that touches it to the last; it is
+// kept (live to the end of the program) when the caller reads it after a
+// run (an output, a gradient) or when it crosses `boundary`: written before
+// it and read at or after it (what a training step's forward keeps for its
+// backward, which may run more than once on it). Target-independent, so
+// the CPU tests check it; the CUDA runtime places its buffers by it.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "lowering/kernel_program.h"
+
+namespace moeforge {
+
+struct MemoryPlan {
+  std::map<std::string, size_t> offset;                  // bytes into the arena, for every planned tensor
+  std::map<std::string, size_t> size;                    // bytes, rounded up to the alignment
+  std::map<std::string, std::pair<size_t, size_t>> live; // first and last step, inclusive
+  size_t arena_bytes = 0;
+  size_t separate_bytes = 0; // what the same tensors take one buffer each
+  size_t last_step = 0;
+  // Whether `name` shares bytes with another tensor.
+  bool shares(const std::string &name) const;
+  // Whether its value is still there after a run: kept to the last step,
+  // or on bytes of its own.
+  bool outlives_run(const std::string &name) const;
+};
+
+// Plans every tensor that is not an input; `bytes` gives each one's size.
+// Offsets are multiples of `alignment`.
+MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes, size_t boundary,
+                       size_t alignment = 256);
+
+} // namespace moeforge

@@ -1,0 +1,94 @@
+// runtime/memory_plan.h: tensors share memory by lifetime (reuse_memory).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+
+#include "examples/examples.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
+#include "runtime/memory_plan.h"
+#include "runtime/program_shapes.h"
+#include "schedules/presets.h"
+
+using namespace moeforge;
+
+namespace {
+
+ExampleShape shape_of(int64_t tokens) {
+  ExampleShape s;
+  s.tokens = tokens;
+  s.d = 64;
+  s.f = 128;
+  s.experts = 8;
+  s.topk = 2;
+  return s;
+}
+
+// No two tensors whose lifetimes meet share a byte; offsets are aligned.
+void check_disjoint(const MemoryPlan &plan) {
+  for (const auto &[a, at_a] : plan.offset) {
+    CHECK(at_a % 256 == 0);
+    CHECK(at_a + plan.size.at(a) <= plan.arena_bytes);
+    for (const auto &[b, at_b] : plan.offset) {
+      if (a >= b)
+        continue;
+      const auto &[fa, la] = plan.live.at(a);
+      const auto &[fb, lb] = plan.live.at(b);
+      if (fa <= lb && fb <= la) {
+        INFO(a << " [" << fa << ", " << la << "] and " << b << " [" << fb << ", " << lb << "]");
+        CHECK((at_a + plan.size.at(a) <= at_b || at_b + plan.size.at(b) <= at_a));
+      }
+    }
+  }
+}
+
+} // namespace
+
+TEST_CASE("memory plan: a training step's tensors share memory by lifetime; what outlives the run keeps its own") {
+  for (const char *name : {"moe_mlp", "swiglu_moe"}) {
+    INFO(name);
+    ExampleShape s = shape_of(300);
+    Example ex = make_example(name, s);
+    Schedule sch = preset("scattermoe");
+    sch.reuse_memory(true);
+    TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+    CHECK(t.program.reuse_memory);
+    ProgramShapes shapes(t.program, s.tokens);
+    MemoryPlan plan = plan_memory(
+        t.program, [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); },
+        t.forward_steps);
+    check_disjoint(plan);
+    CHECK(plan.arena_bytes < plan.separate_bytes);
+    // Inputs are the caller's: not planned.
+    CHECK(plan.offset.count("x") == 0);
+    // The outputs, the gradients and what the forward keeps for the backward
+    // live to the last step, so a second backward and the caller read them.
+    std::vector<std::string> kept = t.saved;
+    kept.insert(kept.end(), t.outputs.begin(), t.outputs.end());
+    kept.insert(kept.end(), t.gradients.begin(), t.gradients.end());
+    for (const std::string &k : kept) {
+      INFO(k);
+      REQUIRE(plan.live.count(k));
+      CHECK(plan.live.at(k).second == plan.last_step);
+      CHECK(plan.outlives_run(k));
+    }
+    // Some backward intermediate is gone after the run (its bytes reused).
+    bool reused = false;
+    for (const auto &[n, at] : plan.offset)
+      reused |= !plan.outlives_run(n);
+    CHECK(reused);
+  }
+}
+
+TEST_CASE("memory plan: a forward layer keeps its output and reuses its intermediates") {
+  ExampleShape s = shape_of(200);
+  Example ex = make_example("swiglu_moe", s);
+  KernelProgram p = lower(ex.pipeline, preset("megablocks"));
+  ProgramShapes shapes(p, s.tokens);
+  MemoryPlan plan = plan_memory(
+      p, [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); }, 0);
+  check_disjoint(plan);
+  CHECK(plan.outlives_run("y"));
+  CHECK(plan.live.at("y").second == plan.last_step);
+  CHECK(plan.arena_bytes <= plan.separate_bytes);
+}

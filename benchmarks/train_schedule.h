@@ -11,10 +11,11 @@ namespace moeforge::bench {
 // (h) stays at 128 columns per B, since 128 accumulator registers per
 // thread is all wgmma leaves room for. The pre-activations and the
 // backward's per-pair gradients in bf16 (bf16_activations), and tensors
-// sharing memory by lifetime (reuse_memory).
+// sharing memory by lifetime (reuse_memory), the expert weights' gradients
+// in bf16 (bf16_weight_gradients).
 inline Schedule tuned_wide(bool swiglu) {
   Schedule t = scattermoe();
-  t.bf16_activations(true).reuse_memory(true);
+  t.bf16_activations(true).reuse_memory(true).bf16_weight_gradients(true);
   t.mma("*", MmaKind::wgmma_ws).tile("*", 128, 256, 64).tile("logits", 128, 64, 64);
   if (swiglu)
     t.tile("h", 128, 128, 64);

@@ -318,6 +318,10 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   t.forward_steps = fuse_elementwise_consumers(p, 0, merged, schedule);
   if (schedule.bf16_activations())
     store_in_bf16(p, t);
+  if (schedule.bf16_weight_gradients())
+    for (const Step &s : p.steps)
+      if (auto *g = std::get_if<GemmStep>(&s); g && g->expert_k && contains(t.gradients, g->output))
+        p.find(g->output)->dtype = DType::bf16;
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))
       if (producer.count(r) && !contains(t.saved, r))

@@ -121,6 +121,12 @@ Schedule &Schedule::reuse_memory(bool on) {
   return *this;
 }
 
+Schedule &Schedule::bf16_weight_gradients(bool on) {
+  bf16_weight_gradients_ = on;
+  calls_.push_back(std::string("bf16_weight_gradients(") + (on ? "true" : "false") + ")");
+  return *this;
+}
+
 Schedule &Schedule::recompute(bool on) {
   recompute_ = on;
   calls_.push_back(std::string("recompute(") + (on ? "true" : "false") + ")");

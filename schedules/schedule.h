@@ -137,6 +137,12 @@ public:
   // keeps for its backward are never reused; other intermediates cannot be
   // downloaded after a run (the GPU backend; the CPU backend ignores it).
   Schedule &reuse_memory(bool on);
+  // Training: the per-expert weights' gradients (the expert reductions'
+  // outputs, E x d x f each) stored in bf16, as the weights are: half the
+  // step's memory for them and half their epilogues' bytes. The sums still
+  // run in f32 and each gradient is rounded once. The router's gradient
+  // stays f32 (its split-K slices add into it).
+  Schedule &bf16_weight_gradients(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -169,6 +175,7 @@ public:
   bool recompute() const { return recompute_; }
   bool bf16_activations() const { return bf16_activations_; }
   bool reuse_memory() const { return reuse_memory_; }
+  bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
   FuncSchedule for_func(const std::string &func) const;
@@ -219,6 +226,7 @@ private:
   bool recompute_ = false;
   bool bf16_activations_ = false;
   bool reuse_memory_ = false;
+  bool bf16_weight_gradients_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

@@ -49,6 +49,7 @@ const std::vector<Signature> &signatures() {
       {"cluster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
       {"bf16_activations", {{"on", ArgType::boolean}}},
       {"reuse_memory", {{"on", ArgType::boolean}}},
+      {"bf16_weight_gradients", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -278,6 +279,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.bf16_activations(bools[0]);
       } else if (st.primitive == "reuse_memory") {
         s.reuse_memory(bools[0]);
+      } else if (st.primitive == "bf16_weight_gradients") {
+        s.bf16_weight_gradients(bools[0]);
       } else if (st.primitive == "tile") {
         s.tile(func, i(1), i(2), i(3));
       } else if (st.primitive == "stages") {

@@ -365,6 +365,33 @@ TEST_SUITE("cpu") {
       }
   }
 
+  TEST_CASE("cpu training: bf16_weight_gradients stores the expert weights' gradients in bf16, within tolerance") {
+    ExampleShape s = shape(150, 64, 128, 8, 2);
+    Example ex = make_example("swiglu_moe", s);
+    Training train = training_of(ex);
+    TensorMap in = with_seed_gradients(ex.pipeline, train, ex.random_inputs(s, 15), 25);
+    Schedule sch = named("scattermoe", false);
+    sch.bf16_weight_gradients(true);
+    CHECK(Schedule::from_text(sch.to_text()).bf16_weight_gradients());
+    cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+    const TrainingProgram &tp = compiled.training;
+    for (const char *g : {"d_w1", "d_w3", "d_w2"})
+      CHECK(tp.program.tensor(g).dtype == DType::bf16);
+    CHECK(tp.program.tensor("d_wr").dtype == DType::f32); // the router's: split-K adds into f32
+    CHECK(tp.program.tensor("d_x").dtype == DType::f32);
+    cpu::CpuTrainingLayer layer(compiled, s.tokens);
+    layer.upload(in);
+    layer.poison();
+    layer.upload_upstream_gradient(in.at(tp.seed));
+    layer.forward();
+    layer.backward();
+    EvalResult ref = evaluate(train.pipeline, in, Precision::f64);
+    for (size_t i = 0; i < tp.of.size(); ++i) {
+      INFO("gradient of " << tp.of[i]);
+      CHECK(gradient_error(layer.gradient(tp.of[i]), ref[tp.gradients[i]]) <= 2e-2);
+    }
+  }
+
   TEST_CASE("cpu training: gradient() of an unknown name and backward() before forward() are user errors") {
     ExampleShape s = shape(32, 64, 128, 8, 2);
     Example ex = make_example("moe_mlp", s);

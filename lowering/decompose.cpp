@@ -9,6 +9,7 @@
 #include "dsl/ops.h"
 #include "dsl/printer.h"
 #include "dsl/visitor.h"
+#include "lowering/rename_indices.h"
 
 namespace moeforge {
 
@@ -64,33 +65,6 @@ Expr product(const std::vector<Expr> &factors) {
   return p.defined() ? p : Expr(1.0);
 }
 
-// Replaces free variables by others (over the same Dims), for comparing
-// expressions up to the names of their indices.
-struct Rename : IRMutator {
-  std::map<const VarNode *, Var> to;
-  Index index(const Index &i) const {
-    auto it = to.find(i.var.get());
-    if (it == to.end())
-      return i;
-    return i.is_plain() ? Index(it->second) : Index(i.route, i.field, it->second);
-  }
-  Expr mutate_node(const Access &a, const Expr &self) override {
-    std::vector<Index> args;
-    bool changed = false;
-    for (const Index &i : a.args) {
-      args.push_back(index(i));
-      changed |= !args.back().var.same_as(i.var);
-    }
-    if (!changed)
-      return self;
-    return a.func ? Access::make(a.func, args) : Access::make(a.buffer, args);
-  }
-  Expr mutate_node(const IndexEq &n, const Expr &self) override {
-    Index x = index(n.a), y = index(n.b);
-    return x.var.same_as(n.a.var) && y.var.same_as(n.b.var) ? self : IndexEq::make(x, y);
-  }
-};
-
 // A read of operand `e` is plain when it is one tensor read.
 const Access *plain(const std::vector<Expr> &side) { return side.size() == 1 ? side[0].as<Access>() : nullptr; }
 
@@ -138,7 +112,7 @@ Decomposer::Split split_sum(const Sum &s, const Var &row, const Var &col) {
 
 Expr Decomposer::part(const std::string &name, const std::vector<Var> &args, const Expr &body, DType t,
                       std::vector<FuncPtr> &parts) {
-  Rename canon; // a route's pair index is the same Var everywhere: kept
+  RenameIndices canon; // compared up to index names; a route's pair index is the same Var everywhere: kept
   for (size_t i = 0; i < args.size(); ++i)
     if (std::none_of(pipeline_.routes().begin(), pipeline_.routes().end(),
                      [&](const RoutingPtr &r) { return r->pair.same_as(args[i]); }))

@@ -13,6 +13,7 @@
 #include "dsl/ops.h"
 #include "dsl/printer.h"
 #include "dsl/visitor.h"
+#include "lowering/rename_indices.h"
 
 namespace moeforge {
 
@@ -526,21 +527,10 @@ KernelProgram materialize_transposes(KernelProgram p, const Schedule &) {
 
 namespace {
 
-// Renames index variables (a route's pair variable is never renamed: the
-// consumer and the GEMM share it).
-struct RenameVars : IRMutator {
-  std::map<const VarNode *, Var> to;
-  Index index(const Index &i) const {
-    auto it = to.find(i.var.get());
-    return it == to.end() || !i.is_plain() ? i : Index(it->second);
-  }
-  Expr mutate_node(const Access &a, const Expr &self) override {
-    std::vector<Index> args;
-    for (const Index &i : a.args)
-      args.push_back(index(i));
-    return a.func ? Access::make(a.func, args) : Access::make(a.buffer, args);
-  }
-  Expr mutate_node(const IndexEq &n, const Expr &self) override { return IndexEq::make(index(n.a), index(n.b)); }
+// Renames plain index variables (a route's pair variable is never renamed:
+// the consumer and the GEMM share it).
+struct RenameVars : RenameIndices {
+  RenameVars() { plain_only = true; }
 };
 
 // Replaces reads of each named tensor at exactly (row, col) by its value;
@@ -614,14 +604,21 @@ RowMap output_rows(const GemmStep &g, const TensorDecl &t) {
 
 } // namespace
 
+namespace {
+
+// The index of the step that writes `name`; -1 for an input.
+long step_writing(const KernelProgram &p, const std::string &name) {
+  for (size_t k = 0; k < p.steps.size(); ++k)
+    for (const std::string &o : step_outputs(p.steps[k]))
+      if (o == name)
+        return static_cast<long>(k);
+  return -1;
+}
+
+} // namespace
+
 size_t merge_sibling_gemms(KernelProgram &p, size_t begin, size_t end) {
-  auto producer = [&](const std::string &name) -> long {
-    for (size_t k = 0; k < p.steps.size(); ++k)
-      for (const std::string &o : step_outputs(p.steps[k]))
-        if (o == name)
-          return static_cast<long>(k);
-    return -1; // an input
-  };
+  auto producer = [&](const std::string &name) { return step_writing(p, name); };
   auto siblings = [](const GemmStep &x, const GemmStep &y) {
     return x.route == y.route && x.m.same_as(y.m) && x.n.same_as(y.n) && x.k.same_as(y.k) && x.a == y.a &&
            x.a_rows == y.a_rows && x.a_trans == y.a_trans && x.b_per_expert == y.b_per_expert &&
@@ -664,13 +661,7 @@ size_t merge_sibling_gemms(KernelProgram &p, size_t begin, size_t end) {
 }
 
 size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule) {
-  auto producer = [&](const std::string &name) -> long {
-    for (size_t k = 0; k < p.steps.size(); ++k)
-      for (const std::string &o : step_outputs(p.steps[k]))
-        if (o == name)
-          return static_cast<long>(k);
-    return -1; // an input
-  };
+  auto producer = [&](const std::string &name) { return step_writing(p, name); };
   for (size_t i = begin; i < end; ++i) {
     auto *pw = std::get_if<PointwiseStep>(&p.steps[i]);
     if (!pw || pw->vars.size() != 2 || contains_kind(pw->body, ExprKind::Sum) ||

@@ -8,6 +8,7 @@
 #include "dsl/error.h"
 #include "dsl/visitor.h"
 #include "lowering/lower.h"
+#include "lowering/rename_indices.h"
 
 namespace moeforge {
 
@@ -87,24 +88,6 @@ void set_output(Step &s, const std::string &out) {
       },
       s);
 }
-
-// Replaces index variables by others, keeping each index's route field.
-struct RenameIndices : IRMutator {
-  std::map<const VarNode *, Var> to;
-  Index index(const Index &i) const {
-    auto it = to.find(i.var.get());
-    if (it == to.end())
-      return i;
-    return i.is_plain() ? Index(it->second) : Index(i.route, i.field, it->second);
-  }
-  Expr mutate_node(const Access &a, const Expr &self) override {
-    std::vector<Index> args;
-    for (const Index &i : a.args)
-      args.push_back(index(i));
-    return a.func ? Access::make(a.func, args) : Access::make(a.buffer, args);
-  }
-  Expr mutate_node(const IndexEq &n, const Expr &self) override { return IndexEq::make(index(n.a), index(n.b)); }
-};
 
 // Replaces reads of one tensor, at plain indices, by its element-wise
 // definition there; `failed` counts reads it could not replace.

@@ -109,29 +109,19 @@ Schedule &Schedule::gate(GateFusion g) {
   return *this;
 }
 
-Schedule &Schedule::bf16_activations(bool on) {
-  bf16_activations_ = on;
-  calls_.push_back(std::string("bf16_activations(") + (on ? "true" : "false") + ")");
+Schedule &Schedule::flag(bool &field, const char *primitive, bool on) {
+  field = on;
+  calls_.push_back(std::string(primitive) + "(" + (on ? "true" : "false") + ")");
   return *this;
 }
 
-Schedule &Schedule::reuse_memory(bool on) {
-  reuse_memory_ = on;
-  calls_.push_back(std::string("reuse_memory(") + (on ? "true" : "false") + ")");
-  return *this;
-}
+Schedule &Schedule::bf16_activations(bool on) { return flag(bf16_activations_, "bf16_activations", on); }
 
-Schedule &Schedule::bf16_weight_gradients(bool on) {
-  bf16_weight_gradients_ = on;
-  calls_.push_back(std::string("bf16_weight_gradients(") + (on ? "true" : "false") + ")");
-  return *this;
-}
+Schedule &Schedule::reuse_memory(bool on) { return flag(reuse_memory_, "reuse_memory", on); }
 
-Schedule &Schedule::recompute(bool on) {
-  recompute_ = on;
-  calls_.push_back(std::string("recompute(") + (on ? "true" : "false") + ")");
-  return *this;
-}
+Schedule &Schedule::bf16_weight_gradients(bool on) { return flag(bf16_weight_gradients_, "bf16_weight_gradients", on); }
+
+Schedule &Schedule::recompute(bool on) { return flag(recompute_, "recompute", on); }
 
 Schedule &Schedule::tile(const std::string &func, int m, int n, int k) {
   std::ostringstream c;

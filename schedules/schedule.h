@@ -213,6 +213,8 @@ private:
     std::optional<int> cluster_m;
   };
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);
+  // A whole-layer on/off primitive: sets `field` and records the call.
+  Schedule &flag(bool &field, const char *primitive, bool on);
 
   // Applies `patch` to func's settings ("*": the default) in a copy, rechecks
   // every tiling it affects and only then records `call` and commits.

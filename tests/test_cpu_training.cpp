@@ -124,6 +124,26 @@ Schedule named(const std::string &preset_name, bool recompute) {
   return s;
 }
 
+// One forward and backward of `compiled` (poisoned first) on `in`, whose
+// upstream gradient is in it: y within 1e-2 and every gradient within 2e-2
+// of the float64 reference of the training algebra.
+void check_step(const cpu::CompiledCpuTraining &compiled, const Example &ex, const Training &train, const TensorMap &in,
+                int64_t tokens) {
+  const TrainingProgram &tp = compiled.training;
+  cpu::CpuTrainingLayer layer(compiled, tokens);
+  layer.upload(in);
+  layer.poison();
+  layer.upload_upstream_gradient(in.at(tp.seed));
+  layer.forward();
+  layer.backward();
+  EvalResult ref = evaluate(train.pipeline, in, Precision::f64);
+  CHECK(gradient_error(layer.output(), ref[ex.output]) <= 1e-2);
+  for (size_t i = 0; i < tp.of.size(); ++i) {
+    INFO("gradient of " << tp.of[i]);
+    CHECK(gradient_error(layer.gradient(tp.of[i]), ref[tp.gradients[i]]) <= 2e-2);
+  }
+}
+
 } // namespace
 
 TEST_SUITE("cpu") {
@@ -350,18 +370,7 @@ TEST_SUITE("cpu") {
           CHECK(tp.program.tensor(g).dtype == wide.program.tensor(g).dtype);
         if (!recompute)
           CHECK(saved_bytes(tp, s.tokens) < saved_bytes(wide, s.tokens));
-        cpu::CpuTrainingLayer layer(compiled, s.tokens);
-        layer.upload(in);
-        layer.poison();
-        layer.upload_upstream_gradient(in.at(tp.seed));
-        layer.forward();
-        layer.backward();
-        EvalResult ref = evaluate(train.pipeline, in, Precision::f64);
-        CHECK(gradient_error(layer.output(), ref[ex.output]) <= 1e-2);
-        for (size_t i = 0; i < tp.of.size(); ++i) {
-          INFO("gradient of " << tp.of[i]);
-          CHECK(gradient_error(layer.gradient(tp.of[i]), ref[tp.gradients[i]]) <= 2e-2);
-        }
+        check_step(compiled, ex, train, in, s.tokens);
       }
   }
 
@@ -379,17 +388,7 @@ TEST_SUITE("cpu") {
       CHECK(tp.program.tensor(g).dtype == DType::bf16);
     CHECK(tp.program.tensor("d_wr").dtype == DType::f32); // the router's: split-K adds into f32
     CHECK(tp.program.tensor("d_x").dtype == DType::f32);
-    cpu::CpuTrainingLayer layer(compiled, s.tokens);
-    layer.upload(in);
-    layer.poison();
-    layer.upload_upstream_gradient(in.at(tp.seed));
-    layer.forward();
-    layer.backward();
-    EvalResult ref = evaluate(train.pipeline, in, Precision::f64);
-    for (size_t i = 0; i < tp.of.size(); ++i) {
-      INFO("gradient of " << tp.of[i]);
-      CHECK(gradient_error(layer.gradient(tp.of[i]), ref[tp.gradients[i]]) <= 2e-2);
-    }
+    check_step(compiled, ex, train, in, s.tokens);
   }
 
   TEST_CASE("cpu training: gradient() of an unknown name and backward() before forward() are user errors") {

@@ -185,10 +185,15 @@ public:
   const std::vector<std::string> &calls() const { return calls_; }
 
   // Checks the schedule against a layer: every named Func exists and is a
-  // contraction; for a contraction over routed pairs, tile_m divides the
-  // block; every static dimension a contraction reads from an Input or Param
-  // is a multiple of 8. Throws a UserError otherwise.
+  // contraction (check_names); for a contraction over routed pairs, tile_m
+  // divides the block; persistent and cluster come with the loop they need
+  // (wgmma_ws, and tma for cluster); every static dimension a contraction
+  // reads from an Input or Param is a multiple of 8. Throws a UserError
+  // otherwise.
   void validate(const Pipeline &pipeline) const;
+  // Only that every Func the schedule names exists and is a contraction
+  // (what a backend that runs no kernels, the reference, can check).
+  void check_names(const Pipeline &pipeline) const;
 
   // ---- text: the trace, replayable (schedule_text.cpp)
   // `schedule("<name>")` then one primitive call per line.

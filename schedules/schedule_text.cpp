@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "dsl/error.h"
+#include "schedules/presets.h"
 #include "schedules/schedule.h"
 
 namespace moeforge {
@@ -329,7 +330,16 @@ Schedule Schedule::load(const std::string &path) {
   std::ostringstream text;
   text << in.rdbuf();
   user_check(!in.bad()) << "reading schedule file '" << path << "' failed: " << std::strerror(errno);
-  return from_text(text.str(), path);
+  Schedule s = from_text(text.str(), path);
+  // An empty file would run as an unnamed default schedule, which is never
+  // what a file passed on purpose means.
+  std::string presets;
+  for (const std::string &n : preset_names())
+    presets += (presets.empty() ? "" : ", ") + n;
+  user_check(!s.calls().empty() || s.name() != "custom")
+      << "schedule file '" << path << "' has no primitives (only blank lines or comments): write at least "
+      << "schedule(\"<name>\") and the primitives to apply, or pass a preset (" << presets << ")";
+  return s;
 }
 
 } // namespace moeforge

@@ -59,7 +59,7 @@ std::string join(const std::vector<std::string> &names) {
 
 } // namespace
 
-void Schedule::validate(const Pipeline &pipeline) const {
+void Schedule::check_names(const Pipeline &pipeline) const {
   std::vector<Func> funcs = pipeline.funcs();
   std::vector<std::string> all, contractions;
   for (const Func &f : funcs) {
@@ -78,8 +78,11 @@ void Schedule::validate(const Pipeline &pipeline) const {
         << "schedule '" << name_ << "': '" << name << "' has no contraction: " << primitive
         << "() applies only to Funcs with a sum(...); this pipeline's contractions are " << join(contractions);
   }
+}
 
-  for (const Func &f : funcs) {
+void Schedule::validate(const Pipeline &pipeline) const {
+  check_names(pipeline);
+  for (const Func &f : pipeline.funcs()) {
     if (!is_contraction(f))
       continue;
     const GemmTiling t = for_func(f.name()).tiling;
@@ -95,6 +98,18 @@ void Schedule::validate(const Pipeline &pipeline) const {
           << ": use tile_m <= " << block_ << " or block " << t.tile_m
           << " (a tile of routed rows must not straddle two experts)";
     }
+
+    // Primitives that only mean something together, checked here so that
+    // every backend rejects the same schedules (the CPU backend would run
+    // them as if the primitive were absent; CUDA could not).
+    const std::string q = "\"" + f.name() + "\"";
+    user_check(!t.persistent || t.mma == MmaKind::wgmma_ws)
+        << "schedule '" << name_ << "': definition '" << f.name() << "': persistent blocks need the warp-specialised "
+        << "loop: add mma(" << q << ", wgmma_ws) or drop persistent";
+    user_check(t.cluster_m == 1 || (t.mma == MmaKind::wgmma_ws && t.tma))
+        << "schedule '" << name_ << "': definition '" << f.name() << "': clusters of two row tiles multicast TMA "
+        << "loads from the warp-specialised loop: add mma(" << q << ", wgmma_ws) and tma(" << q
+        << ", true), or drop cluster";
 
     // The CUDA backend loads and stores 16-byte vectors (8 bf16), so every
     // row it moves must start 16-byte aligned. Extents a tile does not divide

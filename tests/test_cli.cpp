@@ -3,6 +3,8 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -41,6 +43,18 @@ void check_usage_error(const std::vector<std::string> &args, std::initializer_li
 }
 
 } // namespace
+
+TEST_CASE("cli: the reference backend checks the Func names a schedule file uses") {
+  std::filesystem::path p = std::filesystem::temp_directory_path() / "moeforge_names.schedule";
+  {
+    std::ofstream f(p);
+    f << "schedule(\"x\")\ntile(\"nope\", 128, 128, 64)\n";
+  }
+  Run r = cli({"run", "moe_mlp", "--schedule", p.string(), "--backend", "reference", "--tokens", "32"});
+  CHECK(r.code == 2);
+  CHECK(r.err.find("tile() names 'nope', which is not a Func of this pipeline") != std::string::npos);
+  std::filesystem::remove(p);
+}
 
 TEST_CASE("cli: list prints every example") {
   Run r = cli({"list"});

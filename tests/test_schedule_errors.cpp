@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 
@@ -169,6 +170,38 @@ TEST_SUITE("schedule") {
     std::string dir = std::filesystem::temp_directory_path().string();
     m = error_of([&] { Schedule::load(dir); });
     CHECK_HAS(m, "cannot read schedule file '" + dir + "': it is a directory");
+  }
+
+  TEST_CASE("schedule errors: an empty schedule file is an error, not the defaults") {
+    std::filesystem::path p = std::filesystem::temp_directory_path() / "moeforge_empty.schedule";
+    {
+      std::ofstream f(p);
+      f << "# only a comment\n\n";
+    }
+    std::string m = error_of([&] { Schedule::load(p.string()); });
+    CHECK_HAS(m, "schedule file '" + p.string() + "' has no primitives (only blank lines or comments)");
+    CHECK_HAS(m, "or pass a preset (megablocks, scattermoe)");
+    {
+      std::ofstream f(p);
+      f << "schedule(\"named\")\n"; // a named schedule of defaults is a choice
+    }
+    CHECK(Schedule::load(p.string()).name() == "named");
+    std::filesystem::remove(p);
+  }
+
+  TEST_CASE("schedule errors: validate refuses primitives without the loop they need, for every backend") {
+    Schedule s = megablocks();
+    s.mma("*", MmaKind::mma_sync).persistent("o", true);
+    std::string m = error_of([&] { s.validate(layer("moe_mlp")); });
+    CHECK_HAS(m, "schedule 'megablocks': definition 'o': persistent blocks need the warp-specialised loop");
+    CHECK_HAS(m, "add mma(\"o\", wgmma_ws) or drop persistent");
+    Schedule c = scattermoe();
+    c.tma("h", false).cluster("h", 2);
+    m = error_of([&] { c.validate(layer("moe_mlp")); });
+    CHECK_HAS(m, "definition 'h': clusters of two row tiles multicast TMA loads from the warp-specialised loop");
+    CHECK_HAS(m, "add mma(\"h\", wgmma_ws) and tma(\"h\", true), or drop cluster");
+    c.tma("h", true);
+    c.validate(layer("moe_mlp")); // with its loop, fine
   }
 
   TEST_CASE("schedule errors: validate names an unknown Func and lists the pipeline's Funcs") {

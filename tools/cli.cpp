@@ -415,6 +415,9 @@ int run(const Options &o, std::ostream &out) {
     return check_backend(out, run, evaluate(ex.pipeline, inputs, Precision::f64)) ? 0 : 1;
   }
 
+  // The reference runs the algebra alone, but a schedule naming a Func the
+  // layer lacks is wrong whichever backend runs it.
+  schedule.check_names(ex.pipeline);
   out << "backend   reference (Eigen, " << prec << ")" << (o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
   auto start = std::chrono::steady_clock::now();
   EvalResult res = evaluate(ex.pipeline, inputs, o.precision);

@@ -696,8 +696,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       << ") to be tile_m or twice it, not tile_m " << t.tile_m << ": set tile(\"" << g.output << "\", " << g.block
       << ", ...), block(" << 2 * t.tile_m << ") or drop cluster";
 
-  user_check(!persistent || ws) << "definition '" << g.output << "': persistent blocks need the warp-specialised "
-                                << "loop: add mma(\"" << g.output << "\", wgmma_ws) or drop persistent";
+  internal_check(!persistent || ws) << "definition '" << g.output << "': persistent without wgmma_ws "
+                                    << "(Schedule::validate rejects it)";
   // The epilogue: the algebra around the sums, per output element.
   std::string vr = "v_" + c_name(g.row_var.name()), vc = "v_" + c_name(g.col_var.name());
   std::map<const FuncNode *, std::string> accumulators; // held in registers, passed to each lambda

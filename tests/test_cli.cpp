@@ -186,6 +186,26 @@ TEST_CASE("cli: impossible shapes") {
   check_usage_error({"run", "attention", "--d", "-4"}, {"attention: --d must be at least 1 (got -4)"});
 }
 
+TEST_CASE("cli: help and version answer on stdout with exit code 0") {
+  for (const char *h : {"help", "--help", "-h"}) {
+    Run r = cli({h});
+    INFO(h);
+    CHECK(r.code == 0);
+    CHECK(r.err.empty());
+    CHECK(has(r.out, "usage: moeforge list"));
+    // The defaults it lists are the ones the flags have.
+    ExampleShape d;
+    CHECK(has(r.out, "--tokens " + std::to_string(d.tokens) + " --experts " + std::to_string(d.experts) + " --topk " +
+                         std::to_string(d.topk) + " --d " + std::to_string(d.d) + " --f " + std::to_string(d.f)));
+    CHECK(has(r.out, "--schedule megablocks"));
+  }
+  for (const char *v : {"version", "--version"}) {
+    Run r = cli({v});
+    CHECK(r.code == 0);
+    CHECK(r.out.rfind("moeforge ", 0) == 0);
+  }
+}
+
 TEST_CASE("cli: unknown command and no command") {
   check_usage_error({"fit", "moe_mlp"}, {"unknown command 'fit'", "use list, print, run, train or emit"});
   check_usage_error({}, {"no command given"});

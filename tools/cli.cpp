@@ -33,6 +33,15 @@ const char *kUsage =
     "                                 [--recompute] [--aux] [--backend cpu|cuda] [--check]\n"
     "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm\n";
 
+const char *kVersion = "0.11.0";
+
+// What the flags default to (Options and ExampleShape below), for --help.
+const char *kDefaults = "\n"
+                        "defaults: --tokens 256 --experts 8 --topk 2 --d 64 --f 128 --seed 1 --precision f32\n"
+                        "          --schedule megablocks; --backend: the GPU when there is one, else the CPU\n"
+                        "          backend, else (run only) the reference\n"
+                        "moeforge help | --help | -h: this text; moeforge --version: the version\n";
+
 struct Options {
   std::string command, example;
   ExampleShape shape;
@@ -60,7 +69,7 @@ Options parse(const std::vector<std::string> &args) {
   o.command = args[0];
   user_check(o.command == "list" || o.command == "print" || o.command == "run" || o.command == "train" ||
              o.command == "emit")
-      << "unknown command '" << o.command << "': use list, print, run, train or emit";
+      << "unknown command '" << o.command << "': use list, print, run, train or emit (or help)";
   size_t i = 1;
   if (o.command != "list") {
     user_check(args.size() > 1 && args[1].rfind("--", 0) != 0)
@@ -454,6 +463,15 @@ RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std
 }
 
 int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostream &err) {
+  // Help and the version are answers, not errors: stdout, exit 0.
+  if (args.size() == 1 && (args[0] == "help" || args[0] == "--help" || args[0] == "-h")) {
+    out << kUsage << kDefaults;
+    return 0;
+  }
+  if (args.size() == 1 && (args[0] == "version" || args[0] == "--version")) {
+    out << "moeforge " << kVersion << "\n";
+    return 0;
+  }
   Options o;
   try {
     o = parse(args);

@@ -63,6 +63,37 @@ Example moe_mlp(const ExampleShape &s) {
                   {"w2", 1.0 / std::sqrt(double(s.f))}}};
 }
 
+// Per-expert biases on both expert GEMMs: their gradients are per-expert
+// sums over the routed rows (expert_sum of one matrix), which autodiff
+// derives and lowering runs as element-wise loops over each expert's rows.
+Example expert_bias_moe(const ExampleShape &s) {
+  Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
+  Var t("t", T), e("e", E), i("i", D), j("j", F);
+  Input x("x", {T, D});
+  Param wr("wr", {D, E}), w1("w1", {E, D, F}), b1("b1", {E, F}), w2("w2", {E, F, D}), b2("b2", {E, D});
+  Router router = make_router(x, wr, t, e, i, static_cast<int>(s.topk), false);
+  const Route &route = router.route;
+  Var r = route.pair();
+
+  Func h("h");
+  h(r, j) = gelu(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j)) + b1(route.expert(r), j));
+  Func o("o");
+  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i)) + b2(route.expert(r), i);
+  Func y("y");
+  y(t, i) = combine(route, t, route.gate(r) * o(r, i));
+  return Example{"expert_bias_moe",
+                 "GeLU-MLP MoE with per-expert biases: gelu(x W1[e] + b1[e]) W2[e] + b2[e], gated combine",
+                 Pipeline({y}),
+                 "y",
+                 route.name(),
+                 {{"x", 1.0},
+                  {"wr", 1.0 / std::sqrt(double(s.d))},
+                  {"w1", 1.0 / std::sqrt(double(s.d))},
+                  {"b1", 0.5},
+                  {"w2", 1.0 / std::sqrt(double(s.f))},
+                  {"b2", 0.5}}};
+}
+
 Example swiglu_moe(const ExampleShape &s) {
   Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
   Var t("t", T), e("e", E), i("i", D), j("j", F);
@@ -121,16 +152,20 @@ Example attention(const ExampleShape &s) {
 
 } // namespace
 
-std::vector<std::string> example_names() { return {"moe_mlp", "swiglu_moe", "dense_mlp", "attention"}; }
+std::vector<std::string> example_names() {
+  return {"moe_mlp", "swiglu_moe", "expert_bias_moe", "dense_mlp", "attention"};
+}
 
 Example make_example(const std::string &name, const ExampleShape &shape) {
-  bool routed = name == "moe_mlp" || name == "swiglu_moe";
-  if (name == "moe_mlp" || name == "swiglu_moe" || name == "dense_mlp" || name == "attention")
+  bool routed = name == "moe_mlp" || name == "swiglu_moe" || name == "expert_bias_moe";
+  if (routed || name == "dense_mlp" || name == "attention")
     check_shape(name, shape, routed);
   if (name == "moe_mlp")
     return moe_mlp(shape);
   if (name == "swiglu_moe")
     return swiglu_moe(shape);
+  if (name == "expert_bias_moe")
+    return expert_bias_moe(shape);
   if (name == "dense_mlp")
     return dense_mlp(shape);
   if (name == "attention")

@@ -365,7 +365,10 @@ std::vector<FuncPtr> Decomposer::decompose(const FuncPtr &f) {
     return {};
   std::vector<FuncPtr> parts;
   Expr body = share_forward_sums_ ? share_sums(*f, f->body, parts) : f->body;
-  if (auto *rs = body.as<RouteSum>(); rs && rs->field == RouteField::expert) {
+  // expert_sum over (expert, i, j) is a per-expert GEMM; over (expert, j)
+  // (a per-expert bias's gradient: one matrix summed over each expert's
+  // rows) it stays an element-wise step that loops over the expert's rows.
+  if (auto *rs = body.as<RouteSum>(); rs && rs->field == RouteField::expert && f->args.size() != 2) {
     auto g = std::make_shared<FuncNode>(*f);
     g->body = body;
     body = expert_reduction(*g, parts);

@@ -197,8 +197,8 @@ std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const S
 std::optional<GemmStep> match_expert_gemm(const FuncNode &f, const Schedule &schedule,
                                           const std::vector<std::string> &bf16) {
   auto *rs = f.body.as<RouteSum>();
-  if (!rs || rs->field != RouteField::expert)
-    return std::nullopt;
+  if (!rs || rs->field != RouteField::expert || f.args.size() == 2)
+    return std::nullopt; // over (expert, j): an element-wise loop over each expert's rows (decompose.h)
   auto *mul = rs->body.as<Binary>();
   const Access *a = mul && mul->op == BinaryOp::mul ? mul->a.as<Access>() : nullptr;
   const Access *b = mul && mul->op == BinaryOp::mul ? mul->b.as<Access>() : nullptr;

@@ -14,6 +14,7 @@
 #include "dsl/error.h"
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
+#include "lowering/lower.h"
 #include "lowering/training.h"
 #include "runtime/program_shapes.h"
 #include "whole_gradient.h"
@@ -161,6 +162,30 @@ TEST_SUITE("cpu") {
             CHECK(o.outcome.worst_error <= 2e-2);
             CHECK(o.gradients.size() == (std::string(name) == "moe_mlp" ? 4u : 5u)); // d_x d_wr d_w1 (d_w3) d_w2
           }
+  }
+
+  // Per-expert biases: d_b1(e, j) and d_b2(e, i) are sums over each
+  // expert's rows (expert_sum of one matrix), element-wise loops, not GEMMs.
+  TEST_CASE("cpu training: per-expert biases on both expert GEMMs train under every preset") {
+    for (int64_t tokens : {64, 200})
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (bool recompute : {false, true}) {
+          ExampleShape s = shape(tokens, 64, 128, 8, 2);
+          Example ex = make_example("expert_bias_moe", s);
+          INFO("T = " << tokens << " / " << p << (recompute ? " / recompute" : ""));
+          TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 13), s.tokens, named(p, recompute));
+          CHECK(o.outcome.routing_mismatches == 0);
+          CHECK(o.outcome.worst_error <= 2e-2);
+          CHECK(o.gradients.size() == 6u); // d_x d_wr d_w1 d_b1 d_w2 d_b2
+          KernelProgram prog = lower(training_of(ex).pipeline, named(p, recompute));
+          for (const char *b : {"d_b1", "d_b2"}) {
+            bool pointwise = false;
+            for (const Step &st : prog.steps)
+              if (auto *pw = std::get_if<PointwiseStep>(&st))
+                pointwise |= pw->output == b;
+            CHECK_MESSAGE(pointwise, b << " is not an element-wise step");
+          }
+        }
   }
 
   TEST_CASE("cpu training: the dense MLP (no routing) gradients match the reference") {

@@ -122,6 +122,23 @@ TEST_CASE("cuda training: every preset x example x memory choice compiles for sm
       }
 }
 
+TEST_CASE("cuda training: per-expert biases compile for sm_90a without spills") {
+  ExampleShape s = shape(64, 64, 128, 8, 2);
+  for (const char *p : {"megablocks", "scattermoe"})
+    for (bool recompute : {false, true}) {
+      Example ex = make_example("expert_bias_moe", s);
+      cuda::CompiledTraining c =
+          cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), training_preset(p, recompute));
+      check_resources(c.layer, std::string("expert_bias_moe / ") + p + (recompute ? " / recompute" : ""));
+      // The biases' gradients: loops over each expert's rows, eight columns a thread.
+      for (const GeneratedKernel &k : c.layer.source.kernels)
+        if (k.name == "pointwise_d_b1" || k.name == "pointwise_d_b2")
+          CHECK(k.grid.elements_per_thread == 8);
+      CHECK(c.layer.source.source.find("pointwise_d_b1(") != std::string::npos);
+      CHECK(c.layer.source.source.find("pointwise_d_b2(") != std::string::npos);
+    }
+}
+
 TEST_CASE("cuda training: with the auxiliary losses, every preset compiles for sm_90a without spills") {
   ExampleShape s = shape(64, 64, 128, 8, 2);
   for (const char *name : {"moe_mlp", "swiglu_moe"})
@@ -266,6 +283,18 @@ TEST_SUITE("gpu") {
     CHECK_THROWS_WITH_AS(la.download("d_x_s_a"), doctest::Contains("shares its memory with other tensors"), UserError);
     Outcome o = train_and_compare(ex, in, s.tokens, shared);
     CHECK(o.routing_mismatches == 0);
+  }
+
+  TEST_CASE("cuda training: per-expert biases on both expert GEMMs") {
+    MOEFORGE_REQUIRE_GPU();
+    for (const char *p : {"megablocks", "scattermoe"})
+      for (bool recompute : {false, true}) {
+        ExampleShape s = shape(300, 64, 128, 8, 2);
+        Example ex = make_example("expert_bias_moe", s);
+        INFO(p << (recompute ? " / recompute" : ""));
+        Outcome o = train_and_compare(ex, ex.random_inputs(s, 6), s.tokens, training_preset(p, recompute));
+        CHECK(o.routing_mismatches == 0);
+      }
   }
 
   TEST_CASE("cuda training: the MoE edge cases") {

@@ -372,7 +372,13 @@ private:
       return back(a, adj * (s * (1.0 + xa * (1.0 - s))), scope);
     }
     case UnaryOp::step:
-      return; // zero almost everywhere: a constant
+      return;           // zero almost everywhere: a constant
+    case UnaryOp::sqrt: // d sqrt(x) = 1 / (2 sqrt(x))
+      return back(a, adj * 0.5 / v(), scope);
+    case UnaryOp::rsqrt: { // d x^(-1/2) = -x^(-3/2) / 2
+      Expr y = v();
+      return back(a, adj * (-0.5) * y * y * y, scope);
+    }
     }
     internal_check(false) << "autodiff: unknown unary op";
   }

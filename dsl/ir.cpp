@@ -136,6 +136,10 @@ const char *unary_op_name(UnaryOp op) {
     return "silu";
   case UnaryOp::step:
     return "step";
+  case UnaryOp::sqrt:
+    return "sqrt";
+  case UnaryOp::rsqrt:
+    return "rsqrt";
   }
   return "?";
 }

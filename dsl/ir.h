@@ -191,7 +191,7 @@ struct Access : ExprNode {
 
 // step(x) = x > 0 ? 1 : 0: the derivative of relu and the router of max's
 // gradient (autodiff.h); it has no useful derivative of its own.
-enum class UnaryOp { neg, exp, log, tanh, sigmoid, relu, gelu, silu, step };
+enum class UnaryOp { neg, exp, log, tanh, sigmoid, relu, gelu, silu, step, sqrt, rsqrt };
 const char *unary_op_name(UnaryOp op);
 
 struct Unary : ExprNode {

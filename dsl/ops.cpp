@@ -18,6 +18,8 @@ Expr sigmoid(const Expr &a) { return Unary::make(UnaryOp::sigmoid, a); }
 Expr relu(const Expr &a) { return Unary::make(UnaryOp::relu, a); }
 Expr gelu(const Expr &a) { return Unary::make(UnaryOp::gelu, a); }
 Expr silu(const Expr &a) { return Unary::make(UnaryOp::silu, a); }
+Expr sqrt(const Expr &a) { return Unary::make(UnaryOp::sqrt, a); }
+Expr rsqrt(const Expr &a) { return Unary::make(UnaryOp::rsqrt, a); }
 
 Expr step(const Expr &a) { return Unary::make(UnaryOp::step, a); }
 Expr index_eq(const Index &a, const Index &b) { return IndexEq::make(a, b); }

@@ -24,6 +24,9 @@ Expr relu(const Expr &a);
 Expr gelu(const Expr &a);
 // SiLU (swish): x * sigmoid(x).
 Expr silu(const Expr &a);
+// The square root and its reciprocal 1 / sqrt(x) (RMSNorm's scale), for x > 0.
+Expr sqrt(const Expr &a);
+Expr rsqrt(const Expr &a);
 
 // step(x) = x > 0 ? 1 : 0 (relu's derivative).
 Expr step(const Expr &a);

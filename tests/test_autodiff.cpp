@@ -76,6 +76,11 @@ TEST_CASE("autodiff: unary ops against finite differences") {
   Func g("g_log"); // log needs a positive argument
   g(w.t, w.i) = log(w.b(w.t, w.i));
   w.check(g, {"b"});
+  Func s("g_sqrt"), r("g_rsqrt"); // so do sqrt and rsqrt
+  s(w.t, w.i) = sqrt(w.b(w.t, w.i));
+  w.check(s, {"b"});
+  r(w.t, w.i) = rsqrt(w.b(w.t, w.i));
+  w.check(r, {"b"});
 }
 
 TEST_CASE("autodiff: binary ops with broadcasting against finite differences") {

@@ -7,6 +7,7 @@
 #include "cpu_compare.h"
 #include "dsl/error.h"
 #include "examples/gradient_nodes.h"
+#include "examples/norm_layers.h"
 #include "softmax_layers.h"
 
 using namespace moeforge;
@@ -163,6 +164,13 @@ TEST_SUITE("cpu") {
     CHECK_THROWS_WITH_AS(layer.upload(in), "input 'x' has the wrong shape for 16 tokens: give it the declared Dims",
                          UserError);
     CHECK_THROWS_WITH_AS(layer.routed_experts("nope"), "no route named 'nope' in this layer", UserError);
+  }
+
+  TEST_CASE("cpu layer: RMSNorm (sqrt and rsqrt) matches the reference") {
+    ExampleShape s = shape(150, 64, 128, 1, 1);
+    Example ex = rmsnorm_layer(s);
+    Outcome o = run_and_compare(ex, ex.random_inputs(s, 3), s.tokens, preset("megablocks"));
+    CHECK(o.worst_error <= 1e-5); // f32 end to end
   }
 
   TEST_CASE("cpu layer: step and [a == b] (the gradient nodes) match the reference") {

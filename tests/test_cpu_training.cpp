@@ -14,6 +14,7 @@
 #include "dsl/error.h"
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
+#include "examples/norm_layers.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "runtime/program_shapes.h"
@@ -186,6 +187,14 @@ TEST_SUITE("cpu") {
             CHECK_MESSAGE(pointwise, b << " is not an element-wise step");
           }
         }
+  }
+
+  TEST_CASE("cpu training: RMSNorm's gradients (through sqrt and rsqrt) match the reference") {
+    ExampleShape s = shape(150, 64, 128, 1, 1);
+    Example ex = rmsnorm_layer(s);
+    TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 4), s.tokens, preset("megablocks"));
+    CHECK(o.outcome.worst_error <= 1e-4); // f32 throughout
+    CHECK(o.gradients.size() == 2u);      // d_x, d_g
   }
 
   TEST_CASE("cpu training: the dense MLP (no routing) gradients match the reference") {

@@ -16,6 +16,7 @@
 #include "examples/aux_loss_example.h"
 #include "examples/biased_moe.h"
 #include "examples/gradient_nodes.h"
+#include "examples/norm_layers.h"
 #include "lowering/lower.h"
 #include "schedules/presets.h"
 
@@ -550,6 +551,17 @@ TEST_CASE("codegen: the backward's GEMMs over transposed weights read them by TM
       }
     CHECK(b_map);
   }
+}
+
+TEST_CASE("codegen: sqrt and rsqrt (RMSNorm) compile, forward and training") {
+  ExampleShape s = small();
+  Example ex = rmsnorm_layer(s);
+  cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset("megablocks"));
+  check_resources(c, "rmsnorm");
+  CHECK(c.source.source.find("rsqrtf(") != std::string::npos);
+  CHECK(c.source.source.find("sqrtf(") != std::string::npos);
+  cuda::CompiledTraining t = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), preset("megablocks"));
+  check_resources(t.layer, "rmsnorm training");
 }
 
 TEST_CASE("codegen: a few long reductions run a block per element") {

@@ -15,6 +15,7 @@
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
 #include "examples/biased_moe.h"
+#include "examples/norm_layers.h"
 #include "gpu_test.h"
 #include "layer_compare.h"
 #include "schedules/presets.h"
@@ -295,6 +296,13 @@ TEST_SUITE("gpu") {
         Outcome o = train_and_compare(ex, ex.random_inputs(s, 6), s.tokens, training_preset(p, recompute));
         CHECK(o.routing_mismatches == 0);
       }
+  }
+
+  TEST_CASE("cuda training: RMSNorm through sqrt and rsqrt") {
+    MOEFORGE_REQUIRE_GPU();
+    ExampleShape s = shape(300, 64, 128, 1, 1);
+    Example ex = rmsnorm_layer(s);
+    train_and_compare(ex, ex.random_inputs(s, 2), s.tokens, preset("megablocks"));
   }
 
   TEST_CASE("cuda training: the MoE edge cases") {

@@ -80,6 +80,8 @@ TEST_CASE("reference ops: unary ops against std formulas") {
        },
        false},
       {"silu", [](const Expr &x) { return silu(x); }, [](double x) { return x * (1.0 / (1.0 + std::exp(-x))); }, false},
+      {"sqrt", [](const Expr &x) { return sqrt(x); }, [](double x) { return std::sqrt(x); }, true},
+      {"rsqrt", [](const Expr &x) { return rsqrt(x); }, [](double x) { return 1.0 / std::sqrt(x); }, true},
   };
   for (const Case &c : cases) {
     INFO("op " << c.name);

@@ -336,6 +336,10 @@ private:
       return b.CreateFMul(x, sigmoid(x));
     case UnaryOp::step: // x > 0 ? 1 : 0 (the derivative of relu and max)
       return b.CreateSelect(b.CreateFCmpOGT(x, fb_.cf(0.0)), fb_.cf(1.0), fb_.cf(0.0));
+    case UnaryOp::sqrt:
+      return b.CreateUnaryIntrinsic(llvm::Intrinsic::sqrt, x);
+    case UnaryOp::rsqrt:
+      return b.CreateFDiv(fb_.cf(1.0), b.CreateUnaryIntrinsic(llvm::Intrinsic::sqrt, x));
     }
     internal_check(false) << "step " << step_ << ": unknown unary op";
   }

@@ -149,6 +149,10 @@ public:
         return "logf(" + a + ")";
       case UnaryOp::tanh:
         return "tanhf(" + a + ")";
+      case UnaryOp::sqrt:
+        return "sqrtf(" + a + ")";
+      case UnaryOp::rsqrt:
+        return "rsqrtf(" + a + ")";
       default:
         return std::string("mf::") + unary_op_name(u->op) + "(" + a + ")";
       }

@@ -115,6 +115,10 @@ template <typename S> S apply_unary(UnaryOp op, S x) {
     return x / (S(1) + std::exp(-x));
   case UnaryOp::step:
     return x > S(0) ? S(1) : S(0);
+  case UnaryOp::sqrt:
+    return std::sqrt(x);
+  case UnaryOp::rsqrt:
+    return S(1) / std::sqrt(x);
   }
   return x;
 }

@@ -10,15 +10,45 @@ namespace moeforge {
 
 namespace {
 
+// The kernels and the routing index rows, pairs and experts with 32-bit
+// integers, and every tensor's element count must fit 64-bit arithmetic
+// (in bytes): beyond these a shape would wrap, not fail.
+constexpr int64_t kMaxExtent = (int64_t(1) << 31) - 1;
+
+int64_t checked_product(const std::string &name, const std::vector<std::pair<const char *, int64_t>> &factors) {
+  int64_t p = 8; // bytes per element at most (the reference's doubles)
+  std::string what;
+  for (const auto &[flag, v] : factors) {
+    what += (what.empty() ? "" : " x ") + std::string(flag) + " " + std::to_string(v);
+    user_check(!__builtin_mul_overflow(p, v, &p))
+        << name << ": a tensor of " << what << " elements is too large to address (its size in bytes overflows "
+        << "64 bits): lower those flags";
+  }
+  return p;
+}
+
 void check_shape(const std::string &name, const ExampleShape &s, bool routed) {
   user_check(s.tokens >= 1) << name << ": --tokens must be at least 1 (got " << s.tokens << ")";
   user_check(s.d >= 1) << name << ": --d must be at least 1 (got " << s.d << ")";
   user_check(s.f >= 1) << name << ": --f must be at least 1 (got " << s.f << ")";
+  for (const auto &[flag, v] : {std::pair{"--tokens", s.tokens}, {"--d", s.d}, {"--f", s.f}})
+    user_check(v <= kMaxExtent) << name << ": " << flag << " " << v << " is beyond " << kMaxExtent
+                                << ", the largest extent the kernels index with 32-bit integers";
+  checked_product(name, {{"--tokens", s.tokens}, {"--d", s.d}});
+  checked_product(name, {{"--tokens", s.tokens}, {"--f", s.f}});
+  checked_product(name, {{"--d", s.d}, {"--f", s.f}});
   if (!routed)
     return;
   user_check(s.experts >= 1) << name << ": --experts must be at least 1 (got " << s.experts << ")";
+  user_check(s.experts <= kMaxExtent) << name << ": --experts " << s.experts << " is beyond " << kMaxExtent;
   user_check(s.topk >= 1 && s.topk <= s.experts)
       << name << ": --topk " << s.topk << " with " << s.experts << " experts: choose 1 <= topk <= experts";
+  user_check(s.tokens <= kMaxExtent / s.topk)
+      << name << ": --tokens " << s.tokens << " x --topk " << s.topk << " pairs is beyond " << kMaxExtent
+      << ", the most pairs the routing numbers with 32-bit integers: lower --tokens or --topk";
+  checked_product(name, {{"--experts", s.experts}, {"--d", s.d}, {"--f", s.f}});
+  checked_product(name, {{"--tokens", s.tokens}, {"--topk", s.topk}, {"--f", s.f}});
+  checked_product(name, {{"--tokens", s.tokens}, {"--experts", s.experts}});
 }
 
 // The router shared by the MoE examples: logits = x Wr, softmax over experts.

@@ -207,6 +207,22 @@ TEST_CASE("cli: help and version answer on stdout with exit code 0") {
   }
 }
 
+TEST_CASE("cli: shapes past what the kernels index or the machine holds end in exit 2, not a crash") {
+  check_usage_error({"run", "moe_mlp", "--d", "2305843009213693952"},
+                    {"--d 2305843009213693952 is beyond 2147483647, the largest extent the kernels index"});
+  check_usage_error({"print", "moe_mlp", "--tokens", "2305843009213693952"},
+                    {"--tokens 2305843009213693952 is beyond"});
+  check_usage_error({"run", "moe_mlp", "--tokens", "2000000000", "--topk", "2"},
+                    {"--tokens 2000000000 x --topk 2 pairs is beyond 2147483647", "lower --tokens or --topk"});
+  check_usage_error({"run", "moe_mlp", "--experts", "2000000", "--d", "2000000", "--f", "2000000", "--topk", "1"},
+                    {"a tensor of --experts 2000000 x --d 2000000 x --f 2000000 elements is too large to address"});
+  // 10^13 input values: more than any machine's memory, caught before allocating.
+  Run r = cli({"run", "moe_mlp", "--tokens", "100000000", "--d", "100000", "--backend", "reference"});
+  CHECK(r.code == 2);
+  CHECK(has(r.err, "moe_mlp: the inputs alone need"));
+  CHECK(has(r.err, "lower --tokens, --d, --f or --experts"));
+}
+
 TEST_CASE("cli: unknown command and no command") {
   check_usage_error({"fit", "moe_mlp"}, {"unknown command 'fit'", "use list, print, run, train or emit"});
   check_usage_error({}, {"no command given"});

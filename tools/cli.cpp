@@ -9,6 +9,8 @@
 #include <random>
 #include <sstream>
 
+#include <unistd.h>
+
 #include "backends/reference/evaluate.h"
 #include "dsl/error.h"
 #include "dsl/training.h"
@@ -327,6 +329,26 @@ bool check_training(std::ostream &out, const BackendTraining &run, const Trainin
   return ok;
 }
 
+// The host memory the inputs alone take (8-byte values, as HostTensor holds
+// them), against the machine's: a shape past it ends here with what to
+// change, not in std::bad_alloc or the kernel's OOM killer.
+void check_host_memory(const Example &ex, const ExampleShape &shape) {
+  double bytes = 0;
+  for (const BufferPtr &b : ex.pipeline.buffers()) {
+    double n = 8;
+    for (const Dim &d : b->dims)
+      n *= static_cast<double>(d.is_dynamic() ? shape.tokens : d.extent());
+    bytes += n;
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0)
+    return; // unknown: nothing to compare with
+  const double have = static_cast<double>(pages) * static_cast<double>(page), gib = double(1 << 30);
+  user_check(bytes < 0.5 * have) << ex.name << ": the inputs alone need " << std::fixed << std::setprecision(1)
+                                 << bytes / gib << " GiB of host memory (8-byte values), more than half of this "
+                                 << "machine's " << have / gib << " GiB: lower --tokens, --d, --f or --experts";
+}
+
 // One training step: forward, then backward, on a compiled backend.
 int train(const Options &o, std::ostream &out) {
   TrainingTask task = training_task(o);
@@ -336,6 +358,7 @@ int train(const Options &o, std::ostream &out) {
     schedule.recompute(true);
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu);
+  check_host_memory(ex, o.shape);
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
   BackendTraining run = train_on_backend(backend, task, o.shape, inputs, schedule);
   const TrainingProgram &t = run.training;
@@ -399,6 +422,7 @@ int run(const Options &o, std::ostream &out) {
   Schedule schedule = schedule_from_arg(o.schedule);
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu);
+  check_host_memory(ex, o.shape);
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
   const char *prec = o.precision == Precision::f32 ? "f32" : "f64";
   out << "example   " << ex.name << ": " << ex.description << "\n";

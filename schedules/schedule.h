@@ -187,9 +187,7 @@ public:
   // Checks the schedule against a layer: every named Func exists and is a
   // contraction (check_names); for a contraction over routed pairs, tile_m
   // divides the block; persistent and cluster come with the loop they need
-  // (wgmma_ws, and tma for cluster); every static dimension a contraction
-  // reads from an Input or Param is a multiple of 8. Throws a UserError
-  // otherwise.
+  // (wgmma_ws, and tma for cluster). Throws a UserError otherwise.
   void validate(const Pipeline &pipeline) const;
   // Only that every Func the schedule names exists and is a contraction
   // (what a backend that runs no kernels, the reference, can check).
@@ -240,6 +238,11 @@ private:
   std::map<std::string, std::string> named_by_; // func -> first primitive naming it
   std::vector<std::string> calls_;
 };
+
+// The CUDA backend's requirement (checked by its compile entry points):
+// every static dimension a contraction reads from an Input or Param is a
+// multiple of 8 (16-byte vectors). UserError naming the dimension otherwise.
+void check_vector_alignment(const Pipeline &pipeline);
 
 // Prints to_text().
 std::ostream &operator<<(std::ostream &os, const Schedule &s);

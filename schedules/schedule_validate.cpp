@@ -110,17 +110,23 @@ void Schedule::validate(const Pipeline &pipeline) const {
         << "schedule '" << name_ << "': definition '" << f.name() << "': clusters of two row tiles multicast TMA "
         << "loads from the warp-specialised loop: add mma(" << q << ", wgmma_ws) and tma(" << q
         << ", true), or drop cluster";
+  }
+}
 
-    // The CUDA backend loads and stores 16-byte vectors (8 bf16), so every
-    // row it moves must start 16-byte aligned. Extents a tile does not divide
-    // are fine: the tail is masked.
+void check_vector_alignment(const Pipeline &pipeline) {
+  // The CUDA backend loads and stores 16-byte vectors (8 bf16), so every
+  // row it moves must start 16-byte aligned. Extents a tile does not divide
+  // are fine: the tail is masked.
+  for (const Func &f : pipeline.funcs()) {
+    if (!is_contraction(f))
+      continue;
     UnalignedDim u;
     u.visit(f.body());
     if (u.buffer) {
       int64_t n = u.dim.extent(), padded = (n + 7) / 8 * 8;
       user_error << "dimension " << u.dim.name() << " = " << n << " of '" << u.buffer->name
                  << "' is not a multiple of 8: the CUDA backend moves 16-byte vectors; pad " << u.dim.name() << " to "
-                 << padded << " (read by the contraction in '" << f.name() << "')";
+                 << padded << " (read by the contraction in '" << f.name() << "'), or run on the CPU backend";
     }
   }
 }

@@ -189,6 +189,17 @@ TEST_SUITE("cpu") {
         }
   }
 
+  TEST_CASE("cpu training: extents that are not multiples of 8 (E 6, d 100, f 60) train") {
+    for (const char *name : {"moe_mlp", "swiglu_moe"}) {
+      ExampleShape s = shape(150, 100, 60, 6, 2);
+      Example ex = make_example(name, s);
+      TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 22), s.tokens, named("scattermoe", false));
+      INFO(name);
+      CHECK(o.outcome.routing_mismatches == 0);
+      CHECK(o.outcome.worst_error <= 2e-2);
+    }
+  }
+
   TEST_CASE("cpu training: RMSNorm's gradients (through sqrt and rsqrt) match the reference") {
     ExampleShape s = shape(150, 64, 128, 1, 1);
     Example ex = rmsnorm_layer(s);

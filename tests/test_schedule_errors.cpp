@@ -242,19 +242,22 @@ TEST_SUITE("schedule") {
     CHECK_NOTHROW(d.validate(layer("swiglu_moe")));
   }
 
-  TEST_CASE("schedule errors: validate refuses dimensions that are not multiples of 8") {
+  // The CUDA backend's requirement, checked where it compiles (the CPU
+  // backend and the reference run such layers; validate accepts them).
+  TEST_CASE("schedule errors: the CUDA backend's 16-byte vectors need dimensions that are multiples of 8") {
     ExampleShape shape;
     shape.d = 100;
-    std::string m = error_of([&] { megablocks().validate(layer("moe_mlp", shape)); });
+    megablocks().validate(layer("moe_mlp", shape));
+    std::string m = error_of([&] { check_vector_alignment(layer("moe_mlp", shape)); });
     CHECK_HAS(m,
               "dimension D = 100 of 'x' is not a multiple of 8: the CUDA backend moves 16-byte vectors; pad D to 104");
     CHECK_HAS(m, "read by the contraction in 'logits'");
     ExampleShape f;
     f.f = 100;
-    m = error_of([&] { scattermoe().validate(layer("swiglu_moe", f)); });
+    m = error_of([&] { check_vector_alignment(layer("swiglu_moe", f)); });
     CHECK_HAS(m,
               "dimension F = 100 of 'w1' is not a multiple of 8: the CUDA backend moves 16-byte vectors; pad F to 104");
-    CHECK_HAS(m, "read by the contraction in 'h'");
+    CHECK_HAS(m, "read by the contraction in 'h'), or run on the CPU backend");
   }
 
   TEST_CASE("schedule errors: wgmma needs a 64-deep tile of 64 or 128 rows and three stages") {

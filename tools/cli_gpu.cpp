@@ -10,6 +10,7 @@ namespace moeforge {
 bool cli_gpu_available(std::string *why) { return cuda::gpu_available(why); }
 
 std::string cli_cuda_source(const Pipeline &pipeline, const Schedule &schedule) {
+  check_vector_alignment(pipeline);
   return generate_cuda(lower(pipeline, schedule)).source;
 }
 

@@ -19,6 +19,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 } // namespace
 
 CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, const std::string &arch) {
+  check_vector_alignment(pipeline);
   return compile_program(lower(pipeline, schedule), arch);
 }
 

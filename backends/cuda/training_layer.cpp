@@ -9,6 +9,7 @@ namespace moeforge::cuda {
 CompiledTraining compile_training(const Pipeline &forward, const std::vector<Func> &outputs, const Schedule &schedule,
                                   const std::string &arch) {
   CompiledTraining c;
+  check_vector_alignment(training_algebra(forward, outputs).pipeline); // the gradients' contractions too
   c.training = lower_training(forward, outputs, schedule);
   c.layer = compile_program(c.training.program, arch);
   return c;

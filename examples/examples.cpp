@@ -124,7 +124,10 @@ Example expert_bias_moe(const ExampleShape &s) {
                   {"b2", 0.5}}};
 }
 
-Example swiglu_moe(const ExampleShape &s) {
+// A gated-linear-unit MoE: act(x W1[e]) * (x W3[e]) W2[e], renormalised
+// top-k gates; act is silu (SwiGLU), gelu (GeGLU) or relu (ReGLU).
+Example glu_moe(const ExampleShape &s, const std::string &name, const std::string &description,
+                Expr (*act)(const Expr &)) {
   Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
   Var t("t", T), e("e", E), i("i", D), j("j", F);
   Input x("x", {T, D});
@@ -133,18 +136,23 @@ Example swiglu_moe(const ExampleShape &s) {
   const Route &route = router.route;
   Var r = route.pair();
 
-  // SwiGLU: the gate and up projections share the gathered rows of x.
+  // The gate and up projections share the gathered rows of x.
   Func h("h");
-  h(r, j) = silu(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j))) *
+  h(r, j) = act(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j))) *
             sum(i, x(route.token(r), i) * w3(route.expert(r), i, j));
   Func o("o");
   o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
   Func y("y");
   y(t, i) = combine(route, t, route.gate(r) * o(r, i));
   double sd = 1.0 / std::sqrt(double(s.d));
-  return Example{"swiglu_moe",  "Mixtral-style SwiGLU MoE: renormalised top-k gates, silu(x W1[e]) * (x W3[e]) W2[e]",
+  return Example{name,          description,
                  Pipeline({y}), "y",
                  route.name(),  {{"x", 1.0}, {"wr", sd}, {"w1", sd}, {"w3", sd}, {"w2", 1.0 / std::sqrt(double(s.f))}}};
+}
+
+Example swiglu_moe(const ExampleShape &s) {
+  return glu_moe(s, "swiglu_moe", "Mixtral-style SwiGLU MoE: renormalised top-k gates, silu(x W1[e]) * (x W3[e]) W2[e]",
+                 silu);
 }
 
 Example dense_mlp(const ExampleShape &s) {
@@ -183,17 +191,22 @@ Example attention(const ExampleShape &s) {
 } // namespace
 
 std::vector<std::string> example_names() {
-  return {"moe_mlp", "swiglu_moe", "expert_bias_moe", "dense_mlp", "attention"};
+  return {"moe_mlp", "swiglu_moe", "geglu_moe", "reglu_moe", "expert_bias_moe", "dense_mlp", "attention"};
 }
 
 Example make_example(const std::string &name, const ExampleShape &shape) {
-  bool routed = name == "moe_mlp" || name == "swiglu_moe" || name == "expert_bias_moe";
+  bool routed = name == "moe_mlp" || name == "swiglu_moe" || name == "geglu_moe" || name == "reglu_moe" ||
+                name == "expert_bias_moe";
   if (routed || name == "dense_mlp" || name == "attention")
     check_shape(name, shape, routed);
   if (name == "moe_mlp")
     return moe_mlp(shape);
   if (name == "swiglu_moe")
     return swiglu_moe(shape);
+  if (name == "geglu_moe")
+    return glu_moe(shape, name, "GeGLU MoE: renormalised top-k gates, gelu(x W1[e]) * (x W3[e]) W2[e]", gelu);
+  if (name == "reglu_moe")
+    return glu_moe(shape, name, "ReGLU MoE: renormalised top-k gates, relu(x W1[e]) * (x W3[e]) W2[e]", relu);
   if (name == "expert_bias_moe")
     return expert_bias_moe(shape);
   if (name == "dense_mlp")

@@ -189,6 +189,19 @@ TEST_SUITE("cpu") {
         }
   }
 
+  TEST_CASE("cpu training: the GLU variants (GeGLU, ReGLU) train under every preset") {
+    for (const char *name : {"geglu_moe", "reglu_moe"})
+      for (const char *p : {"megablocks", "scattermoe"}) {
+        ExampleShape s = shape(200, 64, 128, 8, 2);
+        Example ex = make_example(name, s);
+        TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 16), s.tokens, named(p, false));
+        INFO(name << " / " << p);
+        CHECK(o.outcome.routing_mismatches == 0);
+        CHECK(o.outcome.worst_error <= 2e-2);
+        CHECK(o.gradients.size() == 5u); // d_x d_wr d_w1 d_w3 d_w2
+      }
+  }
+
   TEST_CASE("cpu training: extents that are not multiples of 8 (E 6, d 100, f 60) train") {
     for (const char *name : {"moe_mlp", "swiglu_moe"}) {
       ExampleShape s = shape(150, 100, 60, 6, 2);

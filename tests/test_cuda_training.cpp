@@ -123,6 +123,20 @@ TEST_CASE("cuda training: every preset x example x memory choice compiles for sm
       }
 }
 
+TEST_CASE("cuda training: the GLU variants compile for sm_90a without spills, one two-B GEMM each") {
+  ExampleShape s = shape(64, 64, 128, 8, 2);
+  for (const char *name : {"geglu_moe", "reglu_moe"}) {
+    Example ex = make_example(name, s);
+    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), preset("scattermoe"));
+    check_resources(c.layer, name);
+    int two_b = 0;
+    for (size_t i = 0; i < c.training.forward_steps; ++i)
+      if (auto *g = std::get_if<GemmStep>(&c.training.program.steps[i]))
+        two_b += g->b.size() == 2;
+    CHECK(two_b == 1);
+  }
+}
+
 TEST_CASE("cuda training: per-expert biases compile for sm_90a without spills") {
   ExampleShape s = shape(64, 64, 128, 8, 2);
   for (const char *p : {"megablocks", "scattermoe"})
@@ -284,6 +298,17 @@ TEST_SUITE("gpu") {
     CHECK_THROWS_WITH_AS(la.download("d_x_s_a"), doctest::Contains("shares its memory with other tensors"), UserError);
     Outcome o = train_and_compare(ex, in, s.tokens, shared);
     CHECK(o.routing_mismatches == 0);
+  }
+
+  TEST_CASE("cuda training: the GLU variants (GeGLU, ReGLU)") {
+    MOEFORGE_REQUIRE_GPU();
+    for (const char *name : {"geglu_moe", "reglu_moe"}) {
+      ExampleShape s = shape(300, 64, 128, 8, 2);
+      Example ex = make_example(name, s);
+      INFO(name);
+      Outcome o = train_and_compare(ex, ex.random_inputs(s, 7), s.tokens, preset("scattermoe"));
+      CHECK(o.routing_mismatches == 0);
+    }
   }
 
   TEST_CASE("cuda training: per-expert biases on both expert GEMMs") {

@@ -728,17 +728,21 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
           return false;
     return true;
   };
-  for (size_t k = begin; k < end; ++k)
-    if (auto *g = std::get_if<GemmStep>(&p.steps[k]))
-      for (size_t e = 0; e < g->extra.size();)
-        if (unread(g->extra[e].output)) {
-          const std::string dropped = g->extra[e].output;
-          g->extra.erase(g->extra.begin() + static_cast<long>(e));
-          p.tensors.erase(
-              std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &x) { return x.name == dropped; }));
-        } else {
-          ++e;
-        }
+  for (size_t k = begin; k < end; ++k) {
+    auto *g = std::get_if<GemmStep>(&p.steps[k]);
+    if (!g)
+      continue;
+    for (size_t e = 0; e < g->extra.size();) {
+      if (!unread(g->extra[e].output)) {
+        ++e;
+        continue;
+      }
+      const std::string dropped = g->extra[e].output;
+      g->extra.erase(g->extra.begin() + static_cast<long>(e));
+      p.tensors.erase(
+          std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &x) { return x.name == dropped; }));
+    }
+  }
   // A GEMM output no step reads and the caller does not want is not stored:
   // its first extra output becomes the primary one.
   for (size_t k = begin; k < end; ++k) {

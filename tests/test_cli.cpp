@@ -224,6 +224,22 @@ TEST_CASE("cli: shapes past what the kernels index or the machine holds end in e
   CHECK(has(r.err, "lower --tokens, --d, --f or --experts"));
 }
 
+TEST_CASE("cli: an error compiling the layer comes without the usage; an error in the arguments with it") {
+  std::filesystem::path p = std::filesystem::temp_directory_path() / "moeforge_persistent.schedule";
+  {
+    std::ofstream f(p);
+    f << "schedule(\"p\")\nmma(\"*\", mma_sync)\npersistent(\"*\", true)\n";
+  }
+  Run r = cli({"run", "moe_mlp", "--schedule", p.string(), "--backend", "reference", "--tokens", "16"});
+  CHECK(r.code == 0); // the reference runs no kernels: the schedule's pairing is not its concern
+  r = cli({"emit", "moe_mlp", "--ir", "--schedule", p.string()});
+  CHECK(r.code == 2);
+  CHECK(has(r.err, "persistent blocks need the warp-specialised loop"));
+  CHECK_FALSE(has(r.err, "usage:"));
+  std::filesystem::remove(p);
+  check_usage_error({"run", "moe_mlp", "--tokens", "0"}, {"--tokens must be at least 1"});
+}
+
 TEST_CASE("cli: unknown command and no command") {
   check_usage_error({"fit", "moe_mlp"}, {"unknown command 'fit'", "use list, print, run, train or emit"});
   check_usage_error({}, {"no command given"});
@@ -271,8 +287,12 @@ TEST_CASE("cli: emit and schedule and backend usage errors") {
   // the CUDA source needs 16-byte rows.
   CHECK(cli({"emit", "moe_mlp", "--ir", "--d", "100"}).code == 0);
 #ifdef MOEFORGE_HAVE_CUDA
-  check_usage_error({"emit", "moe_mlp", "--cuda", "--d", "100"},
-                    {"dimension D = 100 of 'x' is not a multiple of 8", "or run on the CPU backend"});
+  // An error of the layer, not of the arguments: exit 2, the reason, no usage.
+  Run r = cli({"emit", "moe_mlp", "--cuda", "--d", "100"});
+  CHECK(r.code == 2);
+  CHECK(has(r.err, "dimension D = 100 of 'x' is not a multiple of 8"));
+  CHECK(has(r.err, "or run on the CPU backend"));
+  CHECK_FALSE(has(r.err, "usage:"));
 #endif
   check_usage_error({"run", "moe_mlp", "--backend", "tpu"}, {"--backend must be reference, cpu or cuda, got 'tpu'"});
   check_usage_error({"print", "moe_mlp", "--schedule", "megablocks"}, {"unknown flag '--schedule' for 'print'"});

@@ -350,7 +350,7 @@ void check_host_memory(const Example &ex, const ExampleShape &shape) {
 }
 
 // One training step: forward, then backward, on a compiled backend.
-int train(const Options &o, std::ostream &out) {
+int train(const Options &o, std::ostream &out, bool &working) {
   TrainingTask task = training_task(o);
   const Example &ex = task.example;
   Schedule schedule = schedule_from_arg(o.schedule);
@@ -359,6 +359,7 @@ int train(const Options &o, std::ostream &out) {
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu);
   check_host_memory(ex, o.shape);
+  working = true; // the arguments hold together: from here on, errors are the layer's
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
   BackendTraining run = train_on_backend(backend, task, o.shape, inputs, schedule);
   const TrainingProgram &t = run.training;
@@ -415,7 +416,7 @@ int train(const Options &o, std::ostream &out) {
   return check_training(out, run, task, inputs) ? 0 : 1;
 }
 
-int run(const Options &o, std::ostream &out) {
+int run(const Options &o, std::ostream &out, bool &working) {
   Example ex = make_example(o.example, o.shape);
   // The schedule only matters to the compiled backends, whose compilers check
   // it against the layer.
@@ -423,6 +424,7 @@ int run(const Options &o, std::ostream &out) {
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu);
   check_host_memory(ex, o.shape);
+  working = true; // the arguments hold together: from here on, errors are the layer's
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
   const char *prec = o.precision == Precision::f32 ? "f32" : "f64";
   out << "example   " << ex.name << ": " << ex.description << "\n";
@@ -497,6 +499,10 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
     return 0;
   }
   Options o;
+  // Errors in the arguments come with the usage; once they hold together
+  // (example, shape, schedule, backend), an error about compiling or running
+  // the layer comes alone.
+  bool working = false;
   try {
     o = parse(args);
     if (o.command == "list") {
@@ -512,6 +518,7 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
     if (o.command == "emit") {
       Example ex = make_example(o.example, o.shape);
       Schedule schedule = schedule_from_arg(o.schedule);
+      working = o.emit == "ir" || (o.emit == "cuda" ? kHaveCuda : kHaveCpu);
       if (o.emit == "ir") {
         out << lower(ex.pipeline, schedule);
         return 0;
@@ -532,10 +539,10 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
       return 0;
     }
     if (o.command == "train")
-      return train(o, out);
-    return run(o, out);
+      return train(o, out, working);
+    return run(o, out, working);
   } catch (const UserError &e) {
-    err << "moeforge: " << e.what() << "\n" << kUsage;
+    err << "moeforge: " << e.what() << "\n" << (working ? "" : kUsage);
     return 2;
   }
 }

@@ -12,10 +12,12 @@ namespace moeforge::bench {
 // thread is all wgmma leaves room for. The pre-activations and the
 // backward's per-pair gradients in bf16 (bf16_activations), and tensors
 // sharing memory by lifetime (reuse_memory), the expert weights' gradients
-// in bf16 (bf16_weight_gradients).
+// in bf16 (bf16_weight_gradients), and the element-wise results GEMMs read
+// in the padded row order (padded_elementwise), which those GEMMs and the
+// expert reductions load by TMA.
 inline Schedule tuned_wide(bool swiglu) {
   Schedule t = scattermoe();
-  t.bf16_activations(true).reuse_memory(true).bf16_weight_gradients(true);
+  t.bf16_activations(true).reuse_memory(true).bf16_weight_gradients(true).padded_elementwise(true);
   t.mma("*", MmaKind::wgmma_ws).tile("*", 128, 256, 64).tile("logits", 128, 64, 64);
   if (swiglu)
     t.tile("h", 128, 128, 64);

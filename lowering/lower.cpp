@@ -420,6 +420,17 @@ KernelProgram insert_permutation(KernelProgram p, const Schedule &schedule) {
   return p;
 }
 
+namespace {
+// Whether a GEMM (an expert reduction included) reads `name` as an operand.
+bool read_by_gemm(const KernelProgram &p, const std::string &name) {
+  for (const Step &s : p.steps)
+    if (auto *g = std::get_if<GemmStep>(&s);
+        g && (g->a == name || std::find(g->b.begin(), g->b.end(), name) != g->b.end()))
+      return true;
+  return false;
+}
+} // namespace
+
 KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
   for (TensorDecl &t : p.tensors) {
     if (!t.route || t.layout == RowLayout::padded)
@@ -440,6 +451,15 @@ KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
     // (combine) are scattered back to pair order by the scattered schedule.
     if (producer && producer->route && (schedule.permutation() == Permutation::blocked || only_gemm_a))
       t.layout = RowLayout::padded;
+    // padded_elementwise: an element-wise [pairs, n] result that a GEMM
+    // reads, in the padded order too, its padding zeroed by its kernel.
+    if (schedule.padded_elementwise() && !producer && t.dims.size() == 2 && read_by_gemm(p, t.name))
+      for (const Step &s : p.steps)
+        if (auto *pw = std::get_if<PointwiseStep>(&s);
+            pw && pw->output == t.name && pw->vars.size() == 2 && pw->vars[0].same_as(t.route->pair)) {
+          t.layout = RowLayout::padded;
+          t.zero_padding = true;
+        }
   }
   return p;
 }
@@ -713,6 +733,7 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
     if (sub.other_reads)
       continue; // reads the GEMM's output elsewhere than its own element
     g.extra.push_back({pw->output, value});
+    p.find(pw->output)->zero_padding = false; // the epilogue writes a tile's rows only
     p.steps.erase(p.steps.begin() + static_cast<long>(i));
     --i;
     --end;

@@ -121,6 +121,8 @@ Schedule &Schedule::reuse_memory(bool on) { return flag(reuse_memory_, "reuse_me
 
 Schedule &Schedule::bf16_weight_gradients(bool on) { return flag(bf16_weight_gradients_, "bf16_weight_gradients", on); }
 
+Schedule &Schedule::padded_elementwise(bool on) { return flag(padded_elementwise_, "padded_elementwise", on); }
+
 Schedule &Schedule::recompute(bool on) { return flag(recompute_, "recompute", on); }
 
 Schedule &Schedule::tile(const std::string &func, int m, int n, int k) {

@@ -143,6 +143,15 @@ public:
   // run in f32 and each gradient is rounded once. The router's gradient
   // stays f32 (its split-K slices add into it).
   Schedule &bf16_weight_gradients(bool on);
+  // Element-wise results over routed pairs that GEMMs read (the backward's
+  // per-pair gradients d_o, dH1, ...; the SwiGLU product) are stored in the
+  // routing's sorted, padded row order, as a blocked layer's GEMM outputs
+  // are, with zeros in the padding rows. The GEMMs reading them then load
+  // consecutive rows: by TMA on Hopper (the expert reductions' operands
+  // included) instead of gathering rows through cp.async. The element-wise
+  // kernels write rows in that order (each pair's row at its padded
+  // position) and zero the padding; the tensors grow by the padding rows.
+  Schedule &padded_elementwise(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -175,6 +184,7 @@ public:
   bool recompute() const { return recompute_; }
   bool bf16_activations() const { return bf16_activations_; }
   bool reuse_memory() const { return reuse_memory_; }
+  bool padded_elementwise() const { return padded_elementwise_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -232,6 +242,7 @@ private:
   bool bf16_activations_ = false;
   bool reuse_memory_ = false;
   bool bf16_weight_gradients_ = false;
+  bool padded_elementwise_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

@@ -51,6 +51,7 @@ const std::vector<Signature> &signatures() {
       {"bf16_activations", {{"on", ArgType::boolean}}},
       {"reuse_memory", {{"on", ArgType::boolean}}},
       {"bf16_weight_gradients", {{"on", ArgType::boolean}}},
+      {"padded_elementwise", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -282,6 +283,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.reuse_memory(bools[0]);
       } else if (st.primitive == "bf16_weight_gradients") {
         s.bf16_weight_gradients(bools[0]);
+      } else if (st.primitive == "padded_elementwise") {
+        s.padded_elementwise(bools[0]);
       } else if (st.primitive == "tile") {
         s.tile(func, i(1), i(2), i(3));
       } else if (st.primitive == "stages") {

@@ -602,6 +602,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // its transpose [N, K] read in place (the backward's dX = dH W^T), whose
   // shape is known here; expert reductions and dynamic K stay on cp.async.
   const bool tma = wgmma && t.tma && !in_place && !g.expert_k && !g.k.is_dynamic();
+  // An expert reduction's B by TMA: consecutive padded rows with zeros on
+  // padding (WgmmaRowsWsConfig::mainloop_b_tma).
+  const bool b_tma_rows = in_place && ws && t.tma && nb == 1 && g.b_rows == RowMap::direct &&
+                          prog.tensor(g.b[0]).zero_padding && prog.tensor(g.b[0]).dtype == DType::bf16;
   // A by TMA too when its rows are consecutive (tile order, or a dense A).
   const bool a_tma = tma && g.a_rows == RowMap::direct;
   internal_check(!tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
@@ -609,15 +613,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   std::string gA = a_tma ? "" : kb.tensor(g.a);
   std::vector<std::string> gB;
   for (const std::string &b : g.b)
-    gB.push_back(tma ? "" : kb.tensor(b));
+    gB.push_back(tma ? "" : b_tma_rows ? "&" + kb.tma(b, 0, g.n.extent()) : kb.tensor(b));
   const std::string N = std::to_string(g.n.extent());
 
   std::ostringstream body;
   internal_check(!in_place || (wgmma && g.expert_k && nb == 1)) << "in-place operands are for wgmma expert reductions";
   if (in_place) {
     body << "  using Cfg = mf::" << (ws ? "WgmmaRowsWsConfig<" : "WgmmaRowsConfig<") << t.tile_m << ", " << t.tile_n
-         << ", " << t.stages << ">;  // Hopper warpgroup MMA, A and B read in place by rows"
-         << (ws ? ", warp-specialised" : "") << "\n";
+         << ", " << t.stages << ">;  // Hopper warpgroup MMA, A "
+         << (b_tma_rows ? "by rows, B by TMA" : "and B by rows") << (ws ? ", warp-specialised" : "") << "\n";
   } else if (wgmma) {
     user_check(nb * t.tile_n / 2 <= 128) << "definition '" << g.output << "': " << nb << " B operands with tile_n "
                                          << t.tile_n << " need " << nb * t.tile_n / 2
@@ -848,9 +852,14 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };
     body << "  Cfg::Acc acc = {};\n";
     stamp(1);
-    body << "  if (!Cfg::mainloop(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0] << ", "
-         << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
-         << "    return;  // a loading-only warpgroup\n\n";
+    if (b_tma_rows)
+      body << "  if (!Cfg::mainloop_b_tma(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0]
+           << ", n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
+           << "    return;  // a loading-only warpgroup\n\n";
+    else
+      body << "  if (!Cfg::mainloop(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0] << ", "
+           << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
+           << "    return;  // a loading-only warpgroup\n\n";
   } else {
     emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, ws && persistent && roomy, split_k, body);
     if (tma) {
@@ -1050,9 +1059,17 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   for (const Var &v : s.vars)
     if (!softmax || !v.same_as(softmax->var))
       loop_vars.push_back(v);
+  // A [pairs, n] result stored in the padded order (padded_elementwise) is
+  // written padded row by padded row: row p holds pair sorted_pair[p], and a
+  // padding row zeros, which GEMMs reading it by TMA rely on.
+  const bool padded_rows = out.layout == RowLayout::padded && s.vars.size() == 2 && !softmax && out.route &&
+                           s.vars[0].same_as(out.route->pair);
+  auto extent_of = [&](size_t i) {
+    return padded_rows && i == 0 ? max_padded_rows(prog, kb, out.route) : kb.extent(loop_vars[i].dim());
+  };
   std::string total = "1LL";
-  for (const Var &v : loop_vars)
-    total = "(" + total + " * " + kb.extent(v.dim()) + ")";
+  for (size_t i = 0; i < loop_vars.size(); ++i)
+    total = "(" + total + " * " + extent_of(i) + ")";
   // Dot products and sums over the tokens: a warp per element (coalesced
   // reads along the reduced index, and 32x the parallelism of a thread each).
   // A softmax splits its row over the lanes itself; its body is one lane's.
@@ -1065,6 +1082,10 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     elements = v.dim().is_dynamic() ? 1LL << 40 : elements * v.dim().extent();
   em.block_split = em.warp_split && elements <= 4096;
   const bool warp_per_element = softmax || em.warp_split;
+  user_check(!padded_rows || (!warp_per_element && !s.vars[1].dim().is_dynamic()))
+      << "definition '" << s.output << "': padded_elementwise stores it in the padded row order, which the CUDA "
+      << "backend does for element-wise values over a static row length only (not reductions): drop "
+      << "padded_elementwise";
   // Eight consecutive elements of the innermost index per thread, when its
   // extent is a static multiple of eight (and not a padded tensor's row
   // index): the index arithmetic (64-bit divisions, one per index) is done
@@ -1090,7 +1111,13 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
        << (warp_per_element ? "  // whole warps: shuffles see every lane" : "") << "\n";
   for (size_t i = loop_vars.size(); i-- > 0;) {
     std::string c = "v_" + c_name(loop_vars[i].name());
-    const std::string ext = kb.extent(loop_vars[i].dim());
+    const std::string ext = extent_of(i);
+    if (padded_rows && i == 0) {
+      body << "  const long long p_row = idx;  // the padded position (idx < its rows)\n";
+      body << "  const long long " << c << " = " << kb.route(out.route, "sorted_pair") << "[p_row];  // -1: padding\n";
+      em.vars[loop_vars[i].get()] = c;
+      continue;
+    }
     if (vectorize && i + 1 == loop_vars.size()) {
       body << "  const long long " << c << "0 = idx % (" << ext << " / 8) * 8;\n";
       body << "  idx /= " << ext << " / 8;\n";
@@ -1110,21 +1137,34 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
       idx.push_back(em.vars.at(v.get()));
     return idx;
   };
+  // Row p_row of the padded output, at column `col`.
+  auto padded_offset = [&](const std::string &col) { return "(p_row * " + kb.extent(out.dims[1]) + " + " + col + ")"; };
+  if (padded_rows) { // before the body reads anything at pair -1
+    const std::string col = vectorize ? em.vec_base : em.vars.at(s.vars[1].get());
+    body << "  if (" << em.vars.at(s.vars[0].get()) << " < 0) {  // a padding row: zeros\n";
+    if (vectorize)
+      body << "    const float zeros[8] = {};\n    mf::store8(" << gOut << " + " << padded_offset(col) << ", zeros);\n";
+    else
+      body << "    " << gOut << "[" << padded_offset(col) << "] = mf::from_f32<" << c_type(out.dtype) << ">(0.f);\n";
+    body << "    return;\n  }\n";
+  }
   if (vectorize) {
     em.vars[em.vec_var] = "(" + em.vec_base + " + u)";
     std::string value = em.emit(s.body);
     std::vector<std::string> out_idx = out_index();
     out_idx.back() = em.vec_base;
     body << "  float out[8];\n#pragma unroll\n  for (int u = 0; u < 8; ++u)\n    out[u] = " << value << ";\n";
-    body << "  mf::store8(" << gOut << " + " << em.offset(out, out_idx) << ", out);\n";
+    body << "  mf::store8(" << gOut << " + " << (padded_rows ? padded_offset(out_idx.back()) : em.offset(out, out_idx))
+         << ", out);\n";
   } else {
     auto store = [&](const std::string &value) {
+      std::vector<std::string> idx = out_index();
+      std::string at = padded_rows ? padded_offset(idx.back()) : em.offset(out, idx);
       em.out() << em.pad()
                << (em.block_split  ? "if (threadIdx.x == 0) "
                    : em.warp_split ? "if (lane == 0) "
                                    : "")
-               << gOut << "[" << em.offset(out, out_index()) << "] = mf::from_f32<" << c_type(out.dtype) << ">("
-               << value << ");\n";
+               << gOut << "[" << at << "] = mf::from_f32<" << c_type(out.dtype) << ">(" << value << ");\n";
     };
     if (softmax)
       emit_softmax_row(em, kb, *softmax, store);
@@ -1132,6 +1172,11 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
       store(em.emit(s.body));
   }
   k.grid.kind = GridShape::Kind::elements;
+  if (padded_rows) {
+    k.grid.kind = GridShape::Kind::padded_rows;
+    k.grid.route = out.route;
+    k.grid.chunks_per_row = s.vars[1].dim().extent() / per_thread;
+  }
   k.grid.threads_per_element = em.block_split ? k.threads : warp_per_element ? 32 : 1;
   k.grid.elements_per_thread = per_thread;
   for (const Var &v : loop_vars)

@@ -400,12 +400,17 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
 __device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+// try_wait with a suspend-time hint: a waiting warp sleeps until the phase
+// completes (or the hint's 10 ms pass) instead of retrying after the
+// system's short default; consumers spinning on a stage had issued a third
+// as many instructions as the producer filling it, on its schedulers.
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
   unsigned done = 0;
   while (!done)
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\nselp.u32 %0, 1, 0, "
+                 "p;\n}\n"
                  : "=r"(done)
-                 : "r"(bar), "r"(parity)
+                 : "r"(bar), "r"(parity), "r"(10000000u)
                  : "memory");
 }
 
@@ -934,7 +939,10 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
     static_assert(32 % C == 0 && RW % R == 0 && RW % 8 == 0, "whole rows per copy, whole copies per warp");
     const int lane = t & 31, l = lane / C, ch = lane % C, col = c0 + ch * 8;
     const bool col_ok = col < cols;
-    const bf16 *g_lane = g + (col_ok ? col : 0); // a valid address even where zero-filled
+    // In bytes, so that each copy's address is one multiply-add (row x row
+    // bytes + this lane's chunk); a valid address even where zero-filled.
+    const char *g_lane = reinterpret_cast<const char *>(g + (col_ok ? col : 0));
+    const int row_bytes = cols * 2;
     // mn_off(k, ch) for k = k_base + i * R + l: k_base is a multiple of 8 and
     // l < R, so k & 7 = ((i * R) & 7) ^ l and the swizzle splits into this
     // lane's part and a constant per copy.
@@ -943,8 +951,8 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
 #pragma unroll
     for (int i = 0; i < RW / R; ++i) {
       const int src = __shfl_sync(0xffffffffu, row, i * R + l);
-      cp_async_16(s_lane + i * R * 128 + (x_lane ^ (((i * R) & 7) << 4)), g_lane + (long long)max(src, 0) * cols,
-                  col_ok && src >= 0);
+      cp_async_16(s_lane + i * R * 128 + (x_lane ^ (((i * R) & 7) << 4)),
+                  g_lane + (long long)max(src, 0) * row_bytes, col_ok && src >= 0);
     }
   }
 
@@ -1407,6 +1415,38 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsWsConfig : WgmmaRowsCon
           if (kt == 0) // the producer's first stage: its first two lookups
             rows.start(t, sorted_pair, p_begin, K);
           Base::template load_stage<128>(s0, slot, kt, t, rows, A, a_div, M, m0, B, b_div, N, n0);
+        },
+        [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
+  }
+  // The same with B by TMA: B is a padded tensor whose padding rows hold
+  // zeros (padded_elementwise), so a stage's BK rows p_begin + kt * BK .. are
+  // consecutive, BN / 64 boxes of 64 columns x 64 rows under the 128-byte
+  // swizzle (mn_off's slabs). A still comes row by row through cp.async,
+  // zero on padding rows and past K; where a box runs past the expert's
+  // segment (a routing block under 64 rows) it meets those zero rows of A.
+  // Two thirds of a 128 x 256 stage's bytes then need no producer
+  // instructions: the cp.async issue rate is what bounded this loop.
+  __device__ static bool mainloop_b_tma(unsigned char *smem, const bf16 *A, int a_div, int M, int m0,
+                                        const TmaDesc *tB, int n0, const int *sorted_pair, long long p_begin, int K,
+                                        Acc &acc) {
+    const int wg = threadIdx.x >> 7;
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * Base::STAGE_BYTES;
+    typename Base::template Rows<128> rows;
+    return ws_pipeline<STAGES, CONSUMERS>(
+        full, (K + Base::BK - 1) / Base::BK,
+        [&](int slot, int kt, int t) {
+          if (kt == 0)
+            rows.start(t, sorted_pair, p_begin, K);
+          const unsigned sA = s0 + slot * Base::STAGE_BYTES, bar = full + 8 * slot;
+          if (t == 0) { // the stage's TMA bytes, before this thread's own arrival can complete it
+            mbar_expect_tx(bar, Base::B_STAGE_BYTES);
+#pragma unroll
+            for (int s = 0; s < Base::BN / 64; ++s)
+              tma_load_3d(sA + Base::A_STAGE_BYTES + s * (Base::BK * 128), tB, n0 + s * 64,
+                          (int)p_begin + kt * Base::BK, 0, bar);
+          }
+          const int r = rows.next(kt);
+          Base::template copy_rows<Base::BM, 128>(sA, t, rows.source(kt, r, a_div), A, M, m0);
         },
         [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
   }

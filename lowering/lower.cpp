@@ -733,7 +733,12 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
     if (sub.other_reads)
       continue; // reads the GEMM's output elsewhere than its own element
     g.extra.push_back({pw->output, value});
-    p.find(pw->output)->zero_padding = false; // the epilogue writes a tile's rows only
+    // A padded output keeps its zero padding when the epilogue writes whole
+    // routing blocks, a tile each (its rows past the block's pairs as zeros);
+    // tiles that split a block, or clusters (whose idle partner would zero
+    // the other block's rows), leave padding rows unwritten.
+    TensorDecl &fused = *p.find(pw->output);
+    fused.zero_padding &= g.route && g.block == g.tiling.tile_m && g.tiling.cluster_m == 1;
     p.steps.erase(p.steps.begin() + static_cast<long>(i));
     --i;
     --end;

@@ -449,6 +449,30 @@ TEST_SUITE("cpu") {
     check_step(compiled, ex, train, in, s.tokens);
   }
 
+  TEST_CASE("cpu training: padded_elementwise (GEMM-read element-wise results in the padded order) trains") {
+    // Every example with routing, blocked and scattered, with and without
+    // recompute: the lowered program differs (padded tensors, direct row
+    // maps), the gradients must not.
+    ExampleShape s = shape(150, 64, 128, 8, 2);
+    for (const char *name : {"moe_mlp", "swiglu_moe", "geglu_moe", "expert_bias_moe"})
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (bool recompute : {false, true}) {
+          INFO(name << " / " << p << (recompute ? " / recompute" : ""));
+          Example ex = make_example(name, s);
+          Training train = training_of(ex);
+          TensorMap in = with_seed_gradients(ex.pipeline, train, ex.random_inputs(s, 16), 26);
+          Schedule sch = named(p, recompute);
+          sch.padded_elementwise(true);
+          CHECK(Schedule::from_text(sch.to_text()).padded_elementwise());
+          cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+          const KernelProgram &prog = compiled.training.program;
+          // The per-pair gradient the second expert GEMM's backward reads.
+          CHECK(prog.tensor("d_o").layout == RowLayout::padded);
+          CHECK(prog.tensor("d_o").zero_padding);
+          check_step(compiled, ex, train, in, s.tokens);
+        }
+  }
+
   TEST_CASE("cpu training: gradient() of an unknown name and backward() before forward() are user errors") {
     ExampleShape s = shape(32, 64, 128, 8, 2);
     Example ex = make_example("moe_mlp", s);

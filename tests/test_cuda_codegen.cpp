@@ -532,6 +532,39 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
   }
 }
 
+TEST_CASE("codegen: padded_elementwise: zero-padded element-wise results, read by TMA, compile without spills") {
+  // tuned_wide (padded_elementwise): d_o, dH1 and dH3 come from element-wise
+  // kernels over the padded rows (zeros on padding), h from the forward
+  // GEMM's epilogue with its padding rows zeroed; the dH / dX GEMMs then
+  // read their A by TMA, dW1 and dW3 their B, dW2 both operands.
+  Example ex = make_example("swiglu_moe", small());
+  for (bool recompute : {false, true}) {
+    Schedule s = bench::tuned_wide(true);
+    s.recompute(recompute);
+    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
+    check_resources(c.layer, std::string("tuned_wide") + (recompute ? " / recompute" : ""));
+    const KernelProgram &p = c.training.program;
+    for (const char *t : {"d_o", "d_x_s_a", "d_x_s_a2", "h"}) {
+      INFO(t);
+      CHECK(p.tensor(t).layout == RowLayout::padded);
+      CHECK(p.tensor(t).zero_padding);
+    }
+    auto source = [&](const std::string &kernel) { return kernel_source(c.layer, kernel); };
+    CHECK(source("gemm_d_w1").find("A by rows, B by TMA") != std::string::npos);
+    CHECK(source("gemm_d_w3").find("A by rows, B by TMA") != std::string::npos);
+    CHECK(source("gemm_d_w2").find("A and B by TMA") != std::string::npos);
+    CHECK(source("pointwise_d_o").find("a padding row: zeros") != std::string::npos);
+    CHECK(source("gemm_h_silu_in_h_rhs").find("padding rows: zeros") != std::string::npos);
+    for (const Step &st : p.steps)
+      if (auto *g = std::get_if<GemmStep>(&st); g && (g->output == "d_h" || g->output == "d_x_s"))
+        CHECK(g->a_rows == RowMap::direct);
+  }
+  // Without it, the same tensors stay in pair order.
+  cuda::CompiledTraining plain = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), preset("scattermoe"));
+  CHECK(plain.training.program.tensor("d_x_s_a").layout == RowLayout::pair);
+  CHECK_FALSE(plain.training.program.tensor("d_x_s_a").zero_padding);
+}
+
 TEST_CASE("codegen: the backward's GEMMs over transposed weights read them by TMA") {
   // dH = dO W2^T and dX = dH1 W1^T read W^T in place, stored [N, K] per
   // expert: boxes of 64 rows n x 64 k, K-major as wgmma takes B^T.

@@ -472,7 +472,23 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
                          std::ostringstream &body) {
   body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
 
-  body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n    if (lr >= rows) continue;\n";
+  body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n";
+  // Outputs whose padding rows must hold zeros (TensorDecl::zero_padding:
+  // GEMMs read them by TMA) get them from the tile's rows past `rows`.
+  std::vector<std::string> zeroed;
+  for (const auto &[name, value] : outputs)
+    if (const TensorDecl &t = prog.tensor(name); g.route && !g.expert_k && t.zero_padding)
+      zeroed.push_back(kb.tensor(name, /*writes=*/true));
+  if (!zeroed.empty()) {
+    body << "    if (lr >= rows) {  // padding rows: zeros, for readers that load whole boxes by TMA\n"
+         << "#pragma unroll\n      for (int ni = 0; ni < Cfg::NI; ++ni) {\n"
+         << "        const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n        if (col >= N) continue;\n";
+    for (const std::string &z : zeroed)
+      body << "        mf::store2(" << z << " + (p0 + lr) * N + col, 0.f, 0.f);\n";
+    body << "      }\n      continue;\n    }\n";
+  } else {
+    body << "    if (lr >= rows) continue;\n";
+  }
   if (g.expert_k) {
     body << "    const long long " << vr << " = p0 + lr, out_row = expert * M + " << vr << ";\n";
   } else if (g.route) {
@@ -604,13 +620,18 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   const bool tma = wgmma && t.tma && !in_place && !g.expert_k && !g.k.is_dynamic();
   // An expert reduction's B by TMA: consecutive padded rows with zeros on
   // padding (WgmmaRowsWsConfig::mainloop_b_tma).
-  const bool b_tma_rows = in_place && ws && t.tma && nb == 1 && g.b_rows == RowMap::direct &&
-                          prog.tensor(g.b[0]).zero_padding && prog.tensor(g.b[0]).dtype == DType::bf16;
+  auto zero_padded = [&](const std::string &name, RowMap rows) {
+    return rows == RowMap::direct && prog.tensor(name).zero_padding && prog.tensor(name).dtype == DType::bf16;
+  };
+  const bool b_tma_rows = in_place && ws && t.tma && nb == 1 && zero_padded(g.b[0], g.b_rows);
+  // A as well when it is one too and each expert's segment is whole boxes
+  // of 64 rows (nothing then zeroes rows of the next segment).
+  const bool a_tma_rows = b_tma_rows && zero_padded(g.a, g.a_rows) && g.block % 64 == 0;
   // A by TMA too when its rows are consecutive (tile order, or a dense A).
   const bool a_tma = tma && g.a_rows == RowMap::direct;
   internal_check(!tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
       << "GEMM operands are bf16 (lowering converts them)";
-  std::string gA = a_tma ? "" : kb.tensor(g.a);
+  std::string gA = a_tma ? "" : a_tma_rows ? "&" + kb.tma(g.a, 0, g.m.extent()) : kb.tensor(g.a);
   std::vector<std::string> gB;
   for (const std::string &b : g.b)
     gB.push_back(tma ? "" : b_tma_rows ? "&" + kb.tma(b, 0, g.n.extent()) : kb.tensor(b));
@@ -620,8 +641,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   internal_check(!in_place || (wgmma && g.expert_k && nb == 1)) << "in-place operands are for wgmma expert reductions";
   if (in_place) {
     body << "  using Cfg = mf::" << (ws ? "WgmmaRowsWsConfig<" : "WgmmaRowsConfig<") << t.tile_m << ", " << t.tile_n
-         << ", " << t.stages << ">;  // Hopper warpgroup MMA, A "
-         << (b_tma_rows ? "by rows, B by TMA" : "and B by rows") << (ws ? ", warp-specialised" : "") << "\n";
+         << ", " << t.stages << ">;  // Hopper warpgroup MMA, "
+         << (a_tma_rows   ? "A and B by TMA"
+             : b_tma_rows ? "A by rows, B by TMA"
+                          : "A and B by rows")
+         << (ws ? ", warp-specialised" : "") << "\n";
   } else if (wgmma) {
     user_check(nb * t.tile_n / 2 <= 128) << "definition '" << g.output << "': " << nb << " B operands with tile_n "
                                          << t.tile_n << " need " << nb * t.tile_n / 2
@@ -853,8 +877,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  Cfg::Acc acc = {};\n";
     stamp(1);
     if (b_tma_rows)
-      body << "  if (!Cfg::mainloop_b_tma(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0]
-           << ", n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
+      body << "  if (!Cfg::mainloop_tma_rows<" << (a_tma_rows ? "true" : "false") << ">(smem, "
+           << (a_tma_rows ? "nullptr, " + gA : gA + ", nullptr") << ", " << div(g.a_rows) << ", (int)M, (int)p0, "
+           << gB[0] << ", n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
            << "    return;  // a loading-only warpgroup\n\n";
     else
       body << "  if (!Cfg::mainloop(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0] << ", "

@@ -1421,32 +1421,41 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsWsConfig : WgmmaRowsCon
   // The same with B by TMA: B is a padded tensor whose padding rows hold
   // zeros (padded_elementwise), so a stage's BK rows p_begin + kt * BK .. are
   // consecutive, BN / 64 boxes of 64 columns x 64 rows under the 128-byte
-  // swizzle (mn_off's slabs). A still comes row by row through cp.async,
-  // zero on padding rows and past K; where a box runs past the expert's
-  // segment (a routing block under 64 rows) it meets those zero rows of A.
-  // Two thirds of a 128 x 256 stage's bytes then need no producer
-  // instructions: the cp.async issue rate is what bounded this loop.
-  __device__ static bool mainloop_b_tma(unsigned char *smem, const bf16 *A, int a_div, int M, int m0,
-                                        const TmaDesc *tB, int n0, const int *sorted_pair, long long p_begin, int K,
-                                        Acc &acc) {
+  // swizzle (mn_off's slabs). A comes row by row through cp.async, zero on
+  // padding rows and past K, where a box may run past the expert's segment
+  // (a routing block under 64 rows); or, A_TMA, by TMA as well, when A too
+  // is padded with zero padding and the segments are whole boxes (the
+  // codegen checks the block). Two thirds of a 128 x 256 stage's bytes, or
+  // all of them, then need no producer instructions: the cp.async issue
+  // rate is what bounded this loop.
+  template <bool A_TMA>
+  __device__ static bool mainloop_tma_rows(unsigned char *smem, const bf16 *A, const TmaDesc *tA, int a_div, int M,
+                                           int m0, const TmaDesc *tB, int n0, const int *sorted_pair,
+                                           long long p_begin, int K, Acc &acc) {
     const int wg = threadIdx.x >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * Base::STAGE_BYTES;
     typename Base::template Rows<128> rows;
     return ws_pipeline<STAGES, CONSUMERS>(
         full, (K + Base::BK - 1) / Base::BK,
         [&](int slot, int kt, int t) {
-          if (kt == 0)
+          if (kt == 0 && !A_TMA)
             rows.start(t, sorted_pair, p_begin, K);
           const unsigned sA = s0 + slot * Base::STAGE_BYTES, bar = full + 8 * slot;
+          const int k_row = (int)p_begin + kt * Base::BK;
           if (t == 0) { // the stage's TMA bytes, before this thread's own arrival can complete it
-            mbar_expect_tx(bar, Base::B_STAGE_BYTES);
+            mbar_expect_tx(bar, Base::B_STAGE_BYTES + (A_TMA ? Base::A_STAGE_BYTES : 0));
 #pragma unroll
             for (int s = 0; s < Base::BN / 64; ++s)
-              tma_load_3d(sA + Base::A_STAGE_BYTES + s * (Base::BK * 128), tB, n0 + s * 64,
-                          (int)p_begin + kt * Base::BK, 0, bar);
+              tma_load_3d(sA + Base::A_STAGE_BYTES + s * (Base::BK * 128), tB, n0 + s * 64, k_row, 0, bar);
+            if (A_TMA)
+#pragma unroll
+              for (int s = 0; s < Base::BM / 64; ++s)
+                tma_load_3d(sA + s * (Base::BK * 128), tA, m0 + s * 64, k_row, 0, bar);
           }
-          const int r = rows.next(kt);
-          Base::template copy_rows<Base::BM, 128>(sA, t, rows.source(kt, r, a_div), A, M, m0);
+          if (!A_TMA) {
+            const int r = rows.next(kt);
+            Base::template copy_rows<Base::BM, 128>(sA, t, rows.source(kt, r, a_div), A, M, m0);
+          }
         },
         [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
   }

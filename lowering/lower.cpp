@@ -477,7 +477,7 @@ KernelProgram resolve_row_maps(KernelProgram p, const Schedule &) {
   return p;
 }
 
-KernelProgram materialize_transposes(KernelProgram p, const Schedule &) {
+KernelProgram materialize_transposes(KernelProgram p, const Schedule &schedule) {
   std::vector<Step> out;
   std::set<std::string> made;
   auto add = [&](TensorDecl t, Step step) {
@@ -504,6 +504,19 @@ KernelProgram materialize_transposes(KernelProgram p, const Schedule &) {
       g->a_rows = rows_of(g->a, g->a_rows);
       g->b_rows = rows_of(g->b[0], g->b_rows);
       g->operands_in_place = true;
+      // padded_elementwise: the token rows an expert reduction gathers (x
+      // for dW1 = x^T dH1) are gathered once into the padded order (zero
+      // padding), which the reductions then read by TMA like their other
+      // operand; SwiGLU's dW1 and dW3 share the copy.
+      if (schedule.padded_elementwise() && g->a_rows == RowMap::gather_token) {
+        const RoutingNode *r = g->route;
+        const TensorDecl a = p.tensor(g->a);
+        TensorDecl ap{g->a + "_rows_" + r->name, DType::bf16, {r->pairs, a.dims[1]}, RowLayout::padded, r, false};
+        ap.zero_padding = true;
+        add(ap, GatherStep{"gather_" + ap.name, r, g->a, ap.name, RowMap::gather_token});
+        g->a = ap.name;
+        g->a_rows = RowMap::direct;
+      }
     } else if (g->expert_k) {
       // mma.sync: A^T with the padded rows last (zero on padding), B in padded order
       // (zero on padding: a padded GEMM output's padding rows are never written).

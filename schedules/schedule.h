@@ -151,6 +151,9 @@ public:
   // included) instead of gathering rows through cp.async. The element-wise
   // kernels write rows in that order (each pair's row at its padded
   // position) and zero the padding; the tensors grow by the padding rows.
+  // The token rows an expert reduction gathers (x in dW1 = x^T dH1) are
+  // copied once into that order too, for the backward's time: one more
+  // T*k x d bf16 tensor, not kept past the reductions that read it.
   Schedule &padded_elementwise(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);

@@ -536,7 +536,8 @@ TEST_CASE("codegen: padded_elementwise: zero-padded element-wise results, read b
   // tuned_wide (padded_elementwise): d_o, dH1 and dH3 come from element-wise
   // kernels over the padded rows (zeros on padding), h from the forward
   // GEMM's epilogue with its padding rows zeroed; the dH / dX GEMMs then
-  // read their A by TMA, dW1 and dW3 their B, dW2 both operands.
+  // read their A by TMA, and the expert reductions both operands, x through
+  // one padded copy of its gathered rows.
   Example ex = make_example("swiglu_moe", small());
   for (bool recompute : {false, true}) {
     Schedule s = bench::tuned_wide(true);
@@ -550,9 +551,11 @@ TEST_CASE("codegen: padded_elementwise: zero-padded element-wise results, read b
       CHECK(p.tensor(t).zero_padding);
     }
     auto source = [&](const std::string &kernel) { return kernel_source(c.layer, kernel); };
-    CHECK(source("gemm_d_w1").find("A by rows, B by TMA") != std::string::npos);
-    CHECK(source("gemm_d_w3").find("A by rows, B by TMA") != std::string::npos);
-    CHECK(source("gemm_d_w2").find("A and B by TMA") != std::string::npos);
+    for (const char *g : {"gemm_d_w1", "gemm_d_w3", "gemm_d_w2"})
+      CHECK(source(g).find("A and B by TMA") != std::string::npos);
+    // dW1 and dW3 read x through one padded copy (zero padding).
+    CHECK(p.tensor("x_rows_route").zero_padding);
+    CHECK(source("gather_x_rows_route").find("if (r >= 0)") != std::string::npos); // else zeros
     CHECK(source("pointwise_d_o").find("a padding row: zeros") != std::string::npos);
     CHECK(source("gemm_h_silu_in_h_rhs").find("padding rows: zeros") != std::string::npos);
     for (const Step &st : p.steps)

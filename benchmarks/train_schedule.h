@@ -2,6 +2,8 @@
 // checks it, so that what is timed is what is tested.
 #pragma once
 
+#include <string>
+
 #include "schedules/presets.h"
 
 namespace moeforge::bench {
@@ -21,6 +23,12 @@ inline Schedule tuned_wide(bool swiglu) {
   t.mma("*", MmaKind::wgmma_ws).tile("*", 128, 256, 64).tile("logits", 128, 64, 64);
   if (swiglu)
     t.tile("h", 128, 128, 64);
+  // The expert reductions (the expert weights' gradients) in persistent
+  // blocks: their K is one expert's rows, short enough that filling the
+  // pipeline and storing the tile cost a tenth of a block per tile.
+  for (const char *g : {"d_w1", "d_w2", "d_w3"})
+    if (swiglu || std::string(g) != "d_w3")
+      t.persistent(g, true);
   return t;
 }
 

@@ -12,9 +12,16 @@ namespace moeforge {
 
 namespace {
 
+// A sum(...), or a sum over each expert's routed pairs (expert_sum: a
+// weight gradient, which lowers to an expert reduction GEMM that a schedule
+// tiles like any other).
 struct HasSum : IRVisitor {
   bool found = false;
   void visit_node(const Sum &) override { found = true; }
+  void visit_node(const RouteSum &s) override {
+    found |= s.field == RouteField::expert;
+    IRVisitor::visit_node(s);
+  }
 };
 
 bool is_contraction(const Func &f) {

@@ -228,14 +228,18 @@ TEST_SUITE("gpu") {
   TEST_CASE("cuda training: persistent GEMMs in the forward and the backward") {
     MOEFORGE_REQUIRE_GPU();
     ExampleShape s = shape(300, 64, 128, 8, 2);
-    for (const char *name : {"moe_mlp", "swiglu_moe"}) {
-      Example ex = make_example(name, s);
-      Schedule p = preset("scattermoe");
-      p.persistent("*", true);
-      INFO(name);
-      Outcome o = train_and_compare(ex, ex.random_inputs(s, 5), s.tokens, p);
-      CHECK(o.routing_mismatches == 0);
-    }
+    // With padded_elementwise the expert reductions (B by TMA) are
+    // persistent too: every expert's tiles, empty experts' included, on one
+    // ring per block.
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (bool padded : {false, true}) {
+        Example ex = make_example(name, s);
+        Schedule p = preset("scattermoe");
+        p.persistent("*", true).padded_elementwise(padded);
+        INFO(name << (padded ? " / padded_elementwise" : ""));
+        Outcome o = train_and_compare(ex, ex.random_inputs(s, 5), s.tokens, p);
+        CHECK(o.routing_mismatches == 0);
+      }
   }
 
   TEST_CASE("cuda training: mma.sync GEMMs with materialised weight transposes") {

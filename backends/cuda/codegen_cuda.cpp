@@ -601,6 +601,19 @@ void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const
        << (persistent ? "false" : "true") << ");\n";
 }
 
+// An expert reduction's tile `id` (a block's index, or a persistent
+// block's tile id): its expert, its row and column tile within the expert
+// (rasterised), and the expert's padded segment of sorted rows, which is
+// the reduction (K) range, empty for an expert with no pairs.
+void emit_expert_tile(KernelBuilder &kb, const GemmStep &g, const std::string &id, std::ostringstream &body) {
+  std::string off = kb.route(g.route, "offsets");
+  body << "  const long long expert = " << id << " / (NUM_M * NUM_N);\n";
+  body << "  const int pid = (int)(" << id << " % (NUM_M * NUM_N));\n";
+  body << "  mf::raster_mn(pid, NUM_M, NUM_N, " << g.tiling.raster << ", m_tile, n_tile);  // within the expert\n";
+  body << "  const long long k_begin = " << off << "[expert];\n";
+  body << "  const int K = (int)(" << off << "[expert + 1] - k_begin);\n";
+}
+
 void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream &src, GeneratedKernel &k) {
   const GemmTiling &t = g.tiling;
   const int nb = static_cast<int>(g.b.size());
@@ -663,7 +676,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   body << "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n";
   // Timeline stamps (nothing unless compiled with MF_TIMELINE): a block per
   // tile only, whose phases are the tile's.
-  const bool stamp_tiles = t.persistent && !g.expert_k; // persistent blocks stamp per tile
+  // Persistent blocks (warp-specialised GEMMs, and expert reductions whose B
+  // comes by TMA): a loop over the tiles, `skip` leaving one tile.
+  const bool persistent = t.persistent && (!g.expert_k || b_tma_rows);
+  const bool stamp_tiles = persistent; // persistent blocks stamp per tile
   auto stamp = [&](int phase) {
     if (timeline_requested())
       body << (stamp_tiles ? "  MF_STAMP_AT(tile_id, " : "  MF_STAMP(") << phase << ");\n";
@@ -707,9 +723,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  constexpr int K = " << g.k.extent() << ";\n";
   body << "  constexpr int NUM_N = (N + Cfg::BN - 1) / Cfg::BN;\n";
   body << "  int m_tile, n_tile;\n";
-  // Persistent blocks (warp-specialised GEMMs; expert reductions run one
-  // block per tile): a loop over the tiles, `skip` leaving one tile.
-  const bool persistent = t.persistent && !g.expert_k;
   // Two blocks per cluster sharing B (row tiles 2m, 2m + 1 of one expert).
   const bool cluster = t.cluster_m == 2 && !g.expert_k && !in_place;
   user_check(!cluster || (ws && tma && !g.b_trans && !g.k.is_dynamic()))
@@ -799,6 +812,17 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     stamp(0);
     body << "  mf::raster_mn((int)item, (int)PAIRS, NUM_N, " << t.raster << ", m_tile, n_tile);\n";
     body << "  m_tile = 2 * m_tile + rank;  // this block's row tile in the pair\n";
+  } else if (persistent && g.expert_k) {
+    // Every expert's tiles in one range: tile_id / (NUM_M * NUM_N) is the expert.
+    body << "  constexpr long long M = " << g.m.extent() << ";\n";
+    body << "  constexpr int NUM_M = (int)((M + Cfg::BM - 1) / Cfg::BM);\n";
+    body << "  constexpr long long TOTAL = " << g.route->expert_dim().extent()
+         << "LL * NUM_M * NUM_N;  // output tiles of every expert\n";
+    body << "  auto ring = Cfg::ring(smem);\n";
+    body << "  for (long long tile_id = blockIdx.x; tile_id < TOTAL; tile_id = Cfg::next_tile(ring, "
+         << kb.tile_counter() << ")) {\n";
+    stamp(0);
+    emit_expert_tile(kb, g, "tile_id", body);
   } else if (persistent) {
     body << "  const long long TOTAL = (" << rows_total << ") * NUM_N;  // output tiles\n";
     body << "  auto ring = Cfg::ring(smem"
@@ -811,14 +835,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     // One grid slice per expert; the expert's padded segment of sorted rows
     // is the reduction (K) range, empty for an expert with no pairs.
     const RoutingNode *r = g.route;
-    std::string off = kb.route(r, "offsets");
     body << "  constexpr long long M = " << g.m.extent() << ";\n";
     body << "  constexpr int NUM_M = (int)((M + Cfg::BM - 1) / Cfg::BM);\n";
-    body << "  const long long expert = blockIdx.x / (NUM_M * NUM_N);\n";
-    body << "  const int pid = blockIdx.x % (NUM_M * NUM_N);\n";
-    body << "  mf::raster_mn(pid, NUM_M, NUM_N, " << t.raster << ", m_tile, n_tile);  // within the expert\n";
-    body << "  const long long k_begin = " << off << "[expert];\n";
-    body << "  const int K = (int)(" << off << "[expert + 1] - k_begin);\n";
+    emit_expert_tile(kb, g, "blockIdx.x", body);
     if (!in_place)
       body << "  const long long LDA = " << max_padded_rows(prog, kb, r) << ";  // " << g.a << "'s padded row stride\n";
   } else if (cluster) {
@@ -877,10 +896,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  Cfg::Acc acc = {};\n";
     stamp(1);
     if (b_tma_rows)
-      body << "  if (!Cfg::mainloop_tma_rows<" << (a_tma_rows ? "true" : "false") << ">(smem, "
+      body << "  if (!Cfg::" << (persistent ? "tile_tma_rows<" : "mainloop_tma_rows<")
+           << (a_tma_rows ? "true" : "false") << ">(" << (persistent ? "ring, " : "smem, ")
            << (a_tma_rows ? "nullptr, " + gA : gA + ", nullptr") << ", " << div(g.a_rows) << ", (int)M, (int)p0, "
            << gB[0] << ", n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
-           << "    return;  // a loading-only warpgroup\n\n";
+           << (persistent ? "    continue;  // the producer: on to the next tile\n\n"
+                          : "    return;  // a loading-only warpgroup\n\n");
     else
       body << "  if (!Cfg::mainloop(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0] << ", "
            << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"

@@ -1049,37 +1049,13 @@ __device__ __forceinline__ bool ws_pipeline(unsigned full, int KT, Load load, Mm
   return true;
 }
 
-// WgmmaConfig's tile with one more warpgroup that only loads: the consumer
-// warpgroups (threads 0 .. BM*2-1, as in WgmmaConfig) never wait on a block
-// barrier, only on their stage's `full` mbarrier, and release the stage on
-// its `empty` mbarrier once their wgmmas have read it. The producer gathers
-// rows with cp.async (what TMA cannot do); each copy's completion arrives on
-// the stage's `full` barrier, and consumers fence for the async proxy before
-// their wgmmas read it. (setmaxnreg was
-// tried to move registers from the producer to the consumers: ptxas still
-// compiled the kernel under the 168-register entry cap and spilled, so the
-// roles share the cap, which SwiGLU's 128 accumulators fit without spills.)
-template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false>
-struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
-  typedef WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> Base;
-  using Base::BK;
-  using Base::BM;
-  using Base::BN;
-  using Base::NB;
-  using Base::STAGES;
-  using Base::STAGE_BYTES;
-  using Base::A_STAGE_BYTES;
-  using Base::B_STAGE_BYTES;
-  using typename Base::Acc;
-  static constexpr int CONSUMERS = Base::WG * 128, THREADS = CONSUMERS + 128;
-  static constexpr int A_ITERS = BM * 8 / 128; // A chunks per producer thread and stage
-  static constexpr int SMEM_BYTES = Base::SMEM_BYTES + 16 * STAGES;            // + the mbarriers
-  // Every thread computes the producer's row pointers (by its lane in the
-  // warpgroup), so the pointers stay valid whoever holds them.
-  __device__ static __forceinline__ int a_load_row(int tid, int i) { return ((tid & 127) + i * 128) / 8; }
-  __device__ static __forceinline__ int a_load_chunk(int tid, int i) { return ((tid & 127) + i * 128) % 8; }
-
-  // ---- persistent blocks: one ring of stages for every tile a block runs.
+// Persistent blocks of a warp-specialised loop (STAGES stages of
+// STAGE_BYTES, CONSUMERS consumer threads and one producer warpgroup):
+// their ring of stages, tile ids and the per-tile stage protocol, shared by
+// WgmmaWsConfig and WgmmaRowsWsConfig.
+template <int STAGES, int STAGE_BYTES, int CONSUMERS> struct TileRing {
+  static constexpr int THREADS = CONSUMERS + 128;
+  // One ring of stages for every tile a block runs.
   // Producer and consumers walk the same tiles with the same K, so their
   // stage counters (`it`) agree; the consumers release a tile's last stage
   // before its epilogue, so the producer fills the ring with the next tile's
@@ -1155,6 +1131,73 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
       counter[1] = 0;
     }
   }
+  // One tile's stages on the ring: the producer warpgroup issues KT stages
+  // (load(slot, kt, t)) and returns false; the consumers run mma(slot) on
+  // each, releasing every stage once their wgmmas have read it, and return
+  // true with the tile's accumulators done.
+  template <typename Load, typename Mma>
+  __device__ static bool ring_stages(Ring &r, int KT, Load load, Mma mma) {
+    const int tid = threadIdx.x;
+    if (tid >= CONSUMERS) {
+      for (int kt = 0; kt < KT; ++kt, ++r.it) {
+        const int slot = r.it % STAGES;
+        if (r.it >= STAGES)
+          mbar_wait(r.empty + 8 * slot, ((r.it / STAGES) - 1) & 1);
+        load(slot, kt, tid & 127);
+        cp_async_arrive_noinc(r.full + 8 * slot);
+      }
+      return false;
+    }
+    for (int kt = 0; kt < KT; ++kt, ++r.it) {
+      const int slot = r.it % STAGES;
+      mbar_wait(r.full + 8 * slot, (r.it / STAGES) & 1);
+      fence_proxy_async();
+      mma(slot);
+      wgmma_wait<1>();
+      if (kt > 0 && (tid & 31) == 0)
+        mbar_arrive(r.empty + 8 * ((r.it - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    if (KT > 0 && (tid & 31) == 0)
+      mbar_arrive(r.empty + 8 * ((r.it - 1) % STAGES)); // the tile's last stage
+    return true;
+  }
+};
+
+// WgmmaConfig's tile with one more warpgroup that only loads: the consumer
+// warpgroups (threads 0 .. BM*2-1, as in WgmmaConfig) never wait on a block
+// barrier, only on their stage's `full` mbarrier, and release the stage on
+// its `empty` mbarrier once their wgmmas have read it. The producer gathers
+// rows with cp.async (what TMA cannot do); each copy's completion arrives on
+// the stage's `full` barrier, and consumers fence for the async proxy before
+// their wgmmas read it. (setmaxnreg was
+// tried to move registers from the producer to the consumers: ptxas still
+// compiled the kernel under the 168-register entry cap and spilled, so the
+// roles share the cap, which SwiGLU's 128 accumulators fit without spills.)
+template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false>
+struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
+                       TileRing<STAGES_, WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>::STAGE_BYTES,
+                                WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>::WG * 128> {
+  typedef WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> Base;
+  typedef TileRing<STAGES_, Base::STAGE_BYTES, Base::WG * 128> Tiles;
+  using typename Tiles::Ring;
+  using Base::BK;
+  using Base::BM;
+  using Base::BN;
+  using Base::NB;
+  using Base::STAGES;
+  using Base::STAGE_BYTES;
+  using Base::A_STAGE_BYTES;
+  using Base::B_STAGE_BYTES;
+  using typename Base::Acc;
+  static constexpr int CONSUMERS = Base::WG * 128, THREADS = CONSUMERS + 128;
+  static constexpr int A_ITERS = BM * 8 / 128; // A chunks per producer thread and stage
+  static constexpr int SMEM_BYTES = Base::SMEM_BYTES + 16 * STAGES;            // + the mbarriers
+  // Every thread computes the producer's row pointers (by its lane in the
+  // warpgroup), so the pointers stay valid whoever holds them.
+  __device__ static __forceinline__ int a_load_row(int tid, int i) { return ((tid & 127) + i * 128) / 8; }
+  __device__ static __forceinline__ int a_load_chunk(int tid, int i) { return ((tid & 127) + i * 128) % 8; }
+
   // ---- persistent 2-block clusters: the pair walks items (row tiles 2m and
   // 2m + 1 of a column tile) as one, sharing B through multicast when both
   // tiles are one expert's (`share`), each loading its own B otherwise. The
@@ -1167,7 +1210,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   // so no remote release or id can reach a block that has left.
   // Shared memory: as ring() with no staging.
   __device__ static Ring pair_ring(unsigned char *smem) {
-    const Ring r = ring_layout(smem, 0, 2);
+    const Ring r = Tiles::ring_layout(smem, 0, 2);
     if (threadIdx.x == 0)
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     cluster_sync(); // the peer's copies, releases and ids may reach these barriers from now on
@@ -1205,7 +1248,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
     return id;
   }
   __device__ static void pair_done(int *counter) {
-    tiles_done(counter);
+    Tiles::tiles_done(counter);
     cluster_sync();
   }
   // One item's tile: as tile_tma, with B multicast when `share`.
@@ -1272,31 +1315,11 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
   }
   template <typename Load>
   __device__ static bool ring_tile(Ring &r, int K, Acc &acc, Load load, bool active = true) {
-    const int tid = threadIdx.x, wg = tid >> 7, KT = (K + BK - 1) / BK;
-    if (wg == Base::WG) {
-      for (int kt = 0; kt < KT; ++kt, ++r.it) {
-        const int slot = r.it % STAGES;
-        if (r.it >= STAGES)
-          mbar_wait(r.empty + 8 * slot, ((r.it / STAGES) - 1) & 1);
-        load(slot, kt, tid & 127);
-        cp_async_arrive_noinc(r.full + 8 * slot);
-      }
-      return false;
-    }
-    for (int kt = 0; kt < KT; ++kt, ++r.it) {
-      const int slot = r.it % STAGES;
-      mbar_wait(r.full + 8 * slot, (r.it / STAGES) & 1);
-      fence_proxy_async();
+    const int wg = threadIdx.x >> 7;
+    return Tiles::ring_stages(r, (K + BK - 1) / BK, load, [&](int slot) {
       if (active)
         Base::mma_stage(r.s0, slot, wg, acc);
-      wgmma_wait<1>();
-      if (kt > 0 && (tid & 31) == 0)
-        mbar_arrive(r.empty + 8 * ((r.it - 1) % STAGES));
-    }
-    wgmma_wait<0>();
-    if (KT > 0 && (tid & 31) == 0)
-      mbar_arrive(r.empty + 8 * ((r.it - 1) % STAGES)); // the tile's last stage
-    return true;
+    });
   }
 
   // Returns false in the producer warpgroup, which must then leave the kernel.
@@ -1396,9 +1419,14 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT> {
 // WgmmaRowsConfig with a producer warpgroup (ws_pipeline): the consumers
 // never wait on a block barrier, and the row lookups through sorted_pair are
 // off their path.
-template <int BM_, int BN_, int STAGES_> struct WgmmaRowsWsConfig : WgmmaRowsConfig<BM_, BN_, STAGES_> {
+template <int BM_, int BN_, int STAGES_>
+struct WgmmaRowsWsConfig : WgmmaRowsConfig<BM_, BN_, STAGES_>,
+                           TileRing<STAGES_, WgmmaRowsConfig<BM_, BN_, STAGES_>::STAGE_BYTES,
+                                    WgmmaRowsConfig<BM_, BN_, STAGES_>::WG * 128> {
   typedef WgmmaRowsConfig<BM_, BN_, STAGES_> Base;
+  typedef TileRing<STAGES_, Base::STAGE_BYTES, Base::WG * 128> Tiles;
   using typename Base::Acc;
+  using typename Tiles::Ring;
   static constexpr int STAGES = STAGES_, CONSUMERS = Base::WG * 128, THREADS = CONSUMERS + 128;
   static constexpr int SMEM_BYTES = Base::SMEM_BYTES + 16 * STAGES; // + the mbarriers
 
@@ -1438,26 +1466,58 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsWsConfig : WgmmaRowsCon
     return ws_pipeline<STAGES, CONSUMERS>(
         full, (K + Base::BK - 1) / Base::BK,
         [&](int slot, int kt, int t) {
-          if (kt == 0 && !A_TMA)
-            rows.start(t, sorted_pair, p_begin, K);
-          const unsigned sA = s0 + slot * Base::STAGE_BYTES, bar = full + 8 * slot;
-          const int k_row = (int)p_begin + kt * Base::BK;
-          if (t == 0) { // the stage's TMA bytes, before this thread's own arrival can complete it
-            mbar_expect_tx(bar, Base::B_STAGE_BYTES + (A_TMA ? Base::A_STAGE_BYTES : 0));
-#pragma unroll
-            for (int s = 0; s < Base::BN / 64; ++s)
-              tma_load_3d(sA + Base::A_STAGE_BYTES + s * (Base::BK * 128), tB, n0 + s * 64, k_row, 0, bar);
-            if (A_TMA)
-#pragma unroll
-              for (int s = 0; s < Base::BM / 64; ++s)
-                tma_load_3d(sA + s * (Base::BK * 128), tA, m0 + s * 64, k_row, 0, bar);
-          }
-          if (!A_TMA) {
-            const int r = rows.next(kt);
-            Base::template copy_rows<Base::BM, 128>(sA, t, rows.source(kt, r, a_div), A, M, m0);
-          }
+          load_tma_rows<A_TMA>(s0, full, slot, kt, t, rows, A, tA, a_div, M, m0, tB, n0, sorted_pair, p_begin, K);
         },
         [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
+  }
+  // One output tile of a persistent block (codegen: persistent expert
+  // reductions): the producer issues its stages on the ring and returns
+  // false (on to its next tile, whose first stages then load while the
+  // consumers store this one); the consumers return true with acc done.
+  // Expert reductions are short in K (an expert's rows: 32 k-tiles for
+  // mixtral), so a block per tile spent a tenth of each tile filling its
+  // pipeline and storing its output with the tensor cores idle.
+  template <bool A_TMA>
+  __device__ static bool tile_tma_rows(Ring &r, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0,
+                                       const TmaDesc *tB, int n0, const int *sorted_pair, long long p_begin, int K,
+                                       Acc &acc) {
+    const int wg = threadIdx.x >> 7;
+    typename Base::template Rows<128> rows;
+    return Tiles::ring_stages(
+        r, (K + Base::BK - 1) / Base::BK,
+        [&](int slot, int kt, int t) {
+          load_tma_rows<A_TMA>(r.s0, r.full, slot, kt, t, rows, A, tA, a_div, M, m0, tB, n0, sorted_pair, p_begin,
+                               K);
+        },
+        [&](int slot) { Base::mma_stage(r.s0, slot, wg, acc); });
+  }
+  // Stage kt of the TMA loops above into `slot`: B's boxes (and A's, A_TMA)
+  // from thread t 0, A's rows through cp.async from every producer thread
+  // otherwise.
+  template <bool A_TMA>
+  __device__ static __forceinline__ void load_tma_rows(unsigned s0, unsigned full, int slot, int kt, int t,
+                                                       typename Base::template Rows<128> &rows, const bf16 *A,
+                                                       const TmaDesc *tA, int a_div, int M, int m0,
+                                                       const TmaDesc *tB, int n0, const int *sorted_pair,
+                                                       long long p_begin, int K) {
+    if (kt == 0 && !A_TMA)
+      rows.start(t, sorted_pair, p_begin, K);
+    const unsigned sA = s0 + slot * Base::STAGE_BYTES, bar = full + 8 * slot;
+    const int k_row = (int)p_begin + kt * Base::BK;
+    if (t == 0) { // the stage's TMA bytes, before this thread's own arrival can complete it
+      mbar_expect_tx(bar, Base::B_STAGE_BYTES + (A_TMA ? Base::A_STAGE_BYTES : 0));
+#pragma unroll
+      for (int s = 0; s < Base::BN / 64; ++s)
+        tma_load_3d(sA + Base::A_STAGE_BYTES + s * (Base::BK * 128), tB, n0 + s * 64, k_row, 0, bar);
+      if (A_TMA)
+#pragma unroll
+        for (int s = 0; s < Base::BM / 64; ++s)
+          tma_load_3d(sA + s * (Base::BK * 128), tA, m0 + s * 64, k_row, 0, bar);
+    }
+    if (!A_TMA) {
+      const int r = rows.next(kt);
+      Base::template copy_rows<Base::BM, 128>(sA, t, rows.source(kt, r, a_div), A, M, m0);
+    }
   }
 };
 

@@ -57,9 +57,10 @@ struct TensorDecl {
   // 16-byte loads stay aligned and read zeros past K. A backend that reads
   // element by element may ignore it (the storage is only larger).
   bool stride8 = false;
-  // A padded tensor whose padding rows hold zeros (an element-wise kernel
-  // over the padded rows wrote it): a GEMM may read its rows by TMA without
-  // the zero fill its cp.async gathers give padding rows.
+  // A padded tensor whose padding rows hold zeros (the element-wise kernel,
+  // gather or GEMM epilogue that writes it zeroes them: padded_elementwise):
+  // a GEMM may read its rows by TMA without the zero fill its cp.async
+  // gathers give padding rows.
   bool zero_padding = false;
 };
 

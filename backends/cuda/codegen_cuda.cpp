@@ -1208,13 +1208,12 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     body << "  mf::store8(" << gOut << " + " << em.offset(out, out_idx) << ", out);\n";
   } else {
     auto store = [&](const std::string &value) {
-      std::vector<std::string> idx = out_index();
-      std::string at = em.offset(out, idx); // a padded output: at pair_pos[r]
       em.out() << em.pad()
                << (em.block_split  ? "if (threadIdx.x == 0) "
                    : em.warp_split ? "if (lane == 0) "
                                    : "")
-               << gOut << "[" << at << "] = mf::from_f32<" << c_type(out.dtype) << ">(" << value << ");\n";
+               << gOut << "[" << em.offset(out, out_index()) << "] = mf::from_f32<" << c_type(out.dtype) << ">("
+               << value << ");\n";
     };
     if (softmax)
       emit_softmax_row(em, kb, *softmax, store);

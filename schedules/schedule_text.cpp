@@ -204,6 +204,16 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
   while (std::getline(in, line)) {
     ++line_no;
     std::string where = source_name + ":" + std::to_string(line_no) + ": ";
+    // A control byte (a NUL, say) is no text: printed in a message it would
+    // cut the message short or garble the terminal, so name it by its code.
+    for (size_t c = 0; c < line.size(); ++c) {
+      const unsigned char b = static_cast<unsigned char>(line[c]);
+      if ((b < 0x20 && b != '\t' && b != '\r') || b == 0x7f) {
+        static const char *hex = "0123456789abcdef";
+        user_error << where << "column " << c + 1 << ": byte 0x" << hex[b >> 4] << hex[b & 15]
+                   << " is not text; a schedule file holds one call per line, as Schedule::save writes it";
+      }
+    }
     Statement st;
     if (!LineParser(line, where).parse(st))
       continue;

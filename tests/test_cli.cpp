@@ -245,6 +245,31 @@ TEST_CASE("cli: unknown command and no command") {
   check_usage_error({}, {"no command given"});
 }
 
+TEST_CASE("cli: --precision f64 runs the reference; with a compiled backend it is refused") {
+  Run r = cli({"run", "moe_mlp", "--precision", "f64"});
+  INFO(r.err);
+  CHECK(r.code == 0);
+  CHECK(has(r.out, "backend   reference (Eigen, f64)"));
+  check_usage_error({"run", "moe_mlp", "--precision", "f64", "--backend", "cpu"},
+                    {"--precision f64: the cpu backend computes in f32; only the reference evaluates in f64",
+                     "use --backend reference"});
+}
+
+TEST_CASE("cli: output that cannot be written ends in exit 2 and says so") {
+  // An ostream without a buffer fails every write, as stdout on a full disk
+  // or a closed pipe does when flushed.
+  for (const std::vector<std::string> &args : {std::vector<std::string>{"list"},
+                                               {"print", "moe_mlp"},
+                                               {"emit", "moe_mlp", "--ir"},
+                                               {"run", "moe_mlp", "--backend", "reference"}}) {
+    std::ostream broken(nullptr);
+    std::ostringstream err;
+    INFO(args[0]);
+    CHECK(run_cli(args, broken, err) == 2);
+    CHECK(has(err.str(), "moeforge: writing the output failed"));
+  }
+}
+
 TEST_CASE("cli: precision f16 is refused") {
   check_usage_error({"run", "moe_mlp", "--precision", "f16"}, {"--precision must be f32 or f64, got 'f16'"});
   Run ok = cli(

@@ -151,6 +151,13 @@ TEST_SUITE("schedule") {
     CHECK_HAS(m, "s.txt:1: expected the end of the line after 'block(...)', found 'block(128)'");
     m = parse("block(64)\nschedule(\"late\")\n");
     CHECK_HAS(m, "s.txt:2: schedule(\"late\") names the schedule, so it must come before every primitive");
+    // Control bytes are named by their code, the message whole after them.
+    m = parse(std::string("block(128)\ntile(\"*\", 128,\0 128, 64)\n", 35));
+    CHECK_HAS(m, "s.txt:2: column 15: byte 0x00 is not text; a schedule file holds one call per line");
+    CHECK(m.find('\0') == std::string::npos);
+    m = parse("block(128)\x1b[2J\n");
+    CHECK_HAS(m, "s.txt:1: column 11: byte 0x1b is not text");
+    CHECK_NOTHROW(Schedule::from_text("block(128)\r\n\ttile(\"*\", 128, 128, 64)\r\n", "crlf.txt"));
   }
 
   TEST_CASE("schedule errors: from_text replays the primitives' own checks with the line") {

@@ -186,6 +186,13 @@ std::string choose_backend(const Options &o, std::string *why_not_gpu) {
     user_check(kHaveCpu) << "--backend cpu: this build has no CPU backend (LLVM 19 was not found when it was "
                          << "configured: install llvm-19-dev)" << (train ? "" : "; use --backend reference");
   }
+  // f64 is the reference's precision; the compiled backends compute in f32
+  // (and bf16 on tensor cores): asked for alone it picks the reference.
+  user_check(o.precision == Precision::f32 || o.backend.empty() || o.backend == "reference")
+      << "--precision f64: the " << o.backend << " backend computes in f32; only the "
+      << "reference evaluates in f64: drop --precision f64, or use --backend reference";
+  if (o.precision == Precision::f64)
+    return "reference";
   if (!o.backend.empty())
     return o.backend;
   user_check(!train || gpu || kHaveCpu) << "train needs a compiled backend: " << *why_not_gpu
@@ -488,6 +495,21 @@ RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std
   return r;
 }
 
+namespace {
+
+// Whether everything written to `out` reached it (flushed: a full disk or a
+// closed pipe shows only then); says so on `err` otherwise, since an exit 0
+// would tell a script its output is complete.
+bool wrote(std::ostream &out, std::ostream &err) {
+  out.flush();
+  if (out)
+    return true;
+  err << "moeforge: writing the output failed (its disk is full, or the pipe or file was closed)\n";
+  return false;
+}
+
+} // namespace
+
 int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostream &err) {
   // Help and the version are answers, not errors: stdout, exit 0.
   if (args.size() == 1 && (args[0] == "help" || args[0] == "--help" || args[0] == "-h")) {
@@ -508,12 +530,12 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
     if (o.command == "list") {
       for (const std::string &n : example_names())
         out << n << ": " << make_example(n, ExampleShape{}).description << "\n";
-      return 0;
+      return wrote(out, err) ? 0 : 2;
     }
     if (o.command == "print") {
       Example ex = make_example(o.example, o.shape);
       out << ex.pipeline;
-      return 0;
+      return wrote(out, err) ? 0 : 2;
     }
     if (o.command == "emit") {
       Example ex = make_example(o.example, o.shape);
@@ -521,7 +543,7 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
       working = o.emit == "ir" || (o.emit == "cuda" ? kHaveCuda : kHaveCpu);
       if (o.emit == "ir") {
         out << lower(ex.pipeline, schedule);
-        return 0;
+        return wrote(out, err) ? 0 : 2;
       }
       if (o.emit == "cuda") {
         user_check(kHaveCuda) << "emit --cuda: this build has no CUDA backend (the CUDA toolkit was not found when "
@@ -529,18 +551,17 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
 #ifdef MOEFORGE_HAVE_CUDA
         out << cli_cuda_source(ex.pipeline, schedule);
 #endif
-        return 0;
+        return wrote(out, err) ? 0 : 2;
       }
       user_check(kHaveCpu) << "emit --llvm: this build has no CPU backend (LLVM 19 was not found when it was "
                            << "configured: install llvm-19-dev); emit --ir works without it";
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
       out << cli_llvm_ir(ex.pipeline, schedule);
 #endif
-      return 0;
+      return wrote(out, err) ? 0 : 2;
     }
-    if (o.command == "train")
-      return train(o, out, working);
-    return run(o, out, working);
+    const int rc = o.command == "train" ? train(o, out, working) : run(o, out, working);
+    return wrote(out, err) ? rc : 2;
   } catch (const UserError &e) {
     err << "moeforge: " << e.what() << "\n" << (working ? "" : kUsage);
     return 2;

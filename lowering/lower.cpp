@@ -436,28 +436,20 @@ KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
     if (!t.route || t.layout == RowLayout::padded)
       continue;
     const GemmStep *producer = nullptr;
-    bool only_gemm_a = true, only_per_pair = true;
+    bool only_gemm_a = true;
     for (const Step &s : p.steps) {
       if (auto *g = std::get_if<GemmStep>(&s); g && g->output == t.name)
         producer = g;
       auto names = step_reads(s);
       int n = static_cast<int>(std::count(names.begin(), names.end(), t.name));
       auto *g = std::get_if<GemmStep>(&s);
-      if (n > (g && g->a == t.name ? 1 : 0)) {
+      if (n > (g && g->a == t.name ? 1 : 0))
         only_gemm_a = false;
-        auto *pw = std::get_if<PointwiseStep>(&s);
-        only_per_pair &= pw && pw->vars.size() == 2 && pw->vars[0].same_as(t.route->pair);
-      }
     }
     // GEMM outputs stay in the padded tile order (no scatter) when blocked, or
     // when only other GEMMs read them; results for element-wise readers
     // (combine) are scattered back to pair order by the scattered schedule.
     if (producer && producer->route && (schedule.permutation() == Permutation::blocked || only_gemm_a))
-      t.layout = RowLayout::padded;
-    // padded_elementwise: so do those that element-wise steps read pair by
-    // pair (the saved pre-activations the activation's backward reads), which
-    // then read them in the order of the rows they write.
-    if (schedule.padded_elementwise() && producer && producer->route && only_per_pair)
       t.layout = RowLayout::padded;
     // padded_elementwise: an element-wise [pairs, n] result that a GEMM
     // reads, in the padded order too, its padding zeroed by its kernel.

@@ -299,12 +299,6 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   // Funcs), so that their element-wise consumers see one epilogue.
   const size_t merged = merge_sibling_gemms(p, 0, forward_count);
   t.forward_steps = fuse_elementwise_consumers(p, 0, merged, schedule);
-  // Under padded_elementwise the saved operands of those steps are in the
-  // padded tile order too, so an epilogue reads them row by row as it writes
-  // (the activation's backward then runs in the dH GEMM's epilogue, and dH
-  // itself is never stored).
-  if (schedule.padded_elementwise())
-    fuse_elementwise_consumers(p, t.forward_steps, p.steps.size(), schedule);
   if (schedule.bf16_activations())
     store_in_bf16(p, t);
   if (schedule.bf16_weight_gradients())

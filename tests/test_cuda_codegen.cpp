@@ -7,6 +7,7 @@
 #include "cuda_resources.h"
 #include "layer_compare.h"
 #include "softmax_layers.h"
+#include "source_files.h"
 #include "whole_gradient.h"
 
 #include "backends/cuda/layer.h"
@@ -388,7 +389,7 @@ TEST_CASE("codegen: the benchmarks' best schedules compile without serialised wg
   // unrolls the loop), so this looks at the shapes the schedules are for:
   // mbpaper's best schedule (GeLU, d = 1024, f = 4096, 64 experts, k = 1)
   // and SwiGLU's two-B projection at a mixtral-like width.
-  Schedule best = Schedule::load(MOEFORGE_SOURCE_DIR "/benchmarks/schedules/s23_pair_o_persist_h.sched");
+  Schedule best = Schedule::load(testing::source_file("benchmarks/schedules/s23_pair_o_persist_h.sched"));
   check_resources(cuda::compile_layer(make_example("moe_mlp", testing::shape(4096, 1024, 4096, 64, 1)).pipeline, best),
                   "moe_mlp / s23 at mbpaper's widths", true);
   check_resources(

@@ -155,6 +155,43 @@ Example swiglu_moe(const ExampleShape &s) {
                  silu);
 }
 
+// Routed SwiGLU experts beside an always-on shared SwiGLU expert that every
+// token passes through, its output scaled by a per-token sigmoid gate
+// (Qwen2-MoE): y = combine(gate(r) o(r)) + sigmoid(x . wsg) shared(x). The
+// shared expert is dense algebra over the tokens; nothing marks it shared.
+Example shared_expert_moe(const ExampleShape &s) {
+  Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
+  Var t("t", T), e("e", E), i("i", D), j("j", F);
+  Input x("x", {T, D});
+  Param wr("wr", {D, E}), w1("w1", {E, D, F}), w3("w3", {E, D, F}), w2("w2", {E, F, D});
+  Param ws1("ws1", {D, F}), ws3("ws3", {D, F}), ws2("ws2", {F, D}), wsg("wsg", {D});
+  Router router = make_router(x, wr, t, e, i, static_cast<int>(s.topk), false);
+  const Route &route = router.route;
+  Var r = route.pair();
+
+  Func h("h");
+  h(r, j) = silu(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j))) *
+            sum(i, x(route.token(r), i) * w3(route.expert(r), i, j));
+  Func o("o");
+  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
+  Func hs("hs");
+  hs(t, j) = silu(sum(i, x(t, i) * ws1(i, j))) * sum(i, x(t, i) * ws3(i, j));
+  Func os("os");
+  os(t, i) = sum(j, hs(t, j) * ws2(j, i));
+  Func shared_gate("shared_gate", DType::f32);
+  shared_gate(t) = sigmoid(sum(i, x(t, i) * wsg(i)));
+  Func y("y");
+  y(t, i) = combine(route, t, route.gate(r) * o(r, i)) + shared_gate(t) * os(t, i);
+  double sd = 1.0 / std::sqrt(double(s.d)), sf = 1.0 / std::sqrt(double(s.f));
+  return Example{
+      "shared_expert_moe",
+      "routed SwiGLU experts plus an always-on shared SwiGLU expert scaled by sigmoid(x wsg) (Qwen2-MoE)",
+      Pipeline({y}),
+      "y",
+      route.name(),
+      {{"x", 1.0}, {"wr", sd}, {"w1", sd}, {"w3", sd}, {"w2", sf}, {"ws1", sd}, {"ws3", sd}, {"ws2", sf}, {"wsg", sd}}};
+}
+
 Example dense_mlp(const ExampleShape &s) {
   Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f);
   Var t("t", T), i("i", D), j("j", F);
@@ -191,12 +228,13 @@ Example attention(const ExampleShape &s) {
 } // namespace
 
 std::vector<std::string> example_names() {
-  return {"moe_mlp", "swiglu_moe", "geglu_moe", "reglu_moe", "expert_bias_moe", "dense_mlp", "attention"};
+  return {"moe_mlp",         "swiglu_moe",        "geglu_moe", "reglu_moe",
+          "expert_bias_moe", "shared_expert_moe", "dense_mlp", "attention"};
 }
 
 Example make_example(const std::string &name, const ExampleShape &shape) {
   bool routed = name == "moe_mlp" || name == "swiglu_moe" || name == "geglu_moe" || name == "reglu_moe" ||
-                name == "expert_bias_moe";
+                name == "expert_bias_moe" || name == "shared_expert_moe";
   if (routed || name == "dense_mlp" || name == "attention")
     check_shape(name, shape, routed);
   if (name == "moe_mlp")
@@ -209,6 +247,8 @@ Example make_example(const std::string &name, const ExampleShape &shape) {
     return glu_moe(shape, name, "ReGLU MoE: renormalised top-k gates, relu(x W1[e]) * (x W3[e]) W2[e]", relu);
   if (name == "expert_bias_moe")
     return expert_bias_moe(shape);
+  if (name == "shared_expert_moe")
+    return shared_expert_moe(shape);
   if (name == "dense_mlp")
     return dense_mlp(shape);
   if (name == "attention")

@@ -141,6 +141,10 @@ TEST_CASE("autodiff: swiglu_moe gradients through renormalised gates") {
   check_example("swiglu_moe", {"x", "wr", "w1", "w2", "w3"});
 }
 
+TEST_CASE("autodiff: shared_expert_moe gradients reach the shared expert and its sigmoid gate") {
+  check_example("shared_expert_moe", {"x", "wr", "w1", "w3", "w2", "ws1", "ws3", "ws2", "wsg"});
+}
+
 TEST_CASE("autodiff: the gradient algebra prints as math") {
   World w;
   Func f("f");

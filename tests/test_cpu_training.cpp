@@ -202,6 +202,19 @@ TEST_SUITE("cpu") {
       }
   }
 
+  TEST_CASE("cpu training: the shared-expert MoE (routed SwiGLU + a sigmoid-gated shared expert) trains") {
+    for (const char *p : {"megablocks", "scattermoe"})
+      for (bool recompute : {false, true}) {
+        ExampleShape s = shape(200, 64, 128, 8, 2);
+        Example ex = make_example("shared_expert_moe", s);
+        TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 17), s.tokens, named(p, recompute));
+        INFO(p << (recompute ? " / recompute" : ""));
+        CHECK(o.outcome.routing_mismatches == 0);
+        CHECK(o.outcome.worst_error <= 2e-2);
+        CHECK(o.gradients.size() == 9u); // d_x d_wr d_w1 d_w3 d_w2 d_ws1 d_ws3 d_ws2 d_wsg
+      }
+  }
+
   TEST_CASE("cpu training: extents that are not multiples of 8 (E 6, d 100, f 60) train") {
     for (const char *name : {"moe_mlp", "swiglu_moe"}) {
       ExampleShape s = shape(150, 100, 60, 6, 2);

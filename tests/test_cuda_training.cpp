@@ -128,6 +128,26 @@ TEST_CASE("cuda training: every preset x example x memory choice compiles for sm
       }
 }
 
+TEST_CASE("cuda training: the shared-expert MoE compiles for sm_90a without spills, forward and training") {
+  ExampleShape s = shape(64, 64, 128, 8, 2);
+  Example ex = make_example("shared_expert_moe", s);
+  for (const char *p : {"megablocks", "scattermoe"}) {
+    INFO(p);
+    check_resources(cuda::compile_layer(ex.pipeline, preset(p)), std::string("shared_expert_moe / ") + p);
+    for (bool recompute : {false, true}) {
+      cuda::CompiledTraining c =
+          cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), training_preset(p, recompute));
+      check_resources(c.layer, std::string("shared_expert_moe training / ") + p);
+      // The shared expert's SwiGLU is one dense two-B GEMM, as the routed one is a grouped one.
+      int dense_two_b = 0;
+      for (size_t i = 0; i < c.training.forward_steps; ++i)
+        if (auto *g = std::get_if<GemmStep>(&c.training.program.steps[i]))
+          dense_two_b += g->b.size() == 2 && !g->route;
+      CHECK(dense_two_b == 1);
+    }
+  }
+}
+
 TEST_CASE("cuda training: the GLU variants compile for sm_90a without spills, one two-B GEMM each") {
   ExampleShape s = shape(64, 64, 128, 8, 2);
   for (const char *name : {"geglu_moe", "reglu_moe"}) {
@@ -307,6 +327,17 @@ TEST_SUITE("gpu") {
     CHECK_THROWS_WITH_AS(la.download("d_x_s_a"), doctest::Contains("shares its memory with other tensors"), UserError);
     Outcome o = train_and_compare(ex, in, s.tokens, shared);
     CHECK(o.routing_mismatches == 0);
+  }
+
+  TEST_CASE("cuda training: the shared-expert MoE") {
+    MOEFORGE_REQUIRE_GPU();
+    for (const char *p : {"megablocks", "scattermoe"}) {
+      ExampleShape s = shape(300, 64, 128, 8, 2);
+      Example ex = make_example("shared_expert_moe", s);
+      INFO(p);
+      Outcome o = train_and_compare(ex, ex.random_inputs(s, 19), s.tokens, preset(p));
+      CHECK(o.routing_mismatches == 0);
+    }
   }
 
   TEST_CASE("cuda training: the GLU variants (GeGLU, ReGLU)") {

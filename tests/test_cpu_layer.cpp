@@ -36,6 +36,19 @@ TEST_SUITE("cpu") {
     }
   }
 
+  // Attention's scores q k^T have a column per token: a GEMM whose N is
+  // dynamic, over several column blocks (300 tokens, 128-wide tiles) and a
+  // partial last one.
+  TEST_CASE("cpu layer: attention (a GEMM over a dynamic column extent) matches the reference") {
+    for (int64_t tokens : {24, 300}) {
+      ExampleShape s = shape(tokens, 64, 128, 1, 1);
+      Example ex = make_example("attention", s);
+      Outcome o = run_and_compare(ex, ex.random_inputs(s, 8), s.tokens, preset("megablocks"));
+      INFO("T = " << tokens);
+      CHECK(o.y_error <= 1e-2);
+    }
+  }
+
   TEST_CASE("cpu layer: MoE edge cases under every preset") {
     testing::check_edge_cases(64, 128, preset_names(),
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {

@@ -226,6 +226,14 @@ TEST_SUITE("cpu") {
     }
   }
 
+  TEST_CASE("cpu training: attention's gradients (GEMMs over dynamic column extents) match the reference") {
+    ExampleShape s = shape(300, 64, 128, 1, 1);
+    Example ex = make_example("attention", s);
+    TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 6), s.tokens, preset("megablocks"));
+    CHECK(o.outcome.worst_error <= 2e-2);
+    CHECK(o.gradients.size() == 3u); // d_q, d_k, d_v
+  }
+
   TEST_CASE("cpu training: RMSNorm's gradients (through sqrt and rsqrt) match the reference") {
     ExampleShape s = shape(150, 64, 128, 1, 1);
     Example ex = rmsnorm_layer(s);

@@ -389,24 +389,19 @@ private:
   std::string step_;
 };
 
-int64_t static_extent(const GemmStep &g, const Dim &d, const char *role) {
-  user_check(!d.is_dynamic()) << "step " << g.name << ": the CPU backend needs a static " << role << " extent, but "
-                              << d.name() << " is dynamic";
-  return d.extent();
-}
-
 // ------------------------------------------------------------ GEMM
 
 void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb) {
   auto &b = fb.b;
-  // K may be dynamic (d_wr = x^T d_logits reduces over the tokens); N sizes
-  // the accumulators, so it is static.
-  const int64_t N = static_extent(g, g.n, "column");
+  // K and N may be dynamic (d_wr = x^T d_logits reduces over the tokens;
+  // attention's scores q k^T have a column per token): the accumulators hold
+  // one block of TN columns, the schedule's tile_n (or a static N below it).
+  Value *N = fb.extent(g.n);
   const int nb = static_cast<int>(g.b.size());
   // Columns in blocks of the schedule's tile_n: the accumulators of one row
   // block stay in L1 while K streams through; the last block may be partial
   // (an untiled N such as 72 with tile_n 64).
-  const int64_t TN = std::min<int64_t>(g.tiling.tile_n, N);
+  const int64_t TN = g.n.is_dynamic() ? g.tiling.tile_n : std::min<int64_t>(g.tiling.tile_n, g.n.extent());
   const TensorDecl &A = prog.tensor(g.a), &C = prog.tensor(g.output);
   std::vector<const TensorDecl *> B;
   for (const std::string &name : g.b)
@@ -426,10 +421,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
   auto columns = [&](Value *out_row, Value *row_index, Value *p_row,
                      const std::function<void(Value * n0, const Update &)> &accumulate) {
     fb.for_loop(
-        fb.c64(0), fb.c64(N), "n0",
+        fb.c64(0), N, "n0",
         [&](Value *n0) {
-          Value *width = b.CreateSelect(b.CreateICmpSLT(b.CreateSub(fb.c64(N), n0), fb.c64(TN)),
-                                        b.CreateSub(fb.c64(N), n0), fb.c64(TN), "width");
+          Value *width =
+              b.CreateSelect(b.CreateICmpSLT(b.CreateSub(N, n0), fb.c64(TN)), b.CreateSub(N, n0), fb.c64(TN), "width");
           for (int i = 0; i < nb; ++i)
             fb.for_loop(fb.c64(0), width, "zero",
                         [&](Value *j) { b.CreateStore(fb.cf(0.0), b.CreateGEP(fb.f32(), acc[i], j)); });
@@ -453,11 +448,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
             for (int i = 0; i < nb; ++i)
               em.registers[g.accumulators[i].get()] = b.CreateLoad(fb.f32(), b.CreateGEP(fb.f32(), acc[i], j));
             Value *v = em.emit(g.epilogue);
-            fb.store(C, b.CreateAdd(b.CreateMul(out_row, fb.c64(N)), col), v);
+            fb.store(C, b.CreateAdd(b.CreateMul(out_row, N), col), v);
             for (const GemmStep::Extra &x : g.extra) { // fused element-wise outputs
               const TensorDecl &t = prog.tensor(x.output);
               Value *at = !g.route || t.layout == RowLayout::padded ? p_row : row_index;
-              fb.store(t, b.CreateAdd(b.CreateMul(at, fb.c64(N)), col), em.emit(x.value));
+              fb.store(t, b.CreateAdd(b.CreateMul(at, N), col), em.emit(x.value));
             }
           });
         },
@@ -485,7 +480,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
               Value *r = fb.route_at(rt, "sorted_pair", p);
               fb.if_then(b.CreateICmpSGE(r, fb.c64(0)), [&] {
                 Value *a = fb.load(A, b.CreateAdd(b.CreateMul(row_of(g.a_rows, p, r), M), m));
-                update(0, b.CreateAdd(b.CreateMul(row_of(g.b_rows, p, r), fb.c64(N)), n0), a);
+                update(0, b.CreateAdd(b.CreateMul(row_of(g.b_rows, p, r), N), n0), a);
               });
             });
           });
@@ -504,7 +499,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
         columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, const Update &update) {
           fb.for_loop(p0, p1, "p", [&](Value *p) {
             Value *a = fb.load(A, b.CreateAdd(a_base, p));
-            update(0, b.CreateAdd(b.CreateMul(p, fb.c64(N)), n0), a);
+            update(0, b.CreateAdd(b.CreateMul(p, N), n0), a);
           });
         });
       });
@@ -521,12 +516,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
                                                      : b.CreateSDiv(r, fb.c64(g.route->k));
     Value *out_row = g.out_rows == RowMap::direct ? p : r;
     Value *a_base = b.CreateMul(a_row, K);
-    Value *b_base = g.b_per_expert ? b.CreateMul(expert, b.CreateMul(K, fb.c64(N))) : fb.c64(0);
+    Value *b_base = g.b_per_expert ? b.CreateMul(expert, b.CreateMul(K, N)) : fb.c64(0);
     columns(out_row, r, p, [&](Value *n0, const Update &update) {
       fb.for_loop(fb.c64(0), K, "k", [&](Value *kk) {
         Value *a = fb.load(A, b.CreateAdd(a_base, kk));
         Value *b_row = g.b_trans ? b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(n0, K), kk))
-                                 : b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, fb.c64(N)), n0));
+                                 : b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, N), n0));
         for (int i = 0; i < nb; ++i)
           update(i, b_row, a);
       });

@@ -143,6 +143,11 @@ TEST_CASE("cli: run dense_mlp and attention have no routing line") {
   CHECK(has(r.out, "checksum  y: "));
   CHECK_FALSE(has(r.out, "\nrouting "));
   CHECK_FALSE(has(r.out, "check "));
+  Run c = cli({"run", "dense_mlp", "--backend", "cpu", "--tokens", "32", "--d", "16", "--f", "8"});
+  if (c.code == 0) // a build with the CPU backend
+    CHECK(has(c.out, "backend   cpu (LLVM JIT, one thread), schedule 'megablocks' (tiles only: no routing)"));
+  else
+    CHECK(has(c.err, "this build has no CPU backend"));
   Run a = cli({"run", "attention", "--backend", "reference", "--tokens", "24", "--d", "8", "--check"});
   INFO(a.out);
   CHECK(a.code == 0);

@@ -176,6 +176,10 @@ bool gpu_present(std::string *why) {
 // The backend a run goes to: --backend, or by default the GPU when this build
 // has the CUDA backend and a GPU is present, else the LLVM CPU backend when
 // built, else the reference. Asking for one that is missing is a usage error.
+// A layer without routing takes a schedule's tiles only: naming the
+// schedule alone ('megablocks') would suggest a permutation that never ran.
+std::string tiles_only(const Example &ex) { return ex.route.empty() ? " (tiles only: no routing)" : ""; }
+
 std::string choose_backend(const Options &o, std::string *why_not_gpu) {
   bool gpu = gpu_present(why_not_gpu);
   bool train = o.command == "train"; // the reference has no training runtime of its own
@@ -383,7 +387,7 @@ int train(const Options &o, std::ostream &out, bool &working) {
       out << " = " << u.data[0];
   }
   out << "\n";
-  out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'"
+  out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'" << tiles_only(ex)
       << (o.recompute ? " with recompute" : "") << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "")
       << "\n";
   for (const auto &[name, r] : run.routes)
@@ -447,7 +451,7 @@ int run(const Options &o, std::ostream &out, bool &working) {
 
   if (backend != "reference") {
     BackendRun run = run_backend(backend, ex, o.shape, inputs, schedule);
-    out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'"
+    out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'" << tiles_only(ex)
         << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
     for (const auto &[name, r] : run.routes)
       print_routing(out, name, r);

@@ -55,7 +55,8 @@ struct Contraction {
 };
 
 [[noreturn]] void not_a_gemm(const FuncNode &f, const Expr &sum, const std::string &why) {
-  user_error << "definition '" << f.name << "': the CUDA backend compiles a contraction as sum(k, A(rows, k) * "
+  user_error << "definition '" << f.name
+             << "': the compiled backends (CPU and CUDA) run a contraction as sum(k, A(rows, k) * "
              << "B(k, cols)) or B(expert(r), k, cols) with A and B bf16 tensors, but " << to_string(sum) << " " << why;
 }
 
@@ -144,7 +145,7 @@ std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const S
   if (std::all_of(sum_exprs.begin(), sum_exprs.end(), [](const Expr &e) { return free_vars(e).size() <= 1; }))
     return std::nullopt;
   user_check(f.args.size() == 2) << "definition '" << f.name << "' has " << f.args.size()
-                                 << " indices: the CUDA backend compiles a contraction into a 2-D GEMM "
+                                 << " indices: the compiled backends (CPU and CUDA) run a contraction as a 2-D GEMM "
                                  << "f(rows, cols); reshape it into (rows, cols)";
   user_check(!contains_kind(f.body, ExprKind::Softmax) && !contains_kind(f.body, ExprKind::RouteSum))
       << "definition '" << f.name << "' mixes a contraction with softmax or combine; split it into two Funcs";
@@ -241,7 +242,8 @@ PointwiseStep make_pointwise(const FuncNode &f) {
         << "definition '" << f.name << "': nested softmax is not supported; split it into two Funcs";
   else
     user_check(!contains_kind(f.body, ExprKind::Softmax))
-        << "definition '" << f.name << "': the CUDA backend supports softmax only as a whole definition, " << f.name
+        << "definition '" << f.name
+        << "': the compiled backends (CPU and CUDA) take softmax only as a whole definition, " << f.name
         << "(...) = softmax(v, ...); move it into its own Func";
   return PointwiseStep{"pointwise_" + f.name, f.name, f.args, f.body};
 }

@@ -56,6 +56,23 @@ const std::vector<Signature> &signatures() {
   return all;
 }
 
+// The schedule-wide on/off primitives (recompute(true), ...) and their
+// setters, so that replaying one is a lookup; null for any other primitive.
+using FlagSetter = Schedule &(Schedule::*)(bool);
+FlagSetter flag_setter(const std::string &primitive) {
+  static const std::pair<const char *, FlagSetter> flags[] = {
+      {"recompute", &Schedule::recompute},
+      {"bf16_activations", &Schedule::bf16_activations},
+      {"reuse_memory", &Schedule::reuse_memory},
+      {"bf16_weight_gradients", &Schedule::bf16_weight_gradients},
+      {"padded_elementwise", &Schedule::padded_elementwise},
+  };
+  for (const auto &[name, set] : flags)
+    if (primitive == name)
+      return set;
+  return nullptr;
+}
+
 const char *expected_for(ArgType t) {
   switch (t) {
   case ArgType::text:
@@ -285,16 +302,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.block(i(0));
       } else if (st.primitive == "gate") {
         s.gate(gates[0]);
-      } else if (st.primitive == "recompute") {
-        s.recompute(bools[0]);
-      } else if (st.primitive == "bf16_activations") {
-        s.bf16_activations(bools[0]);
-      } else if (st.primitive == "reuse_memory") {
-        s.reuse_memory(bools[0]);
-      } else if (st.primitive == "bf16_weight_gradients") {
-        s.bf16_weight_gradients(bools[0]);
-      } else if (st.primitive == "padded_elementwise") {
-        s.padded_elementwise(bools[0]);
+      } else if (FlagSetter set = flag_setter(st.primitive)) {
+        (s.*set)(bools[0]);
       } else if (st.primitive == "tile") {
         s.tile(func, i(1), i(2), i(3));
       } else if (st.primitive == "stages") {

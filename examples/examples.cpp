@@ -124,6 +124,20 @@ Example expert_bias_moe(const ExampleShape &s) {
                   {"b2", 0.5}}};
 }
 
+// The routed GLU experts: h(r) = act(x(token(r)) W1[e]) * (x(token(r)) W3[e]),
+// o(r) = h(r) W2[e], e = expert(r); returns o. The gate and up projections
+// share the gathered rows of x.
+Func glu_experts(const Input &x, const Route &route, const Param &w1, const Param &w3, const Param &w2,
+                 Expr (*act)(const Expr &), const Var &i, const Var &j) {
+  Var r = route.pair();
+  Func h("h");
+  h(r, j) = act(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j))) *
+            sum(i, x(route.token(r), i) * w3(route.expert(r), i, j));
+  Func o("o");
+  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
+  return o;
+}
+
 // A gated-linear-unit MoE: act(x W1[e]) * (x W3[e]) W2[e], renormalised
 // top-k gates; act is silu (SwiGLU), gelu (GeGLU) or relu (ReGLU).
 Example glu_moe(const ExampleShape &s, const std::string &name, const std::string &description,
@@ -136,12 +150,7 @@ Example glu_moe(const ExampleShape &s, const std::string &name, const std::strin
   const Route &route = router.route;
   Var r = route.pair();
 
-  // The gate and up projections share the gathered rows of x.
-  Func h("h");
-  h(r, j) = act(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j))) *
-            sum(i, x(route.token(r), i) * w3(route.expert(r), i, j));
-  Func o("o");
-  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
+  Func o = glu_experts(x, route, w1, w3, w2, act, i, j);
   Func y("y");
   y(t, i) = combine(route, t, route.gate(r) * o(r, i));
   double sd = 1.0 / std::sqrt(double(s.d));
@@ -169,11 +178,7 @@ Example shared_expert_moe(const ExampleShape &s) {
   const Route &route = router.route;
   Var r = route.pair();
 
-  Func h("h");
-  h(r, j) = silu(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j))) *
-            sum(i, x(route.token(r), i) * w3(route.expert(r), i, j));
-  Func o("o");
-  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
+  Func o = glu_experts(x, route, w1, w3, w2, silu, i, j);
   Func hs("hs");
   hs(t, j) = silu(sum(i, x(t, i) * ws1(i, j))) * sum(i, x(t, i) * ws3(i, j));
   Func os("os");

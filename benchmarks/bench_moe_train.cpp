@@ -57,6 +57,8 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name.rfind("tuned_wide", 0) == 0) : preset(name);
   if (name == "tuned_wide_persist")
     schedule.persistent("*", true);
+  if (name == "tuned_wide_blocked")
+    schedule.permutation(Permutation::blocked);
   schedule.recompute(recompute);
   std::string why;
   if (!cuda::gpu_available(&why)) {
@@ -130,6 +132,8 @@ void register_all() {
       for (bool re : {false, true})
         add(s, p, re, false);
     add(s, "tuned_wide", false, true);
+    add(s, "tuned_wide_blocked", false, false);
+    add(s, "tuned_wide_blocked", false, true);
   }
   for (const Shape &s : bench::kExtraTrainShapes)
     for (bool skewed : {false, true})

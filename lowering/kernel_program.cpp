@@ -78,6 +78,8 @@ std::vector<std::string> step_reads(const Step &s) {
             r.visit(e.value);
         } else if constexpr (std::is_same_v<T, PointwiseStep>) {
           r.visit(x.body);
+          for (const ExtraOutput &e : x.extra)
+            r.visit(e.value);
         } else if constexpr (std::is_same_v<T, GatherStep> || std::is_same_v<T, TransposeStep>) {
           r.names.push_back(x.src);
         } else {
@@ -108,6 +110,9 @@ std::vector<std::string> step_outputs(const Step &s) {
     out.push_back(o);
   if (auto *g = std::get_if<GemmStep>(&s))
     for (const GemmStep::Extra &e : g->extra)
+      out.push_back(e.output);
+  if (auto *pw = std::get_if<PointwiseStep>(&s))
+    for (const ExtraOutput &e : pw->extra)
       out.push_back(e.output);
   if (auto *r = std::get_if<RoutingStep>(&s); r && !r->gate_output.empty())
     out.push_back(r->gate_output);
@@ -166,10 +171,18 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
               os << "    and " << e.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << e.value
                  << "\n";
           } else {
-            os << "  pointwise " << x.name << ": " << x.output << "(";
-            for (size_t i = 0; i < x.vars.size(); ++i)
-              os << (i ? ", " : "") << x.vars[i].name();
-            os << ") = " << x.body << "\n";
+            auto defines = [&](const std::string &out, const Expr &value) {
+              os << out << "(";
+              for (size_t i = 0; i < x.vars.size(); ++i)
+                os << (i ? ", " : "") << x.vars[i].name();
+              os << ") = " << value << "\n";
+            };
+            os << "  pointwise " << x.name << ": ";
+            defines(x.output, x.body);
+            for (const ExtraOutput &e : x.extra) {
+              os << "    and ";
+              defines(e.output, e.value);
+            }
           }
         },
         s);

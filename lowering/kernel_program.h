@@ -64,6 +64,12 @@ struct TensorDecl {
   bool zero_padding = false;
 };
 
+// A further tensor a step writes at the same indices as its primary output.
+struct ExtraOutput {
+  std::string output;
+  Expr value;
+};
+
 // C[rows, n] = epilogue(sum_k A[rows, k] * B_i[expert?, k, n] for each i).
 struct GemmStep {
   std::string name;
@@ -97,11 +103,9 @@ struct GemmStep {
   Var row_var, col_var; // the output's index variables (rows, n)
   // More tensors the epilogue writes at the same (row, col): element-wise
   // consumers fused into the GEMM (fuse_elementwise_consumers). Each is
-  // stored in its tensor's own row layout.
-  struct Extra {
-    std::string output;
-    Expr value; // over the accumulators and per-element reads, as `epilogue`
-  };
+  // stored in its tensor's own row layout; values are over the accumulators
+  // and per-element reads, as `epilogue`.
+  using Extra = ExtraOutput;
   std::vector<Extra> extra;
   GemmTiling tiling;
   int block = 128; // routing block (rows per padded segment)
@@ -120,6 +124,10 @@ struct PointwiseStep {
   std::string output;
   std::vector<Var> vars;
   Expr body;
+  // Sibling element-wise definitions over the same indices, computed in the
+  // same pass (merge_sibling_pointwise): inputs they share are read once.
+  // Each value reads no output of the step.
+  std::vector<ExtraOutput> extra;
 };
 
 // The device routing: top-k over probs, counts, padded offsets, the stable
@@ -178,8 +186,8 @@ std::string step_name(const Step &s);
 // writes (empty for a routing step, which writes its route's tables).
 std::vector<std::string> step_reads(const Step &s);
 std::string step_output(const Step &s);
-// Every tensor a step writes: step_output's, then a GEMM's extra outputs or
-// a routing step's gate_output.
+// Every tensor a step writes: step_output's, then a GEMM's or an element-wise
+// step's extra outputs or a routing step's gate_output.
 std::vector<std::string> step_outputs(const Step &s);
 
 } // namespace moeforge

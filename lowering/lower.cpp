@@ -245,7 +245,7 @@ PointwiseStep make_pointwise(const FuncNode &f) {
         << "definition '" << f.name
         << "': the compiled backends (CPU and CUDA) take softmax only as a whole definition, " << f.name
         << "(...) = softmax(v, ...); move it into its own Func";
-  return PointwiseStep{"pointwise_" + f.name, f.name, f.args, f.body};
+  return PointwiseStep{"pointwise_" + f.name, f.name, f.args, f.body, {}};
 }
 
 bool debug_lowering() {
@@ -392,7 +392,7 @@ KernelProgram split_unfused_epilogues(KernelProgram p, const Schedule &schedule)
       rename.to.push_back(placeholder(name, {g->row_var, g->col_var}, DType::f32));
     }
     out.push_back(
-        PointwiseStep{"epilogue_" + g->output, g->output, {g->row_var, g->col_var}, rename.mutate(g->epilogue)});
+        PointwiseStep{"epilogue_" + g->output, g->output, {g->row_var, g->col_var}, rename.mutate(g->epilogue), {}});
   }
   p.steps = std::move(out);
   return p;
@@ -686,6 +686,51 @@ size_t merge_sibling_gemms(KernelProgram &p, size_t begin, size_t end) {
       g->extra.push_back({h->output, moved(h->epilogue)});
       for (const GemmStep::Extra &e : h->extra)
         g->extra.push_back({e.output, moved(e.value)});
+      g->name += "_" + h->output;
+      p.steps.erase(p.steps.begin() + static_cast<long>(j));
+      --j;
+      --end;
+    }
+  }
+  return end;
+}
+
+size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule) {
+  auto producer = [&](const std::string &name) { return step_writing(p, name); };
+  auto elementwise = [&](const PointwiseStep &s) {
+    return !contains_kind(s.body, ExprKind::Sum) && !contains_kind(s.body, ExprKind::Softmax) &&
+           !contains_kind(s.body, ExprKind::RouteSum) && s.extra.empty() && schedule.for_func(s.output).fuse_epilogue;
+  };
+  // Same index Dims, and outputs stored alike (one grid walks both).
+  auto siblings = [&](const PointwiseStep &x, const PointwiseStep &y) {
+    if (x.vars.size() != y.vars.size())
+      return false;
+    for (size_t i = 0; i < x.vars.size(); ++i)
+      if (!x.vars[i].dim().same_as(y.vars[i].dim()))
+        return false;
+    const TensorDecl &a = p.tensor(x.output), &b = p.tensor(y.output);
+    return a.layout == b.layout && a.route == b.route && a.stride8 == b.stride8 && a.zero_padding == b.zero_padding;
+  };
+  for (size_t i = begin; i < end; ++i) {
+    auto *g = std::get_if<PointwiseStep>(&p.steps[i]);
+    if (!g || !elementwise(*g))
+      continue;
+    for (size_t j = i + 1; j < end; ++j) {
+      auto *h = std::get_if<PointwiseStep>(&p.steps[j]);
+      if (!h || !elementwise(*h) || !siblings(*g, *h))
+        continue;
+      // h moves up to step i: everything it reads must be ready there, and
+      // nothing it reads may be g's (a value is never read where it is made).
+      std::vector<std::string> written = step_outputs(p.steps[i]);
+      bool ready = true;
+      for (const std::string &r : step_reads(p.steps[j]))
+        ready &= producer(r) < static_cast<long>(i) && std::find(written.begin(), written.end(), r) == written.end();
+      if (!ready)
+        continue;
+      RenameIndices vars;
+      for (size_t v = 0; v < g->vars.size(); ++v)
+        vars.to[h->vars[v].get()] = g->vars[v];
+      g->extra.push_back({h->output, vars.mutate(h->body)});
       g->name += "_" + h->output;
       p.steps.erase(p.steps.begin() + static_cast<long>(j));
       --j;

@@ -58,4 +58,14 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
 // most 128) and the later B is ready at the first. Returns the new end.
 size_t merge_sibling_gemms(KernelProgram &p, size_t begin, size_t end);
 
+// Element-wise steps of steps [begin, end) over the same index Dims whose
+// outputs are stored alike (the backward's SwiGLU derivatives, both made
+// from d_h and the saved pre-activation) become one step with extra outputs,
+// so that the inputs they share are read once: a later step joins an earlier
+// one when everything it reads is ready there and none of it is the earlier
+// step's output. Steps that reduce (sums, softmax, combines) stay apart, and
+// so does a step whose output the schedule gives fuse_epilogue(false) (by
+// name, or schedule-wide for the parts lowering made). Returns the new end.
+size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule);
+
 } // namespace moeforge

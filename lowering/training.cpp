@@ -67,6 +67,8 @@ void rename_reads(Step &s, const std::map<std::string, std::string> &to) {
           x.epilogue = m.mutate(x.epilogue);
         } else if constexpr (std::is_same_v<T, PointwiseStep>) {
           x.body = m.mutate(x.body);
+          for (ExtraOutput &e : x.extra)
+            e.value = m.mutate(e.value);
         } else if constexpr (std::is_same_v<T, GatherStep> || std::is_same_v<T, TransposeStep>) {
           name(x.src);
         }
@@ -299,6 +301,7 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   // Funcs), so that their element-wise consumers see one epilogue.
   const size_t merged = merge_sibling_gemms(p, 0, forward_count);
   t.forward_steps = fuse_elementwise_consumers(p, 0, merged, schedule);
+  merge_sibling_pointwise(p, t.forward_steps, p.steps.size(), schedule);
   if (schedule.bf16_activations())
     store_in_bf16(p, t);
   if (schedule.bf16_weight_gradients())

@@ -457,6 +457,13 @@ std::string kernel_source(const cuda::CompiledLayer &c, const std::string &name)
   return src.substr(at, src.find("extern \"C\"", at) - at);
 }
 
+size_t count_of(const std::string &text, const std::string &what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1))
+    ++n;
+  return n;
+}
+
 const GeneratedKernel &kernel_named(const cuda::CompiledLayer &c, const std::string &name) {
   for (const GeneratedKernel &k : c.source.kernels)
     if (k.name == name)
@@ -511,8 +518,7 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
     cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
     INFO((bf16 ? "bf16" : "f32") << " activations");
     check_resources(c.layer, "swiglu_moe training, tuned_wide");
-    for (const char *name :
-         {"pointwise_d_o", "pointwise_d_x_s_a", "pointwise_d_x_s_a2", "pointwise_d_x", "pointwise_y"}) {
+    for (const char *name : {"pointwise_d_o", "pointwise_d_x_s_a_d_x_s_a2", "pointwise_d_x", "pointwise_y"}) {
       INFO(name);
       const GeneratedKernel &k = kernel_named(c.layer, name);
       CHECK(k.grid.elements_per_thread == 8);
@@ -527,6 +533,14 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
     CHECK(d_o.find("g_route_gate_sum[") != std::string::npos);
     CHECK(d_o.find("g_route_gate[") == std::string::npos);
     CHECK(d_o.find("mf::load8(g_d_y + ") != std::string::npos);
+    // SwiGLU's two derivatives in one kernel (merge_sibling_pointwise): d_h
+    // and the pre-activation are loaded once for both, and both are stored
+    // (padding rows' zeros, then the values).
+    std::string dh = kernel_source(c.layer, "pointwise_d_x_s_a_d_x_s_a2");
+    CHECK(count_of(dh, "mf::load8(g_d_h + ") == 1);
+    CHECK(count_of(dh, "mf::load8(g_h_silu_in + ") == 1);
+    CHECK(count_of(dh, "mf::store8(g_d_x_s_a + ") == 2);
+    CHECK(count_of(dh, "mf::store8(g_d_x_s_a2 + ") == 2);
     const GeneratedKernel &gate = kernel_named(c.layer, "pointwise_d_route_gate");
     CHECK(gate.grid.threads_per_element == 32);
     CHECK(gate.grid.elements_per_thread == 1);

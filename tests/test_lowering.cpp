@@ -172,6 +172,45 @@ const GemmStep *gemm_writing(const KernelProgram &p, const std::string &name) {
 
 } // namespace
 
+TEST_CASE("lowering: the backward's sibling element-wise steps run as one, unless the schedule keeps one apart") {
+  // SwiGLU's two derivatives read d_h and the pre-activation: one step with
+  // an extra output. Steps that reduce (the gate's dot product, the
+  // combines) and steps reading another's output stay apart.
+  ExampleShape s;
+  s.tokens = 32;
+  Example ex = make_example("swiglu_moe", s);
+  for (bool apart : {false, true}) {
+    // d_x_s_a2 is a part lowering made for d_x, not a Func a schedule can
+    // name: the schedule-wide fuse_epilogue decides for it.
+    INFO((apart ? "fuse_epilogue(*, false)" : "scattermoe"));
+    Schedule sch = preset("scattermoe");
+    if (apart)
+      sch.fuse_epilogue("*", false);
+    TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+    const PointwiseStep *pw = pointwise_writing(t.program, "d_x_s_a");
+    REQUIRE(pw);
+    std::vector<std::string> outs;
+    for (const Step &st : t.program.steps)
+      for (const std::string &o : step_outputs(st))
+        outs.push_back(o);
+    CHECK(std::count(outs.begin(), outs.end(), "d_x_s_a2") == 1); // written once either way
+    if (apart) {
+      CHECK(pw->extra.empty());
+      CHECK(pointwise_writing(t.program, "d_x_s_a2"));
+      continue;
+    }
+    REQUIRE(pw->extra.size() == 1);
+    CHECK(pw->extra[0].output == "d_x_s_a2");
+    // Its value is over the step's own index variables.
+    std::ostringstream text;
+    text << pw->extra[0].value;
+    CHECK(text.str() == "silu(h_silu_in(r, " + pw->vars[1].name() + ")) * d_h(r, " + pw->vars[1].name() + ")");
+    for (size_t i = t.forward_steps; i < t.program.steps.size(); ++i)
+      if (auto *q = std::get_if<PointwiseStep>(&t.program.steps[i]); q && !q->extra.empty())
+        CHECK(q == pw); // nothing else merged: the rest reduce or read each other
+  }
+}
+
 TEST_CASE("lowering: a k = 1 combine runs in the last GEMM's epilogue") {
   for (const char *name : {"moe_mlp", "swiglu_moe"})
     for (const char *schedule : {"megablocks", "scattermoe"}) {

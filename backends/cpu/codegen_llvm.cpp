@@ -558,15 +558,23 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, FunctionB
     if (!softmax || !v.same_as(softmax->var))
       loop_vars.push_back(v);
 
-  auto store = [&](Value *value) {
+  auto store_to = [&](const TensorDecl &t, Value *value) {
     std::vector<Value *> idx;
     for (const Var &v : s.vars)
       idx.push_back(em.vars.at(v.get()));
-    fb.store(out, fb.offset(out, idx), value);
+    fb.store(t, fb.offset(t, idx), value);
   };
+  auto store = [&](Value *value) { store_to(out, value); };
   auto inner = [&] {
     if (!softmax) {
-      store(em.emit(s.body));
+      // Every value first, then the stores (merged siblings read no output
+      // of the step, so the order only matters for what may be reused).
+      std::vector<Value *> values{em.emit(s.body)};
+      for (const ExtraOutput &e : s.extra)
+        values.push_back(em.emit(e.value));
+      store(values[0]);
+      for (size_t o = 0; o < s.extra.size(); ++o)
+        store_to(prog.tensor(s.extra[o].output), values[o + 1]);
       return;
     }
     // softmax along v: the row's max, the sum of exponentials, then the

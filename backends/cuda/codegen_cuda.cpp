@@ -1095,8 +1095,20 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   k.threads = 256;
   KernelBuilder kb(prog, k);
   const TensorDecl &out = prog.tensor(s.output);
-  std::string gOut = kb.tensor(s.output, /*writes=*/true);
+  // Every tensor the step writes with its value: the primary output, then
+  // its siblings (merge_sibling_pointwise), stored alike.
+  struct Written {
+    const TensorDecl *t;
+    std::string ptr;
+    Expr value;
+  };
+  std::vector<Written> outs{{&out, kb.tensor(s.output, /*writes=*/true), s.body}};
+  for (const ExtraOutput &e : s.extra)
+    outs.push_back({&prog.tensor(e.output), kb.tensor(e.output, /*writes=*/true), e.value});
+  const std::string gOut = outs[0].ptr;
   const Softmax *softmax = s.body.as<Softmax>();
+  internal_check(s.extra.empty() || (!softmax && !has_long_reduction(s.body)))
+      << s.name << ": merged element-wise steps are plain element-wise values";
 
   std::ostringstream body;
   ExprEmitter em(prog, kb, body, 2);
@@ -1141,10 +1153,14 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   // index): the index arithmetic (64-bit divisions, one per index) is done
   // once, reads along that index are 16-byte loads and the store one, where
   // a thread per element spent more instructions on indices than on data.
-  const bool vectorize = !warp_per_element && !s.vars.empty() && !s.vars.back().dim().is_dynamic() &&
-                         s.vars.back().dim().extent() % 8 == 0 && out.dtype != DType::f16 && !out.stride8 &&
-                         !(s.vars.size() == 1 && out.layout == RowLayout::padded) &&
-                         !sums_over_routes_of(s.body, s.vars.back());
+  const bool vectorize =
+      !warp_per_element && !s.vars.empty() && !s.vars.back().dim().is_dynamic() &&
+      s.vars.back().dim().extent() % 8 == 0 &&
+      std::all_of(outs.begin(), outs.end(),
+                  [&](const Written &w) {
+                    return w.t->dtype != DType::f16 && !w.t->stride8 && !sums_over_routes_of(w.value, s.vars.back());
+                  }) &&
+      !(s.vars.size() == 1 && out.layout == RowLayout::padded);
   const int per_thread = vectorize ? 8 : 1;
   if (em.block_split) {
     body << "  long long idx = blockIdx.x;  // a block per element\n";
@@ -1192,33 +1208,50 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     const std::string col = vectorize ? em.vec_base : em.vars.at(s.vars[1].get());
     body << "  if (" << kb.route(out.route, "sorted_pair") << "[p_row] < 0) {  // a padding row: zeros\n";
     if (vectorize)
-      body << "    const float zeros[8] = {};\n    mf::store8(" << gOut << " + " << padded_offset(col) << ", zeros);\n";
-    else
-      body << "    " << gOut << "[" << padded_offset(col) << "] = mf::from_f32<" << c_type(out.dtype) << ">(0.f);\n";
+      body << "    const float zeros[8] = {};\n";
+    for (const Written &w : outs) {
+      if (vectorize)
+        body << "    mf::store8(" << w.ptr << " + " << padded_offset(col) << ", zeros);\n";
+      else
+        body << "    " << w.ptr << "[" << padded_offset(col) << "] = mf::from_f32<" << c_type(w.t->dtype)
+             << ">(0.f);\n";
+    }
     body << "  }\n";
     body << "  if (p_row >= " << kb.extent(out.route->pairs) << ") return;  // past the pairs: zeroing only\n";
     body << "  const long long " << em.vars.at(s.vars[0].get()) << " = p_row;  // pair order\n";
   }
   if (vectorize) {
+    // Every value before any store: the loads the values share are then
+    // one load each (no store in between that the compiler must assume
+    // aliases them).
     em.vars[em.vec_var] = "(" + em.vec_base + " + u)";
-    std::string value = em.emit(s.body);
     std::vector<std::string> out_idx = out_index();
     out_idx.back() = em.vec_base;
-    body << "  float out[8];\n#pragma unroll\n  for (int u = 0; u < 8; ++u)\n    out[u] = " << value << ";\n";
-    body << "  mf::store8(" << gOut << " + " << em.offset(out, out_idx) << ", out);\n";
+    for (size_t o = 0; o < outs.size(); ++o) {
+      std::string value = em.emit(outs[o].value);
+      body << "  float out" << o << "[8];\n#pragma unroll\n  for (int u = 0; u < 8; ++u)\n    out" << o
+           << "[u] = " << value << ";\n";
+    }
+    for (size_t o = 0; o < outs.size(); ++o)
+      body << "  mf::store8(" << outs[o].ptr << " + " << em.offset(*outs[o].t, out_idx) << ", out" << o << ");\n";
   } else {
-    auto store = [&](const std::string &value) {
+    auto store = [&](const Written &w, const std::string &value) {
       em.out() << em.pad()
                << (em.block_split  ? "if (threadIdx.x == 0) "
                    : em.warp_split ? "if (lane == 0) "
                                    : "")
-               << gOut << "[" << em.offset(out, out_index()) << "] = mf::from_f32<" << c_type(out.dtype) << ">("
+               << w.ptr << "[" << em.offset(*w.t, out_index()) << "] = mf::from_f32<" << c_type(w.t->dtype) << ">("
                << value << ");\n";
     };
-    if (softmax)
-      emit_softmax_row(em, kb, *softmax, store);
-    else
-      store(em.emit(s.body));
+    if (softmax) {
+      emit_softmax_row(em, kb, *softmax, [&](const std::string &v) { store(outs[0], v); });
+    } else {
+      std::vector<std::string> values;
+      for (const Written &w : outs)
+        values.push_back(em.emit(w.value));
+      for (size_t o = 0; o < outs.size(); ++o)
+        store(outs[o], values[o]);
+    }
   }
   k.grid.kind = GridShape::Kind::elements;
   if (padded_rows) {
@@ -1230,10 +1263,12 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   k.grid.elements_per_thread = per_thread;
   for (const Var &v : loop_vars)
     k.grid.count.push_back(v.dim());
-  src << "// " << s.name << ": " << s.output << "(";
-  for (size_t i = 0; i < s.vars.size(); ++i)
-    src << (i ? ", " : "") << s.vars[i].name();
-  src << ") = " << s.body << "\n";
+  for (size_t o = 0; o < outs.size(); ++o) {
+    src << (o ? "//   and " : "// " + s.name + ": ") << outs[o].t->name << "(";
+    for (size_t i = 0; i < s.vars.size(); ++i)
+      src << (i ? ", " : "") << s.vars[i].name();
+    src << ") = " << outs[o].value << "\n";
+  }
   src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ") " << k.name << "(\n    " << kb.signature()
       << ") {\n"
       << body.str() << "}\n\n";

@@ -162,8 +162,9 @@ TEST_CASE("codegen: tma_store sends tile-order bf16 outputs through TMA and leav
           CHECK(out_map == expect);
           CHECK(out_pointer == !expect);
         }
-        CHECK(c.source.source.find("Cfg::out_store(") != std::string::npos);
-        CHECK(c.source.source.find("Cfg::out_put4(s_out, warp, lane, ni,") != std::string::npos); // by stmatrix
+        CHECK(c.source.source.find("Cfg::template out_store<128>(") != std::string::npos); // the whole tile
+        CHECK(c.source.source.find("Cfg::template out_put4<128>(s_out, warp, lane, pi,") !=
+              std::string::npos); // by stmatrix
       }
   // Persistent blocks stage in a buffer past the ring (the ring holds the
   // next tile), free again once the previous copy has read it.
@@ -583,6 +584,42 @@ TEST_CASE("codegen: padded_elementwise: zero-padded element-wise results, read b
   cuda::CompiledTraining plain = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), preset("scattermoe"));
   CHECK(plain.training.program.tensor("d_x_s_a").layout == RowLayout::pair);
   CHECK_FALSE(plain.training.program.tensor("d_x_s_a").zero_padding);
+}
+
+TEST_CASE("codegen: persistent expert reductions store their tiles by TMA, one matrix per expert") {
+  // tma_store on the weight gradients: the tile is staged past the ring and
+  // stored through a [E, M, N] map at the tile's expert; whole beside 3
+  // stages, in two halves of 128 columns beside 4 (a whole 128 x 256 tile
+  // does not fit there). Without tma_store, plain stores.
+  Example ex = make_example("swiglu_moe", small());
+  for (int stages : {3, 4}) {
+    INFO(stages << " stages");
+    Schedule s = bench::tuned_wide(true);
+    for (const char *g : {"d_w1", "d_w3", "d_w2"})
+      s.tma_store(g, true).stages(g, stages);
+    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
+    check_resources(c.layer, "tuned_wide with TMA-stored weight gradients");
+    const std::string cols = stages == 3 ? "256" : "128";
+    for (const char *g : {"gemm_d_w1", "gemm_d_w3", "gemm_d_w2"}) {
+      INFO(g);
+      std::string src = kernel_source(c.layer, g);
+      CHECK(src.find("Cfg::ring(smem, Cfg::BM * " + cols + " * 2)") != std::string::npos);
+      CHECK(src.find("Cfg::out_reuse(ring.out)") != std::string::npos);
+      CHECK(src.find("out_store<" + cols + ">(") != std::string::npos);
+      CHECK(src.find(", (int)expert);") != std::string::npos);
+      CHECK(src.find("Cfg::out_done();") != std::string::npos);
+      CHECK(kernel_named(c.layer, g).shared_bytes <= Schedule::max_shared_bytes);
+      const std::string out = g + 5; // gemm_d_w1 writes d_w1
+      bool map = false;
+      for (const KernelArg &a : kernel_named(c.layer, g).args)
+        if (a.kind == KernelArg::Kind::tma && a.name == out)
+          map = a.rows == c.training.program.tensor(out).dims[1].extent(); // one [M, N] matrix per expert
+      CHECK(map);
+    }
+  }
+  cuda::CompiledTraining plain =
+      cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), bench::tuned_wide(true));
+  CHECK(kernel_source(plain.layer, "gemm_d_w1").find("out_store<") == std::string::npos);
 }
 
 TEST_CASE("codegen: the backward's GEMMs over transposed weights read them by TMA") {

@@ -250,13 +250,24 @@ TEST_SUITE("gpu") {
     ExampleShape s = shape(300, 64, 128, 8, 2);
     // With padded_elementwise the expert reductions (B by TMA) are
     // persistent too: every expert's tiles, empty experts' included, on one
-    // ring per block.
+    // ring per block; with tma_store and bf16 weight gradients as well,
+    // their tiles (and the forward's single-output GEMMs') leave by TMA.
+    // Mode 3: tuned_wide's 128 x 256 weight-gradient tiles beside 4 stages,
+    // staged in halves (the second past N = 128 here: nothing to store).
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (bool padded : {false, true}) {
+      for (int mode : {0, 1, 2, 3}) {
+        const bool padded = mode > 0, stored = mode >= 2;
         Example ex = make_example(name, s);
-        Schedule p = preset("scattermoe");
+        Schedule p = mode == 3 ? bench::tuned_wide(std::string(name) == "swiglu_moe") : preset("scattermoe");
         p.persistent("*", true).padded_elementwise(padded);
-        INFO(name << (padded ? " / padded_elementwise" : ""));
+        if (mode == 2)
+          p.bf16_weight_gradients(true).tma_store("*", true).stages("*", 3);
+        if (mode == 3)
+          for (const char *g : {"d_w1", "d_w2", "d_w3"})
+            if (std::string(name) == "swiglu_moe" || std::string(g) != "d_w3")
+              p.tma_store(g, true);
+        INFO(name << (padded ? " / padded_elementwise" : "") << (stored ? " / tma_store" : "")
+                  << (mode == 3 ? " (tuned_wide, halves)" : ""));
         Outcome o = train_and_compare(ex, ex.random_inputs(s, 5), s.tokens, p);
         CHECK(o.routing_mismatches == 0);
       }

@@ -566,8 +566,13 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
 // of a tile-order output are the tile's own), then each warpgroup's boxes
 // go out in one copy per 64 x 64 box.
 void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const std::string &vr, bool persistent,
-                             std::ostringstream &body) {
-  if (persistent) // once the previous tile's copy has read it
+                             int staged_cols, std::ostringstream &body) {
+  const int parts = g.tiling.tile_n / staged_cols;
+  const std::string w = std::to_string(staged_cols);
+  if (parts > 1)
+    body << "  // The tile in " << parts << " parts of " << w << " columns: the staging past the ring holds one.\n";
+  body << "#pragma unroll\n  for (int part = 0; part < " << parts << "; ++part) {\n";
+  if (persistent) // once the previous copy has read it
     body << "  const unsigned s_out = Cfg::out_reuse(ring.out);  // past the ring: the tile's own staging\n";
   else
     body << "  const unsigned s_out = Cfg::out_begin(smem);  // the ring, idle now: the tile's staging area\n";
@@ -577,12 +582,13 @@ void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const
   // epilogue reads nothing by row or column out of range: routed outputs
   // never read the row here, and a tile that divides N has no column past it.
   body << "  const int mi = 0;  // wgmma: one row group per warp\n";
-  body << "#pragma unroll\n  for (int ni = 0; ni < Cfg::NI; ni += 2) {\n";
+  body << "#pragma unroll\n  for (int pi = 0; pi < " << w << " / 8; pi += 2) {\n";
+  body << "    const int ni = part * (" << w << " / 8) + pi;  // the column group in the tile\n";
   body << "    float v[2][4];  // [group ni, ni + 1][row h = 0, 1 x column e = 0, 1]\n";
   body << "#pragma unroll\n    for (int dn = 0; dn < 2; ++dn)\n#pragma unroll\n"
        << "    for (int h = 0; h < 2; ++h) {\n";
   body << "      const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n";
-  if (g.route)
+  if (g.route && !g.expert_k)
     body << "      const long long " << vr << " = -1;  // unread: rows below `rows` are real pairs, in tile order\n";
   else
     body << "      const long long " << vr << " = p0 + lr;\n";
@@ -592,13 +598,16 @@ void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const
     body << "      v[dn][h * 2 + " << e << "] = ok ? " << epilogue_call("epilogue", nb, vr, e, "ni + dn")
          << " : 0.f;\n";
   body << "    }\n";
-  body << "    Cfg::out_put4(s_out, warp, lane, ni, v[0][0], v[0][1], v[0][2], v[0][3], v[1][0], v[1][1], v[1][2], "
+  body << "    Cfg::template out_put4<" << w
+       << ">(s_out, warp, lane, pi, v[0][0], v[0][1], v[0][2], v[0][3], v[1][0], v[1][1], v[1][2], "
           "v[1][3]);\n  }\n";
   // A block per tile waits until the copy has read its staging (the block's
   // shared memory must outlive it); a persistent block goes on to its next
   // tile, the copy overlapping its main loop, and waits once at the end.
-  body << "  Cfg::out_store(s_out, &" << kb.tma(g.output, 0, g.n.extent()) << ", p0, rows, n0, N, "
-       << (persistent ? "false" : "true") << ");\n";
+  // An expert reduction's output is one [M, N] matrix per expert.
+  body << "  Cfg::template out_store<" << w << ">(s_out, &"
+       << kb.tma(g.output, g.expert_k ? g.m.extent() : 0, g.n.extent()) << ", p0, rows, n0 + part * " << w << ", N, "
+       << (persistent ? "false" : "true") << (g.expert_k ? ", (int)expert" : "") << ");\n  }\n";
 }
 
 // An expert reduction's tile `id` (a block's index, or a persistent
@@ -792,10 +801,24 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // Not in clusters yet: untested there (the failure first blamed on the
   // pair was the clusters' rasterisation, since fixed), so they keep plain
   // stores.
-  const bool out_tma = t.tma_store && tma && !cluster && !g.expert_k && g.extra.empty() &&
+  // Persistent expert reductions too (a bf16 weight gradient [E, M, N], the
+  // expert the map's third coordinate): their tiles are short in K, so the
+  // stores, which their consumers otherwise waited for, were a tenth of a
+  // tile.
+  const bool out_tma = t.tma_store && (tma || (g.expert_k && persistent)) && !cluster && g.extra.empty() &&
                        prog.tensor(g.output).dtype == DType::bf16 &&
-                       (!g.route || (g.out_rows == RowMap::direct && !pair_rows));
+                       (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !pair_rows));
   const std::string gC = out_tma ? "" : kb.tensor(g.output, /*writes=*/true);
+  // A persistent block stages its output tile past the ring: whole if that
+  // fits beside the stages, else in halves (TmaStoreTile's W), so that the
+  // ring keeps its depth (3 stages instead of 4 slowed mixtral's weight
+  // gradients by 8 %, more than the stores had cost).
+  const int ring_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + 1024 + 16 * t.stages + 48;
+  const int staged_cols =
+      persistent && out_tma && ring_bytes + t.tile_m * t.tile_n * 2 > Schedule::max_shared_bytes && t.tile_n >= 128
+          ? t.tile_n / 2
+          : t.tile_n;
+  const std::string staging = ", Cfg::BM * " + std::to_string(staged_cols) + " * 2);  // + the output's staging";
   const char *skip = persistent ? "continue" : "return";
   // Persistent blocks' row tiles. Routed: the routing's own tile count (read
   // on the device), so no block walks the upper bound's empty tiles.
@@ -818,15 +841,14 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  constexpr int NUM_M = (int)((M + Cfg::BM - 1) / Cfg::BM);\n";
     body << "  constexpr long long TOTAL = " << g.route->expert_dim().extent()
          << "LL * NUM_M * NUM_N;  // output tiles of every expert\n";
-    body << "  auto ring = Cfg::ring(smem);\n";
+    body << "  auto ring = Cfg::ring(smem" << (out_tma ? staging : ");") << "\n";
     body << "  for (long long tile_id = blockIdx.x; tile_id < TOTAL; tile_id = Cfg::next_tile(ring, "
          << kb.tile_counter() << ")) {\n";
     stamp(0);
     emit_expert_tile(kb, g, "tile_id", body);
   } else if (persistent) {
     body << "  const long long TOTAL = (" << rows_total << ") * NUM_N;  // output tiles\n";
-    body << "  auto ring = Cfg::ring(smem"
-         << (out_tma ? ", Cfg::BM * Cfg::BN * 2);  // + the output tile's staging" : ");") << "\n";
+    body << "  auto ring = Cfg::ring(smem" << (out_tma ? staging : ");") << "\n";
     body << "  for (long long tile_id = blockIdx.x; tile_id < TOTAL; tile_id = Cfg::next_tile(ring, "
          << kb.tile_counter() << ")) {\n";
     stamp(0);
@@ -970,7 +992,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   stamp(3);
   body << epilogues.str();
   if (out_tma)
-    emit_tma_store_epilogue(g, kb, nb, vr, persistent, body);
+    emit_tma_store_epilogue(g, kb, nb, vr, persistent, staged_cols, body);
   else {
     // 8-byte (bf16) or 16-byte (f32) stores under wgmma (its accumulator
     // columns: ni * 8 + 2 (lane & 3)), for every output alike.
@@ -1004,7 +1026,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   }
   k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) +
                    (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0) + // + the tile-id ring (WgmmaWsConfig::ring)
-                   (persistent && out_tma ? t.tile_m * t.tile_n * 2 : 0);    // + the output tile's own staging
+                   (persistent && out_tma ? t.tile_m * staged_cols * 2 : 0); // + the output tile's own staging
   if (in_place) {
     user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
   }

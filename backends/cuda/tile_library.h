@@ -568,9 +568,84 @@ __device__ __forceinline__ void cp_async_pipeline(int KT, Load load, Mma mma) {
 template <int N, int TRANS_B, int TRANS_A = 0> struct Wgmma;
 MOEFORGE_WGMMA_INSTANCES
 
+// ------------------------------------------------------------ Hopper: output tiles by TMA
+// A bf16 output tile in tile order, for the wgmma configurations, whose
+// accumulators lie alike (warpgroup w holds rows 64 w .. 64 w + 63). Plain
+// stores of accumulator fragments write 8 rows x 4 bytes per warp
+// instruction, and a tile's epilogue waited ~4 us for them. Instead each
+// warpgroup stages its 64 rows in shared memory (the idle ring of a block
+// per tile, or a persistent block's own buffer past it) as BN/64 boxes of
+// 64 rows x 128 bytes swizzled as the tensor map lays them out, and one
+// thread per warpgroup hands them to the copy engine. The block's shared
+// memory lives until that copy has read it; the global writes complete on
+// their own, under a persistent block's next main loop. W: the columns
+// staged at a time, BN, or BN / 2 where a whole tile's staging does not fit
+// beside a persistent block's ring (the tile then leaves in two parts, the
+// second staged once the first's copy has read the buffer).
+template <int BN> struct TmaStoreTile {
+  // A warp's values of column groups ni and ni + 1 (8 columns each) of its
+  // 16 rows, staged by one stmatrix (four 8x8 matrices, a row of 16 bytes
+  // each, from the accumulator fragments as they lie: 16 instructions per
+  // thread for a 128 x 256 tile, against 64 stores of a column pair). v:
+  // group ni's pairs (row lane / 4: v0, v1; row + 8: v2, v3); w: group
+  // ni + 1's. Lane L gives the address of row L % 8 of matrix L / 8
+  // (matrices: rows 0-7 and 8-15 of group ni, then of group ni + 1): box
+  // (row / 64, column / 64), 128 bytes a row, 16-byte chunk c of row r at
+  // c ^ (r & 7), the tensor map's 128-byte swizzle.
+  // ni counts from the staged part's first column.
+  template <int W = BN>
+  __device__ static __forceinline__ void out_put4(unsigned s, int warp, int lane, int ni, float v0, float v1, float v2,
+                                                  float v3, float w0, float w1, float w2, float w3) {
+    const int j = lane >> 3, row = (warp >> 2) * 64 + (warp & 3) * 16 + (j & 1) * 8 + (lane & 7);
+    const int group = ni + (j >> 1), r = row & 63;
+    const unsigned at =
+        s + ((row >> 6) * (W / 64) + (group >> 3)) * (64 * 128) + r * 128 + (((group & 7) ^ (r & 7)) << 4);
+    const __nv_bfloat162 a = __floats2bfloat162_rn(v0, v1), b = __floats2bfloat162_rn(v2, v3),
+                         c = __floats2bfloat162_rn(w0, w1), d = __floats2bfloat162_rn(w2, w3);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(at),
+                 "r"(*reinterpret_cast<const unsigned *>(&a)), "r"(*reinterpret_cast<const unsigned *>(&b)),
+                 "r"(*reinterpret_cast<const unsigned *>(&c)), "r"(*reinterpret_cast<const unsigned *>(&d))
+                 : "memory");
+  }
+  // Persistent blocks stage in a buffer past the ring (Ring::out): each
+  // warpgroup's part is free again once its previous copy has read it.
+  __device__ static __forceinline__ unsigned out_reuse(unsigned s) {
+    const int tid = threadIdx.x;
+    if ((tid & 127) == 0)
+      bulk_wait_read();
+    named_barrier(2 + (tid >> 7), 128);
+    return s;
+  }
+  // After a persistent block's last tile: its copies have read their staging.
+  __device__ static __forceinline__ void out_done() {
+    if ((threadIdx.x & 127) == 0)
+      bulk_wait_read();
+  }
+  // Stores warpgroup wg's boxes at rows row0 + 64 wg (if any of the tile's
+  // `rows` fall there) and columns n0 ... n0 + W - 1 (those under N); wait:
+  // until the copy has read the staging (else out_reuse / out_done wait).
+  // batch: the map's third coordinate (an expert reduction's expert).
+  template <int W = BN>
+  __device__ static __forceinline__ void out_store(unsigned s, const TmaDesc *map, long long row0, int rows, int n0,
+                                                   int N, bool wait, int batch = 0) {
+    const int tid = threadIdx.x, wg = tid >> 7;
+    fence_proxy_async();        // this thread's staged values, visible to the copy engine
+    named_barrier(2 + wg, 128); // ... and every thread's of this warpgroup
+    if ((tid & 127) == 0 && rows > wg * 64) {
+#pragma unroll
+      for (int b = 0; b < W / 64; ++b)
+        if (n0 + b * 64 < N)
+          tma_store_3d(map, s + (wg * (W / 64) + b) * (64 * 128), n0 + b * 64, (int)(row0 + wg * 64), batch);
+      bulk_commit();
+      if (wait)
+        bulk_wait_read();
+    }
+  }
+};
+
 // BT: the B operands are stored transposed, [N, K] (a backward pass's W^T read
 // in place): their tiles are staged K-major like A's.
-template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaConfig {
+template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaConfig : TmaStoreTile<BN_> {
   static constexpr int BM = BM_, BN = BN_, BK = 64, STAGES = STAGES_, NB = NB_;
   static constexpr int WG = BM / 64, THREADS = WG * 128;
   static constexpr int A_ITERS = BM * 8 / THREADS; // A chunks per thread and stage
@@ -765,73 +840,13 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
     return true;
   }
 
-  // ---- the output tile by TMA (a bf16 output in tile order). Plain stores
-  // of accumulator fragments write 8 rows x 4 bytes per warp instruction,
-  // and a tile's epilogue waited ~4 us for them (NOTES v18). Instead each
-  // warpgroup stages its 64 rows in the ring, idle once the main loop is
-  // done, as BN/64 boxes of 64 rows x 128 bytes swizzled as the tensor map
-  // (and a_off) lay them out, and one thread per warpgroup hands them to the
-  // copy engine. The block's shared memory lives until that copy has read
-  // it; the global writes complete on their own.
+  // ---- the output tile by TMA (TmaStoreTile): a block per tile stages it in
+  // the ring, idle once the main loop is done.
   // out_begin: every consumer has finished reading the ring (a warpgroup
   // may run a few stages behind the other); returns the staging base.
   __device__ static __forceinline__ unsigned out_begin(unsigned char *smem) {
     named_barrier(1, BM * 2);
     return (smem_u32(smem) + 1023u) & ~1023u;
-  }
-  // A warp's values of column groups ni and ni + 1 (8 columns each) of its
-  // 16 rows, staged by one stmatrix (four 8x8 matrices, a row of 16 bytes
-  // each, from the accumulator fragments as they lie: 16 instructions per
-  // thread for a 128 x 256 tile, against 64 stores of a column pair). v:
-  // group ni's pairs (row lane / 4: v0, v1; row + 8: v2, v3); w: group
-  // ni + 1's. Lane L gives the address of row L % 8 of matrix L / 8
-  // (matrices: rows 0-7 and 8-15 of group ni, then of group ni + 1): box
-  // (row / 64, column / 64), 128 bytes a row, 16-byte chunk c of row r at
-  // c ^ (r & 7), the tensor map's 128-byte swizzle.
-  __device__ static __forceinline__ void out_put4(unsigned s, int warp, int lane, int ni, float v0, float v1, float v2,
-                                                  float v3, float w0, float w1, float w2, float w3) {
-    const int j = lane >> 3, row = (warp >> 2) * 64 + (warp & 3) * 16 + (j & 1) * 8 + (lane & 7);
-    const int group = ni + (j >> 1), r = row & 63;
-    const unsigned at =
-        s + ((row >> 6) * (BN / 64) + (group >> 3)) * (64 * 128) + r * 128 + (((group & 7) ^ (r & 7)) << 4);
-    const __nv_bfloat162 a = __floats2bfloat162_rn(v0, v1), b = __floats2bfloat162_rn(v2, v3),
-                         c = __floats2bfloat162_rn(w0, w1), d = __floats2bfloat162_rn(w2, w3);
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(at),
-                 "r"(*reinterpret_cast<const unsigned *>(&a)), "r"(*reinterpret_cast<const unsigned *>(&b)),
-                 "r"(*reinterpret_cast<const unsigned *>(&c)), "r"(*reinterpret_cast<const unsigned *>(&d))
-                 : "memory");
-  }
-  // Persistent blocks stage in a buffer past the ring (Ring::out): each
-  // warpgroup's part is free again once its previous copy has read it.
-  __device__ static __forceinline__ unsigned out_reuse(unsigned s) {
-    const int tid = threadIdx.x;
-    if ((tid & 127) == 0)
-      bulk_wait_read();
-    named_barrier(2 + (tid >> 7), 128);
-    return s;
-  }
-  // After a persistent block's last tile: its copies have read their staging.
-  __device__ static __forceinline__ void out_done() {
-    if ((threadIdx.x & 127) == 0)
-      bulk_wait_read();
-  }
-  // Stores warpgroup wg's boxes at rows row0 + 64 wg (if any of the tile's
-  // `rows` fall there) and columns n0 ... (those under N); wait: until the
-  // copy has read the staging (else out_reuse / out_done wait).
-  __device__ static __forceinline__ void out_store(unsigned s, const TmaDesc *map, long long row0, int rows, int n0,
-                                                   int N, bool wait) {
-    const int tid = threadIdx.x, wg = tid >> 7;
-    fence_proxy_async();          // this thread's staged values, visible to the copy engine
-    named_barrier(2 + wg, 128);   // ... and every thread's of this warpgroup
-    if ((tid & 127) == 0 && rows > wg * 64) {
-#pragma unroll
-      for (int b = 0; b < BN / 64; ++b)
-        if (n0 + b * 64 < N)
-          tma_store_3d(map, s + (wg * (BN / 64) + b) * (64 * 128), n0 + b * 64, (int)(row0 + wg * 64), 0);
-      bulk_commit();
-      if (wait)
-        bulk_wait_read();
-    }
   }
 
   // Returns true: every thread of this configuration holds accumulators.
@@ -857,7 +872,7 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
 // transposed (trans-a), so no transposed copy of A is ever written.
 // Row maps: div 0 reads row p itself (a padded tensor), div d reads row
 // sorted_pair[p] / d (d = 1: pair order; d = k: the token's row).
-template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig {
+template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig : TmaStoreTile<BN_> {
   static constexpr int BM = BM_, BN = BN_, BK = 64, STAGES = STAGES_, NB = 1;
   static constexpr int WG = BM / 64, THREADS = WG * 128;
   static constexpr int MI = 1, NI = BN / 8;

@@ -57,10 +57,6 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name.rfind("tuned_wide", 0) == 0) : preset(name);
   if (name == "tuned_wide_persist")
     schedule.persistent("*", true);
-  if (name == "tuned_wide_ostore")
-    for (const char *g : {"d_w1", "d_w2", "d_w3"})
-      if (shape.swiglu || std::string(g) != "d_w3")
-        schedule.tma_store(g, true);
   schedule.recompute(recompute);
   std::string why;
   if (!cuda::gpu_available(&why)) {
@@ -134,7 +130,6 @@ void register_all() {
       for (bool re : {false, true})
         add(s, p, re, false);
     add(s, "tuned_wide", false, true);
-    add(s, "tuned_wide_ostore", false, false);
   }
   for (const Shape &s : bench::kExtraTrainShapes)
     for (bool skewed : {false, true})

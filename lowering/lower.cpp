@@ -450,8 +450,12 @@ KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
     }
     // GEMM outputs stay in the padded tile order (no scatter) when blocked, or
     // when only other GEMMs read them; results for element-wise readers
-    // (combine) are scattered back to pair order by the scattered schedule.
-    if (producer && producer->route && (schedule.permutation() == Permutation::blocked || only_gemm_a))
+    // (combine) are scattered back to pair order by the scattered schedule,
+    // unless padded_elementwise keeps every per-pair tensor in the padded
+    // order: the element-wise kernels then find a pair's row through
+    // pair_pos, and the GEMM stores whole tiles (by TMA, with tma_store).
+    if (producer && producer->route &&
+        (schedule.permutation() == Permutation::blocked || only_gemm_a || schedule.padded_elementwise()))
       t.layout = RowLayout::padded;
     // padded_elementwise: an element-wise [pairs, n] result that a GEMM
     // reads, in the padded order too, its padding zeroed by its kernel.

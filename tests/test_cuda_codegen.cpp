@@ -590,7 +590,7 @@ TEST_CASE("codegen: persistent expert reductions store their tiles by TMA, one m
   // tma_store on the weight gradients: the tile is staged past the ring and
   // stored through a [E, M, N] map at the tile's expert; whole beside 3
   // stages, in two halves of 128 columns beside 4 (a whole 128 x 256 tile
-  // does not fit there). Without tma_store, plain stores.
+  // does not fit there). tuned_wide has it; without tma_store, plain stores.
   Example ex = make_example("swiglu_moe", small());
   for (int stages : {3, 4}) {
     INFO(stages << " stages");
@@ -617,9 +617,11 @@ TEST_CASE("codegen: persistent expert reductions store their tiles by TMA, one m
       CHECK(map);
     }
   }
-  cuda::CompiledTraining plain =
-      cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), bench::tuned_wide(true));
+  Schedule plain_stores = bench::tuned_wide(true);
+  plain_stores.tma_store("d_w1", false);
+  cuda::CompiledTraining plain = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), plain_stores);
   CHECK(kernel_source(plain.layer, "gemm_d_w1").find("out_store<") == std::string::npos);
+  CHECK(kernel_source(plain.layer, "gemm_d_w2").find("out_store<") != std::string::npos);
 }
 
 TEST_CASE("codegen: the backward's GEMMs over transposed weights read them by TMA") {

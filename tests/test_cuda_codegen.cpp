@@ -624,6 +624,33 @@ TEST_CASE("codegen: persistent expert reductions store their tiles by TMA, one m
   CHECK(kernel_source(plain.layer, "gemm_d_w2").find("out_store<") != std::string::npos);
 }
 
+TEST_CASE("codegen: a GEMM's fused outputs leave by TMA too, zero-padded ones with their padding rows") {
+  // SwiGLU's forward GEMM writes h_silu_in, h_rhs and h, each through its own
+  // map: a block per tile stages all three in its idle ring at once and
+  // waits for the copies' reads after the last; a persistent block stages
+  // one at a time past its ring. h is zero-padded (the down-projection reads
+  // it by TMA), so every box of the tile is stored, zeros past `rows`.
+  Example ex = make_example("swiglu_moe", small());
+  for (bool persistent : {false, true}) {
+    INFO((persistent ? "persistent" : "a block per tile"));
+    Schedule s = bench::tuned_wide(true);
+    s.tma_store("h", true).persistent("h", persistent);
+    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
+    check_resources(c.layer, "tuned_wide with h stored by TMA");
+    std::string src = kernel_source(c.layer, "gemm_h_silu_in_h_rhs");
+    CHECK(count_of(src, "out_store<128>(") == 3);
+    CHECK(count_of(src, ", p0, Cfg::BM, n0") == 3); // every box: h's padding rows get zeros
+    CHECK(count_of(src, persistent ? "Cfg::out_reuse(ring.out)" : "s_ring + ") == 3);
+    CHECK(count_of(src, ", N, true);") == (persistent ? 0 : 1)); // one wait, after the last
+    for (const char *out : {"h_silu_in", "h_rhs", "h"}) {
+      bool map = false;
+      for (const KernelArg &a : kernel_named(c.layer, "gemm_h_silu_in_h_rhs").args)
+        map |= a.kind == KernelArg::Kind::tma && a.name == out;
+      CHECK(map);
+    }
+  }
+}
+
 TEST_CASE("codegen: the backward's GEMMs over transposed weights read them by TMA") {
   // dH = dO W2^T and dX = dH1 W1^T read W^T in place, stored [N, K] per
   // expert: boxes of 64 rows n x 64 k, K-major as wgmma takes B^T.

@@ -251,23 +251,28 @@ TEST_SUITE("gpu") {
     // With padded_elementwise the expert reductions (B by TMA) are
     // persistent too: every expert's tiles, empty experts' included, on one
     // ring per block; with tma_store and bf16 weight gradients as well,
-    // their tiles (and the forward's single-output GEMMs') leave by TMA.
-    // Mode 3: tuned_wide's 128 x 256 weight-gradient tiles beside 4 stages,
-    // staged in halves (the second past N = 128 here: nothing to store).
+    // their tiles and the forward's (SwiGLU's three fused outputs one after
+    // another through one buffer) leave by TMA. Mode 3: tuned_wide, whose
+    // 128 x 256 weight-gradient tiles beside 4 stages are staged in halves
+    // (the second past N = 128 here: nothing to store).
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (int mode : {0, 1, 2, 3}) {
+      for (int mode : {0, 1, 2, 3, 4}) {
         const bool padded = mode > 0, stored = mode >= 2;
         Example ex = make_example(name, s);
-        Schedule p = mode == 3 ? bench::tuned_wide(std::string(name) == "swiglu_moe") : preset("scattermoe");
-        p.persistent("*", true).padded_elementwise(padded);
+        Schedule p = mode >= 3 ? bench::tuned_wide(std::string(name) == "swiglu_moe") : preset("scattermoe");
+        p.padded_elementwise(padded);
+        // Mode 4: tuned_wide's own mix (persistent only where it says), h's
+        // fused outputs stored by TMA from a block per tile, all at once.
+        if (mode < 4)
+          p.persistent("*", true);
+        if (mode >= 3)
+          p.tma_store("h", true);
         if (mode == 2)
           p.bf16_weight_gradients(true).tma_store("*", true).stages("*", 3);
-        if (mode == 3)
-          for (const char *g : {"d_w1", "d_w2", "d_w3"})
-            if (std::string(name) == "swiglu_moe" || std::string(g) != "d_w3")
-              p.tma_store(g, true);
         INFO(name << (padded ? " / padded_elementwise" : "") << (stored ? " / tma_store" : "")
-                  << (mode == 3 ? " (tuned_wide, halves)" : ""));
+                  << (mode == 3   ? " (tuned_wide, persistent, halves)"
+                      : mode == 4 ? " (tuned_wide)"
+                                  : ""));
         Outcome o = train_and_compare(ex, ex.random_inputs(s, 5), s.tokens, p);
         CHECK(o.routing_mismatches == 0);
       }

@@ -566,48 +566,59 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
 // of a tile-order output are the tile's own), then each warpgroup's boxes
 // go out in one copy per 64 x 64 box.
 void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const std::string &vr, bool persistent,
-                             int staged_cols, std::ostringstream &body) {
+                             int staged_cols, const std::vector<std::pair<std::string, Expr>> &outputs, bool zero_rows,
+                             std::ostringstream &body) {
   const int parts = g.tiling.tile_n / staged_cols;
   const std::string w = std::to_string(staged_cols);
   if (parts > 1)
     body << "  // The tile in " << parts << " parts of " << w << " columns: the staging past the ring holds one.\n";
-  body << "#pragma unroll\n  for (int part = 0; part < " << parts << "; ++part) {\n";
-  if (persistent) // once the previous copy has read it
-    body << "  const unsigned s_out = Cfg::out_reuse(ring.out);  // past the ring: the tile's own staging\n";
-  else
-    body << "  const unsigned s_out = Cfg::out_begin(smem);  // the ring, idle now: the tile's staging area\n";
-  // Two column groups per stmatrix (Cfg::out_put4). Values past `rows` or N
-  // are staged as 0 (the copy clips columns past N; rows past `rows` are
-  // the tile's padding). The guard is a select, not a branch, where the
-  // epilogue reads nothing by row or column out of range: routed outputs
-  // never read the row here, and a tile that divides N has no column past it.
-  body << "  const int mi = 0;  // wgmma: one row group per warp\n";
-  body << "#pragma unroll\n  for (int pi = 0; pi < " << w << " / 8; pi += 2) {\n";
-  body << "    const int ni = part * (" << w << " / 8) + pi;  // the column group in the tile\n";
-  body << "    float v[2][4];  // [group ni, ni + 1][row h = 0, 1 x column e = 0, 1]\n";
-  body << "#pragma unroll\n    for (int dn = 0; dn < 2; ++dn)\n#pragma unroll\n"
-       << "    for (int h = 0; h < 2; ++h) {\n";
-  body << "      const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n";
-  if (g.route && !g.expert_k)
-    body << "      const long long " << vr << " = -1;  // unread: rows below `rows` are real pairs, in tile order\n";
-  else
-    body << "      const long long " << vr << " = p0 + lr;\n";
-  body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni + dn, 0);\n";
-  body << "      const bool ok = lr < rows && (N % Cfg::BN == 0 || col < N);\n";
-  for (int e = 0; e < 2; ++e)
-    body << "      v[dn][h * 2 + " << e << "] = ok ? " << epilogue_call("epilogue", nb, vr, e, "ni + dn")
-         << " : 0.f;\n";
-  body << "    }\n";
-  body << "    Cfg::template out_put4<" << w
-       << ">(s_out, warp, lane, pi, v[0][0], v[0][1], v[0][2], v[0][3], v[1][0], v[1][1], v[1][2], "
-          "v[1][3]);\n  }\n";
-  // A block per tile waits until the copy has read its staging (the block's
-  // shared memory must outlive it); a persistent block goes on to its next
-  // tile, the copy overlapping its main loop, and waits once at the end.
-  // An expert reduction's output is one [M, N] matrix per expert.
-  body << "  Cfg::template out_store<" << w << ">(s_out, &"
-       << kb.tma(g.output, g.expert_k ? g.m.extent() : 0, g.n.extent()) << ", p0, rows, n0 + part * " << w << ", N, "
-       << (persistent ? "false" : "true") << (g.expert_k ? ", (int)expert" : "") << ");\n  }\n";
+  if (!persistent) // every output at once: the ring, idle now, holds them all
+    body << "  const unsigned s_ring = Cfg::out_begin(smem);  // the tiles' staging area\n";
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    const std::string fn = o ? "epilogue" + std::to_string(o) : "epilogue";
+    body << "  // " << outputs[o].first << "\n";
+    body << "#pragma unroll\n  for (int part = 0; part < " << parts << "; ++part) {\n";
+    if (persistent) // once the previous copy has read it
+      body << "  const unsigned s_out = Cfg::out_reuse(ring.out);  // past the ring: the tile's own staging\n";
+    else
+      body << "  const unsigned s_out = s_ring + " << o << " * (Cfg::BM * " << w << " * 2);\n";
+    // Two column groups per stmatrix (Cfg::out_put4). Values past `rows` or
+    // N are staged as 0 (the copy clips columns past N; rows past `rows`
+    // are the tile's padding). The guard is a select, not a branch, where
+    // the epilogue reads nothing by row or column out of range: routed
+    // outputs never read the row here, and a tile that divides N has no
+    // column past it.
+    body << "  const int mi = 0;  // wgmma: one row group per warp\n";
+    body << "#pragma unroll\n  for (int pi = 0; pi < " << w << " / 8; pi += 2) {\n";
+    body << "    const int ni = part * (" << w << " / 8) + pi;  // the column group in the tile\n";
+    body << "    float v[2][4];  // [group ni, ni + 1][row h = 0, 1 x column e = 0, 1]\n";
+    body << "#pragma unroll\n    for (int dn = 0; dn < 2; ++dn)\n#pragma unroll\n"
+         << "    for (int h = 0; h < 2; ++h) {\n";
+    body << "      const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n";
+    if (g.route && !g.expert_k)
+      body << "      const long long " << vr << " = -1;  // unread: rows below `rows` are real pairs, in tile order\n";
+    else
+      body << "      const long long " << vr << " = p0 + lr;\n";
+    body << "      const int col = n0 + Cfg::acc_col(warp, lane, ni + dn, 0);\n";
+    body << "      const bool ok = lr < rows && (N % Cfg::BN == 0 || col < N);\n";
+    for (int e = 0; e < 2; ++e)
+      body << "      v[dn][h * 2 + " << e << "] = ok ? " << epilogue_call(fn, nb, vr, e, "ni + dn") << " : 0.f;\n";
+    body << "    }\n";
+    body << "    Cfg::template out_put4<" << w
+         << ">(s_out, warp, lane, pi, v[0][0], v[0][1], v[0][2], v[0][3], v[1][0], v[1][1], v[1][2], "
+            "v[1][3]);\n  }\n";
+    // A block per tile waits, after its last output, until the copies have
+    // read their staging (the block's shared memory must outlive them); a
+    // persistent block goes on, the copy overlapping what follows, and
+    // waits before it reuses the buffer and once at the end. An expert
+    // reduction's output is one [M, N] matrix per expert; a zero-padded
+    // output stores every box of the tile (rows = the tile's).
+    const bool last = o + 1 == outputs.size();
+    body << "  Cfg::template out_store<" << w << ">(s_out, &"
+         << kb.tma(outputs[o].first, g.expert_k ? g.m.extent() : 0, g.n.extent()) << ", p0, "
+         << (zero_rows ? "Cfg::BM" : "rows") << ", n0 + part * " << w << ", N, "
+         << (persistent || !last ? "false" : "true") << (g.expert_k ? ", (int)expert" : "") << ");\n  }\n";
+  }
 }
 
 // An expert reduction's tile `id` (a block's index, or a persistent
@@ -805,8 +816,22 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // expert the map's third coordinate): their tiles are short in K, so the
   // stores, which their consumers otherwise waited for, were a tenth of a
   // tile.
-  const bool out_tma = t.tma_store && (tma || (g.expert_k && persistent)) && !cluster && g.extra.empty() &&
-                       prog.tensor(g.output).dtype == DType::bf16 &&
+  // Fused outputs too (SwiGLU's h_silu_in, h_rhs and h), each through its
+  // own map: all bf16 in tile order. A zero-padded one (read by TMA later)
+  // gets its padding rows' zeros from the staged tile, whose rows past
+  // `rows` are staged as 0, so every box of the tile is stored; that needs
+  // the tile to be one routing block, as the plain stores' zeroing does.
+  bool outputs_bf16 = true, zero_rows = false;
+  for (const auto &[name, value] : outputs) {
+    outputs_bf16 &= prog.tensor(name).dtype == DType::bf16;
+    zero_rows |= g.route && !g.expert_k && prog.tensor(name).zero_padding;
+  }
+  // A block per tile stages every output at once in its idle ring.
+  const bool staging_fits = persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <=
+                                              t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2;
+  const bool out_tma = t.tma_store && (tma || (g.expert_k && persistent)) && !cluster && outputs_bf16 &&
+                       (g.extra.empty() || !g.expert_k) && staging_fits &&
+                       (!zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
                        (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !pair_rows));
   const std::string gC = out_tma ? "" : kb.tensor(g.output, /*writes=*/true);
   // A persistent block stages its output tile past the ring: whole if that
@@ -992,7 +1017,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   stamp(3);
   body << epilogues.str();
   if (out_tma)
-    emit_tma_store_epilogue(g, kb, nb, vr, persistent, staged_cols, body);
+    emit_tma_store_epilogue(g, kb, nb, vr, persistent, staged_cols, outputs, zero_rows, body);
   else {
     // 8-byte (bf16) or 16-byte (f32) stores under wgmma (its accumulator
     // columns: ni * 8 + 2 (lane & 3)), for every output alike.

@@ -57,6 +57,8 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name.rfind("tuned_wide", 0) == 0) : preset(name);
   if (name == "tuned_wide_persist")
     schedule.persistent("*", true);
+  if (name == "tuned_wide_lean")
+    schedule.recompute_elementwise(true);
   schedule.recompute(recompute);
   std::string why;
   if (!cuda::gpu_available(&why)) {
@@ -115,7 +117,8 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
 // train/<shape>/<routing>/<schedule>/<memory>: every schedule on the design
 // shapes with uniform routing; the widest schedule also with skewed routing
 // (a ramp on the router logits: the busiest expert gets about 3x the mean)
-// and on the extra shapes.
+// and on the extra shapes; tuned_wide_lean: tuned_wide keeping only the
+// pre-activations of the activation (recompute_elementwise).
 void register_all() {
   auto add = [](const Shape &s, const char *p, bool re, bool skewed) {
     std::string name =
@@ -130,6 +133,7 @@ void register_all() {
       for (bool re : {false, true})
         add(s, p, re, false);
     add(s, "tuned_wide", false, true);
+    add(s, "tuned_wide_lean", false, false);
   }
   for (const Shape &s : bench::kExtraTrainShapes)
     for (bool skewed : {false, true})

@@ -146,6 +146,87 @@ void inline_elementwise_values(const std::vector<Step> &f_steps, std::vector<Ste
   }
 }
 
+// Replaces reads of a GEMM's accumulators by reads of the tensors that store
+// them as they are, at the same (row, col).
+struct AccumulatorsFromTensors : IRMutator {
+  std::map<const FuncNode *, std::string> stored; // accumulator -> tensor
+  Expr mutate_node(const Access &a, const Expr &self) override {
+    auto it = a.func ? stored.find(a.func.get()) : stored.end();
+    if (it == stored.end())
+      return self;
+    auto f = std::make_shared<FuncNode>();
+    f->name = it->second;
+    f->dtype = a.dtype;
+    for (const Index &i : a.args)
+      f->args.push_back(i.var); // only the name and indices of a read are used
+    return Access::make(f, a.args);
+  }
+};
+
+// schedule.recompute_elementwise(): a forward GEMM's fused output whose value
+// reads only accumulators that the GEMM also stores as they are (SwiGLU's h
+// = silu(acc0) * acc1 beside h_silu_in = acc0 and h_rhs = acc1) is made
+// again in the backward, from those tensors, by an element-wise step placed
+// before its first backward reader (merge_sibling_pointwise then runs it in
+// the kernel that reads the same tensors); the backward reads the copy, so
+// the forward's is not kept.
+void recompute_epilogue_values(KernelProgram &p, size_t forward_steps, const std::vector<std::string> &outputs) {
+  std::vector<std::pair<size_t, Step>> inserts; // (position, step), made after the walk
+  for (size_t i = 0; i < forward_steps; ++i) {
+    auto *g = std::get_if<GemmStep>(&p.steps[i]);
+    if (!g || !g->route || g->expert_k)
+      continue;
+    auto accumulator = [&](const Expr &e) -> const FuncNode * {
+      auto *a = e.as<Access>();
+      if (!a || a->args.size() != 2 || !a->args[0].is_plain() || !a->args[0].var.same_as(g->row_var) ||
+          !a->args[1].is_plain() || !a->args[1].var.same_as(g->col_var))
+        return nullptr;
+      for (const FuncPtr &acc : g->accumulators)
+        if (a->func == acc)
+          return acc.get();
+      return nullptr;
+    };
+    AccumulatorsFromTensors from;
+    if (const FuncNode *f = accumulator(g->epilogue))
+      from.stored[f] = g->output;
+    for (const GemmStep::Extra &e : g->extra)
+      if (const FuncNode *f = accumulator(e.value))
+        from.stored[f] = e.output;
+    if (from.stored.size() != g->accumulators.size())
+      continue;
+    for (const GemmStep::Extra &e : g->extra) {
+      if (accumulator(e.value) || contains(outputs, e.output))
+        continue;
+      bool only_accumulators = true;
+      struct Reads : IRVisitor {
+        std::vector<const Access *> all;
+        void visit_node(const Access &a) override { all.push_back(&a); }
+      } reads;
+      reads.visit(e.value);
+      for (const Access *a : reads.all)
+        only_accumulators &= a->func && from.stored.count(a->func.get()) > 0;
+      size_t first = p.steps.size();
+      for (size_t j = p.steps.size(); j-- > forward_steps;)
+        if (contains(step_reads(p.steps[j]), e.output))
+          first = j;
+      if (!only_accumulators || first == p.steps.size())
+        continue;
+      TensorDecl copy = p.tensor(e.output);
+      copy.name = e.output + "_re";
+      p.tensors.push_back(copy);
+      const std::map<std::string, std::string> to{{e.output, copy.name}};
+      for (size_t j = forward_steps; j < p.steps.size(); ++j)
+        rename_reads(p.steps[j], to);
+      inserts.emplace_back(
+          first,
+          PointwiseStep{"pointwise_" + copy.name, copy.name, {g->row_var, g->col_var}, from.mutate(e.value), {}});
+    }
+  }
+  std::stable_sort(inserts.begin(), inserts.end(), [](const auto &a, const auto &b) { return a.first > b.first; });
+  for (auto &[at, step] : inserts)
+    p.steps.insert(p.steps.begin() + static_cast<long>(at), std::move(step));
+}
+
 std::string joined(const std::vector<std::string> &v) {
   std::string s;
   for (const std::string &x : v)
@@ -301,6 +382,8 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   // Funcs), so that their element-wise consumers see one epilogue.
   const size_t merged = merge_sibling_gemms(p, 0, forward_count);
   t.forward_steps = fuse_elementwise_consumers(p, 0, merged, schedule);
+  if (schedule.recompute_elementwise() && !schedule.recompute())
+    recompute_epilogue_values(p, t.forward_steps, t.outputs);
   merge_sibling_pointwise(p, t.forward_steps, p.steps.size(), schedule);
   if (schedule.bf16_activations())
     store_in_bf16(p, t);

@@ -123,6 +123,8 @@ Schedule &Schedule::bf16_weight_gradients(bool on) { return flag(bf16_weight_gra
 
 Schedule &Schedule::padded_elementwise(bool on) { return flag(padded_elementwise_, "padded_elementwise", on); }
 
+Schedule &Schedule::recompute_elementwise(bool on) { return flag(recompute_elementwise_, "recompute_elementwise", on); }
+
 Schedule &Schedule::recompute(bool on) { return flag(recompute_, "recompute", on); }
 
 Schedule &Schedule::tile(const std::string &func, int m, int n, int k) {

@@ -155,6 +155,13 @@ public:
   // copied once into that order too, for the backward's time: one more
   // T*k x d bf16 tensor, not kept past the reductions that read it.
   Schedule &padded_elementwise(bool on);
+  // Training: forward values that a GEMM's epilogue makes element-wise from
+  // results it stores as well (SwiGLU's h = silu(h1) * h3 beside h1 and h3,
+  // GeLU's h beside its pre-activation) are not kept for the backward but
+  // made again there from those results, by the element-wise kernel that
+  // already reads them: one T*k x f tensor less between the passes (all that
+  // stays is the pre-activation), for one more write of it in the backward.
+  Schedule &recompute_elementwise(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -188,6 +195,7 @@ public:
   bool bf16_activations() const { return bf16_activations_; }
   bool reuse_memory() const { return reuse_memory_; }
   bool padded_elementwise() const { return padded_elementwise_; }
+  bool recompute_elementwise() const { return recompute_elementwise_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -246,6 +254,7 @@ private:
   bool reuse_memory_ = false;
   bool bf16_weight_gradients_ = false;
   bool padded_elementwise_ = false;
+  bool recompute_elementwise_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

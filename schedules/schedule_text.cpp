@@ -52,6 +52,7 @@ const std::vector<Signature> &signatures() {
       {"reuse_memory", {{"on", ArgType::boolean}}},
       {"bf16_weight_gradients", {{"on", ArgType::boolean}}},
       {"padded_elementwise", {{"on", ArgType::boolean}}},
+      {"recompute_elementwise", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -66,6 +67,7 @@ FlagSetter flag_setter(const std::string &primitive) {
       {"reuse_memory", &Schedule::reuse_memory},
       {"bf16_weight_gradients", &Schedule::bf16_weight_gradients},
       {"padded_elementwise", &Schedule::padded_elementwise},
+      {"recompute_elementwise", &Schedule::recompute_elementwise},
   };
   for (const auto &[name, set] : flags)
     if (primitive == name)

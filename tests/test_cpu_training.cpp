@@ -494,6 +494,29 @@ TEST_SUITE("cpu") {
         }
   }
 
+  TEST_CASE("cpu training: recompute_elementwise keeps the pre-activations only and trains") {
+    // The activation's output h is made again in the backward from the
+    // pre-activation(s) the forward GEMM stores; it is no longer kept. With
+    // and without padded_elementwise, blocked and scattered.
+    ExampleShape s = shape(150, 64, 128, 8, 2);
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (bool padded : {false, true}) {
+          INFO(name << " / " << p << (padded ? " / padded_elementwise" : ""));
+          Example ex = make_example(name, s);
+          Training train = training_of(ex);
+          TensorMap in = with_seed_gradients(ex.pipeline, train, ex.random_inputs(s, 17), 27);
+          Schedule sch = named(p, false);
+          sch.padded_elementwise(padded).recompute_elementwise(true);
+          CHECK(Schedule::from_text(sch.to_text()).recompute_elementwise());
+          cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+          const TrainingProgram &tp = compiled.training;
+          CHECK(std::find(tp.saved.begin(), tp.saved.end(), "h") == tp.saved.end());
+          CHECK(tp.program.find("h_re") != nullptr);
+          check_step(compiled, ex, train, in, s.tokens);
+        }
+  }
+
   TEST_CASE("cpu training: gradient() of an unknown name and backward() before forward() are user errors") {
     ExampleShape s = shape(32, 64, 128, 8, 2);
     Example ex = make_example("moe_mlp", s);

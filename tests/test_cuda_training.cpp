@@ -262,9 +262,11 @@ TEST_SUITE("gpu") {
         Schedule p = mode >= 3 ? bench::tuned_wide(std::string(name) == "swiglu_moe") : preset("scattermoe");
         p.padded_elementwise(padded);
         // Mode 4: tuned_wide's own mix (persistent only where it says), h's
-        // fused outputs stored by TMA from a block per tile, all at once.
+        // fused outputs stored by TMA from a block per tile, all at once, and
+        // h made again in the backward instead of kept (recompute_elementwise).
         if (mode < 4)
           p.persistent("*", true);
+        p.recompute_elementwise(mode == 4);
         if (mode >= 3)
           p.tma_store("h", true);
         if (mode == 2)

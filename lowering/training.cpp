@@ -34,19 +34,23 @@ std::vector<bool> forward_steps(const KernelProgram &p, const std::vector<std::s
   return needed;
 }
 
+// A read of tensor `name` at the indices of `a` (lowered steps use only the
+// name and indices of a read).
+Expr read_of(const std::string &name, const Access &a) {
+  auto f = std::make_shared<FuncNode>();
+  f->name = name;
+  f->dtype = a.dtype;
+  for (const Index &i : a.args)
+    f->args.push_back(i.var);
+  return Access::make(f, a.args);
+}
+
 // Renames reads of tensors in a step (the backward reading its own copies).
 struct RenameReads : IRMutator {
   const std::map<std::string, std::string> *to;
   Expr mutate_node(const Access &a, const Expr &self) override {
     auto it = to->find(a.target_name());
-    if (it == to->end())
-      return self;
-    auto f = std::make_shared<FuncNode>();
-    f->name = it->second;
-    f->dtype = a.dtype;
-    for (const Index &i : a.args)
-      f->args.push_back(i.var); // only the name and indices of a read are used
-    return Access::make(f, a.args);
+    return it == to->end() ? self : read_of(it->second, a);
   }
 };
 
@@ -152,14 +156,7 @@ struct AccumulatorsFromTensors : IRMutator {
   std::map<const FuncNode *, std::string> stored; // accumulator -> tensor
   Expr mutate_node(const Access &a, const Expr &self) override {
     auto it = a.func ? stored.find(a.func.get()) : stored.end();
-    if (it == stored.end())
-      return self;
-    auto f = std::make_shared<FuncNode>();
-    f->name = it->second;
-    f->dtype = a.dtype;
-    for (const Index &i : a.args)
-      f->args.push_back(i.var); // only the name and indices of a read are used
-    return Access::make(f, a.args);
+    return it == stored.end() ? self : read_of(it->second, a);
   }
 };
 

@@ -826,9 +826,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     outputs_bf16 &= prog.tensor(name).dtype == DType::bf16;
     zero_rows |= g.route && !g.expert_k && prog.tensor(name).zero_padding;
   }
+  // Shared memory: the stages, then (all but mma.sync) alignment slack,
+  // the stages' barriers and a persistent block's tile-id ring
+  // (WgmmaWsConfig::ring); a persistent TMA store's staging comes on top.
+  const int stage_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2;
+  const int ring_bytes = stage_bytes + (wgmma ? 1024 : 0) + (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0);
   // A block per tile stages every output at once in its idle ring.
-  const bool staging_fits = persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <=
-                                              t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2;
+  const bool staging_fits = persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <= stage_bytes;
   const bool out_tma = t.tma_store && (tma || (g.expert_k && persistent)) && !cluster && outputs_bf16 &&
                        (g.extra.empty() || !g.expert_k) && staging_fits &&
                        (!zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
@@ -838,7 +842,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // fits beside the stages, else in halves (TmaStoreTile's W), so that the
   // ring keeps its depth (3 stages instead of 4 slowed mixtral's weight
   // gradients by 8 %, more than the stores had cost).
-  const int ring_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + 1024 + 16 * t.stages + 48;
   const int staged_cols =
       persistent && out_tma && ring_bytes + t.tile_m * t.tile_n * 2 > Schedule::max_shared_bytes && t.tile_n >= 128
           ? t.tile_n / 2
@@ -1049,9 +1052,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     k.grid.tile_k = t.tile_k;
     k.zero_first = g.output;
   }
-  k.shared_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2 + (wgmma ? 1024 : 0) +
-                   (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0) + // + the tile-id ring (WgmmaWsConfig::ring)
-                   (persistent && out_tma ? t.tile_m * staged_cols * 2 : 0); // + the output tile's own staging
+  k.shared_bytes = ring_bytes + (persistent && out_tma ? t.tile_m * staged_cols * 2 : 0);
   if (in_place) {
     user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
   }

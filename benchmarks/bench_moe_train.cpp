@@ -58,7 +58,9 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   if (name == "tuned_wide_persist")
     schedule.persistent("*", true);
   if (name == "tuned_wide_lean")
-    schedule.recompute_elementwise(true);
+    schedule.recompute_elementwise(true).gate_gradient_from_dh(true);
+  if (name == "tuned_wide_gate")
+    schedule.gate_gradient_from_dh(true);
   schedule.recompute(recompute);
   std::string why;
   if (!cuda::gpu_available(&why)) {
@@ -118,7 +120,9 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
 // shapes with uniform routing; the widest schedule also with skewed routing
 // (a ramp on the router logits: the busiest expert gets about 3x the mean)
 // and on the extra shapes; tuned_wide_lean: tuned_wide keeping only the
-// pre-activations of the activation (recompute_elementwise).
+// pre-activations of the activation (recompute_elementwise) and no expert
+// outputs (gate_gradient_from_dh), uniform and skewed; tuned_wide_gate:
+// the latter alone.
 void register_all() {
   auto add = [](const Shape &s, const char *p, bool re, bool skewed) {
     std::string name =
@@ -133,7 +137,9 @@ void register_all() {
       for (bool re : {false, true})
         add(s, p, re, false);
     add(s, "tuned_wide", false, true);
+    add(s, "tuned_wide_gate", false, false);
     add(s, "tuned_wide_lean", false, false);
+    add(s, "tuned_wide_lean", false, true);
   }
   for (const Shape &s : bench::kExtraTrainShapes)
     for (bool skewed : {false, true})

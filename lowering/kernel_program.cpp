@@ -50,6 +50,15 @@ const TensorDecl *KernelProgram::find(const std::string &name) const {
   return const_cast<KernelProgram *>(this)->find(name);
 }
 
+Expr tensor_read(const std::string &name, DType dtype, std::vector<Index> args) {
+  auto f = std::make_shared<FuncNode>();
+  f->name = name;
+  f->dtype = dtype;
+  for (const Index &i : args)
+    f->args.push_back(i.var);
+  return Access::make(f, std::move(args));
+}
+
 std::string step_name(const Step &s) {
   return std::visit(
       [](const auto &x) -> std::string {

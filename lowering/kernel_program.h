@@ -181,6 +181,9 @@ struct KernelProgram {
 };
 
 std::ostream &operator<<(std::ostream &os, const KernelProgram &p);
+// A read of tensor `name` at `args`, as the lowered steps write one (steps
+// use only a read's name, dtype and indices).
+Expr tensor_read(const std::string &name, DType dtype, std::vector<Index> args);
 std::string step_name(const Step &s);
 // The tensors a step reads (each read once per mention) and the one it
 // writes (empty for a routing step, which writes its route's tables).

@@ -7,6 +7,7 @@
 
 #include "dsl/error.h"
 #include "dsl/visitor.h"
+#include "lowering/gate_gradient.h"
 #include "lowering/lower.h"
 #include "lowering/rename_indices.h"
 
@@ -34,16 +35,8 @@ std::vector<bool> forward_steps(const KernelProgram &p, const std::vector<std::s
   return needed;
 }
 
-// A read of tensor `name` at the indices of `a` (lowered steps use only the
-// name and indices of a read).
-Expr read_of(const std::string &name, const Access &a) {
-  auto f = std::make_shared<FuncNode>();
-  f->name = name;
-  f->dtype = a.dtype;
-  for (const Index &i : a.args)
-    f->args.push_back(i.var);
-  return Access::make(f, a.args);
-}
+// A read of tensor `name` at the indices of `a`.
+Expr read_of(const std::string &name, const Access &a) { return tensor_read(name, a.dtype, a.args); }
 
 // Renames reads of tensors in a step (the backward reading its own copies).
 struct RenameReads : IRMutator {
@@ -315,6 +308,7 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   t.gradients = algebra.gradients;
   t.of = algebra.of;
 
+  std::map<std::string, std::string> copies; // forward tensor -> the backward's copy (recompute)
   if (schedule.recompute()) {
     // Which forward tensors are cheap to make again: routed matrices from
     // element-wise steps, gathers, or GEMMs whose A is an input (or its gather).
@@ -338,7 +332,6 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     };
     // Clone, dependencies first, every cheap forward tensor the backward
     // reads and the cheap forward tensors those clones read in turn.
-    std::map<std::string, std::string> copies;
     std::vector<Step> clones;
     std::function<void(const std::string &)> clone = [&](const std::string &n) {
       if (copies.count(n) || !cheap(n))
@@ -379,6 +372,8 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   // Funcs), so that their element-wise consumers see one epilogue.
   const size_t merged = merge_sibling_gemms(p, 0, forward_count);
   t.forward_steps = fuse_elementwise_consumers(p, 0, merged, schedule);
+  if (schedule.gate_gradient_from_dh())
+    gate_gradient_from_dh(p, t.forward_steps, schedule, copies);
   if (schedule.recompute_elementwise() && !schedule.recompute())
     recompute_epilogue_values(p, t.forward_steps, t.outputs);
   merge_sibling_pointwise(p, t.forward_steps, p.steps.size(), schedule);

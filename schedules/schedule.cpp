@@ -125,6 +125,8 @@ Schedule &Schedule::padded_elementwise(bool on) { return flag(padded_elementwise
 
 Schedule &Schedule::recompute_elementwise(bool on) { return flag(recompute_elementwise_, "recompute_elementwise", on); }
 
+Schedule &Schedule::gate_gradient_from_dh(bool on) { return flag(gate_gradient_from_dh_, "gate_gradient_from_dh", on); }
+
 Schedule &Schedule::recompute(bool on) { return flag(recompute_, "recompute", on); }
 
 Schedule &Schedule::tile(const std::string &func, int m, int n, int k) {

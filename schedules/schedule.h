@@ -162,6 +162,13 @@ public:
   // already reads them: one T*k x f tensor less between the passes (all that
   // stays is the pre-activation), for one more write of it in the backward.
   Schedule &recompute_elementwise(bool on);
+  // Training: the gate's gradient <dy(t), o(r)> taken as <dy(t) W2^T, h(r)>
+  // (o = h W2 is linear in h), so the expert outputs o (T*k x d) are not
+  // kept for the backward. The dH GEMM then reads the upstream gradient
+  // unscaled (its rows gathered from dy) and stores dy W2^T; the gate's
+  // scale moves into the element-wise kernels that read it, and the gate
+  // gradient is a row sum over f of h times that product.
+  Schedule &gate_gradient_from_dh(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -196,6 +203,7 @@ public:
   bool reuse_memory() const { return reuse_memory_; }
   bool padded_elementwise() const { return padded_elementwise_; }
   bool recompute_elementwise() const { return recompute_elementwise_; }
+  bool gate_gradient_from_dh() const { return gate_gradient_from_dh_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -255,6 +263,7 @@ private:
   bool bf16_weight_gradients_ = false;
   bool padded_elementwise_ = false;
   bool recompute_elementwise_ = false;
+  bool gate_gradient_from_dh_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

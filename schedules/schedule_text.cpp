@@ -53,6 +53,7 @@ const std::vector<Signature> &signatures() {
       {"bf16_weight_gradients", {{"on", ArgType::boolean}}},
       {"padded_elementwise", {{"on", ArgType::boolean}}},
       {"recompute_elementwise", {{"on", ArgType::boolean}}},
+      {"gate_gradient_from_dh", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -68,6 +69,7 @@ FlagSetter flag_setter(const std::string &primitive) {
       {"bf16_weight_gradients", &Schedule::bf16_weight_gradients},
       {"padded_elementwise", &Schedule::padded_elementwise},
       {"recompute_elementwise", &Schedule::recompute_elementwise},
+      {"gate_gradient_from_dh", &Schedule::gate_gradient_from_dh},
   };
   for (const auto &[name, set] : flags)
     if (primitive == name)

@@ -517,6 +517,36 @@ TEST_SUITE("cpu") {
         }
   }
 
+  TEST_CASE("cpu training: gate_gradient_from_dh keeps no expert outputs and trains") {
+    // The gate's gradient <dy, o> taken as <dy W2^T, h> from the dH GEMM: o
+    // (T*k x d) is no longer kept, d_h is stored without the gate's scale.
+    // With every way of keeping h (stored, made again element-wise, whole
+    // recompute), blocked and scattered, T not a multiple of the block and
+    // T = 1; a shared expert beside the routed ones.
+    for (const char *name : {"moe_mlp", "swiglu_moe", "shared_expert_moe"})
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (int keep : {0, 1, 2})
+          for (int64_t tokens : {150, 1}) {
+            if (tokens == 1 && keep != 1)
+              continue;
+            INFO(name << " / " << p << " / keep " << keep << " / T = " << tokens);
+            ExampleShape s = shape(tokens, 64, 128, 8, 2);
+            Example ex = make_example(name, s);
+            Training train = training_of(ex);
+            TensorMap in = with_seed_gradients(ex.pipeline, train, ex.random_inputs(s, 19), 29);
+            Schedule sch = named(p, keep == 2);
+            sch.padded_elementwise(keep == 1).recompute_elementwise(keep == 1).gate_gradient_from_dh(true);
+            CHECK(Schedule::from_text(sch.to_text()).gate_gradient_from_dh());
+            cpu::CompiledCpuTraining compiled =
+                cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+            const TrainingProgram &tp = compiled.training;
+            CHECK(std::find(tp.saved.begin(), tp.saved.end(), "o") == tp.saved.end());
+            CHECK(tp.program.find("d_h_ungated") != nullptr);
+            CHECK(tp.program.find("d_h") == nullptr);
+            check_step(compiled, ex, train, in, s.tokens);
+          }
+  }
+
   TEST_CASE("cpu training: gradient() of an unknown name and backward() before forward() are user errors") {
     ExampleShape s = shape(32, 64, 128, 8, 2);
     Example ex = make_example("moe_mlp", s);

@@ -651,6 +651,32 @@ TEST_CASE("codegen: a GEMM's fused outputs leave by TMA too, zero-padded ones wi
   }
 }
 
+TEST_CASE("codegen: gate_gradient_from_dh: the dH GEMM gathers dy's rows and the gate gradient reads h, not o") {
+  // tuned_wide (scattered, padded_elementwise, persistent TMA-stored d_h)
+  // with the gate's gradient taken from the dH GEMM: its A is dy in bf16,
+  // rows gathered by token inside the GEMM, its output the ungated
+  // dy W2^T; the gate gradient is a warp's dot product of h and that per
+  // pair, and the forward's o is not kept. With h kept and made again.
+  Example ex = make_example("swiglu_moe", small());
+  for (bool lean : {false, true}) {
+    INFO((lean ? "recompute_elementwise" : "h kept"));
+    Schedule s = bench::tuned_wide(true);
+    s.gate_gradient_from_dh(true).recompute_elementwise(lean);
+    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
+    check_resources(c.layer, "tuned_wide with gate_gradient_from_dh");
+    const std::vector<std::string> &saved = c.training.saved;
+    CHECK(std::find(saved.begin(), saved.end(), "o") == saved.end());
+    CHECK(gemm(c.training.program, "d_h_ungated").a_rows == RowMap::gather_token);
+    std::string dh = kernel_source(c.layer, "gemm_d_h");
+    CHECK(dh.find("g_d_y_bf16") != std::string::npos);
+    std::string gate = kernel_source(c.layer, "pointwise_d_route_gate");
+    CHECK(gate.find(lean ? "g_h_re[" : "g_h[") != std::string::npos);
+    CHECK(gate.find("g_d_h_ungated[") != std::string::npos);
+    CHECK(gate.find("g_o[") == std::string::npos);
+    CHECK(kernel_named(c.layer, "pointwise_d_route_gate").grid.threads_per_element == 32);
+  }
+}
+
 TEST_CASE("codegen: the backward's GEMMs over transposed weights read them by TMA") {
   // dH = dO W2^T and dX = dH1 W1^T read W^T in place, stored [N, K] per
   // expert: boxes of 64 rows n x 64 k, K-major as wgmma takes B^T.

@@ -235,11 +235,13 @@ TEST_SUITE("gpu") {
     MOEFORGE_REQUIRE_GPU();
     for (const char *name : {"moe_mlp", "swiglu_moe"})
       for (ExampleShape s : {shape(300, 200, 328, 8, 2), shape(700, 136, 200, 128, 4)})
-        for (bool recompute : {false, true}) {
+        for (int memory : {0, 1, 2}) {
+          // 0: tuned_wide as timed; 1: recompute; 2: the lean mode (h made
+          // again element-wise, the gate's gradient from the dH GEMM).
           Example ex = make_example(name, s);
           Schedule w = bench::tuned_wide(std::string(name) == "swiglu_moe");
-          w.recompute(recompute);
-          INFO(name << " d " << s.d << " f " << s.f << " E " << s.experts << (recompute ? " / recompute" : ""));
+          w.recompute(memory == 1).recompute_elementwise(memory == 2).gate_gradient_from_dh(memory == 2);
+          INFO(name << " d " << s.d << " f " << s.f << " E " << s.experts << " memory " << memory);
           Outcome o = train_and_compare(ex, ex.random_inputs(s, 9), s.tokens, w);
           CHECK(o.routing_mismatches == 0);
         }
@@ -256,7 +258,7 @@ TEST_SUITE("gpu") {
     // 128 x 256 weight-gradient tiles beside 4 stages are staged in halves
     // (the second past N = 128 here: nothing to store).
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (int mode : {0, 1, 2, 3, 4}) {
+      for (int mode : {0, 1, 2, 3, 4, 5}) {
         const bool padded = mode > 0, stored = mode >= 2;
         Example ex = make_example(name, s);
         Schedule p = mode >= 3 ? bench::tuned_wide(std::string(name) == "swiglu_moe") : preset("scattermoe");
@@ -264,9 +266,11 @@ TEST_SUITE("gpu") {
         // Mode 4: tuned_wide's own mix (persistent only where it says), h's
         // fused outputs stored by TMA from a block per tile, all at once, and
         // h made again in the backward instead of kept (recompute_elementwise).
+        // Mode 5: that, and the gate's gradient from the dH GEMM, whose A is
+        // then dy's rows gathered by token (gate_gradient_from_dh): o not kept.
         if (mode < 4)
           p.persistent("*", true);
-        p.recompute_elementwise(mode == 4);
+        p.recompute_elementwise(mode >= 4).gate_gradient_from_dh(mode == 5);
         if (mode >= 3)
           p.tma_store("h", true);
         if (mode == 2)
@@ -274,6 +278,7 @@ TEST_SUITE("gpu") {
         INFO(name << (padded ? " / padded_elementwise" : "") << (stored ? " / tma_store" : "")
                   << (mode == 3   ? " (tuned_wide, persistent, halves)"
                       : mode == 4 ? " (tuned_wide)"
+                      : mode == 5 ? " (tuned_wide, gate_gradient_from_dh)"
                                   : ""));
         Outcome o = train_and_compare(ex, ex.random_inputs(s, 5), s.tokens, p);
         CHECK(o.routing_mismatches == 0);

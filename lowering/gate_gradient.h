@@ -9,8 +9,8 @@
 //     d_h(r, j) = sum(i, d_o(r, i) * W(expert(r), j, i))
 // o is linear in h, so d_s(r) = sum(j, h(r, j) * u(r, j)) with
 // u(r, j) = sum(i, dy(token(r), i) * W(expert(r), j, i)), and d_h = s(r) * u.
-// The dH GEMM then computes u from dy's rows (gathered by token inside the
-// GEMM where the schedule gathers there, else from a per-pair copy of them),
+// The dH GEMM then computes u from dy's rows (a per-pair copy of them, or
+// gathered by token inside the GEMM where the schedule gathers there),
 // every element-wise read of d_h becomes s(r) * u, and d_s sums h * u over
 // j: the backward no longer reads o, so the forward need not keep it
 // (T * k x d). Dividing d_h by s(r) instead would fail where a gate is 0.

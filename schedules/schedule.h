@@ -165,7 +165,8 @@ public:
   // Training: the gate's gradient <dy(t), o(r)> taken as <dy(t) W2^T, h(r)>
   // (o = h W2 is linear in h), so the expert outputs o (T*k x d) are not
   // kept for the backward. The dH GEMM then reads the upstream gradient
-  // unscaled (its rows gathered from dy) and stores dy W2^T; the gate's
+  // unscaled (dy's rows, copied per pair or gathered inside the GEMM) and
+  // stores dy W2^T; the gate's
   // scale moves into the element-wise kernels that read it, and the gate
   // gradient is a row sum over f of h times that product.
   Schedule &gate_gradient_from_dh(bool on);

@@ -651,24 +651,33 @@ TEST_CASE("codegen: a GEMM's fused outputs leave by TMA too, zero-padded ones wi
   }
 }
 
-TEST_CASE("codegen: gate_gradient_from_dh: the dH GEMM gathers dy's rows and the gate gradient reads h, not o") {
-  // tuned_wide (scattered, padded_elementwise, persistent TMA-stored d_h)
-  // with the gate's gradient taken from the dH GEMM: its A is dy in bf16,
-  // rows gathered by token inside the GEMM, its output the ungated
-  // dy W2^T; the gate gradient is a warp's dot product of h and that per
-  // pair, and the forward's o is not kept. With h kept and made again.
+TEST_CASE("codegen: gate_gradient_from_dh: the dH GEMM reads dy's rows and the gate gradient reads h, not o") {
+  // tuned_wide with the gate's gradient taken from the dH GEMM: its A is
+  // dy's rows unscaled, a per-pair copy in the padded order made by d_o's
+  // kernel (padded_elementwise: read by TMA), or without padded_elementwise
+  // dy in bf16 gathered by token inside the GEMM; its output is the ungated
+  // dy W2^T. The gate gradient is a warp's dot product of h (kept or made
+  // again) and that per pair; the forward's o is not kept.
   Example ex = make_example("swiglu_moe", small());
-  for (bool lean : {false, true}) {
-    INFO((lean ? "recompute_elementwise" : "h kept"));
+  for (int mode : {0, 1, 2}) {
+    const bool lean = mode == 1, padded = mode != 2;
+    INFO((lean ? "recompute_elementwise" : "h kept") << (padded ? "" : ", not padded_elementwise"));
     Schedule s = bench::tuned_wide(true);
-    s.gate_gradient_from_dh(true).recompute_elementwise(lean);
+    s.gate_gradient_from_dh(true).recompute_elementwise(lean).padded_elementwise(padded);
+    if (!padded)
+      s.persistent("*", false).tma_store("*", false);
     cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
     check_resources(c.layer, "tuned_wide with gate_gradient_from_dh");
     const std::vector<std::string> &saved = c.training.saved;
     CHECK(std::find(saved.begin(), saved.end(), "o") == saved.end());
-    CHECK(gemm(c.training.program, "d_h_ungated").a_rows == RowMap::gather_token);
-    std::string dh = kernel_source(c.layer, "gemm_d_h");
-    CHECK(dh.find("g_d_y_bf16") != std::string::npos);
+    const GemmStep &dh = gemm(c.training.program, "d_h_ungated");
+    CHECK(dh.a == (padded ? "d_y_rows" : "d_y_bf16"));
+    CHECK(dh.a_rows == (padded ? RowMap::direct : RowMap::gather_token));
+    if (padded) {
+      CHECK(c.training.program.tensor("d_y_rows").layout == RowLayout::padded);
+      std::string rows = kernel_source(c.layer, "pointwise_d_y_rows_d_o");
+      CHECK(count_of(rows, "mf::load8(g_d_y + ") == 1); // one read of dy for both
+    }
     std::string gate = kernel_source(c.layer, "pointwise_d_route_gate");
     CHECK(gate.find(lean ? "g_h_re[" : "g_h[") != std::string::npos);
     CHECK(gate.find("g_d_h_ungated[") != std::string::npos);

@@ -180,17 +180,22 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
               os << "    and " << e.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << e.value
                  << "\n";
           } else {
-            auto defines = [&](const std::string &out, const Expr &value) {
+            auto defines = [&](const std::string &out, const Expr &value, bool row_sum) {
+              const size_t n = x.vars.size() - (row_sum ? 1 : 0);
               os << out << "(";
-              for (size_t i = 0; i < x.vars.size(); ++i)
+              for (size_t i = 0; i < n; ++i)
                 os << (i ? ", " : "") << x.vars[i].name();
-              os << ") = " << value << "\n";
+              os << ") = ";
+              if (row_sum)
+                os << "sum(" << x.vars.back().name() << ", " << value << ")\n";
+              else
+                os << value << "\n";
             };
             os << "  pointwise " << x.name << ": ";
-            defines(x.output, x.body);
+            defines(x.output, x.body, false);
             for (const ExtraOutput &e : x.extra) {
               os << "    and ";
-              defines(e.output, e.value);
+              defines(e.output, e.value, e.row_sum);
             }
           }
         },

@@ -64,10 +64,14 @@ struct TensorDecl {
   bool zero_padding = false;
 };
 
-// A further tensor a step writes at the same indices as its primary output.
+// A further tensor a step writes at the same indices as its primary output;
+// or, row_sum (element-wise steps only), at all but the last of them: the
+// sum of `value` over the last index, a per-row reduction made from values
+// the step has in registers anyway (merge_sibling_pointwise).
 struct ExtraOutput {
   std::string output;
   Expr value;
+  bool row_sum = false;
 };
 
 // C[rows, n] = epilogue(sum_k A[rows, k] * B_i[expert?, k, n] for each i).

@@ -701,9 +701,12 @@ size_t merge_sibling_gemms(KernelProgram &p, size_t begin, size_t end) {
 
 size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule) {
   auto producer = [&](const std::string &name) { return step_writing(p, name); };
+  auto plain = [&](const Expr &e) {
+    return !contains_kind(e, ExprKind::Sum) && !contains_kind(e, ExprKind::Softmax) &&
+           !contains_kind(e, ExprKind::RouteSum);
+  };
   auto elementwise = [&](const PointwiseStep &s) {
-    return !contains_kind(s.body, ExprKind::Sum) && !contains_kind(s.body, ExprKind::Softmax) &&
-           !contains_kind(s.body, ExprKind::RouteSum) && s.extra.empty() && schedule.for_func(s.output).fuse_epilogue;
+    return plain(s.body) && s.extra.empty() && schedule.for_func(s.output).fuse_epilogue;
   };
   // Same index Dims, and outputs stored alike (one grid walks both).
   auto siblings = [&](const PointwiseStep &x, const PointwiseStep &y) {
@@ -715,26 +718,111 @@ size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const
     const TensorDecl &a = p.tensor(x.output), &b = p.tensor(y.output);
     return a.layout == b.layout && a.route == b.route && a.stride8 == b.stride8 && a.zero_padding == b.zero_padding;
   };
+  // y(i...) = sum(j, e(i..., j)) over x's index Dims, j over x's last: y
+  // rides along x as a row sum (e element-wise).
+  auto row_sum_of = [&](const PointwiseStep &x, const PointwiseStep &y) -> const Sum * {
+    const Sum *sum = y.body.as<Sum>();
+    if (!sum || !y.extra.empty() || y.vars.size() + 1 != x.vars.size() || !plain(sum->body) ||
+        !sum->var.dim().same_as(x.vars.back().dim()) || !schedule.for_func(y.output).fuse_epilogue)
+      return nullptr;
+    for (size_t i = 0; i < y.vars.size(); ++i)
+      if (!y.vars[i].dim().same_as(x.vars[i].dim()))
+        return nullptr;
+    return sum;
+  };
+  // y's summand over x's indices: the row sum's value.
+  auto summand = [&](const PointwiseStep &x, const PointwiseStep &y, const Sum &sum) {
+    RenameIndices vars;
+    for (size_t v = 0; v < y.vars.size(); ++v)
+      vars.to[y.vars[v].get()] = x.vars[v];
+    vars.to[sum.var.get()] = x.vars.back();
+    return vars.mutate(sum.body);
+  };
+  // Everything step j reads is ready at step i: made before it, or (`inline`
+  // set) one of step i's own element-wise outputs, read at its indices,
+  // whose value then replaces the read.
+  auto ready_at = [&](size_t i, size_t j, std::map<std::string, Expr> *inline_values) {
+    std::vector<std::string> written = step_outputs(p.steps[i]);
+    for (const std::string &r : step_reads(p.steps[j]))
+      if (std::find(written.begin(), written.end(), r) != written.end() ? !inline_values || !inline_values->count(r)
+                                                                        : producer(r) >= static_cast<long>(i))
+        return false;
+    return true;
+  };
   for (size_t i = begin; i < end; ++i) {
     auto *g = std::get_if<PointwiseStep>(&p.steps[i]);
-    if (!g || !elementwise(*g))
+    if (!g)
       continue;
+    // A row sum before its element-wise sibling (the gate gradient before
+    // the activation's backward): the sibling moves up to it and takes the
+    // sum along.
+    if (!elementwise(*g)) {
+      bool moved = false;
+      for (size_t j = i + 1; j < end && !moved; ++j) {
+        auto *h = std::get_if<PointwiseStep>(&p.steps[j]);
+        const Sum *sum = h && elementwise(*h) ? row_sum_of(*h, *g) : nullptr;
+        if (!sum || !ready_at(i, j, nullptr))
+          continue;
+        PointwiseStep merged = *h;
+        merged.extra.push_back({g->output, summand(*h, *g, *sum), /*row_sum=*/true});
+        merged.name += "_" + g->output;
+        p.steps[i] = std::move(merged);
+        p.steps.erase(p.steps.begin() + static_cast<long>(j));
+        --end;
+        moved = true;
+      }
+      if (!moved)
+        continue;
+      g = &std::get<PointwiseStep>(p.steps[i]);
+    } else if (!g->extra.empty()) {
+      continue;
+    }
     for (size_t j = i + 1; j < end; ++j) {
       auto *h = std::get_if<PointwiseStep>(&p.steps[j]);
-      if (!h || !elementwise(*h) || !siblings(*g, *h))
+      if (!h)
         continue;
-      // h moves up to step i: everything it reads must be ready there, and
-      // nothing it reads may be g's (a value is never read where it is made).
-      std::vector<std::string> written = step_outputs(p.steps[i]);
-      bool ready = true;
-      for (const std::string &r : step_reads(p.steps[j]))
-        ready &= producer(r) < static_cast<long>(i) && std::find(written.begin(), written.end(), r) == written.end();
-      if (!ready)
+      if (elementwise(*h) && siblings(*g, *h)) {
+        // h moves up to step i: everything it reads must be ready there, and
+        // nothing it reads may be g's (a value is never read where it is made).
+        if (!ready_at(i, j, nullptr))
+          continue;
+        RenameIndices vars;
+        for (size_t v = 0; v < g->vars.size(); ++v)
+          vars.to[h->vars[v].get()] = g->vars[v];
+        g->extra.push_back({h->output, vars.mutate(h->body)});
+      } else if (const Sum *sum = row_sum_of(*g, *h)) {
+        // A row sum of values g makes (the gate gradient over the h that
+        // recompute_elementwise makes again) reads them as g computes them.
+        std::map<std::string, Expr> values{{g->output, g->body}};
+        for (const ExtraOutput &e : g->extra)
+          if (!e.row_sum)
+            values[e.output] = e.value;
+        if (!ready_at(i, j, &values))
+          continue;
+        struct Inline : IRMutator {
+          const std::map<std::string, Expr> *values;
+          const std::vector<Var> *at;
+          int failed = 0;
+          Expr mutate_node(const Access &a, const Expr &self) override {
+            auto it = values->find(a.target_name());
+            if (it == values->end())
+              return self;
+            bool same = a.args.size() == at->size();
+            for (size_t v = 0; same && v < a.args.size(); ++v)
+              same = a.args[v].is_plain() && a.args[v].var.same_as((*at)[v]);
+            failed += same ? 0 : 1;
+            return same ? it->second : self;
+          }
+        } in;
+        in.values = &values;
+        in.at = &g->vars;
+        Expr value = in.mutate(summand(*g, *h, *sum));
+        if (in.failed)
+          continue;
+        g->extra.push_back({h->output, value, /*row_sum=*/true});
+      } else {
         continue;
-      RenameIndices vars;
-      for (size_t v = 0; v < g->vars.size(); ++v)
-        vars.to[h->vars[v].get()] = g->vars[v];
-      g->extra.push_back({h->output, vars.mutate(h->body)});
+      }
       g->name += "_" + h->output;
       p.steps.erase(p.steps.begin() + static_cast<long>(j));
       --j;

@@ -473,6 +473,18 @@ const GeneratedKernel &kernel_named(const cuda::CompiledLayer &c, const std::str
   throw 0;
 }
 
+// The name of the kernel that writes tensor `out` (merged steps are named
+// after all their outputs).
+std::string kernel_writing(const cuda::CompiledTraining &c, const std::string &out) {
+  for (const Step &s : c.training.program.steps) {
+    std::vector<std::string> outs = step_outputs(s);
+    if (std::find(outs.begin(), outs.end(), out) != outs.end())
+      return step_name(s);
+  }
+  FAIL("no step writes " << out);
+  throw 0;
+}
+
 } // namespace
 
 TEST_CASE("codegen: a k = 1 combine in the GEMM epilogue compiles for sm_90a without spills") {
@@ -519,7 +531,7 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
     cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
     INFO((bf16 ? "bf16" : "f32") << " activations");
     check_resources(c.layer, "swiglu_moe training, tuned_wide");
-    for (const char *name : {"pointwise_d_o", "pointwise_d_x_s_a_d_x_s_a2", "pointwise_d_x", "pointwise_y"}) {
+    for (const char *name : {"pointwise_d_x_s_a_d_x_s_a2", "pointwise_d_x", "pointwise_y"}) {
       INFO(name);
       const GeneratedKernel &k = kernel_named(c.layer, name);
       CHECK(k.grid.elements_per_thread == 8);
@@ -529,11 +541,20 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
       CHECK(src.find("mf::load8(") != std::string::npos);
     }
     // d_o = gate(r) * d_y(token(r), i): the renormalised gate made again
-    // from two scalar reads (it is not kept), d_y one eight-wide load.
-    std::string d_o = kernel_source(c.layer, "pointwise_d_o");
+    // from two scalar reads (it is not kept), d_y one eight-wide load. The
+    // gate's gradient sum(i, d_y(token(r), i) * o(r, i)) rides along as a
+    // row sum: a warp per pair, eight columns per lane, d_y loaded once for
+    // both, the lanes' sums added by shuffles and stored by lane 0.
+    std::string d_o = kernel_source(c.layer, "pointwise_d_o_d_route_gate");
     CHECK(d_o.find("g_route_gate_sum[") != std::string::npos);
     CHECK(d_o.find("g_route_gate[") == std::string::npos);
-    CHECK(d_o.find("mf::load8(g_d_y + ") != std::string::npos);
+    CHECK(count_of(d_o, "mf::load8(g_d_y + ") == 1);
+    CHECK(count_of(d_o, "mf::load8(g_o + ") == 1);
+    CHECK(d_o.find("__shfl_xor_sync(") != std::string::npos);
+    CHECK(d_o.find("if (lane == 0)") != std::string::npos);
+    const GeneratedKernel &rows = kernel_named(c.layer, "pointwise_d_o_d_route_gate");
+    CHECK(rows.grid.kind == GridShape::Kind::padded_rows);
+    CHECK(rows.grid.chunks_per_row == 32);
     // SwiGLU's two derivatives in one kernel (merge_sibling_pointwise): d_h
     // and the pre-activation are loaded once for both, and both are stored
     // (padding rows' zeros, then the values).
@@ -542,9 +563,6 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
     CHECK(count_of(dh, "mf::load8(g_h_silu_in + ") == 1);
     CHECK(count_of(dh, "mf::store8(g_d_x_s_a + ") == 2);
     CHECK(count_of(dh, "mf::store8(g_d_x_s_a2 + ") == 2);
-    const GeneratedKernel &gate = kernel_named(c.layer, "pointwise_d_route_gate");
-    CHECK(gate.grid.threads_per_element == 32);
-    CHECK(gate.grid.elements_per_thread == 1);
   }
 }
 
@@ -574,7 +592,7 @@ TEST_CASE("codegen: padded_elementwise: zero-padded element-wise results, read b
     // dW1 and dW3 read x through one padded copy (zero padding).
     CHECK(p.tensor("x_rows_route").zero_padding);
     CHECK(source("gather_x_rows_route").find("make_uint4(0, 0, 0, 0);  // padding") != std::string::npos);
-    CHECK(source("pointwise_d_o").find("a padding row: zeros") != std::string::npos);
+    CHECK(source("pointwise_d_o_d_route_gate").find("a padding row: zeros") != std::string::npos);
     CHECK(source("gemm_h_silu_in_h_rhs").find("padding rows: zeros") != std::string::npos);
     for (const Step &st : p.steps)
       if (auto *g = std::get_if<GemmStep>(&st); g && (g->output == "d_h" || g->output == "d_x_s"))
@@ -657,7 +675,8 @@ TEST_CASE("codegen: gate_gradient_from_dh: the dH GEMM reads dy's rows and the g
   // kernel (padded_elementwise: read by TMA), or without padded_elementwise
   // dy in bf16 gathered by token inside the GEMM; its output is the ungated
   // dy W2^T. The gate gradient is a warp's dot product of h (kept or made
-  // again) and that per pair; the forward's o is not kept.
+  // again) and that per pair, beside the activation's backward; the
+  // forward's o is not kept.
   Example ex = make_example("swiglu_moe", small());
   for (int mode : {0, 1, 2}) {
     const bool lean = mode == 1, padded = mode != 2;
@@ -678,11 +697,16 @@ TEST_CASE("codegen: gate_gradient_from_dh: the dH GEMM reads dy's rows and the g
       std::string rows = kernel_source(c.layer, "pointwise_d_y_rows_d_o");
       CHECK(count_of(rows, "mf::load8(g_d_y + ") == 1); // one read of dy for both
     }
-    std::string gate = kernel_source(c.layer, "pointwise_d_route_gate");
-    CHECK(gate.find(lean ? "g_h_re[" : "g_h[") != std::string::npos);
-    CHECK(gate.find("g_d_h_ungated[") != std::string::npos);
-    CHECK(gate.find("g_o[") == std::string::npos);
-    CHECK(kernel_named(c.layer, "pointwise_d_route_gate").grid.threads_per_element == 32);
+    // The gate gradient rides along the activation's backward, which reads
+    // d_h_ungated and the pre-activations anyway: h is the value made there
+    // (kept, h is read; made again, nothing more is read).
+    const std::string merged = kernel_writing(c, "d_route_gate");
+    CHECK(merged == kernel_writing(c, "d_x_s_a"));
+    std::string gate = kernel_source(c.layer, merged);
+    CHECK(count_of(gate, "mf::load8(g_d_h_ungated + ") == 1);
+    CHECK(count_of(gate, "mf::load8(g_h + ") == (lean ? 0 : 1));
+    CHECK(gate.find("g_o + ") == std::string::npos);
+    CHECK(kernel_named(c.layer, merged).grid.threads_per_element == 32); // a warp per row
   }
 }
 
@@ -730,8 +754,9 @@ TEST_CASE("codegen: a few long reductions run a block per element") {
   CHECK(src.find("mf::block_sum(") != std::string::npos);
   CHECK(src.find("+= blockDim.x") != std::string::npos);
   CHECK(src.find("if (threadIdx.x == 0) ") != std::string::npos);
-  // Per-pair dot products are many: a warp each, as before.
-  CHECK(kernel_named(c.layer, "pointwise_d_route_gate").grid.threads_per_element == 32);
+  // Per-pair dot products are many: a warp each (beside d_o, whose kernel
+  // reads the same rows of d_y).
+  CHECK(kernel_named(c.layer, kernel_writing(c, "d_route_gate")).grid.threads_per_element == 32);
 }
 
 TEST_CASE("codegen: the router's weight gradient (K = the tokens) splits K over the grid's y") {

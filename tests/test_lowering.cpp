@@ -206,8 +206,43 @@ TEST_CASE("lowering: the backward's sibling element-wise steps run as one, unles
     text << pw->extra[0].value;
     CHECK(text.str() == "silu(h_silu_in(r, " + pw->vars[1].name() + ")) * d_h(r, " + pw->vars[1].name() + ")");
     for (size_t i = t.forward_steps; i < t.program.steps.size(); ++i)
-      if (auto *q = std::get_if<PointwiseStep>(&t.program.steps[i]); q && !q->extra.empty())
-        CHECK(q == pw); // nothing else merged: the rest reduce or read each other
+      if (auto *q = std::get_if<PointwiseStep>(&t.program.steps[i]); q && !q->extra.empty() && q != pw)
+        CHECK(q->output == "d_o"); // with its row sum (below); the rest reduce or read each other
+  }
+}
+
+TEST_CASE("lowering: a per-row sum rides along the element-wise step over its rows") {
+  // The gate's gradient d_route_gate(r) = sum(i, d_y(token(r), i) * o(r, i))
+  // sums over d_o(r, i)'s last index and reads what is ready there: one
+  // step, the sum a row_sum extra over d_o's own index variables. Kept
+  // apart by fuse_epilogue(d_route_gate, false).
+  ExampleShape s;
+  s.tokens = 32;
+  Example ex = make_example("swiglu_moe", s);
+  for (bool apart : {false, true}) {
+    INFO((apart ? "fuse_epilogue(d_route_gate, false)" : "scattermoe"));
+    Schedule sch = preset("scattermoe");
+    if (apart)
+      sch.fuse_epilogue("d_route_gate", false);
+    TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+    const PointwiseStep *d_o = pointwise_writing(t.program, "d_o");
+    REQUIRE(d_o);
+    if (apart) {
+      CHECK(d_o->extra.empty());
+      CHECK(pointwise_writing(t.program, "d_route_gate"));
+      continue;
+    }
+    REQUIRE(d_o->extra.size() == 1);
+    CHECK(d_o->extra[0].output == "d_route_gate");
+    CHECK(d_o->extra[0].row_sum);
+    const std::string i = d_o->vars[1].name();
+    std::ostringstream text;
+    text << d_o->extra[0].value;
+    CHECK(text.str() == "d_y(token(r), " + i + ") * o(r, " + i + ")");
+    std::ostringstream printed;
+    printed << t.program;
+    CHECK(printed.str().find("and d_route_gate(r) = sum(" + i + ", d_y(token(r), " + i + ") * o(r, " + i + "))") !=
+          std::string::npos);
   }
 }
 

@@ -565,6 +565,9 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, FunctionB
     fb.store(t, fb.offset(t, idx), value);
   };
   auto store = [&](Value *value) { store_to(out, value); };
+  // Row sums (ExtraOutput::row_sum) add up in a register each over the last
+  // index's loop and are stored after it, at the other indices.
+  std::vector<Value *> sums(s.extra.size(), nullptr);
   auto inner = [&] {
     if (!softmax) {
       // Every value first, then the stores (merged siblings read no output
@@ -573,8 +576,12 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, FunctionB
       for (const ExtraOutput &e : s.extra)
         values.push_back(em.emit(e.value));
       store(values[0]);
-      for (size_t o = 0; o < s.extra.size(); ++o)
-        store_to(prog.tensor(s.extra[o].output), values[o + 1]);
+      for (size_t o = 0; o < s.extra.size(); ++o) {
+        if (s.extra[o].row_sum)
+          b.CreateStore(b.CreateFAdd(b.CreateLoad(fb.f32(), sums[o]), values[o + 1]), sums[o]);
+        else
+          store_to(prog.tensor(s.extra[o].output), values[o + 1]);
+      }
       return;
     }
     // softmax along v: the row's max, the sum of exponentials, then the
@@ -607,10 +614,24 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, FunctionB
       inner();
       return;
     }
+    const bool last = i + 1 == loop_vars.size();
+    for (size_t o = 0; last && o < s.extra.size(); ++o)
+      if (s.extra[o].row_sum) {
+        sums[o] = fb.alloca_f32(1, s.extra[o].output + "_sum");
+        b.CreateStore(fb.cf(0.0), sums[o]);
+      }
     fb.for_loop(fb.c64(0), fb.extent(loop_vars[i].dim()), loop_vars[i].name(), [&](Value *v) {
       em.vars[loop_vars[i].get()] = v;
       nest(i + 1);
     });
+    for (size_t o = 0; last && o < s.extra.size(); ++o)
+      if (s.extra[o].row_sum) {
+        const TensorDecl &t = prog.tensor(s.extra[o].output);
+        std::vector<Value *> idx;
+        for (size_t v = 0; v + 1 < s.vars.size(); ++v)
+          idx.push_back(em.vars.at(s.vars[v].get()));
+        fb.store(t, fb.offset(t, idx), b.CreateLoad(fb.f32(), sums[o]));
+      }
   };
   nest(0);
 }

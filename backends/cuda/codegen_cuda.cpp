@@ -1137,7 +1137,162 @@ void emit_softmax_row(ExprEmitter &em, KernelBuilder &kb, const Softmax &sm,
   loop([&](const std::string &x) { store("expf(" + x + " - row_max) / row_sum"); });
 }
 
+// An element-wise step with per-row sums riding along (ExtraOutput::row_sum:
+// the gate gradient sum(j, h * dH) beside the activation's backward): a warp
+// per row of the leading indices walks the last index, eight elements per
+// lane where its extent allows, storing the element-wise outputs as it goes
+// and adding each row sum in a register; the warp then adds its lanes'
+// sums by shuffles and lane 0 stores them. No atomics, and no pass of its
+// own over the matrices the sums read. A [pairs, n] result in the padded
+// order walks row slots as emit_pointwise does (pair q at slot q, padding
+// rows zeroed).
+void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, std::ostringstream &src,
+                             GeneratedKernel &k) {
+  k.name = c_name(s.name);
+  k.step = s.name;
+  k.threads = 256;
+  KernelBuilder kb(prog, k);
+  struct Written {
+    const TensorDecl *t;
+    std::string ptr;
+    Expr value;
+    bool row_sum;
+  };
+  std::vector<Written> outs{{&prog.tensor(s.output), kb.tensor(s.output, /*writes=*/true), s.body, false}};
+  for (const ExtraOutput &e : s.extra)
+    outs.push_back({&prog.tensor(e.output), kb.tensor(e.output, /*writes=*/true), e.value, e.row_sum});
+  const TensorDecl &out = *outs[0].t;
+  internal_check(s.vars.size() >= 2 && !s.body.as<Softmax>() && !has_long_reduction(s.body))
+      << s.name << ": row sums ride along element-wise values over two or more indices";
+  const Var &col = s.vars.back();
+  user_check(!col.dim().is_dynamic()) << "step " << s.name << ": a row sum over " << col.name()
+                                      << " needs a static row length on the CUDA backend";
+  const long long n = col.dim().extent();
+  const bool vectorize = n % 8 == 0 && std::all_of(outs.begin(), outs.end(), [](const Written &w) {
+                           return w.row_sum || (w.t->dtype != DType::f16 && !w.t->stride8);
+                         });
+  const int width = vectorize ? 8 : 1;
+  const bool padded_rows =
+      out.layout == RowLayout::padded && s.vars.size() == 2 && out.route && s.vars[0].same_as(out.route->pair);
+
+  std::ostringstream body;
+  ExprEmitter em(prog, kb, body, 4);
+  std::string rows = "1LL";
+  for (size_t i = 0; i + 1 < s.vars.size(); ++i)
+    rows = "(" + rows + " * " + (padded_rows ? max_padded_rows(prog, kb, out.route) : kb.extent(s.vars[i].dim())) + ")";
+  body << "  long long idx = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // a warp per row\n";
+  body << "  const int lane = threadIdx.x & 31;\n";
+  body << "  if (idx >= " << rows << ") return;  // whole warps: shuffles see every lane\n";
+  const std::string step = std::to_string(32 * width);
+  const std::string cv = "v_" + c_name(col.name()) + (vectorize ? "0" : "");
+  const std::string walk = "  for (long long " + cv + " = (long long)lane * " + std::to_string(width) + "; " + cv +
+                           " < " + std::to_string(n) + "; " + cv + " += " + step + ") {\n";
+  if (padded_rows) {
+    const std::string r = "v_" + c_name(s.vars[0].name());
+    body << "  const long long p_row = idx;  // this warp's row slot\n";
+    body << "  if (" << kb.route(out.route, "sorted_pair") << "[p_row] < 0) {  // a padding row: zeros\n";
+    body << "  " << walk;
+    if (vectorize)
+      body << "      const float zeros[8] = {};\n";
+    for (const Written &w : outs) {
+      if (w.row_sum)
+        continue;
+      const std::string at = "(p_row * " + std::to_string(n) + " + " + cv + ")";
+      if (vectorize)
+        body << "      mf::store8(" << w.ptr << " + " << at << ", zeros);\n";
+      else
+        body << "      " << w.ptr << "[" << at << "] = mf::from_f32<" << c_type(w.t->dtype) << ">(0.f);\n";
+    }
+    body << "    }\n  }\n";
+    body << "  if (p_row >= " << kb.extent(out.route->pairs) << ") return;  // past the pairs: zeroing only\n";
+    body << "  const long long " << r << " = p_row;  // pair order\n";
+    em.vars[s.vars[0].get()] = r;
+  } else {
+    for (size_t i = s.vars.size() - 1; i-- > 0;) {
+      const std::string c = "v_" + c_name(s.vars[i].name());
+      body << "  const long long " << c << " = idx % " << kb.extent(s.vars[i].dim()) << ";\n";
+      body << "  idx /= " << kb.extent(s.vars[i].dim()) << ";\n";
+      em.vars[s.vars[i].get()] = c;
+    }
+  }
+  std::vector<std::string> row_idx, out_idx;
+  for (size_t i = 0; i + 1 < s.vars.size(); ++i)
+    row_idx.push_back(em.vars.at(s.vars[i].get()));
+  out_idx = row_idx;
+  out_idx.push_back(cv);
+  for (size_t o = 0; o < outs.size(); ++o)
+    if (outs[o].row_sum)
+      body << "  float sum" << o << " = 0.f;\n";
+  body << walk;
+  if (vectorize) {
+    em.vec_var = col.get();
+    em.vec_base = cv;
+    em.vars[col.get()] = "(" + cv + " + u)";
+  } else {
+    em.vars[col.get()] = cv;
+  }
+  // Every value before any store, as emit_pointwise does.
+  for (size_t o = 0; o < outs.size(); ++o) {
+    const std::string value = em.emit(outs[o].value);
+    if (vectorize) {
+      body << "    float out" << o << "[8];\n#pragma unroll\n    for (int u = 0; u < 8; ++u)\n      out" << o
+           << "[u] = " << value << ";\n";
+      if (outs[o].row_sum)
+        body << "#pragma unroll\n    for (int u = 0; u < 8; ++u)\n      sum" << o << " += out" << o << "[u];\n";
+    } else {
+      body << "    const float out" << o << " = " << value << ";\n";
+      if (outs[o].row_sum)
+        body << "    sum" << o << " += out" << o << ";\n";
+    }
+  }
+  for (size_t o = 0; o < outs.size(); ++o) {
+    if (outs[o].row_sum)
+      continue;
+    if (vectorize)
+      body << "    mf::store8(" << outs[o].ptr << " + " << em.offset(*outs[o].t, out_idx) << ", out" << o << ");\n";
+    else
+      body << "    " << outs[o].ptr << "[" << em.offset(*outs[o].t, out_idx) << "] = mf::from_f32<"
+           << c_type(outs[o].t->dtype) << ">(out" << o << ");\n";
+  }
+  body << "  }\n";
+  for (size_t o = 0; o < outs.size(); ++o) {
+    if (!outs[o].row_sum)
+      continue;
+    body << "#pragma unroll\n  for (int off = 16; off > 0; off >>= 1)\n    sum" << o
+         << " += __shfl_xor_sync(0xffffffffu, sum" << o << ", off);\n";
+    body << "  if (lane == 0)\n    " << outs[o].ptr << "[" << em.offset(*outs[o].t, row_idx) << "] = mf::from_f32<"
+         << c_type(outs[o].t->dtype) << ">(sum" << o << ");\n";
+  }
+
+  k.grid.threads_per_element = 32;
+  k.grid.elements_per_thread = 1;
+  if (padded_rows) {
+    k.grid.kind = GridShape::Kind::padded_rows;
+    k.grid.route = out.route;
+    k.grid.chunks_per_row = 32; // a warp per row slot
+  } else {
+    k.grid.kind = GridShape::Kind::elements;
+    for (size_t i = 0; i + 1 < s.vars.size(); ++i)
+      k.grid.count.push_back(s.vars[i].dim());
+  }
+  for (size_t o = 0; o < outs.size(); ++o) {
+    src << (o ? "//   and " : "// " + s.name + ": ") << outs[o].t->name << "(";
+    for (size_t i = 0; i + (outs[o].row_sum ? 1 : 0) < s.vars.size(); ++i)
+      src << (i ? ", " : "") << s.vars[i].name();
+    src << ") = " << (outs[o].row_sum ? "sum(" + col.name() + ", " : "") << outs[o].value
+        << (outs[o].row_sum ? ")" : "") << "\n";
+  }
+  // At most one block of 256 per SM as far as the bounds say: with the plain
+  // bound ptxas held the SwiGLU backward with its row sum to 64 registers
+  // and spilled; it needs about 70.
+  src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ", 1) " << k.name << "(\n    "
+      << kb.signature() << ") {\n"
+      << body.str() << "}\n\n";
+}
+
 void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostringstream &src, GeneratedKernel &k) {
+  if (std::any_of(s.extra.begin(), s.extra.end(), [](const ExtraOutput &e) { return e.row_sum; }))
+    return emit_pointwise_row_sums(prog, s, src, k);
   k.name = c_name(s.name);
   k.step = s.name;
   k.threads = 256;

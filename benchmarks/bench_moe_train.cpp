@@ -121,7 +121,8 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
 // (a ramp on the router logits: the busiest expert gets about 3x the mean)
 // and on the extra shapes; tuned_wide_lean: tuned_wide keeping only the
 // pre-activations of the activation (recompute_elementwise) and no expert
-// outputs (gate_gradient_from_dh), uniform and skewed; tuned_wide_gate:
+// outputs (gate_gradient_from_dh), uniform and skewed, on every shape;
+// tuned_wide_gate:
 // the latter alone.
 void register_all() {
   auto add = [](const Shape &s, const char *p, bool re, bool skewed) {
@@ -146,6 +147,9 @@ void register_all() {
       for (bool re : {false, true})
         if (!(skewed && re))
           add(s, "tuned_wide", re, skewed);
+  for (const Shape &s : bench::kExtraTrainShapes)
+    for (bool skewed : {false, true})
+      add(s, "tuned_wide_lean", false, skewed);
 }
 
 } // namespace

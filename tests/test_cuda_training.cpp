@@ -31,12 +31,17 @@ using testing::shape;
 
 // A preset by name, or "scattermoe+padded": scattermoe with
 // padded_elementwise, whose expert reductions read operands by TMA.
+// A preset by name, with "+padded" (padded_elementwise) and "+lean" (the
+// lean memory mode: recompute_elementwise and gate_gradient_from_dh, which
+// keep the pre-activations, the layer input and the routing tables only).
 Schedule training_preset(const std::string &name, bool recompute) {
-  const bool padded = name == "scattermoe+padded";
-  Schedule s = preset(padded ? "scattermoe" : name);
+  const bool padded = name.find("+padded") != std::string::npos, lean = name.find("+lean") != std::string::npos;
+  Schedule s = preset(name.substr(0, name.find('+')));
   s.recompute(recompute);
   if (padded)
     s.padded_elementwise(true);
+  if (lean)
+    s.recompute_elementwise(true).gate_gradient_from_dh(true);
   return s;
 }
 
@@ -114,15 +119,17 @@ Outcome train_aux_and_compare(const AuxLossLayer &a, TensorMap inputs, int64_t t
 TEST_CASE("cuda training: every preset x example x memory choice compiles for sm_90a without spills") {
   ExampleShape s = shape(64, 64, 128, 8, 2);
   for (const char *name : {"moe_mlp", "swiglu_moe"})
-    for (const char *p : {"megablocks", "scattermoe"})
+    for (const char *p : {"megablocks", "scattermoe", "megablocks+lean", "scattermoe+padded+lean"})
       for (bool recompute : {false, true}) {
         Example ex = make_example(name, s);
         cuda::CompiledTraining c =
             cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), training_preset(p, recompute));
         check_resources(c.layer, std::string(name) + " / " + p + (recompute ? " / recompute" : ""));
-        // The backward has the expert reductions, reading A (M-major) and B in place.
+        // The backward has the expert reductions, reading A (M-major) and B in
+        // place (rows by cp.async; by TMA in the padded order).
         CHECK(c.layer.source.source.find("k_begin") != std::string::npos);
-        CHECK(c.layer.source.source.find("A and B by rows") != std::string::npos);
+        if (std::string(p).find("+padded") == std::string::npos)
+          CHECK(c.layer.source.source.find("A and B by rows") != std::string::npos);
         CHECK(c.layer.source.source.find("over the padded rows of route") == std::string::npos);
         CHECK(c.training.forward_steps < c.training.program.steps.size());
       }
@@ -210,13 +217,22 @@ TEST_CASE("cuda training: recompute keeps less for the backward") {
   // o, the second GEMM's output, is read by the gate gradient and stays stored.
   CHECK(std::find(re.saved.begin(), re.saved.end(), "o") != re.saved.end());
   CHECK(saved_bytes(re, 1000) < saved_bytes(store, 1000) / 2);
+  // The lean mode keeps neither h nor o: the pre-activations and the
+  // routing's probabilities (and the layer input, an input).
+  for (const char *p : {"megablocks+lean", "scattermoe+padded+lean"}) {
+    TrainingProgram lean = lower_training(ex.pipeline, ex.pipeline.func(ex.output), training_preset(p, false));
+    INFO(p);
+    CHECK(lean.saved == std::vector<std::string>{"probs", "route_gate_sum", "h_silu_in", "h_rhs"});
+    CHECK(saved_bytes(lean, 1000) < saved_bytes(store, 1000));
+  }
 }
 
 TEST_SUITE("gpu") {
   TEST_CASE("cuda training: gradients of every preset x example match the reference") {
     MOEFORGE_REQUIRE_GPU();
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (const char *p : {"megablocks", "scattermoe", "scattermoe+padded"})
+      for (const char *p :
+           {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean", "scattermoe+padded+lean"})
         for (bool recompute : {false, true}) {
           ExampleShape s = shape(200, 64, 128, 8, 2);
           Example ex = make_example(name, s);
@@ -395,10 +411,11 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("cuda training: the MoE edge cases") {
     MOEFORGE_REQUIRE_GPU();
-    testing::check_edge_cases(64, 128, {"megablocks", "scattermoe", "scattermoe+padded"},
-                              [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
-                                return train_and_compare(ex, in, tokens, training_preset(p, false));
-                              });
+    testing::check_edge_cases(
+        64, 128, {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean", "scattermoe+padded+lean"},
+        [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
+          return train_and_compare(ex, in, tokens, training_preset(p, false));
+        });
   }
 
   TEST_CASE("cuda training: the auxiliary losses and their gradients (0-D reductions over tokens and pairs)") {

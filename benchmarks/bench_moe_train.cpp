@@ -122,8 +122,7 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
 // and on the extra shapes; tuned_wide_lean: tuned_wide keeping only the
 // pre-activations of the activation (recompute_elementwise) and no expert
 // outputs (gate_gradient_from_dh), uniform and skewed, on every shape;
-// tuned_wide_gate:
-// the latter alone.
+// tuned_wide_gate: the latter alone.
 void register_all() {
   auto add = [](const Shape &s, const char *p, bool re, bool skewed) {
     std::string name =

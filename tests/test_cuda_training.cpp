@@ -274,7 +274,7 @@ TEST_SUITE("gpu") {
     // 128 x 256 weight-gradient tiles beside 4 stages are staged in halves
     // (the second past N = 128 here: nothing to store).
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (int mode : {0, 1, 2, 3, 4, 5}) {
+      for (int mode : {0, 1, 2, 3, 4, 5, 6}) {
         const bool padded = mode > 0, stored = mode >= 2;
         Example ex = make_example(name, s);
         Schedule p = mode >= 3 ? bench::tuned_wide(std::string(name) == "swiglu_moe") : preset("scattermoe");
@@ -283,10 +283,12 @@ TEST_SUITE("gpu") {
         // fused outputs stored by TMA from a block per tile, all at once, and
         // h made again in the backward instead of kept (recompute_elementwise).
         // Mode 5: that, and the gate's gradient from the dH GEMM, whose A is
-        // then dy's rows gathered by token (gate_gradient_from_dh): o not kept.
+        // then dy's rows unscaled (gate_gradient_from_dh): o not kept. Mode
+        // 6: the gate's gradient so with h kept, the gradient's row sum then
+        // moving to the later kernel of the activation's backward.
         if (mode < 4)
           p.persistent("*", true);
-        p.recompute_elementwise(mode >= 4).gate_gradient_from_dh(mode == 5);
+        p.recompute_elementwise(mode == 4 || mode == 5).gate_gradient_from_dh(mode >= 5);
         if (mode >= 3)
           p.tma_store("h", true);
         if (mode == 2)
@@ -294,7 +296,8 @@ TEST_SUITE("gpu") {
         INFO(name << (padded ? " / padded_elementwise" : "") << (stored ? " / tma_store" : "")
                   << (mode == 3   ? " (tuned_wide, persistent, halves)"
                       : mode == 4 ? " (tuned_wide)"
-                      : mode == 5 ? " (tuned_wide, gate_gradient_from_dh)"
+                      : mode == 5 ? " (tuned_wide, lean)"
+                      : mode == 6 ? " (tuned_wide, gate_gradient_from_dh)"
                                   : ""));
         Outcome o = train_and_compare(ex, ex.random_inputs(s, 5), s.tokens, p);
         CHECK(o.routing_mismatches == 0);

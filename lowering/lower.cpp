@@ -774,8 +774,6 @@ size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const
       if (!moved)
         continue;
       g = &std::get<PointwiseStep>(p.steps[i]);
-    } else if (!g->extra.empty()) {
-      continue;
     }
     for (size_t j = i + 1; j < end; ++j) {
       auto *h = std::get_if<PointwiseStep>(&p.steps[j]);

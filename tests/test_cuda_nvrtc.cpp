@@ -16,6 +16,7 @@
 #include "backends/cuda/nvrtc_compiler.h"
 #include "backends/cuda/ptxas_report.h"
 #include "backends/cuda/routing_kernels.h"
+#include "backends/cuda/tile_library.h"
 
 using namespace moeforge::cuda;
 namespace fs = std::filesystem;
@@ -89,6 +90,27 @@ TEST_CASE("cuda: NVRTC compiles the routing kernels for sm_90a without spills") 
     CHECK(r.resources_of(routing_topk_kernel(experts))->shared_bytes >= kMaxRoutingExperts * 4);
   CHECK(r.resources_of("moe_chunk_histogram")->shared_bytes >= kMaxRoutingExperts * 4);
   CHECK(r.resources_of("moe_scan_scatter")->shared_bytes >= kRoutingThreads / 32 * kMaxRoutingExperts * 4);
+}
+
+TEST_CASE("cuda: the tile library (device/tiles.cuh) compiles on its own for sm_90a") {
+  // A translation unit of the library alone (the wgmma wrappers included),
+  // as NVRTC receives it: what a generated kernel includes must compile
+  // before any kernel uses it; templates are checked as far as they can be
+  // without arguments. The routing kernels (device/routing_kernels.cuh) are
+  // compiled whole above.
+  CompileOptions options;
+  options.arch = "sm_90a";
+  options.use_cache = false;
+  options.headers.push_back({moeforge::kTileLibraryName, moeforge::tile_library_source()});
+  const std::string unit = std::string("#include \"") + moeforge::kTileLibraryName + "\"\n";
+  CompileResult r = compile_cuda(unit, "tiles_alone.cu", options);
+  CHECK_FALSE(r.from_cache);
+  REQUIRE(r.cubin.size() > 4);
+  CHECK(std::string(r.cubin.data(), 4) == "\x7f"
+                                          "ELF");
+  // The wrappers went in where tiles.cuh marks their place.
+  CHECK(moeforge::tile_library_source().find("// MOEFORGE_WGMMA_INSTANCES") == std::string::npos);
+  CHECK(moeforge::tile_library_source().find("template <> struct Wgmma<256, 1, 0>") != std::string::npos);
 }
 
 TEST_CASE("cuda: routing chunks fill the GPU, and each E has its top-k kernel") {

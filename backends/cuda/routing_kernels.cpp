@@ -1,6 +1,6 @@
 #include "backends/cuda/routing_kernels.h"
 
-#include "backends/cuda/routing_kernels_source.h"
+#include "backends/cuda/device/routing_kernels_cuh.h"
 #include "dsl/error.h"
 
 #include <algorithm>
@@ -8,7 +8,7 @@
 namespace moeforge::cuda {
 
 namespace {
-// The top-k kernels (MF_TOPK_KERNEL in routing_kernels_source.h): each routes
+// The top-k kernels (MF_TOPK_KERNEL in device/routing_kernels.cuh): each routes
 // rows of up to 32 * cols experts with `group` lanes per token, so a lane
 // holds 32 / group * cols probabilities and a block routes
 // kRoutingThreads / group tokens at a time: 16 per lane amortise the group's
@@ -87,7 +87,7 @@ CompileResult compile_routing_kernels(const std::string &arch) {
 
 namespace {
 size_t i32(int64_t n) { return static_cast<size_t>(n) * sizeof(int32_t); }
-// Ints per row of chunk_counts: as count_stride() in routing_kernels_source.h.
+// Ints per row of chunk_counts: as count_stride() in device/routing_kernels.cuh.
 int64_t count_stride(int experts) {
   int64_t stride = 32;
   while (stride < experts)
@@ -138,7 +138,7 @@ DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routin
 }
 
 // Each args[] lists the kernel's parameters in the order of its signature in
-// routing_kernels_source.h; all launches share `stream`, which orders them.
+// device/routing_kernels.cuh; all launches share `stream`, which orders them.
 void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax,
                         CUdeviceptr gate) const {
   const RoutingShape &s = plan.shape;

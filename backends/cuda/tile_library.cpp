@@ -2,6 +2,9 @@
 
 #include <sstream>
 
+#include "backends/cuda/device/tiles_cuh.h"
+#include "dsl/error.h"
+
 namespace moeforge {
 
 namespace {
@@ -38,8 +41,10 @@ const std::string &tile_library_source() {
     std::string instances;
     for (int n : {64, 128, 256})
       instances += wgmma_instance(n, 1) + wgmma_instance(n, 0) + wgmma_instance(n, 1, 1);
-    const std::string marker = "MOEFORGE_WGMMA_INSTANCES";
-    t.replace(t.find(marker), marker.size(), instances);
+    const std::string marker = "// MOEFORGE_WGMMA_INSTANCES\n";
+    const size_t at = t.find(marker);
+    internal_check(at != std::string::npos) << "tiles.cuh has no line '" << marker << "'";
+    t.replace(at, marker.size(), instances);
     return t;
   }();
   return source;

@@ -1,6 +1,7 @@
-// The CUDA source of the device routing, compiled at run time with NVRTC
-// (routing_kernels.cpp passes MF_THREADS and MF_MAX_EXPERTS with -D, so host
-// and device agree on them, and appends the top-k kernels' instantiations).
+// The device routing, compiled at run time with NVRTC: embedded into the
+// binary at build time (backends/cuda/CMakeLists.txt); routing_kernels.cpp
+// passes MF_THREADS and MF_MAX_EXPERTS with -D, so host and device agree on
+// them, and appends the top-k kernels' instantiations.
 // The format it produces is described in routing_host.h; route_on_host()
 // there is its oracle.
 //
@@ -25,11 +26,6 @@
 //                        and of the -1 padding rows; block 0 writes counts
 //                        and offsets
 // So a routing is two launches (three when not fused), from given experts two.
-#pragma once
-
-namespace moeforge::cuda {
-
-inline constexpr const char kRoutingKernelsSource[] = R"moeforge(
 #ifndef MF_THREADS
 #error "compile with -DMF_THREADS=<threads per block>"
 #endif
@@ -258,8 +254,8 @@ template <int kGroup, int kCols> struct Row {
 // own pairs.
 template <int kGroup, int kCols>
 __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int tokens, int experts, int k,
-                                           int softmax, int chunk, int *__restrict__ expert,
-                                           float *__restrict__ gate, int *__restrict__ chunk_counts) {
+                                           int softmax, int chunk, int *__restrict__ expert, float *__restrict__ gate,
+                                           int *__restrict__ chunk_counts) {
   __shared__ int sCount[MF_MAX_EXPERTS];
   const bool counts = chunk_counts != nullptr; // uniform over the grid
   if (counts)
@@ -314,19 +310,19 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
 // A top-k kernel for rows of E <= 32 * cols experts, `group` lanes per token.
 // routing_kernels.cpp instantiates it once per entry of its table of top-k
 // kernels (routing_topk_kernel), appended to this source.
-#define MF_TOPK_KERNEL(name, group, cols)                                                                        \
-  extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)                                      \
-  name(const float *__restrict__ scores, /* (T, E) */ int tokens, int experts, int k, int softmax, int chunk,    \
-       int *__restrict__ expert, /* (T*k) */ float *__restrict__ gate, /* (T*k) */                               \
-       int *__restrict__ chunk_counts) { /* (chunks, count_stride) */                                            \
-    topk_chunk<group, cols>(scores, tokens, experts, k, softmax, chunk, expert, gate, chunk_counts);             \
+#define MF_TOPK_KERNEL(name, group, cols)                                                                              \
+  extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)                                            \
+      name(const float *__restrict__ scores, /* (T, E) */ int tokens, int experts, int k, int softmax, int chunk,      \
+           int *__restrict__ expert, /* (T*k) */ float *__restrict__ gate, /* (T*k) */                                 \
+           int *__restrict__ chunk_counts) {                               /* (chunks, count_stride) */                \
+    topk_chunk<group, cols>(scores, tokens, experts, k, softmax, chunk, expert, gate, chunk_counts);                   \
   }
 
 // chunk_counts[c, e]: pairs of chunk c routed to e, for experts given.
 extern "C" __global__ void __launch_bounds__(MF_THREADS)
-moe_chunk_histogram(const int *__restrict__ expert, // (P)
-                    int pairs, int experts, int chunk,
-                    int *__restrict__ chunk_counts) { // (chunks, count_stride)
+    moe_chunk_histogram(const int *__restrict__ expert, // (P)
+                        int pairs, int experts, int chunk,
+                        int *__restrict__ chunk_counts) { // (chunks, count_stride)
   __shared__ int sCount[MF_MAX_EXPERTS];
   zero_counts(sCount, experts);
   const Chunk c = this_chunk(pairs, chunk);
@@ -341,8 +337,8 @@ moe_chunk_histogram(const int *__restrict__ expert, // (P)
 // The slice is `vectors` int4 columns; lane (g, v) sums column v of chunks
 // g, g + groups, ..., kBatch loads in flight at once, then butterflies over
 // g add the lanes of each column.
-__device__ void sum_chunk_counts(const int *__restrict__ chunk_counts, int chunks, int experts, int block,
-                                 int *sCount, int *sBefore, int *sPadded) {
+__device__ void sum_chunk_counts(const int *__restrict__ chunk_counts, int chunks, int experts, int block, int *sCount,
+                                 int *sBefore, int *sPadded) {
   const int stride = count_stride(experts), vectors = stride / 32, groups = 32 / vectors;
   const int lane = threadIdx.x & 31, v = lane % vectors, g = lane / vectors;
   const int first = (threadIdx.x >> 5) * (stride / kWarps) + 4 * v; // this lane's column's first expert
@@ -400,8 +396,8 @@ __device__ __forceinline__ int warp_inclusive_sum(int v) {
 // walk the owned experts again. Block 0 also writes counts, offsets,
 // offsets_unpadded and num_tiles (every block computes the same).
 __device__ void scan_experts(int experts, int block, const int *sCount, const int *sPadded, int *sOffsets,
-                             int *__restrict__ counts, int *__restrict__ offsets,
-                             int *__restrict__ offsets_unpadded, int *__restrict__ num_tiles) {
+                             int *__restrict__ counts, int *__restrict__ offsets, int *__restrict__ offsets_unpadded,
+                             int *__restrict__ num_tiles) {
   const int lane = threadIdx.x;
   const bool writes = blockIdx.x == 0;
   int sum_p = 0, sum_u = 0;
@@ -491,9 +487,8 @@ __device__ void count_warp_pairs(const int *__restrict__ expert, int experts, Wa
 // expert e), then row[e] moves past the step's pairs of e: row[e] starts at
 // e's pairs before this warp's share, so the order of r is kept. The
 // experts of the first steps are count_warp_pairs', still in registers.
-__device__ void place_warp_pairs(const int *__restrict__ expert, WarpPairs wp, StepIds first_ids,
-                                 const int *sOffsets, int *row, int *__restrict__ pair_pos,
-                                 int *__restrict__ sorted_pair) {
+__device__ void place_warp_pairs(const int *__restrict__ expert, WarpPairs wp, StepIds first_ids, const int *sOffsets,
+                                 int *row, int *__restrict__ pair_pos, int *__restrict__ sorted_pair) {
   const int lane = threadIdx.x & 31;
   for (int first = wp.begin; first < wp.end; first += 32 * kIdSteps) { // uniform per warp
     const StepIds ids = first == wp.begin ? first_ids : load_ids(expert, wp, first);
@@ -613,8 +608,8 @@ __device__ void write_tile(int i, int experts, int block, const int *sCount, con
 // This block's share (block b takes every gridDim.x-th item) of the tile
 // table and of sorted_pair's padding rows (-1): each expert's segment past
 // its pairs (a warp per expert), then everything past the last segment.
-__device__ void write_tiles_and_padding(int experts, int block, int max_tiles, int max_padded_rows,
-                                        const int *sCount, const int *sPadded, const int *sOffsets, TilePairs tp,
+__device__ void write_tiles_and_padding(int experts, int block, int max_tiles, int max_padded_rows, const int *sCount,
+                                        const int *sPadded, const int *sOffsets, TilePairs tp,
                                         int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
                                         int *__restrict__ tile_rows, int *__restrict__ sorted_pair) {
   const int thread = blockIdx.x * MF_THREADS + threadIdx.x, threads = gridDim.x * MF_THREADS;
@@ -634,18 +629,18 @@ __device__ void write_tiles_and_padding(int experts, int block, int max_tiles, i
 // expert is: earlier chunks (sBefore) + earlier warps' shares of this chunk
 // (a scan of sWarpCount over warps) + earlier steps and lanes of its warp.
 extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
-moe_scan_scatter(const int *__restrict__ expert,       // (P)
-                 const int *__restrict__ chunk_counts, // (chunks, count_stride)
-                 int pairs, int experts, int chunk, int chunks, int block, int max_tiles, int max_padded_rows,
-                 int *__restrict__ counts,             // (E)
-                 int *__restrict__ offsets,            // (E+1), padded
-                 int *__restrict__ offsets_unpadded,   // (E+1)
-                 int *__restrict__ num_tiles,          // (1)
-                 int *__restrict__ tile_expert,        // (max_tiles)
-                 int *__restrict__ tile_row_start,     // (max_tiles)
-                 int *__restrict__ tile_rows,          // (max_tiles)
-                 int *__restrict__ pair_pos,           // (P)
-                 int *__restrict__ sorted_pair) {      // (max_padded_rows)
+    moe_scan_scatter(const int *__restrict__ expert,       // (P)
+                     const int *__restrict__ chunk_counts, // (chunks, count_stride)
+                     int pairs, int experts, int chunk, int chunks, int block, int max_tiles, int max_padded_rows,
+                     int *__restrict__ counts,           // (E)
+                     int *__restrict__ offsets,          // (E+1), padded
+                     int *__restrict__ offsets_unpadded, // (E+1)
+                     int *__restrict__ num_tiles,        // (1)
+                     int *__restrict__ tile_expert,      // (max_tiles)
+                     int *__restrict__ tile_row_start,   // (max_tiles)
+                     int *__restrict__ tile_rows,        // (max_tiles)
+                     int *__restrict__ pair_pos,         // (P)
+                     int *__restrict__ sorted_pair) {    // (max_padded_rows)
   __shared__ int sWarpCount[kWarps][MF_MAX_EXPERTS];
   __shared__ int sCount[MF_MAX_EXPERTS], sBefore[MF_MAX_EXPERTS], sPadded[MF_MAX_EXPERTS];
   __shared__ int sOffsets[MF_MAX_EXPERTS + 1];
@@ -677,7 +672,3 @@ moe_scan_scatter(const int *__restrict__ expert,       // (P)
   write_tiles_and_padding(experts, block, max_tiles, max_padded_rows, sCount, sPadded, sOffsets, tp, tile_expert,
                           tile_row_start, tile_rows, sorted_pair);
 }
-
-)moeforge";
-
-} // namespace moeforge::cuda

@@ -211,6 +211,10 @@ TEST_CASE("cli: help and version answer on stdout with exit code 0") {
     Run r = cli({v});
     CHECK(r.code == 0);
     CHECK(r.out.rfind("moeforge ", 0) == 0);
+    // The build: compiler, CUDA toolkit and LLVM versions (or "none").
+    CHECK(has(r.out, "built with "));
+    CHECK(has(r.out, ", CUDA toolkit "));
+    CHECK(has(r.out, ", LLVM "));
   }
 }
 

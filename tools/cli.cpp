@@ -521,7 +521,8 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
     return 0;
   }
   if (args.size() == 1 && (args[0] == "version" || args[0] == "--version")) {
-    out << "moeforge " << kVersion << "\n";
+    out << "moeforge " << kVersion << "\nbuilt with " << MOEFORGE_BUILD_COMPILER << ", CUDA toolkit "
+        << MOEFORGE_BUILD_CUDA << ", LLVM " << MOEFORGE_BUILD_LLVM << "\n";
     return 0;
   }
   Options o;

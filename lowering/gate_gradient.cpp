@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <set>
 
 #include "dsl/visitor.h"
 #include "lowering/rename_indices.h"
@@ -152,6 +153,45 @@ std::optional<Match> find_pattern(const KernelProgram &p, size_t forward_steps,
   return std::nullopt;
 }
 
+// Under recompute_elementwise, h is made again in the backward anyway: the
+// weight gradient dW2 = sum over r of h(r)^T d_o(r), with d_o = s(r) dy's
+// rows, reads s(r) * h (made in the same kernel as h, which
+// merge_sibling_pointwise puts together) against dy's per-pair copy, which
+// the dH GEMM reads already: d_o (T*k x d) is then not made at all. Returns
+// whether d_o's step went.
+bool scale_made_again_h(KernelProgram &p, size_t forward_steps, const Match &m, const std::string &d_o,
+                        const std::string &dy_rows) {
+  size_t reduction = p.steps.size(), readers = 0;
+  for (size_t i = forward_steps; i < p.steps.size(); ++i) {
+    const std::vector<std::string> reads = step_reads(p.steps[i]);
+    if (std::find(reads.begin(), reads.end(), d_o) == reads.end())
+      continue;
+    ++readers;
+    if (auto *g = std::get_if<GemmStep>(&p.steps[i]);
+        g && g->expert_k && g->b == std::vector<std::string>{d_o} && g->a == m.h && !g->a_trans)
+      reduction = i;
+  }
+  if (reduction == p.steps.size() || readers != 1)
+    return false;
+  auto &dw = std::get<GemmStep>(p.steps[reduction]);
+  TensorDecl scaled = p.tensor(m.h);
+  scaled.name = m.h + "_gated";
+  p.tensors.push_back(scaled);
+  const Var j("j", m.reduced);
+  PointwiseStep make{"pointwise_" + scaled.name,
+                     scaled.name,
+                     {m.scale_row, j},
+                     Binary::make(BinaryOp::mul, m.scale, tensor_read(m.h, p.tensor(m.h).dtype, {m.scale_row, j})),
+                     {}};
+  dw.a = scaled.name;
+  dw.b = {dy_rows};
+  p.steps.insert(p.steps.begin() + static_cast<long>(reduction), std::move(make));
+  p.steps.erase(std::remove_if(p.steps.begin() + static_cast<long>(forward_steps), p.steps.end(),
+                               [&](const Step &s) { return step_output(s) == d_o; }),
+                p.steps.end());
+  return true;
+}
+
 } // namespace
 
 bool gate_gradient_from_dh(KernelProgram &p, size_t forward_steps, const Schedule &schedule,
@@ -200,6 +240,7 @@ bool gate_gradient_from_dh(KernelProgram &p, size_t forward_steps, const Schedul
   // (H200) against 0.04 ms for writing the copy.
   auto &dh = std::get<GemmStep>(steps[m->dh]);
   dh.output = u;
+  const std::string d_o_name = dh.a;
   std::optional<std::pair<size_t, PointwiseStep>> insert; // a step before step `first`
   const TensorDecl &dy = p.tensor(m->dy);
   if (schedule.permutation() == Permutation::scattered && !schedule.padded_elementwise()) {
@@ -224,11 +265,16 @@ bool gate_gradient_from_dh(KernelProgram &p, size_t forward_steps, const Schedul
     dh.a = rows.name;
     insert.emplace(m->d_o, PointwiseStep{"pointwise_" + rows.name, rows.name, d_o.vars, m->dy_read, {}});
   }
+  const std::string rows = dh.a; // dy's copy, or dy in bf16 (gathered)
   if (insert)
     steps.insert(steps.begin() + static_cast<long>(insert->first), std::move(insert->second));
   p.steps = std::move(steps);
+  std::set<std::string> gone{d_h};
+  if (rows == m->dy + "_rows" && schedule.recompute_elementwise() && !schedule.recompute() &&
+      scale_made_again_h(p, forward_steps, *m, d_o_name, rows))
+    gone.insert(d_o_name);
   p.tensors.erase(
-      std::remove_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &t) { return t.name == d_h; }),
+      std::remove_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &t) { return gone.count(t.name) > 0; }),
       p.tensors.end());
   return true;
 }

@@ -699,6 +699,30 @@ size_t merge_sibling_gemms(KernelProgram &p, size_t begin, size_t end) {
   return end;
 }
 
+namespace {
+
+bool is_output(const KernelProgram &p, const std::string &name) {
+  return std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end();
+}
+
+// Whether no step reads tensor `name` and the caller does not ask for it.
+bool unwanted(const KernelProgram &p, const std::string &name) {
+  if (is_output(p, name))
+    return false;
+  for (const Step &s : p.steps)
+    for (const std::string &r : step_reads(s))
+      if (r == name)
+        return false;
+  return true;
+}
+
+void erase_tensor(KernelProgram &p, const std::string &name) {
+  p.tensors.erase(
+      std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &t) { return t.name == name; }));
+}
+
+} // namespace
+
 size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule) {
   auto producer = [&](const std::string &name) { return step_writing(p, name); };
   auto plain = [&](const Expr &e) {
@@ -779,53 +803,82 @@ size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const
       auto *h = std::get_if<PointwiseStep>(&p.steps[j]);
       if (!h)
         continue;
+      // h moves up to step i: everything it reads must be ready there. What
+      // it reads of g's own element-wise outputs (at their indices) it reads
+      // as g computes them: the values replace the reads (the gate
+      // gradient's row sum over the h that recompute_elementwise makes
+      // again; s(r) * that h for dW2).
+      const Sum *sum = nullptr;
+      Expr value;
       if (elementwise(*h) && siblings(*g, *h)) {
-        // h moves up to step i: everything it reads must be ready there, and
-        // nothing it reads may be g's (a value is never read where it is made).
-        if (!ready_at(i, j, nullptr))
-          continue;
         RenameIndices vars;
         for (size_t v = 0; v < g->vars.size(); ++v)
           vars.to[h->vars[v].get()] = g->vars[v];
-        g->extra.push_back({h->output, vars.mutate(h->body)});
-      } else if (const Sum *sum = row_sum_of(*g, *h)) {
-        // A row sum of values g makes (the gate gradient over the h that
-        // recompute_elementwise makes again) reads them as g computes them.
-        std::map<std::string, Expr> values{{g->output, g->body}};
-        for (const ExtraOutput &e : g->extra)
-          if (!e.row_sum)
-            values[e.output] = e.value;
-        if (!ready_at(i, j, &values))
-          continue;
-        struct Inline : IRMutator {
-          const std::map<std::string, Expr> *values;
-          const std::vector<Var> *at;
-          int failed = 0;
-          Expr mutate_node(const Access &a, const Expr &self) override {
-            auto it = values->find(a.target_name());
-            if (it == values->end())
-              return self;
-            bool same = a.args.size() == at->size();
-            for (size_t v = 0; same && v < a.args.size(); ++v)
-              same = a.args[v].is_plain() && a.args[v].var.same_as((*at)[v]);
-            failed += same ? 0 : 1;
-            return same ? it->second : self;
-          }
-        } in;
-        in.values = &values;
-        in.at = &g->vars;
-        Expr value = in.mutate(summand(*g, *h, *sum));
-        if (in.failed)
-          continue;
-        g->extra.push_back({h->output, value, /*row_sum=*/true});
+        value = vars.mutate(h->body);
+      } else if ((sum = row_sum_of(*g, *h))) {
+        value = summand(*g, *h, *sum);
       } else {
         continue;
       }
+      std::map<std::string, Expr> values{{g->output, g->body}};
+      for (const ExtraOutput &e : g->extra)
+        if (!e.row_sum)
+          values[e.output] = e.value;
+      if (!ready_at(i, j, &values))
+        continue;
+      struct Inline : IRMutator {
+        const std::map<std::string, Expr> *values;
+        const std::vector<Var> *at;
+        int failed = 0;
+        Expr mutate_node(const Access &a, const Expr &self) override {
+          auto it = values->find(a.target_name());
+          if (it == values->end())
+            return self;
+          bool same = a.args.size() == at->size();
+          for (size_t v = 0; same && v < a.args.size(); ++v)
+            same = a.args[v].is_plain() && a.args[v].var.same_as((*at)[v]);
+          failed += same ? 0 : 1;
+          return same ? it->second : self;
+        }
+      } in;
+      in.values = &values;
+      in.at = &g->vars;
+      value = in.mutate(value);
+      if (in.failed)
+        continue;
+      g->extra.push_back({h->output, value, /*row_sum=*/sum != nullptr});
       g->name += "_" + h->output;
       p.steps.erase(p.steps.begin() + static_cast<long>(j));
       --j;
       --end;
     }
+  }
+  // A merged step's element-wise output that nothing reads any more (the h
+  // recompute_elementwise makes, once every value made from it is computed
+  // in place) is not stored; a primary output so dropped gives its place to
+  // the step's next element-wise value.
+  for (size_t k = begin; k < end; ++k) {
+    auto *g = std::get_if<PointwiseStep>(&p.steps[k]);
+    if (!g || g->extra.empty())
+      continue;
+    for (size_t e = 0; e < g->extra.size();) {
+      if (g->extra[e].row_sum || !unwanted(p, g->extra[e].output)) {
+        ++e;
+        continue;
+      }
+      erase_tensor(p, g->extra[e].output);
+      g->extra.erase(g->extra.begin() + static_cast<long>(e));
+    }
+    auto next = std::find_if(g->extra.begin(), g->extra.end(), [](const ExtraOutput &e) { return !e.row_sum; });
+    if (next != g->extra.end() && unwanted(p, g->output)) {
+      erase_tensor(p, g->output);
+      g->output = next->output;
+      g->body = next->value;
+      g->extra.erase(next);
+    }
+    g->name = "pointwise_" + g->output; // named after what it writes
+    for (const ExtraOutput &e : g->extra)
+      g->name += "_" + e.output;
   }
   return end;
 }
@@ -895,63 +948,35 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
   }
   // A fused output no step reads and the caller does not want is not stored
   // (its value lives on in the outputs it was substituted into).
-  auto unread = [&](const std::string &name) {
-    if (std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end())
-      return false;
-    for (const Step &s : p.steps)
-      for (const std::string &r : step_reads(s))
-        if (r == name)
-          return false;
-    return true;
-  };
   for (size_t k = begin; k < end; ++k) {
     auto *g = std::get_if<GemmStep>(&p.steps[k]);
     if (!g)
       continue;
     for (size_t e = 0; e < g->extra.size();) {
-      if (!unread(g->extra[e].output)) {
+      if (!unwanted(p, g->extra[e].output)) {
         ++e;
         continue;
       }
-      const std::string dropped = g->extra[e].output;
+      erase_tensor(p, g->extra[e].output);
       g->extra.erase(g->extra.begin() + static_cast<long>(e));
-      p.tensors.erase(
-          std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &x) { return x.name == dropped; }));
     }
   }
   // A GEMM output no step reads and the caller does not want is not stored:
   // its first extra output becomes the primary one.
   for (size_t k = begin; k < end; ++k) {
     auto *g = std::get_if<GemmStep>(&p.steps[k]);
-    if (!g || g->extra.empty() || std::find(p.outputs.begin(), p.outputs.end(), g->output) != p.outputs.end())
+    if (!g || g->extra.empty() || !unwanted(p, g->output))
       continue;
-    bool read = false;
-    for (const Step &s : p.steps)
-      for (const std::string &r : step_reads(s))
-        read |= r == g->output;
-    if (read)
-      continue;
-    std::string dropped = g->output;
+    erase_tensor(p, g->output);
     g->output = g->extra.front().output;
     g->epilogue = g->extra.front().value;
     g->extra.erase(g->extra.begin());
     g->out_rows = output_rows(*g, p.tensor(g->output));
-    p.tensors.erase(
-        std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &x) { return x.name == dropped; }));
   }
   return end;
 }
 
 namespace {
-
-bool is_output(const KernelProgram &p, const std::string &name) {
-  return std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end();
-}
-
-void erase_tensor(KernelProgram &p, const std::string &name) {
-  p.tensors.erase(
-      std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &t) { return t.name == name; }));
-}
 
 // A read of the route's scores at its pairs' choices, S(token(r), expert(r)):
 // the value top-k selected for pair r.

@@ -694,8 +694,18 @@ TEST_CASE("codegen: gate_gradient_from_dh: the dH GEMM reads dy's rows and the g
     CHECK(dh.a_rows == (padded ? RowMap::direct : RowMap::gather_token));
     if (padded) {
       CHECK(c.training.program.tensor("d_y_rows").layout == RowLayout::padded);
-      std::string rows = kernel_source(c.layer, "pointwise_d_y_rows_d_o");
-      CHECK(count_of(rows, "mf::load8(g_d_y + ") == 1); // one read of dy for both
+      std::string rows = kernel_source(c.layer, kernel_writing(c, "d_y_rows"));
+      CHECK(count_of(rows, "mf::load8(g_d_y + ") == 1); // one read of dy (for d_o too, when made)
+      // Made again, h is scaled by the gate where it is made, for dW2 to read
+      // against dy's copy: d_o is not made at all, nor h stored unscaled.
+      CHECK((c.training.program.find("d_o") == nullptr) == lean);
+      if (lean) {
+        CHECK(c.training.program.find("h_re") == nullptr);
+        const GemmStep &dw2 = gemm(c.training.program, "d_w2");
+        CHECK(dw2.a == "h_gated");
+        CHECK(dw2.b == std::vector<std::string>{"d_y_rows"});
+        CHECK(kernel_writing(c, "h_gated") == kernel_writing(c, "d_x_s_a"));
+      }
     }
     // The gate gradient rides along the activation's backward, which reads
     // d_h_ungated and the pre-activations anyway: h is the value made there

@@ -222,7 +222,9 @@ TEST_CASE("cuda training: recompute keeps less for the backward") {
   for (const char *p : {"megablocks+lean", "scattermoe+padded+lean"}) {
     TrainingProgram lean = lower_training(ex.pipeline, ex.pipeline.func(ex.output), training_preset(p, false));
     INFO(p);
-    CHECK(lean.saved == std::vector<std::string>{"probs", "route_gate_sum", "h_silu_in", "h_rhs"});
+    std::vector<std::string> saved = lean.saved;
+    std::sort(saved.begin(), saved.end());
+    CHECK(saved == std::vector<std::string>{"h_rhs", "h_silu_in", "probs", "route_gate_sum"});
     CHECK(saved_bytes(lean, 1000) < saved_bytes(store, 1000));
   }
 }

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -510,4 +511,30 @@ TEST_CASE("cli: train usage errors") {
   check_usage_error({"run", "moe_mlp", "--aux"}, {"unknown flag '--aux' for 'run'"});
   check_usage_error({"train", "dense_mlp", "--aux"},
                     {"unknown example with auxiliary losses 'dense_mlp': choose moe_mlp or swiglu_moe"});
+}
+
+TEST_CASE("cli: progress goes to stderr when asked (MOEFORGE_PROGRESS), never to stdout") {
+  // Tests run without a terminal: quiet unless MOEFORGE_PROGRESS=1.
+  const char *before = std::getenv("MOEFORGE_PROGRESS");
+  const std::string saved = before ? before : "";
+  const std::vector<std::string> args = {"run", "moe_mlp", "--backend", "reference", "--check", "--tokens", "64"};
+  ::setenv("MOEFORGE_PROGRESS", "0", 1);
+  Run quiet = cli(args);
+  ::setenv("MOEFORGE_PROGRESS", "1", 1);
+  Run loud = cli(args);
+  if (before)
+    ::setenv("MOEFORGE_PROGRESS", saved.c_str(), 1);
+  else
+    ::unsetenv("MOEFORGE_PROGRESS");
+  CHECK(quiet.code == 0);
+  CHECK(loud.code == 0);
+  CHECK(quiet.err.empty());
+  INFO("err: " << loud.err);
+  CHECK(has(loud.err, "moeforge: generating the inputs ... "));
+  CHECK(has(loud.err, "moeforge: evaluating the reference (f32) ... "));
+  CHECK(has(loud.err, "moeforge: evaluating the float64 reference ... "));
+  CHECK(has(loud.err, " s\n"));
+  // stdout is the same either way but for the run's time.
+  CHECK(!has(loud.out, "moeforge: "));
+  CHECK(has(loud.out, "check     y vs reference f64"));
 }

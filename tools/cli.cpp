@@ -20,6 +20,7 @@
 #include "runtime/program_shapes.h"
 #include "schedules/presets.h"
 #include "tools/cli_backend.h"
+#include "tools/progress.h"
 
 namespace moeforge {
 
@@ -361,7 +362,7 @@ void check_host_memory(const Example &ex, const ExampleShape &shape) {
 }
 
 // One training step: forward, then backward, on a compiled backend.
-int train(const Options &o, std::ostream &out, bool &working) {
+int train(const Options &o, std::ostream &out, Progress &progress, bool &working) {
   TrainingTask task = training_task(o);
   const Example &ex = task.example;
   Schedule schedule = schedule_from_arg(o.schedule);
@@ -371,8 +372,11 @@ int train(const Options &o, std::ostream &out, bool &working) {
   std::string backend = choose_backend(o, &no_gpu);
   check_host_memory(ex, o.shape);
   working = true; // the arguments hold together: from here on, errors are the layer's
+  progress.phase("generating the inputs");
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
+  progress.phase("compiling and training one step on " + backend);
   BackendTraining run = train_on_backend(backend, task, o.shape, inputs, schedule);
+  progress.finish();
   const TrainingProgram &t = run.training;
 
   out << "example   " << ex.name << ": " << ex.description << "\n";
@@ -424,10 +428,13 @@ int train(const Options &o, std::ostream &out, bool &working) {
   out << std::setprecision(6);
   if (!o.check)
     return 0;
-  return check_training(out, run, task, inputs) ? 0 : 1;
+  progress.phase("checking against the float64 reference");
+  const bool ok = check_training(out, run, task, inputs);
+  progress.finish();
+  return ok ? 0 : 1;
 }
 
-int run(const Options &o, std::ostream &out, bool &working) {
+int run(const Options &o, std::ostream &out, Progress &progress, bool &working) {
   Example ex = make_example(o.example, o.shape);
   // The schedule only matters to the compiled backends, whose compilers check
   // it against the layer.
@@ -436,7 +443,9 @@ int run(const Options &o, std::ostream &out, bool &working) {
   std::string backend = choose_backend(o, &no_gpu);
   check_host_memory(ex, o.shape);
   working = true; // the arguments hold together: from here on, errors are the layer's
+  progress.phase("generating the inputs");
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
+  progress.finish();
   const char *prec = o.precision == Precision::f32 ? "f32" : "f64";
   out << "example   " << ex.name << ": " << ex.description << "\n";
   out << "inputs   ";
@@ -450,7 +459,9 @@ int run(const Options &o, std::ostream &out, bool &working) {
   out << "\n";
 
   if (backend != "reference") {
+    progress.phase("compiling and running on " + backend);
     BackendRun run = run_backend(backend, ex, o.shape, inputs, schedule);
+    progress.finish();
     out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'" << tiles_only(ex)
         << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
     for (const auto &[name, r] : run.routes)
@@ -458,15 +469,20 @@ int run(const Options &o, std::ostream &out, bool &working) {
     print_time_and_checksum(out, run.ms, ex.output, run.values.at(ex.output));
     if (!o.check)
       return 0;
-    return check_backend(out, run, evaluate(ex.pipeline, inputs, Precision::f64)) ? 0 : 1;
+    progress.phase("evaluating the float64 reference");
+    EvalResult ref = evaluate(ex.pipeline, inputs, Precision::f64);
+    progress.finish();
+    return check_backend(out, run, ref) ? 0 : 1;
   }
 
   // The reference runs the algebra alone, but a schedule naming a Func the
   // layer lacks is wrong whichever backend runs it.
   schedule.check_names(ex.pipeline);
   out << "backend   reference (Eigen, " << prec << ")" << (o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
+  progress.phase(std::string("evaluating the reference (") + prec + ")");
   auto start = std::chrono::steady_clock::now();
   EvalResult res = evaluate(ex.pipeline, inputs, o.precision);
+  progress.finish();
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   for (const auto &[name, r] : res.routes)
     print_routing(out, name, r);
@@ -476,7 +492,9 @@ int run(const Options &o, std::ostream &out, bool &working) {
     return 0;
   // The oracle: the same algebra in float64. On the reference backend,
   // --check measures the run's precision against it.
+  progress.phase("evaluating the float64 reference");
   EvalResult oracle = evaluate(ex.pipeline, inputs, Precision::f64);
+  progress.finish();
   double err = max_relative_error(y, oracle[ex.output]);
   double tol = o.precision == Precision::f32 ? 1e-4 : 1e-12;
   bool ok = err <= tol;
@@ -565,7 +583,8 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
 #endif
       return wrote(out, err) ? 0 : 2;
     }
-    const int rc = o.command == "train" ? train(o, out, working) : run(o, out, working);
+    Progress progress(err, Progress::wanted());
+    const int rc = o.command == "train" ? train(o, out, progress, working) : run(o, out, progress, working);
     return wrote(out, err) ? rc : 2;
   } catch (const UserError &e) {
     err << "moeforge: " << e.what() << "\n" << (working ? "" : kUsage);

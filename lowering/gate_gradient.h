@@ -14,6 +14,9 @@
 // every element-wise read of d_h becomes s(r) * u, and d_s sums h * u over
 // j: the backward no longer reads o, so the forward need not keep it
 // (T * k x d). Dividing d_h by s(r) instead would fail where a gate is 0.
+// Under recompute_elementwise, with dy's rows copied per pair, dW2 =
+// sum_r h(r)^T d_o(r) reads s(r) * h (made beside the h the backward makes
+// again) against that copy, and d_o itself is no longer made.
 #pragma once
 
 #include <cstddef>

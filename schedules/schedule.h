@@ -166,9 +166,11 @@ public:
   // (o = h W2 is linear in h), so the expert outputs o (T*k x d) are not
   // kept for the backward. The dH GEMM then reads the upstream gradient
   // unscaled (dy's rows, copied per pair or gathered inside the GEMM) and
-  // stores dy W2^T; the gate's
-  // scale moves into the element-wise kernels that read it, and the gate
-  // gradient is a row sum over f of h times that product.
+  // stores dy W2^T; the gate's scale moves into the element-wise kernels
+  // that read it, and the gate gradient is a row sum over f of h times that
+  // product, computed beside the activation's backward. With
+  // recompute_elementwise, dW2 reads the gate-scaled h made where h is made
+  // again against dy's copy, so the per-pair d_o is not made either.
   Schedule &gate_gradient_from_dh(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);

@@ -50,13 +50,19 @@ const TensorDecl *KernelProgram::find(const std::string &name) const {
   return const_cast<KernelProgram *>(this)->find(name);
 }
 
-Expr tensor_read(const std::string &name, DType dtype, std::vector<Index> args) {
+FuncPtr placeholder(const std::string &name, std::vector<Var> args, DType t) {
   auto f = std::make_shared<FuncNode>();
   f->name = name;
-  f->dtype = dtype;
+  f->args = std::move(args);
+  f->dtype = t;
+  return f;
+}
+
+Expr tensor_read(const std::string &name, DType dtype, std::vector<Index> args) {
+  std::vector<Var> vars;
   for (const Index &i : args)
-    f->args.push_back(i.var);
-  return Access::make(f, std::move(args));
+    vars.push_back(i.var);
+  return Access::make(placeholder(name, std::move(vars), dtype), std::move(args));
 }
 
 std::string step_name(const Step &s) {

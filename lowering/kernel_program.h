@@ -185,6 +185,10 @@ struct KernelProgram {
 };
 
 std::ostream &operator<<(std::ostream &os, const KernelProgram &p);
+// A placeholder tensor read by lowered expressions: an accumulator or an
+// intermediate that lowering introduced. Never defined; only its name and
+// indices are read.
+FuncPtr placeholder(const std::string &name, std::vector<Var> args, DType t);
 // A read of tensor `name` at `args`, as the lowered steps write one (steps
 // use only a read's name, dtype and indices).
 Expr tensor_read(const std::string &name, DType dtype, std::vector<Index> args);

@@ -27,17 +27,6 @@ const RoutingNode *route_of_pair(const Pipeline &p, const Var &v) {
   return nullptr;
 }
 
-// A placeholder tensor read by lowered expressions: an accumulator or an
-// intermediate that lowering introduced. Never defined; only its name and
-// indices are read.
-FuncPtr placeholder(const std::string &name, std::vector<Var> args, DType t) {
-  auto f = std::make_shared<FuncNode>();
-  f->name = name;
-  f->args = std::move(args);
-  f->dtype = t;
-  return f;
-}
-
 // f's tiling: its own where the schedule names it, else that of the Func
 // it follows (FuncNode::schedule_of), else the default.
 GemmTiling tiling_of(const FuncNode &f, const Schedule &schedule) {

@@ -1137,6 +1137,37 @@ void emit_softmax_row(ExprEmitter &em, KernelBuilder &kb, const Softmax &sm,
   loop([&](const std::string &x) { store("expf(" + x + " - row_max) / row_sum"); });
 }
 
+// Every tensor an element-wise step writes with its value: the primary
+// output, then its siblings (merge_sibling_pointwise), stored alike or
+// summed over the step's last index (row_sum).
+struct Written {
+  const TensorDecl *t;
+  std::string ptr;
+  Expr value;
+  bool row_sum = false;
+};
+
+std::vector<Written> written_by(const KernelProgram &prog, const PointwiseStep &s, KernelBuilder &kb) {
+  std::vector<Written> outs{{&prog.tensor(s.output), kb.tensor(s.output, /*writes=*/true), s.body, false}};
+  for (const ExtraOutput &e : s.extra)
+    outs.push_back({&prog.tensor(e.output), kb.tensor(e.output, /*writes=*/true), e.value, e.row_sum});
+  return outs;
+}
+
+// The comment above an element-wise kernel: what each output is.
+void describe(std::ostringstream &src, const PointwiseStep &s, const std::vector<Written> &outs) {
+  for (size_t o = 0; o < outs.size(); ++o) {
+    src << (o ? "//   and " : "// " + s.name + ": ") << outs[o].t->name << "(";
+    for (size_t i = 0; i + (outs[o].row_sum ? 1 : 0) < s.vars.size(); ++i)
+      src << (i ? ", " : "") << s.vars[i].name();
+    src << ") = ";
+    if (outs[o].row_sum)
+      src << "sum(" << s.vars.back().name() << ", " << outs[o].value << ")\n";
+    else
+      src << outs[o].value << "\n";
+  }
+}
+
 // An element-wise step with per-row sums riding along (ExtraOutput::row_sum:
 // the gate gradient sum(j, h * dH) beside the activation's backward): a warp
 // per row of the leading indices walks the last index, eight elements per
@@ -1152,15 +1183,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
   k.step = s.name;
   k.threads = 256;
   KernelBuilder kb(prog, k);
-  struct Written {
-    const TensorDecl *t;
-    std::string ptr;
-    Expr value;
-    bool row_sum;
-  };
-  std::vector<Written> outs{{&prog.tensor(s.output), kb.tensor(s.output, /*writes=*/true), s.body, false}};
-  for (const ExtraOutput &e : s.extra)
-    outs.push_back({&prog.tensor(e.output), kb.tensor(e.output, /*writes=*/true), e.value, e.row_sum});
+  const std::vector<Written> outs = written_by(prog, s, kb);
   const TensorDecl &out = *outs[0].t;
   internal_check(s.vars.size() >= 2 && !s.body.as<Softmax>() && !has_long_reduction(s.body))
       << s.name << ": row sums ride along element-wise values over two or more indices";
@@ -1275,13 +1298,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
     for (size_t i = 0; i + 1 < s.vars.size(); ++i)
       k.grid.count.push_back(s.vars[i].dim());
   }
-  for (size_t o = 0; o < outs.size(); ++o) {
-    src << (o ? "//   and " : "// " + s.name + ": ") << outs[o].t->name << "(";
-    for (size_t i = 0; i + (outs[o].row_sum ? 1 : 0) < s.vars.size(); ++i)
-      src << (i ? ", " : "") << s.vars[i].name();
-    src << ") = " << (outs[o].row_sum ? "sum(" + col.name() + ", " : "") << outs[o].value
-        << (outs[o].row_sum ? ")" : "") << "\n";
-  }
+  describe(src, s, outs);
   // At most one block of 256 per SM as far as the bounds say: with the plain
   // bound ptxas held the SwiGLU backward with its row sum to 64 registers
   // and spilled; it needs about 70.
@@ -1298,16 +1315,7 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   k.threads = 256;
   KernelBuilder kb(prog, k);
   const TensorDecl &out = prog.tensor(s.output);
-  // Every tensor the step writes with its value: the primary output, then
-  // its siblings (merge_sibling_pointwise), stored alike.
-  struct Written {
-    const TensorDecl *t;
-    std::string ptr;
-    Expr value;
-  };
-  std::vector<Written> outs{{&out, kb.tensor(s.output, /*writes=*/true), s.body}};
-  for (const ExtraOutput &e : s.extra)
-    outs.push_back({&prog.tensor(e.output), kb.tensor(e.output, /*writes=*/true), e.value});
+  const std::vector<Written> outs = written_by(prog, s, kb);
   const std::string gOut = outs[0].ptr;
   const Softmax *softmax = s.body.as<Softmax>();
   internal_check(s.extra.empty() || (!softmax && !has_long_reduction(s.body)))
@@ -1466,12 +1474,7 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   k.grid.elements_per_thread = per_thread;
   for (const Var &v : loop_vars)
     k.grid.count.push_back(v.dim());
-  for (size_t o = 0; o < outs.size(); ++o) {
-    src << (o ? "//   and " : "// " + s.name + ": ") << outs[o].t->name << "(";
-    for (size_t i = 0; i < s.vars.size(); ++i)
-      src << (i ? ", " : "") << s.vars[i].name();
-    src << ") = " << outs[o].value << "\n";
-  }
+  describe(src, s, outs);
   src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ") " << k.name << "(\n    " << kb.signature()
       << ") {\n"
       << body.str() << "}\n\n";

@@ -9,5 +9,6 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 fi
 cmake --build "$BUILD_DIR" -j "$(nproc)"
-cd "$BUILD_DIR"
-ctest --output-on-failure -j "$(nproc)"
+(cd "$BUILD_DIR" && ctest --output-on-failure -j "$(nproc)")
+# The installed library, as another project uses it (find_package(moeforge)).
+MOEFORGE_BUILD_DIR="$BUILD_DIR" bash scripts/check_install.sh

@@ -15,6 +15,8 @@
 #                       where LLVM was found; needs LLVM where it is used
 #   moeforge::cuda      the CUDA backend (CudaLayer, TrainingLayer), where the
 #                       CUDA toolkit was found; needs the toolkit where used
+#                       (NVRTC, cuBLAS and the toolkit's headers are recorded
+#                       by the absolute paths this build found them at)
 #   moeforge::examples  the example layers (make_example("moe_mlp", ...))
 #
 # Include paths: the sources include each other as "dsl/...", "backends/..."

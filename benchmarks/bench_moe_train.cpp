@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 
 #include "backends/cuda/training_layer.h"
 #include "benchmarks/dense_roof.h"
@@ -50,10 +51,11 @@ Schedule tuned(const Shape &s, bool wide) {
   return t;
 }
 
-void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, bool recompute, bool skewed) {
-  ExampleShape es = shape.example();
-  Example ex = biased_moe(es, shape.swiglu, Bias::none, shape.swiglu);
-  std::string name = schedule_name;
+// A variant's schedule: a base name, then modifiers after '+', each one
+// schedule change, so that an experiment is a benchmark name
+// ("tuned_wide_lean+blocked") rather than an edit here.
+Schedule variant(const Shape &shape, const std::string &full) {
+  const std::string name = full.substr(0, full.find('+'));
   Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name.rfind("tuned_wide", 0) == 0) : preset(name);
   if (name == "tuned_wide_persist")
     schedule.persistent("*", true);
@@ -61,6 +63,28 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
     schedule.recompute_elementwise(true).gate_gradient_from_dh(true);
   if (name == "tuned_wide_gate")
     schedule.gate_gradient_from_dh(true);
+  for (size_t at = full.find('+'); at != std::string::npos;) {
+    const size_t next = full.find('+', at + 1);
+    const std::string mod = full.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
+    if (mod == "blocked") // sort-and-pad: x copied in the padded order, read by TMA
+      schedule.permutation(Permutation::blocked);
+    else if (mod == "chain") // SwiGLU's input gradient as one GEMM over both reductions
+      schedule.chain_summed_gemms(true);
+    else if (mod == "persist_dx") // the input gradient's GEMMs persistent, stored by TMA
+      schedule.persistent("d_x", true).tma_store("d_x", true);
+    else {
+      std::fprintf(stderr, "bench_moe_train: unknown variant modifier '+%s' in '%s'\n", mod.c_str(), full.c_str());
+      std::exit(2);
+    }
+    at = next;
+  }
+  return schedule;
+}
+
+void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, bool recompute, bool skewed) {
+  ExampleShape es = shape.example();
+  Example ex = biased_moe(es, shape.swiglu, Bias::none, shape.swiglu);
+  Schedule schedule = variant(shape, schedule_name);
   schedule.recompute(recompute);
   std::string why;
   if (!cuda::gpu_available(&why)) {
@@ -140,6 +164,9 @@ void register_all() {
     add(s, "tuned_wide_gate", false, false);
     add(s, "tuned_wide_lean", false, false);
     add(s, "tuned_wide_lean", false, true);
+    for (const char *v : {"tuned_wide+chain", "tuned_wide_lean+chain", "tuned_wide_lean+chain+persist_dx"})
+      for (bool skewed : {false, true})
+        add(s, v, false, skewed);
   }
   for (const Shape &s : bench::kExtraTrainShapes)
     for (bool skewed : {false, true})
@@ -148,7 +175,9 @@ void register_all() {
           add(s, "tuned_wide", re, skewed);
   for (const Shape &s : bench::kExtraTrainShapes)
     for (bool skewed : {false, true})
-      add(s, "tuned_wide_lean", false, skewed);
+      for (const char *v :
+           {"tuned_wide_lean", "tuned_wide+chain", "tuned_wide_lean+chain", "tuned_wide_lean+chain+persist_dx"})
+        add(s, v, false, skewed);
 }
 
 } // namespace

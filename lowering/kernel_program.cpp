@@ -88,6 +88,10 @@ std::vector<std::string> step_reads(const Step &s) {
         if constexpr (std::is_same_v<T, GemmStep>) {
           r.names.push_back(x.a);
           r.names.insert(r.names.end(), x.b.begin(), x.b.end());
+          if (x.chained) {
+            r.names.push_back(x.chained->a);
+            r.names.push_back(x.chained->b);
+          }
           r.visit(x.epilogue);
           for (const GemmStep::Extra &e : x.extra)
             r.visit(e.value);
@@ -180,6 +184,10 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
             if (x.expert_k)
               os << " rows " << row_map_name(x.b_rows);
             os << "; K = " << x.k.name() << ", N = " << x.n.name() << "\n";
+            if (x.chained)
+              os << "    + A2 = " << x.chained->a << " rows " << row_map_name(x.a_rows) << "; B2 = " << x.chained->b
+                 << (x.b_trans ? "^T" : "") << (x.b_per_expert ? "[expert]" : "") << "; K2 = " << x.chained->k.name()
+                 << "  (one accumulator)\n";
             os << "    " << x.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << x.epilogue
                << "  -> rows " << row_map_name(x.out_rows) << "\n";
             for (const GemmStep::Extra &e : x.extra)

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <variant>
@@ -116,6 +117,17 @@ struct GemmStep {
   // One accumulator of a GEMM whose epilogue the schedule keeps apart
   // (fuse_epilogue false; split_unfused_epilogues): never merged back.
   bool unfused = false;
+  // A second product summed into the same accumulator over a reduction of
+  // its own: acc0 = A B + A2 B2 (Schedule::chain_summed_gemms: two GEMMs
+  // whose outputs were only ever added, SwiGLU's input-gradient products
+  // dH1 W1^T and dH3 W3^T, become one GEMM over both reductions, and the
+  // sum is not a pass of its own). A2 and B2 are laid out as A and B are
+  // (row maps, transposes, B's expert index); single-B GEMMs only.
+  struct Chained {
+    std::string a, b;
+    Dim k;
+  };
+  std::optional<Chained> chained;
 };
 
 // out(vars) = body, one thread per element; sums over the pairs of a token

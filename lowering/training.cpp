@@ -10,6 +10,7 @@
 #include "lowering/gate_gradient.h"
 #include "lowering/lower.h"
 #include "lowering/rename_indices.h"
+#include "lowering/summed_gemms.h"
 
 namespace moeforge {
 
@@ -383,6 +384,8 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     for (const Step &s : p.steps)
       if (auto *g = std::get_if<GemmStep>(&s); g && g->expert_k && contains(t.gradients, g->output))
         p.find(g->output)->dtype = DType::bf16;
+  if (schedule.chain_summed_gemms())
+    chain_summed_gemms(p, t.forward_steps);
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))
       if (producer.count(r) && !contains(t.saved, r))

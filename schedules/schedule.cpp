@@ -126,6 +126,7 @@ Schedule &Schedule::padded_elementwise(bool on) { return flag(padded_elementwise
 Schedule &Schedule::recompute_elementwise(bool on) { return flag(recompute_elementwise_, "recompute_elementwise", on); }
 
 Schedule &Schedule::gate_gradient_from_dh(bool on) { return flag(gate_gradient_from_dh_, "gate_gradient_from_dh", on); }
+Schedule &Schedule::chain_summed_gemms(bool on) { return flag(chain_summed_gemms_, "chain_summed_gemms", on); }
 
 Schedule &Schedule::recompute(bool on) { return flag(recompute_, "recompute", on); }
 

@@ -172,6 +172,14 @@ public:
   // recompute_elementwise, dW2 reads the gate-scaled h made where h is made
   // again against dy's copy, so the per-pair d_o is not made either.
   Schedule &gate_gradient_from_dh(bool on);
+  // Training: two GEMMs whose outputs are only ever added (the input
+  // gradient's dH1 W1^T + dH3 W3^T under SwiGLU, each summed over a token's
+  // pairs) run as one GEMM over both reductions, A B + A2 B2 into one
+  // accumulator: one T*k x d tensor written and read instead of two, and
+  // one tile epilogue for both. The CUDA backend takes it in the
+  // warp-specialised loop with TMA operands (mma wgmma_ws, tma, and A in tile
+  // order: padded_elementwise or the blocked permutation).
+  Schedule &chain_summed_gemms(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -207,6 +215,7 @@ public:
   bool padded_elementwise() const { return padded_elementwise_; }
   bool recompute_elementwise() const { return recompute_elementwise_; }
   bool gate_gradient_from_dh() const { return gate_gradient_from_dh_; }
+  bool chain_summed_gemms() const { return chain_summed_gemms_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -267,6 +276,7 @@ private:
   bool padded_elementwise_ = false;
   bool recompute_elementwise_ = false;
   bool gate_gradient_from_dh_ = false;
+  bool chain_summed_gemms_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

@@ -54,6 +54,7 @@ const std::vector<Signature> &signatures() {
       {"padded_elementwise", {{"on", ArgType::boolean}}},
       {"recompute_elementwise", {{"on", ArgType::boolean}}},
       {"gate_gradient_from_dh", {{"on", ArgType::boolean}}},
+      {"chain_summed_gemms", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -70,6 +71,7 @@ FlagSetter flag_setter(const std::string &primitive) {
       {"padded_elementwise", &Schedule::padded_elementwise},
       {"recompute_elementwise", &Schedule::recompute_elementwise},
       {"gate_gradient_from_dh", &Schedule::gate_gradient_from_dh},
+      {"chain_summed_gemms", &Schedule::chain_summed_gemms},
   };
   for (const auto &[name, set] : flags)
     if (primitive == name)

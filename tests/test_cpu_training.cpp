@@ -547,6 +547,37 @@ TEST_SUITE("cpu") {
           }
   }
 
+  TEST_CASE("cpu training: chain_summed_gemms runs SwiGLU's input-gradient GEMMs as one and trains") {
+    // d_x = combine(dH1 W1^T) + combine(dH3 W3^T): one GEMM over both
+    // reductions (GemmStep::chained), so one per-pair tensor of width d.
+    // GeLU's layer has one such product and stays as it is. Blocked and
+    // scattered, padded_elementwise and the lean mode, T = 150 and T = 1.
+    for (const char *name : {"swiglu_moe", "moe_mlp"})
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (int mode : {0, 1, 2})
+          for (int64_t tokens : {150, 1}) {
+            if (tokens == 1 && mode != 2)
+              continue;
+            INFO(name << " / " << p << " / mode " << mode << " / T = " << tokens);
+            ExampleShape s = shape(tokens, 64, 128, 8, 2);
+            Example ex = make_example(name, s);
+            Training train = training_of(ex);
+            TensorMap in = with_seed_gradients(ex.pipeline, train, ex.random_inputs(s, 23), 31);
+            Schedule sch = named(p, false);
+            sch.padded_elementwise(mode >= 1).recompute_elementwise(mode == 2).gate_gradient_from_dh(mode == 2);
+            sch.chain_summed_gemms(true);
+            CHECK(Schedule::from_text(sch.to_text()).chain_summed_gemms());
+            cpu::CompiledCpuTraining compiled =
+                cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+            int chained = 0;
+            for (const Step &st : compiled.training.program.steps)
+              if (const auto *g = std::get_if<GemmStep>(&st); g && g->chained)
+                ++chained;
+            CHECK(chained == (std::string(name) == "swiglu_moe" ? 1 : 0));
+            check_step(compiled, ex, train, in, s.tokens);
+          }
+  }
+
   TEST_CASE("cpu training: gradient() of an unknown name and backward() before forward() are user errors") {
     ExampleShape s = shape(32, 64, 128, 8, 2);
     Example ex = make_example("moe_mlp", s);

@@ -669,6 +669,52 @@ TEST_CASE("codegen: a GEMM's fused outputs leave by TMA too, zero-padded ones wi
   }
 }
 
+TEST_CASE("codegen: chain_summed_gemms: SwiGLU's input gradient is one GEMM over both reductions") {
+  // tuned_wide (and its lean mode) with chain_summed_gemms: dH1 W1^T and
+  // dH3 W3^T run as one GEMM whose ring loads the first product's k-tiles,
+  // then the second's, each A and B through its own TMA map; the combine
+  // over a token's pairs reads one per-pair tensor of width d. A block per
+  // tile (tuned_wide) or persistent; within the register and spill bounds.
+  Example ex = make_example("swiglu_moe", small());
+  for (int mode : {0, 1, 2}) {
+    INFO("mode " << mode);
+    Schedule s = bench::tuned_wide(true);
+    s.chain_summed_gemms(true);
+    if (mode == 1)
+      s.recompute_elementwise(true).gate_gradient_from_dh(true);
+    if (mode == 2)
+      s.persistent("*", true);
+    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
+    check_resources(c.layer, "tuned_wide with chain_summed_gemms");
+    int chained = 0;
+    std::string name;
+    for (const Step &st : c.training.program.steps)
+      if (const auto *g = std::get_if<GemmStep>(&st); g && g->chained) {
+        ++chained;
+        name = g->name;
+        CHECK(g->chained->a == "d_x_s_a");
+        CHECK(g->a == "d_x_s_a2");
+      }
+    REQUIRE(chained == 1);
+    CHECK(c.training.program.find("d_x_s") == nullptr);
+    const std::string src = kernel_source(c.layer, name);
+    CHECK(count_of(src, mode == 2 ? "Cfg::tile_tma_chain(ring, " : "Cfg::mainloop_tma_chain(smem, ") == 1);
+    bool a2 = false, b2 = false;
+    for (const KernelArg &a : kernel_named(c.layer, name).args) {
+      a2 |= a.kind == KernelArg::Kind::tma && a.name == "d_x_s_a";
+      b2 |= a.kind == KernelArg::Kind::tma && a.name == "w1";
+    }
+    CHECK(a2);
+    CHECK(b2);
+  }
+  // Where the loop cannot take both products: a user error naming the fix.
+  Schedule plain = bench::tuned_wide(true);
+  plain.chain_summed_gemms(true).tma("*", false);
+  CHECK_THROWS_WITH_AS(cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), plain),
+                       doctest::Contains("chain_summed_gemms runs its two products in the warp-specialised loop"),
+                       UserError);
+}
+
 TEST_CASE("codegen: gate_gradient_from_dh: the dH GEMM reads dy's rows and the gate gradient reads h, not o") {
   // tuned_wide with the gate's gradient taken from the dH GEMM: its A is
   // dy's rows unscaled, a per-pair copy in the padded order made by d_o's

@@ -31,17 +31,20 @@ using testing::shape;
 
 // A preset by name, or "scattermoe+padded": scattermoe with
 // padded_elementwise, whose expert reductions read operands by TMA.
-// A preset by name, with "+padded" (padded_elementwise) and "+lean" (the
+// A preset by name, with "+padded" (padded_elementwise), "+lean" (the
 // lean memory mode: recompute_elementwise and gate_gradient_from_dh, which
-// keep the pre-activations, the layer input and the routing tables only).
+// keep the pre-activations, the layer input and the routing tables only)
+// and "+chain" (chain_summed_gemms: SwiGLU's input gradient as one GEMM).
 Schedule training_preset(const std::string &name, bool recompute) {
-  const bool padded = name.find("+padded") != std::string::npos, lean = name.find("+lean") != std::string::npos;
+  auto has = [&](const char *part) { return name.find(part) != std::string::npos; };
   Schedule s = preset(name.substr(0, name.find('+')));
   s.recompute(recompute);
-  if (padded)
+  if (has("+padded"))
     s.padded_elementwise(true);
-  if (lean)
+  if (has("+lean"))
     s.recompute_elementwise(true).gate_gradient_from_dh(true);
+  if (has("+chain"))
+    s.chain_summed_gemms(true);
   return s;
 }
 
@@ -233,8 +236,8 @@ TEST_SUITE("gpu") {
   TEST_CASE("cuda training: gradients of every preset x example match the reference") {
     MOEFORGE_REQUIRE_GPU();
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (const char *p :
-           {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean", "scattermoe+padded+lean"})
+      for (const char *p : {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean",
+                            "scattermoe+padded+lean", "scattermoe+padded+lean+chain"})
         for (bool recompute : {false, true}) {
           ExampleShape s = shape(200, 64, 128, 8, 2);
           Example ex = make_example(name, s);
@@ -276,7 +279,7 @@ TEST_SUITE("gpu") {
     // 128 x 256 weight-gradient tiles beside 4 stages are staged in halves
     // (the second past N = 128 here: nothing to store).
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (int mode : {0, 1, 2, 3, 4, 5, 6}) {
+      for (int mode : {0, 1, 2, 3, 4, 5, 6, 7, 8}) {
         const bool padded = mode > 0, stored = mode >= 2;
         Example ex = make_example(name, s);
         Schedule p = mode >= 3 ? bench::tuned_wide(std::string(name) == "swiglu_moe") : preset("scattermoe");
@@ -288,9 +291,13 @@ TEST_SUITE("gpu") {
         // then dy's rows unscaled (gate_gradient_from_dh): o not kept. Mode
         // 6: the gate's gradient so with h kept, the gradient's row sum then
         // moving to the later kernel of the activation's backward.
-        if (mode < 4)
+        // Modes 7 and 8: tuned_wide and its lean mode with SwiGLU's input
+        // gradient as one GEMM over both reductions (chain_summed_gemms), a
+        // block per tile, then persistent.
+        if (mode < 4 || mode == 8)
           p.persistent("*", true);
-        p.recompute_elementwise(mode == 4 || mode == 5).gate_gradient_from_dh(mode >= 5);
+        p.recompute_elementwise(mode == 4 || mode == 5 || mode == 8).gate_gradient_from_dh(mode >= 5 && mode != 7);
+        p.chain_summed_gemms(mode >= 7);
         if (mode >= 3)
           p.tma_store("h", true);
         if (mode == 2)
@@ -300,6 +307,8 @@ TEST_SUITE("gpu") {
                       : mode == 4 ? " (tuned_wide)"
                       : mode == 5 ? " (tuned_wide, lean)"
                       : mode == 6 ? " (tuned_wide, gate_gradient_from_dh)"
+                      : mode == 7 ? " (tuned_wide, chain_summed_gemms)"
+                      : mode == 8 ? " (tuned_wide, lean, chain_summed_gemms, persistent)"
                                   : ""));
         Outcome o = train_and_compare(ex, ex.random_inputs(s, 5), s.tokens, p);
         CHECK(o.routing_mismatches == 0);
@@ -416,11 +425,12 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("cuda training: the MoE edge cases") {
     MOEFORGE_REQUIRE_GPU();
-    testing::check_edge_cases(
-        64, 128, {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean", "scattermoe+padded+lean"},
-        [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
-          return train_and_compare(ex, in, tokens, training_preset(p, false));
-        });
+    testing::check_edge_cases(64, 128,
+                              {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean",
+                               "scattermoe+padded+lean", "scattermoe+padded+lean+chain"},
+                              [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
+                                return train_and_compare(ex, in, tokens, training_preset(p, false));
+                              });
   }
 
   TEST_CASE("cuda training: the auxiliary losses and their gradients (0-D reductions over tokens and pairs)") {

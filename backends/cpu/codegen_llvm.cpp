@@ -410,7 +410,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
   for (int i = 0; i < nb; ++i)
     acc.push_back(fb.alloca_f32(TN, "acc" + std::to_string(i)));
   internal_check(!g.b_trans || !g.expert_k) << "an expert reduction's B is never transposed";
-  Value *b_stride_t = g.b_trans ? fb.extent(g.k) : nullptr; // a transposed B's row length
+  internal_check(!g.chained || (nb == 1 && !g.expert_k)) << "a chained product is for single-B GEMMs";
+  // The B operands and a transposed B's row length (K) that `update` reads:
+  // the GEMM's own, or its chained product's while that one's loop is
+  // emitted (GemmStep::chained).
+  Value *b_stride_t = g.b_trans ? fb.extent(g.k) : nullptr;
 
   // One output row of C, stored at row `out_row`, the epilogue's row index
   // being `row_index`: N in blocks of TN; accumulate(n0, update) calls
@@ -507,7 +511,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
     return;
   }
 
-  Value *K = fb.extent(g.k);
+  // The products summed into the accumulators: A B, then A2 B2 where chained.
+  struct Product {
+    const TensorDecl *a;
+    std::vector<const TensorDecl *> b;
+    Value *k;
+  };
+  std::vector<Product> products{{&A, B, fb.extent(g.k)}};
+  if (g.chained)
+    products.push_back({&prog.tensor(g.chained->a), {&prog.tensor(g.chained->b)}, fb.extent(g.chained->k)});
   // One output row: p is the row in tile order (padded position, or m when
   // dense), r the pair (or m), expert the B slice.
   auto row = [&](Value *p, Value *r, Value *expert) {
@@ -515,16 +527,21 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
                    : g.a_rows == RowMap::gather_pair ? r
                                                      : b.CreateSDiv(r, fb.c64(g.route->k));
     Value *out_row = g.out_rows == RowMap::direct ? p : r;
-    Value *a_base = b.CreateMul(a_row, K);
-    Value *b_base = g.b_per_expert ? b.CreateMul(expert, b.CreateMul(K, N)) : fb.c64(0);
     columns(out_row, r, p, [&](Value *n0, const Update &update) {
-      fb.for_loop(fb.c64(0), K, "k", [&](Value *kk) {
-        Value *a = fb.load(A, b.CreateAdd(a_base, kk));
-        Value *b_row = g.b_trans ? b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(n0, K), kk))
-                                 : b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, N), n0));
-        for (int i = 0; i < nb; ++i)
-          update(i, b_row, a);
-      });
+      for (const Product &pr : products) {
+        Value *K = pr.k;
+        Value *a_base = b.CreateMul(a_row, K);
+        Value *b_base = g.b_per_expert ? b.CreateMul(expert, b.CreateMul(K, N)) : fb.c64(0);
+        B = pr.b;
+        b_stride_t = g.b_trans ? K : nullptr;
+        fb.for_loop(fb.c64(0), K, "k", [&](Value *kk) {
+          Value *a = fb.load(*pr.a, b.CreateAdd(a_base, kk));
+          Value *b_row = g.b_trans ? b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(n0, K), kk))
+                                   : b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, N), n0));
+          for (int i = 0; i < nb; ++i)
+            update(i, b_row, a);
+        });
+      }
     });
   };
 

@@ -763,6 +763,16 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
 
   internal_check(!persistent || ws) << "definition '" << g.output << "': persistent without wgmma_ws "
                                     << "(Schedule::validate rejects it)";
+  // A chained product (GemmStep::chained): its A and B come through maps of
+  // their own, loaded after the first product's k-tiles into the same ring.
+  const bool chained = g.chained.has_value();
+  user_check(!chained || (ws && tma && a_tma && !cluster && nb == 1 && !g.chained->k.is_dynamic()))
+      << "definition '" << g.output << "': chain_summed_gemms runs its two products in the warp-specialised loop "
+      << "with TMA operands, A in tile order: add mma(\"" << g.output << "\", wgmma_ws) and tma(\"" << g.output
+      << "\", true) with padded_elementwise(true) (or the blocked permutation), drop cluster, or drop "
+      << "chain_summed_gemms";
+  if (chained)
+    check_multiple_of_8(g, g.chained->k, "chained reduced");
   // The epilogue: the algebra around the sums, per output element.
   std::string vr = "v_" + c_name(g.row_var.name()), vc = "v_" + c_name(g.col_var.name());
   std::map<const FuncNode *, std::string> accumulators; // held in registers, passed to each lambda
@@ -964,6 +974,16 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
         body << (b ? ", " : "") << "&"
              << (g.b_trans ? kb.tma(g.b[b], g.n.extent(), g.k.extent()) : kb.tma(g.b[b], g.k.extent(), g.n.extent()));
       body << "};  // B tiles by TMA, batch " << (g.b_per_expert ? "= expert" : "0") << "\n";
+      if (chained) {
+        const GemmStep::Chained &c = *g.chained;
+        body << "  // The chained product, after A B's k-tiles: " << c.a << " x " << c.b << (g.b_trans ? "^T" : "")
+             << "\n";
+        body << "  constexpr int K2 = " << c.k.extent() << ";\n";
+        body << "  const Cfg::ATma a_load2{&" << kb.tma(c.a, 0, c.k.extent()) << ", (int)p0, rows};\n";
+        body << "  const mf::TmaDesc *tB2[1] = {&"
+             << (g.b_trans ? kb.tma(c.b, g.n.extent(), c.k.extent()) : kb.tma(c.b, c.k.extent(), g.n.extent()))
+             << "};\n";
+      }
     } else {
       body << "  const mf::bf16 *gB[" << nb << "] = {";
       for (int b = 0; b < nb; ++b)
@@ -987,7 +1007,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     stamp(1);
     stamp_rows();
     const std::string batch = g.b_per_expert ? "(int)expert" : "0";
-    if (persistent && !cluster)
+    if (chained)
+      body << "  if (!Cfg::" << (persistent ? "tile_tma_chain(ring, " : "mainloop_tma_chain(smem, ")
+           << "a_load, tB, a_load2, tB2, " << batch << ", K, K2, n0, rows, acc))\n    "
+           << (persistent ? "continue;  // the producer: on to the next tile\n\n"
+                          : "return;  // a loading-only warpgroup\n\n");
+    else if (persistent && !cluster)
       body << "  if (!Cfg::"
            << (tma ? "tile_tma(ring, a_load, tB, " + batch + ", K, n0, rows, acc)"
                    : "tile(ring, gA, a_ok, gB, K, N, n0, acc)")
@@ -1072,7 +1097,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   src << "// " << g.name << ": " << g.output << " = epilogue(" << g.a << " x {";
   for (int b = 0; b < nb; ++b)
     src << (b ? ", " : "") << g.b[b];
-  src << "}), tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages\n";
+  src << "}" << (chained ? " + " + g.chained->a + " x {" + g.chained->b + "}" : "") << "), tile " << t.tile_m << "x"
+      << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages\n";
   k.grid.cluster_m = cluster ? 2 : 1;
   src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ", " << min_blocks << ") "
       << (cluster ? "__cluster_dims__(2, 1, 1) " : "") << k.name << "(\n    " << kb.signature() << ") {\n"

@@ -1320,6 +1320,44 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
         [&](int slot, int kt, int t) { Base::load_stage_tma(r.s0, r.full, slot, kt, t, a, tB, batch, K, n0); },
         rows > (threadIdx.x >> 7) * 64);
   }
+  // ---- a chained product (GemmStep::chained): acc = A B + A2 B2, the
+  // first product's k-tiles, then the second's, as one run of stages, so
+  // the consumers see one main loop and one epilogue.
+  template <typename ALoad>
+  __device__ static __forceinline__ void
+  load_chained(unsigned s0, unsigned full, int slot, int kt, int t, const ALoad &a, const TmaDesc *const (&tB)[NB],
+               const ALoad &a2, const TmaDesc *const (&tB2)[NB], int batch, int K, int K2, int n0) {
+    const int KT1 = (K + BK - 1) / BK;
+    if (kt < KT1)
+      Base::load_stage_tma(s0, full, slot, kt, t, a, tB, batch, K, n0);
+    else
+      Base::load_stage_tma(s0, full, slot, kt - KT1, t, a2, tB2, batch, K2, n0);
+  }
+  template <typename ALoad>
+  __device__ static bool tile_tma_chain(Ring &r, const ALoad &a, const TmaDesc *const (&tB)[NB], const ALoad &a2,
+                                        const TmaDesc *const (&tB2)[NB], int batch, int K, int K2, int n0, int rows,
+                                        Acc &acc) {
+    const int KT = (K + BK - 1) / BK + (K2 + BK - 1) / BK;
+    return ring_tile(
+        r, KT * BK, acc,
+        [&](int slot, int kt, int t) { load_chained(r.s0, r.full, slot, kt, t, a, tB, a2, tB2, batch, K, K2, n0); },
+        rows > (threadIdx.x >> 7) * 64);
+  }
+  template <typename ALoad>
+  __device__ static bool mainloop_tma_chain(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB],
+                                            const ALoad &a2, const TmaDesc *const (&tB2)[NB], int batch, int K, int K2,
+                                            int n0, int rows, Acc &acc) {
+    const int wg = threadIdx.x >> 7;
+    const bool active = rows > wg * 64;
+    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
+    return ws_pipeline<STAGES, CONSUMERS, !ALoad::BY_TMA>(
+        full, (K + BK - 1) / BK + (K2 + BK - 1) / BK,
+        [&](int slot, int kt, int t) { load_chained(s0, full, slot, kt, t, a, tB, a2, tB2, batch, K, K2, n0); },
+        [&](int slot) {
+          if (active)
+            Base::mma_stage(s0, slot, wg, acc);
+        });
+  }
   template <typename Load> __device__ static bool ring_tile(Ring &r, int K, Acc &acc, Load load, bool active = true) {
     const int wg = threadIdx.x >> 7;
     return Tiles::ring_stages(r, (K + BK - 1) / BK, load, [&](int slot) {

@@ -36,7 +36,8 @@ const char *kUsage =
     "                                 [--recompute] [--aux] [--backend cpu|cuda] [--check]\n"
     "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm\n";
 
-const char *kVersion = "0.11.0";
+// The project's version (CMakeLists.txt), as the installed package reports it.
+const char *kVersion = MOEFORGE_VERSION;
 
 // What the flags default to (Options and ExampleShape below), for --help.
 const char *kDefaults = "\n"

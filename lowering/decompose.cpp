@@ -144,6 +144,7 @@ Expr Decomposer::part(const std::string &name, const std::vector<Var> &args, con
   f->body = body;
   f->dtype = t;
   f->has_declared_type = true;
+  f->schedule_of = owner_; // a schedule naming the Func reaches its GEMMs (d_x's d_x_s, d_x_s2)
   made_[key] = f;
   parts.push_back(f);
   return Access::make(f, idx);
@@ -363,6 +364,8 @@ Expr Decomposer::hoist_invariant_sums(const FuncNode &f, const Expr &body, std::
 std::vector<FuncPtr> Decomposer::decompose(const FuncPtr &f) {
   if (!done_.insert(f->name).second)
     return {};
+  const std::string outer = owner_; // share_sums decomposes other Funcs from inside this one
+  owner_ = f->schedule_of.empty() ? f->name : f->schedule_of;
   std::vector<FuncPtr> parts;
   Expr body = share_forward_sums_ ? share_sums(*f, f->body, parts) : f->body;
   // expert_sum over (expert, i, j) is a per-expert GEMM; over (expert, j)
@@ -387,6 +390,7 @@ std::vector<FuncPtr> Decomposer::decompose(const FuncPtr &f) {
     g->body = body;
     parts.push_back(g);
   }
+  owner_ = outer;
   return parts;
 }
 

@@ -72,6 +72,9 @@ private:
   std::vector<std::string> bf16_operands_;
   std::set<std::string> done_;
   int counter_ = 0;
+  // The Func whose schedule settings the parts being made take: the one
+  // being decomposed, or the one it was itself made for (FuncNode::schedule_of).
+  std::string owner_;
 };
 
 } // namespace moeforge

@@ -113,7 +113,8 @@ struct GemmStep {
   using Extra = ExtraOutput;
   std::vector<Extra> extra;
   GemmTiling tiling;
-  int block = 128; // routing block (rows per padded segment)
+  std::string func; // the Func whose schedule settings `tiling` holds (for messages)
+  int block = 128;  // routing block (rows per padded segment)
   // One accumulator of a GEMM whose epilogue the schedule keeps apart
   // (fuse_epilogue false; split_unfused_epilogues): never merged back.
   bool unfused = false;

@@ -29,11 +29,17 @@ const RoutingNode *route_of_pair(const Pipeline &p, const Var &v) {
 
 // f's tiling: its own where the schedule names it, else that of the Func
 // it follows (FuncNode::schedule_of), else the default.
-GemmTiling tiling_of(const FuncNode &f, const Schedule &schedule) {
+// The Func whose settings a GEMM of f takes: f's own, or for a part split
+// from a Func (d_x_s of d_x) that Func's, unless the schedule names the part.
+std::string scheduled_as(const FuncNode &f, const Schedule &schedule) {
   const auto &named = schedule.funcs();
   if (f.schedule_of.empty() || std::find(named.begin(), named.end(), f.name) != named.end())
-    return schedule.for_func(f.name).tiling;
-  return schedule.for_func(f.schedule_of).tiling;
+    return f.name;
+  return f.schedule_of;
+}
+
+GemmTiling tiling_of(const FuncNode &f, const Schedule &schedule) {
+  return schedule.for_func(scheduled_as(f, schedule)).tiling;
 }
 
 // One contraction sum(k, A(row, k) * B([expert(r),] k, col)) of a GEMM.
@@ -150,6 +156,7 @@ std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const S
   g.row_var = row;
   g.col_var = col;
   g.tiling = tiling_of(f, schedule);
+  g.func = scheduled_as(f, schedule);
   g.block = schedule.block();
   ReplaceSums rs;
   rs.row = row;
@@ -221,6 +228,7 @@ std::optional<GemmStep> match_expert_gemm(const FuncNode &f, const Schedule &sch
   g.accumulators = {placeholder("acc0", {g.row_var, g.col_var}, DType::f32)};
   g.epilogue = Access::make(g.accumulators[0], {g.row_var, g.col_var});
   g.tiling = tiling_of(f, schedule);
+  g.func = scheduled_as(f, schedule);
   g.block = schedule.block();
   return g;
 }

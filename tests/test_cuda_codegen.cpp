@@ -711,7 +711,8 @@ TEST_CASE("codegen: chain_summed_gemms: SwiGLU's input gradient is one GEMM over
   Schedule plain = bench::tuned_wide(true);
   plain.chain_summed_gemms(true).tma("*", false);
   CHECK_THROWS_WITH_AS(cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), plain),
-                       doctest::Contains("chain_summed_gemms runs its two products in the warp-specialised loop"),
+                       doctest::Contains("definition 'd_x': chain_summed_gemms runs its two products (d_x_s_a2 x w3, "
+                                         "d_x_s_a x w1) in the warp-specialised loop"),
                        UserError);
 }
 
@@ -729,8 +730,8 @@ TEST_CASE("codegen: gate_gradient_from_dh: the dH GEMM reads dy's rows and the g
     INFO((lean ? "recompute_elementwise" : "h kept") << (padded ? "" : ", not padded_elementwise"));
     Schedule s = bench::tuned_wide(true);
     s.gate_gradient_from_dh(true).recompute_elementwise(lean).padded_elementwise(padded);
-    if (!padded)
-      s.persistent("*", false).tma_store("*", false);
+    if (!padded) // (chain_summed_gemms reads its A operands in tile order)
+      s.persistent("*", false).tma_store("*", false).chain_summed_gemms(false);
     cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
     check_resources(c.layer, "tuned_wide with gate_gradient_from_dh");
     const std::vector<std::string> &saved = c.training.saved;
@@ -772,7 +773,9 @@ TEST_CASE("codegen: the backward's GEMMs over transposed weights read them by TM
   Example ex = make_example("swiglu_moe", small());
   cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), bench::tuned_wide(true));
   check_resources(c.layer, "swiglu_moe training, tuned_wide");
-  for (const auto &[gemm, w] : {std::pair{"gemm_d_h", "w2"}, {"gemm_d_x_s", "w1"}, {"gemm_d_x_s2", "w3"}}) {
+  // (tuned_wide chains dX's two products into one GEMM: chain_summed_gemms)
+  for (const auto &[gemm, w] :
+       {std::pair{"gemm_d_h", "w2"}, {"gemm_d_x_s2_d_x_s", "w3"}, {"gemm_d_x_s2_d_x_s", "w1"}}) {
     INFO(gemm);
     std::string src = kernel_source(c.layer, gemm);
     CHECK(src.find("B read transposed ([N, K])") != std::string::npos);

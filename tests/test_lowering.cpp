@@ -172,6 +172,33 @@ const GemmStep *gemm_writing(const KernelProgram &p, const std::string &name) {
 
 } // namespace
 
+TEST_CASE("lowering: a schedule naming a Func reaches the GEMMs its sums were split into") {
+  // d_x = combine(dH1 W1^T) + combine(dH3 W3^T) + d_logits Wr^T: lowering
+  // splits it into one GEMM per sum (d_x_s, d_x_s2, d_x_s3), which take
+  // d_x's settings; chained into one, the GEMM still names d_x for messages.
+  ExampleShape s;
+  s.tokens = 32;
+  Example ex = make_example("swiglu_moe", s);
+  for (bool chain : {false, true}) {
+    INFO((chain ? "chain_summed_gemms" : "separate"));
+    Schedule sch = preset("scattermoe");
+    sch.tile("d_x", 64, 128, 64).persistent("d_x", true).padded_elementwise(true).chain_summed_gemms(chain);
+    TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+    int parts = 0;
+    for (const Step &st : t.program.steps)
+      if (auto *g = std::get_if<GemmStep>(&st); g && g->output.rfind("d_x_s", 0) == 0) {
+        ++parts;
+        INFO(g->name);
+        CHECK(g->func == "d_x");
+        CHECK(g->tiling.tile_m == 64);
+        CHECK(g->tiling.tile_n == 128);
+        CHECK(g->tiling.persistent);
+        CHECK(g->chained.has_value() == (chain && g->route != nullptr));
+      }
+    CHECK(parts == (chain ? 2 : 3));
+  }
+}
+
 TEST_CASE("lowering: the backward's sibling element-wise steps run as one, unless the schedule keeps one apart") {
   // SwiGLU's two derivatives read d_h and the pre-activation: one step with
   // an extra output. Steps that reduce (the gate's dot product, the

@@ -767,8 +767,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // their own, loaded after the first product's k-tiles into the same ring.
   const bool chained = g.chained.has_value();
   user_check(!chained || (ws && tma && a_tma && !cluster && nb == 1 && !g.chained->k.is_dynamic()))
-      << "definition '" << g.output << "': chain_summed_gemms runs its two products in the warp-specialised loop "
-      << "with TMA operands, A in tile order: add mma(\"" << g.output << "\", wgmma_ws) and tma(\"" << g.output
+      << "definition '" << g.func << "': chain_summed_gemms runs its two products (" << g.a << " x " << g.b[0] << ", "
+      << g.chained->a << " x " << g.chained->b << ") in the warp-specialised loop with TMA operands, A in "
+      << "tile order: add mma(\"" << g.func << "\", wgmma_ws) and tma(\"" << g.func
       << "\", true) with padded_elementwise(true) (or the blocked permutation), drop cluster, or drop "
       << "chain_summed_gemms";
   if (chained)

@@ -146,7 +146,8 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
 // and on the extra shapes; tuned_wide_lean: tuned_wide keeping only the
 // pre-activations of the activation (recompute_elementwise) and no expert
 // outputs (gate_gradient_from_dh), uniform and skewed, on every shape;
-// tuned_wide_gate: the latter alone.
+// tuned_wide_gate: the latter alone; tuned_wide_lean+persist_dx: the lean
+// mode with the input gradient's GEMM in persistent blocks.
 void register_all() {
   auto add = [](const Shape &s, const char *p, bool re, bool skewed) {
     std::string name =
@@ -164,7 +165,7 @@ void register_all() {
     add(s, "tuned_wide_gate", false, false);
     add(s, "tuned_wide_lean", false, false);
     add(s, "tuned_wide_lean", false, true);
-    for (const char *v : {"tuned_wide+chain", "tuned_wide_lean+chain", "tuned_wide_lean+chain+persist_dx"})
+    for (const char *v : {"tuned_wide_lean+persist_dx"})
       for (bool skewed : {false, true})
         add(s, v, false, skewed);
   }
@@ -175,8 +176,7 @@ void register_all() {
           add(s, "tuned_wide", re, skewed);
   for (const Shape &s : bench::kExtraTrainShapes)
     for (bool skewed : {false, true})
-      for (const char *v :
-           {"tuned_wide_lean", "tuned_wide+chain", "tuned_wide_lean+chain", "tuned_wide_lean+chain+persist_dx"})
+      for (const char *v : {"tuned_wide_lean", "tuned_wide_lean+persist_dx"})
         add(s, v, false, skewed);
 }
 

@@ -46,8 +46,8 @@ inline Schedule tuned_wide(bool swiglu) {
     t.persistent("h", true).tma_store("h", true);
   // SwiGLU's input gradient dH1 W1^T + dH3 W3^T as one GEMM over both
   // reductions (K = 2f): one per-pair tensor of width d and one epilogue per
-  // tile instead of two (fine64 and qwen3moe -0.3 to -0.4 ms a step,
-  // mixtral -0.2; gptoss, d = f = 2880, within the spread).
+  // tile instead of two (fine64 and qwen3moe -0.3 to -0.4 ms a step;
+  // mixtral and gptoss within the spread).
   t.chain_summed_gemms(true);
   return t;
 }

@@ -88,7 +88,10 @@ struct GemmTiling {
   int cluster_m = 1;
   int threads() const { return warps_m * warps_n * 32; }
   // The A and B tiles of every stage, in bf16.
-  int shared_bytes() const { return stages * (tile_m * tile_k + tile_k * tile_n) * 2; }
+  // The ring of stages for `b_operands` B tiles beside the A tile, bf16: the
+  // one formula the schedule's checks and the CUDA backend's plan share.
+  int ring_bytes(int b_operands) const { return stages * (tile_m * tile_k + b_operands * tile_k * tile_n) * 2; }
+  int shared_bytes() const { return ring_bytes(1); }
   bool operator==(const GemmTiling &) const = default;
 };
 

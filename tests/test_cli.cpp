@@ -314,9 +314,26 @@ TEST_CASE("cli: emit --cuda prints generated CUDA where the backend is built") {
 }
 
 TEST_CASE("cli: emit and schedule and backend usage errors") {
-  check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "--cuda", "or --llvm"});
+  check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "--cuda", "--llvm", "or --plan"});
   check_usage_error({"emit", "moe_mlp", "--ir", "--cuda"},
-                    {"emit needs exactly one of --ir, --cuda or --llvm", "got --ir and --cuda"});
+                    {"emit needs exactly one of --ir, --cuda, --llvm or --plan", "got --ir and --cuda"});
+  check_usage_error({"emit", "moe_mlp", "--cuda", "--train"}, {"emit --train goes with --ir or --plan"});
+  check_usage_error({"run", "moe_mlp", "--train"}, {"unknown flag '--train' for 'run'"});
+  // The training step's program: the backward's GEMMs too.
+  Run t = cli({"emit", "swiglu_moe", "--ir", "--train"});
+  CHECK(t.code == 0);
+  CHECK(has(t.out, "gemm gemm_d_w1"));
+#ifdef MOEFORGE_HAVE_CUDA
+  // Each GEMM's plan on the CUDA backend, forward or training step.
+  Run plan = cli({"emit", "swiglu_moe", "--plan", "--train", "--schedule", "scattermoe"});
+  CHECK(plan.code == 0);
+  CHECK(has(plan.out, "gemm gemm_d_x_s (d_x_s, schedule of d_x)"));
+  CHECK(has(plan.out, "B w1: B^T [N, K] in place by TMA"));
+  CHECK(has(plan.out, "resources: 384 threads, shared "));
+  CHECK(cli({"emit", "moe_mlp", "--plan"}).code == 0);
+#else
+  check_usage_error({"emit", "moe_mlp", "--plan"}, {"emit --plan: this build has no CUDA backend"});
+#endif
   check_usage_error({"emit", "moe_mlp", "--ir", "--schedule", "fastest"},
                     {"schedule 'fastest' is neither a preset (megablocks, scattermoe)"});
   // The kernel program is target-independent (the CPU backend runs D = 100);

@@ -17,6 +17,7 @@
 #include "examples/aux_loss_example.h"
 #include "examples/examples.h"
 #include "lowering/lower.h"
+#include "lowering/training.h"
 #include "runtime/program_shapes.h"
 #include "schedules/presets.h"
 #include "tools/cli_backend.h"
@@ -34,7 +35,7 @@ const char *kUsage =
     "                               --backend reference|cpu|cuda] [--check]\n"
     "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|<file>]\n"
     "                                 [--recompute] [--aux] [--backend cpu|cuda] [--check]\n"
-    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm\n";
+    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n";
 
 // The project's version (CMakeLists.txt), as the installed package reports it.
 const char *kVersion = MOEFORGE_VERSION;
@@ -55,8 +56,9 @@ struct Options {
   bool recompute = false; // train: schedule.recompute(true)
   bool aux = false;       // train: with the example's auxiliary losses as more outputs
   std::string schedule = "megablocks";
-  std::string backend; // empty: the GPU when there is one, else the CPU backend, else the reference
-  std::string emit;    // ir, cuda or llvm
+  std::string backend;        // empty: the GPU when there is one, else the CPU backend, else the reference
+  std::string emit;           // ir, cuda, llvm or plan
+  bool emit_training = false; // emit --train: the training step's program
 };
 
 int64_t parse_int(const std::string &flag, const std::string &text) {
@@ -91,13 +93,17 @@ Options parse(const std::vector<std::string> &args) {
       o.recompute = true;
       continue;
     }
+    if (flag == "--train" && o.command == "emit") {
+      o.emit_training = true;
+      continue;
+    }
     if (flag == "--aux" && o.command == "train") {
       o.aux = true;
       continue;
     }
-    if ((flag == "--ir" || flag == "--cuda" || flag == "--llvm") && o.command == "emit") {
-      user_check(o.emit.empty()) << "emit needs exactly one of --ir, --cuda or --llvm, got --" << o.emit << " and "
-                                 << flag;
+    if ((flag == "--ir" || flag == "--cuda" || flag == "--llvm" || flag == "--plan") && o.command == "emit") {
+      user_check(o.emit.empty()) << "emit needs exactly one of --ir, --cuda, --llvm or --plan, got --" << o.emit
+                                 << " and " << flag;
       o.emit = flag.substr(2);
       continue;
     }
@@ -138,8 +144,10 @@ Options parse(const std::vector<std::string> &args) {
     }
   }
   user_check(o.command != "emit" || !o.emit.empty())
-      << "emit needs exactly one of --ir (the lowered kernel program), --cuda (the generated CUDA source) or "
-      << "--llvm (the CPU backend's optimised LLVM IR)";
+      << "emit needs exactly one of --ir (the lowered kernel program), --cuda (the generated CUDA source), "
+      << "--llvm (the CPU backend's optimised LLVM IR) or --plan (each GEMM's plan on the CUDA backend)";
+  user_check(!o.emit_training || o.emit == "ir" || o.emit == "plan")
+      << "emit --train goes with --ir or --plan (the training step's program or GEMM plans)";
   return o;
 }
 
@@ -564,9 +572,20 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
     if (o.command == "emit") {
       Example ex = make_example(o.example, o.shape);
       Schedule schedule = schedule_from_arg(o.schedule);
-      working = o.emit == "ir" || (o.emit == "cuda" ? kHaveCuda : kHaveCpu);
+      working = o.emit == "ir" || (o.emit == "cuda" || o.emit == "plan" ? kHaveCuda : kHaveCpu);
       if (o.emit == "ir") {
-        out << lower(ex.pipeline, schedule);
+        if (o.emit_training)
+          out << lower_training(ex.pipeline, ex.pipeline.func(ex.output), schedule).program;
+        else
+          out << lower(ex.pipeline, schedule);
+        return wrote(out, err) ? 0 : 2;
+      }
+      if (o.emit == "plan") {
+        user_check(kHaveCuda) << "emit --plan: this build has no CUDA backend (the CUDA toolkit was not found when "
+                              << "it was configured); emit --ir works without it";
+#ifdef MOEFORGE_HAVE_CUDA
+        out << cli_cuda_plans(ex, schedule, o.emit_training);
+#endif
         return wrote(out, err) ? 0 : 2;
       }
       if (o.emit == "cuda") {

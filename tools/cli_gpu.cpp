@@ -1,8 +1,10 @@
 // The CLI's CUDA backend (built with MOEFORGE_HAVE_CUDA).
 #include "backends/cuda/codegen_cuda.h"
+#include "backends/cuda/gemm_plan.h"
 #include "backends/cuda/layer.h"
 #include "backends/cuda/training_layer.h"
 #include "lowering/lower.h"
+#include "lowering/training.h"
 #include "tools/cli_backend.h"
 
 namespace moeforge {
@@ -12,6 +14,12 @@ bool cli_gpu_available(std::string *why) { return cuda::gpu_available(why); }
 std::string cli_cuda_source(const Pipeline &pipeline, const Schedule &schedule) {
   check_vector_alignment(pipeline);
   return generate_cuda(lower(pipeline, schedule)).source;
+}
+
+std::string cli_cuda_plans(const Example &ex, const Schedule &schedule, bool training) {
+  check_vector_alignment(ex.pipeline);
+  return describe_gemm_plans(training ? lower_training(ex.pipeline, ex.pipeline.func(ex.output), schedule).program
+                                      : lower(ex.pipeline, schedule));
 }
 
 BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,

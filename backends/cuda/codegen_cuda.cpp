@@ -7,6 +7,7 @@
 #include <map>
 #include <sstream>
 
+#include "backends/cuda/gemm_plan.h"
 #include "backends/cuda/tile_library.h"
 #include "dsl/error.h"
 #include "dsl/printer.h"
@@ -389,13 +390,6 @@ std::string max_padded_rows(const KernelProgram &prog, KernelBuilder &kb, const 
          "LL) * " + bs;
 }
 
-void check_multiple_of_8(const GemmStep &g, const Dim &d, const char *role) {
-  user_check(d.is_dynamic() || d.extent() % 8 == 0)
-      << "definition '" << g.output << "': " << role << " dimension " << d.name() << " = " << d.extent()
-      << " is not a multiple of 8; the CUDA backend moves 16-byte vectors: pad " << d.name() << " to "
-      << (d.extent() + 7) / 8 * 8;
-}
-
 // ------------------------------------------------------------ GEMM kernels
 
 // Whether C code uses the identifier `name` (not as part of a longer one).
@@ -636,34 +630,14 @@ void emit_expert_tile(KernelBuilder &kb, const GemmStep &g, const std::string &i
 
 void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream &src, GeneratedKernel &k) {
   const GemmTiling &t = g.tiling;
-  const int nb = static_cast<int>(g.b.size());
-  check_multiple_of_8(g, g.k, "reduced");
-  check_multiple_of_8(g, g.n, "column");
-  user_check(!g.n.is_dynamic()) << "definition '" << g.output << "': the CUDA backend needs a static column extent ("
-                                << g.n.name() << ")";
+  // Every choice below was made by the plan (gemm_plan.h), legality included.
+  const GemmPlan plan = plan_gemm(prog, g);
+  const int nb = plan.nb;
   k.name = c_name(g.name);
   k.step = g.name;
   KernelBuilder kb(prog, k);
-  const bool in_place = g.operands_in_place;
-  const bool ws = t.mma == MmaKind::wgmma_ws;
-  const bool wgmma = t.mma == MmaKind::wgmma || ws;
-  // B by TMA: a dense [K, N] matrix per expert (or one for all rows), or
-  // its transpose [N, K] read in place (the backward's dX = dH W^T), whose
-  // shape is known here; expert reductions and dynamic K stay on cp.async.
-  const bool tma = wgmma && t.tma && !in_place && !g.expert_k && !g.k.is_dynamic();
-  // An expert reduction's B by TMA: consecutive padded rows with zeros on
-  // padding (WgmmaRowsWsConfig::mainloop_b_tma).
-  auto zero_padded = [&](const std::string &name, RowMap rows) {
-    return rows == RowMap::direct && prog.tensor(name).zero_padding && prog.tensor(name).dtype == DType::bf16;
-  };
-  const bool b_tma_rows = in_place && ws && t.tma && nb == 1 && zero_padded(g.b[0], g.b_rows);
-  // A as well when it is one too and each expert's segment is whole boxes
-  // of 64 rows (nothing then zeroes rows of the next segment).
-  const bool a_tma_rows = b_tma_rows && zero_padded(g.a, g.a_rows) && g.block % 64 == 0;
-  // A by TMA too when its rows are consecutive (tile order, or a dense A).
-  const bool a_tma = tma && g.a_rows == RowMap::direct;
-  internal_check(!tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
-      << "GEMM operands are bf16 (lowering converts them)";
+  const bool in_place = plan.in_place, ws = plan.ws, wgmma = plan.wgmma, tma = plan.tma;
+  const bool b_tma_rows = plan.b_tma_rows, a_tma_rows = plan.a_tma_rows, a_tma = plan.a_tma;
   std::string gA = a_tma ? "" : a_tma_rows ? "&" + kb.tma(g.a, 0, g.m.extent()) : kb.tensor(g.a);
   std::vector<std::string> gB;
   for (const std::string &b : g.b)
@@ -680,10 +654,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
                           : "A and B by rows")
          << (ws ? ", warp-specialised" : "") << "\n";
   } else if (wgmma) {
-    user_check(nb * t.tile_n / 2 <= 128) << "definition '" << g.output << "': " << nb << " B operands with tile_n "
-                                         << t.tile_n << " need " << nb * t.tile_n / 2
-                                         << " accumulator registers per thread under wgmma: use tile_n "
-                                         << 256 / (2 * nb) << " or less";
     body << "  using Cfg = mf::" << (ws ? "WgmmaWsConfig<" : "WgmmaConfig<") << t.tile_m << ", " << t.tile_n << ", "
          << t.stages << ", " << nb << (g.b_trans ? ", true" : "") << ">;  // Hopper warpgroup MMA"
          << (ws ? ", warp-specialised" : "") << (g.b_trans ? ", B read transposed ([N, K])" : "") << "\n";
@@ -696,9 +666,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   body << "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n";
   // Timeline stamps (nothing unless compiled with MF_TIMELINE): a block per
   // tile only, whose phases are the tile's.
-  // Persistent blocks (warp-specialised GEMMs, and expert reductions whose B
-  // comes by TMA): a loop over the tiles, `skip` leaving one tile.
-  const bool persistent = t.persistent && (!g.expert_k || b_tma_rows);
+  // Persistent blocks: a loop over the tiles, `skip` leaving one tile.
+  const bool persistent = plan.persistent;
   const bool stamp_tiles = persistent; // persistent blocks stamp per tile
   auto stamp = [&](int phase) {
     if (timeline_requested())
@@ -713,16 +682,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   if (!stamp_tiles)
     stamp(0);
   body << "  constexpr int N = " << N << ";\n";
-  // Split-K: a dense GEMM over a dynamic K (the tokens: the router's weight
-  // gradient x^T d_logits) has a handful of output tiles and a long K, so a
-  // block per tile left most SMs idle. The grid's y slices K into runs of
-  // whole k-tiles; each slice adds its partial sums into the f32 output,
-  // which the runtime zeroes first. Only for a plain accumulator epilogue,
-  // which is linear in the partial sums, and B as [K, N] (B^T's rows are K
-  // long, which the loops take from K, here the slice's length).
-  const bool split_k = !g.route && !g.expert_k && !in_place && !g.b_trans && g.k.is_dynamic() && !t.persistent &&
-                       t.cluster_m == 1 && nb == 1 && g.extra.empty() && prog.tensor(g.output).dtype == DType::f32 &&
-                       g.epilogue.as<Access>() && g.epilogue.as<Access>()->func == g.accumulators[0];
+  // Split-K: the grid's y slices K into runs of whole k-tiles, each adding
+  // its partial sums into the zeroed f32 output.
+  const bool split_k = plan.split_k;
   if (g.expert_k)
     body << "  // K: this expert's padded rows (below)\n";
   else if (split_k)
@@ -743,37 +705,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  constexpr int K = " << g.k.extent() << ";\n";
   body << "  constexpr int NUM_N = (N + Cfg::BN - 1) / Cfg::BN;\n";
   body << "  int m_tile, n_tile;\n";
-  // Two blocks per cluster sharing B (row tiles 2m, 2m + 1 of one expert).
-  const bool cluster = t.cluster_m == 2 && !g.expert_k && !in_place;
-  user_check(!cluster || (ws && tma && !g.b_trans && !g.k.is_dynamic()))
-      << "definition '" << g.output << "': clusters of two row tiles multicast TMA loads from the warp-specialised "
-      << "loop: add mma(\"" << g.output << "\", wgmma_ws) and tma(\"" << g.output << "\", true), or drop cluster";
+  const bool cluster = plan.cluster;
   // Persistent clusters: the pair walks (pair of row tiles, column tile)
   // items together (WgmmaWsConfig::pair_ring); a block whose tile of the
   // pair is empty runs the item's stages with no rows, keeping the pair in
   // step.
-  const bool pair_items = persistent && cluster;
-  // Routed pairs: consecutive routing tiles (block = tile_m; they share B
-  // when one expert holds both), or the two halves of one routing tile
-  // (block = 2 tile_m: always one expert, every pair shares).
-  user_check(!cluster || !g.route || g.block == t.tile_m || g.block == 2 * t.tile_m)
-      << "definition '" << g.output << "': clusters of two row tiles need the routing block (" << g.block
-      << ") to be tile_m or twice it, not tile_m " << t.tile_m << ": set tile(\"" << g.output << "\", " << g.block
-      << ", ...), block(" << 2 * t.tile_m << ") or drop cluster";
-
-  internal_check(!persistent || ws) << "definition '" << g.output << "': persistent without wgmma_ws "
-                                    << "(Schedule::validate rejects it)";
-  // A chained product (GemmStep::chained): its A and B come through maps of
-  // their own, loaded after the first product's k-tiles into the same ring.
-  const bool chained = g.chained.has_value();
-  user_check(!chained || (ws && tma && a_tma && !cluster && nb == 1 && !g.chained->k.is_dynamic()))
-      << "definition '" << g.func << "': chain_summed_gemms runs its two products (" << g.a << " x " << g.b[0] << ", "
-      << g.chained->a << " x " << g.chained->b << ") in the warp-specialised loop with TMA operands, A in "
-      << "tile order: add mma(\"" << g.func << "\", wgmma_ws) and tma(\"" << g.func
-      << "\", true) with padded_elementwise(true) (or the blocked permutation), drop cluster, or drop "
-      << "chain_summed_gemms";
-  if (chained)
-    check_multiple_of_8(g, g.chained->k, "chained reduced");
+  const bool pair_items = plan.pair_items;
+  const bool chained = plan.chained;
   // The epilogue: the algebra around the sums, per output element.
   std::string vr = "v_" + c_name(g.row_var.name()), vc = "v_" + c_name(g.col_var.name());
   std::map<const FuncNode *, std::string> accumulators; // held in registers, passed to each lambda
@@ -802,61 +740,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
               << code.str() << "    return " << value << ";\n  };\n";
     reads_row |= mentions(code.str() + value, vr);
   }
-  // Latency trims that cost registers, for tiles whose accumulators leave
-  // room (under 128 per thread; SwiGLU's 2 x 128-wide tile spills with them):
-  // the epilogue's rows through sorted_pair are loaded before the main loop,
-  // which hides their latency, and a persistent block's consumers skip the
-  // producer's A row lookups, which they would otherwise wait for per tile.
-  const bool roomy = !wgmma || nb * t.tile_n / 2 < 128;
-  // A routed tile's rows below `rows` are all real pairs, so an epilogue
-  // that stores in tile order and never reads the pair index (h = gelu(acc),
-  // say) needs no sorted_pair lookup: it was a dependent load per tile.
-  bool pair_rows = g.out_rows != RowMap::direct || reads_row;
-  for (const GemmStep::Extra &e : g.extra)
-    pair_rows |= prog.tensor(e.output).layout != RowLayout::padded;
-  const bool prefetch_rows = g.route && !g.expert_k && !in_place && roomy && pair_rows;
-  // The output tile through TMA (GemmTiling::tma_store): a bf16 output in
-  // tile order with no pair lookups, staged in the ring, which a block per
-  // tile no longer needs once its main loop is done, or (persistent blocks,
-  // whose producer is filling the ring with the next tile) in a buffer of
-  // its own past the ring, whose copy then overlaps the next main loop.
-  // Not in clusters yet: untested there (the failure first blamed on the
-  // pair was the clusters' rasterisation, since fixed), so they keep plain
-  // stores.
-  // Persistent expert reductions too (a bf16 weight gradient [E, M, N], the
-  // expert the map's third coordinate): their tiles are short in K, so the
-  // stores, which their consumers otherwise waited for, were a tenth of a
-  // tile.
-  // Fused outputs too (SwiGLU's h_silu_in, h_rhs and h), each through its
-  // own map: all bf16 in tile order. A zero-padded one (read by TMA later)
-  // gets its padding rows' zeros from the staged tile, whose rows past
-  // `rows` are staged as 0, so every box of the tile is stored; that needs
-  // the tile to be one routing block, as the plain stores' zeroing does.
-  bool outputs_bf16 = true, zero_rows = false;
-  for (const auto &[name, value] : outputs) {
-    outputs_bf16 &= prog.tensor(name).dtype == DType::bf16;
-    zero_rows |= g.route && !g.expert_k && prog.tensor(name).zero_padding;
-  }
-  // Shared memory: the stages, then (all but mma.sync) alignment slack,
-  // the stages' barriers and a persistent block's tile-id ring
-  // (WgmmaWsConfig::ring); a persistent TMA store's staging comes on top.
-  const int stage_bytes = t.stages * (t.tile_m * t.tile_k + nb * t.tile_k * t.tile_n) * 2;
-  const int ring_bytes = stage_bytes + (wgmma ? 1024 : 0) + (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0);
-  // A block per tile stages every output at once in its idle ring.
-  const bool staging_fits = persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <= stage_bytes;
-  const bool out_tma = t.tma_store && (tma || (g.expert_k && persistent)) && !cluster && outputs_bf16 &&
-                       (g.extra.empty() || !g.expert_k) && staging_fits &&
-                       (!zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
-                       (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !pair_rows));
+  internal_check(reads_row == plan.reads_row) << g.name << ": the plan and the epilogue disagree on reading the row";
+  const bool pair_rows = plan.pair_rows, prefetch_rows = plan.prefetch_rows, zero_rows = plan.zero_rows;
+  const bool out_tma = plan.out_tma;
   const std::string gC = out_tma ? "" : kb.tensor(g.output, /*writes=*/true);
   // A persistent block stages its output tile past the ring: whole if that
   // fits beside the stages, else in halves (TmaStoreTile's W), so that the
   // ring keeps its depth (3 stages instead of 4 slowed mixtral's weight
   // gradients by 8 %, more than the stores had cost).
-  const int staged_cols =
-      persistent && out_tma && ring_bytes + t.tile_m * t.tile_n * 2 > Schedule::max_shared_bytes && t.tile_n >= 128
-          ? t.tile_n / 2
-          : t.tile_n;
+  const int staged_cols = plan.staged_cols;
   const std::string staging = ", Cfg::BM * " + std::to_string(staged_cols) + " * 2);  // + the output's staging";
   const char *skip = persistent ? "continue" : "return";
   // Persistent blocks' row tiles. Routed: the routing's own tile count (read
@@ -968,7 +860,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
            << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
            << "    return;  // a loading-only warpgroup\n\n";
   } else {
-    emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, ws && persistent && roomy, split_k, body);
+    emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, ws && persistent && plan.roomy, split_k, body);
     if (tma) {
       body << "  const mf::TmaDesc *tB[" << nb << "] = {";
       for (int b = 0; b < nb; ++b)
@@ -1047,15 +939,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   body << epilogues.str();
   if (out_tma)
     emit_tma_store_epilogue(g, kb, nb, vr, persistent, staged_cols, outputs, zero_rows, body);
-  else {
-    // 8-byte (bf16) or 16-byte (f32) stores under wgmma (its accumulator
-    // columns: ni * 8 + 2 (lane & 3)), for every output alike.
-    bool wide_stores = !split_k && wgmma && t.tile_n % 16 == 0;
-    for (const auto &[name, value] : outputs)
-      wide_stores &= prog.tensor(name).dtype == DType::bf16 || prog.tensor(name).dtype == DType::f32;
-    emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, wide_stores, split_k, sorted_pair, gC,
-                        body);
-  }
+  else
+    emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, plan.wide_stores, split_k, sorted_pair,
+                        gC, body);
   stamp(4);
   if (pair_items)
     body << "  }  // next item\n  Cfg::pair_done(tile_counter);\n";
@@ -1078,22 +964,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     k.grid.tile_k = t.tile_k;
     k.zero_first = g.output;
   }
-  k.shared_bytes = ring_bytes + (persistent && out_tma ? t.tile_m * staged_cols * 2 : 0);
-  if (in_place) {
-    user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
-  }
-  k.threads = wgmma ? t.tile_m * 2 + (ws ? 128 : 0) : t.threads();
-  // Two blocks per SM when both fit (shared memory, and at most 64
-  // accumulators per thread so registers do): one block's epilogue and
-  // prologue then overlap the other's main loop. The warp-specialised kernel
-  // keeps one block, its producer and consumers under one register cap
-  // (ptxas does not compile a role to setmaxnreg's counts: NOTES session 9).
-  const int min_blocks =
-      wgmma && !ws && 2 * k.shared_bytes <= Schedule::max_shared_bytes && nb * t.tile_n / 2 <= 64 ? 2 : 1;
-  user_check(k.shared_bytes <= Schedule::max_shared_bytes)
-      << "definition '" << g.output << "': " << nb << " B operands with tile " << t.tile_m << "x" << t.tile_n << "x"
-      << t.tile_k << " and " << t.stages << " stages need " << k.shared_bytes << " bytes of shared memory, over "
-      << Schedule::max_shared_bytes << ": use fewer stages or a smaller tile";
+  k.shared_bytes = plan.shared_bytes();
+  k.threads = plan.threads;
+  const int min_blocks = plan.min_blocks;
 
   src << "// " << g.name << ": " << g.output << " = epilogue(" << g.a << " x {";
   for (int b = 0; b < nb; ++b)

@@ -1,0 +1,271 @@
+#include "backends/cuda/gemm_plan.h"
+
+#include <sstream>
+
+#include "dsl/error.h"
+#include "dsl/visitor.h"
+
+namespace moeforge {
+
+namespace {
+
+void check_multiple_of_8(const GemmStep &g, const Dim &d, const char *role) {
+  user_check(d.is_dynamic() || d.extent() % 8 == 0)
+      << "definition '" << g.output << "': " << role << " dimension " << d.name() << " = " << d.extent()
+      << " is not a multiple of 8; the CUDA backend moves 16-byte vectors: pad " << d.name() << " to "
+      << (d.extent() + 7) / 8 * 8;
+}
+
+// Whether an epilogue value e reads anything at row index v (a tensor read
+// at v, token(v) or expert(v), a sum over v's route); its accumulators are
+// registers, not reads.
+bool reads_at_row(const Expr &e, const Var &v, const std::vector<FuncPtr> &accumulators) {
+  struct Finder : IRVisitor {
+    const VarNode *v = nullptr;
+    const std::vector<FuncPtr> *accs = nullptr;
+    bool found = false;
+    void visit_node(const Access &a) override {
+      for (const FuncPtr &acc : *accs)
+        if (a.func == acc)
+          return;
+      for (const Index &i : a.args)
+        found |= i.var.get() == v;
+    }
+    void visit_node(const IndexEq &n) override { found |= n.a.var.get() == v || n.b.var.get() == v; }
+    void visit_node(const RouteSum &n) override {
+      found |= n.target.get() == v;
+      IRVisitor::visit_node(n);
+    }
+  } f;
+  f.v = v.get();
+  f.accs = &accumulators;
+  f.visit(e);
+  return f.found;
+}
+
+const char *mma_name(MmaKind m) {
+  return m == MmaKind::wgmma_ws ? "wgmma_ws" : m == MmaKind::wgmma ? "wgmma" : "mma_sync";
+}
+
+} // namespace
+
+GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
+  const GemmTiling &t = g.tiling;
+  GemmPlan p;
+  p.step = g.name;
+  p.nb = static_cast<int>(g.b.size());
+  check_multiple_of_8(g, g.k, "reduced");
+  check_multiple_of_8(g, g.n, "column");
+  user_check(!g.n.is_dynamic()) << "definition '" << g.output << "': the CUDA backend needs a static column extent ("
+                                << g.n.name() << ")";
+  p.mma = t.mma;
+  p.in_place = g.operands_in_place;
+  p.ws = t.mma == MmaKind::wgmma_ws;
+  p.wgmma = t.mma == MmaKind::wgmma || p.ws;
+  internal_check(!p.in_place || (p.wgmma && g.expert_k && p.nb == 1))
+      << "in-place operands are for wgmma expert reductions";
+  if (p.wgmma && !p.in_place) {
+    user_check(p.nb * t.tile_n / 2 <= 128)
+        << "definition '" << g.output << "': " << p.nb << " B operands with tile_n " << t.tile_n << " need "
+        << p.nb * t.tile_n / 2 << " accumulator registers per thread under wgmma: use tile_n " << 256 / (2 * p.nb)
+        << " or less";
+  }
+  // B by TMA: a dense [K, N] matrix per expert (or one for all rows), or
+  // its transpose [N, K] read in place (the backward's dX = dH W^T), whose
+  // shape is known here; expert reductions and dynamic K stay on cp.async.
+  p.tma = p.wgmma && t.tma && !p.in_place && !g.expert_k && !g.k.is_dynamic();
+  // An expert reduction's B by TMA: consecutive padded rows with zeros on
+  // padding (WgmmaRowsWsConfig::mainloop_b_tma).
+  auto zero_padded = [&](const std::string &name, RowMap rows) {
+    return rows == RowMap::direct && prog.tensor(name).zero_padding && prog.tensor(name).dtype == DType::bf16;
+  };
+  p.b_tma_rows = p.in_place && p.ws && t.tma && p.nb == 1 && zero_padded(g.b[0], g.b_rows);
+  // A as well when it is one too and each expert's segment is whole boxes
+  // of 64 rows (nothing then zeroes rows of the next segment).
+  p.a_tma_rows = p.b_tma_rows && zero_padded(g.a, g.a_rows) && g.block % 64 == 0;
+  // A by TMA too when its rows are consecutive (tile order, or a dense A).
+  p.a_tma = p.tma && g.a_rows == RowMap::direct;
+  internal_check(!p.tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
+      << "GEMM operands are bf16 (lowering converts them)";
+  // Persistent blocks (warp-specialised GEMMs, and expert reductions whose B
+  // comes by TMA): a loop over the tiles.
+  p.persistent = t.persistent && (!g.expert_k || p.b_tma_rows);
+  internal_check(!p.persistent || p.ws) << "definition '" << g.output << "': persistent without wgmma_ws "
+                                        << "(Schedule::validate rejects it)";
+  // Split-K: a dense GEMM over a dynamic K (the tokens: the router's weight
+  // gradient x^T d_logits) has a handful of output tiles and a long K, so a
+  // block per tile left most SMs idle. The grid's y slices K into runs of
+  // whole k-tiles; each slice adds its partial sums into the f32 output,
+  // which the runtime zeroes first. Only for a plain accumulator epilogue,
+  // which is linear in the partial sums, and B as [K, N] (B^T's rows are K
+  // long, which the loops take from K, here the slice's length).
+  p.split_k = !g.route && !g.expert_k && !p.in_place && !g.b_trans && g.k.is_dynamic() && !t.persistent &&
+              t.cluster_m == 1 && p.nb == 1 && g.extra.empty() && prog.tensor(g.output).dtype == DType::f32 &&
+              g.epilogue.as<Access>() && g.epilogue.as<Access>()->func == g.accumulators[0] && !g.chained;
+  // Two blocks per cluster sharing B (row tiles 2m, 2m + 1 of one expert).
+  p.cluster = t.cluster_m == 2 && !g.expert_k && !p.in_place;
+  user_check(!p.cluster || (p.ws && p.tma && !g.b_trans && !g.k.is_dynamic()))
+      << "definition '" << g.output << "': clusters of two row tiles multicast TMA loads from the warp-specialised "
+      << "loop: add mma(\"" << g.output << "\", wgmma_ws) and tma(\"" << g.output << "\", true), or drop cluster";
+  // Persistent clusters: the pair walks (pair of row tiles, column tile)
+  // items together (WgmmaWsConfig::pair_ring).
+  p.pair_items = p.persistent && p.cluster;
+  // Routed pairs: consecutive routing tiles (block = tile_m; they share B
+  // when one expert holds both), or the two halves of one routing tile
+  // (block = 2 tile_m: always one expert, every pair shares).
+  user_check(!p.cluster || !g.route || g.block == t.tile_m || g.block == 2 * t.tile_m)
+      << "definition '" << g.output << "': clusters of two row tiles need the routing block (" << g.block
+      << ") to be tile_m or twice it, not tile_m " << t.tile_m << ": set tile(\"" << g.output << "\", " << g.block
+      << ", ...), block(" << 2 * t.tile_m << ") or drop cluster";
+  // A chained product: its A and B come through maps of their own, loaded
+  // after the first product's k-tiles into the same ring.
+  p.chained = g.chained.has_value();
+  user_check(!p.chained || (p.ws && p.tma && p.a_tma && !p.cluster && p.nb == 1 && !g.chained->k.is_dynamic()))
+      << "definition '" << g.func << "': chain_summed_gemms runs its two products (" << g.a << " x " << g.b[0] << ", "
+      << (p.chained ? g.chained->a + " x " + g.chained->b : "") << ") in the warp-specialised loop with TMA "
+      << "operands, A in tile order: add mma(\"" << g.func << "\", wgmma_ws) and tma(\"" << g.func
+      << "\", true) with padded_elementwise(true) (or the blocked permutation), drop cluster, or drop "
+      << "chain_summed_gemms";
+  if (p.chained)
+    check_multiple_of_8(g, g.chained->k, "chained reduced");
+
+  // ---- the epilogue
+  std::vector<std::pair<std::string, Expr>> outputs{{g.output, g.epilogue}};
+  for (const GemmStep::Extra &e : g.extra)
+    outputs.emplace_back(e.output, e.value);
+  for (const auto &[name, value] : outputs)
+    p.reads_row |= reads_at_row(value, g.row_var, g.accumulators);
+  // Latency trims that cost registers, for tiles whose accumulators leave
+  // room (under 128 per thread; SwiGLU's 2 x 128-wide tile spills with them):
+  // the epilogue's rows through sorted_pair are loaded before the main loop,
+  // which hides their latency, and a persistent block's consumers skip the
+  // producer's A row lookups, which they would otherwise wait for per tile.
+  p.roomy = !p.wgmma || p.nb * t.tile_n / 2 < 128;
+  // A routed tile's rows below `rows` are all real pairs, so an epilogue
+  // that stores in tile order and never reads the pair index (h = gelu(acc),
+  // say) needs no sorted_pair lookup: it was a dependent load per tile.
+  p.pair_rows = g.out_rows != RowMap::direct || p.reads_row;
+  for (const GemmStep::Extra &e : g.extra)
+    p.pair_rows |= prog.tensor(e.output).layout != RowLayout::padded;
+  p.prefetch_rows = g.route && !g.expert_k && !p.in_place && p.roomy && p.pair_rows;
+  // The output tile through TMA (GemmTiling::tma_store): a bf16 output in
+  // tile order with no pair lookups, staged in the ring, which a block per
+  // tile no longer needs once its main loop is done, or (persistent blocks,
+  // whose producer is filling the ring with the next tile) in a buffer of
+  // its own past the ring, whose copy then overlaps the next main loop.
+  // Not in clusters yet: untested there (the failure first blamed on the
+  // pair was the clusters' rasterisation, since fixed), so they keep plain
+  // stores.
+  // Persistent expert reductions too (a bf16 weight gradient [E, M, N], the
+  // expert the map's third coordinate): their tiles are short in K, so the
+  // stores, which their consumers otherwise waited for, were a tenth of a
+  // tile.
+  // Fused outputs too (SwiGLU's h_silu_in, h_rhs and h), each through its
+  // own map: all bf16 in tile order. A zero-padded one (read by TMA later)
+  // gets its padding rows' zeros from the staged tile, whose rows past
+  // `rows` are staged as 0, so every box of the tile is stored; that needs
+  // the tile to be one routing block, as the plain stores' zeroing does.
+  bool outputs_bf16 = true;
+  for (const auto &[name, value] : outputs) {
+    outputs_bf16 &= prog.tensor(name).dtype == DType::bf16;
+    p.zero_rows |= g.route && !g.expert_k && prog.tensor(name).zero_padding;
+  }
+  // Shared memory: the stages, then (all but mma.sync) alignment slack,
+  // the stages' barriers and a persistent block's tile-id ring
+  // (WgmmaWsConfig::ring); a persistent TMA store's staging comes on top.
+  p.stage_bytes = t.ring_bytes(p.nb);
+  p.ring_bytes = p.stage_bytes + (p.wgmma ? 1024 : 0) + (p.ws || p.tma ? 16 * t.stages : 0) + (p.persistent ? 48 : 0);
+  // A block per tile stages every output at once in its idle ring.
+  const bool staging_fits = p.persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <= p.stage_bytes;
+  p.out_tma = t.tma_store && (p.tma || (g.expert_k && p.persistent)) && !p.cluster && outputs_bf16 &&
+              (g.extra.empty() || !g.expert_k) && staging_fits &&
+              (!p.zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
+              (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !p.pair_rows));
+  // A persistent block stages its output tile past the ring: whole if that
+  // fits beside the stages, else in halves (TmaStoreTile's W), so that the
+  // ring keeps its depth (3 stages instead of 4 slowed mixtral's weight
+  // gradients by 8 %, more than the stores had cost).
+  p.staged_cols = p.persistent && p.out_tma && p.ring_bytes + t.tile_m * t.tile_n * 2 > Schedule::max_shared_bytes &&
+                          t.tile_n >= 128
+                      ? t.tile_n / 2
+                      : t.tile_n;
+  p.staging_bytes = p.persistent && p.out_tma ? t.tile_m * p.staged_cols * 2 : 0;
+  // 8-byte (bf16) or 16-byte (f32) stores under wgmma (its accumulator
+  // columns: ni * 8 + 2 (lane & 3)), for every output alike.
+  p.wide_stores = !p.out_tma && !p.split_k && p.wgmma && t.tile_n % 16 == 0;
+  for (const auto &[name, value] : outputs)
+    p.wide_stores &= prog.tensor(name).dtype == DType::bf16 || prog.tensor(name).dtype == DType::f32;
+  if (p.in_place) {
+    user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
+  }
+  p.threads = p.wgmma ? t.tile_m * 2 + (p.ws ? 128 : 0) : t.threads();
+  // Two blocks per SM when both fit (shared memory, and at most 64
+  // accumulators per thread so registers do): one block's epilogue and
+  // prologue then overlap the other's main loop. The warp-specialised kernel
+  // keeps one block, its producer and consumers under one register cap
+  // (ptxas does not compile a role to setmaxnreg's counts).
+  p.min_blocks =
+      p.wgmma && !p.ws && 2 * p.shared_bytes() <= Schedule::max_shared_bytes && p.nb * t.tile_n / 2 <= 64 ? 2 : 1;
+  user_check(p.shared_bytes() <= Schedule::max_shared_bytes)
+      << "definition '" << g.output << "': " << p.nb << " B operands with tile " << t.tile_m << "x" << t.tile_n << "x"
+      << t.tile_k << " and " << t.stages << " stages need " << p.shared_bytes() << " bytes of shared memory, over "
+      << Schedule::max_shared_bytes << ": use fewer stages or a smaller tile";
+  return p;
+}
+
+std::string describe(const GemmPlan &p, const GemmStep &g) {
+  const GemmTiling &t = g.tiling;
+  std::ostringstream o;
+  o << "gemm " << g.name << " (" << g.output << (g.func.empty() || g.func == g.output ? "" : ", schedule of " + g.func)
+    << ")\n";
+  o << "  tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages, " << p.nb
+    << " B operand" << (p.nb > 1 ? "s" : "") << "; main loop " << mma_name(p.mma)
+    << (p.split_k ? ", split-K over the grid's y" : "") << "\n";
+  auto a_how = [&] {
+    if (p.in_place)
+      return p.a_tma_rows ? "padded rows by TMA" : "rows in place by cp.async";
+    if (p.a_tma)
+      return "rows in tile order by TMA";
+    return g.a_rows == RowMap::direct ? "rows by cp.async" : "rows gathered through sorted_pair by cp.async";
+  };
+  auto b_how = [&] {
+    if (p.in_place)
+      return p.b_tma_rows ? "padded rows by TMA" : "rows in place by cp.async";
+    return p.tma ? (g.b_trans ? "B^T [N, K] in place by TMA" : "by TMA") : "by cp.async";
+  };
+  o << "  A " << g.a << ": " << a_how() << "; B " << g.b[0];
+  for (size_t i = 1; i < g.b.size(); ++i)
+    o << ", " << g.b[i];
+  o << ": " << b_how() << (p.cluster ? ", multicast to a 2-block cluster" : "") << "\n";
+  if (p.chained)
+    o << "  then A2 " << g.chained->a << " x B2 " << g.chained->b << " (K2 = " << g.chained->k.name()
+      << ") into the same accumulator\n";
+  o << "  walk: "
+    << (p.pair_items   ? "persistent 2-block clusters over (row-tile pair, column tile) items"
+        : p.persistent ? "persistent blocks drawing tiles from a counter"
+        : p.cluster    ? "a 2-block cluster per pair of row tiles"
+                       : "a block per output tile")
+    << ", raster " << t.raster << "\n";
+  o << "  epilogue: " << (p.out_tma ? "staged in shared memory, stored by TMA" : "plain stores")
+    << (p.out_tma && p.persistent ? " (" + std::to_string(p.staged_cols) + " columns at a time)" : "")
+    << (p.wide_stores ? ", 8/16-byte" : "") << (p.pair_rows ? ", rows through sorted_pair" : "")
+    << (p.prefetch_rows ? " (looked up before the main loop)" : "") << (p.zero_rows ? ", padding rows zeroed" : "")
+    << "; outputs " << g.output;
+  for (const GemmStep::Extra &e : g.extra)
+    o << ", " << e.output << (e.row_sum ? " (row sum)" : "");
+  o << "\n";
+  o << "  resources: " << p.threads << " threads, shared " << p.shared_bytes() << " bytes (stages " << p.stage_bytes
+    << ", ring " << p.ring_bytes - p.stage_bytes << ", staging " << p.staging_bytes << "), " << p.min_blocks << " block"
+    << (p.min_blocks > 1 ? "s" : "") << " per SM\n";
+  return o.str();
+}
+
+std::string describe_gemm_plans(const KernelProgram &prog) {
+  std::string out;
+  for (const Step &s : prog.steps)
+    if (const auto *g = std::get_if<GemmStep>(&s))
+      out += describe(plan_gemm(prog, *g), *g);
+  return out;
+}
+
+} // namespace moeforge

@@ -1,0 +1,69 @@
+// How one GEMM step runs on the CUDA backend: every choice the generated
+// kernel makes, resolved once from the step and its schedule before any code
+// is printed. The codegen reads the plan and holds only internal checks;
+// the schedule's combinations this backend cannot run are user errors here,
+// naming the primitive and the fix. `moeforge emit <example> --plan` prints
+// the plans (describe()).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "lowering/kernel_program.h"
+
+namespace moeforge {
+
+struct GemmPlan {
+  std::string step;
+  // ---- the main loop
+  MmaKind mma = MmaKind::wgmma_ws;
+  bool wgmma = false; // wgmma or wgmma_ws
+  bool ws = false;    // warp-specialised: a producer warpgroup loads, the consumers compute
+  int nb = 1;         // B operands (accumulator sets)
+  // An expert reduction reading both operands where they are (rows of the
+  // routed tensors) rather than from a transposed copy.
+  bool in_place = false;
+  // B by TMA: a dense [K, N] matrix per expert (or one for all rows), or its
+  // transpose [N, K] read in place.
+  bool tma = false;
+  bool a_tma = false;      // A rows in tile order by TMA
+  bool b_tma_rows = false; // an expert reduction's B as padded rows by TMA
+  bool a_tma_rows = false; // ... and its A too
+  bool chained = false;    // a second product into the same accumulator (GemmStep::chained)
+  // Split-K over the grid's y: a dense GEMM over a dynamic K with few tiles.
+  bool split_k = false;
+  // ---- the walk over output tiles
+  bool persistent = false; // one block per SM walking tiles
+  bool cluster = false;    // two blocks per cluster, row tiles 2m and 2m + 1, B multicast
+  bool pair_items = false; // persistent clusters walking (row-tile pair, column tile) items
+  // ---- the epilogue
+  bool reads_row = false;     // an epilogue reads the row's pair index
+  bool pair_rows = false;     // the tile's rows are looked up through sorted_pair
+  bool roomy = false;         // accumulators leave registers for latency trims
+  bool prefetch_rows = false; // those lookups made before the main loop
+  bool out_tma = false;       // the output tile leaves by TMA from shared memory
+  bool zero_rows = false;     // a zero-padded output: padding rows stored as zeros
+  int staged_cols = 0;        // columns staged at a time (out_tma, persistent)
+  bool wide_stores = false;   // 8- or 16-byte plain stores
+  // ---- resources
+  int stage_bytes = 0;   // the ring of stages
+  int ring_bytes = 0;    // + alignment slack, barriers, a persistent block's tile ids
+  int staging_bytes = 0; // a persistent block's output staging, past the ring
+  int threads = 0;
+  int min_blocks = 1; // blocks per SM the launch bounds ask for
+  int shared_bytes() const { return ring_bytes + staging_bytes; }
+};
+
+// Resolves g's plan; a user error where the schedule asks for what this
+// backend cannot run for g (a dimension not a multiple of 8, a dynamic
+// column extent, too many accumulators, clusters or a chained product
+// without the loop they need, shared memory past the SM's).
+GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g);
+
+// The plan as text, one GEMM per paragraph.
+std::string describe(const GemmPlan &p, const GemmStep &g);
+
+// Every GEMM step's plan, in program order.
+std::string describe_gemm_plans(const KernelProgram &prog);
+
+} // namespace moeforge

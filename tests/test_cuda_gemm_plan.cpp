@@ -1,0 +1,117 @@
+// The CUDA backend's GEMM plans (backends/cuda/gemm_plan.h): every choice of
+// a generated GEMM kernel resolved before any code is printed.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <variant>
+
+#include "backends/cuda/codegen_cuda.h"
+#include "backends/cuda/gemm_plan.h"
+#include "benchmarks/train_schedule.h"
+#include "dsl/error.h"
+#include "examples/examples.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
+#include "schedules/presets.h"
+
+using namespace moeforge;
+
+namespace {
+
+ExampleShape small() {
+  ExampleShape s;
+  s.tokens = 64;
+  s.d = 128;
+  s.f = 256;
+  return s;
+}
+
+const GemmStep &gemm_named(const KernelProgram &p, const std::string &name) {
+  for (const Step &s : p.steps)
+    if (const auto *g = std::get_if<GemmStep>(&s); g && g->name == name)
+      return *g;
+  FAIL("no GEMM step " << name);
+  throw 0;
+}
+
+} // namespace
+
+TEST_CASE("gemm plan: the kernels launch with the plan's threads and shared memory") {
+  // Every GEMM of the training step under tuned_wide (persistent blocks, TMA
+  // stores staged whole or in halves, a chained product, expert reductions
+  // by TMA) and under the presets: the generated kernel is the plan's.
+  Example ex = make_example("swiglu_moe", small());
+  for (int which : {0, 1, 2}) {
+    Schedule s = which == 0 ? bench::tuned_wide(true) : preset(which == 1 ? "megablocks" : "scattermoe");
+    INFO("schedule " << which);
+    KernelProgram p = lower_training(ex.pipeline, ex.pipeline.func(ex.output), s).program;
+    CudaModuleSource m = generate_cuda(p);
+    int gemms = 0;
+    for (const GeneratedKernel &k : m.kernels) {
+      const Step *step = nullptr;
+      for (const Step &st : p.steps)
+        if (const auto *g = std::get_if<GemmStep>(&st); g && g->name == k.step)
+          step = &st;
+      if (!step)
+        continue;
+      ++gemms;
+      const GemmStep &g = std::get<GemmStep>(*step);
+      const GemmPlan plan = plan_gemm(p, g);
+      INFO(g.name);
+      CHECK(k.shared_bytes == plan.shared_bytes());
+      CHECK(k.threads == plan.threads);
+      CHECK(k.grid.persistent == plan.persistent);
+      CHECK(plan.shared_bytes() <= Schedule::max_shared_bytes);
+      // The stages are the schedule's one formula for the tile.
+      CHECK(plan.stage_bytes == g.tiling.ring_bytes(plan.nb));
+    }
+    CHECK(gemms >= 8);
+  }
+}
+
+TEST_CASE("gemm plan: tuned_wide's choices, as emit --plan prints them") {
+  Example ex = make_example("swiglu_moe", small());
+  KernelProgram p = lower_training(ex.pipeline, ex.pipeline.func(ex.output), bench::tuned_wide(true)).program;
+  const GemmPlan h = plan_gemm(p, gemm_named(p, "gemm_h_silu_in_h_rhs"));
+  CHECK(h.nb == 2);
+  CHECK(h.ws);
+  CHECK(h.tma);
+  CHECK_FALSE(h.a_tma); // x gathered by the producer (scattermoe)
+  CHECK_FALSE(h.persistent);
+  CHECK_FALSE(h.out_tma);
+  const GemmPlan dw = plan_gemm(p, gemm_named(p, "gemm_d_w1"));
+  CHECK(dw.in_place);
+  CHECK(dw.b_tma_rows);
+  CHECK(dw.a_tma_rows);
+  CHECK(dw.persistent);
+  CHECK(dw.out_tma);
+  CHECK(dw.staged_cols == 128); // 4 stages of 128 x 256 leave room for half a tile's staging
+  const GemmPlan dx = plan_gemm(p, gemm_named(p, "gemm_d_x_s2_d_x_s"));
+  CHECK(dx.chained);
+  CHECK(dx.a_tma);
+  const std::string text = describe_gemm_plans(p);
+  CHECK(text.find("gemm gemm_d_x_s2_d_x_s (d_x_s2, schedule of d_x)") != std::string::npos);
+  CHECK(text.find("then A2 d_x_s_a x B2 w1") != std::string::npos);
+  CHECK(text.find("persistent blocks drawing tiles from a counter") != std::string::npos);
+  CHECK(text.find("staged in shared memory, stored by TMA (128 columns at a time)") != std::string::npos);
+  CHECK(text.find("A x: rows gathered through sorted_pair by cp.async; B w1, w3: by TMA") != std::string::npos);
+}
+
+TEST_CASE("gemm plan: what the backend cannot run is a user error before any code") {
+  // A combination no GEMM can run is the schedule's own error, for every
+  // backend (clusters without TMA); one that depends on the step (two B
+  // operands of 256 columns each) is the plan's, before any code.
+  Example ex = make_example("swiglu_moe", small());
+  Schedule s = preset("scattermoe");
+  s.cluster("o", 2).tma("o", false);
+  CHECK_THROWS_WITH_AS(lower(ex.pipeline, s),
+                       doctest::Contains("clusters of two row tiles multicast TMA loads from the warp-specialised "
+                                         "loop: add mma(\"o\", wgmma_ws) and tma(\"o\", true), or drop cluster"),
+                       UserError);
+  Schedule wide = preset("scattermoe");
+  wide.tile("h", 128, 256, 64);
+  KernelProgram q = lower(ex.pipeline, wide);
+  CHECK_THROWS_WITH_AS(plan_gemm(q, gemm_named(q, "gemm_h")),
+                       doctest::Contains("2 B operands with tile_n 256 need 256 accumulator registers per thread"),
+                       UserError);
+}

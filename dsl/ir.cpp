@@ -223,6 +223,17 @@ Func::Func(std::string name, DType storage_type) : Func(std::move(name)) {
   node_->dtype = storage_type;
 }
 
+const FuncNode &Func::checked() const {
+  user_check(node_ != nullptr) << "a default-constructed Func has no name: make it as Func(\"name\") before "
+                               << "defining or reading it";
+  return *node_;
+}
+
+FuncRef::FuncRef(FuncPtr f, std::vector<Index> args) : func_(std::move(f)), args_(std::move(args)) {
+  user_check(func_ != nullptr) << "a default-constructed Func has no name: make it as Func(\"name\") before "
+                               << "defining or reading it";
+}
+
 void FuncRef::operator=(const Expr &body) {
   DType t = check_definition(*func_, args_, body);
   func_->args.clear();
@@ -238,6 +249,12 @@ FuncRef::operator Expr() const {
   user_check(func_->defined()) << "'" << func_->name << "' is used before it is defined: define " << func_->name
                                << "(...) = ... before reading it";
   return Access::make(func_, args_);
+}
+
+const BufferPtr &Buffer::checked_node() const {
+  user_check(node_ != nullptr) << "a default-constructed Input or Param has no name or shape: make it as "
+                               << "Input(\"name\", {dims...}) (or Param) before reading it";
+  return node_;
 }
 
 Buffer::Buffer(BufferKind kind, std::string name, std::vector<Dim> dims, DType t) {

@@ -289,7 +289,8 @@ class Func;
 // f(i, j) on either side of an assignment.
 class FuncRef {
 public:
-  FuncRef(FuncPtr f, std::vector<Index> args) : func_(std::move(f)), args_(std::move(args)) {}
+  // A user error for a default-constructed Func (no node): it has no name.
+  FuncRef(FuncPtr f, std::vector<Index> args);
   // Defines the Func; checks the definition (check.h) and throws UserError.
   void operator=(const Expr &body);
   void operator=(const FuncRef &other) { *this = Expr(other); }
@@ -309,15 +310,17 @@ public:
     return FuncRef(node_, std::vector<Index>{Index(args)...});
   }
   FuncRef operator()(std::vector<Index> args) const { return FuncRef(node_, std::move(args)); }
-  const std::string &name() const { return node_->name; }
-  const std::vector<Var> &args() const { return node_->args; }
-  const Expr &body() const { return node_->body; }
-  DType dtype() const { return node_->dtype; }
+  const std::string &name() const { return checked().name; }
+  const std::vector<Var> &args() const { return checked().args; }
+  const Expr &body() const { return checked().body; }
+  DType dtype() const { return checked().dtype; }
   bool is_defined() const { return node_ && node_->defined(); }
   const FuncPtr &node() const { return node_; }
   explicit Func(FuncPtr n) : node_(std::move(n)) {}
 
 private:
+  // The node, or a user error for a default-constructed Func.
+  const FuncNode &checked() const;
   FuncPtr node_;
 };
 
@@ -328,16 +331,18 @@ public:
   Buffer() = default;
   Buffer(BufferKind kind, std::string name, std::vector<Dim> dims, DType t);
   template <typename... Args> Expr operator()(const Args &...args) const {
-    return Access::make(node_, std::vector<Index>{Index(args)...});
+    return Access::make(checked_node(), std::vector<Index>{Index(args)...});
   }
-  Expr operator()(std::vector<Index> args) const { return Access::make(node_, std::move(args)); }
-  const std::string &name() const { return node_->name; }
-  const std::vector<Dim> &dims() const { return node_->dims; }
-  DType dtype() const { return node_->dtype; }
-  BufferKind kind() const { return node_->kind; }
+  Expr operator()(std::vector<Index> args) const { return Access::make(checked_node(), std::move(args)); }
+  const std::string &name() const { return checked_node()->name; }
+  const std::vector<Dim> &dims() const { return checked_node()->dims; }
+  DType dtype() const { return checked_node()->dtype; }
+  BufferKind kind() const { return checked_node()->kind; }
   const BufferPtr &node() const { return node_; }
 
 private:
+  // The node, or a user error for a default-constructed Input or Param.
+  const BufferPtr &checked_node() const;
   BufferPtr node_;
 };
 

@@ -210,4 +210,24 @@ TEST_SUITE("cpu") {
       CHECK(o.worst_error <= 1e-5); // f32 end to end: no bf16 rounding here
     }
   }
+
+  TEST_CASE("cpu layer: run() before upload() and download() of an unknown name are user errors") {
+    ExampleShape s = shape(32, 64, 128, 8, 2);
+    Example ex = make_example("moe_mlp", s);
+    cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(ex.pipeline, preset("scattermoe"));
+    cpu::CpuLayer layer(compiled, s.tokens);
+    // Nothing uploaded: run() would compute on zeros.
+    CHECK_THROWS_WITH_AS(layer.run(), doctest::Contains("run() before upload() of 'x'"), UserError);
+    TensorMap in = ex.random_inputs(s, 3);
+    layer.upload("x", in.at("x"));
+    CHECK_THROWS_WITH_AS(layer.run(), doctest::Contains("run() before upload() of 'wr'"), UserError);
+    // A routed tensor before its route ran, then a name the layer lacks.
+    CHECK_THROWS_WITH_AS(layer.download("h"), doctest::Contains("download(\"h\") before run()"), UserError);
+    layer.upload(in);
+    layer.run();
+    CHECK(layer.download("y").shape == std::vector<int64_t>{s.tokens, s.d});
+    CHECK_THROWS_WITH_AS(layer.download("nope"),
+                         doctest::Contains("download(\"nope\"): this layer holds no tensor of that name; it holds"),
+                         UserError);
+  }
 }

@@ -71,6 +71,15 @@ TEST_CASE("dsl errors: empty names and empty handles") {
   check_has(user_error_of([&] { sum(Var(), x(i)); }), {"sum() needs a variable and a summand"});
   check_has(user_error_of([&] { sum(i, Expr()); }), {"sum() needs a variable and a summand"});
   check_has(user_error_of([&] { softmax(Var(), x(i)); }), {"softmax() needs a variable and an expression"});
+  // Default-constructed Funcs and buffers: a user error, not a crash.
+  Func nameless;
+  check_has(user_error_of([&] { nameless(i) = x(i) * 2.0; }),
+            {"a default-constructed Func has no name: make it as Func(\"name\")"});
+  check_has(user_error_of([&] { (void)nameless.name(); }), {"a default-constructed Func has no name"});
+  Buffer unmade; // (Input and Param have no default constructor; their base has)
+  check_has(user_error_of([&] { (void)unmade(i); }),
+            {"a default-constructed Input or Param has no name or shape: make it as Input(\"name\", {dims...})"});
+  check_has(user_error_of([&] { (void)unmade.dims(); }), {"a default-constructed Input or Param"});
 }
 
 TEST_CASE("dsl errors: parse_dtype names the choices") {

@@ -44,14 +44,17 @@ CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens)
 
 void CpuLayer::upload(const TensorMap &inputs) {
   for (const TensorDecl &t : layer_.program.tensors)
-    if (t.is_input)
+    if (t.is_input) {
       tensors_.at(t.name) = shapes_.encode_input(t, inputs);
+      uploaded_.insert(t.name);
+    }
 }
 
 void CpuLayer::upload(const std::string &name, const HostTensor &value) {
   const TensorDecl *t = layer_.program.find(name);
   user_check(t != nullptr && t->is_input) << "'" << name << "' is not an Input or Param of this layer";
   tensors_.at(name) = shapes_.encode_input(*t, TensorMap{{name, value}});
+  uploaded_.insert(name);
 }
 
 void CpuLayer::poison() {
@@ -135,6 +138,13 @@ void CpuLayer::run(size_t begin, size_t end) {
   const std::vector<Step> &steps = layer_.program.steps;
   internal_check(begin <= end && end <= steps.size())
       << "steps [" << begin << ", " << end << ") of a program of " << steps.size();
+  for (size_t i = begin; i < end; ++i)
+    for (const std::string &r : step_reads(steps[i])) {
+      const TensorDecl *t = layer_.program.find(r);
+      user_check(!t || !t->is_input || uploaded_.count(r))
+          << "run() before upload() of '" << r << "': give every Input and Param (upload(inputs), or upload(\"" << r
+          << "\", value)) first";
+    }
   const JitProgram &jit = *layer_.jit;
   const std::vector<CpuKernel> &kernels = layer_.kernels;
   std::vector<void *> args;
@@ -156,12 +166,22 @@ void CpuLayer::run(size_t begin, size_t end) {
 }
 
 HostTensor CpuLayer::download(const std::string &func) const {
-  const TensorDecl &t = layer_.program.tensor(func);
+  const TensorDecl *found = layer_.program.find(func);
+  if (!found) {
+    std::string known;
+    for (const TensorDecl &d : layer_.program.tensors)
+      if (!d.is_input)
+        known += (known.empty() ? "" : ", ") + d.name;
+    user_error << "download(\"" << func << "\"): this layer holds no tensor of that name; it holds " << known;
+  }
+  const TensorDecl &t = *found;
   const std::vector<uint8_t> &bytes = tensors_.at(func);
   if (t.layout != RowLayout::padded)
     return shapes_.decode(t, bytes);
-  const cuda::RoutingTables &tables = routes_.at(t.route).tables;
-  internal_check(!tables.pair_pos.empty()) << "'" << func << "' read before its route ran";
+  auto route = routes_.find(t.route);
+  user_check(route != routes_.end() && !route->second.tables.pair_pos.empty())
+      << "download(\"" << func << "\") before run(): its rows are in the routing's order, which run() makes";
+  const cuda::RoutingTables &tables = route->second.tables;
   return shapes_.decode(t, bytes, &tables.pair_pos);
 }
 

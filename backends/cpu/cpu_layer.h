@@ -8,6 +8,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -60,10 +61,13 @@ public:
   void run() { run(0, layer_.program.steps.size()); }
   // Steps [begin, end) of the program in order, routing steps included (a
   // training program's forward or backward). Later steps read what earlier
-  // runs left in the buffers and the routing tables.
+  // runs left in the buffers and the routing tables. A user error until
+  // every Input and Param these steps read has been uploaded (they would
+  // compute on zeros).
   void run(size_t begin, size_t end);
   // A Func's values as the reference lays them out (routed rows in pair
-  // order, whatever the layout here).
+  // order, whatever the layout here). A user error for a name the layer
+  // does not hold, and for a routed one before its route ran.
   HostTensor download(const std::string &func) const;
   // The experts chosen, pair order (r = t * k + slot). After run().
   std::vector<int32_t> routed_experts(const std::string &route) const;
@@ -88,6 +92,7 @@ private:
   ProgramShapes shapes_;
   std::map<std::string, std::vector<uint8_t>> tensors_;
   std::map<const RoutingNode *, RouteState> routes_;
+  std::set<std::string> uploaded_; // the Inputs and Params given so far
 };
 
 } // namespace moeforge::cpu

@@ -10,6 +10,7 @@
 
 #include "backends/cuda/layer.h"
 #include "backends/reference/evaluate.h"
+#include "dsl/error.h"
 #include "examples/biased_moe.h"
 #include "gpu_test.h"
 #include "layer_compare.h"
@@ -129,6 +130,23 @@ TEST_SUITE("gpu") {
     st.synchronize();
     EvalResult ref = evaluate(ex.pipeline, in, Precision::f64);
     CHECK(normalized_error(layer.download("y"), ref["y"]) <= 1e-2);
+  }
+
+  TEST_CASE("cuda layer: enqueue() before upload() and download() of an unknown name are user errors") {
+    MOEFORGE_REQUIRE_GPU();
+    ExampleShape s = shape(64, 128, 256, 8, 2);
+    Example ex = make_example("moe_mlp", s);
+    static cuda::Device device;
+    cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset("scattermoe"), device.arch_specific());
+    cuda::CudaLayer layer(device, c, s.tokens);
+    cuda::Stream st;
+    CHECK_THROWS_WITH_AS(layer.enqueue(st), doctest::Contains("enqueue() before upload() of 'x'"), UserError);
+    layer.upload(ex.random_inputs(s, 6));
+    layer.enqueue(st);
+    st.synchronize();
+    CHECK(layer.download("y").shape == std::vector<int64_t>{s.tokens, s.d});
+    CHECK_THROWS_WITH_AS(layer.download("nope"),
+                         doctest::Contains("download(\"nope\"): this layer holds no tensor of that name"), UserError);
   }
 
   TEST_CASE("cuda layer: MoE edge cases under both presets") {

@@ -155,19 +155,24 @@ void CudaLayer::bind() {
 
 void CudaLayer::upload(const TensorMap &inputs) {
   for (const TensorDecl &t : layer_.program.tensors)
-    if (t.is_input)
+    if (t.is_input) {
       tensors_.at(t.name).upload(shapes_.encode_input(t, inputs));
+      uploaded_.insert(t.name);
+    }
 }
 
 void CudaLayer::upload(const std::string &name, const HostTensor &value) {
-  const TensorDecl &t = layer_.program.tensor(name);
-  user_check(t.is_input) << "'" << name << "' is not an Input or Param of the layer";
-  tensors_.at(name).upload(shapes_.encode_input(t, TensorMap{{name, value}}));
+  const TensorDecl *t = layer_.program.find(name);
+  user_check(t && t->is_input) << "'" << name << "' is not an Input or Param of the layer";
+  tensors_.at(name).upload(shapes_.encode_input(*t, TensorMap{{name, value}}));
+  uploaded_.insert(name);
 }
 
 void CudaLayer::upload_repeated(const std::string &name, const HostTensor &pattern) {
-  const TensorDecl &t = layer_.program.tensor(name);
-  user_check(t.is_input) << "'" << name << "' is not an Input or Param";
+  const TensorDecl *found = layer_.program.find(name);
+  user_check(found && found->is_input) << "'" << name << "' is not an Input or Param";
+  const TensorDecl &t = *found;
+  uploaded_.insert(name);
   DeviceBuffer &b = tensors_.at(name);
   std::vector<uint8_t> bytes = encode_values(pattern.data, t.dtype);
   user_check(!bytes.empty() && bytes.size() <= b.bytes()) << "pattern for '" << name << "' is empty or too large";
@@ -209,6 +214,13 @@ void CudaLayer::enqueue(const Stream &stream) { enqueue(stream, 0, layer_.progra
 
 void CudaLayer::enqueue(const Stream &stream, size_t begin, size_t end) {
   internal_check(begin <= end && end <= layer_.program.steps.size()) << "step range out of bounds";
+  for (size_t i = begin; i < end; ++i)
+    for (const std::string &r : step_reads(layer_.program.steps[i])) {
+      const TensorDecl *t = layer_.program.find(r);
+      user_check(!t || !t->is_input || uploaded_.count(r))
+          << "enqueue() before upload() of '" << r << "': give every Input and Param (upload(inputs), or upload(\"" << r
+          << "\", value)) first";
+    }
   for (size_t i = begin; i < end; ++i)
     run_step(i, stream);
 }
@@ -259,7 +271,15 @@ std::vector<std::string> CudaLayer::timeline(const Stream &stream) {
 }
 
 HostTensor CudaLayer::download(const std::string &func) const {
-  const TensorDecl &t = layer_.program.tensor(func);
+  const TensorDecl *found = layer_.program.find(func);
+  if (!found) {
+    std::string known;
+    for (const TensorDecl &d : layer_.program.tensors)
+      if (!d.is_input)
+        known += (known.empty() ? "" : ", ") + d.name;
+    user_error << "download(\"" << func << "\"): this layer holds no tensor of that name; it holds " << known;
+  }
+  const TensorDecl &t = *found;
   user_check(!plan_ || plan_->outlives_run(func))
       << "'" << func << "' shares its memory with other tensors under reuse_memory(true): its value is gone once "
       << "the steps that read it have run; download it from a layer compiled without reuse_memory";

@@ -7,6 +7,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -61,7 +62,8 @@ public:
   // synchronisation, so it can be captured in a CUDA graph.
   void enqueue(const Stream &stream);
   // Enqueues the program's steps [begin, end) only (a training program's
-  // forward or backward).
+  // forward or backward). A user error until every Input and Param these
+  // steps read has been uploaded (they would compute on whatever memory held).
   void enqueue(const Stream &stream, size_t begin, size_t end);
   // Runs the forward once with an event around every step and returns each
   // step's name and milliseconds, in program order (for benchmarks' notes).
@@ -74,7 +76,8 @@ public:
   // Downloads a Func's values as the reference lays them out (routed rows in
   // pair order, whatever the device layout). Synchronises. Under
   // reuse_memory, only tensors whose values outlive the run (outputs,
-  // gradients, what the forward keeps): UserError for the others.
+  // gradients, what the forward keeps): UserError for the others, and for a
+  // name the layer does not hold.
   HostTensor download(const std::string &func) const;
   // The experts the device chose, pair order (r = t * k + slot).
   std::vector<int32_t> routed_experts(const std::string &route) const;
@@ -105,6 +108,7 @@ private:
   std::unique_ptr<MemoryPlan> plan_; // reuse_memory: where each tensor sits in arena_
   DeviceBuffer arena_;
   std::map<std::string, DeviceBuffer> tensors_; // views into arena_ for planned tensors
+  std::set<std::string> uploaded_;              // the Inputs and Params given so far
   std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
   std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows
   std::deque<CUtensorMap> tensor_maps_;                    // TMA arguments (a deque: their addresses stay put)

@@ -375,6 +375,25 @@ TEST_CASE("cli: --backend cuda without a GPU says so and how to run anyway") {
 #endif
 }
 
+TEST_CASE("cli: tune times candidates on the GPU, or says there is none") {
+  check_usage_error({"tune", "moe_mlp", "--budget-seconds", "0"}, {"--budget-seconds must be between 1 and 86400"});
+  check_usage_error({"tune", "moe_mlp", "--check"}, {"unknown flag '--check' for 'tune'"});
+  // A small layer and a budget of two seconds: on a GPU the base schedule
+  // and what fits after it are timed and the winner printed and cached.
+  Run r = cli({"tune", "moe_mlp", "--tokens", "64", "--budget-seconds", "2"});
+  if (r.code == 0) {
+    MESSAGE("a GPU is present: tune ran on it");
+    CHECK(has(r.out, "# moeforge tune moe_mlp on "));
+    CHECK(has(r.out, "base ('megablocks') "));
+    CHECK(has(r.out, "permutation("));
+    CHECK(has(r.err, "tune: base schedule: "));
+    return;
+  }
+  CHECK(r.code == 2);
+  CHECK(has(r.err, "tune times candidate schedules on the GPU, and there is none: "));
+  CHECK_FALSE(has(r.err, "usage:")); // not an error in the arguments
+}
+
 TEST_CASE("cli: run on the CPU backend checks every Func against the reference") {
   Run r = cli({"run", "swiglu_moe", "--backend", "cpu", "--schedule", "scattermoe", "--tokens", "100", "--check"});
 #ifdef MOEFORGE_HAVE_CPU_BACKEND

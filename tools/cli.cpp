@@ -35,7 +35,8 @@ const char *kUsage =
     "                               --backend reference|cpu|cuda] [--check]\n"
     "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|<file>]\n"
     "                                 [--recompute] [--aux] [--backend cpu|cuda] [--check]\n"
-    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n";
+    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
+    "       moeforge tune <example> [shape flags] [--schedule S] [--train] [--budget-seconds N] [--seed S]\n";
 
 // The project's version (CMakeLists.txt), as the installed package reports it.
 const char *kVersion = MOEFORGE_VERSION;
@@ -56,9 +57,10 @@ struct Options {
   bool recompute = false; // train: schedule.recompute(true)
   bool aux = false;       // train: with the example's auxiliary losses as more outputs
   std::string schedule = "megablocks";
-  std::string backend;        // empty: the GPU when there is one, else the CPU backend, else the reference
-  std::string emit;           // ir, cuda, llvm or plan
-  bool emit_training = false; // emit --train: the training step's program
+  std::string backend;          // empty: the GPU when there is one, else the CPU backend, else the reference
+  std::string emit;             // ir, cuda, llvm or plan
+  bool emit_training = false;   // emit --train: the training step's program; tune --train: the training step
+  int64_t budget_seconds = 120; // tune
 };
 
 int64_t parse_int(const std::string &flag, const std::string &text) {
@@ -74,8 +76,8 @@ Options parse(const std::vector<std::string> &args) {
   user_check(!args.empty()) << "no command given";
   o.command = args[0];
   user_check(o.command == "list" || o.command == "print" || o.command == "run" || o.command == "train" ||
-             o.command == "emit")
-      << "unknown command '" << o.command << "': use list, print, run, train or emit (or help)";
+             o.command == "emit" || o.command == "tune")
+      << "unknown command '" << o.command << "': use list, print, run, train, emit or tune (or help)";
   size_t i = 1;
   if (o.command != "list") {
     user_check(args.size() > 1 && args[1].rfind("--", 0) != 0)
@@ -93,7 +95,7 @@ Options parse(const std::vector<std::string> &args) {
       o.recompute = true;
       continue;
     }
-    if (flag == "--train" && o.command == "emit") {
+    if (flag == "--train" && (o.command == "emit" || o.command == "tune")) {
       o.emit_training = true;
       continue;
     }
@@ -115,7 +117,9 @@ Options parse(const std::vector<std::string> &args) {
         o.command != "list" &&
         (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" || flag == "--f" ||
          (o.command == "train" && flag == "--k") || (runs && (flag == "--seed" || flag == "--backend")) ||
-         (o.command == "run" && flag == "--precision") || ((runs || o.command == "emit") && flag == "--schedule"));
+         (o.command == "run" && flag == "--precision") ||
+         ((runs || o.command == "emit" || o.command == "tune") && flag == "--schedule") ||
+         (o.command == "tune" && (flag == "--budget-seconds" || flag == "--seed")));
     user_check(takes_value) << "unknown flag '" << flag << "' for '" << o.command << "'";
     user_check(i + 1 < args.size()) << flag << " needs a value";
     const std::string &v = args[++i];
@@ -134,6 +138,10 @@ Options parse(const std::vector<std::string> &args) {
       o.precision = v == "f32" ? Precision::f32 : Precision::f64;
     } else if (flag == "--seed") {
       o.seed = static_cast<uint64_t>(parse_int(flag, v));
+    } else if (flag == "--budget-seconds") {
+      o.budget_seconds = parse_int(flag, v);
+      user_check(o.budget_seconds >= 1 && o.budget_seconds <= 86400)
+          << "--budget-seconds must be between 1 and 86400, got " << o.budget_seconds;
     } else {
       int64_t n = parse_int(flag, v);
       (flag == "--tokens"                  ? o.shape.tokens
@@ -370,6 +378,36 @@ void check_host_memory(const Example &ex, const ExampleShape &shape) {
                                  << "machine's " << have / gib << " GiB: lower --tokens, --d, --f or --experts";
 }
 
+// The autotuner on the GPU: times the search space's candidates around the
+// schedule given (tune_space.h) and stores the winner in the tuned-schedule
+// cache; prints it as a schedule file. Progress (a line per candidate) goes
+// to stderr.
+int tune(const Options &o, std::ostream &out, std::ostream &err, bool &working) {
+  TrainingTask task = training_task(o);
+  const Example &ex = task.example;
+  Schedule base = schedule_from_arg(o.schedule);
+  check_host_memory(ex, o.shape);
+  working = true; // the arguments hold together: from here on, errors are the machine's or the layer's
+  std::string no_gpu;
+  user_check(gpu_present(&no_gpu)) << "tune times candidate schedules on the GPU, and there is none: " << no_gpu;
+#ifdef MOEFORGE_HAVE_CUDA
+  TuneOutcome t = cli_tune_on_gpu(ex, o.shape, ex.random_inputs(o.shape, o.seed), o.emit_training,
+                                  task.upstream.at(ex.output), base, static_cast<double>(o.budget_seconds),
+                                  [&](const std::string &line) { err << "tune: " << line << "\n"
+                                                                     << std::flush; });
+  out << "# moeforge tune " << ex.name << (o.emit_training ? " --train" : "") << " on " << t.device << ": base ('"
+      << base.name() << "') " << t.base_ms << " ms, best " << t.best_ms << " ms (" << t.timed << " timed, " << t.pruned
+      << " pruned, " << t.failed << " failed, " << t.left << " past the budget)\n";
+  out << "# cached as " << (t.cached.empty() ? std::string("(not written: no cache directory)") : t.cached) << "\n";
+  out << t.best_text;
+#else
+  (void)err;
+  (void)task;
+  (void)base;
+#endif
+  return 0;
+}
+
 // One training step: forward, then backward, on a compiled backend.
 int train(const Options &o, std::ostream &out, Progress &progress, bool &working) {
   TrainingTask task = training_task(o);
@@ -604,6 +642,8 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
       return wrote(out, err) ? 0 : 2;
     }
     Progress progress(err, Progress::wanted());
+    if (o.command == "tune")
+      return tune(o, out, err, working) == 0 && wrote(out, err) ? 0 : 2;
     const int rc = o.command == "train" ? train(o, out, progress, working) : run(o, out, progress, working);
     return wrote(out, err) ? rc : 2;
   } catch (const UserError &e) {

@@ -3,6 +3,7 @@
 // the printing and the --check against the reference, the same for both.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -79,6 +80,16 @@ std::string cli_cuda_source(const Pipeline &pipeline, const Schedule &schedule);
 // Each GEMM's plan on the CUDA backend (gemm_plan.h): of the forward, or
 // with `training` of the training step's forward and backward.
 std::string cli_cuda_plans(const Example &ex, const Schedule &schedule, bool training);
+// `moeforge tune`: the search on the GPU (backends/cuda/tuner.h), its winner
+// stored in the tuned-schedule cache.
+struct TuneOutcome {
+  std::string device, best_text, cached; // cached: the entry's path, empty when not written
+  double base_ms = 0, best_ms = 0;
+  int timed = 0, pruned = 0, failed = 0, left = 0;
+};
+TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs, bool training,
+                            const HostTensor &upstream, const Schedule &base, double budget_seconds,
+                            const std::function<void(const std::string &)> &progress);
 BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
                           const Schedule &schedule);
 BackendTraining cli_train_on_cpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,

@@ -1,8 +1,15 @@
 // The CLI's CUDA backend (built with MOEFORGE_HAVE_CUDA).
+#include <filesystem>
+#include <sstream>
+
 #include "backends/cuda/codegen_cuda.h"
+#include "backends/cuda/compile_cache.h"
 #include "backends/cuda/gemm_plan.h"
 #include "backends/cuda/layer.h"
+#include "backends/cuda/nvrtc_compiler.h"
 #include "backends/cuda/training_layer.h"
+#include "backends/cuda/tune_cache.h"
+#include "backends/cuda/tuner.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "tools/cli_backend.h"
@@ -20,6 +27,40 @@ std::string cli_cuda_plans(const Example &ex, const Schedule &schedule, bool tra
   check_vector_alignment(ex.pipeline);
   return describe_gemm_plans(training ? lower_training(ex.pipeline, ex.pipeline.func(ex.output), schedule).program
                                       : lower(ex.pipeline, schedule));
+}
+
+TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs, bool training,
+                            const HostTensor &upstream, const Schedule &base, double budget_seconds,
+                            const std::function<void(const std::string &)> &progress) {
+  check_vector_alignment(ex.pipeline);
+  cuda::Device device;
+  cuda::TuneRequest r;
+  r.pipeline = &ex.pipeline;
+  r.output = ex.output;
+  r.tokens = shape.tokens;
+  r.inputs = inputs;
+  r.training = training;
+  r.upstream = upstream;
+  r.base = base;
+  r.budget_seconds = budget_seconds;
+  cuda::TuneResult res = cuda::tune(device, r, progress);
+  TuneOutcome t;
+  t.device = device.name();
+  t.base_ms = res.base_ms;
+  t.best_ms = res.best_ms;
+  t.timed = res.timed;
+  t.pruned = res.pruned;
+  t.failed = res.failed;
+  t.left = res.left;
+  t.best_text = res.best.to_text();
+  std::ostringstream algebra;
+  algebra << ex.pipeline;
+  const cuda::TuneKey key{algebra.str(), cuda::token_bucket(shape.tokens), device.name(),
+                          std::string("moeforge ") + MOEFORGE_VERSION + ", NVRTC " + cuda::nvrtc_version(), training};
+  const std::filesystem::path dir = cuda::CompileCache::default_directory();
+  if (!dir.empty() && cuda::TuneCache(dir).store(key, res.best))
+    t.cached = cuda::TuneCache(dir).entry_path(key).string();
+  return t;
 }
 
 BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,

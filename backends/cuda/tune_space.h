@@ -1,0 +1,51 @@
+// The autotuner's search space as data: for each contraction the schedule can
+// tile, the per-Func choices (tile, stages, persistent blocks, TMA stores),
+// each pruned before anything is timed by the GEMM plan pass's legality
+// (lowering and plan_gemm reject it) and by what the plan makes of it (a
+// choice whose plans equal another's, a request the kernel would not take
+// up, is one candidate, not two).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dsl/pipeline.h"
+#include "schedules/schedule.h"
+
+namespace moeforge::cuda {
+
+// One Func's settings in a candidate.
+struct FuncChoice {
+  int tile_m = 128, tile_n = 128, stages = 4;
+  bool persistent = false, tma_store = false;
+  std::string text() const; // "128x256, 4 stages, persistent, tma_store"
+};
+
+struct PrunedChoice {
+  FuncChoice choice;
+  std::string why; // the legality error, or the candidate it duplicates
+};
+
+// The candidates for one Func: legal and distinct, in the order tried.
+struct FuncCandidates {
+  std::string func;
+  std::vector<FuncChoice> kept;
+  std::vector<PrunedChoice> pruned;
+};
+
+// Every choice the space offers one Func (the product of the knobs' ranges).
+std::vector<FuncChoice> func_choices();
+
+// `base` with `choice` applied to `func`.
+Schedule with_choice(const Schedule &base, const std::string &func, const FuncChoice &choice);
+
+// The Funcs whose GEMMs the schedule tiles, in program order (the forward's,
+// or with `training` the training step's), for `pipeline`'s output `output`.
+std::vector<std::string> tunable_funcs(const Pipeline &pipeline, const std::string &output, const Schedule &base,
+                                       bool training);
+
+// func's candidates around `base` (the other Funcs as base has them).
+FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
+                              const std::string &func, bool training);
+
+} // namespace moeforge::cuda

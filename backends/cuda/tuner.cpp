@@ -1,0 +1,112 @@
+#include "backends/cuda/tuner.h"
+
+#include <chrono>
+#include <sstream>
+
+#include "backends/cuda/layer.h"
+#include "backends/cuda/stream.h"
+#include "backends/cuda/training_layer.h"
+#include "backends/cuda/tune_space.h"
+#include "dsl/error.h"
+
+namespace moeforge::cuda {
+
+namespace {
+
+// The layer under `schedule`, ms per replay (the mean of `reps` after one
+// warm-up replay).
+double time_candidate(Device &device, const TuneRequest &r, const Schedule &schedule) {
+  Stream stream;
+  auto timed = [&](const std::function<void()> &replay) {
+    replay(); // warm-up: module load, first touch
+    Event start, stop;
+    start.record(stream);
+    for (int i = 0; i < r.reps; ++i)
+      replay();
+    stop.record(stream);
+    stop.synchronize();
+    return elapsed_ms(start, stop) / r.reps;
+  };
+  if (!r.training) {
+    CompiledLayer c = compile_layer(*r.pipeline, schedule, device.arch_specific());
+    CudaLayer layer(device, c, r.tokens);
+    layer.upload(r.inputs);
+    CudaGraph g = CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
+    return timed([&] { g.launch(stream); });
+  }
+  CompiledTraining c = compile_training(*r.pipeline, r.pipeline->func(r.output), schedule, device.arch_specific());
+  TrainingLayer layer(device, c, r.tokens);
+  layer.upload(r.inputs);
+  layer.upload_upstream_gradient(r.upstream);
+  // Captured once: the backward's check that the upstream gradient was
+  // uploaded since the last forward holds at capture, and replays reuse it.
+  CudaGraph fwd = CudaGraph::capture(stream, [&] { layer.forward(stream); });
+  CudaGraph bwd = CudaGraph::capture(stream, [&] { layer.backward(stream); });
+  return timed([&] {
+    fwd.launch(stream);
+    bwd.launch(stream);
+  });
+}
+
+std::string fmt_ms(double ms) {
+  std::ostringstream o;
+  o.precision(4);
+  o << ms << " ms";
+  return o.str();
+}
+
+} // namespace
+
+TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(const std::string &)> &progress) {
+  user_check(r.pipeline != nullptr && r.tokens > 0) << "tune: a pipeline and a positive token count";
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(clock::now() - start).count(); };
+  auto say = [&](TuneResult &res, const std::string &line) {
+    res.log.push_back(line);
+    if (progress)
+      progress(line);
+  };
+  TuneResult res;
+  res.best = r.base;
+  res.base_ms = res.best_ms = time_candidate(device, r, r.base);
+  res.timed = 1;
+  say(res, "base schedule: " + fmt_ms(res.base_ms));
+  const std::vector<std::string> funcs = tunable_funcs(*r.pipeline, r.output, r.base, r.training);
+  for (size_t f = 0; f < funcs.size(); ++f) {
+    FuncCandidates fc = candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training);
+    res.pruned += static_cast<int>(fc.pruned.size());
+    for (size_t i = 0; i < fc.kept.size(); ++i) {
+      if (elapsed() > r.budget_seconds) {
+        res.left += static_cast<int>(fc.kept.size() - i);
+        continue;
+      }
+      const Schedule candidate = with_choice(res.best, funcs[f], fc.kept[i]);
+      std::string what = funcs[f] + " " + fc.kept[i].text();
+      try {
+        const double ms = time_candidate(device, r, candidate);
+        ++res.timed;
+        const bool better = ms < res.best_ms;
+        if (better) {
+          res.best = candidate;
+          res.best_ms = ms;
+        }
+        // The time left: the candidates not yet timed at this one's pace.
+        size_t remaining = fc.kept.size() - i - 1;
+        for (size_t g = f + 1; g < funcs.size(); ++g)
+          remaining += fc.kept.size(); // the later Funcs' spaces, about as large
+        const double eta = std::min(r.budget_seconds - elapsed(), elapsed() / res.timed * double(remaining));
+        std::ostringstream line;
+        line << "[" << res.timed << "] " << what << ": " << fmt_ms(ms) << (better ? " (best)" : "") << "; best "
+             << fmt_ms(res.best_ms) << ", ~" << static_cast<int>(std::max(0.0, eta)) << " s left";
+        say(res, line.str());
+      } catch (const std::runtime_error &e) {
+        ++res.failed; // a candidate the device refuses (resources at launch): skipped, said why
+        say(res, what + ": skipped (" + e.what() + ")");
+      }
+    }
+  }
+  return res;
+}
+
+} // namespace moeforge::cuda

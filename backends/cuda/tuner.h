@@ -1,0 +1,43 @@
+// The autotuner: times candidate schedules of one layer on the GPU and keeps
+// the fastest. The search walks the tunable Funcs in program order and, for
+// each, times every candidate the search space keeps (tune_space.h) with the
+// other Funcs at their best so far (coordinate descent); the budget stops it
+// early, the base schedule always timed first. Each candidate is the whole
+// layer (forward, or forward + backward) replayed from CUDA graphs, so what
+// is compared is what a training loop runs.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/device.h"
+#include "backends/reference/host_tensor.h"
+#include "dsl/pipeline.h"
+#include "schedules/schedule.h"
+
+namespace moeforge::cuda {
+
+struct TuneRequest {
+  const Pipeline *pipeline = nullptr;
+  std::string output; // the layer's output Func
+  int64_t tokens = 0;
+  TensorMap inputs; // every Input and Param
+  bool training = false;
+  HostTensor upstream; // training: d(loss)/d(output)
+  Schedule base;       // where the search starts
+  double budget_seconds = 120;
+  int reps = 5; // timed replays per candidate
+};
+
+struct TuneResult {
+  Schedule best;
+  double best_ms = 0, base_ms = 0;
+  int timed = 0, pruned = 0, failed = 0, left = 0; // left: candidates the budget did not reach
+  std::vector<std::string> log; // one line per candidate: what it changed, its time or why it was skipped
+};
+
+// `progress` gets a line per candidate (best so far, time left); may be empty.
+TuneResult tune(Device &device, const TuneRequest &request, const std::function<void(const std::string &)> &progress);
+
+} // namespace moeforge::cuda

@@ -1,0 +1,120 @@
+// The autotuner's parts that need no GPU: the search space and its pruning
+// (backends/cuda/tune_space.h), the tuned-schedule cache (tune_cache.h) and
+// the CLI's `tune` where there is no GPU. The timed search runs on the device
+// (scripts/device_run.sh's tune step).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "backends/cuda/tune_cache.h"
+#include "backends/cuda/tune_space.h"
+#include "dsl/error.h"
+#include "examples/examples.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
+#include "schedules/presets.h"
+
+using namespace moeforge;
+using namespace moeforge::cuda;
+
+namespace {
+
+ExampleShape small() {
+  ExampleShape s;
+  s.tokens = 64;
+  s.d = 128;
+  s.f = 256;
+  return s;
+}
+
+bool has(const std::string &text, const std::string &part) { return text.find(part) != std::string::npos; }
+
+} // namespace
+
+TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and by equal plans") {
+  Example ex = make_example("swiglu_moe", small());
+  Schedule base = preset("scattermoe");
+  const std::vector<std::string> funcs = tunable_funcs(ex.pipeline, ex.output, base, false);
+  CHECK(funcs == std::vector<std::string>{"logits", "h", "o"});
+  const size_t all = func_choices().size();
+  CHECK(all == 16);
+  // SwiGLU's h has two B operands: 256 columns each need 256 accumulator
+  // registers a thread, which the plan rejects.
+  FuncCandidates h = candidates_for(ex.pipeline, ex.output, base, "h", false);
+  CHECK(h.kept.size() + h.pruned.size() == all);
+  int registers = 0;
+  for (const PrunedChoice &p : h.pruned) {
+    INFO(p.choice.text() << ": " << p.why);
+    registers += has(p.why, "need 256 accumulator registers per thread");
+  }
+  CHECK(registers == 8); // every 256-wide choice
+  // The router's logits are f32, which a TMA store does not take: asking for
+  // one gives the same plans as not asking, one candidate instead of two.
+  FuncCandidates logits = candidates_for(ex.pipeline, ex.output, base, "logits", false);
+  int same = 0;
+  for (const PrunedChoice &p : logits.pruned) {
+    INFO(p.choice.text() << ": " << p.why);
+    CHECK(has(p.why, "the same plans as "));
+    CHECK(p.choice.tma_store);
+    ++same;
+  }
+  CHECK(same == 8);
+  CHECK(logits.kept.size() == 8);
+  for (const FuncChoice &c : h.kept)
+    CHECK(c.tile_n == 128);
+  // Every kept candidate lowers and plans: what the tuner times compiles.
+  for (const FuncChoice &c : h.kept)
+    CHECK_NOTHROW(lower(ex.pipeline, with_choice(base, "h", c)));
+  // A single-B GEMM keeps its 256-wide tiles.
+  FuncCandidates o = candidates_for(ex.pipeline, ex.output, base, "o", false);
+  CHECK(std::any_of(o.kept.begin(), o.kept.end(), [](const FuncChoice &c) { return c.tile_n == 256; }));
+  // The training step's Funcs: the backward's contractions too.
+  const std::vector<std::string> train = tunable_funcs(ex.pipeline, ex.output, base, true);
+  CHECK(std::find(train.begin(), train.end(), "d_w1") != train.end());
+  CHECK(std::find(train.begin(), train.end(), "d_x") != train.end());
+  FuncCandidates dw = candidates_for(ex.pipeline, ex.output, base, "d_w1", true);
+  CHECK_FALSE(dw.kept.empty());
+}
+
+TEST_CASE("tune cache: hit, miss, another key's entry, a stale compiler and a corrupt file") {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "moeforge_tune_cache_test";
+  std::filesystem::remove_all(dir);
+  TuneCache cache(dir);
+  TuneKey key{"h(t, i) = ...\ny(t, i) = ...", token_bucket(3000), "NVIDIA H200", "moeforge 0.11.0, NVRTC 13.0", true};
+  CHECK(key.token_bucket == 4096);
+  CHECK(token_bucket(4096) == 4096);
+  CHECK(token_bucket(1) == 1);
+  std::string why;
+  CHECK_FALSE(cache.load(key, &why).has_value());
+  CHECK(has(why, "no tuned schedule cached"));
+  Schedule s = preset("scattermoe");
+  s.tile("o", 128, 256, 64).persistent("o", true);
+  REQUIRE(cache.store(key, s));
+  std::optional<Schedule> back = cache.load(key);
+  REQUIRE(back.has_value());
+  CHECK(back->to_text() == s.to_text());
+  // Another device or compiler: another entry, a miss.
+  TuneKey other = key;
+  other.compiler = "moeforge 0.12.0, NVRTC 13.1";
+  CHECK(other.file_name() != key.file_name());
+  CHECK_FALSE(cache.load(other).has_value());
+  // An entry whose recorded key differs (as a hash collision would): ignored.
+  std::filesystem::copy_file(cache.entry_path(key), cache.entry_path(other));
+  CHECK_FALSE(cache.load(other, &why).has_value());
+  CHECK(has(why, "was tuned for something else"));
+  // A corrupt entry: a miss that says so, never an error.
+  {
+    std::ifstream in(cache.entry_path(key));
+    std::string first;
+    std::getline(in, first);
+    std::ofstream out(cache.entry_path(key));
+    out << first << "\ntile(o, 128, 256\n\x01\x02";
+  }
+  CHECK_FALSE(cache.load(key, &why).has_value());
+  CHECK(has(why, "does not parse"));
+  // An unwritable directory: store says false.
+  CHECK_FALSE(TuneCache("/proc/moeforge_no_such_dir").store(key, s));
+  std::filesystem::remove_all(dir);
+}

@@ -252,7 +252,7 @@ TEST_CASE("cli: an error compiling the layer comes without the usage; an error i
 }
 
 TEST_CASE("cli: unknown command and no command") {
-  check_usage_error({"fit", "moe_mlp"}, {"unknown command 'fit'", "use list, print, run, train or emit"});
+  check_usage_error({"fit", "moe_mlp"}, {"unknown command 'fit'", "use list, print, run, train, emit or tune"});
   check_usage_error({}, {"no command given"});
 }
 

@@ -392,6 +392,10 @@ TEST_CASE("cli: tune times candidates on the GPU, or says there is none") {
   CHECK(r.code == 2);
   CHECK(has(r.err, "tune times candidate schedules on the GPU, and there is none: "));
   CHECK_FALSE(has(r.err, "usage:")); // not an error in the arguments
+  // The training step's tuning parses the same way (--train is tune's too).
+  Run t = cli({"tune", "swiglu_moe", "--train", "--tokens", "64", "--budget-seconds", "1"});
+  CHECK(t.code == 2);
+  CHECK(has(t.err, "tune times candidate schedules on the GPU, and there is none: "));
 }
 
 TEST_CASE("cli: run on the CPU backend checks every Func against the reference") {

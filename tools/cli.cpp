@@ -154,7 +154,7 @@ Options parse(const std::vector<std::string> &args) {
   user_check(o.command != "emit" || !o.emit.empty())
       << "emit needs exactly one of --ir (the lowered kernel program), --cuda (the generated CUDA source), "
       << "--llvm (the CPU backend's optimised LLVM IR) or --plan (each GEMM's plan on the CUDA backend)";
-  user_check(!o.emit_training || o.emit == "ir" || o.emit == "plan")
+  user_check(o.command != "emit" || !o.emit_training || o.emit == "ir" || o.emit == "plan")
       << "emit --train goes with --ir or --plan (the training step's program or GEMM plans)";
   return o;
 }

@@ -64,6 +64,8 @@ FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &outpu
   FuncCandidates fc;
   fc.func = func;
   std::map<std::string, std::string> seen; // the plans' text -> the choice that gave them
+  // The base's own settings are what the search already has: no candidate.
+  seen.emplace(describe_gemm_plans(lowered(pipeline, output, base, training)), "the current settings");
   for (const FuncChoice &c : func_choices()) {
     try {
       const KernelProgram p = lowered(pipeline, output, with_choice(base, func, c), training);

@@ -44,7 +44,9 @@ Schedule with_choice(const Schedule &base, const std::string &func, const FuncCh
 std::vector<std::string> tunable_funcs(const Pipeline &pipeline, const std::string &output, const Schedule &base,
                                        bool training);
 
-// func's candidates around `base` (the other Funcs as base has them).
+// func's candidates around `base` (the other Funcs as base has them); a
+// choice that gives base's own plans is pruned as "the same plans as the
+// current settings".
 FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
                               const std::string &func, bool training);
 

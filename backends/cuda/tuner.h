@@ -2,7 +2,9 @@
 // the fastest. The search walks the tunable Funcs in program order and, for
 // each, times every candidate the search space keeps (tune_space.h) with the
 // other Funcs at their best so far (coordinate descent); the budget stops it
-// early, the base schedule always timed first. Each candidate is the whole
+// early, the base schedule always timed first; a candidate replaces the
+// best only when faster by more than 1 %, the spread of one timing. Each
+// candidate is the whole
 // layer (forward, or forward + backward) replayed from CUDA graphs, so what
 // is compared is what a training loop runs.
 #pragma once

@@ -13,26 +13,6 @@ namespace {
 
 bool is_plain_var(const Index &i, const Var &v) { return i.is_plain() && i.var.same_as(v); }
 
-// Whether e uses index variable v anywhere.
-bool uses_var(const Expr &e, const Var &v) {
-  struct Finder : IRVisitor {
-    const VarNode *v = nullptr;
-    bool found = false;
-    void visit_node(const Access &a) override {
-      for (const Index &i : a.args)
-        found |= i.var.get() == v;
-    }
-    void visit_node(const IndexEq &n) override { found |= n.a.var.get() == v || n.b.var.get() == v; }
-    void visit_node(const RouteSum &n) override {
-      found |= n.target.get() == v;
-      IRVisitor::visit_node(n);
-    }
-  } f;
-  f.v = v.get();
-  f.visit(e);
-  return f.found;
-}
-
 // D(token(r), i): a read of a token-indexed matrix at pair r's token.
 const Access *token_row_read(const Expr &e, const Var &r, const Var &i) {
   const Access *a = e.as<Access>();

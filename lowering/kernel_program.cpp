@@ -218,4 +218,28 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
   return os;
 }
 
+bool uses_var(const Expr &e, const Var &v, const std::vector<FuncPtr> &registers) {
+  struct Finder : IRVisitor {
+    const VarNode *v = nullptr;
+    const std::vector<FuncPtr> *registers = nullptr;
+    bool found = false;
+    void visit_node(const Access &a) override {
+      for (const FuncPtr &r : *registers)
+        if (a.func == r)
+          return;
+      for (const Index &i : a.args)
+        found |= i.var.get() == v;
+    }
+    void visit_node(const IndexEq &n) override { found |= n.a.var.get() == v || n.b.var.get() == v; }
+    void visit_node(const RouteSum &n) override {
+      found |= n.target.get() == v;
+      IRVisitor::visit_node(n);
+    }
+  } f;
+  f.v = v.get();
+  f.registers = &registers;
+  f.visit(e);
+  return f.found;
+}
+
 } // namespace moeforge

@@ -205,6 +205,11 @@ FuncPtr placeholder(const std::string &name, std::vector<Var> args, DType t);
 // A read of tensor `name` at `args`, as the lowered steps write one (steps
 // use only a read's name, dtype and indices).
 Expr tensor_read(const std::string &name, DType dtype, std::vector<Index> args);
+
+// Whether e reads anything at index variable v: a read at v, token(v) or
+// expert(v), an [a == b] over v, a sum over v's route. Reads of `registers`
+// (a GEMM's accumulators, which are not loads) do not count.
+bool uses_var(const Expr &e, const Var &v, const std::vector<FuncPtr> &registers = {});
 std::string step_name(const Step &s);
 // The tensors a step reads (each read once per mention) and the one it
 // writes (empty for a routing step, which writes its route's tables).

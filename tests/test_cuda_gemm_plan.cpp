@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <variant>
 
+#include "layer_compare.h"
+
 #include "backends/cuda/codegen_cuda.h"
 #include "backends/cuda/gemm_plan.h"
 #include "benchmarks/train_schedule.h"
@@ -18,13 +20,7 @@ using namespace moeforge;
 
 namespace {
 
-ExampleShape small() {
-  ExampleShape s;
-  s.tokens = 64;
-  s.d = 128;
-  s.f = 256;
-  return s;
-}
+ExampleShape small() { return testing::shape(64, 128, 256, 8, 2); }
 
 const GemmStep &gemm_named(const KernelProgram &p, const std::string &name) {
   for (const Step &s : p.steps)

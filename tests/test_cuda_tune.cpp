@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "layer_compare.h"
+
 #include "backends/cuda/tune_cache.h"
 #include "backends/cuda/tune_space.h"
 #include "dsl/error.h"
@@ -21,13 +23,7 @@ using namespace moeforge::cuda;
 
 namespace {
 
-ExampleShape small() {
-  ExampleShape s;
-  s.tokens = 64;
-  s.d = 128;
-  s.f = 256;
-  return s;
-}
+ExampleShape small() { return testing::shape(64, 128, 256, 8, 2); }
 
 bool has(const std::string &text, const std::string &part) { return text.find(part) != std::string::npos; }
 

@@ -7,6 +7,7 @@
 
 #include "dsl/error.h"
 #include "lowering/lower.h"
+#include "runtime/layer_checks.h"
 
 namespace moeforge::cpu {
 
@@ -138,13 +139,7 @@ void CpuLayer::run(size_t begin, size_t end) {
   const std::vector<Step> &steps = layer_.program.steps;
   internal_check(begin <= end && end <= steps.size())
       << "steps [" << begin << ", " << end << ") of a program of " << steps.size();
-  for (size_t i = begin; i < end; ++i)
-    for (const std::string &r : step_reads(steps[i])) {
-      const TensorDecl *t = layer_.program.find(r);
-      user_check(!t || !t->is_input || uploaded_.count(r))
-          << "run() before upload() of '" << r << "': give every Input and Param (upload(inputs), or upload(\"" << r
-          << "\", value)) first";
-    }
+  check_uploaded(layer_.program, begin, end, uploaded_, "run()");
   const JitProgram &jit = *layer_.jit;
   const std::vector<CpuKernel> &kernels = layer_.kernels;
   std::vector<void *> args;
@@ -166,15 +161,7 @@ void CpuLayer::run(size_t begin, size_t end) {
 }
 
 HostTensor CpuLayer::download(const std::string &func) const {
-  const TensorDecl *found = layer_.program.find(func);
-  if (!found) {
-    std::string known;
-    for (const TensorDecl &d : layer_.program.tensors)
-      if (!d.is_input)
-        known += (known.empty() ? "" : ", ") + d.name;
-    user_error << "download(\"" << func << "\"): this layer holds no tensor of that name; it holds " << known;
-  }
-  const TensorDecl &t = *found;
+  const TensorDecl &t = downloadable(layer_.program, func);
   const std::vector<uint8_t> &bytes = tensors_.at(func);
   if (t.layout != RowLayout::padded)
     return shapes_.decode(t, bytes);

@@ -16,33 +16,6 @@ void check_multiple_of_8(const GemmStep &g, const Dim &d, const char *role) {
       << (d.extent() + 7) / 8 * 8;
 }
 
-// Whether an epilogue value e reads anything at row index v (a tensor read
-// at v, token(v) or expert(v), a sum over v's route); its accumulators are
-// registers, not reads.
-bool reads_at_row(const Expr &e, const Var &v, const std::vector<FuncPtr> &accumulators) {
-  struct Finder : IRVisitor {
-    const VarNode *v = nullptr;
-    const std::vector<FuncPtr> *accs = nullptr;
-    bool found = false;
-    void visit_node(const Access &a) override {
-      for (const FuncPtr &acc : *accs)
-        if (a.func == acc)
-          return;
-      for (const Index &i : a.args)
-        found |= i.var.get() == v;
-    }
-    void visit_node(const IndexEq &n) override { found |= n.a.var.get() == v || n.b.var.get() == v; }
-    void visit_node(const RouteSum &n) override {
-      found |= n.target.get() == v;
-      IRVisitor::visit_node(n);
-    }
-  } f;
-  f.v = v.get();
-  f.accs = &accumulators;
-  f.visit(e);
-  return f.found;
-}
-
 const char *mma_name(MmaKind m) {
   return m == MmaKind::wgmma_ws ? "wgmma_ws" : m == MmaKind::wgmma ? "wgmma" : "mma_sync";
 }
@@ -134,7 +107,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   for (const GemmStep::Extra &e : g.extra)
     outputs.emplace_back(e.output, e.value);
   for (const auto &[name, value] : outputs)
-    p.reads_row |= reads_at_row(value, g.row_var, g.accumulators);
+    p.reads_row |= uses_var(value, g.row_var, g.accumulators); // the accumulators are registers
   // Latency trims that cost registers, for tiles whose accumulators leave
   // room (under 128 per thread; SwiGLU's 2 x 128-wide tile spills with them):
   // the epilogue's rows through sorted_pair are loaded before the main loop,

@@ -9,6 +9,7 @@
 #include "backends/cuda/timeline.h"
 #include "dsl/error.h"
 #include "lowering/lower.h"
+#include "runtime/layer_checks.h"
 
 namespace moeforge::cuda {
 
@@ -214,13 +215,7 @@ void CudaLayer::enqueue(const Stream &stream) { enqueue(stream, 0, layer_.progra
 
 void CudaLayer::enqueue(const Stream &stream, size_t begin, size_t end) {
   internal_check(begin <= end && end <= layer_.program.steps.size()) << "step range out of bounds";
-  for (size_t i = begin; i < end; ++i)
-    for (const std::string &r : step_reads(layer_.program.steps[i])) {
-      const TensorDecl *t = layer_.program.find(r);
-      user_check(!t || !t->is_input || uploaded_.count(r))
-          << "enqueue() before upload() of '" << r << "': give every Input and Param (upload(inputs), or upload(\"" << r
-          << "\", value)) first";
-    }
+  check_uploaded(layer_.program, begin, end, uploaded_, "enqueue()");
   for (size_t i = begin; i < end; ++i)
     run_step(i, stream);
 }
@@ -271,15 +266,7 @@ std::vector<std::string> CudaLayer::timeline(const Stream &stream) {
 }
 
 HostTensor CudaLayer::download(const std::string &func) const {
-  const TensorDecl *found = layer_.program.find(func);
-  if (!found) {
-    std::string known;
-    for (const TensorDecl &d : layer_.program.tensors)
-      if (!d.is_input)
-        known += (known.empty() ? "" : ", ") + d.name;
-    user_error << "download(\"" << func << "\"): this layer holds no tensor of that name; it holds " << known;
-  }
-  const TensorDecl &t = *found;
+  const TensorDecl &t = downloadable(layer_.program, func);
   user_check(!plan_ || plan_->outlives_run(func))
       << "'" << func << "' shares its memory with other tensors under reuse_memory(true): its value is gone once "
       << "the steps that read it have run; download it from a layer compiled without reuse_memory";

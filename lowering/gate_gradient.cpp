@@ -22,13 +22,6 @@ const Access *token_row_read(const Expr &e, const Var &r, const Var &i) {
   return a;
 }
 
-// Whether a GEMM's primary output is its accumulator as it is (acc0(row, col)).
-bool stores_plain_accumulator(const GemmStep &g) {
-  const Access *a = g.epilogue.as<Access>();
-  return g.accumulators.size() == 1 && a && a->func == g.accumulators[0] && a->args.size() == 2 &&
-         is_plain_var(a->args[0], g.row_var) && is_plain_var(a->args[1], g.col_var);
-}
-
 // Replaces reads of d_h(r', j') by scale(r') * u(r', j'); `failed` counts
 // reads it cannot replace (not at plain indices).
 struct ScaleReads : IRMutator {

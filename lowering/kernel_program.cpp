@@ -242,4 +242,11 @@ bool uses_var(const Expr &e, const Var &v, const std::vector<FuncPtr> &registers
   return f.found;
 }
 
+bool stores_plain_accumulator(const GemmStep &g) {
+  auto plain = [](const Index &i, const Var &v) { return i.is_plain() && i.var.same_as(v); };
+  const Access *a = g.epilogue.as<Access>();
+  return g.accumulators.size() == 1 && a && a->func == g.accumulators[0] && a->args.size() == 2 &&
+         plain(a->args[0], g.row_var) && plain(a->args[1], g.col_var);
+}
+
 } // namespace moeforge

@@ -210,6 +210,10 @@ Expr tensor_read(const std::string &name, DType dtype, std::vector<Index> args);
 // expert(v), an [a == b] over v, a sum over v's route. Reads of `registers`
 // (a GEMM's accumulators, which are not loads) do not count.
 bool uses_var(const Expr &e, const Var &v, const std::vector<FuncPtr> &registers = {});
+
+// Whether a GEMM's primary output is its one accumulator as it is
+// (acc0(row, col)): no epilogue around the sum.
+bool stores_plain_accumulator(const GemmStep &g);
 std::string step_name(const Step &s);
 // The tensors a step reads (each read once per mention) and the one it
 // writes (empty for a routing step, which writes its route's tables).

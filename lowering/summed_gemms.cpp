@@ -33,13 +33,6 @@ const Access *combined_read(const Expr &term) {
   return a;
 }
 
-// Whether a GEMM's primary output is its accumulator as it is.
-bool stores_plain_accumulator(const GemmStep &g) {
-  const Access *a = g.epilogue.as<Access>();
-  return g.accumulators.size() == 1 && a && a->func == g.accumulators[0] && a->args.size() == 2 &&
-         plain_var(a->args[0], g.row_var) && plain_var(a->args[1], g.col_var);
-}
-
 bool chainable(const GemmStep &g) {
   return g.route && !g.expert_k && !g.operands_in_place && !g.a_trans && !g.chained && g.b.size() == 1 &&
          g.extra.empty() && !g.unfused && stores_plain_accumulator(g);

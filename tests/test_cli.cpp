@@ -261,9 +261,14 @@ TEST_CASE("cli: --precision f64 runs the reference; with a compiled backend it i
   INFO(r.err);
   CHECK(r.code == 0);
   CHECK(has(r.out, "backend   reference (Eigen, f64)"));
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
   check_usage_error({"run", "moe_mlp", "--precision", "f64", "--backend", "cpu"},
                     {"--precision f64: the cpu backend computes in f32; only the reference evaluates in f64",
                      "use --backend reference"});
+#else // a build without LLVM refuses the CPU backend itself first
+  check_usage_error({"run", "moe_mlp", "--precision", "f64", "--backend", "cpu"},
+                    {"--backend cpu: this build has no CPU backend"});
+#endif
 }
 
 TEST_CASE("cli: output that cannot be written ends in exit 2 and says so") {

@@ -583,3 +583,90 @@ TEST_CASE("cli: progress goes to stderr when asked (MOEFORGE_PROGRESS), never to
   CHECK(!has(loud.out, "moeforge: "));
   CHECK(has(loud.out, "check     y vs reference f64"));
 }
+
+TEST_CASE("cli: hostile command lines end in exit 2 and a message that says what to change") {
+  // Overflowing, huge, negative, non-numeric, missing and out-of-range values,
+  // unknown names and flags, and empty, comment-only, binary, NUL-bearing,
+  // invalid, missing and directory schedule files: never a crash, a
+  // bad_alloc or a silent run. Each row: the arguments, then what the
+  // message must say.
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "moeforge_hostile";
+  std::filesystem::create_directories(dir);
+  auto file = [&](const char *name, const std::string &bytes) {
+    std::ofstream(dir / name, std::ios::binary) << bytes;
+    return (dir / name).string();
+  };
+  const std::string empty = file("empty.sched", ""), comment = file("comment.sched", "# only a comment\n"),
+                    nul = file("nul.sched", std::string("schedule(\"x\")\ntile(\"*\", 128, 128, 64)\0junk\n", 40)),
+                    binary = file("binary.sched", std::string("\x7f"
+                                                              "ELF\x02\x01\x01\x00\x13\x88",
+                                                              10)),
+                    badtile = file("badtile.sched", "schedule(\"x\")\ntile(\"*\", 100, 128, 64)\n"),
+                    unknown = file("unknown.sched", "schedule(\"x\")\nwarp_drive(\"*\", 9)\n");
+  const std::string big = "2305843009213693952", huge = "99999999999999999999";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> rows = {
+      {{"run", "moe_mlp", "--d", big}, "--d 2305843009213693952 is beyond 2147483647"},
+      {{"run", "moe_mlp", "--tokens", big}, "--tokens 2305843009213693952 is beyond 2147483647"},
+      {{"run", "moe_mlp", "--experts", big}, "--experts 2305843009213693952 is beyond 2147483647"},
+      {{"run", "moe_mlp", "--f", "9223372036854775807"}, "--f 9223372036854775807 is beyond 2147483647"},
+      {{"run", "dense_mlp", "--d", "2147483648"}, "--d 2147483648 is beyond 2147483647"},
+      {{"run", "moe_mlp", "--tokens", "2147483647", "--topk", "2"}, "pairs is beyond 2147483647"},
+      {{"run", "moe_mlp", "--topk", "3000000000"}, "--topk 3000000000 with 8 experts: choose 1 <= topk <= experts"},
+      {{"run", "moe_mlp", "--tokens", huge}, "--tokens needs an integer, got '99999999999999999999'"},
+      {{"print", "moe_mlp", "--d", big}, "is beyond 2147483647"},
+      {{"emit", "moe_mlp", "--ir", "--tokens", big}, "is beyond 2147483647"},
+      {{"run", "moe_mlp", "--tokens", "100000000", "--d", "100000"}, "the inputs alone need"},
+      {{"train", "moe_mlp", "--experts", "64", "--d", "4096", "--f", "8192", "--tokens", "10000000"},
+       "the inputs alone need"},
+      {{"run", "moe_mlp", "--d", "-1"}, "--d must be at least 1 (got -1)"},
+      {{"run", "moe_mlp", "--tokens", "-5"}, "--tokens must be at least 1 (got -5)"},
+      {{"run", "moe_mlp", "--experts", "0"}, "--experts must be at least 1 (got 0)"},
+      {{"run", "moe_mlp", "--topk", "-1"}, "--topk -1 with 8 experts"},
+      {{"run", "moe_mlp", "--f", "0"}, "--f must be at least 1 (got 0)"},
+      {{"print", "moe_mlp", "--tokens", "0"}, "--tokens must be at least 1 (got 0)"},
+      {{"train", "moe_mlp", "--k", "0"}, "--topk 0 with 8 experts"},
+      {{"run", "swiglu_moe", "--topk", "9"}, "--topk 9 with 8 experts"},
+      {{"run", "moe_mlp", "--d", "abc"}, "--d needs an integer, got 'abc'"},
+      {{"run", "moe_mlp", "--tokens", "1e6"}, "--tokens needs an integer, got '1e6'"},
+      {{"run", "moe_mlp", "--d", "0x40"}, "--d needs an integer, got '0x40'"},
+      {{"run", "moe_mlp", "--seed", "x"}, "--seed needs an integer, got 'x'"},
+      {{"run", "moe_mlp", "--tokens", ""}, "--tokens needs an integer, got ''"},
+      {{"run", "moe_mlp", "--tokens"}, "--tokens needs a value"},
+      {{"run", "moe_mlp", "--check", "--check", "--tokens", "5", "--tokens"}, "--tokens needs a value"},
+      {{"tune", "moe_mlp", "--seed"}, "--seed needs a value"},
+      {{"tune", "moe_mlp", "--budget-seconds", "-1"}, "--budget-seconds must be between 1 and 86400, got -1"},
+      {{"tune", "moe_mlp", "--budget-seconds", "99999999"}, "--budget-seconds must be between 1 and 86400"},
+      {{"run", "moe_mlp", "--precision", "f16"}, "--precision must be f32 or f64, got 'f16'"},
+      {{"run", "moe_mlp", "--backend", "tpu"}, "--backend must be reference, cpu or cuda, got 'tpu'"},
+      {{"train", "moe_mlp", "--backend", "reference"}, "--backend of train must be cpu or cuda"},
+      {{"train", "moe_mlp", "--budget-seconds", "5"}, "unknown flag '--budget-seconds' for 'train'"},
+      {{"print", "nosuch"}, "unknown example 'nosuch': choose one of moe_mlp"},
+      {{"print"}, "'print' needs an example name"},
+      {{"run"}, "'run' needs an example name"},
+      {{"fit", "moe_mlp"}, "unknown command 'fit'"},
+      {{"emit", "moe_mlp"}, "emit needs exactly one of --ir"},
+      {{"emit", "moe_mlp", "--ir", "--cuda"}, "got --ir and --cuda"},
+      {{"emit", "moe_mlp", "--llvm", "--train"}, "emit --train goes with --ir or --plan"},
+      {{"run", "moe_mlp", "--schedule", empty}, "has no primitives (only blank lines or comments)"},
+      {{"run", "moe_mlp", "--schedule", comment}, "has no primitives (only blank lines or comments)"},
+      {{"run", "moe_mlp", "--schedule", nul}, "byte 0x00 is not text"},
+      {{"run", "moe_mlp", "--schedule", binary}, "is not text"},
+      {{"run", "moe_mlp", "--schedule", badtile}, "tile_m 100 of the default ('*') is not supported"},
+      {{"run", "moe_mlp", "--schedule", unknown}, "warp_drive"},
+      {{"run", "moe_mlp", "--schedule", (dir / "missing.sched").string()}, "nor an existing schedule file"},
+      {{"run", "moe_mlp", "--schedule", dir.string()}, "it is a directory"},
+  };
+  CHECK(rows.size() >= 40);
+  for (const auto &[args, message] : rows) {
+    std::string line;
+    for (const std::string &a : args)
+      line += a + " ";
+    INFO("moeforge " << line);
+    Run r = cli(args);
+    INFO("err: " << r.err);
+    CHECK(r.code == 2);
+    CHECK(r.err.rfind("moeforge: ", 0) == 0);
+    CHECK(has(r.err, message));
+  }
+  std::filesystem::remove_all(dir);
+}

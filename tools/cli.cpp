@@ -295,6 +295,26 @@ HostTensor random_upstream_gradient(const Func &output, int64_t tokens, uint64_t
   return random_tensor(shape, rng, -1.0, 1.0, /*bf16=*/true);
 }
 
+// The host memory the inputs alone take (8-byte values, as HostTensor holds
+// them), against the machine's: a shape past it ends here with what to
+// change, not in std::bad_alloc or the kernel's OOM killer.
+void check_host_memory(const Example &ex, const ExampleShape &shape) {
+  double bytes = 0;
+  for (const BufferPtr &b : ex.pipeline.buffers()) {
+    double n = 8;
+    for (const Dim &d : b->dims)
+      n *= static_cast<double>(d.is_dynamic() ? shape.tokens : d.extent());
+    bytes += n;
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0)
+    return; // unknown: nothing to compare with
+  const double have = static_cast<double>(pages) * static_cast<double>(page), gib = double(1 << 30);
+  user_check(bytes < 0.5 * have) << ex.name << ": the inputs alone need " << std::fixed << std::setprecision(1)
+                                 << bytes / gib << " GiB of host memory (8-byte values), more than half of this "
+                                 << "machine's " << have / gib << " GiB: lower --tokens, --d, --f or --experts";
+}
+
 // The example's training step: its output with a random upstream gradient
 // and, with --aux, its auxiliary losses (examples/aux_loss_example.h), each
 // with upstream gradient 1 (the loss is added to the training loss as is).
@@ -308,6 +328,8 @@ TrainingTask training_task(const Options &o) {
     return {ex, {ex.pipeline.func(ex.output)}, {}};
   };
   TrainingTask task = make();
+  // Before the upstream gradients, which are as large as the output.
+  check_host_memory(task.example, o.shape);
   task.upstream[task.outputs[0].name()] = random_upstream_gradient(task.outputs[0], o.shape.tokens, o.seed);
   for (size_t k = 1; k < task.outputs.size(); ++k) {
     std::vector<int64_t> shape;
@@ -358,26 +380,6 @@ bool check_training(std::ostream &out, const BackendTraining &run, const Trainin
   return ok;
 }
 
-// The host memory the inputs alone take (8-byte values, as HostTensor holds
-// them), against the machine's: a shape past it ends here with what to
-// change, not in std::bad_alloc or the kernel's OOM killer.
-void check_host_memory(const Example &ex, const ExampleShape &shape) {
-  double bytes = 0;
-  for (const BufferPtr &b : ex.pipeline.buffers()) {
-    double n = 8;
-    for (const Dim &d : b->dims)
-      n *= static_cast<double>(d.is_dynamic() ? shape.tokens : d.extent());
-    bytes += n;
-  }
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page <= 0)
-    return; // unknown: nothing to compare with
-  const double have = static_cast<double>(pages) * static_cast<double>(page), gib = double(1 << 30);
-  user_check(bytes < 0.5 * have) << ex.name << ": the inputs alone need " << std::fixed << std::setprecision(1)
-                                 << bytes / gib << " GiB of host memory (8-byte values), more than half of this "
-                                 << "machine's " << have / gib << " GiB: lower --tokens, --d, --f or --experts";
-}
-
 // The autotuner on the GPU: times the search space's candidates around the
 // schedule given (tune_space.h) and stores the winner in the tuned-schedule
 // cache; prints it as a schedule file. Progress (a line per candidate) goes
@@ -386,7 +388,6 @@ int tune(const Options &o, std::ostream &out, std::ostream &err, bool &working) 
   TrainingTask task = training_task(o);
   const Example &ex = task.example;
   Schedule base = schedule_from_arg(o.schedule);
-  check_host_memory(ex, o.shape);
   working = true; // the arguments hold together: from here on, errors are the machine's or the layer's
   std::string no_gpu;
   user_check(gpu_present(&no_gpu)) << "tune times candidate schedules on the GPU, and there is none: " << no_gpu;
@@ -417,7 +418,6 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
     schedule.recompute(true);
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu);
-  check_host_memory(ex, o.shape);
   working = true; // the arguments hold together: from here on, errors are the layer's
   progress.phase("generating the inputs");
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);

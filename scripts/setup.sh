@@ -22,4 +22,8 @@ export PATH="$PATH:/usr/local/cuda/bin"
 
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD_DIR" -j "$(nproc)"
+
+# The Python package (import moeforge): its build tools from PyPI, then
+# `pip install .` (scikit-build-core builds the extension in build-python/).
+bash scripts/install_python.sh
 "$BUILD_DIR/tools/moeforge" run moe_mlp --check

@@ -10,5 +10,8 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
 fi
 cmake --build "$BUILD_DIR" -j "$(nproc)"
 (cd "$BUILD_DIR" && ctest --output-on-failure -j "$(nproc)")
+# The Python package, rebuilt where the sources changed, and its tests.
+bash scripts/install_python.sh
+python3 -m pytest -q tests/python
 # The installed library, as another project uses it (find_package(moeforge)).
 MOEFORGE_BUILD_DIR="$BUILD_DIR" bash scripts/check_install.sh

@@ -1,0 +1,201 @@
+// The algebra in Python: Dim, Var, Input, Param, Func, Expr and its
+// operators, sum, softmax, the element-wise ops, top_k and Route, combine,
+// expert_sum, the auxiliary losses, Pipeline and grad. It mirrors the C++ API
+// (dsl/moeforge.h); where C++ writes f(t, i) Python writes f[t, i], since a
+// call cannot be assigned to:
+//
+//   h[r, j] = mf.gelu(mf.sum(i, x[route.token(r), i] * w1[route.expert(r), i, j]))
+#include <nanobind/nanobind.h>
+#include <nanobind/operators.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <sstream>
+
+#include "dsl/autodiff.h"
+#include "dsl/error.h"
+#include "dsl/losses.h"
+#include "dsl/moeforge.h"
+
+namespace moeforge::python {
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// f[t, i], f[t] and x[route.token(r), i]: the subscript as a list of indices.
+std::vector<Index> indices(const nb::handle &key, const std::string &target) {
+  std::vector<Index> out;
+  auto one = [&](const nb::handle &item) {
+    Index index(Var{});
+    if (!nb::try_cast(item, index))
+      throw UserError("'" + target + "' is indexed by Vars and route.token(r) / route.expert(r), got a " +
+                      nb::cast<std::string>(nb::str(item.type())));
+    out.push_back(index);
+  };
+  if (nb::isinstance<nb::tuple>(key))
+    for (nb::handle item : nb::borrow<nb::tuple>(key))
+      one(item);
+  else
+    one(key);
+  return out;
+}
+
+template <typename T> std::string printed(const T &value) {
+  std::ostringstream s;
+  s << value;
+  return s.str();
+}
+
+} // namespace
+
+void bind_algebra(nb::module_ &m) {
+  nb::enum_<DType>(m, "DType", "Element types of tensors (storage; arithmetic is at least fp32).")
+      .value("f32", DType::f32)
+      .value("bf16", DType::bf16)
+      .value("f16", DType::f16);
+  m.attr("f32") = DType::f32;
+  m.attr("bf16") = DType::bf16;
+  m.attr("f16") = DType::f16;
+
+  nb::class_<Dim>(m, "Dim", "A named extent; Dim.dynamic(name) is bound at run time (the token count).")
+      .def(nb::init<std::string, int64_t>(), "name"_a, "extent"_a)
+      .def_static("dynamic", &Dim::dynamic, "name"_a)
+      .def_prop_ro("name", &Dim::name)
+      .def_prop_ro("extent",
+                   [](const Dim &d) -> nb::object {
+                     if (d.is_dynamic())
+                       return nb::none();
+                     return nb::int_(d.extent());
+                   })
+      .def_prop_ro("is_dynamic", &Dim::is_dynamic)
+      .def("__repr__", [](const Dim &d) {
+        return "Dim('" + d.name() + "', " + (d.is_dynamic() ? std::string("dynamic") : std::to_string(d.extent())) +
+               ")";
+      });
+
+  nb::class_<Var>(m, "Var", "An index variable ranging over a Dim.")
+      .def(nb::init<std::string, Dim>(), "name"_a, "dim"_a)
+      .def_prop_ro("name", &Var::name)
+      .def_prop_ro("dim", &Var::dim)
+      .def("__repr__", [](const Var &v) { return "Var('" + v.name() + "', " + v.dim().name() + ")"; });
+
+  nb::class_<Index>(m, "Index", "A Var, or a route's token(r) / expert(r) of its pair variable r.")
+      .def(nb::init_implicit<Var>())
+      .def_prop_ro("dim", &Index::dim);
+
+  nb::class_<Expr>(m, "Expr", "An expression of the algebra: numbers, accesses and the ops over them.")
+      .def(nb::init_implicit<double>())
+      .def(nb::self + nb::self)
+      .def(nb::self - nb::self)
+      .def(nb::self * nb::self)
+      .def(nb::self / nb::self)
+      .def(-nb::self)
+      .def("__radd__", [](const Expr &a, double b) { return Expr(b) + a; })
+      .def("__rsub__", [](const Expr &a, double b) { return Expr(b) - a; })
+      .def("__rmul__", [](const Expr &a, double b) { return Expr(b) * a; })
+      .def("__rtruediv__", [](const Expr &a, double b) { return Expr(b) / a; })
+      .def_prop_ro("dtype", &Expr::dtype);
+
+  auto buffer_getitem = [](const Buffer &b, nb::handle key) { return b(indices(key, b.name())); };
+  nb::class_<Buffer>(m, "Buffer", "An Input or a Param: a tensor the layer reads.")
+      .def("__getitem__", buffer_getitem)
+      .def_prop_ro("name", &Buffer::name)
+      .def_prop_ro("dims", &Buffer::dims)
+      .def_prop_ro("dtype", &Buffer::dtype);
+  nb::class_<Input, Buffer>(m, "Input", "An activation: gradients flow to it, it is not trained.")
+      .def(nb::init<std::string, std::vector<Dim>, DType>(), "name"_a, "dims"_a, "dtype"_a = DType::bf16);
+  nb::class_<Param, Buffer>(m, "Param", "A trainable weight.")
+      .def(nb::init<std::string, std::vector<Dim>, DType>(), "name"_a, "dims"_a, "dtype"_a = DType::bf16);
+
+  nb::class_<Func>(m, "Func", "A tensor defined by the algebra: f[t, i] = expression.")
+      .def(nb::init<std::string>(), "name"_a)
+      .def(nb::init<std::string, DType>(), "name"_a, "dtype"_a)
+      .def("__getitem__", [](const Func &f, nb::handle key) { return Expr(f(indices(key, f.name()))); })
+      .def("__setitem__", [](const Func &f, nb::handle key, const Expr &body) { f(indices(key, f.name())) = body; })
+      .def_prop_ro("name", &Func::name)
+      .def_prop_ro("args", &Func::args)
+      .def_prop_ro("dtype", &Func::dtype)
+      .def_prop_ro("is_defined", &Func::is_defined)
+      .def("__repr__", [](const Func &f) { return "Func('" + f.name() + "')"; });
+
+  // The element-wise ops and reductions (dsl/ops.h).
+  m.def("sum", nb::overload_cast<const Var &, const Expr &>(&moeforge::sum), "var"_a, "body"_a,
+        "The sum of body over var.");
+  m.def("softmax", &moeforge::softmax, "var"_a, "body"_a, "The softmax of body along var.");
+  m.def("max", nb::overload_cast<const Expr &, const Expr &>(&moeforge::max), "a"_a, "b"_a);
+  m.def("exp", nb::overload_cast<const Expr &>(&moeforge::exp), "a"_a);
+  m.def("log", nb::overload_cast<const Expr &>(&moeforge::log), "a"_a);
+  m.def("tanh", nb::overload_cast<const Expr &>(&moeforge::tanh), "a"_a);
+  m.def("sigmoid", &moeforge::sigmoid, "a"_a);
+  m.def("relu", &moeforge::relu, "a"_a);
+  m.def("gelu", &moeforge::gelu, "a"_a);
+  m.def("silu", &moeforge::silu, "a"_a);
+  m.def("sqrt", nb::overload_cast<const Expr &>(&moeforge::sqrt), "a"_a);
+  m.def("rsqrt", &moeforge::rsqrt, "a"_a);
+  m.def("step", &moeforge::step, "a"_a, "1 where a > 0, else 0 (the derivative of relu).");
+  m.def("index_eq", &moeforge::index_eq, "a"_a, "b"_a, "1 where two indices are equal, else 0.");
+  m.def("extent", &moeforge::extent, "dim"_a, "A Dim's extent as a number (the token count at run time).");
+
+  nb::class_<Route>(m, "Route", "The pairs a top_k chose: pair r routes token(r) to expert(r) with gate(r).")
+      .def_prop_ro("pair", &Route::pair)
+      .def("token", &Route::token, "r"_a)
+      .def("expert", &Route::expert, "r"_a)
+      .def("gate", &Route::gate, "r"_a)
+      .def_prop_ro("gate_func", &Route::gate_func)
+      .def_prop_ro("k", &Route::k)
+      .def_prop_ro("name", &Route::name);
+  m.def(
+      "top_k",
+      [](const Func &probs, const Var &expert, int k, bool renormalize, const std::string &name) {
+        return top_k(probs, expert, k, TopKOptions{renormalize, name});
+      },
+      "probs"_a, "expert"_a, "k"_a, "renormalize"_a = false, "name"_a = "route",
+      "Chooses the k largest probs along expert for each token.");
+  m.def("combine", &moeforge::combine, "route"_a, "token"_a, "body"_a, "Sums a per-pair body back to its tokens.");
+  m.def("expert_sum", &moeforge::expert_sum, "route"_a, "expert"_a, "body"_a, "Sums a per-pair body into its experts.");
+
+  m.def(
+      "load_balancing_loss",
+      [](const Route &route, const Func &probs, const Var &expert, const std::string &name, double coefficient) {
+        return load_balancing_loss(route, probs, expert, AuxLossOptions{name, coefficient});
+      },
+      "route"_a, "probs"_a, "expert"_a, "name"_a = "", "coefficient"_a = 1.0,
+      "Switch Transformer's load-balancing loss (a 0-D Func).");
+  m.def(
+      "z_loss",
+      [](const Func &logits, const Var &expert, const std::string &name, double coefficient) {
+        return z_loss(logits, expert, AuxLossOptions{name, coefficient});
+      },
+      "logits"_a, "expert"_a, "name"_a = "", "coefficient"_a = 1.0, "ST-MoE's router z-loss (a 0-D Func).");
+
+  nb::class_<Pipeline>(m, "Pipeline", "A layer: every Func its outputs need, in order.")
+      .def(nb::init<std::vector<Func>>(), "outputs"_a)
+      .def_prop_ro("outputs", &Pipeline::outputs)
+      .def_prop_ro("funcs", &Pipeline::funcs)
+      .def_prop_ro("buffers",
+                   [](const Pipeline &p) {
+                     std::vector<std::string> names;
+                     for (const BufferPtr &b : p.buffers())
+                       names.push_back(b->name);
+                     return names;
+                   })
+      .def("func", &Pipeline::func, "name"_a)
+      .def("__str__", [](const Pipeline &p) { return printed(p); });
+
+  nb::class_<Gradients>(m, "Gradients", "The gradient algebra of a pipeline's outputs (grad()).")
+      .def_ro("seed", &Gradients::seed)
+      .def_ro("seeds", &Gradients::seeds)
+      .def_ro("of", &Gradients::of)
+      .def_ro("pipeline", &Gradients::pipeline)
+      .def("__getitem__", &Gradients::operator[], "name"_a);
+  m.def(
+      "grad",
+      nb::overload_cast<const Pipeline &, const std::vector<Func> &, const std::vector<std::string> &>(&moeforge::grad),
+      "pipeline"_a, "outputs"_a, "seed_names"_a = std::vector<std::string>{},
+      "Differentiates outputs: each output's upstream gradient is an Input named seeds[k] ('d_y').");
+}
+
+} // namespace moeforge::python

@@ -1,0 +1,59 @@
+// Schedules in Python: the presets, the text form (what `moeforge` schedule
+// files hold) and the primitives, chainable as in C++:
+//
+//   s = mf.scattermoe().tile("h", 128, 128, 64).stages("h", 4).recompute(True)
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "schedules/presets.h"
+#include "schedules/schedule.h"
+
+namespace moeforge::python {
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+void bind_schedule(nb::module_ &m) {
+  constexpr auto chain = nb::rv_policy::reference_internal;
+  nb::class_<Schedule>(m, "Schedule", "How a layer is computed: permutation, blocks, tiles, fusion, memory.")
+      .def(nb::init<std::string>(), "name"_a = "custom")
+      .def_prop_ro("name", &Schedule::name)
+      .def_static("from_text", &Schedule::from_text, "text"_a, "source_name"_a = "<text>",
+                  "Replays a schedule's text (one primitive call per line, as to_text() prints).")
+      .def_static("load", &Schedule::load, "path"_a)
+      .def("save", &Schedule::save, "path"_a)
+      .def("to_text", &Schedule::to_text)
+      .def("validate", &Schedule::validate, "pipeline"_a, "Checks the schedule against a layer (UserError if not).")
+      .def("block", nb::overload_cast<int>(&Schedule::block), "rows"_a, chain)
+      .def("recompute", nb::overload_cast<bool>(&Schedule::recompute), "on"_a = true, chain)
+      .def("bf16_activations", nb::overload_cast<bool>(&Schedule::bf16_activations), "on"_a = true, chain)
+      .def("reuse_memory", nb::overload_cast<bool>(&Schedule::reuse_memory), "on"_a = true, chain)
+      .def("bf16_weight_gradients", nb::overload_cast<bool>(&Schedule::bf16_weight_gradients), "on"_a = true, chain)
+      .def("padded_elementwise", nb::overload_cast<bool>(&Schedule::padded_elementwise), "on"_a = true, chain)
+      .def("recompute_elementwise", nb::overload_cast<bool>(&Schedule::recompute_elementwise), "on"_a = true, chain)
+      .def("gate_gradient_from_dh", nb::overload_cast<bool>(&Schedule::gate_gradient_from_dh), "on"_a = true, chain)
+      .def("chain_summed_gemms", nb::overload_cast<bool>(&Schedule::chain_summed_gemms), "on"_a = true, chain)
+      .def("tile", nb::overload_cast<const std::string &, int, int, int>(&Schedule::tile), "func"_a, "m"_a, "n"_a,
+           "k"_a, chain)
+      .def("stages", nb::overload_cast<const std::string &, int>(&Schedule::stages), "func"_a, "stages"_a, chain)
+      .def("warps", nb::overload_cast<const std::string &, int, int>(&Schedule::warps), "func"_a, "warps_m"_a,
+           "warps_n"_a, chain)
+      .def("fuse_epilogue", nb::overload_cast<const std::string &, bool>(&Schedule::fuse_epilogue), "func"_a,
+           "fuse"_a = true, chain)
+      .def("raster", nb::overload_cast<const std::string &, int>(&Schedule::raster), "func"_a, "row_tiles"_a, chain)
+      .def("persistent", nb::overload_cast<const std::string &, bool>(&Schedule::persistent), "func"_a, "on"_a = true,
+           chain)
+      .def("tma", nb::overload_cast<const std::string &, bool>(&Schedule::tma), "func"_a, "on"_a = true, chain)
+      .def("tma_store", nb::overload_cast<const std::string &, bool>(&Schedule::tma_store), "func"_a, "on"_a = true,
+           chain)
+      .def("cluster", nb::overload_cast<const std::string &, int>(&Schedule::cluster), "func"_a, "row_tiles"_a, chain)
+      .def("__str__", &Schedule::to_text)
+      .def("__repr__", [](const Schedule &s) { return "<moeforge.Schedule '" + s.name() + "'>"; });
+  m.def("megablocks", &megablocks, "MegaBlocks: rows sorted by expert and padded into blocks.");
+  m.def("scattermoe", &scattermoe, "ScatterMoE: gathers and scatters fused into the GEMMs.");
+  m.def("preset_names", &preset_names);
+  m.def("preset", &preset, "name"_a, "A schedule preset by name (UserError listing them otherwise).");
+}
+
+} // namespace moeforge::python

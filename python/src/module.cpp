@@ -1,0 +1,24 @@
+// moeforge._core: the C++ library as a Python extension (nanobind). The
+// package moeforge (python/moeforge/__init__.py) re-exports it.
+#include <nanobind/nanobind.h>
+
+#include "dsl/error.h"
+
+namespace moeforge::python {
+namespace nb = nanobind;
+void bind_algebra(nb::module_ &m);
+void bind_schedule(nb::module_ &m);
+void bind_layers(nb::module_ &m);
+} // namespace moeforge::python
+
+NB_MODULE(_core, m) {
+  namespace nb = nanobind;
+  m.doc() = "moeforge: a scheduling DSL for Mixture-of-Experts layers (the C++ core)";
+  // A user's mistake (a wrong shape, an unknown name, a bad schedule) is a
+  // ValueError subclass carrying the C++ message; InternalError stays a
+  // RuntimeError (a bug in moeforge, not in the caller's code).
+  nb::exception<moeforge::UserError>(m, "UserError", PyExc_ValueError);
+  moeforge::python::bind_algebra(m);
+  moeforge::python::bind_schedule(m);
+  moeforge::python::bind_layers(m);
+}

@@ -1,0 +1,82 @@
+"""The algebra from Python: layers build, print and refuse mistakes with the
+C++ message (moeforge.UserError, a ValueError)."""
+
+import pytest
+
+import moeforge as mf
+from conftest import build_moe_mlp
+
+
+def test_the_readme_layer_builds_and_prints_its_math():
+    layer, y, route = build_moe_mlp()
+    text = str(layer)
+    assert "h(r, j) = gelu(sum(i, x(token(r), i) * w1(expert(r), i, j)))" in text
+    assert "route = top_k(probs, e, k = 2)" in text
+    assert "y(t, i) = combine(route, t, route_gate(r) * o(r, i))" in text
+    assert [f.name for f in layer.outputs] == ["y"]
+    assert layer.buffers == ["x", "wr", "w1", "w2"]
+    assert route.k == 2 and route.name == "route"
+    assert y.is_defined and y.dtype == mf.f32  # the f32 gate widens it
+
+
+def test_dims_and_vars_say_what_they_are():
+    T, D = mf.Dim.dynamic("T"), mf.Dim("D", 64)
+    assert T.is_dynamic and T.extent is None
+    assert not D.is_dynamic and D.extent == 64
+    v = mf.Var("i", D)
+    assert v.name == "i" and v.dim.name == "D"
+
+
+def test_numbers_mix_with_expressions_on_either_side():
+    D = mf.Dim("D", 4)
+    i = mf.Var("i", D)
+    a = mf.Input("a", [D], mf.f32)
+    f = mf.Func("f", mf.f32)
+    f[i] = 2.0 * a[i] + 1.0 - a[i] / 3.0 + mf.relu(-a[i]) + 1.0 / (1.0 + mf.exp(a[i]))
+    g = mf.Func("g", mf.f32)
+    g[i] = mf.max(f[i], 0.5)
+    assert "g(i) = max(f(i), 0.5)" in str(mf.Pipeline([g]))
+
+
+def test_a_subscript_that_is_not_an_index_is_a_user_error():
+    D = mf.Dim("D", 4)
+    a = mf.Input("a", [D])
+    with pytest.raises(mf.UserError, match="'a' is indexed by Vars"):
+        a["i"]
+
+
+def test_definitions_are_checked_with_the_cpp_messages():
+    D, E = mf.Dim("D", 4), mf.Dim("E", 3)
+    i, j = mf.Var("i", D), mf.Var("j", E)
+    a, b = mf.Input("a", [D, D]), mf.Input("b", [D])
+    f, g = mf.Func("f"), mf.Func("g")
+    with pytest.raises(mf.UserError, match=r"'a' has 2 dimensions \(D, D\) but a\(i\) gives 1 index"):
+        f[i] = a[i]
+    with pytest.raises(mf.UserError, match="index 'j' ranges over E"):
+        g[i] = b[j]
+
+
+def test_user_error_is_a_value_error():
+    assert issubclass(mf.UserError, ValueError)
+
+
+def test_unknown_preset_names_the_presets():
+    with pytest.raises(mf.UserError, match="megablocks"):
+        mf.preset("nosuch")
+
+
+def test_schedules_chain_and_round_trip_through_text():
+    s = mf.scattermoe().tile("*", 128, 128, 64).stages("*", 3).recompute(True)
+    again = mf.Schedule.from_text(s.to_text())
+    assert again.to_text() == s.to_text()
+    assert again.name == "scattermoe"
+    with pytest.raises(mf.UserError, match="tile_m 100"):
+        mf.Schedule().tile("*", 100, 128, 64)
+
+
+def test_grad_names_a_gradient_per_input_and_param():
+    layer, y, _ = build_moe_mlp()
+    g = mf.grad(layer, [y])
+    assert g.seed == "d_y"
+    assert set(g.of) >= {"w1", "w2", "wr", "x"}
+    assert g["w1"].name == g.of["w1"].name

@@ -1,0 +1,155 @@
+"""The LLVM CPU backend from Python: forward and training against the Eigen
+reference (bf16 storage, fp32 arithmetic: about 1e-2), outputs poisoned
+first; arrays in any strides, dtype or through DLPack; mistakes as
+UserErrors with the C++ message."""
+
+import numpy as np
+import pytest
+
+import moeforge as mf
+from conftest import build_moe_mlp, cpu_only, normalized_error, random_inputs
+
+pytestmark = cpu_only
+
+TOKENS = 72  # not a multiple of the block: the last block is partial
+
+
+@pytest.mark.parametrize("schedule", ["megablocks", "scattermoe"])
+def test_forward_matches_the_reference(schedule):
+    layer, _, _ = build_moe_mlp()
+    inputs = random_inputs(TOKENS, seed=11)
+    ref = mf.evaluate(layer, inputs)
+    cpu = mf.CpuLayer(layer, mf.preset(schedule), TOKENS)
+    cpu.upload(inputs)
+    cpu.poison()
+    assert np.isnan(cpu.download("y")).all()
+    cpu.run()
+    assert normalized_error(cpu.download("y"), ref["y"]) < 1e-2
+    assert normalized_error(cpu.download("h"), ref["h"]) < 1e-2
+    np.testing.assert_array_equal(cpu.routed_experts("route"), ref.routes["route"]["expert"])
+    assert cpu.tokens == TOKENS
+
+
+def test_training_gradients_match_the_reference():
+    layer, y, _ = build_moe_mlp()
+    inputs = random_inputs(TOKENS, seed=12)
+    dy = np.random.default_rng(13).uniform(-1, 1, (TOKENS, 64))
+    g = mf.grad(layer, [y])
+    ref = mf.evaluate(g.pipeline, {**inputs, g.seed: dy})
+
+    train = mf.CpuTrainingLayer(layer, [y], mf.scattermoe(), TOKENS)
+    assert train.outputs == ["y"] and train.seeds == ["d_y"]
+    train.upload(inputs)
+    train.poison()
+    train.forward()
+    train.upload_upstream_gradient(dy)
+    train.backward()
+    assert normalized_error(train.output(), mf.evaluate(layer, inputs)["y"]) < 1e-2
+    for name in ["x", "wr", "w1", "w2"]:
+        assert normalized_error(train.gradient(name), ref[g.of[name].name]) < 2e-2, name
+    assert train.gradients == {"x": "d_x", "wr": "d_wr", "w1": "d_w1", "w2": "d_w2"}
+    assert train.saved_bytes > 0
+    # A second backward after a new upstream gradient, without a new forward.
+    train.upload_upstream_gradient(-dy, "y")
+    train.backward()
+    assert normalized_error(train.gradient("w2"), -ref[g.of["w2"].name]) < 2e-2
+
+
+def test_recompute_trains_to_the_same_gradients():
+    layer, y, _ = build_moe_mlp()
+    inputs = random_inputs(40, seed=14)
+    dy = np.random.default_rng(15).uniform(-1, 1, (40, 64))
+    got = {}
+    for recompute in (False, True):
+        train = mf.CpuTrainingLayer(layer, [y], mf.scattermoe().recompute(recompute), 40)
+        train.upload(inputs)
+        train.forward()
+        train.upload_upstream_gradient(dy)
+        train.backward()
+        got[recompute] = (train.gradient("w1"), train.saved_bytes)
+    assert normalized_error(got[True][0], got[False][0]) < 1e-2
+    assert got[True][1] < got[False][1]
+
+
+def test_any_strides_and_dtypes_read_the_same_values():
+    layer, _, _ = build_moe_mlp()
+    inputs = random_inputs(TOKENS, seed=16)
+    cpu = mf.CpuLayer(layer, mf.scattermoe(), TOKENS)
+    cpu.upload(inputs)
+    cpu.run()
+    want = cpu.download("y")
+    # x as a transposed view, w1 as float32 (values are bf16-exact), wr
+    # every other column of a wider array, w2 reversed twice (negative strides).
+    wide = np.zeros((64, 16))
+    wide[:, ::2] = inputs["wr"]
+    views = {
+        "x": np.ascontiguousarray(inputs["x"].T).T,
+        "w1": inputs["w1"].astype(np.float32),
+        "wr": wide[:, ::2],
+        "w2": inputs["w2"][::-1][::-1],
+    }
+    assert not views["x"].flags["C_CONTIGUOUS"] and not views["wr"].flags["C_CONTIGUOUS"]
+    cpu.upload(views)
+    cpu.run()
+    np.testing.assert_array_equal(cpu.download("y"), want)
+
+
+class DLPackOnly:
+    """An array that offers nothing but the DLPack protocol."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._array.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+def test_dlpack_round_trip():
+    layer, _, _ = build_moe_mlp()
+    inputs = random_inputs(TOKENS, seed=17)
+    cpu = mf.CpuLayer(layer, mf.megablocks(), TOKENS)
+    cpu.upload({name: DLPackOnly(a) for name, a in inputs.items()})
+    cpu.run()
+    y = cpu.download("y")
+    assert y.dtype == np.float64 and y.shape == (TOKENS, 64)
+    back = np.from_dlpack(y)
+    assert back.ctypes.data == y.ctypes.data  # a view, not a copy
+    cpu.upload("x", DLPackOnly(back[:, :64] * 0 + inputs["x"]))
+    cpu.run()
+    np.testing.assert_array_equal(cpu.download("y"), y)
+
+
+def test_mistakes_are_user_errors_that_say_what_to_change():
+    layer, y, _ = build_moe_mlp()
+    inputs = random_inputs(TOKENS)
+    cpu = mf.CpuLayer(layer, mf.scattermoe(), TOKENS)
+    with pytest.raises(mf.UserError, match="upload"):
+        cpu.run()  # nothing uploaded: it would compute on zeros
+    with pytest.raises(mf.UserError, match="wrong shape"):
+        cpu.upload({**inputs, "x": inputs["x"][:-1]})
+    with pytest.raises(mf.UserError, match="has dtype bool"):
+        cpu.upload("x", inputs["x"] > 0)
+    with pytest.raises(mf.UserError, match="nosuch"):
+        cpu.upload("nosuch", inputs["x"])
+    cpu.upload(inputs)
+    cpu.run()
+    with pytest.raises(mf.UserError, match="nosuch"):
+        cpu.download("nosuch")
+    with pytest.raises(mf.UserError, match="tokens must be at least 1"):
+        mf.CpuLayer(layer, mf.scattermoe(), 0)
+    with pytest.raises(mf.UserError, match="tile_m"):
+        mf.CpuLayer(layer, mf.Schedule.from_text("tile(\"*\", 64, 128, 32)\nblock(128)\nblock(64)\ntile(\"*\", 128, 128, 32)"), 8)
+    train = mf.CpuTrainingLayer(layer, [y], mf.scattermoe(), TOKENS)
+    train.upload(inputs)
+    with pytest.raises(mf.UserError, match="forward"):
+        train.backward()
+    train.forward()
+    with pytest.raises(mf.UserError, match="upstream gradient"):
+        train.backward()
+    with pytest.raises(mf.UserError, match="nosuch"):
+        train.upload_upstream_gradient(np.zeros((TOKENS, 64)), "nosuch")
+    with pytest.raises(mf.UserError, match="nosuch"):
+        train.gradient("nosuch")

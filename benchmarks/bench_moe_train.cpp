@@ -86,6 +86,11 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   Example ex = biased_moe(es, shape.swiglu, Bias::none, shape.swiglu);
   Schedule schedule = variant(shape, schedule_name);
   schedule.recompute(recompute);
+  // MOEFORGE_WRITE_SCHEDULES=<dir>: each variant's schedule as a file
+  // (<shape>_<variant>.sched), so that another harness (the PyTorch module's,
+  // benchmarks/torch_module_train.py) times the very same schedule.
+  if (const char *dir = std::getenv("MOEFORGE_WRITE_SCHEDULES"))
+    schedule.save(std::string(dir) + "/" + shape.name + "_" + schedule_name + (recompute ? "+re" : "") + ".sched");
   std::string why;
   if (!cuda::gpu_available(&why)) {
     cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, "sm_90a");

@@ -45,6 +45,7 @@ namespace moeforge::cuda {
   X(cuMemcpyDtoD)                                                                                                      \
   X(cuMemcpyHtoDAsync)                                                                                                 \
   X(cuMemcpyDtoHAsync)                                                                                                 \
+  X(cuMemcpyDtoDAsync)                                                                                                 \
   X(cuMemsetD8)                                                                                                        \
   X(cuMemsetD32)                                                                                                       \
   X(cuMemsetD8Async)                                                                                                   \

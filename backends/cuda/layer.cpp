@@ -72,6 +72,7 @@ void CudaLayer::bind() {
         // rows 0: one matrix of every row the buffer holds.
         const long long rows = a.rows ? a.rows : static_cast<long long>(b.bytes() / 2 / a.cols);
         tensor_maps_.push_back(encode_bf16_tiles(b.ptr(), b.bytes(), rows, a.cols, a.name));
+        tma_args_.push_back({a.name, rows, a.cols, &tensor_maps_.back()});
         l.args.push_back(&tensor_maps_.back());
         break;
       }
@@ -275,6 +276,67 @@ HostTensor CudaLayer::download(const std::string &func) const {
     return shapes_.decode(t, bytes);
   std::vector<int32_t> pos = plans_.at(t.route)->pair_pos.download<int32_t>();
   return shapes_.decode(t, bytes, &pos);
+}
+
+CudaLayer::TensorInfo CudaLayer::info(const std::string &name) const {
+  const TensorDecl &t = downloadable(layer_.program, name);
+  TensorInfo i{t.dtype, shapes_.shape(t), false, tensors_.at(name).bytes()};
+  int64_t elements = 1;
+  for (int64_t e : i.shape)
+    elements *= e;
+  // Routed rows in pair order (r = t * k + slot) are the user's layout too.
+  i.contiguous = (t.layout == RowLayout::dense || t.layout == RowLayout::pair) && elements == shapes_.elements(t);
+  return i;
+}
+
+namespace {
+void check_copy(const CudaLayer::TensorInfo &info, const std::string &name, size_t bytes, const char *what) {
+  user_check(info.contiguous) << "'" << name << "' is stored padded (routed rows grouped by expert) on the device, "
+                              << "not as a row-major tensor: " << what
+                              << " needs a contiguous tensor; use download() for it";
+  user_check(bytes == info.bytes) << what << " of '" << name << "': " << bytes << " bytes given, the layer holds "
+                                  << info.bytes << " (" << dtype_name(info.dtype)
+                                  << " values of its shape): convert the tensor to " << dtype_name(info.dtype)
+                                  << " and that shape";
+}
+} // namespace
+
+void CudaLayer::copy_in(const std::string &name, CUdeviceptr src, size_t bytes, const Stream &stream) {
+  const TensorDecl *t = layer_.program.find(name);
+  user_check(t && t->is_input) << "copy_in: '" << name << "' is not an Input or Param of the layer";
+  check_copy(info(name), name, bytes, "copy_in");
+  MOEFORGE_CU(cuMemcpyDtoDAsync, tensors_.at(name).ptr(), src, bytes, stream.handle());
+  uploaded_.insert(name);
+}
+
+void CudaLayer::copy_out(const std::string &name, CUdeviceptr dst, size_t bytes, const Stream &stream) const {
+  user_check(!plan_ || plan_->outlives_run(name))
+      << "'" << name << "' shares its memory with other tensors under reuse_memory(true): its value is gone once "
+      << "the steps that read it have run";
+  check_copy(info(name), name, bytes, "copy_out");
+  MOEFORGE_CU(cuMemcpyDtoDAsync, dst, tensors_.at(name).ptr(), bytes, stream.handle());
+}
+
+void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
+  const TensorDecl *t = layer_.program.find(name);
+  user_check(t && (t->is_input || !plan_ || plan_->outlives_run(name)))
+      << "bind: '" << name << "' "
+      << (t ? "shares its memory with other tensors under reuse_memory(true)" : "is not a tensor of the layer")
+      << "; bind Inputs, Params, outputs and gradients";
+  check_copy(info(name), name, bytes, "bind");
+  user_check(ptr % 16 == 0) << "bind: the memory for '" << name << "' is not 16-byte aligned (the kernels load 16 "
+                            << "bytes at a time): give a tensor that starts at an aligned address";
+  // Kernel arguments point at the DeviceBuffer's address field, which stays
+  // where it is; what holds the address by value is refreshed.
+  tensors_.at(name) = DeviceBuffer::view(ptr, bytes);
+  for (TmaArg &a : tma_args_)
+    if (a.tensor == name)
+      *a.map = encode_bf16_tiles(ptr, bytes, a.rows, a.cols, name);
+  for (Launch &l : launches_)
+    if (l.gen->zero_first == name)
+      l.zero = ptr;
+  if (t->is_input)
+    uploaded_.insert(name);
 }
 
 std::vector<int32_t> CudaLayer::routed_experts(const std::string &route) const {

@@ -79,6 +79,34 @@ public:
   // gradients, what the forward keeps): UserError for the others, and for a
   // name the layer does not hold.
   HostTensor download(const std::string &func) const;
+  // A tensor as the user sees it: its storage type and shape (routed rows:
+  // T * k), and whether its device bytes are exactly that, row-major and
+  // unpadded, so another framework's tensor can be copied in or out as is.
+  struct TensorInfo {
+    DType dtype;
+    std::vector<int64_t> shape;
+    bool contiguous;
+    size_t bytes; // what copy_in and copy_out move
+  };
+  // UserError naming the layer's tensors for an unknown name.
+  TensorInfo info(const std::string &name) const;
+  // Device-to-device, enqueued on `stream` without host synchronisation (and
+  // so capturable in a CUDA graph): another framework's tensors in and out,
+  // already in the layer's storage type and layout (info()). copy_in takes
+  // an Input or Param, copy_out any contiguous tensor whose value outlives
+  // the run (outputs, gradients, what a training forward keeps). `bytes`
+  // must be info(name).bytes: a UserError otherwise, naming both.
+  void copy_in(const std::string &name, CUdeviceptr src, size_t bytes, const Stream &stream);
+  void copy_out(const std::string &name, CUdeviceptr dst, size_t bytes, const Stream &stream) const;
+  // Points tensor `name` at memory the caller owns (another framework's
+  // tensor, `bytes` = info(name).bytes, contiguous) instead of the layer's
+  // own, so its values are read or written there with no copy: Inputs and
+  // Params, and tensors whose values outlive the run (outputs, gradients).
+  // The layer's own memory for it is freed at the first bind. Kernels
+  // launched afterwards use the new address; a CUDA graph captured before
+  // keeps the old one, so bind before capturing. The caller keeps the memory
+  // alive while work that reads or writes it may run.
+  void bind(const std::string &name, CUdeviceptr ptr, size_t bytes);
   // The experts the device chose, pair order (r = t * k + slot).
   std::vector<int32_t> routed_experts(const std::string &route) const;
 
@@ -112,7 +140,13 @@ private:
   std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
   std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows
   std::deque<CUtensorMap> tensor_maps_;                    // TMA arguments (a deque: their addresses stay put)
-  std::deque<DeviceBuffer> counters_;                      // persistent GEMMs' tile counters, likewise
+  struct TmaArg {
+    std::string tensor;
+    long long rows, cols;
+    CUtensorMap *map;
+  };
+  std::vector<TmaArg> tma_args_;      // what each tensor map describes, to encode it again after bind()
+  std::deque<DeviceBuffer> counters_; // persistent GEMMs' tile counters, likewise
   std::vector<Launch> launches_;
   std::vector<int> launch_of_; // step -> its launch (-1 for routing)
   int sm_count_;               // persistent GEMMs launch at most one block per SM

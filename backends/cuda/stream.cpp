@@ -8,17 +8,26 @@ namespace moeforge::cuda {
 
 Stream::Stream() { MOEFORGE_CU(cuStreamCreate, &stream_, CU_STREAM_NON_BLOCKING); }
 
+Stream Stream::borrow(CUstream handle) {
+  Stream s(nullptr);
+  s.stream_ = handle;
+  s.owned_ = false;
+  return s;
+}
+
 Stream::~Stream() {
   // Destructors must not throw; a failure here would mean the context is
   // already gone, and there is nothing left to free.
-  if (stream_)
+  if (stream_ && owned_)
     driver().cuStreamDestroy(stream_);
 }
 
-Stream::Stream(Stream &&other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+Stream::Stream(Stream &&other) noexcept
+    : stream_(std::exchange(other.stream_, nullptr)), owned_(std::exchange(other.owned_, true)) {}
 
 Stream &Stream::operator=(Stream &&other) noexcept {
   std::swap(stream_, other.stream_);
+  std::swap(owned_, other.owned_);
   return *this;
 }
 

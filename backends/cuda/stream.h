@@ -17,6 +17,9 @@ namespace moeforge::cuda {
 class Stream {
 public:
   Stream();
+  // Another library's stream (PyTorch's current one, say), used but never
+  // destroyed here; 0 is the legacy default stream.
+  static Stream borrow(CUstream handle);
   ~Stream();
   Stream(Stream &&other) noexcept;
   Stream &operator=(Stream &&other) noexcept;
@@ -28,7 +31,9 @@ public:
   void synchronize() const;
 
 private:
+  explicit Stream(std::nullptr_t) {} // no stream yet (borrow fills it in)
   CUstream stream_ = nullptr;
+  bool owned_ = true;
 };
 
 // A point in a stream's work. Two of them time the work between them.

@@ -41,6 +41,21 @@ void TrainingLayer::upload_upstream_gradient(const HostTensor &grad) {
   upload_upstream_gradient(compiled_.training.output, grad);
 }
 
+void TrainingLayer::copy_in(const std::string &name, CUdeviceptr src, size_t bytes, const Stream &stream) {
+  layer_.copy_in(name, src, bytes, stream);
+  state_.uploaded(name);
+}
+
+void TrainingLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
+  layer_.bind(name, ptr, bytes);
+  if (const TensorDecl *t = compiled_.training.program.find(name); t && t->is_input)
+    state_.uploaded(name); // new values: a seed counts as given, an input needs a new forward
+}
+
+void TrainingLayer::copy_gradient(const std::string &of, CUdeviceptr dst, size_t bytes, const Stream &stream) const {
+  layer_.copy_out(compiled_.training.gradient_of(of), dst, bytes, stream);
+}
+
 void TrainingLayer::poison() {
   layer_.poison();
   state_.poisoned();

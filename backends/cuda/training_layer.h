@@ -49,6 +49,23 @@ public:
   void upload_upstream_gradient(const HostTensor &grad);
   // Every upstream gradient must be uploaded again before the next backward().
   void poison();
+  // Device-to-device copies for another framework's tensors (CudaLayer's
+  // copy_in / copy_out: on `stream`, no host synchronisation). copy_in takes
+  // a forward Input or Param, or an upstream gradient by its seed's name
+  // ("d_y"); copy_gradient the gradient of Input or Param `of` ("w1").
+  void copy_in(const std::string &name, CUdeviceptr src, size_t bytes, const Stream &stream);
+  void copy_out(const std::string &name, CUdeviceptr dst, size_t bytes, const Stream &stream) const {
+    layer_.copy_out(name, dst, bytes, stream);
+  }
+  void copy_gradient(const std::string &of, CUdeviceptr dst, size_t bytes, const Stream &stream) const;
+  // CudaLayer::bind, for a forward Input or Param, an upstream gradient (by
+  // its seed's name), an output, or the gradient of Input or Param `of`.
+  void bind(const std::string &name, CUdeviceptr ptr, size_t bytes);
+  void bind_gradient(const std::string &of, CUdeviceptr ptr, size_t bytes) {
+    layer_.bind(compiled_.training.gradient_of(of), ptr, bytes);
+  }
+  CudaLayer::TensorInfo info(const std::string &name) const { return layer_.info(name); }
+  const TrainingProgram &training() const { return compiled_.training; }
   void forward(const Stream &stream);
   // UserError unless forward() was enqueued since the last upload() or
   // poison() (the backward reads what the forward keeps for it) and every

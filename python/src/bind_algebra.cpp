@@ -182,6 +182,24 @@ void bind_algebra(nb::module_ &m) {
                        names.push_back(b->name);
                      return names;
                    })
+      .def_prop_ro(
+          "buffer_decls",
+          [](const Pipeline &p) {
+            nb::list out;
+            for (const BufferPtr &b : p.buffers()) {
+              nb::list shape;
+              for (const Dim &d : b->dims)
+                shape.append(d.is_dynamic() ? nb::object(nb::none()) : nb::object(nb::int_(d.extent())));
+              nb::dict d;
+              d["name"] = b->name;
+              d["kind"] = b->kind == BufferKind::input ? "input" : "param";
+              d["shape"] = nb::tuple(shape);
+              d["dtype"] = dtype_name(b->dtype);
+              out.append(d);
+            }
+            return out;
+          },
+          "Each Input and Param: {name, kind ('input' or 'param'), shape (None: the token Dim), dtype}.")
       .def("func", &Pipeline::func, "name"_a)
       .def("__str__", [](const Pipeline &p) { return printed(p); });
 

@@ -114,6 +114,7 @@ void bind_layers(nb::module_ &m) {
       .def_ro("pipeline", &Example::pipeline)
       .def_ro("output", &Example::output)
       .def_ro("route", &Example::route)
+      .def_ro("init_scale", &Example::init_scale)
       .def(
           "random_inputs",
           [](const Example &e, const ExampleShape &s, uint64_t seed) { return to_dict(e.random_inputs(s, seed)); },

@@ -9,6 +9,9 @@ namespace nb = nanobind;
 void bind_algebra(nb::module_ &m);
 void bind_schedule(nb::module_ &m);
 void bind_layers(nb::module_ &m);
+#ifdef MOEFORGE_HAVE_CUDA
+void bind_cuda(nb::module_ &m);
+#endif
 } // namespace moeforge::python
 
 NB_MODULE(_core, m) {
@@ -21,4 +24,10 @@ NB_MODULE(_core, m) {
   moeforge::python::bind_algebra(m);
   moeforge::python::bind_schedule(m);
   moeforge::python::bind_layers(m);
+#ifdef MOEFORGE_HAVE_CUDA
+  moeforge::python::bind_cuda(m);
+#else
+  m.attr("has_cuda_backend") = false;
+  m.def("gpu_available", []() { return nanobind::make_tuple(false, "moeforge was built without the CUDA backend"); });
+#endif
 }

@@ -1,0 +1,138 @@
+"""The training step through moeforge.torch, against the same compiled layer
+driven directly, in one process on one GPU.
+
+For each shape: the layer written in the Python algebra (swiglu_moe or
+moe_mlp, as bench_moe_train times them, without its router bias), under a
+schedule file bench_moe_train wrote (MOEFORGE_WRITE_SCHEDULES), as a
+moeforge.torch module. Timed with CUDA events, mean of --iters steps after
+warm-up:
+
+  module   y = moe(x); y.backward(dy)   (autograd, binding, Python: eager)
+  graph    the same step captured in a CUDA graph and replayed
+  layer    layer.forward(); layer.backward() on the module's own compiled
+           layer (no autograd, no torch tensors made; eager)
+
+module / layer is the cost of going through PyTorch.
+
+  python3 benchmarks/torch_module_train.py --schedules DIR --variant tuned_wide --out results.json
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import moeforge as mf
+import moeforge.torch as mft
+
+SHAPES = {  # name: tokens, d, f, experts, k, swiglu (benchmarks/moe_shapes.h)
+    "mixtral": (8192, 4096, 14336, 8, 2, True),
+    "fine64": (16384, 2048, 1408, 64, 8, True),
+    "mbpaper": (16384, 1024, 4096, 64, 1, False),
+    "qwen3moe": (16384, 2048, 768, 128, 8, True),
+    "gptoss": (8192, 2880, 2880, 128, 4, True),
+}
+
+
+def time_ms(fn, iters, warmup=3):
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def run_shape(name, schedule, iters):
+    tokens, d, f, experts, k, swiglu = SHAPES[name]
+    ex, _ = mf.make_example("swiglu_moe" if swiglu else "moe_mlp", tokens=tokens, experts=experts, topk=k, d=d, f=f)
+    moe = mft.MoELayer(ex.pipeline, schedule=schedule, init_scale=dict(ex.init_scale))
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, d, device="cuda", dtype=torch.float32)
+
+    def module_step():
+        x.grad = None
+        moe.zero_grad(set_to_none=True)
+        moe(x).backward(dy)
+
+    t0 = time.time()
+    module_step()  # compiles
+    torch.cuda.synchronize()
+    compile_s = time.time() - t0
+    module_ms = time_ms(module_step, iters)
+
+    layer, _ = moe._layers[tokens]
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def layer_step():
+        layer.forward(stream)
+        layer.backward(stream)
+
+    layer_ms = time_ms(layer_step, iters)
+
+    # The module's step in a CUDA graph (gradients accumulate into the .grad
+    # the warm-up made, as a captured training step does).
+    def graph_body():
+        moe(x).backward(dy)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            graph_body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_body()
+    graph_ms = time_ms(graph.replay, iters)
+
+    flops = 3 * 2.0 * tokens * k * d * ((2.0 if swiglu else 1.0) * f + f)
+    row = {
+        "shape": name,
+        "schedule": schedule.name,
+        "module_ms": module_ms,
+        "graph_ms": graph_ms,
+        "layer_ms": layer_ms,
+        "module_over_layer": module_ms / layer_ms,
+        "module_TFLOPs": flops / (module_ms * 1e-3) / 1e12,
+        "saved_MiB": moe.saved_bytes(tokens) / 2 ** 20,
+        "compile_s": compile_s,
+    }
+    print(f"{name:9s} module {module_ms:7.3f} ms  graph {graph_ms:7.3f} ms  layer {layer_ms:7.3f} ms  "
+          f"module/layer {module_ms / layer_ms:.3f}  compile {compile_s:.1f} s", flush=True)
+    del moe, layer, graph
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schedules", required=True, help="folder of <shape>_<variant>.sched files (bench_moe_train)")
+    ap.add_argument("--variant", default="tuned_wide")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rows = []
+    for name in args.shapes.split(","):
+        path = os.path.join(args.schedules, f"{name}_{args.variant}.sched")
+        if not os.path.exists(path):
+            print(f"torch_module_train: no schedule file {path}: run bench_moe_train with "
+                  f"MOEFORGE_WRITE_SCHEDULES={args.schedules} first", file=sys.stderr)
+            return 2
+        rows.append(run_shape(name, mf.Schedule.load(path), args.iters))
+    with open(args.out, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "torch": torch.__version__, "variant": args.variant, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+// The CUDA backend from Python: a training layer (forward and backward, or
+// the forward alone) compiled for the GPU and bound to a token count. Two
+// ways in and out: host arrays (upload / output / gradient: synchronous, for
+// tests and small work) and device pointers (copy_in / copy_out /
+// copy_gradient: device-to-device on the caller's stream, no host
+// synchronisation) or bind / bind_gradient (the layer reads and writes the
+// caller's memory itself, no copy), which moeforge.torch uses with torch's
+// tensors and current stream.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+
+#include "backends/cuda/driver.h"
+#include "backends/cuda/training_layer.h"
+#include "dsl/error.h"
+#include "tensors.h"
+
+namespace moeforge::python {
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// One Device per ordinal for the process: it holds the primary context,
+// which PyTorch's CUDA runtime uses as well.
+std::shared_ptr<cuda::Device> device(int ordinal) {
+  static std::mutex mutex;
+  static std::map<int, std::shared_ptr<cuda::Device>> devices;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::string why;
+  if (!cuda::gpu_available(&why))
+    throw UserError("the CUDA backend needs a GPU: " + why + " (use the CPU backend: CpuTrainingLayer)");
+  auto &d = devices[ordinal];
+  if (!d)
+    d = std::make_shared<cuda::Device>(ordinal);
+  d->make_current();
+  return d;
+}
+
+cuda::Stream stream_of(uintptr_t handle) { return cuda::Stream::borrow(reinterpret_cast<CUstream>(handle)); }
+
+struct PyCudaTraining {
+  std::shared_ptr<cuda::Device> dev;
+  Pipeline pipeline;
+  std::unique_ptr<cuda::CompiledTraining> compiled;
+  std::unique_ptr<cuda::TrainingLayer> layer;
+  PyCudaTraining(const Pipeline &p, const std::vector<Func> &outputs, const Schedule &s, int64_t tokens, int ordinal)
+      : pipeline(p) {
+    if (tokens < 1)
+      throw UserError("tokens must be at least 1 (got " + std::to_string(tokens) + ")");
+    dev = device(ordinal);
+    {
+      nb::gil_scoped_release release; // NVRTC takes seconds on large layers
+      compiled =
+          std::make_unique<cuda::CompiledTraining>(cuda::compile_training(pipeline, outputs, s, dev->arch_specific()));
+    }
+    layer = std::make_unique<cuda::TrainingLayer>(*dev, *compiled, tokens);
+  }
+};
+
+nb::tuple info_tuple(const cuda::CudaLayer::TensorInfo &i) {
+  return nb::make_tuple(std::string(dtype_name(i.dtype)), nb::tuple(nb::cast(i.shape)), i.contiguous, i.bytes);
+}
+
+} // namespace
+
+void bind_cuda(nb::module_ &m) {
+  m.attr("has_cuda_backend") = true;
+  m.def(
+      "gpu_available",
+      []() {
+        std::string why;
+        bool ok = cuda::gpu_available(&why);
+        return std::make_pair(ok, why);
+      },
+      "(True, '') where the CUDA backend can run, else (False, why).");
+
+  nb::class_<PyCudaTraining>(m, "CudaTrainingLayer",
+                             "Forward and backward of a layer on the GPU, bound to `tokens` tokens.")
+      .def(nb::init<const Pipeline &, const std::vector<Func> &, const Schedule &, int64_t, int>(), "pipeline"_a,
+           "outputs"_a, "schedule"_a, "tokens"_a, "device"_a = 0)
+      .def(
+          "upload",
+          [](PyCudaTraining &l, const nb::dict &inputs) {
+            l.dev->make_current();
+            l.layer->upload(to_tensor_map(inputs, "input"));
+          },
+          "inputs"_a, "Every Input and Param of the forward from host arrays (synchronous).")
+      .def(
+          "upload_upstream_gradient",
+          [](PyCudaTraining &l, const AnyArray &grad, std::optional<std::string> output) {
+            l.dev->make_current();
+            const std::string name = output.value_or(l.compiled->training.output);
+            l.layer->upload_upstream_gradient(name, to_host_tensor(grad, "the upstream gradient of '" + name + "'"));
+          },
+          "grad"_a, "output"_a = nb::none())
+      .def("poison",
+           [](PyCudaTraining &l) {
+             l.dev->make_current();
+             l.layer->poison();
+           })
+      .def(
+          "forward",
+          [](PyCudaTraining &l, uintptr_t stream) {
+            l.dev->make_current();
+            l.layer->forward(stream_of(stream));
+          },
+          "stream"_a = 0, "Enqueues routing and the forward on the stream (a CUstream handle; 0: the legacy one).")
+      .def(
+          "backward",
+          [](PyCudaTraining &l, uintptr_t stream) {
+            l.dev->make_current();
+            l.layer->backward(stream_of(stream));
+          },
+          "stream"_a = 0, "Enqueues the backward: every Input's and Param's gradient.")
+      .def(
+          "info", [](const PyCudaTraining &l, const std::string &name) { return info_tuple(l.layer->info(name)); },
+          "name"_a, "(dtype, shape, contiguous, bytes) of a tensor the layer holds.")
+      .def(
+          "copy_in",
+          [](PyCudaTraining &l, const std::string &name, uintptr_t src, size_t bytes, uintptr_t stream) {
+            l.dev->make_current();
+            l.layer->copy_in(name, static_cast<CUdeviceptr>(src), bytes, stream_of(stream));
+          },
+          "name"_a, "src"_a, "bytes"_a, "stream"_a = 0,
+          "Device-to-device into an Input, Param or upstream gradient ('d_y'), on the stream.")
+      .def(
+          "copy_out",
+          [](const PyCudaTraining &l, const std::string &name, uintptr_t dst, size_t bytes, uintptr_t stream) {
+            l.dev->make_current();
+            l.layer->copy_out(name, static_cast<CUdeviceptr>(dst), bytes, stream_of(stream));
+          },
+          "name"_a, "dst"_a, "bytes"_a, "stream"_a = 0)
+      .def(
+          "copy_gradient",
+          [](const PyCudaTraining &l, const std::string &of, uintptr_t dst, size_t bytes, uintptr_t stream) {
+            l.dev->make_current();
+            l.layer->copy_gradient(of, static_cast<CUdeviceptr>(dst), bytes, stream_of(stream));
+          },
+          "of"_a, "dst"_a, "bytes"_a, "stream"_a = 0, "The gradient of Input or Param `of`, device-to-device.")
+      .def(
+          "bind",
+          [](PyCudaTraining &l, const std::string &name, uintptr_t ptr, size_t bytes) {
+            l.dev->make_current();
+            l.layer->bind(name, static_cast<CUdeviceptr>(ptr), bytes);
+          },
+          "name"_a, "ptr"_a, "bytes"_a,
+          "Reads or writes tensor `name` (an Input, Param, upstream gradient or output) at device memory the "
+          "caller owns and keeps alive, with no copy.")
+      .def(
+          "bind_gradient",
+          [](PyCudaTraining &l, const std::string &of, uintptr_t ptr, size_t bytes) {
+            l.dev->make_current();
+            l.layer->bind_gradient(of, static_cast<CUdeviceptr>(ptr), bytes);
+          },
+          "of"_a, "ptr"_a, "bytes"_a, "Writes the gradient of Input or Param `of` at device memory the caller owns.")
+      .def(
+          "output",
+          [](const PyCudaTraining &l, std::optional<std::string> name) {
+            l.dev->make_current();
+            return to_numpy(name ? l.layer->output(*name) : l.layer->output());
+          },
+          "name"_a = nb::none())
+      .def(
+          "gradient",
+          [](const PyCudaTraining &l, const std::string &name) {
+            l.dev->make_current();
+            return to_numpy(l.layer->gradient(name));
+          },
+          "name"_a)
+      .def(
+          "routed_experts",
+          [](const PyCudaTraining &l, const std::string &route) {
+            l.dev->make_current();
+            return to_numpy(l.layer->routed_experts(route));
+          },
+          "route"_a = "route", "The experts the last forward chose, pair order (synchronises).")
+      .def_prop_ro("saved_bytes", [](const PyCudaTraining &l) { return l.layer->saved_bytes(); })
+      .def_prop_ro("tokens", [](const PyCudaTraining &l) { return l.layer->layer().tokens(); })
+      .def_prop_ro("outputs", [](const PyCudaTraining &l) { return l.compiled->training.outputs; })
+      .def_prop_ro("seeds", [](const PyCudaTraining &l) { return l.compiled->training.seeds; })
+      .def_prop_ro("gradients", [](const PyCudaTraining &l) {
+        std::map<std::string, std::string> out;
+        const TrainingProgram &t = l.compiled->training;
+        for (size_t g = 0; g < t.gradients.size(); ++g)
+          out[t.of[g]] = t.gradients[g];
+        return out;
+      });
+}
+
+} // namespace moeforge::python

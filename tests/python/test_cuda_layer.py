@@ -1,0 +1,44 @@
+"""The CUDA backend from Python with host arrays (moeforge.CudaTrainingLayer):
+gradients against the reference on the GPU; without one, a UserError that
+says so (CI has no GPU)."""
+
+import numpy as np
+import pytest
+
+import moeforge as mf
+from conftest import build_moe_mlp, normalized_error, random_inputs
+
+needs_backend = pytest.mark.skipif(not mf.has_cuda_backend, reason="moeforge was built without the CUDA backend")
+gpu = mf.gpu_available()
+
+
+@needs_backend
+@pytest.mark.skipif(gpu[0], reason="a GPU is present")
+def test_without_a_gpu_the_layer_says_why():
+    layer, y, _ = build_moe_mlp()
+    with pytest.raises(mf.UserError, match="the CUDA backend needs a GPU: .*use the CPU backend"):
+        mf.CudaTrainingLayer(layer, [y], mf.scattermoe(), 64)
+
+
+@needs_backend
+@pytest.mark.skipif(not gpu[0], reason=f"no GPU: {gpu[1]}")
+@pytest.mark.parametrize("schedule", ["megablocks", "scattermoe"])
+def test_gradients_on_the_gpu_match_the_reference(schedule):
+    layer, y, _ = build_moe_mlp()
+    tokens = 136
+    inputs = random_inputs(tokens, seed=31)
+    dy = np.random.default_rng(32).uniform(-1, 1, (tokens, 64))
+    g = mf.grad(layer, [y])
+    ref = mf.evaluate(g.pipeline, {**inputs, g.seed: dy})
+    train = mf.CudaTrainingLayer(layer, [y], mf.preset(schedule), tokens)
+    train.upload(inputs)
+    train.poison()
+    train.forward()
+    train.upload_upstream_gradient(dy)
+    train.backward()
+    assert normalized_error(train.output(), mf.evaluate(layer, inputs)["y"]) < 1e-2
+    for name in ["x", "wr", "w1", "w2"]:
+        assert normalized_error(train.gradient(name), ref[g.of[name].name]) < 2e-2, name
+    assert train.info("x") == ("bf16", (tokens, 64), True, tokens * 64 * 2)
+    with pytest.raises(mf.UserError, match="bind of 'x': 8 bytes given"):
+        train.bind("x", 0, 8)

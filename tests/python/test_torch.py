@@ -1,0 +1,149 @@
+"""moeforge.torch on the GPU (skipped without torch or a GPU): the module's
+output and gradients against a plain PyTorch implementation of the same
+layer with the same weights and routing, a training loop whose loss falls,
+CUDA graph capture, and errors for bad input."""
+
+import math
+
+import pytest
+
+import moeforge as mf
+
+torch = pytest.importorskip("torch")
+if not mf.has_cuda_backend or not mf.gpu_available()[0] or not torch.cuda.is_available():
+    pytest.skip(f"no GPU for moeforge.torch: {mf.gpu_available()[1] or 'torch sees none'}", allow_module_level=True)
+
+import moeforge.torch as mft  # noqa: E402
+
+D, F, E, K = 64, 128, 8, 2
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+
+
+def torch_moe_mlp(x, wr, w1, w2, experts):
+    """The moe_mlp example in plain PyTorch (f32 arithmetic on the same bf16
+    values), routed to `experts` (pair order), so the comparison does not
+    hinge on near-ties in the top-k."""
+    xf, tokens = x.float(), x.shape[0]
+    probs = torch.softmax(xf @ wr.float(), dim=1)
+    chosen = experts.view(tokens, K).long().to(x.device)
+    gate = probs.gather(1, chosen)
+    y = torch.zeros(tokens, D, device=x.device)
+    for slot in range(K):
+        e = chosen[:, slot]
+        h = gelu_tanh(torch.einsum("td,tdf->tf", xf, w1.float()[e]))
+        y = y + gate[:, slot:slot + 1] * torch.einsum("tf,tfd->td", h, w2.float()[e])
+    return y
+
+
+def normalized_error(got, ref):
+    got, ref = got.float(), ref.float()
+    if torch.isnan(got).any():
+        return math.inf
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("schedule", ["megablocks", "scattermoe"])
+@pytest.mark.parametrize("tokens", [1, 200])
+def test_output_and_gradients_match_plain_pytorch(schedule, tokens):
+    torch.manual_seed(0)
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, schedule=schedule)
+    x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = moe(x)
+    assert y.shape == (tokens, D) and y.dtype == torch.float32
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    experts = moe.routed_experts(tokens)
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in moe.named_parameters()}
+    xr = x.detach().clone().requires_grad_(True)
+    yr = torch_moe_mlp(xr, params["wr"], params["w1"], params["w2"], experts)
+    yr.backward(dy)
+    assert normalized_error(y, yr) < 2e-2
+    assert normalized_error(x.grad, xr.grad) < 2e-2
+    for name, p in moe.named_parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype, name
+        assert normalized_error(p.grad, params[name].grad) < 2e-2, name
+
+
+def test_a_two_layer_model_learns():
+    torch.manual_seed(1)
+    tokens = 256
+    model = torch.nn.Sequential(
+        torch.nn.Linear(D, D, device="cuda", dtype=torch.bfloat16),
+        mft.example("moe_mlp", experts=E, topk=K, d=D, f=F),
+        torch.nn.Linear(D, 1, device="cuda", dtype=torch.float32),
+    )
+    x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
+    target = torch.sin(x.float().sum(dim=1, keepdim=True))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(50):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_step_replays_from_a_cuda_graph():
+    torch.manual_seed(2)
+    tokens = 200
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F)
+    static_x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        moe.zero_grad(set_to_none=False)
+        y = moe(static_x)
+        y.float().square().mean().backward()
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up outside the graph: compile, first binds, .grad allocated
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step()
+
+    fresh = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
+    static_x.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    got_y, got_w1 = static_y.clone(), moe.w1.grad.clone()
+    eager_y = step()
+    torch.cuda.synchronize()
+    assert normalized_error(got_y, eager_y) == 0.0
+    assert normalized_error(got_w1, moe.w1.grad) == 0.0
+
+
+def test_bad_input_raises_with_the_message():
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F)
+    with pytest.raises(mf.UserError, match="is on cpu, the layer on cuda"):
+        moe(torch.randn(16, D, dtype=torch.bfloat16))
+    with pytest.raises(mf.UserError, match=r"'x' has shape \(16, 32\); the layer expects \(16, 64\)"):
+        moe(torch.randn(16, 32, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(mf.UserError, match="must be a torch.Tensor"):
+        moe([[1.0]])
+    with pytest.raises(mf.UserError, match=r"must be \(tokens, width\)"):
+        moe(torch.randn(2, 16, D, device="cuda"))
+    # Any dtype and strides are converted (a copy), not refused.
+    x = torch.randn(D, 16, device="cuda", dtype=torch.float32).t()
+    y = moe(x)
+    ref = moe(x.contiguous().to(torch.bfloat16))
+    assert normalized_error(y, ref) == 0.0
+
+
+def test_a_second_forward_before_the_backward_is_refused():
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F)
+    x = torch.randn(32, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y1 = moe(x)
+    moe(x)
+    with pytest.raises(RuntimeError, match="belongs to an earlier forward"):
+        y1.sum().backward()

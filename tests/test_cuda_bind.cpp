@@ -1,0 +1,148 @@
+// Another framework's device memory in and out of a training layer:
+// bind() (the layer reads and writes the caller's memory, no copy) and
+// copy_in / copy_out (device-to-device on a stream), what moeforge.torch
+// uses. Each is checked bit for bit against the same layer run through
+// upload() and download(), the caller's output and gradient memory poisoned
+// first; mistakes (wrong size, a padded tensor, a misaligned address, an
+// unknown name) are user errors that say what to change.
+#include <doctest/doctest.h>
+
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+
+#include "backends/cuda/training_layer.h"
+#include "gpu_test.h"
+#include "layer_compare.h"
+#include "runtime/program_shapes.h"
+#include "schedules/presets.h"
+
+using namespace moeforge;
+using moeforge::testing::shape;
+
+namespace {
+
+// A device buffer holding `t` stored as `dtype`.
+cuda::DeviceBuffer device_tensor(const HostTensor &t, DType dtype) {
+  std::vector<uint8_t> bytes = encode_values(t.data, dtype);
+  cuda::DeviceBuffer b(bytes.size());
+  b.upload(bytes);
+  return b;
+}
+
+bool has_text(const std::string &text, const std::string &part) { return text.find(part) != std::string::npos; }
+
+std::string message_of(const std::function<void()> &f) {
+  try {
+    f();
+  } catch (const UserError &e) {
+    return e.what();
+  }
+  return "(no UserError)";
+}
+
+} // namespace
+
+TEST_SUITE("gpu") {
+  TEST_CASE("cuda bind: a layer reading and writing the caller's memory matches upload and download bit for bit") {
+    MOEFORGE_REQUIRE_GPU();
+    cuda::Device device;
+    ExampleShape s = shape(200, 64, 128, 8, 2);
+    Example ex = make_example("moe_mlp", s);
+    TensorMap inputs = ex.random_inputs(s, 21);
+    std::mt19937_64 rng(22);
+    HostTensor dy = random_tensor({s.tokens, s.d}, rng);
+    for (bool reuse : {false, true}) {
+      INFO("reuse_memory " << reuse);
+      Schedule schedule = preset("scattermoe");
+      schedule.reuse_memory(reuse);
+      cuda::CompiledTraining compiled =
+          cuda::compile_training(ex.pipeline, ex.pipeline.func("y"), schedule, device.arch_specific());
+      cuda::Stream stream;
+
+      // The plain way.
+      cuda::TrainingLayer plain(device, compiled, s.tokens);
+      plain.upload(inputs);
+      plain.upload_upstream_gradient(dy);
+      plain.forward(stream);
+      plain.backward(stream);
+      stream.synchronize();
+
+      // Everything bound to memory the test owns.
+      cuda::TrainingLayer bound(device, compiled, s.tokens);
+      std::map<std::string, cuda::DeviceBuffer> mine;
+      for (const auto &[name, t] : inputs)
+        mine.emplace(name, device_tensor(t, bound.info(name).dtype));
+      mine.emplace("d_y", device_tensor(dy, bound.info("d_y").dtype));
+      for (const char *name : {"y", "d_x", "d_wr", "d_w1", "d_w2"}) {
+        mine.emplace(name, cuda::DeviceBuffer(bound.info(name).bytes));
+        mine.at(name).fill32(cuda::kPoisonNaN);
+      }
+      for (auto &[name, b] : mine)
+        if (name.rfind("d_", 0) != 0 || name == "d_y")
+          bound.bind(name, b.ptr(), b.bytes());
+      for (const char *of : {"x", "wr", "w1", "w2"})
+        bound.bind_gradient(of, mine.at(std::string("d_") + of).ptr(), mine.at(std::string("d_") + of).bytes());
+      bound.forward(stream);
+      bound.backward(stream);
+      stream.synchronize();
+      for (const char *name : {"y", "d_x", "d_wr", "d_w1", "d_w2"}) {
+        INFO(name);
+        HostTensor want = plain.download(name);
+        // What the layer reads back through its binding, and the test's own
+        // bytes: both exactly the plain layer's values.
+        CHECK(max_normalized_error(bound.download(name), want) == 0.0);
+        CHECK(mine.at(name).download<uint8_t>() == encode_values(want.data, bound.info(name).dtype));
+      }
+
+      // copy_in / copy_out: the same values through device-to-device copies.
+      cuda::TrainingLayer copied(device, compiled, s.tokens);
+      for (const auto &[name, t] : inputs)
+        copied.copy_in(name, mine.at(name).ptr(), mine.at(name).bytes(), stream);
+      copied.copy_in("d_y", mine.at("d_y").ptr(), mine.at("d_y").bytes(), stream);
+      copied.forward(stream);
+      copied.backward(stream);
+      cuda::DeviceBuffer y(copied.info("y").bytes), dw1(copied.info("d_w1").bytes);
+      y.fill32(cuda::kPoisonNaN);
+      dw1.fill32(cuda::kPoisonNaN);
+      copied.copy_out("y", y.ptr(), y.bytes(), stream);
+      copied.copy_gradient("w1", dw1.ptr(), dw1.bytes(), stream);
+      stream.synchronize();
+      CHECK(y.download<uint8_t>() == encode_values(plain.download("y").data, copied.info("y").dtype));
+      CHECK(dw1.download<uint8_t>() == encode_values(plain.download("d_w1").data, copied.info("d_w1").dtype));
+    }
+  }
+
+  TEST_CASE("cuda bind: mistakes are user errors that say what to change") {
+    MOEFORGE_REQUIRE_GPU();
+    cuda::Device device;
+    ExampleShape s = shape(64, 64, 128, 8, 2);
+    Example ex = make_example("moe_mlp", s);
+    cuda::Stream stream;
+    cuda::DeviceBuffer big(1 << 20);
+    for (bool reuse : {false, true}) {
+      INFO("reuse_memory " << reuse);
+      Schedule schedule = preset("megablocks"); // o stored padded
+      schedule.reuse_memory(reuse);
+      cuda::CompiledTraining compiled =
+          cuda::compile_training(ex.pipeline, ex.pipeline.func("y"), schedule, device.arch_specific());
+      cuda::TrainingLayer layer(device, compiled, s.tokens);
+      const size_t x_bytes = layer.info("x").bytes;
+      CHECK(x_bytes == size_t(64 * 64 * 2));
+      CHECK(layer.info("x").shape == std::vector<int64_t>{64, 64});
+      CHECK(layer.info("x").contiguous);
+      CHECK(layer.info("h").contiguous); // routed rows in pair order: the user's layout
+      CHECK(!layer.info("o").contiguous);
+      CHECK(has_text(message_of([&] { layer.bind("x", big.ptr(), x_bytes / 2); }),
+                     "bind of 'x': 4096 bytes given, the layer holds 8192 (bf16 values of its shape)"));
+      CHECK(has_text(message_of([&] { layer.bind("x", big.ptr() + 2, x_bytes); }), "not 16-byte aligned"));
+      CHECK(has_text(message_of([&] { layer.bind("nosuch", big.ptr(), x_bytes); }), "nosuch"));
+      CHECK(has_text(message_of([&] { layer.copy_in("y", big.ptr(), layer.info("y").bytes, stream); }),
+                     "copy_in: 'y' is not an Input or Param of the layer"));
+      const std::string padded = message_of([&] { layer.copy_out("o", big.ptr(), layer.info("o").bytes, stream); });
+      CHECK(has_text(padded, reuse ? "shares its memory with other tensors under reuse_memory(true)"
+                                   : "'o' is stored padded (routed rows grouped by expert) on the device"));
+    }
+  }
+}

@@ -69,10 +69,35 @@ def _empty_like_layer(layer, name, device):
     return torch.empty(shape, dtype=_DTYPES[dtype], device=device)
 
 
+def _cpu_forward(module, layer, x, params):
+    """The CPU backend: values go in and out through numpy (its layers keep
+    bf16 storage of their own, so a copy happens anyway)."""
+    arrays = {module.input_name: x.detach().float().numpy()}
+    arrays.update({name: p.detach().float().numpy() for name, p in zip(module._param_names, params)})
+    layer.upload(arrays)
+    layer.forward()
+    return [torch.from_numpy(layer.output(f.name)).to(_DTYPES[f.dtype.name]) for f in module.outputs]
+
+
+def _cpu_backward(module, layer, grads, outs):
+    for f, g, out in zip(module.outputs, grads, outs):
+        g = torch.zeros_like(out) if g is None else g
+        layer.upload_upstream_gradient(g.detach().double().numpy(), f.name)
+    layer.backward()
+    return [torch.from_numpy(layer.gradient(name)) for name in [module.input_name] + module._param_names]
+
+
 class _TrainingStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, x, *params):
         layer, bound = module._layer_for(x)
+        ctx.input_dtypes = [x.dtype] + [p.dtype for p in params]
+        if module.device.type == "cpu":
+            outs = _cpu_forward(module, layer, x, params)
+            module._generation += 1
+            ctx.module, ctx.layer, ctx.generation = module, layer, module._generation
+            ctx.save_for_backward(*outs)
+            return tuple(outs) if len(outs) > 1 else outs[0]
         # Everything the layer reads or writes is a torch tensor bound in
         # place: the input and weights (read again by the backward, so kept
         # in ctx), and fresh output tensors.
@@ -86,20 +111,24 @@ class _TrainingStep(torch.autograd.Function):
         layer.forward(_stream(x.device))
         module._generation += 1
         ctx.module, ctx.layer, ctx.bound, ctx.generation = module, layer, bound, module._generation
-        ctx.input_dtypes = [x.dtype] + [p.dtype for p in params]
         ctx.keep = keep
         ctx.save_for_backward(*outs)  # a backward may read them; torch checks they stay unmodified
         return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        module, layer, bound = ctx.module, ctx.layer, ctx.bound
+        module, layer = ctx.module, ctx.layer
         if module._generation != ctx.generation:
             raise RuntimeError(
                 "moeforge.torch: this backward belongs to an earlier forward of the same module, whose "
                 "activations a later forward replaced; run each forward's backward before the next forward "
                 "(no activation checkpointing or reuse of one module twice in a graph)")
-        ctx.saved_tensors  # raises if an output was modified in place since the forward
+        outs = ctx.saved_tensors  # raises if an output was modified in place since the forward
+        if module.device.type == "cpu":
+            got = _cpu_backward(module, layer, grads, outs)
+            return (None, *[g.to(dtype) if need else None
+                            for g, dtype, need in zip(got, ctx.input_dtypes, ctx.needs_input_grad[1:])])
+        bound = ctx.bound
         device = ctx.keep[0].device
         seeds = []
         for seed, g in zip(layer.seeds, grads):
@@ -128,26 +157,35 @@ class MoELayer(torch.nn.Module):
     returns (default: the pipeline's outputs, e.g. [y] or [y, lb_loss]);
     schedule: a moeforge.Schedule or a preset name; init_scale: {param name:
     half-width of its uniform init} (default 1/sqrt(fan-in), the first
-    non-expert dimension); device: where the parameters live (a GPU).
+    non-expert dimension); device: where the parameters live and the layer
+runs: a GPU ('cuda', the CUDA backend) or 'cpu' (the LLVM CPU backend,
+values through numpy: for development and tests, not speed).
     """
 
     def __init__(self, pipeline, outputs=None, schedule="scattermoe", init_scale=None, device="cuda", dtype=None):
         super().__init__()
-        ok, why = mf.gpu_available()
-        if not ok:
-            raise mf.UserError(f"moeforge.torch runs on the GPU: {why}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            ok, why = mf.gpu_available()
+            if not ok:
+                raise mf.UserError(f"moeforge.torch on the GPU: {why}; device='cpu' runs the CPU backend")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        elif self.device.type == "cpu":
+            if not mf.has_cpu_backend:
+                raise mf.UserError("moeforge was built without the CPU backend (LLVM): use device='cuda'")
+        else:
+            raise mf.UserError(f"device must be 'cuda' or 'cpu', got '{device}'")
         self.pipeline = pipeline
         self.outputs = list(outputs) if outputs is not None else list(pipeline.outputs)
         self.schedule = mf.preset(schedule) if isinstance(schedule, str) else schedule
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         decls = pipeline.buffer_decls
         inputs = [b for b in decls if b["kind"] == "input"]
         if len(inputs) != 1:
             raise mf.UserError(
                 f"MoELayer takes a layer with exactly one Input (the tokens), got {[b['name'] for b in inputs]}")
         self.input_name = inputs[0]["name"]
+        self._input_shape = tuple(inputs[0]["shape"])  # None: the token Dim
         self._param_names = []
         init_scale = init_scale or {}
         for b in decls:
@@ -170,6 +208,8 @@ class MoELayer(torch.nn.Module):
         if x.dim() != 2:
             raise mf.UserError(f"the input '{self.input_name}' must be (tokens, width), got shape {tuple(x.shape)}")
         tokens = x.shape[0]
+        if tokens not in self._layers and self.device.type == "cpu":
+            self._layers[tokens] = (mf.CpuTrainingLayer(self.pipeline, self.outputs, self.schedule, tokens), {})
         if tokens not in self._layers:
             with torch.cuda.device(self.device):
                 layer = mf.CudaTrainingLayer(self.pipeline, self.outputs, self.schedule, tokens,
@@ -180,6 +220,10 @@ class MoELayer(torch.nn.Module):
     @torch.compiler.disable
     def forward(self, x):
         _check_tensor(f"the input '{self.input_name}'", x, self.device)
+        if x.dim() == len(self._input_shape):
+            want = tuple(x.shape[0] if s is None else s for s in self._input_shape)
+            if tuple(x.shape) != want:
+                raise mf.UserError(f"'{self.input_name}' has shape {tuple(x.shape)}; the layer expects {want}")
         params = [getattr(self, name) for name in self._param_names]
         return _TrainingStep.apply(self, x, *params)
 

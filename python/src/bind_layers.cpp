@@ -201,7 +201,12 @@ void bind_layers(nb::module_ &m) {
       .def(
           "download", [](const PyCpuTraining &l, const std::string &name) { return to_numpy(l.layer->download(name)); },
           "func"_a)
+      .def(
+          "routed_experts",
+          [](const PyCpuTraining &l, const std::string &route) { return to_numpy(l.layer->routed_experts(route)); },
+          "route"_a = "route")
       .def_prop_ro("saved_bytes", [](const PyCpuTraining &l) { return l.layer->saved_bytes(); })
+      .def_prop_ro("tokens", [](const PyCpuTraining &l) { return l.layer->layer().tokens(); })
       .def_prop_ro("outputs", [](const PyCpuTraining &l) { return l.compiled->training.outputs; })
       .def_prop_ro("seeds", [](const PyCpuTraining &l) { return l.compiled->training.seeds; })
       .def_prop_ro("gradients", [](const PyCpuTraining &l) {

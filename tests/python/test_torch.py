@@ -1,7 +1,8 @@
-"""moeforge.torch on the GPU (skipped without torch or a GPU): the module's
-output and gradients against a plain PyTorch implementation of the same
-layer with the same weights and routing, a training loop whose loss falls,
-CUDA graph capture, and errors for bad input."""
+"""moeforge.torch (skipped without torch; the GPU cases without a GPU, the
+CPU ones without the CPU backend): the module's output and gradients against
+a plain PyTorch implementation of the same layer with the same weights and
+routing, a training loop whose loss falls, CUDA graph capture, and errors
+for bad input."""
 
 import math
 
@@ -10,10 +11,13 @@ import pytest
 import moeforge as mf
 
 torch = pytest.importorskip("torch")
-if not mf.has_cuda_backend or not mf.gpu_available()[0] or not torch.cuda.is_available():
-    pytest.skip(f"no GPU for moeforge.torch: {mf.gpu_available()[1] or 'torch sees none'}", allow_module_level=True)
 
 import moeforge.torch as mft  # noqa: E402
+
+GPU = mf.has_cuda_backend and mf.gpu_available()[0] and torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason=f"no GPU: {mf.gpu_available()[1] or 'torch sees none'}")
+DEVICES = [pytest.param("cuda", marks=needs_gpu),
+           pytest.param("cpu", marks=pytest.mark.skipif(not mf.has_cpu_backend, reason="no CPU backend"))]
 
 D, F, E, K = 64, 128, 8, 2
 
@@ -45,12 +49,13 @@ def normalized_error(got, ref):
     return ((got - ref).abs().max() / ref.abs().max()).item()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("schedule", ["megablocks", "scattermoe"])
 @pytest.mark.parametrize("tokens", [1, 200])
-def test_output_and_gradients_match_plain_pytorch(schedule, tokens):
+def test_output_and_gradients_match_plain_pytorch(device, schedule, tokens):
     torch.manual_seed(0)
-    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, schedule=schedule)
-    x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, schedule=schedule, device=device)
+    x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     y = moe(x)
     assert y.shape == (tokens, D) and y.dtype == torch.float32
     dy = torch.randn_like(y)
@@ -68,15 +73,16 @@ def test_output_and_gradients_match_plain_pytorch(schedule, tokens):
         assert normalized_error(p.grad, params[name].grad) < 2e-2, name
 
 
-def test_a_two_layer_model_learns():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_two_layer_model_learns(device):
     torch.manual_seed(1)
     tokens = 256
     model = torch.nn.Sequential(
-        torch.nn.Linear(D, D, device="cuda", dtype=torch.bfloat16),
-        mft.example("moe_mlp", experts=E, topk=K, d=D, f=F),
-        torch.nn.Linear(D, 1, device="cuda", dtype=torch.float32),
+        torch.nn.Linear(D, D, device=device, dtype=torch.bfloat16),
+        mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, device=device),
+        torch.nn.Linear(D, 1, device=device, dtype=torch.float32),
     )
-    x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
     target = torch.sin(x.float().sum(dim=1, keepdim=True))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
@@ -90,6 +96,7 @@ def test_a_two_layer_model_learns():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+@needs_gpu
 def test_a_step_replays_from_a_cuda_graph():
     torch.manual_seed(2)
     tokens = 200
@@ -124,26 +131,31 @@ def test_a_step_replays_from_a_cuda_graph():
     assert normalized_error(got_w1, moe.w1.grad) < 1e-5
 
 
-def test_bad_input_raises_with_the_message():
-    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F)
-    with pytest.raises(mf.UserError, match="is on cpu, the layer on cuda"):
-        moe(torch.randn(16, D, dtype=torch.bfloat16))
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_raises_with_the_message(device):
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, device=device)
+    if device == "cuda":
+        with pytest.raises(mf.UserError, match="is on cpu, the layer on cuda"):
+            moe(torch.randn(16, D, dtype=torch.bfloat16))
     with pytest.raises(mf.UserError, match=r"'x' has shape \(16, 32\); the layer expects \(16, 64\)"):
-        moe(torch.randn(16, 32, device="cuda", dtype=torch.bfloat16))
+        moe(torch.randn(16, 32, device=device, dtype=torch.bfloat16))
     with pytest.raises(mf.UserError, match="must be a torch.Tensor"):
         moe([[1.0]])
     with pytest.raises(mf.UserError, match=r"must be \(tokens, width\)"):
-        moe(torch.randn(2, 16, D, device="cuda"))
+        moe(torch.randn(2, 16, D, device=device))
+    with pytest.raises(mf.UserError, match="device must be 'cuda' or 'cpu', got 'meta'"):
+        mft.example("moe_mlp", device="meta")
     # Any dtype and strides are converted (a copy), not refused.
-    x = torch.randn(D, 16, device="cuda", dtype=torch.float32).t()
+    x = torch.randn(D, 16, device=device, dtype=torch.float32).t()
     y = moe(x)
     ref = moe(x.contiguous().to(torch.bfloat16))
     assert normalized_error(y, ref) < 1e-5
 
 
-def test_a_second_forward_before_the_backward_is_refused():
-    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F)
-    x = torch.randn(32, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_second_forward_before_the_backward_is_refused(device):
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, device=device)
+    x = torch.randn(32, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     y1 = moe(x)
     moe(x)
     with pytest.raises(RuntimeError, match="belongs to an earlier forward"):

@@ -219,6 +219,40 @@ TEST_CASE("cli: help and version answer on stdout with exit code 0") {
   }
 }
 
+TEST_CASE("cli: each command's --help gives its flags with their defaults and examples, on stdout") {
+  ExampleShape d;
+  for (const char *c : {"list", "print", "run", "train", "emit", "tune"}) {
+    INFO(c);
+    Run r = cli({c, "--help"});
+    CHECK(r.code == 0);
+    CHECK(r.err.empty());
+    CHECK(r.out.rfind(std::string("moeforge ") + c, 0) == 0);
+    // The same text three ways; -h after other (even wrong) arguments too.
+    CHECK(cli({"help", c}).out == r.out);
+    CHECK(cli({c, "-h"}).out == r.out);
+    if (std::string(c) != "list") {
+      CHECK(cli({c, "moe_mlp", "--tokens", "oops", "--help"}).out == r.out);
+      CHECK(has(r.out, "examples:\n  moeforge " + std::string(c)));
+      // The defaults it states are the ones the flags have.
+      CHECK(has(r.out, "--tokens N      tokens T (default " + std::to_string(d.tokens) + ")"));
+      CHECK(has(r.out, "--experts E     experts (default " + std::to_string(d.experts) + ")"));
+      CHECK(has(r.out, "--f F           expert (or MLP) hidden width (default " + std::to_string(d.f) + ")"));
+    }
+  }
+  // Every example in the help runs as written (those of run, print, emit, train
+  // at their sizes here: the quick ones).
+  for (const std::vector<std::string> &line :
+       std::vector<std::vector<std::string>>{{"print", "swiglu_moe"},
+                                             {"print", "moe_mlp", "--experts", "64", "--topk", "8"},
+                                             {"emit", "moe_mlp", "--ir"}}) {
+    INFO(line[0]);
+    CHECK(cli(line).code == 0);
+  }
+  Run none = cli({"help", "nosuch"});
+  CHECK(none.code == 2);
+  CHECK(has(none.err, "moeforge: no command 'nosuch': use list, print, run, train, emit or tune"));
+}
+
 TEST_CASE("cli: shapes past what the kernels index or the machine holds end in exit 2, not a crash") {
   check_usage_error({"run", "moe_mlp", "--d", "2305843009213693952"},
                     {"--d 2305843009213693952 is beyond 2147483647, the largest extent the kernels index"});

@@ -21,6 +21,7 @@
 #include "runtime/program_shapes.h"
 #include "schedules/presets.h"
 #include "tools/cli_backend.h"
+#include "tools/cli_help.h"
 #include "tools/progress.h"
 
 namespace moeforge {
@@ -46,7 +47,9 @@ const char *kDefaults = "\n"
                         "defaults: --tokens 256 --experts 8 --topk 2 --d 64 --f 128 --seed 1 --precision f32\n"
                         "          --schedule megablocks; --backend: the GPU when there is one, else the CPU\n"
                         "          backend, else (run only) the reference\n"
-                        "moeforge help | --help | -h: this text; moeforge --version: the version\n";
+                        "moeforge help | --help | -h: this text; moeforge <command> --help (or\n"
+                        "moeforge help <command>): a command's flags, defaults and examples;\n"
+                        "moeforge --version: the version and what it was built with\n";
 
 struct Options {
   std::string command, example;
@@ -584,6 +587,22 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
   if (args.size() == 1 && (args[0] == "help" || args[0] == "--help" || args[0] == "-h")) {
     out << kUsage << kDefaults;
     return 0;
+  }
+  // A command's help: `moeforge help run`, `moeforge run --help`, or -h
+  // anywhere after a command's name (other arguments then do not matter).
+  auto is_help = [](const std::string &a) { return a == "--help" || a == "-h"; };
+  if (!args.empty()) {
+    const bool help_word = args[0] == "help" && args.size() == 2;
+    const std::string &command = help_word ? args[1] : args[0];
+    if (help_word || (command_help(command) && std::any_of(args.begin() + 1, args.end(), is_help))) {
+      const char *text = command_help(command);
+      if (!text) {
+        err << "moeforge: no command '" << command << "': use list, print, run, train, emit or tune\n";
+        return 2;
+      }
+      out << text;
+      return wrote(out, err) ? 0 : 2;
+    }
   }
   if (args.size() == 1 && (args[0] == "version" || args[0] == "--version")) {
     out << "moeforge " << kVersion << "\nbuilt with " << MOEFORGE_BUILD_COMPILER << ", CUDA toolkit "

@@ -57,4 +57,23 @@ def normalized_error(got, ref):
     return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
+def train_and_check(train, layer, y, inputs, dy):
+    """One training step on `train` (a CpuTrainingLayer or CudaTrainingLayer
+    over the README's layer), outputs poisoned first, checked against the
+    reference: y within 1e-2 and every gradient within 2e-2. Returns the
+    reference gradients by Input or Param name."""
+    g = mf.grad(layer, [y])
+    got = mf.evaluate(g.pipeline, {**inputs, g.seed: dy})
+    ref = {name: got[g.of[name].name] for name in inputs}
+    train.upload(inputs)
+    train.poison()
+    train.forward()
+    train.upload_upstream_gradient(dy)
+    train.backward()
+    assert normalized_error(train.output(), mf.evaluate(layer, inputs)["y"]) < 1e-2
+    for name, want in ref.items():
+        assert normalized_error(train.gradient(name), want) < 2e-2, name
+    return ref
+
+
 cpu_only = pytest.mark.skipif(not mf.has_cpu_backend, reason="moeforge was built without the LLVM CPU backend")

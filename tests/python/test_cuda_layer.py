@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import moeforge as mf
-from conftest import build_moe_mlp, normalized_error, random_inputs
+from conftest import build_moe_mlp, random_inputs, train_and_check
 
 needs_backend = pytest.mark.skipif(not mf.has_cuda_backend, reason="moeforge was built without the CUDA backend")
 gpu = mf.gpu_available()
@@ -28,17 +28,8 @@ def test_gradients_on_the_gpu_match_the_reference(schedule):
     tokens = 136
     inputs = random_inputs(tokens, seed=31)
     dy = np.random.default_rng(32).uniform(-1, 1, (tokens, 64))
-    g = mf.grad(layer, [y])
-    ref = mf.evaluate(g.pipeline, {**inputs, g.seed: dy})
     train = mf.CudaTrainingLayer(layer, [y], mf.preset(schedule), tokens)
-    train.upload(inputs)
-    train.poison()
-    train.forward()
-    train.upload_upstream_gradient(dy)
-    train.backward()
-    assert normalized_error(train.output(), mf.evaluate(layer, inputs)["y"]) < 1e-2
-    for name in ["x", "wr", "w1", "w2"]:
-        assert normalized_error(train.gradient(name), ref[g.of[name].name]) < 2e-2, name
+    train_and_check(train, layer, y, inputs, dy)
     assert train.info("x") == ("bf16", (tokens, 64), True, tokens * 64 * 2)
     with pytest.raises(mf.UserError, match="bind of 'x': 8 bytes given"):
         train.bind("x", 0, 8)

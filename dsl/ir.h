@@ -372,8 +372,9 @@ struct RoutingNode {
   Var token_var;  // probs' token argument
   Var expert_var; // probs' expert argument, the one selected along
   int k;
-  Dim pairs; // extent tokens * k
-  Var pair;  // ranges over pairs
+  int groups = 1, top_groups = 1; // group-limited selection (TopKOptions)
+  Dim pairs;                      // extent tokens * k
+  Var pair;                       // ranges over pairs
   const Dim &token_dim() const { return token_var.dim(); }
   const Dim &expert_dim() const { return expert_var.dim(); }
 };

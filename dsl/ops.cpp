@@ -46,6 +46,15 @@ Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &opti
   user_check(k >= 1 && k <= E) << "top_k: k = " << k << " but '" << probs.name() << "' has " << E << " experts along '"
                                << expert.name() << "': choose 1 <= k <= " << E;
   user_check(!options.name.empty()) << "top_k: the route needs a name";
+  user_check(options.groups >= 1 && E % options.groups == 0)
+      << "top_k: groups = " << options.groups << " must divide the " << E << " experts along '" << expert.name()
+      << "' into equal groups";
+  user_check(options.groups == 1 || (options.top_groups >= 1 && options.top_groups <= options.groups))
+      << "top_k: top_groups = " << options.top_groups << " of " << options.groups
+      << " groups: choose 1 <= top_groups <= groups";
+  user_check(options.groups == 1 || k <= options.top_groups * (E / options.groups))
+      << "top_k: k = " << k << " but the " << options.top_groups << " best groups of " << E / options.groups
+      << " experts hold only " << options.top_groups * (E / options.groups) << ": raise top_groups or lower k";
 
   auto node = std::make_shared<RoutingNode>();
   node->name = options.name;
@@ -53,6 +62,8 @@ Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &opti
   node->token_var = token;
   node->expert_var = expert;
   node->k = k;
+  node->groups = options.groups;
+  node->top_groups = options.groups == 1 ? 1 : options.top_groups;
   node->pairs = Dim::scaled(options.name + ".pairs", token.dim(), k);
   node->pair = Var("r", node->pairs);
   RoutingPtr route = node;

@@ -48,6 +48,12 @@ struct TopKOptions {
   bool renormalize = false;
   // Names the route, its pair Dim/Var ("<name>.pairs", "r") and gate Func.
   std::string name = "route";
+  // Group-limited selection (DeepSeek-V3): the experts in `groups` equal
+  // contiguous groups, each scored by the sum of its two largest probs; only
+  // the experts of the `top_groups` best groups are candidates
+  // (dsl/top_k_select.h). 1: every expert is a candidate.
+  int groups = 1;
+  int top_groups = 1;
 };
 
 // Selects, for every token t, the k experts with the largest probs(t, e). probs

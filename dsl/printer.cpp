@@ -160,8 +160,10 @@ std::ostream &operator<<(std::ostream &os, const Buffer &b) {
 }
 
 std::ostream &operator<<(std::ostream &os, const RoutingNode &r) {
-  return os << r.name << " = top_k(" << r.probs->name << ", " << r.expert_var.name() << ", k = " << r.k
-            << ")  -- pairs " << r.pair.name() << " over " << r.pairs.name() << " = " << r.token_dim().name() << " * "
+  os << r.name << " = top_k(" << r.probs->name << ", " << r.expert_var.name() << ", k = " << r.k;
+  if (r.groups > 1)
+    os << ", groups = " << r.groups << ", top_groups = " << r.top_groups;
+  return os << ")  -- pairs " << r.pair.name() << " over " << r.pairs.name() << " = " << r.token_dim().name() << " * "
             << r.k;
 }
 

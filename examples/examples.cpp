@@ -1,5 +1,6 @@
 #include "examples/examples.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -197,6 +198,52 @@ Example shared_expert_moe(const ExampleShape &s) {
       {{"x", 1.0}, {"wr", sd}, {"w1", sd}, {"w3", sd}, {"w2", sf}, {"ws1", sd}, {"ws3", sd}, {"ws2", sf}, {"wsg", sd}}};
 }
 
+// DeepSeek-V3's router over SwiGLU experts: sigmoid scores s = sigmoid(x Wr);
+// a per-expert bias b (an Input the training loop nudges toward balance,
+// auxiliary-loss-free; selection is a constant for differentiation, so no
+// gradient reaches it) that steers the selection only; group-limited top-k
+// over s + b; gates from the unbiased scores, normalised over the token's k
+// choices and scaled by 2.5 (DeepSeek-V3's routed_scaling_factor).
+Example deepseek_moe(const ExampleShape &s) {
+  // Groups of at least two experts: 8 where E allows (DeepSeek-V3: 256
+  // experts in 8 groups), the best half of them kept.
+  int groups = 1;
+  for (int g : {8, 4, 2})
+    if (s.experts % g == 0 && s.experts / g >= 2) {
+      groups = g;
+      break;
+    }
+  Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
+  Var t("t", T), e("e", E), i("i", D), j("j", F);
+  Input x("x", {T, D}), bias("bias", {E}, DType::f32);
+  Param wr("wr", {D, E}), w1("w1", {E, D, F}), w3("w3", {E, D, F}), w2("w2", {E, F, D});
+  Func logits("logits", DType::f32), scores("scores", DType::f32), choice("choice", DType::f32);
+  logits(t, e) = sum(i, x(t, i) * wr(i, e));
+  scores(t, e) = sigmoid(logits(t, e));
+  choice(t, e) = scores(t, e) + bias(e);
+  TopKOptions opts;
+  opts.groups = groups;
+  opts.top_groups = std::max(1, groups / 2);
+  Route route = top_k(choice, e, static_cast<int>(s.topk), opts);
+  Var r = route.pair();
+  Func picked("picked", DType::f32), picked_sum("picked_sum", DType::f32), gate("gate", DType::f32);
+  picked(r) = scores(route.token(r), route.expert(r));
+  picked_sum(t) = combine(route, t, picked(r));
+  gate(r) = 2.5 * picked(r) / picked_sum(route.token(r));
+
+  Func o = glu_experts(x, route, w1, w3, w2, silu, i, j);
+  Func y("y");
+  y(t, i) = combine(route, t, gate(r) * o(r, i));
+  double sd = 1.0 / std::sqrt(double(s.d));
+  return Example{"deepseek_moe",
+                 "DeepSeek-V3 routing: sigmoid scores, a selection-only expert bias, group-limited top-k, "
+                 "normalised gates x 2.5, SwiGLU experts",
+                 Pipeline({y}),
+                 "y",
+                 route.name(),
+                 {{"x", 1.0}, {"bias", 0.1}, {"wr", sd}, {"w1", sd}, {"w3", sd}, {"w2", 1.0 / std::sqrt(double(s.f))}}};
+}
+
 Example dense_mlp(const ExampleShape &s) {
   Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f);
   Var t("t", T), i("i", D), j("j", F);
@@ -233,13 +280,13 @@ Example attention(const ExampleShape &s) {
 } // namespace
 
 std::vector<std::string> example_names() {
-  return {"moe_mlp",         "swiglu_moe",        "geglu_moe", "reglu_moe",
-          "expert_bias_moe", "shared_expert_moe", "dense_mlp", "attention"};
+  return {"moe_mlp",           "swiglu_moe",   "geglu_moe", "reglu_moe", "expert_bias_moe",
+          "shared_expert_moe", "deepseek_moe", "dense_mlp", "attention"};
 }
 
 Example make_example(const std::string &name, const ExampleShape &shape) {
   bool routed = name == "moe_mlp" || name == "swiglu_moe" || name == "geglu_moe" || name == "reglu_moe" ||
-                name == "expert_bias_moe" || name == "shared_expert_moe";
+                name == "expert_bias_moe" || name == "shared_expert_moe" || name == "deepseek_moe";
   if (routed || name == "dense_mlp" || name == "attention")
     check_shape(name, shape, routed);
   if (name == "moe_mlp")
@@ -254,6 +301,8 @@ Example make_example(const std::string &name, const ExampleShape &shape) {
     return expert_bias_moe(shape);
   if (name == "shared_expert_moe")
     return shared_expert_moe(shape);
+  if (name == "deepseek_moe")
+    return deepseek_moe(shape);
   if (name == "dense_mlp")
     return dense_mlp(shape);
   if (name == "attention")

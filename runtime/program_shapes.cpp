@@ -38,6 +38,8 @@ ProgramShapes::ProgramShapes(const KernelProgram &program, int64_t tokens) : tok
       shape.experts = static_cast<int>(rs->route->expert_dim().extent());
       shape.k = rs->route->k;
       shape.block = rs->block;
+      shape.groups = rs->route->groups;
+      shape.top_groups = rs->route->top_groups;
       shape.check();
       routings_[rs->route] = shape;
     }

@@ -1,6 +1,7 @@
 #include "runtime/routing_host.h"
 
 #include "dsl/error.h"
+#include "dsl/top_k_select.h"
 
 #include <algorithm>
 #include <climits>
@@ -99,10 +100,8 @@ HostTopK top_k_on_host(const RoutingShape &shape, const std::vector<float> &prob
   std::vector<int32_t> order(E);
   for (int64_t t = 0; t < shape.tokens; ++t) {
     const float *row = &probs[t * E];
-    std::iota(order.begin(), order.end(), 0);
-    // The comparator of eval_routing in backends/reference/evaluate.cpp.
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    // The reference's rule (dsl/top_k_select.h).
+    select_top_k(row, E, k, shape.groups, shape.top_groups, order.data());
     for (int s = 0; s < k; ++s) {
       out.expert.push_back(order[s]);
       out.gate.push_back(row[order[s]]);

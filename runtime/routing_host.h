@@ -38,10 +38,11 @@
 namespace moeforge::cuda {
 
 struct RoutingShape {
-  int64_t tokens = 0; // T
-  int experts = 0;    // E, 1..kMaxRoutingExperts
-  int k = 0;          // experts per token, 1..E
-  int block = 128;    // bs: rows per tile (64, 128 or 256 for the GEMMs)
+  int64_t tokens = 0;             // T
+  int experts = 0;                // E, 1..kMaxRoutingExperts
+  int k = 0;                      // experts per token, 1..E
+  int block = 128;                // bs: rows per tile (64, 128 or 256 for the GEMMs)
+  int groups = 1, top_groups = 1; // group-limited selection (TopKOptions); host routing only
 
   int64_t pairs() const { return tokens * k; }
   int64_t max_tiles() const { return (pairs() + block - 1) / block + experts; }

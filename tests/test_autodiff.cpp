@@ -145,6 +145,12 @@ TEST_CASE("autodiff: shared_expert_moe gradients reach the shared expert and its
   check_example("shared_expert_moe", {"x", "wr", "w1", "w3", "w2", "ws1", "ws3", "ws2", "wsg"});
 }
 
+TEST_CASE("autodiff: deepseek_moe gradients through sigmoid scores and normalised, scaled gates") {
+  // The selection bias only selects, and selection is a constant: no
+  // gradient reaches it (grad() says so for a request of one).
+  check_example("deepseek_moe", {"x", "wr", "w1", "w3", "w2"});
+}
+
 TEST_CASE("autodiff: the gradient algebra prints as math") {
   World w;
   Func f("f");

@@ -215,6 +215,19 @@ TEST_SUITE("cpu") {
       }
   }
 
+  TEST_CASE("cpu training: deepseek_moe (group-limited top-k, selection bias, scaled sigmoid gates) trains") {
+    for (const char *p : {"megablocks", "scattermoe"})
+      for (bool recompute : {false, true}) {
+        ExampleShape s = shape(200, 64, 128, 16, 4); // 8 groups of 2 experts, the best 4 kept
+        Example ex = make_example("deepseek_moe", s);
+        TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 23), s.tokens, named(p, recompute));
+        INFO(p << (recompute ? " / recompute" : ""));
+        CHECK(o.outcome.routing_mismatches == 0);
+        CHECK(o.outcome.worst_error <= 2e-2);
+        CHECK(o.gradients.size() == 5u); // d_x d_wr d_w1 d_w3 d_w2: none for the selection-only bias
+      }
+  }
+
   TEST_CASE("cpu training: extents that are not multiples of 8 (E 6, d 100, f 60) train") {
     for (const char *name : {"moe_mlp", "swiglu_moe"}) {
       ExampleShape s = shape(150, 100, 60, 6, 2);

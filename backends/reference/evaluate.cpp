@@ -1,4 +1,5 @@
 #include "backends/reference/evaluate.h"
+#include "dsl/top_k_select.h"
 
 #include <algorithm>
 #include <cmath>
@@ -315,11 +316,9 @@ private:
     std::vector<int32_t> order(static_cast<size_t>(res.experts));
     for (int64_t t = 0; t < res.tokens; ++t) {
       const S *row = &p.data[static_cast<size_t>(t * res.experts)];
-      std::iota(order.begin(), order.end(), 0);
       // Largest first; ties go to the lower expert index, so routing is a
       // deterministic function of the probabilities on every backend.
-      std::partial_sort(order.begin(), order.begin() + r.k, order.end(),
-                        [&](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+      select_top_k(row, static_cast<int>(res.experts), r.k, r.groups, r.top_groups, order.data());
       for (int s = 0; s < r.k; ++s) {
         res.token.push_back(static_cast<int32_t>(t));
         res.expert.push_back(order[static_cast<size_t>(s)]);

@@ -149,11 +149,13 @@ void bind_algebra(nb::module_ &m) {
       .def_prop_ro("name", &Route::name);
   m.def(
       "top_k",
-      [](const Func &probs, const Var &expert, int k, bool renormalize, const std::string &name) {
-        return top_k(probs, expert, k, TopKOptions{renormalize, name});
+      [](const Func &probs, const Var &expert, int k, bool renormalize, const std::string &name, int groups,
+         int top_groups) {
+        return top_k(probs, expert, k, TopKOptions{renormalize, name, groups, top_groups});
       },
-      "probs"_a, "expert"_a, "k"_a, "renormalize"_a = false, "name"_a = "route",
-      "Chooses the k largest probs along expert for each token.");
+      "probs"_a, "expert"_a, "k"_a, "renormalize"_a = false, "name"_a = "route", "groups"_a = 1, "top_groups"_a = 1,
+      "Chooses the k largest probs along expert for each token (among the experts of the top_groups best of "
+      "`groups` groups when groups > 1).");
   m.def("combine", &moeforge::combine, "route"_a, "token"_a, "body"_a, "Sums a per-pair body back to its tokens.");
   m.def("expert_sum", &moeforge::expert_sum, "route"_a, "expert"_a, "body"_a, "Sums a per-pair body into its experts.");
 

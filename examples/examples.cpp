@@ -198,6 +198,32 @@ Example shared_expert_moe(const ExampleShape &s) {
       {{"x", 1.0}, {"wr", sd}, {"w1", sd}, {"w3", sd}, {"w2", sf}, {"ws1", sd}, {"ws3", sd}, {"ws2", sf}, {"wsg", sd}}};
 }
 
+// A transformer block's MoE half as written: RMSNorm (with its learned scale
+// g) as a prologue, then the router and the GeLU experts over the normalised
+// rows. Nothing marks the prologue: it is a dense Func the gathers read.
+Example rmsnorm_moe(const ExampleShape &s) {
+  Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
+  Var t("t", T), e("e", E), i("i", D), j("j", F);
+  Input x("x", {T, D});
+  Param g("g", {D}, DType::f32), wr("wr", {D, E}), w1("w1", {E, D, F}), w2("w2", {E, F, D});
+  Func scale("scale", DType::f32), nx("nx");
+  scale(t) = rsqrt(sum(i, x(t, i) * x(t, i)) * (1.0 / double(s.d)) + 1e-6);
+  nx(t, i) = x(t, i) * scale(t) * g(i);
+  Func logits("logits", DType::f32), probs("probs", DType::f32);
+  logits(t, e) = sum(i, nx(t, i) * wr(i, e));
+  probs(t, e) = softmax(e, logits(t, e));
+  Route route = top_k(probs, e, static_cast<int>(s.topk));
+  Var r = route.pair();
+  Func h("h"), o("o"), y("y");
+  h(r, j) = gelu(sum(i, nx(route.token(r), i) * w1(route.expert(r), i, j)));
+  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
+  y(t, i) = combine(route, t, route.gate(r) * o(r, i));
+  double sd = 1.0 / std::sqrt(double(s.d));
+  return Example{"rmsnorm_moe", "RMSNorm prologue, then the GeLU-MLP MoE over the normalised rows",
+                 Pipeline({y}), "y",
+                 route.name(),  {{"x", 1.0}, {"g", 1.0}, {"wr", sd}, {"w1", sd}, {"w2", 1.0 / std::sqrt(double(s.f))}}};
+}
+
 // DeepSeek-V3's router over SwiGLU experts: sigmoid scores s = sigmoid(x Wr);
 // a per-expert bias b (an Input the training loop nudges toward balance,
 // auxiliary-loss-free; selection is a constant for differentiation, so no
@@ -280,13 +306,14 @@ Example attention(const ExampleShape &s) {
 } // namespace
 
 std::vector<std::string> example_names() {
-  return {"moe_mlp",           "swiglu_moe",   "geglu_moe", "reglu_moe", "expert_bias_moe",
-          "shared_expert_moe", "deepseek_moe", "dense_mlp", "attention"};
+  return {"moe_mlp",           "swiglu_moe",   "geglu_moe",   "reglu_moe", "expert_bias_moe",
+          "shared_expert_moe", "deepseek_moe", "rmsnorm_moe", "dense_mlp", "attention"};
 }
 
 Example make_example(const std::string &name, const ExampleShape &shape) {
   bool routed = name == "moe_mlp" || name == "swiglu_moe" || name == "geglu_moe" || name == "reglu_moe" ||
-                name == "expert_bias_moe" || name == "shared_expert_moe" || name == "deepseek_moe";
+                name == "expert_bias_moe" || name == "shared_expert_moe" || name == "deepseek_moe" ||
+                name == "rmsnorm_moe";
   if (routed || name == "dense_mlp" || name == "attention")
     check_shape(name, shape, routed);
   if (name == "moe_mlp")
@@ -303,6 +330,8 @@ Example make_example(const std::string &name, const ExampleShape &shape) {
     return shared_expert_moe(shape);
   if (name == "deepseek_moe")
     return deepseek_moe(shape);
+  if (name == "rmsnorm_moe")
+    return rmsnorm_moe(shape);
   if (name == "dense_mlp")
     return dense_mlp(shape);
   if (name == "attention")

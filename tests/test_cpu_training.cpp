@@ -228,6 +228,19 @@ TEST_SUITE("cpu") {
       }
   }
 
+  TEST_CASE("cpu training: rmsnorm_moe (an RMSNorm prologue before the router and the experts) trains") {
+    for (const char *p : {"megablocks", "scattermoe"})
+      for (bool recompute : {false, true}) {
+        ExampleShape s = shape(200, 64, 128, 8, 2);
+        Example ex = make_example("rmsnorm_moe", s);
+        TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 24), s.tokens, named(p, recompute));
+        INFO(p << (recompute ? " / recompute" : ""));
+        CHECK(o.outcome.routing_mismatches == 0);
+        CHECK(o.outcome.worst_error <= 2e-2);
+        CHECK(o.gradients.size() == 5u); // d_x d_g d_wr d_w1 d_w2
+      }
+  }
+
   TEST_CASE("cpu training: extents that are not multiples of 8 (E 6, d 100, f 60) train") {
     for (const char *name : {"moe_mlp", "swiglu_moe"}) {
       ExampleShape s = shape(150, 100, 60, 6, 2);

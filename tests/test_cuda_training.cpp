@@ -138,6 +138,19 @@ TEST_CASE("cuda training: every preset x example x memory choice compiles for sm
       }
 }
 
+TEST_CASE("cuda training: the RMSNorm-prologue MoE compiles for sm_90a without spills, forward and training") {
+  ExampleShape s = shape(64, 64, 128, 8, 2);
+  Example ex = make_example("rmsnorm_moe", s);
+  for (const char *p : {"megablocks", "scattermoe"})
+    for (bool recompute : {false, true}) {
+      INFO(p << (recompute ? " / recompute" : ""));
+      check_resources(cuda::compile_layer(ex.pipeline, preset(p)), std::string("rmsnorm_moe / ") + p);
+      cuda::CompiledTraining c =
+          cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), training_preset(p, recompute));
+      check_resources(c.layer, std::string("rmsnorm_moe training / ") + p);
+    }
+}
+
 TEST_CASE("cuda training: the shared-expert MoE compiles for sm_90a without spills, forward and training") {
   ExampleShape s = shape(64, 64, 128, 8, 2);
   Example ex = make_example("shared_expert_moe", s);
@@ -391,6 +404,18 @@ TEST_SUITE("gpu") {
       Outcome o = train_and_compare(ex, ex.random_inputs(s, 19), s.tokens, preset(p));
       CHECK(o.routing_mismatches == 0);
     }
+  }
+
+  TEST_CASE("cuda training: the RMSNorm-prologue MoE") {
+    MOEFORGE_REQUIRE_GPU();
+    for (const char *p : {"megablocks", "scattermoe"})
+      for (bool recompute : {false, true}) {
+        ExampleShape s = shape(300, 64, 128, 8, 2);
+        Example ex = make_example("rmsnorm_moe", s);
+        INFO(p << (recompute ? " / recompute" : ""));
+        Outcome o = train_and_compare(ex, ex.random_inputs(s, 25), s.tokens, training_preset(p, recompute));
+        CHECK(o.routing_mismatches == 0);
+      }
   }
 
   TEST_CASE("cuda training: the GLU variants (GeGLU, ReGLU)") {

@@ -1012,7 +1012,9 @@ KernelProgram gate_from_routing(KernelProgram p, const Schedule &) {
 KernelProgram softmax_into_routing(KernelProgram p, const Schedule &) {
   for (size_t i = 0; i < p.steps.size(); ++i) {
     auto *rs = std::get_if<RoutingStep>(&p.steps[i]);
-    if (!rs || rs->softmax || is_output(p, rs->probs))
+    // Group-limited routing selects in its own kernel, which takes scores
+    // (routing_kernels.cuh, moe_topk_grouped): the softmax stays a step.
+    if (!rs || rs->softmax || is_output(p, rs->probs) || rs->route->groups > 1)
       continue;
     const RoutingNode *r = rs->route;
     // The scores' one producer and their readers: the routing must be the

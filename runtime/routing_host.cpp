@@ -15,6 +15,10 @@ void RoutingShape::check() const {
       << "routing with E = " << experts << " experts: the device routing supports 1 to " << kMaxRoutingExperts;
   user_check(k >= 1 && k <= experts) << "routing with k = " << k << " of E = " << experts
                                      << " experts: k must be between 1 and E";
+  user_check(groups >= 1 && experts % groups == 0 && top_groups >= 1 && top_groups <= groups &&
+             k <= top_groups * (experts / groups))
+      << "routing with " << groups << " groups, " << top_groups << " kept, of E = " << experts
+      << " experts and k = " << k << ": the groups must divide E and the kept ones hold at least k experts";
   user_check(block >= 1) << "routing with block size " << block << ": it must be positive (64, 128 or 256)";
   user_check(tokens >= 0) << "routing " << tokens << " tokens: the count cannot be negative";
   // Positions and pair numbers are int32 on the device.

@@ -182,6 +182,52 @@ extern "C" __global__ void add_one(int *x, int n) {
     }
   }
 
+  TEST_CASE("cuda gpu: group-limited device routing matches the host oracle, ties included") {
+    MOEFORGE_REQUIRE_GPU();
+    Device device;
+    DeviceRouting routing(device);
+    Stream stream;
+    std::mt19937 rng(6);
+    struct Case {
+      RoutingShape shape;
+      bool ties;
+    };
+    auto grouped = [](RoutingShape s, int groups, int top_groups) {
+      s.groups = groups;
+      s.top_groups = top_groups;
+      return s;
+    };
+    std::vector<Case> cases = {
+        {grouped({1000, 8, 2, 64}, 4, 2), false},    // deepseek_moe's default grouping
+        {grouped({3000, 256, 8, 128}, 8, 4), false}, // DeepSeek-V3's: 256 experts, 8 groups, 4 kept
+        {grouped({777, 64, 6, 128}, 16, 3), true},   // few distinct scores: ties between experts and groups
+        {grouped({500, 6, 2, 64}, 6, 2), true},      // groups of one expert
+        {grouped({1, 16, 4, 64}, 8, 2), false},      // one token
+        {grouped({0, 16, 4, 64}, 8, 2), false},      // no tokens
+        {grouped({20000, 32, 8, 128}, 4, 1), false}, // one group kept, many chunks
+    };
+    for (const Case &c : cases) {
+      const RoutingShape &s = c.shape;
+      CAPTURE(s.to_string());
+      CAPTURE(s.groups);
+      std::vector<float> probs = random_probs(s, rng, 0.0f);
+      if (c.ties)
+        for (float &p : probs)
+          p = std::round(p * 8.0f) / 8.0f;
+      HostTopK top = top_k_on_host(s, probs);
+      RoutingTables want = route_on_host(s, top.expert);
+      DeviceBuffer d_probs = DeviceBuffer::from(probs);
+      RoutingPlan plan(s);
+      for (uint32_t poison : {kPoisonOnes, kPoisonNaN}) {
+        plan.poison(poison);
+        routing.run(d_probs.ptr(), plan, stream);
+        stream.synchronize();
+        check_tables_equal(plan.download(), want, s);
+        check_equal(plan.download_gate(), top.gate, "gate", s);
+      }
+    }
+  }
+
   TEST_CASE("cuda gpu: device routing from given experts - edge cases") {
     MOEFORGE_REQUIRE_GPU();
     Device device;

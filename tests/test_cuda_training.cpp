@@ -406,6 +406,18 @@ TEST_SUITE("gpu") {
     }
   }
 
+  TEST_CASE("cuda training: deepseek_moe (group-limited device routing, selection bias, scaled gates)") {
+    MOEFORGE_REQUIRE_GPU();
+    for (const char *p : {"megablocks", "scattermoe"})
+      for (bool recompute : {false, true}) {
+        ExampleShape s = shape(300, 64, 128, 16, 4);
+        Example ex = make_example("deepseek_moe", s);
+        INFO(p << (recompute ? " / recompute" : ""));
+        Outcome o = train_and_compare(ex, ex.random_inputs(s, 26), s.tokens, training_preset(p, recompute));
+        CHECK(o.routing_mismatches == 0);
+      }
+  }
+
   TEST_CASE("cuda training: the RMSNorm-prologue MoE") {
     MOEFORGE_REQUIRE_GPU();
     for (const char *p : {"megablocks", "scattermoe"})

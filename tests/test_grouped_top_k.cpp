@@ -2,7 +2,8 @@
 // routing) and the deepseek_moe example built on it: the selection rule
 // against an independent brute force, the algebra's checks and printing, the
 // example's reference against hand-written loops, the CPU backend against the
-// reference, and the CUDA backend's refusal (its routing kernels lack it).
+// reference, and the CUDA compile (the device routing and the layer's GPU
+// training are in test_cuda_gpu.cpp and test_cuda_training.cpp).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -17,13 +18,15 @@
 #include "dsl/moeforge.h"
 #include "dsl/top_k_select.h"
 #include "examples/examples.h"
+#include "lowering/lower.h"
 #include "schedules/presets.h"
 
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
 #include "cpu_compare.h"
 #endif
 #ifdef MOEFORGE_HAVE_CUDA
-#include "backends/cuda/layer.h"
+#include "backends/cuda/training_layer.h"
+#include "cuda_resources.h"
 #endif
 
 using namespace moeforge;
@@ -124,6 +127,32 @@ TEST_CASE("grouped top-k: impossible groupings are user errors, and the route pr
   CHECK(has(text.str(), "route = top_k(p, e, k = 2, groups = 4, top_groups = 2)"));
 }
 
+TEST_CASE("grouped top-k: a softmax router's softmax stays a step before grouped routing") {
+  // The fused softmax-in-routing kernels select among all experts; the
+  // grouped kernel takes the probabilities.
+  Dim T = Dim::dynamic("T"), D("D", 64), E("E", 16);
+  Var t("t", T), e("e", E), i("i", D);
+  Input x("x", {T, D});
+  Param wr("wr", {D, E});
+  Func logits("logits", DType::f32), probs("probs", DType::f32);
+  logits(t, e) = sum(i, x(t, i) * wr(i, e));
+  probs(t, e) = softmax(e, logits(t, e));
+  for (int groups : {1, 4}) {
+    TopKOptions o;
+    o.groups = groups;
+    o.top_groups = 2;
+    Route r = top_k(probs, e, 2, o);
+    Func y("y", DType::f32);
+    y(t) = combine(r, t, r.gate(r.pair()));
+    KernelProgram p = lower(Pipeline({y}), preset("scattermoe"));
+    for (const Step &s : p.steps)
+      if (auto *rs = std::get_if<RoutingStep>(&s)) {
+        INFO("groups " << groups);
+        CHECK(rs->softmax == (groups == 1));
+      }
+  }
+}
+
 TEST_CASE("grouped top-k: deepseek_moe's reference matches hand-written loops") {
   ExampleShape s{40, 16, 4, 32, 48}; // T, E, k, d, f: 8 groups of 2, the best 4 kept
   Example ex = make_example("deepseek_moe", s);
@@ -187,9 +216,14 @@ TEST_CASE("grouped top-k: deepseek_moe on the CPU backend matches the reference"
 #endif
 
 #ifdef MOEFORGE_HAVE_CUDA
-TEST_CASE("grouped top-k: the CUDA backend says it does not route by groups yet") {
-  Example ex = make_example("deepseek_moe", ExampleShape{});
-  CHECK(has(user_error_of([&] { cuda::compile_layer(ex.pipeline, preset("scattermoe")); }),
-            "route 'route': group-limited top_k (groups = 4) is not in the CUDA backend's routing kernels yet"));
+TEST_CASE("grouped top-k: deepseek_moe compiles for sm_90a without spills, forward and training") {
+  ExampleShape s = testing::shape(64, 64, 128, 16, 4);
+  Example ex = make_example("deepseek_moe", s);
+  for (const char *p : {"megablocks", "scattermoe"}) {
+    INFO(p);
+    testing::check_resources(cuda::compile_layer(ex.pipeline, preset(p)), std::string("deepseek_moe / ") + p);
+    testing::check_resources(cuda::compile_training(ex.pipeline, ex.pipeline.func("y"), preset(p)).layer,
+                             std::string("deepseek_moe training / ") + p);
+  }
 }
 #endif

@@ -1504,13 +1504,8 @@ CudaModuleSource generate_cuda(const KernelProgram &program) {
     src << "#define MF_TIMELINE 1\n";
   src << "#include \"" << kTileLibraryName << "\"\n\n";
   for (const Step &step : program.steps) {
-    if (auto *rs = std::get_if<RoutingStep>(&step)) {
-      user_check(rs->route->groups == 1)
-          << "route '" << rs->route->name << "': group-limited top_k (groups = " << rs->route->groups
-          << ") is not in the CUDA backend's routing kernels yet, which select among all experts; it runs on the "
-          << "reference and the CPU backend (--backend cpu)";
+    if (std::holds_alternative<RoutingStep>(step))
       continue;
-    }
     GeneratedKernel k;
     if (auto *g = std::get_if<GemmStep>(&step))
       emit_gemm(program, *g, src, k);

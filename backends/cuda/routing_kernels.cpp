@@ -134,6 +134,7 @@ DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routin
   for (int i = 0; i < kTopkKernelCount; ++i)
     topk_[i] = module_.kernel(kTopkKernels[i].name);
   histogram_ = module_.kernel("moe_chunk_histogram");
+  grouped_ = module_.kernel("moe_topk_grouped");
   scan_scatter_ = module_.kernel("moe_scan_scatter");
 }
 
@@ -142,6 +143,19 @@ DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routin
 void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax,
                         CUdeviceptr gate) const {
   const RoutingShape &s = plan.shape;
+  if (s.groups > 1) {
+    // Group-limited: its own top-k kernel, then the counts from the experts.
+    internal_check(!softmax) << "group-limited routing takes scores; lowering leaves the softmax as a step";
+    if (s.pairs() > 0) {
+      int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, groups = s.groups,
+          top_groups = s.top_groups;
+      void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
+      void *args[] = {&probs, &tokens, &experts, &k, &groups, &top_groups, plan.expert.arg(), gate_arg};
+      grouped_.launch({static_cast<unsigned>(ceil_div(s.tokens, kRoutingThreads))}, {kRoutingThreads}, 0, stream, args);
+    }
+    run_from_experts(plan, stream);
+    return;
+  }
   if (s.pairs() > 0) {
     int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, apply_softmax = softmax ? 1 : 0;
     int chunk = static_cast<int>(plan.topk_chunk);

@@ -115,7 +115,7 @@ private:
   CompileResult compiled_;
   Module module_;
   std::array<Kernel, 4> topk_; // by bound on E: 32, 64, 128, 256
-  Kernel histogram_, scan_scatter_;
+  Kernel histogram_, scan_scatter_, grouped_;
 };
 
 } // namespace moeforge::cuda

@@ -318,6 +318,61 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
     topk_chunk<group, cols>(scores, tokens, experts, k, softmax, chunk, expert, gate, chunk_counts);                   \
   }
 
+// Group-limited top-k (TopKOptions::groups; dsl/top_k_select.h states the
+// rule and is the oracle): a thread per token, the row's flags in local
+// memory. Groups of size = experts / groups contiguous experts each score
+// the sum of their two largest scores (their one score when size is 1);
+// top_groups rounds of an argmax over the groups not yet taken, then k
+// rounds over their experts, each keeping the first of equals (the lower
+// index), so ties go as on the host. expert[t*k + s], gate[t*k + s] as
+// moe_topk_e* write them; the counts follow from moe_chunk_histogram.
+extern "C" __global__ void __launch_bounds__(MF_THREADS)
+    moe_topk_grouped(const float *__restrict__ scores, // (T, E)
+                     int tokens, int experts, int k, int groups, int top_groups, int *__restrict__ expert,
+                     float *__restrict__ gate) { // (P)
+  const int t = blockIdx.x * MF_THREADS + threadIdx.x;
+  if (t >= tokens)
+    return;
+  const float *row = scores + static_cast<long long>(t) * experts;
+  const int size = experts / groups;
+  float group_score[MF_MAX_EXPERTS];
+  bool group_taken[MF_MAX_EXPERTS], candidate[MF_MAX_EXPERTS];
+  for (int g = 0; g < groups; ++g) {
+    float first = row[g * size], second = 0.f;
+    for (int e = g * size + 1; e < (g + 1) * size; ++e) {
+      const float v = row[e];
+      if (v > first) {
+        second = first;
+        first = v;
+      } else if (e == g * size + 1 || v > second) {
+        second = v;
+      }
+    }
+    group_score[g] = size == 1 ? first : first + second;
+    group_taken[g] = false;
+  }
+  for (int e = 0; e < experts; ++e)
+    candidate[e] = false;
+  for (int n = 0; n < top_groups; ++n) {
+    int best = -1;
+    for (int g = 0; g < groups; ++g)
+      if (!group_taken[g] && (best < 0 || group_score[g] > group_score[best]))
+        best = g;
+    group_taken[best] = true;
+    for (int e = best * size; e < (best + 1) * size; ++e)
+      candidate[e] = true;
+  }
+  for (int s = 0; s < k; ++s) {
+    int best = -1;
+    for (int e = 0; e < experts; ++e)
+      if (candidate[e] && (best < 0 || row[e] > row[best]))
+        best = e;
+    candidate[best] = false;
+    expert[static_cast<long long>(t) * k + s] = best;
+    gate[static_cast<long long>(t) * k + s] = row[best];
+  }
+}
+
 // chunk_counts[c, e]: pairs of chunk c routed to e, for experts given.
 extern "C" __global__ void __launch_bounds__(MF_THREADS)
     moe_chunk_histogram(const int *__restrict__ expert, // (P)

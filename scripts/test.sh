@@ -13,5 +13,7 @@ cmake --build "$BUILD_DIR" -j "$(nproc)"
 # The Python package, rebuilt where the sources changed, and its tests.
 bash scripts/install_python.sh
 python3 -m pytest -q tests/python
+# The suite again under AddressSanitizer and UBSan (its own build folder).
+bash scripts/test_sanitizers.sh
 # The installed library, as another project uses it (find_package(moeforge)).
 MOEFORGE_BUILD_DIR="$BUILD_DIR" bash scripts/check_install.sh

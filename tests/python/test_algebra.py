@@ -80,3 +80,17 @@ def test_grad_names_a_gradient_per_input_and_param():
     assert g.seed == "d_y"
     assert set(g.of) >= {"w1", "w2", "wr", "x"}
     assert g["w1"].name == g.of["w1"].name
+
+
+def test_group_limited_top_k_prints_and_checks_its_groups():
+    T, E = mf.Dim.dynamic("T"), mf.Dim("E", 12)
+    t, e = mf.Var("t", T), mf.Var("e", E)
+    s = mf.Input("s", [T, E], mf.f32)
+    p = mf.Func("p", mf.f32)
+    p[t, e] = s[t, e]
+    with pytest.raises(mf.UserError, match="groups = 5 must divide the 12 experts"):
+        mf.top_k(p, e, 2, groups=5, top_groups=1)
+    route = mf.top_k(p, e, 2, groups=4, top_groups=2)
+    y = mf.Func("y", mf.f32)
+    y[t] = mf.combine(route, t, route.gate(route.pair))
+    assert "top_k(p, e, k = 2, groups = 4, top_groups = 2)" in str(mf.Pipeline([y]))

@@ -411,10 +411,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
     acc.push_back(fb.alloca_f32(TN, "acc" + std::to_string(i)));
   internal_check(!g.b_trans || !g.expert_k) << "an expert reduction's B is never transposed";
   internal_check(!g.chained || (nb == 1 && !g.expert_k)) << "a chained product is for single-B GEMMs";
-  // The B operands and a transposed B's row length (K) that `update` reads:
-  // the GEMM's own, or its chained product's while that one's loop is
-  // emitted (GemmStep::chained).
-  Value *b_stride_t = g.b_trans ? fb.extent(g.k) : nullptr;
+  // The B operands `update` reads: the GEMM's own, or its chained
+  // product's while that one's loop is emitted (GemmStep::chained). A
+  // transposed B has a loop of its own (a dot product per column, below).
 
   // One output row of C, stored at row `out_row`, the epilogue's row index
   // being `row_index`: N in blocks of TN; accumulate(n0, update) calls
@@ -423,7 +422,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
   // p_row: the row in tile order, where a fused output in the padded layout
   // goes (a pair-order one goes to row_index).
   auto columns = [&](Value *out_row, Value *row_index, Value *p_row,
-                     const std::function<void(Value * n0, const Update &)> &accumulate) {
+                     const std::function<void(Value * n0, Value * width, const Update &)> &accumulate) {
     fb.for_loop(
         fb.c64(0), N, "n0",
         [&](Value *n0) {
@@ -433,12 +432,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
             fb.for_loop(fb.c64(0), width, "zero",
                         [&](Value *j) { b.CreateStore(fb.cf(0.0), b.CreateGEP(fb.f32(), acc[i], j)); });
           // acc[i][j] += a * B_i[b_row + j] for the columns of this block.
-          accumulate(n0, [&](int i, Value *b_row, Value *a) {
+          accumulate(n0, width, [&](int i, Value *b_row, Value *a) {
             fb.for_loop(fb.c64(0), width, "j", [&](Value *j) {
               Value *slot = b.CreateGEP(fb.f32(), acc[i], j);
-              // b_row: B[k, n0] (row-major [K, N]), or for a B read in place
-              // transposed ([N, K]), B[n0, k]: column j is then K further on.
-              Value *at = g.b_trans ? b.CreateAdd(b_row, b.CreateMul(j, b_stride_t)) : b.CreateAdd(b_row, j);
+              // b_row: B[k, n0] (row-major [K, N]).
+              Value *at = b.CreateAdd(b_row, j);
               Value *prod = b.CreateFMul(a, fb.load(*B[i], at));
               b.CreateStore(b.CreateFAdd(b.CreateLoad(fb.f32(), slot), prod), slot);
             });
@@ -479,7 +477,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
         Value *p0 = fb.route_at(rt, "offsets", e);
         Value *p1 = fb.route_at(rt, "offsets", b.CreateAdd(e, fb.c64(1)));
         fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
-          columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, const Update &update) {
+          columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, Value *, const Update &update) {
             fb.for_loop(p0, p1, "p", [&](Value *p) {
               Value *r = fb.route_at(rt, "sorted_pair", p);
               fb.if_then(b.CreateICmpSGE(r, fb.c64(0)), [&] {
@@ -500,7 +498,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
       Value *p1 = fb.route_at(rt, "offsets", b.CreateAdd(e, fb.c64(1)));
       fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
         Value *a_base = b.CreateMul(m, stride);
-        columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, const Update &update) {
+        columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, Value *, const Update &update) {
           fb.for_loop(p0, p1, "p", [&](Value *p) {
             Value *a = fb.load(A, b.CreateAdd(a_base, p));
             update(0, b.CreateAdd(b.CreateMul(p, N), n0), a);
@@ -527,17 +525,54 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
                    : g.a_rows == RowMap::gather_pair ? r
                                                      : b.CreateSDiv(r, fb.c64(g.route->k));
     Value *out_row = g.out_rows == RowMap::direct ? p : r;
-    columns(out_row, r, p, [&](Value *n0, const Update &update) {
+    columns(out_row, r, p, [&](Value *n0, Value *width, const Update &update) {
       for (const Product &pr : products) {
         Value *K = pr.k;
         Value *a_base = b.CreateMul(a_row, K);
         Value *b_base = g.b_per_expert ? b.CreateMul(expert, b.CreateMul(K, N)) : fb.c64(0);
         B = pr.b;
-        b_stride_t = g.b_trans ? K : nullptr;
+        if (g.b_trans) {
+          // B read in place transposed ([N, K]): column n0 + j is a row of B,
+          // contiguous in k. Each column is a dot product along k (its sum
+          // in ascending k, as before), eight columns at a time so that
+          // eight independent sums are in flight: one sum alone waits on
+          // its previous add at every k, and k outermost over all columns
+          // would touch `width` rows of B K apart at every step.
+          constexpr int kCols = 8;
+          Value *full = b.CreateMul(b.CreateSDiv(width, fb.c64(kCols)), fb.c64(kCols));
+          // The sums live in scalar allocas, which mem2reg makes registers
+          // (a slot of the accumulator array, indexed by j, stays memory).
+          std::vector<Value *> sums;
+          for (int u = 0; u < kCols; ++u)
+            sums.push_back(fb.alloca_f32(1, "dot" + std::to_string(u)));
+          auto dot = [&](Value *j0, int cols) {
+            for (int i = 0; i < nb; ++i) {
+              std::vector<Value *> slot, b_col;
+              for (int u = 0; u < cols; ++u) {
+                Value *j = b.CreateAdd(j0, fb.c64(u));
+                slot.push_back(b.CreateGEP(fb.f32(), acc[i], j));
+                b_col.push_back(b.CreateAdd(b_base, b.CreateMul(b.CreateAdd(n0, j), K)));
+                b.CreateStore(b.CreateLoad(fb.f32(), slot[u]), sums[u]);
+              }
+              fb.for_loop(fb.c64(0), K, "kt", [&](Value *kk) {
+                Value *a = fb.load(*pr.a, b.CreateAdd(a_base, kk));
+                for (int u = 0; u < cols; ++u) {
+                  Value *prod = b.CreateFMul(a, fb.load(*B[i], b.CreateAdd(b_col[u], kk)));
+                  b.CreateStore(b.CreateFAdd(b.CreateLoad(fb.f32(), sums[u]), prod), sums[u]);
+                }
+              });
+              for (int u = 0; u < cols; ++u)
+                b.CreateStore(b.CreateLoad(fb.f32(), sums[u]), slot[u]);
+            }
+          };
+          fb.for_loop(
+              fb.c64(0), full, "jt", [&](Value *j0) { dot(j0, kCols); }, kCols);
+          fb.for_loop(full, width, "jr", [&](Value *j) { dot(j, 1); });
+          continue;
+        }
         fb.for_loop(fb.c64(0), K, "k", [&](Value *kk) {
           Value *a = fb.load(*pr.a, b.CreateAdd(a_base, kk));
-          Value *b_row = g.b_trans ? b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(n0, K), kk))
-                                   : b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, N), n0));
+          Value *b_row = b.CreateAdd(b_base, b.CreateAdd(b.CreateMul(kk, N), n0));
           for (int i = 0; i < nb; ++i)
             update(i, b_row, a);
         });

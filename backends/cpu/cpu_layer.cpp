@@ -1,6 +1,7 @@
 #include "backends/cpu/cpu_layer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -158,6 +159,17 @@ void CpuLayer::run(size_t begin, size_t end) {
       args.push_back(arg(a));
     jit.functions[k](args.data());
   }
+}
+
+std::vector<std::pair<std::string, double>> CpuLayer::profile(size_t begin, size_t end) {
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t i = begin; i < end; ++i) {
+    auto start = std::chrono::steady_clock::now();
+    run(i, i + 1);
+    out.emplace_back(step_name(layer_.program.steps[i]),
+                     std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  return out;
 }
 
 HostTensor CpuLayer::download(const std::string &func) const {

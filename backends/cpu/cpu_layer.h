@@ -65,6 +65,9 @@ public:
   // every Input and Param these steps read has been uploaded (they would
   // compute on zeros).
   void run(size_t begin, size_t end);
+  // Steps [begin, end) as run() runs them, each timed: its name and
+  // milliseconds, in program order (for benchmarks and `train --profile`).
+  std::vector<std::pair<std::string, double>> profile(size_t begin, size_t end);
   // A Func's values as the reference lays them out (routed rows in pair
   // order, whatever the layout here). A user error for a name the layer
   // does not hold, and for a routed one before its route ran.

@@ -50,6 +50,17 @@ void CpuTrainingLayer::backward() {
   layer_.run(compiled_.training.forward_steps, compiled_.training.program.steps.size());
 }
 
+std::vector<std::pair<std::string, double>> CpuTrainingLayer::profile_forward() {
+  auto steps = layer_.profile(0, compiled_.training.forward_steps);
+  state_.forward_ran();
+  return steps;
+}
+
+std::vector<std::pair<std::string, double>> CpuTrainingLayer::profile_backward() {
+  state_.check_ready_for_backward();
+  return layer_.profile(compiled_.training.forward_steps, compiled_.training.program.steps.size());
+}
+
 HostTensor CpuTrainingLayer::output(const std::string &name) const {
   return layer_.download(compiled_.training.outputs[compiled_.training.output_index(name, "output()")]);
 }

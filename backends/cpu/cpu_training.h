@@ -57,6 +57,11 @@ public:
   // last poison (or ever).
   void backward();
 
+  // forward() / backward() with each step timed: name and milliseconds, in
+  // program order (cuda::TrainingLayer's profile_forward / profile_backward).
+  std::vector<std::pair<std::string, double>> profile_forward();
+  std::vector<std::pair<std::string, double>> profile_backward();
+
   // The first forward output ("y"), or the one named (UserError naming the
   // outputs for an unknown one).
   HostTensor output() const { return layer_.download(compiled_.training.output); }

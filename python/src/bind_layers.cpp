@@ -189,6 +189,8 @@ void bind_layers(nb::module_ &m) {
             l.layer->backward();
           },
           "Every Input's and Param's gradient.")
+      .def("profile_forward", [](PyCpuTraining &l) { return l.layer->profile_forward(); })
+      .def("profile_backward", [](PyCpuTraining &l) { return l.layer->profile_backward(); })
       .def(
           "output",
           [](const PyCpuTraining &l, std::optional<std::string> name) {

@@ -554,6 +554,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
                 b_col.push_back(b.CreateAdd(b_base, b.CreateMul(b.CreateAdd(n0, j), K)));
                 b.CreateStore(b.CreateLoad(fb.f32(), slot[u]), sums[u]);
               }
+              // Reassociation lets LLVM vectorize the sums along k (partial
+              // sums per lane, added at the end): the order differs from a
+              // plain loop's by rounding only, as the GPU's tiles do.
+              llvm::IRBuilderBase::FastMathFlagGuard guard(b);
+              llvm::FastMathFlags reassoc;
+              reassoc.setAllowReassoc();
+              b.setFastMathFlags(reassoc);
               fb.for_loop(fb.c64(0), K, "kt", [&](Value *kk) {
                 Value *a = fb.load(*pr.a, b.CreateAdd(a_base, kk));
                 for (int u = 0; u < cols; ++u) {

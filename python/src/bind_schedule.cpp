@@ -16,6 +16,16 @@ using namespace nb::literals;
 
 void bind_schedule(nb::module_ &m) {
   constexpr auto chain = nb::rv_policy::reference_internal;
+  nb::enum_<Permutation>(m, "Permutation", "How routed rows reach the expert GEMMs.")
+      .value("blocked", Permutation::blocked, "sorted by expert, copied into blocks padded per expert (MegaBlocks)")
+      .value("scattered", Permutation::scattered, "gathered and scattered inside the GEMMs (ScatterMoE)");
+  nb::enum_<GateFusion>(m, "GateFusion", "Where gate(r) * o(r, i) is taken.")
+      .value("combine", GateFusion::combine)
+      .value("epilogue", GateFusion::epilogue);
+  nb::enum_<MmaKind>(m, "MmaKind", "The tensor-core instruction a GEMM's main loop is built on.")
+      .value("mma_sync", MmaKind::mma_sync)
+      .value("wgmma", MmaKind::wgmma)
+      .value("wgmma_ws", MmaKind::wgmma_ws);
   nb::class_<Schedule>(m, "Schedule", "How a layer is computed: permutation, blocks, tiles, fusion, memory.")
       .def(nb::init<std::string>(), "name"_a = "custom")
       .def_prop_ro("name", &Schedule::name)
@@ -25,6 +35,9 @@ void bind_schedule(nb::module_ &m) {
       .def("save", &Schedule::save, "path"_a)
       .def("to_text", &Schedule::to_text)
       .def("validate", &Schedule::validate, "pipeline"_a, "Checks the schedule against a layer (UserError if not).")
+      .def("permutation", nb::overload_cast<Permutation>(&Schedule::permutation), "permutation"_a, chain)
+      .def("gate", nb::overload_cast<GateFusion>(&Schedule::gate), "fusion"_a, chain)
+      .def("mma", nb::overload_cast<const std::string &, MmaKind>(&Schedule::mma), "func"_a, "kind"_a, chain)
       .def("block", nb::overload_cast<int>(&Schedule::block), "rows"_a, chain)
       .def("recompute", nb::overload_cast<bool>(&Schedule::recompute), "on"_a = true, chain)
       .def("bf16_activations", nb::overload_cast<bool>(&Schedule::bf16_activations), "on"_a = true, chain)

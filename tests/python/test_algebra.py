@@ -94,3 +94,14 @@ def test_group_limited_top_k_prints_and_checks_its_groups():
     y = mf.Func("y", mf.f32)
     y[t] = mf.combine(route, t, route.gate(route.pair))
     assert "top_k(p, e, k = 2, groups = 4, top_groups = 2)" in str(mf.Pipeline([y]))
+
+
+def test_the_permutation_and_the_main_loop_are_schedule_choices():
+    s = mf.Schedule("mine").permutation(mf.Permutation.scattered).gate(mf.GateFusion.epilogue).block(64)
+    s.tile("*", 64, 128, 64).mma("*", mf.MmaKind.wgmma_ws)
+    with pytest.raises(mf.UserError, match=r"set the tile before mma"):
+        mf.Schedule().mma("*", mf.MmaKind.wgmma)
+    text = s.to_text()
+    assert "permutation(scattered)" in text and "gate(epilogue)" in text and "block(64)" in text
+    assert "mma(\"*\", wgmma_ws)" in text
+    assert mf.Schedule.from_text(text).to_text() == text

@@ -160,3 +160,42 @@ def test_a_second_forward_before_the_backward_is_refused(device):
     moe(x)
     with pytest.raises(RuntimeError, match="belongs to an earlier forward"):
         y1.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_auxiliary_loss_comes_back_as_a_tensor_and_trains_the_router(device):
+    """forward() returns (y, lb_loss); the loss's gradient reaches wr, as in
+    the Switch Transformer's formula written in plain PyTorch."""
+    torch.manual_seed(3)
+    T_, D_, E_ = mf.Dim.dynamic("T"), mf.Dim("D", D), mf.Dim("E", E)
+    F_ = mf.Dim("F", F)
+    t, e, i, j = mf.Var("t", T_), mf.Var("e", E_), mf.Var("i", D_), mf.Var("j", F_)
+    x = mf.Input("x", [T_, D_])
+    wr, w1, w2 = mf.Param("wr", [D_, E_]), mf.Param("w1", [E_, D_, F_]), mf.Param("w2", [E_, F_, D_])
+    logits, probs = mf.Func("logits", mf.f32), mf.Func("probs", mf.f32)
+    logits[t, e] = mf.sum(i, x[t, i] * wr[i, e])
+    probs[t, e] = mf.softmax(e, logits[t, e])
+    route = mf.top_k(probs, e, K)
+    r = route.pair
+    h, o, y = mf.Func("h"), mf.Func("o"), mf.Func("y")
+    h[r, j] = mf.gelu(mf.sum(i, x[route.token(r), i] * w1[route.expert(r), i, j]))
+    o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), j, i])
+    y[t, i] = mf.combine(route, t, route.gate(r) * o[r, i])
+    lb = mf.load_balancing_loss(route, probs, e, coefficient=0.01)
+    moe = mft.MoELayer(mf.Pipeline([y, lb]), schedule="scattermoe", device=device)
+    tokens = 96
+    xt = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
+    out, loss = moe(xt)
+    assert out.shape == (tokens, D) and loss.shape == ()
+    loss.backward()
+
+    # The same loss in plain PyTorch, with the layer's routing.
+    wr_ref = moe.wr.detach().float().clone().requires_grad_(True)
+    p = torch.softmax(xt.float() @ wr_ref, dim=1)
+    experts = moe.routed_experts(tokens).long().to(device)
+    fraction = torch.bincount(experts, minlength=E).float() / (tokens * K)
+    want = 0.01 * E * (fraction * p.mean(dim=0)).sum()
+    want.backward()
+    assert abs(loss.item() - want.item()) < 1e-3 * abs(want.item())
+    assert normalized_error(moe.wr.grad, wr_ref.grad) < 2e-2
+    assert moe.w1.grad is not None and moe.w1.grad.abs().max().item() == 0.0  # the loss ignores the experts

@@ -1,5 +1,6 @@
 // The autotuner's parts that need no GPU: the search space and its pruning
-// (backends/cuda/tune_space.h), the tuned-schedule cache (tune_cache.h) and
+// (backends/cuda/tune_space.h), the parallel compile of candidates, the
+// tuned-schedule cache (tune_cache.h) and
 // the CLI's `tune` where there is no GPU. The timed search runs on the device
 // (scripts/device_run.sh's tune step).
 #include <doctest/doctest.h>
@@ -12,6 +13,7 @@
 
 #include "backends/cuda/tune_cache.h"
 #include "backends/cuda/tune_space.h"
+#include "backends/cuda/tuner.h"
 #include "dsl/error.h"
 #include "examples/examples.h"
 #include "lowering/lower.h"
@@ -115,4 +117,57 @@ TEST_CASE("tune cache: hit, miss, another key's entry, a stale compiler and a co
   // An unwritable directory: store says false.
   CHECK_FALSE(TuneCache("/proc/moeforge_no_such_dir").store(key, s));
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("tune: candidates compiled side by side are the ones compiled one at a time") {
+  // The search compiles a Func's candidates on every core; NVRTC, lowering
+  // and the compile cache must give each thread what one thread gets.
+  Example ex = make_example("swiglu_moe", small());
+  TuneRequest r;
+  r.pipeline = &ex.pipeline;
+  r.output = ex.output;
+  r.tokens = 64;
+  std::vector<Schedule> schedules;
+  for (const char *p : {"megablocks", "scattermoe"})
+    for (int stages : {3, 4}) {
+      Schedule s = preset(p);
+      s.stages("*", stages);
+      schedules.push_back(s);
+    }
+  Schedule bad = preset("scattermoe");
+  bad.tile("nosuch", 128, 128, 64); // a Func the layer lacks: refused when lowered
+  schedules.push_back(bad);
+  // A fresh compile cache: the threads compile (and store) for real, then
+  // one thread reads what they stored.
+  const std::filesystem::path cache = std::filesystem::temp_directory_path() / "moeforge_tune_threads_cache";
+  std::filesystem::remove_all(cache);
+  const char *before = std::getenv("MOEFORGE_CACHE_DIR");
+  const std::string saved = before ? before : "";
+  ::setenv("MOEFORGE_CACHE_DIR", cache.c_str(), 1);
+  for (bool training : {false, true}) {
+    INFO("training " << training);
+    r.training = training;
+    std::vector<CompiledCandidate> many = compile_candidates(r, schedules, "sm_90a", 4);
+    std::vector<CompiledCandidate> one = compile_candidates(r, schedules, "sm_90a", 1);
+    REQUIRE(one.size() == schedules.size());
+    REQUIRE(many.size() == schedules.size());
+    for (size_t i = 0; i + 1 < schedules.size(); ++i) {
+      INFO(schedules[i].to_text());
+      CHECK(one[i].error.empty());
+      CHECK(many[i].error.empty());
+      const CompiledLayer &a = training ? one[i].training->layer : *one[i].layer;
+      const CompiledLayer &b = training ? many[i].training->layer : *many[i].layer;
+      CHECK(a.source.source == b.source.source);
+      CHECK_FALSE(b.compiled.cubin.empty());
+      CHECK(a.compiled.cubin == b.compiled.cubin);
+    }
+    CHECK(has(many.back().error, "nosuch"));
+    CHECK_FALSE(many.back().layer.has_value());
+    CHECK_FALSE(many.back().training.has_value());
+  }
+  if (before)
+    ::setenv("MOEFORGE_CACHE_DIR", saved.c_str(), 1);
+  else
+    ::unsetenv("MOEFORGE_CACHE_DIR");
+  std::filesystem::remove_all(cache);
 }

@@ -1,8 +1,11 @@
 #include "backends/cuda/tuner.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "backends/cuda/layer.h"
 #include "backends/cuda/stream.h"
@@ -14,9 +17,24 @@ namespace moeforge::cuda {
 
 namespace {
 
-// The layer under `schedule`, ms per replay (the mean of `reps` after one
-// warm-up replay).
-double time_candidate(Device &device, const TuneRequest &r, const Schedule &schedule) {
+CompiledCandidate compile_one(const TuneRequest &r, const Schedule &schedule, const std::string &arch) {
+  CompiledCandidate c;
+  try {
+    if (r.training)
+      c.training = compile_training(*r.pipeline, r.pipeline->func(r.output), schedule, arch);
+    else
+      c.layer = compile_layer(*r.pipeline, schedule, arch);
+  } catch (const std::runtime_error &e) {
+    c.error = e.what();
+  }
+  return c;
+}
+
+// The compiled candidate, ms per replay (the mean of `reps` after warm-up
+// replays).
+double time_candidate(Device &device, const TuneRequest &r, const CompiledCandidate &c) {
+  if (!c.error.empty())
+    throw std::runtime_error(c.error);
   Stream stream;
   auto timed = [&](const std::function<void()> &replay) {
     // Warm-up: module load, first touch, and the clocks up to speed (the
@@ -33,14 +51,12 @@ double time_candidate(Device &device, const TuneRequest &r, const Schedule &sche
     return elapsed_ms(start, stop) / r.reps;
   };
   if (!r.training) {
-    CompiledLayer c = compile_layer(*r.pipeline, schedule, device.arch_specific());
-    CudaLayer layer(device, c, r.tokens);
+    CudaLayer layer(device, *c.layer, r.tokens);
     layer.upload(r.inputs);
     CudaGraph g = CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
     return timed([&] { g.launch(stream); });
   }
-  CompiledTraining c = compile_training(*r.pipeline, r.pipeline->func(r.output), schedule, device.arch_specific());
-  TrainingLayer layer(device, c, r.tokens);
+  TrainingLayer layer(device, *c.training, r.tokens);
   layer.upload(r.inputs);
   layer.upload_upstream_gradient(r.upstream);
   // Captured once: the backward's check that the upstream gradient was
@@ -64,6 +80,23 @@ std::string fmt_ms(double ms) {
 
 } // namespace
 
+std::vector<CompiledCandidate> compile_candidates(const TuneRequest &r, const std::vector<Schedule> &schedules,
+                                                  const std::string &arch, unsigned threads) {
+  std::vector<CompiledCandidate> out(schedules.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < schedules.size(); i = next++)
+      out[i] = compile_one(r, schedules[i], arch);
+  };
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < std::max(1u, threads) && t < schedules.size(); ++t)
+    pool.emplace_back(work);
+  work();
+  for (std::thread &t : pool)
+    t.join();
+  return out;
+}
+
 TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(const std::string &)> &progress) {
   user_check(r.pipeline != nullptr && r.tokens > 0) << "tune: a pipeline and a positive token count";
   using clock = std::chrono::steady_clock;
@@ -77,7 +110,9 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
   TuneResult res;
   res.best = r.base;
   std::map<std::string, FuncChoice> chosen; // the Funcs whose best differs from the base
-  res.base_ms = res.best_ms = time_candidate(device, r, r.base);
+  const std::string arch = device.arch_specific();
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  res.base_ms = res.best_ms = time_candidate(device, r, compile_one(r, r.base, arch));
   res.timed = 1;
   say(res, "base schedule: " + fmt_ms(res.base_ms));
   const std::vector<std::string> funcs = tunable_funcs(*r.pipeline, r.output, r.base, r.training);
@@ -93,15 +128,24 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
       return with_choice(s, funcs[f], c);
     };
     res.pruned += static_cast<int>(fc.pruned.size());
+    if (elapsed() > r.budget_seconds) {
+      res.left += static_cast<int>(fc.kept.size());
+      continue;
+    }
+    // This Func's candidates compile side by side, then are timed one by one.
+    std::vector<Schedule> schedules;
+    for (const FuncChoice &c : fc.kept)
+      schedules.push_back(build(c));
+    std::vector<CompiledCandidate> compiled = compile_candidates(r, schedules, arch, threads);
     for (size_t i = 0; i < fc.kept.size(); ++i) {
       if (elapsed() > r.budget_seconds) {
         res.left += static_cast<int>(fc.kept.size() - i);
         continue;
       }
-      const Schedule candidate = build(fc.kept[i]);
+      const Schedule &candidate = schedules[i];
       std::string what = funcs[f] + " " + fc.kept[i].text();
       try {
-        const double ms = time_candidate(device, r, candidate);
+        const double ms = time_candidate(device, r, compiled[i]);
         ++res.timed;
         // A win must clear the run-to-run spread of one timing (~1 %), or
         // the search would wander on noise.

@@ -10,10 +10,13 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "backends/cuda/device.h"
+#include "backends/cuda/layer.h"
+#include "backends/cuda/training_layer.h"
 #include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
 #include "schedules/schedule.h"
@@ -38,6 +41,20 @@ struct TuneResult {
   int timed = 0, pruned = 0, failed = 0, left = 0; // left: candidates the budget did not reach
   std::vector<std::string> log; // one line per candidate: what it changed, its time or why it was skipped
 };
+
+// A candidate compiled for the request (its forward layer, or its training
+// step), or why it could not be (a schedule the layer refuses).
+struct CompiledCandidate {
+  std::optional<CompiledLayer> layer;
+  std::optional<CompiledTraining> training;
+  std::string error;
+};
+
+// Compiles `schedules` for the request, `threads` at a time (NVRTC is the
+// search's slow part: seconds per training step, and the candidates of one
+// Func are independent), results in the order given. Needs no GPU.
+std::vector<CompiledCandidate> compile_candidates(const TuneRequest &request, const std::vector<Schedule> &schedules,
+                                                  const std::string &arch, unsigned threads);
 
 // `progress` gets a line per candidate (best so far, time left); may be empty.
 TuneResult tune(Device &device, const TuneRequest &request, const std::function<void(const std::string &)> &progress);

@@ -5,8 +5,10 @@ library only, so it runs wherever the benchmarks' JSON does).
 usage: python3 benchmarks/plot_train.py <results folder> [--schedule tuned_wide]
 Reads <folder>/train.json (bench_moe_train, Google Benchmark JSON) and
 <folder>/torch_train.json (torch_grouped_mm_train.py); writes
-<folder>/train.svg: per shape and routing, the step in ms of moeforge (store)
-and of torch._grouped_mm, each bar labelled with its time.
+<folder>/train.svg: per shape and routing, the step in ms of moeforge (store),
+of torch._grouped_mm, and of the dense cuBLAS forward+backward roof measured
+in moeforge's process (the same FLOPs as dense GEMMs), each bar labelled
+with its time, and moeforge's TFLOP/s under the group.
 """
 import json
 import sys
@@ -20,31 +22,35 @@ def main():
     folder, schedule = args[0], "tuned_wide"
     if "--schedule" in args:
         schedule = args[args.index("--schedule") + 1]
-    ours = {}
+    ours, roof, tflops = {}, {}, {}
     for b in json.load(open(f"{folder}/train.json"))["benchmarks"]:
         parts = b["name"].split("/")  # train/<shape>/<routing>/<schedule>/<memory>/...
         if len(parts) > 4 and parts[3] == schedule and parts[4] == "store":
             ours[(parts[1], parts[2])] = b["real_time"]
+            # The roof's time for the same FLOPs: ours x (our TFLOP/s / the roof's).
+            roof[(parts[1], parts[2])] = b["real_time"] * b["TFLOPs"] / b["roof_TFLOPs"]
+            tflops[(parts[1], parts[2])] = b["TFLOPs"]
     torch = {(r["shape"], r["routing"]): r["ms"] for r in json.load(open(f"{folder}/torch_train.json"))["results"]}
     keys = [k for k in ours if k in torch]
     if not keys:
         print(f"plot_train: no case of '{schedule}' in both files", file=sys.stderr)
         sys.exit(1)
-    width, bar, gap, top, height = 60 + len(keys) * 70, 24, 22, 40, 260
-    scale = height / max(max(ours[k], torch[k]) for k in keys)
+    width, bar, gap, top, height = 60 + len(keys) * 90, 24, 22, 40, 260
+    scale = height / max(max(ours[k], torch[k], roof[k]) for k in keys)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + height + 70}" '
            'font-family="sans-serif" font-size="10">',
            f'<text x="10" y="20" font-size="13">Training step, ms (lower is better): moeforge {schedule} '
-           '(blue) vs torch._grouped_mm (grey)</text>']
+           '(blue), torch._grouped_mm (grey), dense cuBLAS roof (green); moeforge TFLOP/s below</text>']
     for i, k in enumerate(keys):
-        x = 40 + i * 70
-        for j, (ms, colour) in enumerate(((ours[k], "#3465a4"), (torch[k], "#888a85"))):
+        x = 40 + i * 90
+        for j, (ms, colour) in enumerate(((ours[k], "#3465a4"), (torch[k], "#888a85"), (roof[k], "#4e9a06"))):
             h = ms * scale
             bx = x + j * bar
             out.append(f'<rect x="{bx}" y="{top + height - h:.1f}" width="{bar - 2}" height="{h:.1f}" fill="{colour}"/>')
             out.append(f'<text x="{bx + bar / 2 - 1}" y="{top + height - h - 3:.1f}" text-anchor="middle">{ms:.3g}</text>')
         out.append(f'<text x="{x + bar}" y="{top + height + 14}" text-anchor="middle">{k[0]}</text>')
         out.append(f'<text x="{x + bar}" y="{top + height + 26}" text-anchor="middle">{k[1]}</text>')
+        out.append(f'<text x="{x + bar}" y="{top + height + 38}" text-anchor="middle">{tflops[k]:.0f} TFLOP/s</text>')
     out.append("</svg>")
     with open(f"{folder}/train.svg", "w") as f:
         f.write("\n".join(out) + "\n")

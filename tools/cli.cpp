@@ -23,6 +23,7 @@
 #include "tools/cli_backend.h"
 #include "tools/cli_help.h"
 #include "tools/progress.h"
+#include "tools/sampled_check.h"
 
 namespace moeforge {
 
@@ -33,7 +34,7 @@ const char *kUsage =
     "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
     "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
     "                               --precision f32|f64 --schedule megablocks|scattermoe|<file>\n"
-    "                               --backend reference|cpu|cuda] [--check]\n"
+    "                               --backend reference|cpu|cuda] [--check | --check=full]\n"
     "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|<file>]\n"
     "                                 [--recompute] [--aux] [--backend cpu|cuda] [--check]\n"
     "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
@@ -51,14 +52,19 @@ const char *kDefaults = "\n"
                         "moeforge help <command>): a command's flags, defaults and examples;\n"
                         "moeforge --version: the version and what it was built with\n";
 
+// Tokens `run --check` compares with the float64 reference (a random
+// sample, where the layer allows; all of them with --check=full).
+constexpr int64_t kCheckSample = 64;
+
 struct Options {
   std::string command, example;
   ExampleShape shape;
   uint64_t seed = 1;
   Precision precision = Precision::f32;
   bool check = false;
-  bool recompute = false; // train: schedule.recompute(true)
-  bool aux = false;       // train: with the example's auxiliary losses as more outputs
+  bool check_full = false; // --check=full: every token, not a sample (run)
+  bool recompute = false;  // train: schedule.recompute(true)
+  bool aux = false;        // train: with the example's auxiliary losses as more outputs
   std::string schedule = "megablocks";
   std::string backend;          // empty: the GPU when there is one, else the CPU backend, else the reference
   std::string emit;             // ir, cuda, llvm or plan
@@ -92,6 +98,10 @@ Options parse(const std::vector<std::string> &args) {
     const std::string &flag = args[i];
     if (flag == "--check" && (o.command == "run" || o.command == "train")) {
       o.check = true;
+      continue;
+    }
+    if (flag == "--check=full" && o.command == "run") {
+      o.check = o.check_full = true;
       continue;
     }
     if (flag == "--recompute" && o.command == "train") {
@@ -519,6 +529,24 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
     print_time_and_checksum(out, run.ms, ex.output, run.values.at(ex.output));
     if (!o.check)
       return 0;
+    // The reference on a sample of the tokens where the layer allows it: its
+    // cost then does not grow with T.
+    const std::string blocker = token_sampling_blocker(ex.pipeline);
+    if (!o.check_full && blocker.empty() && o.shape.tokens > kCheckSample) {
+      TokenSample sample = sample_tokens(ex.pipeline, inputs, o.shape.tokens, kCheckSample, o.seed);
+      progress.phase("evaluating the float64 reference on " + std::to_string(kCheckSample) + " tokens");
+      EvalResult ref = evaluate(ex.pipeline, sample.inputs, Precision::f64);
+      progress.finish();
+      out << "check     " << kCheckSample << " of " << o.shape.tokens
+          << " tokens, drawn at random, with their routing (--check=full: every token)\n";
+      BackendRun rows = run;
+      for (auto &[name, values] : rows.values)
+        if (ref.values.count(name))
+          values = sample_rows(ex.pipeline, name, values, sample);
+      return check_backend(out, rows, ref) ? 0 : 1;
+    }
+    if (!o.check_full && !blocker.empty() && o.shape.tokens > kCheckSample)
+      out << "check     every token: " << blocker << ", so a sample of tokens is not the layer's answer for them\n";
     progress.phase("evaluating the float64 reference");
     EvalResult ref = evaluate(ex.pipeline, inputs, Precision::f64);
     progress.finish();

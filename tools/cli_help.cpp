@@ -26,7 +26,7 @@ const std::map<std::string, const char *> kHelp = {
               "  moeforge print swiglu_moe\n"
               "  moeforge print moe_mlp --experts 64 --topk 8\n"},
     {"run", "moeforge run <example> [shape flags] [--seed S] [--precision f32|f64] [--schedule S]\n"
-            "                       [--backend reference|cpu|cuda] [--check]\n"
+            "                       [--backend reference|cpu|cuda] [--check | --check=full]\n"
             "  Runs the example's forward on random inputs and prints each output's shape,\n"
             "  checksum and time; --check compares every output with the float64 reference.\n\n" MOEFORGE_SHAPE_FLAGS
             "  --seed S        the inputs' random seed (default 1)\n"
@@ -34,7 +34,9 @@ const std::map<std::string, const char *> kHelp = {
             "only)\n" MOEFORGE_SCHEDULE_FLAG
             "  --backend B     reference, cpu or cuda (default: the GPU when there is one, else the CPU\n"
             "                  backend, else the reference)\n"
-            "  --check         compare with the float64 reference (tolerance 1e-2)\n"
+            "  --check         compare with the float64 reference (tolerance 1e-2) on 64 tokens drawn at\n"
+            "                  random, with their routing, where each token's rows depend on it alone\n"
+            "  --check=full    compare every token\n"
             "\nexamples:\n"
             "  moeforge run moe_mlp --check\n"
             "  moeforge run swiglu_moe --tokens 4096 --d 1024 --f 2048 --schedule scattermoe --backend cuda\n"},

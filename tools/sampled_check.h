@@ -1,0 +1,38 @@
+// `--check` at any size: the float64 reference evaluated on a sample of the
+// tokens instead of all of them. A layer whose every value for token t
+// depends only on token t's inputs (and the weights) gives, on the sampled
+// tokens alone, exactly the rows it gives them in the whole batch, routing
+// included (top-k is per token); so the backend's rows for those tokens are
+// checked against a reference whose cost does not grow with T.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backends/reference/host_tensor.h"
+#include "dsl/pipeline.h"
+
+namespace moeforge {
+
+// Why the layer cannot be checked on a sample of its tokens (a reduction
+// over the tokens, a per-expert sum, the token count in an expression, a
+// token index that is not a tensor's first), or "" when it can.
+std::string token_sampling_blocker(const Pipeline &pipeline);
+
+struct TokenSample {
+  std::vector<int64_t> tokens; // ascending, distinct
+  TensorMap inputs;            // the Inputs over the token Dim cut to those rows; the rest whole
+};
+
+// `count` distinct tokens of `tokens`, drawn with `seed`.
+TokenSample sample_tokens(const Pipeline &pipeline, const TensorMap &inputs, int64_t tokens, int64_t count,
+                          uint64_t seed);
+
+// The rows of Func `func`'s values over the whole batch that belong to the
+// sample: its token rows, or for a Func over a route's pairs (r = t * k +
+// slot) each sampled token's k rows; a Func without a token index whole.
+HostTensor sample_rows(const Pipeline &pipeline, const std::string &func, const HostTensor &full,
+                       const TokenSample &sample);
+
+} // namespace moeforge

@@ -215,30 +215,26 @@ TEST_SUITE("cpu") {
       }
   }
 
-  TEST_CASE("cpu training: deepseek_moe (group-limited top-k, selection bias, scaled sigmoid gates) trains") {
-    for (const char *p : {"megablocks", "scattermoe"})
-      for (bool recompute : {false, true}) {
-        ExampleShape s = shape(200, 64, 128, 16, 4); // 8 groups of 2 experts, the best 4 kept
-        Example ex = make_example("deepseek_moe", s);
-        TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 23), s.tokens, named(p, recompute));
-        INFO(p << (recompute ? " / recompute" : ""));
-        CHECK(o.outcome.routing_mismatches == 0);
-        CHECK(o.outcome.worst_error <= 2e-2);
-        CHECK(o.gradients.size() == 5u); // d_x d_wr d_w1 d_w3 d_w2: none for the selection-only bias
-      }
-  }
-
-  TEST_CASE("cpu training: rmsnorm_moe (an RMSNorm prologue before the router and the experts) trains") {
-    for (const char *p : {"megablocks", "scattermoe"})
-      for (bool recompute : {false, true}) {
-        ExampleShape s = shape(200, 64, 128, 8, 2);
-        Example ex = make_example("rmsnorm_moe", s);
-        TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 24), s.tokens, named(p, recompute));
-        INFO(p << (recompute ? " / recompute" : ""));
-        CHECK(o.outcome.routing_mismatches == 0);
-        CHECK(o.outcome.worst_error <= 2e-2);
-        CHECK(o.gradients.size() == 5u); // d_x d_g d_wr d_w1 d_w2
-      }
+  // deepseek_moe: group-limited top-k (16 experts in 8 groups of 2, the best
+  // 4 kept), a selection-only bias (no gradient reaches it), scaled sigmoid
+  // gates; rmsnorm_moe: an RMSNorm prologue before the router and experts.
+  TEST_CASE("cpu training: deepseek_moe and rmsnorm_moe train") {
+    struct Case {
+      const char *name;
+      int64_t experts, k;
+      size_t gradients;
+    };
+    for (Case c : {Case{"deepseek_moe", 16, 4, 5}, Case{"rmsnorm_moe", 8, 2, 5}})
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (bool recompute : {false, true}) {
+          ExampleShape s = shape(200, 64, 128, c.experts, c.k);
+          Example ex = make_example(c.name, s);
+          TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 23), s.tokens, named(p, recompute));
+          INFO(c.name << " / " << p << (recompute ? " / recompute" : ""));
+          CHECK(o.outcome.routing_mismatches == 0);
+          CHECK(o.outcome.worst_error <= 2e-2);
+          CHECK(o.gradients.size() == c.gradients); // deepseek: x wr w1 w3 w2; rmsnorm: x g wr w1 w2
+        }
   }
 
   TEST_CASE("cpu training: extents that are not multiples of 8 (E 6, d 100, f 60) train") {

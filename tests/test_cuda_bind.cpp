@@ -17,6 +17,7 @@
 #include "layer_compare.h"
 #include "runtime/program_shapes.h"
 #include "schedules/presets.h"
+#include "user_error.h"
 
 using namespace moeforge;
 using moeforge::testing::shape;
@@ -32,15 +33,6 @@ cuda::DeviceBuffer device_tensor(const HostTensor &t, DType dtype) {
 }
 
 bool has_text(const std::string &text, const std::string &part) { return text.find(part) != std::string::npos; }
-
-std::string message_of(const std::function<void()> &f) {
-  try {
-    f();
-  } catch (const UserError &e) {
-    return e.what();
-  }
-  return "(no UserError)";
-}
 
 } // namespace
 
@@ -134,13 +126,14 @@ TEST_SUITE("gpu") {
       CHECK(layer.info("x").contiguous);
       CHECK(layer.info("h").contiguous); // routed rows in pair order: the user's layout
       CHECK(!layer.info("o").contiguous);
-      CHECK(has_text(message_of([&] { layer.bind("x", big.ptr(), x_bytes / 2); }),
+      CHECK(has_text(testing::user_error_of([&] { layer.bind("x", big.ptr(), x_bytes / 2); }),
                      "bind of 'x': 4096 bytes given, the layer holds 8192 (bf16 values of its shape)"));
-      CHECK(has_text(message_of([&] { layer.bind("x", big.ptr() + 2, x_bytes); }), "not 16-byte aligned"));
-      CHECK(has_text(message_of([&] { layer.bind("nosuch", big.ptr(), x_bytes); }), "nosuch"));
-      CHECK(has_text(message_of([&] { layer.copy_in("y", big.ptr(), layer.info("y").bytes, stream); }),
+      CHECK(has_text(testing::user_error_of([&] { layer.bind("x", big.ptr() + 2, x_bytes); }), "not 16-byte aligned"));
+      CHECK(has_text(testing::user_error_of([&] { layer.bind("nosuch", big.ptr(), x_bytes); }), "nosuch"));
+      CHECK(has_text(testing::user_error_of([&] { layer.copy_in("y", big.ptr(), layer.info("y").bytes, stream); }),
                      "copy_in: 'y' is not an Input or Param of the layer"));
-      const std::string padded = message_of([&] { layer.copy_out("o", big.ptr(), layer.info("o").bytes, stream); });
+      const std::string padded =
+          testing::user_error_of([&] { layer.copy_out("o", big.ptr(), layer.info("o").bytes, stream); });
       CHECK(has_text(padded, reuse ? "shares its memory with other tensors under reuse_memory(true)"
                                    : "'o' is stored padded (routed rows grouped by expert) on the device"));
     }

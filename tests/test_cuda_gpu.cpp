@@ -69,6 +69,24 @@ void check_tables_equal(const RoutingTables &got, const RoutingTables &want, con
   CHECK(got.num_tiles == want.num_tiles);
 }
 
+// Routes probs on the device into tables poisoned two ways, and checks the
+// tables and the gates against the host oracle (top_k_on_host, route_on_host).
+void check_device_routing(const DeviceRouting &routing, const Stream &stream, const RoutingShape &s,
+                          const std::vector<float> &probs) {
+  HostTopK top = top_k_on_host(s, probs);
+  RoutingTables want = route_on_host(s, top.expert);
+  REQUIRE(verify_routing_tables(s, want).empty());
+  DeviceBuffer d_probs = DeviceBuffer::from(probs);
+  RoutingPlan plan(s);
+  for (uint32_t poison : {kPoisonOnes, kPoisonNaN}) {
+    plan.poison(poison);
+    routing.run(d_probs.ptr(), plan, stream);
+    stream.synchronize();
+    check_tables_equal(plan.download(), want, s);
+    check_equal(plan.download_gate(), top.gate, "gate", s);
+  }
+}
+
 } // namespace
 
 TEST_SUITE("gpu") {
@@ -167,18 +185,7 @@ extern "C" __global__ void add_one(int *x, int n) {
       const RoutingShape &s = c.shape;
       CAPTURE(s.to_string());
       std::vector<float> probs = random_probs(s, rng, c.skew);
-      HostTopK top = top_k_on_host(s, probs);
-      RoutingTables want = route_on_host(s, top.expert);
-      REQUIRE(verify_routing_tables(s, want).empty());
-      DeviceBuffer d_probs = DeviceBuffer::from(probs);
-      RoutingPlan plan(s);
-      for (uint32_t poison : {kPoisonOnes, kPoisonNaN}) {
-        plan.poison(poison);
-        routing.run(d_probs.ptr(), plan, stream);
-        stream.synchronize();
-        check_tables_equal(plan.download(), want, s);
-        check_equal(plan.download_gate(), top.gate, "gate", s);
-      }
+      check_device_routing(routing, stream, s, probs);
     }
   }
 
@@ -214,17 +221,7 @@ extern "C" __global__ void add_one(int *x, int n) {
       if (c.ties)
         for (float &p : probs)
           p = std::round(p * 8.0f) / 8.0f;
-      HostTopK top = top_k_on_host(s, probs);
-      RoutingTables want = route_on_host(s, top.expert);
-      DeviceBuffer d_probs = DeviceBuffer::from(probs);
-      RoutingPlan plan(s);
-      for (uint32_t poison : {kPoisonOnes, kPoisonNaN}) {
-        plan.poison(poison);
-        routing.run(d_probs.ptr(), plan, stream);
-        stream.synchronize();
-        check_tables_equal(plan.download(), want, s);
-        check_equal(plan.download_gate(), top.gate, "gate", s);
-      }
+      check_device_routing(routing, stream, s, probs);
     }
   }
 

@@ -9,25 +9,13 @@
 #include "backends/reference/evaluate.h"
 #include "dsl/moeforge.h"
 #include "examples/examples.h"
+#include "user_error.h"
 
 using namespace moeforge;
 
 namespace {
 
-// The message of the UserError that f throws; fails the test if it throws
-// nothing or something else.
-std::string user_error_of(const std::function<void()> &f) {
-  try {
-    f();
-  } catch (const UserError &e) {
-    return e.what();
-  } catch (const std::exception &e) {
-    FAIL("expected a UserError, got another exception: " << e.what());
-    return "";
-  }
-  FAIL("expected a UserError, but nothing was thrown");
-  return "";
-}
+using testing::user_error_of;
 
 void check_has(const std::string &msg, std::initializer_list<const char *> parts) {
   INFO("message: " << msg);

@@ -20,6 +20,7 @@
 #include "examples/examples.h"
 #include "lowering/lower.h"
 #include "schedules/presets.h"
+#include "user_error.h"
 
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
 #include "cpu_compare.h"
@@ -56,15 +57,6 @@ std::vector<int32_t> brute_force(const std::vector<double> &row, int k, int grou
   for (int s = 0; s < k; ++s)
     out.push_back(kept[s].second);
   return out;
-}
-
-std::string user_error_of(const std::function<void()> &f) {
-  try {
-    f();
-  } catch (const UserError &e) {
-    return e.what();
-  }
-  return "(no UserError)";
 }
 
 bool has(const std::string &s, const std::string &part) { return s.find(part) != std::string::npos; }
@@ -109,7 +101,7 @@ TEST_CASE("grouped top-k: impossible groupings are user errors, and the route pr
     TopKOptions o;
     o.groups = groups;
     o.top_groups = top_groups;
-    return user_error_of([&] { top_k(p, e, k, o); });
+    return testing::user_error_of([&] { top_k(p, e, k, o); });
   };
   CHECK(has(with(2, 5, 1), "top_k: groups = 5 must divide the 12 experts along 'e' into equal groups"));
   CHECK(has(with(2, 0, 1), "groups = 0 must divide"));

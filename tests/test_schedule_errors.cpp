@@ -10,20 +10,13 @@
 #include "dsl/error.h"
 #include "examples/examples.h"
 #include "schedules/presets.h"
+#include "user_error.h"
 
 using namespace moeforge;
 
 namespace {
 
-std::string error_of(const std::function<void()> &f) {
-  try {
-    f();
-  } catch (const UserError &e) {
-    return e.what();
-  }
-  FAIL("expected a UserError");
-  return "";
-}
+std::string error_of(const std::function<void()> &f) { return testing::user_error_of(f); }
 
 bool has(const std::string &msg, const std::string &part) { return msg.find(part) != std::string::npos; }
 

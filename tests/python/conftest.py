@@ -1,5 +1,7 @@
 """Shared layers for the Python package's tests."""
 
+import types
+
 import numpy as np
 import pytest
 
@@ -11,8 +13,9 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
 
 
-def build_moe_mlp(d=64, f=128, experts=8, k=2):
-    """The README's layer, written in Python: returns (pipeline, y, route)."""
+def moe_mlp_parts(d=64, f=128, experts=8, k=2):
+    """The README's layer, written in Python, and its pieces by name (t, e,
+    probs, route, y, ...), for tests that add to it."""
     T, D, F, E = mf.Dim.dynamic("T"), mf.Dim("D", d), mf.Dim("F", f), mf.Dim("E", experts)
     t, e, i, j = mf.Var("t", T), mf.Var("e", E), mf.Var("i", D), mf.Var("j", F)
     x = mf.Input("x", [T, D])
@@ -26,7 +29,13 @@ def build_moe_mlp(d=64, f=128, experts=8, k=2):
     h[r, j] = mf.gelu(mf.sum(i, x[route.token(r), i] * w1[route.expert(r), i, j]))
     o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), j, i])
     y[t, i] = mf.combine(route, t, route.gate(r) * o[r, i])
-    return mf.Pipeline([y]), y, route
+    return types.SimpleNamespace(t=t, e=e, probs=probs, route=route, y=y)
+
+
+def build_moe_mlp(d=64, f=128, experts=8, k=2):
+    """The README's layer: returns (pipeline, y, route)."""
+    m = moe_mlp_parts(d, f, experts, k)
+    return mf.Pipeline([m.y]), m.y, m.route
 
 
 def bf16_exact(a):

@@ -13,6 +13,7 @@ import moeforge as mf
 torch = pytest.importorskip("torch")
 
 import moeforge.torch as mft  # noqa: E402
+from conftest import moe_mlp_parts  # noqa: E402
 
 GPU = mf.has_cuda_backend and mf.gpu_available()[0] and torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason=f"no GPU: {mf.gpu_available()[1] or 'torch sees none'}")
@@ -167,22 +168,9 @@ def test_an_auxiliary_loss_comes_back_as_a_tensor_and_trains_the_router(device):
     """forward() returns (y, lb_loss); the loss's gradient reaches wr, as in
     the Switch Transformer's formula written in plain PyTorch."""
     torch.manual_seed(3)
-    T_, D_, E_ = mf.Dim.dynamic("T"), mf.Dim("D", D), mf.Dim("E", E)
-    F_ = mf.Dim("F", F)
-    t, e, i, j = mf.Var("t", T_), mf.Var("e", E_), mf.Var("i", D_), mf.Var("j", F_)
-    x = mf.Input("x", [T_, D_])
-    wr, w1, w2 = mf.Param("wr", [D_, E_]), mf.Param("w1", [E_, D_, F_]), mf.Param("w2", [E_, F_, D_])
-    logits, probs = mf.Func("logits", mf.f32), mf.Func("probs", mf.f32)
-    logits[t, e] = mf.sum(i, x[t, i] * wr[i, e])
-    probs[t, e] = mf.softmax(e, logits[t, e])
-    route = mf.top_k(probs, e, K)
-    r = route.pair
-    h, o, y = mf.Func("h"), mf.Func("o"), mf.Func("y")
-    h[r, j] = mf.gelu(mf.sum(i, x[route.token(r), i] * w1[route.expert(r), i, j]))
-    o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), j, i])
-    y[t, i] = mf.combine(route, t, route.gate(r) * o[r, i])
-    lb = mf.load_balancing_loss(route, probs, e, coefficient=0.01)
-    moe = mft.MoELayer(mf.Pipeline([y, lb]), schedule="scattermoe", device=device)
+    m = moe_mlp_parts(D, F, E, K)
+    lb = mf.load_balancing_loss(m.route, m.probs, m.e, coefficient=0.01)
+    moe = mft.MoELayer(mf.Pipeline([m.y, lb]), schedule="scattermoe", device=device)
     tokens = 96
     xt = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
     out, loss = moe(xt)

@@ -126,6 +126,19 @@ public:
     b.SetInsertPoint(exit);
   }
 
+  // for_loop over this call's part of [begin, end): the index-th of `count`
+  // near-equal parts (the thread arguments); marks the kernel parallel. Only
+  // for an outermost loop whose iterations write disjoint outputs.
+  void parallel_for(Value *begin, Value *end, const std::string &name, const std::function<void(Value *)> &body) {
+    Value *index = entry_b_.CreateLoad(i64(), arg(CpuArg{CpuArg::Kind::thread, "index", nullptr}, "thread"), "index");
+    Value *count = entry_b_.CreateLoad(i64(), arg(CpuArg{CpuArg::Kind::thread, "count", nullptr}, "threads"), "count");
+    kernel_.parallel = true;
+    Value *n = b.CreateSub(end, begin);
+    Value *lo = b.CreateAdd(begin, b.CreateSDiv(b.CreateMul(n, index), count));
+    Value *hi = b.CreateAdd(begin, b.CreateSDiv(b.CreateMul(n, b.CreateAdd(index, c64(1))), count));
+    for_loop(lo, hi, name, body);
+  }
+
   void if_then(Value *cond, const std::function<void()> &then) {
     auto *yes = llvm::BasicBlock::Create(ctx_, "then", fn_);
     auto *done = llvm::BasicBlock::Create(ctx_, "endif", fn_);
@@ -473,7 +486,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
       auto row_of = [&](RowMap m, Value *p, Value *r) -> Value * {
         return m == RowMap::direct ? p : m == RowMap::gather_pair ? r : b.CreateSDiv(r, fb.c64(rt->k));
       };
-      fb.for_loop(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
+      // Experts in parallel: each writes its own C[e].
+      fb.parallel_for(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
         Value *p0 = fb.route_at(rt, "offsets", e);
         Value *p1 = fb.route_at(rt, "offsets", b.CreateAdd(e, fb.c64(1)));
         fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
@@ -493,7 +507,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
     internal_check(A.layout == RowLayout::padded_t && B[0]->layout == RowLayout::padded && nb == 1)
         << "step " << g.name << ": an expert reduction reads A^T (padded_t) and B (padded)";
     Value *stride = fb.max_padded_rows(rt), *M = fb.extent(g.m);
-    fb.for_loop(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
+    fb.parallel_for(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
       Value *p0 = fb.route_at(rt, "offsets", e);
       Value *p1 = fb.route_at(rt, "offsets", b.CreateAdd(e, fb.c64(1)));
       fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
@@ -588,9 +602,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
   };
 
   if (g.route) {
-    // Grouped: the used tiles of the routing table, each one expert's rows.
+    // Grouped: the used tiles of the routing table, each one expert's rows,
+    // in parallel (a pair's row lies in one tile).
     const RoutingNode *rt = g.route;
-    fb.for_loop(fb.c64(0), fb.route_scalar(rt, "num_tiles"), "tile", [&](Value *tile) {
+    fb.parallel_for(fb.c64(0), fb.route_scalar(rt, "num_tiles"), "tile", [&](Value *tile) {
       Value *expert = fb.route_at(rt, "tile_expert", tile);
       Value *p0 = fb.route_at(rt, "tile_row_start", tile);
       Value *rows = fb.route_at(rt, "tile_rows", tile);
@@ -601,7 +616,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
       });
     });
   } else {
-    fb.for_loop(fb.c64(0), fb.extent(g.m), "m", [&](Value *m) { row(m, m, fb.c64(0)); });
+    fb.parallel_for(fb.c64(0), fb.extent(g.m), "m", [&](Value *m) { row(m, m, fb.c64(0)); });
   }
 }
 

@@ -17,6 +17,7 @@ struct CpuArg {
     extent, // an int64_t: a dynamic Dim's extent (by the Dim's name)
     route,  // an int32_t array of the route's tables (routing_host.h names),
             // or the scalars num_tiles / padded_rows
+    thread, // an int64_t: "index" (this call's) or "count" (the calls of a step)
   };
   Kind kind;
   std::string name;
@@ -30,6 +31,10 @@ struct CpuKernel {
   std::string symbol; // the LLVM function's name
   std::string step;   // the kernel program step it runs
   std::vector<CpuArg> args;
+  // The function takes thread "index" and "count" arguments and does the
+  // index-th of `count` equal parts of its outermost loop, whose iterations
+  // write disjoint outputs: the runtime calls it once per thread.
+  bool parallel = false;
 };
 
 } // namespace moeforge::cpu

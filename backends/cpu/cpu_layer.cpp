@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <thread>
 
 #include "dsl/error.h"
 #include "lowering/lower.h"
@@ -33,8 +35,24 @@ std::string cpu_llvm_ir(const Pipeline &pipeline, const Schedule &schedule, bool
   return m.ir_text();
 }
 
+namespace {
+
+// Threads a parallel step runs on: MOEFORGE_CPU_THREADS, else every core.
+int64_t cpu_threads() {
+  if (const char *v = std::getenv("MOEFORGE_CPU_THREADS"); v && *v) {
+    char *end = nullptr;
+    long n = std::strtol(v, &end, 10);
+    user_check(*end == '\0' && n >= 1 && n <= 1024)
+        << "MOEFORGE_CPU_THREADS must be a whole number from 1 to 1024, got '" << v << "'";
+    return n;
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+} // namespace
+
 CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens)
-    : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens) {
+    : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens), threads_(cpu_threads()) {
   for (const auto &[r, shape] : shapes_.routings())
     routes_[r].shape = shape;
   size_t next = 0;
@@ -119,6 +137,8 @@ void *CpuLayer::arg(const CpuArg &a) {
     return tensors_.at(a.name).data();
   case CpuArg::Kind::extent:
     return shapes_.dynamic_extent(a.name);
+  case CpuArg::Kind::thread:
+    return nullptr; // per call (call())
   case CpuArg::Kind::route: {
     RouteState &st = routes_.at(a.route);
     cuda::RoutingTables &t = st.tables;
@@ -157,8 +177,29 @@ void CpuLayer::run(size_t begin, size_t end) {
     args.clear();
     for (const CpuArg &a : kernels[k].args)
       args.push_back(arg(a));
-    jit.functions[k](args.data());
+    call(kernels[k], jit.functions[k], args);
   }
+}
+
+void CpuLayer::call(const CpuKernel &kernel, StepFunction f, std::vector<void *> &args) const {
+  const int64_t threads = kernel.parallel ? threads_ : 1;
+  // Each call's own index; the count shared. Thread arguments point at them.
+  std::vector<int64_t> index(static_cast<size_t>(threads));
+  std::vector<std::vector<void *>> per_thread(static_cast<size_t>(threads), args);
+  for (int64_t t = 0; t < threads; ++t) {
+    index[static_cast<size_t>(t)] = t;
+    for (size_t a = 0; a < kernel.args.size(); ++a)
+      if (kernel.args[a].kind == CpuArg::Kind::thread)
+        per_thread[static_cast<size_t>(t)][a] = kernel.args[a].name == "index"
+                                                    ? static_cast<void *>(&index[static_cast<size_t>(t)])
+                                                    : const_cast<int64_t *>(&threads);
+  }
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t)
+    pool.emplace_back([&, t] { f(per_thread[static_cast<size_t>(t)].data()); });
+  f(per_thread[0].data());
+  for (std::thread &t : pool)
+    t.join();
 }
 
 std::vector<std::pair<std::string, double>> CpuLayer::profile(size_t begin, size_t end) {

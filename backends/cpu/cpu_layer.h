@@ -86,6 +86,9 @@ private:
   };
   void route(const RoutingStep &step);
   void *arg(const CpuArg &a);
+  // One step's function with `args`: once, or for a parallel kernel once per
+  // thread, each with its own thread index.
+  void call(const CpuKernel &kernel, StepFunction f, std::vector<void *> &args) const;
 
   const CompiledCpuLayer &layer_;
   // kernel_of_step_[s]: the index into layer_.kernels of step s (routing
@@ -93,6 +96,7 @@ private:
   std::vector<size_t> kernel_of_step_;
   int64_t tokens_;
   ProgramShapes shapes_;
+  int64_t threads_; // a parallel step's calls (MOEFORGE_CPU_THREADS, else the cores)
   std::map<std::string, std::vector<uint8_t>> tensors_;
   std::map<const RoutingNode *, RouteState> routes_;
   std::set<std::string> uploaded_; // the Inputs and Params given so far

@@ -694,10 +694,18 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, FunctionB
         sums[o] = fb.alloca_f32(1, s.extra[o].output + "_sum");
         b.CreateStore(fb.cf(0.0), sums[o]);
       }
-    fb.for_loop(fb.c64(0), fb.extent(loop_vars[i].dim()), loop_vars[i].name(), [&](Value *v) {
+    auto body = [&](Value *v) {
       em.vars[loop_vars[i].get()] = v;
       nest(i + 1);
-    });
+    };
+    // The outermost index splits over threads: each value writes its own
+    // outputs, unless a row sum runs along that very index (one index only).
+    const bool split = i == 0 && !(last && std::any_of(s.extra.begin(), s.extra.end(),
+                                                       [](const ExtraOutput &e) { return e.row_sum; }));
+    if (split)
+      fb.parallel_for(fb.c64(0), fb.extent(loop_vars[i].dim()), loop_vars[i].name(), body);
+    else
+      fb.for_loop(fb.c64(0), fb.extent(loop_vars[i].dim()), loop_vars[i].name(), body);
     for (size_t o = 0; last && o < s.extra.size(); ++o)
       if (s.extra[o].row_sum) {
         const TensorDecl &t = prog.tensor(s.extra[o].output);
@@ -736,7 +744,7 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, FunctionBuilder
   const int64_t n = cols.extent(), row_bytes = n * dtype_bytes(dst.dtype);
   const bool same = src.dtype == dst.dtype;
   Value *gsrc = fb.tensor(s.src), *gdst = fb.tensor(s.dst);
-  fb.for_loop(fb.c64(0), fb.route_scalar(s.route, "padded_rows"), "p", [&](Value *p) {
+  fb.parallel_for(fb.c64(0), fb.route_scalar(s.route, "padded_rows"), "p", [&](Value *p) { // a row each
     Value *r = fb.route_at(s.route, "sorted_pair", p);
     Value *to = b.CreateGEP(b.getInt8Ty(), gdst, b.CreateMul(p, fb.c64(row_bytes)));
     Value *is_pad = b.CreateICmpSLT(r, fb.c64(0));

@@ -22,6 +22,7 @@
 #include "backends/cuda/training_layer.h"
 #include "dsl/error.h"
 #include "tensors.h"
+#include "training_names.h"
 
 namespace moeforge::python {
 
@@ -55,8 +56,7 @@ struct PyCudaTraining {
   std::unique_ptr<cuda::TrainingLayer> layer;
   PyCudaTraining(const Pipeline &p, const std::vector<Func> &outputs, const Schedule &s, int64_t tokens, int ordinal)
       : pipeline(p) {
-    if (tokens < 1)
-      throw UserError("tokens must be at least 1 (got " + std::to_string(tokens) + ")");
+    check_tokens(tokens);
     dev = device(ordinal);
     {
       nb::gil_scoped_release release; // NVRTC takes seconds on large layers
@@ -188,13 +188,7 @@ void bind_cuda(nb::module_ &m) {
       .def_prop_ro("tokens", [](const PyCudaTraining &l) { return l.layer->layer().tokens(); })
       .def_prop_ro("outputs", [](const PyCudaTraining &l) { return l.compiled->training.outputs; })
       .def_prop_ro("seeds", [](const PyCudaTraining &l) { return l.compiled->training.seeds; })
-      .def_prop_ro("gradients", [](const PyCudaTraining &l) {
-        std::map<std::string, std::string> out;
-        const TrainingProgram &t = l.compiled->training;
-        for (size_t g = 0; g < t.gradients.size(); ++g)
-          out[t.of[g]] = t.gradients[g];
-        return out;
-      });
+      .def_prop_ro("gradients", [](const PyCudaTraining &l) { return gradient_names(l.compiled->training); });
 }
 
 } // namespace moeforge::python

@@ -17,6 +17,7 @@
 #include "dsl/error.h"
 #include "examples/examples.h"
 #include "tensors.h"
+#include "training_names.h"
 
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
 #include "backends/cpu/cpu_layer.h"
@@ -48,11 +49,6 @@ nb::dict routes_dict(const EvalResult &r) {
     out[nb::str(name.c_str())] = d;
   }
   return out;
-}
-
-void check_tokens(int64_t tokens) {
-  if (tokens < 1)
-    throw UserError("tokens must be at least 1 (got " + std::to_string(tokens) + ")");
 }
 
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
@@ -211,13 +207,7 @@ void bind_layers(nb::module_ &m) {
       .def_prop_ro("tokens", [](const PyCpuTraining &l) { return l.layer->layer().tokens(); })
       .def_prop_ro("outputs", [](const PyCpuTraining &l) { return l.compiled->training.outputs; })
       .def_prop_ro("seeds", [](const PyCpuTraining &l) { return l.compiled->training.seeds; })
-      .def_prop_ro("gradients", [](const PyCpuTraining &l) {
-        std::map<std::string, std::string> out; // Input or Param -> its gradient's name
-        const TrainingProgram &t = l.compiled->training;
-        for (size_t g = 0; g < t.gradients.size(); ++g)
-          out[t.of[g]] = t.gradients[g];
-        return out;
-      });
+      .def_prop_ro("gradients", [](const PyCpuTraining &l) { return gradient_names(l.compiled->training); });
 #else
   m.attr("has_cpu_backend") = false;
 #endif

@@ -13,6 +13,7 @@ R=$OUT/python
 mkdir -p "$R/sched"
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
+SHAPES=${SHAPES:-mixtral,fine64,mbpaper,qwen3moe,gptoss}
 status=0
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/device.txt"
 date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$R/device.txt"
@@ -21,10 +22,10 @@ python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LL
 timeout 600 python3 -m pytest -q -rs tests/python >"$R/pytest.log" 2>&1 || status=1
 tail -15 "$R/pytest.log"
 MOEFORGE_WRITE_SCHEDULES=$R/sched timeout 400 .gpu/bench_moe_train \
-  --benchmark_filter='train/[a-z0-9]+/uniform/tuned_wide/store' --benchmark_out="$R/train.json" \
+  --benchmark_filter="train/(${SHAPES//,/|})/uniform/tuned_wide/store" --benchmark_out="$R/train.json" \
   --benchmark_out_format=json --benchmark_counters_tabular=true >"$R/train.log" 2>&1 || status=1
 grep -E "^train" "$R/train.log" | cut -c1-160
 PYTHONUNBUFFERED=1 timeout 500 python3 benchmarks/torch_module_train.py --schedules "$R/sched" --variant tuned_wide \
-  --shapes "${SHAPES:-mixtral,fine64,mbpaper,qwen3moe,gptoss}" --out "$R/module.json" 2>&1 | tee "$R/module.log" ||
+  --shapes "$SHAPES" --out "$R/module.json" 2>&1 | tee "$R/module.log" ||
   status=1
 exit $status

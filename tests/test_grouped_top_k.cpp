@@ -28,6 +28,7 @@
 #ifdef MOEFORGE_HAVE_CUDA
 #include "backends/cuda/training_layer.h"
 #include "cuda_resources.h"
+#include "layer_compare.h"
 #endif
 
 using namespace moeforge;

@@ -343,7 +343,6 @@ Example make_example(const std::string &name, const ExampleShape &shape) {
 }
 
 TensorMap Example::random_inputs(const ExampleShape &shape, uint64_t seed) const {
-  std::mt19937_64 rng(seed);
   TensorMap out;
   for (const BufferPtr &b : pipeline.buffers()) {
     std::vector<int64_t> dims;
@@ -351,7 +350,7 @@ TensorMap Example::random_inputs(const ExampleShape &shape, uint64_t seed) const
       dims.push_back(d.is_dynamic() ? shape.tokens : d.extent());
     auto it = init_scale.find(b->name);
     double a = it == init_scale.end() ? 1.0 : it->second;
-    out[b->name] = random_tensor(dims, rng, -a, a, /*bf16=*/b->dtype == DType::bf16);
+    out[b->name] = hashed_random_tensor(dims, seed, random_stream(b->name), -a, a, /*bf16=*/b->dtype == DType::bf16);
   }
   return out;
 }

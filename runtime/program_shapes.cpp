@@ -2,23 +2,26 @@
 
 #include <cstring>
 
+#include "backends/reference/host_parallel.h"
 #include "dsl/error.h"
 
 namespace moeforge {
 
-std::vector<uint8_t> encode_values(const std::vector<double> &values, DType t) {
+std::vector<uint8_t> encode_values(const HostValues &values, DType t) {
   internal_check(t != DType::f16) << "f16 storage";
   const int bytes = dtype_bytes(t);
   std::vector<uint8_t> out(values.size() * bytes);
-  for (size_t i = 0; i < values.size(); ++i) {
-    float f = static_cast<float>(values[i]);
-    if (t == DType::f32) {
-      std::memcpy(&out[i * 4], &f, 4);
-    } else {
-      uint16_t b = bf16_bits(f);
-      std::memcpy(&out[i * 2], &b, 2);
+  parallel_chunks(static_cast<int64_t>(values.size()), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float f = static_cast<float>(values[i]);
+      if (t == DType::f32) {
+        std::memcpy(&out[i * 4], &f, 4);
+      } else {
+        uint16_t b = bf16_bits(f);
+        std::memcpy(&out[i * 2], &b, 2);
+      }
     }
-  }
+  });
   return out;
 }
 
@@ -87,7 +90,7 @@ std::vector<uint8_t> ProgramShapes::encode_input(const TensorDecl &t, const Tens
 
 HostTensor ProgramShapes::decode(const TensorDecl &t, const std::vector<uint8_t> &bytes,
                                  const std::vector<int32_t> *pair_pos) const {
-  HostTensor out(shape(t));
+  HostTensor out = HostTensor::uninitialized(shape(t)); // every element written below
   int64_t row = 1;
   for (size_t i = 1; i < out.shape.size(); ++i)
     row *= out.shape[i];
@@ -105,11 +108,16 @@ HostTensor ProgramShapes::decode(const TensorDecl &t, const std::vector<uint8_t>
   const bool padded = t.layout == RowLayout::padded;
   internal_check(!padded || pair_pos) << "decoding padded '" << t.name << "' needs its route's pair_pos";
   internal_check(t.layout != RowLayout::padded_t) << "'" << t.name << "' is a transposed internal copy";
-  for (int64_t r = 0; r < (out.shape.empty() ? 1 : out.shape[0]); ++r) {
-    int64_t from = padded ? (*pair_pos)[r] : r;
-    for (int64_t i = 0; i < row; ++i)
-      out.data[r * row + i] = value(from * row + i);
-  }
+  parallel_chunks(
+      out.shape.empty() ? 1 : out.shape[0],
+      [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          int64_t from = padded ? (*pair_pos)[r] : r;
+          for (int64_t i = 0; i < row; ++i)
+            out.data[r * row + i] = value(from * row + i);
+        }
+      },
+      std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(row, 1)));
   return out;
 }
 

@@ -19,7 +19,7 @@
 namespace moeforge {
 
 // `values` stored as `t`: f32, or bf16 rounded to nearest even.
-std::vector<uint8_t> encode_values(const std::vector<double> &values, DType t);
+std::vector<uint8_t> encode_values(const HostValues &values, DType t);
 
 class ProgramShapes {
 public:

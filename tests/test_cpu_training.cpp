@@ -407,7 +407,7 @@ TEST_SUITE("cpu") {
           CHECK(gradient_error(layer.output(), ref[ex.output]) <= 1e-2);
           // The forward writes no gradient: they are still poisoned.
           for (const std::string &of : tp.of) {
-            std::vector<double> g = layer.gradient(of).data;
+            HostValues g = layer.gradient(of).data;
             CHECK(std::all_of(g.begin(), g.end(), [](double v) { return std::isnan(v); }));
           }
           layer.backward();

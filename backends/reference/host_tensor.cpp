@@ -3,17 +3,29 @@
 #include <cmath>
 #include <cstring>
 
+#include "backends/reference/host_parallel.h"
 #include "dsl/error.h"
 
 namespace moeforge {
 
-HostTensor::HostTensor(std::vector<int64_t> shape_, double fill) : shape(std::move(shape_)) {
+static size_t element_count(const std::vector<int64_t> &shape) {
   int64_t n = 1;
   for (int64_t s : shape) {
     internal_check(s >= 0) << "negative extent";
     n *= s;
   }
-  data.assign(static_cast<size_t>(n), fill);
+  return static_cast<size_t>(n);
+}
+
+HostTensor::HostTensor(std::vector<int64_t> shape_, double fill) : shape(std::move(shape_)) {
+  data.assign(element_count(shape), fill);
+}
+
+HostTensor HostTensor::uninitialized(std::vector<int64_t> shape_) {
+  HostTensor t;
+  t.shape = std::move(shape_);
+  t.data.resize(element_count(t.shape));
+  return t;
 }
 
 static int64_t flat_index(const std::vector<int64_t> &shape, std::initializer_list<int64_t> index) {
@@ -59,6 +71,39 @@ HostTensor random_tensor(std::vector<int64_t> shape, std::mt19937_64 &rng, doubl
   std::uniform_real_distribution<double> dist(lo, hi);
   for (double &v : t.data)
     v = bf16 ? round_to_bf16(dist(rng)) : dist(rng);
+  return t;
+}
+
+namespace {
+// SplitMix64's finaliser: consecutive inputs give unrelated 64-bit outputs.
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+} // namespace
+
+uint64_t random_stream(const std::string &name) {
+  uint64_t h = 1469598103934665603ull; // FNV-1a
+  for (unsigned char c : name)
+    h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+HostTensor hashed_random_tensor(std::vector<int64_t> shape, uint64_t seed, uint64_t stream, double lo, double hi,
+                                bool bf16) {
+  HostTensor t = HostTensor::uninitialized(std::move(shape)); // the threads below write every element
+  const uint64_t key = mix64(mix64(seed) ^ stream);
+  double *v = t.data.data();
+  parallel_chunks(t.size(), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      // The top 53 bits as a double in [0, 1).
+      const double u =
+          static_cast<double>(mix64(key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53;
+      const double x = lo + (hi - lo) * u;
+      v[i] = bf16 ? round_to_bf16(x) : x;
+    }
+  });
   return t;
 }
 

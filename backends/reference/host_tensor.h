@@ -5,18 +5,37 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moeforge {
 
+// std::allocator, except that resize() leaves new doubles uninitialised
+// rather than zeroing them: a real-size layer's weights are tens of
+// gigabytes, and one thread zeroing them before many threads fill them
+// costs more than the filling. Every other way of sizing still zeroes.
+template <typename T> struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U> struct rebind { using other = DefaultInitAllocator<U>; };
+  using std::allocator<T>::allocator;
+  template <typename U> void construct(U *p) { ::new (static_cast<void *>(p)) U; }
+  template <typename U, typename... Args> void construct(U *p, Args &&...args) {
+    ::new (static_cast<void *>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using HostValues = std::vector<double, DefaultInitAllocator<double>>;
+
 struct HostTensor {
   std::vector<int64_t> shape;
-  std::vector<double> data;
+  HostValues data;
 
   HostTensor() = default;
   explicit HostTensor(std::vector<int64_t> shape_, double fill = 0.0);
+  // Of that shape with its values left unset, for a caller that writes
+  // every element (on many threads: no serial pass over the memory first).
+  static HostTensor uninitialized(std::vector<int64_t> shape_);
   int64_t size() const { return static_cast<int64_t>(data.size()); }
   int64_t rank() const { return static_cast<int64_t>(shape.size()); }
   // Row-major element access, for tests and small loops.
@@ -32,6 +51,16 @@ using TensorMap = std::map<std::string, HostTensor>;
 // the same values are exact on every backend.
 HostTensor random_tensor(std::vector<int64_t> shape, std::mt19937_64 &rng, double lo = -1.0, double hi = 1.0,
                          bool bf16 = true);
+
+// The same, but element i's value is a hash of (seed, stream, i) rather than
+// the i-th draw of a sequential generator: filled on every core (a
+// real-size layer's weights are billions of values), identical for any
+// thread count, and each tensor's values independent of the others' sizes.
+// `stream` tells tensors of one seed apart (random_stream of the name).
+HostTensor hashed_random_tensor(std::vector<int64_t> shape, uint64_t seed, uint64_t stream, double lo = -1.0,
+                                double hi = 1.0, bool bf16 = true);
+// A stream number for hashed_random_tensor from a tensor's name.
+uint64_t random_stream(const std::string &name);
 
 // bfloat16 storage, as the GPU converts: round to nearest, ties to even (a
 // NaN stays a quiet NaN). bf16_bits gives the 16 stored bits, bf16_value

@@ -138,8 +138,8 @@ HostTensor to_host_tensor(const AnyArray &array, const std::string &what) {
 }
 
 NumpyArray to_numpy(HostTensor tensor) {
-  auto *storage = new std::vector<double>(std::move(tensor.data));
-  nb::capsule owner(storage, [](void *p) noexcept { delete static_cast<std::vector<double> *>(p); });
+  auto *storage = new HostValues(std::move(tensor.data));
+  nb::capsule owner(storage, [](void *p) noexcept { delete static_cast<HostValues *>(p); });
   std::vector<size_t> shape(tensor.shape.begin(), tensor.shape.end());
   return NumpyArray(storage->data(), shape.size(), shape.data(), owner);
 }

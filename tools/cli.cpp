@@ -236,14 +236,14 @@ std::string choose_backend(const Options &o, std::string *why_not_gpu) {
 }
 
 BackendRun run_backend(const std::string &backend, const Example &ex, const ExampleShape &shape,
-                       const TensorMap &inputs, const Schedule &schedule) {
+                       const TensorMap &inputs, const Schedule &schedule, bool every_func) {
 #ifdef MOEFORGE_HAVE_CUDA
   if (backend == "cuda")
-    return cli_run_on_gpu(ex, shape, inputs, schedule);
+    return cli_run_on_gpu(ex, shape, inputs, schedule, every_func);
 #endif
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
   if (backend == "cpu")
-    return cli_run_on_cpu(ex, shape, inputs, schedule);
+    return cli_run_on_cpu(ex, shape, inputs, schedule, every_func);
 #endif
   internal_check(false) << "backend " << backend << " is not built";
 }
@@ -520,7 +520,7 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
 
   if (backend != "reference") {
     progress.phase("compiling and running on " + backend);
-    BackendRun run = run_backend(backend, ex, o.shape, inputs, schedule);
+    BackendRun run = run_backend(backend, ex, o.shape, inputs, schedule, /*every_func=*/o.check);
     progress.finish();
     out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'" << tiles_only(ex)
         << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
@@ -533,17 +533,18 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
     // cost then does not grow with T.
     const std::string blocker = token_sampling_blocker(ex.pipeline);
     if (!o.check_full && blocker.empty() && o.shape.tokens > kCheckSample) {
-      TokenSample sample = sample_tokens(ex.pipeline, inputs, o.shape.tokens, kCheckSample, o.seed);
+      // The whole inputs are not needed after this: their weights move into
+      // the sample rather than being copied (gigabytes at real sizes).
+      TokenSample sample = sample_tokens(ex.pipeline, std::move(inputs), o.shape.tokens, kCheckSample, o.seed);
       progress.phase("evaluating the float64 reference on " + std::to_string(kCheckSample) + " tokens");
       EvalResult ref = evaluate(ex.pipeline, sample.inputs, Precision::f64);
       progress.finish();
       out << "check     " << kCheckSample << " of " << o.shape.tokens
           << " tokens, drawn at random, with their routing (--check=full: every token)\n";
-      BackendRun rows = run;
-      for (auto &[name, values] : rows.values)
+      for (auto &[name, values] : run.values) // in place: the layer's values are not needed whole again
         if (ref.values.count(name))
           values = sample_rows(ex.pipeline, name, values, sample);
-      return check_backend(out, rows, ref) ? 0 : 1;
+      return check_backend(out, run, ref) ? 0 : 1;
     }
     if (!o.check_full && !blocker.empty() && o.shape.tokens > kCheckSample)
       out << "check     every token: " << blocker << ", so a sample of tokens is not the layer's answer for them\n";

@@ -46,13 +46,17 @@ struct TrainingTask {
 RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std::vector<int32_t> experts);
 
 // Fills run.routes and run.values from a finished layer of either backend
-// (both offer routed_experts(route) and download(func) in pair order).
+// (both offer routed_experts(route) and download(func) in pair order): every
+// Func the layer materialises, or with `only` that one (a run without
+// --check prints the output's checksum alone, and at real sizes the others
+// are gigabytes to copy back and convert).
 template <typename Layer>
-void collect_results(BackendRun &run, const KernelProgram &program, const Layer &layer, int64_t tokens) {
+void collect_results(BackendRun &run, const KernelProgram &program, const Layer &layer, int64_t tokens,
+                     const std::string *only = nullptr) {
   for (const RoutingNode *r : program.routes)
     run.routes[r->name] = routing_from_experts(*r, tokens, layer.routed_experts(r->name));
   for (const TensorDecl &t : program.tensors)
-    if (!t.is_input)
+    if (!t.is_input && (!only || t.name == *only))
       run.values[t.name] = layer.download(t.name);
 }
 
@@ -72,8 +76,10 @@ void collect_training(BackendTraining &run, const TrainingProgram &t, const Laye
 
 // Each is built only with its backend (MOEFORGE_HAVE_CUDA, MOEFORGE_HAVE_CPU_BACKEND).
 bool cli_gpu_available(std::string *why);
+// every_func: download every Func the layer materialises (for --check),
+// else the output alone.
 BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
-                          const Schedule &schedule);
+                          const Schedule &schedule, bool every_func);
 BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
                                  const Schedule &schedule);
 std::string cli_cuda_source(const Pipeline &pipeline, const Schedule &schedule);
@@ -91,7 +97,7 @@ TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const 
                             const HostTensor &upstream, const Schedule &base, double budget_seconds,
                             const std::function<void(const std::string &)> &progress);
 BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
-                          const Schedule &schedule);
+                          const Schedule &schedule, bool every_func);
 BackendTraining cli_train_on_cpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
                                  const Schedule &schedule);
 std::string cli_llvm_ir(const Pipeline &pipeline, const Schedule &schedule);

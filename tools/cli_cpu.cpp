@@ -12,7 +12,7 @@ std::string cli_llvm_ir(const Pipeline &pipeline, const Schedule &schedule) {
 }
 
 BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
-                          const Schedule &schedule) {
+                          const Schedule &schedule, bool every_func) {
   cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(ex.pipeline, schedule);
   cpu::CpuLayer layer(compiled, shape.tokens);
   layer.upload(inputs);
@@ -23,7 +23,7 @@ BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const Te
   BackendRun run;
   run.backend = "cpu (LLVM JIT, one thread)";
   run.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  collect_results(run, compiled.program, layer, shape.tokens);
+  collect_results(run, compiled.program, layer, shape.tokens, every_func ? nullptr : &ex.output);
   return run;
 }
 

@@ -64,7 +64,7 @@ TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const 
 }
 
 BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
-                          const Schedule &schedule) {
+                          const Schedule &schedule, bool every_func) {
   cuda::Device device;
   cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, schedule, device.arch_specific());
   cuda::CudaLayer layer(device, compiled, shape.tokens);
@@ -82,7 +82,7 @@ BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const Te
   BackendRun run;
   run.backend = "cuda on " + device.name() + " (" + device.arch_specific() + ")";
   run.ms = cuda::elapsed_ms(start, stop);
-  collect_results(run, compiled.program, layer, shape.tokens);
+  collect_results(run, compiled.program, layer, shape.tokens, every_func ? nullptr : &ex.output);
   return run;
 }
 

@@ -62,12 +62,12 @@ std::vector<Dim> func_dims(const Func &f) {
 
 // Rows (of `row` elements each) `factor * t + j`, j < factor, for the sampled t.
 HostTensor take_rows(const HostTensor &full, int64_t factor, const std::vector<int64_t> &tokens) {
-  HostTensor out = full;
+  HostTensor out;
+  out.shape = full.shape;
   int64_t row = 1;
   for (size_t i = 1; i < full.shape.size(); ++i)
     row *= full.shape[i];
   out.shape[0] = static_cast<int64_t>(tokens.size()) * factor;
-  out.data.clear();
   for (int64_t t : tokens)
     out.data.insert(out.data.end(), full.data.begin() + t * factor * row, full.data.begin() + (t + 1) * factor * row);
   return out;
@@ -92,7 +92,7 @@ std::string token_sampling_blocker(const Pipeline &p) {
   return "";
 }
 
-TokenSample sample_tokens(const Pipeline &p, const TensorMap &inputs, int64_t tokens, int64_t count, uint64_t seed) {
+TokenSample sample_tokens(const Pipeline &p, TensorMap inputs, int64_t tokens, int64_t count, uint64_t seed) {
   internal_check(count >= 1 && count <= tokens) << "sample_tokens: " << count << " of " << tokens;
   std::mt19937_64 rng(seed);
   std::set<int64_t> chosen;
@@ -102,9 +102,9 @@ TokenSample sample_tokens(const Pipeline &p, const TensorMap &inputs, int64_t to
   TokenSample s;
   s.tokens.assign(chosen.begin(), chosen.end());
   for (const BufferPtr &b : p.buffers()) {
-    const HostTensor &t = inputs.at(b->name);
+    HostTensor &t = inputs.at(b->name);
     const int64_t factor = first_factor(b->dims, b->name, nullptr);
-    s.inputs[b->name] = factor ? take_rows(t, factor, s.tokens) : t;
+    s.inputs[b->name] = factor ? take_rows(t, factor, s.tokens) : std::move(t);
   }
   return s;
 }

@@ -25,9 +25,10 @@ struct TokenSample {
   TensorMap inputs;            // the Inputs over the token Dim cut to those rows; the rest whole
 };
 
-// `count` distinct tokens of `tokens`, drawn with `seed`.
-TokenSample sample_tokens(const Pipeline &pipeline, const TensorMap &inputs, int64_t tokens, int64_t count,
-                          uint64_t seed);
+// `count` distinct tokens of `tokens`, drawn with `seed`. The tensors kept
+// whole (the weights) are moved into the sample: pass a copy, or std::move
+// the inputs when they are not needed again.
+TokenSample sample_tokens(const Pipeline &pipeline, TensorMap inputs, int64_t tokens, int64_t count, uint64_t seed);
 
 // The rows of Func `func`'s values over the whole batch that belong to the
 // sample: its token rows, or for a Func over a route's pairs (r = t * k +

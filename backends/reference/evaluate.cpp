@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numeric>
 #include <sstream>
+#include <type_traits>
 
 #include <Eigen/Dense>
 
@@ -32,6 +33,13 @@ namespace {
 
 using VarKey = const VarNode *;
 
+std::vector<int64_t> row_major_strides(const std::vector<int64_t> &shape) {
+  std::vector<int64_t> s(shape.size(), 1);
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i)
+    s[i] = s[i + 1] * shape[i + 1];
+  return s;
+}
+
 // A dense intermediate: one axis per free index variable, row-major.
 template <typename S> struct Value {
   std::vector<VarKey> axes;
@@ -44,12 +52,7 @@ template <typename S> struct Value {
         return static_cast<int>(i);
     return -1;
   }
-  std::vector<int64_t> strides() const {
-    std::vector<int64_t> s(shape.size(), 1);
-    for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i)
-      s[i] = s[i + 1] * shape[i + 1];
-    return s;
-  }
+  std::vector<int64_t> strides() const { return row_major_strides(shape); }
 };
 
 int64_t product(const std::vector<int64_t> &shape) {
@@ -165,7 +168,15 @@ bool reads_expert(const Expr &e, const RoutingNode *route) {
 
 template <typename S> class Evaluator {
 public:
-  Evaluator(const Pipeline &p, const TensorMap &inputs) : pipeline_(p) { bind_inputs(inputs); }
+  Evaluator(const Pipeline &p, const TensorMap &inputs, const std::map<std::string, std::vector<int32_t>> &given)
+      : pipeline_(p), given_(given) {
+    bind_inputs(inputs);
+    for (const auto &[name, experts] : given) {
+      user_check(
+          std::any_of(p.routes().begin(), p.routes().end(), [&](const RoutingPtr &r) { return r->name == name; }))
+          << "experts given for '" << name << "', which is not a route of this pipeline";
+    }
+  }
 
   EvalResult run() {
     for (const Pipeline::Step &step : pipeline_.steps()) {
@@ -221,10 +232,14 @@ private:
         extents_[d.get()] = t.shape[i];
         bound_by.emplace(d.get(), b->name);
       }
-      Value<S> v;
-      v.shape = t.shape;
-      v.data.assign(t.data.begin(), t.data.end());
-      buffers_[b.get()] = std::move(v);
+      Source &src = buffers_[b.get()];
+      src.shape = t.shape;
+      if constexpr (std::is_same_v<S, double>) {
+        src.values = t.data.data(); // read in place: the weights may be gigabytes
+      } else {
+        src.owned.assign(t.data.begin(), t.data.end());
+        src.values = src.owned.data();
+      }
     }
     for (const Dim &d : pipeline_.dims())
       extent(d.get());
@@ -313,6 +328,11 @@ private:
     res.tokens = p.shape[0];
     res.experts = p.shape[1];
     res.k = r.k;
+    if (auto g = given_.find(r.name); g != given_.end()) {
+      take_given(res, r, g->second);
+      routes_[&r] = std::move(res);
+      return;
+    }
     std::vector<int32_t> order(static_cast<size_t>(res.experts));
     for (int64_t t = 0; t < res.tokens; ++t) {
       const S *row = &p.data[static_cast<size_t>(t * res.experts)];
@@ -325,6 +345,23 @@ private:
       }
     }
     routes_[&r] = std::move(res);
+  }
+
+  static void take_given(RoutingResult &res, const RoutingNode &r, const std::vector<int32_t> &experts) {
+    user_check(static_cast<int64_t>(experts.size()) == res.tokens * r.k)
+        << "route '" << r.name << "': " << experts.size() << " experts given, but " << res.tokens
+        << " tokens x k = " << r.k << " needs " << res.tokens * r.k;
+    for (int64_t t = 0; t < res.tokens; ++t)
+      for (int s = 0; s < r.k; ++s) {
+        const int32_t e = experts[static_cast<size_t>(t * r.k + s)];
+        user_check(e >= 0 && e < res.experts) << "route '" << r.name << "': expert " << e << " given for token " << t
+                                              << ", outside 0.." << res.experts - 1;
+        for (int s2 = 0; s2 < s; ++s2)
+          user_check(experts[static_cast<size_t>(t * r.k + s2)] != e)
+              << "route '" << r.name << "': expert " << e << " given twice for token " << t;
+        res.token.push_back(static_cast<int32_t>(t));
+        res.expert.push_back(e);
+      }
   }
 
   // ------------------------------------------------------------ expressions
@@ -371,8 +408,17 @@ private:
   }
 
   Value<S> eval_access(const Access &a) {
-    const Value<S> &src = a.func ? funcs_.at(a.func.get()) : buffers_.at(a.buffer.get());
-    std::vector<int64_t> src_strides = src.strides();
+    const S *src;
+    std::vector<int64_t> src_strides;
+    if (a.func) {
+      const Value<S> &f = funcs_.at(a.func.get());
+      src = f.data.data();
+      src_strides = f.strides();
+    } else {
+      const Source &b = buffers_.at(a.buffer.get());
+      src = b.values;
+      src_strides = b.strides();
+    }
     Value<S> out;
     // Which output axis each argument reads (-1: a fixed expert).
     std::vector<int> arg_axis(a.args.size(), -1);
@@ -403,8 +449,16 @@ private:
       if (a.args[j].route)
         route_of[j] = &routes_.at(a.args[j].route.get());
 
+    // Where the last output axis is the source's last, unit-stride, plain
+    // and unrestricted index, whole rows are copied at once: a weight read
+    // inside an expert's segment is a large contiguous slice, and indexing it
+    // element by element dominates the reference at real sizes.
+    const int last = static_cast<int>(out.axes.size()) - 1;
+    const bool row_copy = last >= 0 && arg_axis.back() == last && a.args.back().is_plain() && !subsets[last] &&
+                          std::count(arg_axis.begin(), arg_axis.end(), last) == 1;
+    const int64_t run = row_copy ? out.shape[last] : 1;
     std::vector<int64_t> idx(out.axes.size(), 0);
-    for (size_t o = 0; o < out.data.size(); ++o) {
+    for (size_t o = 0; o < out.data.size(); o += static_cast<size_t>(run)) {
       int64_t off = 0;
       for (size_t j = 0; j < a.args.size(); ++j) {
         int64_t value = fixed[j];
@@ -418,8 +472,13 @@ private:
         }
         off += value * src_strides[j];
       }
-      out.data[o] = src.data[off];
-      for (int d = static_cast<int>(idx.size()) - 1; d >= 0; --d) {
+      if (row_copy) {
+        std::copy_n(src + off, run, out.data.begin() + static_cast<int64_t>(o));
+        idx[last] = run - 1; // the row is done: carry into the axes before it
+      } else {
+        out.data[o] = src[off];
+      }
+      for (int d = last; d >= 0; --d) {
         if (++idx[d] < out.shape[d])
           break;
         idx[d] = 0;
@@ -712,7 +771,16 @@ private:
 
   const Pipeline &pipeline_;
   std::map<const DimNode *, int64_t> extents_;
-  std::map<const BufferNode *, Value<S>> buffers_;
+  // An Input's or Param's values: the caller's doubles read in place, or a
+  // float copy (Precision::f32). The caller's TensorMap outlives the run.
+  struct Source {
+    std::vector<int64_t> shape;
+    std::vector<S> owned;
+    const S *values = nullptr;
+    std::vector<int64_t> strides() const { return row_major_strides(shape); }
+  };
+  std::map<const BufferNode *, Source> buffers_;
+  const std::map<std::string, std::vector<int32_t>> &given_;
   std::map<const FuncNode *, Value<S>> funcs_;
   std::map<const RoutingNode *, RoutingResult> routes_;
   std::map<VarKey, std::vector<int64_t>> restricted_;
@@ -722,9 +790,14 @@ private:
 } // namespace
 
 EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision) {
+  return evaluate(p, inputs, precision, {});
+}
+
+EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision,
+                    const std::map<std::string, std::vector<int32_t>> &given) {
   if (precision == Precision::f32)
-    return Evaluator<float>(p, inputs).run();
-  return Evaluator<double>(p, inputs).run();
+    return Evaluator<float>(p, inputs, given).run();
+  return Evaluator<double>(p, inputs, given).run();
 }
 
 } // namespace moeforge

@@ -42,4 +42,14 @@ struct EvalResult {
 // that uses it. Wrong or missing inputs are UserErrors naming the tensor.
 EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision = Precision::f64);
 
+// The same, with the experts of each route named in `given` taken as given
+// (pair order, r = t * k + slot, as a backend chose them) instead of
+// selected from the probabilities; everything else, the gates included, is
+// computed as usual. For comparing a backend's values under its own routing
+// where a near-tie of two scores, within the rounding of bf16 storage,
+// went the other way. UserError for a wrong count, an expert out of range
+// or one chosen twice for a token.
+EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision,
+                    const std::map<std::string, std::vector<int32_t>> &given);
+
 } // namespace moeforge

@@ -155,8 +155,8 @@ template <typename Run> void check_edge_cases(int64_t d, int64_t f, const std::v
     for (const std::string &p : presets) {
       Example ex = biased_moe(c.s, c.swiglu, c.bias, c.swiglu);
       TensorMap in = biased_inputs(ex, c.s, c.bias, 3);
+      INFO(c.what << " / " << p); // before the run, so its own checks name the case too
       Outcome o = run(ex, in, c.s.tokens, p);
-      INFO(c.what << " / " << p);
       CHECK(o.routing_mismatches == 0);
       CHECK(o.y_error <= 1e-2);
       check_edge_routing(c, o);

@@ -342,15 +342,24 @@ Example make_example(const std::string &name, const ExampleShape &shape) {
   user_error << "unknown example '" << name << "': choose one of " << known;
 }
 
+std::vector<int64_t> Example::input_shape(const BufferNode &b, const ExampleShape &shape) const {
+  std::vector<int64_t> dims;
+  for (const Dim &d : b.dims)
+    dims.push_back(d.is_dynamic() ? shape.tokens : d.extent());
+  return dims;
+}
+
+double Example::init_range(const std::string &name) const {
+  auto it = init_scale.find(name);
+  return it == init_scale.end() ? 1.0 : it->second;
+}
+
 TensorMap Example::random_inputs(const ExampleShape &shape, uint64_t seed) const {
   TensorMap out;
   for (const BufferPtr &b : pipeline.buffers()) {
-    std::vector<int64_t> dims;
-    for (const Dim &d : b->dims)
-      dims.push_back(d.is_dynamic() ? shape.tokens : d.extent());
-    auto it = init_scale.find(b->name);
-    double a = it == init_scale.end() ? 1.0 : it->second;
-    out[b->name] = hashed_random_tensor(dims, seed, random_stream(b->name), -a, a, /*bf16=*/b->dtype == DType::bf16);
+    const double a = init_range(b->name);
+    out[b->name] = hashed_random_tensor(input_shape(*b, shape), seed, random_stream(b->name), -a, a,
+                                        /*bf16=*/b->dtype == DType::bf16);
   }
   return out;
 }

@@ -37,6 +37,10 @@ struct Example {
 
   // Fresh random inputs (bf16-exact values) for every Input and Param.
   TensorMap random_inputs(const ExampleShape &shape, uint64_t seed) const;
+  // Input or Param `b`'s shape (the token Dim at shape.tokens).
+  std::vector<int64_t> input_shape(const BufferNode &b, const ExampleShape &shape) const;
+  // The uniform range [-a, a) of Input or Param `name`'s random values.
+  double init_range(const std::string &name) const;
 };
 
 // Names of every example, for listings and error messages.

@@ -7,20 +7,38 @@
 
 namespace moeforge {
 
+namespace {
+void encode_one(double v, DType t, uint8_t *out) {
+  float f = static_cast<float>(v);
+  if (t == DType::f32) {
+    std::memcpy(out, &f, 4);
+  } else {
+    uint16_t b = bf16_bits(f);
+    std::memcpy(out, &b, 2);
+  }
+}
+} // namespace
+
 std::vector<uint8_t> encode_values(const HostValues &values, DType t) {
   internal_check(t != DType::f16) << "f16 storage";
   const int bytes = dtype_bytes(t);
   std::vector<uint8_t> out(values.size() * bytes);
   parallel_chunks(static_cast<int64_t>(values.size()), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float f = static_cast<float>(values[i]);
-      if (t == DType::f32) {
-        std::memcpy(&out[i * 4], &f, 4);
-      } else {
-        uint16_t b = bf16_bits(f);
-        std::memcpy(&out[i * 2], &b, 2);
-      }
-    }
+    for (int64_t i = begin; i < end; ++i)
+      encode_one(values[i], t, &out[i * bytes]);
+  });
+  return out;
+}
+
+std::vector<uint8_t> encode_hashed_random(int64_t elements, uint64_t seed, uint64_t stream, double lo, double hi,
+                                          bool bf16, DType t) {
+  internal_check(t != DType::f16) << "f16 storage";
+  const int bytes = dtype_bytes(t);
+  std::vector<uint8_t> out(static_cast<size_t>(elements) * bytes);
+  const uint64_t key = hashed_random_key(seed, stream);
+  parallel_chunks(elements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      encode_one(hashed_random_value(key, i, lo, hi, bf16), t, &out[i * bytes]);
   });
   return out;
 }

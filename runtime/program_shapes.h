@@ -20,6 +20,11 @@ namespace moeforge {
 
 // `values` stored as `t`: f32, or bf16 rounded to nearest even.
 std::vector<uint8_t> encode_values(const HostValues &values, DType t);
+// encode_values(hashed_random_tensor(shape, seed, stream, lo, hi, bf16).data,
+// t), made without the doubles: a real-size layer's weights are 25 GB as
+// doubles and 6 GB as the bf16 the GPU reads.
+std::vector<uint8_t> encode_hashed_random(int64_t elements, uint64_t seed, uint64_t stream, double lo, double hi,
+                                          bool bf16, DType t);
 
 class ProgramShapes {
 public:

@@ -7,6 +7,7 @@
 // unknown name) are user errors that say what to change.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <functional>
 #include <map>
 #include <random>
@@ -104,6 +105,36 @@ TEST_SUITE("gpu") {
       CHECK(y.download<uint8_t>() == encode_values(plain.download("y").data, copied.info("y").dtype));
       CHECK(dw1.download<uint8_t>() == encode_values(plain.download("d_w1").data, copied.info("d_w1").dtype));
     }
+  }
+
+  TEST_CASE("cuda bind: inputs uploaded as storage bytes give the host upload's output bit for bit") {
+    MOEFORGE_REQUIRE_GPU();
+    cuda::Device device;
+    ExampleShape s = shape(300, 64, 128, 8, 2);
+    Example ex = make_example("swiglu_moe", s);
+    cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, preset("megablocks"), device.arch_specific());
+    cuda::Stream stream;
+    cuda::CudaLayer host(device, compiled, s.tokens), bytes(device, compiled, s.tokens);
+    host.upload(ex.random_inputs(s, 31));
+    for (const BufferPtr &b : ex.pipeline.buffers()) {
+      int64_t elements = 1;
+      for (int64_t e : ex.input_shape(*b, s))
+        elements *= e;
+      const double a = ex.init_range(b->name);
+      bytes.upload_bytes(b->name, encode_hashed_random(elements, 31, random_stream(b->name), -a, a,
+                                                       b->dtype == DType::bf16, bytes.info(b->name).dtype));
+    }
+    for (cuda::CudaLayer *l : {&host, &bytes}) {
+      l->poison();
+      l->enqueue(stream);
+    }
+    stream.synchronize();
+    CHECK(host.download("y").data == bytes.download("y").data);
+    CHECK(!std::isnan(bytes.download("y").data[0]));
+    CHECK(has_text(testing::user_error_of([&] { bytes.upload_bytes("x", std::vector<uint8_t>(10)); }),
+                   "upload_bytes of 'x': 10 bytes given, the layer holds 38400 (bf16 values of its shape)"));
+    CHECK(has_text(testing::user_error_of([&] { bytes.upload_bytes("y", std::vector<uint8_t>(10)); }),
+                   "'y' is not an Input or Param of the layer"));
   }
 
   TEST_CASE("cuda bind: mistakes are user errors that say what to change") {

@@ -235,15 +235,18 @@ std::string choose_backend(const Options &o, std::string *why_not_gpu) {
   return gpu ? "cuda" : (kHaveCpu ? "cpu" : "reference");
 }
 
+// inputs: null where the backend makes the seed's inputs itself (the GPU).
 BackendRun run_backend(const std::string &backend, const Example &ex, const ExampleShape &shape,
-                       const TensorMap &inputs, const Schedule &schedule, bool every_func) {
+                       const TensorMap *inputs, uint64_t seed, const Schedule &schedule, bool every_func) {
 #ifdef MOEFORGE_HAVE_CUDA
   if (backend == "cuda")
-    return cli_run_on_gpu(ex, shape, inputs, schedule, every_func);
+    return cli_run_on_gpu(ex, shape, inputs, seed, schedule, every_func);
 #endif
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
-  if (backend == "cpu")
-    return cli_run_on_cpu(ex, shape, inputs, schedule, every_func);
+  if (backend == "cpu") {
+    internal_check(inputs) << "the CPU backend runs on host inputs";
+    return cli_run_on_cpu(ex, shape, *inputs, schedule, every_func);
+  }
 #endif
   internal_check(false) << "backend " << backend << " is not built";
 }
@@ -503,24 +506,31 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
   std::string backend = choose_backend(o, &no_gpu);
   check_host_memory(ex, o.shape);
   working = true; // the arguments hold together: from here on, errors are the layer's
-  progress.phase("generating the inputs");
-  TensorMap inputs = ex.random_inputs(o.shape, o.seed);
-  progress.finish();
+  // A GPU run without --check never needs the inputs on the host: the
+  // backend makes the same values straight in its storage type.
+  const bool host_inputs = backend != "cuda" || o.check;
+  TensorMap inputs;
+  if (host_inputs) {
+    progress.phase("generating the inputs");
+    inputs = ex.random_inputs(o.shape, o.seed);
+    progress.finish();
+  }
   const char *prec = o.precision == Precision::f32 ? "f32" : "f64";
   out << "example   " << ex.name << ": " << ex.description << "\n";
   out << "inputs   ";
   for (const BufferPtr &b : ex.pipeline.buffers()) {
     out << " " << b->name << "[";
-    const HostTensor &t = inputs.at(b->name);
-    for (size_t i = 0; i < t.shape.size(); ++i)
-      out << (i ? "x" : "") << t.shape[i];
+    const std::vector<int64_t> shape = ex.input_shape(*b, o.shape);
+    for (size_t i = 0; i < shape.size(); ++i)
+      out << (i ? "x" : "") << shape[i];
     out << "]";
   }
   out << "\n";
 
   if (backend != "reference") {
-    progress.phase("compiling and running on " + backend);
-    BackendRun run = run_backend(backend, ex, o.shape, inputs, schedule, /*every_func=*/o.check);
+    progress.phase(std::string(host_inputs ? "" : "generating the inputs, ") + "compiling and running on " + backend);
+    BackendRun run = run_backend(backend, ex, o.shape, host_inputs ? &inputs : nullptr, o.seed, schedule,
+                                 /*every_func=*/o.check);
     progress.finish();
     out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'" << tiles_only(ex)
         << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";

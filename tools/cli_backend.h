@@ -77,8 +77,10 @@ void collect_training(BackendTraining &run, const TrainingProgram &t, const Laye
 // Each is built only with its backend (MOEFORGE_HAVE_CUDA, MOEFORGE_HAVE_CPU_BACKEND).
 bool cli_gpu_available(std::string *why);
 // every_func: download every Func the layer materialises (for --check),
-// else the output alone.
-BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+// else the output alone. inputs: the host's, or null for the example's
+// random inputs of `seed` made straight in the device's storage type
+// (the same values, without the doubles).
+BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap *inputs, uint64_t seed,
                           const Schedule &schedule, bool every_func);
 BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
                                  const Schedule &schedule);

@@ -63,12 +63,23 @@ TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const 
   return t;
 }
 
-BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap *inputs, uint64_t seed,
                           const Schedule &schedule, bool every_func) {
   cuda::Device device;
   cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, schedule, device.arch_specific());
   cuda::CudaLayer layer(device, compiled, shape.tokens);
-  layer.upload(inputs);
+  if (inputs) {
+    layer.upload(*inputs);
+  } else {
+    for (const BufferPtr &b : ex.pipeline.buffers()) {
+      int64_t elements = 1;
+      for (int64_t e : ex.input_shape(*b, shape))
+        elements *= e;
+      const double a = ex.init_range(b->name);
+      layer.upload_bytes(b->name, encode_hashed_random(elements, seed, random_stream(b->name), -a, a,
+                                                       b->dtype == DType::bf16, layer.info(b->name).dtype));
+    }
+  }
   layer.poison();
   cuda::Stream stream;
   layer.enqueue(stream); // warm-up: module load, first touch

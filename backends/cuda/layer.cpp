@@ -170,6 +170,17 @@ void CudaLayer::upload(const std::string &name, const HostTensor &value) {
   uploaded_.insert(name);
 }
 
+void CudaLayer::upload_bytes(const std::string &name, const std::vector<uint8_t> &bytes) {
+  const TensorDecl *t = layer_.program.find(name);
+  user_check(t && t->is_input) << "'" << name << "' is not an Input or Param of the layer";
+  const TensorInfo i = info(name);
+  user_check(i.contiguous && bytes.size() == i.bytes)
+      << "upload_bytes of '" << name << "': " << bytes.size() << " bytes given, the layer holds " << i.bytes << " ("
+      << dtype_name(i.dtype) << " values of its shape)";
+  tensors_.at(name).upload(bytes);
+  uploaded_.insert(name);
+}
+
 void CudaLayer::upload_repeated(const std::string &name, const HostTensor &pattern) {
   const TensorDecl *found = layer_.program.find(name);
   user_check(found && found->is_input) << "'" << name << "' is not an Input or Param";

@@ -51,6 +51,11 @@ public:
   void upload(const TensorMap &inputs);
   // Uploads one Input or Param (shape checked, rounded to its dtype).
   void upload(const std::string &name, const HostTensor &value);
+  // Uploads Input or Param `name` already in its storage type and layout
+  // (info(name).bytes bytes, what encode_values makes of its values): for a
+  // caller that makes the bytes itself (the CLI's real-size runs, whose
+  // weights as doubles would be four times larger).
+  void upload_bytes(const std::string &name, const std::vector<uint8_t> &bytes);
   // Fills Input/Param `name` with `pattern`'s values repeated to its size:
   // for benchmarks, whose large weights need realistic values but not
   // gigabytes of host-side random numbers.

@@ -90,19 +90,23 @@ uint64_t random_stream(const std::string &name) {
   return h;
 }
 
+uint64_t hashed_random_key(uint64_t seed, uint64_t stream) { return mix64(mix64(seed) ^ stream); }
+
+double hashed_random_value(uint64_t key, int64_t i, double lo, double hi, bool bf16) {
+  // The top 53 bits as a double in [0, 1).
+  const double u = static_cast<double>(mix64(key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53;
+  const double x = lo + (hi - lo) * u;
+  return bf16 ? round_to_bf16(x) : x;
+}
+
 HostTensor hashed_random_tensor(std::vector<int64_t> shape, uint64_t seed, uint64_t stream, double lo, double hi,
                                 bool bf16) {
   HostTensor t = HostTensor::uninitialized(std::move(shape)); // the threads below write every element
-  const uint64_t key = mix64(mix64(seed) ^ stream);
+  const uint64_t key = hashed_random_key(seed, stream);
   double *v = t.data.data();
   parallel_chunks(t.size(), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      // The top 53 bits as a double in [0, 1).
-      const double u =
-          static_cast<double>(mix64(key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53;
-      const double x = lo + (hi - lo) * u;
-      v[i] = bf16 ? round_to_bf16(x) : x;
-    }
+    for (int64_t i = begin; i < end; ++i)
+      v[i] = hashed_random_value(key, i, lo, hi, bf16);
   });
   return t;
 }

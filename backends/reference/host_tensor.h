@@ -61,6 +61,11 @@ HostTensor hashed_random_tensor(std::vector<int64_t> shape, uint64_t seed, uint6
                                 double hi = 1.0, bool bf16 = true);
 // A stream number for hashed_random_tensor from a tensor's name.
 uint64_t random_stream(const std::string &name);
+// Element i of hashed_random_tensor(shape, seed, stream, lo, hi, bf16), for
+// a caller that stores the values some other way (the CLI's GPU run writes
+// them straight into the device's bf16 bytes): key = hashed_random_key.
+uint64_t hashed_random_key(uint64_t seed, uint64_t stream);
+double hashed_random_value(uint64_t key, int64_t i, double lo, double hi, bool bf16);
 
 // bfloat16 storage, as the GPU converts: round to nearest, ties to even (a
 // NaN stays a quiet NaN). bf16_bits gives the 16 stored bits, bf16_value

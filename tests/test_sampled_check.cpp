@@ -64,6 +64,33 @@ TEST_CASE("sampled check: the reference on the sampled tokens gives their rows o
   }
 }
 
+TEST_CASE("sampled check: the sample evaluated in token groups on threads gives the one evaluation's values") {
+  for (const char *name : {"moe_mlp", "swiglu_moe", "deepseek_moe", "rmsnorm_moe", "shared_expert_moe"}) {
+    INFO(name);
+    ExampleShape s{300, 16, 4, 64, 96};
+    Example ex = make_example(name, s);
+    TokenSample sample = sample_tokens(ex.pipeline, ex.random_inputs(s, 9), s.tokens, 37, 4);
+    EvalResult one = evaluate(ex.pipeline, sample.inputs);
+    for (int groups : {1, 2, 3, 7, 37, 100}) {
+      INFO(groups << " groups");
+      EvalResult split = evaluate_sample(ex.pipeline, sample, groups);
+      REQUIRE(split.values.size() == one.values.size());
+      for (const auto &[func, values] : one.values) {
+        INFO(func);
+        CHECK(split.values.at(func).shape == values.shape);
+        // Per-token arithmetic: the same numbers, up to the order Eigen sums
+        // a GEMM's rows in (which can depend on the row count).
+        CHECK(max_normalized_error(split.values.at(func), values) < 1e-12);
+      }
+      const RoutingResult &a = one.routes.begin()->second, &b = split.routes.at(one.routes.begin()->first);
+      CHECK(a.tokens == b.tokens);
+      CHECK(a.token == b.token);
+      CHECK(a.expert == b.expert);
+      CHECK(split.extents == one.extents);
+    }
+  }
+}
+
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
 TEST_CASE("sampled check: run --check samples 64 tokens where it can, --check=full checks every one") {
   auto cli = [](const std::vector<std::string> &args, std::string &out) {

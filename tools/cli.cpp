@@ -8,6 +8,7 @@
 #include <optional>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include <unistd.h>
 
@@ -547,7 +548,8 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
       // the sample rather than being copied (gigabytes at real sizes).
       TokenSample sample = sample_tokens(ex.pipeline, std::move(inputs), o.shape.tokens, kCheckSample, o.seed);
       progress.phase("evaluating the float64 reference on " + std::to_string(kCheckSample) + " tokens");
-      EvalResult ref = evaluate(ex.pipeline, sample.inputs, Precision::f64);
+      // One group of tokens per core, as far as there are tokens.
+      EvalResult ref = evaluate_sample(ex.pipeline, sample, static_cast<int>(std::thread::hardware_concurrency()));
       progress.finish();
       out << "check     " << kCheckSample << " of " << o.shape.tokens
           << " tokens, drawn at random, with their routing (--check=full: every token)\n";

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "dsl/error.h"
 #include "dsl/visitor.h"
@@ -107,6 +108,77 @@ TokenSample sample_tokens(const Pipeline &p, TensorMap inputs, int64_t tokens, i
     s.inputs[b->name] = factor ? take_rows(t, factor, s.tokens) : std::move(t);
   }
   return s;
+}
+
+EvalResult evaluate_sample(const Pipeline &p, const TokenSample &s, int groups) {
+  const int64_t n = static_cast<int64_t>(s.tokens.size());
+  groups = static_cast<int>(std::clamp<int64_t>(groups, 1, n));
+  if (groups == 1)
+    return evaluate(p, s.inputs);
+  // Group g: the sample's tokens [first[g], first[g + 1]), as positions in
+  // the sample (whose token-indexed inputs hold only the sampled rows).
+  std::vector<int64_t> first(static_cast<size_t>(groups) + 1);
+  for (int g = 0; g <= groups; ++g)
+    first[static_cast<size_t>(g)] = n * g / groups;
+  std::vector<TensorMap> rows(static_cast<size_t>(groups)); // each group's token-indexed inputs
+  std::vector<TensorViews> views(static_cast<size_t>(groups));
+  for (int g = 0; g < groups; ++g) {
+    std::vector<int64_t> positions;
+    for (int64_t i = first[static_cast<size_t>(g)]; i < first[static_cast<size_t>(g) + 1]; ++i)
+      positions.push_back(i);
+    for (const BufferPtr &b : p.buffers()) {
+      const HostTensor &t = s.inputs.at(b->name);
+      if (const int64_t factor = first_factor(b->dims, b->name, nullptr)) {
+        rows[static_cast<size_t>(g)][b->name] = take_rows(t, factor, positions);
+        views[static_cast<size_t>(g)][b->name] = &rows[static_cast<size_t>(g)].at(b->name);
+      } else {
+        views[static_cast<size_t>(g)][b->name] = &t; // the weights: one copy for every group
+      }
+    }
+  }
+  std::vector<EvalResult> parts(static_cast<size_t>(groups));
+  std::vector<std::exception_ptr> failed(static_cast<size_t>(groups));
+  std::vector<std::thread> pool;
+  for (int g = 0; g < groups; ++g)
+    pool.emplace_back([&, g] {
+      try {
+        parts[static_cast<size_t>(g)] = evaluate(p, views[static_cast<size_t>(g)]);
+      } catch (...) {
+        failed[static_cast<size_t>(g)] = std::current_exception();
+      }
+    });
+  for (std::thread &t : pool)
+    t.join();
+  for (const std::exception_ptr &e : failed)
+    if (e)
+      std::rethrow_exception(e);
+
+  // Token-indexed Funcs: the groups' rows one after another; the others
+  // (over the weights alone) are the same in every group.
+  EvalResult out = std::move(parts[0]);
+  for (const Func &f : p.funcs()) {
+    const int64_t factor = first_factor(func_dims(f), f.name(), nullptr);
+    if (!factor)
+      continue;
+    HostTensor &v = out.values.at(f.name());
+    for (int g = 1; g < groups; ++g) {
+      const HostTensor &more = parts[static_cast<size_t>(g)].values.at(f.name());
+      v.data.insert(v.data.end(), more.data.begin(), more.data.end());
+      v.shape[0] += more.shape[0];
+    }
+  }
+  for (auto &[name, route] : out.routes)
+    for (int g = 1; g < groups; ++g) {
+      const RoutingResult &more = parts[static_cast<size_t>(g)].routes.at(name);
+      for (int32_t t : more.token)
+        route.token.push_back(static_cast<int32_t>(t + route.tokens));
+      route.expert.insert(route.expert.end(), more.expert.begin(), more.expert.end());
+      route.tokens += more.tokens;
+    }
+  for (const Dim &d : p.dims())
+    if (const int64_t factor = token_factor(d))
+      out.extents[d.name()] = n * factor;
+  return out;
 }
 
 HostTensor sample_rows(const Pipeline &p, const std::string &func, const HostTensor &full, const TokenSample &s) {

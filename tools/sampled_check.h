@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/reference/evaluate.h"
 #include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
 
@@ -29,6 +30,13 @@ struct TokenSample {
 // whole (the weights) are moved into the sample: pass a copy, or std::move
 // the inputs when they are not needed again.
 TokenSample sample_tokens(const Pipeline &pipeline, TensorMap inputs, int64_t tokens, int64_t count, uint64_t seed);
+
+// evaluate(pipeline, sample.inputs) in float64, the sample's tokens split
+// into `groups` contiguous groups evaluated on as many threads (the weights
+// shared, read in place) and put back together in the sample's order: the
+// same values, as a token's rows depend on that token alone, with the
+// reference's per-expert work on every core.
+EvalResult evaluate_sample(const Pipeline &pipeline, const TokenSample &sample, int groups);
 
 // The rows of Func `func`'s values over the whole batch that belong to the
 // sample: its token rows, or for a Func over a route's pairs (r = t * k +

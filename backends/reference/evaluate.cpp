@@ -168,7 +168,7 @@ bool reads_expert(const Expr &e, const RoutingNode *route) {
 
 template <typename S> class Evaluator {
 public:
-  Evaluator(const Pipeline &p, const TensorMap &inputs, const std::map<std::string, std::vector<int32_t>> &given)
+  Evaluator(const Pipeline &p, const TensorViews &inputs, const std::map<std::string, std::vector<int32_t>> &given)
       : pipeline_(p), given_(given) {
     bind_inputs(inputs);
     for (const auto &[name, experts] : given) {
@@ -204,7 +204,7 @@ public:
 private:
   // ------------------------------------------------------------ inputs
 
-  void bind_inputs(const TensorMap &inputs) {
+  void bind_inputs(const TensorViews &inputs) {
     for (const auto &[name, t] : inputs) {
       bool known = std::any_of(pipeline_.buffers().begin(), pipeline_.buffers().end(),
                                [&](const BufferPtr &b) { return b->name == name; });
@@ -215,7 +215,7 @@ private:
       auto it = inputs.find(b->name);
       user_check(it != inputs.end()) << "no tensor given for " << (b->kind == BufferKind::input ? "input" : "param")
                                      << " '" << b->name << "': pass one of shape " << describe_shape(*b);
-      const HostTensor &t = it->second;
+      const HostTensor &t = *it->second;
       user_check(t.shape.size() == b->dims.size())
           << "'" << b->name << "' has " << t.shape.size() << " dimensions but is declared " << describe_shape(*b);
       user_check(static_cast<int64_t>(t.data.size()) == product(t.shape))
@@ -795,6 +795,16 @@ EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precis
 
 EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision,
                     const std::map<std::string, std::vector<int32_t>> &given) {
+  TensorViews views;
+  for (const auto &[name, t] : inputs)
+    views[name] = &t;
+  return evaluate(p, views, precision, given);
+}
+
+EvalResult evaluate(const Pipeline &p, const TensorViews &inputs, Precision precision,
+                    const std::map<std::string, std::vector<int32_t>> &given) {
+  for (const auto &[name, t] : inputs)
+    internal_check(t) << "no tensor behind input '" << name << "'";
   if (precision == Precision::f32)
     return Evaluator<float>(p, inputs, given).run();
   return Evaluator<double>(p, inputs, given).run();

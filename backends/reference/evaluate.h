@@ -52,4 +52,11 @@ EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precis
 EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision,
                     const std::map<std::string, std::vector<int32_t>> &given);
 
+// Inputs by pointer, read in place (Precision::f64): several evaluations can
+// share one copy of large weights (the sampled check's token groups, one
+// per thread). The tensors must outlive the call.
+using TensorViews = std::map<std::string, const HostTensor *>;
+EvalResult evaluate(const Pipeline &p, const TensorViews &inputs, Precision precision = Precision::f64,
+                    const std::map<std::string, std::vector<int32_t>> &given = {});
+
 } // namespace moeforge

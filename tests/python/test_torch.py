@@ -43,6 +43,30 @@ def torch_moe_mlp(x, wr, w1, w2, experts):
     return y
 
 
+def torch_swiglu_moe(x, wr, w1, w3, w2, experts):
+    """The swiglu_moe example (Mixtral's layer: gates renormalised over the
+    chosen experts, silu(x W1[e]) * (x W3[e]) W2[e]) in plain PyTorch."""
+    xf, tokens = x.float(), x.shape[0]
+    probs = torch.softmax(xf @ wr.float(), dim=1)
+    chosen = experts.view(tokens, K).long().to(x.device)
+    picked = probs.gather(1, chosen)
+    gate = picked / picked.sum(dim=1, keepdim=True)
+    y = torch.zeros(tokens, D, device=x.device)
+    for slot in range(K):
+        e = chosen[:, slot]
+        h1 = torch.einsum("td,tdf->tf", xf, w1.float()[e])
+        h3 = torch.einsum("td,tdf->tf", xf, w3.float()[e])
+        a = torch.nn.functional.silu(h1) * h3
+        y = y + gate[:, slot:slot + 1] * torch.einsum("tf,tfd->td", a, w2.float()[e])
+    return y
+
+
+PLAIN = {  # example: (its plain PyTorch form, the parameters it takes after x, in order)
+    "moe_mlp": (torch_moe_mlp, ("wr", "w1", "w2")),
+    "swiglu_moe": (torch_swiglu_moe, ("wr", "w1", "w3", "w2")),
+}
+
+
 def normalized_error(got, ref):
     got, ref = got.float(), ref.float()
     if torch.isnan(got).any():
@@ -53,9 +77,10 @@ def normalized_error(got, ref):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("schedule", ["megablocks", "scattermoe"])
 @pytest.mark.parametrize("tokens", [1, 200])
-def test_output_and_gradients_match_plain_pytorch(device, schedule, tokens):
+@pytest.mark.parametrize("name", sorted(PLAIN))
+def test_output_and_gradients_match_plain_pytorch(device, schedule, tokens, name):
     torch.manual_seed(0)
-    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, schedule=schedule, device=device)
+    moe = mft.example(name, experts=E, topk=K, d=D, f=F, schedule=schedule, device=device)
     x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     y = moe(x)
     assert y.shape == (tokens, D) and y.dtype == torch.float32
@@ -65,7 +90,9 @@ def test_output_and_gradients_match_plain_pytorch(device, schedule, tokens):
     experts = moe.routed_experts(tokens)
     params = {n: p.detach().clone().requires_grad_(True) for n, p in moe.named_parameters()}
     xr = x.detach().clone().requires_grad_(True)
-    yr = torch_moe_mlp(xr, params["wr"], params["w1"], params["w2"], experts)
+    plain, names = PLAIN[name]
+    assert sorted(names) == sorted(params)
+    yr = plain(xr, *(params[n] for n in names), experts)
     yr.backward(dy)
     assert normalized_error(y, yr) < 2e-2
     assert normalized_error(x.grad, xr.grad) < 2e-2

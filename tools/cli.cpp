@@ -315,10 +315,12 @@ HostTensor random_upstream_gradient(const Func &output, int64_t tokens, uint64_t
 // The host memory the inputs alone take (8-byte values, as HostTensor holds
 // them), against the machine's: a shape past it ends here with what to
 // change, not in std::bad_alloc or the kernel's OOM killer.
-void check_host_memory(const Example &ex, const ExampleShape &shape) {
+// as_doubles: the inputs are made on the host as 8-byte values; else (a GPU
+// run without --check) straight in their storage types.
+void check_host_memory(const Example &ex, const ExampleShape &shape, bool as_doubles = true) {
   double bytes = 0;
   for (const BufferPtr &b : ex.pipeline.buffers()) {
-    double n = 8;
+    double n = as_doubles ? 8 : dtype_bytes(b->dtype);
     for (const Dim &d : b->dims)
       n *= static_cast<double>(d.is_dynamic() ? shape.tokens : d.extent());
     bytes += n;
@@ -328,7 +330,9 @@ void check_host_memory(const Example &ex, const ExampleShape &shape) {
     return; // unknown: nothing to compare with
   const double have = static_cast<double>(pages) * static_cast<double>(page), gib = double(1 << 30);
   user_check(bytes < 0.5 * have) << ex.name << ": the inputs alone need " << std::fixed << std::setprecision(1)
-                                 << bytes / gib << " GiB of host memory (8-byte values), more than half of this "
+                                 << bytes / gib << " GiB of host memory ("
+                                 << (as_doubles ? "8-byte values" : "in their storage types")
+                                 << "), more than half of this "
                                  << "machine's " << have / gib << " GiB: lower --tokens, --d, --f or --experts";
 }
 
@@ -505,11 +509,11 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
   Schedule schedule = schedule_from_arg(o.schedule);
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu);
-  check_host_memory(ex, o.shape);
-  working = true; // the arguments hold together: from here on, errors are the layer's
   // A GPU run without --check never needs the inputs on the host: the
   // backend makes the same values straight in its storage type.
   const bool host_inputs = backend != "cuda" || o.check;
+  check_host_memory(ex, o.shape, /*as_doubles=*/host_inputs);
+  working = true; // the arguments hold together: from here on, errors are the layer's
   TensorMap inputs;
   if (host_inputs) {
     progress.phase("generating the inputs");

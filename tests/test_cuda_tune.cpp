@@ -78,6 +78,33 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
   CHECK_FALSE(dw.kept.empty());
 }
 
+TEST_CASE("tune space: the layer-wide choices (permutation, gate fusion) around a base, none without routing") {
+  Example ex = make_example("swiglu_moe", small());
+  for (bool training : {false, true}) {
+    INFO((training ? "training" : "forward"));
+    LayoutCandidates lc = layout_candidates(ex.pipeline, ex.output, preset("megablocks"), training);
+    CHECK(lc.kept.size() + lc.pruned.size() == 3); // the other three of 2 permutations x 2 gate placements
+    std::vector<std::string> whats;
+    for (const LayoutCandidate &c : lc.kept) {
+      whats.push_back(c.what);
+      CHECK_NOTHROW(lower(ex.pipeline, c.schedule)); // what the tuner times compiles
+      CHECK((c.schedule.permutation() != Permutation::blocked || c.schedule.gate() != GateFusion::combine));
+    }
+    for (const auto &[what, why] : lc.pruned)
+      whats.push_back(what);
+    std::sort(whats.begin(), whats.end());
+    CHECK(whats == std::vector<std::string>{"gate(epilogue)", "permutation(scattered)",
+                                            "permutation(scattered) gate(epilogue)"});
+    // Scattered rows are a different program from the blocked copy.
+    CHECK(std::any_of(lc.kept.begin(), lc.kept.end(),
+                      [](const LayoutCandidate &c) { return c.what == "permutation(scattered)"; }));
+  }
+  Example dense = make_example("dense_mlp", small());
+  LayoutCandidates none = layout_candidates(dense.pipeline, dense.output, preset("megablocks"), false);
+  CHECK(none.kept.empty());
+  CHECK(none.pruned.empty());
+}
+
 TEST_CASE("tune cache: hit, miss, another key's entry, a stale compiler and a corrupt file") {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "moeforge_tune_cache_test";
   std::filesystem::remove_all(dir);

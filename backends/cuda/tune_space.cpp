@@ -59,6 +59,45 @@ std::vector<std::string> tunable_funcs(const Pipeline &pipeline, const std::stri
   return out;
 }
 
+LayoutCandidates layout_candidates(const Pipeline &pipeline, const std::string &output, const Schedule &base,
+                                   bool training) {
+  LayoutCandidates out;
+  if (pipeline.routes().empty())
+    return out;                            // no routed rows: neither choice means anything
+  std::map<std::string, std::string> seen; // the program's text -> the change that gave it
+  auto program_text = [&](const Schedule &s) {
+    const KernelProgram k = lowered(pipeline, output, s, training);
+    std::ostringstream o;
+    o << k;
+    return o.str() + describe_gemm_plans(k);
+  };
+  seen.emplace(program_text(base), "the current settings");
+  for (Permutation p : {Permutation::blocked, Permutation::scattered})
+    for (GateFusion g : {GateFusion::combine, GateFusion::epilogue}) {
+      if (p == base.permutation() && g == base.gate())
+        continue;
+      std::string what;
+      if (p != base.permutation())
+        what = std::string("permutation(") + permutation_name(p) + ")";
+      if (g != base.gate())
+        what += (what.empty() ? "" : " ") + std::string("gate(") + gate_fusion_name(g) + ")";
+      Schedule s = base;
+      s.permutation(p).gate(g);
+      try {
+        const std::string text = program_text(s);
+        if (auto it = seen.find(text); it != seen.end()) {
+          out.pruned.emplace_back(what, "the same program as " + it->second);
+          continue;
+        }
+        seen.emplace(text, what);
+        out.kept.push_back({what, s});
+      } catch (const UserError &e) {
+        out.pruned.emplace_back(what, e.what());
+      }
+    }
+  return out;
+}
+
 FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
                               const std::string &func, bool training) {
   FuncCandidates fc;

@@ -33,6 +33,22 @@ struct FuncCandidates {
   std::vector<PrunedChoice> pruned;
 };
 
+// The layer-wide choices tried before any Func's: the routed rows' format
+// (blocked or scattered) and where the gate multiplies (combine or the last
+// GEMM's epilogue), each way `base` is not, pruned by legality and by equal
+// plans as candidates_for does. `what` names the change
+// ("permutation(scattered)").
+struct LayoutCandidate {
+  std::string what;
+  Schedule schedule;
+};
+struct LayoutCandidates {
+  std::vector<LayoutCandidate> kept;
+  std::vector<std::pair<std::string, std::string>> pruned; // what, why
+};
+LayoutCandidates layout_candidates(const Pipeline &pipeline, const std::string &output, const Schedule &base,
+                                   bool training);
+
 // Every choice the space offers one Func (the product of the knobs' ranges).
 std::vector<FuncChoice> func_choices();
 

@@ -115,13 +115,45 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
   res.base_ms = res.best_ms = time_candidate(device, r, compile_one(r, r.base, arch));
   res.timed = 1;
   say(res, "base schedule: " + fmt_ms(res.base_ms));
-  const std::vector<std::string> funcs = tunable_funcs(*r.pipeline, r.output, r.base, r.training);
+  // The layer-wide choices first (the routed rows' format, where the gate
+  // multiplies): they change which GEMMs there are and what they read, so
+  // the per-Func search starts from the best of them.
+  Schedule base = r.base;
+  {
+    LayoutCandidates lc = layout_candidates(*r.pipeline, r.output, r.base, r.training);
+    res.pruned += static_cast<int>(lc.pruned.size());
+    std::vector<Schedule> schedules;
+    for (const LayoutCandidate &c : lc.kept)
+      schedules.push_back(c.schedule);
+    std::vector<CompiledCandidate> compiled = compile_candidates(r, schedules, arch, threads);
+    for (size_t i = 0; i < lc.kept.size(); ++i) {
+      if (elapsed() > r.budget_seconds) {
+        res.left += static_cast<int>(lc.kept.size() - i);
+        break;
+      }
+      try {
+        const double ms = time_candidate(device, r, compiled[i]);
+        ++res.timed;
+        const bool better = ms < res.best_ms * (1 - kNoise);
+        if (better) {
+          res.best = base = lc.kept[i].schedule;
+          res.best_ms = ms;
+        }
+        say(res, "[" + std::to_string(res.timed) + "] " + lc.kept[i].what + ": " + fmt_ms(ms) +
+                     (better ? " (best)" : "") + "; best " + fmt_ms(res.best_ms));
+      } catch (const std::runtime_error &e) {
+        ++res.failed;
+        say(res, lc.kept[i].what + ": skipped (" + e.what() + ")");
+      }
+    }
+  }
+  const std::vector<std::string> funcs = tunable_funcs(*r.pipeline, r.output, base, r.training);
   for (size_t f = 0; f < funcs.size(); ++f) {
     FuncCandidates fc = candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training);
     // Each candidate is the base with the Funcs' best choices so far and
     // this one, so the winner's schedule file names each Func once.
     auto build = [&](const FuncChoice &c) {
-      Schedule s = r.base;
+      Schedule s = base;
       for (const auto &[func, choice] : chosen)
         if (func != funcs[f])
           s = with_choice(s, func, choice);

@@ -1,5 +1,7 @@
 // The autotuner: times candidate schedules of one layer on the GPU and keeps
-// the fastest. The search walks the tunable Funcs in program order and, for
+// the fastest. The search first times the layer-wide choices (the routed
+// rows' format, where the gate multiplies: layout_candidates) and keeps the
+// best as its start; then it walks the tunable Funcs in program order and, for
 // each, times every candidate the search space keeps (tune_space.h) with the
 // other Funcs at their best so far (coordinate descent); the budget stops it
 // early, the base schedule always timed first; a candidate replaces the

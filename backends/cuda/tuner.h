@@ -1,14 +1,14 @@
 // The autotuner: times candidate schedules of one layer on the GPU and keeps
 // the fastest. The search first times the layer-wide choices (the routed
-// rows' format, where the gate multiplies: layout_candidates) and keeps the
-// best as its start; then it walks the tunable Funcs in program order and, for
-// each, times every candidate the search space keeps (tune_space.h) with the
-// other Funcs at their best so far (coordinate descent); the budget stops it
-// early, the base schedule always timed first; a candidate replaces the
-// best only when faster by more than 1 %, the spread of one timing. Each
-// candidate is the whole
-// layer (forward, or forward + backward) replayed from CUDA graphs, so what
-// is compared is what a training loop runs.
+// rows' format, where the gate multiplies: layout_candidates) and starts
+// from the best of them; then it walks the tunable Funcs in program order
+// and, for each, times every candidate the search space keeps
+// (tune_space.h) with the other Funcs at their best so far (coordinate
+// descent). The budget stops it early, the base schedule always timed
+// first; a candidate replaces the best only when faster by more than 1 %,
+// the spread of one timing. Each candidate is the whole layer (forward, or
+// forward + backward) replayed from CUDA graphs, so what is compared is
+// what a training loop runs.
 #pragma once
 
 #include <functional>

@@ -438,6 +438,51 @@ TEST_CASE("cli: tune times candidates on the GPU, or says there is none") {
   CHECK(has(t.err, "tune times candidate schedules on the GPU, and there is none: "));
 }
 
+TEST_CASE("cli: --schedule auto takes what tune cached for the layer on this GPU, else scattermoe, and says which") {
+  check_usage_error({"emit", "moe_mlp", "--schedule", "auto", "--ir"},
+                    {"'auto' is chosen where the layer runs (run, train, tune): name a preset or a schedule file"});
+  // A fresh tuned-schedule cache for this test.
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "moeforge_auto_schedule_test";
+  std::filesystem::remove_all(dir);
+  const char *old_dir = std::getenv("MOEFORGE_CACHE_DIR");
+  const std::string saved = old_dir ? old_dir : "";
+  setenv("MOEFORGE_CACHE_DIR", dir.c_str(), 1);
+  struct Restore {
+    const char *old_dir;
+    std::string saved;
+    std::filesystem::path dir;
+    ~Restore() {
+      if (old_dir)
+        setenv("MOEFORGE_CACHE_DIR", saved.c_str(), 1);
+      else
+        unsetenv("MOEFORGE_CACHE_DIR");
+      std::filesystem::remove_all(dir);
+    }
+  } restore{old_dir, saved, dir};
+  Run before = cli({"run", "moe_mlp", "--tokens", "64", "--schedule", "auto"});
+  REQUIRE(before.code == 0);
+  CHECK(has(before.out, "schedule 'scattermoe'"));
+  if (!has(before.out, "backend   cuda")) {
+    CHECK(has(before.out, "schedule  auto: the preset scattermoe on the "));
+    CHECK(has(before.out, " backend (schedules are tuned on a GPU)"));
+    return;
+  }
+  MESSAGE("a GPU is present: auto against a fresh tuned-schedule cache");
+  CHECK(has(before.out, "schedule  auto: the preset scattermoe, nothing tuned for this layer and token count here"));
+  CHECK(has(before.out, "`moeforge tune moe_mlp` finds a faster one and caches it"));
+  Run tuned = cli({"tune", "moe_mlp", "--tokens", "64", "--budget-seconds", "2"});
+  CHECK(tuned.code == 0);
+  Run after = cli({"run", "moe_mlp", "--tokens", "64", "--schedule", "auto"});
+  CHECK(after.code == 0);
+  CHECK(has(after.out, "schedule  auto: tuned for this layer and token count ("));
+  CHECK(has(after.out, ", tuned on "));
+  // Another token bucket, or the training step: nothing tuned for those.
+  Run other = cli({"run", "moe_mlp", "--tokens", "1000", "--schedule", "auto"});
+  CHECK(has(other.out, "auto: the preset scattermoe, nothing tuned"));
+  Run train = cli({"train", "moe_mlp", "--tokens", "64", "--schedule", "auto"});
+  CHECK(has(train.out, "`moeforge tune moe_mlp --train` finds a faster one"));
+}
+
 TEST_CASE("cli: run on the CPU backend checks every Func against the reference") {
   Run r = cli({"run", "swiglu_moe", "--backend", "cpu", "--schedule", "scattermoe", "--tokens", "100", "--check"});
 #ifdef MOEFORGE_HAVE_CPU_BACKEND

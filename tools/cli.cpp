@@ -34,9 +34,9 @@ const char *kUsage =
     "usage: moeforge list\n"
     "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
     "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
-    "                               --precision f32|f64 --schedule megablocks|scattermoe|<file>\n"
+    "                               --precision f32|f64 --schedule megablocks|scattermoe|auto|<file>\n"
     "                               --backend reference|cpu|cuda] [--check | --check=full]\n"
-    "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|<file>]\n"
+    "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|auto|<file>]\n"
     "                                 [--recompute] [--aux] [--backend cpu|cuda] [--check]\n"
     "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
     "       moeforge tune <example> [shape flags] [--schedule S] [--train] [--budget-seconds N] [--seed S]\n";
@@ -336,6 +336,32 @@ void check_host_memory(const Example &ex, const ExampleShape &shape, bool as_dou
                                  << "machine's " << have / gib << " GiB: lower --tokens, --d, --f or --experts";
 }
 
+// The schedule a run or a training step uses: --schedule's preset or file,
+// or for `auto` what `moeforge tune` cached for this layer, token count and
+// GPU, else the preset scattermoe (the faster preset on every shape
+// measured); `note` says which and why.
+Schedule resolve_schedule(const Options &o, const Example &ex, const std::string &backend, bool training,
+                          std::string *note) {
+  if (o.schedule != "auto")
+    return schedule_from_arg(o.schedule);
+#ifdef MOEFORGE_HAVE_CUDA
+  if (backend == "cuda") {
+    std::string where;
+    if (std::optional<Schedule> s = cli_cached_schedule_on_gpu(ex, o.shape, training, &where)) {
+      *note = "auto: tuned for this layer and token count (" + where + ")";
+      return *s;
+    }
+    *note = "auto: the preset scattermoe, nothing tuned for this layer and token count here (" + where +
+            "); `moeforge tune " + ex.name + (training ? " --train" : "") + "` finds a faster one and caches it";
+    return preset("scattermoe");
+  }
+#endif
+  (void)ex;
+  (void)training;
+  *note = "auto: the preset scattermoe on the " + backend + " backend (schedules are tuned on a GPU)";
+  return preset("scattermoe");
+}
+
 // The example's training step: its output with a random upstream gradient
 // and, with --aux, its auxiliary losses (examples/aux_loss_example.h), each
 // with upstream gradient 1 (the loss is added to the training loss as is).
@@ -408,10 +434,15 @@ bool check_training(std::ostream &out, const BackendTraining &run, const Trainin
 int tune(const Options &o, std::ostream &out, std::ostream &err, bool &working) {
   TrainingTask task = training_task(o);
   const Example &ex = task.example;
-  Schedule base = schedule_from_arg(o.schedule);
+  Schedule base = o.schedule == "auto" ? Schedule() : schedule_from_arg(o.schedule);
   working = true; // the arguments hold together: from here on, errors are the machine's or the layer's
   std::string no_gpu;
   user_check(gpu_present(&no_gpu)) << "tune times candidate schedules on the GPU, and there is none: " << no_gpu;
+  if (o.schedule == "auto") { // go on from what an earlier tune cached, or from scattermoe
+    std::string auto_note;
+    base = resolve_schedule(o, ex, "cuda", o.emit_training, &auto_note);
+    err << "tune: base schedule " << auto_note << "\n";
+  }
 #ifdef MOEFORGE_HAVE_CUDA
   TuneOutcome t = cli_tune_on_gpu(ex, o.shape, ex.random_inputs(o.shape, o.seed), o.emit_training,
                                   task.upstream.at(ex.output), base, static_cast<double>(o.budget_seconds),
@@ -434,11 +465,12 @@ int tune(const Options &o, std::ostream &out, std::ostream &err, bool &working) 
 int train(const Options &o, std::ostream &out, Progress &progress, bool &working) {
   TrainingTask task = training_task(o);
   const Example &ex = task.example;
-  Schedule schedule = schedule_from_arg(o.schedule);
-  if (o.recompute)
-    schedule.recompute(true);
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu);
+  std::string auto_note;
+  Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/true, &auto_note);
+  if (o.recompute)
+    schedule.recompute(true);
   working = true; // the arguments hold together: from here on, errors are the layer's
   progress.phase("generating the inputs");
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
@@ -462,6 +494,8 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
   out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'" << tiles_only(ex)
       << (o.recompute ? " with recompute" : "") << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "")
       << "\n";
+  if (!auto_note.empty())
+    out << "schedule  " << auto_note << "\n";
   for (const auto &[name, r] : run.routes)
     print_routing(out, name, r);
   out << "forward   " << std::fixed << std::setprecision(3) << run.forward_ms << " ms\n";
@@ -504,11 +538,12 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
 
 int run(const Options &o, std::ostream &out, Progress &progress, bool &working) {
   Example ex = make_example(o.example, o.shape);
-  // The schedule only matters to the compiled backends, whose compilers check
-  // it against the layer.
-  Schedule schedule = schedule_from_arg(o.schedule);
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu);
+  // The schedule only matters to the compiled backends, whose compilers check
+  // it against the layer.
+  std::string auto_note;
+  Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/false, &auto_note);
   // A GPU run without --check never needs the inputs on the host: the
   // backend makes the same values straight in its storage type.
   const bool host_inputs = backend != "cuda" || o.check;
@@ -539,6 +574,8 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
     progress.finish();
     out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'" << tiles_only(ex)
         << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
+    if (!auto_note.empty())
+      out << "schedule  " << auto_note << "\n";
     for (const auto &[name, r] : run.routes)
       print_routing(out, name, r);
     print_time_and_checksum(out, run.ms, ex.output, run.values.at(ex.output));
@@ -673,6 +710,8 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
     }
     if (o.command == "emit") {
       Example ex = make_example(o.example, o.shape);
+      user_check(o.schedule != "auto") << "emit prints what a schedule compiles to, and 'auto' is chosen where the "
+                                       << "layer runs (run, train, tune): name a preset or a schedule file";
       Schedule schedule = schedule_from_arg(o.schedule);
       working = o.emit == "ir" || (o.emit == "cuda" || o.emit == "plan" ? kHaveCuda : kHaveCpu);
       if (o.emit == "ir") {

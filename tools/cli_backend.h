@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,11 @@ void collect_training(BackendTraining &run, const TrainingProgram &t, const Laye
 
 // Each is built only with its backend (MOEFORGE_HAVE_CUDA, MOEFORGE_HAVE_CPU_BACKEND).
 bool cli_gpu_available(std::string *why);
+// The schedule `moeforge tune` cached for this layer, token bucket, GPU and
+// compiler (`--schedule auto`), or nothing; `where` gets the entry's path
+// and device, or why there is none.
+std::optional<Schedule> cli_cached_schedule_on_gpu(const Example &ex, const ExampleShape &shape, bool training,
+                                                   std::string *where);
 // every_func: download every Func the layer materialises (for --check),
 // else the output alone. inputs: the host's, or null for the example's
 // random inputs of `seed` made straight in the device's storage type

@@ -29,6 +29,32 @@ std::string cli_cuda_plans(const Example &ex, const Schedule &schedule, bool tra
                                       : lower(ex.pipeline, schedule));
 }
 
+namespace {
+// What `tune` stores its winner under and `--schedule auto` looks up.
+cuda::TuneKey tune_key(const Example &ex, const ExampleShape &shape, const cuda::Device &device, bool training) {
+  std::ostringstream algebra;
+  algebra << ex.pipeline;
+  return cuda::TuneKey{algebra.str(), cuda::token_bucket(shape.tokens), device.name(),
+                       std::string("moeforge ") + MOEFORGE_VERSION + ", NVRTC " + cuda::nvrtc_version(), training};
+}
+} // namespace
+
+std::optional<Schedule> cli_cached_schedule_on_gpu(const Example &ex, const ExampleShape &shape, bool training,
+                                                   std::string *where) {
+  cuda::Device device;
+  const std::filesystem::path dir = cuda::CompileCache::default_directory();
+  if (dir.empty()) {
+    *where = "no cache directory (MOEFORGE_CACHE_DIR or HOME)";
+    return std::nullopt;
+  }
+  const cuda::TuneKey key = tune_key(ex, shape, device, training);
+  cuda::TuneCache cache(dir);
+  std::string why;
+  std::optional<Schedule> s = cache.load(key, &why);
+  *where = s ? cache.entry_path(key).string() + ", tuned on " + device.name() : why;
+  return s;
+}
+
 TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs, bool training,
                             const HostTensor &upstream, const Schedule &base, double budget_seconds,
                             const std::function<void(const std::string &)> &progress) {
@@ -53,10 +79,7 @@ TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const 
   t.failed = res.failed;
   t.left = res.left;
   t.best_text = res.best.to_text();
-  std::ostringstream algebra;
-  algebra << ex.pipeline;
-  const cuda::TuneKey key{algebra.str(), cuda::token_bucket(shape.tokens), device.name(),
-                          std::string("moeforge ") + MOEFORGE_VERSION + ", NVRTC " + cuda::nvrtc_version(), training};
+  const cuda::TuneKey key = tune_key(ex, shape, device, training);
   const std::filesystem::path dir = cuda::CompileCache::default_directory();
   if (!dir.empty() && cuda::TuneCache(dir).store(key, res.best))
     t.cached = cuda::TuneCache(dir).entry_path(key).string();

@@ -15,7 +15,9 @@ namespace {
   "  --f F           expert (or MLP) hidden width (default 128)\n"
 
 #define MOEFORGE_SCHEDULE_FLAG                                                                                         \
-  "  --schedule S    a preset (megablocks, scattermoe) or a schedule file (default megablocks)\n"
+  "  --schedule S    a preset (megablocks, scattermoe), a schedule file, or auto (run, train and\n"                    \
+  "                  tune: what `moeforge tune` cached for this layer on this GPU, else scattermoe);\n"                \
+  "                  default megablocks\n"
 
 const std::map<std::string, const char *> kHelp = {
     {"list", "moeforge list\n"

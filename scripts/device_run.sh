@@ -17,16 +17,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader |
 date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/device.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  # Every test, GPU ones included (they run for real here).
-  timeout 420 .gpu/moeforge_tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
-  grep -q "Status: SUCCESS" "$OUT/tests.log" || status=1
-  # The CLI on the GPU: compile, run and check against the reference.
-  timeout 120 .gpu/moeforge run swiglu_moe --schedule scattermoe --tokens 1000 --d 256 --f 512 --check \
-    2>&1 | tee "$OUT/cli.log" | tail -12
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
-    -tc="cuda layer: the dense MLP*,cuda layer: a whole forward*" >"$OUT/memcheck.log" 2>&1
-  echo "memcheck exit code: $?" | tee -a "$OUT/memcheck.log"
-  tail -4 "$OUT/memcheck.log"
+  # The GPU suite in shards and memcheck: device_check.sh
+  # (its logs packed into $OUT/check.tgz).
+  OUT=$OUT bash scripts/device_check.sh tests || status=1
 fi
 if [ "$what" = bench ] || [ "$what" = ours ] || [ "$what" = all ]; then
   MOEFORGE_PROFILE=1 .gpu/bench_moe_forward --benchmark_filter="${BENCH_FILTER:-.}" \

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (through the device tool, with .gpu/ carried from
+# scripts/device_pack.sh), from the repository root: what a session checks
+# on its last code, in stages that each fit one device call.
+#   tests   the GPU suite in four shards side by side (42 test cases took
+#           ~420 s one after another on an H100; ~140 s in shards), then
+#           compute-sanitizer memcheck on a few of them
+#   real    `moeforge run` at a real size (d = f = 2880, E = 128, k = 4,
+#           T = 16384): cold, cached, and with --check, wall times
+#   python  scripts/device_python.sh (pip install, pytest, the torch module
+#           against bench_moe_train), SHAPES as there
+# Usage: bash scripts/device_check.sh tests|real|python|all. Everything goes
+# to $OUT/check/ and is packed into $OUT/check.tgz (the device tool brings
+# back a few files only).
+set -uo pipefail
+what=${1:-all}
+T0=$(date +%s)
+OUT=${OUT:-/tmp/out}
+R=$OUT/check
+mkdir -p "$R"
+export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
+status=0
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$R/device.txt"
+date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$R/device.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  n=$(.gpu/moeforge_tests --test-suite=gpu --list-test-cases | grep -vc "^\[doctest\]\|^===")
+  q=$(( (n + 3) / 4 ))
+  # Line-buffered, so a shard cut by its timeout still shows where it was.
+  for i in 0 1 2 3; do
+    timeout 400 stdbuf -oL .gpu/moeforge_tests --test-suite=gpu --duration=true --first=$(( i * q + 1 )) \
+      --last=$(( (i + 1) * q )) >"$R/tests_$i.log" 2>&1 &
+  done
+  wait
+  for i in 0 1 2 3; do
+    grep -q "Status: SUCCESS" "$R/tests_$i.log" || status=1
+    grep -E "ERROR|CRASHED|test cases|Status" "$R/tests_$i.log" | head -8
+  done
+  echo "gpu suite ($n test cases) done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
+    -tc="cuda bind*,cuda gpu: group-limited*,cuda layer: the dense MLP*,cuda training: the RMSNorm*" \
+    >"$R/memcheck.log" 2>&1
+  echo "memcheck exit code: $?" | tee -a "$R/device.txt"
+  tail -3 "$R/memcheck.log"
+fi
+if [ "$what" = real ] || [ "$what" = all ]; then
+  real=(swiglu_moe --tokens 16384 --d 2880 --f 2880 --experts 128 --topk 4)
+  for run in cold cached check; do
+    extra=()
+    [ "$run" = check ] && extra=(--check)
+    s=$(date +%s%N)
+    MOEFORGE_PROGRESS=1 timeout 120 .gpu/moeforge run "${real[@]}" "${extra[@]}" >"$R/real_$run.log" 2>&1
+    rc=$?
+    echo "real $run: exit $rc, wall $(( ($(date +%s%N) - s) / 1000000 )) ms" | tee -a "$R/device.txt"
+    [ $rc = 0 ] || status=1
+  done
+  grep -h "moeforge:\|PASS\|FAIL" "$R"/real_*.log
+fi
+if [ "$what" = python ] || [ "$what" = all ]; then
+  OUT=$R bash scripts/device_python.sh || status=1
+fi
+echo "done at $(( $(date +%s) - T0 )) s, status $status" | tee -a "$R/device.txt"
+(cd "$OUT" && tar czf check.tgz check && rm -rf check)
+exit $status

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -36,64 +37,28 @@ cuda::Device &device() {
   return d;
 }
 
-// The presets with per-Func tiles for these layers: the single-B GEMMs take
-// 256-wide tiles (SwiGLU's two-B GEMM already holds 2 x 128 columns), and the
-// router GEMM, only E columns wide, a 64-wide tile.
-Schedule tuned(const Shape &s, const std::string &variant) {
-  Schedule t = scattermoe();
-  if (variant == "tuned_2cta" || variant == "tuned_tma_2cta") {
-    // 96 KiB and 64 accumulators per block: two blocks share each SM (the
-    // plain wgmma loop: the warp-specialised one keeps one block per SM).
-    t.mma("*", MmaKind::wgmma).tile("*", 128, 128, 64).stages("*", 3);
-    if (s.swiglu)
-      t.tile("h", 128, 64, 64);
-    if (variant == "tuned_tma_2cta") // loads by TMA, stages paced by mbarriers and a block barrier
-      t.tma("*", true);
-    return t;
-  }
-  if (variant == "tuned_ws_deep") {
-    // Warp-specialised with 128-wide tiles and six stages in flight (four
-    // for SwiGLU's two-B GEMM, whose stages are half as large again).
-    t.mma("*", MmaKind::wgmma_ws).stages("*", 6);
-    if (s.swiglu)
-      t.stages("h", 4);
-    return t;
-  }
-  if (variant == "tuned_b64") {
-    // 64-row blocks: less padding when experts get few rows (mbpaper: ~256
-    // rows per expert, a quarter of them padding at block 128).
-    t.block(64).tile("*", 64, 256, 64).warps("*", 4, 1).tile("h", 64, s.swiglu ? 128 : 256, 64);
-    return t;
-  }
-  const bool tma = variant.rfind("tuned_tma", 0) == 0;
-  if (variant == "tuned_ws" || variant == "tuned_r4" || variant == "tuned_r16" || variant == "tuned_persist" || tma)
-    t.mma("*", MmaKind::wgmma_ws);
-  if (tma) // the producer loads B tiles (and A rows in tile order) with TMA
-    t.tma("*", true);
-  if (variant == "tuned_tma_blocked") // a padded copy of x: the first GEMM's A by TMA as well
-    t.permutation(Permutation::blocked);
-  // Pairs of row tiles share B through multicast, pairs being the halves of
-  // a 256-row routing tile (always one expert); _o: only the second GEMM's,
-  // whose A (rows in tile order) comes by TMA too.
-  if (variant == "tuned_tma_cluster" || variant == "tuned_tma_cluster_o")
-    t.block(256).cluster(variant == "tuned_tma_cluster" ? "*" : "o", 2);
-  // _pair_o: pairs of 128-row tiles (pair-aligned routing tiles: one
-  // expert's, or two experts' last tiles loading B each) walked by persistent
-  // clusters, for the second GEMM only.
-  if (variant == "tuned_tma_pair_o" || variant == "tuned_tma_persist_pair_o")
-    t.cluster("o", 2).persistent("o", true);
-  // _persist_pair_o: and persistent blocks for the first GEMM, whose next
-  // tile's first stages then load under this tile's epilogue.
-  if (variant == "tuned_tma_persist_pair_o")
-    t.persistent("h", true);
-  if (variant == "tuned_persist" || variant == "tuned_tma_persist") // epilogues overlap the next tile's loads
-    t.persistent("*", true);
-  if (variant == "tuned_r4" || variant == "tuned_r16")
-    t.raster("*", variant == "tuned_r4" ? 4 : 16);
-  t.tile("o", 128, 256, 64).stages("o", 4).tile("logits", 128, 64, 64);
-  if (!s.swiglu)
-    t.tile("h", 128, 256, 64).stages("h", 4);
-  return t;
+// The hand-written schedules timed beside the presets, as files under
+// benchmarks/schedules/forward/ (<name>_swiglu.sched, <name>_gelu.sched: the
+// single-B GEMMs take 256-wide tiles, SwiGLU's two-B GEMM holds 2 x 128
+// columns already, the router GEMM a 64-wide tile; TMA loads in the
+// warp-specialised loop; _cluster_o: the second GEMM's B multicast to two
+// blocks on the halves of 256-row routing tiles; _pair_o: pairs of 128-row
+// tiles walked by persistent clusters; _persist_pair_o: and the first GEMM
+// in persistent blocks). Experiments that were not kept are paragraphs in
+// benchmarks/NOTES.md.
+const char *const kForwardSchedules[] = {"tuned_tma", "tuned_tma_cluster_o", "tuned_tma_pair_o",
+                                         "tuned_tma_persist_pair_o"};
+
+// A file of the source tree, found from the working directory when the
+// benchmark runs from the tree's root (the device runs a copy of it), else
+// in the tree it was built from.
+std::string source_file(const std::string &relative) {
+  return std::filesystem::exists(relative) ? relative : std::string(MOEFORGE_SOURCE_DIR) + "/" + relative;
+}
+
+Schedule hand_written(const Shape &s, const std::string &name) {
+  return Schedule::load(
+      source_file("benchmarks/schedules/forward/" + name + (s.swiglu ? "_swiglu" : "_gelu") + ".sched"));
 }
 
 void run_forward(benchmark::State &state, Shape shape, const char *schedule_name, bool skewed);
@@ -116,7 +81,7 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   // A name ending in ".sched" is a schedule file (Schedule::save's text):
   // MOEFORGE_BENCH_SCHEDULES lists such files to time beside the variants.
   Schedule schedule = name.size() > 6 && name.substr(name.size() - 6) == ".sched" ? Schedule::load(name)
-                      : name.rfind("tuned", 0) == 0                               ? tuned(shape, name)
+                      : name.rfind("tuned", 0) == 0                               ? hand_written(shape, name)
                                                                                   : preset(name);
   // Compiling needs no GPU: without one, every variant is still lowered and
   // compiled (a schedule or codegen error shows here), then skipped.
@@ -194,11 +159,10 @@ void register_all() {
             ->Unit(benchmark::kMillisecond)
             ->Iterations(3);
       }
+  std::vector<const char *> names = {"megablocks", "scattermoe"};
+  names.insert(names.end(), std::begin(kForwardSchedules), std::end(kForwardSchedules));
   for (const Shape &s : bench::kMoeShapes)
-    for (const char *p :
-         {"megablocks", "scattermoe", "tuned", "tuned_2cta", "tuned_ws", "tuned_ws_deep", "tuned_b64", "tuned_r4",
-          "tuned_r16", "tuned_persist", "tuned_tma", "tuned_tma_persist", "tuned_tma_blocked", "tuned_tma_2cta",
-          "tuned_tma_cluster", "tuned_tma_cluster_o", "tuned_tma_pair_o", "tuned_tma_persist_pair_o"})
+    for (const char *p : names)
       for (bool skew : {false, true}) {
         std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
         benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)

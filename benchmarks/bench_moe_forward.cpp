@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -22,6 +21,7 @@
 #include "backends/cuda/layer.h"
 #include "benchmarks/dense_roof.h"
 #include "benchmarks/moe_shapes.h"
+#include "benchmarks/source_file.h"
 #include "examples/biased_moe.h"
 #include "schedules/presets.h"
 
@@ -49,16 +49,9 @@ cuda::Device &device() {
 const char *const kForwardSchedules[] = {"tuned_tma", "tuned_tma_cluster_o", "tuned_tma_pair_o",
                                          "tuned_tma_persist_pair_o"};
 
-// A file of the source tree, found from the working directory when the
-// benchmark runs from the tree's root (the device runs a copy of it), else
-// in the tree it was built from.
-std::string source_file(const std::string &relative) {
-  return std::filesystem::exists(relative) ? relative : std::string(MOEFORGE_SOURCE_DIR) + "/" + relative;
-}
-
 Schedule hand_written(const Shape &s, const std::string &name) {
   return Schedule::load(
-      source_file("benchmarks/schedules/forward/" + name + (s.swiglu ? "_swiglu" : "_gelu") + ".sched"));
+      bench::source_file("benchmarks/schedules/forward/" + name + (s.swiglu ? "_swiglu" : "_gelu") + ".sched"));
 }
 
 void run_forward(benchmark::State &state, Shape shape, const char *schedule_name, bool skewed);

@@ -1,21 +1,13 @@
-// Files of the source tree that tests read (schedule files, say), found
-// wherever the test binary runs: $MOEFORGE_SOURCE_DIR when set, else the
-// working directory when it is the tree's root (the device runs the suite
-// from a copy of the tree), else the tree the binary was built from.
+// Files of the source tree that tests read (schedule files, golden texts):
+// the benchmarks' lookup (benchmarks/source_file.h), under the tests' name.
 #pragma once
 
-#include <cstdlib>
-#include <filesystem>
 #include <string>
+
+#include "benchmarks/source_file.h"
 
 namespace moeforge::testing {
 
-inline std::string source_file(const std::string &relative) {
-  if (const char *dir = std::getenv("MOEFORGE_SOURCE_DIR"); dir && *dir)
-    return std::string(dir) + "/" + relative;
-  if (std::filesystem::exists(relative))
-    return relative;
-  return std::string(MOEFORGE_SOURCE_DIR) + "/" + relative;
-}
+inline std::string source_file(const std::string &relative) { return bench::source_file(relative); }
 
 } // namespace moeforge::testing

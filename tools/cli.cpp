@@ -321,8 +321,8 @@ void check_host_memory(const Example &ex, const ExampleShape &shape, bool as_dou
   double bytes = 0;
   for (const BufferPtr &b : ex.pipeline.buffers()) {
     double n = as_doubles ? 8 : dtype_bytes(b->dtype);
-    for (const Dim &d : b->dims)
-      n *= static_cast<double>(d.is_dynamic() ? shape.tokens : d.extent());
+    for (int64_t e : ex.input_shape(*b, shape)) // in doubles: a hostile shape's product must not wrap
+      n *= static_cast<double>(e);
     bytes += n;
   }
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);

@@ -9,7 +9,8 @@
 #           T = 16384): cold, cached, and with --check, wall times
 #   python  scripts/device_python.sh (pip install, pytest, the torch module
 #           against bench_moe_train), SHAPES as there
-# Usage: bash scripts/device_check.sh tests|real|python|all. Everything goes
+# Usage: bash scripts/device_check.sh tests|real|python|all, or stages joined
+# by commas (tests,real). Everything goes
 # to $OUT/check/ and is packed into $OUT/check.tgz (the device tool brings
 # back a few files only).
 set -uo pipefail
@@ -21,9 +22,10 @@ mkdir -p "$R"
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
 status=0
+has() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$R/device.txt"
 date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$R/device.txt"
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if has tests; then
   n=$(.gpu/moeforge_tests --test-suite=gpu --list-test-cases | grep -vc "^\[doctest\]\|^===")
   q=$(( (n + 3) / 4 ))
   # Line-buffered, so a shard cut by its timeout still shows where it was.
@@ -43,7 +45,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "memcheck exit code: $?" | tee -a "$R/device.txt"
   tail -3 "$R/memcheck.log"
 fi
-if [ "$what" = real ] || [ "$what" = all ]; then
+if has real; then
   real=(swiglu_moe --tokens 16384 --d 2880 --f 2880 --experts 128 --topk 4)
   for run in cold cached check; do
     extra=()
@@ -56,7 +58,7 @@ if [ "$what" = real ] || [ "$what" = all ]; then
   done
   grep -h "moeforge:\|PASS\|FAIL" "$R"/real_*.log
 fi
-if [ "$what" = python ] || [ "$what" = all ]; then
+if has python; then
   OUT=$R bash scripts/device_python.sh || status=1
 fi
 echo "done at $(( $(date +%s) - T0 )) s, status $status" | tee -a "$R/device.txt"

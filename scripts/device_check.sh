@@ -7,6 +7,10 @@
 #           compute-sanitizer memcheck on a few of them
 #   real    `moeforge run` at a real size (d = f = 2880, E = 128, k = 4,
 #           T = 16384): cold, cached, and with --check, wall times
+#   train   issue #16's table: bench_moe_train (tuned_wide store and lean,
+#           uniform and skewed; recompute uniform) and
+#           torch_grouped_mm_train.py on the five training shapes, one
+#           process each, in this call
 #   python  scripts/device_python.sh (pip install, pytest, the torch module
 #           against bench_moe_train), SHAPES as there
 # Usage: bash scripts/device_check.sh tests|real|python|all, or stages joined
@@ -57,6 +61,16 @@ if has real; then
     [ $rc = 0 ] || status=1
   done
   grep -h "moeforge:\|PASS\|FAIL" "$R"/real_*.log
+fi
+if has train; then
+  filter="train/[a-z0-9]+/(uniform|skewed)/tuned_wide(_lean)?/store|train/[a-z0-9]+/uniform/tuned_wide/recompute"
+  timeout 420 .gpu/bench_moe_train --benchmark_filter="$filter" --benchmark_out="$R/train.json" \
+    --benchmark_out_format=json --benchmark_counters_tabular=true >"$R/train.log" 2>&1 || status=1
+  grep -E "^train" "$R/train.log" | cut -c1-150
+  PYTHONUNBUFFERED=1 timeout 150 python3 benchmarks/torch_grouped_mm_train.py --out "$R/torch_train.json" \
+    >"$R/torch_train.log" 2>&1 || status=1
+  tail -12 "$R/torch_train.log"
+  echo "train done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
 fi
 if has python; then
   OUT=$R bash scripts/device_python.sh || status=1

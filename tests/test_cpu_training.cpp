@@ -18,6 +18,7 @@
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "runtime/program_shapes.h"
+#include "training_compare.h"
 #include "whole_gradient.h"
 
 using namespace moeforge;
@@ -290,6 +291,25 @@ TEST_SUITE("cpu") {
         testing::check_edge_routing(c, o.outcome);
       }
     }
+  }
+
+  TEST_CASE("cpu training: the MoE edge cases in the lean memory mode, checked as the GPU checks them") {
+    // The GPU test's presets, seeds and comparison (training_compare.h) on
+    // the backend that rounds as the GPU does, so a tolerance question shows
+    // up here first, in CI.
+    testing::check_edge_cases(64, 128, {"megablocks+lean", "scattermoe+padded+lean", "scattermoe+padded+lean+chain"},
+                              [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
+                                Schedule schedule = testing::training_preset(p, false);
+                                cpu::CompiledCpuTraining compiled =
+                                    cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
+                                cpu::CpuTrainingLayer layer(compiled, tokens);
+                                return testing::step_and_compare(ex, in, compiled.training.program,
+                                                                 compiled.training.seed, layer, schedule,
+                                                                 [](cpu::CpuTrainingLayer &l) {
+                                                                   l.forward();
+                                                                   l.backward();
+                                                                 });
+                              });
   }
 
   TEST_CASE("cpu training: the auxiliary losses (reductions over tokens and extent(T)) and their gradients") {

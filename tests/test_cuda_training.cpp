@@ -19,6 +19,7 @@
 #include "gpu_test.h"
 #include "layer_compare.h"
 #include "schedules/presets.h"
+#include "training_compare.h"
 #include "whole_gradient.h"
 
 using namespace moeforge;
@@ -29,60 +30,22 @@ namespace {
 using testing::Outcome;
 using testing::shape;
 
-// A preset by name, or "scattermoe+padded": scattermoe with
-// padded_elementwise, whose expert reductions read operands by TMA.
-// A preset by name, with "+padded" (padded_elementwise), "+lean" (the
-// lean memory mode: recompute_elementwise and gate_gradient_from_dh, which
-// keep the pre-activations, the layer input and the routing tables only)
-// and "+chain" (chain_summed_gemms: SwiGLU's input gradient as one GEMM).
-Schedule training_preset(const std::string &name, bool recompute) {
-  auto has = [&](const char *part) { return name.find(part) != std::string::npos; };
-  Schedule s = preset(name.substr(0, name.find('+')));
-  s.recompute(recompute);
-  if (has("+padded"))
-    s.padded_elementwise(true);
-  if (has("+lean"))
-    s.recompute_elementwise(true).gate_gradient_from_dh(true);
-  if (has("+chain"))
-    s.chain_summed_gemms(true);
-  return s;
-}
+using testing::training_example;
+using testing::training_preset;
+using testing::upstream_gradient;
 
-// The example as the reference sees a training step: its training algebra,
-// with the upstream gradient as one more input.
-Example training_example(const Example &ex) {
-  Example t = ex;
-  t.pipeline = training_algebra(ex.pipeline, ex.pipeline.func(ex.output)).pipeline;
-  return t;
-}
-
-HostTensor upstream_gradient(const Example &ex, const TensorMap &inputs, uint64_t seed) {
-  // Shaped like the output: (tokens, d).
-  const HostTensor &x = inputs.at("x");
-  HostTensor g({x.shape[0], ex.pipeline.func(ex.output).args()[1].dim().extent()});
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(-1, 1);
-  for (double &v : g.data)
-    v = u(rng);
-  return g;
-}
-
-Outcome train_and_compare(const Example &ex, TensorMap inputs, int64_t tokens, const Schedule &schedule) {
+Outcome train_and_compare(const Example &ex, const TensorMap &inputs, int64_t tokens, const Schedule &schedule) {
   static cuda::Device device;
   cuda::CompiledTraining compiled =
       cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device.arch_specific());
   cuda::TrainingLayer layer(device, compiled, tokens);
-  HostTensor dy = upstream_gradient(ex, inputs, 11);
-  layer.upload(inputs);
-  layer.poison();
-  layer.upload_upstream_gradient(dy);
-  cuda::Stream stream;
-  layer.forward(stream);
-  layer.backward(stream);
-  stream.synchronize();
-  inputs[compiled.training.seed] = dy;
-  return testing::compare_with_reference(training_example(ex), inputs, compiled.training.program, layer,
-                                         schedule.to_text(), 2e-2, /*floor_fraction=*/1e-3);
+  return testing::step_and_compare(ex, inputs, compiled.training.program, compiled.training.seed, layer, schedule,
+                                   [](cuda::TrainingLayer &l) {
+                                     cuda::Stream stream;
+                                     l.forward(stream);
+                                     l.backward(stream);
+                                     stream.synchronize();
+                                   });
 }
 
 // The layer with its auxiliary losses through cuda::TrainingLayer: d_y

@@ -54,8 +54,10 @@ def run_shape(name, schedule, iters):
     tokens, d, f, experts, k, swiglu = SHAPES[name]
     ex, _ = mf.make_example("swiglu_moe" if swiglu else "moe_mlp", tokens=tokens, experts=experts, topk=k, d=d, f=f)
     moe = mft.MoELayer(ex.pipeline, schedule=schedule, init_scale=dict(ex.init_scale))
-    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, d, device="cuda", dtype=torch.float32)
+    # U(-1, 1) as bench_moe_train draws x and dy: a GEMM's speed depends on
+    # its data (the power it draws), so both harnesses time the same kind.
+    x = (torch.rand(tokens, d, device="cuda") * 2 - 1).to(torch.bfloat16).requires_grad_(True)
+    dy = torch.rand(tokens, d, device="cuda", dtype=torch.float32) * 2 - 1
 
     def module_step():
         x.grad = None

@@ -5,6 +5,9 @@
 #   tests   the GPU suite in four shards side by side (42 test cases took
 #           ~420 s one after another on an H100; ~140 s in shards), then
 #           compute-sanitizer memcheck on a few of them
+#   sanitize  compute-sanitizer racecheck, synccheck and initcheck on small
+#           cases (a bound layer, the grouped routing kernels, a training
+#           step)
 #   real    `moeforge run` at a real size (d = f = 2880, E = 128, k = 4,
 #           T = 16384): cold, cached, and with --check, wall times
 #   train   issue #16's table: bench_moe_train (tuned_wide store and lean,
@@ -48,6 +51,17 @@ if has tests; then
     >"$R/memcheck.log" 2>&1
   echo "memcheck exit code: $?" | tee -a "$R/device.txt"
   tail -3 "$R/memcheck.log"
+fi
+if has sanitize; then
+  small="cuda bind: a layer*,cuda gpu: group-limited*,cuda training: RMSNorm*"
+  for tool in racecheck synccheck initcheck; do
+    timeout 180 compute-sanitizer --tool $tool --error-exitcode 9 .gpu/moeforge_tests -tc="$small" \
+      >"$R/$tool.log" 2>&1
+    rc=$?
+    echo "$tool exit code: $rc" | tee -a "$R/device.txt"
+    [ $rc = 0 ] || status=1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test cases" "$R/$tool.log" | tail -3
+  done
 fi
 if has real; then
   real=(swiglu_moe --tokens 16384 --d 2880 --f 2880 --experts 128 --topk 4)

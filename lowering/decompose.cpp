@@ -182,8 +182,17 @@ Expr Decomposer::plain_operands(const FuncNode &f, const Expr &sum, const Var &r
                  ((pa->args[1].is_plain() && pa->args[1].var.same_as(s.var) &&
                    (is_index(pa->args[0], row) || is_index(pa->args[0], row, RouteField::token))) ||
                   (is_index(pa->args[0], s.var) && is_index(pa->args[1], row)));
+  // An operand made a part of its own gets its invariant sums hoisted like
+  // any Func: a softmax's backward inside it (attention's dS = P (dP -
+  // sum(u', P dP))) would otherwise recompute the row sum for every element.
+  auto operand_part = [&](const std::string &name, const std::vector<Var> &args, const Expr &e) {
+    FuncNode shell;
+    shell.name = name;
+    shell.args = args;
+    return part(name, args, hoist_invariant_sums(shell, e, parts), DType::bf16, parts);
+  };
   if (!a_plain || needs_bf16_copy(pa))
-    a = part(f.name + "_a", {row, s.var}, a, DType::bf16, parts);
+    a = operand_part(f.name + "_a", {row, s.var}, a);
   else
     operand_dtype(a);
   const Access *pb = plain(sp.b);
@@ -193,7 +202,7 @@ Expr Decomposer::plain_operands(const FuncNode &f, const Expr &sum, const Var &r
   if (!b_plain || needs_bf16_copy(pb)) {
     if (use_of(b, row).any())
       return sum; // a per-expert B that is an expression: the matcher names it
-    b = part(f.name + "_b", {s.var, col}, b, DType::bf16, parts);
+    b = operand_part(f.name + "_b", {s.var, col}, b);
   } else {
     operand_dtype(b);
   }

@@ -34,7 +34,7 @@ struct GridShape {
     elements,     // x: ceil(product(count) / threads)
     padded_rows,  // x: ceil(padded_rows(route) * chunks_per_row / threads)
     expert_tiles, // x: E(route) * ceil(M / tile_m) * ceil(N / tile_n), M = count[0]
-    transpose,    // x: prod(count[..-2]) * ceil(R / 32) * ceil(C / 32) for count [..., R, C];
+    transpose,    // x: prod(count[..-2]) * ceil(R / tile_m) * ceil(C / tile_m) for count [..., R, C];
                   //    routed (route set): R = max_padded_rows(route), C = count[0]
   };
   Kind kind = Kind::elements;

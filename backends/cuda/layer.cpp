@@ -130,7 +130,7 @@ void CudaLayer::bind() {
       int64_t cols = shapes_.extent(gs.count.back()), batch = 1;
       for (size_t i = 0; !gs.route && i + 2 < n; ++i)
         batch *= shapes_.extent(gs.count[i]);
-      gx = batch * ceil_div(rows, 32) * ceil_div(cols, 32);
+      gx = batch * ceil_div(rows, gs.tile_m) * ceil_div(cols, gs.tile_m);
       break;
     }
     }

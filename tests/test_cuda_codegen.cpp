@@ -390,9 +390,10 @@ TEST_CASE("codegen: the benchmarks' best schedules compile without serialised wg
   // unrolls the loop), so this looks at the shapes the schedules are for:
   // mbpaper's best schedule (GeLU, d = 1024, f = 4096, 64 experts, k = 1)
   // and SwiGLU's two-B projection at a mixtral-like width.
-  Schedule best = Schedule::load(testing::source_file("benchmarks/schedules/s23_pair_o_persist_h.sched"));
+  Schedule best =
+      Schedule::load(testing::source_file("benchmarks/schedules/forward/tuned_tma_persist_pair_o_gelu.sched"));
   check_resources(cuda::compile_layer(make_example("moe_mlp", testing::shape(4096, 1024, 4096, 64, 1)).pipeline, best),
-                  "moe_mlp / s23 at mbpaper's widths", true);
+                  "moe_mlp / tuned_tma_persist_pair_o at mbpaper's widths", true);
   check_resources(
       cuda::compile_layer(make_example("swiglu_moe", testing::shape(4096, 4096, 14336, 8, 2)).pipeline, scattermoe()),
       "swiglu_moe / scattermoe at mixtral's widths", true);

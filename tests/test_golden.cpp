@@ -80,8 +80,8 @@ TEST_CASE("golden: the lowered programs (emit --ir) of the forward and the train
 
 #ifdef MOEFORGE_HAVE_CUDA
 TEST_CASE("golden: the GEMM plans (emit --plan) under the presets and the benchmarks' schedule files") {
-  const std::string pair_persist = testing::source_file("benchmarks/schedules/s18_pair_persist_o.sched");
-  const std::string cluster = testing::source_file("benchmarks/schedules/s10_b256_cluster_ho.sched");
+  const std::string pair_persist = testing::source_file("benchmarks/schedules/forward/tuned_tma_pair_o_gelu.sched");
+  const std::string cluster = testing::source_file("tests/golden/b256_cluster_ho.sched");
   for (const Golden &g : std::vector<Golden>{
            {"moe_mlp_megablocks.plan", {"emit", "moe_mlp", "--plan"}},
            {"swiglu_moe_scattermoe_train.plan",

@@ -9,7 +9,7 @@
 using moeforge::testing::source_file;
 
 TEST_CASE("source files: found through MOEFORGE_SOURCE_DIR, the working directory, or the build's tree") {
-  const std::string rel = "benchmarks/schedules/s23_pair_o_persist_h.sched";
+  const std::string rel = "benchmarks/schedules/forward/tuned_tma_persist_pair_o_gelu.sched";
   const std::filesystem::path here = std::filesystem::current_path();
   // From a directory that is not the tree (the build directory, as ctest
   // runs it), the tree the binary was built from.
@@ -20,7 +20,7 @@ TEST_CASE("source files: found through MOEFORGE_SOURCE_DIR, the working director
   CHECK(source_file(rel) == std::string(MOEFORGE_SOURCE_DIR) + "/" + rel);
   CHECK(std::filesystem::exists(source_file(rel)));
   // From the root of a copy of the tree, the copy's file.
-  std::filesystem::create_directories(elsewhere / "benchmarks/schedules");
+  std::filesystem::create_directories((elsewhere / rel).parent_path());
   std::filesystem::copy_file(std::string(MOEFORGE_SOURCE_DIR) + "/" + rel, elsewhere / rel,
                              std::filesystem::copy_options::overwrite_existing);
   CHECK(source_file(rel) == rel);

@@ -10,7 +10,7 @@
 // forward and backward GEMMs with no routing (benchmarks/dense_roof.h).
 // Reported: TFLOP/s, ratio = roof time / our time, forward and backward
 // milliseconds, and the activation memory the forward keeps for the
-// backward (saved_MiB) for each memory choice (store or recompute).
+// backward (saved_MiB) for each memory choice (store, lean or recompute).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -38,59 +38,36 @@ cuda::Device &device() {
   return d;
 }
 
-// The forward benchmark's tuned schedule (256-wide tiles for its single-B
-// GEMMs, warp-specialised wgmma; the backward's GEMMs get the default tile),
-// or, wide, bench::tuned_wide: 256-wide tiles for the backward's too.
-Schedule tuned(const Shape &s, bool wide) {
-  if (wide)
-    return bench::tuned_wide(s.swiglu);
-  Schedule t = scattermoe();
-  t.mma("*", MmaKind::wgmma_ws).tile("o", 128, 256, 64).stages("o", 4).tile("logits", 128, 64, 64);
-  if (!s.swiglu)
-    t.tile("h", 128, 256, 64).stages("h", 4);
-  return t;
+// What the forward keeps for the backward, on top of a schedule:
+//   store      every activation the backward reads (the schedule as written)
+//   lean       the layer input, the pre-activations and the routing tables:
+//              the activation is made again under the GEMMs that read it
+//              (recompute_elementwise) and the gate's gradient comes from the
+//              dH GEMM (gate_gradient_from_dh), so no expert output is kept
+//   recompute  the routing tables and the input: the forward runs again
+enum class Memory { store, lean, recompute };
+
+const char *memory_name(Memory m) { return m == Memory::store ? "store" : m == Memory::lean ? "lean" : "recompute"; }
+
+// A preset by name, or tuned_wide: benchmarks/schedules/train/tuned_wide_*.sched.
+Schedule schedule_of(const Shape &shape, const std::string &name, Memory memory) {
+  Schedule s = name == "tuned_wide" ? bench::tuned_wide(shape.swiglu) : preset(name);
+  if (memory == Memory::lean)
+    s.recompute_elementwise(true).gate_gradient_from_dh(true);
+  s.recompute(memory == Memory::recompute);
+  return s;
 }
 
-// A variant's schedule: a base name, then modifiers after '+', each one
-// schedule change, so that an experiment is a benchmark name
-// ("tuned_wide_lean+blocked") rather than an edit here.
-Schedule variant(const Shape &shape, const std::string &full) {
-  const std::string name = full.substr(0, full.find('+'));
-  Schedule schedule = name.rfind("tuned", 0) == 0 ? tuned(shape, name.rfind("tuned_wide", 0) == 0) : preset(name);
-  if (name == "tuned_wide_persist")
-    schedule.persistent("*", true);
-  if (name == "tuned_wide_lean")
-    schedule.recompute_elementwise(true).gate_gradient_from_dh(true);
-  if (name == "tuned_wide_gate")
-    schedule.gate_gradient_from_dh(true);
-  for (size_t at = full.find('+'); at != std::string::npos;) {
-    const size_t next = full.find('+', at + 1);
-    const std::string mod = full.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
-    if (mod == "blocked") // sort-and-pad: x copied in the padded order, read by TMA
-      schedule.permutation(Permutation::blocked);
-    else if (mod == "chain") // SwiGLU's input gradient as one GEMM over both reductions
-      schedule.chain_summed_gemms(true);
-    else if (mod == "persist_dx") // the input gradient's GEMMs persistent, stored by TMA
-      schedule.persistent("d_x", true).tma_store("d_x", true);
-    else {
-      std::fprintf(stderr, "bench_moe_train: unknown variant modifier '+%s' in '%s'\n", mod.c_str(), full.c_str());
-      std::exit(2);
-    }
-    at = next;
-  }
-  return schedule;
-}
-
-void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, bool recompute, bool skewed) {
+void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, Memory memory, bool skewed) {
   ExampleShape es = shape.example();
   Example ex = biased_moe(es, shape.swiglu, Bias::none, shape.swiglu);
-  Schedule schedule = variant(shape, schedule_name);
-  schedule.recompute(recompute);
-  // MOEFORGE_WRITE_SCHEDULES=<dir>: each variant's schedule as a file
-  // (<shape>_<variant>.sched), so that another harness (the PyTorch module's,
-  // benchmarks/torch_module_train.py) times the very same schedule.
+  Schedule schedule = schedule_of(shape, schedule_name, memory);
+  // MOEFORGE_WRITE_SCHEDULES=<dir>: each benchmark's schedule as a file
+  // (<shape>_<schedule>_<memory>.sched), so that another harness (the
+  // PyTorch module's, benchmarks/torch_module_train.py) times the very same
+  // schedule.
   if (const char *dir = std::getenv("MOEFORGE_WRITE_SCHEDULES"))
-    schedule.save(std::string(dir) + "/" + shape.name + "_" + schedule_name + (recompute ? "+re" : "") + ".sched");
+    schedule.save(std::string(dir) + "/" + shape.name + "_" + schedule_name + "_" + memory_name(memory) + ".sched");
   std::string why;
   if (!cuda::gpu_available(&why)) {
     cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, "sm_90a");
@@ -134,7 +111,7 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   state.SetLabel(device().name());
   // A MOEFORGE_TIMELINE build: each GEMM's tile phases (setup, main loop,
   // epilogue), forward and backward alike.
-  const std::string tag = std::string(schedule_name) + (recompute ? "+re" : "") + (skewed ? " skewed" : "");
+  const std::string tag = std::string(schedule_name) + "/" + memory_name(memory) + (skewed ? " skewed" : "");
   for (const std::string &line : layer.timeline(stream))
     std::printf("timeline %s %s: %s\n", shape.name, tag.c_str(), line.c_str());
   if (std::getenv("MOEFORGE_PROFILE")) {
@@ -145,44 +122,33 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, b
   }
 }
 
-// train/<shape>/<routing>/<schedule>/<memory>: every schedule on the design
-// shapes with uniform routing; the widest schedule also with skewed routing
-// (a ramp on the router logits: the busiest expert gets about 3x the mean)
-// and on the extra shapes; tuned_wide_lean: tuned_wide keeping only the
-// pre-activations of the activation (recompute_elementwise) and no expert
-// outputs (gate_gradient_from_dh), uniform and skewed, on every shape;
-// tuned_wide_gate: the latter alone; tuned_wide_lean+persist_dx: the lean
-// mode with the input gradient's GEMM in persistent blocks.
+// train/<shape>/<routing>/<schedule>/<memory>: the presets and tuned_wide
+// on the design shapes, uniform routing, storing or recomputing; tuned_wide
+// in every memory mode on every shape, and skewed routing (a ramp on the
+// router logits: the busiest expert gets about 3x the mean) storing or lean.
+// Experiments with other variants are entries of benchmarks/NOTES.md.
 void register_all() {
-  auto add = [](const Shape &s, const char *p, bool re, bool skewed) {
-    std::string name =
-        std::string("train/") + s.name + (skewed ? "/skewed/" : "/uniform/") + p + (re ? "/recompute" : "/store");
-    benchmark::RegisterBenchmark(name.c_str(), BM_train, s, p, re, skewed)
+  auto add = [](const Shape &s, const char *p, Memory m, bool skewed) {
+    std::string name = std::string("train/") + s.name + (skewed ? "/skewed/" : "/uniform/") + p + "/" + memory_name(m);
+    benchmark::RegisterBenchmark(name.c_str(), BM_train, s, p, m, skewed)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond)
         ->Iterations(2);
   };
-  for (const Shape &s : bench::kMoeShapes) {
-    for (const char *p : {"megablocks", "scattermoe", "tuned", "tuned_wide", "tuned_wide_persist"})
-      for (bool re : {false, true})
-        add(s, p, re, false);
-    add(s, "tuned_wide", false, true);
-    add(s, "tuned_wide_gate", false, false);
-    add(s, "tuned_wide_lean", false, false);
-    add(s, "tuned_wide_lean", false, true);
-    for (const char *v : {"tuned_wide_lean+persist_dx"})
-      for (bool skewed : {false, true})
-        add(s, v, false, skewed);
-  }
+  for (const Shape &s : bench::kMoeShapes)
+    for (const char *p : {"megablocks", "scattermoe"})
+      for (Memory m : {Memory::store, Memory::recompute})
+        add(s, p, m, false);
+  auto tuned_wide = [&](const Shape &s) {
+    for (Memory m : {Memory::store, Memory::lean, Memory::recompute})
+      add(s, "tuned_wide", m, false);
+    for (Memory m : {Memory::store, Memory::lean})
+      add(s, "tuned_wide", m, true);
+  };
+  for (const Shape &s : bench::kMoeShapes)
+    tuned_wide(s);
   for (const Shape &s : bench::kExtraTrainShapes)
-    for (bool skewed : {false, true})
-      for (bool re : {false, true})
-        if (!(skewed && re))
-          add(s, "tuned_wide", re, skewed);
-  for (const Shape &s : bench::kExtraTrainShapes)
-    for (bool skewed : {false, true})
-      for (const char *v : {"tuned_wide_lean", "tuned_wide_lean+persist_dx"})
-        add(s, v, false, skewed);
+    tuned_wide(s);
 }
 
 } // namespace

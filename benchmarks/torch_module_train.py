@@ -14,7 +14,7 @@ warm-up:
 
 module / layer is the cost of going through PyTorch.
 
-  python3 benchmarks/torch_module_train.py --schedules DIR --variant tuned_wide --out results.json
+  python3 benchmarks/torch_module_train.py --schedules DIR --variant tuned_wide_store --out results.json
 """
 
 import argparse
@@ -117,7 +117,7 @@ def run_shape(name, schedule, iters):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedules", required=True, help="folder of <shape>_<variant>.sched files (bench_moe_train)")
-    ap.add_argument("--variant", default="tuned_wide")
+    ap.add_argument("--variant", default="tuned_wide_store")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", required=True)

@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
-filter=${1:-forward/mixtral/tuned/uniform}
+filter=${1:-forward/mixtral/tuned_tma/uniform}
 kernels=${2:-gemm|nvjet|xmma}
 launches=${3:-8}
 tag=${4:-ncu}

@@ -25,7 +25,7 @@ MOEFORGE_WRITE_SCHEDULES=$R/sched timeout 400 .gpu/bench_moe_train \
   --benchmark_filter="train/(${SHAPES//,/|})/uniform/tuned_wide/store" --benchmark_out="$R/train.json" \
   --benchmark_out_format=json --benchmark_counters_tabular=true >"$R/train.log" 2>&1 || status=1
 grep -E "^train" "$R/train.log" | cut -c1-160
-PYTHONUNBUFFERED=1 timeout 500 python3 benchmarks/torch_module_train.py --schedules "$R/sched" --variant tuned_wide \
+PYTHONUNBUFFERED=1 timeout 500 python3 benchmarks/torch_module_train.py --schedules "$R/sched" --variant tuned_wide_store \
   --shapes "$SHAPES" --out "$R/module.json" 2>&1 | tee "$R/module.log" ||
   status=1
 exit $status

@@ -54,9 +54,8 @@ inline const RoutingNode &route_node(const Pipeline &p, const std::string &name)
 
 // How far each Func of `p` moves when every input element moves by bf16's
 // rounding (its largest relative error 2^-9, random sign; two draws, the
-// larger move kept),
-// the routing held as `given`: the spread a correct bf16 computation can
-// honestly land in. A Func whose exact value is a cancellation (one token's
+// larger move kept), the routing held as `given`: the spread a correct bf16
+// computation can honestly land in. A Func whose exact value is a cancellation (one token's
 // gate-sum gradient, a difference of two nearly equal products) is small
 // against its own terms, so its error relative to itself says nothing about
 // the kernel; its error against this spread does. A wrong kernel (a missed

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "backends/cuda/training_layer.h"
+#include "benchmarks/train_schedule.h"
 #include "gpu_test.h"
 #include "layer_compare.h"
 #include "runtime/program_shapes.h"
@@ -135,6 +136,71 @@ TEST_SUITE("gpu") {
                    "upload_bytes of 'x': 10 bytes given, the layer holds 38400 (bf16 values of its shape)"));
     CHECK(has_text(testing::user_error_of([&] { bytes.upload_bytes("y", std::vector<uint8_t>(10)); }),
                    "'y' is not an Input or Param of the layer"));
+  }
+
+  TEST_CASE("cuda bind: replayed graphs give the eager step's bits, and a bind that moves a tensor captures again") {
+    MOEFORGE_REQUIRE_GPU();
+    cuda::Device device;
+    ExampleShape s = shape(200, 64, 128, 8, 2);
+    Example ex = make_example("swiglu_moe", s);
+    std::mt19937_64 rng(23);
+    HostTensor dy = random_tensor({s.tokens, s.d}, rng);
+    // tuned_wide: TMA loads and stores, whose descriptors a graph holds by value.
+    Schedule schedule = bench::tuned_wide(true);
+    cuda::CompiledTraining compiled =
+        cuda::compile_training(ex.pipeline, ex.pipeline.func("y"), schedule, device.arch_specific());
+    cuda::Stream stream;
+    const std::vector<std::string> outs = {"y", "d_x", "d_wr", "d_w1", "d_w3", "d_w2"};
+    // The eager step on inputs `in`, as bytes per output.
+    auto eager = [&](const TensorMap &in) {
+      cuda::TrainingLayer l(device, compiled, s.tokens);
+      l.upload(in);
+      l.upload_upstream_gradient(dy);
+      l.forward(stream);
+      l.backward(stream);
+      stream.synchronize();
+      std::map<std::string, HostTensor> got;
+      for (const std::string &o : outs)
+        got[o] = l.download(o);
+      return got;
+    };
+    TensorMap a = ex.random_inputs(s, 31), b = ex.random_inputs(s, 32);
+    const auto want_a = eager(a), want_b = eager(b);
+
+    cuda::TrainingLayer layer(device, compiled, s.tokens);
+    layer.replay_graphs(true);
+    layer.upload(a);
+    layer.upload_upstream_gradient(dy);
+    // x bound to memory the test owns, twice over: a's rows, then b's.
+    cuda::DeviceBuffer xa = device_tensor(a.at("x"), layer.info("x").dtype);
+    cuda::DeviceBuffer xb = device_tensor(b.at("x"), layer.info("x").dtype);
+    layer.bind("x", xa.ptr(), xa.bytes());
+    auto step_matches = [&](const std::map<std::string, HostTensor> &want, const char *what) {
+      layer.poison();
+      layer.upload_upstream_gradient(dy);
+      layer.forward(stream);
+      layer.backward(stream);
+      stream.synchronize();
+      for (const std::string &o : outs) {
+        INFO(what << ": " << o);
+        CHECK(max_normalized_error(layer.download(o), want.at(o)) == 0.0);
+      }
+    };
+    // Eager, then captured, then replayed: the same bits each time.
+    for (const char *what : {"first step (eager)", "second (captured)", "third (replayed)"})
+      step_matches(want_a, what);
+    // The same address bound again moves nothing: still replayed.
+    const uint64_t epoch = layer.layer().bind_epoch();
+    layer.bind("x", xa.ptr(), xa.bytes());
+    CHECK(layer.layer().bind_epoch() == epoch);
+    step_matches(want_a, "the same address bound again");
+    // x moved to b's rows (the other Inputs still a's): the graph captured at
+    // the old address must not run; the first steps eager, then captured.
+    layer.upload(b);
+    layer.bind("x", xb.ptr(), xb.bytes());
+    CHECK(layer.layer().bind_epoch() == epoch + 1);
+    for (const char *what : {"moved (eager)", "moved (captured)", "moved (replayed)"})
+      step_matches(want_b, what);
   }
 
   TEST_CASE("cuda bind: mistakes are user errors that say what to change") {

@@ -61,6 +61,7 @@ namespace moeforge::cuda {
   X(cuStreamDestroy)                                                                                                   \
   X(cuStreamSynchronize)                                                                                               \
   X(cuStreamBeginCapture)                                                                                              \
+  X(cuStreamIsCapturing)                                                                                               \
   X(cuStreamEndCapture)                                                                                                \
   X(cuGraphInstantiate)                                                                                                \
   X(cuGraphLaunch)                                                                                                     \

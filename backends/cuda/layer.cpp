@@ -337,6 +337,11 @@ void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
   check_copy(info(name), name, bytes, "bind");
   user_check(ptr % 16 == 0) << "bind: the memory for '" << name << "' is not 16-byte aligned (the kernels load 16 "
                             << "bytes at a time): give a tensor that starts at an aligned address";
+  if (t->is_input)
+    uploaded_.insert(name);
+  if (tensors_.at(name).ptr() == ptr && tensors_.at(name).bytes() == bytes)
+    return; // already there (a framework's allocator often hands back the same block)
+  ++bind_epoch_;
   // Kernel arguments point at the DeviceBuffer's address field, which stays
   // where it is; what holds the address by value is refreshed.
   tensors_.at(name) = DeviceBuffer::view(ptr, bytes);
@@ -346,8 +351,6 @@ void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
   for (Launch &l : launches_)
     if (l.gen->zero_first == name)
       l.zero = ptr;
-  if (t->is_input)
-    uploaded_.insert(name);
 }
 
 std::vector<int32_t> CudaLayer::routed_experts(const std::string &route) const {

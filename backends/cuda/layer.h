@@ -112,6 +112,10 @@ public:
   // keeps the old one, so bind before capturing. The caller keeps the memory
   // alive while work that reads or writes it may run.
   void bind(const std::string &name, CUdeviceptr ptr, size_t bytes);
+  // Counts the binds that moved a tensor (binding the address it already
+  // has changes nothing): a graph captured at one count holds the addresses
+  // (in TMA descriptors, by value) that are still right at that count.
+  uint64_t bind_epoch() const { return bind_epoch_; }
   // The experts the device chose, pair order (r = t * k + slot).
   std::vector<int32_t> routed_experts(const std::string &route) const;
 
@@ -142,6 +146,7 @@ private:
   DeviceBuffer arena_;
   std::map<std::string, DeviceBuffer> tensors_; // views into arena_ for planned tensors
   std::set<std::string> uploaded_;              // the Inputs and Params given so far
+  uint64_t bind_epoch_ = 0;
   std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
   std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows
   std::deque<CUtensorMap> tensor_maps_;                    // TMA arguments (a deque: their addresses stay put)

@@ -74,6 +74,12 @@ CudaGraph &CudaGraph::operator=(CudaGraph &&other) noexcept {
   return *this;
 }
 
+bool is_capturing(const Stream &stream) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  MOEFORGE_CU(cuStreamIsCapturing, stream.handle(), &status);
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
 void begin_capture(Stream &stream) {
   MOEFORGE_CU(cuStreamBeginCapture, stream.handle(), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
 }

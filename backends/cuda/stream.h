@@ -88,4 +88,8 @@ private:
 void begin_capture(Stream &stream);
 CudaGraph end_capture(Stream &stream);
 
+// Whether work queued on `stream` is being recorded into a graph (by
+// moeforge or by another library, torch.cuda.graph say) rather than run.
+bool is_capturing(const Stream &stream);
+
 } // namespace moeforge::cuda

@@ -61,14 +61,33 @@ void TrainingLayer::poison() {
   state_.poisoned();
 }
 
+void TrainingLayer::run(Replay &r, size_t begin, size_t end, const Stream &stream) {
+  const uint64_t epoch = layer_.bind_epoch();
+  if (!replay_ || is_capturing(stream) || (r.captured_at != epoch && r.eager_at != epoch)) {
+    layer_.enqueue(stream, begin, end);
+    r.eager_at = epoch;
+    return;
+  }
+  if (r.captured_at != epoch) {
+    // Recording runs nothing, so a stream of our own can record what then
+    // replays on the caller's; enqueue's checks run here as they would
+    // eagerly.
+    if (!capture_stream_)
+      capture_stream_ = std::make_unique<Stream>();
+    r.graph = CudaGraph::capture(*capture_stream_, [&] { layer_.enqueue(*capture_stream_, begin, end); });
+    r.captured_at = epoch;
+  }
+  r.graph.launch(stream);
+}
+
 void TrainingLayer::forward(const Stream &stream) {
-  layer_.enqueue(stream, 0, compiled_.training.forward_steps);
+  run(forward_, 0, compiled_.training.forward_steps, stream);
   state_.forward_ran();
 }
 
 void TrainingLayer::backward(const Stream &stream) {
   state_.check_ready_for_backward();
-  layer_.enqueue(stream, compiled_.training.forward_steps, compiled_.training.program.steps.size());
+  run(backward_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream);
 }
 
 std::vector<std::pair<std::string, double>> TrainingLayer::profile_forward(const Stream &stream) {

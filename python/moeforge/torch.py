@@ -214,6 +214,10 @@ values through numpy: for development and tests, not speed).
             with torch.cuda.device(self.device):
                 layer = mf.CudaTrainingLayer(self.pipeline, self.outputs, self.schedule, tokens,
                                              self.device.index or 0)
+            # One graph launch per entry point while torch's allocator hands
+            # back the same blocks step after step: a short layer's ~30
+            # launches would otherwise show in its step time.
+            layer.replay_graphs(True)
             self._layers[tokens] = (layer, {})
         return self._layers[tokens]
 

@@ -116,6 +116,10 @@ void bind_cuda(nb::module_ &m) {
           },
           "stream"_a = 0, "Enqueues routing and the forward on the stream (a CUstream handle; 0: the legacy one).")
       .def(
+          "replay_graphs", [](PyCudaTraining &l, bool on) { l.layer->replay_graphs(on); }, "on"_a = true,
+          "Replays the forward and the backward each as one CUDA graph while no tensor was bound elsewhere "
+          "(captured again after a bind that moved one).")
+      .def(
           "backward",
           [](PyCudaTraining &l, uintptr_t stream) {
             l.dev->make_current();

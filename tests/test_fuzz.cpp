@@ -30,7 +30,9 @@ std::vector<std::string> schedule_corpus() {
   for (const std::string &p : preset_names())
     corpus.push_back(preset(p).to_text());
   const std::filesystem::path dir = testing::source_file("benchmarks/schedules");
-  for (const auto &entry : std::filesystem::directory_iterator(dir)) {
+  for (const auto &entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (!entry.is_regular_file() || entry.path().extension() != ".sched")
+      continue;
     std::ifstream in(entry.path());
     std::stringstream text;
     text << in.rdbuf();

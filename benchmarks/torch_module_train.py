@@ -119,7 +119,7 @@ def main():
     ap.add_argument("--schedules", required=True, help="folder of <shape>_<variant>.sched files (bench_moe_train)")
     ap.add_argument("--variant", default="tuned_wide_store")
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rows = []

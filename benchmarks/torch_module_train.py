@@ -4,13 +4,16 @@ driven directly, in one process on one GPU.
 For each shape: the layer written in the Python algebra (swiglu_moe or
 moe_mlp, as bench_moe_train times them, without its router bias), under a
 schedule file bench_moe_train wrote (MOEFORGE_WRITE_SCHEDULES), as a
-moeforge.torch module. Timed with CUDA events, mean of --iters steps after
-warm-up:
+moeforge.torch module. Timed with CUDA events: the mean of --iters steps
+after warm-up, in --rounds rounds alternating module and layer, the median
+round of each:
 
-  module   y = moe(x); y.backward(dy)   (autograd, binding, Python: eager)
-  graph    the same step captured in a CUDA graph and replayed
+  module   y = moe(x); y.backward(dy)   (autograd, binding, Python)
   layer    layer.forward(); layer.backward() on the module's own compiled
-           layer (no autograd, no torch tensors made; eager)
+           layer (no autograd, no torch tensors made), which replays its
+           forward and backward graphs as bench_moe_train does
+  graph    the module's step captured in a CUDA graph and replayed (it
+           accumulates into .grad, as a captured training step does)
 
 module / layer is the cost of going through PyTorch.
 
@@ -20,6 +23,7 @@ module / layer is the cost of going through PyTorch.
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -50,7 +54,7 @@ def time_ms(fn, iters, warmup=3):
     return start.elapsed_time(end) / iters
 
 
-def run_shape(name, schedule, iters):
+def run_shape(name, schedule, iters, rounds):
     tokens, d, f, experts, k, swiglu = SHAPES[name]
     ex, _ = mf.make_example("swiglu_moe" if swiglu else "moe_mlp", tokens=tokens, experts=experts, topk=k, d=d, f=f)
     moe = mft.MoELayer(ex.pipeline, schedule=schedule, init_scale=dict(ex.init_scale))
@@ -68,8 +72,6 @@ def run_shape(name, schedule, iters):
     module_step()  # compiles
     torch.cuda.synchronize()
     compile_s = time.time() - t0
-    module_ms = time_ms(module_step, iters)
-
     layer, _ = moe._layers[tokens]
     stream = torch.cuda.current_stream().cuda_stream
 
@@ -77,7 +79,14 @@ def run_shape(name, schedule, iters):
         layer.forward(stream)
         layer.backward(stream)
 
-    layer_ms = time_ms(layer_step, iters)
+    # Alternating rounds, the median of each: the card's clock drifts over
+    # seconds (a longer run is slower), so one block of module steps and one
+    # of layer steps after it would compare two clocks.
+    module_runs, layer_runs = [], []
+    for _ in range(rounds):
+        module_runs.append(time_ms(module_step, iters))
+        layer_runs.append(time_ms(layer_step, iters))
+    module_ms, layer_ms = statistics.median(module_runs), statistics.median(layer_runs)
 
     # The module's step in a CUDA graph (gradients accumulate into the .grad
     # the warm-up made, as a captured training step does).
@@ -102,6 +111,8 @@ def run_shape(name, schedule, iters):
         "module_ms": module_ms,
         "graph_ms": graph_ms,
         "layer_ms": layer_ms,
+        "module_rounds_ms": module_runs,
+        "layer_rounds_ms": layer_runs,
         "module_over_layer": module_ms / layer_ms,
         "module_TFLOPs": flops / (module_ms * 1e-3) / 1e12,
         "saved_MiB": moe.saved_bytes(tokens) / 2 ** 20,
@@ -119,7 +130,8 @@ def main():
     ap.add_argument("--schedules", required=True, help="folder of <shape>_<variant>.sched files (bench_moe_train)")
     ap.add_argument("--variant", default="tuned_wide_store")
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=10, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of module and layer steps (medians)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rows = []
@@ -129,7 +141,7 @@ def main():
             print(f"torch_module_train: no schedule file {path}: run bench_moe_train with "
                   f"MOEFORGE_WRITE_SCHEDULES={args.schedules} first", file=sys.stderr)
             return 2
-        rows.append(run_shape(name, mf.Schedule.load(path), args.iters))
+        rows.append(run_shape(name, mf.Schedule.load(path), args.iters, args.rounds))
     with open(args.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "torch": torch.__version__, "variant": args.variant, "rows": rows}, fh, indent=1)

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 
 #include "benchmarks/dense_roof.h"
@@ -43,6 +44,13 @@ inline constexpr MoeShape kExtraTrainShapes[] = {
     {"gptoss", 8192, 2880, 2880, 128, 4, true, 0.6},
 };
 
+// How many random values a benchmark input repeats: 4M, or
+// MOEFORGE_BENCH_PATTERN_VALUES (to time whether the repetition matters).
+inline int64_t pattern_values() {
+  const char *v = std::getenv("MOEFORGE_BENCH_PATTERN_VALUES");
+  return v ? std::max<int64_t>(1, std::atoll(v)) : int64_t(1) << 22;
+}
+
 // Random inputs of the example's ranges on `layer` (a cuda::CudaLayer or
 // cuda::TrainingLayer), the router bias from `bias`. Tensors past 4M values
 // repeat a 4M random pattern: gigabytes of weights need no host-side random
@@ -50,6 +58,7 @@ inline constexpr MoeShape kExtraTrainShapes[] = {
 template <typename Layer>
 void upload_inputs(Layer &layer, const Example &ex, const ExampleShape &es, Bias bias, double ramp) {
   std::mt19937_64 rng(1);
+  const int64_t pattern = pattern_values();
   for (const BufferPtr &b : ex.pipeline.buffers()) {
     if (b->name == "bias") {
       layer.upload_repeated("bias", router_bias(bias, es.experts, ramp));
@@ -60,7 +69,9 @@ void upload_inputs(Layer &layer, const Example &ex, const ExampleShape &es, Bias
       n *= d.is_dynamic() ? es.tokens : d.extent();
     auto it = ex.init_scale.find(b->name);
     double a = it == ex.init_scale.end() ? 1.0 : it->second;
-    layer.upload_repeated(b->name, random_tensor({std::min<int64_t>(n, 1 << 22)}, rng, -a, a));
+    const int64_t m = std::min<int64_t>(n, pattern);
+    layer.upload_repeated(b->name, m > int64_t(1) << 22 ? hashed_random_tensor({m}, 1, random_stream(b->name), -a, a)
+                                                        : random_tensor({m}, rng, -a, a));
   }
 }
 

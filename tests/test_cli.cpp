@@ -282,7 +282,24 @@ TEST_CASE("cli: an error compiling the layer comes without the usage; an error i
   CHECK(r.code == 2);
   CHECK(has(r.err, "persistent blocks need the warp-specialised loop"));
   CHECK_FALSE(has(r.err, "usage:"));
+  // A schedule file that is there but wrong: the file's error, told
+  // without the usage; a --schedule that names nothing: a usage error.
+  {
+    std::ofstream f(p);
+    f << "schedule(\"p\")\nwarp_drive(\"*\", 9)\n";
+  }
+  for (const char *command : {"run", "train", "emit"}) {
+    std::vector<std::string> args = {command, "moe_mlp", "--schedule", p.string()};
+    if (std::string(command) == "emit")
+      args.push_back("--ir");
+    INFO(command);
+    r = cli(args);
+    CHECK(r.code == 2);
+    CHECK(has(r.err, p.string() + ":2: unknown primitive 'warp_drive'"));
+    CHECK_FALSE(has(r.err, "usage:"));
+  }
   std::filesystem::remove(p);
+  check_usage_error({"run", "moe_mlp", "--schedule", "no_such_schedule"}, {"is neither a preset"});
   check_usage_error({"run", "moe_mlp", "--tokens", "0"}, {"--tokens must be at least 1"});
 }
 

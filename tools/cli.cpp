@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <iomanip>
 #include <optional>
 #include <random>
@@ -336,14 +337,30 @@ void check_host_memory(const Example &ex, const ExampleShape &shape, bool as_dou
                                  << "machine's " << have / gib << " GiB: lower --tokens, --d, --f or --experts";
 }
 
+// --schedule's preset or file. A file that is there but holds no valid
+// schedule is the file's error, not the command line's: its message comes
+// without the usage (`working` is set while it loads).
+Schedule schedule_arg(const std::string &arg, bool &working) {
+  const std::vector<std::string> presets = preset_names();
+  std::error_code ec;
+  if (std::find(presets.begin(), presets.end(), arg) != presets.end() || !std::filesystem::exists(arg, ec) ||
+      std::filesystem::is_directory(arg, ec))
+    return schedule_from_arg(arg);
+  const bool before = working;
+  working = true;
+  Schedule s = schedule_from_arg(arg);
+  working = before;
+  return s;
+}
+
 // The schedule a run or a training step uses: --schedule's preset or file,
 // or for `auto` what `moeforge tune` cached for this layer, token count and
 // GPU, else the preset scattermoe (the faster preset on every shape
 // measured); `note` says which and why.
 Schedule resolve_schedule(const Options &o, const Example &ex, const std::string &backend, bool training,
-                          std::string *note) {
+                          std::string *note, bool &working) {
   if (o.schedule != "auto")
-    return schedule_from_arg(o.schedule);
+    return schedule_arg(o.schedule, working);
 #ifdef MOEFORGE_HAVE_CUDA
   if (backend == "cuda") {
     std::string where;
@@ -434,13 +451,13 @@ bool check_training(std::ostream &out, const BackendTraining &run, const Trainin
 int tune(const Options &o, std::ostream &out, std::ostream &err, bool &working) {
   TrainingTask task = training_task(o);
   const Example &ex = task.example;
-  Schedule base = o.schedule == "auto" ? Schedule() : schedule_from_arg(o.schedule);
+  Schedule base = o.schedule == "auto" ? Schedule() : schedule_arg(o.schedule, working);
   working = true; // the arguments hold together: from here on, errors are the machine's or the layer's
   std::string no_gpu;
   user_check(gpu_present(&no_gpu)) << "tune times candidate schedules on the GPU, and there is none: " << no_gpu;
   if (o.schedule == "auto") { // go on from what an earlier tune cached, or from scattermoe
     std::string auto_note;
-    base = resolve_schedule(o, ex, "cuda", o.emit_training, &auto_note);
+    base = resolve_schedule(o, ex, "cuda", o.emit_training, &auto_note, working);
     err << "tune: base schedule " << auto_note << "\n";
   }
 #ifdef MOEFORGE_HAVE_CUDA
@@ -468,7 +485,7 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu);
   std::string auto_note;
-  Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/true, &auto_note);
+  Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/true, &auto_note, working);
   if (o.recompute)
     schedule.recompute(true);
   working = true; // the arguments hold together: from here on, errors are the layer's
@@ -543,7 +560,7 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
   // The schedule only matters to the compiled backends, whose compilers check
   // it against the layer.
   std::string auto_note;
-  Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/false, &auto_note);
+  Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/false, &auto_note, working);
   // A GPU run without --check never needs the inputs on the host: the
   // backend makes the same values straight in its storage type.
   const bool host_inputs = backend != "cuda" || o.check;
@@ -712,7 +729,7 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
       Example ex = make_example(o.example, o.shape);
       user_check(o.schedule != "auto") << "emit prints what a schedule compiles to, and 'auto' is chosen where the "
                                        << "layer runs (run, train, tune): name a preset or a schedule file";
-      Schedule schedule = schedule_from_arg(o.schedule);
+      Schedule schedule = schedule_arg(o.schedule, working);
       working = o.emit == "ir" || (o.emit == "cuda" || o.emit == "plan" ? kHaveCuda : kHaveCpu);
       if (o.emit == "ir") {
         if (o.emit_training)

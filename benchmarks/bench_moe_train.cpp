@@ -80,9 +80,7 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, M
   bench::upload_inputs(layer, ex, es, skewed ? Bias::ramp : Bias::none, shape.skew_ramp);
   std::mt19937_64 rng(2);
   const int64_t dy_values = std::min<int64_t>(bench::pattern_values(), shape.tokens * shape.d);
-  layer.upload_repeated(compiled.training.seed, dy_values > int64_t(1) << 22
-                                                    ? hashed_random_tensor({dy_values}, 2, 0, -1, 1)
-                                                    : random_tensor({dy_values}, rng, -1, 1));
+  layer.upload_repeated(compiled.training.seed, bench::bench_values(dy_values, rng, random_stream("d_y"), -1, 1));
   cuda::Stream stream;
   cuda::CudaGraph fwd = cuda::CudaGraph::capture(stream, [&] { layer.forward(stream); });
   cuda::CudaGraph bwd = cuda::CudaGraph::capture(stream, [&] { layer.backward(stream); });

@@ -51,6 +51,12 @@ inline int64_t pattern_values() {
   return v ? std::max<int64_t>(1, std::atoll(v)) : int64_t(1) << 22;
 }
 
+// `n` random values in [lo, hi): a sequential generator's for the usual 4M,
+// a counter-based hash (filled on every core) past that.
+inline HostTensor bench_values(int64_t n, std::mt19937_64 &rng, uint64_t stream, double lo, double hi) {
+  return n > int64_t(1) << 22 ? hashed_random_tensor({n}, 1, stream, lo, hi) : random_tensor({n}, rng, lo, hi);
+}
+
 // Random inputs of the example's ranges on `layer` (a cuda::CudaLayer or
 // cuda::TrainingLayer), the router bias from `bias`. Tensors past 4M values
 // repeat a 4M random pattern: gigabytes of weights need no host-side random
@@ -70,8 +76,7 @@ void upload_inputs(Layer &layer, const Example &ex, const ExampleShape &es, Bias
     auto it = ex.init_scale.find(b->name);
     double a = it == ex.init_scale.end() ? 1.0 : it->second;
     const int64_t m = std::min<int64_t>(n, pattern);
-    layer.upload_repeated(b->name, m > int64_t(1) << 22 ? hashed_random_tensor({m}, 1, random_stream(b->name), -a, a)
-                                                        : random_tensor({m}, rng, -a, a));
+    layer.upload_repeated(b->name, bench_values(m, rng, random_stream(b->name), -a, a));
   }
 }
 

@@ -343,8 +343,7 @@ void check_host_memory(const Example &ex, const ExampleShape &shape, bool as_dou
 Schedule schedule_arg(const std::string &arg, bool &working) {
   const std::vector<std::string> presets = preset_names();
   std::error_code ec;
-  if (std::find(presets.begin(), presets.end(), arg) != presets.end() || !std::filesystem::exists(arg, ec) ||
-      std::filesystem::is_directory(arg, ec))
+  if (std::find(presets.begin(), presets.end(), arg) != presets.end() || !std::filesystem::is_regular_file(arg, ec))
     return schedule_from_arg(arg);
   const bool before = working;
   working = true;

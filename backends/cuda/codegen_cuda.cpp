@@ -1436,11 +1436,11 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
 
 // ------------------------------------------------------------ transposes
 
-// 32 x 32 tiles through shared memory, so both the reads and the writes are
-// coalesced. Dense: the last two dims swap, one grid slice per leading index.
-// Routed: dst[c, p] = src[row(p), c] over every padded position p.
-// Any transpose (f32 or bf16, dense or over a route's padded rows): 32 x 32
-// tiles through shared memory, an element per thread and access.
+// Any transpose (f32 or bf16, dense or routed): 32 x 32 tiles through shared
+// memory, an element per thread and access, so both the reads and the
+// writes are coalesced. Dense: the last two dims swap, one grid slice per
+// leading index. Routed: dst[c, p] = src[row(p), c] over every padded
+// position p.
 void emit_transpose_scalar(const TransposeStep &s, KernelBuilder &kb, std::ostringstream &body, const std::string &gSrc,
                            const std::string &gDst, const std::string &batch, const TensorDecl &to) {
   body << "  __shared__ float tile[32][33];\n";

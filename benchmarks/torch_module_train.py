@@ -15,16 +15,25 @@ round of each:
   graph    the module's step captured in a CUDA graph and replayed (it
            accumulates into .grad, as a captured training step does)
 
-module / layer is the cost of going through PyTorch.
+  bench    (--bench BIN) bench_moe_train's own step for the same shape
+           and variant, its process run once per round between the
+           module's and the layer's steps
+
+module / layer is the cost of going through PyTorch; module / bench is
+the module against the C++ benchmark, each round's processes taking
+turns on the card, so both see the same clock drift.
 
   python3 benchmarks/torch_module_train.py --schedules DIR --variant tuned_wide_store --out results.json
+      [--bench build/benchmarks/bench_moe_train]
 """
 
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -54,7 +63,21 @@ def time_ms(fn, iters, warmup=3):
     return start.elapsed_time(end) / iters
 
 
-def run_shape(name, schedule, iters, rounds):
+def bench_step_ms(bench, name, variant):
+    """One bench_moe_train process timing train/<name>/uniform/<schedule>/<memory>: its ms per step."""
+    schedule, memory = variant.rsplit("_", 1)
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([bench, f"--benchmark_filter=^train/{name}/uniform/{schedule}/{memory}/",
+                        f"--benchmark_out={out.name}", "--benchmark_out_format=json"],
+                       check=True, stdout=subprocess.DEVNULL)
+        rows = json.load(open(out.name))["benchmarks"]
+    if len(rows) != 1 or rows[0].get("error_occurred"):
+        raise RuntimeError(f"bench_moe_train ran {len(rows)} benchmarks for {name} {variant}: {rows}")
+    assert rows[0]["time_unit"] == "ms", rows[0]["time_unit"]
+    return rows[0]["real_time"]
+
+
+def run_shape(name, schedule, iters, rounds, bench=None, variant=None):
     tokens, d, f, experts, k, swiglu = SHAPES[name]
     ex, _ = mf.make_example("swiglu_moe" if swiglu else "moe_mlp", tokens=tokens, experts=experts, topk=k, d=d, f=f)
     moe = mft.MoELayer(ex.pipeline, schedule=schedule, init_scale=dict(ex.init_scale))
@@ -73,20 +96,29 @@ def run_shape(name, schedule, iters, rounds):
     torch.cuda.synchronize()
     compile_s = time.time() - t0
     layer, _ = moe._layers[tokens]
-    stream = torch.cuda.current_stream().cuda_stream
 
-    def layer_step():
+    def layer_step():  # on torch's current stream, as the module's steps run
+        stream = torch.cuda.current_stream().cuda_stream
         layer.forward(stream)
         layer.backward(stream)
 
     # Alternating rounds, the median of each: the card's clock drifts over
     # seconds (a longer run is slower), so one block of module steps and one
     # of layer steps after it would compare two clocks.
-    module_runs, layer_runs = [], []
+    # The layer on a stream of its own as well: torch's default stream is
+    # the legacy one, which the benchmark's stream is not.
+    own = torch.cuda.Stream()
+    module_runs, layer_runs, side_runs, bench_runs = [], [], [], []
     for _ in range(rounds):
         module_runs.append(time_ms(module_step, iters))
+        if bench:
+            bench_runs.append(bench_step_ms(bench, name, variant))
         layer_runs.append(time_ms(layer_step, iters))
+        with torch.cuda.stream(own):
+            side_runs.append(time_ms(layer_step, iters))
     module_ms, layer_ms = statistics.median(module_runs), statistics.median(layer_runs)
+    side_ms = statistics.median(side_runs)
+    bench_ms = statistics.median(bench_runs) if bench else None
 
     # The module's step in a CUDA graph (gradients accumulate into the .grad
     # the warm-up made, as a captured training step does).
@@ -114,12 +146,18 @@ def run_shape(name, schedule, iters, rounds):
         "module_rounds_ms": module_runs,
         "layer_rounds_ms": layer_runs,
         "module_over_layer": module_ms / layer_ms,
+        "layer_side_stream_ms": side_ms,
+        "layer_side_stream_rounds_ms": side_runs,
+        "bench_ms": bench_ms,
+        "bench_rounds_ms": bench_runs,
+        "module_over_bench": module_ms / bench_ms if bench else None,
         "module_TFLOPs": flops / (module_ms * 1e-3) / 1e12,
         "saved_MiB": moe.saved_bytes(tokens) / 2 ** 20,
         "compile_s": compile_s,
     }
     print(f"{name:9s} module {module_ms:7.3f} ms  graph {graph_ms:7.3f} ms  layer {layer_ms:7.3f} ms  "
-          f"module/layer {module_ms / layer_ms:.3f}  compile {compile_s:.1f} s", flush=True)
+          f"module/layer {module_ms / layer_ms:.3f}  layer (own stream) {side_ms:7.3f} ms  compile {compile_s:.1f} s" +
+          (f"  bench {bench_ms:7.3f} ms  module/bench {module_ms / bench_ms:.3f}" if bench else ""), flush=True)
     del moe, layer, graph
     torch.cuda.empty_cache()
     return row
@@ -132,6 +170,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=10, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of module and layer steps (medians)")
+    ap.add_argument("--bench", help="bench_moe_train binary: time its step once per round too (module / bench)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rows = []
@@ -141,7 +180,7 @@ def main():
             print(f"torch_module_train: no schedule file {path}: run bench_moe_train with "
                   f"MOEFORGE_WRITE_SCHEDULES={args.schedules} first", file=sys.stderr)
             return 2
-        rows.append(run_shape(name, mf.Schedule.load(path), args.iters, args.rounds))
+        rows.append(run_shape(name, mf.Schedule.load(path), args.iters, args.rounds, args.bench, args.variant))
     with open(args.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "torch": torch.__version__, "variant": args.variant, "rows": rows}, fh, indent=1)

@@ -364,6 +364,11 @@ TEST_CASE("cli: emit --cuda prints generated CUDA where the backend is built") {
   CHECK(r.code == 0);
   CHECK(has(r.out, "#include \"moeforge_tiles.cuh\""));
   CHECK(has(r.out, "extern \"C\" __global__ void __launch_bounds__(384, 1) gemm_h("));
+  // --train: the training step's kernels, the backward's weight gradients too.
+  Run t = cli({"emit", "moe_mlp", "--cuda", "--train"});
+  CHECK(t.code == 0);
+  CHECK(has(t.out, " gemm_d_w1("));
+  CHECK(!has(r.out, " gemm_d_w1("));
 #else
   CHECK(r.code == 2);
   CHECK(has(r.err, "emit --ir works without it"));
@@ -374,7 +379,7 @@ TEST_CASE("cli: emit and schedule and backend usage errors") {
   check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "--cuda", "--llvm", "or --plan"});
   check_usage_error({"emit", "moe_mlp", "--ir", "--cuda"},
                     {"emit needs exactly one of --ir, --cuda, --llvm or --plan", "got --ir and --cuda"});
-  check_usage_error({"emit", "moe_mlp", "--cuda", "--train"}, {"emit --train goes with --ir or --plan"});
+  check_usage_error({"emit", "moe_mlp", "--llvm", "--train"}, {"emit --train goes with --ir, --cuda or --plan"});
   check_usage_error({"run", "moe_mlp", "--train"}, {"unknown flag '--train' for 'run'"});
   // The training step's program: the backward's GEMMs too.
   Run t = cli({"emit", "swiglu_moe", "--ir", "--train"});
@@ -743,7 +748,7 @@ TEST_CASE("cli: hostile command lines end in exit 2 and a message that says what
       {{"fit", "moe_mlp"}, "unknown command 'fit'"},
       {{"emit", "moe_mlp"}, "emit needs exactly one of --ir"},
       {{"emit", "moe_mlp", "--ir", "--cuda"}, "got --ir and --cuda"},
-      {{"emit", "moe_mlp", "--llvm", "--train"}, "emit --train goes with --ir or --plan"},
+      {{"emit", "moe_mlp", "--llvm", "--train"}, "emit --train goes with --ir, --cuda or --plan"},
       {{"run", "moe_mlp", "--schedule", empty}, "has no primitives (only blank lines or comments)"},
       {{"run", "moe_mlp", "--schedule", comment}, "has no primitives (only blank lines or comments)"},
       {{"run", "moe_mlp", "--schedule", nul}, "byte 0x00 is not text"},

@@ -169,8 +169,8 @@ Options parse(const std::vector<std::string> &args) {
   user_check(o.command != "emit" || !o.emit.empty())
       << "emit needs exactly one of --ir (the lowered kernel program), --cuda (the generated CUDA source), "
       << "--llvm (the CPU backend's optimised LLVM IR) or --plan (each GEMM's plan on the CUDA backend)";
-  user_check(o.command != "emit" || !o.emit_training || o.emit == "ir" || o.emit == "plan")
-      << "emit --train goes with --ir or --plan (the training step's program or GEMM plans)";
+  user_check(o.command != "emit" || !o.emit_training || o.emit != "llvm")
+      << "emit --train goes with --ir, --cuda or --plan (the training step's program, CUDA source or GEMM plans)";
   return o;
 }
 
@@ -749,7 +749,7 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
         user_check(kHaveCuda) << "emit --cuda: this build has no CUDA backend (the CUDA toolkit was not found when "
                               << "it was configured); emit --ir works without it";
 #ifdef MOEFORGE_HAVE_CUDA
-        out << cli_cuda_source(ex.pipeline, schedule);
+        out << cli_cuda_source(ex, schedule, o.emit_training);
 #endif
         return wrote(out, err) ? 0 : 2;
       }

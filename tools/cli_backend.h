@@ -90,7 +90,7 @@ BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const Te
                           const Schedule &schedule, bool every_func);
 BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
                                  const Schedule &schedule);
-std::string cli_cuda_source(const Pipeline &pipeline, const Schedule &schedule);
+std::string cli_cuda_source(const Example &ex, const Schedule &schedule, bool training);
 // Each GEMM's plan on the CUDA backend (gemm_plan.h): of the forward, or
 // with `training` of the training step's forward and backward.
 std::string cli_cuda_plans(const Example &ex, const Schedule &schedule, bool training);

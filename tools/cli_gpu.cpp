@@ -18,9 +18,11 @@ namespace moeforge {
 
 bool cli_gpu_available(std::string *why) { return cuda::gpu_available(why); }
 
-std::string cli_cuda_source(const Pipeline &pipeline, const Schedule &schedule) {
-  check_vector_alignment(pipeline);
-  return generate_cuda(lower(pipeline, schedule)).source;
+std::string cli_cuda_source(const Example &ex, const Schedule &schedule, bool training) {
+  check_vector_alignment(ex.pipeline);
+  return generate_cuda(training ? lower_training(ex.pipeline, ex.pipeline.func(ex.output), schedule).program
+                                : lower(ex.pipeline, schedule))
+      .source;
 }
 
 std::string cli_cuda_plans(const Example &ex, const Schedule &schedule, bool training) {

@@ -60,7 +60,7 @@ const std::map<std::string, const char *> kHelp = {
      "moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
      "  Prints what the layer compiles to: the lowered kernel program (--ir), the generated\n"
      "  CUDA C++ (--cuda), the CPU backend's LLVM IR (--llvm) or each GEMM's plan (--plan);\n"
-     "  --train: the training step's program (with --ir or --plan).\n\n" MOEFORGE_SHAPE_FLAGS MOEFORGE_SCHEDULE_FLAG
+     "  --train: the training step's program (with --ir, --cuda or --plan).\n\n" MOEFORGE_SHAPE_FLAGS MOEFORGE_SCHEDULE_FLAG
      "\nexamples:\n"
      "  moeforge emit moe_mlp --ir\n"
      "  moeforge emit swiglu_moe --schedule scattermoe --plan --train\n"},

@@ -50,7 +50,13 @@ SHAPES = {  # name: tokens, d, f, experts, k, swiglu (benchmarks/moe_shapes.h)
 }
 
 
-def time_ms(fn, iters, warmup=3):
+def time_ms(fn, iters, warmup=3, cooldown=0.0):
+    # The card's clock depends on what it ran just before: a block of steps
+    # right after others runs slower than one after an idle pause, such as
+    # the benchmark's process start. `cooldown` seconds idle first give every
+    # timed block the same start.
+    torch.cuda.synchronize()
+    time.sleep(cooldown)
     for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -77,7 +83,7 @@ def bench_step_ms(bench, name, variant):
     return rows[0]["real_time"]
 
 
-def run_shape(name, schedule, iters, rounds, bench=None, variant=None):
+def run_shape(name, schedule, iters, rounds, bench=None, variant=None, cooldown=0.0):
     tokens, d, f, experts, k, swiglu = SHAPES[name]
     ex, _ = mf.make_example("swiglu_moe" if swiglu else "moe_mlp", tokens=tokens, experts=experts, topk=k, d=d, f=f)
     moe = mft.MoELayer(ex.pipeline, schedule=schedule, init_scale=dict(ex.init_scale))
@@ -110,12 +116,12 @@ def run_shape(name, schedule, iters, rounds, bench=None, variant=None):
     own = torch.cuda.Stream()
     module_runs, layer_runs, side_runs, bench_runs = [], [], [], []
     for _ in range(rounds):
-        module_runs.append(time_ms(module_step, iters))
+        module_runs.append(time_ms(module_step, iters, cooldown=cooldown))
         if bench:
             bench_runs.append(bench_step_ms(bench, name, variant))
-        layer_runs.append(time_ms(layer_step, iters))
+        layer_runs.append(time_ms(layer_step, iters, cooldown=cooldown))
         with torch.cuda.stream(own):
-            side_runs.append(time_ms(layer_step, iters))
+            side_runs.append(time_ms(layer_step, iters, cooldown=cooldown))
     module_ms, layer_ms = statistics.median(module_runs), statistics.median(layer_runs)
     side_ms = statistics.median(side_runs)
     bench_ms = statistics.median(bench_runs) if bench else None
@@ -134,7 +140,7 @@ def run_shape(name, schedule, iters, rounds, bench=None, variant=None):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         graph_body()
-    graph_ms = time_ms(graph.replay, iters)
+    graph_ms = time_ms(graph.replay, iters, cooldown=cooldown)
 
     flops = 3 * 2.0 * tokens * k * d * ((2.0 if swiglu else 1.0) * f + f)
     row = {
@@ -154,6 +160,7 @@ def run_shape(name, schedule, iters, rounds, bench=None, variant=None):
         "module_TFLOPs": flops / (module_ms * 1e-3) / 1e12,
         "saved_MiB": moe.saved_bytes(tokens) / 2 ** 20,
         "compile_s": compile_s,
+        "cooldown_s": cooldown,
     }
     print(f"{name:9s} module {module_ms:7.3f} ms  graph {graph_ms:7.3f} ms  layer {layer_ms:7.3f} ms  "
           f"module/layer {module_ms / layer_ms:.3f}  layer (own stream) {side_ms:7.3f} ms  compile {compile_s:.1f} s" +
@@ -171,6 +178,8 @@ def main():
     ap.add_argument("--iters", type=int, default=10, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of module and layer steps (medians)")
     ap.add_argument("--bench", help="bench_moe_train binary: time its step once per round too (module / bench)")
+    ap.add_argument("--cooldown", type=float, default=3.0,
+                    help="seconds idle before each timed block (as the benchmark's process start gives it)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rows = []
@@ -180,7 +189,8 @@ def main():
             print(f"torch_module_train: no schedule file {path}: run bench_moe_train with "
                   f"MOEFORGE_WRITE_SCHEDULES={args.schedules} first", file=sys.stderr)
             return 2
-        rows.append(run_shape(name, mf.Schedule.load(path), args.iters, args.rounds, args.bench, args.variant))
+        rows.append(run_shape(name, mf.Schedule.load(path), args.iters, args.rounds, args.bench, args.variant,
+                              args.cooldown))
     with open(args.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "torch": torch.__version__, "variant": args.variant, "rows": rows}, fh, indent=1)

@@ -303,17 +303,56 @@ Example attention(const ExampleShape &s) {
                  {{"q", 1.0}, {"k", 1.0}, {"v", 1.0}}};
 }
 
+// Mixture-of-Attention (ScatterMoE's MoA): attention heads as experts. Each
+// token's k chosen heads project it to a query with the head's own W_q and
+// take the head's output back to the model width with its own W_o; the keys
+// and values are one shared projection of every token, and the attention
+// between them (each routed query against every token) is the same for
+// all heads. The gated combine sums a token's heads, as an MoE's experts.
+// Not causal: every query sees every token.
+Example moa(const ExampleShape &s) {
+  Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
+  Var t("t", T), u("u", T), e("e", E), i("i", D), c("c", F);
+  Input x("x", {T, D});
+  Param wr("wr", {D, E}), wq("wq", {E, D, F}), wk("wk", {D, F}), wv("wv", {D, F}), wo("wo", {E, F, D});
+  Router router = make_router(x, wr, t, e, i, static_cast<int>(s.topk), false);
+  const Route &route = router.route;
+  Var r = route.pair();
+
+  Func key("key"), value("value");
+  key(u, c) = sum(i, x(u, i) * wk(i, c));
+  value(u, c) = sum(i, x(u, i) * wv(i, c));
+  Func q("q");
+  q(r, c) = sum(i, x(route.token(r), i) * wq(route.expert(r), i, c));
+  Func p("p", DType::f32);
+  p(r, u) = softmax(u, sum(c, q(r, c) * key(u, c)) * (1.0 / std::sqrt(double(s.f))));
+  Func z("z");
+  z(r, c) = sum(u, p(r, u) * value(u, c));
+  Func o("o");
+  o(r, i) = sum(c, z(r, c) * wo(route.expert(r), c, i));
+  Func y("y");
+  y(t, i) = combine(route, t, route.gate(r) * o(r, i));
+  const double sd = 1.0 / std::sqrt(double(s.d));
+  return Example{"moa",
+                 "Mixture-of-Attention: heads as experts, routed W_q[e] and W_o[e] around one shared softmax "
+                 "attention (keys and values shared)",
+                 Pipeline({y}),
+                 "y",
+                 route.name(),
+                 {{"x", 1.0}, {"wr", sd}, {"wq", sd}, {"wk", sd}, {"wv", sd}, {"wo", 1.0 / std::sqrt(double(s.f))}}};
+}
+
 } // namespace
 
 std::vector<std::string> example_names() {
-  return {"moe_mlp",           "swiglu_moe",   "geglu_moe",   "reglu_moe", "expert_bias_moe",
-          "shared_expert_moe", "deepseek_moe", "rmsnorm_moe", "dense_mlp", "attention"};
+  return {"moe_mlp",     "swiglu_moe", "geglu_moe", "reglu_moe", "expert_bias_moe", "shared_expert_moe", "deepseek_moe",
+          "rmsnorm_moe", "dense_mlp",  "attention", "moa"};
 }
 
 Example make_example(const std::string &name, const ExampleShape &shape) {
   bool routed = name == "moe_mlp" || name == "swiglu_moe" || name == "geglu_moe" || name == "reglu_moe" ||
                 name == "expert_bias_moe" || name == "shared_expert_moe" || name == "deepseek_moe" ||
-                name == "rmsnorm_moe";
+                name == "rmsnorm_moe" || name == "moa";
   if (routed || name == "dense_mlp" || name == "attention")
     check_shape(name, shape, routed);
   if (name == "moe_mlp")
@@ -336,6 +375,8 @@ Example make_example(const std::string &name, const ExampleShape &shape) {
     return dense_mlp(shape);
   if (name == "attention")
     return attention(shape);
+  if (name == "moa")
+    return moa(shape);
   std::string known;
   for (const std::string &n : example_names())
     known += (known.empty() ? "" : ", ") + n;

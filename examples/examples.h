@@ -6,6 +6,8 @@
 //   swiglu_moe     Mixtral-style SwiGLU MoE with renormalised top-k gates.
 //   dense_mlp      a plain GeLU MLP: no routing at all.
 //   attention      softmax attention over the token sequence.
+//   moa            Mixture-of-Attention: heads as experts around one shared
+//                  attention (and the other MoE variants: moeforge list).
 #pragma once
 
 #include <cstdint>

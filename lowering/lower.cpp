@@ -428,11 +428,24 @@ bool read_by_gemm(const KernelProgram &p, const std::string &name) {
       return true;
   return false;
 }
+
+// Whether a dense GEMM reduces over the route's pairs reading `name` (the
+// attention of Mixture-of-Attention's backward: dK = dS^T Q sums over every
+// pair's query): its K walks the pairs in pair order, so the operand must be
+// stored that way.
+bool reduced_over_pairs(const KernelProgram &p, const TensorDecl &t) {
+  for (const Step &s : p.steps)
+    if (auto *g = std::get_if<GemmStep>(&s);
+        g && !g->route && g->k.same_as(t.route->pairs) &&
+        (g->a == t.name || std::find(g->b.begin(), g->b.end(), t.name) != g->b.end()))
+      return true;
+  return false;
+}
 } // namespace
 
 KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
   for (TensorDecl &t : p.tensors) {
-    if (!t.route || t.layout == RowLayout::padded)
+    if (!t.route || t.layout == RowLayout::padded || reduced_over_pairs(p, t))
       continue;
     const GemmStep *producer = nullptr;
     bool only_gemm_a = true;

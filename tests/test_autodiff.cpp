@@ -151,6 +151,10 @@ TEST_CASE("autodiff: deepseek_moe gradients through sigmoid scores and normalise
   check_example("deepseek_moe", {"x", "wr", "w1", "w3", "w2"});
 }
 
+TEST_CASE("autodiff: moa (Mixture-of-Attention) gradients reach the heads, the shared keys and values and x") {
+  check_example("moa", {"x", "wr", "wq", "wk", "wv", "wo"});
+}
+
 TEST_CASE("autodiff: rmsnorm_moe gradients reach the norm's scale and x through both of its paths") {
   check_example("rmsnorm_moe", {"x", "g", "wr", "w1", "w2"});
 }

@@ -257,6 +257,24 @@ TEST_SUITE("cpu") {
     CHECK(o.gradients.size() == 3u); // d_q, d_k, d_v
   }
 
+  // Mixture-of-Attention: the keys' and values' gradients are dense GEMMs
+  // reducing over every routed pair (dK = dS^T Q), whose routed operands
+  // must be read in pair order under either permutation; T = 1 and a T that
+  // is no multiple of the block as well.
+  TEST_CASE("cpu training: moa (Mixture-of-Attention) trains") {
+    for (int64_t tokens : {1, 37, 200})
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (bool recompute : {false, true}) {
+          ExampleShape s = shape(tokens, 64, 32, 8, 2);
+          Example ex = make_example("moa", s);
+          TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 29), s.tokens, named(p, recompute));
+          INFO("T " << tokens << " / " << p << (recompute ? " / recompute" : ""));
+          CHECK(o.outcome.routing_mismatches == 0);
+          CHECK(o.outcome.worst_error <= 2e-2);
+          CHECK(o.gradients.size() == 6u); // d_x d_wr d_wq d_wk d_wv d_wo
+        }
+  }
+
   TEST_CASE("cpu training: RMSNorm's gradients (through sqrt and rsqrt) match the reference") {
     ExampleShape s = shape(150, 64, 128, 1, 1);
     Example ex = rmsnorm_layer(s);

@@ -302,6 +302,31 @@ TEST_CASE("lowering: attention's backward sums the softmax's row once, not once 
   CHECK(printed.str().find("d_q_a_sum(t)") != std::string::npos);
 }
 
+TEST_CASE("lowering: a dense GEMM reducing over the routed pairs reads them in pair order") {
+  // Mixture-of-Attention's dK = dS^T Q and dV = P^T dZ sum over every
+  // routed pair, in pair order: Q and dZ, routed GEMM outputs the blocked
+  // permutation would keep in the padded order, stay in pair order (read
+  // in the padded order, the reduction paired each r with another pair's
+  // row and with padding rows: wrong and not-a-number gradients).
+  ExampleShape s;
+  s.tokens = 40;
+  Example ex = make_example("moa", s);
+  for (const char *schedule : {"megablocks", "scattermoe"}) {
+    INFO(schedule);
+    TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), preset(schedule));
+    const KernelProgram &p = t.program;
+    CHECK(p.tensor("q").layout == RowLayout::pair);
+    CHECK(p.tensor("d_z").layout == RowLayout::pair);
+    int reductions = 0;
+    for (const Step &st : p.steps)
+      if (auto *g = std::get_if<GemmStep>(&st); g && !g->route && g->k.same_as(ex.pipeline.routes().front()->pairs)) {
+        ++reductions;
+        CHECK(p.tensor(g->b[0]).layout != RowLayout::padded);
+      }
+    CHECK(reductions == 2); // d_key, d_value
+  }
+}
+
 TEST_CASE("lowering: a k = 1 combine runs in the last GEMM's epilogue") {
   for (const char *name : {"moe_mlp", "swiglu_moe"})
     for (const char *schedule : {"megablocks", "scattermoe"}) {

@@ -108,7 +108,60 @@ void check_attention(const ExampleShape &s, uint64_t seed, Precision prec) {
   loops::check_close(res["out"], out, tolerance(prec), "out");
 }
 
+// Mixture-of-Attention from the math: shared keys and values of every
+// token; for each routed pair a query with its head's W_q, a softmax over
+// every token, the weighted values and the head's W_o; the gated sum of a
+// token's heads.
+void check_moa(const ExampleShape &s, uint64_t seed, Precision prec) {
+  INFO("moa T=" << s.tokens << " E=" << s.experts << " k=" << s.topk << " d=" << s.d << " f=" << s.f);
+  Example ex = make_example("moa", s);
+  TensorMap in = ex.random_inputs(s, seed);
+  EvalResult res = evaluate(ex.pipeline, in, prec);
+  const HostTensor &x = in.at("x"), &wq = in.at("wq"), &wo = in.at("wo");
+  const int64_t T = s.tokens, D = s.d, F = s.f;
+  const int k = static_cast<int>(s.topk);
+  loops::Routing route = loops::top_k(loops::softmax_rows(loops::matmul(x, in.at("wr"))), k, false);
+  check_routing(res.routes.at("route"), route, T, s.experts, k);
+  HostTensor key = loops::matmul(x, in.at("wk")), value = loops::matmul(x, in.at("wv"));
+  HostTensor y({T, D});
+  for (size_t r = 0; r < route.token.size(); ++r) {
+    const int64_t t = route.token[r], e = route.expert[r];
+    std::vector<double> q(static_cast<size_t>(F), 0.0), p(static_cast<size_t>(T)), z(static_cast<size_t>(F), 0.0);
+    for (int64_t c = 0; c < F; ++c)
+      for (int64_t i = 0; i < D; ++i)
+        q[c] += x.at({t, i}) * wq.at({e, i, c});
+    double mx = -INFINITY, total = 0;
+    for (int64_t u = 0; u < T; ++u) {
+      double a = 0;
+      for (int64_t c = 0; c < F; ++c)
+        a += q[c] * key.at({u, c});
+      p[u] = a / std::sqrt(double(F));
+      mx = std::max(mx, p[u]);
+    }
+    for (double &v : p)
+      total += (v = std::exp(v - mx));
+    for (int64_t u = 0; u < T; ++u)
+      for (int64_t c = 0; c < F; ++c)
+        z[c] += p[u] / total * value.at({u, c});
+    for (int64_t i = 0; i < D; ++i) {
+      double o = 0;
+      for (int64_t c = 0; c < F; ++c)
+        o += z[c] * wo.at({e, c, i});
+      y.at({t, i}) += route.gate[r] * o;
+    }
+  }
+  loops::check_close(res["key"], key, tolerance(prec), "key");
+  loops::check_close(res["value"], value, tolerance(prec), "value");
+  loops::check_close(res["y"], y, tolerance(prec), "y");
+}
+
 } // namespace
+
+TEST_CASE("reference examples: moa (Mixture-of-Attention) f64 and f32 against loops") {
+  check_moa(ExampleShape{13, 4, 2, 8, 6}, 1, Precision::f64);
+  check_moa(ExampleShape{1, 3, 1, 5, 4}, 2, Precision::f64);
+  check_moa(ExampleShape{24, 6, 3, 8, 8}, 3, Precision::f32);
+}
 
 TEST_CASE("reference examples: moe_mlp f64 against loops") {
   check_moe("moe_mlp", ExampleShape{13, 5, 2, 8, 6}, 1, Precision::f64);

@@ -56,14 +56,13 @@ const std::map<std::string, const char *> kHelp = {
               "\nexamples:\n"
               "  moeforge train moe_mlp --check\n"
               "  moeforge train swiglu_moe --aux --recompute --check\n"},
-    {"emit",
-     "moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
-     "  Prints what the layer compiles to: the lowered kernel program (--ir), the generated\n"
-     "  CUDA C++ (--cuda), the CPU backend's LLVM IR (--llvm) or each GEMM's plan (--plan);\n"
-     "  --train: the training step's program (with --ir, --cuda or --plan).\n\n" MOEFORGE_SHAPE_FLAGS MOEFORGE_SCHEDULE_FLAG
-     "\nexamples:\n"
-     "  moeforge emit moe_mlp --ir\n"
-     "  moeforge emit swiglu_moe --schedule scattermoe --plan --train\n"},
+    {"emit", "moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
+             "  Prints what the layer compiles to: the lowered kernel program (--ir), the generated\n"
+             "  CUDA C++ (--cuda), the CPU backend's LLVM IR (--llvm) or each GEMM's plan (--plan);\n"
+             "  --train: the training step's program (with --ir, --cuda or --plan).\n\n" MOEFORGE_SHAPE_FLAGS
+                 MOEFORGE_SCHEDULE_FLAG "\nexamples:\n"
+             "  moeforge emit moe_mlp --ir\n"
+             "  moeforge emit swiglu_moe --schedule scattermoe --plan --train\n"},
     {"tune",
      "moeforge tune <example> [shape flags] [--schedule S] [--train] [--budget-seconds N] [--seed S]\n"
      "  Searches tiles, stages, persistent blocks and TMA stores around the schedule given,\n"

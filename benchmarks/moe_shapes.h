@@ -3,9 +3,11 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <random>
+#include <thread>
 
 #include "benchmarks/dense_roof.h"
 #include "examples/biased_moe.h"
@@ -49,6 +51,16 @@ inline constexpr MoeShape kExtraTrainShapes[] = {
 inline int64_t pattern_values() {
   const char *v = std::getenv("MOEFORGE_BENCH_PATTERN_VALUES");
   return v ? std::max<int64_t>(1, std::atoll(v)) : int64_t(1) << 22;
+}
+
+// MOEFORGE_BENCH_COOLDOWN_S seconds idle (default none) before a timed
+// block: the card's clock depends on what it ran just before (seconds of
+// GEMMs slow the next block by several percent), so a comparison with
+// another harness gives both the same pause first.
+inline void cooldown() {
+  const char *v = std::getenv("MOEFORGE_BENCH_COOLDOWN_S");
+  if (v && *v)
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(v)));
 }
 
 // `n` random values in [lo, hi): a sequential generator's for the usual 4M,

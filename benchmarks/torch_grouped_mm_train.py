@@ -37,6 +37,7 @@ import argparse
 import datetime
 import json
 import sys
+import time
 
 try:
     import torch
@@ -223,7 +224,7 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3 / reps
 
 
-def run_case(dev, shape, skew, mm, backward, reps):
+def run_case(dev, shape, skew, mm, backward, reps, cooldown=0.0):
     sname, T, d, f, E, k, swiglu, ramp = shape
     x, wr, bias, w1, w3, w2, dy, leaves = make_case(dev, T, d, f, E, k, swiglu, ramp, skew)
     t = lambda w_: w_.transpose(-2, -1) if w_ is not None else None
@@ -243,6 +244,11 @@ def run_case(dev, shape, skew, mm, backward, reps):
         empty = int((counts == 0).sum().item())
 
     timer = Timer(dev)
+    if dev.type == "cuda":
+        # --cooldown: idle first, as bench_moe_train does with
+        # MOEFORGE_BENCH_COOLDOWN_S (the clock depends on what ran before).
+        torch.cuda.synchronize()
+        time.sleep(cooldown)
     ms = timer.ms(step, 3, reps)
     for p in leaves:
         p.grad = None
@@ -303,6 +309,8 @@ def main():
                     help="expert GEMMs' backward: torch's autograd formula, or the _grouped_mm Function "
                          "(auto: native where it exists)")
     ap.add_argument("--reps", type=int, default=10, help="timed steps per case")
+    ap.add_argument("--cooldown", type=float, default=0.0,
+                    help="seconds idle before each case's timed steps (as MOEFORGE_BENCH_COOLDOWN_S gives ours)")
     ap.add_argument("--tiny", action="store_true", help="shapes scaled down (a logic test; CPU allowed)")
     args = ap.parse_args()
 
@@ -346,7 +354,7 @@ def main():
         for skew in (False, True):
             routing_name = "skewed" if skew else "uniform"
             try:
-                out = run_case(dev, shape, skew, mm, backward, args.reps)
+                out = run_case(dev, shape, skew, mm, backward, args.reps, args.cooldown)
             except torch.cuda.OutOfMemoryError as e:
                 out = dict(shape=shape[0], routing=routing_name,
                            error="out of GPU memory: " + str(e).splitlines()[0][:250])

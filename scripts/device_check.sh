@@ -14,6 +14,11 @@
 #           recomputing; uniform and skewed) and
 #           torch_grouped_mm_train.py on the five training shapes, one
 #           process each, in this call
+#   rounds  issue #16's comparison made steady: ROUNDS (3) rounds, each one
+#           bench_moe_train process (tuned_wide store and lean, uniform and
+#           skewed) then one torch_grouped_mm_train.py process, on SHAPES
+#           (default mixtral,fine64), every timed block after COOLDOWN (3) s
+#           idle in both harnesses; medians per case and ours / torch
 #   python  scripts/device_python.sh (pip install, pytest, the torch module
 #           against bench_moe_train), SHAPES as there
 # Usage: bash scripts/device_check.sh tests|real|python|all, or stages joined
@@ -85,6 +90,37 @@ if has train; then
     >"$R/torch_train.log" 2>&1 || status=1
   tail -12 "$R/torch_train.log"
   echo "train done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
+fi
+if has rounds; then
+  shapes=${SHAPES:-mixtral,fine64}
+  for i in $(seq 1 "${ROUNDS:-3}"); do
+    MOEFORGE_BENCH_COOLDOWN_S=${COOLDOWN:-3} timeout 200 .gpu/bench_moe_train \
+      --benchmark_filter="train/(${shapes//,/|})/(uniform|skewed)/tuned_wide/(store|lean)" \
+      --benchmark_out="$R/rounds_ours_$i.json" --benchmark_out_format=json >"$R/rounds_ours_$i.log" 2>&1 || status=1
+    timeout 200 python3 benchmarks/torch_grouped_mm_train.py --shapes "$shapes" --cooldown "${COOLDOWN:-3}" \
+      --out "$R/rounds_torch_$i.json" >"$R/rounds_torch_$i.log" 2>&1 || status=1
+    echo "round $i done at $(( $(date +%s) - T0 )) s"
+  done
+  python3 - "$R" <<'PY' | tee "$R/rounds_summary.txt"
+import glob, json, statistics, sys
+r = sys.argv[1]
+ours, torch = {}, {}
+for f in sorted(glob.glob(f"{r}/rounds_ours_*.json")):
+    for b in json.load(open(f))["benchmarks"]:
+        _, shape, routing, sched, memory = b["run_name"].split("/")[:5]
+        ours.setdefault((shape, routing, memory), []).append(b["real_time"])
+for f in sorted(glob.glob(f"{r}/rounds_torch_*.json")):
+    for c in json.load(open(f))["results"]:
+        if "ms" in c:
+            torch.setdefault((c["shape"], c["routing"]), []).append(c["ms"])
+for (shape, routing), t in sorted(torch.items()):
+    tm = statistics.median(t)
+    mine = {m: statistics.median(v) for (s, rt, m), v in ours.items() if (s, rt) == (shape, routing)}
+    best = min(mine.values()) if mine else float("nan")
+    print(f"{shape} {routing}: torch {tm:.2f} ms {t}; ours " +
+          ", ".join(f"{m} {v:.2f} ms {ours[(shape, routing, m)]}" for m, v in sorted(mine.items())) +
+          f"; best ours / torch {best / tm:.3f}")
+PY
 fi
 if has python; then
   OUT=$R bash scripts/device_python.sh || status=1

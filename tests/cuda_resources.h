@@ -18,7 +18,7 @@ inline void check_resources(const cuda::CompiledLayer &c, const std::string &wha
   REQUIRE(!c.source.kernels.empty());
   for (const GeneratedKernel &k : c.source.kernels) {
     INFO(what << ": kernel " << k.name);
-    const cuda::ResourceReport *r = c.compiled.resources_of(k.name);
+    const cuda::ResourceReport *r = c.resources_of(k.name);
     REQUIRE(r != nullptr);
     CHECK(r->spill_store_bytes == 0);
     CHECK(r->spill_load_bytes == 0);

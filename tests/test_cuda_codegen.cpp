@@ -50,8 +50,14 @@ TEST_CASE("codegen: every preset x MoE example compiles for sm_90a without spill
     for (const char *preset_name : {"megablocks", "scattermoe"}) {
       Example ex = make_example(example, small());
       cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset(preset_name));
-      CHECK(c.compiled.arch == "sm_90a");
-      CHECK(c.compiled.cubin.size() > 1000);
+      CHECK(c.arch() == "sm_90a");
+      // One cubin per kernel (each its own NVRTC program and cache entry).
+      REQUIRE(c.units.size() == c.source.kernels.size());
+      for (size_t k = 0; k < c.units.size(); ++k) {
+        CHECK(c.unit_of[k] == k);
+        CHECK(c.units[k].cubin.size() > 1000);
+        CHECK(c.units[k].resources_of(c.source.kernels[k].name) != nullptr);
+      }
       check_resources(c, std::string(example) + " / " + preset_name);
     }
 }

@@ -64,11 +64,16 @@ struct GeneratedKernel {
   // A tensor the runtime zeroes before each launch (a split-K GEMM's output,
   // which the slices add into); empty for none.
   std::string zero_first;
+  std::string source; // the kernel's definition (after the module's preamble)
 };
 
 struct CudaModuleSource {
-  std::string source;
+  std::string preamble;                 // what every kernel's text needs first: the tile library, timeline flag
+  std::string source;                   // the whole module: the preamble, then every kernel
   std::vector<GeneratedKernel> kernels; // in step order (routing steps have none)
+  // Kernel i alone: the preamble and its definition, a compilation unit.
+  std::string unit(size_t i) const { return preamble + kernels.at(i).source; }
+  bool timeline() const { return preamble.find("#define MF_TIMELINE") != std::string::npos; }
 };
 
 // Throws UserError for what the CUDA backend cannot do (e.g. a K or N that is

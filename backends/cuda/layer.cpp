@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <future>
+#include <thread>
 
 #include "backends/cuda/tensor_map.h"
 #include "backends/cuda/tile_library.h"
@@ -31,13 +33,45 @@ CompiledLayer compile_program(KernelProgram program, const std::string &arch) {
   CompileOptions options;
   options.arch = arch;
   options.headers.push_back({kTileLibraryName, tile_library_source()});
-  c.compiled = compile_cuda(c.source.source, "moeforge_" + c.program.schedule_name + ".cu", options);
+  const std::vector<GeneratedKernel> &kernels = c.source.kernels;
+  internal_check(!kernels.empty()) << "a kernel program with no kernels";
+  if (c.source.timeline()) {
+    c.units.push_back(compile_cuda(c.source.source, "moeforge_" + c.program.schedule_name + ".cu", options));
+    c.unit_of.assign(kernels.size(), 0);
+    return c;
+  }
+  // NVRTC compiles a program on one thread: the kernels go side by side, a
+  // few at a time, and the first failure (in kernel order) is the one told.
+  // A unit's name is its kernel's, not the schedule's, so that the same
+  // kernel under another schedule name is the same cache entry.
+  c.units.resize(kernels.size());
+  c.unit_of.resize(kernels.size());
+  const size_t width = std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(), kernels.size()));
+  for (size_t first = 0; first < kernels.size(); first += width) {
+    std::vector<std::future<CompileResult>> running;
+    for (size_t i = first; i < std::min(kernels.size(), first + width); ++i)
+      running.push_back(std::async(std::launch::async, [&, i] {
+        return compile_cuda(c.source.unit(i), "moeforge_" + kernels[i].name + ".cu", options);
+      }));
+    for (size_t i = first; i < first + running.size(); ++i) {
+      c.units[i] = running[i - first].get();
+      c.unit_of[i] = i;
+    }
+  }
   return c;
 }
 
+const ResourceReport *CompiledLayer::resources_of(const std::string &kernel) const {
+  for (const CompileResult &u : units)
+    if (const ResourceReport *r = u.resources_of(kernel))
+      return r;
+  return nullptr;
+}
+
 CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens, size_t keep_across)
-    : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens), module_(layer.compiled.cubin, "moeforge layer"),
-      routing_(device), sm_count_(device.sm_count()) {
+    : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens), routing_(device), sm_count_(device.sm_count()) {
+  for (size_t u = 0; u < layer.units.size(); ++u)
+    modules_.emplace_back(layer.units[u].cubin, "moeforge layer unit " + std::to_string(u));
   for (const auto &[r, shape] : shapes_.routings()) {
     auto plan = std::make_unique<RoutingPlan>(shape);
     padded_rows_[r] = plan->offsets.ptr() + sizeof(int32_t) * shape.experts;
@@ -60,8 +94,9 @@ void CudaLayer::bind() {
   int next = 0;
   for (const Step &s : layer_.program.steps)
     launch_of_.push_back(std::holds_alternative<RoutingStep>(s) ? -1 : next++);
-  for (const GeneratedKernel &g : layer_.source.kernels) {
-    Launch l{module_.kernel(g.name), &g, {}, {}, {}, 0, 0};
+  for (size_t k = 0; k < layer_.source.kernels.size(); ++k) {
+    const GeneratedKernel &g = layer_.source.kernels[k];
+    Launch l{modules_.at(layer_.unit_of.at(k)).kernel(g.name), &g, {}, {}, {}, 0, 0};
     for (const KernelArg &a : g.args) {
       switch (a.kind) {
       case KernelArg::Kind::tensor:
@@ -254,9 +289,9 @@ std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &str
 
 std::vector<std::string> CudaLayer::timeline(const Stream &stream) {
   std::vector<std::string> lines;
-  if (layer_.source.source.find("#define MF_TIMELINE") == std::string::npos)
+  if (!layer_.source.timeline())
     return lines;
-  auto [stamps, bytes] = module_.global("mf_timeline");
+  auto [stamps, bytes] = modules_.front().global("mf_timeline"); // one unit: the whole module
   const auto &steps = layer_.program.steps;
   for (size_t i = 0; i < steps.size(); ++i) {
     const bool gemm = std::holds_alternative<GemmStep>(steps[i]);

@@ -29,7 +29,15 @@ namespace moeforge::cuda {
 struct CompiledLayer {
   KernelProgram program;
   CudaModuleSource source;
-  CompileResult compiled;
+  // The cubins: one per kernel, compiled side by side and cached each on its
+  // own (a schedule that changes one Func's tiling recompiles that kernel
+  // alone), or one for the whole module when it carries timeline stamps,
+  // which all its kernels write into one global.
+  std::vector<CompileResult> units;
+  std::vector<size_t> unit_of; // per kernel (source.kernels' order): its unit
+  // ptxas' report of `kernel`, or null.
+  const ResourceReport *resources_of(const std::string &kernel) const;
+  const std::string &arch() const { return units.front().arch; }
 };
 
 // Lowers, generates and compiles (for `arch`, sm_90a by default). Works
@@ -140,7 +148,7 @@ private:
   const CompiledLayer &layer_;
   int64_t tokens_;
   ProgramShapes shapes_;
-  Module module_;
+  std::vector<Module> modules_; // one per compiled unit
   DeviceRouting routing_;
   std::unique_ptr<MemoryPlan> plan_; // reuse_memory: where each tensor sits in arena_
   DeviceBuffer arena_;

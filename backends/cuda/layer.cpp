@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <thread>
@@ -46,17 +47,23 @@ CompiledLayer compile_program(KernelProgram program, const std::string &arch) {
   // kernel under another schedule name is the same cache entry.
   c.units.resize(kernels.size());
   c.unit_of.resize(kernels.size());
-  const size_t width = std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(), kernels.size()));
+  const char *threads = std::getenv("MOEFORGE_NVRTC_THREADS");
+  const size_t most = threads && *threads ? std::strtoul(threads, nullptr, 10) : std::thread::hardware_concurrency();
+  const size_t width = std::max<size_t>(1, std::min<size_t>(most, kernels.size()));
+  auto unit = [&](size_t i) { return compile_cuda(c.source.unit(i), "moeforge_" + kernels[i].name + ".cu", options); };
+  for (size_t i = 0; i < kernels.size(); ++i)
+    c.unit_of[i] = i;
+  if (width == 1) { // on this thread
+    for (size_t i = 0; i < kernels.size(); ++i)
+      c.units[i] = unit(i);
+    return c;
+  }
   for (size_t first = 0; first < kernels.size(); first += width) {
     std::vector<std::future<CompileResult>> running;
     for (size_t i = first; i < std::min(kernels.size(), first + width); ++i)
-      running.push_back(std::async(std::launch::async, [&, i] {
-        return compile_cuda(c.source.unit(i), "moeforge_" + kernels[i].name + ".cu", options);
-      }));
-    for (size_t i = first; i < first + running.size(); ++i) {
+      running.push_back(std::async(std::launch::async, unit, i));
+    for (size_t i = first; i < first + running.size(); ++i)
       c.units[i] = running[i - first].get();
-      c.unit_of[i] = i;
-    }
   }
   return c;
 }

@@ -30,9 +30,29 @@ CompiledCandidate compile_one(const TuneRequest &r, const Schedule &schedule, co
   return c;
 }
 
+// The inputs (and a training step's upstream gradient) on the device, in
+// the layers' storage types: the first candidate's layer uploads them into
+// these buffers, every later one is bound to them. Converting and copying
+// a real layer's gigabytes of weights from the host took seconds of each
+// candidate's time.
+using StagedInputs = std::map<std::string, DeviceBuffer>;
+
+// Binds `layer` (a CudaLayer or TrainingLayer; `plain` its CudaLayer, which
+// tells the sizes) to the staged buffers, made on the first call.
+template <typename Layer>
+void stage(Layer &layer, const CudaLayer &plain, const std::vector<std::string> &names, StagedInputs &staged) {
+  const bool first = staged.empty();
+  for (const std::string &name : names) {
+    const size_t bytes = plain.info(name).bytes;
+    if (first)
+      staged.emplace(name, DeviceBuffer(bytes));
+    layer.bind(name, staged.at(name).ptr(), bytes);
+  }
+}
+
 // The compiled candidate, ms per replay (the mean of `reps` after warm-up
 // replays).
-double time_candidate(Device &device, const TuneRequest &r, const CompiledCandidate &c) {
+double time_candidate(Device &device, const TuneRequest &r, const CompiledCandidate &c, StagedInputs &staged) {
   if (!c.error.empty())
     throw std::runtime_error(c.error);
   Stream stream;
@@ -50,15 +70,25 @@ double time_candidate(Device &device, const TuneRequest &r, const CompiledCandid
     stop.synchronize();
     return elapsed_ms(start, stop) / r.reps;
   };
+  std::vector<std::string> names;
+  for (const auto &[name, value] : r.inputs)
+    names.push_back(name);
+  const bool first = staged.empty();
   if (!r.training) {
     CudaLayer layer(device, *c.layer, r.tokens);
-    layer.upload(r.inputs);
+    stage(layer, layer, names, staged);
+    if (first)
+      layer.upload(r.inputs);
     CudaGraph g = CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
     return timed([&] { g.launch(stream); });
   }
   TrainingLayer layer(device, *c.training, r.tokens);
-  layer.upload(r.inputs);
-  layer.upload_upstream_gradient(r.upstream);
+  names.push_back(c.training->training.seed);
+  stage(layer, layer.layer(), names, staged); // the bound upstream gradient counts as given
+  if (first) {
+    layer.upload(r.inputs);
+    layer.upload_upstream_gradient(r.upstream);
+  }
   // Captured once: the backward's check that the upstream gradient was
   // uploaded since the last forward holds at capture, and replays reuse it.
   CudaGraph fwd = CudaGraph::capture(stream, [&] { layer.forward(stream); });
@@ -112,7 +142,8 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
   std::map<std::string, FuncChoice> chosen; // the Funcs whose best differs from the base
   const std::string arch = device.arch_specific();
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
-  res.base_ms = res.best_ms = time_candidate(device, r, compile_one(r, r.base, arch));
+  StagedInputs staged;
+  res.base_ms = res.best_ms = time_candidate(device, r, compile_one(r, r.base, arch), staged);
   res.timed = 1;
   say(res, "base schedule: " + fmt_ms(res.base_ms));
   // The layer-wide choices first (the routed rows' format, where the gate
@@ -132,7 +163,7 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
         break;
       }
       try {
-        const double ms = time_candidate(device, r, compiled[i]);
+        const double ms = time_candidate(device, r, compiled[i], staged);
         ++res.timed;
         const bool better = ms < res.best_ms * (1 - kNoise);
         if (better) {
@@ -177,7 +208,7 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
       const Schedule &candidate = schedules[i];
       std::string what = funcs[f] + " " + fc.kept[i].text();
       try {
-        const double ms = time_candidate(device, r, compiled[i]);
+        const double ms = time_candidate(device, r, compiled[i], staged);
         ++res.timed;
         // A win must clear the run-to-run spread of one timing (~1 %), or
         // the search would wander on noise.

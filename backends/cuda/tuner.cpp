@@ -143,8 +143,18 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
   const std::string arch = device.arch_specific();
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
   StagedInputs staged;
-  res.base_ms = res.best_ms = time_candidate(device, r, compile_one(r, r.base, arch), staged);
+  CompiledCandidate best = compile_one(r, r.base, arch);
+  res.base_ms = res.best_ms = time_candidate(device, r, best, staged);
   res.timed = 1;
+  // A candidate against the best so far, timed right before it: the card's
+  // clock falls over seconds of back-to-back steps (a candidate timed after
+  // a hundred others ran up to 10 % slower than the same code timed first),
+  // so each comparison is made between two neighbouring timings. Returns
+  // {candidate, best} ms.
+  auto against_best = [&](const CompiledCandidate &c) {
+    const double best_now = time_candidate(device, r, best, staged);
+    return std::pair{time_candidate(device, r, c, staged), best_now};
+  };
   say(res, "base schedule: " + fmt_ms(res.base_ms));
   // The layer-wide choices first (the routed rows' format, where the gate
   // multiplies): they change which GEMMs there are and what they read, so
@@ -163,15 +173,16 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
         break;
       }
       try {
-        const double ms = time_candidate(device, r, compiled[i], staged);
+        const auto [ms, best_now] = against_best(compiled[i]);
         ++res.timed;
-        const bool better = ms < res.best_ms * (1 - kNoise);
+        const bool better = ms < best_now * (1 - kNoise);
         if (better) {
           res.best = base = lc.kept[i].schedule;
           res.best_ms = ms;
+          best = std::move(compiled[i]);
         }
         say(res, "[" + std::to_string(res.timed) + "] " + lc.kept[i].what + ": " + fmt_ms(ms) +
-                     (better ? " (best)" : "") + "; best " + fmt_ms(res.best_ms));
+                     (better ? " (best)" : "") + "; the best before it " + fmt_ms(best_now));
       } catch (const std::runtime_error &e) {
         ++res.failed;
         say(res, lc.kept[i].what + ": skipped (" + e.what() + ")");
@@ -208,15 +219,16 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
       const Schedule &candidate = schedules[i];
       std::string what = funcs[f] + " " + fc.kept[i].text();
       try {
-        const double ms = time_candidate(device, r, compiled[i], staged);
+        const auto [ms, best_now] = against_best(compiled[i]);
         ++res.timed;
         // A win must clear the run-to-run spread of one timing (~1 %), or
         // the search would wander on noise.
-        const bool better = ms < res.best_ms * (1 - kNoise);
+        const bool better = ms < best_now * (1 - kNoise);
         if (better) {
           res.best = candidate;
           chosen[funcs[f]] = fc.kept[i];
           res.best_ms = ms;
+          best = std::move(compiled[i]);
         }
         // The time left: the candidates not yet timed at this one's pace.
         size_t remaining = fc.kept.size() - i - 1;
@@ -224,8 +236,9 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
           remaining += fc.kept.size(); // the later Funcs' spaces, about as large
         const double eta = std::min(r.budget_seconds - elapsed(), elapsed() / res.timed * double(remaining));
         std::ostringstream line;
-        line << "[" << res.timed << "] " << what << ": " << fmt_ms(ms) << (better ? " (best)" : "") << "; best "
-             << fmt_ms(res.best_ms) << ", ~" << static_cast<int>(std::max(0.0, eta)) << " s left";
+        line << "[" << res.timed << "] " << what << ": " << fmt_ms(ms) << (better ? " (best)" : "")
+             << "; the best before it " << fmt_ms(best_now) << ", ~" << static_cast<int>(std::max(0.0, eta))
+             << " s left";
         say(res, line.str());
       } catch (const std::runtime_error &e) {
         ++res.failed; // a candidate the device refuses (resources at launch): skipped, said why

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -50,54 +52,64 @@ void stage(Layer &layer, const CudaLayer &plain, const std::vector<std::string> 
   }
 }
 
-// The compiled candidate, ms per replay (the mean of `reps` after warm-up
-// replays).
-double time_candidate(Device &device, const TuneRequest &r, const CompiledCandidate &c, StagedInputs &staged) {
-  if (!c.error.empty())
-    throw std::runtime_error(c.error);
-  Stream stream;
-  auto timed = [&](const std::function<void()> &replay) {
-    // Warm-up: module load, first touch, and the clocks up to speed (the
-    // first replays of a cold GPU ran 1.5 % slower, enough to pick a
-    // schedule identical to the base as "faster").
+// A compiled candidate on the device, bound to the staged inputs, its step
+// captured as CUDA graphs: time() replays it.
+class Replay {
+public:
+  Replay(Device &device, const TuneRequest &r, const CompiledCandidate &c, StagedInputs &staged) {
+    if (!c.error.empty())
+      throw std::runtime_error(c.error);
+    std::vector<std::string> names;
+    for (const auto &[name, value] : r.inputs)
+      names.push_back(name);
+    const bool first = staged.empty();
+    if (!r.training) {
+      layer_ = std::make_unique<CudaLayer>(device, *c.layer, r.tokens);
+      stage(*layer_, *layer_, names, staged);
+      if (first)
+        layer_->upload(r.inputs);
+      forward_.emplace(CudaGraph::capture(stream_, [&] { layer_->enqueue(stream_); }));
+      return;
+    }
+    training_ = std::make_unique<TrainingLayer>(device, *c.training, r.tokens);
+    names.push_back(c.training->training.seed);
+    stage(*training_, training_->layer(), names, staged); // the bound upstream gradient counts as given
+    if (first) {
+      training_->upload(r.inputs);
+      training_->upload_upstream_gradient(r.upstream);
+    }
+    // Captured once: the backward's check that the upstream gradient was
+    // uploaded since the last forward holds at capture, and replays reuse it.
+    forward_.emplace(CudaGraph::capture(stream_, [&] { training_->forward(stream_); }));
+    backward_.emplace(CudaGraph::capture(stream_, [&] { training_->backward(stream_); }));
+  }
+  // ms per replay: the mean of `reps` after warm-up replays (module load,
+  // first touch, and the clocks up to speed: the first replays of a cold GPU
+  // ran 1.5 % slower, enough to pick a schedule identical to the base as
+  // "faster").
+  double time(int reps) {
+    auto replay = [&] {
+      forward_->launch(stream_);
+      if (backward_)
+        backward_->launch(stream_);
+    };
     for (int i = 0; i < 3; ++i)
       replay();
     Event start, stop;
-    start.record(stream);
-    for (int i = 0; i < r.reps; ++i)
+    start.record(stream_);
+    for (int i = 0; i < reps; ++i)
       replay();
-    stop.record(stream);
+    stop.record(stream_);
     stop.synchronize();
-    return elapsed_ms(start, stop) / r.reps;
-  };
-  std::vector<std::string> names;
-  for (const auto &[name, value] : r.inputs)
-    names.push_back(name);
-  const bool first = staged.empty();
-  if (!r.training) {
-    CudaLayer layer(device, *c.layer, r.tokens);
-    stage(layer, layer, names, staged);
-    if (first)
-      layer.upload(r.inputs);
-    CudaGraph g = CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
-    return timed([&] { g.launch(stream); });
+    return elapsed_ms(start, stop) / reps;
   }
-  TrainingLayer layer(device, *c.training, r.tokens);
-  names.push_back(c.training->training.seed);
-  stage(layer, layer.layer(), names, staged); // the bound upstream gradient counts as given
-  if (first) {
-    layer.upload(r.inputs);
-    layer.upload_upstream_gradient(r.upstream);
-  }
-  // Captured once: the backward's check that the upstream gradient was
-  // uploaded since the last forward holds at capture, and replays reuse it.
-  CudaGraph fwd = CudaGraph::capture(stream, [&] { layer.forward(stream); });
-  CudaGraph bwd = CudaGraph::capture(stream, [&] { layer.backward(stream); });
-  return timed([&] {
-    fwd.launch(stream);
-    bwd.launch(stream);
-  });
-}
+
+private:
+  Stream stream_;
+  std::unique_ptr<CudaLayer> layer_;
+  std::unique_ptr<TrainingLayer> training_;
+  std::optional<CudaGraph> forward_, backward_;
+};
 
 constexpr double kNoise = 0.01;
 
@@ -144,16 +156,21 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
   StagedInputs staged;
   CompiledCandidate best = compile_one(r, r.base, arch);
-  res.base_ms = res.best_ms = time_candidate(device, r, best, staged);
+  res.base_ms = res.best_ms = Replay(device, r, best, staged).time(r.reps);
   res.timed = 1;
-  // A candidate against the best so far, timed right before it: the card's
-  // clock falls over seconds of back-to-back steps (a candidate timed after
-  // a hundred others ran up to 10 % slower than the same code timed first),
-  // so each comparison is made between two neighbouring timings. Returns
+  // A candidate against the best so far, both on the device at once and
+  // timed best, candidate, candidate, best: the card's clock drifts over
+  // seconds of back-to-back steps (a candidate timed after a hundred others
+  // ran up to 10 % slower than the same code timed first, and the second of
+  // two neighbouring timings ran 1-3 % faster than the first), so each
+  // comparison is made between timings whose drift cancels. Returns
   // {candidate, best} ms.
   auto against_best = [&](const CompiledCandidate &c) {
-    const double best_now = time_candidate(device, r, best, staged);
-    return std::pair{time_candidate(device, r, c, staged), best_now};
+    Replay b(device, r, best, staged), a(device, r, c, staged);
+    double best_ms = b.time(r.reps), ms = a.time(r.reps);
+    ms += a.time(r.reps);
+    best_ms += b.time(r.reps);
+    return std::pair{ms / 2, best_ms / 2};
   };
   say(res, "base schedule: " + fmt_ms(res.base_ms));
   // The layer-wide choices first (the routed rows' format, where the gate

@@ -112,6 +112,7 @@ private:
 };
 
 constexpr double kNoise = 0.01;
+constexpr double kPauseSeconds = 1.0; // idle before each timing of a comparison
 
 std::string fmt_ms(double ms) {
   std::ostringstream o;
@@ -158,19 +159,21 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
   CompiledCandidate best = compile_one(r, r.base, arch);
   res.base_ms = res.best_ms = Replay(device, r, best, staged).time(r.reps);
   res.timed = 1;
-  // A candidate against the best so far, both on the device at once and
-  // timed best, candidate, candidate, best: the card's clock drifts over
-  // seconds of back-to-back steps (a candidate timed after a hundred others
-  // ran up to 10 % slower than the same code timed first, and the second of
-  // two neighbouring timings ran 1-3 % faster than the first), so each
-  // comparison is made between timings whose drift cancels. Returns
+  // A candidate against the best so far, both on the device at once, each
+  // timed after the same idle pause. The card's clock depends on what it
+  // ran just before: a candidate timed after a hundred others ran up to
+  // 10 % slower than the same code timed first, and of two timings in a row
+  // (or best, candidate, candidate, best) whichever came first read 2-5 %
+  // slower, which made nearly every candidate a winner. Returns
   // {candidate, best} ms.
   auto against_best = [&](const CompiledCandidate &c) {
     Replay b(device, r, best, staged), a(device, r, c, staged);
-    double best_ms = b.time(r.reps), ms = a.time(r.reps);
-    ms += a.time(r.reps);
-    best_ms += b.time(r.reps);
-    return std::pair{ms / 2, best_ms / 2};
+    auto after_pause = [&](Replay &x) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(kPauseSeconds));
+      return x.time(r.reps);
+    };
+    const double best_ms = after_pause(b);
+    return std::pair{after_pause(a), best_ms};
   };
   say(res, "base schedule: " + fmt_ms(res.base_ms));
   // The layer-wide choices first (the routed rows' format, where the gate

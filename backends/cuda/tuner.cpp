@@ -4,8 +4,6 @@
 #include <atomic>
 #include <chrono>
 #include <map>
-#include <memory>
-#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -52,67 +50,56 @@ void stage(Layer &layer, const CudaLayer &plain, const std::vector<std::string> 
   }
 }
 
-// A compiled candidate on the device, bound to the staged inputs, its step
-// captured as CUDA graphs: time() replays it.
-class Replay {
-public:
-  Replay(Device &device, const TuneRequest &r, const CompiledCandidate &c, StagedInputs &staged) {
-    if (!c.error.empty())
-      throw std::runtime_error(c.error);
-    std::vector<std::string> names;
-    for (const auto &[name, value] : r.inputs)
-      names.push_back(name);
-    const bool first = staged.empty();
-    if (!r.training) {
-      layer_ = std::make_unique<CudaLayer>(device, *c.layer, r.tokens);
-      stage(*layer_, *layer_, names, staged);
-      if (first)
-        layer_->upload(r.inputs);
-      forward_.emplace(CudaGraph::capture(stream_, [&] { layer_->enqueue(stream_); }));
-      return;
-    }
-    training_ = std::make_unique<TrainingLayer>(device, *c.training, r.tokens);
-    names.push_back(c.training->training.seed);
-    stage(*training_, training_->layer(), names, staged); // the bound upstream gradient counts as given
-    if (first) {
-      training_->upload(r.inputs);
-      training_->upload_upstream_gradient(r.upstream);
-    }
-    // Captured once: the backward's check that the upstream gradient was
-    // uploaded since the last forward holds at capture, and replays reuse it.
-    forward_.emplace(CudaGraph::capture(stream_, [&] { training_->forward(stream_); }));
-    backward_.emplace(CudaGraph::capture(stream_, [&] { training_->backward(stream_); }));
-  }
-  // ms per replay: the mean of `reps` after warm-up replays (module load,
-  // first touch, and the clocks up to speed: the first replays of a cold GPU
-  // ran 1.5 % slower, enough to pick a schedule identical to the base as
-  // "faster").
-  double time(int reps) {
-    auto replay = [&] {
-      forward_->launch(stream_);
-      if (backward_)
-        backward_->launch(stream_);
-    };
+// The compiled candidate, ms per replay (the mean of `reps` after warm-up
+// replays).
+double time_candidate(Device &device, const TuneRequest &r, const CompiledCandidate &c, StagedInputs &staged) {
+  if (!c.error.empty())
+    throw std::runtime_error(c.error);
+  Stream stream;
+  auto timed = [&](const std::function<void()> &replay) {
+    // Warm-up: module load, first touch, and the clocks up to speed (the
+    // first replays of a cold GPU ran 1.5 % slower, enough to pick a
+    // schedule identical to the base as "faster").
     for (int i = 0; i < 3; ++i)
       replay();
     Event start, stop;
-    start.record(stream_);
-    for (int i = 0; i < reps; ++i)
+    start.record(stream);
+    for (int i = 0; i < r.reps; ++i)
       replay();
-    stop.record(stream_);
+    stop.record(stream);
     stop.synchronize();
-    return elapsed_ms(start, stop) / reps;
+    return elapsed_ms(start, stop) / r.reps;
+  };
+  std::vector<std::string> names;
+  for (const auto &[name, value] : r.inputs)
+    names.push_back(name);
+  const bool first = staged.empty();
+  if (!r.training) {
+    CudaLayer layer(device, *c.layer, r.tokens);
+    stage(layer, layer, names, staged);
+    if (first)
+      layer.upload(r.inputs);
+    CudaGraph g = CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
+    return timed([&] { g.launch(stream); });
   }
-
-private:
-  Stream stream_;
-  std::unique_ptr<CudaLayer> layer_;
-  std::unique_ptr<TrainingLayer> training_;
-  std::optional<CudaGraph> forward_, backward_;
-};
+  TrainingLayer layer(device, *c.training, r.tokens);
+  names.push_back(c.training->training.seed);
+  stage(layer, layer.layer(), names, staged); // the bound upstream gradient counts as given
+  if (first) {
+    layer.upload(r.inputs);
+    layer.upload_upstream_gradient(r.upstream);
+  }
+  // Captured once: the backward's check that the upstream gradient was
+  // uploaded since the last forward holds at capture, and replays reuse it.
+  CudaGraph fwd = CudaGraph::capture(stream, [&] { layer.forward(stream); });
+  CudaGraph bwd = CudaGraph::capture(stream, [&] { layer.backward(stream); });
+  return timed([&] {
+    fwd.launch(stream);
+    bwd.launch(stream);
+  });
+}
 
 constexpr double kNoise = 0.01;
-constexpr double kPauseSeconds = 1.0; // idle before each timing of a comparison
 
 std::string fmt_ms(double ms) {
   std::ostringstream o;
@@ -156,25 +143,8 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
   const std::string arch = device.arch_specific();
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
   StagedInputs staged;
-  CompiledCandidate best = compile_one(r, r.base, arch);
-  res.base_ms = res.best_ms = Replay(device, r, best, staged).time(r.reps);
+  res.base_ms = res.best_ms = time_candidate(device, r, compile_one(r, r.base, arch), staged);
   res.timed = 1;
-  // A candidate against the best so far, both on the device at once, each
-  // timed after the same idle pause. The card's clock depends on what it
-  // ran just before: a candidate timed after a hundred others ran up to
-  // 10 % slower than the same code timed first, and of two timings in a row
-  // (or best, candidate, candidate, best) whichever came first read 2-5 %
-  // slower, which made nearly every candidate a winner. Returns
-  // {candidate, best} ms.
-  auto against_best = [&](const CompiledCandidate &c) {
-    Replay b(device, r, best, staged), a(device, r, c, staged);
-    auto after_pause = [&](Replay &x) {
-      std::this_thread::sleep_for(std::chrono::duration<double>(kPauseSeconds));
-      return x.time(r.reps);
-    };
-    const double best_ms = after_pause(b);
-    return std::pair{after_pause(a), best_ms};
-  };
   say(res, "base schedule: " + fmt_ms(res.base_ms));
   // The layer-wide choices first (the routed rows' format, where the gate
   // multiplies): they change which GEMMs there are and what they read, so
@@ -193,16 +163,15 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
         break;
       }
       try {
-        const auto [ms, best_now] = against_best(compiled[i]);
+        const double ms = time_candidate(device, r, compiled[i], staged);
         ++res.timed;
-        const bool better = ms < best_now * (1 - kNoise);
+        const bool better = ms < res.best_ms * (1 - kNoise);
         if (better) {
           res.best = base = lc.kept[i].schedule;
           res.best_ms = ms;
-          best = std::move(compiled[i]);
         }
         say(res, "[" + std::to_string(res.timed) + "] " + lc.kept[i].what + ": " + fmt_ms(ms) +
-                     (better ? " (best)" : "") + "; the best before it " + fmt_ms(best_now));
+                     (better ? " (best)" : "") + "; best " + fmt_ms(res.best_ms));
       } catch (const std::runtime_error &e) {
         ++res.failed;
         say(res, lc.kept[i].what + ": skipped (" + e.what() + ")");
@@ -239,16 +208,15 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
       const Schedule &candidate = schedules[i];
       std::string what = funcs[f] + " " + fc.kept[i].text();
       try {
-        const auto [ms, best_now] = against_best(compiled[i]);
+        const double ms = time_candidate(device, r, compiled[i], staged);
         ++res.timed;
         // A win must clear the run-to-run spread of one timing (~1 %), or
         // the search would wander on noise.
-        const bool better = ms < best_now * (1 - kNoise);
+        const bool better = ms < res.best_ms * (1 - kNoise);
         if (better) {
           res.best = candidate;
           chosen[funcs[f]] = fc.kept[i];
           res.best_ms = ms;
-          best = std::move(compiled[i]);
         }
         // The time left: the candidates not yet timed at this one's pace.
         size_t remaining = fc.kept.size() - i - 1;
@@ -256,9 +224,8 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
           remaining += fc.kept.size(); // the later Funcs' spaces, about as large
         const double eta = std::min(r.budget_seconds - elapsed(), elapsed() / res.timed * double(remaining));
         std::ostringstream line;
-        line << "[" << res.timed << "] " << what << ": " << fmt_ms(ms) << (better ? " (best)" : "")
-             << "; the best before it " << fmt_ms(best_now) << ", ~" << static_cast<int>(std::max(0.0, eta))
-             << " s left";
+        line << "[" << res.timed << "] " << what << ": " << fmt_ms(ms) << (better ? " (best)" : "") << "; best "
+             << fmt_ms(res.best_ms) << ", ~" << static_cast<int>(std::max(0.0, eta)) << " s left";
         say(res, line.str());
       } catch (const std::runtime_error &e) {
         ++res.failed; // a candidate the device refuses (resources at launch): skipped, said why

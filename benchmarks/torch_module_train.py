@@ -76,7 +76,8 @@ def bench_step_ms(bench, name, variant):
         subprocess.run([bench, f"--benchmark_filter=^train/{name}/uniform/{schedule}/{memory}/",
                         f"--benchmark_out={out.name}", "--benchmark_out_format=json"],
                        check=True, stdout=subprocess.DEVNULL)
-        rows = json.load(open(out.name))["benchmarks"]
+        with open(out.name) as fh:
+            rows = json.load(fh)["benchmarks"]
     if len(rows) != 1 or rows[0].get("error_occurred"):
         raise RuntimeError(f"bench_moe_train ran {len(rows)} benchmarks for {name} {variant}: {rows}")
     assert rows[0]["time_unit"] == "ms", rows[0]["time_unit"]
@@ -111,19 +112,13 @@ def run_shape(name, schedule, iters, rounds, bench=None, variant=None, cooldown=
     # Alternating rounds, the median of each: the card's clock drifts over
     # seconds (a longer run is slower), so one block of module steps and one
     # of layer steps after it would compare two clocks.
-    # The layer on a stream of its own as well: torch's default stream is
-    # the legacy one, which the benchmark's stream is not.
-    own = torch.cuda.Stream()
-    module_runs, layer_runs, side_runs, bench_runs = [], [], [], []
+    module_runs, layer_runs, bench_runs = [], [], []
     for _ in range(rounds):
         module_runs.append(time_ms(module_step, iters, cooldown=cooldown))
         if bench:
             bench_runs.append(bench_step_ms(bench, name, variant))
         layer_runs.append(time_ms(layer_step, iters, cooldown=cooldown))
-        with torch.cuda.stream(own):
-            side_runs.append(time_ms(layer_step, iters, cooldown=cooldown))
     module_ms, layer_ms = statistics.median(module_runs), statistics.median(layer_runs)
-    side_ms = statistics.median(side_runs)
     bench_ms = statistics.median(bench_runs) if bench else None
 
     # The module's step in a CUDA graph (gradients accumulate into the .grad
@@ -152,8 +147,6 @@ def run_shape(name, schedule, iters, rounds, bench=None, variant=None, cooldown=
         "module_rounds_ms": module_runs,
         "layer_rounds_ms": layer_runs,
         "module_over_layer": module_ms / layer_ms,
-        "layer_side_stream_ms": side_ms,
-        "layer_side_stream_rounds_ms": side_runs,
         "bench_ms": bench_ms,
         "bench_rounds_ms": bench_runs,
         "module_over_bench": module_ms / bench_ms if bench else None,
@@ -163,7 +156,7 @@ def run_shape(name, schedule, iters, rounds, bench=None, variant=None, cooldown=
         "cooldown_s": cooldown,
     }
     print(f"{name:9s} module {module_ms:7.3f} ms  graph {graph_ms:7.3f} ms  layer {layer_ms:7.3f} ms  "
-          f"module/layer {module_ms / layer_ms:.3f}  layer (own stream) {side_ms:7.3f} ms  compile {compile_s:.1f} s" +
+          f"module/layer {module_ms / layer_ms:.3f}  compile {compile_s:.1f} s" +
           (f"  bench {bench_ms:7.3f} ms  module/bench {module_ms / bench_ms:.3f}" if bench else ""), flush=True)
     del moe, layer, graph
     torch.cuda.empty_cache()

@@ -33,7 +33,9 @@ Stream &Stream::operator=(Stream &&other) noexcept {
 
 void Stream::synchronize() const { MOEFORGE_CU(cuStreamSynchronize, stream_); }
 
-Event::Event() { MOEFORGE_CU(cuEventCreate, &event_, CU_EVENT_DEFAULT); }
+void Stream::wait(const Event &event) const { MOEFORGE_CU(cuStreamWaitEvent, stream_, event.handle(), 0); }
+
+Event::Event(bool timing) { MOEFORGE_CU(cuEventCreate, &event_, timing ? CU_EVENT_DEFAULT : CU_EVENT_DISABLE_TIMING); }
 
 Event::~Event() {
   if (event_)

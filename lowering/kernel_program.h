@@ -190,8 +190,7 @@ struct KernelProgram {
   std::vector<std::string> outputs;
   std::vector<const RoutingNode *> routes;
   std::string schedule_name;
-  bool reuse_memory = false;     // Schedule::reuse_memory: the runtime places tensors by lifetime
-  bool concurrent_steps = false; // Schedule::concurrent_steps: independent steps run side by side
+  bool reuse_memory = false; // Schedule::reuse_memory: the runtime places tensors by lifetime
 
   const TensorDecl &tensor(const std::string &name) const;
   TensorDecl *find(const std::string &name);

@@ -257,7 +257,6 @@ KernelProgram build_steps(const Pipeline &p, const Schedule &schedule) {
   KernelProgram prog;
   prog.schedule_name = schedule.name();
   prog.reuse_memory = schedule.reuse_memory();
-  prog.concurrent_steps = schedule.concurrent_steps();
   Decomposer decomposer(p, /*share_forward_sums=*/true);
   for (const BufferPtr &b : p.buffers())
     prog.tensors.push_back(TensorDecl{b->name, b->dtype, b->dims, RowLayout::dense, nullptr, true});

@@ -23,19 +23,17 @@ bool MemoryPlan::outlives_run(const std::string &name) const {
 }
 
 MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes, size_t boundary,
-                       size_t alignment, const StepOrder *order) {
+                       size_t alignment) {
   MemoryPlan plan;
   const size_t n = p.steps.size();
   const size_t end = n == 0 ? 0 : n - 1;
   plan.last_step = end;
   // Live ranges from the steps that touch each tensor.
   std::map<std::string, size_t> first, last, first_write;
-  std::map<std::string, std::vector<size_t>> touched_by;
   for (size_t s = 0; s < n; ++s) {
     auto touch = [&](const std::string &t) {
       first.emplace(t, s);
       last[t] = s;
-      touched_by[t].push_back(s);
     };
     for (const std::string &r : step_reads(p.steps[s]))
       touch(r);
@@ -63,23 +61,6 @@ MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const 
     plan.size[t.name] = size;
     plan.separate_bytes += size;
   }
-  // Every step touching a (the earlier) runs before every step touching b.
-  auto all_before = [&](const Item &a, const Item &b) {
-    if (a.to == end) // kept to the end of the run
-      return false;
-    for (size_t i : touched_by[a.name])
-      for (size_t j : touched_by[b.name])
-        if (!order->before(i, j))
-          return false;
-    return true;
-  };
-  auto lifetimes_meet = [&](const Item &a, const Item &b) {
-    if (a.from <= b.to && b.from <= a.to)
-      return true;
-    if (!order)
-      return false;
-    return a.to < b.from ? !all_before(a, b) : !all_before(b, a);
-  };
   // Largest first, each at the lowest offset clear of every placed tensor
   // whose lifetime meets its own.
   std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.size > b.size; });
@@ -87,7 +68,7 @@ MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const 
   for (const Item &it : items) {
     std::vector<std::pair<size_t, size_t>> busy; // [offset, offset + size) of overlapping lifetimes
     for (const Item *q : placed)
-      if (lifetimes_meet(*q, it))
+      if (q->from <= it.to && it.from <= q->to)
         busy.emplace_back(plan.offset.at(q->name), plan.offset.at(q->name) + q->size);
     std::sort(busy.begin(), busy.end());
     size_t at = 0;

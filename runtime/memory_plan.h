@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "lowering/kernel_program.h"
-#include "runtime/step_streams.h"
 
 namespace moeforge {
 
@@ -36,11 +35,8 @@ struct MemoryPlan {
 };
 
 // Plans every tensor that is not an input; `bytes` gives each one's size.
-// Offsets are multiples of `alignment`. With `order` (steps running side by
-// side, Schedule::concurrent_steps), two tensors whose lifetimes do not meet
-// in program order still keep apart unless every step touching the earlier
-// one runs before every step touching the later.
+// Offsets are multiples of `alignment`.
 MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes, size_t boundary,
-                       size_t alignment = 256, const StepOrder *order = nullptr);
+                       size_t alignment = 256);
 
 } // namespace moeforge

@@ -127,7 +127,6 @@ Schedule &Schedule::recompute_elementwise(bool on) { return flag(recompute_eleme
 
 Schedule &Schedule::gate_gradient_from_dh(bool on) { return flag(gate_gradient_from_dh_, "gate_gradient_from_dh", on); }
 Schedule &Schedule::chain_summed_gemms(bool on) { return flag(chain_summed_gemms_, "chain_summed_gemms", on); }
-Schedule &Schedule::concurrent_steps(bool on) { return flag(concurrent_steps_, "concurrent_steps", on); }
 
 Schedule &Schedule::recompute(bool on) { return flag(recompute_, "recompute", on); }
 

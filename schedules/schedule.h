@@ -183,14 +183,6 @@ public:
   // warp-specialised loop with TMA operands (mma wgmma_ws, tma, and A in tile
   // order: padded_elementwise or the blocked permutation).
   Schedule &chain_summed_gemms(bool on);
-  // Steps that share no memory run side by side on up to four CUDA streams
-  // (runtime/step_streams.h): a training backward's weight gradients beside
-  // its input gradient, small router kernels beside the expert GEMMs, so a
-  // GEMM's last, partly empty wave is filled by another step's work. Results
-  // are the same; under reuse_memory, tensors of steps that may overlap no
-  // longer share bytes (a little more memory). The CPU backend runs its
-  // steps in order whatever this says.
-  Schedule &concurrent_steps(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -227,7 +219,6 @@ public:
   bool recompute_elementwise() const { return recompute_elementwise_; }
   bool gate_gradient_from_dh() const { return gate_gradient_from_dh_; }
   bool chain_summed_gemms() const { return chain_summed_gemms_; }
-  bool concurrent_steps() const { return concurrent_steps_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -289,7 +280,6 @@ private:
   bool recompute_elementwise_ = false;
   bool gate_gradient_from_dh_ = false;
   bool chain_summed_gemms_ = false;
-  bool concurrent_steps_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

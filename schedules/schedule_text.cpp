@@ -55,7 +55,6 @@ const std::vector<Signature> &signatures() {
       {"recompute_elementwise", {{"on", ArgType::boolean}}},
       {"gate_gradient_from_dh", {{"on", ArgType::boolean}}},
       {"chain_summed_gemms", {{"on", ArgType::boolean}}},
-      {"concurrent_steps", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -73,7 +72,6 @@ FlagSetter flag_setter(const std::string &primitive) {
       {"recompute_elementwise", &Schedule::recompute_elementwise},
       {"gate_gradient_from_dh", &Schedule::gate_gradient_from_dh},
       {"chain_summed_gemms", &Schedule::chain_summed_gemms},
-      {"concurrent_steps", &Schedule::concurrent_steps},
   };
   for (const auto &[name, set] : flags)
     if (primitive == name)

@@ -60,7 +60,6 @@ namespace moeforge::cuda {
   X(cuStreamCreate)                                                                                                    \
   X(cuStreamDestroy)                                                                                                   \
   X(cuStreamSynchronize)                                                                                               \
-  X(cuStreamWaitEvent)                                                                                                 \
   X(cuStreamBeginCapture)                                                                                              \
   X(cuStreamIsCapturing)                                                                                               \
   X(cuStreamEndCapture)                                                                                                \

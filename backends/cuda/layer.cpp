@@ -13,7 +13,6 @@
 #include "dsl/error.h"
 #include "lowering/lower.h"
 #include "runtime/layer_checks.h"
-#include "runtime/step_streams.h"
 
 namespace moeforge::cuda {
 
@@ -87,11 +86,7 @@ CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t t
   }
   auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype); };
   if (layer_.program.reuse_memory) {
-    // Steps that may run side by side must not share bytes either.
-    std::unique_ptr<StepOrder> order;
-    if (layer_.program.concurrent_steps)
-      order = std::make_unique<StepOrder>(layer_.program, std::vector<size_t>{keep_across}, kMaxStepStreams);
-    plan_ = std::make_unique<MemoryPlan>(plan_memory(layer_.program, bytes, keep_across, 256, order.get()));
+    plan_ = std::make_unique<MemoryPlan>(plan_memory(layer_.program, bytes, keep_across));
     arena_ = DeviceBuffer(plan_->arena_bytes);
   }
   for (const TensorDecl &t : layer_.program.tensors)
@@ -275,47 +270,8 @@ void CudaLayer::enqueue(const Stream &stream) { enqueue(stream, 0, layer_.progra
 void CudaLayer::enqueue(const Stream &stream, size_t begin, size_t end) {
   internal_check(begin <= end && end <= layer_.program.steps.size()) << "step range out of bounds";
   check_uploaded(layer_.program, begin, end, uploaded_, "enqueue()");
-  if (layer_.program.concurrent_steps && end - begin > 1) {
-    enqueue_concurrent(stream, begin, end);
-    return;
-  }
   for (size_t i = begin; i < end; ++i)
     run_step(i, stream);
-}
-
-void CudaLayer::enqueue_concurrent(const Stream &stream, size_t begin, size_t end) {
-  // Planned at every call from the addresses tensors have now, so a bind()
-  // that put two tensors on the same memory orders their steps too.
-  StreamPlan plan = plan_streams(step_accesses(layer_.program, begin, end,
-                                               [&](const std::string &name) {
-                                                 const DeviceBuffer &b = tensors_.at(name);
-                                                 return ByteRange{b.ptr(), b.ptr() + b.bytes()};
-                                               }),
-                                 kMaxStepStreams);
-  while (side_streams_.size() + 1 < size_t(plan.streams))
-    side_streams_.emplace_back();
-  if (!fork_)
-    fork_ = std::make_unique<Event>(false);
-  while (step_done_.size() < end - begin)
-    step_done_.emplace_back(false);
-  if (plan.streams > 1)
-    fork_->record(stream);
-  std::vector<char> started(plan.streams, 0);
-  for (size_t j = 0; j < plan.steps.size(); ++j) {
-    const StreamPlan::Placement &p = plan.steps[j];
-    const Stream &on = p.stream == 0 ? stream : side_streams_.at(p.stream - 1);
-    if (p.stream > 0 && !started[p.stream]) {
-      on.wait(*fork_); // nothing the caller queued before the program is overtaken
-      started[p.stream] = 1;
-    }
-    for (size_t w : p.waits)
-      on.wait(step_done_.at(w));
-    run_step(begin + j, on);
-    if (p.record)
-      step_done_.at(j).record(on);
-  }
-  for (size_t j : plan.joins)
-    stream.wait(step_done_.at(j));
 }
 
 std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &stream) {

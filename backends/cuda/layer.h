@@ -143,9 +143,6 @@ private:
     size_t zero_words = 0;
   };
   void run_step(size_t step, const Stream &stream);
-  // Steps [begin, end) on the caller's stream and the layer's own, as
-  // plan_streams places them by the bytes each step touches now.
-  void enqueue_concurrent(const Stream &stream, size_t begin, size_t end);
   void bind();
 
   const CompiledLayer &layer_;
@@ -171,12 +168,6 @@ private:
   std::vector<Launch> launches_;
   std::vector<int> launch_of_; // step -> its launch (-1 for routing)
   int sm_count_;               // persistent GEMMs launch at most one block per SM
-  // concurrent_steps: the streams beside the caller's, the point on the
-  // caller's stream they start from, and per step the event other streams
-  // wait for (made on first use).
-  std::vector<Stream> side_streams_;
-  std::unique_ptr<Event> fork_;
-  std::vector<Event> step_done_;
 };
 
 } // namespace moeforge::cuda

@@ -33,9 +33,7 @@ Stream &Stream::operator=(Stream &&other) noexcept {
 
 void Stream::synchronize() const { MOEFORGE_CU(cuStreamSynchronize, stream_); }
 
-void Stream::wait(const Event &event) const { MOEFORGE_CU(cuStreamWaitEvent, stream_, event.handle(), 0); }
-
-Event::Event(bool timing) { MOEFORGE_CU(cuEventCreate, &event_, timing ? CU_EVENT_DEFAULT : CU_EVENT_DISABLE_TIMING); }
+Event::Event() { MOEFORGE_CU(cuEventCreate, &event_, CU_EVENT_DEFAULT); }
 
 Event::~Event() {
   if (event_)

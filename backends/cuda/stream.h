@@ -29,9 +29,6 @@ public:
   CUstream handle() const { return stream_; }
   // Waits for all work queued so far; a kernel fault surfaces here.
   void synchronize() const;
-  // Work queued here after this call starts only once `event`'s last
-  // record has completed (no host wait; recorded into a graph capture).
-  void wait(const class Event &event) const;
 
 private:
   explicit Stream(std::nullptr_t) {} // no stream yet (borrow fills it in)
@@ -42,8 +39,7 @@ private:
 // A point in a stream's work. Two of them time the work between them.
 class Event {
 public:
-  // timing = false: an event only for ordering streams (cheaper to record).
-  explicit Event(bool timing = true);
+  Event();
   ~Event();
   Event(Event &&other) noexcept;
   Event &operator=(Event &&other) noexcept;

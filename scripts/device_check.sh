@@ -21,6 +21,10 @@
 #           idle in both harnesses; medians per case and ours / torch
 #   python  scripts/device_python.sh (pip install, pytest, the torch module
 #           against bench_moe_train), SHAPES as there
+#   exchange  expert parallelism's NCCL row exchange: its tests (one rank,
+#           and two where the machine has two GPUs) under compute-sanitizer
+#           memcheck too, then bench_expert_exchange on every GPU count up
+#           to the machine's
 # Usage: bash scripts/device_check.sh tests|real|python|all, or stages joined
 # by commas (tests,real). Everything goes
 # to $OUT/check/ and is packed into $OUT/check.tgz (the device tool brings
@@ -33,6 +37,12 @@ R=$OUT/check
 mkdir -p "$R"
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
+# NCCL: the toolkit's, else the one PyTorch's wheels bring.
+if [ ! -e /usr/local/cuda/lib64/libnccl.so.2 ] && [ -z "${MOEFORGE_LIBNCCL:-}" ]; then
+  MOEFORGE_LIBNCCL=$(python3 -c "import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], 'lib', 'libnccl.so.2'))" 2>/dev/null)
+  export MOEFORGE_LIBNCCL
+fi
+export NCCL_NVLS_ENABLE=0
 status=0
 has() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$R/device.txt"
@@ -56,6 +66,19 @@ if has tests; then
     >"$R/memcheck.log" 2>&1
   echo "memcheck exit code: $?" | tee -a "$R/device.txt"
   tail -3 "$R/memcheck.log"
+fi
+if has exchange; then
+  echo "NCCL: ${MOEFORGE_LIBNCCL:-/usr/local/cuda/lib64/libnccl.so.2}; GPUs: $(nvidia-smi -L | wc -l)" | tee -a "$R/device.txt"
+  timeout 150 .gpu/moeforge_tests -tc="expert exchange*" >"$R/exchange_tests.log" 2>&1 || status=1
+  grep -E "SKIPPED|ERROR|test cases|Status" "$R/exchange_tests.log" | head -8
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests -tc="expert exchange*" \
+    >"$R/exchange_memcheck.log" 2>&1
+  echo "exchange memcheck exit code: $?" | tee -a "$R/device.txt"
+  tail -2 "$R/exchange_memcheck.log"
+  timeout 200 .gpu/bench_expert_exchange --benchmark_out="$R/exchange.json" --benchmark_out_format=json \
+    --benchmark_counters_tabular=true >"$R/exchange.log" 2>&1 || status=1
+  grep -E "^exchange|ERROR" "$R/exchange.log" | cut -c1-160
+  echo "exchange done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
 fi
 if has sanitize; then
   small="cuda bind: a layer*,cuda gpu: group-limited*,cuda training: RMSNorm*"

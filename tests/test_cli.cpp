@@ -146,7 +146,7 @@ TEST_CASE("cli: run dense_mlp and attention have no routing line") {
   CHECK_FALSE(has(r.out, "check "));
   Run c = cli({"run", "dense_mlp", "--backend", "cpu", "--tokens", "32", "--d", "16", "--f", "8"});
   if (c.code == 0) // a build with the CPU backend
-    CHECK(has(c.out, "backend   cpu (LLVM JIT, one thread), schedule 'megablocks' (tiles only: no routing)"));
+    CHECK(has(c.out, "backend   cpu (LLVM JIT, one thread), schedule 'scattermoe' (tiles only: no routing)"));
   else
     CHECK(has(c.err, "this build has no CPU backend"));
   Run a = cli({"run", "attention", "--backend", "reference", "--tokens", "24", "--d", "8", "--check"});
@@ -431,7 +431,10 @@ TEST_CASE("cli: --backend cuda without a GPU says so and how to run anyway") {
   Run dflt = cli({"run", "moe_mlp", "--tokens", "16"});
   CHECK(dflt.code == 0);
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
-  CHECK(has(dflt.out, "backend   cpu (LLVM JIT, one thread), schedule 'megablocks'; no GPU: "));
+  // --schedule auto is the default: scattermoe where nothing is tuned, and
+  // the output says so.
+  CHECK(has(dflt.out, "backend   cpu (LLVM JIT, one thread), schedule 'scattermoe'; no GPU: "));
+  CHECK(has(dflt.out, "schedule  auto: the preset scattermoe on the cpu backend (schedules are tuned on a GPU)"));
 #else
   CHECK(has(dflt.out, "backend   reference (Eigen, f32); no GPU: "));
 #endif
@@ -545,7 +548,7 @@ TEST_CASE("cli: train moe_mlp --check on the CPU backend: forward, backward, sav
   CHECK(r.err.empty());
   CHECK(has(r.out, "example   moe_mlp"));
   CHECK(has(r.out, "upstream gradient d_y[256x64]"));
-  CHECK(has(r.out, "backend   cpu (LLVM JIT, one thread), schedule 'megablocks'\n"));
+  CHECK(has(r.out, "backend   cpu (LLVM JIT, one thread), schedule 'scattermoe'\n"));
   CHECK(has(r.out, "routing   route: 512 pairs (256 tokens x k=2) over 8 experts"));
   CHECK(has(r.out, "\nforward   "));
   CHECK(has(r.out, "\nbackward  "));

@@ -48,8 +48,10 @@ const char *kVersion = MOEFORGE_VERSION;
 // What the flags default to (Options and ExampleShape below), for --help.
 const char *kDefaults = "\n"
                         "defaults: --tokens 256 --experts 8 --topk 2 --d 64 --f 128 --seed 1 --precision f32\n"
-                        "          --schedule megablocks; --backend: the GPU when there is one, else the CPU\n"
-                        "          backend, else (run only) the reference\n"
+                        "          --schedule auto (run, train, tune: what `moeforge tune` cached for the layer\n"
+                        "          on this GPU, else scattermoe; the output says which), megablocks (emit)\n"
+                        "          --backend: the GPU when there is one, else the CPU backend, else (run\n"
+                        "          only) the reference\n"
                         "moeforge help | --help | -h: this text; moeforge <command> --help (or\n"
                         "moeforge help <command>): a command's flags, defaults and examples;\n"
                         "moeforge --version: the version and what it was built with\n";
@@ -67,7 +69,7 @@ struct Options {
   bool check_full = false; // --check=full: every token, not a sample (run)
   bool recompute = false;  // train: schedule.recompute(true)
   bool aux = false;        // train: with the example's auxiliary losses as more outputs
-  std::string schedule = "megablocks";
+  std::string schedule;          // empty: auto for run, train and tune; megablocks for emit
   std::string backend;          // empty: the GPU when there is one, else the CPU backend, else the reference
   std::string emit;             // ir, cuda, llvm or plan
   bool emit_training = false;   // emit --train: the training step's program; tune --train: the training step
@@ -166,6 +168,8 @@ Options parse(const std::vector<std::string> &args) {
                                            : o.shape.f) = n;
     }
   }
+  if (o.schedule.empty()) // emit shows a schedule's program, and auto is resolved only where a layer runs
+    o.schedule = o.command == "emit" ? "megablocks" : "auto";
   user_check(o.command != "emit" || !o.emit.empty())
       << "emit needs exactly one of --ir (the lowered kernel program), --cuda (the generated CUDA source), "
       << "--llvm (the CPU backend's optimised LLVM IR) or --plan (each GEMM's plan on the CUDA backend)";

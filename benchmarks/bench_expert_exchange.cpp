@@ -13,9 +13,7 @@
 #include <benchmark/benchmark.h>
 
 #include <chrono>
-#include <exception>
 #include <random>
-#include <thread>
 
 #include "backends/cuda/expert_exchange.h"
 #include "benchmarks/moe_shapes.h"
@@ -57,49 +55,35 @@ void BM_exchange(benchmark::State &state, bench::MoeShape shape, bool skewed, in
   const int reps = 10;
   for (auto _ : state) {
     std::vector<RankResult> res(ranks);
-    std::vector<std::exception_ptr> errors(ranks);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < ranks; ++r)
-      threads.emplace_back([&, r] {
-        try {
-          cuda::Device device(devices[r]);
-          cuda::Stream stream;
-          cuda::ExpertExchange ex(comms[r], placement);
-          cuda::DeviceBuffer counts = cuda::DeviceBuffer::from(route(int(shape.experts), pairs, skewed, 7 + r));
-          cuda::DeviceBuffer rows(size_t(pairs) * row_bytes);
-          rows.fill32(0x3f803f80u); // bf16 ones: the values do not matter to the copy
-          cuda::ExchangeSizes sizes = ex.exchange_counts(counts.ptr(), stream);
-          // The most any rank can receive: every rank's pairs.
-          cuda::DeviceBuffer recv(size_t(pairs) * ranks * row_bytes);
-          ex.dispatch(rows.ptr(), recv.ptr(), row_bytes, sizes, stream); // warm-up: NCCL's connections
-          ex.give_back(recv.ptr(), rows.ptr(), row_bytes, sizes, stream);
-          stream.synchronize();
-          cuda::Event a, b, c;
-          for (int i = 0; i < reps; ++i) {
-            auto t0 = std::chrono::steady_clock::now();
-            sizes = ex.exchange_counts(counts.ptr(), stream);
-            res[r].counts_us +=
-                std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-            a.record(stream);
-            ex.dispatch(rows.ptr(), recv.ptr(), row_bytes, sizes, stream);
-            b.record(stream);
-            ex.give_back(recv.ptr(), rows.ptr(), row_bytes, sizes, stream);
-            c.record(stream);
-            res[r].dispatch_ms += cuda::elapsed_ms(a, b);
-            res[r].give_back_ms += cuda::elapsed_ms(b, c);
-          }
-          for (int q = 0; q < ranks; ++q)
-            if (q != r)
-              res[r].off_rank_bytes += double(sizes.send_rows[q]) * double(row_bytes);
-        } catch (...) {
-          errors[r] = std::current_exception();
-        }
-      });
-    for (std::thread &t : threads)
-      t.join();
-    for (std::exception_ptr &e : errors)
-      if (e)
-        std::rethrow_exception(e);
+    cuda::on_each_rank(devices, [&](int r) {
+      cuda::Stream stream;
+      cuda::ExpertExchange ex(comms[r], placement);
+      cuda::DeviceBuffer counts = cuda::DeviceBuffer::from(route(int(shape.experts), pairs, skewed, 7 + r));
+      cuda::DeviceBuffer rows(size_t(pairs) * row_bytes);
+      rows.fill32(0x3f803f80u); // bf16 ones: the values do not matter to the copy
+      cuda::ExchangeSizes sizes = ex.exchange_counts(counts.ptr(), stream);
+      // The most any rank can receive: every rank's pairs.
+      cuda::DeviceBuffer recv(size_t(pairs) * ranks * row_bytes);
+      ex.dispatch(rows.ptr(), recv.ptr(), row_bytes, sizes, stream); // warm-up: NCCL's connections
+      ex.give_back(recv.ptr(), rows.ptr(), row_bytes, sizes, stream);
+      stream.synchronize();
+      cuda::Event a, b, c;
+      for (int i = 0; i < reps; ++i) {
+        auto t0 = std::chrono::steady_clock::now();
+        sizes = ex.exchange_counts(counts.ptr(), stream);
+        res[r].counts_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+        a.record(stream);
+        ex.dispatch(rows.ptr(), recv.ptr(), row_bytes, sizes, stream);
+        b.record(stream);
+        ex.give_back(recv.ptr(), rows.ptr(), row_bytes, sizes, stream);
+        c.record(stream);
+        res[r].dispatch_ms += cuda::elapsed_ms(a, b);
+        res[r].give_back_ms += cuda::elapsed_ms(b, c);
+      }
+      for (int q = 0; q < ranks; ++q)
+        if (q != r)
+          res[r].off_rank_bytes += double(sizes.send_rows[q]) * double(row_bytes);
+    });
     RankResult mean;
     for (const RankResult &x : res) {
       mean.counts_us += x.counts_us / reps / ranks;

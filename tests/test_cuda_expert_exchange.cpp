@@ -9,7 +9,6 @@
 #include <cstring>
 #include <exception>
 #include <random>
-#include <thread>
 
 #include "backends/cuda/expert_exchange.h"
 #include "gpu_test.h"
@@ -79,51 +78,38 @@ std::vector<Outcome> run_exchange(const std::vector<int> &devices, const std::ve
   ExpertPlacement pl(experts, R);
   std::vector<cuda::Communicator> comms = cuda::Communicator::for_devices(devices);
   std::vector<Outcome> out(R);
-  std::vector<std::exception_ptr> errors(R);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < R; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        cuda::Device device(devices[r]);
-        cuda::Stream stream;
-        cuda::ExpertExchange ex(comms[r], pl);
-        cuda::DeviceBuffer counts = cuda::DeviceBuffer::from(ranks[r].counts);
-        std::vector<uint8_t> bytes(ranks[r].sorted.size() * sizeof(Row));
-        std::memcpy(bytes.data(), ranks[r].sorted.data(), bytes.size());
-        cuda::DeviceBuffer rows(std::max<size_t>(bytes.size(), 16));
-        rows.upload(bytes);
-        ExchangeSizes sizes = ex.exchange_counts(counts.ptr(), stream);
-        cuda::DeviceBuffer recv(std::max<size_t>(size_t(sizes.total_recv()) * sizeof(Row), 16));
-        recv.fill32(cuda::kPoisonNaN);
-        ex.dispatch(rows.ptr(), recv.ptr(), sizeof(Row), sizes, stream);
-        stream.synchronize();
-        std::vector<Row> got(sizes.total_recv());
-        std::vector<uint8_t> raw = recv.download<uint8_t>(got.size() * sizeof(Row));
-        std::memcpy(got.data(), raw.data(), raw.size());
-        // The owner stamps each row it holds, then gives them back.
-        std::vector<Row> stamped = got;
-        for (Row &row : stamped)
-          row.tag = 1000 + r;
-        std::vector<uint8_t> back_bytes(stamped.size() * sizeof(Row));
-        std::memcpy(back_bytes.data(), stamped.data(), back_bytes.size());
-        cuda::DeviceBuffer processed(std::max<size_t>(back_bytes.size(), 16));
-        processed.upload(back_bytes);
-        rows.fill32(cuda::kPoisonNaN);
-        ex.give_back(processed.ptr(), rows.ptr(), sizeof(Row), sizes, stream);
-        stream.synchronize();
-        std::vector<Row> back(ranks[r].sorted.size());
-        std::vector<uint8_t> braw = rows.download<uint8_t>(back.size() * sizeof(Row));
-        std::memcpy(back.data(), braw.data(), braw.size());
-        out[r] = {got, back, sizes};
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (std::thread &t : threads)
-    t.join();
-  for (std::exception_ptr &e : errors)
-    if (e)
-      std::rethrow_exception(e);
+  cuda::on_each_rank(devices, [&](int r) {
+    cuda::Stream stream;
+    cuda::ExpertExchange ex(comms[r], pl);
+    cuda::DeviceBuffer counts = cuda::DeviceBuffer::from(ranks[r].counts);
+    std::vector<uint8_t> bytes(ranks[r].sorted.size() * sizeof(Row));
+    std::memcpy(bytes.data(), ranks[r].sorted.data(), bytes.size());
+    cuda::DeviceBuffer rows(std::max<size_t>(bytes.size(), 16));
+    rows.upload(bytes);
+    ExchangeSizes sizes = ex.exchange_counts(counts.ptr(), stream);
+    cuda::DeviceBuffer recv(std::max<size_t>(size_t(sizes.total_recv()) * sizeof(Row), 16));
+    recv.fill32(cuda::kPoisonNaN);
+    ex.dispatch(rows.ptr(), recv.ptr(), sizeof(Row), sizes, stream);
+    stream.synchronize();
+    std::vector<Row> got(sizes.total_recv());
+    std::vector<uint8_t> raw = recv.download<uint8_t>(got.size() * sizeof(Row));
+    std::memcpy(got.data(), raw.data(), raw.size());
+    // The owner stamps each row it holds, then gives them back.
+    std::vector<Row> stamped = got;
+    for (Row &row : stamped)
+      row.tag = 1000 + r;
+    std::vector<uint8_t> back_bytes(stamped.size() * sizeof(Row));
+    std::memcpy(back_bytes.data(), stamped.data(), back_bytes.size());
+    cuda::DeviceBuffer processed(std::max<size_t>(back_bytes.size(), 16));
+    processed.upload(back_bytes);
+    rows.fill32(cuda::kPoisonNaN);
+    ex.give_back(processed.ptr(), rows.ptr(), sizeof(Row), sizes, stream);
+    stream.synchronize();
+    std::vector<Row> back(ranks[r].sorted.size());
+    std::vector<uint8_t> braw = rows.download<uint8_t>(back.size() * sizeof(Row));
+    std::memcpy(back.data(), braw.data(), braw.size());
+    out[r] = {got, back, sizes};
+  });
   return out;
 }
 
@@ -171,14 +157,20 @@ TEST_CASE("expert exchange: experts in equal blocks per rank, and the sizes of a
                        doctest::Contains("the routing tables are corrupt"), UserError);
 }
 
+// GPU tests skip, visibly, where NCCL does not load.
+#define MOEFORGE_REQUIRE_NCCL()                                                                                        \
+  do {                                                                                                                 \
+    MOEFORGE_REQUIRE_GPU();                                                                                            \
+    std::string moeforge_no_nccl;                                                                                      \
+    if (!cuda::nccl_available(&moeforge_no_nccl)) {                                                                    \
+      MESSAGE("SKIPPED (no GPU): NCCL is not usable: " << moeforge_no_nccl);                                           \
+      return;                                                                                                          \
+    }                                                                                                                  \
+  } while (0)
+
 TEST_SUITE("gpu") {
   TEST_CASE("expert exchange: one rank sends its rows to itself and takes them back") {
-    MOEFORGE_REQUIRE_GPU();
-    std::string why;
-    if (!cuda::nccl_available(&why)) {
-      MESSAGE("SKIPPED (no GPU): NCCL is not usable: " << why);
-      return;
-    }
+    MOEFORGE_REQUIRE_NCCL();
     std::vector<RankData> ranks{make_rank(0, 8, 777, false, 5, 1)};
     std::vector<Outcome> out = run_exchange({0}, ranks, 8);
     check_outcome(ExpertPlacement(8, 1), ranks, out);
@@ -186,12 +178,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("expert exchange: two GPUs, uniform and skewed routing, an expert nobody chose") {
-    MOEFORGE_REQUIRE_GPU();
-    std::string why;
-    if (!cuda::nccl_available(&why)) {
-      MESSAGE("SKIPPED (no GPU): NCCL is not usable: " << why);
-      return;
-    }
+    MOEFORGE_REQUIRE_NCCL();
     int count = 0;
     MOEFORGE_CU(cuDeviceGetCount, &count);
     if (count < 2) {

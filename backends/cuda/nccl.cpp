@@ -3,8 +3,12 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <exception>
 #include <mutex>
+#include <thread>
 #include <utility>
+
+#include "backends/cuda/device.h"
 
 #include "dsl/error.h"
 
@@ -96,6 +100,25 @@ void check_nccl(ncclResult_t result, const char *call, ncclComm_t comm) {
   if (const char *last = api.ncclGetLastError(comm); last && *last)
     message += " (" + std::string(last) + ")";
   throw CudaError(message, CUDA_ERROR_UNKNOWN);
+}
+
+void on_each_rank(const std::vector<int> &ordinals, const std::function<void(int rank)> &fn) {
+  std::vector<std::exception_ptr> errors(ordinals.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < ordinals.size(); ++r)
+    threads.emplace_back([&, r] {
+      try {
+        Device device(ordinals[r]);
+        fn(static_cast<int>(r));
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (std::thread &t : threads)
+    t.join();
+  for (std::exception_ptr &e : errors)
+    if (e)
+      std::rethrow_exception(e);
 }
 
 Communicator::Communicator(ncclComm_t comm, bool owned) : comm_(comm), owned_(owned) {

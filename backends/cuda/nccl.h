@@ -13,6 +13,7 @@
 
 #include <nccl.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -89,5 +90,11 @@ private:
   bool owned_ = false;
   int rank_ = 0, size_ = 1, device_ = 0;
 };
+
+// Runs fn(rank) for every rank on a thread of its own, with device
+// ordinals[rank] current there (one process driving several GPUs: a rank's
+// NCCL calls wait for its peers', so the ranks cannot take turns on one
+// thread), joins them all and rethrows the first failed rank's error.
+void on_each_rank(const std::vector<int> &ordinals, const std::function<void(int rank)> &fn);
 
 } // namespace moeforge::cuda

@@ -66,10 +66,10 @@ struct Options {
   uint64_t seed = 1;
   Precision precision = Precision::f32;
   bool check = false;
-  bool check_full = false; // --check=full: every token, not a sample (run)
-  bool recompute = false;  // train: schedule.recompute(true)
-  bool aux = false;        // train: with the example's auxiliary losses as more outputs
-  std::string schedule;          // empty: auto for run, train and tune; megablocks for emit
+  bool check_full = false;      // --check=full: every token, not a sample (run)
+  bool recompute = false;       // train: schedule.recompute(true)
+  bool aux = false;             // train: with the example's auxiliary losses as more outputs
+  std::string schedule;         // empty: auto for run, train and tune; megablocks for emit
   std::string backend;          // empty: the GPU when there is one, else the CPU backend, else the reference
   std::string emit;             // ir, cuda, llvm or plan
   bool emit_training = false;   // emit --train: the training step's program; tune --train: the training step

@@ -154,7 +154,9 @@ TEST_CASE("expert exchange: experts in equal blocks per rank, and the sizes of a
   CHECK(s.total_send() == 9);
   CHECK(s.total_recv() == 12);
   CHECK_THROWS_WITH_AS(cuda::exchange_sizes(ExpertPlacement(4, 2), {3, -1, 5, 1}, {3, 0, 7, 2}),
-                       doctest::Contains("the routing tables are corrupt"), UserError);
+                       doctest::Contains("this rank counts -1 rows for expert 1"), UserError);
+  CHECK_THROWS_WITH_AS(cuda::exchange_sizes(ExpertPlacement(4, 2), {3, 0, 5, 1}, {3, 0, -7, 2}),
+                       doctest::Contains("rank 1 sent a count of -7 rows for this rank's expert 0"), UserError);
 }
 
 // GPU tests skip, visibly, where NCCL does not load.

@@ -28,8 +28,11 @@ ExchangeSizes exchange_sizes(const ExpertPlacement &placement, const std::vector
   for (int q = 0; q < R; ++q)
     for (int j = 0; j < El; ++j) {
       const int32_t out = my_counts[q * El + j], in = recv_counts[q * El + j];
-      user_check(out >= 0 && in >= 0) << "expert parallelism: a negative row count (" << std::min(out, in)
-                                      << ") for expert " << q * El + j << ": the routing tables are corrupt";
+      user_check(out >= 0) << "expert parallelism: this rank counts " << out << " rows for expert " << q * El + j
+                           << ": the routing tables are corrupt";
+      user_check(in >= 0) << "expert parallelism: rank " << q << " sent a count of " << in
+                          << " rows for this rank's expert " << j << " (of " << El
+                          << "): its routing tables are corrupt";
       s.send_rows[q] += out;
       s.recv_rows[q] += in;
     }

@@ -9,7 +9,6 @@
 #include <utility>
 
 #include "backends/cuda/device.h"
-
 #include "dsl/error.h"
 
 namespace moeforge::cuda {
@@ -73,11 +72,6 @@ ProcessNccl &process_nccl() {
 
 } // namespace
 
-std::string nccl_library_name() {
-  const char *env = std::getenv("MOEFORGE_LIBNCCL");
-  return env && *env ? env : "libnccl.so.2";
-}
-
 bool nccl_available(std::string *why) {
   const ProcessNccl &n = process_nccl();
   if (!n.ready && why)
@@ -92,12 +86,13 @@ const NcclApi &nccl() {
   return n.api;
 }
 
-void check_nccl(ncclResult_t result, const char *call, ncclComm_t comm) {
+void check_nccl(ncclResult_t result, const char *call) {
   if (result == ncclSuccess)
     return;
   const NcclApi &api = nccl();
   std::string message = std::string(call) + " failed: " + api.ncclGetErrorString(result);
-  if (const char *last = api.ncclGetLastError(comm); last && *last)
+  // NCCL's last error on this thread, whichever communicator it came from.
+  if (const char *last = api.ncclGetLastError(nullptr); last && *last)
     message += " (" + std::string(last) + ")";
   throw CudaError(message, CUDA_ERROR_UNKNOWN);
 }

@@ -22,7 +22,6 @@
 namespace moeforge::cuda {
 
 #define MOEFORGE_NCCL_FUNCTIONS(X)                                                                                     \
-  X(ncclGetVersion)                                                                                                    \
   X(ncclGetErrorString)                                                                                                \
   X(ncclGetLastError)                                                                                                  \
   X(ncclGetUniqueId)                                                                                                   \
@@ -43,18 +42,15 @@ struct NcclApi {
 #undef MOEFORGE_NCCL_MEMBER
 };
 
-// The library NCCL comes from: $MOEFORGE_LIBNCCL if set, else
-// "libnccl.so.2" (the dynamic loader's search path, then the CUDA toolkit's
-// lib64).
-std::string nccl_library_name();
-
 // True when NCCL loads and a GPU is usable; otherwise false with the reason.
+// The library: $MOEFORGE_LIBNCCL if set, else "libnccl.so.2" (the dynamic
+// loader's search path, then the CUDA toolkit's lib64).
 bool nccl_available(std::string *why = nullptr);
 
 // The process-wide table. Throws CudaError with nccl_available()'s reason.
 const NcclApi &nccl();
 
-void check_nccl(ncclResult_t result, const char *call, ncclComm_t comm = nullptr);
+void check_nccl(ncclResult_t result, const char *call);
 
 #define MOEFORGE_NCCL(fn, ...) ::moeforge::cuda::check_nccl(::moeforge::cuda::nccl().fn(__VA_ARGS__), #fn)
 

@@ -373,8 +373,14 @@ struct RoutingNode {
   Var expert_var; // probs' expert argument, the one selected along
   int k;
   int groups = 1, top_groups = 1; // group-limited selection (TopKOptions)
-  Dim pairs;                      // extent tokens * k
-  Var pair;                       // ranges over pairs
+  // Expert choice (expert_choice()): k = E, every token offers every expert,
+  // and each expert keeps its capacity's worth of pairs of largest score
+  // (dsl/capacity.h); capacity_factor is then the mean experts per token.
+  // 0 for top_k, whose capacity, if any, is a schedule choice.
+  double capacity_factor = 0;
+  bool expert_choice() const { return capacity_factor > 0; }
+  Dim pairs; // extent tokens * k
+  Var pair;  // ranges over pairs
   const Dim &token_dim() const { return token_var.dim(); }
   const Dim &expert_dim() const { return expert_var.dim(); }
 };

@@ -1,5 +1,7 @@
 #include "dsl/ops.h"
 
+#include <cmath>
+
 #include "dsl/error.h"
 
 namespace moeforge {
@@ -29,7 +31,10 @@ Expr extent(const Dim &d) { return Extent::make(d); }
 Expr sum(const Var &var, const Expr &body) { return Sum::make(var, body); }
 Expr softmax(const Var &var, const Expr &body) { return Softmax::make(var, body); }
 
-Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &options) {
+namespace {
+
+// top_k's route; expert choice's when capacity_factor > 0 (RoutingNode).
+Route make_route(const Func &probs, const Var &expert, int k, const TopKOptions &options, double capacity_factor) {
   user_check(probs.node() != nullptr) << "top_k: the probabilities Func is empty";
   user_check(probs.is_defined()) << "top_k: '" << probs.name()
                                  << "' is not defined yet: define the router probabilities first";
@@ -41,8 +46,9 @@ Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &opti
                       << args[0].name() << ", " << args[1].name() << ")': pass the expert index";
   const Var &token = args[1 - ei];
   int64_t E = expert.dim().extent();
-  user_check(!expert.dim().is_dynamic()) << "top_k: the expert Dim '" << expert.dim().name()
-                                         << "' must have a static extent";
+  user_check(!expert.dim().is_dynamic())
+      << "top_k: the expert Dim '" << expert.dim().name() << "' must have a static extent"
+      << "; to let each expert pick its top tokens instead, write expert_choice(probs, expert, capacity_factor)";
   user_check(k >= 1 && k <= E) << "top_k: k = " << k << " but '" << probs.name() << "' has " << E << " experts along '"
                                << expert.name() << "': choose 1 <= k <= " << E;
   user_check(!options.name.empty()) << "top_k: the route needs a name";
@@ -64,6 +70,7 @@ Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &opti
   node->k = k;
   node->groups = options.groups;
   node->top_groups = options.groups == 1 ? 1 : options.top_groups;
+  node->capacity_factor = capacity_factor;
   node->pairs = Dim::scaled(options.name + ".pairs", token.dim(), k);
   node->pair = Var("r", node->pairs);
   RoutingPtr route = node;
@@ -83,6 +90,27 @@ Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &opti
     gate(r) = chosen;
   }
   return Route(route, gate);
+}
+
+} // namespace
+
+Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &options) {
+  return make_route(probs, expert, k, options, 0.0);
+}
+
+Route expert_choice(const Func &probs, const Var &expert, double capacity_factor, const std::string &name) {
+  user_check(std::isfinite(capacity_factor) && capacity_factor > 0)
+      << "expert_choice: capacity_factor = " << capacity_factor
+      << " must be positive (the mean number of experts per token; 1 or 2 are usual)";
+  user_check(probs.node() != nullptr && probs.is_defined())
+      << "expert_choice: the scores Func is empty or not defined yet: define the router scores first";
+  user_check(!expert.dim().is_dynamic()) << "expert_choice: the expert Dim '" << expert.dim().name()
+                                         << "' must have a static extent";
+  TopKOptions options;
+  options.name = name;
+  // Every token offers every expert; the capacity then keeps each expert's
+  // best tokens (dsl/capacity.h). The gates are the unnormalised scores.
+  return make_route(probs, expert, static_cast<int>(expert.dim().extent()), options, capacity_factor);
 }
 
 Expr combine(const Route &route, const Var &token, const Expr &body) {

@@ -60,6 +60,14 @@ struct TopKOptions {
 // must be a defined Func of two indices, one of them `expert`.
 Route top_k(const Func &probs, const Var &expert, int k, const TopKOptions &options = {});
 
+// Expert choice routing (Zhou et al. 2022): each expert takes the C tokens of
+// largest probs(t, e), C = min(T, ceil(capacity_factor * T / E)), so a
+// token may get any number of experts, none included. The route's pairs are
+// every (token, expert), r = t * E + slot (slot order as top_k's), of which
+// each expert keeps C (dsl/capacity.h); the others add nothing to any sum
+// over the pairs. gate(r) = probs(token(r), expert(r)).
+Route expert_choice(const Func &probs, const Var &expert, double capacity_factor, const std::string &name = "route");
+
 // The gated combine's shape: for each token t, the sum of body over the pairs r
 // of route with token(r) = t. body uses route.pair(); t is a Var over the
 // route's token Dim and must not appear in body (write route.token(r)).

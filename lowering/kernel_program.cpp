@@ -39,6 +39,13 @@ const TensorDecl &KernelProgram::tensor(const std::string &name) const {
   internal_check(false) << "no tensor '" << name << "' in the kernel program";
 }
 
+const RoutingStep &KernelProgram::routing(const RoutingNode *r) const {
+  for (const Step &s : steps)
+    if (auto *rs = std::get_if<RoutingStep>(&s); rs && rs->route == r)
+      return *rs;
+  internal_check(false) << "no routing step for route '" << r->name << "' in the kernel program";
+}
+
 TensorDecl *KernelProgram::find(const std::string &name) {
   for (TensorDecl &t : tensors)
     if (t.name == name)
@@ -161,6 +168,9 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
                << "), sorted_pair, pair_pos, tiles";
             if (!x.gate_output.empty())
               os << "; gate -> " << x.gate_output;
+            if (x.drops())
+              os << "; capacity " << x.capacity_factor
+                 << (x.priority == KeepPriority::score ? " (expert choice: best scores)" : " (drops past it)");
             os << "\n";
           } else if constexpr (std::is_same_v<T, GatherStep>) {
             os << "  gather " << x.name << ": " << x.dst << "[p, :] = " << x.src

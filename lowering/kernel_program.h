@@ -32,6 +32,7 @@
 #include <variant>
 #include <vector>
 
+#include "dsl/capacity.h"
 #include "dsl/ir.h"
 #include "schedules/schedule.h"
 
@@ -161,6 +162,14 @@ struct RoutingStep {
   // writes with each pair's chosen score (the gate S(token(r), expert(r))),
   // in place of the pointwise step that read it back from `probs`.
   std::string gate_output;
+  // Fixed expert capacity (dsl/capacity.h): 0 dropless; else each expert
+  // keeps its C pairs of highest `priority` (Schedule::capacity for top_k,
+  // the route's own for expert choice). A dropped pair r gets no padded row:
+  // pair_pos[r] is the drop row (runtime/routing_host.h), and the sums over
+  // a token's pairs skip it.
+  double capacity_factor = 0;
+  KeepPriority priority = KeepPriority::token_order;
+  bool drops() const { return capacity_factor > 0; }
 };
 
 // dst[p, :] = src[row(sorted_pair[p]), :], zero on padding rows (blocked);
@@ -193,6 +202,8 @@ struct KernelProgram {
   bool reuse_memory = false; // Schedule::reuse_memory: the runtime places tensors by lifetime
 
   const TensorDecl &tensor(const std::string &name) const;
+  // The routing step of route r (internal error when there is none).
+  const RoutingStep &routing(const RoutingNode *r) const;
   TensorDecl *find(const std::string &name);
   const TensorDecl *find(const std::string &name) const;
 };

@@ -269,7 +269,14 @@ KernelProgram build_steps(const Pipeline &p, const Schedule &schedule) {
       user_check(r.token_var.same_as(r.probs->args[0]))
           << "route '" << r.name << "': the device routing reads '" << r.probs->name << "' as (token, expert); "
           << "define it with the token index first";
-      prog.steps.push_back(RoutingStep{&r, r.probs->name, schedule.block(), /*softmax=*/false, /*gate_output=*/""});
+      RoutingStep rs{&r, r.probs->name, schedule.block(), /*softmax=*/false, /*gate_output=*/""};
+      if (r.expert_choice()) {
+        rs.capacity_factor = r.capacity_factor;
+        rs.priority = KeepPriority::score;
+      } else {
+        rs.capacity_factor = schedule.capacity();
+      }
+      prog.steps.push_back(rs);
       prog.routes.push_back(&r);
       continue;
     }
@@ -1079,6 +1086,27 @@ void dump(const char *pass, const KernelProgram &p) {
 
 } // namespace
 
+namespace {
+
+// A route that drops pairs at capacity excludes them from its sums over a
+// token's or an expert's pairs, but a dense GEMM over every pair (MoA's
+// dK = dS^T Q) or a plain sum over the pairs Dim would read the dropped
+// pairs' rows, which no kernel writes: refuse it rather than sum garbage.
+void check_dropping(const KernelProgram &p) {
+  for (const Step &step : p.steps) {
+    const auto *g = std::get_if<GemmStep>(&step);
+    if (!g || g->route)
+      continue;
+    for (const RoutingNode *r : p.routes)
+      user_check(!(g->k.same_as(r->pairs) && p.routing(r).drops()))
+          << "'" << g->func << "' sums over every pair of route '" << r->name
+          << "', which drops pairs at its expert capacity: the compiled backends sum over a dropping route's pairs "
+          << "only in combine() and expert_sum(); drop capacity() from the schedule for this layer";
+  }
+}
+
+} // namespace
+
 KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &schedule) {
   KernelProgram p = build_steps(pipeline, schedule);
   dump("build_steps", p);
@@ -1094,6 +1122,7 @@ KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &sche
   dump("resolve_row_maps", p);
   p = materialize_transposes(std::move(p), schedule);
   dump("materialize_transposes", p);
+  check_dropping(p);
   return p;
 }
 

@@ -61,6 +61,10 @@ ProgramShapes::ProgramShapes(const KernelProgram &program, int64_t tokens) : tok
       shape.block = rs->block;
       shape.groups = rs->route->groups;
       shape.top_groups = rs->route->top_groups;
+      if (rs->drops()) {
+        shape.priority = rs->priority;
+        shape.capacity = expert_capacity(rs->capacity_factor, shape.tokens, shape.k, shape.experts, rs->priority);
+      }
       shape.check();
       routings_[rs->route] = shape;
     }

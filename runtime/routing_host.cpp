@@ -21,6 +21,7 @@ void RoutingShape::check() const {
       << " experts and k = " << k << ": the groups must divide E and the kept ones hold at least k experts";
   user_check(block >= 1) << "routing with block size " << block << ": it must be positive (64, 128 or 256)";
   user_check(tokens >= 0) << "routing " << tokens << " tokens: the count cannot be negative";
+  user_check(capacity >= -1) << "routing with capacity " << capacity << ": use -1 for dropless or a count >= 0";
   // Positions and pair numbers are int32 on the device.
   user_check(max_padded_rows() <= INT_MAX)
       << "routing " << to_string() << " needs " << max_padded_rows() << " padded rows, more than int32 indexes";
@@ -29,10 +30,29 @@ void RoutingShape::check() const {
 std::string RoutingShape::to_string() const {
   std::ostringstream s;
   s << "T=" << tokens << " E=" << experts << " k=" << k << " bs=" << block;
+  if (drops())
+    s << " capacity=" << capacity;
   return s.str();
 }
 
-RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t> &expert) {
+namespace {
+
+// kept[r] per the shape's capacity rule; every pair when dropless.
+std::vector<uint8_t> kept_pairs(const RoutingShape &shape, const std::vector<int32_t> &expert,
+                                const std::vector<float> &score) {
+  if (!shape.drops())
+    return std::vector<uint8_t>(expert.size(), 1);
+  user_check(shape.priority == KeepPriority::token_order || score.size() == expert.size())
+      << "routing " << shape.to_string() << " keeps each expert's best scores, but " << score.size()
+      << " scores were given for " << expert.size() << " pairs";
+  return keep_within_capacity(expert.data(), score.data(), shape.tokens, shape.k, shape.experts, shape.capacity,
+                              shape.priority);
+}
+
+} // namespace
+
+RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t> &expert,
+                            const std::vector<float> &score) {
   shape.check();
   const int64_t P = shape.pairs();
   const int E = shape.experts, bs = shape.block;
@@ -41,10 +61,11 @@ RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t
   RoutingTables t;
   t.expert = expert;
   t.counts.assign(E, 0);
-  for (int32_t e : expert) {
+  for (int32_t e : expert)
     user_check(e >= 0 && e < E) << "route_on_host: expert id " << e << " is outside 0.." << E - 1;
-    ++t.counts[e];
-  }
+  const std::vector<uint8_t> kept = kept_pairs(shape, expert, score);
+  for (int64_t r = 0; r < P; ++r)
+    t.counts[expert[r]] += kept[r];
   t.offsets.assign(E + 1, 0);
   t.offsets_unpadded.assign(E + 1, 0);
   for (int e = 0; e < E; ++e) {
@@ -57,6 +78,10 @@ RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t
   t.pair_pos.assign(P, -1);
   t.sorted_pair.assign(shape.max_padded_rows(), -1);
   for (int64_t r = 0; r < P; ++r) {
+    if (!kept[r]) {
+      t.pair_pos[r] = static_cast<int32_t>(shape.drop_row());
+      continue;
+    }
     int32_t pos = next[expert[r]]++;
     t.pair_pos[r] = pos;
     t.sorted_pair[pos] = static_cast<int32_t>(r);
@@ -93,6 +118,13 @@ RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t
     put(pending, t.offsets[pending + 1] - bs);
   t.num_tiles = i;
   return t;
+}
+
+int64_t dropped_pairs(const RoutingShape &shape, const RoutingTables &tables) {
+  int64_t kept = 0;
+  for (int32_t c : tables.counts)
+    kept += c;
+  return shape.pairs() - kept;
 }
 
 HostTopK top_k_on_host(const RoutingShape &shape, const std::vector<float> &probs) {
@@ -140,7 +172,8 @@ template <typename T> bool sized(Violations &v, const std::vector<T> &a, int64_t
 }
 } // namespace
 
-std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const RoutingTables &t) {
+std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const RoutingTables &t,
+                                               const std::vector<float> &score) {
   Violations v;
   const int64_t P = shape.pairs(), E = shape.experts, bs = shape.block;
   bool ok = sized(v, t.expert, P, "expert") & sized(v, t.counts, E, "counts") & sized(v, t.offsets, E + 1, "offsets") &
@@ -158,9 +191,10 @@ std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const 
     }
 
   // counts and offsets from their definitions.
+  const std::vector<uint8_t> kept = kept_pairs(shape, t.expert, score);
   std::vector<int64_t> count(E, 0);
-  for (int32_t e : t.expert)
-    ++count[e];
+  for (int64_t r = 0; r < P; ++r)
+    count[t.expert[r]] += kept[r];
   if (t.offsets[0] != 0 || t.offsets_unpadded[0] != 0)
     v.add("offsets[0] and offsets_unpadded[0] must be 0");
   for (int64_t e = 0; e < E; ++e) {
@@ -179,6 +213,12 @@ std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const 
   std::vector<char> hit(t.sorted_pair.size(), 0);
   for (int64_t r = 0; r < P; ++r) {
     int32_t e = t.expert[r];
+    if (!kept[r]) {
+      if (t.pair_pos[r] != shape.drop_row())
+        v.add("pair_pos[", r, "] = ", t.pair_pos[r], ", expected the drop row ", shape.drop_row(),
+              " (pair dropped at capacity ", shape.capacity, ")");
+      continue;
+    }
     int64_t want = t.offsets[e] + seen[e]++;
     int32_t pos = t.pair_pos[r];
     if (pos != want) {
@@ -200,7 +240,7 @@ std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const 
   if (tiles != t.offsets[E] / bs || t.offsets[E] % bs != 0)
     v.add("num_tiles = ", tiles, " for ", t.offsets[E], " padded rows of block ", bs);
   tiles = std::clamp<int64_t>(tiles, 0, shape.max_tiles());
-  const RoutingTables order = route_on_host(shape, t.expert);
+  const RoutingTables order = route_on_host(shape, t.expert, score);
   for (int64_t i = 0; i < tiles; ++i) {
     int32_t e = t.tile_expert[i], start = t.tile_row_start[i], rows = t.tile_rows[i];
     if (i < order.num_tiles && start != order.tile_row_start[i])

@@ -25,6 +25,15 @@
 // next odd expert's, and the two follow that expert's pairs; a tail left
 // without a partner comes last. E.g. n = (3, 2, 1): tiles e0 e0 e1 e1 e0' e2.
 //
+// With a fixed expert capacity (capacity >= 0; dsl/capacity.h), each
+// expert keeps at most `capacity` of its pairs and the others are dropped:
+// they are left out of counts, offsets and sorted_pair (so no tile computes
+// them), and pair_pos[r] of a dropped pair is the drop row,
+// max_padded_rows - 1, which no kept pair ever takes (with a pair dropped,
+// offsets[E] <= P - 1 + E (bs - 1) < max_padded_rows - 1) and no tile
+// covers: element-wise steps may read and write a dropped pair's padded row
+// without a branch, and only the sums over a token's pairs test for it.
+//
 // Grids are sized by max_tiles = ceil(P / bs) + E, an upper bound known on
 // the host, so no step ever copies num_tiles back. Tiles at and past
 // num_tiles hold tile_expert = -1, tile_row_start = -1, tile_rows = 0, and
@@ -35,6 +44,8 @@
 #include <string>
 #include <vector>
 
+#include "dsl/capacity.h"
+
 namespace moeforge::cuda {
 
 struct RoutingShape {
@@ -43,8 +54,13 @@ struct RoutingShape {
   int k = 0;                      // experts per token, 1..E
   int block = 128;                // bs: rows per tile (64, 128 or 256 for the GEMMs)
   int groups = 1, top_groups = 1; // group-limited selection (TopKOptions); host routing only
+  int64_t capacity = -1;          // pairs an expert keeps; -1: dropless
+  KeepPriority priority = KeepPriority::token_order;
 
   int64_t pairs() const { return tokens * k; }
+  bool drops() const { return capacity >= 0; }
+  // pair_pos of a dropped pair (see above).
+  int64_t drop_row() const { return max_padded_rows() - 1; }
   int64_t max_tiles() const { return (pairs() + block - 1) / block + experts; }
   int64_t max_padded_rows() const { return max_tiles() * block; }
   // Throws UserError naming the bad field and its allowed range.
@@ -81,7 +97,12 @@ template <typename Tables> auto *routing_array(Tables &t, const std::string &nam
 }
 
 // The oracle: the tables for the expert ids of every pair (values 0..E-1).
-RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t> &expert);
+// With a capacity, `score` (the pairs' chosen scores, pair order) ranks
+// them for KeepPriority::score.
+RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t> &expert,
+                            const std::vector<float> &score = {});
+// Pairs the tables leave out (0 when dropless).
+int64_t dropped_pairs(const RoutingShape &shape, const RoutingTables &tables);
 
 struct HostTopK {
   std::vector<int32_t> expert; // [T*k]
@@ -97,6 +118,8 @@ HostTopK top_k_on_host(const RoutingShape &shape, const std::vector<float> &prob
 // rather than by recomputing: the permutation, stability, padding, tile
 // coverage. Returns the violations found (empty when the tables are right),
 // each naming the array and index.
-std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const RoutingTables &tables);
+// With a capacity, `score` as for route_on_host.
+std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const RoutingTables &tables,
+                                               const std::vector<float> &score = {});
 
 } // namespace moeforge::cuda

@@ -1,5 +1,7 @@
 #include "schedules/schedule.h"
 
+#include <charconv>
+#include <cmath>
 #include <initializer_list>
 #include <sstream>
 
@@ -32,6 +34,14 @@ std::string func_label(const std::string &func) {
 }
 
 std::string quoted(const std::string &s) { return "\"" + s + "\""; }
+
+// The shortest text that reads back as the same double, so that a traced
+// capacity(1.25) replays exactly.
+std::string format_number(double v) {
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return ec == std::errc() ? std::string(buf, end) : std::to_string(v);
+}
 
 void check_func_name(const std::string &call, const std::string &func) {
   user_check(printable_name(func)) << call << ": '" << func
@@ -95,6 +105,16 @@ Schedule &Schedule::block(int rows) {
   user_check(one_of(rows, {64, 128, 256}))
       << call << ": block size " << rows << " is not supported: use 64, 128 or 256";
   block_ = rows;
+  calls_.push_back(call);
+  return *this;
+}
+
+Schedule &Schedule::capacity(double factor) {
+  std::string call = "capacity(" + format_number(factor) + ")";
+  user_check(std::isfinite(factor) && factor > 0 && factor <= 1024)
+      << call << ": the capacity factor must be positive (1.0: an expert takes its even share T * k / E of the "
+      << "pairs; 1.25 or 2.0 leave room for imbalance); for no dropping, do not call capacity()";
+  capacity_ = factor;
   calls_.push_back(call);
   return *this;
 }

@@ -119,6 +119,13 @@ public:
   Schedule &permutation(Permutation p);
   // Rows per block of routed pairs: 64, 128 or 256.
   Schedule &block(int rows);
+  // Fixed expert capacity with dropping (GShard / Tutel): each expert takes
+  // at most C = ceil(factor * T * k / E) of its pairs, first choices before
+  // second ones, earlier tokens first, and the rest are dropped: they add
+  // nothing to the combine or any gradient (dsl/capacity.h). The pairs
+  // dropped are reported by the layer. Not calling it: dropless, the
+  // default. Applies to every top_k route (expert choice has its own).
+  Schedule &capacity(double factor);
   Schedule &gate(GateFusion g);
   // Training: whether the backward recomputes the routed activations it
   // reads instead of keeping the forward's copies: those made by element-wise
@@ -211,6 +218,8 @@ public:
   const std::string &name() const { return name_; }
   Permutation permutation() const { return permutation_; }
   int block() const { return block_; }
+  // 0 when dropless.
+  double capacity() const { return capacity_; }
   GateFusion gate() const { return gate_; }
   bool recompute() const { return recompute_; }
   bool bf16_activations() const { return bf16_activations_; }
@@ -271,6 +280,7 @@ private:
   std::string name_;
   Permutation permutation_ = Permutation::blocked;
   int block_ = 128;
+  double capacity_ = 0;
   GateFusion gate_ = GateFusion::combine;
   bool recompute_ = false;
   bool bf16_activations_ = false;

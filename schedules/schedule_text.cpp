@@ -19,7 +19,7 @@ namespace moeforge {
 
 namespace {
 
-enum class ArgType { text, integer, permutation, gate, boolean, mma };
+enum class ArgType { text, integer, number, permutation, gate, boolean, mma };
 
 struct ArgSpec {
   const char *name;
@@ -36,6 +36,7 @@ const std::vector<Signature> &signatures() {
       {"schedule", {{"name", ArgType::text}}},
       {"permutation", {{"strategy", ArgType::permutation}}},
       {"block", {{"rows", ArgType::integer}}},
+      {"capacity", {{"factor", ArgType::number}}},
       {"gate", {{"fusion", ArgType::gate}}},
       {"recompute", {{"on", ArgType::boolean}}},
       {"tile", {{"func", ArgType::text}, {"m", ArgType::integer}, {"n", ArgType::integer}, {"k", ArgType::integer}}},
@@ -85,6 +86,8 @@ const char *expected_for(ArgType t) {
     return "a quoted name";
   case ArgType::integer:
     return "an integer";
+  case ArgType::number:
+    return "a number";
   case ArgType::permutation:
     return "blocked or scattered";
   case ArgType::gate:
@@ -168,8 +171,8 @@ private:
   }
   std::string word() {
     size_t start = pos_;
-    while (pos_ < s_.size() &&
-           (std::isalnum(static_cast<unsigned char>(s_[pos_])) || s_[pos_] == '_' || s_[pos_] == '-'))
+    while (pos_ < s_.size() && (std::isalnum(static_cast<unsigned char>(s_[pos_])) || s_[pos_] == '_' ||
+                                s_[pos_] == '-' || s_[pos_] == '.' || s_[pos_] == '+')) // numbers: 1.25, 1e+2
       ++pos_;
     return s_.substr(start, pos_ - start);
   }
@@ -255,6 +258,7 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
 
     // Typed values; the primitive checks their ranges when replayed below.
     std::vector<long long> ints(st.args.size());
+    std::vector<double> numbers(st.args.size());
     std::vector<Permutation> perms(st.args.size());
     std::vector<GateFusion> gates(st.args.size());
     std::vector<bool> bools(st.args.size());
@@ -271,6 +275,12 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         const char *b = a.text.data(), *e = b + a.text.size();
         auto [end, ec] = std::from_chars(b, e, ints[i]);
         ok = !a.quoted && ec == std::errc() && end == e && ints[i] >= INT_MIN && ints[i] <= INT_MAX;
+        break;
+      }
+      case ArgType::number: {
+        const char *b = a.text.data(), *e = b + a.text.size();
+        auto [end, ec] = std::from_chars(b, e, numbers[i]);
+        ok = !a.quoted && ec == std::errc() && end == e;
         break;
       }
       case ArgType::permutation:
@@ -306,6 +316,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.permutation(perms[0]);
       } else if (st.primitive == "block") {
         s.block(i(0));
+      } else if (st.primitive == "capacity") {
+        s.capacity(numbers[0]);
       } else if (st.primitive == "gate") {
         s.gate(gates[0]);
       } else if (FlagSetter set = flag_setter(st.primitive)) {

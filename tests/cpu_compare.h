@@ -32,7 +32,8 @@ inline Outcome run_and_compare(const Example &ex, const TensorMap &inputs, int64
   layer.upload(inputs);
   layer.poison();
   layer.run();
-  return testing::compare_with_reference(ex, inputs, compiled.program, layer, schedule.to_text(), tolerance);
+  return testing::compare_with_reference(ex, inputs, compiled.program, layer, schedule.to_text(), tolerance,
+                                         /*floor_fraction=*/0, schedule.capacity());
 }
 
 } // namespace moeforge::cpu_test

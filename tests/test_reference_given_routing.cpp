@@ -14,6 +14,8 @@
 
 using namespace moeforge;
 
+using Given = std::map<std::string, std::vector<int32_t>>;
+
 namespace {
 bool has(const std::string &text, const std::string &part) { return text.find(part) != std::string::npos; }
 } // namespace
@@ -25,7 +27,7 @@ TEST_CASE("given routing: the reference's own experts give its own values exactl
     Example ex = make_example(name, s);
     TensorMap in = ex.random_inputs(s, 5);
     EvalResult ref = evaluate(ex.pipeline, in);
-    EvalResult again = evaluate(ex.pipeline, in, Precision::f64, {{ex.route, ref.routes.at(ex.route).expert}});
+    EvalResult again = evaluate(ex.pipeline, in, Precision::f64, Given{{ex.route, ref.routes.at(ex.route).expert}});
     CHECK(again.routes.at(ex.route).expert == ref.routes.at(ex.route).expert);
     for (const auto &[func, value] : ref.values) {
       INFO(func);
@@ -48,7 +50,7 @@ TEST_CASE("given routing: another routing is followed, with gates read at the gi
   while (other == swapped[0] || other == swapped[1])
     ++other;
   swapped[1] = other;
-  EvalResult got = evaluate(ex.pipeline, in, Precision::f64, {{ex.route, swapped}});
+  EvalResult got = evaluate(ex.pipeline, in, Precision::f64, Given{{ex.route, swapped}});
   CHECK(got.routes.at(ex.route).expert == swapped);
   const HostTensor &probs = got.values.at("probs");
   const HostTensor &gate = got.values.at("route_gate");
@@ -71,7 +73,7 @@ TEST_CASE("given routing: a wrong count, an expert out of range or chosen twice,
   auto error_with = [&](std::map<std::string, std::vector<int32_t>> given) {
     return testing::user_error_of([&] { evaluate(ex.pipeline, in, Precision::f64, given); });
   };
-  CHECK_NOTHROW(evaluate(ex.pipeline, in, Precision::f64, {{ex.route, ok}}));
+  CHECK_NOTHROW(evaluate(ex.pipeline, in, Precision::f64, Given{{ex.route, ok}}));
   CHECK(has(error_with({{ex.route, std::vector<int32_t>(11, 0)}}), "11 experts given, but 6 tokens x k = 2 needs 12"));
   std::vector<int32_t> bad = ok;
   bad[4] = 8;

@@ -65,7 +65,7 @@ Outcome step_and_compare(const Example &ex, TensorMap inputs, const KernelProgra
   step(layer);
   inputs[seed] = dy;
   return compare_with_reference(training_example(ex), inputs, program, layer, schedule.to_text(), 2e-2,
-                                /*floor_fraction=*/1e-3);
+                                /*floor_fraction=*/1e-3, schedule.capacity());
 }
 
 } // namespace moeforge::testing

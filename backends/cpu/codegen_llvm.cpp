@@ -384,8 +384,21 @@ private:
       // A token's pairs are the k consecutive rows t * k + slot: a fixed
       // loop, deterministic, in slot order.
       int k = s.route->k;
-      fb_.for_loop(fb_.c64(0), fb_.c64(k), "slot",
-                   [&](Value *slot) { add(b.CreateAdd(b.CreateMul(target, fb_.c64(k)), slot)); });
+      const RoutingNode *route = s.route.get();
+      const bool drops = prog_.routing(route).drops();
+      fb_.for_loop(fb_.c64(0), fb_.c64(k), "slot", [&](Value *slot) {
+        Value *r = b.CreateAdd(b.CreateMul(target, fb_.c64(k)), slot);
+        if (!drops)
+          return add(r);
+        // A pair dropped at capacity sits at the drop row (routing_host.h):
+        // its term is discarded by a select, not multiplied by 0, as its
+        // values may be anything (a row no kernel wrote).
+        Value *before = b.CreateLoad(fb_.f32(), acc);
+        add(r);
+        Value *dropped =
+            b.CreateICmpEQ(fb_.route_at(route, "pair_pos", r), b.CreateSub(fb_.max_padded_rows(route), fb_.c64(1)));
+        b.CreateStore(b.CreateSelect(dropped, before, b.CreateLoad(fb_.f32(), acc)), acc);
+      });
     } else {
       // An expert's pairs are the first counts[e] rows of its padded segment,
       // in pair order (the sort is stable).

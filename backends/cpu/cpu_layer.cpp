@@ -120,7 +120,7 @@ void CpuLayer::route(const RoutingStep &step) {
   // The reference's rule (largest first, ties to the lower expert), then the
   // blocked format's tables: the same code the GPU routing is checked with.
   cuda::HostTopK top = cuda::top_k_on_host(st.shape, probs);
-  st.tables = cuda::route_on_host(st.shape, top.expert);
+  st.tables = cuda::route_on_host(st.shape, top.expert, top.gate);
   st.padded_rows = st.tables.offsets.back();
   if (!step.gate_output.empty()) { // the chosen probabilities, pair order (gate_from_routing)
     std::vector<uint8_t> &gate = tensors_.at(step.gate_output);
@@ -223,6 +223,13 @@ HostTensor CpuLayer::download(const std::string &func) const {
       << "download(\"" << func << "\") before run(): its rows are in the routing's order, which run() makes";
   const cuda::RoutingTables &tables = route->second.tables;
   return shapes_.decode(t, bytes, &tables.pair_pos);
+}
+
+int64_t CpuLayer::dropped_pairs(const std::string &route) const {
+  for (const auto &[r, st] : routes_)
+    if (r->name == route)
+      return cuda::dropped_pairs(st.shape, st.tables);
+  user_error << "no route named '" << route << "' in this layer";
 }
 
 std::vector<int32_t> CpuLayer::routed_experts(const std::string &route) const {

@@ -74,6 +74,9 @@ public:
   HostTensor download(const std::string &func) const;
   // The experts chosen, pair order (r = t * k + slot). After run().
   std::vector<int32_t> routed_experts(const std::string &route) const;
+  // The (token, expert) pairs the route dropped at its expert capacity in
+  // the last run (0 when dropless). A user error for an unknown route.
+  int64_t dropped_pairs(const std::string &route) const;
 
   const CompiledCpuLayer &compiled() const { return layer_; }
   int64_t tokens() const { return tokens_; }

@@ -111,6 +111,8 @@ private:
 
 // Emits an expression as C: statements (loops for sums over a token's pairs)
 // go to `out`; emit() returns the value's expression, valid after them.
+std::string max_padded_rows(const KernelProgram &prog, KernelBuilder &kb, const RoutingNode *r);
+
 class ExprEmitter {
 public:
   ExprEmitter(const KernelProgram &prog, KernelBuilder &kb, std::ostringstream &out, int indent)
@@ -305,6 +307,12 @@ private:
     indent_ += 2;
     out_ << pad() << "const long long " << r << " = " << vars.at(s.target.get()) << " * " << k << "LL + " << slot
          << ";\n";
+    // A pair dropped at capacity sits at the drop row (routing_host.h) and
+    // adds nothing; its values may be anything, so it is skipped, not
+    // multiplied by 0.
+    if (prog_.routing(s.route.get()).drops())
+      out_ << pad() << "if (" << kb_.route(s.route.get(), "pair_pos") << "[" << r
+           << "] == " << max_padded_rows(prog_, kb_, s.route.get()) << " - 1) continue;  // dropped at capacity\n";
     vars[s.route->pair.get()] = r;
     const auto loads = loads_;
     add_to(acc, emit(s.body));
@@ -1412,8 +1420,8 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n";
   src << "  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
   src << "  const long long p = idx / " << chunks << ", c = idx % " << chunks << ";\n";
-  src << "  if (p >= *" << padded << ") return;\n";
   if (s.rows == RowMap::direct) {
+    src << "  if (p >= *" << padded << ") return;\n";
     src << "  const int r = " << sp << "[p];\n";
     src << "  uint4 v = make_uint4(0, 0, 0, 0);\n";
     src << "  if (r >= 0) v = reinterpret_cast<const uint4 *>(" << gSrc << " + " << row << " * " << cols.extent()
@@ -1426,8 +1434,11 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   // token's k pairs read its row one after another, from cache after the
   // first; in padded order each read came from DRAM again (fine64: x is
   // 64 MB, read 8 times).
-  src << "  if (" << sp << "[p] < 0) reinterpret_cast<uint4 *>(" << gDst << " + p * " << cols.extent()
-      << ")[c] = make_uint4(0, 0, 0, 0);  // padding\n";
+  // Slots past the padded rows still copy their pair: a route that drops
+  // pairs at capacity can have fewer padded rows than pairs.
+  src << "  if (p >= *" << padded << " && p >= " << pairs << ") return;\n";
+  src << "  if (p < *" << padded << " && " << sp << "[p] < 0) reinterpret_cast<uint4 *>(" << gDst << " + p * "
+      << cols.extent() << ")[c] = make_uint4(0, 0, 0, 0);  // padding\n";
   src << "  if (p >= " << pairs << ") return;\n";
   src << "  const long long r = p;  // pair order\n";
   src << "  reinterpret_cast<uint4 *>(" << gDst << " + (long long)" << pair_pos << "[r] * " << cols.extent()

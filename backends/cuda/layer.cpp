@@ -402,6 +402,19 @@ std::vector<int32_t> CudaLayer::routed_experts(const std::string &route) const {
   user_error << "no route named '" << route << "' in this layer";
 }
 
+int64_t CudaLayer::dropped_pairs(const std::string &route) const {
+  for (const auto &[r, plan] : plans_)
+    if (r->name == route) {
+      if (!plan->shape.drops())
+        return 0;
+      int64_t kept = 0;
+      for (int32_t c : plan->counts.download<int32_t>(plan->shape.experts))
+        kept += c;
+      return plan->shape.pairs() - kept;
+    }
+  user_error << "no route named '" << route << "' in this layer";
+}
+
 size_t CudaLayer::activation_bytes() const {
   if (plan_)
     return plan_->arena_bytes;

@@ -126,6 +126,9 @@ public:
   uint64_t bind_epoch() const { return bind_epoch_; }
   // The experts the device chose, pair order (r = t * k + slot).
   std::vector<int32_t> routed_experts(const std::string &route) const;
+  // The (token, expert) pairs the route dropped at its expert capacity in
+  // the last run, 0 when dropless (synchronous: copies the counts back).
+  int64_t dropped_pairs(const std::string &route) const;
 
   const CompiledLayer &compiled() const { return layer_; }
   int64_t tokens() const { return tokens_; }

@@ -4,6 +4,7 @@
 #include "dsl/error.h"
 
 #include <algorithm>
+#include <climits>
 
 namespace moeforge::cuda {
 
@@ -39,6 +40,7 @@ const std::vector<std::string> &routing_kernel_names() {
       n.push_back(k.name);
     n.push_back("moe_chunk_histogram");
     n.push_back("moe_scan_scatter");
+    n.push_back("moe_capacity_keep");
     return n;
   }();
   return names;
@@ -98,11 +100,12 @@ int64_t count_stride(int experts) {
 
 RoutingPlan::RoutingPlan(const RoutingShape &s)
     : shape((s.check(), s)), chunk(routing_chunk_pairs(s)), chunks(ceil_div(s.pairs(), chunk)),
-      fused(routing_fuses_counts(s)), topk_chunk(fused ? chunk : routing_topk_tokens_per_pass(s.experts) * s.k),
-      expert(i32(s.pairs())), gate(i32(s.pairs())), counts(i32(s.experts)), offsets(i32(s.experts + 1)),
-      offsets_unpadded(i32(s.experts + 1)), pair_pos(i32(s.pairs())), sorted_pair(i32(s.max_padded_rows())),
-      tile_expert(i32(s.max_tiles())), tile_row_start(i32(s.max_tiles())), tile_rows(i32(s.max_tiles())),
-      num_tiles(i32(1)), chunk_counts(i32(chunks * count_stride(s.experts))) {}
+      fused(routing_fuses_counts(s) && !s.drops()),
+      topk_chunk(fused ? chunk : routing_topk_tokens_per_pass(s.experts) * s.k), expert(i32(s.pairs())),
+      gate(i32(s.pairs())), counts(i32(s.experts)), offsets(i32(s.experts + 1)), offsets_unpadded(i32(s.experts + 1)),
+      pair_pos(i32(s.pairs())), sorted_pair(i32(s.max_padded_rows())), tile_expert(i32(s.max_tiles())),
+      tile_row_start(i32(s.max_tiles())), tile_rows(i32(s.max_tiles())), num_tiles(i32(1)),
+      chunk_counts(i32(chunks * count_stride(s.experts))), placed(i32(s.drops() ? s.pairs() : 0)) {}
 
 void RoutingPlan::poison(uint32_t pattern, bool including_expert) {
   for (DeviceBuffer *b : {&gate, &counts, &offsets, &offsets_unpadded, &pair_pos, &sorted_pair, &tile_expert,
@@ -136,6 +139,7 @@ DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routin
   histogram_ = module_.kernel("moe_chunk_histogram");
   grouped_ = module_.kernel("moe_topk_grouped");
   scan_scatter_ = module_.kernel("moe_scan_scatter");
+  capacity_keep_ = module_.kernel("moe_capacity_keep");
 }
 
 // Each args[] lists the kernel's parameters in the order of its signature in
@@ -153,7 +157,7 @@ void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stre
       void *args[] = {&probs, &tokens, &experts, &k, &groups, &top_groups, plan.expert.arg(), gate_arg};
       grouped_.launch({static_cast<unsigned>(ceil_div(s.tokens, kRoutingThreads))}, {kRoutingThreads}, 0, stream, args);
     }
-    run_from_experts(plan, stream);
+    place(plan, stream, gate);
     return;
   }
   if (s.pairs() > 0) {
@@ -166,12 +170,25 @@ void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stre
     const unsigned blocks = static_cast<unsigned>(ceil_div(s.pairs(), plan.topk_chunk));
     topk_[topk_index(s.experts)].launch({blocks}, {kRoutingThreads}, 0, stream, args);
   }
-  if (!plan.fused)
-    histogram(plan, stream);
-  scan_scatter(plan, stream);
+  if (plan.fused) {
+    scan_scatter(plan, stream);
+    return;
+  }
+  place(plan, stream, gate);
 }
 
-void DeviceRouting::run_from_experts(RoutingPlan &plan, const Stream &stream) const {
+void DeviceRouting::run_from_experts(RoutingPlan &plan, const Stream &stream) const { place(plan, stream, 0); }
+
+void DeviceRouting::place(RoutingPlan &plan, const Stream &stream, CUdeviceptr gate) const {
+  const RoutingShape &s = plan.shape;
+  if (s.drops() && s.pairs() > 0) {
+    internal_check(s.capacity <= INT_MAX) << "capacity " << s.capacity << " past int32";
+    int tokens = static_cast<int>(s.tokens), k = s.k, capacity = static_cast<int>(s.capacity);
+    int by_score = s.priority == KeepPriority::score ? 1 : 0;
+    CUdeviceptr score = gate ? gate : plan.gate.ptr();
+    void *args[] = {plan.expert.arg(), &score, &tokens, &k, &capacity, &by_score, plan.placed.arg()};
+    capacity_keep_.launch({static_cast<unsigned>(s.experts)}, {kRoutingThreads}, 0, stream, args);
+  }
   histogram(plan, stream);
   scan_scatter(plan, stream);
 }
@@ -181,7 +198,8 @@ void DeviceRouting::histogram(RoutingPlan &plan, const Stream &stream) const {
     return;
   int pairs = static_cast<int>(plan.shape.pairs()), experts = plan.shape.experts;
   int chunk = static_cast<int>(plan.chunk);
-  void *args[] = {plan.expert.arg(), &pairs, &experts, &chunk, plan.chunk_counts.arg()};
+  void *ids = plan.shape.drops() ? plan.placed.arg() : plan.expert.arg();
+  void *args[] = {ids, &pairs, &experts, &chunk, plan.chunk_counts.arg()};
   histogram_.launch({static_cast<unsigned>(plan.chunks)}, {kRoutingThreads}, 0, stream, args);
 }
 
@@ -190,7 +208,7 @@ void DeviceRouting::scan_scatter(RoutingPlan &plan, const Stream &stream) const 
   int pairs = static_cast<int>(s.pairs()), experts = s.experts, block = s.block;
   int chunk = static_cast<int>(plan.chunk), chunks = static_cast<int>(plan.chunks);
   int max_tiles = static_cast<int>(s.max_tiles()), max_padded_rows = static_cast<int>(s.max_padded_rows());
-  void *args[] = {plan.expert.arg(),
+  void *args[] = {plan.shape.drops() ? plan.placed.arg() : plan.expert.arg(),
                   plan.chunk_counts.arg(),
                   &pairs,
                   &experts,

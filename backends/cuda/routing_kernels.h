@@ -75,6 +75,9 @@ struct RoutingPlan {
   DeviceBuffer tile_expert, tile_row_start, tile_rows; // int32 [max_tiles]
   DeviceBuffer num_tiles;                              // int32 [1]
   DeviceBuffer chunk_counts;                           // int32 [chunks, 32 * 2^n >= E]
+  // With a capacity (shape.drops()): expert[r], or -1 where dropped
+  // (moe_capacity_keep); what the counting and placing read. Else empty.
+  DeviceBuffer placed; // int32 [P]
 
   // Writes `pattern` over every output (not `expert` when it is the input,
   // see DeviceRouting::run_from_experts), so tests see unwritten entries.
@@ -100,14 +103,18 @@ public:
   void run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax = false,
            CUdeviceptr gate = 0) const;
   // The same from plan.expert, already filled (expert ids 0..E-1; a router
-  // computed elsewhere, or a test's chosen distribution). plan.gate is untouched.
+  // computed elsewhere, or a test's chosen distribution). plan.gate is
+  // untouched; a capacity that keeps the best scores reads it.
   void run_from_experts(RoutingPlan &plan, const Stream &stream) const;
 
   const CompileResult &compiled() const { return compiled_; }
 
 private:
-  // The offsets, tiles and placement of every pair from plan.expert and
-  // plan.chunk_counts, both filled.
+  // From plan.expert (and the gates, `gate` or plan.gate): the capacity's
+  // choice if any, then the counts and the placement.
+  void place(RoutingPlan &plan, const Stream &stream, CUdeviceptr gate) const;
+  // The offsets, tiles and placement of every pair from plan.expert (or
+  // plan.placed) and plan.chunk_counts, both filled.
   void scan_scatter(RoutingPlan &plan, const Stream &stream) const;
   // plan.chunk_counts from plan.expert.
   void histogram(RoutingPlan &plan, const Stream &stream) const;
@@ -115,7 +122,7 @@ private:
   CompileResult compiled_;
   Module module_;
   std::array<Kernel, 4> topk_; // by bound on E: 32, 64, 128, 256
-  Kernel histogram_, scan_scatter_, grouped_;
+  Kernel histogram_, scan_scatter_, grouped_, capacity_keep_;
 };
 
 } // namespace moeforge::cuda

@@ -1,4 +1,5 @@
 #include "backends/reference/evaluate.h"
+
 #include "dsl/top_k_select.h"
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 
 #include <Eigen/Dense>
 
+#include "dsl/capacity.h"
 #include "dsl/check.h"
 #include "dsl/error.h"
 #include "dsl/printer.h"
@@ -18,9 +20,16 @@ namespace moeforge {
 
 std::vector<int64_t> RoutingResult::expert_counts() const {
   std::vector<int64_t> c(static_cast<size_t>(experts), 0);
-  for (int32_t e : expert)
-    ++c[static_cast<size_t>(e)];
+  for (size_t r = 0; r < expert.size(); ++r)
+    c[static_cast<size_t>(expert[r])] += is_kept(r);
   return c;
+}
+
+int64_t RoutingResult::dropped() const {
+  int64_t n = 0;
+  for (uint8_t k : kept)
+    n += !k;
+  return n;
 }
 
 const HostTensor &EvalResult::operator[](const std::string &func) const {
@@ -168,10 +177,10 @@ bool reads_expert(const Expr &e, const RoutingNode *route) {
 
 template <typename S> class Evaluator {
 public:
-  Evaluator(const Pipeline &p, const TensorViews &inputs, const std::map<std::string, std::vector<int32_t>> &given)
-      : pipeline_(p), given_(given) {
+  Evaluator(const Pipeline &p, const TensorViews &inputs, const EvalOptions &options)
+      : pipeline_(p), given_(options.given), capacity_factor_(options.capacity_factor) {
     bind_inputs(inputs);
-    for (const auto &[name, experts] : given) {
+    for (const auto &[name, experts] : given_) {
       user_check(
           std::any_of(p.routes().begin(), p.routes().end(), [&](const RoutingPtr &r) { return r->name == name; }))
           << "experts given for '" << name << "', which is not a route of this pipeline";
@@ -330,6 +339,7 @@ private:
     res.k = r.k;
     if (auto g = given_.find(r.name); g != given_.end()) {
       take_given(res, r, g->second);
+      drop_past_capacity(res, r, p);
       routes_[&r] = std::move(res);
       return;
     }
@@ -344,7 +354,24 @@ private:
         res.expert.push_back(order[static_cast<size_t>(s)]);
       }
     }
+    drop_past_capacity(res, r, p);
     routes_[&r] = std::move(res);
+  }
+
+  // The pairs an expert of fixed capacity keeps: expert choice's own rule,
+  // or the schedule's capacity for a top_k route (dsl/capacity.h).
+  void drop_past_capacity(RoutingResult &res, const RoutingNode &r, const Value<S> &p) const {
+    const bool by_score = r.expert_choice();
+    const double factor = by_score ? r.capacity_factor : capacity_factor_;
+    if (factor <= 0)
+      return;
+    const KeepPriority priority = by_score ? KeepPriority::score : KeepPriority::token_order;
+    std::vector<S> score(res.expert.size());
+    for (size_t i = 0; i < score.size(); ++i)
+      score[i] = p.data[static_cast<size_t>(res.token[i] * res.experts + res.expert[i])];
+    const int64_t c = expert_capacity(factor, res.tokens, r.k, static_cast<int>(res.experts), priority);
+    res.kept = keep_within_capacity(res.expert.data(), score.data(), res.tokens, r.k, static_cast<int>(res.experts), c,
+                                    priority);
   }
 
   static void take_given(RoutingResult &res, const RoutingNode &r, const std::vector<int32_t> &experts) {
@@ -744,17 +771,19 @@ private:
       Value<S> rows = eval_rows(s.body, rows_first, reads_expert(s.body, route) ? route : nullptr);
       for (size_t p = 0; p < res.token.size(); ++p) {
         int64_t at = position[res.token[p]];
-        if (at < 0)
+        if (at < 0 || !res.is_kept(p))
           continue;
         for (int64_t i = 0; i < row_size; ++i)
           out.data[at * row_size + i] += rows.data[p * row_size + i];
       }
       return out;
     }
-    // Per-expert: a contraction over the rows routed to each expert.
+    // Per-expert: a contraction over the rows routed to (and kept by) each
+    // expert.
     std::vector<std::vector<int64_t>> rows(static_cast<size_t>(res.experts));
     for (size_t p = 0; p < res.expert.size(); ++p)
-      rows[res.expert[p]].push_back(static_cast<int64_t>(p));
+      if (res.is_kept(p))
+        rows[res.expert[p]].push_back(static_cast<int64_t>(p));
     for (int64_t e = 0; e < res.experts; ++e) {
       int64_t at = position[e];
       if (at < 0)
@@ -781,6 +810,7 @@ private:
   };
   std::map<const BufferNode *, Source> buffers_;
   const std::map<std::string, std::vector<int32_t>> &given_;
+  double capacity_factor_;
   std::map<const FuncNode *, Value<S>> funcs_;
   std::map<const RoutingNode *, RoutingResult> routes_;
   std::map<VarKey, std::vector<int64_t>> restricted_;
@@ -793,21 +823,19 @@ EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precis
   return evaluate(p, inputs, precision, {});
 }
 
-EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision,
-                    const std::map<std::string, std::vector<int32_t>> &given) {
+EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision, const EvalOptions &options) {
   TensorViews views;
   for (const auto &[name, t] : inputs)
     views[name] = &t;
-  return evaluate(p, views, precision, given);
+  return evaluate(p, views, precision, options);
 }
 
-EvalResult evaluate(const Pipeline &p, const TensorViews &inputs, Precision precision,
-                    const std::map<std::string, std::vector<int32_t>> &given) {
+EvalResult evaluate(const Pipeline &p, const TensorViews &inputs, Precision precision, const EvalOptions &options) {
   for (const auto &[name, t] : inputs)
     internal_check(t) << "no tensor behind input '" << name << "'";
   if (precision == Precision::f32)
-    return Evaluator<float>(p, inputs, given).run();
-  return Evaluator<double>(p, inputs, given).run();
+    return Evaluator<float>(p, inputs, options).run();
+  return Evaluator<double>(p, inputs, options).run();
 }
 
 } // namespace moeforge

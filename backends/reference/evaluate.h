@@ -26,8 +26,26 @@ struct RoutingResult {
   int k = 0;
   std::vector<int32_t> token;
   std::vector<int32_t> expert;
-  // Rows routed to each expert.
+  // kept[r] = 0 for a pair dropped at its expert's capacity (dsl/capacity.h);
+  // empty when the route is dropless. A dropped pair adds nothing to any sum
+  // over the pairs; its pair values are still computed.
+  std::vector<uint8_t> kept;
+  bool is_kept(size_t r) const { return kept.empty() || kept[r]; }
+  int64_t dropped() const;
+  // Rows routed to each expert (kept ones).
   std::vector<int64_t> expert_counts() const;
+};
+
+// How the reference routes, beyond the algebra.
+struct EvalOptions {
+  EvalOptions() = default;
+  // NOLINTNEXTLINE: the experts given, as the overloads below always took them
+  EvalOptions(std::map<std::string, std::vector<int32_t>> g) : given(std::move(g)) {}
+  // The experts of each route named here taken as given (see below).
+  std::map<std::string, std::vector<int32_t>> given;
+  // A schedule's expert capacity (Schedule::capacity): every top_k route
+  // drops past it, as the compiled layer does. 0: dropless.
+  double capacity_factor = 0;
 };
 
 struct EvalResult {
@@ -49,14 +67,13 @@ EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precis
 // where a near-tie of two scores, within the rounding of bf16 storage,
 // went the other way. UserError for a wrong count, an expert out of range
 // or one chosen twice for a token.
-EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision,
-                    const std::map<std::string, std::vector<int32_t>> &given);
+EvalResult evaluate(const Pipeline &p, const TensorMap &inputs, Precision precision, const EvalOptions &options);
 
 // Inputs by pointer, read in place (Precision::f64): several evaluations can
 // share one copy of large weights (the sampled check's token groups, one
 // per thread). The tensors must outlive the call.
 using TensorViews = std::map<std::string, const HostTensor *>;
 EvalResult evaluate(const Pipeline &p, const TensorViews &inputs, Precision precision = Precision::f64,
-                    const std::map<std::string, std::vector<int32_t>> &given = {});
+                    const EvalOptions &options = {});
 
 } // namespace moeforge

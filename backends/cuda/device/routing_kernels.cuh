@@ -25,6 +25,10 @@
 //                        sorted_pair), and writes its share of the tile table
 //                        and of the -1 padding rows; block 0 writes counts
 //                        and offsets
+//   moe_capacity_keep    with a fixed expert capacity, before the counting:
+//                        a block per expert keeps its pairs of highest
+//                        priority (placed[r] = e or -1), and the counting
+//                        and placing read `placed`
 // So a routing is two launches (three when not fused), from given experts two.
 #ifndef MF_THREADS
 #error "compile with -DMF_THREADS=<threads per block>"
@@ -540,10 +544,11 @@ __device__ void count_warp_pairs(const int *__restrict__ expert, int experts, Wa
 
 // pair_pos[r] = sOffsets[e] + row[e] + (earlier lanes of r's step with
 // expert e), then row[e] moves past the step's pairs of e: row[e] starts at
-// e's pairs before this warp's share, so the order of r is kept. The
+// e's pairs before this warp's share, so the order of r is kept. A pair
+// with expert -1 (dropped at capacity) gets the drop row. The
 // experts of the first steps are count_warp_pairs', still in registers.
 __device__ void place_warp_pairs(const int *__restrict__ expert, WarpPairs wp, StepIds first_ids, const int *sOffsets,
-                                 int *row, int *__restrict__ pair_pos, int *__restrict__ sorted_pair) {
+                                 int *row, int drop_row, int *__restrict__ pair_pos, int *__restrict__ sorted_pair) {
   const int lane = threadIdx.x & 31;
   for (int first = wp.begin; first < wp.end; first += 32 * kIdSteps) { // uniform per warp
     const StepIds ids = first == wp.begin ? first_ids : load_ids(expert, wp, first);
@@ -560,6 +565,8 @@ __device__ void place_warp_pairs(const int *__restrict__ expert, WarpPairs wp, S
         sorted_pair[pos] = r;
         if (rank == 0)
           row[e] = before + __popc(peers);
+      } else if (r < wp.end) { // dropped at capacity (moe_capacity_keep): the drop row
+        pair_pos[r] = drop_row;
       }
       __syncwarp();
     }
@@ -723,7 +730,108 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
     }
   }
   __syncthreads();
-  place_warp_pairs(expert, wp, first_ids, sOffsets, sWarpCount[warp], pair_pos, sorted_pair);
+  place_warp_pairs(expert, wp, first_ids, sOffsets, sWarpCount[warp], max_padded_rows - 1, pair_pos, sorted_pair);
   write_tiles_and_padding(experts, block, max_tiles, max_padded_rows, sCount, sPadded, sOffsets, tp, tile_expert,
                           tile_row_start, tile_rows, sorted_pair);
+}
+
+// ---------------------------------------------------------------- capacity
+
+// Block e decides which of expert e's pairs it keeps at a capacity of
+// `capacity` pairs (dsl/capacity.h): placed[r] = e for a kept pair, -1 for a
+// dropped one; blocks write disjoint pairs (each has one expert). The
+// counting and placing kernels then read `placed` in place of the experts.
+// Priority is a 32-bit key, larger first, ties to the lower r (for one
+// expert, the earlier token):
+//   token order: (k - 1 - slot) * T + (T - 1 - t), unique
+//   score:       the score's bits made order-preserving as unsigned
+// The capacity-th largest key is found by a radix select, eight bits a pass
+// over the expert's pairs (a 256-bin histogram each), then one ordered pass
+// keeps the keys above it and as many of the keys equal to it as are left,
+// lowest r first.
+__device__ __forceinline__ unsigned keep_key(const float *__restrict__ score, int r, int tokens, int k, int by_score) {
+  if (by_score) {
+    const unsigned u = __float_as_uint(score[r]);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  }
+  const int t = r / k, slot = r - t * k;
+  return static_cast<unsigned>(k - 1 - slot) * static_cast<unsigned>(tokens) + static_cast<unsigned>(tokens - 1 - t);
+}
+
+// Exclusive block-wide prefix sum of v (0 or 1), and the block's total.
+__device__ __forceinline__ int block_exclusive_count(int v, int *sWarp, int *total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int incl = warp_inclusive_sum(v);
+  __syncthreads(); // sWarp is free again
+  if (lane == 31)
+    sWarp[warp] = incl;
+  __syncthreads();
+  int before = 0, all = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    before += w < warp ? sWarp[w] : 0;
+    all += sWarp[w];
+  }
+  *total = all;
+  return before + incl - v;
+}
+
+extern "C" __global__ void __launch_bounds__(MF_THREADS)
+    moe_capacity_keep(const int *__restrict__ expert,  // (P)
+                      const float *__restrict__ score, // (P), read when by_score
+                      int tokens, int k, int capacity, int by_score,
+                      int *__restrict__ placed) { // (P)
+  __shared__ int sHist[256], sWarp[kWarps];
+  __shared__ unsigned sPrefix;
+  __shared__ int sWant;
+  const int e = blockIdx.x, pairs = tokens * k;
+  int mine = 0;
+  for (int r = threadIdx.x; r < pairs; r += MF_THREADS)
+    mine += expert[r] == e;
+  int total;
+  block_exclusive_count(mine, sWarp, &total);
+  if (total <= capacity) { // room for every pair of e
+    for (int r = threadIdx.x; r < pairs; r += MF_THREADS)
+      if (expert[r] == e)
+        placed[r] = e;
+    return;
+  }
+  unsigned prefix = 0, mask = 0;
+  int want = capacity; // the rank of the threshold among keys matching the prefix
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += MF_THREADS)
+      sHist[b] = 0;
+    __syncthreads();
+    for (int r = threadIdx.x; r < pairs; r += MF_THREADS) {
+      if (expert[r] != e)
+        continue;
+      const unsigned key = keep_key(score, r, tokens, k, by_score);
+      if ((key & mask) == prefix)
+        atomicAdd(&sHist[(key >> shift) & 255u], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) { // the bin holding the want-th largest key
+      int above = 0, b = 255;
+      for (; b > 0 && above + sHist[b] < want; --b)
+        above += sHist[b];
+      sPrefix = prefix | (static_cast<unsigned>(b) << shift);
+      sWant = want - above;
+    }
+    __syncthreads();
+    prefix = sPrefix;
+    want = sWant;
+    mask |= 255u << shift;
+  }
+  // Keep keys above the threshold, and the first `want` equal to it.
+  int ties_before = 0;
+  for (int base = 0; base < pairs; base += MF_THREADS) {
+    const int r = base + threadIdx.x;
+    const bool of_e = r < pairs && expert[r] == e;
+    const unsigned key = of_e ? keep_key(score, r, tokens, k, by_score) : 0u;
+    const bool tie = of_e && key == prefix;
+    int ties;
+    const int rank = ties_before + block_exclusive_count(tie ? 1 : 0, sWarp, &ties);
+    if (of_e)
+      placed[r] = key > prefix || (tie && rank < want) ? e : -1;
+    ties_before += ties;
+  }
 }

@@ -1,0 +1,195 @@
+// Fixed expert capacity with dropping (GShard / Tutel), a schedule choice
+// over the unchanged dropless algebra: the rule (dsl/capacity.h), the
+// schedule primitive, the host routing tables, the reference, and the CPU
+// backend's forward and training against the reference under the same
+// capacity.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "backends/cpu/cpu_training.h"
+#include "cpu_compare.h"
+#include "dsl/capacity.h"
+#include "examples/examples.h"
+#include "runtime/routing_host.h"
+#include "training_compare.h"
+#include "user_error.h"
+
+using namespace moeforge;
+
+namespace {
+
+// The reference's y under a capacity against the combine written by hand:
+// y(t) = sum over t's kept pairs of gate(r) * o(r), with o and the gates
+// from the same evaluation (a renormalised gate is renormalised over the
+// kept pairs, since its sum over the token's pairs skips the dropped ones).
+double kept_combine_error(const Example &ex, const TensorMap &in, double factor, int64_t *dropped) {
+  EvalOptions cap;
+  cap.capacity_factor = factor;
+  EvalResult kept = evaluate(ex.pipeline, in, Precision::f64, cap);
+  const RoutingResult &rr = kept.routes.at(ex.route);
+  *dropped = rr.dropped();
+  const HostTensor &y = kept["y"], &o = kept["o"], &gate = kept[ex.route + "_gate"];
+  const int64_t d = y.shape[1];
+  HostTensor hand(y.shape);
+  for (size_t r = 0; r < rr.expert.size(); ++r)
+    if (rr.kept[r])
+      for (int64_t i = 0; i < d; ++i)
+        hand.data[rr.token[r] * d + i] += gate.data[r] * o.data[r * d + i];
+  double worst = 0, scale = 1e-30;
+  for (size_t i = 0; i < y.data.size(); ++i) {
+    worst = std::max(worst, std::fabs(y.data[i] - hand.data[i]));
+    scale = std::max(scale, std::fabs(y.data[i]));
+  }
+  return worst / scale;
+}
+
+} // namespace
+
+TEST_CASE("capacity: the GShard rule drops first choices past capacity, then second choices after every first") {
+  // T = 4, k = 2, E = 3, factor 0.75: C = ceil(0.75 * 8 / 3) = 2.
+  // Token experts (slot 0, slot 1): t0 (0, 1), t1 (0, 2), t2 (0, 1), t3 (1, 0).
+  // First choices: expert 0 gets t0, t1 and t2 -> t2 dropped; expert 1 t3.
+  // Second choices: t0 -> 1 (its 2nd, kept), t1 -> 2 (kept), t2 -> 1 (its
+  // 3rd: dropped), t3 -> 0 (its 4th: dropped).
+  const std::vector<int32_t> expert = {0, 1, 0, 2, 0, 1, 1, 0};
+  CHECK(expert_capacity(0.75, 4, 2, 3, KeepPriority::token_order) == 2);
+  const std::vector<uint8_t> kept =
+      keep_within_capacity<float>(expert.data(), nullptr, 4, 2, 3, 2, KeepPriority::token_order);
+  CHECK(kept == std::vector<uint8_t>{1, 1, 1, 1, 0, 0, 1, 0});
+  // A capacity of every pair drops nothing; 0 drops everything.
+  CHECK(keep_within_capacity<float>(expert.data(), nullptr, 4, 2, 3, 8, KeepPriority::token_order) ==
+        std::vector<uint8_t>(8, 1));
+  CHECK(keep_within_capacity<float>(expert.data(), nullptr, 4, 2, 3, 0, KeepPriority::token_order) ==
+        std::vector<uint8_t>(8, 0));
+  CHECK(expert_capacity(1.25, 256, 2, 8, KeepPriority::token_order) == 80);
+  CHECK(expert_capacity(1.1, 100, 1, 1, KeepPriority::token_order) == 110);
+}
+
+TEST_CASE("capacity: by score, each expert keeps its largest scores, ties to the earlier token") {
+  // Every token offers every expert (k = E = 2), pairs r = t * 2 + slot.
+  const std::vector<int32_t> expert = {0, 1, 1, 0, 0, 1, 1, 0};
+  const std::vector<float> score = {0.5f, 0.5f, 0.9f, 0.1f, 0.5f, 0.5f, 0.7f, 0.3f};
+  // Expert 0: r0 (t0) 0.5, r3 (t1) 0.1, r4 (t2) 0.5, r7 (t3) 0.3 -> top 2:
+  // r0 and r4 (the tie at 0.5 both kept). Expert 1: r1 0.5, r2 0.9, r5 0.5,
+  // r6 0.7 -> r2 and r6.
+  CHECK(keep_within_capacity(expert.data(), score.data(), 4, 2, 2, 2, KeepPriority::score) ==
+        std::vector<uint8_t>{1, 0, 1, 0, 1, 0, 1, 0});
+  // Capacity 1: expert 0's tie at 0.5 goes to the earlier token, t0.
+  CHECK(keep_within_capacity(expert.data(), score.data(), 4, 2, 2, 1, KeepPriority::score) ==
+        std::vector<uint8_t>{1, 0, 1, 0, 0, 0, 0, 0});
+  CHECK(expert_capacity(2.0, 100, 8, 8, KeepPriority::score) == 25);
+  CHECK(expert_capacity(100.0, 10, 4, 4, KeepPriority::score) == 10); // never more than every token
+}
+
+TEST_CASE("capacity: the schedule primitive traces, replays and refuses a factor that is not positive") {
+  Schedule s("capped");
+  s.capacity(1.25);
+  CHECK(s.capacity() == 1.25);
+  CHECK(s.to_text().find("capacity(1.25)") != std::string::npos);
+  CHECK(Schedule::from_text(s.to_text()).capacity() == 1.25);
+  CHECK(Schedule("plain").capacity() == 0); // dropless by default
+  CHECK(testing::user_error_of([] { Schedule().capacity(0); }).find("must be positive") != std::string::npos);
+  CHECK(testing::user_error_of([] { Schedule().capacity(-1); }).find("do not call capacity()") != std::string::npos);
+  CHECK(testing::user_error_of([] { Schedule::from_text("capacity(lots)"); }).find("expected a number") !=
+        std::string::npos);
+}
+
+TEST_CASE("capacity: host routing leaves dropped pairs out of the tables and sends them to the drop row") {
+  cuda::RoutingShape s{4, 3, 2, 64};
+  s.capacity = 2;
+  const std::vector<int32_t> expert = {0, 1, 0, 2, 0, 1, 1, 0};
+  cuda::RoutingTables t = cuda::route_on_host(s, expert);
+  CHECK(verify_routing_tables(s, t).empty());
+  CHECK(t.counts == std::vector<int32_t>{2, 2, 1});
+  CHECK(cuda::dropped_pairs(s, t) == 3);
+  for (int r : {4, 5, 7})
+    CHECK(t.pair_pos[r] == s.drop_row());
+  // The drop row is past every tile.
+  CHECK(t.offsets.back() <= s.drop_row());
+  // A table that kept a dropped pair is caught.
+  cuda::RoutingTables dropless = cuda::route_on_host(cuda::RoutingShape{4, 3, 2, 64}, expert);
+  CHECK_FALSE(verify_routing_tables(s, dropless).empty());
+}
+
+TEST_CASE("capacity: the reference's combine sums the kept pairs only") {
+  for (const char *name : {"moe_mlp", "swiglu_moe"}) {
+    ExampleShape s = testing::shape(200, 32, 64, 8, 2);
+    Example ex = make_example(name, s);
+    TensorMap in = ex.random_inputs(s, 7);
+    int64_t dropped = 0;
+    const double err = kept_combine_error(ex, in, 1.0, &dropped);
+    INFO(name << ": " << dropped << " pairs dropped");
+    CHECK(dropped > 0); // random routing overflows a capacity of the even share
+    CHECK(err < 1e-12);
+    // A large factor drops nothing.
+    if (std::string(name) == "swiglu_moe") { // renormalised: a token's kept gates sum to 1
+      EvalOptions cap;
+      cap.capacity_factor = 1.0;
+      EvalResult r = evaluate(ex.pipeline, in, Precision::f64, cap);
+      const RoutingResult &rr = r.routes.at(ex.route);
+      std::vector<double> sum(static_cast<size_t>(s.tokens), 0.0);
+      std::vector<int> n(static_cast<size_t>(s.tokens), 0);
+      for (size_t p = 0; p < rr.expert.size(); ++p)
+        if (rr.kept[p]) {
+          sum[rr.token[p]] += r[ex.route + "_gate"].data[p];
+          ++n[rr.token[p]];
+        }
+      for (int64_t t = 0; t < s.tokens; ++t)
+        if (n[t])
+          CHECK(sum[t] == doctest::Approx(1.0).epsilon(1e-12));
+    }
+    EvalOptions roomy;
+    roomy.capacity_factor = 8.0;
+    CHECK(evaluate(ex.pipeline, in, Precision::f64, roomy).routes.at(ex.route).dropped() == 0);
+  }
+}
+
+TEST_CASE("capacity: the CPU backend's forward matches the reference under both permutations") {
+  for (const char *name : {"moe_mlp", "swiglu_moe"})
+    for (const char *p : {"megablocks", "scattermoe"})
+      for (double factor : {0.5, 1.0, 1.25}) {
+        ExampleShape s = testing::shape(150, 64, 128, 8, 2);
+        Example ex = make_example(name, s);
+        TensorMap in = ex.random_inputs(s, 3);
+        Schedule schedule = preset(p);
+        schedule.capacity(factor);
+        cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(ex.pipeline, schedule);
+        cpu::CpuLayer layer(compiled, s.tokens);
+        layer.upload(in);
+        layer.poison();
+        layer.run();
+        EvalOptions cap;
+        cap.capacity_factor = factor;
+        const int64_t want = evaluate(ex.pipeline, in, Precision::f64, cap).routes.at(ex.route).dropped();
+        INFO(name << " / " << p << " / capacity " << factor);
+        CHECK(layer.dropped_pairs(ex.route) == want);
+        CHECK(want > 0);
+        testing::Outcome o =
+            testing::compare_with_reference(ex, in, compiled.program, layer, schedule.to_text(), 1e-2, 0, factor);
+        CHECK(o.routing_mismatches == 0);
+        CHECK(o.y_error <= 1e-2);
+      }
+}
+
+TEST_CASE("capacity: CPU training under a capacity matches the reference, every gradient") {
+  for (const char *name : {"moe_mlp", "swiglu_moe"})
+    for (const char *p : {"megablocks", "scattermoe+padded+lean"}) {
+      ExampleShape s = testing::shape(150, 64, 128, 8, 2);
+      Example ex = make_example(name, s);
+      TensorMap in = ex.random_inputs(s, 5);
+      Schedule schedule = testing::training_preset(p, false);
+      schedule.capacity(1.0);
+      cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
+      cpu::CpuTrainingLayer layer(compiled, s.tokens);
+      INFO(name << " / " << p);
+      testing::Outcome o = testing::step_and_compare(ex, in, compiled.training.program, compiled.training.seed, layer,
+                                                     schedule, [](cpu::CpuTrainingLayer &l) {
+                                                       l.forward();
+                                                       l.backward();
+                                                     });
+      CHECK(o.routing_mismatches == 0);
+      CHECK(o.worst_error <= 2e-2);
+    }
+}

@@ -46,8 +46,9 @@ cuda::Device &device() {
 // tiles walked by persistent clusters; _persist_pair_o: and the first GEMM
 // in persistent blocks). Experiments that were not kept are paragraphs in
 // benchmarks/NOTES.md.
-const char *const kForwardSchedules[] = {"tuned_tma", "tuned_tma_cluster_o", "tuned_tma_pair_o",
-                                         "tuned_tma_persist_pair_o"};
+const char *const kForwardSchedules[] = {"tuned_tma",        "tuned_tma_cluster_o",
+                                         "tuned_tma_pair_o", "tuned_tma_persist_pair_o",
+                                         "tuned_tma@cap1.0", "tuned_tma@cap1.25"};
 
 Schedule hand_written(const Shape &s, const std::string &name) {
   return Schedule::load(
@@ -71,11 +72,20 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   Bias bias = skewed ? Bias::ramp : Bias::none;
   Example ex = biased_moe(es, shape.swiglu, bias, shape.swiglu);
   std::string name = schedule_name;
+  // "<schedule>@cap<F>": that schedule with a fixed expert capacity F
+  // (Schedule::capacity), timed beside the dropless one.
+  double capacity = 0;
+  if (size_t at = name.find("@cap"); at != std::string::npos) {
+    capacity = std::stod(name.substr(at + 4));
+    name = name.substr(0, at);
+  }
   // A name ending in ".sched" is a schedule file (Schedule::save's text):
   // MOEFORGE_BENCH_SCHEDULES lists such files to time beside the variants.
   Schedule schedule = name.size() > 6 && name.substr(name.size() - 6) == ".sched" ? Schedule::load(name)
                       : name.rfind("tuned", 0) == 0                               ? hand_written(shape, name)
                                                                                   : preset(name);
+  if (capacity > 0)
+    schedule.capacity(capacity);
   // Compiling needs no GPU: without one, every variant is still lowered and
   // compiled (a schedule or codegen error shows here), then skipped.
   std::string why;
@@ -112,6 +122,8 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   state.counters["ratio"] = roof / ours;
   state.counters["roof_ones_TFLOPs"] = shape.flops() / (roof_ones * 1e-3) / 1e12;
   state.counters["max_over_mean"] = *std::max_element(counts.begin(), counts.end()) / mean;
+  // Pairs dropped at the capacity, of T * k (0 for dropless schedules).
+  state.counters["dropped_pct"] = 100.0 * double(layer.dropped_pairs(ex.route)) / double(shape.tokens * shape.k);
   state.counters["act_MiB"] = double(layer.activation_bytes()) / (1 << 20);
   state.SetLabel(device().name());
   for (const std::string &line : layer.timeline(stream)) // a MOEFORGE_TIMELINE build only

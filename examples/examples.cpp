@@ -342,19 +342,60 @@ Example moa(const ExampleShape &s) {
                  {{"x", 1.0}, {"wr", sd}, {"wq", sd}, {"wk", sd}, {"wv", sd}, {"wo", 1.0 / std::sqrt(double(s.f))}}};
 }
 
+// Expert choice (Zhou et al. 2022): each expert takes the C tokens of
+// largest router probability, C = ceil(cf * T / E) with the capacity factor
+// cf = s.topk (the mean number of experts per token), so a token gets any
+// number of experts, none included; GeLU experts, the probability as gate.
+Example expert_choice_moe(const ExampleShape &s) {
+  Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
+  Var t("t", T), e("e", E), i("i", D), j("j", F);
+  Input x("x", {T, D});
+  Param wr("wr", {D, E}), w1("w1", {E, D, F}), w2("w2", {E, F, D});
+  Func logits("logits", DType::f32);
+  logits(t, e) = sum(i, x(t, i) * wr(i, e));
+  Func probs("probs", DType::f32);
+  probs(t, e) = softmax(e, logits(t, e));
+  Route route = expert_choice(probs, e, static_cast<double>(s.topk));
+  Var r = route.pair();
+
+  Func h("h");
+  h(r, j) = gelu(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j)));
+  Func o("o");
+  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
+  Func y("y");
+  y(t, i) = combine(route, t, route.gate(r) * o(r, i));
+  return Example{"expert_choice_moe",
+                 "Expert-choice MoE: each expert takes its top C = ceil(cf T / E) tokens (cf = --topk), "
+                 "gelu(x W1[e]) W2[e], gated combine",
+                 Pipeline({y}),
+                 "y",
+                 route.name(),
+                 {{"x", 1.0},
+                  {"wr", 1.0 / std::sqrt(double(s.d))},
+                  {"w1", 1.0 / std::sqrt(double(s.d))},
+                  {"w2", 1.0 / std::sqrt(double(s.f))}}};
+}
+
 } // namespace
 
 std::vector<std::string> example_names() {
-  return {"moe_mlp",     "swiglu_moe", "geglu_moe", "reglu_moe", "expert_bias_moe", "shared_expert_moe", "deepseek_moe",
-          "rmsnorm_moe", "dense_mlp",  "attention", "moa"};
+  return {"moe_mlp",      "swiglu_moe",  "geglu_moe",         "reglu_moe", "expert_bias_moe", "shared_expert_moe",
+          "deepseek_moe", "rmsnorm_moe", "expert_choice_moe", "dense_mlp", "attention",       "moa"};
 }
 
 Example make_example(const std::string &name, const ExampleShape &shape) {
   bool routed = name == "moe_mlp" || name == "swiglu_moe" || name == "geglu_moe" || name == "reglu_moe" ||
                 name == "expert_bias_moe" || name == "shared_expert_moe" || name == "deepseek_moe" ||
-                name == "rmsnorm_moe" || name == "moa";
+                name == "rmsnorm_moe" || name == "moa" || name == "expert_choice_moe";
   if (routed || name == "dense_mlp" || name == "attention")
     check_shape(name, shape, routed);
+  if (name == "expert_choice_moe") {
+    // Every token offers every expert: T * E pairs.
+    user_check(shape.tokens <= kMaxExtent / shape.experts)
+        << name << ": --tokens " << shape.tokens << " x --experts " << shape.experts << " pairs is beyond "
+        << kMaxExtent << ", the most pairs the routing numbers with 32-bit integers: lower --tokens or --experts";
+    return expert_choice_moe(shape);
+  }
   if (name == "moe_mlp")
     return moe_mlp(shape);
   if (name == "swiglu_moe")

@@ -4,6 +4,8 @@
 //   moe_mlp        GeLU-MLP MoE (MegaBlocks' layer): softmax router, top-k,
 //                  h = gelu(x W1[e]), o = h W2[e], gated combine.
 //   swiglu_moe     Mixtral-style SwiGLU MoE with renormalised top-k gates.
+//   expert_choice_moe  each expert picks its top tokens (the shape's topk
+//                  is the capacity factor: mean experts per token).
 //   dense_mlp      a plain GeLU MLP: no routing at all.
 //   attention      softmax attention over the token sequence.
 //   moa            Mixture-of-Attention: heads as experts around one shared

@@ -21,6 +21,8 @@
 #           idle in both harnesses; medians per case and ours / torch
 #   python  scripts/device_python.sh (pip install, pytest, the torch module
 #           against bench_moe_train), SHAPES as there
+#   forward the forward benchmark, dropless against capacity-dropping
+#           schedules (FORWARD_FILTER overrides its filter)
 #   exchange  expert parallelism's NCCL row exchange: its tests (one rank,
 #           and two where the machine has two GPUs) under compute-sanitizer
 #           memcheck too, then bench_expert_exchange on every GPU count up
@@ -106,6 +108,14 @@ if has real; then
     [ $rc = 0 ] || status=1
   done
   grep -h "moeforge:\|PASS\|FAIL" "$R"/real_*.log
+fi
+if has forward; then
+  # The forward benchmark's dropless and capacity-dropping schedules side
+  # by side (issue #19: capacity beside the dropless schedules).
+  timeout 400 .gpu/bench_moe_forward --benchmark_filter="${FORWARD_FILTER:-forward/(mixtral|fine64|mbpaper)/tuned_tma(@cap.*)?/}" \
+    --benchmark_out="$R/forward.json" --benchmark_out_format=json > "$R/forward.log" 2>&1 || status=1
+  grep -E "forward/" "$R/forward.log" | head -40
+  echo "forward done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
 fi
 if has train; then
   filter="train/[a-z0-9]+/[a-z]+/tuned_wide/"

@@ -111,7 +111,8 @@ inline GradCheck check_gradients(const Pipeline &p, const std::vector<Func> &out
       double lp = total_loss(p, outputs, plus, seeds, &rp), lm = total_loss(p, outputs, minus, seeds, &rm);
       bool stable = true;
       for (const auto &[rn, rr] : base_routes)
-        stable &= rp.at(rn).expert == rr.expert && rm.at(rn).expert == rr.expert;
+        stable &= rp.at(rn).expert == rr.expert && rm.at(rn).expert == rr.expert && rp.at(rn).kept == rr.kept &&
+                  rm.at(rn).kept == rr.kept; // expert choice: which tokens an expert keeps
       if (!stable) {
         ++res.skipped;
         continue;

@@ -65,8 +65,8 @@ TEST_CASE("cli: list prints every example") {
     INFO(name);
     CHECK(has(r.out, name + ": " + make_example(name, ExampleShape{}).description + "\n"));
   }
-  CHECK(example_names().size() == 11);
-  CHECK(std::count(r.out.begin(), r.out.end(), '\n') == 11);
+  CHECK(example_names().size() == 12);
+  CHECK(std::count(r.out.begin(), r.out.end(), '\n') == 12);
 }
 
 TEST_CASE("cli: print moe_mlp prints the algebra") {
@@ -182,7 +182,7 @@ TEST_CASE("cli: unknown example and missing example") {
       {"run", "mixtral"},
       {"unknown example 'mixtral'",
        "moe_mlp, swiglu_moe, geglu_moe, reglu_moe, expert_bias_moe, shared_expert_moe, deepseek_moe, rmsnorm_moe, "
-       "dense_mlp, attention, moa"});
+       "expert_choice_moe, dense_mlp, attention, moa"});
   check_usage_error({"print", "nope"}, {"unknown example 'nope'"});
   check_usage_error({"run"}, {"'run' needs an example name", "moeforge list"});
   check_usage_error({"print", "--tokens", "4"}, {"'print' needs an example name"});

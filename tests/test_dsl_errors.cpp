@@ -382,7 +382,8 @@ TEST_CASE("evaluator errors: a tensor over the route pairs must have T times k r
 TEST_CASE("example errors: unknown names and impossible shapes") {
   check_has(user_error_of([] { make_example("mixtral", ExampleShape{}); }),
             {"unknown example 'mixtral'", "choose one of moe_mlp, swiglu_moe, geglu_moe, reglu_moe, expert_bias_moe, "
-                                          "shared_expert_moe, deepseek_moe, rmsnorm_moe, dense_mlp, attention, moa"});
+                                          "shared_expert_moe, deepseek_moe, rmsnorm_moe, expert_choice_moe, dense_mlp, "
+                                          "attention, moa"});
   check_has(user_error_of([] {
               make_example("moe_mlp", ExampleShape{16, 4, 5, 8, 8});
             }),

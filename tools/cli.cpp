@@ -36,9 +36,9 @@ const char *kUsage =
     "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
     "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
     "                               --precision f32|f64 --schedule megablocks|scattermoe|auto|<file>\n"
-    "                               --backend reference|cpu|cuda] [--check | --check=full]\n"
+    "                               --capacity F --backend reference|cpu|cuda] [--check | --check=full]\n"
     "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|auto|<file>]\n"
-    "                                 [--recompute] [--aux] [--backend cpu|cuda] [--check]\n"
+    "                                 [--capacity F] [--recompute] [--aux] [--backend cpu|cuda] [--check]\n"
     "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
     "       moeforge tune <example> [shape flags] [--schedule S] [--train] [--budget-seconds N] [--seed S]\n";
 
@@ -67,6 +67,7 @@ struct Options {
   Precision precision = Precision::f32;
   bool check = false;
   bool check_full = false;      // --check=full: every token, not a sample (run)
+  double capacity = 0;          // run, train: --capacity, the schedule's expert capacity (0: dropless)
   bool recompute = false;       // train: schedule.recompute(true)
   bool aux = false;             // train: with the example's auxiliary losses as more outputs
   std::string schedule;         // empty: auto for run, train and tune; megablocks for emit
@@ -131,12 +132,12 @@ Options parse(const std::vector<std::string> &args) {
     // --schedule, and --k for --topk; emit --schedule.
     bool runs = o.command == "run" || o.command == "train";
     bool takes_value =
-        o.command != "list" &&
-        (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" || flag == "--f" ||
-         (o.command == "train" && flag == "--k") || (runs && (flag == "--seed" || flag == "--backend")) ||
-         (o.command == "run" && flag == "--precision") ||
-         ((runs || o.command == "emit" || o.command == "tune") && flag == "--schedule") ||
-         (o.command == "tune" && (flag == "--budget-seconds" || flag == "--seed")));
+        o.command != "list" && (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
+                                flag == "--f" || (o.command == "train" && flag == "--k") ||
+                                (runs && (flag == "--seed" || flag == "--backend" || flag == "--capacity")) ||
+                                (o.command == "run" && flag == "--precision") ||
+                                ((runs || o.command == "emit" || o.command == "tune") && flag == "--schedule") ||
+                                (o.command == "tune" && (flag == "--budget-seconds" || flag == "--seed")));
     user_check(takes_value) << "unknown flag '" << flag << "' for '" << o.command << "'";
     user_check(i + 1 < args.size()) << flag << " needs a value";
     const std::string &v = args[++i];
@@ -153,6 +154,12 @@ Options parse(const std::vector<std::string> &args) {
     } else if (flag == "--precision") {
       user_check(v == "f32" || v == "f64") << "--precision must be f32 or f64, got '" << v << "'";
       o.precision = v == "f32" ? Precision::f32 : Precision::f64;
+    } else if (flag == "--capacity") {
+      char *end = nullptr;
+      o.capacity = std::strtod(v.c_str(), &end);
+      user_check(end && *end == '\0' && !v.empty() && o.capacity > 0)
+          << "--capacity must be a positive number (the capacity factor: 1.0 lets each expert take its even share "
+          << "T * k / E of the pairs, 1.25 a quarter more), got '" << v << "'";
     } else if (flag == "--seed") {
       o.seed = static_cast<uint64_t>(parse_int(flag, v));
     } else if (flag == "--budget-seconds") {
@@ -182,10 +189,14 @@ void print_routing(std::ostream &out, const std::string &name, const RoutingResu
   std::vector<int64_t> c = r.expert_counts();
   auto [mn, mx] = std::minmax_element(c.begin(), c.end());
   int64_t empty = std::count(c.begin(), c.end(), int64_t{0});
+  const int64_t kept = static_cast<int64_t>(r.token.size()) - r.dropped();
   out << "routing   " << name << ": " << r.token.size() << " pairs (" << r.tokens << " tokens x k=" << r.k << ") over "
       << r.experts << " experts; tokens per expert min " << *mn << " / mean " << std::fixed << std::setprecision(1)
-      << double(r.token.size()) / double(r.experts) << " / max " << *mx << "; empty experts " << empty
-      << std::defaultfloat << "\n";
+      << double(kept) / double(r.experts) << " / max " << *mx << "; empty experts " << empty << std::defaultfloat;
+  if (!r.kept.empty())
+    out << "; dropped at capacity " << r.dropped() << " pairs (" << std::fixed << std::setprecision(1)
+        << 100.0 * double(r.dropped()) / double(r.token.size()) << " %)" << std::defaultfloat;
+  out << "\n";
 }
 
 constexpr bool kHaveCuda =
@@ -264,13 +275,31 @@ void print_time_and_checksum(std::ostream &out, double ms, const std::string &fu
 
 // A compiled backend against the float64 reference: every Func it
 // materialises, relative to the reference's largest value (bf16 storage).
-bool check_backend(std::ostream &out, const BackendRun &run, const EvalResult &ref) {
+// t (Func `name`'s values, pair order for a routed Func) with the rows of
+// the pairs its route dropped at capacity zeroed: the reference computes
+// them, a layer leaves them in a row nothing reads.
+HostTensor without_dropped(const Pipeline &p, const EvalResult &ref, const std::string &name, HostTensor t) {
+  const auto &args = p.func(name).args();
+  for (const RoutingPtr &r : p.routes()) {
+    auto rr = ref.routes.find(r->name);
+    if (args.empty() || !args[0].dim().same_as(r->pairs) || rr == ref.routes.end() || rr->second.kept.empty())
+      continue;
+    const std::vector<uint8_t> &kept = rr->second.kept;
+    const size_t row = t.data.size() / kept.size();
+    for (size_t q = 0; q < kept.size(); ++q)
+      if (!kept[q])
+        std::fill_n(t.data.begin() + static_cast<int64_t>(q * row), row, 0.0);
+  }
+  return t;
+}
+
+bool check_backend(std::ostream &out, const BackendRun &run, const EvalResult &ref, const Pipeline &p) {
   bool ok = true;
   for (const auto &[name, want] : ref.values) {
     auto got = run.values.find(name);
     if (got == run.values.end())
       continue; // not materialised under this schedule (e.g. o when the gate is fused)
-    double err = max_normalized_error(got->second, want);
+    double err = max_normalized_error(without_dropped(p, ref, name, got->second), without_dropped(p, ref, name, want));
     bool pass = err <= 1e-2;
     ok &= pass;
     out << "check     " << std::setw(16) << std::left << name << std::right
@@ -360,8 +389,8 @@ Schedule schedule_arg(const std::string &arg, bool &working) {
 // or for `auto` what `moeforge tune` cached for this layer, token count and
 // GPU, else the preset scattermoe (the faster preset on every shape
 // measured); `note` says which and why.
-Schedule resolve_schedule(const Options &o, const Example &ex, const std::string &backend, bool training,
-                          std::string *note, bool &working) {
+Schedule base_schedule(const Options &o, const Example &ex, const std::string &backend, bool training,
+                       std::string *note, bool &working) {
   if (o.schedule != "auto")
     return schedule_arg(o.schedule, working);
 #ifdef MOEFORGE_HAVE_CUDA
@@ -380,6 +409,22 @@ Schedule resolve_schedule(const Options &o, const Example &ex, const std::string
   (void)training;
   *note = "auto: the preset scattermoe on the " + backend + " backend (schedules are tuned on a GPU)";
   return preset("scattermoe");
+}
+
+// The schedule to run: --schedule's, with --capacity's expert capacity.
+Schedule resolve_schedule(const Options &o, const Example &ex, const std::string &backend, bool training,
+                          std::string *note, bool &working) {
+  Schedule s = base_schedule(o, ex, backend, training, note, working);
+  if (o.capacity > 0)
+    s.capacity(o.capacity);
+  return s;
+}
+
+// The reference's routing options for a layer run under `schedule`.
+EvalOptions reference_options(const Schedule &schedule) {
+  EvalOptions e;
+  e.capacity_factor = schedule.capacity();
+  return e;
 }
 
 // The example's training step: its output with a random upstream gradient
@@ -413,12 +458,13 @@ TrainingTask training_task(const Options &o) {
 // gates make y independent of it) holds rounding noise on both sides, so each
 // error is relative to at least 1e-3 x the largest value of y and the
 // gradients, as the tests' compare_with_reference does.
-bool check_training(std::ostream &out, const BackendTraining &run, const TrainingTask &task, TensorMap inputs) {
+bool check_training(std::ostream &out, const BackendTraining &run, const TrainingTask &task, TensorMap inputs,
+                    const Schedule &schedule) {
   const TrainingProgram &t = run.training;
   TrainingAlgebra algebra = training_algebra(task.example.pipeline, task.outputs);
   for (size_t k = 0; k < t.seeds.size(); ++k)
     inputs[t.seeds[k]] = task.upstream.at(t.outputs[k]);
-  EvalResult ref = evaluate(algebra.pipeline, inputs, Precision::f64);
+  EvalResult ref = evaluate(algebra.pipeline, inputs, Precision::f64, reference_options(schedule));
   std::vector<std::string> names = t.outputs;
   names.insert(names.end(), t.gradients.begin(), t.gradients.end());
   double floor = 0;
@@ -551,7 +597,7 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
   if (!o.check)
     return 0;
   progress.phase("checking against the float64 reference");
-  const bool ok = check_training(out, run, task, inputs);
+  const bool ok = check_training(out, run, task, inputs, schedule);
   progress.finish();
   return ok ? 0 : 1;
 }
@@ -603,7 +649,9 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
       return 0;
     // The reference on a sample of the tokens where the layer allows it: its
     // cost then does not grow with T.
-    const std::string blocker = token_sampling_blocker(ex.pipeline);
+    const std::string blocker = schedule.capacity() > 0
+                                    ? "the schedule's capacity drops pairs by their place among every token's"
+                                    : token_sampling_blocker(ex.pipeline);
     if (!o.check_full && blocker.empty() && o.shape.tokens > kCheckSample) {
       // The whole inputs are not needed after this: their weights move into
       // the sample rather than being copied (gigabytes at real sizes).
@@ -617,14 +665,14 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
       for (auto &[name, values] : run.values) // in place: the layer's values are not needed whole again
         if (ref.values.count(name))
           values = sample_rows(ex.pipeline, name, values, sample);
-      return check_backend(out, run, ref) ? 0 : 1;
+      return check_backend(out, run, ref, ex.pipeline) ? 0 : 1;
     }
     if (!o.check_full && !blocker.empty() && o.shape.tokens > kCheckSample)
       out << "check     every token: " << blocker << ", so a sample of tokens is not the layer's answer for them\n";
     progress.phase("evaluating the float64 reference");
-    EvalResult ref = evaluate(ex.pipeline, inputs, Precision::f64);
+    EvalResult ref = evaluate(ex.pipeline, inputs, Precision::f64, reference_options(schedule));
     progress.finish();
-    return check_backend(out, run, ref) ? 0 : 1;
+    return check_backend(out, run, ref, ex.pipeline) ? 0 : 1;
   }
 
   // The reference runs the algebra alone, but a schedule naming a Func the
@@ -633,7 +681,7 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
   out << "backend   reference (Eigen, " << prec << ")" << (o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
   progress.phase(std::string("evaluating the reference (") + prec + ")");
   auto start = std::chrono::steady_clock::now();
-  EvalResult res = evaluate(ex.pipeline, inputs, o.precision);
+  EvalResult res = evaluate(ex.pipeline, inputs, o.precision, reference_options(schedule));
   progress.finish();
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   for (const auto &[name, r] : res.routes)
@@ -645,7 +693,7 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
   // The oracle: the same algebra in float64. On the reference backend,
   // --check measures the run's precision against it.
   progress.phase("evaluating the float64 reference");
-  EvalResult oracle = evaluate(ex.pipeline, inputs, Precision::f64);
+  EvalResult oracle = evaluate(ex.pipeline, inputs, Precision::f64, reference_options(schedule));
   progress.finish();
   double err = max_relative_error(y, oracle[ex.output]);
   double tol = o.precision == Precision::f32 ? 1e-4 : 1e-12;
@@ -658,8 +706,11 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
 
 } // namespace
 
-RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std::vector<int32_t> experts) {
+RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std::vector<int32_t> experts,
+                                   std::vector<uint8_t> kept) {
   RoutingResult r;
+  if (std::find(kept.begin(), kept.end(), uint8_t{0}) != kept.end())
+    r.kept = std::move(kept);
   r.tokens = tokens;
   r.experts = route.expert_dim().extent();
   r.k = route.k;

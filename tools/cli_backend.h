@@ -43,8 +43,10 @@ struct TrainingTask {
   TensorMap upstream; // output name -> d(loss)/d(output), shaped like it
 };
 
-// The routing statistics' input from a backend's expert ids (pair order).
-RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std::vector<int32_t> experts);
+// The routing statistics' input from a backend's expert ids and the pairs
+// it kept at capacity (pair order).
+RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std::vector<int32_t> experts,
+                                   std::vector<uint8_t> kept);
 
 // Fills run.routes and run.values from a finished layer of either backend
 // (both offer routed_experts(route) and download(func) in pair order): every
@@ -55,7 +57,7 @@ template <typename Layer>
 void collect_results(BackendRun &run, const KernelProgram &program, const Layer &layer, int64_t tokens,
                      const std::string *only = nullptr) {
   for (const RoutingNode *r : program.routes)
-    run.routes[r->name] = routing_from_experts(*r, tokens, layer.routed_experts(r->name));
+    run.routes[r->name] = routing_from_experts(*r, tokens, layer.routed_experts(r->name), layer.kept_pairs(r->name));
   for (const TensorDecl &t : program.tensors)
     if (!t.is_input && (!only || t.name == *only))
       run.values[t.name] = layer.download(t.name);
@@ -66,7 +68,7 @@ void collect_results(BackendRun &run, const KernelProgram &program, const Layer 
 template <typename Layer>
 void collect_training(BackendTraining &run, const TrainingProgram &t, const Layer &layer, int64_t tokens) {
   for (const RoutingNode *r : t.program.routes)
-    run.routes[r->name] = routing_from_experts(*r, tokens, layer.routed_experts(r->name));
+    run.routes[r->name] = routing_from_experts(*r, tokens, layer.routed_experts(r->name), layer.kept_pairs(r->name));
   for (const std::string &o : t.outputs)
     run.values[o] = layer.output(o);
   for (size_t i = 0; i < t.of.size(); ++i)

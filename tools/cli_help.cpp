@@ -14,6 +14,11 @@ namespace {
   "  --d D           model width (default 64)\n"                                                                       \
   "  --f F           expert (or MLP) hidden width (default 128)\n"
 
+#define MOEFORGE_CAPACITY_FLAG                                                                                         \
+  "  --capacity F    a fixed expert capacity with dropping (GShard): each expert takes at most\n"                      \
+  "                  ceil(F * T * k / E) pairs, first choices first; the rest are dropped and\n"                       \
+  "                  counted (default: dropless)\n"
+
 #define MOEFORGE_SCHEDULE_FLAG                                                                                         \
   "  --schedule S    a preset (megablocks, scattermoe), a schedule file, or auto (run, train and\n"                    \
   "                  tune: what `moeforge tune` cached for this layer on this GPU, else scattermoe);\n"                \
@@ -28,12 +33,12 @@ const std::map<std::string, const char *> kHelp = {
               "  moeforge print swiglu_moe\n"
               "  moeforge print moe_mlp --experts 64 --topk 8\n"},
     {"run", "moeforge run <example> [shape flags] [--seed S] [--precision f32|f64] [--schedule S]\n"
-            "                       [--backend reference|cpu|cuda] [--check | --check=full]\n"
+            "                       [--capacity F] [--backend reference|cpu|cuda] [--check | --check=full]\n"
             "  Runs the example's forward on random inputs and prints each output's shape,\n"
             "  checksum and time; --check compares every output with the float64 reference.\n\n" MOEFORGE_SHAPE_FLAGS
             "  --seed S        the inputs' random seed (default 1)\n"
             "  --precision P   the reference's arithmetic, f32 or f64 (default f32; f64 runs the reference "
-            "only)\n" MOEFORGE_SCHEDULE_FLAG
+            "only)\n" MOEFORGE_SCHEDULE_FLAG MOEFORGE_CAPACITY_FLAG
             "  --backend B     reference, cpu or cuda (default: the GPU when there is one, else the CPU\n"
             "                  backend, else the reference)\n"
             "  --check         compare with the float64 reference (tolerance 1e-2) on 64 tokens drawn at\n"
@@ -41,14 +46,15 @@ const std::map<std::string, const char *> kHelp = {
             "  --check=full    compare every token\n"
             "\nexamples:\n"
             "  moeforge run moe_mlp --check\n"
+            "  moeforge run moe_mlp --capacity 1.0 --check\n"
             "  moeforge run swiglu_moe --tokens 4096 --d 1024 --f 2048 --schedule scattermoe --backend cuda\n"},
-    {"train", "moeforge train <example> [shape flags] [--seed S] [--schedule S] [--recompute] [--aux]\n"
-              "                         [--backend cpu|cuda] [--check]\n"
+    {"train", "moeforge train <example> [shape flags] [--seed S] [--schedule S] [--capacity F] [--recompute]\n"
+              "                         [--aux] [--backend cpu|cuda] [--check]\n"
               "  One training step (forward, then backward with a random upstream gradient) on a\n"
               "  compiled backend: times, what the forward keeps for the backward, and with --check\n"
               "  every output and gradient against the float64 reference of grad().\n\n" MOEFORGE_SHAPE_FLAGS
               "  --k K           the same as --topk\n"
-              "  --seed S        the inputs' random seed (default 1)\n" MOEFORGE_SCHEDULE_FLAG
+              "  --seed S        the inputs' random seed (default 1)\n" MOEFORGE_SCHEDULE_FLAG MOEFORGE_CAPACITY_FLAG
               "  --recompute     the backward recomputes activations instead of keeping them\n"
               "  --aux           with the example's auxiliary losses (load balancing, z-loss) as outputs\n"
               "  --backend B     cpu or cuda (default: the GPU when there is one, else the CPU backend)\n"

@@ -77,6 +77,9 @@ HostTensor take_rows(const HostTensor &full, int64_t factor, const std::vector<i
 } // namespace
 
 std::string token_sampling_blocker(const Pipeline &p) {
+  for (const RoutingPtr &r : p.routes())
+    if (r->expert_choice())
+      return "route '" + r->name + "' lets each expert choose among every token";
   Blocker b;
   for (const Func &f : p.funcs()) {
     b.func = f.name();

@@ -232,6 +232,17 @@ int64_t CpuLayer::dropped_pairs(const std::string &route) const {
   user_error << "no route named '" << route << "' in this layer";
 }
 
+std::vector<uint8_t> CpuLayer::kept_pairs(const std::string &route) const {
+  for (const auto &[r, st] : routes_)
+    if (r->name == route) {
+      std::vector<uint8_t> kept(st.tables.pair_pos.size());
+      for (size_t p = 0; p < kept.size(); ++p)
+        kept[p] = !st.shape.drops() || st.tables.pair_pos[p] != st.shape.drop_row();
+      return kept;
+    }
+  user_error << "no route named '" << route << "' in this layer";
+}
+
 std::vector<int32_t> CpuLayer::routed_experts(const std::string &route) const {
   for (const auto &[r, st] : routes_)
     if (r->name == route)

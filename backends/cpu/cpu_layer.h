@@ -77,6 +77,8 @@ public:
   // The (token, expert) pairs the route dropped at its expert capacity in
   // the last run (0 when dropless). A user error for an unknown route.
   int64_t dropped_pairs(const std::string &route) const;
+  // kept[r] = 0 for each pair the route dropped at capacity (pair order).
+  std::vector<uint8_t> kept_pairs(const std::string &route) const;
 
   const CompiledCpuLayer &compiled() const { return layer_; }
   int64_t tokens() const { return tokens_; }

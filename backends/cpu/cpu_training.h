@@ -73,6 +73,8 @@ public:
   // intermediate such as d_h), in the reference's layout.
   HostTensor download(const std::string &func) const { return layer_.download(func); }
   std::vector<int32_t> routed_experts(const std::string &route) const { return layer_.routed_experts(route); }
+  int64_t dropped_pairs(const std::string &route) const { return layer_.dropped_pairs(route); }
+  std::vector<uint8_t> kept_pairs(const std::string &route) const { return layer_.kept_pairs(route); }
   // Bytes the forward keeps for the backward (activations and routing tables).
   int64_t saved_bytes() const;
 

@@ -402,6 +402,20 @@ std::vector<int32_t> CudaLayer::routed_experts(const std::string &route) const {
   user_error << "no route named '" << route << "' in this layer";
 }
 
+std::vector<uint8_t> CudaLayer::kept_pairs(const std::string &route) const {
+  for (const auto &[r, plan] : plans_)
+    if (r->name == route) {
+      std::vector<uint8_t> kept(static_cast<size_t>(plan->shape.pairs()), 1);
+      if (plan->shape.drops()) {
+        const std::vector<int32_t> pos = plan->pair_pos.download<int32_t>(kept.size());
+        for (size_t p = 0; p < kept.size(); ++p)
+          kept[p] = pos[p] != plan->shape.drop_row();
+      }
+      return kept;
+    }
+  user_error << "no route named '" << route << "' in this layer";
+}
+
 int64_t CudaLayer::dropped_pairs(const std::string &route) const {
   for (const auto &[r, plan] : plans_)
     if (r->name == route) {

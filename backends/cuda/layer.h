@@ -129,6 +129,9 @@ public:
   // The (token, expert) pairs the route dropped at its expert capacity in
   // the last run, 0 when dropless (synchronous: copies the counts back).
   int64_t dropped_pairs(const std::string &route) const;
+  // kept[r] = 0 for each pair the route dropped at capacity (pair order;
+  // synchronous).
+  std::vector<uint8_t> kept_pairs(const std::string &route) const;
 
   const CompiledLayer &compiled() const { return layer_; }
   int64_t tokens() const { return tokens_; }

@@ -156,6 +156,8 @@ void bind_algebra(nb::module_ &m) {
       "probs"_a, "expert"_a, "k"_a, "renormalize"_a = false, "name"_a = "route", "groups"_a = 1, "top_groups"_a = 1,
       "Chooses the k largest probs along expert for each token (among the experts of the top_groups best of "
       "`groups` groups when groups > 1).");
+  m.def("expert_choice", &moeforge::expert_choice, "probs"_a, "expert"_a, "capacity_factor"_a, "name"_a = "route",
+        "Each expert takes its top ceil(capacity_factor * T / E) tokens by probs (expert-choice routing).");
   m.def("combine", &moeforge::combine, "route"_a, "token"_a, "body"_a, "Sums a per-pair body back to its tokens.");
   m.def("expert_sum", &moeforge::expert_sum, "route"_a, "expert"_a, "body"_a, "Sums a per-pair body into its experts.");
 

@@ -46,6 +46,7 @@ nb::dict routes_dict(const EvalResult &r) {
     d["token"] = to_numpy(route.token);
     d["expert"] = to_numpy(route.expert);
     d["k"] = route.k;
+    d["dropped"] = route.dropped(); // pairs dropped at an expert's capacity
     out[nb::str(name.c_str())] = d;
   }
   return out;
@@ -153,6 +154,9 @@ void bind_layers(nb::module_ &m) {
           "routed_experts",
           [](const PyCpuLayer &l, const std::string &route) { return to_numpy(l.layer->routed_experts(route)); },
           "route"_a = "route")
+      .def(
+          "dropped_pairs", [](const PyCpuLayer &l, const std::string &route) { return l.layer->dropped_pairs(route); },
+          "route"_a = "route", "Pairs the route dropped at its expert capacity in the last run.")
       .def_prop_ro("tokens", [](const PyCpuLayer &l) { return l.layer->tokens(); });
 
   nb::class_<PyCpuTraining>(m, "CpuTrainingLayer",

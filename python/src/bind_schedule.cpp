@@ -39,6 +39,7 @@ void bind_schedule(nb::module_ &m) {
       .def("gate", nb::overload_cast<GateFusion>(&Schedule::gate), "fusion"_a, chain)
       .def("mma", nb::overload_cast<const std::string &, MmaKind>(&Schedule::mma), "func"_a, "kind"_a, chain)
       .def("block", nb::overload_cast<int>(&Schedule::block), "rows"_a, chain)
+      .def("capacity", nb::overload_cast<double>(&Schedule::capacity), "factor"_a, chain)
       .def("recompute", nb::overload_cast<bool>(&Schedule::recompute), "on"_a = true, chain)
       .def("bf16_activations", nb::overload_cast<bool>(&Schedule::bf16_activations), "on"_a = true, chain)
       .def("reuse_memory", nb::overload_cast<bool>(&Schedule::reuse_memory), "on"_a = true, chain)

@@ -77,3 +77,44 @@ def test_example_layers_come_ready_made():
     assert mf.evaluate(ex.pipeline, inputs)[ex.output].shape == (32, 64)
     with pytest.raises(mf.UserError, match="unknown example 'nosuch'"):
         mf.make_example("nosuch")
+
+
+def test_expert_choice_reference_matches_numpy():
+    """Each expert takes its top C = ceil(cf T / E) tokens by probability."""
+    d, f, experts, tokens, cf = 64, 128, 8, 80, 2.0
+    T, D, F, E = mf.Dim.dynamic("T"), mf.Dim("D", d), mf.Dim("F", f), mf.Dim("E", experts)
+    t, e, i, j = mf.Var("t", T), mf.Var("e", E), mf.Var("i", D), mf.Var("j", F)
+    x = mf.Input("x", [T, D])
+    wr, w1, w2 = mf.Param("wr", [D, E]), mf.Param("w1", [E, D, F]), mf.Param("w2", [E, F, D])
+    logits, probs = mf.Func("logits", mf.f32), mf.Func("probs", mf.f32)
+    logits[t, e] = mf.sum(i, x[t, i] * wr[i, e])
+    probs[t, e] = mf.softmax(e, logits[t, e])
+    route = mf.expert_choice(probs, e, cf)
+    r = route.pair
+    h, o, y = mf.Func("h", mf.f32), mf.Func("o", mf.f32), mf.Func("y")
+    h[r, j] = mf.gelu(mf.sum(i, x[route.token(r), i] * w1[route.expert(r), i, j]))
+    o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), j, i])
+    y[t, i] = mf.combine(route, t, route.gate(r) * o[r, i])
+    inputs = random_inputs(tokens, seed=3)
+    ref = mf.evaluate(mf.Pipeline([y]), inputs)
+
+    xs = inputs["x"]
+    lg = xs @ inputs["wr"]
+    p = np.exp(lg - lg.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    capacity = int(np.ceil(cf * tokens / experts))
+    want = np.zeros_like(xs)
+    for ex in range(experts):
+        chosen = np.argsort(-p[:, ex], kind="stable")[:capacity]  # ties to the earlier token
+        for tok in chosen:
+            want[tok] += p[tok, ex] * (gelu_tanh(xs[tok] @ inputs["w1"][ex]) @ inputs["w2"][ex])
+    assert np.abs(ref["y"] - want).max() / np.abs(want).max() < 1e-2
+    assert ref.routes["route"]["dropped"] == tokens * experts - experts * capacity
+
+
+def test_schedule_capacity_round_trips():
+    s = mf.Schedule("capped")
+    s.capacity(1.25)
+    assert "capacity(1.25)" in s.to_text()
+    with pytest.raises(mf.UserError, match="must be positive"):
+        s.capacity(0.0)

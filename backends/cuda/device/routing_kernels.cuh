@@ -758,8 +758,11 @@ __device__ __forceinline__ unsigned keep_key(const float *__restrict__ score, in
   return static_cast<unsigned>(k - 1 - slot) * static_cast<unsigned>(tokens) + static_cast<unsigned>(tokens - 1 - t);
 }
 
-// Exclusive block-wide prefix sum of v (0 or 1), and the block's total.
-__device__ __forceinline__ int block_exclusive_count(int v, int *sWarp, int *total) {
+// Block-wide exclusive prefix sum of each thread's v, and the block's total.
+struct BlockCount {
+  int before, total;
+};
+__device__ __forceinline__ BlockCount block_exclusive_count(int v, int *sWarp) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int incl = warp_inclusive_sum(v);
   __syncthreads(); // sWarp is free again
@@ -767,12 +770,12 @@ __device__ __forceinline__ int block_exclusive_count(int v, int *sWarp, int *tot
     sWarp[warp] = incl;
   __syncthreads();
   int before = 0, all = 0;
+#pragma unroll
   for (int w = 0; w < kWarps; ++w) {
     before += w < warp ? sWarp[w] : 0;
     all += sWarp[w];
   }
-  *total = all;
-  return before + incl - v;
+  return {before + incl - v, all};
 }
 
 extern "C" __global__ void __launch_bounds__(MF_THREADS)
@@ -787,9 +790,7 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS)
   int mine = 0;
   for (int r = threadIdx.x; r < pairs; r += MF_THREADS)
     mine += expert[r] == e;
-  int total;
-  block_exclusive_count(mine, sWarp, &total);
-  if (total <= capacity) { // room for every pair of e
+  if (block_exclusive_count(mine, sWarp).total <= capacity) { // room for every pair of e
     for (int r = threadIdx.x; r < pairs; r += MF_THREADS)
       if (expert[r] == e)
         placed[r] = e;
@@ -828,10 +829,9 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS)
     const bool of_e = r < pairs && expert[r] == e;
     const unsigned key = of_e ? keep_key(score, r, tokens, k, by_score) : 0u;
     const bool tie = of_e && key == prefix;
-    int ties;
-    const int rank = ties_before + block_exclusive_count(tie ? 1 : 0, sWarp, &ties);
+    const BlockCount c = block_exclusive_count(tie ? 1 : 0, sWarp);
     if (of_e)
-      placed[r] = key > prefix || (tie && rank < want) ? e : -1;
-    ties_before += ties;
+      placed[r] = key > prefix || (tie && ties_before + c.before < want) ? e : -1;
+    ties_before += c.total;
   }
 }

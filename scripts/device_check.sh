@@ -63,8 +63,8 @@ if has tests; then
     grep -E "ERROR|CRASHED|test cases|Status" "$R/tests_$i.log" | head -8
   done
   echo "gpu suite ($n test cases) done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
-    -tc="cuda bind*,cuda gpu: group-limited*,cuda layer: the dense MLP*,cuda training: the RMSNorm*" \
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
+    -tc="cuda bind*,cuda gpu: group-limited*,cuda layer: the dense MLP*,cuda training: the RMSNorm*,cuda capacity*" \
     >"$R/memcheck.log" 2>&1
   echo "memcheck exit code: $?" | tee -a "$R/device.txt"
   tail -3 "$R/memcheck.log"

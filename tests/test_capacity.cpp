@@ -1,19 +1,18 @@
 // Fixed expert capacity with dropping (GShard / Tutel), a schedule choice
 // over the unchanged dropless algebra: the rule (dsl/capacity.h), the
-// schedule primitive, the host routing tables, the reference, and the CPU
-// backend's forward and training against the reference under the same
-// capacity.
+// schedule primitive, the host routing tables and the reference (the
+// compiled backends: test_cpu_capacity.cpp, test_cuda_capacity.cpp).
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <numeric>
 
-#include "backends/cpu/cpu_training.h"
-#include "cpu_compare.h"
+#include "backends/reference/evaluate.h"
 #include "dsl/capacity.h"
 #include "examples/examples.h"
+#include "layer_compare.h"
 #include "runtime/routing_host.h"
-#include "training_compare.h"
+#include "schedules/schedule.h"
 #include "user_error.h"
 
 using namespace moeforge;
@@ -144,52 +143,4 @@ TEST_CASE("capacity: the reference's combine sums the kept pairs only") {
     roomy.capacity_factor = 8.0;
     CHECK(evaluate(ex.pipeline, in, Precision::f64, roomy).routes.at(ex.route).dropped() == 0);
   }
-}
-
-TEST_CASE("capacity: the CPU backend's forward matches the reference under both permutations") {
-  for (const char *name : {"moe_mlp", "swiglu_moe"})
-    for (const char *p : {"megablocks", "scattermoe"})
-      for (double factor : {0.5, 1.0, 1.25}) {
-        ExampleShape s = testing::shape(150, 64, 128, 8, 2);
-        Example ex = make_example(name, s);
-        TensorMap in = ex.random_inputs(s, 3);
-        Schedule schedule = preset(p);
-        schedule.capacity(factor);
-        cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(ex.pipeline, schedule);
-        cpu::CpuLayer layer(compiled, s.tokens);
-        layer.upload(in);
-        layer.poison();
-        layer.run();
-        EvalOptions cap;
-        cap.capacity_factor = factor;
-        const int64_t want = evaluate(ex.pipeline, in, Precision::f64, cap).routes.at(ex.route).dropped();
-        INFO(name << " / " << p << " / capacity " << factor);
-        CHECK(layer.dropped_pairs(ex.route) == want);
-        CHECK(want > 0);
-        testing::Outcome o =
-            testing::compare_with_reference(ex, in, compiled.program, layer, schedule.to_text(), 1e-2, 0, factor);
-        CHECK(o.routing_mismatches == 0);
-        CHECK(o.y_error <= 1e-2);
-      }
-}
-
-TEST_CASE("capacity: CPU training under a capacity matches the reference, every gradient") {
-  for (const char *name : {"moe_mlp", "swiglu_moe"})
-    for (const char *p : {"megablocks", "scattermoe+padded+lean"}) {
-      ExampleShape s = testing::shape(150, 64, 128, 8, 2);
-      Example ex = make_example(name, s);
-      TensorMap in = ex.random_inputs(s, 5);
-      Schedule schedule = testing::training_preset(p, false);
-      schedule.capacity(1.0);
-      cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
-      cpu::CpuTrainingLayer layer(compiled, s.tokens);
-      INFO(name << " / " << p);
-      testing::Outcome o = testing::step_and_compare(ex, in, compiled.training.program, compiled.training.seed, layer,
-                                                     schedule, [](cpu::CpuTrainingLayer &l) {
-                                                       l.forward();
-                                                       l.backward();
-                                                     });
-      CHECK(o.routing_mismatches == 0);
-      CHECK(o.worst_error <= 2e-2);
-    }
 }

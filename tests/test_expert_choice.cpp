@@ -1,19 +1,17 @@
 // expert_choice_moe: each expert takes its top C tokens (expert_choice(),
-// dsl/capacity.h). The reference against loops written from the math, float64
-// finite differences of every gradient, and the CPU backend's forward and
-// training against the reference.
+// dsl/capacity.h). The reference against loops written from the math and
+// float64 finite differences of every gradient (the compiled backends:
+// test_cpu_capacity.cpp, test_cuda_capacity.cpp).
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <numeric>
 
 #include "autodiff_check.h"
-#include "backends/cpu/cpu_training.h"
-#include "cpu_compare.h"
 #include "dsl/ops.h"
 #include "examples/examples.h"
+#include "layer_compare.h"
 #include "moe_loops.h"
-#include "training_compare.h"
 #include "user_error.h"
 
 using namespace moeforge;
@@ -85,32 +83,4 @@ TEST_CASE("expert_choice_moe: expert_choice() refuses a bad capacity factor; top
   CHECK(testing::user_error_of([&] { expert_choice(p, e, 0.0); }).find("must be positive") != std::string::npos);
   CHECK(testing::user_error_of([&] { top_k(p, t, 2); }).find("expert_choice(probs, expert, capacity_factor)") !=
         std::string::npos);
-}
-
-TEST_CASE("expert_choice_moe: the CPU backend's forward and training match the reference") {
-  for (const char *p : {"megablocks", "scattermoe"}) {
-    ExampleShape s = testing::shape(150, 64, 128, 8, 2);
-    Example ex = make_example("expert_choice_moe", s);
-    TensorMap in = ex.random_inputs(s, 3);
-    INFO(p);
-    testing::Outcome f = cpu_test::run_and_compare(ex, in, s.tokens, preset(p));
-    CHECK(f.routing_mismatches == 0);
-    CHECK(f.y_error <= 1e-2);
-  }
-  for (const char *p : {"megablocks", "scattermoe+padded+lean"}) {
-    ExampleShape s = testing::shape(150, 64, 128, 8, 2);
-    Example ex = make_example("expert_choice_moe", s);
-    TensorMap in = ex.random_inputs(s, 5);
-    Schedule schedule = testing::training_preset(p, false);
-    cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
-    cpu::CpuTrainingLayer layer(compiled, s.tokens);
-    INFO(p);
-    testing::Outcome o = testing::step_and_compare(ex, in, compiled.training.program, compiled.training.seed, layer,
-                                                   schedule, [](cpu::CpuTrainingLayer &l) {
-                                                     l.forward();
-                                                     l.backward();
-                                                   });
-    CHECK(o.routing_mismatches == 0);
-    CHECK(o.worst_error <= 2e-2);
-  }
 }

@@ -79,7 +79,8 @@ CompileOptions routing_compile_options(const std::string &arch) {
   CompileOptions o;
   o.arch = arch;
   o.extra_options = {"-DMF_THREADS=" + std::to_string(kRoutingThreads),
-                     "-DMF_MAX_EXPERTS=" + std::to_string(kMaxRoutingExperts)};
+                     "-DMF_MAX_EXPERTS=" + std::to_string(kMaxRoutingExperts),
+                     "-DMF_CAPACITY_THREADS=" + std::to_string(kCapacityThreads)};
   return o;
 }
 
@@ -187,7 +188,7 @@ void DeviceRouting::place(RoutingPlan &plan, const Stream &stream, CUdeviceptr g
     int by_score = s.priority == KeepPriority::score ? 1 : 0;
     CUdeviceptr score = gate ? gate : plan.gate.ptr();
     void *args[] = {plan.expert.arg(), &score, &tokens, &k, &capacity, &by_score, plan.placed.arg()};
-    capacity_keep_.launch({static_cast<unsigned>(s.experts)}, {kRoutingThreads}, 0, stream, args);
+    capacity_keep_.launch({static_cast<unsigned>(s.experts)}, {kCapacityThreads}, 0, stream, args);
   }
   histogram(plan, stream);
   scan_scatter(plan, stream);

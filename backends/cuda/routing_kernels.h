@@ -17,6 +17,8 @@ namespace moeforge::cuda {
 
 // Threads per block of every routing kernel.
 inline constexpr int kRoutingThreads = 256;
+// moe_capacity_keep's block: one per expert (device/routing_kernels.cuh).
+inline constexpr int kCapacityThreads = 1024;
 
 // Pairs per chunk of the counting sort: the histogram and the scatter run a
 // block per chunk (and the top-k when it counts, see routing_fuses_counts),

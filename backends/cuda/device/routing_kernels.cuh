@@ -1,7 +1,7 @@
 // The device routing, compiled at run time with NVRTC: embedded into the
 // binary at build time (backends/cuda/CMakeLists.txt); routing_kernels.cpp
-// passes MF_THREADS and MF_MAX_EXPERTS with -D, so host and device agree on
-// them, and appends the top-k kernels' instantiations.
+// passes MF_THREADS, MF_MAX_EXPERTS and MF_CAPACITY_THREADS with -D, so host
+// and device agree on them, and appends the top-k kernels' instantiations.
 // The format it produces is described in routing_host.h; route_on_host()
 // there is its oracle.
 //
@@ -746,9 +746,15 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
 //   token order: (k - 1 - slot) * T + (T - 1 - t), unique
 //   score:       the score's bits made order-preserving as unsigned
 // The capacity-th largest key is found by a radix select, eight bits a pass
-// over the expert's pairs (a 256-bin histogram each), then one ordered pass
-// keeps the keys above it and as many of the keys equal to it as are left,
-// lowest r first.
+// (only the bytes the largest key can have), a 256-bin histogram of the
+// expert's pairs each; then the keys above it are kept, and of the keys
+// equal to it (scores only: token-order keys are unique) as many as are
+// left, lowest r first. A block is one expert's, so the passes run
+// kCapacityThreads threads each loading kCapacityUnroll pairs at once: the
+// block count (E) is below the SM count and each pass is latency-bound.
+constexpr int kCapacityThreads = MF_CAPACITY_THREADS, kCapacityWarps = kCapacityThreads / 32, kCapacityUnroll = 4;
+static_assert(kCapacityThreads % 32 == 0 && kCapacityThreads <= 1024, "whole warps, one block");
+
 __device__ __forceinline__ unsigned keep_key(const float *__restrict__ score, int r, int tokens, int k, int by_score) {
   if (by_score) {
     const unsigned u = __float_as_uint(score[r]);
@@ -762,7 +768,7 @@ __device__ __forceinline__ unsigned keep_key(const float *__restrict__ score, in
 struct BlockCount {
   int before, total;
 };
-__device__ __forceinline__ BlockCount block_exclusive_count(int v, int *sWarp) {
+__device__ __forceinline__ BlockCount capacity_block_count(int v, int *sWarp) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int incl = warp_inclusive_sum(v);
   __syncthreads(); // sWarp is free again
@@ -771,44 +777,66 @@ __device__ __forceinline__ BlockCount block_exclusive_count(int v, int *sWarp) {
   __syncthreads();
   int before = 0, all = 0;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
+  for (int w = 0; w < kCapacityWarps; ++w) {
     before += w < warp ? sWarp[w] : 0;
     all += sWarp[w];
   }
   return {before + incl - v, all};
 }
 
-extern "C" __global__ void __launch_bounds__(MF_THREADS)
+// The loops over every pair r run kCapacityUnroll independent loads in
+// flight per thread: step u of an iteration takes r = base + u * threads +
+// tid (written out in each loop: as a lambda, the captured counters went to
+// local memory).
+constexpr int kCapacityStep = kCapacityThreads * kCapacityUnroll;
+
+extern "C" __global__ void __launch_bounds__(kCapacityThreads)
     moe_capacity_keep(const int *__restrict__ expert,  // (P)
                       const float *__restrict__ score, // (P), read when by_score
                       int tokens, int k, int capacity, int by_score,
                       int *__restrict__ placed) { // (P)
-  __shared__ int sHist[256], sWarp[kWarps];
+  __shared__ int sHist[256], sWarp[kCapacityWarps];
   __shared__ unsigned sPrefix;
   __shared__ int sWant;
   const int e = blockIdx.x, pairs = tokens * k;
   int mine = 0;
-  for (int r = threadIdx.x; r < pairs; r += MF_THREADS)
-    mine += expert[r] == e;
-  if (block_exclusive_count(mine, sWarp).total <= capacity) { // room for every pair of e
-    for (int r = threadIdx.x; r < pairs; r += MF_THREADS)
-      if (expert[r] == e)
-        placed[r] = e;
+  for (int base = 0; base < pairs; base += kCapacityStep)
+#pragma unroll
+    for (int u = 0; u < kCapacityUnroll; ++u) {
+      const int r = base + u * kCapacityThreads + threadIdx.x;
+      mine += r < pairs && __ldg(expert + r) == e;
+    }
+  if (capacity_block_count(mine, sWarp).total <= capacity) { // room for every pair of e
+    for (int base = 0; base < pairs; base += kCapacityStep)
+#pragma unroll
+      for (int u = 0; u < kCapacityUnroll; ++u) {
+        const int r = base + u * kCapacityThreads + threadIdx.x;
+        if (r < pairs && __ldg(expert + r) == e)
+          placed[r] = e;
+      }
     return;
   }
-  unsigned prefix = 0, mask = 0;
+  // The highest byte a key can have set.
+  const unsigned max_key = by_score ? 0xffffffffu : static_cast<unsigned>(pairs - 1);
+  int top_shift = 0;
+  while (top_shift < 24 && (max_key >> (top_shift + 8)) != 0)
+    top_shift += 8;
+  unsigned prefix = 0, mask = top_shift < 24 ? ~0u << (top_shift + 8) : 0u;
   int want = capacity; // the rank of the threshold among keys matching the prefix
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 256; b += MF_THREADS)
+  for (int shift = top_shift; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += kCapacityThreads)
       sHist[b] = 0;
     __syncthreads();
-    for (int r = threadIdx.x; r < pairs; r += MF_THREADS) {
-      if (expert[r] != e)
-        continue;
-      const unsigned key = keep_key(score, r, tokens, k, by_score);
-      if ((key & mask) == prefix)
-        atomicAdd(&sHist[(key >> shift) & 255u], 1);
-    }
+    for (int base = 0; base < pairs; base += kCapacityStep)
+#pragma unroll
+      for (int u = 0; u < kCapacityUnroll; ++u) {
+        const int r = base + u * kCapacityThreads + threadIdx.x;
+        if (r >= pairs || __ldg(expert + r) != e)
+          continue;
+        const unsigned key = keep_key(score, r, tokens, k, by_score);
+        if ((key & mask) == prefix)
+          atomicAdd(&sHist[(key >> shift) & 255u], 1);
+      }
     __syncthreads();
     if (threadIdx.x == 0) { // the bin holding the want-th largest key
       int above = 0, b = 255;
@@ -822,14 +850,25 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS)
     want = sWant;
     mask |= 255u << shift;
   }
-  // Keep keys above the threshold, and the first `want` equal to it.
+  if (!by_score) { // unique keys: the threshold's pair is the last one kept
+    for (int base = 0; base < pairs; base += kCapacityStep)
+#pragma unroll
+      for (int u = 0; u < kCapacityUnroll; ++u) {
+        const int r = base + u * kCapacityThreads + threadIdx.x;
+        if (r < pairs && __ldg(expert + r) == e)
+          placed[r] = keep_key(score, r, tokens, k, 0) >= prefix ? e : -1;
+      }
+    return;
+  }
+  // Scores: keep the keys above the threshold and the first `want` equal to
+  // it, in r order (a block count per step, since steps take r in order).
   int ties_before = 0;
-  for (int base = 0; base < pairs; base += MF_THREADS) {
+  for (int base = 0; base < pairs; base += kCapacityThreads) {
     const int r = base + threadIdx.x;
-    const bool of_e = r < pairs && expert[r] == e;
-    const unsigned key = of_e ? keep_key(score, r, tokens, k, by_score) : 0u;
+    const bool of_e = r < pairs && __ldg(expert + r) == e;
+    const unsigned key = of_e ? keep_key(score, r, tokens, k, 1) : 0u;
     const bool tie = of_e && key == prefix;
-    const BlockCount c = block_exclusive_count(tie ? 1 : 0, sWarp);
+    const BlockCount c = capacity_block_count(tie ? 1 : 0, sWarp);
     if (of_e)
       placed[r] = key > prefix || (tie && ties_before + c.before < want) ? e : -1;
     ties_before += c.total;

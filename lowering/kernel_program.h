@@ -209,6 +209,12 @@ struct KernelProgram {
 };
 
 std::ostream &operator<<(std::ostream &os, const KernelProgram &p);
+
+// The run-time extent a generated kernel takes for a route that drops pairs
+// at capacity: its max_padded_rows (runtime/routing_host.h), which depends
+// on the capacity the host computes from T, so kernels read it as an
+// argument (ProgramShapes binds it) rather than computing it from T.
+inline std::string max_padded_rows_extent(const RoutingNode *r) { return r->name + ".max_padded_rows"; }
 // A placeholder tensor read by lowered expressions: an accumulator or an
 // intermediate that lowering introduced. Never defined; only its name and
 // indices are read.

@@ -67,6 +67,8 @@ ProgramShapes::ProgramShapes(const KernelProgram &program, int64_t tokens) : tok
       }
       shape.check();
       routings_[rs->route] = shape;
+      if (shape.drops())
+        dynamic_[max_padded_rows_extent(rs->route)] = shape.max_padded_rows();
     }
 }
 

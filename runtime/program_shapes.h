@@ -52,7 +52,9 @@ public:
 
 private:
   int64_t tokens_;
-  std::map<std::string, long long> dynamic_; // every dynamic Dim is the token count
+  // Every dynamic Dim is the token count; a dropping route's padded row
+  // bound is here too, by max_padded_rows_extent(route).
+  std::map<std::string, long long> dynamic_;
   std::map<const RoutingNode *, cuda::RoutingShape> routings_;
 };
 

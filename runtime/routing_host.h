@@ -29,10 +29,12 @@
 // expert keeps at most `capacity` of its pairs and the others are dropped:
 // they are left out of counts, offsets and sorted_pair (so no tile computes
 // them), and pair_pos[r] of a dropped pair is the drop row,
-// max_padded_rows - 1, which no kept pair ever takes (with a pair dropped,
-// offsets[E] <= P - 1 + E (bs - 1) < max_padded_rows - 1) and no tile
-// covers: element-wise steps may read and write a dropped pair's padded row
-// without a branch, and only the sums over a token's pairs test for it.
+// max_padded_rows - 1, which no kept pair takes and no tile covers
+// (offsets[E] <= kept + E (bs - 1) < kept_bound + E bs <= max_padded_rows):
+// element-wise steps may read and write a dropped pair's padded row without
+// a branch, and only the sums over a token's pairs test for it. The padded
+// rows are then bounded by the kept pairs, not by P (max_tiles below), so
+// a step that walks the pairs in row slots walks max(P, max_padded_rows).
 //
 // Grids are sized by max_tiles = ceil(P / bs) + E, an upper bound known on
 // the host, so no step ever copies num_tiles back. Tiles at and past
@@ -40,6 +42,7 @@
 // consumers skip them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -61,7 +64,11 @@ struct RoutingShape {
   bool drops() const { return capacity >= 0; }
   // pair_pos of a dropped pair (see above).
   int64_t drop_row() const { return max_padded_rows() - 1; }
-  int64_t max_tiles() const { return (pairs() + block - 1) / block + experts; }
+  // The most pairs that get a padded row: every pair, or with a capacity
+  // at most `capacity` an expert (expert choice offers T * E pairs and
+  // keeps cf * T of them).
+  int64_t kept_bound() const { return drops() ? std::min(pairs(), capacity * experts) : pairs(); }
+  int64_t max_tiles() const { return (kept_bound() + block - 1) / block + experts; }
   int64_t max_padded_rows() const { return max_tiles() * block; }
   // Throws UserError naming the bad field and its allowed range.
   void check() const;

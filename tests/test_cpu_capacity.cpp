@@ -6,6 +6,7 @@
 #include "backends/cpu/cpu_training.h"
 #include "cpu_compare.h"
 #include "examples/examples.h"
+#include "runtime/program_shapes.h"
 #include "training_compare.h"
 
 using namespace moeforge;
@@ -84,4 +85,37 @@ TEST_CASE("expert_choice_moe: the CPU backend's forward and training match the r
     CHECK(o.routing_mismatches == 0);
     CHECK(o.worst_error <= 2e-2);
   }
+}
+
+TEST_CASE("capacity: fewer padded rows than pairs (the bound by the kept pairs) on the CPU backend") {
+  // Expert choice with cf 1 at T = 1000, E = 8: 8000 offered pairs, 125 kept
+  // an expert, so the padded layout holds (1000 / 128 + 8) * 128 = 2048
+  // rows; a top-2 route at capacity 0.25 keeps 1000 of 2000 pairs.
+  struct Case {
+    const char *example;
+    int64_t tokens, topk;
+    double capacity;
+  };
+  for (const Case &c : {Case{"expert_choice_moe", 1000, 1, 0}, Case{"moe_mlp", 1000, 2, 0.25}})
+    for (const char *p : {"megablocks", "scattermoe+padded+lean"}) {
+      ExampleShape s = testing::shape(c.tokens, 64, 128, 8, c.topk);
+      Example ex = make_example(c.example, s);
+      TensorMap in = ex.random_inputs(s, 6);
+      Schedule schedule = testing::training_preset(p, false);
+      if (c.capacity > 0)
+        schedule.capacity(c.capacity);
+      cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
+      const ProgramShapes shapes(compiled.training.program, s.tokens);
+      const cuda::RoutingShape &rs = shapes.routing(compiled.training.program.routes.at(0));
+      INFO(c.example << " / " << p << ": " << rs.to_string() << ", " << rs.max_padded_rows() << " padded rows");
+      CHECK(rs.max_padded_rows() < rs.pairs());
+      cpu::CpuTrainingLayer layer(compiled, s.tokens);
+      testing::Outcome o = testing::step_and_compare(ex, in, compiled.training.program, compiled.training.seed, layer,
+                                                     schedule, [](cpu::CpuTrainingLayer &l) {
+                                                       l.forward();
+                                                       l.backward();
+                                                     });
+      CHECK(o.routing_mismatches == 0);
+      CHECK(o.worst_error <= 2e-2);
+    }
 }

@@ -189,4 +189,49 @@ TEST_SUITE("gpu") {
       CHECK(tl.dropped_pairs(ex.route) == s.tokens * s.experts - s.experts * 38);
     }
   }
+
+  TEST_CASE("cuda capacity: fewer padded rows than pairs (the bound by the kept pairs)") {
+    MOEFORGE_REQUIRE_GPU();
+    static cuda::Device device;
+    // As test_cpu_capacity.cpp's case: 8000 offered pairs in 2048 padded
+    // rows (expert choice, cf 1), and a top-2 route keeping 1000 of 2000.
+    struct Case {
+      const char *example;
+      int64_t tokens, topk;
+      double capacity;
+    };
+    for (const Case &c : {Case{"expert_choice_moe", 1000, 1, 0}, Case{"moe_mlp", 1000, 2, 0.25}})
+      for (const char *p : {"megablocks", "scattermoe+padded+lean"}) {
+        ExampleShape s = testing::shape(c.tokens, 64, 128, 8, c.topk);
+        Example ex = make_example(c.example, s);
+        TensorMap in = ex.random_inputs(s, 6);
+        Schedule sched = testing::training_preset(p, false);
+        if (c.capacity > 0)
+          sched.capacity(c.capacity);
+        INFO(c.example << " / " << p);
+        cuda::CompiledTraining ct =
+            cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), sched, device.arch_specific());
+        cuda::TrainingLayer tl(device, ct, s.tokens);
+        testing::Outcome o = testing::step_and_compare(ex, in, ct.training.program, ct.training.seed, tl, sched,
+                                                       [](cuda::TrainingLayer &l) {
+                                                         cuda::Stream st;
+                                                         l.forward(st);
+                                                         l.backward(st);
+                                                         st.synchronize();
+                                                       });
+        CHECK(o.routing_mismatches == 0);
+        CHECK(o.worst_error <= 2e-2);
+        // The forward alone, as the layer runs it (gate and softmax in the routing).
+        cuda::CompiledLayer fl = cuda::compile_layer(ex.pipeline, sched, device.arch_specific());
+        cuda::CudaLayer layer(device, fl, s.tokens);
+        layer.upload(in);
+        layer.poison();
+        cuda::Stream stream;
+        layer.enqueue(stream);
+        stream.synchronize();
+        testing::Outcome f =
+            testing::compare_with_reference(ex, in, fl.program, layer, sched.to_text(), 2e-2, 0, sched.capacity());
+        CHECK(f.routing_mismatches == 0);
+      }
+  }
 }

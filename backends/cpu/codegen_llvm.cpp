@@ -91,7 +91,11 @@ public:
   Value *extent(const Dim &d) { return extent_of(d.get()); }
   // The rows of r's padded layout, max_padded_rows = (ceil(T * k / block) +
   // E) * block (runtime/routing_host.h): the row stride of a padded_t tensor.
+  // A route that drops pairs at capacity bounds them by its kept pairs,
+  // which the host computes: an argument.
   Value *max_padded_rows(const RoutingNode *r) {
+    if (prog_.routing(r).drops())
+      return named_extent(max_padded_rows_extent(r));
     int64_t block = 0;
     for (const Step &s : prog_.steps)
       if (auto *rs = std::get_if<RoutingStep>(&s); rs && rs->route == r)
@@ -222,6 +226,17 @@ private:
     return loaded_[key] = entry_b_.CreateLoad(i64(), p, n->name);
   }
 
+public:
+  // A run-time extent by name (ProgramShapes binds it), loaded once.
+  Value *named_extent(const std::string &name) {
+    std::string key = "extent:" + name;
+    if (auto it = loaded_.find(key); it != loaded_.end())
+      return it->second;
+    Value *p = arg(CpuArg{CpuArg::Kind::extent, name, nullptr}, "ext_" + name);
+    return loaded_[key] = entry_b_.CreateLoad(i64(), p, name);
+  }
+
+private:
   const KernelProgram &prog_;
   CpuKernel &kernel_;
   llvm::LLVMContext &ctx_;

@@ -79,6 +79,14 @@ public:
   }
   // A Dim's extent as a C expression; dynamic extents become arguments.
   std::string extent(const Dim &d) { return extent_of(d.node()); }
+  // A run-time extent by name (ProgramShapes binds it): a dropping route's
+  // padded row bound (max_padded_rows_extent).
+  std::string named_extent(const std::string &name) {
+    std::string c = "ext_" + c_name(name);
+    if (add(KernelArg{KernelArg::Kind::extent, name, nullptr}))
+      params_.push_back("long long " + c);
+    return c;
+  }
   std::string signature() const {
     std::string s;
     for (size_t i = 0; i < params_.size(); ++i)
@@ -391,11 +399,36 @@ int route_block(const KernelProgram &prog, const RoutingNode *r) {
 }
 
 // max_padded_rows of a route as a C expression: (ceil(P / bs) + E) * bs, the
-// row stride of its padded_t tensors (runtime/routing_host.h).
+// row stride of its padded_t tensors (runtime/routing_host.h); for a route
+// that drops pairs at capacity, bounded by the kept pairs instead, which
+// the host computes (an argument).
 std::string max_padded_rows(const KernelProgram &prog, KernelBuilder &kb, const RoutingNode *r) {
+  if (prog.routing(r).drops())
+    return kb.named_extent(max_padded_rows_extent(r));
   std::string bs = std::to_string(route_block(prog, r)) + "LL";
   return "((" + kb.extent(r->pairs) + " + " + bs + " - 1) / " + bs + " + " + std::to_string(r->expert_dim().extent()) +
          "LL) * " + bs;
+}
+
+// The row slots of a step that walks a route's pairs in padded row order
+// (padded_elementwise outputs, pair-order gathers): slot q computes pair q
+// and zeroes padded row q if that is padding, so there are max(P,
+// max_padded_rows) of them; only a dropping route can have fewer padded
+// rows than pairs.
+std::string padded_slots(const KernelProgram &prog, KernelBuilder &kb, const RoutingNode *r) {
+  const std::string rows = max_padded_rows(prog, kb, r);
+  if (!prog.routing(r).drops())
+    return rows;
+  const std::string pairs = kb.extent(r->pairs);
+  return "(" + rows + " > " + pairs + " ? " + rows + " : " + pairs + ")";
+}
+
+// `p_row` (a row slot) is a padding row of route r's padded layout.
+std::string padding_slot(const KernelProgram &prog, KernelBuilder &kb, const RoutingNode *r) {
+  const std::string padding = kb.route(r, "sorted_pair") + "[p_row] < 0";
+  if (!prog.routing(r).drops())
+    return padding;
+  return "p_row < " + max_padded_rows(prog, kb, r) + " && " + padding;
 }
 
 // ------------------------------------------------------------ GEMM kernels
@@ -1110,7 +1143,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
   ExprEmitter em(prog, kb, body, 4);
   std::string rows = "1LL";
   for (size_t i = 0; i + 1 < s.vars.size(); ++i)
-    rows = "(" + rows + " * " + (padded_rows ? max_padded_rows(prog, kb, out.route) : kb.extent(s.vars[i].dim())) + ")";
+    rows = "(" + rows + " * " + (padded_rows ? padded_slots(prog, kb, out.route) : kb.extent(s.vars[i].dim())) + ")";
   body << "  long long idx = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // a warp per row\n";
   body << "  const int lane = threadIdx.x & 31;\n";
   body << "  if (idx >= " << rows << ") return;  // whole warps: shuffles see every lane\n";
@@ -1121,7 +1154,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
   if (padded_rows) {
     const std::string r = "v_" + c_name(s.vars[0].name());
     body << "  const long long p_row = idx;  // this warp's row slot\n";
-    body << "  if (" << kb.route(out.route, "sorted_pair") << "[p_row] < 0) {  // a padding row: zeros\n";
+    body << "  if (" << padding_slot(prog, kb, out.route) << ") {  // a padding row: zeros\n";
     body << "  " << walk;
     if (vectorize)
       body << "      const float zeros[8] = {};\n";
@@ -1246,7 +1279,7 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   const bool padded_rows = out.layout == RowLayout::padded && s.vars.size() == 2 && !softmax && out.route &&
                            s.vars[0].same_as(out.route->pair);
   auto extent_of = [&](size_t i) {
-    return padded_rows && i == 0 ? max_padded_rows(prog, kb, out.route) : kb.extent(loop_vars[i].dim());
+    return padded_rows && i == 0 ? padded_slots(prog, kb, out.route) : kb.extent(loop_vars[i].dim());
   };
   std::string total = "1LL";
   for (size_t i = 0; i < loop_vars.size(); ++i)
@@ -1325,7 +1358,7 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   auto padded_offset = [&](const std::string &col) { return "(p_row * " + kb.extent(out.dims[1]) + " + " + col + ")"; };
   if (padded_rows) {
     const std::string col = vectorize ? em.vec_base : em.vars.at(s.vars[1].get());
-    body << "  if (" << kb.route(out.route, "sorted_pair") << "[p_row] < 0) {  // a padding row: zeros\n";
+    body << "  if (" << padding_slot(prog, kb, out.route) << ") {  // a padding row: zeros\n";
     if (vectorize)
       body << "    const float zeros[8] = {};\n";
     for (const Written &w : outs) {

@@ -32,7 +32,7 @@ struct GridShape {
     routed_tiles, // x: max_tiles(route) * (block / tile_m); y: ceil(N / tile_n)
     dense_tiles,  // x: ceil(M / tile_m); y: ceil(N / tile_n)
     elements,     // x: ceil(product(count) / threads)
-    padded_rows,  // x: ceil(padded_rows(route) * chunks_per_row / threads)
+    padded_rows,  // x: ceil(max(P, max_padded_rows(route)) * chunks_per_row / threads): row slots
     expert_tiles, // x: E(route) * ceil(M / tile_m) * ceil(N / tile_n), M = count[0]
     transpose,    // x: prod(count[..-2]) * ceil(R / tile_m) * ceil(C / tile_m) for count [..., R, C];
                   //    routed (route set): R = max_padded_rows(route), C = count[0]

@@ -159,9 +159,11 @@ void CudaLayer::bind() {
       gx = ceil_div(n / gs.elements_per_thread * gs.threads_per_element, g.threads);
       break;
     }
-    case GridShape::Kind::padded_rows:
-      gx = ceil_div(plans_.at(gs.route)->shape.max_padded_rows() * gs.chunks_per_row, g.threads);
+    case GridShape::Kind::padded_rows: { // row slots: max(P, max_padded_rows) (codegen_cuda.cpp, padded_slots)
+      const RoutingShape &rs = plans_.at(gs.route)->shape;
+      gx = ceil_div(std::max(rs.max_padded_rows(), rs.pairs()) * gs.chunks_per_row, g.threads);
       break;
+    }
     case GridShape::Kind::expert_tiles:
       gx = plans_.at(gs.route)->shape.experts * ceil_div(shapes_.extent(gs.count.at(0)), gs.tile_m) *
            ceil_div(shapes_.extent(gs.n), gs.tile_n);

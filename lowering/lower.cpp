@@ -471,12 +471,15 @@ KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
     // unless padded_elementwise keeps every per-pair tensor in the padded
     // order: the element-wise kernels then find a pair's row through
     // pair_pos, and the GEMM stores whole tiles (by TMA, with tma_store).
-    if (producer && producer->route &&
-        (schedule.permutation() == Permutation::blocked || only_gemm_a || schedule.padded_elementwise()))
+    // A route that drops pairs at capacity keeps its routed tensors in the
+    // padded order too, whose rows are bounded by the pairs it can keep
+    // (expert choice offers T x E pairs and keeps cf x T of them).
+    const bool padded_pairs = schedule.padded_elementwise() || p.routing(t.route).drops();
+    if (producer && producer->route && (schedule.permutation() == Permutation::blocked || only_gemm_a || padded_pairs))
       t.layout = RowLayout::padded;
     // padded_elementwise: an element-wise [pairs, n] result that a GEMM
     // reads, in the padded order too, its padding zeroed by its kernel.
-    if (schedule.padded_elementwise() && !producer && t.dims.size() == 2 && read_by_gemm(p, t.name))
+    if (padded_pairs && !producer && t.dims.size() == 2 && read_by_gemm(p, t.name))
       for (const Step &s : p.steps)
         if (auto *pw = std::get_if<PointwiseStep>(&s);
             pw && pw->output == t.name && pw->vars.size() == 2 && pw->vars[0].same_as(t.route->pair)) {

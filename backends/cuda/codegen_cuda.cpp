@@ -431,6 +431,23 @@ std::string padding_slot(const KernelProgram &prog, KernelBuilder &kb, const Rou
   return "p_row < " + max_padded_rows(prog, kb, r) + " && " + padding;
 }
 
+// A thread (a warp, a block) whose element is a pair that a route dropped
+// at capacity stops before computing: nothing reads a dropped pair's
+// per-pair values (the combines skip it, no tile holds it), and expert
+// choice offers T x E pairs of which it keeps cf x T. Its pair-order
+// outputs stay unwritten there, its padded ones are the drop row's.
+void skip_dropped_pairs(const KernelProgram &prog, KernelBuilder &kb,
+                        const std::map<const VarNode *, std::string> &vars, const std::vector<Var> &loop_vars,
+                        std::ostream &body) {
+  for (const RoutingNode *r : prog.routes)
+    if (prog.routing(r).drops())
+      for (const Var &v : loop_vars)
+        if (v.same_as(r->pair))
+          body << "  if (" << kb.route(r, "pair_pos") << "[" << vars.at(v.get())
+               << "] == " << max_padded_rows(prog, kb, r)
+               << " - 1) return;  // dropped at capacity: nothing reads its values\n";
+}
+
 // ------------------------------------------------------------ GEMM kernels
 
 // Whether C code uses the identifier `name` (not as part of a longer one).
@@ -1179,6 +1196,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
       em.vars[s.vars[i].get()] = c;
     }
   }
+  skip_dropped_pairs(prog, kb, em.vars, std::vector<Var>(s.vars.begin(), s.vars.end() - 1), body);
   std::vector<std::string> row_idx, out_idx;
   for (size_t i = 0; i + 1 < s.vars.size(); ++i)
     row_idx.push_back(em.vars.at(s.vars[i].get()));
@@ -1372,6 +1390,9 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     body << "  if (p_row >= " << kb.extent(out.route->pairs) << ") return;  // past the pairs: zeroing only\n";
     body << "  const long long " << em.vars.at(s.vars[0].get()) << " = p_row;  // pair order\n";
   }
+  // (Not along the vectorised index: its eight elements are eight pairs.)
+  skip_dropped_pairs(prog, kb, em.vars,
+                     vectorize ? std::vector<Var>(loop_vars.begin(), loop_vars.end() - 1) : loop_vars, body);
   if (vectorize) {
     // Every value before any store: the loads the values share are then
     // one load each (no store in between that the compiler must assume

@@ -1092,19 +1092,58 @@ void dump(const char *pass, const KernelProgram &p) {
 namespace {
 
 // A route that drops pairs at capacity excludes them from its sums over a
-// token's or an expert's pairs, but a dense GEMM over every pair (MoA's
-// dK = dS^T Q) or a plain sum over the pairs Dim would read the dropped
-// pairs' rows, which no kernel writes: refuse it rather than sum garbage.
+// token's or an expert's pairs, and its padded tensors hold nothing for a
+// dropped pair (its row is the drop row). A dense GEMM over every pair
+// (MoA's dK = dS^T Q), or a plain sum over the pairs that reads such a
+// tensor, would read those rows: refuse it rather than sum garbage. (A
+// plain sum of index functions or pair-order values, the load-balancing
+// loss's fraction of pairs an expert was chosen for, counts every pair as
+// the reference does.)
 void check_dropping(const KernelProgram &p) {
-  for (const Step &step : p.steps) {
-    const auto *g = std::get_if<GemmStep>(&step);
-    if (!g || g->route)
+  auto fix = [&](const RoutingNode *r) {
+    return r->expert_choice() ? std::string("expert-choice routing does not run this layer on the compiled backends")
+                              : std::string("drop capacity() from the schedule for this layer");
+  };
+  // Reads of r's padded tensors inside a sum over r's pairs.
+  struct PaddedInPairSum : IRVisitor {
+    const KernelProgram &p;
+    const RoutingNode *r;
+    int depth = 0;
+    std::string found;
+    PaddedInPairSum(const KernelProgram &prog, const RoutingNode *route) : p(prog), r(route) {}
+    void visit_node(const Sum &n) override {
+      const bool over_pairs = n.var.dim().same_as(r->pairs);
+      depth += over_pairs;
+      IRVisitor::visit_node(n);
+      depth -= over_pairs;
+    }
+    void visit_node(const Access &n) override {
+      const TensorDecl *t = p.find(n.target_name());
+      if (depth > 0 && t && t->layout == RowLayout::padded && t->route == r && found.empty())
+        found = n.target_name();
+      IRVisitor::visit_node(n);
+    }
+  };
+  for (const RoutingNode *r : p.routes) {
+    if (!p.routing(r).drops())
       continue;
-    for (const RoutingNode *r : p.routes)
-      user_check(!(g->k.same_as(r->pairs) && p.routing(r).drops()))
-          << "'" << g->func << "' sums over every pair of route '" << r->name
-          << "', which drops pairs at its expert capacity: the compiled backends sum over a dropping route's pairs "
-          << "only in combine() and expert_sum(); drop capacity() from the schedule for this layer";
+    for (const Step &step : p.steps) {
+      if (const auto *g = std::get_if<GemmStep>(&step); g && !g->route)
+        user_check(!g->k.same_as(r->pairs))
+            << "'" << g->func << "' sums over every pair of route '" << r->name
+            << "', which drops pairs at its expert capacity: the compiled backends sum over a dropping route's "
+            << "pairs only in combine() and expert_sum(); " << fix(r);
+      if (const auto *pw = std::get_if<PointwiseStep>(&step)) {
+        PaddedInPairSum v(p, r);
+        v.visit(pw->body);
+        for (const ExtraOutput &e : pw->extra)
+          v.visit(e.value);
+        user_check(v.found.empty()) << "'" << pw->output << "' sums '" << v.found << "' over every pair of route '"
+                                    << r->name << "', which drops pairs at its expert capacity and holds no row of '"
+                                    << v.found << "' for a dropped pair: sum over the pairs with combine() or "
+                                    << "expert_sum(), or " << fix(r);
+      }
+    }
   }
 }
 

@@ -9,9 +9,14 @@
 
 #include "backends/reference/evaluate.h"
 #include "dsl/capacity.h"
+#include "dsl/ops.h"
+#include "examples/aux_loss_example.h"
 #include "examples/examples.h"
 #include "layer_compare.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
 #include "runtime/routing_host.h"
+#include "schedules/presets.h"
 #include "schedules/schedule.h"
 #include "user_error.h"
 
@@ -143,4 +148,34 @@ TEST_CASE("capacity: the reference's combine sums the kept pairs only") {
     roomy.capacity_factor = 8.0;
     CHECK(evaluate(ex.pipeline, in, Precision::f64, roomy).routes.at(ex.route).dropped() == 0);
   }
+}
+
+TEST_CASE("capacity: lowering refuses a plain sum over a dropping route's padded rows, not the load-balancing loss") {
+  // o's rows are in the padded order, where a dropped pair has no row of
+  // its own: summing o over every pair cannot be compiled under a capacity.
+  Dim T = Dim::dynamic("T"), D("D", 16), F("F", 32), E("E", 4);
+  Var t("t", T), e("e", E), i("i", D), j("j", F);
+  Input x("x", {T, D});
+  Param wr("wr", {D, E}), w1("w1", {E, D, F}), w2("w2", {E, F, D});
+  Func logits("logits", DType::f32), probs("probs", DType::f32);
+  logits(t, e) = sum(i, x(t, i) * wr(i, e));
+  probs(t, e) = softmax(e, logits(t, e));
+  Route route = top_k(probs, e, 2);
+  Var r = route.pair();
+  Func h("h"), o("o"), y("y"), total("total", DType::f32);
+  h(r, j) = gelu(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j)));
+  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
+  y(t, i) = combine(route, t, route.gate(r) * o(r, i));
+  total(i) = sum(r, o(r, i));
+  Pipeline p({y, total});
+  Schedule s = preset("megablocks");
+  CHECK_NOTHROW(lower(p, s)); // dropless: every pair has its row
+  s.capacity(1.0);
+  const std::string msg = testing::user_error_of([&] { lower(p, s); });
+  CHECK(msg.find("'total' sums 'o' over every pair of route 'route'") != std::string::npos);
+  CHECK(msg.find("combine() or expert_sum()") != std::string::npos);
+  // The load-balancing loss sums an index function over the pairs: it
+  // counts every pair, as the reference does, and compiles.
+  AuxLossLayer a = make_aux_loss_example("moe_mlp", testing::shape(64, 16, 32, 4, 2));
+  CHECK_NOTHROW(lower_training(a.example.pipeline, a.output_funcs(), s));
 }

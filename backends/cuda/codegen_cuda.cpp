@@ -432,20 +432,27 @@ std::string padding_slot(const KernelProgram &prog, KernelBuilder &kb, const Rou
 }
 
 // A thread (a warp, a block) whose element is a pair that a route dropped
-// at capacity stops before computing: nothing reads a dropped pair's
-// per-pair values (the combines skip it, no tile holds it), and expert
-// choice offers T x E pairs of which it keeps cf x T. Its pair-order
-// outputs stay unwritten there, its padded ones are the drop row's.
+// at capacity stops before computing, when every output is in that route's
+// padded order: a dropped pair's row there is the drop row, which no tile
+// and no combine reads (and lowering refuses a plain sum over the pairs
+// that would read it); expert choice offers T x E pairs and keeps cf x T.
+// Pair-order outputs (the gates and their gradients, a value a pair) are
+// computed for every pair, as the reference has them.
 void skip_dropped_pairs(const KernelProgram &prog, KernelBuilder &kb,
                         const std::map<const VarNode *, std::string> &vars, const std::vector<Var> &loop_vars,
-                        std::ostream &body) {
-  for (const RoutingNode *r : prog.routes)
-    if (prog.routing(r).drops())
-      for (const Var &v : loop_vars)
-        if (v.same_as(r->pair))
-          body << "  if (" << kb.route(r, "pair_pos") << "[" << vars.at(v.get())
-               << "] == " << max_padded_rows(prog, kb, r)
-               << " - 1) return;  // dropped at capacity: nothing reads its values\n";
+                        const std::vector<const TensorDecl *> &outputs, std::ostream &body) {
+  for (const RoutingNode *r : prog.routes) {
+    if (!prog.routing(r).drops())
+      continue;
+    bool padded = true;
+    for (const TensorDecl *t : outputs)
+      padded = padded && t->layout == RowLayout::padded && t->route == r;
+    for (const Var &v : loop_vars)
+      if (padded && v.same_as(r->pair))
+        body << "  if (" << kb.route(r, "pair_pos") << "[" << vars.at(v.get())
+             << "] == " << max_padded_rows(prog, kb, r)
+             << " - 1) return;  // dropped at capacity: nothing reads its row\n";
+  }
 }
 
 // ------------------------------------------------------------ GEMM kernels
@@ -1105,6 +1112,13 @@ struct Written {
   bool row_sum = false;
 };
 
+std::vector<const TensorDecl *> tensors_of(const std::vector<Written> &outs) {
+  std::vector<const TensorDecl *> t;
+  for (const Written &w : outs)
+    t.push_back(w.t);
+  return t;
+}
+
 std::vector<Written> written_by(const KernelProgram &prog, const PointwiseStep &s, KernelBuilder &kb) {
   std::vector<Written> outs{{&prog.tensor(s.output), kb.tensor(s.output, /*writes=*/true), s.body, false}};
   for (const ExtraOutput &e : s.extra)
@@ -1196,7 +1210,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
       em.vars[s.vars[i].get()] = c;
     }
   }
-  skip_dropped_pairs(prog, kb, em.vars, std::vector<Var>(s.vars.begin(), s.vars.end() - 1), body);
+  skip_dropped_pairs(prog, kb, em.vars, std::vector<Var>(s.vars.begin(), s.vars.end() - 1), tensors_of(outs), body);
   std::vector<std::string> row_idx, out_idx;
   for (size_t i = 0; i + 1 < s.vars.size(); ++i)
     row_idx.push_back(em.vars.at(s.vars[i].get()));
@@ -1392,7 +1406,8 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   }
   // (Not along the vectorised index: its eight elements are eight pairs.)
   skip_dropped_pairs(prog, kb, em.vars,
-                     vectorize ? std::vector<Var>(loop_vars.begin(), loop_vars.end() - 1) : loop_vars, body);
+                     vectorize ? std::vector<Var>(loop_vars.begin(), loop_vars.end() - 1) : loop_vars, tensors_of(outs),
+                     body);
   if (vectorize) {
     // Every value before any store: the loads the values share are then
     // one load each (no store in between that the compiler must assume

@@ -1,5 +1,7 @@
 #include "lowering/kernel_program.h"
 
+#include <algorithm>
+
 #include "dsl/error.h"
 #include "dsl/printer.h"
 #include "dsl/visitor.h"
@@ -257,6 +259,56 @@ bool stores_plain_accumulator(const GemmStep &g) {
   const Access *a = g.epilogue.as<Access>();
   return g.accumulators.size() == 1 && a && a->func == g.accumulators[0] && a->args.size() == 2 &&
          plain(a->args[0], g.row_var) && plain(a->args[1], g.col_var);
+}
+
+bool dropped_rows_unread(const KernelProgram &p, const std::string &tensor, const RoutingNode *r) {
+  const TensorDecl &t = p.tensor(tensor);
+  if (t.layout == RowLayout::padded && t.route == r)
+    return true;
+  if (std::find(p.outputs.begin(), p.outputs.end(), tensor) != p.outputs.end())
+    return false;
+  // A read of `tensor` outside every sum over r's pairs.
+  struct Outside : IRVisitor {
+    const std::string &name;
+    const RoutingNode *r;
+    int depth = 0;
+    bool found = false;
+    Outside(const std::string &n, const RoutingNode *route) : name(n), r(route) {}
+    void visit_node(const RouteSum &s) override {
+      depth += s.route.get() == r;
+      IRVisitor::visit_node(s);
+      depth -= s.route.get() == r;
+    }
+    void visit_node(const Access &a) override {
+      found = found || (depth == 0 && a.target_name() == name);
+      IRVisitor::visit_node(a);
+    }
+  };
+  for (const Step &s : p.steps) {
+    const std::vector<std::string> reads = step_reads(s);
+    if (std::find(reads.begin(), reads.end(), tensor) == reads.end())
+      continue;
+    if (const auto *g = std::get_if<GemmStep>(&s)) {
+      if (g->route != r)
+        return false;
+    } else if (const auto *pw = std::get_if<PointwiseStep>(&s)) {
+      Outside v(tensor, r);
+      v.visit(pw->body);
+      for (const ExtraOutput &e : pw->extra)
+        v.visit(e.value);
+      if (v.found)
+        return false;
+    } else if (const auto *ga = std::get_if<GatherStep>(&s)) {
+      if (ga->route != r)
+        return false;
+    } else if (const auto *tr = std::get_if<TransposeStep>(&s)) {
+      if (tr->route != r)
+        return false;
+    } else {
+      return false;
+    }
+  }
+  return true;
 }
 
 } // namespace moeforge

@@ -240,4 +240,12 @@ std::string step_output(const Step &s);
 // step's extra outputs or a routing step's gate_output.
 std::vector<std::string> step_outputs(const Step &s);
 
+// Whether no step reads the rows of `tensor` that belong to pairs route r
+// drops at capacity: a padded tensor of r (a dropped pair's row is the drop
+// row, which lowering lets nothing read), or a pair-order one that is not a
+// program output and is read only inside r's combines and expert sums, by
+// r's routed GEMMs, gathers and transposes (which walk the kept pairs).
+// An element-wise step writing only such tensors may skip dropped pairs.
+bool dropped_rows_unread(const KernelProgram &p, const std::string &tensor, const RoutingNode *r);
+
 } // namespace moeforge

@@ -432,26 +432,25 @@ std::string padding_slot(const KernelProgram &prog, KernelBuilder &kb, const Rou
 }
 
 // A thread (a warp, a block) whose element is a pair that a route dropped
-// at capacity stops before computing, when every output is in that route's
-// padded order: a dropped pair's row there is the drop row, which no tile
-// and no combine reads (and lowering refuses a plain sum over the pairs
-// that would read it); expert choice offers T x E pairs and keeps cf x T.
-// Pair-order outputs (the gates and their gradients, a value a pair) are
-// computed for every pair, as the reference has them.
+// at capacity stops before computing when nothing reads what it would
+// write there (dropped_rows_unread: its padded outputs' drop row, pair-order
+// ones read only by the route's combines, expert sums and GEMMs): expert
+// choice offers T x E pairs and keeps cf x T. Other outputs are computed
+// for every pair, as the reference has them.
 void skip_dropped_pairs(const KernelProgram &prog, KernelBuilder &kb,
                         const std::map<const VarNode *, std::string> &vars, const std::vector<Var> &loop_vars,
                         const std::vector<const TensorDecl *> &outputs, std::ostream &body) {
   for (const RoutingNode *r : prog.routes) {
     if (!prog.routing(r).drops())
       continue;
-    bool padded = true;
+    bool unread = true;
     for (const TensorDecl *t : outputs)
-      padded = padded && t->layout == RowLayout::padded && t->route == r;
+      unread = unread && dropped_rows_unread(prog, t->name, r);
     for (const Var &v : loop_vars)
-      if (padded && v.same_as(r->pair))
+      if (unread && v.same_as(r->pair))
         body << "  if (" << kb.route(r, "pair_pos") << "[" << vars.at(v.get())
              << "] == " << max_padded_rows(prog, kb, r)
-             << " - 1) return;  // dropped at capacity: nothing reads its row\n";
+             << " - 1) return;  // dropped at capacity: nothing reads what it would write\n";
   }
 }
 

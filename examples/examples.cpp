@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <random>
 
 #include "dsl/error.h"
@@ -58,23 +59,32 @@ struct Router {
   Route route;
 };
 
-Router make_router(const Input &x, const Param &wr, const Var &t, const Var &e, const Var &i, int k, bool renorm) {
+// probs(t, e) = softmax over e of x Wr.
+Func router_probs(const Input &x, const Param &wr, const Var &t, const Var &e, const Var &i) {
   Func logits("logits", DType::f32);
   logits(t, e) = sum(i, x(t, i) * wr(i, e));
   Func probs("probs", DType::f32);
   probs(t, e) = softmax(e, logits(t, e));
+  return probs;
+}
+
+Router make_router(const Input &x, const Param &wr, const Var &t, const Var &e, const Var &i, int k, bool renorm) {
+  Func probs = router_probs(x, wr, t, e, i);
   TopKOptions opts;
   opts.renormalize = renorm;
   return Router{probs, top_k(probs, e, k, opts)};
 }
 
-Example moe_mlp(const ExampleShape &s) {
+// The GeLU-MLP MoE (gelu(x W1[e]) W2[e], gated combine) under the routing
+// that route_of picks from the router's probabilities: top-k (moe_mlp) or
+// expert choice (expert_choice_moe).
+Example gelu_mlp_moe(const ExampleShape &s, const std::string &name, const std::string &description,
+                     const std::function<Route(const Func &probs, const Var &e)> &route_of) {
   Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
   Var t("t", T), e("e", E), i("i", D), j("j", F);
   Input x("x", {T, D});
   Param wr("wr", {D, E}), w1("w1", {E, D, F}), w2("w2", {E, F, D});
-  Router router = make_router(x, wr, t, e, i, static_cast<int>(s.topk), false);
-  const Route &route = router.route;
+  const Route route = route_of(router_probs(x, wr, t, e, i), e);
   Var r = route.pair();
 
   Func h("h");
@@ -83,8 +93,8 @@ Example moe_mlp(const ExampleShape &s) {
   o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
   Func y("y");
   y(t, i) = combine(route, t, route.gate(r) * o(r, i));
-  return Example{"moe_mlp",
-                 "GeLU-MLP MoE: softmax router, top-k, gelu(x W1[e]) W2[e], gated combine",
+  return Example{name,
+                 description,
                  Pipeline({y}),
                  "y",
                  route.name(),
@@ -92,6 +102,11 @@ Example moe_mlp(const ExampleShape &s) {
                   {"wr", 1.0 / std::sqrt(double(s.d))},
                   {"w1", 1.0 / std::sqrt(double(s.d))},
                   {"w2", 1.0 / std::sqrt(double(s.f))}}};
+}
+
+Example moe_mlp(const ExampleShape &s) {
+  return gelu_mlp_moe(s, "moe_mlp", "GeLU-MLP MoE: softmax router, top-k, gelu(x W1[e]) W2[e], gated combine",
+                      [&](const Func &probs, const Var &e) { return top_k(probs, e, static_cast<int>(s.topk)); });
 }
 
 // Per-expert biases on both expert GEMMs: their gradients are per-expert
@@ -347,33 +362,10 @@ Example moa(const ExampleShape &s) {
 // cf = s.topk (the mean number of experts per token), so a token gets any
 // number of experts, none included; GeLU experts, the probability as gate.
 Example expert_choice_moe(const ExampleShape &s) {
-  Dim T = Dim::dynamic("T"), D("D", s.d), F("F", s.f), E("E", s.experts);
-  Var t("t", T), e("e", E), i("i", D), j("j", F);
-  Input x("x", {T, D});
-  Param wr("wr", {D, E}), w1("w1", {E, D, F}), w2("w2", {E, F, D});
-  Func logits("logits", DType::f32);
-  logits(t, e) = sum(i, x(t, i) * wr(i, e));
-  Func probs("probs", DType::f32);
-  probs(t, e) = softmax(e, logits(t, e));
-  Route route = expert_choice(probs, e, static_cast<double>(s.topk));
-  Var r = route.pair();
-
-  Func h("h");
-  h(r, j) = gelu(sum(i, x(route.token(r), i) * w1(route.expert(r), i, j)));
-  Func o("o");
-  o(r, i) = sum(j, h(r, j) * w2(route.expert(r), j, i));
-  Func y("y");
-  y(t, i) = combine(route, t, route.gate(r) * o(r, i));
-  return Example{"expert_choice_moe",
-                 "Expert-choice MoE: each expert takes its top C = ceil(cf T / E) tokens (cf = --topk), "
-                 "gelu(x W1[e]) W2[e], gated combine",
-                 Pipeline({y}),
-                 "y",
-                 route.name(),
-                 {{"x", 1.0},
-                  {"wr", 1.0 / std::sqrt(double(s.d))},
-                  {"w1", 1.0 / std::sqrt(double(s.d))},
-                  {"w2", 1.0 / std::sqrt(double(s.f))}}};
+  return gelu_mlp_moe(s, "expert_choice_moe",
+                      "Expert-choice MoE: each expert takes its top C = ceil(cf T / E) tokens (cf = --topk), "
+                      "gelu(x W1[e]) W2[e], gated combine",
+                      [&](const Func &probs, const Var &e) { return expert_choice(probs, e, double(s.topk)); });
 }
 
 } // namespace

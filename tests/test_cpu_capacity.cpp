@@ -6,10 +6,27 @@
 #include "backends/cpu/cpu_training.h"
 #include "cpu_compare.h"
 #include "examples/examples.h"
+#include "lowering/training.h"
 #include "runtime/program_shapes.h"
 #include "training_compare.h"
 
 using namespace moeforge;
+
+namespace {
+
+// One training step of ex on the CPU backend under `schedule`, every output
+// and gradient against the float64 reference under the same capacity.
+testing::Outcome cpu_step(const Example &ex, const TensorMap &in, int64_t tokens, const Schedule &schedule) {
+  cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
+  cpu::CpuTrainingLayer layer(compiled, tokens);
+  return testing::step_and_compare(ex, in, compiled.training.program, compiled.training.seed, layer, schedule,
+                                   [](cpu::CpuTrainingLayer &l) {
+                                     l.forward();
+                                     l.backward();
+                                   });
+}
+
+} // namespace
 
 TEST_CASE("capacity: the CPU backend's forward matches the reference under both permutations") {
   for (const char *name : {"moe_mlp", "swiglu_moe"})
@@ -46,14 +63,8 @@ TEST_CASE("capacity: CPU training under a capacity matches the reference, every 
       TensorMap in = ex.random_inputs(s, 5);
       Schedule schedule = testing::training_preset(p, false);
       schedule.capacity(1.0);
-      cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
-      cpu::CpuTrainingLayer layer(compiled, s.tokens);
       INFO(name << " / " << p);
-      testing::Outcome o = testing::step_and_compare(ex, in, compiled.training.program, compiled.training.seed, layer,
-                                                     schedule, [](cpu::CpuTrainingLayer &l) {
-                                                       l.forward();
-                                                       l.backward();
-                                                     });
+      testing::Outcome o = cpu_step(ex, in, s.tokens, schedule);
       CHECK(o.routing_mismatches == 0);
       CHECK(o.worst_error <= 2e-2);
     }
@@ -74,14 +85,8 @@ TEST_CASE("expert_choice_moe: the CPU backend's forward and training match the r
     Example ex = make_example("expert_choice_moe", s);
     TensorMap in = ex.random_inputs(s, 5);
     Schedule schedule = testing::training_preset(p, false);
-    cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
-    cpu::CpuTrainingLayer layer(compiled, s.tokens);
     INFO(p);
-    testing::Outcome o = testing::step_and_compare(ex, in, compiled.training.program, compiled.training.seed, layer,
-                                                   schedule, [](cpu::CpuTrainingLayer &l) {
-                                                     l.forward();
-                                                     l.backward();
-                                                   });
+    testing::Outcome o = cpu_step(ex, in, s.tokens, schedule);
     CHECK(o.routing_mismatches == 0);
     CHECK(o.worst_error <= 2e-2);
   }
@@ -104,17 +109,12 @@ TEST_CASE("capacity: fewer padded rows than pairs (the bound by the kept pairs) 
       Schedule schedule = testing::training_preset(p, false);
       if (c.capacity > 0)
         schedule.capacity(c.capacity);
-      cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
-      const ProgramShapes shapes(compiled.training.program, s.tokens);
-      const cuda::RoutingShape &rs = shapes.routing(compiled.training.program.routes.at(0));
+      const KernelProgram program = lower_training(ex.pipeline, ex.pipeline.func(ex.output), schedule).program;
+      const ProgramShapes shapes(program, s.tokens);
+      const cuda::RoutingShape &rs = shapes.routing(program.routes.at(0));
       INFO(c.example << " / " << p << ": " << rs.to_string() << ", " << rs.max_padded_rows() << " padded rows");
       CHECK(rs.max_padded_rows() < rs.pairs());
-      cpu::CpuTrainingLayer layer(compiled, s.tokens);
-      testing::Outcome o = testing::step_and_compare(ex, in, compiled.training.program, compiled.training.seed, layer,
-                                                     schedule, [](cpu::CpuTrainingLayer &l) {
-                                                       l.forward();
-                                                       l.backward();
-                                                     });
+      testing::Outcome o = cpu_step(ex, in, s.tokens, schedule);
       CHECK(o.routing_mismatches == 0);
       CHECK(o.worst_error <= 2e-2);
     }

@@ -44,6 +44,38 @@ void check_same(const std::vector<int32_t> &got, const std::vector<int32_t> &wan
   CHECK(bad == 0);
 }
 
+// One training step of ex on the GPU under `schedule`, every output and
+// gradient against the float64 reference under the same capacity.
+testing::Outcome gpu_step(cuda::Device &device, const Example &ex, const TensorMap &in, int64_t tokens,
+                          const Schedule &schedule) {
+  cuda::CompiledTraining ct =
+      cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device.arch_specific());
+  cuda::TrainingLayer tl(device, ct, tokens);
+  return testing::step_and_compare(ex, in, ct.training.program, ct.training.seed, tl, schedule,
+                                   [](cuda::TrainingLayer &l) {
+                                     cuda::Stream st;
+                                     l.forward(st);
+                                     l.backward(st);
+                                     st.synchronize();
+                                   });
+}
+
+// The forward alone, as the layer runs it (the gate and the softmax in the
+// routing), poisoned first, against the reference under the same capacity.
+testing::Outcome gpu_forward(cuda::Device &device, const Example &ex, const TensorMap &in, int64_t tokens,
+                             const Schedule &schedule, int64_t *dropped = nullptr) {
+  cuda::CompiledLayer fl = cuda::compile_layer(ex.pipeline, schedule, device.arch_specific());
+  cuda::CudaLayer layer(device, fl, tokens);
+  layer.upload(in);
+  layer.poison();
+  cuda::Stream stream;
+  layer.enqueue(stream);
+  stream.synchronize();
+  if (dropped)
+    *dropped = layer.dropped_pairs(ex.route);
+  return testing::compare_with_reference(ex, in, fl.program, layer, schedule.to_text(), 2e-2, 0, schedule.capacity());
+}
+
 } // namespace
 
 TEST_CASE("cuda capacity: capped and expert-choice layers compile for sm_90a without spills") {
@@ -131,34 +163,16 @@ TEST_SUITE("gpu") {
         Example ex = make_example(name, s);
         TensorMap in = ex.random_inputs(s, 9);
         INFO(name << " / " << p);
-        // Forward.
         Schedule fs = capped(p, 1.0);
-        cuda::CompiledLayer fl = cuda::compile_layer(ex.pipeline, fs, device.arch_specific());
-        cuda::CudaLayer layer(device, fl, s.tokens);
-        layer.upload(in);
-        layer.poison();
-        cuda::Stream stream;
-        layer.enqueue(stream);
-        stream.synchronize();
+        int64_t dropped = -1;
+        testing::Outcome f = gpu_forward(device, ex, in, s.tokens, fs, &dropped);
+        CHECK(f.routing_mismatches == 0);
         EvalOptions cap;
         cap.capacity_factor = 1.0;
         const int64_t want = evaluate(ex.pipeline, in, Precision::f64, cap).routes.at(ex.route).dropped();
         CHECK(want > 0);
-        CHECK(layer.dropped_pairs(ex.route) == want);
-        testing::Outcome f =
-            testing::compare_with_reference(ex, in, fl.program, layer, fs.to_text(), 2e-2, 0, fs.capacity());
-        CHECK(f.routing_mismatches == 0);
-        // Training.
-        cuda::CompiledTraining ct =
-            cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), fs, device.arch_specific());
-        cuda::TrainingLayer tl(device, ct, s.tokens);
-        testing::Outcome o = testing::step_and_compare(ex, in, ct.training.program, ct.training.seed, tl, fs,
-                                                       [](cuda::TrainingLayer &l) {
-                                                         cuda::Stream st;
-                                                         l.forward(st);
-                                                         l.backward(st);
-                                                         st.synchronize();
-                                                       });
+        CHECK(dropped == want);
+        testing::Outcome o = gpu_step(device, ex, in, s.tokens, fs);
         CHECK(o.routing_mismatches == 0);
         CHECK(o.worst_error <= 2e-2);
       }
@@ -173,20 +187,14 @@ TEST_SUITE("gpu") {
       TensorMap in = ex.random_inputs(s, 4);
       INFO(p);
       Schedule sched = testing::training_preset(p, false);
-      cuda::CompiledTraining ct =
-          cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), sched, device.arch_specific());
-      cuda::TrainingLayer tl(device, ct, s.tokens);
-      testing::Outcome o = testing::step_and_compare(ex, in, ct.training.program, ct.training.seed, tl, sched,
-                                                     [](cuda::TrainingLayer &l) {
-                                                       cuda::Stream st;
-                                                       l.forward(st);
-                                                       l.backward(st);
-                                                       st.synchronize();
-                                                     });
+      testing::Outcome o = gpu_step(device, ex, in, s.tokens, sched);
       CHECK(o.routing_mismatches == 0);
       CHECK(o.worst_error <= 2e-2);
+      int64_t dropped = -1;
+      testing::Outcome f = gpu_forward(device, ex, in, s.tokens, sched, &dropped);
+      CHECK(f.routing_mismatches == 0);
       // Each expert took C = ceil(2 * 150 / 8) = 38 tokens.
-      CHECK(tl.dropped_pairs(ex.route) == s.tokens * s.experts - s.experts * 38);
+      CHECK(dropped == s.tokens * s.experts - s.experts * 38);
     }
   }
 
@@ -209,29 +217,10 @@ TEST_SUITE("gpu") {
         if (c.capacity > 0)
           sched.capacity(c.capacity);
         INFO(c.example << " / " << p);
-        cuda::CompiledTraining ct =
-            cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), sched, device.arch_specific());
-        cuda::TrainingLayer tl(device, ct, s.tokens);
-        testing::Outcome o = testing::step_and_compare(ex, in, ct.training.program, ct.training.seed, tl, sched,
-                                                       [](cuda::TrainingLayer &l) {
-                                                         cuda::Stream st;
-                                                         l.forward(st);
-                                                         l.backward(st);
-                                                         st.synchronize();
-                                                       });
+        testing::Outcome o = gpu_step(device, ex, in, s.tokens, sched);
         CHECK(o.routing_mismatches == 0);
         CHECK(o.worst_error <= 2e-2);
-        // The forward alone, as the layer runs it (gate and softmax in the routing).
-        cuda::CompiledLayer fl = cuda::compile_layer(ex.pipeline, sched, device.arch_specific());
-        cuda::CudaLayer layer(device, fl, s.tokens);
-        layer.upload(in);
-        layer.poison();
-        cuda::Stream stream;
-        layer.enqueue(stream);
-        stream.synchronize();
-        testing::Outcome f =
-            testing::compare_with_reference(ex, in, fl.program, layer, sched.to_text(), 2e-2, 0, sched.capacity());
-        CHECK(f.routing_mismatches == 0);
+        CHECK(gpu_forward(device, ex, in, s.tokens, sched).routing_mismatches == 0);
       }
   }
 }

@@ -1128,11 +1128,12 @@ void check_dropping(const KernelProgram &p) {
     if (!p.routing(r).drops())
       continue;
     for (const Step &step : p.steps) {
-      if (const auto *g = std::get_if<GemmStep>(&step); g && !g->route)
+      if (const auto *g = std::get_if<GemmStep>(&step); g && !g->route) {
         user_check(!g->k.same_as(r->pairs))
             << "'" << g->func << "' sums over every pair of route '" << r->name
             << "', which drops pairs at its expert capacity: the compiled backends sum over a dropping route's "
             << "pairs only in combine() and expert_sum(); " << fix(r);
+      }
       if (const auto *pw = std::get_if<PointwiseStep>(&step)) {
         PaddedInPairSum v(p, r);
         v.visit(pw->body);

@@ -19,10 +19,9 @@ template <typename F> void parallel_chunks(int64_t n, F &&f, int64_t serial_belo
   // A chunk is at least a quarter of serial_below items (one at least: the
   // decode of a matrix of rows over 2^20 elements asks for a serial_below
   // of 1, and a quotient of 0 divided by zero).
-  const int64_t threads =
-      n < serial_below ? 1
-                       : std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()),
-                                           n / std::max<int64_t>(1, serial_below / 4));
+  const int64_t threads = n < serial_below ? 1
+                                           : std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()),
+                                                               n / std::max<int64_t>(1, serial_below / 4));
   if (threads <= 1) {
     f(int64_t(0), n);
     return;

@@ -13,6 +13,7 @@
 #include "backends/cuda/stream.h"
 #include "backends/cuda/training_layer.h"
 #include "cuda_resources.h"
+#include "cuda_training_step.h"
 #include "examples/examples.h"
 #include "layer_compare.h"
 #include "runtime/routing_host.h"
@@ -42,22 +43,6 @@ void check_same(const std::vector<int32_t> &got, const std::vector<int32_t> &wan
       first = i;
   INFO("first difference at " << first << ": " << (bad ? got[first] : 0) << " vs " << (bad ? want[first] : 0));
   CHECK(bad == 0);
-}
-
-// One training step of ex on the GPU under `schedule`, every output and
-// gradient against the float64 reference under the same capacity.
-testing::Outcome gpu_step(cuda::Device &device, const Example &ex, const TensorMap &in, int64_t tokens,
-                          const Schedule &schedule) {
-  cuda::CompiledTraining ct =
-      cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device.arch_specific());
-  cuda::TrainingLayer tl(device, ct, tokens);
-  return testing::step_and_compare(ex, in, ct.training.program, ct.training.seed, tl, schedule,
-                                   [](cuda::TrainingLayer &l) {
-                                     cuda::Stream st;
-                                     l.forward(st);
-                                     l.backward(st);
-                                     st.synchronize();
-                                   });
 }
 
 // The forward alone, as the layer runs it (the gate and the softmax in the
@@ -172,7 +157,7 @@ TEST_SUITE("gpu") {
         const int64_t want = evaluate(ex.pipeline, in, Precision::f64, cap).routes.at(ex.route).dropped();
         CHECK(want > 0);
         CHECK(dropped == want);
-        testing::Outcome o = gpu_step(device, ex, in, s.tokens, fs);
+        testing::Outcome o = testing::cuda_train_and_compare(ex, in, s.tokens, fs);
         CHECK(o.routing_mismatches == 0);
         CHECK(o.worst_error <= 2e-2);
       }
@@ -187,7 +172,7 @@ TEST_SUITE("gpu") {
       TensorMap in = ex.random_inputs(s, 4);
       INFO(p);
       Schedule sched = testing::training_preset(p, false);
-      testing::Outcome o = gpu_step(device, ex, in, s.tokens, sched);
+      testing::Outcome o = testing::cuda_train_and_compare(ex, in, s.tokens, sched);
       CHECK(o.routing_mismatches == 0);
       CHECK(o.worst_error <= 2e-2);
       int64_t dropped = -1;
@@ -217,7 +202,7 @@ TEST_SUITE("gpu") {
         if (c.capacity > 0)
           sched.capacity(c.capacity);
         INFO(c.example << " / " << p);
-        testing::Outcome o = gpu_step(device, ex, in, s.tokens, sched);
+        testing::Outcome o = testing::cuda_train_and_compare(ex, in, s.tokens, sched);
         CHECK(o.routing_mismatches == 0);
         CHECK(o.worst_error <= 2e-2);
         CHECK(gpu_forward(device, ex, in, s.tokens, sched).routing_mismatches == 0);

@@ -12,6 +12,7 @@
 #include "backends/cuda/training_layer.h"
 #include "benchmarks/train_schedule.h"
 #include "cuda_resources.h"
+#include "cuda_training_step.h"
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
 #include "examples/biased_moe.h"
@@ -35,17 +36,7 @@ using testing::training_preset;
 using testing::upstream_gradient;
 
 Outcome train_and_compare(const Example &ex, const TensorMap &inputs, int64_t tokens, const Schedule &schedule) {
-  static cuda::Device device;
-  cuda::CompiledTraining compiled =
-      cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device.arch_specific());
-  cuda::TrainingLayer layer(device, compiled, tokens);
-  return testing::step_and_compare(ex, inputs, compiled.training.program, compiled.training.seed, layer, schedule,
-                                   [](cuda::TrainingLayer &l) {
-                                     cuda::Stream stream;
-                                     l.forward(stream);
-                                     l.backward(stream);
-                                     stream.synchronize();
-                                   });
+  return testing::cuda_train_and_compare(ex, inputs, tokens, schedule);
 }
 
 // The layer with its auxiliary losses through cuda::TrainingLayer: d_y

@@ -228,6 +228,15 @@ private:
       return it->second;
     std::vector<Var> vs;
     for (const Dim &d : b.dims) {
+      // A tensor over a route's pairs (an expert-parallel layer's returned
+      // rows) takes the route's own pair variable: its gradient is read
+      // through token(r) and expert(r) of that variable, never a copy of it.
+      auto route = std::find_if(pipeline_.routes().begin(), pipeline_.routes().end(),
+                                [&](const RoutingPtr &rt) { return rt->pairs.same_as(d); });
+      if (route != pipeline_.routes().end() && !has(vs, (*route)->pair)) {
+        vs.push_back((*route)->pair);
+        continue;
+      }
       std::string name = lower(d.name());
       while (std::any_of(vs.begin(), vs.end(), [&](const Var &v) { return v.name() == name; }))
         name += "'";
@@ -432,7 +441,8 @@ private:
             << "autodiff: no rule for " << to_string(e) << ", which reads '" << a.target_name() << "' with the index '"
             << ix.var.name() << "' twice (a diagonal read): read it through a Func with distinct indices";
         plain_args.push_back(ix.var);
-        map.emplace(ix.var.get(), Index(targets[k]));
+        if (!targets[k].same_as(ix.var))
+          map.emplace(ix.var.get(), Index(targets[k]));
         continue;
       }
       user_check(!route || route == ix.route)

@@ -1,6 +1,7 @@
 #include "lowering/kernel_program.h"
 
 #include <algorithm>
+#include <set>
 
 #include "dsl/error.h"
 #include "dsl/printer.h"
@@ -145,6 +146,27 @@ std::vector<std::string> step_outputs(const Step &s) {
   if (auto *r = std::get_if<RoutingStep>(&s); r && !r->gate_output.empty())
     out.push_back(r->gate_output);
   return out;
+}
+
+size_t defer_steps_reading(KernelProgram &p, size_t begin, size_t end, const std::vector<std::string> &late) {
+  internal_check(begin <= end && end <= p.steps.size()) << "step range out of bounds";
+  std::set<std::string> tainted(late.begin(), late.end());
+  std::vector<Step> early, deferred;
+  for (size_t i = begin; i < end; ++i) {
+    const std::vector<std::string> reads = step_reads(p.steps[i]);
+    const bool waits = std::any_of(reads.begin(), reads.end(), [&](const std::string &n) { return tainted.count(n); });
+    if (waits)
+      for (const std::string &o : step_outputs(p.steps[i]))
+        tainted.insert(o);
+    (waits ? deferred : early).push_back(std::move(p.steps[i]));
+  }
+  const size_t split = begin + early.size();
+  size_t at = begin;
+  for (Step &s : early)
+    p.steps[at++] = std::move(s);
+  for (Step &s : deferred)
+    p.steps[at++] = std::move(s);
+  return split;
 }
 
 std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {

@@ -240,6 +240,15 @@ std::string step_output(const Step &s);
 // step's extra outputs or a routing step's gate_output.
 std::vector<std::string> step_outputs(const Step &s);
 
+// Moves the steps of [begin, end) that read any of `late` (or what such a
+// step writes) after the others, each group in its own order, and returns
+// where the moved steps start (end when none moved). What a step needs is
+// written by a step before it in either group, so the program stays valid;
+// a runtime runs [begin, split) before `late` is ready and the rest after
+// (an expert-parallel layer's token side: its rows go out before the
+// experts' results come back).
+size_t defer_steps_reading(KernelProgram &p, size_t begin, size_t end, const std::vector<std::string> &late);
+
 // Whether no step reads the rows of `tensor` that belong to pairs route r
 // drops at capacity: a padded tensor of r (a dropped pair's row is the drop
 // row, which lowering lets nothing read), or a pair-order one that is not a

@@ -237,6 +237,11 @@ public:
   // The recorded primitive calls, one per element, as to_text() prints them.
   const std::vector<std::string> &calls() const { return calls_; }
 
+  // A copy without the choices for Funcs that `pipeline` lacks: the
+  // schedule of one part of a layer (an expert-parallel side, which holds
+  // some of the layer's Funcs and compiles on its own).
+  Schedule only_funcs_of(const Pipeline &pipeline) const;
+
   // Checks the schedule against a layer: every named Func exists and is a
   // contraction (check_names); for a contraction over routed pairs, tile_m
   // divides the block; persistent and cluster come with the loop they need

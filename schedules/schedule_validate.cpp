@@ -66,6 +66,33 @@ std::string join(const std::vector<std::string> &names) {
 
 } // namespace
 
+Schedule Schedule::only_funcs_of(const Pipeline &pipeline) const {
+  std::vector<std::string> present;
+  for (const Func &f : pipeline.funcs())
+    present.push_back(f.name());
+  Schedule s = *this;
+  s.funcs_.clear();
+  s.calls_.clear();
+  for (const std::string &name : funcs_) {
+    if (std::find(present.begin(), present.end(), name) != present.end()) {
+      s.funcs_.push_back(name);
+      continue;
+    }
+    s.overrides_.erase(name);
+    s.named_by_.erase(name);
+  }
+  // A call that names a Func names it as its first argument, quoted.
+  for (const std::string &call : calls_) {
+    const size_t open = call.find("(\"");
+    const size_t close = open == std::string::npos ? open : call.find('"', open + 2);
+    const bool drops = close != std::string::npos && s.named_by_.count(call.substr(open + 2, close - open - 2)) == 0 &&
+                       std::find(funcs_.begin(), funcs_.end(), call.substr(open + 2, close - open - 2)) != funcs_.end();
+    if (!drops)
+      s.calls_.push_back(call);
+  }
+  return s;
+}
+
 void Schedule::check_names(const Pipeline &pipeline) const {
   std::vector<Func> funcs = pipeline.funcs();
   std::vector<std::string> all, contractions;

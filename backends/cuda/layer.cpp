@@ -76,7 +76,8 @@ const ResourceReport *CompiledLayer::resources_of(const std::string &kernel) con
 }
 
 CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens, size_t keep_across)
-    : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens), routing_(device), sm_count_(device.sm_count()) {
+    : layer_(layer), tokens_(tokens), capacity_tokens_(tokens), shapes_(layer.program, tokens), routing_(device),
+      sm_count_(device.sm_count()) {
   for (size_t u = 0; u < layer.units.size(); ++u)
     modules_.emplace_back(layer.units[u].cubin, "moeforge layer unit " + std::to_string(u));
   for (const auto &[r, shape] : shapes_.routings()) {
@@ -197,6 +198,47 @@ void CudaLayer::bind() {
       l.kernel.set_max_dynamic_shared_memory(g.shared_bytes);
     launches_.push_back(std::move(l));
   }
+}
+
+void CudaLayer::set_tokens(int64_t tokens) {
+  user_check(tokens >= 1 && tokens <= capacity_tokens_) << "set_tokens(" << tokens << "): the layer was made for 1 to "
+                                                        << capacity_tokens_ << " tokens; make a layer for more";
+  user_check(bind_epoch_ == 0) << "set_tokens: bind() moved a tensor to memory sized for " << tokens_
+                               << " tokens; set the token count before binding";
+  if (tokens == tokens_)
+    return;
+  tokens_ = tokens;
+  shapes_ = ProgramShapes(layer_.program, tokens);
+  for (auto &[r, plan] : plans_)
+    plan->reshape(shapes_.routing(r));
+  for (const TensorDecl &t : layer_.program.tensors) {
+    if (!storage_.count(t.name))
+      storage_.emplace(t.name, std::move(tensors_.at(t.name)));
+    const size_t bytes = static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype);
+    tensors_.at(t.name) = DeviceBuffer::view(storage_.at(t.name).ptr(), bytes);
+  }
+  // Grids, extents and TMA descriptors follow the count: bound again.
+  launches_.clear();
+  launch_of_.clear();
+  tensor_maps_.clear();
+  tma_args_.clear();
+  counters_.clear();
+  bind();
+}
+
+CUdeviceptr CudaLayer::address(const std::string &name) {
+  const TensorDecl *t = layer_.program.find(name);
+  user_check(t != nullptr) << "'" << name << "' is not a tensor of the layer";
+  if (t->is_input)
+    uploaded_.insert(name);
+  return tensors_.at(name).ptr();
+}
+
+const RoutingPlan &CudaLayer::routing_plan(const std::string &route) const {
+  for (const auto &[r, plan] : plans_)
+    if (r->name == route)
+      return *plan;
+  user_error << "no route named '" << route << "' in this layer";
 }
 
 void CudaLayer::upload(const TensorMap &inputs) {

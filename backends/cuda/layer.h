@@ -133,6 +133,22 @@ public:
   // synchronous).
   std::vector<uint8_t> kept_pairs(const std::string &route) const;
 
+  // Runs the layer for `tokens` tokens from now on, in the memory it was made
+  // with (no allocation): for a layer whose token count changes from step to
+  // step (an expert-parallel rank's received rows). At most the count the
+  // layer was made for; Inputs over the tokens must be written again.
+  // UserError after a bind() moved a tensor (that memory was sized for the
+  // old count).
+  void set_tokens(int64_t tokens);
+  int64_t capacity_tokens() const { return capacity_tokens_; }
+  // The device address of tensor `name`, for a runtime that moves rows in
+  // and out of the layer's tensors with kernels of its own (valid until the
+  // next set_tokens or bind). An Input or Param counts as given from then on:
+  // the caller writes it on the device.
+  CUdeviceptr address(const std::string &name);
+  // Route `route`'s device tables, as the last run left them.
+  const RoutingPlan &routing_plan(const std::string &route) const;
+
   const CompiledLayer &compiled() const { return layer_; }
   int64_t tokens() const { return tokens_; }
   // Bytes of device memory held for intermediates and outputs (not inputs):
@@ -152,14 +168,17 @@ private:
   void bind();
 
   const CompiledLayer &layer_;
-  int64_t tokens_;
+  int64_t tokens_, capacity_tokens_;
   ProgramShapes shapes_;
   std::vector<Module> modules_; // one per compiled unit
   DeviceRouting routing_;
   std::unique_ptr<MemoryPlan> plan_; // reuse_memory: where each tensor sits in arena_
   DeviceBuffer arena_;
   std::map<std::string, DeviceBuffer> tensors_; // views into arena_ for planned tensors
-  std::set<std::string> uploaded_;              // the Inputs and Params given so far
+  // After set_tokens: each tensor's memory for capacity_tokens_, of which
+  // tensors_ holds views the size of the current count.
+  std::map<std::string, DeviceBuffer> storage_;
+  std::set<std::string> uploaded_; // the Inputs and Params given so far
   uint64_t bind_epoch_ = 0;
   std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
   std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows

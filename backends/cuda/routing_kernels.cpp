@@ -108,6 +108,22 @@ RoutingPlan::RoutingPlan(const RoutingShape &s)
       tile_row_start(i32(s.max_tiles())), tile_rows(i32(s.max_tiles())), num_tiles(i32(1)),
       chunk_counts(i32(chunks * count_stride(s.experts))), placed(i32(s.drops() ? s.pairs() : 0)) {}
 
+void RoutingPlan::reshape(const RoutingShape &s) {
+  s.check();
+  internal_check(s.experts == shape.experts && s.k == shape.k && !s.drops() && !shape.drops())
+      << "a routing plan reshaped to other experts, k or capacity";
+  auto fits = [](const DeviceBuffer &b, int64_t n) { return static_cast<int64_t>(b.bytes() / 4) >= n; };
+  internal_check(fits(expert, s.pairs()) && fits(sorted_pair, s.max_padded_rows()) && fits(tile_expert, s.max_tiles()))
+      << "a routing plan reshaped to more pairs than it holds";
+  shape = s;
+  chunk = routing_chunk_pairs(s);
+  chunks = ceil_div(s.pairs(), chunk);
+  fused = routing_fuses_counts(s);
+  topk_chunk = fused ? chunk : routing_topk_tokens_per_pass(s.experts) * s.k;
+  if (!fits(chunk_counts, chunks * count_stride(s.experts)))
+    chunk_counts = DeviceBuffer(i32(chunks * count_stride(s.experts)));
+}
+
 void RoutingPlan::poison(uint32_t pattern, bool including_expert) {
   for (DeviceBuffer *b : {&gate, &counts, &offsets, &offsets_unpadded, &pair_pos, &sorted_pair, &tile_expert,
                           &tile_row_start, &tile_rows, &num_tiles, &chunk_counts})

@@ -81,6 +81,12 @@ struct RoutingPlan {
   // (moe_capacity_keep); what the counting and placing read. Else empty.
   DeviceBuffer placed; // int32 [P]
 
+  // Takes a shape of the same experts, k and (no) capacity with at most the
+  // pairs this plan was made for: its tables fit the buffers already held
+  // (the scratch grows if the smaller shape's chunking needs more). For a
+  // layer whose row count changes from step to step (an expert-parallel
+  // rank's received rows) without allocating each step.
+  void reshape(const RoutingShape &smaller);
   // Writes `pattern` over every output (not `expert` when it is the input,
   // see DeviceRouting::run_from_experts), so tests see unwritten entries.
   void poison(uint32_t pattern, bool including_expert = true);

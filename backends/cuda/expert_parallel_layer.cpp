@@ -1,0 +1,260 @@
+#include "backends/cuda/expert_parallel_layer.h"
+
+#include <algorithm>
+
+#include "backends/cuda/device/expert_parallel_cuh.h"
+#include "dsl/error.h"
+#include "dsl/training.h"
+#include "lowering/lower.h"
+
+namespace moeforge::cuda {
+
+namespace {
+
+constexpr int kRowThreads = 256;
+
+// Whether a step in [begin, end) of `p` writes `name`.
+bool written_in(const KernelProgram &p, const std::string &name, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    const std::vector<std::string> out = step_outputs(p.steps[i]);
+    if (std::find(out.begin(), out.end(), name) != out.end())
+      return true;
+  }
+  return false;
+}
+
+const std::string &seed_of(const TrainingProgram &t, const std::string &output) {
+  return t.seeds[t.output_index(output, "expert_parallel")];
+}
+
+size_t row_bytes(const KernelProgram &p, const std::string &name, int64_t width) {
+  return static_cast<size_t>(width) * dtype_bytes(p.tensor(name).dtype);
+}
+
+} // namespace
+
+CompiledExpertParallel compile_expert_parallel(const Pipeline &pipeline, const Schedule &schedule, int ranks,
+                                               const std::string &arch) {
+  user_check(schedule.capacity() == 0)
+      << "expert_parallel: a capacity factor with the experts spread over ranks is not built yet; train dropless "
+      << "(no capacity) across ranks, or on one GPU with the capacity";
+  CompiledExpertParallel c;
+  c.split = split_expert_parallel(pipeline, ranks);
+  const ExpertParallelSplit &s = c.split;
+
+  // Each side takes the schedule's choices for the Funcs it holds.
+  const Pipeline token_algebra = training_algebra(s.token_pipeline(), s.token_outputs).pipeline;
+  check_vector_alignment(token_algebra);
+  TrainingProgram t = lower_training(s.token_pipeline(), s.token_outputs, schedule.only_funcs_of(token_algebra));
+  std::vector<std::string> returned, dispatched_gradients;
+  for (const auto &x : s.returned)
+    returned.push_back(x.token_side);
+  for (const auto &x : s.dispatched)
+    dispatched_gradients.push_back(seed_of(t, x.token_side));
+  c.dispatch_end = defer_steps_reading(t.program, 0, t.forward_steps, returned);
+  c.backward_split = defer_steps_reading(t.program, t.forward_steps, t.program.steps.size(), dispatched_gradients);
+  for (const auto &x : s.dispatched)
+    user_check(written_in(t.program, x.token_side, 0, c.dispatch_end))
+        << "expert_parallel: the rows '" << x.token_side << "' that go to the experts need what the experts return";
+  for (const auto &x : s.returned)
+    internal_check(written_in(t.program, t.gradient_of(x.token_side), t.forward_steps, c.backward_split))
+        << "the gradient of the returned rows '" << x.token_side << "' waits for the experts' gradients";
+
+  const Pipeline expert_algebra = training_algebra(s.expert_pipeline(), s.expert_outputs).pipeline;
+  check_vector_alignment(expert_algebra);
+  TrainingProgram e = lower_training(s.expert_pipeline(), s.expert_outputs, schedule.only_funcs_of(expert_algebra));
+  c.token.layer = compile_program(t.program, arch);
+  c.token.training = std::move(t);
+  c.experts.layer = compile_program(e.program, arch);
+  c.experts.training = std::move(e);
+  CompileOptions options;
+  options.arch = arch;
+  c.row_kernels = compile_cuda(kExpertParallelKernelsSource, "expert_parallel.cu", options);
+  return c;
+}
+
+ExpertParallelLayer::ExpertParallelLayer(const Device &device, const CompiledExpertParallel &compiled,
+                                         const Communicator &comm, int64_t tokens)
+    : compiled_(compiled), comm_(comm), tokens_(tokens),
+      pairs_(tokens * compiled.token.training.program.routing(compiled.token.training.program.routes.front()).route->k),
+      token_(device, compiled.token.layer, tokens, compiled.token.training.forward_steps),
+      experts_(device, compiled.experts.layer, comm.size() * pairs_, compiled.experts.training.forward_steps),
+      exchange_(comm, ExpertPlacement(static_cast<int>(compiled.split.experts), comm.size())),
+      module_(compiled.row_kernels.cubin, "expert parallel row kernels"), sm_count_(device.sm_count()) {
+  user_check(comm.size() == compiled.split.ranks) << "expert parallel layer: compiled for " << compiled.split.ranks
+                                                  << " ranks, given a communicator of " << comm.size();
+  pack_ = module_.kernel("mf_ep_pack");
+  unpack_ = module_.kernel("mf_ep_unpack");
+  select_ = module_.kernel("mf_ep_select");
+  // The widest row that crosses: a gradient's (f32) at most.
+  size_t widest = 16;
+  const KernelProgram &tp = compiled.token.training.program;
+  for (const auto &x : compiled.split.dispatched)
+    widest = std::max({widest, row_bytes(tp, x.token_side, x.width),
+                       row_bytes(tp, seed_of(compiled.token.training, x.token_side), x.width)});
+  for (const auto &x : compiled.split.returned)
+    widest = std::max({widest, row_bytes(tp, x.token_side, x.width),
+                       row_bytes(tp, compiled.token.training.gradient_of(x.token_side), x.width)});
+  out_rows_ = DeviceBuffer(static_cast<size_t>(pairs_) * widest);
+  back_rows_ = DeviceBuffer(static_cast<size_t>(pairs_) * widest);
+  segment_end_ = DeviceBuffer(sizeof(int64_t) * comm.size() * compiled.split.local_experts);
+}
+
+bool ExpertParallelLayer::is_expert_param(const std::string &name) const {
+  const auto &p = compiled_.split.expert_params;
+  return std::find(p.begin(), p.end(), name) != p.end();
+}
+
+void ExpertParallelLayer::upload(const TensorMap &inputs) {
+  const ExpertParallelSplit &s = compiled_.split;
+  const TrainingProgram &t = compiled_.token.training;
+  for (const TensorDecl &d : t.program.tensors) {
+    const bool returned = std::any_of(s.returned.begin(), s.returned.end(),
+                                      [&](const ExpertParallelSplit::Crossing &x) { return x.token_side == d.name; });
+    if (!d.is_input || returned || t.is_seed(d.name))
+      continue; // the exchange writes it, or upload_upstream_gradient
+    auto it = inputs.find(d.name);
+    user_check(it != inputs.end()) << "expert parallel layer: no tensor given for '" << d.name << "'";
+    token_.upload(d.name, it->second);
+  }
+  for (const std::string &name : s.expert_params) {
+    auto it = inputs.find(name);
+    user_check(it != inputs.end()) << "expert parallel layer: no tensor given for '" << name << "'";
+    const HostTensor &w = it->second;
+    user_check(!w.shape.empty() && (w.shape[0] == s.experts || w.shape[0] == s.local_experts))
+        << "expert parallel layer: '" << name << "' has " << (w.shape.empty() ? 0 : w.shape[0]) << " rows; give all "
+        << s.experts << " experts' or this rank's " << s.local_experts;
+    if (w.shape[0] == s.local_experts) {
+      experts_.upload(name, w);
+      continue;
+    }
+    HostTensor mine = w;
+    mine.shape[0] = s.local_experts;
+    const int64_t per = w.size() / w.shape[0];
+    mine.data.assign(w.data.begin() + comm_.rank() * s.local_experts * per,
+                     w.data.begin() + (comm_.rank() + 1) * s.local_experts * per);
+    experts_.upload(name, mine);
+  }
+  forward_ran_ = false;
+}
+
+void ExpertParallelLayer::upload_upstream_gradient(const std::string &output, const HostTensor &grad) {
+  const TrainingProgram &t = compiled_.token.training;
+  const size_t k = t.output_index(output, "upload_upstream_gradient()");
+  for (const auto &x : compiled_.split.dispatched)
+    user_check(x.token_side != output) << "'" << output << "' is the rows the experts read, not a layer output";
+  token_.upload(t.seeds[k], grad);
+}
+
+void ExpertParallelLayer::poison() {
+  token_.poison();
+  experts_.poison();
+  forward_ran_ = false;
+}
+
+void ExpertParallelLayer::pack(CUdeviceptr pairs, bool padded, CUdeviceptr exchange, size_t bytes,
+                               const Stream &stream) {
+  internal_check(bytes % 16 == 0) << "rows of " << bytes << " bytes cross the exchange in 16-byte vectors";
+  const RoutingPlan &r = token_.routing_plan(compiled_.split.route);
+  CUdeviceptr expert = r.expert.ptr(), pos = r.pair_pos.ptr(), off = r.offsets.ptr(), unp = r.offsets_unpadded.ptr();
+  long long pairs_n = pairs_;
+  int vectors = static_cast<int>(bytes / 16);
+  int padded_flag = padded ? 1 : 0;
+  void *args[] = {&pairs, &exchange, &expert, &pos, &off, &unp, &pairs_n, &vectors, &padded_flag};
+  const int64_t blocks = std::min<int64_t>((pairs_ * vectors + kRowThreads - 1) / kRowThreads, 8LL * sm_count_);
+  pack_.launch({static_cast<unsigned>(std::max<int64_t>(blocks, 1))}, {kRowThreads}, 0, stream, args);
+}
+
+void ExpertParallelLayer::unpack(CUdeviceptr exchange, CUdeviceptr pairs, size_t bytes, const Stream &stream) {
+  internal_check(bytes % 16 == 0) << "rows of " << bytes << " bytes cross the exchange in 16-byte vectors";
+  const RoutingPlan &r = token_.routing_plan(compiled_.split.route);
+  CUdeviceptr expert = r.expert.ptr(), pos = r.pair_pos.ptr(), off = r.offsets.ptr(), unp = r.offsets_unpadded.ptr();
+  long long pairs_n = pairs_;
+  int vectors = static_cast<int>(bytes / 16);
+  void *args[] = {&exchange, &pairs, &expert, &pos, &off, &unp, &pairs_n, &vectors};
+  const int64_t blocks = std::min<int64_t>((pairs_ * vectors + kRowThreads - 1) / kRowThreads, 8LL * sm_count_);
+  unpack_.launch({static_cast<unsigned>(std::max<int64_t>(blocks, 1))}, {kRowThreads}, 0, stream, args);
+}
+
+void ExpertParallelLayer::forward(const Stream &stream) {
+  const CompiledExpertParallel &c = compiled_;
+  const KernelProgram &tp = c.token.training.program;
+  const KernelProgram &ep = c.experts.training.program;
+  token_.enqueue(stream, 0, c.dispatch_end);
+  sizes_ = exchange_.exchange_counts(token_.routing_plan(c.split.route).counts.ptr(), stream);
+  received_ = sizes_.total_recv();
+  if (received_ > 0)
+    experts_.set_tokens(received_);
+
+  for (const auto &x : c.split.dispatched) {
+    const bool padded = tp.tensor(x.token_side).layout == RowLayout::padded;
+    const size_t bytes = row_bytes(tp, x.token_side, x.width);
+    internal_check(bytes == row_bytes(ep, x.expert_side, x.width)) << "'" << x.token_side << "' changes type";
+    pack(token_.address(x.token_side), padded, out_rows_.ptr(), bytes, stream);
+    exchange_.dispatch(out_rows_.ptr(), experts_.address(x.expert_side), bytes, sizes_, stream);
+  }
+  if (received_ > 0) {
+    // Each received row's local expert: the segments (source rank, local
+    // expert) in the order they arrived.
+    std::vector<int64_t> ends(sizes_.recv_counts.size());
+    int64_t at = 0;
+    for (size_t i = 0; i < ends.size(); ++i)
+      ends[i] = at += sizes_.recv_counts[i];
+    segment_end_.upload(ends);
+    CUdeviceptr select = experts_.address(c.split.selector), segments = segment_end_.ptr();
+    int n_segments = static_cast<int>(ends.size()), local = static_cast<int>(c.split.local_experts);
+    long long rows = received_;
+    void *args[] = {&select, &segments, &n_segments, &local, &rows};
+    const int64_t blocks = std::min<int64_t>((received_ * local + kRowThreads - 1) / kRowThreads, 8LL * sm_count_);
+    select_.launch({static_cast<unsigned>(blocks)}, {kRowThreads}, 0, stream, args);
+    experts_.enqueue(stream, 0, c.experts.training.forward_steps);
+  }
+  for (const auto &x : c.split.returned) {
+    const size_t bytes = row_bytes(tp, x.token_side, x.width);
+    internal_check(bytes == row_bytes(ep, x.expert_side, x.width)) << "'" << x.expert_side << "' changes type";
+    exchange_.give_back(experts_.address(x.expert_side), back_rows_.ptr(), bytes, sizes_, stream);
+    unpack(back_rows_.ptr(), token_.address(x.token_side), bytes, stream);
+  }
+  token_.enqueue(stream, c.dispatch_end, c.token.training.forward_steps);
+  forward_ran_ = true;
+}
+
+void ExpertParallelLayer::backward(const Stream &stream) {
+  user_check(forward_ran_) << "expert parallel layer: backward() before forward()";
+  const CompiledExpertParallel &c = compiled_;
+  const TrainingProgram &tt = c.token.training, &et = c.experts.training;
+  token_.enqueue(stream, tt.forward_steps, c.backward_split);
+  for (const auto &x : c.split.returned) {
+    const std::string &grad = tt.gradient_of(x.token_side), &seed = seed_of(et, x.expert_side);
+    const size_t bytes = row_bytes(tt.program, grad, x.width);
+    internal_check(bytes == row_bytes(et.program, seed, x.width)) << "'" << grad << "' changes type";
+    pack(token_.address(grad), tt.program.tensor(grad).layout == RowLayout::padded, out_rows_.ptr(), bytes, stream);
+    exchange_.dispatch(out_rows_.ptr(), experts_.address(seed), bytes, sizes_, stream);
+  }
+  if (received_ > 0) {
+    experts_.enqueue(stream, et.forward_steps, et.program.steps.size());
+  } else {
+    // No rows: this rank's experts' weight gradients are zero, as one GPU's.
+    for (const std::string &w : c.split.expert_params)
+      MOEFORGE_CU(cuMemsetD8Async, experts_.address(et.gradient_of(w)), 0, experts_.info(et.gradient_of(w)).bytes,
+                  stream.handle());
+  }
+  for (const auto &x : c.split.dispatched) {
+    const std::string &grad = et.gradient_of(x.expert_side), &seed = seed_of(tt, x.token_side);
+    const size_t bytes = row_bytes(et.program, grad, x.width);
+    internal_check(bytes == row_bytes(tt.program, seed, x.width)) << "'" << grad << "' changes type";
+    exchange_.give_back(experts_.address(grad), back_rows_.ptr(), bytes, sizes_, stream);
+    unpack(back_rows_.ptr(), token_.address(seed), bytes, stream);
+  }
+  token_.enqueue(stream, c.backward_split, tt.program.steps.size());
+}
+
+HostTensor ExpertParallelLayer::output(const std::string &name) const { return token_.download(name); }
+
+HostTensor ExpertParallelLayer::gradient(const std::string &of) const {
+  if (is_expert_param(of))
+    return experts_.download(compiled_.experts.training.gradient_of(of));
+  return token_.download(compiled_.token.training.gradient_of(of));
+}
+
+} // namespace moeforge::cuda

@@ -1,0 +1,110 @@
+// An MoE layer with its experts spread over ranks (one GPU each), trained
+// with the same compiled kernels as on one GPU: the two sides of
+// split_expert_parallel (lowering/expert_parallel_split.h) compiled as
+// training programs, their rows moved between the ranks over NCCL
+// (expert_exchange.h).
+//
+// A step on one rank, in stream order:
+//   forward   token side up to the rows it sends (router, top-k, x_rows);
+//             the per-expert counts cross (one host synchronisation: NCCL
+//             takes its sizes from the host); x_rows go to their experts'
+//             ranks; the expert side runs over the rows received (its
+//             token count set to them, in memory made for the most a rank
+//             can receive); its rows come back; the token side combines.
+//   backward  token side up to the gradients of the returned rows
+//             (gate * dy); they go to the experts; the expert side's
+//             backward (its weights' gradients, the received rows'); those
+//             come back; the token side's backward ends (d_x, the router).
+// The backward reuses the forward's sizes: no synchronisation.
+//
+// Each rank holds the token side's Params whole (the router: its gradient is
+// the rank's tokens' share, which a data-parallel all-reduce sums, as for any
+// replicated weight) and its E / R experts' Params.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/expert_exchange.h"
+#include "backends/cuda/layer.h"
+#include "backends/cuda/training_layer.h"
+#include "lowering/expert_parallel_split.h"
+
+namespace moeforge::cuda {
+
+struct CompiledExpertParallel {
+  ExpertParallelSplit split;
+  CompiledTraining token, experts;
+  // Token forward steps [0, dispatch_end) write the rows that go out; the
+  // rest read the rows that come back.
+  size_t dispatch_end = 0;
+  // Token backward steps [forward_steps, backward_split) write the returned
+  // rows' gradients; the rest read the dispatched rows' gradients.
+  size_t backward_split = 0;
+  CompileResult row_kernels; // device/expert_parallel.cuh
+};
+
+// Splits `pipeline` for `ranks` ranks and compiles both sides' training
+// programs under `schedule` (the expert side keeps the Func names, so the
+// schedule's choices for the expert GEMMs apply there). Needs no GPU.
+CompiledExpertParallel compile_expert_parallel(const Pipeline &pipeline, const Schedule &schedule, int ranks,
+                                               const std::string &arch = "sm_90a");
+
+class ExpertParallelLayer {
+public:
+  // Rank comm.rank() of comm.size() (the split's ranks), for `tokens` tokens
+  // on every rank. The expert side holds memory for the most rows a rank can
+  // receive: every rank's every pair. `compiled` and `comm` must outlive it.
+  ExpertParallelLayer(const Device &device, const CompiledExpertParallel &compiled, const Communicator &comm,
+                      int64_t tokens);
+
+  // This rank's token Inputs ([tokens, ...]) and every Param: the token
+  // side's whole; the experts' whole ([E, ...], this rank's rows taken) or
+  // this rank's own ([E / R, ...]).
+  void upload(const TensorMap &inputs);
+  // The upstream gradient of forward output `output` for this rank's tokens.
+  void upload_upstream_gradient(const std::string &output, const HostTensor &grad);
+  // NaN over every intermediate and output of both sides (tests).
+  void poison();
+  // A collective: every rank calls it. Synchronises `stream` once.
+  void forward(const Stream &stream);
+  // A collective, after forward(); no host synchronisation.
+  void backward(const Stream &stream);
+
+  // A token-side forward output ("y"). Synchronises.
+  HostTensor output(const std::string &name) const;
+  // The gradient of Input or Param `of`: a token Input's for this rank's
+  // tokens, the router's share of this rank's tokens, an expert Param's for
+  // this rank's experts ([E / R, ...]). Synchronises.
+  HostTensor gradient(const std::string &of) const;
+  // Rows this rank's experts computed in the last forward.
+  int64_t received_rows() const { return received_; }
+  const ExchangeSizes &sizes() const { return sizes_; }
+  const CudaLayer &token_layer() const { return token_; }
+  const CudaLayer &expert_layer() const { return experts_; }
+
+private:
+  // Rows of `bytes` each from pair order (`padded`: the routing's padded
+  // order) to the exchange's order, or back.
+  void pack(CUdeviceptr pairs, bool padded, CUdeviceptr exchange, size_t bytes, const Stream &stream);
+  void unpack(CUdeviceptr exchange, CUdeviceptr pairs, size_t bytes, const Stream &stream);
+  bool is_expert_param(const std::string &name) const;
+
+  const CompiledExpertParallel &compiled_;
+  const Communicator &comm_;
+  int64_t tokens_, pairs_;
+  CudaLayer token_, experts_;
+  ExpertExchange exchange_;
+  Module module_;
+  Kernel pack_, unpack_, select_;
+  DeviceBuffer out_rows_, back_rows_; // the exchange's order, widest row
+  DeviceBuffer segment_end_;          // int64 [R * E/R]
+  ExchangeSizes sizes_;
+  int64_t received_ = 0;
+  bool forward_ran_ = false;
+  int sm_count_;
+};
+
+} // namespace moeforge::cuda

@@ -1,0 +1,190 @@
+// The expert-parallel layer (backends/cuda/expert_parallel_layer.h): both
+// sides compile for sm_90a through NVRTC without a GPU; on GPUs, one rank and
+// two ranks train a step whose output and every gradient match the float64
+// reference of the unsplit layer over all ranks' tokens (the router's
+// gradient summed over the ranks, each expert's from its owner), under the
+// routing the device chose, outputs poisoned first.
+#include <doctest/doctest.h>
+
+#if MOEFORGE_HAVE_NCCL
+
+#include <random>
+
+#include "backends/cuda/expert_parallel_layer.h"
+#include "backends/cuda/nccl.h"
+#include "benchmarks/train_schedule.h"
+#include "dsl/training.h"
+#include "examples/examples.h"
+#include "gpu_test.h"
+#include "schedules/presets.h"
+#include "tests/expert_parallel_emulation.h"
+#include "user_error.h"
+
+using namespace moeforge;
+
+namespace {
+
+bool has(const std::string &s, const std::string &part) { return s.find(part) != std::string::npos; }
+
+// What one rank's step left: its outputs and gradients, and its routing.
+struct RankStep {
+  HostTensor y, d_x, d_wr;
+  TensorMap expert_grads; // this rank's experts
+  std::vector<int32_t> experts;
+  int64_t received = 0;
+};
+
+// One training step of `example` over `devices` (rank q on devices[q]) with
+// `tokens` tokens per rank, compared with the reference of the unsplit layer.
+void check_step(const std::string &example, const Schedule &schedule, const std::vector<int> &devices, int64_t tokens,
+                bool skewed, uint64_t seed) {
+  CAPTURE(example);
+  CAPTURE(schedule.to_text());
+  CAPTURE(skewed);
+  const int R = static_cast<int>(devices.size());
+  const ExampleShape s{tokens * R, 8, 2, 64, 128};
+  Example ex = make_example(example, s);
+  TensorMap in = ex.random_inputs(s, seed);
+  if (skewed) // a router that favours expert 0 (rank 0's) and never picks expert 5
+    for (int64_t i = 0; i < s.d; ++i) {
+      in["wr"].at({i, 0}) += 0.5;
+      in["wr"].at({i, 5}) = -4.0;
+    }
+  std::mt19937_64 rng(seed + 7);
+  HostTensor dy = random_tensor(in.at("x").shape, rng);
+
+  cuda::CompiledExpertParallel compiled = cuda::compile_expert_parallel(ex.pipeline, schedule, R);
+  std::vector<cuda::Communicator> comms = cuda::Communicator::for_devices(devices);
+  std::vector<RankStep> got(R);
+  cuda::on_each_rank(devices, [&](int q) {
+    cuda::Device device(devices[q]);
+    cuda::Stream stream;
+    cuda::ExpertParallelLayer layer(device, compiled, comms[q], tokens);
+    TensorMap mine = in;
+    mine["x"] = testing::row_slice(in.at("x"), q * tokens, (q + 1) * tokens);
+    layer.upload(mine);
+    layer.upload_upstream_gradient("y", testing::row_slice(dy, q * tokens, (q + 1) * tokens));
+    layer.poison();
+    layer.forward(stream);
+    layer.backward(stream);
+    stream.synchronize();
+    RankStep &r = got[q];
+    r.y = layer.output("y");
+    r.d_x = layer.gradient("x");
+    r.d_wr = layer.gradient("wr");
+    for (const std::string &w : compiled.split.expert_params)
+      r.expert_grads[w] = layer.gradient(w);
+    r.experts = layer.token_layer().routed_experts(compiled.split.route);
+    r.received = layer.received_rows();
+  });
+
+  // The reference over every rank's tokens, routed as the devices chose.
+  std::vector<int32_t> experts;
+  for (const RankStep &r : got)
+    experts.insert(experts.end(), r.experts.begin(), r.experts.end());
+  TrainingAlgebra whole = training_algebra(ex.pipeline, ex.pipeline.func("y"));
+  TensorMap whole_in = in;
+  whole_in["d_y"] = dy;
+  EvalOptions given;
+  given.given[compiled.split.route] = experts;
+  EvalResult want = evaluate(whole.pipeline, whole_in, Precision::f64, given);
+
+  std::vector<HostTensor> ys, dxs;
+  HostTensor d_wr = got[0].d_wr;
+  int64_t rows = 0;
+  for (int q = 0; q < R; ++q) {
+    ys.push_back(got[q].y);
+    dxs.push_back(got[q].d_x);
+    if (q > 0)
+      for (int64_t i = 0; i < d_wr.size(); ++i)
+        d_wr.data[i] += got[q].d_wr.data[i];
+    rows += got[q].received;
+  }
+  CHECK(rows == s.tokens * s.topk);
+  CHECK(max_normalized_error(testing::row_concat(ys), want["y"]) < 1e-2);
+  CHECK(max_normalized_error(testing::row_concat(dxs), want["d_x"]) < 2e-2);
+  CHECK(max_normalized_error(d_wr, want["d_wr"]) < 2e-2);
+  for (const std::string &w : compiled.split.expert_params) {
+    CAPTURE(w);
+    std::vector<HostTensor> parts;
+    for (int q = 0; q < R; ++q)
+      parts.push_back(got[q].expert_grads.at(w));
+    CHECK(max_normalized_error(testing::row_concat(parts), want["d_" + w]) < 2e-2);
+  }
+  if (skewed && R == 2)
+    CHECK(got[0].received > got[1].received);
+}
+
+std::vector<Schedule> schedules(const std::string &example) {
+  return {preset("scattermoe"), preset("megablocks"), bench::tuned_wide(example == "swiglu_moe")};
+}
+
+} // namespace
+
+TEST_CASE("cuda expert parallel: both sides and the row kernels compile for sm_90a (no GPU needed)") {
+  for (const char *example : {"moe_mlp", "swiglu_moe"}) {
+    Example ex = make_example(example, ExampleShape{256, 8, 2, 64, 128});
+    for (const Schedule &sch : schedules(example)) {
+      CAPTURE(example);
+      CAPTURE(sch.to_text());
+      cuda::CompiledExpertParallel c = cuda::compile_expert_parallel(ex.pipeline, sch, 2);
+      CHECK(!c.row_kernels.cubin.empty());
+      CHECK(c.dispatch_end > 0);
+      CHECK(c.dispatch_end < c.token.training.forward_steps);
+      CHECK(c.backward_split > c.token.training.forward_steps);
+      CHECK(c.backward_split < c.token.training.program.steps.size());
+      // The expert side runs the layer's expert GEMMs and nothing of the router.
+      std::ostringstream os;
+      os << c.experts.training.program;
+      CHECK(has(os.str(), "gemm_h"));
+      CHECK(!has(os.str(), "wr"));
+    }
+  }
+  Example ex = make_example("moe_mlp", ExampleShape{256, 8, 2, 64, 128});
+  CHECK(has(testing::user_error_of([&] { cuda::compile_expert_parallel(ex.pipeline, preset("scattermoe"), 3); }),
+            "do not split evenly over 3 ranks"));
+  Schedule capped = preset("scattermoe");
+  capped.capacity(1.25);
+  CHECK(has(testing::user_error_of([&] { cuda::compile_expert_parallel(ex.pipeline, capped, 2); }),
+            "capacity factor with the experts spread over ranks"));
+}
+
+TEST_SUITE("gpu") {
+  TEST_CASE("cuda expert parallel: one rank trains as the unsplit layer") {
+    MOEFORGE_REQUIRE_GPU();
+    std::string why;
+    if (!cuda::nccl_available(&why)) {
+      MESSAGE("SKIPPED (no GPU): NCCL is not usable: " << why);
+      return;
+    }
+    for (const char *example : {"moe_mlp", "swiglu_moe"})
+      for (const Schedule &sch : schedules(example)) {
+        check_step(example, sch, {0}, 300, false, 41);
+        check_step(example, sch, {0}, 1, false, 42); // one token
+      }
+    check_step("moe_mlp", preset("scattermoe"), {0}, 257, true, 43); // skewed, expert 5 empty
+  }
+
+  TEST_CASE("cuda expert parallel: two GPUs train as the unsplit layer, uniform and skewed, an empty expert") {
+    MOEFORGE_REQUIRE_GPU();
+    std::string why;
+    if (!cuda::nccl_available(&why)) {
+      MESSAGE("SKIPPED (no GPU): NCCL is not usable: " << why);
+      return;
+    }
+    int count = 0;
+    MOEFORGE_CU(cuDeviceGetCount, &count);
+    if (count < 2) {
+      MESSAGE("SKIPPED (no GPU): needs two GPUs, found " << count);
+      return;
+    }
+    for (const char *example : {"moe_mlp", "swiglu_moe"})
+      for (const Schedule &sch : schedules(example)) {
+        check_step(example, sch, {0, 1}, 300, false, 51);
+        check_step(example, sch, {0, 1}, 300, true, 52);
+      }
+    check_step("moe_mlp", preset("scattermoe"), {0, 1}, 1, false, 53); // a token per rank
+  }
+}
+
+#endif // MOEFORGE_HAVE_NCCL

@@ -21,10 +21,12 @@
 #           idle in both harnesses; medians per case and ours / torch
 #   python  scripts/device_python.sh (pip install, pytest, the torch module
 #           against bench_moe_train), SHAPES as there
+#   ep      the expert-parallel training step (bench_expert_parallel) on
+#           one and two GPUs, against one GPU doing the same work
 #   forward the forward benchmark, dropless against capacity-dropping
 #           schedules (FORWARD_FILTER overrides its filter)
-#   exchange  expert parallelism's NCCL row exchange: its tests (one rank,
-#           and two where the machine has two GPUs) under compute-sanitizer
+#   exchange  expert parallelism's NCCL row exchange and layer: their tests
+#           (one rank, and two where the machine has two GPUs) under compute-sanitizer
 #           memcheck too, then bench_expert_exchange on every GPU count up
 #           to the machine's
 # Usage: bash scripts/device_check.sh tests|real|python|all, or stages joined
@@ -71,12 +73,13 @@ if has tests; then
 fi
 if has exchange; then
   echo "NCCL: ${MOEFORGE_LIBNCCL:-/usr/local/cuda/lib64/libnccl.so.2}; GPUs: $(nvidia-smi -L | wc -l)" | tee -a "$R/device.txt"
-  timeout 150 .gpu/moeforge_tests -tc="expert exchange*" >"$R/exchange_tests.log" 2>&1 || status=1
+  timeout 300 .gpu/moeforge_tests -tc="expert exchange*,cuda expert parallel*" --duration=true \
+    >"$R/exchange_tests.log" 2>&1 || status=1
   grep -E "SKIPPED|ERROR|test cases|Status" "$R/exchange_tests.log" | head -8
   # NCCL probes kernel images and peer access and handles the API errors itself:
   # only memory errors count.
-  timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-    .gpu/moeforge_tests -tc="expert exchange*" \
+  timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+    .gpu/moeforge_tests -tc="expert exchange*,cuda expert parallel*" \
     >"$R/exchange_memcheck.log" 2>&1
   echo "exchange memcheck exit code: $?" | tee -a "$R/device.txt"
   tail -2 "$R/exchange_memcheck.log"
@@ -84,6 +87,14 @@ if has exchange; then
     --benchmark_counters_tabular=true >"$R/exchange.log" 2>&1 || status=1
   grep -E "^exchange|ERROR" "$R/exchange.log" | cut -c1-160
   echo "exchange done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
+fi
+if has ep; then
+  # The expert-parallel training step on one and two GPUs against one GPU
+  # doing the same work (bench_expert_parallel).
+  timeout 500 .gpu/bench_expert_parallel --benchmark_out="$R/ep.json" --benchmark_out_format=json \
+    --benchmark_counters_tabular=true >"$R/ep.log" 2>&1 || status=1
+  grep -E "^ep/|ERROR" "$R/ep.log" | cut -c1-240
+  echo "ep done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
 fi
 if has sanitize; then
   small="cuda bind: a layer*,cuda gpu: group-limited*,cuda training: RMSNorm*,cuda capacity: expert_choice_moe*"

@@ -138,6 +138,31 @@ void ExpertParallelLayer::upload(const TensorMap &inputs) {
   forward_ran_ = false;
 }
 
+void ExpertParallelLayer::upload_repeated(const std::string &name, const HostTensor &pattern) {
+  if (is_expert_param(name))
+    experts_.upload_repeated(name, pattern);
+  else
+    token_.upload_repeated(name, pattern);
+  forward_ran_ = false;
+}
+
+void ExpertParallelLayer::mark(const char *name, const Stream &stream) {
+  if (!timing_)
+    return;
+  marks_.emplace_back(name, Event());
+  marks_.back().second.record(stream);
+}
+
+std::vector<std::pair<std::string, double>> ExpertParallelLayer::phase_ms() const {
+  std::vector<std::pair<std::string, double>> out;
+  // Between the forward's end and the backward's start the host did other
+  // things: not a phase.
+  for (size_t i = 1; i < marks_.size(); ++i)
+    if (marks_[i].first != "backward start")
+      out.emplace_back(marks_[i].first, elapsed_ms(marks_[i - 1].second, marks_[i].second));
+  return out;
+}
+
 void ExpertParallelLayer::upload_upstream_gradient(const std::string &output, const HostTensor &grad) {
   const TrainingProgram &t = compiled_.token.training;
   const size_t k = t.output_index(output, "upload_upstream_gradient()");
@@ -180,8 +205,12 @@ void ExpertParallelLayer::forward(const Stream &stream) {
   const CompiledExpertParallel &c = compiled_;
   const KernelProgram &tp = c.token.training.program;
   const KernelProgram &ep = c.experts.training.program;
+  marks_.clear();
+  mark("start", stream);
   token_.enqueue(stream, 0, c.dispatch_end);
+  mark("forward: token side to the rows out", stream);
   sizes_ = exchange_.exchange_counts(token_.routing_plan(c.split.route).counts.ptr(), stream);
+  mark("forward: counts (host sync)", stream);
   received_ = sizes_.total_recv();
   if (received_ > 0)
     experts_.set_tokens(received_);
@@ -193,6 +222,7 @@ void ExpertParallelLayer::forward(const Stream &stream) {
     pack(token_.address(x.token_side), padded, out_rows_.ptr(), bytes, stream);
     exchange_.dispatch(out_rows_.ptr(), experts_.address(x.expert_side), bytes, sizes_, stream);
   }
+  mark("forward: dispatch", stream);
   if (received_ > 0) {
     // Each received row's local expert: the segments (source rank, local
     // expert) in the order they arrived.
@@ -209,13 +239,16 @@ void ExpertParallelLayer::forward(const Stream &stream) {
     select_.launch({static_cast<unsigned>(blocks)}, {kRowThreads}, 0, stream, args);
     experts_.enqueue(stream, 0, c.experts.training.forward_steps);
   }
+  mark("forward: experts", stream);
   for (const auto &x : c.split.returned) {
     const size_t bytes = row_bytes(tp, x.token_side, x.width);
     internal_check(bytes == row_bytes(ep, x.expert_side, x.width)) << "'" << x.expert_side << "' changes type";
     exchange_.give_back(experts_.address(x.expert_side), back_rows_.ptr(), bytes, sizes_, stream);
     unpack(back_rows_.ptr(), token_.address(x.token_side), bytes, stream);
   }
+  mark("forward: return", stream);
   token_.enqueue(stream, c.dispatch_end, c.token.training.forward_steps);
+  mark("forward: combine", stream);
   forward_ran_ = true;
 }
 
@@ -223,7 +256,9 @@ void ExpertParallelLayer::backward(const Stream &stream) {
   user_check(forward_ran_) << "expert parallel layer: backward() before forward()";
   const CompiledExpertParallel &c = compiled_;
   const TrainingProgram &tt = c.token.training, &et = c.experts.training;
+  mark("backward start", stream);
   token_.enqueue(stream, tt.forward_steps, c.backward_split);
+  mark("backward: token side to the rows out", stream);
   for (const auto &x : c.split.returned) {
     const std::string &grad = tt.gradient_of(x.token_side), &seed = seed_of(et, x.expert_side);
     const size_t bytes = row_bytes(tt.program, grad, x.width);
@@ -231,6 +266,7 @@ void ExpertParallelLayer::backward(const Stream &stream) {
     pack(token_.address(grad), tt.program.tensor(grad).layout == RowLayout::padded, out_rows_.ptr(), bytes, stream);
     exchange_.dispatch(out_rows_.ptr(), experts_.address(seed), bytes, sizes_, stream);
   }
+  mark("backward: dispatch", stream);
   if (received_ > 0) {
     experts_.enqueue(stream, et.forward_steps, et.program.steps.size());
   } else {
@@ -239,6 +275,7 @@ void ExpertParallelLayer::backward(const Stream &stream) {
       MOEFORGE_CU(cuMemsetD8Async, experts_.address(et.gradient_of(w)), 0, experts_.info(et.gradient_of(w)).bytes,
                   stream.handle());
   }
+  mark("backward: experts", stream);
   for (const auto &x : c.split.dispatched) {
     const std::string &grad = et.gradient_of(x.expert_side), &seed = seed_of(tt, x.token_side);
     const size_t bytes = row_bytes(et.program, grad, x.width);
@@ -246,7 +283,9 @@ void ExpertParallelLayer::backward(const Stream &stream) {
     exchange_.give_back(experts_.address(grad), back_rows_.ptr(), bytes, sizes_, stream);
     unpack(back_rows_.ptr(), token_.address(seed), bytes, stream);
   }
+  mark("backward: return", stream);
   token_.enqueue(stream, c.backward_split, tt.program.steps.size());
+  mark("backward: token side", stream);
 }
 
 HostTensor ExpertParallelLayer::output(const std::string &name) const { return token_.download(name); }

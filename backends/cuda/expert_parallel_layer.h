@@ -64,6 +64,10 @@ public:
   // side's whole; the experts' whole ([E, ...], this rank's rows taken) or
   // this rank's own ([E / R, ...]).
   void upload(const TensorMap &inputs);
+  // Fills Input or Param `name` (an upstream gradient by its seed's name,
+  // "d_y") with `pattern` repeated (benchmarks: realistic values without
+  // gigabytes of host random numbers); an expert Param on its E / R rows.
+  void upload_repeated(const std::string &name, const HostTensor &pattern);
   // The upstream gradient of forward output `output` for this rank's tokens.
   void upload_upstream_gradient(const std::string &output, const HostTensor &grad);
   // NaN over every intermediate and output of both sides (tests).
@@ -79,6 +83,12 @@ public:
   // tokens, the router's share of this rank's tokens, an expert Param's for
   // this rank's experts ([E / R, ...]). Synchronises.
   HostTensor gradient(const std::string &of) const;
+  // With timing on, forward() and backward() record an event between their
+  // phases (token side, counts, dispatch, experts, return, ...), and
+  // phase_ms() gives each phase's milliseconds of the last step after the
+  // stream has synchronised: where a step's time goes, the exchange's share.
+  void time_phases(bool on) { timing_ = on; }
+  std::vector<std::pair<std::string, double>> phase_ms() const;
   // Rows this rank's experts computed in the last forward.
   int64_t received_rows() const { return received_; }
   const ExchangeSizes &sizes() const { return sizes_; }
@@ -91,6 +101,8 @@ private:
   void pack(CUdeviceptr pairs, bool padded, CUdeviceptr exchange, size_t bytes, const Stream &stream);
   void unpack(CUdeviceptr exchange, CUdeviceptr pairs, size_t bytes, const Stream &stream);
   bool is_expert_param(const std::string &name) const;
+  // Ends phase `name` (timing on): an event on `stream`.
+  void mark(const char *name, const Stream &stream);
 
   const CompiledExpertParallel &compiled_;
   const Communicator &comm_;
@@ -104,6 +116,8 @@ private:
   ExchangeSizes sizes_;
   int64_t received_ = 0;
   bool forward_ran_ = false;
+  bool timing_ = false;
+  std::vector<std::pair<std::string, Event>> marks_; // the step's phase ends, the first its start
   int sm_count_;
 };
 

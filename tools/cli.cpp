@@ -38,7 +38,7 @@ const char *kUsage =
     "                               --precision f32|f64 --schedule megablocks|scattermoe|auto|<file>\n"
     "                               --capacity F --backend reference|cpu|cuda] [--check | --check=full]\n"
     "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|auto|<file>]\n"
-    "                                 [--capacity F] [--recompute] [--aux] [--backend cpu|cuda] [--check]\n"
+    "                                 [--capacity F] [--recompute] [--aux] [--backend cpu|cuda] [--ranks N] [--check]\n"
     "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
     "       moeforge tune <example> [shape flags] [--schedule S] [--train] [--budget-seconds N] [--seed S]\n";
 
@@ -75,6 +75,7 @@ struct Options {
   std::string emit;             // ir, cuda, llvm or plan
   bool emit_training = false;   // emit --train: the training step's program; tune --train: the training step
   int64_t budget_seconds = 120; // tune
+  int ranks = 1;                // train: --ranks, GPUs the experts spread over (1: the unsplit layer)
 };
 
 int64_t parse_int(const std::string &flag, const std::string &text) {
@@ -131,13 +132,13 @@ Options parse(const std::vector<std::string> &args) {
     // --precision, --backend and --schedule; train --seed, --backend and
     // --schedule, and --k for --topk; emit --schedule.
     bool runs = o.command == "run" || o.command == "train";
-    bool takes_value =
-        o.command != "list" && (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
-                                flag == "--f" || (o.command == "train" && flag == "--k") ||
-                                (runs && (flag == "--seed" || flag == "--backend" || flag == "--capacity")) ||
-                                (o.command == "run" && flag == "--precision") ||
-                                ((runs || o.command == "emit" || o.command == "tune") && flag == "--schedule") ||
-                                (o.command == "tune" && (flag == "--budget-seconds" || flag == "--seed")));
+    bool takes_value = o.command != "list" &&
+                       (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
+                        flag == "--f" || (o.command == "train" && flag == "--k") ||
+                        (runs && (flag == "--seed" || flag == "--backend" || flag == "--capacity")) ||
+                        (o.command == "train" && flag == "--ranks") || (o.command == "run" && flag == "--precision") ||
+                        ((runs || o.command == "emit" || o.command == "tune") && flag == "--schedule") ||
+                        (o.command == "tune" && (flag == "--budget-seconds" || flag == "--seed")));
     user_check(takes_value) << "unknown flag '" << flag << "' for '" << o.command << "'";
     user_check(i + 1 < args.size()) << flag << " needs a value";
     const std::string &v = args[++i];
@@ -160,6 +161,10 @@ Options parse(const std::vector<std::string> &args) {
       user_check(end && *end == '\0' && !v.empty() && o.capacity > 0)
           << "--capacity must be a positive number (the capacity factor: 1.0 lets each expert take its even share "
           << "T * k / E of the pairs, 1.25 a quarter more), got '" << v << "'";
+    } else if (flag == "--ranks") {
+      const int64_t n = parse_int(flag, v);
+      user_check(n >= 1 && n <= 64) << "--ranks must be between 1 and 64 (GPUs of this machine), got " << n;
+      o.ranks = static_cast<int>(n);
     } else if (flag == "--seed") {
       o.seed = static_cast<uint64_t>(parse_int(flag, v));
     } else if (flag == "--budget-seconds") {
@@ -527,6 +532,28 @@ int tune(const Options &o, std::ostream &out, std::ostream &err, bool &working) 
   return 0;
 }
 
+// A training step's losses and checksums, and with --check its comparison
+// with the reference.
+int finish_training(const Options &o, std::ostream &out, Progress &progress, const BackendTraining &run,
+                    const TrainingTask &task, const TensorMap &inputs, const Schedule &schedule) {
+  const TrainingProgram &t = run.training;
+  out << std::setprecision(9);
+  for (size_t k = 1; k < t.outputs.size(); ++k) // the losses' values
+    if (const HostTensor &l = run.values.at(t.outputs[k]); l.size() == 1)
+      out << "loss      " << t.outputs[k] << " = " << l.data[0] << "\n";
+  for (const std::string &n : t.outputs)
+    out << "checksum  " << n << ": " << run.values.at(n).checksum() << "\n";
+  for (const std::string &g : t.gradients)
+    out << "checksum  " << g << ": " << run.values.at(g).checksum() << "\n";
+  out << std::setprecision(6);
+  if (!o.check)
+    return 0;
+  progress.phase("checking against the float64 reference");
+  const bool ok = check_training(out, run, task, inputs, schedule);
+  progress.finish();
+  return ok ? 0 : 1;
+}
+
 // One training step: forward, then backward, on a compiled backend.
 int train(const Options &o, std::ostream &out, Progress &progress, bool &working) {
   TrainingTask task = training_task(o);
@@ -537,11 +564,25 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
   Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/true, &auto_note, working);
   if (o.recompute)
     schedule.recompute(true);
+  user_check(o.ranks == 1 || backend == "cuda")
+      << "--ranks " << o.ranks << " spreads the experts over GPUs: it "
+      << "needs the CUDA backend" << (no_gpu.empty() ? "" : " (" + no_gpu + ")");
   working = true; // the arguments hold together: from here on, errors are the layer's
   progress.phase("generating the inputs");
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
-  progress.phase("compiling and training one step on " + backend);
-  BackendTraining run = train_on_backend(backend, task, o.shape, inputs, schedule);
+  std::vector<std::string> rank_lines;
+  BackendTraining run;
+  if (o.ranks > 1) {
+#if MOEFORGE_HAVE_NCCL
+    progress.phase("compiling and training one step on " + std::to_string(o.ranks) + " GPUs");
+    run = cli_train_on_gpus(task, o.shape, inputs, schedule, o.ranks, &rank_lines);
+#else
+    user_error << "--ranks: this build has no NCCL (nccl.h was not in the CUDA toolkit when it was configured)";
+#endif
+  } else {
+    progress.phase("compiling and training one step on " + backend);
+    run = train_on_backend(backend, task, o.shape, inputs, schedule);
+  }
   progress.finish();
   const TrainingProgram &t = run.training;
 
@@ -566,6 +607,10 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
     print_routing(out, name, r);
   out << "forward   " << std::fixed << std::setprecision(3) << run.forward_ms << " ms\n";
   out << "backward  " << run.backward_ms << " ms\n" << std::defaultfloat;
+  for (const std::string &line : rank_lines)
+    out << line << "\n";
+  if (o.ranks > 1) // each rank keeps its own activations: no one layer's
+    return finish_training(o, out, progress, run, task, inputs, schedule);
   // The activation memory: what the forward keeps for the backward.
   ProgramShapes shapes(t.program, o.shape.tokens);
   int64_t tables = run.saved_bytes;
@@ -585,21 +630,7 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
       out << " " << n;
     out << " (made again by the backward)\n";
   }
-  out << std::setprecision(9);
-  for (size_t k = 1; k < t.outputs.size(); ++k) // the losses' values
-    if (const HostTensor &l = run.values.at(t.outputs[k]); l.size() == 1)
-      out << "loss      " << t.outputs[k] << " = " << l.data[0] << "\n";
-  for (const std::string &n : t.outputs)
-    out << "checksum  " << n << ": " << run.values.at(n).checksum() << "\n";
-  for (const std::string &g : t.gradients)
-    out << "checksum  " << g << ": " << run.values.at(g).checksum() << "\n";
-  out << std::setprecision(6);
-  if (!o.check)
-    return 0;
-  progress.phase("checking against the float64 reference");
-  const bool ok = check_training(out, run, task, inputs, schedule);
-  progress.finish();
-  return ok ? 0 : 1;
+  return finish_training(o, out, progress, run, task, inputs, schedule);
 }
 
 int run(const Options &o, std::ostream &out, Progress &progress, bool &working) {

@@ -1,9 +1,14 @@
 // The CLI's CUDA backend (built with MOEFORGE_HAVE_CUDA).
+#include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <sstream>
 
 #include "backends/cuda/codegen_cuda.h"
 #include "backends/cuda/compile_cache.h"
+#if MOEFORGE_HAVE_NCCL
+#include "backends/cuda/expert_parallel_layer.h"
+#endif
 #include "backends/cuda/gemm_plan.h"
 #include "backends/cuda/layer.h"
 #include "backends/cuda/nvrtc_compiler.h"
@@ -151,5 +156,138 @@ BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &s
   collect_training(run, compiled.training, layer, shape.tokens);
   return run;
 }
+
+#if MOEFORGE_HAVE_NCCL
+namespace {
+// Rows [begin, end) of a [rows, ...] tensor.
+HostTensor rows_of(const HostTensor &t, int64_t begin, int64_t end) {
+  HostTensor s = t;
+  s.shape[0] = end - begin;
+  const int64_t w = t.size() / t.shape[0];
+  s.data.assign(t.data.begin() + begin * w, t.data.begin() + end * w);
+  return s;
+}
+
+HostTensor concat_rows(const std::vector<HostTensor> &parts) {
+  HostTensor out = parts.front();
+  for (size_t i = 1; i < parts.size(); ++i) {
+    out.shape[0] += parts[i].shape[0];
+    out.data.insert(out.data.end(), parts[i].data.begin(), parts[i].data.end());
+  }
+  return out;
+}
+
+bool per_token(const BufferNode &b) { return !b.dims.empty() && b.dims[0].is_dynamic() && !b.dims[0].get()->base; }
+} // namespace
+
+BackendTraining cli_train_on_gpus(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
+                                  const Schedule &schedule, int ranks, std::vector<std::string> *rank_lines) {
+  const Example &ex = task.example;
+  user_check(task.outputs.size() == 1)
+      << "--ranks with --aux: an auxiliary loss over the tokens would be each rank's own, not the layer's; "
+      << "train the auxiliary losses on one GPU";
+  int count = 0;
+  MOEFORGE_CU(cuDeviceGetCount, &count);
+  user_check(count >= ranks) << "--ranks " << ranks << ": this machine has " << count
+                             << " GPU(s); give at most that many ranks";
+  user_check(shape.tokens % ranks == 0) << "--ranks " << ranks << ": --tokens " << shape.tokens
+                                        << " do not split evenly over the ranks; give a multiple of " << ranks;
+  std::string arch, name;
+  {
+    cuda::Device d(0);
+    arch = d.arch_specific();
+    name = d.name();
+  }
+  cuda::CompiledExpertParallel compiled = cuda::compile_expert_parallel(ex.pipeline, schedule, ranks, arch);
+  const TrainingProgram unsplit = lower_training(ex.pipeline, task.outputs, schedule); // what is trained, for names
+  const std::string &output = task.outputs[0].name();
+  const int64_t per = shape.tokens / ranks;
+  std::vector<int> devices(ranks);
+  for (int q = 0; q < ranks; ++q)
+    devices[q] = q;
+  std::vector<cuda::Communicator> comms = cuda::Communicator::for_devices(devices);
+  struct Rank {
+    HostTensor y;
+    TensorMap grads;
+    std::vector<int32_t> experts;
+    int64_t received = 0;
+    double forward_ms = 0, backward_ms = 0, exchange_ms = 0;
+  };
+  std::vector<Rank> got(ranks);
+  cuda::on_each_rank(devices, [&](int q) {
+    cuda::Device device(q);
+    cuda::Stream stream;
+    cuda::ExpertParallelLayer layer(device, compiled, comms[q], per);
+    TensorMap mine;
+    for (const BufferPtr &b : ex.pipeline.buffers())
+      mine[b->name] = per_token(*b) ? rows_of(inputs.at(b->name), q * per, (q + 1) * per) : inputs.at(b->name);
+    layer.upload(mine);
+    layer.upload_upstream_gradient(output, rows_of(task.upstream.at(output), q * per, (q + 1) * per));
+    layer.poison();
+    layer.time_phases(true);
+    for (int step = 0; step < 2; ++step) { // a warm-up step, then the timed one
+      layer.forward(stream);
+      layer.backward(stream);
+      stream.synchronize();
+    }
+    Rank &r = got[q];
+    for (const auto &[phase, ms] : layer.phase_ms()) {
+      (phase.rfind("forward", 0) == 0 ? r.forward_ms : r.backward_ms) += ms;
+      if (phase.find("dispatch") != std::string::npos || phase.find("return") != std::string::npos ||
+          phase.find("counts") != std::string::npos)
+        r.exchange_ms += ms;
+    }
+    r.y = layer.output(output);
+    for (const std::string &of : unsplit.of)
+      r.grads[of] = layer.gradient(of);
+    r.experts = layer.token_layer().routed_experts(compiled.split.route);
+    r.received = layer.received_rows();
+  });
+
+  BackendTraining run;
+  run.backend = "cuda on " + std::to_string(ranks) + " x " + name + " (" + arch + "), experts spread over " +
+                std::to_string(ranks) + " ranks (E / R = " + std::to_string(compiled.split.local_experts) + " each)";
+  run.training = unsplit;
+  std::vector<HostTensor> ys;
+  std::vector<int32_t> experts;
+  for (const Rank &r : got) {
+    ys.push_back(r.y);
+    experts.insert(experts.end(), r.experts.begin(), r.experts.end());
+    run.forward_ms = std::max(run.forward_ms, r.forward_ms);
+    run.backward_ms = std::max(run.backward_ms, r.backward_ms);
+  }
+  run.values[output] = concat_rows(ys);
+  const auto &params = compiled.split.expert_params;
+  for (size_t i = 0; i < unsplit.of.size(); ++i) {
+    const std::string &of = unsplit.of[i];
+    std::vector<HostTensor> parts;
+    for (const Rank &r : got)
+      parts.push_back(r.grads.at(of));
+    HostTensor g = parts.front();
+    if (per_token(*ex.pipeline.buffer(of)) || std::find(params.begin(), params.end(), of) != params.end()) {
+      g = concat_rows(parts);
+    } else { // on every rank: each holds its tokens' share
+      for (size_t q = 1; q < parts.size(); ++q)
+        for (int64_t k = 0; k < g.size(); ++k)
+          g.data[k] += parts[q].data[k];
+    }
+    run.values[unsplit.gradients[i]] = g;
+  }
+  for (const RoutingNode *r : unsplit.program.routes)
+    if (r->name == compiled.split.route)
+      run.routes[r->name] = routing_from_experts(*r, shape.tokens, experts, {});
+  for (int q = 0; q < ranks; ++q) {
+    const int64_t first = q * compiled.split.local_experts, last = first + compiled.split.local_experts - 1;
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "rank %d    GPU %d: tokens %lld, experts %lld-%lld computed %lld rows; forward %.3f ms, backward "
+                  "%.3f ms, of which exchanging rows %.3f ms",
+                  q, q, static_cast<long long>(per), static_cast<long long>(first), static_cast<long long>(last),
+                  static_cast<long long>(got[q].received), got[q].forward_ms, got[q].backward_ms, got[q].exchange_ms);
+    rank_lines->push_back(line);
+  }
+  return run;
+}
+#endif
 
 } // namespace moeforge

@@ -49,7 +49,7 @@ const std::map<std::string, const char *> kHelp = {
             "  moeforge run moe_mlp --capacity 1.0 --check\n"
             "  moeforge run swiglu_moe --tokens 4096 --d 1024 --f 2048 --schedule scattermoe --backend cuda\n"},
     {"train", "moeforge train <example> [shape flags] [--seed S] [--schedule S] [--capacity F] [--recompute]\n"
-              "                         [--aux] [--backend cpu|cuda] [--check]\n"
+              "                         [--aux] [--backend cpu|cuda] [--ranks N] [--check]\n"
               "  One training step (forward, then backward with a random upstream gradient) on a\n"
               "  compiled backend: times, what the forward keeps for the backward, and with --check\n"
               "  every output and gradient against the float64 reference of grad().\n\n" MOEFORGE_SHAPE_FLAGS
@@ -58,10 +58,14 @@ const std::map<std::string, const char *> kHelp = {
               "  --recompute     the backward recomputes activations instead of keeping them\n"
               "  --aux           with the example's auxiliary losses (load balancing, z-loss) as outputs\n"
               "  --backend B     cpu or cuda (default: the GPU when there is one, else the CPU backend)\n"
+              "  --ranks N       expert parallelism: the experts spread over GPUs 0..N-1 (E / N each),\n"
+              "                  each GPU training on --tokens / N tokens, rows moved over NCCL; prints\n"
+              "                  each rank's rows and times (default 1: one GPU, the unsplit layer)\n"
               "  --check         compare with the float64 reference (tolerance 2e-2)\n"
               "\nexamples:\n"
               "  moeforge train moe_mlp --check\n"
-              "  moeforge train swiglu_moe --aux --recompute --check\n"},
+              "  moeforge train swiglu_moe --aux --recompute --check\n"
+              "  moeforge train swiglu_moe --tokens 4096 --d 1024 --f 2048 --ranks 2 --check\n"},
     {"emit", "moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
              "  Prints what the layer compiles to: the lowered kernel program (--ir), the generated\n"
              "  CUDA C++ (--cuda), the CPU backend's LLVM IR (--llvm) or each GEMM's plan (--plan);\n"

@@ -82,7 +82,8 @@ void BM_expert_parallel(benchmark::State &state, Shape shape, bool skewed, int r
     cuda::Device d(0);
     arch = d.arch_specific();
   }
-  cuda::CompiledExpertParallel compiled = cuda::compile_expert_parallel(ex.pipeline, schedule, ranks, arch);
+  cuda::CompiledExpertParallel compiled =
+      cuda::compile_expert_parallel(ex.pipeline, Schedule(schedule).expert_parallel(ranks), arch);
   std::vector<cuda::Communicator> comms = cuda::Communicator::for_devices(devices);
   const int steps = 5;
   for (auto _ : state) {

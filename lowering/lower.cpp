@@ -1151,6 +1151,11 @@ void check_dropping(const KernelProgram &p) {
 } // namespace
 
 KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &schedule) {
+  user_check(schedule.expert_parallel_ranks() == 1)
+      << "schedule '" << schedule.name() << "': expert_parallel(" << schedule.expert_parallel_ranks()
+      << ") spreads the experts over GPUs, which one layer cannot do: compile it with "
+      << "cuda::compile_expert_parallel (moeforge train --ranks " << schedule.expert_parallel_ranks()
+      << "), or drop expert_parallel to run on one GPU";
   KernelProgram p = build_steps(pipeline, schedule);
   dump("build_steps", p);
   p = fuse_gate_into_epilogue(std::move(p), schedule);

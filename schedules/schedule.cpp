@@ -119,6 +119,25 @@ Schedule &Schedule::capacity(double factor) {
   return *this;
 }
 
+Schedule &Schedule::expert_parallel(int ranks) {
+  std::string call = "expert_parallel(" + std::to_string(ranks) + ")";
+  user_check(ranks >= 1 && ranks <= 1024)
+      << call << ": the experts spread over 1 to 1024 ranks (GPUs); 1 keeps the layer on one GPU";
+  ranks_ = ranks;
+  calls_.push_back(call);
+  return *this;
+}
+
+Schedule Schedule::on_one_rank() const {
+  Schedule s = *this;
+  s.ranks_ = 1;
+  s.calls_.clear();
+  for (const std::string &c : calls_)
+    if (c.rfind("expert_parallel(", 0) != 0)
+      s.calls_.push_back(c);
+  return s;
+}
+
 Schedule &Schedule::gate(GateFusion g) {
   std::string call = std::string("gate(") + gate_fusion_name(g) + ")";
   user_check(g == GateFusion::combine || g == GateFusion::epilogue)

@@ -126,6 +126,13 @@ public:
   // dropped are reported by the layer. Not calling it: dropless, the
   // default. Applies to every top_k route (expert choice has its own).
   Schedule &capacity(double factor);
+  // Expert parallelism: the experts spread over `ranks` GPUs (E / ranks
+  // each, ranks dividing E), each GPU routing its own tokens and moving the
+  // routed rows to their expert's GPU and back over NCCL
+  // (lowering/expert_parallel_split.h, backends/cuda/expert_parallel_layer.h).
+  // 1, the default: one GPU. A layer whose schedule spreads its experts is
+  // compiled by the expert-parallel entry point, not as one layer.
+  Schedule &expert_parallel(int ranks);
   Schedule &gate(GateFusion g);
   // Training: whether the backward recomputes the routed activations it
   // reads instead of keeping the forward's copies: those made by element-wise
@@ -220,6 +227,10 @@ public:
   int block() const { return block_; }
   // 0 when dropless.
   double capacity() const { return capacity_; }
+  int expert_parallel_ranks() const { return ranks_; }
+  // A copy that runs on one GPU (without expert_parallel): each side of an
+  // expert-parallel layer is compiled as one rank's layer under it.
+  Schedule on_one_rank() const;
   GateFusion gate() const { return gate_; }
   bool recompute() const { return recompute_; }
   bool bf16_activations() const { return bf16_activations_; }
@@ -286,6 +297,7 @@ private:
   Permutation permutation_ = Permutation::blocked;
   int block_ = 128;
   double capacity_ = 0;
+  int ranks_ = 1;
   GateFusion gate_ = GateFusion::combine;
   bool recompute_ = false;
   bool bf16_activations_ = false;

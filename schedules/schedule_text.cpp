@@ -37,6 +37,7 @@ const std::vector<Signature> &signatures() {
       {"permutation", {{"strategy", ArgType::permutation}}},
       {"block", {{"rows", ArgType::integer}}},
       {"capacity", {{"factor", ArgType::number}}},
+      {"expert_parallel", {{"ranks", ArgType::integer}}},
       {"gate", {{"fusion", ArgType::gate}}},
       {"recompute", {{"on", ArgType::boolean}}},
       {"tile", {{"func", ArgType::text}, {"m", ArgType::integer}, {"n", ArgType::integer}, {"k", ArgType::integer}}},
@@ -318,6 +319,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.block(i(0));
       } else if (st.primitive == "capacity") {
         s.capacity(numbers[0]);
+      } else if (st.primitive == "expert_parallel") {
+        s.expert_parallel(i(0));
       } else if (st.primitive == "gate") {
         s.gate(gates[0]);
       } else if (FlagSetter set = flag_setter(st.primitive)) {

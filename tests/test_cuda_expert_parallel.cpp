@@ -53,7 +53,8 @@ void check_step(const std::string &example, const Schedule &schedule, const std:
   std::mt19937_64 rng(seed + 7);
   HostTensor dy = random_tensor(in.at("x").shape, rng);
 
-  cuda::CompiledExpertParallel compiled = cuda::compile_expert_parallel(ex.pipeline, schedule, R);
+  cuda::CompiledExpertParallel compiled =
+      cuda::compile_expert_parallel(ex.pipeline, Schedule(schedule).expert_parallel(R));
   std::vector<cuda::Communicator> comms = cuda::Communicator::for_devices(devices);
   std::vector<RankStep> got(R);
   cuda::on_each_rank(devices, [&](int q) {
@@ -127,7 +128,7 @@ TEST_CASE("cuda expert parallel: both sides and the row kernels compile for sm_9
     for (const Schedule &sch : schedules(example)) {
       CAPTURE(example);
       CAPTURE(sch.to_text());
-      cuda::CompiledExpertParallel c = cuda::compile_expert_parallel(ex.pipeline, sch, 2);
+      cuda::CompiledExpertParallel c = cuda::compile_expert_parallel(ex.pipeline, Schedule(sch).expert_parallel(2));
       CHECK(!c.row_kernels.cubin.empty());
       CHECK(c.dispatch_end > 0);
       CHECK(c.dispatch_end < c.token.training.forward_steps);
@@ -141,12 +142,16 @@ TEST_CASE("cuda expert parallel: both sides and the row kernels compile for sm_9
     }
   }
   Example ex = make_example("moe_mlp", ExampleShape{256, 8, 2, 64, 128});
-  CHECK(has(testing::user_error_of([&] { cuda::compile_expert_parallel(ex.pipeline, preset("scattermoe"), 3); }),
+  CHECK(has(testing::user_error_of(
+                [&] { cuda::compile_expert_parallel(ex.pipeline, preset("scattermoe").expert_parallel(3)); }),
             "do not split evenly over 3 ranks"));
   Schedule capped = preset("scattermoe");
-  capped.capacity(1.25);
-  CHECK(has(testing::user_error_of([&] { cuda::compile_expert_parallel(ex.pipeline, capped, 2); }),
+  capped.capacity(1.25).expert_parallel(2);
+  CHECK(has(testing::user_error_of([&] { cuda::compile_expert_parallel(ex.pipeline, capped); }),
             "capacity factor with the experts spread over ranks"));
+  // One layer refuses a schedule that spreads its experts, on every backend.
+  CHECK(has(testing::user_error_of([&] { cuda::compile_layer(ex.pipeline, preset("scattermoe").expert_parallel(2)); }),
+            "compile it with cuda::compile_expert_parallel"));
 }
 
 TEST_SUITE("gpu") {

@@ -10,6 +10,8 @@
 #include "dsl/ops.h"
 #include "examples/examples.h"
 #include "expert_parallel_emulation.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
 #include "user_error.h"
 
 using namespace moeforge;
@@ -193,4 +195,25 @@ TEST_CASE("expert parallel split: layers it cannot split are user errors that sa
     y(t, i) = combine(route, t, route.gate(r) * x(route.token(r), i));
     CHECK(has(user_error_of([&] { split_expert_parallel(Pipeline({y}), 2); }), "nothing to spread"));
   }
+}
+
+TEST_CASE("expert parallel split: the schedule's expert_parallel(ranks)") {
+  Schedule s = Schedule("ep").permutation(Permutation::scattered).expert_parallel(4);
+  CHECK(s.expert_parallel_ranks() == 4);
+  const std::string text = s.to_text();
+  CHECK(has(text, "expert_parallel(4)"));
+  Schedule again = Schedule::from_text(text);
+  CHECK(again.expert_parallel_ranks() == 4);
+  CHECK(again.to_text() == text);
+  // Each side of the split runs under the rest of the schedule, on one rank.
+  Schedule one = s.on_one_rank();
+  CHECK(one.expert_parallel_ranks() == 1);
+  CHECK(!has(one.to_text(), "expert_parallel"));
+  CHECK(has(one.to_text(), "permutation(scattered)"));
+  CHECK(has(user_error_of([] { Schedule().expert_parallel(0); }), "expert_parallel(0): the experts spread over 1 to"));
+  // One layer (any backend: the check is in lowering) refuses to spread its experts.
+  Example ex = make_example("moe_mlp", ExampleShape{16, 8, 2, 16, 24});
+  CHECK(has(user_error_of([&] { lower(ex.pipeline, s); }), "compile it with cuda::compile_expert_parallel"));
+  CHECK(has(user_error_of([&] { lower_training(ex.pipeline, ex.pipeline.func("y"), s); }),
+            "expert_parallel(4) spreads the experts over GPUs"));
 }

@@ -564,18 +564,21 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
   Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/true, &auto_note, working);
   if (o.recompute)
     schedule.recompute(true);
-  user_check(o.ranks == 1 || backend == "cuda")
-      << "--ranks " << o.ranks << " spreads the experts over GPUs: it "
+  if (o.ranks > 1)
+    schedule.expert_parallel(o.ranks);
+  const int ranks = schedule.expert_parallel_ranks(); // --ranks, or the schedule file's expert_parallel
+  user_check(ranks == 1 || backend == "cuda")
+      << "--ranks " << ranks << " spreads the experts over GPUs: it "
       << "needs the CUDA backend" << (no_gpu.empty() ? "" : " (" + no_gpu + ")");
   working = true; // the arguments hold together: from here on, errors are the layer's
   progress.phase("generating the inputs");
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
   std::vector<std::string> rank_lines;
   BackendTraining run;
-  if (o.ranks > 1) {
+  if (ranks > 1) {
 #if MOEFORGE_HAVE_NCCL
-    progress.phase("compiling and training one step on " + std::to_string(o.ranks) + " GPUs");
-    run = cli_train_on_gpus(task, o.shape, inputs, schedule, o.ranks, &rank_lines);
+    progress.phase("compiling and training one step on " + std::to_string(ranks) + " GPUs");
+    run = cli_train_on_gpus(task, o.shape, inputs, schedule, &rank_lines);
 #else
     user_error << "--ranks: this build has no NCCL (nccl.h was not in the CUDA toolkit when it was configured)";
 #endif
@@ -609,7 +612,7 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
   out << "backward  " << run.backward_ms << " ms\n" << std::defaultfloat;
   for (const std::string &line : rank_lines)
     out << line << "\n";
-  if (o.ranks > 1) // each rank keeps its own activations: no one layer's
+  if (ranks > 1) // each rank keeps its own activations: no one layer's
     return finish_training(o, out, progress, run, task, inputs, schedule);
   // The activation memory: what the forward keeps for the backward.
   ProgramShapes shapes(t.program, o.shape.tokens);

@@ -92,8 +92,8 @@ BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const Te
                           const Schedule &schedule, bool every_func);
 BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
                                  const Schedule &schedule);
-// `train --ranks N`: one training step with the experts spread over GPUs
-// 0..N-1 of this machine (backends/cuda/expert_parallel_layer.h), each rank
+// `train --ranks N` (a schedule with expert_parallel(N)): one training step
+// with the experts spread over GPUs 0..N-1 of this machine (backends/cuda/expert_parallel_layer.h), each rank
 // training on its share of the tokens. The values are assembled as the
 // unsplit layer's (outputs and token gradients in token order, each
 // expert's gradient from its owner, the replicated weights' gradients
@@ -101,7 +101,7 @@ BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &s
 // reference; `rank_lines` gets a line per rank (its tokens, the rows its
 // experts computed, its times). Built with NCCL (MOEFORGE_HAVE_NCCL).
 BackendTraining cli_train_on_gpus(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
-                                  const Schedule &schedule, int ranks, std::vector<std::string> *rank_lines);
+                                  const Schedule &schedule, std::vector<std::string> *rank_lines);
 std::string cli_cuda_source(const Example &ex, const Schedule &schedule, bool training);
 // Each GEMM's plan on the CUDA backend (gemm_plan.h): of the forward, or
 // with `training` of the training step's forward and backward.

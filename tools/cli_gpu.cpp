@@ -181,8 +181,9 @@ bool per_token(const BufferNode &b) { return !b.dims.empty() && b.dims[0].is_dyn
 } // namespace
 
 BackendTraining cli_train_on_gpus(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
-                                  const Schedule &schedule, int ranks, std::vector<std::string> *rank_lines) {
+                                  const Schedule &schedule, std::vector<std::string> *rank_lines) {
   const Example &ex = task.example;
+  const int ranks = schedule.expert_parallel_ranks();
   user_check(task.outputs.size() == 1)
       << "--ranks with --aux: an auxiliary loss over the tokens would be each rank's own, not the layer's; "
       << "train the auxiliary losses on one GPU";
@@ -198,8 +199,8 @@ BackendTraining cli_train_on_gpus(const TrainingTask &task, const ExampleShape &
     arch = d.arch_specific();
     name = d.name();
   }
-  cuda::CompiledExpertParallel compiled = cuda::compile_expert_parallel(ex.pipeline, schedule, ranks, arch);
-  const TrainingProgram unsplit = lower_training(ex.pipeline, task.outputs, schedule); // what is trained, for names
+  cuda::CompiledExpertParallel compiled = cuda::compile_expert_parallel(ex.pipeline, schedule, arch);
+  const TrainingProgram unsplit = lower_training(ex.pipeline, task.outputs, schedule.on_one_rank()); // for names
   const std::string &output = task.outputs[0].name();
   const int64_t per = shape.tokens / ranks;
   std::vector<int> devices(ranks);

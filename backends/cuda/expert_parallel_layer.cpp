@@ -33,8 +33,10 @@ size_t row_bytes(const KernelProgram &p, const std::string &name, int64_t width)
 
 } // namespace
 
-CompiledExpertParallel compile_expert_parallel(const Pipeline &pipeline, const Schedule &schedule, int ranks,
+CompiledExpertParallel compile_expert_parallel(const Pipeline &pipeline, const Schedule &spread,
                                                const std::string &arch) {
+  const int ranks = spread.expert_parallel_ranks();
+  const Schedule schedule = spread.on_one_rank(); // what each side runs under
   user_check(schedule.capacity() == 0)
       << "expert_parallel: a capacity factor with the experts spread over ranks is not built yet; train dropless "
       << "(no capacity) across ranks, or on one GPU with the capacity";

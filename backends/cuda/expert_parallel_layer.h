@@ -46,10 +46,11 @@ struct CompiledExpertParallel {
   CompileResult row_kernels; // device/expert_parallel.cuh
 };
 
-// Splits `pipeline` for `ranks` ranks and compiles both sides' training
-// programs under `schedule` (the expert side keeps the Func names, so the
-// schedule's choices for the expert GEMMs apply there). Needs no GPU.
-CompiledExpertParallel compile_expert_parallel(const Pipeline &pipeline, const Schedule &schedule, int ranks,
+// Splits `pipeline` for the schedule's expert_parallel(ranks) and compiles
+// both sides' training programs under the rest of it (the expert side keeps
+// the Func names, so the schedule's choices for the expert GEMMs apply
+// there). Needs no GPU.
+CompiledExpertParallel compile_expert_parallel(const Pipeline &pipeline, const Schedule &schedule,
                                                const std::string &arch = "sm_90a");
 
 class ExpertParallelLayer {

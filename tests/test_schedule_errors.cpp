@@ -115,8 +115,10 @@ TEST_SUITE("schedule") {
   TEST_CASE("schedule errors: from_text names the source and line and what was expected") {
     auto parse = [](const std::string &text) { return error_of([&] { Schedule::from_text(text, "s.txt"); }); };
     std::string m = parse("block(128)\ntiles(\"h\", 64, 64, 32)\n");
-    CHECK_HAS(m, "s.txt:2: unknown primitive 'tiles': expected one of schedule, permutation, block, capacity, gate, "
-                 "recompute, tile");
+    CHECK_HAS(
+        m,
+        "s.txt:2: unknown primitive 'tiles': expected one of schedule, permutation, block, capacity, expert_parallel, "
+        "gate, recompute, tile");
     m = parse("block 128\n");
     CHECK_HAS(m, "s.txt:1: expected '(' after 'block', found '128'");
     m = parse("\n(128)\n");

@@ -5,20 +5,26 @@
 // Beside it, in the same process, one GPU doing the same work: the unsplit
 // layer over all R ranks' tokens (CUDA graphs, as bench_moe_train times it).
 //
-//   ep/<shape>/<routing>/ranks:<R>   step_ms  one_gpu_ms  tokens_per_s  one_gpu_tokens_per_s
-//                                    speedup  exchange_ms  exchange_share  counts_ms
+//   ep/<shape>/<routing>/ranks:<R>   step_ms  serial_ms  hidden_ms  one_gpu_ms  tokens_per_s
+//                                    one_gpu_tokens_per_s  speedup  exchange_ms  exchange_share
+//                                    exposed_ms  counts_ms  rows_rank<q>
 //
-// step_ms: the slowest rank's forward + backward (they wait for each other);
-// exchange_ms: its dispatches and returns, forward and backward, and
-// counts_ms its counts' exchange with the host synchronisation; both
-// medians of 5 steps. speedup: one GPU's step over the R ranks' step for
-// the same tokens.
+// step_ms: the slowest rank's forward + backward (they wait for each other)
+// with the backward's row moves overlapped (the layer's default);
+// serial_ms: the same with every row move in step order, and hidden_ms the
+// difference, the time the overlap hides. exchange_ms: the serial step's
+// dispatches and returns, forward and backward (including any wait for the
+// other rank), exchange_share its share of the serial step; exposed_ms: the
+// overlapped step's time spent waiting for rows; counts_ms: the counts'
+// exchange with its host synchronisation. Medians of 5 steps each.
+// speedup: one GPU's step over the R ranks' step for the same tokens.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <mutex>
 #include <random>
+#include <tuple>
 
 #include "backends/cuda/expert_parallel_layer.h"
 #include "benchmarks/moe_shapes.h"
@@ -59,11 +65,39 @@ double one_gpu_step_ms(const Example &ex, const ExampleShape &es, const Schedule
   });
 }
 
+// One rank's steps, with its row moves in step order (serial) or on a second
+// stream beside the compute (overlap).
 struct RankTimes {
   std::vector<double> step_ms, exchange_ms, counts_ms;
-  int64_t received = 0;
   std::vector<std::pair<std::string, double>> phases; // the last step's
 };
+
+struct Rank {
+  RankTimes serial, overlap;
+  int64_t received = 0;
+};
+
+// `steps` timed steps of `layer` into `t` (exchange: the phases named for
+// the row moves, which with overlap are the waits for them).
+void time_steps(cuda::ExpertParallelLayer &layer, const cuda::Stream &stream, int steps, RankTimes &t) {
+  for (int i = 0; i < steps; ++i) {
+    layer.forward(stream);
+    layer.backward(stream);
+    stream.synchronize();
+    double total = 0, exchange = 0, counts = 0;
+    for (const auto &[phase, ms] : layer.phase_ms()) {
+      total += ms;
+      if (phase.find("dispatch") != std::string::npos || phase.find("return") != std::string::npos)
+        exchange += ms;
+      if (phase.find("counts") != std::string::npos)
+        counts += ms;
+    }
+    t.step_ms.push_back(total);
+    t.exchange_ms.push_back(exchange);
+    t.counts_ms.push_back(counts);
+    t.phases = layer.phase_ms();
+  }
+}
 
 void BM_expert_parallel(benchmark::State &state, Shape shape, bool skewed, int ranks) {
   std::string why;
@@ -87,7 +121,7 @@ void BM_expert_parallel(benchmark::State &state, Shape shape, bool skewed, int r
   std::vector<cuda::Communicator> comms = cuda::Communicator::for_devices(devices);
   const int steps = 5;
   for (auto _ : state) {
-    std::vector<RankTimes> times(ranks);
+    std::vector<Rank> times(ranks);
     cuda::on_each_rank(devices, [&](int q) {
       cuda::Device device(devices[q]);
       cuda::Stream stream;
@@ -103,51 +137,45 @@ void BM_expert_parallel(benchmark::State &state, Shape shape, bool skewed, int r
       }
       stream.synchronize();
       bench::cooldown();
-      RankTimes &t = times[q];
-      for (int i = 0; i < steps; ++i) {
-        layer.forward(stream);
-        layer.backward(stream);
-        stream.synchronize();
-        double total = 0, exchange = 0, counts = 0;
-        for (const auto &[phase, ms] : layer.phase_ms()) {
-          total += ms;
-          if (phase.find("dispatch") != std::string::npos || phase.find("return") != std::string::npos)
-            exchange += ms;
-          if (phase.find("counts") != std::string::npos)
-            counts += ms;
-        }
-        t.step_ms.push_back(total);
-        t.exchange_ms.push_back(exchange);
-        t.counts_ms.push_back(counts);
-        t.phases = layer.phase_ms();
-      }
-      t.received = layer.received_rows();
+      layer.overlap(false);
+      time_steps(layer, stream, steps, times[q].serial);
+      layer.overlap(true);
+      time_steps(layer, stream, steps, times[q].overlap);
+      times[q].received = layer.received_rows();
     });
     // The ranks wait for each other at every exchange: the step is the slowest's.
-    size_t slowest = 0;
-    for (size_t q = 1; q < times.size(); ++q)
-      if (median(times[q].step_ms) > median(times[slowest].step_ms))
-        slowest = q;
-    const RankTimes &s = times[slowest];
-    const double step = median(s.step_ms);
+    auto slowest = [&](RankTimes Rank::*mode) {
+      size_t s = 0;
+      for (size_t q = 1; q < times.size(); ++q)
+        if (median((times[q].*mode).step_ms) > median((times[s].*mode).step_ms))
+          s = q;
+      return s;
+    };
+    const size_t so = slowest(&Rank::overlap), ss = slowest(&Rank::serial);
+    const RankTimes &on = times[so].overlap, &off = times[ss].serial;
+    const double step = median(on.step_ms), serial = median(off.step_ms);
     ExampleShape all = es;
     all.tokens = es.tokens * ranks;
     Example whole = biased_moe(all, shape.swiglu, Bias::none, shape.swiglu);
     const double one = one_gpu_step_ms(whole, all, schedule, shape, skewed);
     state.SetIterationTime(step / 1e3);
     state.counters["step_ms"] = step;
+    state.counters["serial_ms"] = serial;
+    state.counters["hidden_ms"] = serial - step;
     state.counters["one_gpu_ms"] = one;
     state.counters["tokens_per_s"] = double(all.tokens) / (step * 1e-3);
     state.counters["one_gpu_tokens_per_s"] = double(all.tokens) / (one * 1e-3);
     state.counters["speedup"] = one / step;
-    state.counters["exchange_ms"] = median(s.exchange_ms);
-    state.counters["exchange_share"] = median(s.exchange_ms) / step;
-    state.counters["counts_ms"] = median(s.counts_ms);
+    state.counters["exchange_ms"] = median(off.exchange_ms);
+    state.counters["exchange_share"] = median(off.exchange_ms) / serial;
+    state.counters["exposed_ms"] = median(on.exchange_ms);
+    state.counters["counts_ms"] = median(off.counts_ms);
     for (int q = 0; q < ranks; ++q)
       state.counters["rows_rank" + std::to_string(q)] = double(times[q].received);
-    for (const auto &[phase, ms] : s.phases)
-      std::printf("phases %s %s ranks:%d rank %zu: %-40s %8.3f ms\n", shape.name, skewed ? "skewed" : "uniform", ranks,
-                  slowest, phase.c_str(), ms);
+    for (const auto &[mode, t, r] : {std::tuple{"serial", &off, ss}, std::tuple{"overlap", &on, so}})
+      for (const auto &[phase, ms] : t->phases)
+        std::printf("phases %s %s ranks:%d %s rank %zu: %-48s %8.3f ms\n", shape.name, skewed ? "skewed" : "uniform",
+                    ranks, mode, r, phase.c_str(), ms);
   }
 }
 

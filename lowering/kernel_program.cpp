@@ -169,6 +169,30 @@ size_t defer_steps_reading(KernelProgram &p, size_t begin, size_t end, const std
   return split;
 }
 
+size_t defer_steps_not_needed_for(KernelProgram &p, size_t begin, size_t end, const std::vector<std::string> &targets) {
+  internal_check(begin <= end && end <= p.steps.size()) << "step range out of bounds";
+  std::set<std::string> wanted(targets.begin(), targets.end());
+  std::vector<bool> needed(end - begin, false);
+  for (size_t i = end; i-- > begin;) {
+    const std::vector<std::string> out = step_outputs(p.steps[i]);
+    if (std::none_of(out.begin(), out.end(), [&](const std::string &n) { return wanted.count(n); }))
+      continue;
+    needed[i - begin] = true;
+    for (const std::string &r : step_reads(p.steps[i]))
+      wanted.insert(r);
+  }
+  std::vector<Step> first, later;
+  for (size_t i = begin; i < end; ++i)
+    (needed[i - begin] ? first : later).push_back(std::move(p.steps[i]));
+  const size_t split = begin + first.size();
+  size_t at = begin;
+  for (Step &s : first)
+    p.steps[at++] = std::move(s);
+  for (Step &s : later)
+    p.steps[at++] = std::move(s);
+  return split;
+}
+
 std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
   os << "kernel program (schedule " << p.schedule_name << ")\n";
   for (const TensorDecl &t : p.tensors) {

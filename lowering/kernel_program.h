@@ -249,6 +249,14 @@ std::vector<std::string> step_outputs(const Step &s);
 // experts' results come back).
 size_t defer_steps_reading(KernelProgram &p, size_t begin, size_t end, const std::vector<std::string> &late);
 
+// Moves the steps of [begin, end) that no step writing `targets` needs
+// (directly or through other steps of the range) after those that are
+// needed, each group in its own order, and returns where the moved steps
+// start. A runtime can hand `targets` on (to another stream, another GPU)
+// while the moved steps run: an expert-parallel rank's experts send back
+// their received rows' gradients while their weight gradients compute.
+size_t defer_steps_not_needed_for(KernelProgram &p, size_t begin, size_t end, const std::vector<std::string> &targets);
+
 // Whether no step reads the rows of `tensor` that belong to pairs route r
 // drops at capacity: a padded tensor of r (a dropped pair's row is the drop
 // row, which lowering lets nothing read), or a pair-order one that is not a

@@ -41,6 +41,7 @@ void check_step(const std::string &example, const Schedule &schedule, const std:
   CAPTURE(example);
   CAPTURE(schedule.to_text());
   CAPTURE(skewed);
+  CAPTURE(overlap);
   const int R = static_cast<int>(devices.size());
   const ExampleShape s{tokens * R, 8, 2, 64, 128};
   Example ex = make_example(example, s);
@@ -61,6 +62,7 @@ void check_step(const std::string &example, const Schedule &schedule, const std:
     cuda::Device device(devices[q]);
     cuda::Stream stream;
     cuda::ExpertParallelLayer layer(device, compiled, comms[q], tokens);
+    layer.overlap(overlap);
     TensorMap mine = in;
     mine["x"] = testing::row_slice(in.at("x"), q * tokens, (q + 1) * tokens);
     layer.upload(mine);
@@ -134,6 +136,10 @@ TEST_CASE("cuda expert parallel: both sides and the row kernels compile for sm_9
       CHECK(c.dispatch_end < c.token.training.forward_steps);
       CHECK(c.backward_split > c.token.training.forward_steps);
       CHECK(c.backward_split < c.token.training.program.steps.size());
+      CHECK(c.returned_gradients_end > c.token.training.forward_steps);
+      CHECK(c.returned_gradients_end <= c.backward_split);
+      CHECK(c.row_gradients_end > c.experts.training.forward_steps);
+      CHECK(c.row_gradients_end < c.experts.training.program.steps.size()); // the weight gradients come after
       // The expert side runs the layer's expert GEMMs and nothing of the router.
       std::ostringstream os;
       os << c.experts.training.program;
@@ -168,6 +174,7 @@ TEST_SUITE("gpu") {
         check_step(example, sch, {0}, 1, false, 42); // one token
       }
     check_step("moe_mlp", preset("scattermoe"), {0}, 257, true, 43); // skewed, expert 5 empty
+    check_step("moe_mlp", preset("megablocks"), {0}, 300, false, 44, /*overlap=*/false);
   }
 
   TEST_CASE("cuda expert parallel: two GPUs train as the unsplit layer, uniform and skewed, an empty expert") {
@@ -189,6 +196,8 @@ TEST_SUITE("gpu") {
         check_step(example, sch, {0, 1}, 300, true, 52);
       }
     check_step("moe_mlp", preset("scattermoe"), {0, 1}, 1, false, 53); // a token per rank
+    // The backward's row moves in step order, on the caller's stream alone.
+    check_step("swiglu_moe", bench::tuned_wide(true), {0, 1}, 300, true, 54, /*overlap=*/false);
   }
 }
 

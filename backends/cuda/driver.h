@@ -60,6 +60,7 @@ namespace moeforge::cuda {
   X(cuStreamCreate)                                                                                                    \
   X(cuStreamDestroy)                                                                                                   \
   X(cuStreamSynchronize)                                                                                               \
+  X(cuStreamWaitEvent)                                                                                                 \
   X(cuStreamBeginCapture)                                                                                              \
   X(cuStreamIsCapturing)                                                                                               \
   X(cuStreamEndCapture)                                                                                                \

@@ -58,13 +58,22 @@ CompiledExpertParallel compile_expert_parallel(const Pipeline &pipeline, const S
   for (const auto &x : s.dispatched)
     user_check(written_in(t.program, x.token_side, 0, c.dispatch_end))
         << "expert_parallel: the rows '" << x.token_side << "' that go to the experts need what the experts return";
-  for (const auto &x : s.returned)
+  std::vector<std::string> returned_gradients;
+  for (const auto &x : s.returned) {
     internal_check(written_in(t.program, t.gradient_of(x.token_side), t.forward_steps, c.backward_split))
         << "the gradient of the returned rows '" << x.token_side << "' waits for the experts' gradients";
+    returned_gradients.push_back(t.gradient_of(x.token_side));
+  }
+  c.returned_gradients_end =
+      defer_steps_not_needed_for(t.program, t.forward_steps, c.backward_split, returned_gradients);
 
   const Pipeline expert_algebra = training_algebra(s.expert_pipeline(), s.expert_outputs).pipeline;
   check_vector_alignment(expert_algebra);
   TrainingProgram e = lower_training(s.expert_pipeline(), s.expert_outputs, schedule.only_funcs_of(expert_algebra));
+  std::vector<std::string> row_gradients;
+  for (const auto &x : s.dispatched)
+    row_gradients.push_back(e.gradient_of(x.expert_side));
+  c.row_gradients_end = defer_steps_not_needed_for(e.program, e.forward_steps, e.program.steps.size(), row_gradients);
   c.token.layer = compile_program(t.program, arch);
   c.token.training = std::move(t);
   c.experts.layer = compile_program(e.program, arch);
@@ -258,34 +267,63 @@ void ExpertParallelLayer::backward(const Stream &stream) {
   user_check(forward_ran_) << "expert parallel layer: backward() before forward()";
   const CompiledExpertParallel &c = compiled_;
   const TrainingProgram &tt = c.token.training, &et = c.experts.training;
+  // Without overlap the rows move on `stream` itself, in step order.
+  const Stream &comm = overlap_ ? moves_ : stream;
   mark("backward start", stream);
-  token_.enqueue(stream, tt.forward_steps, c.backward_split);
+  token_.enqueue(stream, tt.forward_steps, c.returned_gradients_end);
   mark("backward: token side to the rows out", stream);
+  if (overlap_) {
+    rows_out_ready_.record(stream);
+    comm.wait(rows_out_ready_);
+  }
   for (const auto &x : c.split.returned) {
     const std::string &grad = tt.gradient_of(x.token_side), &seed = seed_of(et, x.expert_side);
     const size_t bytes = row_bytes(tt.program, grad, x.width);
     internal_check(bytes == row_bytes(et.program, seed, x.width)) << "'" << grad << "' changes type";
-    pack(token_.address(grad), tt.program.tensor(grad).layout == RowLayout::padded, out_rows_.ptr(), bytes, stream);
-    exchange_.dispatch(out_rows_.ptr(), experts_.address(seed), bytes, sizes_, stream);
+    pack(token_.address(grad), tt.program.tensor(grad).layout == RowLayout::padded, out_rows_.ptr(), bytes, comm);
+    exchange_.dispatch(out_rows_.ptr(), experts_.address(seed), bytes, sizes_, comm);
   }
-  mark("backward: dispatch", stream);
+  if (!overlap_)
+    mark("backward: dispatch", stream);
+  // The router's backward, while the rows go out.
+  token_.enqueue(stream, c.returned_gradients_end, c.backward_split);
+  mark("backward: router", stream);
+  if (overlap_) {
+    rows_out_.record(comm);
+    stream.wait(rows_out_);
+    mark("backward: dispatch (waiting)", stream);
+  }
   if (received_ > 0) {
-    experts_.enqueue(stream, et.forward_steps, et.program.steps.size());
+    experts_.enqueue(stream, et.forward_steps, c.row_gradients_end);
   } else {
     // No rows: this rank's experts' weight gradients are zero, as one GPU's.
     for (const std::string &w : c.split.expert_params)
       MOEFORGE_CU(cuMemsetD8Async, experts_.address(et.gradient_of(w)), 0, experts_.info(et.gradient_of(w)).bytes,
                   stream.handle());
   }
-  mark("backward: experts", stream);
+  mark("backward: experts' row gradients", stream);
+  if (overlap_) {
+    rows_back_ready_.record(stream);
+    comm.wait(rows_back_ready_);
+  }
   for (const auto &x : c.split.dispatched) {
     const std::string &grad = et.gradient_of(x.expert_side), &seed = seed_of(tt, x.token_side);
     const size_t bytes = row_bytes(et.program, grad, x.width);
     internal_check(bytes == row_bytes(tt.program, seed, x.width)) << "'" << grad << "' changes type";
-    exchange_.give_back(experts_.address(grad), back_rows_.ptr(), bytes, sizes_, stream);
-    unpack(back_rows_.ptr(), token_.address(seed), bytes, stream);
+    exchange_.give_back(experts_.address(grad), back_rows_.ptr(), bytes, sizes_, comm);
+    unpack(back_rows_.ptr(), token_.address(seed), bytes, comm);
   }
-  mark("backward: return", stream);
+  if (!overlap_)
+    mark("backward: return", stream);
+  // The experts' weight gradients, while the rows go back.
+  if (received_ > 0)
+    experts_.enqueue(stream, c.row_gradients_end, et.program.steps.size());
+  mark("backward: experts' weight gradients", stream);
+  if (overlap_) {
+    rows_back_.record(comm);
+    stream.wait(rows_back_);
+    mark("backward: return (waiting)", stream);
+  }
   token_.enqueue(stream, c.backward_split, tt.program.steps.size());
   mark("backward: token side", stream);
 }

@@ -40,9 +40,16 @@ struct CompiledExpertParallel {
   // Token forward steps [0, dispatch_end) write the rows that go out; the
   // rest read the rows that come back.
   size_t dispatch_end = 0;
-  // Token backward steps [forward_steps, backward_split) write the returned
-  // rows' gradients; the rest read the dispatched rows' gradients.
+  // Token backward steps [forward_steps, backward_split) do not need the
+  // dispatched rows' gradients (the rest read them); of those, [forward_steps,
+  // returned_gradients_end) make the returned rows' gradients (gate * dy) and
+  // the others (the router's backward) can run while those rows travel.
   size_t backward_split = 0;
+  size_t returned_gradients_end = 0;
+  // Expert backward steps [forward_steps, row_gradients_end) make the
+  // received rows' gradients; the rest (the weight gradients) can run while
+  // those rows travel back.
+  size_t row_gradients_end = 0;
   CompileResult row_kernels; // device/expert_parallel.cuh
 };
 
@@ -75,8 +82,13 @@ public:
   void poison();
   // A collective: every rank calls it. Synchronises `stream` once.
   void forward(const Stream &stream);
-  // A collective, after forward(); no host synchronisation.
+  // A collective, after forward(); no host synchronisation. With overlap
+  // (the default) the rows move on a second stream of the layer's own: the
+  // gradients of the returned rows go out while the router's backward runs,
+  // and the received rows' gradients come back while the experts' weight
+  // gradients compute; `stream` waits for them where they are read.
   void backward(const Stream &stream);
+  void overlap(bool on) { overlap_ = on; }
 
   // A token-side forward output ("y"). Synchronises.
   HostTensor output(const std::string &name) const;
@@ -118,7 +130,10 @@ private:
   int64_t received_ = 0;
   bool forward_ran_ = false;
   bool timing_ = false;
-  std::vector<std::pair<std::string, Event>> marks_; // the step's phase ends, the first its start
+  bool overlap_ = true;
+  Stream moves_;                                                  // the backward's row moves, with overlap
+  Event rows_out_ready_, rows_out_, rows_back_ready_, rows_back_; // the two streams' hand-offs
+  std::vector<std::pair<std::string, Event>> marks_;              // the step's phase ends, the first its start
   int sm_count_;
 };
 

@@ -31,6 +31,8 @@ Stream &Stream::operator=(Stream &&other) noexcept {
   return *this;
 }
 
+void Stream::wait(const Event &event) const { MOEFORGE_CU(cuStreamWaitEvent, stream_, event.handle(), 0); }
+
 void Stream::synchronize() const { MOEFORGE_CU(cuStreamSynchronize, stream_); }
 
 Event::Event() { MOEFORGE_CU(cuEventCreate, &event_, CU_EVENT_DEFAULT); }

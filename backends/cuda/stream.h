@@ -29,6 +29,9 @@ public:
   CUstream handle() const { return stream_; }
   // Waits for all work queued so far; a kernel fault surfaces here.
   void synchronize() const;
+  // Work queued here after this call starts once `event`'s point in its own
+  // stream is reached (no host synchronisation).
+  void wait(const class Event &event) const;
 
 private:
   explicit Stream(std::nullptr_t) {} // no stream yet (borrow fills it in)

@@ -37,7 +37,7 @@ struct RankStep {
 // One training step of `example` over `devices` (rank q on devices[q]) with
 // `tokens` tokens per rank, compared with the reference of the unsplit layer.
 void check_step(const std::string &example, const Schedule &schedule, const std::vector<int> &devices, int64_t tokens,
-                bool skewed, uint64_t seed) {
+                bool skewed, uint64_t seed, bool overlap = true) {
   CAPTURE(example);
   CAPTURE(schedule.to_text());
   CAPTURE(skewed);

@@ -8,6 +8,7 @@
 
 #if MOEFORGE_HAVE_NCCL
 
+#include <cmath>
 #include <random>
 
 #include "backends/cuda/expert_parallel_layer.h"
@@ -46,11 +47,16 @@ void check_step(const std::string &example, const Schedule &schedule, const std:
   const ExampleShape s{tokens * R, 8, 2, 64, 128};
   Example ex = make_example(example, s);
   TensorMap in = ex.random_inputs(s, seed);
-  if (skewed) // a router that favours expert 0 (rank 0's) and never picks expert 5
+  if (skewed) { // a router that favours expert 0 (rank 0's) and never picks expert 5
+    // Rows of positive values, so that a weight column of one sign moves
+    // every token's logit the same way (all values stay bf16-exact).
+    for (double &v : in["x"].data)
+      v = std::fabs(v);
     for (int64_t i = 0; i < s.d; ++i) {
-      in["wr"].at({i, 0}) += 0.5;
-      in["wr"].at({i, 5}) = -4.0;
+      in["wr"].at({i, 0}) = 0.125;
+      in["wr"].at({i, 5}) = -0.5;
     }
+  }
   std::mt19937_64 rng(seed + 7);
   HostTensor dy = random_tensor(in.at("x").shape, rng);
 

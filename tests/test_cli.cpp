@@ -776,12 +776,14 @@ TEST_CASE("cli: hostile command lines end in exit 2 and a message that says what
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("cli: train --ranks is checked before anything runs") {
+TEST_CASE("cli: run and train --ranks are checked before anything runs") {
   check_usage_error({"train", "moe_mlp", "--ranks", "0"}, {"--ranks must be between 1 and 64"});
+  check_usage_error({"run", "moe_mlp", "--ranks", "65"}, {"--ranks must be between 1 and 64"});
   check_usage_error({"train", "moe_mlp", "--ranks", "two"}, {"--ranks needs an integer, got 'two'"});
-  check_usage_error({"run", "moe_mlp", "--ranks", "2"}, {"unknown flag '--ranks' for 'run'"});
+  check_usage_error({"print", "moe_mlp", "--ranks", "2"}, {"unknown flag '--ranks' for 'print'"});
 #if MOEFORGE_HAVE_CPU_BACKEND
   // Only the CUDA backend spreads the experts over GPUs.
   check_usage_error({"train", "moe_mlp", "--ranks", "2", "--backend", "cpu"}, {"it needs the CUDA backend"});
+  check_usage_error({"run", "moe_mlp", "--ranks", "2", "--backend", "cpu"}, {"it needs the CUDA backend"});
 #endif
 }

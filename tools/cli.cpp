@@ -36,7 +36,7 @@ const char *kUsage =
     "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
     "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
     "                               --precision f32|f64 --schedule megablocks|scattermoe|auto|<file>\n"
-    "                               --capacity F --backend reference|cpu|cuda] [--check | --check=full]\n"
+    "                               --capacity F --backend reference|cpu|cuda --ranks N] [--check | --check=full]\n"
     "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|auto|<file>]\n"
     "                                 [--capacity F] [--recompute] [--aux] [--backend cpu|cuda] [--ranks N] [--check]\n"
     "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
@@ -75,7 +75,7 @@ struct Options {
   std::string emit;             // ir, cuda, llvm or plan
   bool emit_training = false;   // emit --train: the training step's program; tune --train: the training step
   int64_t budget_seconds = 120; // tune
-  int ranks = 1;                // train: --ranks, GPUs the experts spread over (1: the unsplit layer)
+  int ranks = 1;                // run, train: --ranks, GPUs the experts spread over (1: the unsplit layer)
 };
 
 int64_t parse_int(const std::string &flag, const std::string &text) {
@@ -132,13 +132,13 @@ Options parse(const std::vector<std::string> &args) {
     // --precision, --backend and --schedule; train --seed, --backend and
     // --schedule, and --k for --topk; emit --schedule.
     bool runs = o.command == "run" || o.command == "train";
-    bool takes_value = o.command != "list" &&
-                       (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
-                        flag == "--f" || (o.command == "train" && flag == "--k") ||
-                        (runs && (flag == "--seed" || flag == "--backend" || flag == "--capacity")) ||
-                        (o.command == "train" && flag == "--ranks") || (o.command == "run" && flag == "--precision") ||
-                        ((runs || o.command == "emit" || o.command == "tune") && flag == "--schedule") ||
-                        (o.command == "tune" && (flag == "--budget-seconds" || flag == "--seed")));
+    bool takes_value =
+        o.command != "list" && (flag == "--tokens" || flag == "--experts" || flag == "--topk" || flag == "--d" ||
+                                flag == "--f" || (o.command == "train" && flag == "--k") ||
+                                (runs && (flag == "--seed" || flag == "--backend" || flag == "--capacity")) ||
+                                (runs && flag == "--ranks") || (o.command == "run" && flag == "--precision") ||
+                                ((runs || o.command == "emit" || o.command == "tune") && flag == "--schedule") ||
+                                (o.command == "tune" && (flag == "--budget-seconds" || flag == "--seed")));
     user_check(takes_value) << "unknown flag '" << flag << "' for '" << o.command << "'";
     user_check(i + 1 < args.size()) << flag << " needs a value";
     const std::string &v = args[++i];
@@ -644,9 +644,15 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
   // it against the layer.
   std::string auto_note;
   Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/false, &auto_note, working);
+  if (o.ranks > 1)
+    schedule.expert_parallel(o.ranks);
+  const int ranks = schedule.expert_parallel_ranks(); // --ranks, or the schedule file's expert_parallel
+  user_check(ranks == 1 || backend == "cuda")
+      << "--ranks " << ranks << " spreads the experts over GPUs: it "
+      << "needs the CUDA backend" << (no_gpu.empty() ? "" : " (" + no_gpu + ")");
   // A GPU run without --check never needs the inputs on the host: the
-  // backend makes the same values straight in its storage type.
-  const bool host_inputs = backend != "cuda" || o.check;
+  // backend makes the same values straight in its storage type (one GPU's).
+  const bool host_inputs = backend != "cuda" || o.check || ranks > 1;
   check_host_memory(ex, o.shape, /*as_doubles=*/host_inputs);
   working = true; // the arguments hold together: from here on, errors are the layer's
   TensorMap inputs;
@@ -669,8 +675,18 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
 
   if (backend != "reference") {
     progress.phase(std::string(host_inputs ? "" : "generating the inputs, ") + "compiling and running on " + backend);
-    BackendRun run = run_backend(backend, ex, o.shape, host_inputs ? &inputs : nullptr, o.seed, schedule,
-                                 /*every_func=*/o.check);
+    std::vector<std::string> rank_lines;
+    BackendRun run;
+    if (ranks > 1) {
+#if MOEFORGE_HAVE_NCCL
+      run = cli_run_on_gpus(ex, o.shape, inputs, schedule, &rank_lines);
+#else
+      user_error << "--ranks: this build has no NCCL (nccl.h was not in the CUDA toolkit when it was configured)";
+#endif
+    } else {
+      run = run_backend(backend, ex, o.shape, host_inputs ? &inputs : nullptr, o.seed, schedule,
+                        /*every_func=*/o.check);
+    }
     progress.finish();
     out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'" << tiles_only(ex)
         << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
@@ -679,6 +695,8 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
     for (const auto &[name, r] : run.routes)
       print_routing(out, name, r);
     print_time_and_checksum(out, run.ms, ex.output, run.values.at(ex.output));
+    for (const std::string &line : rank_lines)
+      out << line << "\n";
     if (!o.check)
       return 0;
     // The reference on a sample of the tokens where the layer allows it: its

@@ -100,6 +100,9 @@ BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &s
 // summed over the ranks), so that --check compares them with the
 // reference; `rank_lines` gets a line per rank (its tokens, the rows its
 // experts computed, its times). Built with NCCL (MOEFORGE_HAVE_NCCL).
+// `run --ranks N`: the forward alone, likewise (the output in token order).
+BackendRun cli_run_on_gpus(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                           const Schedule &schedule, std::vector<std::string> *rank_lines);
 BackendTraining cli_train_on_gpus(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
                                   const Schedule &schedule, std::vector<std::string> *rank_lines);
 std::string cli_cuda_source(const Example &ex, const Schedule &schedule, bool training);

@@ -178,91 +178,158 @@ HostTensor concat_rows(const std::vector<HostTensor> &parts) {
 }
 
 bool per_token(const BufferNode &b) { return !b.dims.empty() && b.dims[0].is_dynamic() && !b.dims[0].get()->base; }
-} // namespace
 
-BackendTraining cli_train_on_gpus(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
-                                  const Schedule &schedule, std::vector<std::string> *rank_lines) {
-  const Example &ex = task.example;
+// What each rank of a step on several GPUs left (train and run --ranks).
+struct RankStep {
+  HostTensor y;
+  TensorMap grads;
+  std::vector<int32_t> experts;
+  int64_t received = 0;
+  double forward_ms = 0, backward_ms = 0, exchange_ms = 0;
+};
+
+struct RankedRun {
+  std::string backend;
+  std::vector<RankStep> ranks;
+  cuda::CompiledExpertParallel compiled;
+};
+
+// One step (the forward, and with `upstream` the backward) of `ex` with its
+// experts spread over the schedule's ranks, GPUs 0..R-1, each rank on its
+// share of the tokens; `grads_of`: the Inputs and Params whose gradients
+// each rank returns.
+RankedRun step_on_gpus(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                       const HostTensor *upstream, const Schedule &schedule, const std::vector<std::string> &grads_of) {
   const int ranks = schedule.expert_parallel_ranks();
-  user_check(task.outputs.size() == 1)
-      << "--ranks with --aux: an auxiliary loss over the tokens would be each rank's own, not the layer's; "
-      << "train the auxiliary losses on one GPU";
   int count = 0;
   MOEFORGE_CU(cuDeviceGetCount, &count);
   user_check(count >= ranks) << "--ranks " << ranks << ": this machine has " << count
                              << " GPU(s); give at most that many ranks";
   user_check(shape.tokens % ranks == 0) << "--ranks " << ranks << ": --tokens " << shape.tokens
                                         << " do not split evenly over the ranks; give a multiple of " << ranks;
+  RankedRun out;
   std::string arch, name;
   {
     cuda::Device d(0);
     arch = d.arch_specific();
     name = d.name();
   }
-  cuda::CompiledExpertParallel compiled = cuda::compile_expert_parallel(ex.pipeline, schedule, arch);
-  const TrainingProgram unsplit = lower_training(ex.pipeline, task.outputs, schedule.on_one_rank()); // for names
-  const std::string &output = task.outputs[0].name();
+  out.compiled = cuda::compile_expert_parallel(ex.pipeline, schedule, arch);
+  out.backend = "cuda on " + std::to_string(ranks) + " x " + name + " (" + arch + "), experts spread over " +
+                std::to_string(ranks) + " ranks (E / R = " + std::to_string(out.compiled.split.local_experts) +
+                " each)";
   const int64_t per = shape.tokens / ranks;
   std::vector<int> devices(ranks);
   for (int q = 0; q < ranks; ++q)
     devices[q] = q;
   std::vector<cuda::Communicator> comms = cuda::Communicator::for_devices(devices);
-  struct Rank {
-    HostTensor y;
-    TensorMap grads;
-    std::vector<int32_t> experts;
-    int64_t received = 0;
-    double forward_ms = 0, backward_ms = 0, exchange_ms = 0;
-  };
-  std::vector<Rank> got(ranks);
+  out.ranks.resize(ranks);
   cuda::on_each_rank(devices, [&](int q) {
     cuda::Device device(q);
     cuda::Stream stream;
-    cuda::ExpertParallelLayer layer(device, compiled, comms[q], per);
+    cuda::ExpertParallelLayer layer(device, out.compiled, comms[q], per);
     TensorMap mine;
     for (const BufferPtr &b : ex.pipeline.buffers())
       mine[b->name] = per_token(*b) ? rows_of(inputs.at(b->name), q * per, (q + 1) * per) : inputs.at(b->name);
     layer.upload(mine);
-    layer.upload_upstream_gradient(output, rows_of(task.upstream.at(output), q * per, (q + 1) * per));
+    if (upstream)
+      layer.upload_upstream_gradient(ex.output, rows_of(*upstream, q * per, (q + 1) * per));
     layer.poison();
     layer.time_phases(true);
     for (int step = 0; step < 2; ++step) { // a warm-up step, then the timed one
       layer.forward(stream);
-      layer.backward(stream);
+      if (upstream)
+        layer.backward(stream);
       stream.synchronize();
     }
-    Rank &r = got[q];
+    RankStep &r = out.ranks[q];
     for (const auto &[phase, ms] : layer.phase_ms()) {
       (phase.rfind("forward", 0) == 0 ? r.forward_ms : r.backward_ms) += ms;
       if (phase.find("dispatch") != std::string::npos || phase.find("return") != std::string::npos ||
           phase.find("counts") != std::string::npos)
         r.exchange_ms += ms;
     }
-    r.y = layer.output(output);
-    for (const std::string &of : unsplit.of)
+    r.y = layer.output(ex.output);
+    for (const std::string &of : grads_of)
       r.grads[of] = layer.gradient(of);
-    r.experts = layer.token_layer().routed_experts(compiled.split.route);
+    r.experts = layer.token_layer().routed_experts(out.compiled.split.route);
     r.received = layer.received_rows();
   });
+  return out;
+}
 
+std::vector<std::string> rank_report(const RankedRun &run, bool training) {
+  std::vector<std::string> lines;
+  const int64_t local = run.compiled.split.local_experts;
+  for (size_t q = 0; q < run.ranks.size(); ++q) {
+    const RankStep &r = run.ranks[q];
+    char line[256];
+    const long long first = static_cast<long long>(q) * local;
+    std::snprintf(line, sizeof line,
+                  "rank %zu    GPU %zu: tokens %lld, experts %lld-%lld computed %lld rows; forward %.3f ms", q, q,
+                  static_cast<long long>(r.y.shape[0]), first, first + local - 1, static_cast<long long>(r.received),
+                  r.forward_ms);
+    std::string text = line;
+    if (training) {
+      std::snprintf(line, sizeof line, ", backward %.3f ms", r.backward_ms);
+      text += line;
+    }
+    std::snprintf(line, sizeof line, ", of which exchanging rows %.3f ms", r.exchange_ms);
+    lines.push_back(text + line);
+  }
+  return lines;
+}
+
+// The experts every rank chose, in the order of all tokens.
+std::vector<int32_t> all_experts(const RankedRun &run) {
+  std::vector<int32_t> experts;
+  for (const RankStep &r : run.ranks)
+    experts.insert(experts.end(), r.experts.begin(), r.experts.end());
+  return experts;
+}
+} // namespace
+
+BackendRun cli_run_on_gpus(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                           const Schedule &schedule, std::vector<std::string> *rank_lines) {
+  RankedRun ranked = step_on_gpus(ex, shape, inputs, nullptr, schedule, {});
+  BackendRun run;
+  run.backend = ranked.backend;
+  std::vector<HostTensor> ys;
+  for (const RankStep &r : ranked.ranks) {
+    ys.push_back(r.y);
+    run.ms = std::max(run.ms, r.forward_ms);
+  }
+  run.values[ex.output] = concat_rows(ys);
+  for (const RoutingPtr &r : ex.pipeline.routes())
+    if (r->name == ranked.compiled.split.route)
+      run.routes[r->name] = routing_from_experts(*r, shape.tokens, all_experts(ranked), {});
+  *rank_lines = rank_report(ranked, false);
+  return run;
+}
+
+BackendTraining cli_train_on_gpus(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
+                                  const Schedule &schedule, std::vector<std::string> *rank_lines) {
+  const Example &ex = task.example;
+  user_check(task.outputs.size() == 1)
+      << "--ranks with --aux: an auxiliary loss over the tokens would be each rank's own, not the layer's; "
+      << "train the auxiliary losses on one GPU";
+  const TrainingProgram unsplit = lower_training(ex.pipeline, task.outputs, schedule.on_one_rank()); // for names
+  RankedRun ranked = step_on_gpus(ex, shape, inputs, &task.upstream.at(ex.output), schedule, unsplit.of);
   BackendTraining run;
-  run.backend = "cuda on " + std::to_string(ranks) + " x " + name + " (" + arch + "), experts spread over " +
-                std::to_string(ranks) + " ranks (E / R = " + std::to_string(compiled.split.local_experts) + " each)";
+  run.backend = ranked.backend;
   run.training = unsplit;
   std::vector<HostTensor> ys;
-  std::vector<int32_t> experts;
-  for (const Rank &r : got) {
+  for (const RankStep &r : ranked.ranks) {
     ys.push_back(r.y);
-    experts.insert(experts.end(), r.experts.begin(), r.experts.end());
     run.forward_ms = std::max(run.forward_ms, r.forward_ms);
     run.backward_ms = std::max(run.backward_ms, r.backward_ms);
   }
-  run.values[output] = concat_rows(ys);
-  const auto &params = compiled.split.expert_params;
+  run.values[ex.output] = concat_rows(ys);
+  const auto &params = ranked.compiled.split.expert_params;
   for (size_t i = 0; i < unsplit.of.size(); ++i) {
     const std::string &of = unsplit.of[i];
     std::vector<HostTensor> parts;
-    for (const Rank &r : got)
+    for (const RankStep &r : ranked.ranks)
       parts.push_back(r.grads.at(of));
     HostTensor g = parts.front();
     if (per_token(*ex.pipeline.buffer(of)) || std::find(params.begin(), params.end(), of) != params.end()) {
@@ -275,18 +342,9 @@ BackendTraining cli_train_on_gpus(const TrainingTask &task, const ExampleShape &
     run.values[unsplit.gradients[i]] = g;
   }
   for (const RoutingNode *r : unsplit.program.routes)
-    if (r->name == compiled.split.route)
-      run.routes[r->name] = routing_from_experts(*r, shape.tokens, experts, {});
-  for (int q = 0; q < ranks; ++q) {
-    const int64_t first = q * compiled.split.local_experts, last = first + compiled.split.local_experts - 1;
-    char line[256];
-    std::snprintf(line, sizeof line,
-                  "rank %d    GPU %d: tokens %lld, experts %lld-%lld computed %lld rows; forward %.3f ms, backward "
-                  "%.3f ms, of which exchanging rows %.3f ms",
-                  q, q, static_cast<long long>(per), static_cast<long long>(first), static_cast<long long>(last),
-                  static_cast<long long>(got[q].received), got[q].forward_ms, got[q].backward_ms, got[q].exchange_ms);
-    rank_lines->push_back(line);
-  }
+    if (r->name == ranked.compiled.split.route)
+      run.routes[r->name] = routing_from_experts(*r, shape.tokens, all_experts(ranked), {});
+  *rank_lines = rank_report(ranked, true);
   return run;
 }
 #endif

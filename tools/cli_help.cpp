@@ -32,22 +32,25 @@ const std::map<std::string, const char *> kHelp = {
               "\nexamples:\n"
               "  moeforge print swiglu_moe\n"
               "  moeforge print moe_mlp --experts 64 --topk 8\n"},
-    {"run", "moeforge run <example> [shape flags] [--seed S] [--precision f32|f64] [--schedule S]\n"
-            "                       [--capacity F] [--backend reference|cpu|cuda] [--check | --check=full]\n"
-            "  Runs the example's forward on random inputs and prints each output's shape,\n"
-            "  checksum and time; --check compares every output with the float64 reference.\n\n" MOEFORGE_SHAPE_FLAGS
-            "  --seed S        the inputs' random seed (default 1)\n"
-            "  --precision P   the reference's arithmetic, f32 or f64 (default f32; f64 runs the reference "
-            "only)\n" MOEFORGE_SCHEDULE_FLAG MOEFORGE_CAPACITY_FLAG
-            "  --backend B     reference, cpu or cuda (default: the GPU when there is one, else the CPU\n"
-            "                  backend, else the reference)\n"
-            "  --check         compare with the float64 reference (tolerance 1e-2) on 64 tokens drawn at\n"
-            "                  random, with their routing, where each token's rows depend on it alone\n"
-            "  --check=full    compare every token\n"
-            "\nexamples:\n"
-            "  moeforge run moe_mlp --check\n"
-            "  moeforge run moe_mlp --capacity 1.0 --check\n"
-            "  moeforge run swiglu_moe --tokens 4096 --d 1024 --f 2048 --schedule scattermoe --backend cuda\n"},
+    {"run",
+     "moeforge run <example> [shape flags] [--seed S] [--precision f32|f64] [--schedule S]\n"
+     "                       [--capacity F] [--backend reference|cpu|cuda] [--ranks N] [--check | --check=full]\n"
+     "  Runs the example's forward on random inputs and prints each output's shape,\n"
+     "  checksum and time; --check compares every output with the float64 reference.\n\n" MOEFORGE_SHAPE_FLAGS
+     "  --seed S        the inputs' random seed (default 1)\n"
+     "  --precision P   the reference's arithmetic, f32 or f64 (default f32; f64 runs the reference "
+     "only)\n" MOEFORGE_SCHEDULE_FLAG MOEFORGE_CAPACITY_FLAG
+     "  --backend B     reference, cpu or cuda (default: the GPU when there is one, else the CPU\n"
+     "                  backend, else the reference)\n"
+     "  --ranks N       expert parallelism: the experts spread over GPUs 0..N-1 (E / N each), each\n"
+     "                  GPU on --tokens / N tokens; prints each rank's rows and time\n"
+     "  --check         compare with the float64 reference (tolerance 1e-2) on 64 tokens drawn at\n"
+     "                  random, with their routing, where each token's rows depend on it alone\n"
+     "  --check=full    compare every token\n"
+     "\nexamples:\n"
+     "  moeforge run moe_mlp --check\n"
+     "  moeforge run moe_mlp --capacity 1.0 --check\n"
+     "  moeforge run swiglu_moe --tokens 4096 --d 1024 --f 2048 --schedule scattermoe --backend cuda\n"},
     {"train", "moeforge train <example> [shape flags] [--seed S] [--schedule S] [--capacity F] [--recompute]\n"
               "                         [--aux] [--backend cpu|cuda] [--ranks N] [--check]\n"
               "  One training step (forward, then backward with a random upstream gradient) on a\n"

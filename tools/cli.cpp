@@ -532,6 +532,18 @@ int tune(const Options &o, std::ostream &out, std::ostream &err, bool &working) 
   return 0;
 }
 
+// The GPUs the experts spread over: --ranks, else the schedule file's
+// expert_parallel (recorded in `schedule`); 1 for one GPU. More than one
+// needs the CUDA backend.
+int spread_experts(const Options &o, const std::string &backend, const std::string &no_gpu, Schedule &schedule) {
+  if (o.ranks > 1)
+    schedule.expert_parallel(o.ranks);
+  const int ranks = schedule.expert_parallel_ranks();
+  user_check(ranks == 1 || backend == "cuda") << "--ranks " << ranks << " spreads the experts over GPUs: it needs the "
+                                              << "CUDA backend" << (no_gpu.empty() ? "" : " (" + no_gpu + ")");
+  return ranks;
+}
+
 // A training step's losses and checksums, and with --check its comparison
 // with the reference.
 int finish_training(const Options &o, std::ostream &out, Progress &progress, const BackendTraining &run,
@@ -564,12 +576,7 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
   Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/true, &auto_note, working);
   if (o.recompute)
     schedule.recompute(true);
-  if (o.ranks > 1)
-    schedule.expert_parallel(o.ranks);
-  const int ranks = schedule.expert_parallel_ranks(); // --ranks, or the schedule file's expert_parallel
-  user_check(ranks == 1 || backend == "cuda")
-      << "--ranks " << ranks << " spreads the experts over GPUs: it "
-      << "needs the CUDA backend" << (no_gpu.empty() ? "" : " (" + no_gpu + ")");
+  const int ranks = spread_experts(o, backend, no_gpu, schedule);
   working = true; // the arguments hold together: from here on, errors are the layer's
   progress.phase("generating the inputs");
   TensorMap inputs = ex.random_inputs(o.shape, o.seed);
@@ -644,12 +651,7 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
   // it against the layer.
   std::string auto_note;
   Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/false, &auto_note, working);
-  if (o.ranks > 1)
-    schedule.expert_parallel(o.ranks);
-  const int ranks = schedule.expert_parallel_ranks(); // --ranks, or the schedule file's expert_parallel
-  user_check(ranks == 1 || backend == "cuda")
-      << "--ranks " << ranks << " spreads the experts over GPUs: it "
-      << "needs the CUDA backend" << (no_gpu.empty() ? "" : " (" + no_gpu + ")");
+  const int ranks = spread_experts(o, backend, no_gpu, schedule);
   // A GPU run without --check never needs the inputs on the host: the
   // backend makes the same values straight in its storage type (one GPU's).
   const bool host_inputs = backend != "cuda" || o.check || ranks > 1;

@@ -188,34 +188,46 @@ void ExpertParallelLayer::poison() {
   forward_ran_ = false;
 }
 
-void ExpertParallelLayer::pack(CUdeviceptr pairs, bool padded, CUdeviceptr exchange, size_t bytes,
-                               const Stream &stream) {
+// Rows of one tensor move between the sides as 16-byte vectors, each in
+// its side's storage type (the same on both: the split keeps the types).
+size_t ExpertParallelLayer::crossing_bytes(const std::string &token_tensor, const std::string &expert_tensor,
+                                           int64_t width) const {
+  const size_t bytes = row_bytes(compiled_.token.training.program, token_tensor, width);
+  internal_check(bytes == row_bytes(compiled_.experts.training.program, expert_tensor, width))
+      << "'" << token_tensor << "' and '" << expert_tensor << "' differ in type";
   internal_check(bytes % 16 == 0) << "rows of " << bytes << " bytes cross the exchange in 16-byte vectors";
-  const RoutingPlan &r = token_.routing_plan(compiled_.split.route);
-  CUdeviceptr expert = r.expert.ptr(), pos = r.pair_pos.ptr(), off = r.offsets.ptr(), unp = r.offsets_unpadded.ptr();
-  long long pairs_n = pairs_;
-  int vectors = static_cast<int>(bytes / 16);
-  int padded_flag = padded ? 1 : 0;
-  void *args[] = {&pairs, &exchange, &expert, &pos, &off, &unp, &pairs_n, &vectors, &padded_flag};
-  const int64_t blocks = std::min<int64_t>((pairs_ * vectors + kRowThreads - 1) / kRowThreads, 8LL * sm_count_);
-  pack_.launch({static_cast<unsigned>(std::max<int64_t>(blocks, 1))}, {kRowThreads}, 0, stream, args);
+  return bytes;
 }
 
-void ExpertParallelLayer::unpack(CUdeviceptr exchange, CUdeviceptr pairs, size_t bytes, const Stream &stream) {
-  internal_check(bytes % 16 == 0) << "rows of " << bytes << " bytes cross the exchange in 16-byte vectors";
+void ExpertParallelLayer::launch_rows(const Kernel &kernel, CUdeviceptr from, CUdeviceptr to, size_t bytes, bool padded,
+                                      const Stream &stream) {
   const RoutingPlan &r = token_.routing_plan(compiled_.split.route);
   CUdeviceptr expert = r.expert.ptr(), pos = r.pair_pos.ptr(), off = r.offsets.ptr(), unp = r.offsets_unpadded.ptr();
-  long long pairs_n = pairs_;
+  long long pairs = pairs_;
   int vectors = static_cast<int>(bytes / 16);
-  void *args[] = {&exchange, &pairs, &expert, &pos, &off, &unp, &pairs_n, &vectors};
+  int padded_flag = padded ? 1 : 0;
+  void *args[] = {&from, &to, &expert, &pos, &off, &unp, &pairs, &vectors, &padded_flag};
   const int64_t blocks = std::min<int64_t>((pairs_ * vectors + kRowThreads - 1) / kRowThreads, 8LL * sm_count_);
-  unpack_.launch({static_cast<unsigned>(std::max<int64_t>(blocks, 1))}, {kRowThreads}, 0, stream, args);
+  kernel.launch({static_cast<unsigned>(std::max<int64_t>(blocks, 1))}, {kRowThreads}, 0, stream, args);
+}
+
+void ExpertParallelLayer::send_to_experts(const std::string &token_tensor, const std::string &expert_tensor,
+                                          int64_t width, const Stream &stream) {
+  const size_t bytes = crossing_bytes(token_tensor, expert_tensor, width);
+  const bool padded = compiled_.token.training.program.tensor(token_tensor).layout == RowLayout::padded;
+  launch_rows(pack_, token_.address(token_tensor), out_rows_.ptr(), bytes, padded, stream);
+  exchange_.dispatch(out_rows_.ptr(), experts_.address(expert_tensor), bytes, sizes_, stream);
+}
+
+void ExpertParallelLayer::bring_back(const std::string &expert_tensor, const std::string &token_tensor, int64_t width,
+                                     const Stream &stream) {
+  const size_t bytes = crossing_bytes(token_tensor, expert_tensor, width);
+  exchange_.give_back(experts_.address(expert_tensor), back_rows_.ptr(), bytes, sizes_, stream);
+  launch_rows(unpack_, back_rows_.ptr(), token_.address(token_tensor), bytes, false, stream);
 }
 
 void ExpertParallelLayer::forward(const Stream &stream) {
   const CompiledExpertParallel &c = compiled_;
-  const KernelProgram &tp = c.token.training.program;
-  const KernelProgram &ep = c.experts.training.program;
   marks_.clear();
   mark("start", stream);
   token_.enqueue(stream, 0, c.dispatch_end);
@@ -226,13 +238,8 @@ void ExpertParallelLayer::forward(const Stream &stream) {
   if (received_ > 0)
     experts_.set_tokens(received_);
 
-  for (const auto &x : c.split.dispatched) {
-    const bool padded = tp.tensor(x.token_side).layout == RowLayout::padded;
-    const size_t bytes = row_bytes(tp, x.token_side, x.width);
-    internal_check(bytes == row_bytes(ep, x.expert_side, x.width)) << "'" << x.token_side << "' changes type";
-    pack(token_.address(x.token_side), padded, out_rows_.ptr(), bytes, stream);
-    exchange_.dispatch(out_rows_.ptr(), experts_.address(x.expert_side), bytes, sizes_, stream);
-  }
+  for (const auto &x : c.split.dispatched)
+    send_to_experts(x.token_side, x.expert_side, x.width, stream);
   mark("forward: dispatch", stream);
   if (received_ > 0) {
     // Each received row's local expert: the segments (source rank, local
@@ -251,12 +258,8 @@ void ExpertParallelLayer::forward(const Stream &stream) {
     experts_.enqueue(stream, 0, c.experts.training.forward_steps);
   }
   mark("forward: experts", stream);
-  for (const auto &x : c.split.returned) {
-    const size_t bytes = row_bytes(tp, x.token_side, x.width);
-    internal_check(bytes == row_bytes(ep, x.expert_side, x.width)) << "'" << x.expert_side << "' changes type";
-    exchange_.give_back(experts_.address(x.expert_side), back_rows_.ptr(), bytes, sizes_, stream);
-    unpack(back_rows_.ptr(), token_.address(x.token_side), bytes, stream);
-  }
+  for (const auto &x : c.split.returned)
+    bring_back(x.expert_side, x.token_side, x.width, stream);
   mark("forward: return", stream);
   token_.enqueue(stream, c.dispatch_end, c.token.training.forward_steps);
   mark("forward: combine", stream);
@@ -276,13 +279,9 @@ void ExpertParallelLayer::backward(const Stream &stream) {
     rows_out_ready_.record(stream);
     comm.wait(rows_out_ready_);
   }
-  for (const auto &x : c.split.returned) {
-    const std::string &grad = tt.gradient_of(x.token_side), &seed = seed_of(et, x.expert_side);
-    const size_t bytes = row_bytes(tt.program, grad, x.width);
-    internal_check(bytes == row_bytes(et.program, seed, x.width)) << "'" << grad << "' changes type";
-    pack(token_.address(grad), tt.program.tensor(grad).layout == RowLayout::padded, out_rows_.ptr(), bytes, comm);
-    exchange_.dispatch(out_rows_.ptr(), experts_.address(seed), bytes, sizes_, comm);
-  }
+  // The returned rows' gradients (gate * dy) go to the experts as theirs.
+  for (const auto &x : c.split.returned)
+    send_to_experts(tt.gradient_of(x.token_side), seed_of(et, x.expert_side), x.width, comm);
   if (!overlap_)
     mark("backward: dispatch", stream);
   // The router's backward, while the rows go out.
@@ -306,13 +305,9 @@ void ExpertParallelLayer::backward(const Stream &stream) {
     rows_back_ready_.record(stream);
     comm.wait(rows_back_ready_);
   }
-  for (const auto &x : c.split.dispatched) {
-    const std::string &grad = et.gradient_of(x.expert_side), &seed = seed_of(tt, x.token_side);
-    const size_t bytes = row_bytes(et.program, grad, x.width);
-    internal_check(bytes == row_bytes(tt.program, seed, x.width)) << "'" << grad << "' changes type";
-    exchange_.give_back(experts_.address(grad), back_rows_.ptr(), bytes, sizes_, comm);
-    unpack(back_rows_.ptr(), token_.address(seed), bytes, comm);
-  }
+  // The received rows' gradients come back as the dispatched rows'.
+  for (const auto &x : c.split.dispatched)
+    bring_back(et.gradient_of(x.expert_side), seed_of(tt, x.token_side), x.width, comm);
   if (!overlap_)
     mark("backward: return", stream);
   // The experts' weight gradients, while the rows go back.

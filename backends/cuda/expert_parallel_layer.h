@@ -109,10 +109,17 @@ public:
   const CudaLayer &expert_layer() const { return experts_; }
 
 private:
-  // Rows of `bytes` each from pair order (`padded`: the routing's padded
-  // order) to the exchange's order, or back.
-  void pack(CUdeviceptr pairs, bool padded, CUdeviceptr exchange, size_t bytes, const Stream &stream);
-  void unpack(CUdeviceptr exchange, CUdeviceptr pairs, size_t bytes, const Stream &stream);
+  // One tensor's rows from the token side (pair order, or the routing's
+  // padded order) to the expert side's received rows on their experts'
+  // ranks, and back: packed to the exchange's order and moved over NCCL.
+  void send_to_experts(const std::string &token_tensor, const std::string &expert_tensor, int64_t width,
+                       const Stream &stream);
+  void bring_back(const std::string &expert_tensor, const std::string &token_tensor, int64_t width,
+                  const Stream &stream);
+  size_t crossing_bytes(const std::string &token_tensor, const std::string &expert_tensor, int64_t width) const;
+  // mf_ep_pack or mf_ep_unpack over every pair's row.
+  void launch_rows(const Kernel &kernel, CUdeviceptr from, CUdeviceptr to, size_t bytes, bool padded,
+                   const Stream &stream);
   bool is_expert_param(const std::string &name) const;
   // Ends phase `name` (timing on): an event on `stream`.
   void mark(const char *name, const Stream &stream);

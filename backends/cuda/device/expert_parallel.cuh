@@ -43,10 +43,12 @@ extern "C" __global__ void mf_ep_pack(const uint4 *__restrict__ pairs_rows, uint
   }
 }
 
+// `unused` keeps mf_ep_pack's parameter list, so one launch serves both (the
+// destination is always in pair order).
 extern "C" __global__ void mf_ep_unpack(const uint4 *__restrict__ exchange_rows, uint4 *__restrict__ pairs_rows,
                                         const int *__restrict__ expert, const int *__restrict__ pair_pos,
                                         const int *__restrict__ offsets, const int *__restrict__ offsets_unpadded,
-                                        long long pairs, int row_vectors) {
+                                        long long pairs, int row_vectors, int unused) {
   const long long total = pairs * row_vectors;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {

@@ -148,25 +148,36 @@ std::vector<std::string> step_outputs(const Step &s) {
   return out;
 }
 
+namespace {
+// Moves the steps of [begin, end) with first[i - begin] ahead of the others,
+// each group in its own order; returns where the others start.
+size_t partition_steps(KernelProgram &p, size_t begin, size_t end, const std::vector<bool> &first) {
+  std::vector<Step> ahead, behind;
+  for (size_t i = begin; i < end; ++i)
+    (first[i - begin] ? ahead : behind).push_back(std::move(p.steps[i]));
+  const size_t split = begin + ahead.size();
+  size_t at = begin;
+  for (Step &s : ahead)
+    p.steps[at++] = std::move(s);
+  for (Step &s : behind)
+    p.steps[at++] = std::move(s);
+  return split;
+}
+} // namespace
+
 size_t defer_steps_reading(KernelProgram &p, size_t begin, size_t end, const std::vector<std::string> &late) {
   internal_check(begin <= end && end <= p.steps.size()) << "step range out of bounds";
   std::set<std::string> tainted(late.begin(), late.end());
-  std::vector<Step> early, deferred;
+  std::vector<bool> early(end - begin, true);
   for (size_t i = begin; i < end; ++i) {
     const std::vector<std::string> reads = step_reads(p.steps[i]);
-    const bool waits = std::any_of(reads.begin(), reads.end(), [&](const std::string &n) { return tainted.count(n); });
-    if (waits)
-      for (const std::string &o : step_outputs(p.steps[i]))
-        tainted.insert(o);
-    (waits ? deferred : early).push_back(std::move(p.steps[i]));
+    if (std::none_of(reads.begin(), reads.end(), [&](const std::string &n) { return tainted.count(n); }))
+      continue;
+    early[i - begin] = false;
+    for (const std::string &o : step_outputs(p.steps[i]))
+      tainted.insert(o);
   }
-  const size_t split = begin + early.size();
-  size_t at = begin;
-  for (Step &s : early)
-    p.steps[at++] = std::move(s);
-  for (Step &s : deferred)
-    p.steps[at++] = std::move(s);
-  return split;
+  return partition_steps(p, begin, end, early);
 }
 
 size_t defer_steps_not_needed_for(KernelProgram &p, size_t begin, size_t end, const std::vector<std::string> &targets) {
@@ -181,16 +192,7 @@ size_t defer_steps_not_needed_for(KernelProgram &p, size_t begin, size_t end, co
     for (const std::string &r : step_reads(p.steps[i]))
       wanted.insert(r);
   }
-  std::vector<Step> first, later;
-  for (size_t i = begin; i < end; ++i)
-    (needed[i - begin] ? first : later).push_back(std::move(p.steps[i]));
-  const size_t split = begin + first.size();
-  size_t at = begin;
-  for (Step &s : first)
-    p.steps[at++] = std::move(s);
-  for (Step &s : later)
-    p.steps[at++] = std::move(s);
-  return split;
+  return partition_steps(p, begin, end, needed);
 }
 
 std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {

@@ -5,6 +5,8 @@
 // unsplit layer's over every rank's tokens.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <set>
 #include <sstream>
 
 #include "dsl/ops.h"
@@ -12,6 +14,7 @@
 #include "expert_parallel_emulation.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
+#include "schedules/presets.h"
 #include "user_error.h"
 
 using namespace moeforge;
@@ -216,4 +219,81 @@ TEST_CASE("expert parallel split: the schedule's expert_parallel(ranks)") {
   CHECK(has(user_error_of([&] { lower(ex.pipeline, s); }), "compile it with cuda::compile_expert_parallel"));
   CHECK(has(user_error_of([&] { lower_training(ex.pipeline, ex.pipeline.func("y"), s); }),
             "expert_parallel(4) spreads the experts over GPUs"));
+}
+
+namespace {
+// Every tensor a step of p reads is an input or written by an earlier step
+// (a GEMM's accumulators, read in its epilogue, are registers, not tensors).
+bool reads_follow_writes(const KernelProgram &p) {
+  std::set<std::string> have;
+  for (const TensorDecl &t : p.tensors)
+    if (t.is_input)
+      have.insert(t.name);
+  for (const Step &s : p.steps) {
+    for (const std::string &r : step_reads(s))
+      if (p.find(r) && !have.count(r)) {
+        MESSAGE("unwritten read " << r << " in " << step_name(s));
+        return false;
+      }
+    for (const std::string &o : step_outputs(s))
+      have.insert(o);
+  }
+  return true;
+}
+
+std::vector<std::string> step_names(const KernelProgram &p, size_t begin, size_t end) {
+  std::vector<std::string> out;
+  for (size_t i = begin; i < end; ++i)
+    out.push_back(step_name(p.steps[i]));
+  return out;
+}
+
+// Whether `part` keeps the order `whole` has.
+bool in_order(const std::vector<std::string> &part, const std::vector<std::string> &whole) {
+  size_t at = 0;
+  for (const std::string &n : part) {
+    while (at < whole.size() && whole[at] != n)
+      ++at;
+    if (at++ >= whole.size())
+      return false;
+  }
+  return true;
+}
+} // namespace
+
+TEST_CASE("expert parallel split: the token side's steps ordered around the exchange") {
+  Example ex = make_example("swiglu_moe", ExampleShape{64, 8, 2, 16, 24});
+  ExpertParallelSplit split = split_expert_parallel(ex.pipeline, 2);
+  TrainingProgram t = lower_training(split.token_pipeline(), split.token_outputs, preset("scattermoe"));
+  KernelProgram &p = t.program;
+  const std::vector<std::string> before = step_names(p, 0, p.steps.size());
+  REQUIRE(reads_follow_writes(p)); // the checker holds for the program as lowered
+
+  // The forward: what reads the returned rows (and what reads that) last.
+  const size_t out = defer_steps_reading(p, 0, t.forward_steps, {"o_returned"});
+  CHECK(out < t.forward_steps);
+  for (size_t i = 0; i < t.forward_steps; ++i) {
+    const std::vector<std::string> r = step_reads(p.steps[i]);
+    const bool reads = std::find(r.begin(), r.end(), "o_returned") != r.end();
+    if (i < out)
+      CHECK(!reads);
+  }
+  CHECK(reads_follow_writes(p));
+  CHECK(in_order(step_names(p, 0, out), before));
+  CHECK(in_order(step_names(p, out, t.forward_steps), before));
+
+  // The backward: what the returned rows' gradient needs first, the rest after.
+  const std::string grad = t.gradient_of("o_returned");
+  const size_t needed = defer_steps_not_needed_for(p, t.forward_steps, p.steps.size(), {grad});
+  CHECK(needed > t.forward_steps);
+  CHECK(needed < p.steps.size());
+  bool written = false;
+  for (size_t i = t.forward_steps; i < needed; ++i) {
+    const std::vector<std::string> o = step_outputs(p.steps[i]);
+    written = written || std::find(o.begin(), o.end(), grad) != o.end();
+  }
+  CHECK(written);
+  CHECK(reads_follow_writes(p));
+  CHECK(in_order(step_names(p, t.forward_steps, needed), before));
+  CHECK(in_order(step_names(p, needed, p.steps.size()), before));
 }

@@ -130,6 +130,11 @@ struct GemmStep {
     Dim k;
   };
   std::optional<Chained> chained;
+  // A routed GEMM that runs over a window of its route's tiles, a list the
+  // runtime writes before each launch (CudaLayer::enqueue_window): an
+  // expert-parallel rank's forward over one group of experts whose rows
+  // have arrived while the next group's rows are still on their way.
+  bool windowed = false;
 };
 
 // out(vars) = body, one thread per element; sums over the pairs of a token

@@ -90,34 +90,44 @@ RoutingTables route_on_host(const RoutingShape &shape, const std::vector<int32_t
   t.tile_expert.assign(max_tiles, -1);
   t.tile_row_start.assign(max_tiles, -1);
   t.tile_rows.assign(max_tiles, 0);
-  int32_t i = 0;
-  auto put = [&](int e, int32_t start) {
+  std::vector<int32_t> tiles_of(E);
+  for (int e = 0; e < E; ++e)
+    tiles_of[e] = (t.offsets[e + 1] - t.offsets[e]) / bs;
+  const std::vector<TileSlot> order = pair_aligned_tiles(tiles_of);
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int e = order[i].expert;
+    const int32_t start = t.offsets[e] + order[i].index * bs;
     t.tile_expert[i] = e;
     t.tile_row_start[i] = start;
     t.tile_rows[i] = std::min(bs, t.counts[e] - (start - t.offsets[e]));
-    ++i;
-  };
-  // Pair-aligned order (routing_host.h): each expert's whole pairs, then
-  // the tails of odd experts two by two, the pair after its second's pairs.
+  }
+  t.num_tiles = static_cast<int32_t>(order.size());
+  return t;
+}
+
+std::vector<TileSlot> pair_aligned_tiles(const std::vector<int32_t> &tiles_of) {
+  std::vector<TileSlot> order;
+  // Each expert's whole pairs, then the tails of odd experts two by two, the
+  // pair after its second's pairs.
   int pending = -1; // an odd expert whose tail waits for a partner
+  const int E = static_cast<int>(tiles_of.size());
   for (int e = 0; e < E; ++e) {
-    const int32_t n = (t.offsets[e + 1] - t.offsets[e]) / bs;
+    const int32_t n = tiles_of[e];
     for (int32_t k = 0; k < n / 2 * 2; ++k)
-      put(e, t.offsets[e] + k * bs);
+      order.push_back({e, k});
     if (n % 2 == 0)
       continue;
     if (pending < 0) {
       pending = e;
       continue;
     }
-    put(pending, t.offsets[pending + 1] - bs);
-    put(e, t.offsets[e + 1] - bs);
+    order.push_back({pending, tiles_of[pending] - 1});
+    order.push_back({e, n - 1});
     pending = -1;
   }
   if (pending >= 0)
-    put(pending, t.offsets[pending + 1] - bs);
-  t.num_tiles = i;
-  return t;
+    order.push_back({pending, tiles_of[pending] - 1});
+  return order;
 }
 
 int64_t dropped_pairs(const RoutingShape &shape, const RoutingTables &tables) {

@@ -86,6 +86,16 @@ struct RoutingTables {
   int32_t num_tiles = 0;
 };
 
+// Tile i of the pair-aligned order (above): tile `index` of `expert`'s
+// segment (its rows index * bs ...).
+struct TileSlot {
+  int32_t expert, index;
+};
+// The pair-aligned order of tiles_of[e] tiles of each expert e: what the
+// routing writes to tile_expert and tile_row_start, from the counts alone
+// (an expert-parallel rank knows its experts' counts before their rows).
+std::vector<TileSlot> pair_aligned_tiles(const std::vector<int32_t> &tiles_of);
+
 // The per-pair or per-tile array named `name` (as generated kernels name
 // their routing arguments) in a set of routing tables: the host's
 // RoutingTables or a device RoutingPlan, which share the member names; null

@@ -128,12 +128,23 @@ Schedule &Schedule::expert_parallel(int ranks) {
   return *this;
 }
 
+Schedule &Schedule::exchange_chunks(int chunks) {
+  std::string call = "exchange_chunks(" + std::to_string(chunks) + ")";
+  user_check(chunks >= 1 && chunks <= 1024)
+      << call << ": the forward's rows cross in 1 to 1024 rounds, each a group of a rank's experts; 1 sends them "
+      << "at once";
+  chunks_ = chunks;
+  calls_.push_back(call);
+  return *this;
+}
+
 Schedule Schedule::on_one_rank() const {
   Schedule s = *this;
   s.ranks_ = 1;
+  s.chunks_ = 1;
   s.calls_.clear();
   for (const std::string &c : calls_)
-    if (c.rfind("expert_parallel(", 0) != 0)
+    if (c.rfind("expert_parallel(", 0) != 0 && c.rfind("exchange_chunks(", 0) != 0)
       s.calls_.push_back(c);
   return s;
 }

@@ -133,6 +133,14 @@ public:
   // 1, the default: one GPU. A layer whose schedule spreads its experts is
   // compiled by the expert-parallel entry point, not as one layer.
   Schedule &expert_parallel(int ranks);
+  // The forward's rows cross to the experts in `chunks` rounds, each a
+  // group of every rank's experts (E / R / chunks of them, the first groups
+  // one larger where it does not divide), so that one group's rows travel
+  // while the expert GEMMs of the group before run, and each group's
+  // outputs start back as soon as they are made. 1, the default: one round.
+  // Only an expert-parallel layer has rows to move (the one-layer entry
+  // points refuse more than one chunk); the values do not depend on it.
+  Schedule &exchange_chunks(int chunks);
   Schedule &gate(GateFusion g);
   // Training: whether the backward recomputes the routed activations it
   // reads instead of keeping the forward's copies: those made by element-wise
@@ -228,6 +236,7 @@ public:
   // 0 when dropless.
   double capacity() const { return capacity_; }
   int expert_parallel_ranks() const { return ranks_; }
+  int exchange_chunks() const { return chunks_; }
   // A copy that runs on one GPU (without expert_parallel): each side of an
   // expert-parallel layer is compiled as one rank's layer under it.
   Schedule on_one_rank() const;
@@ -298,6 +307,7 @@ private:
   int block_ = 128;
   double capacity_ = 0;
   int ranks_ = 1;
+  int chunks_ = 1;
   GateFusion gate_ = GateFusion::combine;
   bool recompute_ = false;
   bool bf16_activations_ = false;

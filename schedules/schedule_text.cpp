@@ -38,6 +38,7 @@ const std::vector<Signature> &signatures() {
       {"block", {{"rows", ArgType::integer}}},
       {"capacity", {{"factor", ArgType::number}}},
       {"expert_parallel", {{"ranks", ArgType::integer}}},
+      {"exchange_chunks", {{"chunks", ArgType::integer}}},
       {"gate", {{"fusion", ArgType::gate}}},
       {"recompute", {{"on", ArgType::boolean}}},
       {"tile", {{"func", ArgType::text}, {"m", ArgType::integer}, {"n", ArgType::integer}, {"k", ArgType::integer}}},
@@ -321,6 +322,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.capacity(numbers[0]);
       } else if (st.primitive == "expert_parallel") {
         s.expert_parallel(i(0));
+      } else if (st.primitive == "exchange_chunks") {
+        s.exchange_chunks(i(0));
       } else if (st.primitive == "gate") {
         s.gate(gates[0]);
       } else if (FlagSetter set = flag_setter(st.primitive)) {

@@ -159,6 +159,49 @@ TEST_CASE("expert exchange: experts in equal blocks per rank, and the sizes of a
                        doctest::Contains("rank 1 sent a count of -7 rows for this rank's expert 0"), UserError);
 }
 
+TEST_CASE("expert exchange: a chunked exchange's rounds are groups of experts, each in its place") {
+  // Groups as even as the division allows, covering every expert once.
+  CHECK(cuda::chunk_experts(4, 2, 0).first == 0);
+  CHECK(cuda::chunk_experts(4, 2, 0).end == 2);
+  CHECK(cuda::chunk_experts(4, 2, 1).first == 2);
+  CHECK(cuda::chunk_experts(4, 2, 1).end == 4);
+  for (int local : {1, 3, 7, 32})
+    for (int chunks = 1; chunks <= local; ++chunks) {
+      int next = 0;
+      for (int c = 0; c < chunks; ++c) {
+        const cuda::ExpertGroup g = cuda::chunk_experts(local, chunks, c);
+        CHECK(g.first == next);
+        CHECK(g.end - g.first >= local / chunks);
+        CHECK(g.end - g.first <= local / chunks + 1);
+        next = g.end;
+      }
+      CHECK(next == local);
+    }
+  // Rank 0 of 2, two experts a rank: it sends 3, 0 to its own experts 0, 1
+  // and 5, 1 to rank 1's; it receives 3, 0 from itself and 7, 2 from rank 1.
+  const ExpertPlacement pl(4, 2);
+  ExchangeSizes s = cuda::exchange_sizes(pl, {3, 0, 5, 1}, {3, 0, 7, 2});
+  cuda::ExchangeSlices first = cuda::exchange_slices(s, pl, {0, 1}), second = cuda::exchange_slices(s, pl, {1, 2});
+  // Round 0 (local expert 0 of each rank): rows 0-2 to rank 0, 3-7 to rank 1;
+  // from rank 0 rows 0-2, from rank 1 rows 3-9 of the receive buffer.
+  CHECK(first.send_at == std::vector<int64_t>{0, 3});
+  CHECK(first.send_rows == std::vector<int64_t>{3, 5});
+  CHECK(first.recv_at == std::vector<int64_t>{0, 3});
+  CHECK(first.recv_rows == std::vector<int64_t>{0 + 3, 7});
+  // Round 1 (local expert 1): nothing to rank 0, row 8 to rank 1; from rank 1
+  // rows 10-11.
+  CHECK(second.send_at == std::vector<int64_t>{3, 8});
+  CHECK(second.send_rows == std::vector<int64_t>{0, 1});
+  CHECK(second.recv_at == std::vector<int64_t>{3, 10});
+  CHECK(second.recv_rows == std::vector<int64_t>{0, 2});
+  // All rounds together are the whole exchange.
+  cuda::ExchangeSlices all = cuda::exchange_slices(s, pl, {0, 2});
+  CHECK(all.send_rows == s.send_rows);
+  CHECK(all.recv_rows == s.recv_rows);
+  CHECK(all.send_at == std::vector<int64_t>{0, 3});
+  CHECK(all.recv_at == std::vector<int64_t>{0, 3});
+}
+
 // GPU tests skip, visibly, where NCCL does not load.
 #define MOEFORGE_REQUIRE_NCCL()                                                                                        \
   do {                                                                                                                 \

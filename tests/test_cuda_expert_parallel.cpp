@@ -166,6 +166,53 @@ TEST_CASE("cuda expert parallel: both sides and the row kernels compile for sm_9
             "compile it with cuda::compile_expert_parallel"));
 }
 
+TEST_CASE("cuda expert parallel: exchange_chunks runs the expert GEMMs round by round (no GPU needed)") {
+  for (const char *example : {"moe_mlp", "swiglu_moe"}) {
+    Example ex = make_example(example, ExampleShape{256, 8, 2, 64, 128});
+    for (const Schedule &sch : {preset("scattermoe"), bench::tuned_wide(std::string(example) == "swiglu_moe")}) {
+      CAPTURE(example);
+      CAPTURE(sch.to_text());
+      cuda::CompiledExpertParallel c =
+          cuda::compile_expert_parallel(ex.pipeline, Schedule(sch).expert_parallel(2).exchange_chunks(4));
+      CHECK(c.chunks == 4);
+      const KernelProgram &p = c.experts.training.program;
+      REQUIRE(c.chunk_begin < c.chunk_end);
+      REQUIRE(c.chunk_end <= c.experts.training.forward_steps);
+      // Before the rounds, nothing reads the received rows; in them, routed
+      // GEMMs over a window; no other GEMM (the backward's) has one.
+      for (size_t i = 0; i < p.steps.size(); ++i) {
+        CAPTURE(step_name(p.steps[i]));
+        const auto *g = std::get_if<GemmStep>(&p.steps[i]);
+        const bool round = i >= c.chunk_begin && i < c.chunk_end;
+        CHECK((g && g->windowed) == round);
+        if (i < c.chunk_begin)
+          for (const std::string &read : step_reads(p.steps[i]))
+            CHECK(read != c.split.dispatched.front().expert_side);
+      }
+      CHECK(has(c.experts.layer.source.source, "the window's w_tile-th tile of the route"));
+      // Nothing follows the GEMMs on the expert side: each round returns at once.
+      CHECK(c.chunk_end == c.experts.training.forward_steps);
+      CHECK(c.return_per_chunk);
+    }
+  }
+  Example ex = make_example("moe_mlp", ExampleShape{256, 8, 2, 64, 128});
+  // Each round is a group of a rank's experts: at most E / R rounds.
+  CHECK(has(testing::user_error_of([&] {
+              cuda::compile_expert_parallel(ex.pipeline, preset("scattermoe").expert_parallel(2).exchange_chunks(5));
+            }),
+            "this layer has 4 a rank (8 over 2): use at most 4 chunks"));
+  // The blocked permutation gathers the received rows in a pass of its own,
+  // which does not run over a window of tiles.
+  CHECK(has(testing::user_error_of([&] {
+              cuda::compile_expert_parallel(ex.pipeline, preset("megablocks").expert_parallel(2).exchange_chunks(2));
+            }),
+            "is not a GEMM over the route's tiles"));
+  // One layer has no exchange to divide.
+  CHECK(has(testing::user_error_of(
+                [&] { cuda::compile_layer(ex.pipeline, Schedule(preset("scattermoe")).exchange_chunks(2)); }),
+            "exchange_chunks(2) divides an expert-parallel layer's row exchange, and one layer has none"));
+}
+
 TEST_SUITE("gpu") {
   TEST_CASE("cuda expert parallel: one rank trains as the unsplit layer") {
     MOEFORGE_REQUIRE_GPU();
@@ -181,6 +228,9 @@ TEST_SUITE("gpu") {
       }
     check_step("moe_mlp", preset("scattermoe"), {0}, 257, true, 43); // skewed, expert 5 empty
     check_step("moe_mlp", preset("megablocks"), {0}, 300, false, 44, /*overlap=*/false);
+    // The forward's rows in rounds of expert groups (8 experts: 2 or 8 rounds).
+    check_step("swiglu_moe", bench::tuned_wide(true).exchange_chunks(2), {0}, 300, false, 45);
+    check_step("moe_mlp", preset("scattermoe").exchange_chunks(8), {0}, 257, true, 46); // a round with no rows
   }
 
   TEST_CASE("cuda expert parallel: two GPUs train as the unsplit layer, uniform and skewed, an empty expert") {
@@ -204,6 +254,16 @@ TEST_SUITE("gpu") {
     check_step("moe_mlp", preset("scattermoe"), {0, 1}, 1, false, 53); // a token per rank
     // The backward's row moves in step order, on the caller's stream alone.
     check_step("swiglu_moe", bench::tuned_wide(true), {0, 1}, 300, true, 54, /*overlap=*/false);
+    // The forward's rows in rounds: 2 or 4 groups of each rank's 4 experts,
+    // uniform and skewed (rank 1's round of expert 5 has no rows), one
+    // token per rank.
+    for (int chunks : {2, 4}) {
+      CAPTURE(chunks);
+      check_step("swiglu_moe", bench::tuned_wide(true).exchange_chunks(chunks), {0, 1}, 300, false, 55);
+      check_step("swiglu_moe", bench::tuned_wide(true).exchange_chunks(chunks), {0, 1}, 300, true, 56);
+      check_step("moe_mlp", preset("scattermoe").exchange_chunks(chunks), {0, 1}, 300, true, 57);
+    }
+    check_step("moe_mlp", preset("scattermoe").exchange_chunks(4), {0, 1}, 1, false, 58);
   }
 }
 

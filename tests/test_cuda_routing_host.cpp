@@ -85,6 +85,38 @@ TEST_CASE("cuda: routing tiles come pair-aligned") {
   CHECK(!verify_routing_tables(s, t).empty());
 }
 
+TEST_CASE("cuda: the pair-aligned tile order from the tile counts alone") {
+  // n = (3, 2, 1): e0's pair, e1's pair, the tails of e0 and e2.
+  std::vector<TileSlot> order = pair_aligned_tiles({3, 2, 1});
+  std::vector<int32_t> experts, index;
+  for (const TileSlot &t : order) {
+    experts.push_back(t.expert);
+    index.push_back(t.index);
+  }
+  CHECK(experts == std::vector<int32_t>{0, 0, 1, 1, 0, 2});
+  CHECK(index == std::vector<int32_t>{0, 1, 0, 1, 2, 0});
+  CHECK(pair_aligned_tiles({0, 0}).empty());
+  // What the routing writes for random routes, experts with no pairs among them.
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int E = 1 + trial % 9, bs = 64;
+    RoutingShape shape{1 + static_cast<int64_t>(rng() % 700), E, 1, bs};
+    std::vector<int32_t> expert(shape.pairs());
+    for (int32_t &e : expert)
+      e = static_cast<int32_t>(rng() % E) / 2 * 2; // odd experts get nothing
+    RoutingTables t = route_on_host(shape, expert);
+    std::vector<int32_t> tiles_of(E);
+    for (int e = 0; e < E; ++e)
+      tiles_of[e] = (t.counts[e] + bs - 1) / bs;
+    order = pair_aligned_tiles(tiles_of);
+    REQUIRE(static_cast<int32_t>(order.size()) == t.num_tiles);
+    for (size_t i = 0; i < order.size(); ++i) {
+      CHECK(order[i].expert == t.tile_expert[i]);
+      CHECK(t.offsets[order[i].expert] + order[i].index * bs == t.tile_row_start[i]);
+    }
+  }
+}
+
 TEST_CASE("cuda: routing oracle on the MoE edge cases") {
   std::mt19937 rng(7);
   SUBCASE("an expert with no pairs") {

@@ -221,6 +221,28 @@ TEST_CASE("expert parallel split: the schedule's expert_parallel(ranks)") {
             "expert_parallel(4) spreads the experts over GPUs"));
 }
 
+TEST_CASE("expert parallel split: the schedule's exchange_chunks(rounds)") {
+  Schedule s = Schedule("ep").expert_parallel(2).exchange_chunks(4);
+  CHECK(s.exchange_chunks() == 4);
+  CHECK(Schedule().exchange_chunks() == 1);
+  const std::string text = s.to_text();
+  CHECK(has(text, "exchange_chunks(4)"));
+  Schedule again = Schedule::from_text(text);
+  CHECK(again.exchange_chunks() == 4);
+  CHECK(again.to_text() == text);
+  // Each side compiles as one rank's layer: no exchange, no rounds.
+  Schedule one = s.on_one_rank();
+  CHECK(one.exchange_chunks() == 1);
+  CHECK(!has(one.to_text(), "exchange_chunks"));
+  CHECK(has(user_error_of([] { Schedule().exchange_chunks(0); }), "exchange_chunks(0): the forward's rows cross in 1"));
+  // A layer on one GPU has no exchange to divide, on every backend.
+  Example ex = make_example("moe_mlp", ExampleShape{16, 8, 2, 16, 24});
+  CHECK(has(user_error_of([&] { lower(ex.pipeline, Schedule().exchange_chunks(2)); }),
+            "exchange_chunks(2) divides an expert-parallel layer's row exchange, and one layer has none"));
+  // One is the default, accepted anywhere.
+  CHECK(!lower(ex.pipeline, Schedule().exchange_chunks(1)).steps.empty());
+}
+
 namespace {
 // Every tensor a step of p reads is an input or written by an earlier step
 // (a GEMM's accumulators, read in its epilogue, are registers, not tensors).

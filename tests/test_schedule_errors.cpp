@@ -118,6 +118,7 @@ TEST_SUITE("schedule") {
     CHECK_HAS(
         m,
         "s.txt:2: unknown primitive 'tiles': expected one of schedule, permutation, block, capacity, expert_parallel, "
+        "exchange_chunks, "
         "gate, recompute, tile");
     m = parse("block 128\n");
     CHECK_HAS(m, "s.txt:1: expected '(' after 'block', found '128'");

@@ -817,9 +817,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   const char *skip = persistent ? "continue" : "return";
   // Persistent blocks' row tiles. Routed: the routing's own tile count (read
   // on the device), so no block walks the upper bound's empty tiles.
+  // A window's tiles: window[0] of them, ids window[1 ...] (GemmStep::windowed).
+  const std::string window = plan.windowed ? kb.route(g.route, "window") : "";
   const std::string rows_total =
-      g.route ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " + std::to_string(g.block / t.tile_m)
-              : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
+      plan.windowed ? "(long long)" + window + "[0] * " + std::to_string(g.block / t.tile_m)
+      : g.route     ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " + std::to_string(g.block / t.tile_m)
+                    : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
   if (pair_items) {
     body << "  const long long PAIRS = (" << rows_total << " + 1) / 2;  // pairs of row tiles\n";
     body << "  const long long TOTAL = PAIRS * NUM_N;  // items: a pair of row tiles x a column tile\n";
@@ -879,7 +882,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     sorted_pair = kb.route(r, "sorted_pair");
     body << "  // This block's rows: part m_tile % " << sub << " of routing tile m_tile / " << sub
          << " (one expert's rows, padded to " << g.block << ").\n";
-    const std::string num_tiles = kb.route(r, "num_tiles");
+    const std::string num_tiles = plan.windowed ? "" : kb.route(r, "num_tiles");
     if (pair_items) {
       // Past the last routing tile (an odd count): the partner's tile, no rows.
       body << "  const bool live = m_tile / " << sub << " < *" << num_tiles << ";\n";
@@ -887,6 +890,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
       body << "  const int rows = live ? max(0, " << kb.route(r, "tile_rows")
            << "[tile] - part * Cfg::BM) : 0;  // 0: this block only keeps the pair in step\n";
+    } else if (plan.windowed) {
+      body << "  const int w_tile = m_tile / " << sub << ", part = m_tile % " << sub << ";\n";
+      body << "  if (w_tile >= " << window << "[0]) " << skip << ";  // grids are sized by the window's tiles\n";
+      body << "  const int tile = " << window << "[1 + w_tile];  // the window's w_tile-th tile of the route\n";
+      body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
+      body << "  const int rows = " << kb.route(r, "tile_rows") << "[tile] - part * Cfg::BM;\n";
+      body << "  if (rows <= 0) " << skip << ";\n";
     } else {
       body << "  const int tile = m_tile / " << sub << ", part = m_tile % " << sub << ";\n";
       body << "  if (tile >= *" << num_tiles << ") " << skip << ";  // grids are sized by an upper bound\n";
@@ -1022,6 +1032,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.tile_n = t.tile_n;
   k.grid.block = g.block;
   k.grid.persistent = persistent;
+  k.grid.windowed = plan.windowed;
   if (split_k) {
     k.grid.split_k = true;
     k.grid.split_k_dim = g.k;

@@ -51,6 +51,7 @@ struct GridShape {
   Dim split_k_dim;
   int tile_k = 0;
   bool persistent = false; // tiles: at most one block per SM, each walking tiles
+  bool windowed = false;   // routed tiles: x counts a window's tiles, not max_tiles (GemmStep::windowed)
   int cluster_m = 1;       // tiles: blocks per cluster along M (the row tiles are rounded up to a multiple)
 };
 

@@ -58,6 +58,8 @@ namespace moeforge::cuda {
   X(cuFuncGetAttribute)                                                                                                \
   X(cuLaunchKernel)                                                                                                    \
   X(cuStreamCreate)                                                                                                    \
+  X(cuStreamCreateWithPriority)                                                                                        \
+  X(cuCtxGetStreamPriorityRange)                                                                                       \
   X(cuStreamDestroy)                                                                                                   \
   X(cuStreamSynchronize)                                                                                               \
   X(cuStreamWaitEvent)                                                                                                 \

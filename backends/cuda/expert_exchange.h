@@ -43,10 +43,28 @@ private:
 struct ExchangeSizes {
   std::vector<int64_t> send_rows;   // [R] rows this rank sends to each rank
   std::vector<int64_t> recv_rows;   // [R] rows it receives from each rank
+  std::vector<int32_t> send_counts; // [R x E/R] rows to rank q for its local expert j, at q * E/R + j
   std::vector<int32_t> recv_counts; // [R x E/R] rows from rank q for local expert j, at q * E/R + j
   int64_t total_send() const;
   int64_t total_recv() const;
 };
+
+// A group of every rank's local experts, [first, end) (the same on every
+// rank): the rows of one round of a chunked exchange.
+struct ExpertGroup {
+  int first = 0, end = 0;
+};
+// Group `chunk` of `chunks` (1 <= chunks <= local experts, chunk < chunks):
+// consecutive experts, as even as the division allows.
+ExpertGroup chunk_experts(int local_experts, int chunks, int chunk);
+
+// One round's rows, per rank q: rows [send_at[q], send_at[q] + send_rows[q])
+// of the send buffer go to q, rows [recv_at[q], ...) of the receive buffer
+// come from q (the buffers laid out as for the whole exchange).
+struct ExchangeSlices {
+  std::vector<int64_t> send_at, send_rows, recv_at, recv_rows;
+};
+ExchangeSlices exchange_slices(const ExchangeSizes &sizes, const ExpertPlacement &placement, ExpertGroup group);
 
 // The sizes from this rank's per-expert counts and the counts every rank
 // sent it (the host half of exchange_counts, and the tests' oracle).
@@ -69,6 +87,12 @@ public:
   // `rows`' layout on the ranks the rows came from.
   void give_back(CUdeviceptr processed, CUdeviceptr rows, size_t row_bytes, const ExchangeSizes &sizes,
                  const Stream &stream) const;
+  // One round of a chunked exchange: the rows of `group`'s experts only, to
+  // and from the places the whole exchange gives them.
+  void dispatch(CUdeviceptr rows, CUdeviceptr recv, size_t row_bytes, const ExchangeSizes &sizes, ExpertGroup group,
+                const Stream &stream) const;
+  void give_back(CUdeviceptr processed, CUdeviceptr rows, size_t row_bytes, const ExchangeSizes &sizes,
+                 ExpertGroup group, const Stream &stream) const;
 
   const ExpertPlacement &placement() const { return placement_; }
 
@@ -77,6 +101,10 @@ private:
   // from `send` (slices back to back), from rank q `recv_rows[q]` into `recv`.
   void all_to_all(CUdeviceptr send, const std::vector<int64_t> &send_rows, CUdeviceptr recv,
                   const std::vector<int64_t> &recv_rows, size_t row_bytes, const Stream &stream) const;
+  // The same with each rank's slice placed by its own first row.
+  void all_to_all(CUdeviceptr send, const std::vector<int64_t> &send_at, const std::vector<int64_t> &send_rows,
+                  CUdeviceptr recv, const std::vector<int64_t> &recv_at, const std::vector<int64_t> &recv_rows,
+                  size_t row_bytes, const Stream &stream) const;
 
   const Communicator &comm_;
   ExpertPlacement placement_;

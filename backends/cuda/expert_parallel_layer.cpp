@@ -6,6 +6,7 @@
 #include "dsl/error.h"
 #include "dsl/training.h"
 #include "lowering/lower.h"
+#include "runtime/routing_host.h"
 
 namespace moeforge::cuda {
 
@@ -29,6 +30,31 @@ const std::string &seed_of(const TrainingProgram &t, const std::string &output) 
 
 size_t row_bytes(const KernelProgram &p, const std::string &name, int64_t width) {
   return static_cast<size_t>(width) * dtype_bytes(p.tensor(name).dtype);
+}
+
+// Splits the experts' forward for exchange_chunks rounds
+// (CompiledExpertParallel::chunks): what does not read the received rows
+// first, then the routed GEMMs that run round by round.
+void plan_rounds(CompiledExpertParallel &c, TrainingProgram &e) {
+  std::vector<std::string> received;
+  for (const auto &x : c.split.dispatched)
+    received.push_back(x.expert_side);
+  KernelProgram &p = e.program;
+  c.chunk_begin = defer_steps_reading(p, 0, e.forward_steps, received);
+  c.chunk_end = c.chunk_begin;
+  for (; c.chunk_end < e.forward_steps; ++c.chunk_end) {
+    auto *g = std::get_if<GemmStep>(&p.steps[c.chunk_end]);
+    if (!g || !g->route || g->route->name != c.split.route || g->expert_k)
+      break;
+    g->windowed = true;
+  }
+  user_check(c.chunk_end > c.chunk_begin)
+      << "exchange_chunks(" << c.chunks << "): the experts' first step over the rows they receive, '"
+      << (c.chunk_begin < e.forward_steps ? step_name(p.steps[c.chunk_begin]) : "none")
+      << "', is not a GEMM over the route's tiles, the only step that runs over one group of experts at a time: "
+      << "choose a schedule whose expert GEMMs read the received rows themselves (scattermoe's, say) or use "
+      << "exchange_chunks(1)";
+  c.return_per_chunk = c.chunk_end == e.forward_steps;
 }
 
 } // namespace
@@ -74,6 +100,13 @@ CompiledExpertParallel compile_expert_parallel(const Pipeline &pipeline, const S
   for (const auto &x : s.dispatched)
     row_gradients.push_back(e.gradient_of(x.expert_side));
   c.row_gradients_end = defer_steps_not_needed_for(e.program, e.forward_steps, e.program.steps.size(), row_gradients);
+  c.chunks = spread.exchange_chunks();
+  user_check(c.chunks <= s.local_experts)
+      << "exchange_chunks(" << c.chunks << "): each round moves the rows of a group of a rank's experts, and this "
+      << "layer has " << s.local_experts << " a rank (" << s.experts << " over " << ranks << "): use at most "
+      << s.local_experts << " chunks";
+  if (c.chunks > 1)
+    plan_rounds(c, e);
   c.token.layer = compile_program(t.program, arch);
   c.token.training = std::move(t);
   c.experts.layer = compile_program(e.program, arch);
@@ -109,6 +142,23 @@ ExpertParallelLayer::ExpertParallelLayer(const Device &device, const CompiledExp
   out_rows_ = DeviceBuffer(static_cast<size_t>(pairs_) * widest);
   back_rows_ = DeviceBuffer(static_cast<size_t>(pairs_) * widest);
   segment_end_ = DeviceBuffer(sizeof(int64_t) * comm.size() * compiled.split.local_experts);
+  if (compiled.chunks > 1) {
+    // A chunked forward holds every crossing's rows at once: rounds of one
+    // tensor are still travelling while the next is packed.
+    const size_t more = compiled.split.dispatched.size() + compiled.split.returned.size() - 2;
+    for (size_t i = 0; i < more; ++i)
+      rows_of_.emplace_back(static_cast<size_t>(pairs_) * widest);
+    round_in_.resize(compiled.chunks);
+    round_done_.resize(compiled.chunks);
+  }
+}
+
+CUdeviceptr ExpertParallelLayer::packed_rows(size_t crossing) {
+  return crossing == 0 ? out_rows_.ptr() : rows_of_.at(crossing - 1).ptr();
+}
+
+CUdeviceptr ExpertParallelLayer::returned_rows(size_t crossing) {
+  return crossing == 0 ? back_rows_.ptr() : rows_of_.at(compiled_.split.dispatched.size() - 1 + crossing - 1).ptr();
 }
 
 bool ExpertParallelLayer::is_expert_param(const std::string &name) const {
@@ -238,32 +288,122 @@ void ExpertParallelLayer::forward(const Stream &stream) {
   if (received_ > 0)
     experts_.set_tokens(received_);
 
-  for (const auto &x : c.split.dispatched)
-    send_to_experts(x.token_side, x.expert_side, x.width, stream);
-  mark("forward: dispatch", stream);
-  if (received_ > 0) {
-    // Each received row's local expert: the segments (source rank, local
-    // expert) in the order they arrived.
-    std::vector<int64_t> ends(sizes_.recv_counts.size());
-    int64_t at = 0;
-    for (size_t i = 0; i < ends.size(); ++i)
-      ends[i] = at += sizes_.recv_counts[i];
-    segment_end_.upload(ends);
-    CUdeviceptr select = experts_.address(c.split.selector), segments = segment_end_.ptr();
-    int n_segments = static_cast<int>(ends.size()), local = static_cast<int>(c.split.local_experts);
-    long long rows = received_;
-    void *args[] = {&select, &segments, &n_segments, &local, &rows};
-    const int64_t blocks = std::min<int64_t>((received_ * local + kRowThreads - 1) / kRowThreads, 8LL * sm_count_);
-    select_.launch({static_cast<unsigned>(blocks)}, {kRowThreads}, 0, stream, args);
-    experts_.enqueue(stream, 0, c.experts.training.forward_steps);
+  if (c.chunks > 1) {
+    forward_in_chunks(stream);
+  } else {
+    for (const auto &x : c.split.dispatched)
+      send_to_experts(x.token_side, x.expert_side, x.width, stream);
+    mark("forward: dispatch", stream);
+    if (received_ > 0) {
+      select_experts(stream);
+      experts_.enqueue(stream, 0, c.experts.training.forward_steps);
+    }
+    mark("forward: experts", stream);
+    for (const auto &x : c.split.returned)
+      bring_back(x.expert_side, x.token_side, x.width, stream);
+    mark("forward: return", stream);
   }
-  mark("forward: experts", stream);
-  for (const auto &x : c.split.returned)
-    bring_back(x.expert_side, x.token_side, x.width, stream);
-  mark("forward: return", stream);
   token_.enqueue(stream, c.dispatch_end, c.token.training.forward_steps);
   mark("forward: combine", stream);
   forward_ran_ = true;
+}
+
+void ExpertParallelLayer::select_experts(const Stream &stream) {
+  // Each received row's local expert: the segments (source rank, local
+  // expert) in the order they arrived.
+  std::vector<int64_t> ends(sizes_.recv_counts.size());
+  int64_t at = 0;
+  for (size_t i = 0; i < ends.size(); ++i)
+    ends[i] = at += sizes_.recv_counts[i];
+  segment_end_.upload(ends);
+  CUdeviceptr select = experts_.address(compiled_.split.selector), segments = segment_end_.ptr();
+  int n_segments = static_cast<int>(ends.size()), local = static_cast<int>(compiled_.split.local_experts);
+  long long rows = received_;
+  void *args[] = {&select, &segments, &n_segments, &local, &rows};
+  const int64_t blocks = std::min<int64_t>((received_ * local + kRowThreads - 1) / kRowThreads, 8LL * sm_count_);
+  select_.launch({static_cast<unsigned>(blocks)}, {kRowThreads}, 0, stream, args);
+}
+
+std::vector<std::vector<int32_t>> ExpertParallelLayer::chunk_windows() const {
+  const int local = static_cast<int>(compiled_.split.local_experts), R = comm_.size();
+  const int bs = experts_.routing_plan(compiled_.split.route).shape.block;
+  // The expert route's tiles, as the device routing will lay them out from
+  // the rows each local expert receives.
+  std::vector<int32_t> tiles_of(local, 0);
+  for (int j = 0; j < local; ++j) {
+    int64_t rows = 0;
+    for (int q = 0; q < R; ++q)
+      rows += sizes_.recv_counts[q * local + j];
+    tiles_of[j] = static_cast<int32_t>((rows + bs - 1) / bs);
+  }
+  const std::vector<TileSlot> order = pair_aligned_tiles(tiles_of);
+  std::vector<std::vector<int32_t>> windows(compiled_.chunks);
+  for (int ch = 0; ch < compiled_.chunks; ++ch) {
+    const ExpertGroup g = chunk_experts(local, compiled_.chunks, ch);
+    for (size_t i = 0; i < order.size(); ++i)
+      if (order[i].expert >= g.first && order[i].expert < g.end)
+        windows[ch].push_back(static_cast<int32_t>(i));
+  }
+  return windows;
+}
+
+void ExpertParallelLayer::forward_in_chunks(const Stream &stream) {
+  const CompiledExpertParallel &c = compiled_;
+  const ExpertParallelSplit &s = c.split;
+  const int local = static_cast<int>(s.local_experts);
+  std::vector<size_t> out_bytes, back_bytes;
+  for (size_t i = 0; i < s.dispatched.size(); ++i) {
+    const auto &x = s.dispatched[i];
+    out_bytes.push_back(crossing_bytes(x.token_side, x.expert_side, x.width));
+    const bool padded = c.token.training.program.tensor(x.token_side).layout == RowLayout::padded;
+    launch_rows(pack_, token_.address(x.token_side), packed_rows(i), out_bytes.back(), padded, stream);
+  }
+  for (const auto &x : s.returned)
+    back_bytes.push_back(crossing_bytes(x.token_side, x.expert_side, x.width));
+  if (received_ > 0) {
+    select_experts(stream);
+    experts_.set_tile_windows(s.route, chunk_windows());
+    experts_.enqueue(stream, 0, c.chunk_begin); // the route over the rows to come
+  }
+  // Round by round on the second stream: every round's rows go out at once
+  // (each arrives under the GEMMs of the rounds before it), and a round's
+  // results start back once its GEMMs are done. Every rank posts its NCCL
+  // calls in the same order: all rounds out, then all back.
+  rows_out_ready_.record(stream);
+  moves_.wait(rows_out_ready_);
+  for (int ch = 0; ch < c.chunks; ++ch) {
+    const ExpertGroup g = chunk_experts(local, c.chunks, ch);
+    for (size_t i = 0; i < s.dispatched.size(); ++i)
+      exchange_.dispatch(packed_rows(i), experts_.address(s.dispatched[i].expert_side), out_bytes[i], sizes_, g,
+                         moves_);
+    round_in_[ch].record(moves_);
+  }
+  for (int ch = 0; ch < c.chunks; ++ch) {
+    stream.wait(round_in_[ch]);
+    if (received_ > 0)
+      experts_.enqueue_window(stream, c.chunk_begin, c.chunk_end, static_cast<size_t>(ch));
+    if (!c.return_per_chunk)
+      continue;
+    round_done_[ch].record(stream);
+    moves_.wait(round_done_[ch]);
+    const ExpertGroup g = chunk_experts(local, c.chunks, ch);
+    for (size_t i = 0; i < s.returned.size(); ++i)
+      exchange_.give_back(experts_.address(s.returned[i].expert_side), returned_rows(i), back_bytes[i], sizes_, g,
+                          moves_);
+  }
+  mark("forward: rows out, experts, rows back (in rounds)", stream);
+  if (c.return_per_chunk) {
+    rows_back_.record(moves_);
+    stream.wait(rows_back_);
+  } else {
+    if (received_ > 0)
+      experts_.enqueue(stream, c.chunk_end, c.experts.training.forward_steps);
+    for (size_t i = 0; i < s.returned.size(); ++i)
+      exchange_.give_back(experts_.address(s.returned[i].expert_side), returned_rows(i), back_bytes[i], sizes_, stream);
+  }
+  for (size_t i = 0; i < s.returned.size(); ++i)
+    launch_rows(unpack_, returned_rows(i), token_.address(s.returned[i].token_side), back_bytes[i], false, stream);
+  mark("forward: return", stream);
 }
 
 void ExpertParallelLayer::backward(const Stream &stream) {

@@ -50,6 +50,16 @@ struct CompiledExpertParallel {
   // received rows' gradients; the rest (the weight gradients) can run while
   // those rows travel back.
   size_t row_gradients_end = 0;
+  // Schedule::exchange_chunks: the forward's rows cross in `chunks` rounds,
+  // each a group of every rank's experts (chunk_experts). Expert forward
+  // steps [0, chunk_begin) do not read the received rows (the route over
+  // them, from the counts alone); [chunk_begin, chunk_end) are routed GEMMs
+  // that run once per round over that group's tiles (GemmStep::windowed);
+  // the rest run once every round has arrived. With chunk_end the forward's
+  // end, each round's results go back as soon as its GEMMs are done.
+  int chunks = 1;
+  size_t chunk_begin = 0, chunk_end = 0;
+  bool return_per_chunk = false;
   CompileResult row_kernels; // device/expert_parallel.cuh
 };
 
@@ -131,15 +141,32 @@ private:
   ExpertExchange exchange_;
   Module module_;
   Kernel pack_, unpack_, select_;
+  // The forward in exchange_chunks rounds: rows out and experts' GEMMs
+  // round by round, each round's rows back as soon as they are made.
+  void forward_in_chunks(const Stream &stream);
+  // The selector of the received rows' local experts, from the counts.
+  void select_experts(const Stream &stream);
+  // The windows of the expert route's tiles, one per round: the tiles of
+  // the round's experts, from the counts received.
+  std::vector<std::vector<int32_t>> chunk_windows() const;
+  // Every dispatched (returned) crossing's rows in the exchange's order
+  // (the first in out_rows_ / back_rows_, the others in rows_of_); the
+  // backward moves one tensor at a time through out_rows_ and back_rows_.
+  CUdeviceptr packed_rows(size_t crossing);
+  CUdeviceptr returned_rows(size_t crossing);
+
   DeviceBuffer out_rows_, back_rows_; // the exchange's order, widest row
+  std::vector<DeviceBuffer> rows_of_; // more crossings' rows in a chunked forward
   DeviceBuffer segment_end_;          // int64 [R * E/R]
   ExchangeSizes sizes_;
   int64_t received_ = 0;
   bool forward_ran_ = false;
   bool timing_ = false;
   bool overlap_ = true;
-  Stream moves_;                                                  // the backward's row moves, with overlap
+  Stream moves_{
+      Stream::HighPriority{}}; // the row moves beside the GEMMs: the backward's with overlap, the forward's rounds
   Event rows_out_ready_, rows_out_, rows_back_ready_, rows_back_; // the two streams' hand-offs
+  std::vector<Event> round_in_, round_done_;                      // a chunked forward's, per round
   std::vector<std::pair<std::string, Event>> marks_;              // the step's phase ends, the first its start
   int sm_count_;
 };

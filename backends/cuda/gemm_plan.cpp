@@ -90,6 +90,14 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
       << "definition '" << g.output << "': clusters of two row tiles need the routing block (" << g.block
       << ") to be tile_m or twice it, not tile_m " << t.tile_m << ": set tile(\"" << g.output << "\", " << g.block
       << ", ...), block(" << 2 * t.tile_m << ") or drop cluster";
+  // A window of the route's tiles: tile ids from a list, one block or one
+  // persistent walk over the window's tiles.
+  p.windowed = g.windowed;
+  internal_check(!p.windowed || (g.route && !g.expert_k)) << g.name << ": a tile window is for routed row tiles";
+  user_check(!p.windowed || !p.cluster)
+      << "definition '" << g.func << "': exchange_chunks runs the expert GEMMs over one group of experts' tiles at a "
+      << "time, which the two-block clusters' pairs of tiles do not follow yet: drop cluster(\"" << g.func
+      << "\", 2) or use exchange_chunks(1)";
   // A chained product: its A and B come through maps of their own, loaded
   // after the first product's k-tiles into the same ring.
   p.chained = g.chained.has_value();
@@ -218,7 +226,7 @@ std::string describe(const GemmPlan &p, const GemmStep &g) {
         : p.persistent ? "persistent blocks drawing tiles from a counter"
         : p.cluster    ? "a 2-block cluster per pair of row tiles"
                        : "a block per output tile")
-    << ", raster " << t.raster << "\n";
+    << (p.windowed ? " of a window of the route's tiles" : "") << ", raster " << t.raster << "\n";
   o << "  epilogue: " << (p.out_tma ? "staged in shared memory, stored by TMA" : "plain stores")
     << (p.out_tma && p.persistent ? " (" + std::to_string(p.staged_cols) + " columns at a time)" : "")
     << (p.wide_stores ? ", 8/16-byte" : "") << (p.pair_rows ? ", rows through sorted_pair" : "")

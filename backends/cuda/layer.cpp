@@ -129,6 +129,16 @@ void CudaLayer::bind() {
         break;
       case KernelArg::Kind::route: {
         RoutingPlan &plan = *plans_.at(a.route);
+        if (a.name == "window") { // room for every tile the layer's capacity can have
+          TileWindows &w = windows_[a.route];
+          w.stride = static_cast<size_t>(plan.shape.max_tiles()) + 1;
+          if (w.active.bytes() < sizeof(int32_t) * w.stride) {
+            w.active = DeviceBuffer(sizeof(int32_t) * w.stride);
+            w.active.fill32(0); // no tiles until a window is chosen
+          }
+          l.args.push_back(w.active.arg());
+          break;
+        }
         DeviceBuffer *b = a.name == "num_tiles" ? &plan.num_tiles : routing_array(plan, a.name);
         if (a.name == "padded_rows") {
           l.args.push_back(&padded_rows_.at(a.route));
@@ -294,7 +304,46 @@ void CudaLayer::poison() {
     plan->poison(kPoisonOnes);
 }
 
-void CudaLayer::run_step(size_t step, const Stream &stream) {
+void CudaLayer::set_tile_windows(const std::string &route, const std::vector<std::vector<int32_t>> &windows) {
+  const RoutingNode *r = nullptr;
+  for (const auto &[node, plan] : plans_)
+    if (node->name == route)
+      r = node;
+  user_check(r != nullptr) << "set_tile_windows: no route named '" << route << "' in this layer";
+  auto it = windows_.find(r);
+  user_check(it != windows_.end()) << "set_tile_windows: no GEMM of route '" << route
+                                   << "' runs over a window (GemmStep::windowed)";
+  TileWindows &w = it->second;
+  const int64_t max_tiles = plans_.at(r)->shape.max_tiles();
+  std::vector<int32_t> all(w.stride * windows.size(), 0);
+  w.tiles.clear();
+  for (size_t i = 0; i < windows.size(); ++i) {
+    internal_check(static_cast<int64_t>(windows[i].size()) <= max_tiles)
+        << "tile window " << i << " lists " << windows[i].size() << " tiles; route '" << route << "' has at most "
+        << max_tiles;
+    all[i * w.stride] = static_cast<int32_t>(windows[i].size());
+    std::copy(windows[i].begin(), windows[i].end(), all.begin() + i * w.stride + 1);
+    w.tiles.push_back(static_cast<int64_t>(windows[i].size()));
+  }
+  if (w.all.bytes() < sizeof(int32_t) * all.size())
+    w.all = DeviceBuffer(sizeof(int32_t) * all.size());
+  if (!all.empty())
+    w.all.upload(all);
+}
+
+void CudaLayer::enqueue_window(const Stream &stream, size_t begin, size_t end, size_t window) {
+  internal_check(begin <= end && end <= layer_.program.steps.size()) << "step range out of bounds";
+  check_uploaded(layer_.program, begin, end, uploaded_, "enqueue_window()");
+  for (auto &[r, w] : windows_) {
+    internal_check(window < w.tiles.size()) << "tile window " << window << " of " << w.tiles.size() << " chosen";
+    MOEFORGE_CU(cuMemcpyDtoDAsync, w.active.ptr(), w.all.ptr() + sizeof(int32_t) * w.stride * window,
+                sizeof(int32_t) * (1 + w.tiles[window]), stream.handle());
+  }
+  for (size_t i = begin; i < end; ++i)
+    run_step(i, stream, static_cast<int64_t>(window));
+}
+
+void CudaLayer::run_step(size_t step, const Stream &stream, int64_t window) {
   if (auto *rs = std::get_if<RoutingStep>(&layer_.program.steps[step])) {
     // No generated kernel. Lowering may have given the routing the router's
     // softmax and the gate tensor to write (lower.h, softmax_into_routing and
@@ -306,7 +355,21 @@ void CudaLayer::run_step(size_t step, const Stream &stream) {
   Launch &l = launches_.at(launch_of_.at(step));
   if (l.zero_words)
     MOEFORGE_CU(cuMemsetD32Async, l.zero, 0u, l.zero_words, stream.handle());
-  l.kernel.launch(l.grid, l.block, static_cast<unsigned>(l.gen->shared_bytes), stream, l.args.data());
+  Dim3 grid = l.grid;
+  if (const GridShape &gs = l.gen->grid; gs.windowed) {
+    internal_check(window >= 0) << "step '" << l.gen->step << "' runs over a tile window: enqueue it with "
+                                << "enqueue_window()";
+    // The window's tiles only (the kernel reads their ids): no block is
+    // launched just to find its tile outside the window.
+    int64_t gx = windows_.at(gs.route).tiles.at(static_cast<size_t>(window)) * (gs.block / gs.tile_m) *
+                 ceil_div(shapes_.extent(gs.n), gs.tile_n);
+    if (gx == 0)
+      return; // no tile of the route in this window
+    if (gs.persistent)
+      gx = std::min<int64_t>(gx, sm_count_);
+    grid.x = static_cast<unsigned>(gx);
+  }
+  l.kernel.launch(grid, l.block, static_cast<unsigned>(l.gen->shared_bytes), stream, l.args.data());
 }
 
 void CudaLayer::enqueue(const Stream &stream) { enqueue(stream, 0, layer_.program.steps.size()); }

@@ -149,6 +149,17 @@ public:
   // Route `route`'s device tables, as the last run left them.
   const RoutingPlan &routing_plan(const std::string &route) const;
 
+  // Tile windows (GemmStep::windowed): each a list of tile ids of route
+  // `route` (its pair-aligned order, runtime/routing_host.h), which the
+  // windowed GEMMs run over one at a time: an expert-parallel rank's
+  // forward over the experts whose rows have arrived. Copies the lists to
+  // the device (synchronously: it is called where the host has just waited
+  // for the route's counts anyway).
+  void set_tile_windows(const std::string &route, const std::vector<std::vector<int32_t>> &windows);
+  // Enqueues steps [begin, end) with every windowed GEMM over window
+  // `window`'s tiles (its grid sized by them); the other steps as enqueue().
+  void enqueue_window(const Stream &stream, size_t begin, size_t end, size_t window);
+
   const CompiledLayer &compiled() const { return layer_; }
   int64_t tokens() const { return tokens_; }
   // Bytes of device memory held for intermediates and outputs (not inputs):
@@ -164,7 +175,8 @@ private:
     CUdeviceptr zero = 0; // zeroed before each launch (GeneratedKernel::zero_first)
     size_t zero_words = 0;
   };
-  void run_step(size_t step, const Stream &stream);
+  // window: the tile window the step's windowed GEMM runs over, or -1.
+  void run_step(size_t step, const Stream &stream, int64_t window = -1);
   void bind();
 
   const CompiledLayer &layer_;
@@ -182,7 +194,16 @@ private:
   uint64_t bind_epoch_ = 0;
   std::map<const RoutingNode *, std::unique_ptr<RoutingPlan>> plans_;
   std::map<const RoutingNode *, CUdeviceptr> padded_rows_; // &offsets[E]: total padded rows
-  std::deque<CUtensorMap> tensor_maps_;                    // TMA arguments (a deque: their addresses stay put)
+  // A route's tile windows: every window's [count, ids...] in `all` (rows of
+  // `stride` int32), the one in use copied to `active`, the windowed
+  // kernels' argument.
+  struct TileWindows {
+    DeviceBuffer active, all;
+    size_t stride = 0;
+    std::vector<int64_t> tiles; // per window
+  };
+  std::map<const RoutingNode *, TileWindows> windows_;
+  std::deque<CUtensorMap> tensor_maps_; // TMA arguments (a deque: their addresses stay put)
   struct TmaArg {
     std::string tensor;
     long long rows, cols;

@@ -8,6 +8,12 @@ namespace moeforge::cuda {
 
 Stream::Stream() { MOEFORGE_CU(cuStreamCreate, &stream_, CU_STREAM_NON_BLOCKING); }
 
+Stream::Stream(HighPriority) {
+  int least = 0, greatest = 0; // numerically lower is higher priority
+  MOEFORGE_CU(cuCtxGetStreamPriorityRange, &least, &greatest);
+  MOEFORGE_CU(cuStreamCreateWithPriority, &stream_, CU_STREAM_NON_BLOCKING, greatest);
+}
+
 Stream Stream::borrow(CUstream handle) {
   Stream s(nullptr);
   s.stream_ = handle;

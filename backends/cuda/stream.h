@@ -17,6 +17,11 @@ namespace moeforge::cuda {
 class Stream {
 public:
   Stream();
+  // A stream whose blocks the scheduler starts before those of streams of
+  // normal priority wherever both wait for an SM: for short transfers that
+  // should not queue behind a long GEMM's blocks.
+  struct HighPriority {};
+  explicit Stream(HighPriority);
   // Another library's stream (PyTorch's current one, say), used but never
   // destroyed here; 0 is the legacy default stream.
   static Stream borrow(CUstream handle);

@@ -318,7 +318,13 @@ FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
 
 FuncSchedule Schedule::for_func(const std::string &func) const {
   auto it = overrides_.find(func);
-  return it == overrides_.end() ? default_ : apply(default_, it->second);
+  if (it == overrides_.end())
+    return default_;
+  FuncSchedule f = apply(default_, it->second);
+  const Overrides &o = it->second;
+  f.tiling.named = {o.persistent.value_or(false), o.tma.value_or(false), o.tma_store.value_or(false),
+                    o.cluster_m.value_or(1) > 1};
+  return f;
 }
 
 void Schedule::commit(const std::string &call, const std::string &primitive, const std::string &func,

@@ -86,6 +86,15 @@ struct GemmTiling {
   // holds both) or the two halves of one (block = 2 tile_m: always shared
   // when the second half holds rows).
   int cluster_m = 1;
+  // Which of the choices above the schedule named for this Func itself (a
+  // `"*"` default is not named): where one of those cannot apply to the
+  // Func's GEMM, its plan says so and why (gemm_plan.h), rather than
+  // dropping it unseen. Where a choice came from does not make two tilings
+  // differ.
+  struct Named {
+    bool persistent = false, tma = false, tma_store = false, cluster = false;
+    bool operator==(const Named &) const { return true; }
+  } named;
   int threads() const { return warps_m * warps_n * 32; }
   // The A and B tiles of every stage, in bf16.
   // The ring of stages for `b_operands` B tiles beside the A tile, bf16: the

@@ -57,6 +57,39 @@ TEST_CASE("cli: the reference backend checks the Func names a schedule file uses
   std::filesystem::remove(p);
 }
 
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+TEST_CASE("cli: a choice the schedule names that its GEMM cannot take is a note, on every compiled backend") {
+  std::filesystem::path p = std::filesystem::temp_directory_path() / "moeforge_not_applied.schedule";
+  {
+    std::ofstream f(p);
+    f << "schedule(\"x\")\ntile(\"*\", 128, 128, 64)\nmma(\"*\", wgmma_ws)\ntma_store(\"h\", true)\n"
+      << "persistent(\"d_w1\", true)\n";
+  }
+  const std::string store = "note      definition 'h': tma_store(\"h\", true) is not applied: TMA stores come with "
+                            "TMA loads (tma(\"h\", true) on the wgmma loop)\n";
+  const std::string walk = "note      definition 'd_w1': persistent(\"d_w1\", true) is not applied: a persistent "
+                           "expert reduction needs its B by TMA, and tma(\"d_w1\") is off\n";
+  Run r = cli({"train", "moe_mlp", "--schedule", p.string(), "--backend", "cpu", "--tokens", "32"});
+  INFO(r.err);
+  CHECK(r.code == 0);
+  CHECK(has(r.out, store));
+  CHECK(has(r.out, walk));
+  // The forward (a schedule naming only its Funcs).
+  {
+    std::ofstream f(p);
+    f << "schedule(\"x\")\ntile(\"*\", 128, 128, 64)\nmma(\"*\", wgmma_ws)\ntma_store(\"h\", true)\n";
+  }
+  r = cli({"run", "moe_mlp", "--schedule", p.string(), "--backend", "cpu", "--tokens", "32"});
+  CHECK(r.code == 0);
+  CHECK(has(r.out, store));
+  // The reference runs the algebra, not the schedule: nothing to note.
+  r = cli({"run", "moe_mlp", "--schedule", p.string(), "--backend", "reference", "--tokens", "32"});
+  CHECK(r.code == 0);
+  CHECK(!has(r.out, "note"));
+  std::filesystem::remove(p);
+}
+#endif
+
 TEST_CASE("cli: list prints every example") {
   Run r = cli({"list"});
   CHECK(r.code == 0);

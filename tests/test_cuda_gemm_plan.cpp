@@ -1,4 +1,4 @@
-// The CUDA backend's GEMM plans (backends/cuda/gemm_plan.h): every choice of
+// The CUDA backend's GEMM plans (lowering/gemm_plan.h): every choice of
 // a generated GEMM kernel resolved before any code is printed.
 #include <doctest/doctest.h>
 
@@ -8,10 +8,10 @@
 #include "layer_compare.h"
 
 #include "backends/cuda/codegen_cuda.h"
-#include "backends/cuda/gemm_plan.h"
 #include "benchmarks/train_schedule.h"
 #include "dsl/error.h"
 #include "examples/examples.h"
+#include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "schedules/presets.h"
@@ -117,4 +117,47 @@ TEST_CASE("gemm plan: what the backend cannot run is a user error before any cod
   CHECK_THROWS_WITH_AS(generate_cuda(lower(moa.pipeline, preset("scattermoe"))),
                        doctest::Contains("definition 'p_s': the CUDA backend needs a static column extent (T)"),
                        UserError);
+}
+
+TEST_CASE("gemm plan: a choice named for a Func that its GEMM cannot take is said, not dropped") {
+  Example ex = make_example("moe_mlp", small());
+  Schedule base("t");
+  base.tile("*", 128, 128, 64).mma("*", MmaKind::wgmma_ws);
+  // A TMA store without the TMA loads it comes with.
+  Schedule store = base;
+  store.tma_store("h", true);
+  std::vector<std::string> notes = not_applied_choices(lower(ex.pipeline, store));
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0] == "definition 'h': tma_store(\"h\", true) is not applied: TMA stores come with TMA loads "
+                    "(tma(\"h\", true) on the wgmma loop)");
+  // An expert reduction's TMA loads, persistent walk and clusters, where
+  // its B is not the zero-padded bf16 rows TMA boxes read.
+  Schedule reduce = base;
+  reduce.tma("d_w1", true).cluster("d_w1", 2).persistent("d_w1", true);
+  notes = not_applied_choices(lower_training(ex.pipeline, ex.pipeline.func("y"), reduce).program);
+  REQUIRE(notes.size() == 3);
+  CHECK(notes[0] == "definition 'd_w1': tma(\"d_w1\", true) is not applied: an expert reduction reads B by TMA as "
+                    "zero-padded bf16 rows in the padded order, which 'd_x_s_a' is not (padded_elementwise(true) and "
+                    "bf16_activations(true) make it so)");
+  CHECK(notes[1] == "definition 'd_w1': persistent(\"d_w1\", true) is not applied: a persistent expert reduction "
+                    "needs its B by TMA, and this one's B is not TMA-ready (see its tma)");
+  CHECK(notes[2] == "definition 'd_w1': cluster(\"d_w1\", 2) is not applied: an expert reduction (K over one "
+                    "expert's rows) runs without clusters");
+  // The plan prints them with the GEMM.
+  const std::string plans = describe_gemm_plans(lower_training(ex.pipeline, ex.pipeline.func("y"), reduce).program);
+  CHECK(plans.find("  note: cluster(\"d_w1\", 2) is not applied") != std::string::npos);
+  // The same choices as the default ("*") apply where they can and say
+  // nothing elsewhere; where they apply, nothing is said either.
+  Schedule everywhere = base;
+  everywhere.tma("*", true).persistent("*", true).tma_store("*", true);
+  CHECK(not_applied_choices(lower_training(ex.pipeline, ex.pipeline.func("y"), everywhere).program).empty());
+  Example swiglu = make_example("swiglu_moe", small());
+  CHECK(not_applied_choices(lower_training(swiglu.pipeline, swiglu.pipeline.func("y"), bench::tuned_wide(true)).program)
+            .empty());
+  // Where a choice came from does not make two tilings differ.
+  CHECK(reduce.for_func("d_w1").tiling.named.tma);
+  CHECK(!everywhere.for_func("d_w1").tiling.named.tma);
+  GemmTiling a = reduce.for_func("d_w1").tiling, b = a;
+  b.named = {};
+  CHECK(a == b);
 }

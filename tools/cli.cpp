@@ -18,6 +18,7 @@
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
 #include "examples/examples.h"
+#include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "runtime/program_shapes.h"
@@ -425,6 +426,20 @@ Schedule resolve_schedule(const Options &o, const Example &ex, const std::string
   return s;
 }
 
+// The choices `schedule` named for a Func that its GEMMs cannot take
+// (lowering/gemm_plan.h), one "note" line each: the same on the CPU and the
+// CUDA backend, which lower the same program. Where the experts spread over
+// ranks each side has its own program; the lines are the unsplit layer's.
+void print_not_applied(std::ostream &out, const std::string &backend, const TrainingTask *task, const Example &ex,
+                       const Schedule &schedule) {
+  if (backend == "reference")
+    return; // it runs the algebra, not the schedule
+  const Schedule one = schedule.on_one_rank();
+  const KernelProgram p = task ? lower_training(ex.pipeline, task->outputs, one).program : lower(ex.pipeline, one);
+  for (const std::string &n : not_applied_choices(p))
+    out << "note      " << n << "\n";
+}
+
 // The reference's routing options for a layer run under `schedule`.
 EvalOptions reference_options(const Schedule &schedule) {
   EvalOptions e;
@@ -613,6 +628,7 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
       << "\n";
   if (!auto_note.empty())
     out << "schedule  " << auto_note << "\n";
+  print_not_applied(out, backend, &task, ex, schedule);
   for (const auto &[name, r] : run.routes)
     print_routing(out, name, r);
   out << "forward   " << std::fixed << std::setprecision(3) << run.forward_ms << " ms\n";
@@ -694,6 +710,7 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
         << (backend == "cpu" && o.backend.empty() ? "; no GPU: " + no_gpu : "") << "\n";
     if (!auto_note.empty())
       out << "schedule  " << auto_note << "\n";
+    print_not_applied(out, backend, nullptr, ex, schedule);
     for (const auto &[name, r] : run.routes)
       print_routing(out, name, r);
     print_time_and_checksum(out, run.ms, ex.output, run.values.at(ex.output));

@@ -9,7 +9,7 @@
 #if MOEFORGE_HAVE_NCCL
 #include "backends/cuda/expert_parallel_layer.h"
 #endif
-#include "backends/cuda/gemm_plan.h"
+#include "lowering/gemm_plan.h"
 #include "backends/cuda/layer.h"
 #include "backends/cuda/nvrtc_compiler.h"
 #include "backends/cuda/training_layer.h"

@@ -7,7 +7,7 @@
 #include <map>
 #include <sstream>
 
-#include "backends/cuda/gemm_plan.h"
+#include "lowering/gemm_plan.h"
 #include "backends/cuda/tile_library.h"
 #include "dsl/error.h"
 #include "dsl/printer.h"

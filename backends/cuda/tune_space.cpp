@@ -5,7 +5,7 @@
 #include <sstream>
 #include <variant>
 
-#include "backends/cuda/gemm_plan.h"
+#include "lowering/gemm_plan.h"
 #include "dsl/error.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"

@@ -1,9 +1,11 @@
-// How one GEMM step runs on the CUDA backend: every choice the generated
-// kernel makes, resolved once from the step and its schedule before any code
-// is printed. The codegen reads the plan and holds only internal checks;
-// the schedule's combinations this backend cannot run are user errors here,
-// naming the primitive and the fix. `moeforge emit <example> --plan` prints
-// the plans (describe()).
+// How one GEMM step runs on the CUDA target (sm_90a): every choice the
+// generated kernel makes, resolved once from the step and its schedule
+// before any code is printed. The codegen reads the plan and holds only
+// internal checks; the schedule's combinations the target cannot run are
+// user errors here, naming the primitive and the fix. A lowering pass that
+// needs no CUDA, so that a command on any backend can say which of the
+// choices a schedule named the plan could not take (not_applied_choices).
+// `moeforge emit <example> --plan` prints the plans (describe()).
 #pragma once
 
 #include <string>
@@ -53,6 +55,9 @@ struct GemmPlan {
   int threads = 0;
   int min_blocks = 1; // blocks per SM the launch bounds ask for
   int shared_bytes() const { return ring_bytes + staging_bytes; }
+  // ---- what the schedule named for this GEMM's Func and the plan could not
+  // apply (GemmTiling::named), each with why: the GEMM runs without it.
+  std::vector<std::string> not_applied;
 };
 
 // Resolves g's plan; a user error where the schedule asks for what this
@@ -66,5 +71,11 @@ std::string describe(const GemmPlan &p, const GemmStep &g);
 
 // Every GEMM step's plan, in program order.
 std::string describe_gemm_plans(const KernelProgram &prog);
+
+// The choices named for a Func that its GEMMs could not take, one line each
+// ("definition 'h': tma_store(\"h\", true) is not applied: ..."), in
+// program order: what a command prints before it runs, whatever the
+// backend, so that no named choice is dropped unseen.
+std::vector<std::string> not_applied_choices(const KernelProgram &prog);
 
 } // namespace moeforge

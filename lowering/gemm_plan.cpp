@@ -1,5 +1,6 @@
-#include "backends/cuda/gemm_plan.h"
+#include "lowering/gemm_plan.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "dsl/error.h"
@@ -191,6 +192,55 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
       << "definition '" << g.output << "': " << p.nb << " B operands with tile " << t.tile_m << "x" << t.tile_n << "x"
       << t.tile_k << " and " << t.stages << " stages need " << p.shared_bytes() << " bytes of shared memory, over "
       << Schedule::max_shared_bytes << ": use fewer stages or a smaller tile";
+
+  // ---- named choices the plan could not take, each with the first reason
+  const std::string f = "\"" + g.func + "\"";
+  auto first = [](std::initializer_list<std::pair<bool, std::string>> reasons) -> std::string {
+    for (const auto &[holds, why] : reasons)
+      if (holds)
+        return why;
+    return "it does not fit this GEMM's loop";
+  };
+  auto zero_padded_b = [&] {
+    return g.b_rows == RowMap::direct && prog.tensor(g.b[0]).zero_padding && prog.tensor(g.b[0]).dtype == DType::bf16;
+  };
+  if (t.named.tma && !p.tma && !p.b_tma_rows)
+    p.not_applied.push_back(
+        "tma(" + f + ", true) is not applied: " +
+        first({{!p.wgmma, "TMA loads feed the wgmma main loops, and this GEMM runs mma.sync"},
+               {!g.expert_k && g.k.is_dynamic(),
+                "its reduction runs over a run-time extent, which the TMA boxes are not made for"},
+               {g.expert_k && !p.in_place, "an expert reduction reads its operands by TMA only in place"},
+               {g.expert_k && !p.ws, "an expert reduction's TMA loads come from the warp-specialised loop (wgmma_ws)"},
+               {g.expert_k && p.nb != 1, "an expert reduction's TMA loads take one B operand"},
+               {g.expert_k && !zero_padded_b(),
+                "an expert reduction reads B by TMA as zero-padded bf16 rows in the padded order, which '" + g.b[0] +
+                    "' is not (padded_elementwise(true) and bf16_activations(true) make it so)"}}));
+  if (t.named.persistent && !p.persistent)
+    p.not_applied.push_back("persistent(" + f +
+                            ", true) is not applied: a persistent expert reduction needs its B by TMA, and " +
+                            (t.tma ? "this one's B is not TMA-ready (see its tma)" : "tma(" + f + ") is off"));
+  if (t.named.cluster && !p.cluster)
+    p.not_applied.push_back("cluster(" + f +
+                            ", 2) is not applied: an expert reduction (K over one expert's rows) "
+                            "runs without clusters");
+  if (t.named.tma_store && !p.out_tma)
+    p.not_applied.push_back(
+        "tma_store(" + f + ", true) is not applied: " +
+        first(
+            {{!(p.tma || (g.expert_k && p.persistent)),
+              g.expert_k ? "an expert reduction's TMA store comes with persistent blocks (persistent(" + f + ", true))"
+                         : "TMA stores come with TMA loads (tma(" + f + ", true) on the wgmma loop)"},
+             {p.cluster, "clusters keep plain stores"},
+             {!outputs_bf16, "an output is not bf16"},
+             {!g.extra.empty() && g.expert_k, "an expert reduction with fused outputs keeps plain stores"},
+             {!staging_fits, "its outputs' tiles do not fit the idle ring of stages, where a block per tile "
+                             "stages them"},
+             {p.zero_rows && !(g.block == t.tile_m && t.cluster_m == 1),
+              "a zero-padded output needs tile_m equal to the routing block"},
+             {g.route && !g.expert_k && !(g.out_rows == RowMap::direct && !p.pair_rows),
+              "its rows are stored in pair order, through sorted_pair, which a TMA tile cannot follow "
+              "(padded_elementwise(true) keeps per-pair outputs in tile order)"}}));
   return p;
 }
 
@@ -235,10 +285,24 @@ std::string describe(const GemmPlan &p, const GemmStep &g) {
   for (const GemmStep::Extra &e : g.extra)
     o << ", " << e.output << (e.row_sum ? " (row sum)" : "");
   o << "\n";
+  for (const std::string &n : p.not_applied)
+    o << "  note: " << n << "\n";
   o << "  resources: " << p.threads << " threads, shared " << p.shared_bytes() << " bytes (stages " << p.stage_bytes
     << ", ring " << p.ring_bytes - p.stage_bytes << ", staging " << p.staging_bytes << "), " << p.min_blocks << " block"
     << (p.min_blocks > 1 ? "s" : "") << " per SM\n";
   return o.str();
+}
+
+std::vector<std::string> not_applied_choices(const KernelProgram &prog) {
+  std::vector<std::string> out;
+  for (const Step &s : prog.steps)
+    if (const auto *g = std::get_if<GemmStep>(&s))
+      for (const std::string &n : plan_gemm(prog, *g).not_applied) {
+        const std::string line = "definition '" + (g->func.empty() ? g->output : g->func) + "': " + n;
+        if (std::find(out.begin(), out.end(), line) == out.end())
+          out.push_back(line);
+      }
+  return out;
 }
 
 std::string describe_gemm_plans(const KernelProgram &prog) {

@@ -244,7 +244,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   return p;
 }
 
-std::string describe(const GemmPlan &p, const GemmStep &g) {
+std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
   const GemmTiling &t = g.tiling;
   std::ostringstream o;
   o << "gemm " << g.name << " (" << g.output << (g.func.empty() || g.func == g.output ? "" : ", schedule of " + g.func)
@@ -285,7 +285,7 @@ std::string describe(const GemmPlan &p, const GemmStep &g) {
   for (const GemmStep::Extra &e : g.extra)
     o << ", " << e.output << (e.row_sum ? " (row sum)" : "");
   o << "\n";
-  for (const std::string &n : p.not_applied)
+  for (const std::string &n : notes ? p.not_applied : std::vector<std::string>{})
     o << "  note: " << n << "\n";
   o << "  resources: " << p.threads << " threads, shared " << p.shared_bytes() << " bytes (stages " << p.stage_bytes
     << ", ring " << p.ring_bytes - p.stage_bytes << ", staging " << p.staging_bytes << "), " << p.min_blocks << " block"
@@ -295,21 +295,30 @@ std::string describe(const GemmPlan &p, const GemmStep &g) {
 
 std::vector<std::string> not_applied_choices(const KernelProgram &prog) {
   std::vector<std::string> out;
-  for (const Step &s : prog.steps)
-    if (const auto *g = std::get_if<GemmStep>(&s))
-      for (const std::string &n : plan_gemm(prog, *g).not_applied) {
-        const std::string line = "definition '" + (g->func.empty() ? g->output : g->func) + "': " + n;
-        if (std::find(out.begin(), out.end(), line) == out.end())
-          out.push_back(line);
-      }
+  for (const Step &s : prog.steps) {
+    const auto *g = std::get_if<GemmStep>(&s);
+    if (!g)
+      continue;
+    GemmPlan plan;
+    try {
+      plan = plan_gemm(prog, *g);
+    } catch (const UserError &) {
+      continue; // the CUDA target cannot run it at all (the CPU backend may): the CUDA backend says why
+    }
+    for (const std::string &n : plan.not_applied) {
+      const std::string line = "definition '" + (g->func.empty() ? g->output : g->func) + "': " + n;
+      if (std::find(out.begin(), out.end(), line) == out.end())
+        out.push_back(line);
+    }
+  }
   return out;
 }
 
-std::string describe_gemm_plans(const KernelProgram &prog) {
+std::string describe_gemm_plans(const KernelProgram &prog, bool notes) {
   std::string out;
   for (const Step &s : prog.steps)
     if (const auto *g = std::get_if<GemmStep>(&s))
-      out += describe(plan_gemm(prog, *g), *g);
+      out += describe(plan_gemm(prog, *g), *g, notes);
   return out;
 }
 

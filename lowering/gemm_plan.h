@@ -66,11 +66,13 @@ struct GemmPlan {
 // without the loop they need, shared memory past the SM's).
 GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g);
 
-// The plan as text, one GEMM per paragraph.
-std::string describe(const GemmPlan &p, const GemmStep &g);
+// The plan as text, one GEMM per paragraph; with `notes`, the named
+// choices it could not take too (without: only what the kernel does, which
+// the tuner compares to skip candidates that change nothing).
+std::string describe(const GemmPlan &p, const GemmStep &g, bool notes = true);
 
 // Every GEMM step's plan, in program order.
-std::string describe_gemm_plans(const KernelProgram &prog);
+std::string describe_gemm_plans(const KernelProgram &prog, bool notes = true);
 
 // The choices named for a Func that its GEMMs could not take, one line each
 // ("definition 'h': tma_store(\"h\", true) is not applied: ..."), in

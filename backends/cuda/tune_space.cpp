@@ -5,8 +5,8 @@
 #include <sstream>
 #include <variant>
 
-#include "lowering/gemm_plan.h"
 #include "dsl/error.h"
+#include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 
@@ -69,7 +69,7 @@ LayoutCandidates layout_candidates(const Pipeline &pipeline, const std::string &
     const KernelProgram k = lowered(pipeline, output, s, training);
     std::ostringstream o;
     o << k;
-    return o.str() + describe_gemm_plans(k);
+    return o.str() + describe_gemm_plans(k, /*notes=*/false);
   };
   seen.emplace(program_text(base), "the current settings");
   for (Permutation p : {Permutation::blocked, Permutation::scattered})
@@ -104,11 +104,11 @@ FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &outpu
   fc.func = func;
   std::map<std::string, std::string> seen; // the plans' text -> the choice that gave them
   // The base's own settings are what the search already has: no candidate.
-  seen.emplace(describe_gemm_plans(lowered(pipeline, output, base, training)), "the current settings");
+  seen.emplace(describe_gemm_plans(lowered(pipeline, output, base, training), /*notes=*/false), "the current settings");
   for (const FuncChoice &c : func_choices()) {
     try {
       const KernelProgram p = lowered(pipeline, output, with_choice(base, func, c), training);
-      const std::string plans = describe_gemm_plans(p);
+      const std::string plans = describe_gemm_plans(p, /*notes=*/false);
       if (auto it = seen.find(plans); it != seen.end()) {
         fc.pruned.push_back({c, "the same plans as " + it->second});
         continue;

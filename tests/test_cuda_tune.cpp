@@ -37,7 +37,7 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
   const std::vector<std::string> funcs = tunable_funcs(ex.pipeline, ex.output, base, false);
   CHECK(funcs == std::vector<std::string>{"logits", "h", "o"});
   const size_t all = func_choices().size();
-  CHECK(all == 16);
+  CHECK(all == 32); // 2 tiles x 2 stage counts x persistent x TMA store x cluster
   // SwiGLU's h has two B operands: 256 columns each need 256 accumulator
   // registers a thread, which the plan rejects.
   FuncCandidates h = candidates_for(ex.pipeline, ex.output, base, "h", false);
@@ -47,7 +47,7 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
     INFO(p.choice.text() << ": " << p.why);
     registers += has(p.why, "need 256 accumulator registers per thread");
   }
-  CHECK(registers == 8); // every 256-wide choice
+  CHECK(registers == 16); // every 256-wide choice
   // The router's logits are f32, which a TMA store does not take: asking for
   // one gives the same plans as not asking, one candidate instead of two;
   // and the base's own settings (128 x 128, 4 stages) are no candidate.
@@ -59,9 +59,9 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
     same += p.choice.tma_store;
     current += has(p.why, "the same plans as the current settings");
   }
-  CHECK(same == 8);
-  CHECK(current == 2); // 128 x 128, 4 stages, with and without the TMA store request
-  CHECK(logits.kept.size() == 7);
+  CHECK(same == 16);
+  CHECK(current == 2);             // 128 x 128, 4 stages, with and without the TMA store request
+  CHECK(logits.kept.size() == 15); // 32 - 16 asking for a TMA store - the current settings
   for (const FuncChoice &c : h.kept)
     CHECK(c.tile_n == 128);
   // Every kept candidate lowers and plans: what the tuner times compiles.
@@ -76,6 +76,15 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
   CHECK(std::find(train.begin(), train.end(), "d_x") != train.end());
   FuncCandidates dw = candidates_for(ex.pipeline, ex.output, base, "d_w1", true);
   CHECK_FALSE(dw.kept.empty());
+  // Clusters: the down-projection's pairs of row tiles sharing B are
+  // candidates (persistent ones walk pairs: mbpaper's hand-written best);
+  // an expert reduction runs without clusters, so asking gives the same
+  // plans and is no candidate.
+  CHECK(std::any_of(o.kept.begin(), o.kept.end(), [](const FuncChoice &c) { return c.cluster == 2 && c.persistent; }));
+  for (const FuncChoice &c : dw.kept)
+    CHECK(c.cluster == 1);
+  CHECK(std::any_of(dw.pruned.begin(), dw.pruned.end(),
+                    [](const PrunedChoice &p) { return p.choice.cluster == 2 && has(p.why, "the same plans as "); }));
 }
 
 TEST_CASE("tune space: the layer-wide choices (permutation, gate fusion) around a base, none without routing") {

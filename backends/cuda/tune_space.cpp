@@ -23,20 +23,23 @@ KernelProgram lowered(const Pipeline &pipeline, const std::string &output, const
 std::string FuncChoice::text() const {
   std::ostringstream o;
   o << tile_m << "x" << tile_n << ", " << stages << " stages" << (persistent ? ", persistent" : "")
-    << (tma_store ? ", tma_store" : "");
+    << (tma_store ? ", tma_store" : "") << (cluster > 1 ? ", cluster " + std::to_string(cluster) : "");
   return o.str();
 }
 
 std::vector<FuncChoice> func_choices() {
   // The knobs' ranges: the tiles the wgmma loops take (64-row tiles lose to
   // 128 on every shape measured), 3 or 4 stages (a 128 x 256 tile has room
-  // for 4 and nothing past it), and the two walk and store choices.
+  // for 4 and nothing past it), the two walk and store choices, and clusters
+  // of two row tiles sharing B (persistent ones walk pairs of tiles: the
+  // hand-written best forward of mbpaper's down-projection).
   std::vector<FuncChoice> out;
   for (int n : {128, 256})
     for (int stages : {4, 3})
       for (bool persistent : {false, true})
         for (bool tma_store : {false, true})
-          out.push_back(FuncChoice{128, n, stages, persistent, tma_store});
+          for (int cluster : {1, 2})
+            out.push_back(FuncChoice{128, n, stages, persistent, tma_store, cluster});
   return out;
 }
 
@@ -45,7 +48,8 @@ Schedule with_choice(const Schedule &base, const std::string &func, const FuncCh
   s.tile(func, c.tile_m, c.tile_n, 64)
       .stages(func, c.stages)
       .persistent(func, c.persistent)
-      .tma_store(func, c.tma_store);
+      .tma_store(func, c.tma_store)
+      .cluster(func, c.cluster);
   return s;
 }
 

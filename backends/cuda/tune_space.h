@@ -1,5 +1,6 @@
 // The autotuner's search space as data: for each contraction the schedule can
-// tile, the per-Func choices (tile, stages, persistent blocks, TMA stores),
+// tile, the per-Func choices (tile, stages, persistent blocks, TMA stores,
+// two-block clusters),
 // each pruned before anything is timed by the GEMM plan pass's legality
 // (lowering and plan_gemm reject it) and by what the plan makes of it (a
 // choice whose plans equal another's, a request the kernel would not take
@@ -18,7 +19,8 @@ namespace moeforge::cuda {
 struct FuncChoice {
   int tile_m = 128, tile_n = 128, stages = 4;
   bool persistent = false, tma_store = false;
-  std::string text() const; // "128x256, 4 stages, persistent, tma_store"
+  int cluster = 1;          // row tiles per cluster: 2 multicasts B to a pair of blocks
+  std::string text() const; // "128x256, 4 stages, persistent, tma_store, cluster 2"
 };
 
 struct PrunedChoice {

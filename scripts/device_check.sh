@@ -25,6 +25,10 @@
 #           one and two GPUs, against one GPU doing the same work
 #   forward the forward benchmark, dropless against capacity-dropping
 #           schedules (FORWARD_FILTER overrides its filter)
+#   tune    `moeforge tune` on mbpaper's forward (TUNE_BUDGET s, default
+#           240, from the scattermoe preset), then the schedule it found
+#           timed beside the presets and the hand-written forward schedules
+#           in one bench_moe_forward process (issue #17)
 #   exchange  expert parallelism's NCCL row exchange and layer: their tests
 #           (one rank, and two where the machine has two GPUs) under compute-sanitizer
 #           memcheck too, then bench_expert_exchange on every GPU count up
@@ -127,6 +131,17 @@ if has forward; then
     --benchmark_out="$R/forward.json" --benchmark_out_format=json > "$R/forward.log" 2>&1 || status=1
   grep -E "forward/" "$R/forward.log" | head -40
   echo "forward done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
+fi
+if has tune; then
+  # bench_moe_forward's mbpaper: the GeLU layer, T = 16384, d = 1024, f = 4096, E = 64, k = 1.
+  timeout 420 .gpu/moeforge tune moe_mlp --tokens 16384 --d 1024 --f 4096 --experts 64 --topk 1 \
+    --schedule scattermoe --budget-seconds "${TUNE_BUDGET:-240}" >"$R/mbpaper_tuned.sched" 2>"$R/tune.log" || status=1
+  tail -5 "$R/tune.log"
+  MOEFORGE_BENCH_SCHEDULES="$R/mbpaper_tuned.sched" timeout 150 .gpu/bench_moe_forward \
+    --benchmark_filter="forward/mbpaper/.*(mbpaper_tuned.sched|scattermoe|tuned_tma[a-z_]*)/" \
+    --benchmark_out="$R/tune_forward.json" --benchmark_out_format=json >"$R/tune_forward.log" 2>&1 || status=1
+  grep -E "forward/" "$R/tune_forward.log" | cut -c1-200
+  echo "tune done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
 fi
 if has train; then
   filter="train/[a-z0-9]+/[a-z]+/tuned_wide/"

@@ -25,10 +25,11 @@
 #           one and two GPUs, against one GPU doing the same work
 #   forward the forward benchmark, dropless against capacity-dropping
 #           schedules (FORWARD_FILTER overrides its filter)
-#   tune    `moeforge tune` on mbpaper's forward (TUNE_BUDGET s, default
-#           240, from the scattermoe preset), then the schedule it found
-#           timed beside the presets and the hand-written forward schedules
-#           in one bench_moe_forward process (issue #17)
+#   tune    `moeforge tune` on the forward of TUNE_SHAPES (default
+#           mbpaper,fine64,mixtral; TUNE_BUDGET s each, default 240, from
+#           the scattermoe preset), then each schedule found timed beside
+#           the presets and the hand-written forward schedules in one
+#           bench_moe_forward process (issue #17)
 #   exchange  expert parallelism's NCCL row exchange and layer: their tests
 #           (one rank, and two where the machine has two GPUs) under compute-sanitizer
 #           memcheck too, then bench_expert_exchange on every GPU count up
@@ -132,15 +133,26 @@ if has forward; then
   grep -E "forward/" "$R/forward.log" | head -40
   echo "forward done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
 fi
+TUNE_SHAPES=${TUNE_SHAPES:-mbpaper,fine64,mixtral}
 if has tune; then
-  # bench_moe_forward's mbpaper: the GeLU layer, T = 16384, d = 1024, f = 4096, E = 64, k = 1.
-  timeout 420 .gpu/moeforge tune moe_mlp --tokens 16384 --d 1024 --f 4096 --experts 64 --topk 1 \
-    --schedule scattermoe --budget-seconds "${TUNE_BUDGET:-240}" >"$R/mbpaper_tuned.sched" 2>"$R/tune.log" || status=1
-  tail -5 "$R/tune.log"
-  MOEFORGE_BENCH_SCHEDULES="$R/mbpaper_tuned.sched" timeout 150 .gpu/bench_moe_forward \
-    --benchmark_filter="forward/mbpaper/.*(mbpaper_tuned.sched|scattermoe|tuned_tma[a-z_]*)/" \
+  # bench_moe_forward's shapes (benchmarks/moe_shapes.h) as the CLI's examples.
+  declare -A layer=(
+    [mbpaper]="moe_mlp --tokens 16384 --d 1024 --f 4096 --experts 64 --topk 1"
+    [fine64]="swiglu_moe --tokens 16384 --d 2048 --f 1408 --experts 64 --topk 8"
+    [mixtral]="swiglu_moe --tokens 8192 --d 4096 --f 14336 --experts 8 --topk 2")
+  files="" filter=""
+  for shape in ${TUNE_SHAPES//,/ }; do
+    # shellcheck disable=SC2086
+    timeout 420 .gpu/moeforge tune ${layer[$shape]} --schedule scattermoe --budget-seconds "${TUNE_BUDGET:-240}" \
+      >"$R/${shape}_tuned.sched" 2>"$R/tune_$shape.log" || status=1
+    tail -2 "$R/tune_$shape.log"
+    files="$files${files:+,}$R/${shape}_tuned.sched"
+    # Each shape's own tuned schedule, the preset and the hand-written ones, uniform routing.
+    filter="$filter${filter:+|}$shape/(.*${shape}_tuned.sched|scattermoe|tuned_tma[a-z_]*)/uniform"
+  done
+  MOEFORGE_BENCH_SCHEDULES="$files" timeout 300 .gpu/bench_moe_forward --benchmark_filter="forward/($filter)" \
     --benchmark_out="$R/tune_forward.json" --benchmark_out_format=json >"$R/tune_forward.log" 2>&1 || status=1
-  grep -E "forward/" "$R/tune_forward.log" | cut -c1-200
+  grep -E "forward/" "$R/tune_forward.log" | cut -c1-160
   echo "tune done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
 fi
 if has train; then

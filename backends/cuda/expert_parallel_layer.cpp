@@ -261,11 +261,17 @@ void ExpertParallelLayer::launch_rows(const Kernel &kernel, CUdeviceptr from, CU
   kernel.launch({static_cast<unsigned>(std::max<int64_t>(blocks, 1))}, {kRowThreads}, 0, stream, args);
 }
 
-void ExpertParallelLayer::send_to_experts(const std::string &token_tensor, const std::string &expert_tensor,
-                                          int64_t width, const Stream &stream) {
+size_t ExpertParallelLayer::pack_rows(const std::string &token_tensor, const std::string &expert_tensor, int64_t width,
+                                      CUdeviceptr to, const Stream &stream) {
   const size_t bytes = crossing_bytes(token_tensor, expert_tensor, width);
   const bool padded = compiled_.token.training.program.tensor(token_tensor).layout == RowLayout::padded;
-  launch_rows(pack_, token_.address(token_tensor), out_rows_.ptr(), bytes, padded, stream);
+  launch_rows(pack_, token_.address(token_tensor), to, bytes, padded, stream);
+  return bytes;
+}
+
+void ExpertParallelLayer::send_to_experts(const std::string &token_tensor, const std::string &expert_tensor,
+                                          int64_t width, const Stream &stream) {
+  const size_t bytes = pack_rows(token_tensor, expert_tensor, width, out_rows_.ptr(), stream);
   exchange_.dispatch(out_rows_.ptr(), experts_.address(expert_tensor), bytes, sizes_, stream);
 }
 
@@ -354,9 +360,7 @@ void ExpertParallelLayer::forward_in_chunks(const Stream &stream) {
   std::vector<size_t> out_bytes, back_bytes;
   for (size_t i = 0; i < s.dispatched.size(); ++i) {
     const auto &x = s.dispatched[i];
-    out_bytes.push_back(crossing_bytes(x.token_side, x.expert_side, x.width));
-    const bool padded = c.token.training.program.tensor(x.token_side).layout == RowLayout::padded;
-    launch_rows(pack_, token_.address(x.token_side), packed_rows(i), out_bytes.back(), padded, stream);
+    out_bytes.push_back(pack_rows(x.token_side, x.expert_side, x.width, packed_rows(i), stream));
   }
   for (const auto &x : s.returned)
     back_bytes.push_back(crossing_bytes(x.token_side, x.expert_side, x.width));

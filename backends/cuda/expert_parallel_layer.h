@@ -124,6 +124,10 @@ private:
   // ranks, and back: packed to the exchange's order and moved over NCCL.
   void send_to_experts(const std::string &token_tensor, const std::string &expert_tensor, int64_t width,
                        const Stream &stream);
+  // The pack half of send_to_experts: one tensor's rows into `to` in the
+  // exchange's order; returns the bytes of a row.
+  size_t pack_rows(const std::string &token_tensor, const std::string &expert_tensor, int64_t width, CUdeviceptr to,
+                   const Stream &stream);
   void bring_back(const std::string &expert_tensor, const std::string &token_tensor, int64_t width,
                   const Stream &stream);
   size_t crossing_bytes(const std::string &token_tensor, const std::string &expert_tensor, int64_t width) const;

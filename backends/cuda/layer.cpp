@@ -244,12 +244,7 @@ CUdeviceptr CudaLayer::address(const std::string &name) {
   return tensors_.at(name).ptr();
 }
 
-const RoutingPlan &CudaLayer::routing_plan(const std::string &route) const {
-  for (const auto &[r, plan] : plans_)
-    if (r->name == route)
-      return *plan;
-  user_error << "no route named '" << route << "' in this layer";
-}
+const RoutingPlan &CudaLayer::routing_plan(const std::string &route) const { return *plans_.at(route_named(route)); }
 
 void CudaLayer::upload(const TensorMap &inputs) {
   for (const TensorDecl &t : layer_.program.tensors)
@@ -304,12 +299,15 @@ void CudaLayer::poison() {
     plan->poison(kPoisonOnes);
 }
 
-void CudaLayer::set_tile_windows(const std::string &route, const std::vector<std::vector<int32_t>> &windows) {
-  const RoutingNode *r = nullptr;
+const RoutingNode *CudaLayer::route_named(const std::string &route) const {
   for (const auto &[node, plan] : plans_)
     if (node->name == route)
-      r = node;
-  user_check(r != nullptr) << "set_tile_windows: no route named '" << route << "' in this layer";
+      return node;
+  user_error << "no route named '" << route << "' in this layer";
+}
+
+void CudaLayer::set_tile_windows(const std::string &route, const std::vector<std::vector<int32_t>> &windows) {
+  const RoutingNode *r = route_named(route);
   auto it = windows_.find(r);
   user_check(it != windows_.end()) << "set_tile_windows: no GEMM of route '" << route
                                    << "' runs over a window (GemmStep::windowed)";

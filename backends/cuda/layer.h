@@ -175,6 +175,8 @@ private:
     CUdeviceptr zero = 0; // zeroed before each launch (GeneratedKernel::zero_first)
     size_t zero_words = 0;
   };
+  // The route of that name (a UserError naming it otherwise).
+  const RoutingNode *route_named(const std::string &route) const;
   // window: the tile window the step's windowed GEMM runs over, or -1.
   void run_step(size_t step, const Stream &stream, int64_t window = -1);
   void bind();

@@ -143,8 +143,8 @@ public:
   // compiled by the expert-parallel entry point, not as one layer.
   Schedule &expert_parallel(int ranks);
   // The forward's rows cross to the experts in `chunks` rounds, each a
-  // group of every rank's experts (E / R / chunks of them, the first groups
-  // one larger where it does not divide), so that one group's rows travel
+  // group of every rank's experts (E / R / chunks of them, as even as the
+  // division allows), so that one group's rows travel
   // while the expert GEMMs of the group before run, and each group's
   // outputs start back as soon as they are made. 1, the default: one round.
   // Only an expert-parallel layer has rows to move (the one-layer entry

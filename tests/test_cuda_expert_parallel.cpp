@@ -14,6 +14,7 @@
 #include "backends/cuda/expert_parallel_layer.h"
 #include "backends/cuda/nccl.h"
 #include "benchmarks/train_schedule.h"
+#include "cuda_resources.h"
 #include "dsl/training.h"
 #include "examples/examples.h"
 #include "gpu_test.h"
@@ -190,6 +191,7 @@ TEST_CASE("cuda expert parallel: exchange_chunks runs the expert GEMMs round by 
             CHECK(read != c.split.dispatched.front().expert_side);
       }
       CHECK(has(c.experts.layer.source.source, "the window's w_tile-th tile of the route"));
+      testing::check_resources(c.experts.layer, std::string(example) + " experts, windowed");
       // Nothing follows the GEMMs on the expert side: each round returns at once.
       CHECK(c.chunk_end == c.experts.training.forward_steps);
       CHECK(c.return_per_chunk);

@@ -233,6 +233,19 @@ TEST_SUITE("gpu") {
     // The forward's rows in rounds of expert groups (8 experts: 2 or 8 rounds).
     check_step("swiglu_moe", bench::tuned_wide(true).exchange_chunks(2), {0}, 300, false, 45);
     check_step("moe_mlp", preset("scattermoe").exchange_chunks(8), {0}, 257, true, 46); // a round with no rows
+    // A windowed GEMM runs over windows listed for the layer's token count.
+    Example ex = make_example("moe_mlp", ExampleShape{64, 8, 2, 64, 128});
+    cuda::CompiledExpertParallel c =
+        cuda::compile_expert_parallel(ex.pipeline, preset("scattermoe").expert_parallel(1).exchange_chunks(2));
+    cuda::Device device(0);
+    cuda::Stream stream;
+    cuda::CudaLayer experts(device, c.experts.layer, 128, c.experts.training.forward_steps);
+    const std::string stale = "list them with set_tile_windows() after set_tokens()";
+    CHECK(has(testing::user_error_of([&] { experts.enqueue_window(stream, c.chunk_begin, c.chunk_end, 0); }), stale));
+    experts.set_tile_windows(c.split.route, {{0}, {1}});
+    experts.set_tokens(100);
+    CHECK(has(testing::user_error_of([&] { experts.enqueue_window(stream, c.chunk_begin, c.chunk_end, 1); }), stale));
+    CHECK(has(testing::user_error_of([&] { experts.set_tile_windows("nope", {{0}}); }), "no route named 'nope'"));
   }
 
   TEST_CASE("cuda expert parallel: two GPUs train as the unsplit layer, uniform and skewed, an empty expert") {

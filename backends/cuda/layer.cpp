@@ -132,6 +132,7 @@ void CudaLayer::bind() {
         if (a.name == "window") { // room for every tile the layer's capacity can have
           TileWindows &w = windows_[a.route];
           w.stride = static_cast<size_t>(plan.shape.max_tiles()) + 1;
+          w.tiles.clear(); // windows listed for another token count are stale
           if (w.active.bytes() < sizeof(int32_t) * w.stride) {
             w.active = DeviceBuffer(sizeof(int32_t) * w.stride);
             w.active.fill32(0); // no tiles until a window is chosen
@@ -331,12 +332,14 @@ void CudaLayer::set_tile_windows(const std::string &route, const std::vector<std
 
 void CudaLayer::enqueue_window(const Stream &stream, size_t begin, size_t end, size_t window) {
   internal_check(begin <= end && end <= layer_.program.steps.size()) << "step range out of bounds";
+  for (const auto &[r, w] : windows_)
+    user_check(window < w.tiles.size()) << "enqueue_window(" << window << "): route '" << r->name << "' has "
+                                        << w.tiles.size() << " tile windows at " << tokens_
+                                        << " tokens; list them with set_tile_windows() after set_tokens()";
   check_uploaded(layer_.program, begin, end, uploaded_, "enqueue_window()");
-  for (auto &[r, w] : windows_) {
-    internal_check(window < w.tiles.size()) << "tile window " << window << " of " << w.tiles.size() << " chosen";
+  for (auto &[r, w] : windows_)
     MOEFORGE_CU(cuMemcpyDtoDAsync, w.active.ptr(), w.all.ptr() + sizeof(int32_t) * w.stride * window,
                 sizeof(int32_t) * (1 + w.tiles[window]), stream.handle());
-  }
   for (size_t i = begin; i < end; ++i)
     run_step(i, stream, static_cast<int64_t>(window));
 }

@@ -158,6 +158,8 @@ public:
   void set_tile_windows(const std::string &route, const std::vector<std::vector<int32_t>> &windows);
   // Enqueues steps [begin, end) with every windowed GEMM over window
   // `window`'s tiles (its grid sized by them); the other steps as enqueue().
+  // A UserError unless set_tile_windows() listed that window since the last
+  // set_tokens() that changed the count.
   void enqueue_window(const Stream &stream, size_t begin, size_t end, size_t window);
 
   const CompiledLayer &compiled() const { return layer_; }

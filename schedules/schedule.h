@@ -94,7 +94,8 @@ struct GemmTiling {
   struct Named {
     bool persistent = false, tma = false, tma_store = false, cluster = false;
     bool operator==(const Named &) const { return true; }
-  } named;
+  };
+  Named named = {};
   int threads() const { return warps_m * warps_n * 32; }
   // The A and B tiles of every stage, in bf16.
   // The ring of stages for `b_operands` B tiles beside the A tile, bf16: the

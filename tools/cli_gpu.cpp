@@ -9,12 +9,12 @@
 #if MOEFORGE_HAVE_NCCL
 #include "backends/cuda/expert_parallel_layer.h"
 #endif
-#include "lowering/gemm_plan.h"
 #include "backends/cuda/layer.h"
 #include "backends/cuda/nvrtc_compiler.h"
 #include "backends/cuda/training_layer.h"
 #include "backends/cuda/tune_cache.h"
 #include "backends/cuda/tuner.h"
+#include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "tools/cli_backend.h"

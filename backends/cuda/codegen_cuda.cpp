@@ -7,11 +7,11 @@
 #include <map>
 #include <sstream>
 
-#include "lowering/gemm_plan.h"
 #include "backends/cuda/tile_library.h"
 #include "dsl/error.h"
 #include "dsl/printer.h"
 #include "dsl/visitor.h"
+#include "lowering/gemm_plan.h"
 #include "schedules/schedule.h"
 
 namespace moeforge {

@@ -25,7 +25,7 @@ using namespace moeforge::cuda;
 
 namespace {
 
-ExampleShape small() { return testing::shape(64, 128, 256, 8, 2); }
+ExampleShape small() { return testing::shape(64, 256, 256, 8, 2); }
 
 bool has(const std::string &text, const std::string &part) { return text.find(part) != std::string::npos; }
 
@@ -37,31 +37,48 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
   const std::vector<std::string> funcs = tunable_funcs(ex.pipeline, ex.output, base, false);
   CHECK(funcs == std::vector<std::string>{"logits", "h", "o"});
   const size_t all = func_choices().size();
-  CHECK(all == 32); // 2 tiles x 2 stage counts x persistent x TMA store x cluster
+  CHECK(all == 48); // 3 tiles x 2 stage counts x persistent x TMA store x cluster
   // SwiGLU's h has two B operands: 256 columns each need 256 accumulator
-  // registers a thread, which the plan rejects.
+  // registers a thread, which the plan rejects; its 256 columns (f) are too
+  // many for 64-column tiles, which the cheap model drops.
   FuncCandidates h = candidates_for(ex.pipeline, ex.output, base, "h", false);
   CHECK(h.kept.size() + h.pruned.size() == all);
-  int registers = 0;
+  int registers = 0, traffic = 0;
   for (const PrunedChoice &p : h.pruned) {
     INFO(p.choice.text() << ": " << p.why);
     registers += has(p.why, "need 256 accumulator registers per thread");
+    traffic += has(p.why, "a 64-column tile over 256 columns reads each A tile once per 64 columns, twice the A "
+                          "traffic of a 128-column tile");
   }
   CHECK(registers == 16); // every 256-wide choice
-  // The router's logits are f32, which a TMA store does not take: asking for
-  // one gives the same plans as not asking, one candidate instead of two;
-  // and the base's own settings (128 x 128, 4 stages) are no candidate.
+  CHECK(traffic == 16);   // every 64-wide choice
+  // The router's logits have E = 8 columns: the model keeps the 64-column
+  // tiles only. They are f32, which a TMA store does not take: asking for
+  // one gives the same plans as not asking, one candidate instead of two.
   FuncCandidates logits = candidates_for(ex.pipeline, ex.output, base, "logits", false);
-  int same = 0, current = 0;
+  int padding = 0, same = 0;
   for (const PrunedChoice &p : logits.pruned) {
     INFO(p.choice.text() << ": " << p.why);
-    CHECK(has(p.why, "the same plans as "));
-    same += p.choice.tma_store;
-    current += has(p.why, "the same plans as the current settings");
+    if (p.choice.tile_n == 128)
+      padding += has(p.why, "a 128-column tile over 8 columns: the 64-column tile covers them with half the padded "
+                            "columns");
+    else if (p.choice.tile_n == 256)
+      padding += has(p.why, "a 256-column tile over 8 columns: the 128-column tile covers them");
+    else
+      same += p.choice.tma_store && has(p.why, "the same plans as ");
   }
-  CHECK(same == 16);
-  CHECK(current == 2);             // 128 x 128, 4 stages, with and without the TMA store request
-  CHECK(logits.kept.size() == 15); // 32 - 16 asking for a TMA store - the current settings
+  CHECK(padding == 32);
+  CHECK(same == 8);
+  CHECK(logits.kept.size() == 8); // the 64-column choices not asking for a TMA store
+  for (const FuncChoice &c : logits.kept)
+    CHECK(c.tile_n == 64);
+  // The model judges a choice by the GEMM's columns alone.
+  const KernelProgram forward = lower(ex.pipeline, base);
+  CHECK(model_prune(forward, "o", FuncChoice{128, 64}) ==
+        "a 64-column tile over 256 columns reads each A tile once per 64 columns, twice the A traffic of a "
+        "128-column tile");
+  CHECK(model_prune(forward, "o", FuncChoice{128, 128}).empty());
+  CHECK(model_prune(forward, "no_such_func", FuncChoice{128, 256}).empty());
   for (const FuncChoice &c : h.kept)
     CHECK(c.tile_n == 128);
   // Every kept candidate lowers and plans: what the tuner times compiles.
@@ -87,31 +104,69 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
                     [](const PrunedChoice &p) { return p.choice.cluster == 2 && has(p.why, "the same plans as "); }));
 }
 
-TEST_CASE("tune space: the layer-wide choices (permutation, gate fusion) around a base, none without routing") {
+TEST_CASE("tune space: the layer-wide choices, their product around a base, none without routing") {
   Example ex = make_example("swiglu_moe", small());
+  // 2 permutations x 2 gate placements x 2 blocks x padded_elementwise x
+  // chain_summed_gemms, but the base's own combination.
+  constexpr size_t kAll = 31;
   for (bool training : {false, true}) {
-    INFO((training ? "training" : "forward"));
-    LayoutCandidates lc = layout_candidates(ex.pipeline, ex.output, preset("megablocks"), training);
-    CHECK(lc.kept.size() + lc.pruned.size() == 3); // the other three of 2 permutations x 2 gate placements
-    std::vector<std::string> whats;
+    INFO(std::string(training ? "training" : "forward"));
+    const Schedule base = preset("megablocks");
+    LayoutCandidates lc = layout_candidates(ex.pipeline, ex.output, base, training);
+    CHECK(lc.kept.size() + lc.pruned.size() == kAll);
+    std::vector<std::string> kept;
     for (const LayoutCandidate &c : lc.kept) {
-      whats.push_back(c.what);
-      CHECK_NOTHROW(lower(ex.pipeline, c.schedule)); // what the tuner times compiles
-      CHECK((c.schedule.permutation() != Permutation::blocked || c.schedule.gate() != GateFusion::combine));
+      kept.push_back(c.what);
+      CHECK_NOTHROW(training ? (void)lower_training(ex.pipeline, ex.pipeline.func(ex.output), c.schedule)
+                             : (void)lower(ex.pipeline, c.schedule)); // what the tuner times compiles
+      // Precision and memory stay the base's.
+      CHECK(c.schedule.bf16_activations() == base.bf16_activations());
+      CHECK(c.schedule.reuse_memory() == base.reuse_memory());
     }
-    for (const auto &[what, why] : lc.pruned)
-      whats.push_back(what);
-    std::sort(whats.begin(), whats.end());
-    CHECK(whats == std::vector<std::string>{"gate(epilogue)", "permutation(scattered)",
-                                            "permutation(scattered) gate(epilogue)"});
-    // Scattered rows are a different program from the blocked copy.
-    CHECK(std::any_of(lc.kept.begin(), lc.kept.end(),
-                      [](const LayoutCandidate &c) { return c.what == "permutation(scattered)"; }));
+    auto kept_has = [&](const std::string &what) { return std::find(kept.begin(), kept.end(), what) != kept.end(); };
+    CHECK(kept_has("permutation(scattered)"));
+    CHECK(kept_has("block(256)"));
+    CHECK(kept_has("permutation(scattered) block(256)"));
+    auto pruned_why = [&](const std::string &what) {
+      for (const auto &[w, why] : lc.pruned)
+        if (w == what)
+          return why;
+      return std::string("(not pruned)");
+    };
+    // The training step multiplies by the gate where it keeps what the
+    // gate's gradient reads: one program whichever place is asked for.
+    if (training)
+      CHECK(pruned_why("gate(epilogue)") == "the same program as the current settings");
+    else
+      CHECK(kept_has("permutation(scattered) block(256) gate(epilogue)"));
+    // The forward has no two GEMMs summed: asking to chain them changes nothing.
+    if (!training)
+      CHECK(pruned_why("chain_summed_gemms(true)") == "the same program as the current settings");
+    // The training step's dX = dH1 W1^T + dH3 W3^T chains only where its
+    // A operands arrive in tile order (padded_elementwise here): the
+    // legality error, as the user gets it, prunes the others.
+    if (training) {
+      CHECK(has(pruned_why("chain_summed_gemms(true)"), "definition 'd_x': chain_summed_gemms"));
+      CHECK(kept_has("padded_elementwise(true) chain_summed_gemms(true)"));
+      CHECK(has(pruned_why("permutation(scattered) chain_summed_gemms(true)"), "definition 'd_x': chain_summed_gemms"));
+      CHECK(kept_has("permutation(scattered) padded_elementwise(true) chain_summed_gemms(true)"));
+    }
   }
   Example dense = make_example("dense_mlp", small());
   LayoutCandidates none = layout_candidates(dense.pipeline, dense.output, preset("megablocks"), false);
   CHECK(none.kept.empty());
   CHECK(none.pruned.empty());
+}
+
+TEST_CASE("tune: the run-off keeps the lowest median, the best so far on a tie") {
+  // Contender 1 has the lowest mean (one fast outlier) but not the lowest
+  // median; contender 2 does.
+  CHECK(runoff_winner({{10.0, 10.1, 10.2}, {9.0, 10.3, 10.4}, {10.0, 10.05, 10.1}}) == 2);
+  CHECK(runoff_winner({{5.0, 5.0}, {5.0, 5.0}}) == 0);
+  CHECK(runoff_winner({{5.0}}) == 0);
+  // An even count: the mean of the middle two (5.75 against 5.6).
+  CHECK(runoff_winner({{6.0, 5.0, 7.0, 5.5}, {5.6, 5.6, 5.6, 5.6}}) == 1);
+  CHECK_THROWS_WITH_AS(runoff_winner({}), doctest::Contains("a run-off needs a contender"), UserError);
 }
 
 TEST_CASE("tune cache: hit, miss, another key's entry, a stale compiler and a corrupt file") {

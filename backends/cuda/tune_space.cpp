@@ -29,18 +29,46 @@ std::string FuncChoice::text() const {
 
 std::vector<FuncChoice> func_choices() {
   // The knobs' ranges: the tiles the wgmma loops take (64-row tiles lose to
-  // 128 on every shape measured), 3 or 4 stages (a 128 x 256 tile has room
-  // for 4 and nothing past it), the two walk and store choices, and clusters
-  // of two row tiles sharing B (persistent ones walk pairs of tiles: the
-  // hand-written best forward of mbpaper's down-projection).
+  // 128 on every shape measured; 64-column ones are for narrow GEMMs, the
+  // router's logits over E columns), 3 or 4 stages (a 128 x 256 tile has
+  // room for 4 and nothing past it), the two walk and store choices, and
+  // clusters of two row tiles sharing B (persistent ones walk pairs of
+  // tiles: the hand-written best forward of mbpaper's down-projection).
   std::vector<FuncChoice> out;
-  for (int n : {128, 256})
+  for (int n : {128, 256, 64})
     for (int stages : {4, 3})
       for (bool persistent : {false, true})
         for (bool tma_store : {false, true})
           for (int cluster : {1, 2})
             out.push_back(FuncChoice{128, n, stages, persistent, tma_store, cluster});
   return out;
+}
+
+// The narrowest tile of the space: the model has no narrower one to offer.
+constexpr int kNarrowestTile = 64;
+
+std::string model_prune(const KernelProgram &program, const std::string &func, const FuncChoice &c) {
+  for (const Step &st : program.steps) {
+    const auto *g = std::get_if<GemmStep>(&st);
+    if (!g || g->func != func)
+      continue;
+    const int64_t n = g->n.extent();
+    if (n <= 0)
+      return ""; // columns known at run time only: nothing to judge by
+    std::ostringstream why;
+    if (c.tile_n > kNarrowestTile && c.tile_n / 2 >= n) {
+      why << "a " << c.tile_n << "-column tile over " << n << " columns: the " << c.tile_n / 2
+          << "-column tile covers them with half the padded columns";
+      return why.str();
+    }
+    if (c.tile_n == kNarrowestTile && n >= 256) {
+      why << "a 64-column tile over " << n << " columns reads each A tile once per 64 columns, "
+          << "twice the A traffic of a 128-column tile";
+      return why.str();
+    }
+    return "";
+  }
+  return "";
 }
 
 Schedule with_choice(const Schedule &base, const std::string &func, const FuncChoice &c) {
@@ -76,29 +104,46 @@ LayoutCandidates layout_candidates(const Pipeline &pipeline, const std::string &
     return o.str() + describe_gemm_plans(k, /*notes=*/false);
   };
   seen.emplace(program_text(base), "the current settings");
+  // The product of the layer-wide knobs that change speed alone: the rows'
+  // format, the block of rows an expert's count is padded to, where the gate
+  // multiplies, and two layouts between steps (element-wise results in
+  // padded row order; two summed GEMMs as one). Precision and memory
+  // choices (bf16 activations and weight gradients, memory reuse,
+  // recomputing) change what the layer keeps or how it rounds: the user's,
+  // kept from the base.
   for (Permutation p : {Permutation::blocked, Permutation::scattered})
-    for (GateFusion g : {GateFusion::combine, GateFusion::epilogue}) {
-      if (p == base.permutation() && g == base.gate())
-        continue;
-      std::string what;
-      if (p != base.permutation())
-        what = std::string("permutation(") + permutation_name(p) + ")";
-      if (g != base.gate())
-        what += (what.empty() ? "" : " ") + std::string("gate(") + gate_fusion_name(g) + ")";
-      Schedule s = base;
-      s.permutation(p).gate(g);
-      try {
-        const std::string text = program_text(s);
-        if (auto it = seen.find(text); it != seen.end()) {
-          out.pruned.emplace_back(what, "the same program as " + it->second);
-          continue;
-        }
-        seen.emplace(text, what);
-        out.kept.push_back({what, s});
-      } catch (const UserError &e) {
-        out.pruned.emplace_back(what, e.what());
-      }
-    }
+    for (GateFusion g : {GateFusion::combine, GateFusion::epilogue})
+      for (int block : {128, 256})
+        for (bool padded : {false, true})
+          for (bool chain : {false, true}) {
+            Schedule s = base;
+            s.permutation(p).gate(g).block(block).padded_elementwise(padded).chain_summed_gemms(chain);
+            std::string what;
+            auto add = [&](bool changed, const std::string &knob) {
+              if (changed)
+                what += (what.empty() ? "" : " ") + knob;
+            };
+            add(p != base.permutation(), std::string("permutation(") + permutation_name(p) + ")");
+            add(block != base.block(), "block(" + std::to_string(block) + ")");
+            add(g != base.gate(), std::string("gate(") + gate_fusion_name(g) + ")");
+            add(padded != base.padded_elementwise(),
+                std::string("padded_elementwise(") + (padded ? "true" : "false") + ")");
+            add(chain != base.chain_summed_gemms(),
+                std::string("chain_summed_gemms(") + (chain ? "true" : "false") + ")");
+            if (what.empty())
+              continue; // the base itself
+            try {
+              const std::string text = program_text(s);
+              if (auto it = seen.find(text); it != seen.end()) {
+                out.pruned.emplace_back(what, "the same program as " + it->second);
+                continue;
+              }
+              seen.emplace(text, what);
+              out.kept.push_back({what, s});
+            } catch (const UserError &e) {
+              out.pruned.emplace_back(what, e.what());
+            }
+          }
   return out;
 }
 
@@ -112,6 +157,10 @@ FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &outpu
   for (const FuncChoice &c : func_choices()) {
     try {
       const KernelProgram p = lowered(pipeline, output, with_choice(base, func, c), training);
+      if (std::string why = model_prune(p, func, c); !why.empty()) {
+        fc.pruned.push_back({c, why});
+        continue;
+      }
       const std::string plans = describe_gemm_plans(p, /*notes=*/false);
       if (auto it = seen.find(plans); it != seen.end()) {
         fc.pruned.push_back({c, "the same plans as " + it->second});

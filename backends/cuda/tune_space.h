@@ -2,15 +2,17 @@
 // tile, the per-Func choices (tile, stages, persistent blocks, TMA stores,
 // two-block clusters),
 // each pruned before anything is timed by the GEMM plan pass's legality
-// (lowering and plan_gemm reject it) and by what the plan makes of it (a
+// (lowering and plan_gemm reject it), by what the plan makes of it (a
 // choice whose plans equal another's, a request the kernel would not take
-// up, is one candidate, not two).
+// up, is one candidate, not two) and by a cheap model of the tile against
+// the GEMM's columns (model_prune).
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "dsl/pipeline.h"
+#include "lowering/kernel_program.h"
 #include "schedules/schedule.h"
 
 namespace moeforge::cuda {
@@ -35,11 +37,13 @@ struct FuncCandidates {
   std::vector<PrunedChoice> pruned;
 };
 
-// The layer-wide choices tried before any Func's: the routed rows' format
-// (blocked or scattered) and where the gate multiplies (combine or the last
-// GEMM's epilogue), each way `base` is not, pruned by legality and by equal
-// plans as candidates_for does. `what` names the change
-// ("permutation(scattered)").
+// The layer-wide choices tried before any Func's: the product of the routed
+// rows' format (blocked or scattered), the block (128 or 256 rows), where the
+// gate multiplies (combine or the last GEMM's epilogue), padded_elementwise
+// and chain_summed_gemms, each combination but `base`'s own, pruned by
+// legality and by equal programs as candidates_for does. `what` names the
+// change ("permutation(scattered) block(256)"). Precision and memory
+// choices stay as `base` has them.
 struct LayoutCandidate {
   std::string what;
   Schedule schedule;
@@ -53,6 +57,13 @@ LayoutCandidates layout_candidates(const Pipeline &pipeline, const std::string &
 
 // Every choice the space offers one Func (the product of the knobs' ranges).
 std::vector<FuncChoice> func_choices();
+
+// Why the cheap model drops `choice` for `func` in `program` (the program
+// lowered with it), or "" where it keeps it: a tile twice as wide as the
+// GEMM's columns or more (its half covers them with less padding), or a
+// 64-column tile over 256 columns or more (it reads A twice as often as a
+// 128-column tile; narrow tiles are for narrow GEMMs).
+std::string model_prune(const KernelProgram &program, const std::string &func, const FuncChoice &choice);
 
 // `base` with `choice` applied to `func`.
 Schedule with_choice(const Schedule &base, const std::string &func, const FuncChoice &choice);

@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <map>
+#include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -50,62 +53,100 @@ void stage(Layer &layer, const CudaLayer &plain, const std::vector<std::string> 
   }
 }
 
-// The compiled candidate, ms per replay (the mean of `reps` after warm-up
-// replays).
-double time_candidate(Device &device, const TuneRequest &r, const CompiledCandidate &c, StagedInputs &staged) {
-  if (!c.error.empty())
-    throw std::runtime_error(c.error);
-  Stream stream;
-  auto timed = [&](const std::function<void()> &replay) {
-    // Warm-up: module load, first touch, and the clocks up to speed (the
-    // first replays of a cold GPU ran 1.5 % slower, enough to pick a
-    // schedule identical to the base as "faster").
-    for (int i = 0; i < 3; ++i)
+// A candidate built on the device: its layer bound to the staged inputs and
+// its step captured as CUDA graphs, so that it can be timed again beside
+// others (a run-off) without being built again.
+class LiveCandidate {
+public:
+  LiveCandidate(Device &device, const TuneRequest &r, std::shared_ptr<const CompiledCandidate> c, StagedInputs &staged,
+                Stream &stream)
+      : compiled_(std::move(c)), stream_(stream) {
+    if (!compiled_->error.empty())
+      throw std::runtime_error(compiled_->error);
+    std::vector<std::string> names;
+    for (const auto &[name, value] : r.inputs)
+      names.push_back(name);
+    const bool first = staged.empty();
+    if (!r.training) {
+      layer_ = std::make_unique<CudaLayer>(device, *compiled_->layer, r.tokens);
+      stage(*layer_, *layer_, names, staged);
+      if (first)
+        layer_->upload(r.inputs);
+      fwd_ = CudaGraph::capture(stream_, [&] { layer_->enqueue(stream_); });
+      return;
+    }
+    training_ = std::make_unique<TrainingLayer>(device, *compiled_->training, r.tokens);
+    names.push_back(compiled_->training->training.seed);
+    stage(*training_, training_->layer(), names, staged); // the bound upstream gradient counts as given
+    if (first) {
+      training_->upload(r.inputs);
+      training_->upload_upstream_gradient(r.upstream);
+    }
+    // Captured once: the backward's check that the upstream gradient was
+    // uploaded since the last forward holds at capture, and replays reuse it.
+    fwd_ = CudaGraph::capture(stream_, [&] { training_->forward(stream_); });
+    bwd_ = CudaGraph::capture(stream_, [&] { training_->backward(stream_); });
+  }
+
+  // ms per replay: `warm` replays untimed (module load, first touch, and
+  // the clocks up to speed: the first replays of a cold GPU ran 1.5 %
+  // slower), then the mean of `reps`.
+  double time(int warm, int reps) {
+    for (int i = 0; i < warm; ++i)
       replay();
     Event start, stop;
-    start.record(stream);
-    for (int i = 0; i < r.reps; ++i)
+    start.record(stream_);
+    for (int i = 0; i < reps; ++i)
       replay();
-    stop.record(stream);
+    stop.record(stream_);
     stop.synchronize();
-    return elapsed_ms(start, stop) / r.reps;
-  };
-  std::vector<std::string> names;
-  for (const auto &[name, value] : r.inputs)
-    names.push_back(name);
-  const bool first = staged.empty();
-  if (!r.training) {
-    CudaLayer layer(device, *c.layer, r.tokens);
-    stage(layer, layer, names, staged);
-    if (first)
-      layer.upload(r.inputs);
-    CudaGraph g = CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
-    return timed([&] { g.launch(stream); });
+    return elapsed_ms(start, stop) / reps;
   }
-  TrainingLayer layer(device, *c.training, r.tokens);
-  names.push_back(c.training->training.seed);
-  stage(layer, layer.layer(), names, staged); // the bound upstream gradient counts as given
-  if (first) {
-    layer.upload(r.inputs);
-    layer.upload_upstream_gradient(r.upstream);
+
+private:
+  void replay() {
+    fwd_.launch(stream_);
+    if (!bwd_.empty())
+      bwd_.launch(stream_);
   }
-  // Captured once: the backward's check that the upstream gradient was
-  // uploaded since the last forward holds at capture, and replays reuse it.
-  CudaGraph fwd = CudaGraph::capture(stream, [&] { layer.forward(stream); });
-  CudaGraph bwd = CudaGraph::capture(stream, [&] { layer.backward(stream); });
-  return timed([&] {
-    fwd.launch(stream);
-    bwd.launch(stream);
-  });
+  // Declared in the order they are built: the graphs go first, the layers
+  // next, and the compiled candidate (which a layer reads) last.
+  std::shared_ptr<const CompiledCandidate> compiled_;
+  Stream &stream_;
+  std::unique_ptr<CudaLayer> layer_;
+  std::unique_ptr<TrainingLayer> training_;
+  CudaGraph fwd_, bwd_;
+};
+
+// Replays long enough together that the events' resolution and one
+// replay's launch jitter are small beside them: mbpaper's forward takes
+// 0.65 ms, five of them were within the noise of the differences timed.
+constexpr double kMinTimedMs = 25;
+
+// Replays timed for a candidate whose replay takes about `ms`.
+int reps_for(const TuneRequest &r, double ms) {
+  return std::max(r.reps, static_cast<int>(std::ceil(kMinTimedMs / std::max(ms, 1e-3))));
 }
 
-constexpr double kNoise = 0.01;
+// One timing of a candidate built for it and freed after: a sweep's.
+double time_once(Device &device, const TuneRequest &r, std::shared_ptr<const CompiledCandidate> c, StagedInputs &staged,
+                 Stream &stream) {
+  LiveCandidate live(device, r, std::move(c), staged, stream);
+  const double estimate = live.time(3, 1);
+  return live.time(1, reps_for(r, estimate));
+}
 
 std::string fmt_ms(double ms) {
   std::ostringstream o;
   o.precision(4);
   o << ms << " ms";
   return o.str();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 } // namespace
@@ -127,57 +168,143 @@ std::vector<CompiledCandidate> compile_candidates(const TuneRequest &r, const st
   return out;
 }
 
+size_t runoff_winner(const std::vector<std::vector<double>> &ms) {
+  user_check(!ms.empty()) << "a run-off needs a contender";
+  size_t best = 0;
+  double best_median = 0;
+  for (size_t c = 0; c < ms.size(); ++c) {
+    user_check(!ms[c].empty()) << "a run-off contender with no timing";
+    const double m = median(ms[c]);
+    if (c == 0 || m < best_median) {
+      best = c;
+      best_median = m;
+    }
+  }
+  return best;
+}
+
 TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(const std::string &)> &progress) {
   user_check(r.pipeline != nullptr && r.tokens > 0) << "tune: a pipeline and a positive token count";
+  user_check(r.runoff_size >= 2 && r.runoff_rounds >= 1) << "tune: a run-off of at least two contenders and one round";
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(clock::now() - start).count(); };
-  auto say = [&](TuneResult &res, const std::string &line) {
+  TuneResult res;
+  auto say = [&](const std::string &line) {
     res.log.push_back(line);
     if (progress)
       progress(line);
   };
-  TuneResult res;
-  res.best = r.base;
-  std::map<std::string, FuncChoice> chosen; // the Funcs whose best differs from the base
-  const std::string arch = device.arch_specific();
-  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  using Compiled = std::shared_ptr<const CompiledCandidate>;
+  auto compile_all = [&](const std::vector<Schedule> &schedules) {
+    std::vector<Compiled> out;
+    for (CompiledCandidate &c :
+         compile_candidates(r, schedules, device.arch_specific(), std::max(1u, std::thread::hardware_concurrency())))
+      out.push_back(std::make_shared<const CompiledCandidate>(std::move(c)));
+    return out;
+  };
+  Stream stream;
   StagedInputs staged;
-  res.base_ms = res.best_ms = time_candidate(device, r, compile_one(r, r.base, arch), staged);
+  // The best so far, compiled, for the run-offs.
+  Compiled best = compile_all({r.base}).at(0);
+  res.best = r.base;
+  res.base_ms = res.best_ms = time_once(device, r, best, staged, stream);
   res.timed = 1;
-  say(res, "base schedule: " + fmt_ms(res.base_ms));
-  // The layer-wide choices first (the routed rows' format, where the gate
-  // multiplies): they change which GEMMs there are and what they read, so
-  // the per-Func search starts from the best of them.
+  say("base schedule: " + fmt_ms(res.base_ms));
+
+  struct Timed {
+    size_t index;
+    double ms;
+  };
+  // Times each candidate once (the sweep), in order, while the budget lasts.
+  // `remaining_after` tells the candidates after this sweep, for the
+  // estimate of the time left.
+  auto sweep = [&](const std::vector<Compiled> &compiled, const std::vector<std::string> &what,
+                   size_t remaining_after) {
+    std::vector<Timed> timed;
+    for (size_t i = 0; i < compiled.size(); ++i) {
+      if (elapsed() > r.budget_seconds) {
+        res.left += static_cast<int>(compiled.size() - i);
+        break;
+      }
+      try {
+        const double ms = time_once(device, r, compiled[i], staged, stream);
+        ++res.timed;
+        timed.push_back({i, ms});
+        const size_t remaining = compiled.size() - i - 1 + remaining_after;
+        const double eta = std::min(r.budget_seconds - elapsed(), elapsed() / res.timed * double(remaining));
+        std::ostringstream line;
+        line << "[" << res.timed << "] " << what[i] << ": " << fmt_ms(ms) << "; best " << fmt_ms(res.best_ms) << ", ~"
+             << static_cast<int>(std::max(0.0, eta)) << " s left";
+        say(line.str());
+      } catch (const std::runtime_error &e) {
+        ++res.failed; // a candidate the device refuses (resources at launch): skipped, said why
+        say(what[i] + ": skipped (" + e.what() + ")");
+      }
+    }
+    return timed;
+  };
+  // The best so far against the sweep's fastest, side by side in
+  // interleaved rounds (each contender in every position of a round across
+  // the rounds); the winner's index in the sweep, or none where the best
+  // so far stays.
+  auto runoff = [&](const std::string &round_name, const std::vector<Compiled> &compiled,
+                    const std::vector<std::string> &what, std::vector<Timed> timed) -> std::optional<size_t> {
+    if (timed.empty())
+      return std::nullopt;
+    std::sort(timed.begin(), timed.end(), [](const Timed &a, const Timed &b) { return a.ms < b.ms; });
+    timed.resize(std::min(timed.size(), static_cast<size_t>(r.runoff_size - 1)));
+    std::vector<std::unique_ptr<LiveCandidate>> live;
+    std::vector<std::string> names{"the best so far"};
+    std::vector<size_t> index{0}; // into the sweep, for contenders after the first
+    live.push_back(std::make_unique<LiveCandidate>(device, r, best, staged, stream));
+    for (const Timed &t : timed)
+      try {
+        live.push_back(std::make_unique<LiveCandidate>(device, r, compiled[t.index], staged, stream));
+        names.push_back(what[t.index]);
+        index.push_back(t.index);
+      } catch (const std::runtime_error &e) {
+        say(what[t.index] + ": left out of the run-off (" + e.what() + ")");
+      }
+    const int reps = reps_for(r, res.best_ms);
+    std::vector<std::vector<double>> ms(live.size());
+    for (int round = 0; round < r.runoff_rounds; ++round)
+      for (size_t j = 0; j < live.size(); ++j) {
+        const size_t c = (j + static_cast<size_t>(round)) % live.size();
+        ms[c].push_back(live[c]->time(2, reps));
+      }
+    const size_t w = runoff_winner(ms);
+    std::ostringstream line;
+    line << "run-off " << round_name << " (medians of " << r.runoff_rounds << " interleaved rounds):";
+    for (size_t c = 0; c < live.size(); ++c)
+      line << (c ? ";" : "") << " " << names[c] << " " << fmt_ms(median(ms[c])) << (c == w ? " (best)" : "");
+    say(line.str());
+    res.best_ms = median(ms[w]);
+    if (w == 0)
+      return std::nullopt;
+    return index[w];
+  };
+
+  // The layer-wide choices first (the routed rows' format, block size,
+  // where the gate multiplies): they change which GEMMs there are and what
+  // they read, so the per-Func search starts from the best of them.
   Schedule base = r.base;
   {
     LayoutCandidates lc = layout_candidates(*r.pipeline, r.output, r.base, r.training);
     res.pruned += static_cast<int>(lc.pruned.size());
     std::vector<Schedule> schedules;
-    for (const LayoutCandidate &c : lc.kept)
+    std::vector<std::string> what;
+    for (const LayoutCandidate &c : lc.kept) {
       schedules.push_back(c.schedule);
-    std::vector<CompiledCandidate> compiled = compile_candidates(r, schedules, arch, threads);
-    for (size_t i = 0; i < lc.kept.size(); ++i) {
-      if (elapsed() > r.budget_seconds) {
-        res.left += static_cast<int>(lc.kept.size() - i);
-        break;
-      }
-      try {
-        const double ms = time_candidate(device, r, compiled[i], staged);
-        ++res.timed;
-        const bool better = ms < res.best_ms * (1 - kNoise);
-        if (better) {
-          res.best = base = lc.kept[i].schedule;
-          res.best_ms = ms;
-        }
-        say(res, "[" + std::to_string(res.timed) + "] " + lc.kept[i].what + ": " + fmt_ms(ms) +
-                     (better ? " (best)" : "") + "; best " + fmt_ms(res.best_ms));
-      } catch (const std::runtime_error &e) {
-        ++res.failed;
-        say(res, lc.kept[i].what + ": skipped (" + e.what() + ")");
-      }
+      what.push_back(c.what);
+    }
+    const std::vector<Compiled> compiled = compile_all(schedules);
+    if (auto w = runoff("of the layer-wide choices", compiled, what, sweep(compiled, what, 0))) {
+      res.best = base = schedules[*w];
+      best = compiled[*w];
     }
   }
+  std::map<std::string, FuncChoice> chosen; // the Funcs whose best differs from the base
   const std::vector<std::string> funcs = tunable_funcs(*r.pipeline, r.output, base, r.training);
   for (size_t f = 0; f < funcs.size(); ++f) {
     FuncCandidates fc = candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training);
@@ -197,40 +324,18 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
     }
     // This Func's candidates compile side by side, then are timed one by one.
     std::vector<Schedule> schedules;
-    for (const FuncChoice &c : fc.kept)
+    std::vector<std::string> what;
+    for (const FuncChoice &c : fc.kept) {
       schedules.push_back(build(c));
-    std::vector<CompiledCandidate> compiled = compile_candidates(r, schedules, arch, threads);
-    for (size_t i = 0; i < fc.kept.size(); ++i) {
-      if (elapsed() > r.budget_seconds) {
-        res.left += static_cast<int>(fc.kept.size() - i);
-        continue;
-      }
-      const Schedule &candidate = schedules[i];
-      std::string what = funcs[f] + " " + fc.kept[i].text();
-      try {
-        const double ms = time_candidate(device, r, compiled[i], staged);
-        ++res.timed;
-        // A win must clear the run-to-run spread of one timing (~1 %), or
-        // the search would wander on noise.
-        const bool better = ms < res.best_ms * (1 - kNoise);
-        if (better) {
-          res.best = candidate;
-          chosen[funcs[f]] = fc.kept[i];
-          res.best_ms = ms;
-        }
-        // The time left: the candidates not yet timed at this one's pace.
-        size_t remaining = fc.kept.size() - i - 1;
-        for (size_t g = f + 1; g < funcs.size(); ++g)
-          remaining += fc.kept.size(); // the later Funcs' spaces, about as large
-        const double eta = std::min(r.budget_seconds - elapsed(), elapsed() / res.timed * double(remaining));
-        std::ostringstream line;
-        line << "[" << res.timed << "] " << what << ": " << fmt_ms(ms) << (better ? " (best)" : "") << "; best "
-             << fmt_ms(res.best_ms) << ", ~" << static_cast<int>(std::max(0.0, eta)) << " s left";
-        say(res, line.str());
-      } catch (const std::runtime_error &e) {
-        ++res.failed; // a candidate the device refuses (resources at launch): skipped, said why
-        say(res, what + ": skipped (" + e.what() + ")");
-      }
+      what.push_back(funcs[f] + " " + c.text());
+    }
+    const std::vector<Compiled> compiled = compile_all(schedules);
+    // The later Funcs' spaces, about as large as this one's.
+    const size_t after = fc.kept.size() * (funcs.size() - f - 1);
+    if (auto w = runoff("of " + funcs[f], compiled, what, sweep(compiled, what, after))) {
+      res.best = schedules[*w];
+      best = compiled[*w];
+      chosen[funcs[f]] = fc.kept[*w];
     }
   }
   return res;

@@ -1,14 +1,22 @@
 // The autotuner: times candidate schedules of one layer on the GPU and keeps
 // the fastest. The search first times the layer-wide choices (the routed
-// rows' format, where the gate multiplies: layout_candidates) and starts
-// from the best of them; then it walks the tunable Funcs in program order
-// and, for each, times every candidate the search space keeps
+// rows' format, block size, where the gate multiplies: layout_candidates)
+// and starts from the best of them; then it walks the tunable Funcs in
+// program order and, for each, times every candidate the search space keeps
 // (tune_space.h) with the other Funcs at their best so far (coordinate
 // descent). The budget stops it early, the base schedule always timed
-// first; a candidate replaces the best only when faster by more than 1 %,
-// the spread of one timing. Each candidate is the whole layer (forward, or
-// forward + backward) replayed from CUDA graphs, so what is compared is
-// what a training loop runs.
+// first. Each candidate is the whole layer (forward, or forward + backward)
+// replayed from CUDA graphs, so what is compared is what a training loop
+// runs.
+//
+// How a winner is decided: each round's sweep times every candidate once,
+// back to back; then a run-off times the best so far and the sweep's
+// fastest few side by side, in interleaved rounds, and keeps the lowest
+// median. Back-to-back timings drift with the GPU's clock by more than the
+// differences between good candidates (28 -> 31 ms over a minute of
+// mixtral steps), so a sweep's order alone would pick on noise; a margin
+// against it (the earlier 1 %) kept a winner the run-off finds from ever
+// replacing the choice before it.
 #pragma once
 
 #include <functional>
@@ -34,7 +42,9 @@ struct TuneRequest {
   HostTensor upstream; // training: d(loss)/d(output)
   Schedule base;       // where the search starts
   double budget_seconds = 120;
-  int reps = 5; // timed replays per candidate
+  int reps = 5;          // timed replays per candidate, at least (more where a replay is short)
+  int runoff_size = 4;   // contenders in each run-off: the best so far and the sweep's fastest
+  int runoff_rounds = 5; // interleaved rounds of a run-off
 };
 
 struct TuneResult {
@@ -57,6 +67,11 @@ struct CompiledCandidate {
 // Func are independent), results in the order given. Needs no GPU.
 std::vector<CompiledCandidate> compile_candidates(const TuneRequest &request, const std::vector<Schedule> &schedules,
                                                   const std::string &arch, unsigned threads);
+
+// The run-off's decision: `ms[c]` holds contender c's timings, one per
+// round; the lowest median wins, ties to the earlier contender (the best so
+// far comes first, so a tie keeps it).
+size_t runoff_winner(const std::vector<std::vector<double>> &ms);
 
 // `progress` gets a line per candidate (best so far, time left); may be empty.
 TuneResult tune(Device &device, const TuneRequest &request, const std::function<void(const std::string &)> &progress);

@@ -21,6 +21,7 @@
 #include "backends/cuda/layer.h"
 #include "benchmarks/dense_roof.h"
 #include "benchmarks/moe_shapes.h"
+#include "benchmarks/schedule_files.h"
 #include "benchmarks/source_file.h"
 #include "examples/biased_moe.h"
 #include "schedules/presets.h"
@@ -81,9 +82,9 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   }
   // A name ending in ".sched" is a schedule file (Schedule::save's text):
   // MOEFORGE_BENCH_SCHEDULES lists such files to time beside the variants.
-  Schedule schedule = name.size() > 6 && name.substr(name.size() - 6) == ".sched" ? Schedule::load(name)
-                      : name.rfind("tuned", 0) == 0                               ? hand_written(shape, name)
-                                                                                  : preset(name);
+  Schedule schedule = bench::is_schedule_file(name) ? Schedule::load(name)
+                      : name.rfind("tuned", 0) == 0 ? hand_written(shape, name)
+                                                    : preset(name);
   if (capacity > 0)
     schedule.capacity(capacity);
   // Compiling needs no GPU: without one, every variant is still lowered and
@@ -102,6 +103,8 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
 
   std::vector<int32_t> experts;
   double ours = 0;
+  stream.synchronize();
+  bench::cooldown();
   for (auto _ : state) {
     double ms = time_ms(stream, 10, [&] { graph.launch(stream); });
     state.SetIterationTime(ms / 1e3);
@@ -137,44 +140,26 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   }
 }
 
-// The schedule files named in MOEFORGE_BENCH_SCHEDULES (comma-separated).
-std::vector<std::string> schedule_files() {
-  std::vector<std::string> files;
-  const char *env = std::getenv("MOEFORGE_BENCH_SCHEDULES");
-  std::string list = env ? env : "", item;
-  for (size_t i = 0; i <= list.size(); ++i)
-    if (i == list.size() || list[i] == ',') {
-      if (!item.empty())
-        files.push_back(item);
-      item.clear();
-    } else {
-      item += list[i];
-    }
-  return files;
-}
-
 void register_all() {
-  static const std::vector<std::string> files = schedule_files(); // the names must outlive registration
-  for (const Shape &s : bench::kMoeShapes)
-    for (const std::string &f : files)
-      for (bool skew : {false, true}) {
-        std::string name = std::string("forward/") + s.name + "/" + f + (skew ? "/skewed" : "/uniform");
-        benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, f.c_str(), skew)
-            ->UseManualTime()
-            ->Unit(benchmark::kMillisecond)
-            ->Iterations(3);
-      }
-  std::vector<const char *> names = {"megablocks", "scattermoe"};
+  static const std::vector<std::string> files = bench::schedule_files(); // the names must outlive registration
+  std::vector<const char *> names;
+  for (const std::string &f : files)
+    names.push_back(f.c_str());
+  names.insert(names.end(), {"megablocks", "scattermoe"});
   names.insert(names.end(), std::begin(kForwardSchedules), std::end(kForwardSchedules));
-  for (const Shape &s : bench::kMoeShapes)
-    for (const char *p : names)
-      for (bool skew : {false, true}) {
-        std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
-        benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)
-            ->UseManualTime()
-            ->Unit(benchmark::kMillisecond)
-            ->Iterations(3);
-      }
+  const int rounds = bench::bench_rounds();
+  for (int round = 1; round <= rounds; ++round)
+    for (const Shape &s : bench::kMoeShapes)
+      for (const char *p : names)
+        for (bool skew : {false, true}) {
+          std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
+          if (rounds > 1)
+            name += "/round" + std::to_string(round);
+          benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)
+              ->UseManualTime()
+              ->Unit(benchmark::kMillisecond)
+              ->Iterations(3);
+        }
 }
 
 } // namespace

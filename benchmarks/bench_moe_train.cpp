@@ -22,6 +22,7 @@
 #include "backends/cuda/training_layer.h"
 #include "benchmarks/dense_roof.h"
 #include "benchmarks/moe_shapes.h"
+#include "benchmarks/schedule_files.h"
 #include "benchmarks/train_schedule.h"
 #include "examples/biased_moe.h"
 #include "schedules/presets.h"
@@ -49,9 +50,12 @@ enum class Memory { store, lean, recompute };
 
 const char *memory_name(Memory m) { return m == Memory::store ? "store" : m == Memory::lean ? "lean" : "recompute"; }
 
-// A preset by name, or tuned_wide: benchmarks/schedules/train/tuned_wide_*.sched.
+// A preset by name, tuned_wide (benchmarks/schedules/train/tuned_wide_*.sched)
+// or a schedule file.
 Schedule schedule_of(const Shape &shape, const std::string &name, Memory memory) {
-  Schedule s = name == "tuned_wide" ? bench::tuned_wide(shape.swiglu) : preset(name);
+  Schedule s = name == "tuned_wide"            ? bench::tuned_wide(shape.swiglu)
+               : bench::is_schedule_file(name) ? Schedule::load(name)
+                                               : preset(name);
   if (memory == Memory::lean)
     s.recompute_elementwise(true).gate_gradient_from_dh(true);
   s.recompute(memory == Memory::recompute);
@@ -128,30 +132,45 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, M
 // train/<shape>/<routing>/<schedule>/<memory>: the presets and tuned_wide
 // on the design shapes, uniform routing, storing or recomputing; tuned_wide
 // in every memory mode on every shape, and skewed routing (a ramp on the
-// router logits: the busiest expert gets about 3x the mean) storing or lean.
-// Experiments with other variants are entries of benchmarks/NOTES.md.
+// router logits: the busiest expert gets about 3x the mean) storing or lean;
+// the schedule files of MOEFORGE_BENCH_SCHEDULES; all of it
+// MOEFORGE_BENCH_ROUNDS times over (a "/round<r>" suffix where more than
+// once). Experiments with other variants are entries of benchmarks/NOTES.md.
 void register_all() {
-  auto add = [](const Shape &s, const char *p, Memory m, bool skewed) {
+  const int rounds = bench::bench_rounds();
+  int round = 1;
+  auto add = [&](const Shape &s, const char *p, Memory m, bool skewed) {
     std::string name = std::string("train/") + s.name + (skewed ? "/skewed/" : "/uniform/") + p + "/" + memory_name(m);
+    if (rounds > 1)
+      name += "/round" + std::to_string(round);
     benchmark::RegisterBenchmark(name.c_str(), BM_train, s, p, m, skewed)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond)
         ->Iterations(2);
   };
-  for (const Shape &s : bench::kMoeShapes)
-    for (const char *p : {"megablocks", "scattermoe"})
-      for (Memory m : {Memory::store, Memory::recompute})
-        add(s, p, m, false);
+  // Schedule files (MOEFORGE_BENCH_SCHEDULES: what `moeforge tune --train`
+  // wrote) as written, uniform and skewed, beside tuned_wide storing.
+  static const std::vector<std::string> files = bench::schedule_files(); // the names must outlive registration
   auto tuned_wide = [&](const Shape &s) {
     for (Memory m : {Memory::store, Memory::lean, Memory::recompute})
       add(s, "tuned_wide", m, false);
     for (Memory m : {Memory::store, Memory::lean})
       add(s, "tuned_wide", m, true);
   };
-  for (const Shape &s : bench::kMoeShapes)
-    tuned_wide(s);
-  for (const Shape &s : bench::kExtraTrainShapes)
-    tuned_wide(s);
+  for (round = 1; round <= rounds; ++round) {
+    for (const Shape &s : bench::kMoeShapes)
+      for (const std::string &f : files)
+        for (bool skewed : {false, true})
+          add(s, f.c_str(), Memory::store, skewed);
+    for (const Shape &s : bench::kMoeShapes)
+      for (const char *p : {"megablocks", "scattermoe"})
+        for (Memory m : {Memory::store, Memory::recompute})
+          add(s, p, m, false);
+    for (const Shape &s : bench::kMoeShapes)
+      tuned_wide(s);
+    for (const Shape &s : bench::kExtraTrainShapes)
+      tuned_wide(s);
+  }
 }
 
 } // namespace

@@ -1082,7 +1082,9 @@ KernelProgram softmax_into_routing(KernelProgram p, const Schedule &) {
 
 namespace {
 
-void dump(const char *pass, const KernelProgram &p) {
+void dump(const char *pass, const KernelProgram &p, const PassObserver &observe) {
+  if (observe)
+    observe(pass, p);
   if (debug_lowering())
     std::cerr << "=== after " << pass << " ===\n" << p;
 }
@@ -1150,7 +1152,7 @@ void check_dropping(const KernelProgram &p) {
 
 } // namespace
 
-KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &schedule) {
+KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &schedule, const PassObserver &observe) {
   user_check(schedule.expert_parallel_ranks() == 1)
       << "schedule '" << schedule.name() << "': expert_parallel(" << schedule.expert_parallel_ranks()
       << ") spreads the experts over GPUs, which one layer cannot do: compile it with "
@@ -1161,35 +1163,36 @@ KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &sche
       << ") divides an expert-parallel layer's row exchange, and one layer has none: add expert_parallel(ranks) "
       << "and compile it with cuda::compile_expert_parallel, or drop exchange_chunks";
   KernelProgram p = build_steps(pipeline, schedule);
-  dump("build_steps", p);
+  dump("build_steps", p, observe);
   p = fuse_gate_into_epilogue(std::move(p), schedule);
-  dump("fuse_gate_into_epilogue", p);
+  dump("fuse_gate_into_epilogue", p, observe);
   p = split_unfused_epilogues(std::move(p), schedule);
-  dump("split_unfused_epilogues", p);
+  dump("split_unfused_epilogues", p, observe);
   p = insert_permutation(std::move(p), schedule);
-  dump("insert_permutation", p);
+  dump("insert_permutation", p, observe);
   p = assign_row_layouts(std::move(p), schedule);
-  dump("assign_row_layouts", p);
+  dump("assign_row_layouts", p, observe);
   p = resolve_row_maps(std::move(p), schedule);
-  dump("resolve_row_maps", p);
+  dump("resolve_row_maps", p, observe);
   p = materialize_transposes(std::move(p), schedule);
-  dump("materialize_transposes", p);
+  dump("materialize_transposes", p, observe);
   check_dropping(p);
   return p;
 }
 
-KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule) {
-  KernelProgram p = lower_before_fusion(pipeline, schedule);
+KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule, const PassObserver &observe) {
+  KernelProgram p = lower_before_fusion(pipeline, schedule, observe);
   // Last, so that the row layouts and row maps they read are final.
   const size_t end = merge_sibling_gemms(p, 0, p.steps.size());
+  dump("merge_sibling_gemms", p, observe);
   fuse_elementwise_consumers(p, 0, end, schedule);
-  dump("fuse_elementwise_consumers", p);
+  dump("fuse_elementwise_consumers", p, observe);
   // Forward only: training's backward reads the probabilities (lower_training
   // runs lower_before_fusion, not these).
   p = gate_from_routing(std::move(p), schedule);
-  dump("gate_from_routing", p);
+  dump("gate_from_routing", p, observe);
   p = softmax_into_routing(std::move(p), schedule);
-  dump("softmax_into_routing", p);
+  dump("softmax_into_routing", p, observe);
   return p;
 }
 

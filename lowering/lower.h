@@ -1,8 +1,12 @@
 // Lowering: algebra + schedule -> kernel program. The passes run in the
-// order listed in lower.cpp's `lower`; MOEFORGE_DEBUG=lower prints the
-// program after each one. A Pipeline or Schedule the program cannot express
-// is a UserError that says which definition and why.
+// order listed in lower.cpp's `lower`; an observer gets the program after
+// each one (`moeforge emit --passes` prints them, and golden tests keep
+// them), as does MOEFORGE_DEBUG=lower on stderr. A Pipeline or Schedule the
+// program cannot express is a UserError that says which definition and why.
 #pragma once
+
+#include <functional>
+#include <string>
 
 #include "dsl/pipeline.h"
 #include "lowering/kernel_program.h"
@@ -10,7 +14,10 @@
 
 namespace moeforge {
 
-KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule);
+// Called after each pass with its name and the program it left.
+using PassObserver = std::function<void(const std::string &pass, const KernelProgram &program)>;
+
+KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule, const PassObserver &observe = {});
 
 // The passes, in order (each is also usable alone, for tests).
 KernelProgram build_steps(const Pipeline &pipeline, const Schedule &schedule);
@@ -36,7 +43,7 @@ KernelProgram softmax_into_routing(KernelProgram p, const Schedule &schedule);
 // The passes up to materialize_transposes: lower_training fuses the
 // forward's and the backward's element-wise steps separately, so no work
 // crosses between them (and keeps the probabilities, which the backward reads).
-KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &schedule);
+KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &schedule, const PassObserver &observe = {});
 
 // Element-wise steps of steps [begin, end) that read a GEMM's output at its
 // (row, col), and whose other reads are ready when that GEMM runs, become

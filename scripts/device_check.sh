@@ -27,9 +27,12 @@
 #           schedules (FORWARD_FILTER overrides its filter)
 #   tune    `moeforge tune` on the forward of TUNE_SHAPES (default
 #           mbpaper,fine64,mixtral; TUNE_BUDGET s each, default 240, from
-#           the scattermoe preset), then each schedule found timed beside
-#           the presets and the hand-written forward schedules in one
-#           bench_moe_forward process (issue #17)
+#           the scattermoe preset), with TUNE_TRAIN=1 the training step too
+#           (from benchmarks/schedules/train/tune_base.sched); then each
+#           schedule found timed beside the preset and the hand-written
+#           schedules (tuned_wide for training) in TUNE_ROUNDS (3) rounds
+#           of one bench_moe_forward / bench_moe_train process, uniform and
+#           skewed; benchmarks/tune_summary.py's medians (issue #17)
 #   exchange  expert parallelism's NCCL row exchange and layer: their tests
 #           (one rank, and two where the machine has two GPUs) under compute-sanitizer
 #           memcheck too, then bench_expert_exchange on every GPU count up
@@ -140,19 +143,37 @@ if has tune; then
     [mbpaper]="moe_mlp --tokens 16384 --d 1024 --f 4096 --experts 64 --topk 1"
     [fine64]="swiglu_moe --tokens 16384 --d 2048 --f 1408 --experts 64 --topk 8"
     [mixtral]="swiglu_moe --tokens 8192 --d 4096 --f 14336 --experts 8 --topk 2")
-  files="" filter=""
+  files="" filter="" tfiles="" tfilter=""
   for shape in ${TUNE_SHAPES//,/ }; do
     # shellcheck disable=SC2086
-    timeout 420 .gpu/moeforge tune ${layer[$shape]} --schedule scattermoe --budget-seconds "${TUNE_BUDGET:-240}" \
+    timeout 660 .gpu/moeforge tune ${layer[$shape]} --schedule scattermoe --budget-seconds "${TUNE_BUDGET:-240}" \
       >"$R/${shape}_tuned.sched" 2>"$R/tune_$shape.log" || status=1
     tail -2 "$R/tune_$shape.log"
     files="$files${files:+,}$R/${shape}_tuned.sched"
-    # Each shape's own tuned schedule, the preset and the hand-written ones, uniform routing.
-    filter="$filter${filter:+|}$shape/(.*${shape}_tuned.sched|scattermoe|tuned_tma[a-z_]*)/uniform"
+    # Each shape's own tuned schedule, the preset and the hand-written ones.
+    filter="$filter${filter:+|}$shape/(.*${shape}_tuned.sched|scattermoe|tuned_tma[a-z_]*)/"
+    if [ -n "${TUNE_TRAIN:-}" ]; then
+      # The training step from tuned_wide's precision and memory choices.
+      # shellcheck disable=SC2086
+      timeout 660 .gpu/moeforge tune ${layer[$shape]} --train --schedule benchmarks/schedules/train/tune_base.sched \
+        --budget-seconds "${TUNE_BUDGET:-240}" >"$R/${shape}_train_tuned.sched" 2>"$R/tune_train_$shape.log" || status=1
+      tail -2 "$R/tune_train_$shape.log"
+      tfiles="$tfiles${tfiles:+,}$R/${shape}_train_tuned.sched"
+      tfilter="$tfilter${tfilter:+|}$shape/(uniform|skewed)/(.*${shape}_train_tuned.sched|tuned_wide)/store"
+    fi
+    echo "tune $shape done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
   done
-  MOEFORGE_BENCH_SCHEDULES="$files" timeout 300 .gpu/bench_moe_forward --benchmark_filter="forward/($filter)" \
+  # TUNE_ROUNDS (3) rounds of every case in one process, 1 s idle before
+  # each timed block: medians per case (benchmarks/schedule_files.h).
+  MOEFORGE_BENCH_ROUNDS=${TUNE_ROUNDS:-3} MOEFORGE_BENCH_COOLDOWN_S=1 MOEFORGE_BENCH_SCHEDULES="$files" \
+    timeout 500 .gpu/bench_moe_forward --benchmark_filter="forward/($filter)" \
     --benchmark_out="$R/tune_forward.json" --benchmark_out_format=json >"$R/tune_forward.log" 2>&1 || status=1
-  grep -E "forward/" "$R/tune_forward.log" | cut -c1-160
+  if [ -n "$tfiles" ]; then
+    MOEFORGE_BENCH_ROUNDS=${TUNE_ROUNDS:-3} MOEFORGE_BENCH_COOLDOWN_S=1 MOEFORGE_BENCH_SCHEDULES="$tfiles" \
+      timeout 500 .gpu/bench_moe_train --benchmark_filter="train/($tfilter)" \
+      --benchmark_out="$R/tune_train.json" --benchmark_out_format=json >"$R/tune_train.log" 2>&1 || status=1
+  fi
+  python3 benchmarks/tune_summary.py "$R"/tune_forward.json "$R"/tune_train.json | tee "$R/tune_summary.txt"
   echo "tune done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
 fi
 if has train; then

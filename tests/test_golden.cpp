@@ -46,6 +46,29 @@ std::string first_difference(const std::string &want, const std::string &got) {
   }
 }
 
+// The text's part that `emit --passes` printed after `pass` ("" if none).
+std::string pass_section(const std::string &text, const std::string &pass) {
+  const std::string header = "=== after " + pass + " ===\n";
+  const size_t begin = text.find(header);
+  if (begin == std::string::npos)
+    return "";
+  const size_t end = text.find("=== after ", begin + header.size());
+  return text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+}
+
+// The passes lower() runs, in order (lowering/lower.cpp).
+const std::vector<std::string> kPasses = {"build_steps",
+                                          "fuse_gate_into_epilogue",
+                                          "split_unfused_epilogues",
+                                          "insert_permutation",
+                                          "assign_row_layouts",
+                                          "resolve_row_maps",
+                                          "materialize_transposes",
+                                          "merge_sibling_gemms",
+                                          "fuse_elementwise_consumers",
+                                          "gate_from_routing",
+                                          "softmax_into_routing"};
+
 void check_golden(const Golden &g) {
   std::ostringstream out, err;
   REQUIRE_MESSAGE(run_cli(g.args, out, err) == 0, err.str());
@@ -57,6 +80,15 @@ void check_golden(const Golden &g) {
   }
   const std::string want = read_file(path);
   REQUIRE_MESSAGE(!want.empty(), path << " is missing or empty: write it with MOEFORGE_UPDATE_GOLDEN=1");
+  // A pass-by-pass text: each pass's program on its own, so that a change
+  // names the first pass whose output moved.
+  if (want.rfind("=== after ", 0) == 0)
+    for (const std::string &pass : kPasses) {
+      const std::string a = pass_section(want, pass), b = pass_section(out.str(), pass);
+      CHECK_MESSAGE(!b.empty(), "emit --passes printed nothing after " << pass);
+      CHECK_MESSAGE(a == b, std::string(g.file)
+                                << ": the program after " << pass << " differs at " << first_difference(a, b));
+    }
   CHECK_MESSAGE(want == out.str(), std::string(g.file)
                                        << " differs at " << first_difference(want, out.str())
                                        << "\n(an intended change: MOEFORGE_UPDATE_GOLDEN=1, then review the diff)");
@@ -76,6 +108,27 @@ TEST_CASE("golden: the lowered programs (emit --ir) of the forward and the train
     INFO(std::string(g.file));
     check_golden(g);
   }
+}
+
+TEST_CASE("golden: the program after each lowering pass (emit --passes)") {
+  // Scattered rows with the gate in the last GEMM's epilogue (moe_mlp), a
+  // blocked copy with the gate in the combine and SwiGLU's two B operands
+  // merged (swiglu_moe), and a shared expert beside the routed ones
+  // (deepseek_moe): together they take every pass's branches that change
+  // the program.
+  for (const Golden &g : std::vector<Golden>{
+           {"moe_mlp_scattermoe.passes", {"emit", "moe_mlp", "--schedule", "scattermoe", "--passes"}},
+           {"swiglu_moe_megablocks.passes", {"emit", "swiglu_moe", "--passes"}},
+           {"deepseek_moe_scattermoe.passes",
+            {"emit", "deepseek_moe", "--experts", "16", "--topk", "4", "--schedule", "scattermoe", "--passes"}},
+       }) {
+    INFO(std::string(g.file));
+    check_golden(g);
+  }
+  // The passes' text is the forward's: the training step's is emit --ir --train.
+  std::ostringstream out, err;
+  CHECK(run_cli({"emit", "moe_mlp", "--passes", "--train"}, out, err) == 2);
+  CHECK(err.str().find("--passes shows the forward's passes") != std::string::npos);
 }
 
 #ifdef MOEFORGE_HAVE_CUDA

@@ -40,7 +40,7 @@ const char *kUsage =
     "                               --capacity F --backend reference|cpu|cuda --ranks N] [--check | --check=full]\n"
     "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|auto|<file>]\n"
     "                                 [--capacity F] [--recompute] [--aux] [--backend cpu|cuda] [--ranks N] [--check]\n"
-    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
+    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --passes | --cuda | --llvm | --plan [--train]\n"
     "       moeforge tune <example> [shape flags] [--schedule S] [--train] [--budget-seconds N] [--seed S]\n";
 
 // The project's version (CMakeLists.txt), as the installed package reports it.
@@ -73,7 +73,7 @@ struct Options {
   bool aux = false;             // train: with the example's auxiliary losses as more outputs
   std::string schedule;         // empty: auto for run, train and tune; megablocks for emit
   std::string backend;          // empty: the GPU when there is one, else the CPU backend, else the reference
-  std::string emit;             // ir, cuda, llvm or plan
+  std::string emit;             // ir, passes, cuda, llvm or plan
   bool emit_training = false;   // emit --train: the training step's program; tune --train: the training step
   int64_t budget_seconds = 120; // tune
   int ranks = 1;                // run, train: --ranks, GPUs the experts spread over (1: the unsplit layer)
@@ -123,9 +123,10 @@ Options parse(const std::vector<std::string> &args) {
       o.aux = true;
       continue;
     }
-    if ((flag == "--ir" || flag == "--cuda" || flag == "--llvm" || flag == "--plan") && o.command == "emit") {
-      user_check(o.emit.empty()) << "emit needs exactly one of --ir, --cuda, --llvm or --plan, got --" << o.emit
-                                 << " and " << flag;
+    if ((flag == "--ir" || flag == "--passes" || flag == "--cuda" || flag == "--llvm" || flag == "--plan") &&
+        o.command == "emit") {
+      user_check(o.emit.empty()) << "emit needs exactly one of --ir, --passes, --cuda, --llvm or --plan, got --"
+                                 << o.emit << " and " << flag;
       o.emit = flag.substr(2);
       continue;
     }
@@ -184,10 +185,12 @@ Options parse(const std::vector<std::string> &args) {
   if (o.schedule.empty()) // emit shows a schedule's program, and auto is resolved only where a layer runs
     o.schedule = o.command == "emit" ? "megablocks" : "auto";
   user_check(o.command != "emit" || !o.emit.empty())
-      << "emit needs exactly one of --ir (the lowered kernel program), --cuda (the generated CUDA source), "
-      << "--llvm (the CPU backend's optimised LLVM IR) or --plan (each GEMM's plan on the CUDA backend)";
-  user_check(o.command != "emit" || !o.emit_training || o.emit != "llvm")
-      << "emit --train goes with --ir, --cuda or --plan (the training step's program, CUDA source or GEMM plans)";
+      << "emit needs exactly one of --ir (the lowered kernel program), --passes (the program after each lowering "
+      << "pass), --cuda (the generated CUDA source), --llvm (the CPU backend's optimised LLVM IR) or --plan (each "
+      << "GEMM's plan on the CUDA backend)";
+  user_check(o.command != "emit" || !o.emit_training || (o.emit != "llvm" && o.emit != "passes"))
+      << "emit --train goes with --ir, --cuda or --plan (the training step's program, CUDA source or GEMM plans); "
+      << "--passes shows the forward's passes";
   return o;
 }
 
@@ -855,7 +858,13 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
       user_check(o.schedule != "auto") << "emit prints what a schedule compiles to, and 'auto' is chosen where the "
                                        << "layer runs (run, train, tune): name a preset or a schedule file";
       Schedule schedule = schedule_arg(o.schedule, working);
-      working = o.emit == "ir" || (o.emit == "cuda" || o.emit == "plan" ? kHaveCuda : kHaveCpu);
+      working = o.emit == "ir" || o.emit == "passes" || (o.emit == "cuda" || o.emit == "plan" ? kHaveCuda : kHaveCpu);
+      if (o.emit == "passes") {
+        lower(ex.pipeline, schedule, [&](const std::string &pass, const KernelProgram &p) {
+          out << "=== after " << pass << " ===\n" << p;
+        });
+        return wrote(out, err) ? 0 : 2;
+      }
       if (o.emit == "ir") {
         if (o.emit_training)
           out << lower_training(ex.pipeline, ex.pipeline.func(ex.output), schedule).program;

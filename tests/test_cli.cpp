@@ -411,7 +411,7 @@ TEST_CASE("cli: emit --cuda prints generated CUDA where the backend is built") {
 TEST_CASE("cli: emit and schedule and backend usage errors") {
   check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "--cuda", "--llvm", "or --plan"});
   check_usage_error({"emit", "moe_mlp", "--ir", "--cuda"},
-                    {"emit needs exactly one of --ir, --cuda, --llvm or --plan", "got --ir and --cuda"});
+                    {"emit needs exactly one of --ir, --passes, --cuda, --llvm or --plan", "got --ir and --cuda"});
   check_usage_error({"emit", "moe_mlp", "--llvm", "--train"}, {"emit --train goes with --ir, --cuda or --plan"});
   check_usage_error({"run", "moe_mlp", "--train"}, {"unknown flag '--train' for 'run'"});
   // The training step's program: the backward's GEMMs too.

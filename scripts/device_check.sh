@@ -27,7 +27,8 @@
 #           schedules (FORWARD_FILTER overrides its filter)
 #   tune    `moeforge tune` on the forward of TUNE_SHAPES (default
 #           mbpaper,fine64,mixtral; TUNE_BUDGET s each, default 240, from
-#           the scattermoe preset), with TUNE_TRAIN=1 the training step too
+#           the scattermoe preset; TUNE_FORWARD=0 skips it), with TUNE_TRAIN=1
+#           the training step too
 #           (from benchmarks/schedules/train/tune_base.sched); then each
 #           schedule found timed beside the preset and the hand-written
 #           schedules (tuned_wide for training) in TUNE_ROUNDS (3) rounds
@@ -145,13 +146,15 @@ if has tune; then
     [mixtral]="swiglu_moe --tokens 8192 --d 4096 --f 14336 --experts 8 --topk 2")
   files="" filter="" tfiles="" tfilter=""
   for shape in ${TUNE_SHAPES//,/ }; do
-    # shellcheck disable=SC2086
-    timeout 660 .gpu/moeforge tune ${layer[$shape]} --schedule scattermoe --budget-seconds "${TUNE_BUDGET:-240}" \
-      >"$R/${shape}_tuned.sched" 2>"$R/tune_$shape.log" || status=1
-    tail -2 "$R/tune_$shape.log"
-    files="$files${files:+,}$R/${shape}_tuned.sched"
-    # Each shape's own tuned schedule, the preset and the hand-written ones.
-    filter="$filter${filter:+|}$shape/(.*${shape}_tuned.sched|scattermoe|tuned_tma[a-z_]*)/"
+    if [ "${TUNE_FORWARD:-1}" = 1 ]; then
+      # shellcheck disable=SC2086
+      timeout 660 .gpu/moeforge tune ${layer[$shape]} --schedule scattermoe --budget-seconds "${TUNE_BUDGET:-240}" \
+        >"$R/${shape}_tuned.sched" 2>"$R/tune_$shape.log" || status=1
+      tail -2 "$R/tune_$shape.log"
+      files="$files${files:+,}$R/${shape}_tuned.sched"
+      # Each shape's own tuned schedule, the preset and the hand-written ones.
+      filter="$filter${filter:+|}$shape/(.*${shape}_tuned.sched|scattermoe|tuned_tma[a-z_]*)/"
+    fi
     if [ -n "${TUNE_TRAIN:-}" ]; then
       # The training step from tuned_wide's precision and memory choices.
       # shellcheck disable=SC2086
@@ -165,9 +168,11 @@ if has tune; then
   done
   # TUNE_ROUNDS (3) rounds of every case in one process, 1 s idle before
   # each timed block: medians per case (benchmarks/schedule_files.h).
-  MOEFORGE_BENCH_ROUNDS=${TUNE_ROUNDS:-3} MOEFORGE_BENCH_COOLDOWN_S=1 MOEFORGE_BENCH_SCHEDULES="$files" \
-    timeout 500 .gpu/bench_moe_forward --benchmark_filter="forward/($filter)" \
-    --benchmark_out="$R/tune_forward.json" --benchmark_out_format=json >"$R/tune_forward.log" 2>&1 || status=1
+  if [ -n "$files" ]; then
+    MOEFORGE_BENCH_ROUNDS=${TUNE_ROUNDS:-3} MOEFORGE_BENCH_COOLDOWN_S=1 MOEFORGE_BENCH_SCHEDULES="$files" \
+      timeout 500 .gpu/bench_moe_forward --benchmark_filter="forward/($filter)" \
+      --benchmark_out="$R/tune_forward.json" --benchmark_out_format=json >"$R/tune_forward.log" 2>&1 || status=1
+  fi
   if [ -n "$tfiles" ]; then
     MOEFORGE_BENCH_ROUNDS=${TUNE_ROUNDS:-3} MOEFORGE_BENCH_COOLDOWN_S=1 MOEFORGE_BENCH_SCHEDULES="$tfiles" \
       timeout 500 .gpu/bench_moe_train --benchmark_filter="train/($tfilter)" \

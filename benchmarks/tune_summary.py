@@ -31,7 +31,8 @@ def collect(benchmarks, pattern, key):
     """(shape, routing) -> schedule -> list of (ms, roof ratio)."""
     out = {}
     for b in benchmarks:
-        m = pattern.match(b["run_name"])
+        # Google Benchmark appends the run's options ("/iterations:3/manual_time").
+        m = pattern.match(re.sub(r"/(iterations|manual_time|real_time).*$", "", b["run_name"]))
         if not m:
             continue
         shape, routing, schedule = key(m)

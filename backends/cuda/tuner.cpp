@@ -7,8 +7,10 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
+#include <variant>
 
 #include "backends/cuda/layer.h"
 #include "backends/cuda/stream.h"
@@ -51,6 +53,12 @@ void stage(Layer &layer, const CudaLayer &plain, const std::vector<std::string> 
       staged.emplace(name, DeviceBuffer(bytes));
     layer.bind(name, staged.at(name).ptr(), bytes);
   }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 // A candidate built on the device: its layer bound to the staged inputs and
@@ -103,6 +111,37 @@ public:
     return elapsed_ms(start, stop) / reps;
   }
 
+  // ms of `func`'s GEMM steps alone (the sum of their kernels' times, an
+  // event around each step), the median of `rounds` runs of the whole
+  // layer step by step. What a Func's choice changes is its own kernels:
+  // timed alone they differ by their own few percent, where the whole
+  // step's time moves with the clock by as much (s19f).
+  double time_func(const std::string &func, int rounds) {
+    const KernelProgram &program = training_ ? compiled_->training->layer.program : compiled_->layer->program;
+    std::set<std::string> steps;
+    for (const Step &st : program.steps)
+      if (const auto *g = std::get_if<GemmStep>(&st); g && g->func == func)
+        steps.insert(step_name(st));
+    user_check(!steps.empty()) << "tune: no GEMM step of '" << func << "' to time";
+    replay(); // warm: the clocks up, the caches as the step leaves them
+    std::vector<double> ms;
+    for (int i = 0; i < rounds; ++i) {
+      std::vector<std::pair<std::string, double>> prof;
+      if (training_) {
+        prof = training_->profile_forward(stream_);
+        for (auto &p : training_->profile_backward(stream_))
+          prof.push_back(std::move(p));
+      } else {
+        prof = layer_->profile(stream_);
+      }
+      double sum = 0;
+      for (const auto &[name, t] : prof)
+        sum += steps.count(name) ? t : 0;
+      ms.push_back(sum);
+    }
+    return median(std::move(ms));
+  }
+
 private:
   void replay() {
     fwd_.launch(stream_);
@@ -128,6 +167,9 @@ int reps_for(const TuneRequest &r, double ms) {
   return std::max(r.reps, static_cast<int>(std::ceil(kMinTimedMs / std::max(ms, 1e-3))));
 }
 
+// Step-by-step runs whose median times a Func's kernels in a sweep.
+constexpr int kFuncRuns = 3;
+
 // One timing of a candidate built for it and freed after: a sweep's.
 double time_once(Device &device, const TuneRequest &r, std::shared_ptr<const CompiledCandidate> c, StagedInputs &staged,
                  Stream &stream) {
@@ -141,12 +183,6 @@ std::string fmt_ms(double ms) {
   o.precision(4);
   o << ms << " ms";
   return o.str();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 } // namespace
@@ -216,11 +252,12 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
     size_t index;
     double ms;
   };
-  // Times each candidate once (the sweep), in order, while the budget lasts.
+  // Times each candidate once (the sweep), in order, while the budget lasts:
+  // the whole layer, or with `func` named that Func's GEMM kernels alone.
   // `remaining_after` tells the candidates after this sweep, for the
   // estimate of the time left.
-  auto sweep = [&](const std::vector<Compiled> &compiled, const std::vector<std::string> &what,
-                   size_t remaining_after) {
+  auto sweep = [&](const std::vector<Compiled> &compiled, const std::vector<std::string> &what, size_t remaining_after,
+                   const std::string &func) {
     std::vector<Timed> timed;
     for (size_t i = 0; i < compiled.size(); ++i) {
       if (elapsed() > r.budget_seconds) {
@@ -228,14 +265,20 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
         break;
       }
       try {
-        const double ms = time_once(device, r, compiled[i], staged, stream);
+        double ms = 0;
+        if (func.empty()) {
+          ms = time_once(device, r, compiled[i], staged, stream);
+        } else {
+          LiveCandidate live(device, r, compiled[i], staged, stream);
+          ms = live.time_func(func, kFuncRuns);
+        }
         ++res.timed;
         timed.push_back({i, ms});
         const size_t remaining = compiled.size() - i - 1 + remaining_after;
         const double eta = std::min(r.budget_seconds - elapsed(), elapsed() / res.timed * double(remaining));
         std::ostringstream line;
-        line << "[" << res.timed << "] " << what[i] << ": " << fmt_ms(ms) << "; best " << fmt_ms(res.best_ms) << ", ~"
-             << static_cast<int>(std::max(0.0, eta)) << " s left";
+        line << "[" << res.timed << "] " << what[i] << ": " << (func.empty() ? "" : func + "'s kernels ") << fmt_ms(ms)
+             << "; best " << fmt_ms(res.best_ms) << ", ~" << static_cast<int>(std::max(0.0, eta)) << " s left";
         say(line.str());
       } catch (const std::runtime_error &e) {
         ++res.failed; // a candidate the device refuses (resources at launch): skipped, said why
@@ -249,7 +292,8 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
   // the rounds); the winner's index in the sweep, or none where the best
   // so far stays.
   auto runoff = [&](const std::string &round_name, const std::vector<Compiled> &compiled,
-                    const std::vector<std::string> &what, std::vector<Timed> timed) -> std::optional<size_t> {
+                    const std::vector<std::string> &what, std::vector<Timed> timed,
+                    const std::string &func) -> std::optional<size_t> {
     if (timed.empty())
       return std::nullopt;
     std::sort(timed.begin(), timed.end(), [](const Timed &a, const Timed &b) { return a.ms < b.ms; });
@@ -271,15 +315,18 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
     for (int round = 0; round < r.runoff_rounds; ++round)
       for (size_t j = 0; j < live.size(); ++j) {
         const size_t c = (j + static_cast<size_t>(round)) % live.size();
-        ms[c].push_back(live[c]->time(2, reps));
+        ms[c].push_back(func.empty() ? live[c]->time(2, reps) : live[c]->time_func(func, 1));
       }
     const size_t w = runoff_winner(ms);
+    // The best's whole layer, for the report (a Func's run-off times its kernels).
+    res.best_ms = func.empty() ? median(ms[w]) : live[w]->time(2, reps);
     std::ostringstream line;
-    line << "run-off " << round_name << " (medians of " << r.runoff_rounds << " interleaved rounds):";
+    line << "run-off " << round_name << " (medians of " << r.runoff_rounds << " interleaved rounds"
+         << (func.empty() ? "" : ", " + func + "'s kernels") << "):";
     for (size_t c = 0; c < live.size(); ++c)
       line << (c ? ";" : "") << " " << names[c] << " " << fmt_ms(median(ms[c])) << (c == w ? " (best)" : "");
+    line << "; the layer " << fmt_ms(res.best_ms);
     say(line.str());
-    res.best_ms = median(ms[w]);
     if (w == 0)
       return std::nullopt;
     return index[w];
@@ -299,7 +346,7 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
       what.push_back(c.what);
     }
     const std::vector<Compiled> compiled = compile_all(schedules);
-    if (auto w = runoff("of the layer-wide choices", compiled, what, sweep(compiled, what, 0))) {
+    if (auto w = runoff("of the layer-wide choices", compiled, what, sweep(compiled, what, 0, ""), "")) {
       res.best = base = schedules[*w];
       best = compiled[*w];
     }
@@ -332,7 +379,7 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
     const std::vector<Compiled> compiled = compile_all(schedules);
     // The later Funcs' spaces, about as large as this one's.
     const size_t after = fc.kept.size() * (funcs.size() - f - 1);
-    if (auto w = runoff("of " + funcs[f], compiled, what, sweep(compiled, what, after))) {
+    if (auto w = runoff("of " + funcs[f], compiled, what, sweep(compiled, what, after, funcs[f]), funcs[f])) {
       res.best = schedules[*w];
       best = compiled[*w];
       chosen[funcs[f]] = fc.kept[*w];

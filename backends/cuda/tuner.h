@@ -16,7 +16,11 @@
 // differences between good candidates (28 -> 31 ms over a minute of
 // mixtral steps), so a sweep's order alone would pick on noise; a margin
 // against it (the earlier 1 %) kept a winner the run-off finds from ever
-// replacing the choice before it.
+// replacing the choice before it. The layer-wide round times the whole
+// layer (its choices change most kernels); a Func's round times that
+// Func's GEMM kernels alone, an event around each step, since they are all
+// its choices change and a few percent of one kernel is lost in a whole
+// training step's spread.
 #pragma once
 
 #include <functional>

@@ -28,7 +28,7 @@
 #   tune    `moeforge tune` on the forward of TUNE_SHAPES (default
 #           mbpaper,fine64,mixtral; TUNE_BUDGET s each, default 240, from
 #           the scattermoe preset; TUNE_FORWARD=0 skips it), with TUNE_TRAIN=1
-#           the training step too
+#           the training step too (TUNE_TRAIN=<shapes>: those shapes')
 #           (from benchmarks/schedules/train/tune_base.sched); then each
 #           schedule found timed beside the preset and the hand-written
 #           schedules (tuned_wide for training) in TUNE_ROUNDS (3) rounds
@@ -155,7 +155,7 @@ if has tune; then
       # Each shape's own tuned schedule, the preset and the hand-written ones.
       filter="$filter${filter:+|}$shape/(.*${shape}_tuned.sched|scattermoe|tuned_tma[a-z_]*)/"
     fi
-    if [ -n "${TUNE_TRAIN:-}" ]; then
+    if [ "${TUNE_TRAIN:-}" = 1 ] || [[ ",${TUNE_TRAIN:-}," == *",$shape,"* ]]; then
       # The training step from tuned_wide's precision and memory choices.
       # shellcheck disable=SC2086
       timeout 660 .gpu/moeforge tune ${layer[$shape]} --train --schedule benchmarks/schedules/train/tune_base.sched \

@@ -18,6 +18,7 @@
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
 #include "examples/examples.h"
+#include "examples/skewed_routing.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
@@ -533,13 +534,25 @@ int tune(const Options &o, std::ostream &out, std::ostream &err, bool &working) 
     err << "tune: base schedule " << auto_note << "\n";
   }
 #ifdef MOEFORGE_HAVE_CUDA
-  TuneOutcome t = cli_tune_on_gpu(ex, o.shape, ex.random_inputs(o.shape, o.seed), o.emit_training,
+  // Each candidate timed under uniform routing and under skewed routing
+  // (the busiest expert at 2.5x the mean, design.md's range), so that the
+  // schedule chosen holds up when the load is uneven.
+  const TensorMap inputs = ex.random_inputs(o.shape, o.seed);
+  std::string why;
+  std::optional<SkewedInputs> skewed = skewed_router_inputs(inputs, o.shape.topk, 2.5, &why);
+  if (skewed)
+    err << "tune: each candidate timed under uniform routing and skewed routing (a router bias ramp of " << skewed->ramp
+        << ": the busiest expert " << skewed->max_over_mean << "x the mean), the sum compared\n";
+  else
+    err << "tune: uniform routing only (" << why << ")\n";
+  TuneOutcome t = cli_tune_on_gpu(ex, o.shape, inputs, skewed ? skewed->inputs : TensorMap{}, o.emit_training,
                                   task.upstream.at(ex.output), base, static_cast<double>(o.budget_seconds),
                                   [&](const std::string &line) { err << "tune: " << line << "\n"
                                                                      << std::flush; });
   out << "# moeforge tune " << ex.name << (o.emit_training ? " --train" : "") << " on " << t.device << ": base ('"
-      << base.name() << "') " << t.base_ms << " ms, best " << t.best_ms << " ms (" << t.timed << " timed, " << t.pruned
-      << " pruned, " << t.failed << " failed, " << t.left << " past the budget)\n";
+      << base.name() << "') " << t.base_ms << " ms, best " << t.best_ms << " ms"
+      << (skewed ? " (uniform + skewed routing)" : "") << " (" << t.timed << " timed, " << t.pruned << " pruned, "
+      << t.failed << " failed, " << t.left << " past the budget)\n";
   out << "# cached as " << (t.cached.empty() ? std::string("(not written: no cache directory)") : t.cached) << "\n";
   out << t.best_text;
 #else

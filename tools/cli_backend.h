@@ -116,8 +116,9 @@ struct TuneOutcome {
   double base_ms = 0, best_ms = 0;
   int timed = 0, pruned = 0, failed = 0, left = 0;
 };
-TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs, bool training,
-                            const HostTensor &upstream, const Schedule &base, double budget_seconds,
+TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                            const TensorMap &skewed_inputs, bool training, const HostTensor &upstream,
+                            const Schedule &base, double budget_seconds,
                             const std::function<void(const std::string &)> &progress);
 BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
                           const Schedule &schedule, bool every_func);

@@ -62,8 +62,9 @@ std::optional<Schedule> cli_cached_schedule_on_gpu(const Example &ex, const Exam
   return s;
 }
 
-TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs, bool training,
-                            const HostTensor &upstream, const Schedule &base, double budget_seconds,
+TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
+                            const TensorMap &skewed_inputs, bool training, const HostTensor &upstream,
+                            const Schedule &base, double budget_seconds,
                             const std::function<void(const std::string &)> &progress) {
   check_vector_alignment(ex.pipeline);
   cuda::Device device;
@@ -72,6 +73,7 @@ TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const 
   r.output = ex.output;
   r.tokens = shape.tokens;
   r.inputs = inputs;
+  r.skewed_inputs = skewed_inputs;
   r.training = training;
   r.upstream = upstream;
   r.base = base;

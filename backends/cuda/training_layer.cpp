@@ -28,6 +28,11 @@ void TrainingLayer::upload(const TensorMap &inputs) {
   state_.upload_inputs(inputs, [&](const std::string &name, const HostTensor &t) { layer_.upload(name, t); });
 }
 
+void TrainingLayer::upload(const std::string &name, const HostTensor &value) {
+  layer_.upload(name, value);
+  state_.uploaded(name);
+}
+
 void TrainingLayer::upload_repeated(const std::string &name, const HostTensor &pattern) {
   layer_.upload_repeated(name, pattern);
   state_.uploaded(name);

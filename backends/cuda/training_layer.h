@@ -40,6 +40,9 @@ public:
 
   // Every Input and Param of the forward (the upstream gradient is separate).
   void upload(const TensorMap &inputs);
+  // One of them, the others as they were (the autotuner's skewed routing:
+  // the router's inputs changed, the weights shared).
+  void upload(const std::string &name, const HostTensor &value);
   // Fills an Input or Param (or an upstream gradient, by its seed's name
   // "d_y") with `pattern` repeated (benchmarks: realistic values without
   // gigabytes of host random numbers).

@@ -42,54 +42,52 @@ CompiledCandidate compile_one(const TuneRequest &r, const Schedule &schedule, co
 // candidate's time.
 using StagedInputs = std::map<std::string, DeviceBuffer>;
 
-// Binds `layer` (a CudaLayer or TrainingLayer; `plain` its CudaLayer, which
-// tells the sizes) to the staged buffers, made on the first call.
-template <typename Layer>
-void stage(Layer &layer, const CudaLayer &plain, const std::vector<std::string> &names, StagedInputs &staged) {
-  const bool first = staged.empty();
-  for (const std::string &name : names) {
-    const size_t bytes = plain.info(name).bytes;
-    if (first)
-      staged.emplace(name, DeviceBuffer(bytes));
-    layer.bind(name, staged.at(name).ptr(), bytes);
-  }
-}
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-// A candidate built on the device: its layer bound to the staged inputs and
-// its step captured as CUDA graphs, so that it can be timed again beside
-// others (a run-off) without being built again.
-class LiveCandidate {
+// A candidate's layer on the device for one set of inputs, bound to those
+// staged inputs, its step captured as CUDA graphs. `shared` (the first
+// set's staged buffers, or null for the first set) holds every input this
+// set does not give itself: a skewed set changes the router's inputs only,
+// and the weights (gigabytes on a real layer) are staged once.
+class LiveLayer {
 public:
-  LiveCandidate(Device &device, const TuneRequest &r, std::shared_ptr<const CompiledCandidate> c, StagedInputs &staged,
-                Stream &stream)
+  LiveLayer(Device &device, const TuneRequest &r, const TensorMap &inputs, std::shared_ptr<const CompiledCandidate> c,
+            StagedInputs &staged, const StagedInputs *shared, Stream &stream)
       : compiled_(std::move(c)), stream_(stream) {
     if (!compiled_->error.empty())
       throw std::runtime_error(compiled_->error);
     std::vector<std::string> names;
     for (const auto &[name, value] : r.inputs)
       names.push_back(name);
+    if (r.training)
+      names.push_back(compiled_->training->training.seed); // the bound upstream gradient counts as given
     const bool first = staged.empty();
+    auto bind_all = [&](auto &layer, const CudaLayer &plain) {
+      for (const std::string &name : names) {
+        const size_t bytes = plain.info(name).bytes;
+        const bool own = shared == nullptr || inputs.count(name) > 0;
+        if (own && first)
+          staged.emplace(name, DeviceBuffer(bytes));
+        layer.bind(name, (own ? staged : *shared).at(name).ptr(), bytes);
+      }
+      if (first)
+        for (const auto &[name, value] : inputs)
+          layer.upload(name, value);
+    };
     if (!r.training) {
       layer_ = std::make_unique<CudaLayer>(device, *compiled_->layer, r.tokens);
-      stage(*layer_, *layer_, names, staged);
-      if (first)
-        layer_->upload(r.inputs);
+      bind_all(*layer_, *layer_);
       fwd_ = CudaGraph::capture(stream_, [&] { layer_->enqueue(stream_); });
       return;
     }
     training_ = std::make_unique<TrainingLayer>(device, *compiled_->training, r.tokens);
-    names.push_back(compiled_->training->training.seed);
-    stage(*training_, training_->layer(), names, staged); // the bound upstream gradient counts as given
-    if (first) {
-      training_->upload(r.inputs);
+    bind_all(*training_, training_->layer());
+    if (first && shared == nullptr)
       training_->upload_upstream_gradient(r.upstream);
-    }
     // Captured once: the backward's check that the upstream gradient was
     // uploaded since the last forward holds at capture, and replays reuse it.
     fwd_ = CudaGraph::capture(stream_, [&] { training_->forward(stream_); });
@@ -157,6 +155,42 @@ private:
   CudaGraph fwd_, bwd_;
 };
 
+// A candidate built on the device for each set of inputs the request times
+// (uniform routing, and skewed where given), so that it can be timed again
+// beside others (a run-off) without being built again. Its times are the
+// sums over the sets: a schedule is chosen for both routings.
+class LiveCandidate {
+public:
+  LiveCandidate(Device &device, const TuneRequest &r, const std::shared_ptr<const CompiledCandidate> &c,
+                std::vector<StagedInputs> &staged, Stream &stream) {
+    const std::vector<const TensorMap *> sets = input_sets(r);
+    for (size_t i = 0; i < sets.size(); ++i)
+      layers_.push_back(
+          std::make_unique<LiveLayer>(device, r, *sets[i], c, staged.at(i), i ? &staged.at(0) : nullptr, stream));
+  }
+  static std::vector<const TensorMap *> input_sets(const TuneRequest &r) {
+    std::vector<const TensorMap *> sets{&r.inputs};
+    if (!r.skewed_inputs.empty())
+      sets.push_back(&r.skewed_inputs);
+    return sets;
+  }
+  double time(int warm, int reps) {
+    double sum = 0;
+    for (auto &l : layers_)
+      sum += l->time(warm, reps);
+    return sum;
+  }
+  double time_func(const std::string &func, int rounds) {
+    double sum = 0;
+    for (auto &l : layers_)
+      sum += l->time_func(func, rounds);
+    return sum;
+  }
+
+private:
+  std::vector<std::unique_ptr<LiveLayer>> layers_;
+};
+
 // Replays long enough together that the events' resolution and one
 // replay's launch jitter are small beside them: mbpaper's forward takes
 // 0.65 ms, five of them were within the noise of the differences timed.
@@ -171,9 +205,9 @@ int reps_for(const TuneRequest &r, double ms) {
 constexpr int kFuncRuns = 3;
 
 // One timing of a candidate built for it and freed after: a sweep's.
-double time_once(Device &device, const TuneRequest &r, std::shared_ptr<const CompiledCandidate> c, StagedInputs &staged,
-                 Stream &stream) {
-  LiveCandidate live(device, r, std::move(c), staged, stream);
+double time_once(Device &device, const TuneRequest &r, const std::shared_ptr<const CompiledCandidate> &c,
+                 std::vector<StagedInputs> &staged, Stream &stream) {
+  LiveCandidate live(device, r, c, staged, stream);
   const double estimate = live.time(3, 1);
   return live.time(1, reps_for(r, estimate));
 }
@@ -240,7 +274,7 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
     return out;
   };
   Stream stream;
-  StagedInputs staged;
+  std::vector<StagedInputs> staged(LiveCandidate::input_sets(r).size()); // one per set of inputs
   // The best so far, compiled, for the run-offs.
   Compiled best = compile_all({r.base}).at(0);
   res.best = r.base;

@@ -41,7 +41,8 @@ struct TuneRequest {
   const Pipeline *pipeline = nullptr;
   std::string output; // the layer's output Func
   int64_t tokens = 0;
-  TensorMap inputs; // every Input and Param
+  TensorMap inputs;        // every Input and Param
+  TensorMap skewed_inputs; // the same under skewed routing, or empty: each candidate is timed under both
   bool training = false;
   HostTensor upstream; // training: d(loss)/d(output)
   Schedule base;       // where the search starts

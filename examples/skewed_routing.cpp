@@ -1,0 +1,81 @@
+#include "examples/skewed_routing.h"
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+namespace moeforge {
+
+namespace {
+
+// The busiest expert's share over the mean, top-k of x wr on the first
+// `tokens` rows, with x's feature 0 at 1 and wr's row 0 the ramp (softmax
+// keeps the logits' order, so the top-k is theirs).
+double max_over_mean(const HostTensor &x, const HostTensor &wr, int64_t tokens, int64_t topk, double ramp) {
+  const int64_t d = x.shape[1], experts = wr.shape[1];
+  std::vector<int64_t> count(experts, 0);
+  std::vector<double> logits(experts);
+  std::vector<int64_t> order(experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t e = 0; e < experts; ++e)
+      logits[e] = ramp * double(e) / double(experts);
+    for (int64_t i = 1; i < d; ++i) {
+      const double xi = x.data[t * d + i];
+      for (int64_t e = 0; e < experts; ++e)
+        logits[e] += xi * wr.data[i * experts + e];
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + topk, order.end(),
+                      [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
+    for (int64_t j = 0; j < topk; ++j)
+      ++count[order[j]];
+  }
+  const double mean = double(tokens * topk) / double(experts);
+  return double(*std::max_element(count.begin(), count.end())) / mean;
+}
+
+} // namespace
+
+std::optional<SkewedInputs> skewed_router_inputs(const TensorMap &inputs, int64_t topk, double target,
+                                                 std::string *why) {
+  auto x = inputs.find("x"), wr = inputs.find("wr");
+  if (x == inputs.end() || wr == inputs.end() || x->second.rank() != 2 || wr->second.rank() != 2 ||
+      x->second.shape[1] != wr->second.shape[0] || topk < 1 || topk >= wr->second.shape[1]) {
+    if (why)
+      *why = "the layer's router is not logits = x wr over x [T, d] and wr [d, E] with top-k below E";
+    return std::nullopt;
+  }
+  // The first tokens tell the skew well enough: the counts of 2048 tokens'
+  // pairs over at most 128 experts.
+  const int64_t sample = std::min<int64_t>(x->second.shape[0], 2048);
+  auto skew = [&](double ramp) { return max_over_mean(x->second, wr->second, sample, topk, ramp); };
+  // The skew grows with the ramp: bisect between none and a ramp that
+  // overshoots (doubling from 0.125).
+  double lo = 0, hi = 0.125;
+  while (skew(hi) < target) {
+    lo = hi;
+    hi *= 2;
+    if (hi > 64) {
+      if (why)
+        *why = "no router bias ramp skews this layer's routing to " + std::to_string(target) + "x the mean";
+      return std::nullopt;
+    }
+  }
+  for (int i = 0; i < 12; ++i) {
+    const double mid = (lo + hi) / 2;
+    (skew(mid) < target ? lo : hi) = mid;
+  }
+  SkewedInputs s;
+  s.ramp = hi;
+  s.max_over_mean = skew(hi);
+  HostTensor skewed_x = x->second, skewed_wr = wr->second;
+  const int64_t tokens = skewed_x.shape[0], d = skewed_x.shape[1], experts = skewed_wr.shape[1];
+  for (int64_t t = 0; t < tokens; ++t)
+    skewed_x.data[t * d] = 1.0;
+  for (int64_t e = 0; e < experts; ++e)
+    skewed_wr.data[e] = hi * double(e) / double(experts);
+  s.inputs = {{"x", std::move(skewed_x)}, {"wr", std::move(skewed_wr)}};
+  return s;
+}
+
+} // namespace moeforge

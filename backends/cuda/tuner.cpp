@@ -201,6 +201,9 @@ int reps_for(const TuneRequest &r, double ms) {
   return std::max(r.reps, static_cast<int>(std::ceil(kMinTimedMs / std::max(ms, 1e-3))));
 }
 
+// Passes of the search over the layer-wide choices and every Func's, at most.
+constexpr int kPasses = 2;
+
 // Step-by-step runs whose median times a Func's kernels in a sweep.
 constexpr int kFuncRuns = 3;
 
@@ -368,56 +371,70 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
 
   // The layer-wide choices first (the routed rows' format, block size,
   // where the gate multiplies): they change which GEMMs there are and what
-  // they read, so the per-Func search starts from the best of them.
+  // they read, so the per-Func search starts from the best of them. Then
+  // each Func's round. A second pass goes over both again from there: a
+  // layer-wide choice that won under the base's tiles can lose once the
+  // Funcs have theirs (mbpaper's block(256) and gate in the combine beat
+  // the base but not the tuned tiles' gate in the epilogue), and one pass of
+  // coordinate descent cannot go back.
   Schedule base = r.base;
-  {
-    LayoutCandidates lc = layout_candidates(*r.pipeline, r.output, r.base, r.training);
-    res.pruned += static_cast<int>(lc.pruned.size());
-    std::vector<Schedule> schedules;
-    std::vector<std::string> what;
-    for (const LayoutCandidate &c : lc.kept) {
-      schedules.push_back(c.schedule);
-      what.push_back(c.what);
-    }
-    const std::vector<Compiled> compiled = compile_all(schedules);
-    if (auto w = runoff("of the layer-wide choices", compiled, what, sweep(compiled, what, 0, ""), "")) {
-      res.best = base = schedules[*w];
-      best = compiled[*w];
-    }
-  }
   std::map<std::string, FuncChoice> chosen; // the Funcs whose best differs from the base
-  const std::vector<std::string> funcs = tunable_funcs(*r.pipeline, r.output, base, r.training);
-  for (size_t f = 0; f < funcs.size(); ++f) {
-    FuncCandidates fc = candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training);
-    // Each candidate is the base with the Funcs' best choices so far and
-    // this one, so the winner's schedule file names each Func once.
-    auto build = [&](const FuncChoice &c) {
-      Schedule s = base;
-      for (const auto &[func, choice] : chosen)
-        if (func != funcs[f])
-          s = with_choice(s, func, choice);
-      return with_choice(s, funcs[f], c);
-    };
-    res.pruned += static_cast<int>(fc.pruned.size());
-    if (elapsed() > r.budget_seconds) {
-      res.left += static_cast<int>(fc.kept.size());
-      continue;
+  for (int pass = 1; pass <= kPasses && elapsed() <= r.budget_seconds; ++pass) {
+    const std::string in_pass = pass > 1 ? " (pass " + std::to_string(pass) + ")" : "";
+    bool changed = false;
+    {
+      LayoutCandidates lc = layout_candidates(*r.pipeline, r.output, res.best, r.training);
+      res.pruned += static_cast<int>(lc.pruned.size());
+      std::vector<Schedule> schedules;
+      std::vector<std::string> what;
+      for (const LayoutCandidate &c : lc.kept) {
+        schedules.push_back(c.schedule);
+        what.push_back(c.what);
+      }
+      const std::vector<Compiled> compiled = compile_all(schedules);
+      if (auto w = runoff("of the layer-wide choices" + in_pass, compiled, what, sweep(compiled, what, 0, ""), "")) {
+        res.best = base = schedules[*w];
+        best = compiled[*w];
+        changed = true;
+      }
     }
-    // This Func's candidates compile side by side, then are timed one by one.
-    std::vector<Schedule> schedules;
-    std::vector<std::string> what;
-    for (const FuncChoice &c : fc.kept) {
-      schedules.push_back(build(c));
-      what.push_back(funcs[f] + " " + c.text());
+    const std::vector<std::string> funcs = tunable_funcs(*r.pipeline, r.output, base, r.training);
+    for (size_t f = 0; f < funcs.size(); ++f) {
+      FuncCandidates fc = candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training);
+      // Each candidate is the base with the Funcs' best choices so far and
+      // this one, so the winner's schedule file names each Func once.
+      auto build = [&](const FuncChoice &c) {
+        Schedule s = base;
+        for (const auto &[func, choice] : chosen)
+          if (func != funcs[f])
+            s = with_choice(s, func, choice);
+        return with_choice(s, funcs[f], c);
+      };
+      res.pruned += static_cast<int>(fc.pruned.size());
+      if (elapsed() > r.budget_seconds) {
+        res.left += static_cast<int>(fc.kept.size());
+        continue;
+      }
+      // This Func's candidates compile side by side, then are timed one by one.
+      std::vector<Schedule> schedules;
+      std::vector<std::string> what;
+      for (const FuncChoice &c : fc.kept) {
+        schedules.push_back(build(c));
+        what.push_back(funcs[f] + " " + c.text());
+      }
+      const std::vector<Compiled> compiled = compile_all(schedules);
+      // The later Funcs' spaces, about as large as this one's.
+      const size_t after = fc.kept.size() * (funcs.size() - f - 1);
+      if (auto w =
+              runoff("of " + funcs[f] + in_pass, compiled, what, sweep(compiled, what, after, funcs[f]), funcs[f])) {
+        res.best = schedules[*w];
+        best = compiled[*w];
+        chosen[funcs[f]] = fc.kept[*w];
+        changed = true;
+      }
     }
-    const std::vector<Compiled> compiled = compile_all(schedules);
-    // The later Funcs' spaces, about as large as this one's.
-    const size_t after = fc.kept.size() * (funcs.size() - f - 1);
-    if (auto w = runoff("of " + funcs[f], compiled, what, sweep(compiled, what, after, funcs[f]), funcs[f])) {
-      res.best = schedules[*w];
-      best = compiled[*w];
-      chosen[funcs[f]] = fc.kept[*w];
-    }
+    if (!changed)
+      break; // a pass that moved nothing: the next would time the same candidates
   }
   return res;
 }

@@ -383,17 +383,26 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
     const std::string in_pass = pass > 1 ? " (pass " + std::to_string(pass) + ")" : "";
     bool changed = false;
     {
-      LayoutCandidates lc = layout_candidates(*r.pipeline, r.output, res.best, r.training);
+      // Around the base's layer-wide choices, each candidate with the
+      // Funcs' choices so far applied after them (so that the winner's
+      // schedule file names each setting once).
+      auto with_chosen = [&](Schedule s) {
+        for (const auto &[func, choice] : chosen)
+          s = with_choice(s, func, choice);
+        return s;
+      };
+      LayoutCandidates lc = layout_candidates(*r.pipeline, r.output, base, r.training);
       res.pruned += static_cast<int>(lc.pruned.size());
       std::vector<Schedule> schedules;
       std::vector<std::string> what;
       for (const LayoutCandidate &c : lc.kept) {
-        schedules.push_back(c.schedule);
+        schedules.push_back(with_chosen(c.schedule));
         what.push_back(c.what);
       }
       const std::vector<Compiled> compiled = compile_all(schedules);
       if (auto w = runoff("of the layer-wide choices" + in_pass, compiled, what, sweep(compiled, what, 0, ""), "")) {
-        res.best = base = schedules[*w];
+        base = lc.kept[*w].schedule;
+        res.best = schedules[*w];
         best = compiled[*w];
         changed = true;
       }

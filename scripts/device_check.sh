@@ -34,6 +34,9 @@
 #           schedules (tuned_wide for training) in TUNE_ROUNDS (3) rounds
 #           of one bench_moe_forward / bench_moe_train process, uniform and
 #           skewed; benchmarks/tune_summary.py's medians (issue #17)
+#   tuned   the schedules tune wrote (TUNED_DIR) checked against the float64
+#           reference on the GPU, forward and training step, and under
+#           compute-sanitizer memcheck (TUNE_SHAPES)
 #   exchange  expert parallelism's NCCL row exchange and layer: their tests
 #           (one rank, and two where the machine has two GPUs) under compute-sanitizer
 #           memcheck too, then bench_expert_exchange on every GPU count up
@@ -180,6 +183,39 @@ if has tune; then
   fi
   python3 benchmarks/tune_summary.py "$R"/tune_forward.json "$R"/tune_train.json | tee "$R/tune_summary.txt"
   echo "tune done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
+fi
+if has tuned; then
+  # The schedules tune wrote (TUNED_DIR, folders: <shape>_tuned.sched, <shape>_train_tuned.sched)
+  # checked on the GPU against the float64 reference: the forward at the
+  # shape's width (64 sampled tokens checked), the training step at a smaller
+  # width (the whole reference gradient), each again under memcheck.
+  declare -A fwd=(
+    [mbpaper]="moe_mlp --tokens 4096 --d 1024 --f 4096 --experts 64 --topk 1"
+    [fine64]="swiglu_moe --tokens 4096 --d 2048 --f 1408 --experts 64 --topk 8"
+    [mixtral]="swiglu_moe --tokens 2048 --d 4096 --f 14336 --experts 8 --topk 2")
+  declare -A trn=(
+    [mbpaper]="moe_mlp --tokens 1024 --d 512 --f 1024 --experts 64 --topk 1"
+    [fine64]="swiglu_moe --tokens 512 --d 512 --f 768 --experts 64 --topk 8"
+    [mixtral]="swiglu_moe --tokens 512 --d 512 --f 1024 --experts 8 --topk 2")
+  for shape in ${TUNE_SHAPES//,/ }; do
+    for kind in run train; do
+      name="${shape}_tuned.sched" flags=${fwd[$shape]}
+      [ $kind = train ] && name="${shape}_train_tuned.sched" flags=${trn[$shape]}
+      f=""
+      for d in $TUNED_DIR; do [ -e "$d/$name" ] && f="$d/$name"; done
+      [ -n "$f" ] || continue
+      # shellcheck disable=SC2086
+      .gpu/moeforge $kind $flags --schedule "$f" --check >"$R/tuned_${kind}_$shape.log" 2>&1 || status=1
+      echo "$kind $shape $name: $(grep -c PASS "$R/tuned_${kind}_$shape.log") PASS, $(grep -c FAIL "$R/tuned_${kind}_$shape.log") FAIL"
+      # Under memcheck at the training step's smaller width and 256 tokens.
+      small=$(echo "${trn[$shape]}" | sed -E 's/--tokens [0-9]+/--tokens 256/')
+      # shellcheck disable=SC2086
+      compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge $kind $small --schedule "$f" \
+        >"$R/tuned_${kind}_${shape}_memcheck.log" 2>&1 || status=1
+      grep "ERROR SUMMARY" "$R/tuned_${kind}_${shape}_memcheck.log"
+    done
+  done
+  echo "tuned done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
 fi
 if has train; then
   filter="train/[a-z0-9]+/[a-z]+/tuned_wide/"

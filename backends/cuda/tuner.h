@@ -5,7 +5,9 @@
 // program order and, for each, times every candidate the search space keeps
 // (tune_space.h) with the other Funcs at their best so far (coordinate
 // descent), in up to two passes (the second from where the first ended,
-// stopping early if a pass changes nothing). The budget stops it early, the
+// stopping early if a pass changes nothing), from two starts (the layer-wide
+// choices searched first, or the base's kept through the first pass) whose
+// ends meet in a last run-off. The budget stops it early, the
 // base schedule always timed first. Each candidate is the whole layer (forward, or forward + backward)
 // replayed from CUDA graphs, so what is compared is what a training loop
 // runs.

@@ -113,7 +113,7 @@ public:
   // event around each step), the median of `rounds` runs of the whole
   // layer step by step. What a Func's choice changes is its own kernels:
   // timed alone they differ by their own few percent, where the whole
-  // step's time moves with the clock by as much (s19f).
+  // step's time moves with the clock by as much.
   double time_func(const std::string &func, int rounds) {
     const KernelProgram &program = training_ ? compiled_->training->layer.program : compiled_->layer->program;
     std::set<std::string> steps;

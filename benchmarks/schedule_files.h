@@ -4,6 +4,7 @@
 // schedules and the presets.
 #pragma once
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>

@@ -159,7 +159,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   p.ring_bytes = p.stage_bytes + (p.wgmma ? 1024 : 0) + (p.ws || p.tma ? 16 * t.stages : 0) + (p.persistent ? 48 : 0);
   // A block per tile stages every output at once in its idle ring.
   const bool staging_fits = p.persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <= p.stage_bytes;
-  p.out_tma = t.tma_store && (p.tma || (g.expert_k && p.persistent)) && !p.cluster && outputs_bf16 &&
+  p.out_tma = t.tma_store && !g.out_add && (p.tma || (g.expert_k && p.persistent)) && !p.cluster && outputs_bf16 &&
               (g.extra.empty() || !g.expert_k) && staging_fits &&
               (!p.zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
               (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !p.pair_rows));
@@ -228,7 +228,9 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
     p.not_applied.push_back(
         "tma_store(" + f + ", true) is not applied: " +
         first(
-            {{!(p.tma || (g.expert_k && p.persistent)),
+            {{g.out_add, "its output is added into each pair's token row (atomic_combine), which a TMA store of a "
+                         "tile cannot do"},
+             {!(p.tma || (g.expert_k && p.persistent)),
               g.expert_k ? "an expert reduction's TMA store comes with persistent blocks (persistent(" + f + ", true))"
                          : "TMA stores come with TMA loads (tma(" + f + ", true) on the wgmma loop)"},
              {p.cluster, "clusters keep plain stores"},
@@ -279,9 +281,9 @@ std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
     << (p.windowed ? " of a window of the route's tiles" : "") << ", raster " << t.raster << "\n";
   o << "  epilogue: " << (p.out_tma ? "staged in shared memory, stored by TMA" : "plain stores")
     << (p.out_tma && p.persistent ? " (" + std::to_string(p.staged_cols) + " columns at a time)" : "")
-    << (p.wide_stores ? ", 8/16-byte" : "") << (p.pair_rows ? ", rows through sorted_pair" : "")
-    << (p.prefetch_rows ? " (looked up before the main loop)" : "") << (p.zero_rows ? ", padding rows zeroed" : "")
-    << "; outputs " << g.output;
+    << (p.wide_stores ? ", 8/16-byte" : "") << (g.out_add ? ", added atomically into the tokens' rows" : "")
+    << (p.pair_rows ? ", rows through sorted_pair" : "") << (p.prefetch_rows ? " (looked up before the main loop)" : "")
+    << (p.zero_rows ? ", padding rows zeroed" : "") << "; outputs " << g.output;
   for (const GemmStep::Extra &e : g.extra)
     o << ", " << e.output << (e.row_sum ? " (row sum)" : "");
   o << "\n";

@@ -249,7 +249,8 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
                  << (x.b_trans ? "^T" : "") << (x.b_per_expert ? "[expert]" : "") << "; K2 = " << x.chained->k.name()
                  << "  (one accumulator)\n";
             os << "    " << x.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << x.epilogue
-               << "  -> rows " << row_map_name(x.out_rows) << "\n";
+               << "  -> rows " << row_map_name(x.out_rows)
+               << (x.out_add ? ", added atomically into the zeroed output" : "") << "\n";
             for (const GemmStep::Extra &e : x.extra)
               os << "    and " << e.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << e.value
                  << "\n";

@@ -130,6 +130,11 @@ struct GemmStep {
     Dim k;
   };
   std::optional<Chained> chained;
+  // The output is a token tensor that each pair's row is added into, at row
+  // token(r) (out_rows gather_token), with atomic adds into the output the
+  // backend zeroes before the GEMM runs: a combine's sum over a token's
+  // pairs taken in the epilogue (Schedule::atomic_combine).
+  bool out_add = false;
   // A routed GEMM that runs over a window of its route's tiles, a list the
   // runtime writes before each launch (CudaLayer::enqueue_window): an
   // expert-parallel rank's forward over one group of experts whose rows

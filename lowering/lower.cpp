@@ -996,6 +996,63 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
   return end;
 }
 
+size_t fuse_atomic_combines(KernelProgram &p, size_t begin, size_t end) {
+  auto producer = [&](const std::string &name) { return step_writing(p, name); };
+  for (size_t i = begin; i < end; ++i) {
+    auto *pw = std::get_if<PointwiseStep>(&p.steps[i]);
+    const RouteSum *rs = pw ? pw->body.as<RouteSum>() : nullptr;
+    // y(t, col) = combine(route, t, v(r, col)), the whole body: v must not
+    // read at t itself (only at the pair), since the epilogue has r alone.
+    if (!rs || pw->vars.size() != 2 || !pw->extra.empty() || rs->field != RouteField::token ||
+        !rs->target.same_as(pw->vars[0]) || rs->route->k == 1 || uses_var(rs->body, pw->vars[0]))
+      continue;
+    const RoutingNode *r = rs->route.get();
+    std::vector<std::string> reads = step_reads(p.steps[i]);
+    long j = -1;
+    for (const std::string &name : reads) {
+      long k = producer(name);
+      if (k >= static_cast<long>(begin) && k < static_cast<long>(i) && std::holds_alternative<GemmStep>(p.steps[k]))
+        j = std::max(j, k);
+    }
+    if (j < 0)
+      continue;
+    GemmStep &g = std::get<GemmStep>(p.steps[j]);
+    if (g.route != r || g.expert_k || g.windowed || !g.row_var.same_as(r->pair) || !pw->vars[1].dim().same_as(g.n) ||
+        is_output(p, g.output))
+      continue;
+    // The combine must be the GEMM output's only reader (it is not stored
+    // any more), and everything else it reads ready when the GEMM runs.
+    bool ok = true;
+    for (size_t k = 0; k < p.steps.size(); ++k)
+      for (const std::string &name : step_reads(p.steps[k]))
+        ok &= k == i || name != g.output;
+    for (const std::string &name : reads)
+      ok &= producer(name) <= j;
+    if (!ok)
+      continue;
+    RenameVars rename;
+    rename.to[pw->vars[1].get()] = g.col_var;
+    Substitute sub;
+    sub.values[g.output] = g.epilogue;
+    for (const GemmStep::Extra &e : g.extra)
+      sub.values[e.output] = e.value;
+    sub.row = g.row_var;
+    sub.col = g.col_var;
+    Expr value = sub.mutate(rename.mutate(rs->body));
+    if (sub.other_reads)
+      continue;
+    erase_tensor(p, g.output);
+    g.output = pw->output;
+    g.epilogue = value;
+    g.out_rows = RowMap::gather_token;
+    g.out_add = true;
+    p.steps.erase(p.steps.begin() + static_cast<long>(i));
+    --i;
+    --end;
+  }
+  return end;
+}
+
 namespace {
 
 // A read of the route's scores at its pairs' choices, S(token(r), expert(r)):
@@ -1185,8 +1242,11 @@ KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule, const Pa
   // Last, so that the row layouts and row maps they read are final.
   const size_t end = merge_sibling_gemms(p, 0, p.steps.size());
   dump("merge_sibling_gemms", p, observe);
-  fuse_elementwise_consumers(p, 0, end, schedule);
+  const size_t fused = fuse_elementwise_consumers(p, 0, end, schedule);
   dump("fuse_elementwise_consumers", p, observe);
+  if (schedule.atomic_combine())
+    fuse_atomic_combines(p, 0, fused);
+  dump("fuse_atomic_combines", p, observe);
   // Forward only: training's backward reads the probabilities (lower_training
   // runs lower_before_fusion, not these).
   p = gate_from_routing(std::move(p), schedule);

@@ -27,7 +27,8 @@ KernelProgram insert_permutation(KernelProgram p, const Schedule &schedule);
 KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule);
 KernelProgram resolve_row_maps(KernelProgram p, const Schedule &schedule);
 KernelProgram materialize_transposes(KernelProgram p, const Schedule &schedule);
-// Then fuse_elementwise_consumers over the whole program (below), and last
+// Then fuse_elementwise_consumers over the whole program (below),
+// fuse_atomic_combines (where the schedule asks), and last
 // the two that move work into the routing (forward programs only):
 //
 // gate_from_routing: a step g(r) = S(token(r), expert(r)), S the route's
@@ -52,10 +53,19 @@ KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &sche
 // nothing reads any more is then not stored. A combine over a route with
 // k = 1 (each token's one pair r = t) of a routed GEMM's output fuses too,
 // stored at row r; with k > 1 it stays a step (a token's pairs are in
-// different tiles). Returns the new end. lower() runs it last over the whole
+// different tiles; fuse_atomic_combines takes it when the schedule says
+// atomic_combine). Returns the new end. lower() runs it last over the whole
 // program; lower_training on the forward and the backward separately, so no
 // work crosses from one to the other.
 size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule);
+
+// Schedule::atomic_combine: a step y(t, col) = combine(route, t, v(r, col))
+// over a route with k > 1, whose v reads the output of a routed GEMM of steps
+// [begin, end) at (r, col) (and per-pair values ready by then), and is that
+// output's only reader, is taken into the GEMM: its epilogue computes v and
+// adds it into row token(r) of y (GemmStep::out_add), the GEMM's output is
+// no longer stored, and the combine's step goes. Returns the new end.
+size_t fuse_atomic_combines(KernelProgram &p, size_t begin, size_t end);
 
 // GEMMs of steps [begin, end) over the same A, rows, columns and tiling
 // (SwiGLU's x W1 and x W3, once autodiff has made them Funcs of their own)

@@ -377,6 +377,10 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     gate_gradient_from_dh(p, t.forward_steps, schedule, copies);
   if (schedule.recompute_elementwise() && !schedule.recompute())
     recompute_epilogue_values(p, t.forward_steps, t.outputs);
+  // After gate_gradient_from_dh, which may leave the combine the expert
+  // outputs' only reader.
+  if (schedule.atomic_combine())
+    t.forward_steps = fuse_atomic_combines(p, 0, t.forward_steps);
   merge_sibling_pointwise(p, t.forward_steps, p.steps.size(), schedule);
   if (schedule.bf16_activations())
     store_in_bf16(p, t);

@@ -215,6 +215,20 @@ public:
   // warp-specialised loop with TMA operands (mma wgmma_ws, tma, and A in tile
   // order: padded_elementwise or the blocked permutation).
   Schedule &chain_summed_gemms(bool on);
+  // The combine's sum over each token's k > 1 pairs is added into its output
+  // by the epilogue of the GEMM that makes the pairs' rows, with atomic adds
+  // into the output zeroed before it, instead of a kernel of its own that
+  // reads every pair's row back: the T*k x d expert outputs are then neither
+  // stored nor read again (fine64's 537 MB a forward). What it costs: the
+  // order in which a token's pairs add up follows the tiles' timing, so a
+  // result is not bitwise repeatable from run to run, and a bf16 output
+  // accumulates in bf16 (each addition rounded, where the combine kernel
+  // sums in f32 and rounds once). Taken only where the GEMM's own output is
+  // read by nothing but that combine (the training backward's gate gradient
+  // reads o unless gate_gradient_from_dh); k = 1 combines are plain stores
+  // anyway. Not with expert_parallel, whose combine runs where the rows
+  // come back.
+  Schedule &atomic_combine(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -258,6 +272,7 @@ public:
   bool recompute_elementwise() const { return recompute_elementwise_; }
   bool gate_gradient_from_dh() const { return gate_gradient_from_dh_; }
   bool chain_summed_gemms() const { return chain_summed_gemms_; }
+  bool atomic_combine() const { return atomic_combine_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -327,6 +342,7 @@ private:
   bool recompute_elementwise_ = false;
   bool gate_gradient_from_dh_ = false;
   bool chain_summed_gemms_ = false;
+  bool atomic_combine_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

@@ -58,6 +58,7 @@ const std::vector<Signature> &signatures() {
       {"recompute_elementwise", {{"on", ArgType::boolean}}},
       {"gate_gradient_from_dh", {{"on", ArgType::boolean}}},
       {"chain_summed_gemms", {{"on", ArgType::boolean}}},
+      {"atomic_combine", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -75,6 +76,7 @@ FlagSetter flag_setter(const std::string &primitive) {
       {"recompute_elementwise", &Schedule::recompute_elementwise},
       {"gate_gradient_from_dh", &Schedule::gate_gradient_from_dh},
       {"chain_summed_gemms", &Schedule::chain_summed_gemms},
+      {"atomic_combine", &Schedule::atomic_combine},
   };
   for (const auto &[name, set] : flags)
     if (primitive == name)

@@ -145,6 +145,10 @@ void Schedule::validate(const Pipeline &pipeline) const {
         << "loads from the warp-specialised loop: add mma(" << q << ", wgmma_ws) and tma(" << q
         << ", true), or drop cluster";
   }
+  user_check(!atomic_combine_ || ranks_ == 1)
+      << "schedule '" << name_ << "': atomic_combine(true) with expert_parallel(" << ranks_
+      << "): the combine runs on the token's GPU once its rows come back, where no GEMM epilogue makes them; drop "
+         "one of the two";
 }
 
 void check_vector_alignment(const Pipeline &pipeline) {

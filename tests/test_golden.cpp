@@ -66,6 +66,7 @@ const std::vector<std::string> kPasses = {"build_steps",
                                           "materialize_transposes",
                                           "merge_sibling_gemms",
                                           "fuse_elementwise_consumers",
+                                          "fuse_atomic_combines",
                                           "gate_from_routing",
                                           "softmax_into_routing"};
 

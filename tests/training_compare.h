@@ -17,7 +17,8 @@ namespace moeforge::testing {
 // A preset by name, with "+padded" (padded_elementwise), "+lean" (the lean
 // memory mode: recompute_elementwise and gate_gradient_from_dh, which keep
 // the pre-activations, the layer input and the routing tables only) and
-// "+chain" (chain_summed_gemms: SwiGLU's input gradient as one GEMM).
+// "+chain" (chain_summed_gemms: SwiGLU's input gradient as one GEMM) and
+// "+atomic" (atomic_combine: the combine added up in o's GEMM epilogue).
 inline Schedule training_preset(const std::string &name, bool recompute) {
   auto has = [&](const char *part) { return name.find(part) != std::string::npos; };
   Schedule s = preset(name.substr(0, name.find('+')));
@@ -28,6 +29,8 @@ inline Schedule training_preset(const std::string &name, bool recompute) {
     s.recompute_elementwise(true).gate_gradient_from_dh(true);
   if (has("+chain"))
     s.chain_summed_gemms(true);
+  if (has("+atomic"))
+    s.atomic_combine(true);
   return s;
 }
 

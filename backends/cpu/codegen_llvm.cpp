@@ -491,7 +491,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
             for (int i = 0; i < nb; ++i)
               em.registers[g.accumulators[i].get()] = b.CreateLoad(fb.f32(), b.CreateGEP(fb.f32(), acc[i], j));
             Value *v = em.emit(g.epilogue);
-            fb.store(C, b.CreateAdd(b.CreateMul(out_row, N), col), v);
+            Value *at = b.CreateAdd(b.CreateMul(out_row, N), col);
+            // out_add: the pair's share of its token's combine, rounded to
+            // C's dtype at each addition as the GPU's atomic adds are.
+            fb.store(C, at, g.out_add ? b.CreateFAdd(fb.load(C, at), v) : v);
             for (const GemmStep::Extra &x : g.extra) { // fused element-wise outputs
               const TensorDecl &t = prog.tensor(x.output);
               Value *at = !g.route || t.layout == RowLayout::padded ? p_row : row_index;
@@ -566,7 +569,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
     Value *a_row = g.a_rows == RowMap::direct        ? p
                    : g.a_rows == RowMap::gather_pair ? r
                                                      : b.CreateSDiv(r, fb.c64(g.route->k));
-    Value *out_row = g.out_rows == RowMap::direct ? p : r;
+    Value *out_row = g.out_rows == RowMap::direct         ? p
+                     : g.out_rows == RowMap::gather_token ? b.CreateSDiv(r, fb.c64(g.route->k))
+                                                          : r;
     columns(out_row, r, p, [&](Value *n0, Value *width, const Update &update) {
       for (const Product &pr : products) {
         Value *K = pr.k;
@@ -631,9 +636,22 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
 
   if (g.route) {
     // Grouped: the used tiles of the routing table, each one expert's rows,
-    // in parallel (a pair's row lies in one tile).
+    // in parallel (a pair's row lies in one tile). A GEMM that adds its rows
+    // into their tokens' (out_add) zeroes the output first and walks its
+    // tiles in order: two pairs of one token lie in different tiles.
     const RoutingNode *rt = g.route;
-    fb.parallel_for(fb.c64(0), fb.route_scalar(rt, "num_tiles"), "tile", [&](Value *tile) {
+    if (g.out_add) {
+      internal_check(C.dims.size() == 2) << "step " << g.name << ": an added output is [tokens, n]";
+      fb.for_loop(fb.c64(0), b.CreateMul(fb.extent(C.dims[0]), fb.extent(C.dims[1])), "z",
+                  [&](Value *i) { fb.store(C, i, fb.cf(0.0)); });
+    }
+    auto tiles = [&](Value *end, const std::string &name, const std::function<void(Value *)> &body) {
+      if (g.out_add)
+        fb.for_loop(fb.c64(0), end, name, body);
+      else
+        fb.parallel_for(fb.c64(0), end, name, body);
+    };
+    tiles(fb.route_scalar(rt, "num_tiles"), "tile", [&](Value *tile) {
       Value *expert = fb.route_at(rt, "tile_expert", tile);
       Value *p0 = fb.route_at(rt, "tile_row_start", tile);
       Value *rows = fb.route_at(rt, "tile_rows", tile);

@@ -557,7 +557,10 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
       body << "    const int r = -1;  // unread: rows below `rows` are real pairs, stored in tile order\n";
     body << "    const long long " << vr << " = r;\n";
     body << "    const long long out_row = "
-         << (g.out_rows == RowMap::direct ? "p0 + lr;  // tile order" : "r;  // scattered back to pair order") << "\n";
+         << (g.out_add ? "r / " + std::to_string(g.route->k) + ";  // the pair's token, whose row it adds into"
+             : g.out_rows == RowMap::direct ? std::string("p0 + lr;  // tile order")
+                                            : std::string("r;  // scattered back to pair order"))
+         << "\n";
   } else {
     body << "    const long long " << vr << " = p0 + lr, out_row = " << vr << ";\n";
   }
@@ -577,7 +580,8 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
       body << "      const float v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
     for (int e = 0; e < 2; ++e)
       body << "      const float w" << e << " = " << epilogue_call("epilogue", nb, vr, e, "ni + 1", "col8") << ";\n";
-    body << "      mf::store2x2(" << gC << " + out_row * N, col, v0, v1, w0, w1, N);\n";
+    body << "      mf::store2x2" << (g.out_add ? "<true>(" : "(") << gC << " + out_row * N, col, v0, v1, w0, w1, N);"
+         << (g.out_add ? "  // added into the token's row" : "") << "\n";
     for (size_t o = 1; o < outputs.size(); ++o) {
       // A fused output, in its own layout: padded (tile order) or pair.
       const TensorDecl &t = prog.tensor(outputs[o].first);
@@ -602,8 +606,11 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
   body << "      if (N % Cfg::BN != 0 && col >= N) continue;\n";
   for (int e = 0; e < 2; ++e)
     body << "      const float v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
-  body << "      mf::" << (add ? "add2(" : "store2(") << gC << " + out_row * N + col, v0, v1);"
-       << (add ? "  // this K slice's share" : "") << "\n";
+  body << "      mf::" << (add || g.out_add ? "add2(" : "store2(") << gC << " + out_row * N + col, v0, v1);"
+       << (add         ? "  // this K slice's share"
+           : g.out_add ? "  // added into the token's row"
+                       : "")
+       << "\n";
   for (size_t o = 1; o < outputs.size(); ++o) {
     // A fused output is stored in its own layout: padded (tile order) or pair.
     const TensorDecl &t = prog.tensor(outputs[o].first);
@@ -1037,8 +1044,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     k.grid.split_k = true;
     k.grid.split_k_dim = g.k;
     k.grid.tile_k = t.tile_k;
-    k.zero_first = g.output;
   }
+  if (split_k || g.out_add) // the slices or pairs add into it
+    k.zero_first = g.output;
   k.shared_bytes = plan.shared_bytes();
   k.threads = plan.threads;
   const int min_blocks = plan.min_blocks;

@@ -131,6 +131,9 @@ __device__ __forceinline__ float gelu(float x) {
 // Columns from n on are not stored (a row's last tile, N a multiple of 8:
 // each lane's four columns lie wholly before or past n); both lanes of a
 // pair still exchange.
+// Add: the values are added into the row (a pair's share of its token's
+// combine, GemmStep::out_add) by one vector RED a lane, not stored.
+template <bool Add = false>
 __device__ __forceinline__ void store2x2(bf16 *row, int col, float v0, float v1, float w0, float w1,
                                          int n = 0x7fffffff) {
   const bool odd = threadIdx.x & 1;
@@ -138,19 +141,31 @@ __device__ __forceinline__ void store2x2(bf16 *row, int col, float v0, float v1,
   const unsigned p = *reinterpret_cast<const unsigned *>(&pv), q = *reinterpret_cast<const unsigned *>(&pw);
   const unsigned got = __shfl_xor_sync(__activemask(), odd ? p : q, 1);
   const int at = odd ? col + 6 : col;
-  if (at < n)
-    *reinterpret_cast<uint2 *>(row + at) = odd ? make_uint2(got, q) : make_uint2(p, got);
+  const unsigned lo = odd ? got : p, hi = odd ? q : got;
+  if (at >= n)
+    return;
+  if constexpr (Add)
+    asm volatile("red.global.add.noftz.v2.bf16x2 [%0], {%1, %2};" ::"l"(row + at), "r"(lo), "r"(hi) : "memory");
+  else
+    *reinterpret_cast<uint2 *>(row + at) = make_uint2(lo, hi);
 }
 // The same for an f32 row: 16-byte stores (a quad writes 64 bytes), half
 // the store instructions of two-column float2 stores.
+template <bool Add = false>
 __device__ __forceinline__ void store2x2(float *row, int col, float v0, float v1, float w0, float w1,
                                          int n = 0x7fffffff) {
   const bool odd = threadIdx.x & 1;
   const unsigned mask = __activemask();
   const float g0 = __shfl_xor_sync(mask, odd ? v0 : w0, 1), g1 = __shfl_xor_sync(mask, odd ? v1 : w1, 1);
   const int at = odd ? col + 6 : col;
-  if (at < n)
-    *reinterpret_cast<float4 *>(row + at) = odd ? make_float4(g0, g1, w0, w1) : make_float4(v0, v1, g0, g1);
+  const float4 v = odd ? make_float4(g0, g1, w0, w1) : make_float4(v0, v1, g0, g1);
+  if (at >= n)
+    return;
+  if constexpr (Add)
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(row + at), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+                 : "memory");
+  else
+    *reinterpret_cast<float4 *>(row + at) = v;
 }
 
 // The sum of v over the 32 lanes of a warp, in every lane.
@@ -195,7 +210,11 @@ __device__ __forceinline__ void add2(float *g, float a, float b) {
   atomicAdd(g, a);
   atomicAdd(g + 1, b);
 }
-
+// A pair's share of its token's combine (GemmStep::out_add), added into the
+// zeroed output: one 4-byte RED of a bf16 pair.
+__device__ __forceinline__ void add2(bf16 *g, float a, float b) {
+  atomicAdd(reinterpret_cast<__nv_bfloat162 *>(g), __floats2bfloat162_rn(a, b));
+}
 // ------------------------------------------------------------ block order
 // Grouped rasterisation of a 1-D grid over num_m x num_n output tiles: blocks
 // run `group` row tiles at a time across every column tile, so one wave of

@@ -1,0 +1,113 @@
+// Schedule::atomic_combine: the combine's sum over a token's k > 1 pairs
+// taken in the epilogue of the GEMM that makes the pairs' rows, added into
+// the zeroed output. What lowering makes of it, where it declines, and the
+// primitive's text and checks (the backends: test_cpu_atomic_combine.cpp,
+// test_cuda_atomic_combine.cpp).
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "dsl/error.h"
+#include "examples/examples.h"
+#include "layer_compare.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
+
+using namespace moeforge;
+using testing::shape;
+
+namespace {
+
+Schedule atomic(Permutation perm, GateFusion gate) {
+  Schedule s("atomic");
+  s.permutation(perm).gate(gate).atomic_combine(true);
+  return s;
+}
+
+// The step that writes `name`, as a GEMM; null when another kind of step
+// (or none) writes it.
+const GemmStep *gemm_writing(const KernelProgram &p, const std::string &name) {
+  for (const Step &s : p.steps)
+    if (auto *g = std::get_if<GemmStep>(&s); g && g->output == name)
+      return g;
+  return nullptr;
+}
+
+bool has_step_writing(const KernelProgram &p, const std::string &name) {
+  for (const Step &s : p.steps)
+    for (const std::string &o : step_outputs(s))
+      if (o == name)
+        return true;
+  return false;
+}
+
+} // namespace
+
+TEST_CASE("atomic_combine: the combine becomes the expert GEMM's added output") {
+  ExampleShape s = shape(150, 64, 192, 8, 2);
+  for (const char *example : {"moe_mlp", "swiglu_moe"})
+    for (Permutation perm : {Permutation::blocked, Permutation::scattered})
+      for (GateFusion gate : {GateFusion::combine, GateFusion::epilogue}) {
+        Example ex = make_example(example, s);
+        Schedule sch = atomic(perm, gate);
+        INFO(example << "\n" << sch.to_text());
+        KernelProgram p = lower(ex.pipeline, sch);
+        const GemmStep *g = gemm_writing(p, "y");
+        REQUIRE(g != nullptr);
+        CHECK(g->out_add);
+        CHECK(g->out_rows == RowMap::gather_token);
+        CHECK(g->route != nullptr);
+        // o is neither stored nor read: the GEMM made it, y was its one reader.
+        CHECK(p.find("o") == nullptr);
+        int writers = 0;
+        for (const Step &st : p.steps)
+          for (const std::string &o : step_outputs(st))
+            writers += o == "y";
+        CHECK(writers == 1);
+        std::ostringstream text;
+        text << p;
+        CHECK(text.str().find("added atomically into the zeroed output") != std::string::npos);
+
+        // Without the flag the combine stays a step of its own.
+        KernelProgram plain = lower(ex.pipeline, Schedule(sch).atomic_combine(false));
+        CHECK(gemm_writing(plain, "y") == nullptr);
+        CHECK(has_step_writing(plain, "y"));
+        CHECK(plain.tensors.size() == p.tensors.size() + 1); // the expert outputs, stored
+      }
+}
+
+TEST_CASE("atomic_combine: declined where the epilogue cannot see the whole sum's term") {
+  // k = 1: the combine is a plain store in the epilogue already.
+  {
+    ExampleShape s = shape(100, 64, 128, 8, 1);
+    Example ex = make_example("moe_mlp", s);
+    KernelProgram p = lower(ex.pipeline, atomic(Permutation::scattered, GateFusion::epilogue));
+    const GemmStep *g = gemm_writing(p, "y");
+    REQUIRE(g != nullptr);
+    CHECK_FALSE(g->out_add);
+  }
+  // Training where the backward reads the expert outputs o (the gate's
+  // gradient <dy, o>): o must be stored, so the combine stays a step.
+  ExampleShape s = shape(150, 64, 192, 8, 2);
+  Example ex = make_example("swiglu_moe", s);
+  TrainingProgram keeps =
+      lower_training(ex.pipeline, ex.pipeline.outputs().front(), atomic(Permutation::scattered, GateFusion::epilogue));
+  CHECK(gemm_writing(keeps.program, "y") == nullptr);
+  CHECK(has_step_writing(keeps.program, "y"));
+}
+
+TEST_CASE("atomic_combine: the schedule text round-trips and refuses expert parallelism") {
+  Schedule s = atomic(Permutation::scattered, GateFusion::epilogue);
+  CHECK(s.to_text().find("atomic_combine(true)") != std::string::npos);
+  CHECK(Schedule::from_text(s.to_text()).atomic_combine());
+  CHECK_FALSE(Schedule::from_text(Schedule(s).atomic_combine(false).to_text()).atomic_combine());
+  ExampleShape sh = shape(64, 64, 128, 8, 2);
+  Example ex = make_example("moe_mlp", sh);
+  s.validate(ex.pipeline);
+  Schedule ep = Schedule(s).expert_parallel(2);
+  CHECK_THROWS_WITH_AS(ep.validate(ex.pipeline),
+                       doctest::Contains("atomic_combine(true) with expert_parallel(2): the combine runs on the "
+                                         "token's GPU once its rows come back, where no GEMM epilogue makes them; "
+                                         "drop one of the two"),
+                       UserError);
+}

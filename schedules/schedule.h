@@ -219,15 +219,18 @@ public:
   // by the epilogue of the GEMM that makes the pairs' rows, with atomic adds
   // into the output zeroed before it, instead of a kernel of its own that
   // reads every pair's row back: the T*k x d expert outputs are then neither
-  // stored nor read again (fine64's 537 MB a forward). What it costs: the
-  // order in which a token's pairs add up follows the tiles' timing, so a
-  // result is not bitwise repeatable from run to run, and a bf16 output
-  // accumulates in bf16 (each addition rounded, where the combine kernel
-  // sums in f32 and rounds once). Taken only where the GEMM's own output is
-  // read by nothing but that combine (the training backward's gate gradient
-  // reads o unless gate_gradient_from_dh); k = 1 combines are plain stores
-  // anyway. Not with expert_parallel, whose combine runs where the rows
-  // come back.
+  // stored nor read again (fine64's forward holds 511 MiB instead of 1055).
+  // What it costs: the order in which a token's pairs add up follows the
+  // tiles' timing, so a result is not bitwise repeatable from run to run,
+  // and a bf16 output accumulates in bf16 (each addition rounded, where the
+  // combine kernel sums in f32 and rounds once); and time where the output
+  // outgrows L2: a token's k adds come from k experts' tiles far apart in
+  // the GEMM's walk, so each finds its line evicted (on an H100, fine64's
+  // forward 5 % slower, mixtral's unchanged). Taken only where the GEMM's
+  // own output is read by nothing but that combine (not in a training
+  // forward whose backward reads the expert outputs); k = 1 combines are
+  // plain stores anyway. Not with expert_parallel, whose combine runs where
+  // the rows come back.
   Schedule &atomic_combine(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);

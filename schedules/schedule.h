@@ -227,8 +227,9 @@ public:
   // outgrows L2: a token's k adds come from k experts' tiles far apart in
   // the GEMM's walk, so each finds its line evicted (on an H100, fine64's
   // forward 5 % slower, mixtral's unchanged). Taken only where the GEMM's
-  // own output is read by nothing but that combine (not in a training
-  // forward whose backward reads the expert outputs); k = 1 combines are
+  // own output is read by nothing but that combine (in a training forward,
+  // where the backward does not read the expert outputs: the lean mode's
+  // gate_gradient_from_dh on the wgmma loops); k = 1 combines are
   // plain stores anyway. Not with expert_parallel, whose combine runs where
   // the rows come back.
   Schedule &atomic_combine(bool on);

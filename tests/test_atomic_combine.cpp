@@ -12,6 +12,7 @@
 #include "layer_compare.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
+#include "schedules/presets.h"
 
 using namespace moeforge;
 using testing::shape;
@@ -76,7 +77,7 @@ TEST_CASE("atomic_combine: the combine becomes the expert GEMM's added output") 
       }
 }
 
-TEST_CASE("atomic_combine: declined where the epilogue cannot see the whole sum's term") {
+TEST_CASE("atomic_combine: k = 1 stays a store; training takes it where the backward leaves o unread") {
   // k = 1: the combine is a plain store in the epilogue already.
   {
     ExampleShape s = shape(100, 64, 128, 8, 1);
@@ -94,6 +95,24 @@ TEST_CASE("atomic_combine: declined where the epilogue cannot see the whole sum'
       lower_training(ex.pipeline, ex.pipeline.outputs().front(), atomic(Permutation::scattered, GateFusion::epilogue));
   CHECK(gemm_writing(keeps.program, "y") == nullptr);
   CHECK(has_step_writing(keeps.program, "y"));
+  // The lean mode on the wgmma loops (gate_gradient_from_dh reads the dH
+  // GEMM's W2^T in place): the backward takes the gate's gradient from h,
+  // so o has no reader but the combine, which goes into o's GEMM, a step
+  // of the forward.
+  for (const char *p : {"megablocks", "scattermoe"}) {
+    Schedule lean = preset(p);
+    lean.recompute_elementwise(true).gate_gradient_from_dh(true).atomic_combine(true);
+    INFO(lean.to_text());
+    TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.outputs().front(), lean);
+    const GemmStep *g = gemm_writing(t.program, "y");
+    REQUIRE(g != nullptr);
+    CHECK(g->out_add);
+    size_t at = t.program.steps.size();
+    for (size_t i = 0; i < t.program.steps.size(); ++i)
+      if (step_name(t.program.steps[i]) == g->name)
+        at = i;
+    CHECK(at < t.forward_steps);
+  }
 }
 
 TEST_CASE("atomic_combine: the schedule text round-trips and refuses expert parallelism") {

@@ -2,7 +2,8 @@
 // GEMM's tiles in order and rounds each addition as the GPU's atomic adds
 // do: the forward under every permutation and gate placement, dropped
 // pairs and the MoE edge cases against the float64 reference, and the lean
-// training step (whose backward reads o, so the combine stays a step).
+// training step (whose backward takes the gate's gradient from h, so the
+// forward's combine goes into o's GEMM).
 #include <doctest/doctest.h>
 
 #include "backends/cpu/cpu_training.h"
@@ -59,7 +60,7 @@ TEST_SUITE("cpu") {
                               });
   }
 
-  TEST_CASE("cpu atomic_combine: the lean training step (the combine stays a step where the backward reads o)") {
+  TEST_CASE("cpu atomic_combine: the lean training step, the combine in o's epilogue") {
     testing::check_edge_cases(64, 128, {"scattermoe+padded+lean+atomic", "megablocks+lean+atomic"},
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
                                 Schedule schedule = testing::training_preset(p, false);

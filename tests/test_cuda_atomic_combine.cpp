@@ -141,7 +141,7 @@ TEST_SUITE("gpu") {
                               });
   }
 
-  TEST_CASE("cuda atomic_combine: the lean training step matches the reference (o kept where the backward reads it)") {
+  TEST_CASE("cuda atomic_combine: the lean training step, the combine in o's epilogue, matches the reference") {
     MOEFORGE_REQUIRE_GPU();
     testing::check_edge_cases(64, 128, {"scattermoe+padded+lean+atomic", "megablocks+lean+atomic"},
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {

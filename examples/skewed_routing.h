@@ -4,7 +4,7 @@
 // none, so a bias is made from what they do have: one feature of x held at
 // 1 for every token, whose router weights are a ramp over the experts
 // (logit(t, e) gains ramp * e / E, as the benchmarks' bias adds). The ramp
-// is found by bisection on the routing of the first tokens, computed here.
+// is found by bisection on the routing of every token, computed here.
 // Used by `moeforge tune`, so that a schedule is chosen for both routings.
 #pragma once
 
@@ -19,7 +19,7 @@ namespace moeforge {
 struct SkewedInputs {
   TensorMap inputs;         // x and wr as skewed: the other inputs stay as they were
   double ramp = 0;          // the bias ramp found
-  double max_over_mean = 0; // the busiest expert's pairs over the mean, on the tokens sampled
+  double max_over_mean = 0; // the busiest expert's pairs over the mean, over every token
 };
 
 // nullopt (with `why`) where the layer's router is not logits = x wr with

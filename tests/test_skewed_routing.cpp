@@ -38,17 +38,20 @@ double skew_of(const TensorMap &in, int64_t topk) {
 } // namespace
 
 TEST_CASE("skewed routing: a router bias ramp made from x and wr gives the busiest expert the skew asked for") {
-  for (int64_t topk : {1, 2}) {
-    INFO("topk " << topk);
-    const ExampleShape s = testing::shape(1024, 64, 64, 8, topk);
+  // 4096 tokens over 64 experts with k = 1: more tokens than a sample
+  // would have held, and few pairs an expert (64), where a sample's noise
+  // would have inflated the skew.
+  for (const ExampleShape &s :
+       {testing::shape(1024, 64, 64, 8, 1), testing::shape(1024, 64, 64, 8, 2), testing::shape(4096, 64, 64, 64, 1)}) {
+    const int64_t topk = s.topk;
+    INFO("T " << s.tokens << ", E " << s.experts << ", topk " << topk);
     const Example ex = make_example("moe_mlp", s);
     const TensorMap in = ex.random_inputs(s, 3);
     std::string why;
     const std::optional<SkewedInputs> skewed = skewed_router_inputs(in, topk, 2.5, &why);
     REQUIRE_MESSAGE(skewed.has_value(), why);
     CHECK(skewed->ramp > 0);
-    // On every token (the search looked at the first 1024 here: all), at
-    // the target within the bisection's step.
+    // On every token, at the target within the bisection's step.
     TensorMap all = in;
     for (const auto &[name, t] : skewed->inputs)
       all.at(name) = t;

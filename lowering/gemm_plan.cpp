@@ -313,6 +313,7 @@ std::vector<std::string> not_applied_choices(const KernelProgram &prog) {
         out.push_back(line);
     }
   }
+  out.insert(out.end(), prog.not_applied.begin(), prog.not_applied.end());
   return out;
 }
 

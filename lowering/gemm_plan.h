@@ -76,8 +76,9 @@ std::string describe_gemm_plans(const KernelProgram &prog, bool notes = true);
 
 // The choices named for a Func that its GEMMs could not take, one line each
 // ("definition 'h': tma_store(\"h\", true) is not applied: ..."), in
-// program order: what a command prints before it runs, whatever the
-// backend, so that no named choice is dropped unseen.
+// program order, then the layer-wide ones lowering could not take
+// (KernelProgram::not_applied): what a command prints before it runs,
+// whatever the backend, so that no named choice is dropped unseen.
 std::vector<std::string> not_applied_choices(const KernelProgram &prog);
 
 } // namespace moeforge

@@ -210,6 +210,10 @@ struct KernelProgram {
   std::vector<const RoutingNode *> routes;
   std::string schedule_name;
   bool reuse_memory = false; // Schedule::reuse_memory: the runtime places tensors by lifetime
+  // Layer-wide choices the schedule named that lowering found nothing to
+  // apply to, each "<primitive>(true) is not applied: <why>" (the program
+  // runs without them; not_applied_choices prints them with the GEMMs').
+  std::vector<std::string> not_applied;
 
   const TensorDecl &tensor(const std::string &name) const;
   // The routing step of route r (internal error when there is none).

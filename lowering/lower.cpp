@@ -996,6 +996,12 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
   return end;
 }
 
+const char *const kAtomicCombineNotApplied =
+    "atomic_combine(true) is not applied: no combine over k > 1 pairs is the only reader of a routed GEMM's "
+    "output (a k = 1 combine is a store in the epilogue already; a training backward that reads the expert "
+    "outputs keeps them: gate_gradient_from_dh(true) on the wgmma loops takes the gate's gradient from h "
+    "instead)";
+
 size_t fuse_atomic_combines(KernelProgram &p, size_t begin, size_t end) {
   auto producer = [&](const std::string &name) { return step_writing(p, name); };
   for (size_t i = begin; i < end; ++i) {
@@ -1244,8 +1250,8 @@ KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule, const Pa
   dump("merge_sibling_gemms", p, observe);
   const size_t fused = fuse_elementwise_consumers(p, 0, end, schedule);
   dump("fuse_elementwise_consumers", p, observe);
-  if (schedule.atomic_combine())
-    fuse_atomic_combines(p, 0, fused);
+  if (schedule.atomic_combine() && fuse_atomic_combines(p, 0, fused) == fused)
+    p.not_applied.push_back(kAtomicCombineNotApplied);
   dump("fuse_atomic_combines", p, observe);
   // Forward only: training's backward reads the probabilities (lower_training
   // runs lower_before_fusion, not these).

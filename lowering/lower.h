@@ -66,6 +66,9 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
 // adds it into row token(r) of y (GemmStep::out_add), the GEMM's output is
 // no longer stored, and the combine's step goes. Returns the new end.
 size_t fuse_atomic_combines(KernelProgram &p, size_t begin, size_t end);
+// The note KernelProgram::not_applied carries when atomic_combine(true) found
+// no such combine.
+extern const char *const kAtomicCombineNotApplied;
 
 // GEMMs of steps [begin, end) over the same A, rows, columns and tiling
 // (SwiGLU's x W1 and x W3, once autodiff has made them Funcs of their own)

@@ -373,14 +373,21 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   // Funcs), so that their element-wise consumers see one epilogue.
   const size_t merged = merge_sibling_gemms(p, 0, forward_count);
   t.forward_steps = fuse_elementwise_consumers(p, 0, merged, schedule);
-  if (schedule.gate_gradient_from_dh())
-    gate_gradient_from_dh(p, t.forward_steps, schedule, copies);
+  if (schedule.gate_gradient_from_dh() && !gate_gradient_from_dh(p, t.forward_steps, schedule, copies))
+    p.not_applied.push_back(
+        "gate_gradient_from_dh(true) is not applied: the backward has no gate gradient <dy, o> of an expert "
+        "contraction whose dH GEMM reads the weights transposed in place, as the wgmma loops do (mma(\"*\", "
+        "wgmma_ws) or wgmma; mma_sync reads a transposed copy)");
   if (schedule.recompute_elementwise() && !schedule.recompute())
     recompute_epilogue_values(p, t.forward_steps, t.outputs);
   // After gate_gradient_from_dh, which may leave the combine the expert
   // outputs' only reader.
-  if (schedule.atomic_combine())
+  if (schedule.atomic_combine()) {
+    const size_t before = t.forward_steps;
     t.forward_steps = fuse_atomic_combines(p, 0, t.forward_steps);
+    if (t.forward_steps == before)
+      p.not_applied.push_back(kAtomicCombineNotApplied);
+  }
   merge_sibling_pointwise(p, t.forward_steps, p.steps.size(), schedule);
   if (schedule.bf16_activations())
     store_in_bf16(p, t);

@@ -5,11 +5,14 @@
 // test_cuda_atomic_combine.cpp).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "dsl/error.h"
 #include "examples/examples.h"
 #include "layer_compare.h"
+#include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "schedules/presets.h"
@@ -68,6 +71,7 @@ TEST_CASE("atomic_combine: the combine becomes the expert GEMM's added output") 
         std::ostringstream text;
         text << p;
         CHECK(text.str().find("added atomically into the zeroed output") != std::string::npos);
+        CHECK(p.not_applied.empty());
 
         // Without the flag the combine stays a step of its own.
         KernelProgram plain = lower(ex.pipeline, Schedule(sch).atomic_combine(false));
@@ -86,6 +90,11 @@ TEST_CASE("atomic_combine: k = 1 stays a store; training takes it where the back
     const GemmStep *g = gemm_writing(p, "y");
     REQUIRE(g != nullptr);
     CHECK_FALSE(g->out_add);
+    // Said, not dropped unseen: every command prints these notes first.
+    const std::vector<std::string> notes = not_applied_choices(p);
+    CHECK(std::find(notes.begin(), notes.end(), kAtomicCombineNotApplied) != notes.end());
+    CHECK(std::string(kAtomicCombineNotApplied).find("a k = 1 combine is a store in the epilogue already") !=
+          std::string::npos);
   }
   // Training where the backward reads the expert outputs o (the gate's
   // gradient <dy, o>): o must be stored, so the combine stays a step.
@@ -95,6 +104,7 @@ TEST_CASE("atomic_combine: k = 1 stays a store; training takes it where the back
       lower_training(ex.pipeline, ex.pipeline.outputs().front(), atomic(Permutation::scattered, GateFusion::epilogue));
   CHECK(gemm_writing(keeps.program, "y") == nullptr);
   CHECK(has_step_writing(keeps.program, "y"));
+  CHECK(keeps.program.not_applied == std::vector<std::string>{kAtomicCombineNotApplied});
   // The lean mode on the wgmma loops (gate_gradient_from_dh reads the dH
   // GEMM's W2^T in place): the backward takes the gate's gradient from h,
   // so o has no reader but the combine, which goes into o's GEMM, a step
@@ -112,6 +122,7 @@ TEST_CASE("atomic_combine: k = 1 stays a store; training takes it where the back
       if (step_name(t.program.steps[i]) == g->name)
         at = i;
     CHECK(at < t.forward_steps);
+    CHECK(t.program.not_applied.empty());
   }
 }
 

@@ -386,3 +386,22 @@ TEST_CASE("lowering: a k = 1 combine with a residual reads the residual at the p
   REQUIRE(gemm_writing(p, "y") != nullptr);
   CHECK(to_string(gemm_writing(p, "y")->epilogue) == "x(r, i) + route_gate(r) * acc0(r, i)");
 }
+
+TEST_CASE("lowering: gate_gradient_from_dh says so where the backward gives it nothing to rewrite") {
+  // mma_sync's dH GEMM reads a transposed copy of W2, not W2 in place: the
+  // rewrite's pattern is not there, and the program says so (every command
+  // prints it before running) instead of running without it unseen.
+  Example ex = make_example("swiglu_moe", ExampleShape{150, 8, 2, 64, 128});
+  Schedule plain("plain");
+  plain.gate_gradient_from_dh(true);
+  TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), plain);
+  REQUIRE(t.program.not_applied.size() == 1);
+  CHECK(t.program.not_applied[0].rfind("gate_gradient_from_dh(true) is not applied: ", 0) == 0);
+  CHECK(t.program.find("d_h_ungated") == nullptr);
+  // On the wgmma loops it applies, and nothing is said.
+  Schedule hopper = preset("scattermoe");
+  hopper.gate_gradient_from_dh(true);
+  TrainingProgram h = lower_training(ex.pipeline, ex.pipeline.func(ex.output), hopper);
+  CHECK(h.program.not_applied.empty());
+  CHECK(h.program.find("d_h_ungated") != nullptr);
+}

@@ -903,6 +903,39 @@ size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const
   return end;
 }
 
+namespace {
+
+// The latest GEMM of steps [begin, i) whose output step i reads; -1 for none.
+long latest_gemm_read_by(const KernelProgram &p, size_t begin, size_t i) {
+  long j = -1;
+  for (const std::string &r : step_reads(p.steps[i])) {
+    long k = step_writing(p, r);
+    if (k >= static_cast<long>(begin) && k < static_cast<long>(i) && std::holds_alternative<GemmStep>(p.steps[k]))
+      j = std::max(j, k);
+  }
+  return j;
+}
+
+// `body` as g's epilogue computes it: its index variables renamed by
+// `rename` to g's (row, col), and its reads of g's outputs (the primary and
+// the fused ones) there replaced by their values; nullopt where it reads
+// them anywhere else.
+std::optional<Expr> in_epilogue(const GemmStep &g, const Expr &body, const RenameVars &rename) {
+  Substitute sub;
+  sub.values[g.output] = g.epilogue;
+  for (const GemmStep::Extra &e : g.extra)
+    sub.values[e.output] = e.value;
+  sub.row = g.row_var;
+  sub.col = g.col_var;
+  RenameVars r = rename;
+  Expr value = sub.mutate(r.mutate(body));
+  if (sub.other_reads)
+    return std::nullopt;
+  return value;
+}
+
+} // namespace
+
 size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, const Schedule &schedule) {
   auto producer = [&](const std::string &name) { return step_writing(p, name); };
   for (size_t i = begin; i < end; ++i) {
@@ -911,13 +944,8 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
         contains_kind(pw->body, ExprKind::Softmax) || !schedule.for_func(pw->output).fuse_epilogue)
       continue; // fuse_epilogue(f, false) keeps f's own step too (split_unfused_epilogues made it)
     // The latest GEMM of this part whose output the step reads.
-    std::vector<std::string> reads = step_reads(p.steps[i]);
-    long j = -1;
-    for (const std::string &r : reads) {
-      long k = producer(r);
-      if (k >= static_cast<long>(begin) && k < static_cast<long>(i) && std::holds_alternative<GemmStep>(p.steps[k]))
-        j = std::max(j, k);
-    }
+    const std::vector<std::string> reads = step_reads(p.steps[i]);
+    const long j = latest_gemm_read_by(p, begin, i);
     if (j < 0)
       continue;
     GemmStep &g = std::get<GemmStep>(p.steps[j]);
@@ -946,16 +974,10 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
     rename.to[v1.get()] = g.col_var;
     if (!g.route)
       rename.to[v0.get()] = g.row_var;
-    Substitute sub;
-    sub.values[g.output] = g.epilogue;
-    for (const GemmStep::Extra &e : g.extra)
-      sub.values[e.output] = e.value;
-    sub.row = g.row_var;
-    sub.col = g.col_var;
-    Expr value = sub.mutate(rename.mutate(body));
-    if (sub.other_reads)
+    std::optional<Expr> value = in_epilogue(g, body, rename);
+    if (!value)
       continue; // reads the GEMM's output elsewhere than its own element
-    g.extra.push_back({pw->output, value});
+    g.extra.push_back({pw->output, *value});
     // A padded output keeps its zero padding when the epilogue writes whole
     // routing blocks, a tile each (its rows past the block's pairs as zeros);
     // tiles that split a block, or clusters (whose idle partner would zero
@@ -1013,13 +1035,8 @@ size_t fuse_atomic_combines(KernelProgram &p, size_t begin, size_t end) {
         !rs->target.same_as(pw->vars[0]) || rs->route->k == 1 || uses_var(rs->body, pw->vars[0]))
       continue;
     const RoutingNode *r = rs->route.get();
-    std::vector<std::string> reads = step_reads(p.steps[i]);
-    long j = -1;
-    for (const std::string &name : reads) {
-      long k = producer(name);
-      if (k >= static_cast<long>(begin) && k < static_cast<long>(i) && std::holds_alternative<GemmStep>(p.steps[k]))
-        j = std::max(j, k);
-    }
+    const std::vector<std::string> reads = step_reads(p.steps[i]);
+    const long j = latest_gemm_read_by(p, begin, i);
     if (j < 0)
       continue;
     GemmStep &g = std::get<GemmStep>(p.steps[j]);
@@ -1038,18 +1055,12 @@ size_t fuse_atomic_combines(KernelProgram &p, size_t begin, size_t end) {
       continue;
     RenameVars rename;
     rename.to[pw->vars[1].get()] = g.col_var;
-    Substitute sub;
-    sub.values[g.output] = g.epilogue;
-    for (const GemmStep::Extra &e : g.extra)
-      sub.values[e.output] = e.value;
-    sub.row = g.row_var;
-    sub.col = g.col_var;
-    Expr value = sub.mutate(rename.mutate(rs->body));
-    if (sub.other_reads)
+    std::optional<Expr> value = in_epilogue(g, rs->body, rename);
+    if (!value)
       continue;
     erase_tensor(p, g.output);
     g.output = pw->output;
-    g.epilogue = value;
+    g.epilogue = *value;
     g.out_rows = RowMap::gather_token;
     g.out_add = true;
     p.steps.erase(p.steps.begin() + static_cast<long>(i));

@@ -9,10 +9,12 @@
 #include <cmath>
 
 #include "backends/cpu/cpu_layer.h"
+#include "backends/cpu/cpu_training.h"
 #include "backends/reference/evaluate.h"
 #include "examples/biased_moe.h"
 #include "layer_compare.h"
 #include "schedules/presets.h"
+#include "training_compare.h"
 
 namespace moeforge::cpu_test {
 
@@ -34,6 +36,19 @@ inline Outcome run_and_compare(const Example &ex, const TensorMap &inputs, int64
   layer.run();
   return testing::compare_with_reference(ex, inputs, compiled.program, layer, schedule.to_text(), tolerance,
                                          /*floor_fraction=*/0, schedule.capacity());
+}
+
+// One training step (forward, then backward) on the CPU backend, checked as
+// the GPU's training tests check theirs (training_compare.h).
+inline Outcome cpu_train_and_compare(const Example &ex, const TensorMap &inputs, int64_t tokens,
+                                     const Schedule &schedule) {
+  cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
+  cpu::CpuTrainingLayer layer(compiled, tokens);
+  return testing::step_and_compare(ex, inputs, compiled.training.program, compiled.training.seed, layer, schedule,
+                                   [](cpu::CpuTrainingLayer &l) {
+                                     l.forward();
+                                     l.backward();
+                                   });
 }
 
 } // namespace moeforge::cpu_test

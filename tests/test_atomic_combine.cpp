@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "atomic_combine_test.h"
 #include "dsl/error.h"
 #include "examples/examples.h"
 #include "layer_compare.h"
@@ -18,24 +19,11 @@
 #include "schedules/presets.h"
 
 using namespace moeforge;
+using testing::atomic_schedule;
+using testing::gemm_writing;
 using testing::shape;
 
 namespace {
-
-Schedule atomic(Permutation perm, GateFusion gate) {
-  Schedule s("atomic");
-  s.permutation(perm).gate(gate).atomic_combine(true);
-  return s;
-}
-
-// The step that writes `name`, as a GEMM; null when another kind of step
-// (or none) writes it.
-const GemmStep *gemm_writing(const KernelProgram &p, const std::string &name) {
-  for (const Step &s : p.steps)
-    if (auto *g = std::get_if<GemmStep>(&s); g && g->output == name)
-      return g;
-  return nullptr;
-}
 
 bool has_step_writing(const KernelProgram &p, const std::string &name) {
   for (const Step &s : p.steps)
@@ -53,7 +41,7 @@ TEST_CASE("atomic_combine: the combine becomes the expert GEMM's added output") 
     for (Permutation perm : {Permutation::blocked, Permutation::scattered})
       for (GateFusion gate : {GateFusion::combine, GateFusion::epilogue}) {
         Example ex = make_example(example, s);
-        Schedule sch = atomic(perm, gate);
+        Schedule sch = atomic_schedule(perm, gate);
         INFO(example << "\n" << sch.to_text());
         KernelProgram p = lower(ex.pipeline, sch);
         const GemmStep *g = gemm_writing(p, "y");
@@ -86,7 +74,7 @@ TEST_CASE("atomic_combine: k = 1 stays a store; training takes it where the back
   {
     ExampleShape s = shape(100, 64, 128, 8, 1);
     Example ex = make_example("moe_mlp", s);
-    KernelProgram p = lower(ex.pipeline, atomic(Permutation::scattered, GateFusion::epilogue));
+    KernelProgram p = lower(ex.pipeline, atomic_schedule(Permutation::scattered, GateFusion::epilogue));
     const GemmStep *g = gemm_writing(p, "y");
     REQUIRE(g != nullptr);
     CHECK_FALSE(g->out_add);
@@ -100,8 +88,8 @@ TEST_CASE("atomic_combine: k = 1 stays a store; training takes it where the back
   // gradient <dy, o>): o must be stored, so the combine stays a step.
   ExampleShape s = shape(150, 64, 192, 8, 2);
   Example ex = make_example("swiglu_moe", s);
-  TrainingProgram keeps =
-      lower_training(ex.pipeline, ex.pipeline.outputs().front(), atomic(Permutation::scattered, GateFusion::epilogue));
+  TrainingProgram keeps = lower_training(ex.pipeline, ex.pipeline.outputs().front(),
+                                         atomic_schedule(Permutation::scattered, GateFusion::epilogue));
   CHECK(gemm_writing(keeps.program, "y") == nullptr);
   CHECK(has_step_writing(keeps.program, "y"));
   CHECK(keeps.program.not_applied == std::vector<std::string>{kAtomicCombineNotApplied});
@@ -127,7 +115,7 @@ TEST_CASE("atomic_combine: k = 1 stays a store; training takes it where the back
 }
 
 TEST_CASE("atomic_combine: the schedule text round-trips and refuses expert parallelism") {
-  Schedule s = atomic(Permutation::scattered, GateFusion::epilogue);
+  Schedule s = atomic_schedule(Permutation::scattered, GateFusion::epilogue);
   CHECK(s.to_text().find("atomic_combine(true)") != std::string::npos);
   CHECK(Schedule::from_text(s.to_text()).atomic_combine());
   CHECK_FALSE(Schedule::from_text(Schedule(s).atomic_combine(false).to_text()).atomic_combine());

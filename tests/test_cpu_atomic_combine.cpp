@@ -6,22 +6,12 @@
 // forward's combine goes into o's GEMM).
 #include <doctest/doctest.h>
 
-#include "backends/cpu/cpu_training.h"
+#include "atomic_combine_test.h"
 #include "cpu_compare.h"
-#include "training_compare.h"
 
 using namespace moeforge;
+using testing::atomic_schedule;
 using namespace moeforge::cpu_test;
-
-namespace {
-
-Schedule atomic(Permutation perm, GateFusion gate) {
-  Schedule s("atomic");
-  s.permutation(perm).gate(gate).atomic_combine(true);
-  return s;
-}
-
-} // namespace
 
 TEST_SUITE("cpu") {
   TEST_CASE("cpu atomic_combine: every permutation, gate placement and example matches the reference") {
@@ -33,7 +23,7 @@ TEST_SUITE("cpu") {
         TensorMap in = ex.random_inputs(s, 23);
         for (Permutation perm : {Permutation::blocked, Permutation::scattered})
           for (GateFusion gate : {GateFusion::combine, GateFusion::epilogue}) {
-            Schedule sch = atomic(perm, gate);
+            Schedule sch = atomic_schedule(perm, gate);
             INFO(example << " k=" << k << "\n" << sch.to_text());
             Outcome o = run_and_compare(ex, in, s.tokens, sch);
             CHECK(o.routing_mismatches == 0);
@@ -48,12 +38,12 @@ TEST_SUITE("cpu") {
     // rows must come out zero, from the zeroing alone).
     ExampleShape s = shape(200, 64, 128, 8, 2);
     Example ex = make_example("swiglu_moe", s);
-    Schedule sch = atomic(Permutation::scattered, GateFusion::epilogue);
+    Schedule sch = atomic_schedule(Permutation::scattered, GateFusion::epilogue);
     sch.capacity(0.5);
     Outcome o = run_and_compare(ex, ex.random_inputs(s, 5), s.tokens, sch);
     CHECK(o.routing_mismatches == 0);
     CHECK(o.y_error <= 1e-2);
-    Schedule edge = atomic(Permutation::blocked, GateFusion::combine);
+    Schedule edge = atomic_schedule(Permutation::blocked, GateFusion::combine);
     testing::check_edge_cases(64, 128, {"atomic"},
                               [&](const Example &e, const TensorMap &in, int64_t tokens, const std::string &) {
                                 return run_and_compare(e, in, tokens, edge);
@@ -63,16 +53,7 @@ TEST_SUITE("cpu") {
   TEST_CASE("cpu atomic_combine: the lean training step, the combine in o's epilogue") {
     testing::check_edge_cases(64, 128, {"scattermoe+padded+lean+atomic", "megablocks+lean+atomic"},
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
-                                Schedule schedule = testing::training_preset(p, false);
-                                cpu::CompiledCpuTraining compiled =
-                                    cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
-                                cpu::CpuTrainingLayer layer(compiled, tokens);
-                                return testing::step_and_compare(ex, in, compiled.training.program,
-                                                                 compiled.training.seed, layer, schedule,
-                                                                 [](cpu::CpuTrainingLayer &l) {
-                                                                   l.forward();
-                                                                   l.backward();
-                                                                 });
+                                return cpu_train_and_compare(ex, in, tokens, testing::training_preset(p, false));
                               });
   }
 }

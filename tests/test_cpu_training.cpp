@@ -317,16 +317,7 @@ TEST_SUITE("cpu") {
     // up here first, in CI.
     testing::check_edge_cases(64, 128, {"megablocks+lean", "scattermoe+padded+lean", "scattermoe+padded+lean+chain"},
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
-                                Schedule schedule = testing::training_preset(p, false);
-                                cpu::CompiledCpuTraining compiled =
-                                    cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
-                                cpu::CpuTrainingLayer layer(compiled, tokens);
-                                return testing::step_and_compare(ex, in, compiled.training.program,
-                                                                 compiled.training.seed, layer, schedule,
-                                                                 [](cpu::CpuTrainingLayer &l) {
-                                                                   l.forward();
-                                                                   l.backward();
-                                                                 });
+                                return cpu_train_and_compare(ex, in, tokens, testing::training_preset(p, false));
                               });
   }
 

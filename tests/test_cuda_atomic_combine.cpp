@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "atomic_combine_test.h"
 #include "backends/cuda/codegen_cuda.h"
 #include "backends/cuda/device.h"
 #include "backends/cuda/layer.h"
@@ -21,30 +22,19 @@
 #include "training_compare.h"
 
 using namespace moeforge;
+using testing::atomic_schedule;
+using testing::gemm_writing;
 using testing::shape;
 
 namespace {
-
-Schedule atomic(Permutation perm, GateFusion gate) {
-  Schedule s("atomic");
-  s.permutation(perm).gate(gate).atomic_combine(true);
-  return s;
-}
-
-const GemmStep *gemm_writing(const KernelProgram &p, const std::string &name) {
-  for (const Step &s : p.steps)
-    if (auto *g = std::get_if<GemmStep>(&s); g && g->output == name)
-      return g;
-  return nullptr;
-}
 
 // Hopper schedules with the combine in o's epilogue: a block per tile,
 // persistent blocks, and persistent two-block clusters.
 std::vector<Schedule> hopper_schedules() {
   std::vector<Schedule> out;
   for (int variant = 0; variant < 3; ++variant) {
-    Schedule s = atomic(variant == 2 ? Permutation::blocked : Permutation::scattered,
-                        variant == 1 ? GateFusion::combine : GateFusion::epilogue);
+    Schedule s = atomic_schedule(variant == 2 ? Permutation::blocked : Permutation::scattered,
+                                 variant == 1 ? GateFusion::combine : GateFusion::epilogue);
     s.tile("*", 128, 128, 64).mma("*", MmaKind::wgmma_ws).tma("*", true).tile("o", 128, 256, 64);
     if (variant >= 1)
       s.persistent("o", true);
@@ -79,7 +69,7 @@ testing::Outcome gpu_forward(const Example &ex, const TensorMap &in, int64_t tok
 TEST_CASE("atomic_combine: the CUDA plan adds rows into tokens and says why no TMA store") {
   ExampleShape s = shape(512, 256, 512, 8, 2);
   Example ex = make_example("swiglu_moe", s);
-  Schedule sch = atomic(Permutation::scattered, GateFusion::epilogue);
+  Schedule sch = atomic_schedule(Permutation::scattered, GateFusion::epilogue);
   sch.tile("*", 128, 128, 64).mma("*", MmaKind::wgmma_ws).tma("*", true).tma_store("o", true);
   KernelProgram p = lower(ex.pipeline, sch);
   const GemmStep *g = gemm_writing(p, "y");

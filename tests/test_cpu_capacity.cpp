@@ -12,22 +12,6 @@
 
 using namespace moeforge;
 
-namespace {
-
-// One training step of ex on the CPU backend under `schedule`, every output
-// and gradient against the float64 reference under the same capacity.
-testing::Outcome cpu_step(const Example &ex, const TensorMap &in, int64_t tokens, const Schedule &schedule) {
-  cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
-  cpu::CpuTrainingLayer layer(compiled, tokens);
-  return testing::step_and_compare(ex, in, compiled.training.program, compiled.training.seed, layer, schedule,
-                                   [](cpu::CpuTrainingLayer &l) {
-                                     l.forward();
-                                     l.backward();
-                                   });
-}
-
-} // namespace
-
 TEST_CASE("capacity: the CPU backend's forward matches the reference under both permutations") {
   for (const char *name : {"moe_mlp", "swiglu_moe"})
     for (const char *p : {"megablocks", "scattermoe"})
@@ -64,7 +48,7 @@ TEST_CASE("capacity: CPU training under a capacity matches the reference, every 
       Schedule schedule = testing::training_preset(p, false);
       schedule.capacity(1.0);
       INFO(name << " / " << p);
-      testing::Outcome o = cpu_step(ex, in, s.tokens, schedule);
+      testing::Outcome o = cpu_test::cpu_train_and_compare(ex, in, s.tokens, schedule);
       CHECK(o.routing_mismatches == 0);
       CHECK(o.worst_error <= 2e-2);
     }
@@ -86,7 +70,7 @@ TEST_CASE("expert_choice_moe: the CPU backend's forward and training match the r
     TensorMap in = ex.random_inputs(s, 5);
     Schedule schedule = testing::training_preset(p, false);
     INFO(p);
-    testing::Outcome o = cpu_step(ex, in, s.tokens, schedule);
+    testing::Outcome o = cpu_test::cpu_train_and_compare(ex, in, s.tokens, schedule);
     CHECK(o.routing_mismatches == 0);
     CHECK(o.worst_error <= 2e-2);
   }
@@ -114,7 +98,7 @@ TEST_CASE("capacity: fewer padded rows than pairs (the bound by the kept pairs) 
       const cuda::RoutingShape &rs = shapes.routing(program.routes.at(0));
       INFO(c.example << " / " << p << ": " << rs.to_string() << ", " << rs.max_padded_rows() << " padded rows");
       CHECK(rs.max_padded_rows() < rs.pairs());
-      testing::Outcome o = cpu_step(ex, in, s.tokens, schedule);
+      testing::Outcome o = cpu_test::cpu_train_and_compare(ex, in, s.tokens, schedule);
       CHECK(o.routing_mismatches == 0);
       CHECK(o.worst_error <= 2e-2);
     }

@@ -9,9 +9,7 @@
 
 #include "atomic_combine_test.h"
 #include "backends/cuda/codegen_cuda.h"
-#include "backends/cuda/device.h"
-#include "backends/cuda/layer.h"
-#include "backends/cuda/stream.h"
+#include "cuda_forward_compare.h"
 #include "cuda_resources.h"
 #include "cuda_training_step.h"
 #include "examples/examples.h"
@@ -23,6 +21,7 @@
 
 using namespace moeforge;
 using testing::atomic_schedule;
+using testing::cuda_forward_and_compare;
 using testing::gemm_writing;
 using testing::shape;
 
@@ -43,25 +42,6 @@ std::vector<Schedule> hopper_schedules() {
     out.push_back(s);
   }
   return out;
-}
-
-// The forward on the GPU, poisoned, replayed twice from a CUDA graph (the
-// output poisoned again between: the graph's own zeroing must clear it),
-// against the reference.
-testing::Outcome gpu_forward(const Example &ex, const TensorMap &in, int64_t tokens, const Schedule &schedule) {
-  static cuda::Device device;
-  cuda::CompiledLayer fl = cuda::compile_layer(ex.pipeline, schedule, device.arch_specific());
-  cuda::CudaLayer layer(device, fl, tokens);
-  layer.upload(in);
-  layer.poison();
-  cuda::Stream stream;
-  cuda::CudaGraph g = cuda::CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
-  g.launch(stream);
-  stream.synchronize();
-  layer.poison();
-  g.launch(stream);
-  stream.synchronize();
-  return testing::compare_with_reference(ex, in, fl.program, layer, schedule.to_text(), 2e-2, 0, schedule.capacity());
 }
 
 } // namespace
@@ -112,7 +92,7 @@ TEST_SUITE("gpu") {
         TensorMap in = ex.random_inputs(s, 31);
         for (const Schedule &sch : hopper_schedules()) {
           INFO(example << " T=" << s.tokens << " k=" << s.topk << "\n" << sch.to_text());
-          testing::Outcome o = gpu_forward(ex, in, s.tokens, sch);
+          testing::Outcome o = cuda_forward_and_compare(ex, in, s.tokens, sch, /*use_graph=*/true);
           CHECK(o.routing_mismatches == 0);
           CHECK(o.y_error <= 1e-2);
         }
@@ -122,13 +102,13 @@ TEST_SUITE("gpu") {
     Example ex = make_example("swiglu_moe", s);
     Schedule capped = hopper_schedules()[1];
     capped.capacity(0.5);
-    testing::Outcome o = gpu_forward(ex, ex.random_inputs(s, 4), s.tokens, capped);
+    testing::Outcome o = cuda_forward_and_compare(ex, ex.random_inputs(s, 4), s.tokens, capped, /*use_graph=*/true);
     CHECK(o.routing_mismatches == 0);
     CHECK(o.y_error <= 1e-2);
-    testing::check_edge_cases(128, 256, {"atomic"},
-                              [&](const Example &e, const TensorMap &in, int64_t tokens, const std::string &) {
-                                return gpu_forward(e, in, tokens, hopper_schedules()[0]);
-                              });
+    testing::check_edge_cases(
+        128, 256, {"atomic"}, [&](const Example &e, const TensorMap &in, int64_t tokens, const std::string &) {
+          return cuda_forward_and_compare(e, in, tokens, hopper_schedules()[0], /*use_graph=*/true);
+        });
   }
 
   TEST_CASE("cuda atomic_combine: the lean training step, the combine in o's epilogue, matches the reference") {

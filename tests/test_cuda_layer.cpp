@@ -10,6 +10,7 @@
 
 #include "backends/cuda/layer.h"
 #include "backends/reference/evaluate.h"
+#include "cuda_forward_compare.h"
 #include "dsl/error.h"
 #include "examples/biased_moe.h"
 #include "gpu_test.h"
@@ -21,6 +22,7 @@ using namespace moeforge;
 
 namespace {
 
+using testing::cuda_forward_and_compare;
 using testing::EdgeCase;
 using testing::Outcome;
 using testing::shape;
@@ -30,36 +32,12 @@ double normalized_error(const HostTensor &a, const HostTensor &b) {
   return max_normalized_error(a, b);
 }
 
-// Compiles and runs ex on the GPU (optionally through a captured CUDA graph,
-// poisoned again between two replays) and compares it with the reference.
-Outcome run_and_compare(const Example &ex, const TensorMap &inputs, int64_t tokens, const Schedule &schedule,
-                        bool use_graph = false) {
-  static cuda::Device device;
-  cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, schedule, device.arch_specific());
-  cuda::CudaLayer layer(device, compiled, tokens);
-  layer.upload(inputs);
-  layer.poison();
-  cuda::Stream stream;
-  if (use_graph) {
-    cuda::CudaGraph g = cuda::CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
-    g.launch(stream);
-    stream.synchronize();
-    layer.poison(); // a replay must rewrite everything by itself
-    g.launch(stream);
-  } else {
-    layer.enqueue(stream);
-  }
-  stream.synchronize();
-  return testing::compare_with_reference(ex, inputs, compiled.program, layer, schedule.to_text(), 2e-2,
-                                         /*floor_fraction=*/0, schedule.capacity());
-}
-
 // Both MoE examples under both presets at shape s, inputs from `seed`.
 void check_every_preset(const ExampleShape &s, uint64_t seed) {
   for (const char *name : {"moe_mlp", "swiglu_moe"})
     for (const char *p : {"megablocks", "scattermoe"}) {
       Example ex = make_example(name, s);
-      Outcome o = run_and_compare(ex, ex.random_inputs(s, seed), s.tokens, preset(p));
+      Outcome o = cuda_forward_and_compare(ex, ex.random_inputs(s, seed), s.tokens, preset(p));
       INFO(name << " / " << p);
       CHECK(o.routing_mismatches == 0);
       CHECK(o.y_error <= 1e-2);
@@ -73,7 +51,7 @@ void check_schedules(const std::vector<ExampleShape> &shapes, const std::vector<
     for (const char *example : examples) {
       Example ex = make_example(example, s);
       for (const Schedule &sch : schedules) {
-        Outcome o = run_and_compare(ex, ex.random_inputs(s, seed), s.tokens, sch);
+        Outcome o = cuda_forward_and_compare(ex, ex.random_inputs(s, seed), s.tokens, sch);
         INFO(example << " T=" << s.tokens << " " << sch.to_text());
         CHECK(o.routing_mismatches == 0);
         CHECK(o.y_error <= 1e-2);
@@ -97,7 +75,8 @@ TEST_SUITE("gpu") {
     ExampleShape s = shape(333, 128, 256, 16, 1);
     Example ex = biased_moe(s, true, Bias::ramp, true);
     for (const char *p : {"megablocks", "scattermoe"}) {
-      Outcome o = run_and_compare(ex, biased_inputs(ex, s, Bias::ramp, 6), s.tokens, preset(p), /*use_graph=*/true);
+      Outcome o =
+          cuda_forward_and_compare(ex, biased_inputs(ex, s, Bias::ramp, 6), s.tokens, preset(p), /*use_graph=*/true);
       INFO(p);
       CHECK(o.routing_mismatches == 0);
       CHECK(o.y_error <= 1e-2);
@@ -110,7 +89,7 @@ TEST_SUITE("gpu") {
       for (int64_t tokens : {int64_t(1), int64_t(45), int64_t(1000)}) {
         ExampleShape s = shape(tokens, 1, 1, 1, 1); // only the token count matters
         Example ex = testing::softmax_rows(what);
-        Outcome o = run_and_compare(ex, ex.random_inputs(s, 8), s.tokens, preset("megablocks"));
+        Outcome o = cuda_forward_and_compare(ex, ex.random_inputs(s, 8), s.tokens, preset("megablocks"));
         INFO(what << " / T = " << tokens);
         CHECK(o.y_error <= 1e-5); // f32 end to end
       }
@@ -154,7 +133,7 @@ TEST_SUITE("gpu") {
     MOEFORGE_REQUIRE_GPU();
     testing::check_edge_cases(128, 256, preset_names(),
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
-                                return run_and_compare(ex, in, tokens, preset(p));
+                                return cuda_forward_and_compare(ex, in, tokens, preset(p));
                               });
   }
 
@@ -163,7 +142,7 @@ TEST_SUITE("gpu") {
     ExampleShape s = shape(96, 2880, 2880, 8, 2);
     Example ex = make_example("swiglu_moe", s);
     for (const char *p : {"megablocks", "scattermoe"}) {
-      Outcome o = run_and_compare(ex, ex.random_inputs(s, 9), s.tokens, preset(p));
+      Outcome o = cuda_forward_and_compare(ex, ex.random_inputs(s, 9), s.tokens, preset(p));
       INFO(p);
       CHECK(o.y_error <= 1e-2);
     }
@@ -196,7 +175,7 @@ TEST_SUITE("gpu") {
     h.permutation(Permutation::blocked).block(64).tile("*", 64, 256, 64).warps("*", 4, 1).stages("*", 5);
     h.mma("*", MmaKind::wgmma_ws).tile("h", 64, 128, 64).persistent("*", true);
     for (const Schedule &sch : {a, b, c, d, e, f, g, h}) {
-      Outcome o = run_and_compare(ex, ex.random_inputs(s, 4), s.tokens, sch);
+      Outcome o = cuda_forward_and_compare(ex, ex.random_inputs(s, 4), s.tokens, sch);
       INFO(sch.to_text());
       CHECK(o.y_error <= 1e-2);
     }
@@ -230,7 +209,7 @@ TEST_SUITE("gpu") {
     for (const char *example : {"moe_mlp", "swiglu_moe"}) {
       Example ex = make_example(example, s);
       for (const Schedule &sch : {a, b, c, d, e, f}) {
-        Outcome o = run_and_compare(ex, ex.random_inputs(s, 5), s.tokens, sch);
+        Outcome o = cuda_forward_and_compare(ex, ex.random_inputs(s, 5), s.tokens, sch);
         INFO(example << " " << sch.to_text());
         CHECK(o.y_error <= 1e-2);
       }
@@ -266,14 +245,14 @@ TEST_SUITE("gpu") {
       for (const char *example : {"moe_mlp", "swiglu_moe", "dense_mlp"}) {
         Example ex = make_example(example, s);
         for (const Schedule &sch : {a, b, c, d, e}) {
-          Outcome o = run_and_compare(ex, ex.random_inputs(s, 7), s.tokens, sch);
+          Outcome o = cuda_forward_and_compare(ex, ex.random_inputs(s, 7), s.tokens, sch);
           INFO(example << " T=" << s.tokens << " " << sch.to_text());
           CHECK(o.y_error <= 1e-2);
         }
       }
     testing::check_edge_cases(128, 256, {"tma_store"},
                               [&](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
-                                return run_and_compare(ex, in, tokens, a);
+                                return cuda_forward_and_compare(ex, in, tokens, a);
                               });
   }
 
@@ -313,7 +292,7 @@ TEST_SUITE("gpu") {
                     {"moe_mlp", "swiglu_moe", "dense_mlp"}, {a, b}, 8);
     testing::check_edge_cases(128, 256, {"persistent pairs"},
                               [&](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
-                                return run_and_compare(ex, in, tokens, a);
+                                return cuda_forward_and_compare(ex, in, tokens, a);
                               });
   }
 
@@ -323,7 +302,7 @@ TEST_SUITE("gpu") {
     ExampleShape s = shape(700, 128, 256, 8, 2);
     Example ex = make_example("swiglu_moe", s);
     for (const char *p : {"megablocks", "scattermoe"}) {
-      Outcome o = run_and_compare(ex, ex.random_inputs(s, 21), s.tokens, preset(p), /*use_graph=*/true);
+      Outcome o = cuda_forward_and_compare(ex, ex.random_inputs(s, 21), s.tokens, preset(p), /*use_graph=*/true);
       INFO(p);
       CHECK(o.y_error <= 1e-2);
     }

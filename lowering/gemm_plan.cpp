@@ -91,16 +91,6 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
       << "definition '" << g.output << "': clusters of two row tiles need the routing block (" << g.block
       << ") to be tile_m or twice it, not tile_m " << t.tile_m << ": set tile(\"" << g.output << "\", " << g.block
       << ", ...), block(" << 2 * t.tile_m << ") or drop cluster";
-  // Ping-pong consumers (GemmTiling::pingpong): persistent blocks over a
-  // constant K with B by TMA; an expert reduction's K changes from tile to
-  // tile, which a warpgroup passing the other's tile could not step over.
-  // A warpgroup then holds the whole tile's accumulators.
-  p.pingpong = t.pingpong && p.persistent && p.tma && !p.cluster && !g.expert_k;
-  user_check(!p.pingpong || p.nb * t.tile_n <= 128)
-      << "definition '" << g.output << "': pingpong(\"" << g.func << "\") gives one warpgroup the whole " << t.tile_m
-      << "-row tile: " << p.nb << " B operand" << (p.nb > 1 ? "s" : "") << " with tile_n " << t.tile_n << " need "
-      << p.nb * t.tile_n << " accumulator registers per thread, over 128: use tile_n " << 128 / p.nb
-      << " or less, or drop pingpong";
   // A window of the route's tiles: tile ids from a list, one block or one
   // persistent walk over the window's tiles.
   p.windowed = g.windowed;
@@ -132,7 +122,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // the epilogue's rows through sorted_pair are loaded before the main loop,
   // which hides their latency, and a persistent block's consumers skip the
   // producer's A row lookups, which they would otherwise wait for per tile.
-  p.roomy = !p.wgmma || p.nb * t.tile_n / (p.pingpong ? 1 : 2) < 128;
+  p.roomy = !p.wgmma || p.nb * t.tile_n / 2 < 128;
   // A routed tile's rows below `rows` are all real pairs, so an epilogue
   // that stores in tile order and never reads the pair index (h = gelu(acc),
   // say) needs no sorted_pair lookup: it was a dependent load per tile.
@@ -166,12 +156,11 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // the stages' barriers and a persistent block's tile-id ring
   // (WgmmaWsConfig::ring); a persistent TMA store's staging comes on top.
   p.stage_bytes = t.ring_bytes(p.nb);
-  p.ring_bytes = p.stage_bytes + (p.wgmma ? 1024 : 0) + (p.ws || p.tma ? 16 * t.stages : 0) + (p.persistent ? 48 : 0) +
-                 (p.pingpong ? 16 : 0); // the warpgroups' turns
+  p.ring_bytes = p.stage_bytes + (p.wgmma ? 1024 : 0) + (p.ws || p.tma ? 16 * t.stages : 0) + (p.persistent ? 48 : 0);
   // A block per tile stages every output at once in its idle ring.
   const bool staging_fits = p.persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <= p.stage_bytes;
-  p.out_tma = t.tma_store && !g.out_add && !p.pingpong && (p.tma || (g.expert_k && p.persistent)) && !p.cluster &&
-              outputs_bf16 && (g.extra.empty() || !g.expert_k) && staging_fits &&
+  p.out_tma = t.tma_store && !g.out_add && (p.tma || (g.expert_k && p.persistent)) && !p.cluster && outputs_bf16 &&
+              (g.extra.empty() || !g.expert_k) && staging_fits &&
               (!p.zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
               (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !p.pair_rows));
   // A persistent block stages its output tile past the ring: whole if that
@@ -231,12 +220,6 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
     p.not_applied.push_back("persistent(" + f +
                             ", true) is not applied: a persistent expert reduction needs its B by TMA, and " +
                             (t.tma ? "this one's B is not TMA-ready (see its tma)" : "tma(" + f + ") is off"));
-  if (t.named.pingpong && !p.pingpong)
-    p.not_applied.push_back(
-        "pingpong(" + f + ", true) is not applied: " +
-        first({{g.expert_k, "an expert reduction's K changes from tile to tile, which the "
-                            "warpgroups taking turns cannot step over"},
-               {!p.tma, "ping-pong consumers take B by TMA, which this GEMM cannot (see its tma)"}}));
   if (t.named.cluster && !p.cluster)
     p.not_applied.push_back("cluster(" + f +
                             ", 2) is not applied: an expert reduction (K over one expert's rows) "
@@ -247,8 +230,6 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
         first(
             {{g.out_add, "its output is added into each pair's token row (atomic_combine), which a TMA store of a "
                          "tile cannot do"},
-             {p.pingpong, "the ping-pong warpgroups store their tiles with plain stores (a TMA store would need a "
-                          "staging buffer for each)"},
              {!(p.tma || (g.expert_k && p.persistent)),
               g.expert_k ? "an expert reduction's TMA store comes with persistent blocks (persistent(" + f + ", true))"
                          : "TMA stores come with TMA loads (tma(" + f + ", true) on the wgmma loop)"},
@@ -294,8 +275,6 @@ std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
       << ") into the same accumulator\n";
   o << "  walk: "
     << (p.pair_items   ? "persistent 2-block clusters over (row-tile pair, column tile) items"
-        : p.pingpong   ? "persistent blocks drawing tiles from a counter, two consumer warpgroups taking them in "
-                         "turns (ping-pong)"
         : p.persistent ? "persistent blocks drawing tiles from a counter"
         : p.cluster    ? "a 2-block cluster per pair of row tiles"
                        : "a block per output tile")

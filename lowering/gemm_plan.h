@@ -38,7 +38,6 @@ struct GemmPlan {
   bool persistent = false; // one block per SM walking tiles
   bool cluster = false;    // two blocks per cluster, row tiles 2m and 2m + 1, B multicast
   bool pair_items = false; // persistent clusters walking (row-tile pair, column tile) items
-  bool pingpong = false;   // persistent blocks whose consumer warpgroups take tiles in turns
   bool windowed = false;   // over a window of the route's tiles (GemmStep::windowed)
   // ---- the epilogue
   bool reads_row = false;     // an epilogue reads the row's pair index

@@ -288,15 +288,6 @@ Schedule &Schedule::tma_store(const std::string &func, bool on) {
   return *this;
 }
 
-Schedule &Schedule::pingpong(const std::string &func, bool on) {
-  std::string call = "pingpong(" + quoted(func) + ", " + (on ? "true" : "false") + ")";
-  check_func_name(call, func);
-  Overrides patch;
-  patch.pingpong = on;
-  commit(call, "pingpong", func, patch);
-  return *this;
-}
-
 Schedule &Schedule::cluster(const std::string &func, int row_tiles) {
   std::string call = "cluster(" + quoted(func) + ", " + std::to_string(row_tiles) + ")";
   check_func_name(call, func);
@@ -321,7 +312,6 @@ FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   t.persistent = o.persistent.value_or(t.persistent);
   t.tma = o.tma.value_or(t.tma);
   t.tma_store = o.tma_store.value_or(t.tma_store);
-  t.pingpong = o.pingpong.value_or(t.pingpong);
   t.cluster_m = o.cluster_m.value_or(t.cluster_m);
   base.fuse_epilogue = o.fuse_epilogue.value_or(base.fuse_epilogue);
   return base;
@@ -334,7 +324,7 @@ FuncSchedule Schedule::for_func(const std::string &func) const {
   FuncSchedule f = apply(default_, it->second);
   const Overrides &o = it->second;
   f.tiling.named = {o.persistent.value_or(false), o.tma.value_or(false), o.tma_store.value_or(false),
-                    o.cluster_m.value_or(1) > 1, o.pingpong.value_or(false)};
+                    o.cluster_m.value_or(1) > 1};
   return f;
 }
 
@@ -362,7 +352,6 @@ void Schedule::commit(const std::string &call, const std::string &primitive, con
     merge(o.persistent, patch.persistent);
     merge(o.tma, patch.tma);
     merge(o.tma_store, patch.tma_store);
-    merge(o.pingpong, patch.pingpong);
     merge(o.cluster_m, patch.cluster_m);
     if (next.named_by_.emplace(func, primitive).second)
       next.funcs_.push_back(func);

@@ -79,14 +79,6 @@ struct GemmTiling {
   // box, instead of each thread storing its accumulator fragments. Other
   // outputs, and GEMMs in clusters, are stored as before.
   bool tma_store = false;
-  // wgmma_ws, persistent, tma, tile_m 128, no cluster: the block's two
-  // consumer warpgroups take the tiles in turns, each computing a whole
-  // tile (both 64-row halves), so one's epilogue runs under the other's
-  // main loop instead of leaving the tensor cores idle. A warpgroup then
-  // holds the tile's accumulators: B operands x tile_n <= 128 (SwiGLU's
-  // merged gate and up: tile_n 64). Plain stores (no tma_store); expert
-  // reductions (K per expert) keep the plain persistent loop.
-  bool pingpong = false;
   // Thread blocks per cluster along M (1 or 2; wgmma_ws with tma): two row
   // tiles of one expert share their B tiles, each block loading half and
   // multicasting it to both, which halves B's traffic from L2. The pair is
@@ -100,7 +92,7 @@ struct GemmTiling {
   // dropping it unseen. Where a choice came from does not make two tilings
   // differ.
   struct Named {
-    bool persistent = false, tma = false, tma_store = false, cluster = false, pingpong = false;
+    bool persistent = false, tma = false, tma_store = false, cluster = false;
     bool operator==(const Named &) const { return true; }
   };
   Named named = {};
@@ -262,8 +254,6 @@ public:
   Schedule &tma(const std::string &func, bool on);
   // Output tiles stored through TMA (GemmTiling::tma_store).
   Schedule &tma_store(const std::string &func, bool on);
-  // Consumer warpgroups on alternate tiles (GemmTiling::pingpong).
-  Schedule &pingpong(const std::string &func, bool on);
   // Row tiles per thread-block cluster (GemmTiling::cluster_m): 1 or 2.
   Schedule &cluster(const std::string &func, int row_tiles);
 
@@ -330,7 +320,6 @@ private:
     std::optional<bool> persistent;
     std::optional<bool> tma;
     std::optional<bool> tma_store;
-    std::optional<bool> pingpong;
     std::optional<int> cluster_m;
   };
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);

@@ -50,7 +50,6 @@ const std::vector<Signature> &signatures() {
       {"persistent", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"tma", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"tma_store", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
-      {"pingpong", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"cluster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
       {"bf16_activations", {{"on", ArgType::boolean}}},
       {"reuse_memory", {{"on", ArgType::boolean}}},
@@ -349,8 +348,6 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.tma(func, bools[1]);
       } else if (st.primitive == "tma_store") {
         s.tma_store(func, bools[1]);
-      } else if (st.primitive == "pingpong") {
-        s.pingpong(func, bools[1]);
       } else if (st.primitive == "cluster") {
         s.cluster(func, i(1));
       } else {

@@ -144,14 +144,6 @@ void Schedule::validate(const Pipeline &pipeline) const {
         << "schedule '" << name_ << "': definition '" << f.name() << "': clusters of two row tiles multicast TMA "
         << "loads from the warp-specialised loop: add mma(" << q << ", wgmma_ws) and tma(" << q
         << ", true), or drop cluster";
-    user_check(!t.pingpong ||
-               (t.persistent && t.mma == MmaKind::wgmma_ws && t.tma && t.tile_m == 128 && t.cluster_m == 1))
-        << "schedule '" << name_ << "': definition '" << f.name() << "': pingpong's consumer warpgroups take turns "
-        << "over the tiles of a persistent, warp-specialised TMA loop, each a whole 128-row tile, without clusters: "
-        << "it needs persistent(" << q << ", true), mma(" << q << ", wgmma_ws), tma(" << q << ", true), tile_m 128 "
-        << "and cluster(" << q << ", 1) (the tile is " << t.tile_m << " rows"
-        << (t.persistent ? "" : ", not persistent") << (t.mma == MmaKind::wgmma_ws ? "" : ", not wgmma_ws")
-        << (t.tma ? "" : ", no tma") << (t.cluster_m == 1 ? "" : ", in clusters") << "), or drop pingpong";
   }
   user_check(!atomic_combine_ || ranks_ == 1)
       << "schedule '" << name_ << "': atomic_combine(true) with expert_parallel(" << ranks_

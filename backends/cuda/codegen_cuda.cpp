@@ -725,16 +725,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
                           : "A and B by rows")
          << (ws ? ", warp-specialised" : "") << "\n";
   } else if (wgmma) {
-    body << "  using Cfg = mf::"
-         << (plan.pingpong ? "WgmmaPingPongConfig<"
-             : ws          ? "WgmmaWsConfig<"
-                           : "WgmmaConfig<")
-         << t.tile_m << ", " << t.tile_n << ", " << t.stages << ", " << nb << (g.b_trans ? ", true" : "")
-         << ">;  // Hopper warpgroup MMA"
-         << (plan.pingpong ? ", consumer warpgroups on alternate tiles"
-             : ws          ? ", warp-specialised"
-                           : "")
-         << (g.b_trans ? ", B read transposed ([N, K])" : "") << "\n";
+    body << "  using Cfg = mf::" << (ws ? "WgmmaWsConfig<" : "WgmmaConfig<") << t.tile_m << ", " << t.tile_n << ", "
+         << t.stages << ", " << nb << (g.b_trans ? ", true" : "") << ">;  // Hopper warpgroup MMA"
+         << (ws ? ", warp-specialised" : "") << (g.b_trans ? ", B read transposed ([N, K])" : "") << "\n";
   } else {
     internal_check(!g.b_trans) << "mma.sync reads B as [K, N]: lowering materialises B^T for it";
     body << "  using Cfg = mf::GemmConfig<" << t.tile_m << ", " << t.tile_n << ", " << t.tile_k << ", " << t.stages
@@ -948,13 +941,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
            << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
            << "    return;  // a loading-only warpgroup\n\n";
   } else {
-    if (plan.pingpong) {
-      // The warpgroup that passes this tile skips its setup too.
-      const std::string kt =
-          chained ? "(K + Cfg::BK - 1) / Cfg::BK + " + std::to_string((g.chained->k.extent() + t.tile_k - 1) / t.tile_k)
-                  : "(K + Cfg::BK - 1) / Cfg::BK";
-      body << "  if (!Cfg::takes(ring, " << kt << ")) continue;  // the other consumer warpgroup's tile\n";
-    }
     emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, ws && persistent && plan.roomy, split_k, body);
     if (tma) {
       body << "  const mf::TmaDesc *tB[" << nb << "] = {";

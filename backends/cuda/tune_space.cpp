@@ -23,8 +23,7 @@ KernelProgram lowered(const Pipeline &pipeline, const std::string &output, const
 std::string FuncChoice::text() const {
   std::ostringstream o;
   o << tile_m << "x" << tile_n << ", " << stages << " stages" << (persistent ? ", persistent" : "")
-    << (tma_store ? ", tma_store" : "") << (cluster > 1 ? ", cluster " + std::to_string(cluster) : "")
-    << (pingpong ? ", pingpong" : "");
+    << (tma_store ? ", tma_store" : "") << (cluster > 1 ? ", cluster " + std::to_string(cluster) : "");
   return o.str();
 }
 
@@ -34,18 +33,14 @@ std::vector<FuncChoice> func_choices() {
   // router's logits over E columns), 3 or 4 stages (a 128 x 256 tile has
   // room for 4 and nothing past it), the two walk and store choices, and
   // clusters of two row tiles sharing B (persistent ones walk pairs of
-  // tiles: the hand-written best forward of mbpaper's down-projection), and
-  // persistent blocks whose consumer warpgroups take tiles in turns
-  // (pingpong: plain stores, no clusters).
+  // tiles: the hand-written best forward of mbpaper's down-projection).
   std::vector<FuncChoice> out;
   for (int n : {128, 256, 64})
-    for (int stages : {4, 3}) {
+    for (int stages : {4, 3})
       for (bool persistent : {false, true})
         for (bool tma_store : {false, true})
           for (int cluster : {1, 2})
             out.push_back(FuncChoice{128, n, stages, persistent, tma_store, cluster});
-      out.push_back(FuncChoice{128, n, stages, true, false, 1, true});
-    }
   return out;
 }
 
@@ -82,8 +77,7 @@ Schedule with_choice(const Schedule &base, const std::string &func, const FuncCh
       .stages(func, c.stages)
       .persistent(func, c.persistent)
       .tma_store(func, c.tma_store)
-      .cluster(func, c.cluster)
-      .pingpong(func, c.pingpong);
+      .cluster(func, c.cluster);
   return s;
 }
 

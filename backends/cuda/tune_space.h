@@ -22,8 +22,7 @@ struct FuncChoice {
   int tile_m = 128, tile_n = 128, stages = 4;
   bool persistent = false, tma_store = false;
   int cluster = 1;          // row tiles per cluster: 2 multicasts B to a pair of blocks
-  bool pingpong = false;    // persistent consumer warpgroups on alternate tiles
-  std::string text() const; // "128x256, 4 stages, persistent, tma_store, cluster 2"; "..., pingpong"
+  std::string text() const; // "128x256, 4 stages, persistent, tma_store, cluster 2"
 };
 
 struct PrunedChoice {

@@ -62,8 +62,6 @@ void bind_schedule(nb::module_ &m) {
       .def("tma", nb::overload_cast<const std::string &, bool>(&Schedule::tma), "func"_a, "on"_a = true, chain)
       .def("tma_store", nb::overload_cast<const std::string &, bool>(&Schedule::tma_store), "func"_a, "on"_a = true,
            chain)
-      .def("pingpong", nb::overload_cast<const std::string &, bool>(&Schedule::pingpong), "func"_a, "on"_a = true,
-           chain)
       .def("cluster", nb::overload_cast<const std::string &, int>(&Schedule::cluster), "func"_a, "row_tiles"_a, chain)
       .def("__str__", &Schedule::to_text)
       .def("__repr__", [](const Schedule &s) { return "<moeforge.Schedule '" + s.name() + "'>"; });

@@ -1101,25 +1101,20 @@ template <int STAGES, int STAGE_BYTES, int CONSUMERS> struct TileRing {
   struct Ring {
     unsigned s0, full, empty, tile_full, tile_empty, tile_ids, out;
     int it, fetches;
-    int turn; // ping-pong consumers: live tiles seen, whose parity names the warpgroup that runs the next
   };
   // Shared memory past the stages: out_bytes of output staging (out_reuse;
   // 1024-aligned, as the stages are), STAGES x (full, empty), then 2 x
   // (tile_full, tile_empty) and 2 tile ids, 48 bytes (the codegen's count).
   // blocks: whose warps release the stages and read the ids (1, or 2 for
-  // a cluster's pair, pair_ring); releasers: the consumer warps of a block
-  // that release each stage (all of them, or one warpgroup's 4 where the
-  // warpgroups take turns, WgmmaPingPongConfig). Thread 0 initialises the
-  // barriers.
-  __device__ static Ring ring_layout(unsigned char *smem, unsigned out_bytes, int blocks,
-                                     int releasers = CONSUMERS / 32) {
+  // a cluster's pair, pair_ring). Thread 0 initialises the barriers.
+  __device__ static Ring ring_layout(unsigned char *smem, unsigned out_bytes, int blocks) {
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, out = s0 + STAGES * STAGE_BYTES, bars = out + out_bytes;
-    Ring r{s0, bars, bars + 8 * STAGES, bars + 16 * STAGES, bars + 16 * STAGES + 16, bars + 16 * STAGES + 32, out, 0,
+    Ring r{s0, bars, bars + 8 * STAGES, bars + 16 * STAGES, bars + 16 * STAGES + 16, bars + 16 * STAGES + 32, out,
            0,  0};
     if (threadIdx.x == 0) {
       for (int s = 0; s < STAGES; ++s) {
-        mbar_init(r.full + 8 * s, 128);                 // this block's producer threads
-        mbar_init(r.empty + 8 * s, blocks * releasers); // the consumer warps
+        mbar_init(r.full + 8 * s, 128);                      // this block's producer threads
+        mbar_init(r.empty + 8 * s, blocks * CONSUMERS / 32); // the consumer warps
       }
       for (int s = 0; s < 2; ++s) {
         mbar_init(r.tile_full + 8 * s, 1);
@@ -1486,146 +1481,6 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
     }
     wgmma_wait<0>();
     return true;
-  }
-};
-
-// Persistent blocks whose two consumer warpgroups take the live tiles in
-// turns (ping-pong), each computing a whole 128-row tile: 2 x m64 slices of
-// NB x BN accumulators. The consumers of WgmmaWsConfig run a tile's main
-// loop and then its epilogue, during which the tensor cores idle (a
-// seventh of mixtral's SwiGLU tile: setup, first-stage wait, epilogue);
-// here one warpgroup's epilogue runs under the other's main loop. The ring
-// and its stages are WgmmaWsConfig's (same layout, same producer); every
-// stage is read and released by one warpgroup's 4 warps. A warpgroup
-// passing the other's tile moves its stage counter past that tile's
-// stages, so both keep the producer's order.
-// The main loops take turns too (`order`, two mbarriers past the tile ids):
-// a warpgroup starts its tile's main loop once the other has finished the
-// previous tile's. Besides keeping the tensor cores to one warpgroup at a
-// time, this keeps the stage barriers' parity waits sound: a warpgroup
-// that skipped ahead would otherwise wait on a slot whose earlier fills (the
-// other's stages) had not yet completed, and a parity wait cannot tell one
-// fill from the fill two before it.
-// The NB B tiles of a stage lie back to back, so one m64 x (NB BN) wgmma
-// covers them all and reads each A slice once: acc[mi] holds operand b's
-// columns at b * BN / 2. Accumulators: NB * BN <= 128 (128 registers a
-// thread, as WgmmaWsConfig's 2 x 64-row tile of 2 x 128 columns).
-template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false>
-struct WgmmaPingPongConfig : WgmmaWsConfig<BM_, BN_, STAGES_, NB_, BT> {
-  typedef WgmmaWsConfig<BM_, BN_, STAGES_, NB_, BT> Ws;
-  typedef typename Ws::Base Base;
-  typedef typename Ws::Tiles Tiles;
-  using typename Ws::Ring;
-  using Ws::A_STAGE_BYTES;
-  using Ws::BK;
-  using Ws::BN;
-  using Ws::NB;
-  using Ws::STAGE_BYTES;
-  static_assert(BM_ == 128, "a ping-pong warpgroup computes 128-row tiles");
-  static_assert(NB_ * BN_ <= 128, "a ping-pong warpgroup holds NB x BN <= 128 accumulator columns");
-  static constexpr int MI = 2, NI = BN_ / 8;
-  typedef float Acc[MI][NB_ * BN_ / 2];
-  __device__ static __forceinline__ float get(const Acc &acc, int b, int mi, int ni, int e) {
-    return acc[mi][b * (BN_ / 2) + ni * 4 + e];
-  }
-  __device__ static __forceinline__ int acc_row(int warp, int lane, int mi, int e) {
-    return mi * 64 + (warp & 3) * 16 + (lane >> 2) + (e >> 1) * 8;
-  }
-  // The barrier warpgroup wg waits on for its turn (16 bytes past the tile
-  // ids; the plan counts them); the other's 4 warps arrive.
-  __device__ static unsigned order(const Ring &r, int wg) { return r.tile_ids + 16 + 8 * wg; }
-  __device__ static Ring ring(unsigned char *smem) {
-    const Ring r = Tiles::ring_layout(smem, 0, 1, 4); // a stage's readers: one warpgroup
-    if (threadIdx.x == 0)
-      for (int wg = 0; wg < 2; ++wg)
-        mbar_init(order(r, wg), 4);
-    __syncthreads();
-    return r;
-  }
-  // Whether this thread runs the live tile in hand (its KT stages): the
-  // producer loads every tile; warpgroup w of the consumers takes the live
-  // tiles w, w + 2, ... and steps its stage counter past the others'.
-  __device__ static bool takes(Ring &r, int KT) {
-    if (threadIdx.x >= Ws::CONSUMERS)
-      return true;
-    const bool mine = (r.turn & 1) == (int)(threadIdx.x >> 7);
-    ++r.turn;
-    if (!mine)
-      r.it += KT;
-    return mine;
-  }
-  // Issues the warpgroup's wgmmas over stage `slot` for the tile's first
-  // SLICES 64-row slices. (A test per slice among the wgmmas made ptxas
-  // serialise them: the choice is made once per stage, in mma().)
-  template <int SLICES> __device__ static __forceinline__ void mma_slices(unsigned s0, int slot, Acc &acc) {
-    const unsigned sA = s0 + slot * STAGE_BYTES, sB = sA + A_STAGE_BYTES;
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < BK / 16; ++ks) {
-      const unsigned long long db =
-          BT ? wgmma_desc(sB + ks * 32, 16, 1024) : wgmma_desc(sB + ks * 2048, BK * 128, 1024);
-#pragma unroll
-      for (int mi = 0; mi < SLICES; ++mi)
-        Wgmma<NB_ * BN_, BT ? 0 : 1>::mma(acc[mi], wgmma_desc(sA + mi * (64 * 128) + ks * 32, 16, 1024), db);
-    }
-    wgmma_commit();
-  }
-  // Both slices, or only the first where the tile's rows end in it (an
-  // expert's last tile): its second slice is padding, never stored.
-  __device__ static __forceinline__ void mma(unsigned s0, int slot, Acc &acc, int rows) {
-    if (rows > 64)
-      mma_slices<2>(s0, slot, acc);
-    else
-      mma_slices<1>(s0, slot, acc);
-  }
-  // One tile, B by TMA and A by `a`: as WgmmaWsConfig::tile_tma, run by the
-  // warpgroup that takes it (takes()).
-  // A tile's stages on the ring, its main loop in turn: the consumers'
-  // live tile j (r.turn - 1), j >= 1, waits for the other warpgroup's
-  // arrival after tile j - 1, the (j - 1) / 2-th phase of its order barrier
-  // (each warpgroup arrives once per tile it runs). A warpgroup arrives once
-  // its last stage's wgmmas are issued, not done: the other's first wgmmas
-  // then queue behind them and the tensor cores do not wait for the hand-over.
-  template <typename Load> __device__ static bool turn_stages(Ring &r, int KT, Load load, Acc &acc, int rows) {
-    const int tid = threadIdx.x, wg = tid >> 7, j = r.turn - 1;
-    if (tid >= Ws::CONSUMERS)
-      return Tiles::ring_stages(r, KT, load, [](int) {}); // the producer: false
-    if (j >= 1)
-      mbar_wait(order(r, wg), ((j - 1) / 2) & 1);
-    if (KT == 0 && (tid & 31) == 0)
-      mbar_arrive(order(r, wg ^ 1)); // nothing to issue
-    for (int kt = 0; kt < KT; ++kt, ++r.it) {
-      const int slot = r.it % STAGES_;
-      mbar_wait(r.full + 8 * slot, (r.it / STAGES_) & 1);
-      fence_proxy_async(); // A may have come through cp.async (the generic proxy)
-      mma(r.s0, slot, acc, rows);
-      if (kt == KT - 1 && (tid & 31) == 0)
-        mbar_arrive(order(r, wg ^ 1)); // every stage of this tile waited for and issued: the other's turn
-      wgmma_wait<1>();
-      if (kt > 0 && (tid & 31) == 0)
-        mbar_arrive(r.empty + 8 * ((r.it - 1) % STAGES_));
-    }
-    wgmma_wait<0>();
-    if (KT > 0 && (tid & 31) == 0)
-      mbar_arrive(r.empty + 8 * ((r.it - 1) % STAGES_)); // the tile's last stage
-    return true;
-  }
-  template <typename ALoad>
-  __device__ static bool tile_tma(Ring &r, const ALoad &a, const TmaDesc *const (&tB)[NB_], int batch, int K, int n0,
-                                  int rows, Acc &acc) {
-    return turn_stages(
-        r, (K + BK - 1) / BK,
-        [&](int slot, int kt, int t) { Base::load_stage_tma(r.s0, r.full, slot, kt, t, a, tB, batch, K, n0); }, acc,
-        rows);
-  }
-  template <typename ALoad>
-  __device__ static bool tile_tma_chain(Ring &r, const ALoad &a, const TmaDesc *const (&tB)[NB_], const ALoad &a2,
-                                        const TmaDesc *const (&tB2)[NB_], int batch, int K, int K2, int n0, int rows,
-                                        Acc &acc) {
-    return turn_stages(
-        r, (K + BK - 1) / BK + (K2 + BK - 1) / BK,
-        [&](int slot, int kt, int t) { Ws::load_chained(r.s0, r.full, slot, kt, t, a, tB, a2, tB2, batch, K, K2, n0); },
-        acc, rows);
   }
 };
 

@@ -220,6 +220,11 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
     p.not_applied.push_back("persistent(" + f +
                             ", true) is not applied: a persistent expert reduction needs its B by TMA, and " +
                             (t.tma ? "this one's B is not TMA-ready (see its tma)" : "tma(" + f + ") is off"));
+  if (t.named.warps && p.wgmma)
+    p.not_applied.push_back("warps(" + f + ", " + std::to_string(t.warps_m) + ", " + std::to_string(t.warps_n) +
+                            ") is not applied: the " + mma_name(p.mma) +
+                            " loop lays its warps out itself (a warpgroup per 64 rows of the tile); warps() shapes "
+                            "mma_sync tiles");
   if (t.named.cluster && !p.cluster)
     p.not_applied.push_back("cluster(" + f +
                             ", 2) is not applied: an expert reduction (K over one expert's rows) "

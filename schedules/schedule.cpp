@@ -324,7 +324,7 @@ FuncSchedule Schedule::for_func(const std::string &func) const {
   FuncSchedule f = apply(default_, it->second);
   const Overrides &o = it->second;
   f.tiling.named = {o.persistent.value_or(false), o.tma.value_or(false), o.tma_store.value_or(false),
-                    o.cluster_m.value_or(1) > 1};
+                    o.cluster_m.value_or(1) > 1, o.warps_m.has_value()};
   return f;
 }
 

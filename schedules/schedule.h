@@ -44,6 +44,9 @@ enum class Permutation {
 enum class GateFusion {
   combine,  // in the combine kernel that sums each token's pairs
   epilogue, // in the epilogue of the last expert GEMM, before its store
+            // (a forward's; a training step's backward reads that GEMM's
+            // output ungated, so there the gate stays in the combine, and
+            // the program says so)
 };
 
 // The tensor-core instruction a GEMM's main loop is built on.
@@ -93,6 +96,7 @@ struct GemmTiling {
   // differ.
   struct Named {
     bool persistent = false, tma = false, tma_store = false, cluster = false;
+    bool warps = false; // warps(func, ...): its layout, which only mma_sync takes
     bool operator==(const Named &) const { return true; }
   };
   Named named = {};

@@ -1,0 +1,69 @@
+#include "lowering/choices_without_effect.h"
+
+#include "dsl/error.h"
+
+namespace moeforge {
+
+namespace {
+
+struct LayerChoice {
+  std::string call;                     // as the schedule's text writes it
+  bool made;                            // the schedule made it
+  std::function<void(Schedule &)> undo; // the schedule without it
+  std::string why;                      // why a layer may give it nothing to act on
+  bool training_only;                   // read by the training lowering alone
+};
+
+} // namespace
+
+std::vector<std::string> choices_without_effect(const Schedule &s,
+                                                const std::function<std::string(const Schedule &)> &program_text,
+                                                bool training) {
+  const bool blocked = s.permutation() == Permutation::blocked;
+  const std::vector<LayerChoice> choices = {
+      {"padded_elementwise(true)", s.padded_elementwise(), [](Schedule &x) { x.padded_elementwise(false); },
+       blocked ? "the blocked permutation keeps every per-pair tensor in the padded order already"
+               : "no per-pair tensor of this layer changes its row order with it",
+       false},
+      {"gate(epilogue)", s.gate() == GateFusion::epilogue, [](Schedule &x) { x.gate(GateFusion::combine); },
+       training ? "a training step keeps the gate in the combine: its backward reads the expert GEMM's output "
+                  "ungated (for the gate's gradient)"
+       : s.atomic_combine()
+           ? "atomic_combine(true) moves the whole gated combine into the expert GEMM's epilogue "
+             "wherever the gate multiplies"
+           : "this layer has no combine of a gate times an expert GEMM's output, which is what moves into that "
+             "GEMM's epilogue",
+       false},
+      {"bf16_activations(true)", s.bf16_activations(), [](Schedule &x) { x.bf16_activations(false); },
+       "the backward keeps no f32 activation of this layer", true},
+      {"bf16_weight_gradients(true)", s.bf16_weight_gradients(), [](Schedule &x) { x.bf16_weight_gradients(false); },
+       "this layer computes no expert weight's gradient", true},
+      {"chain_summed_gemms(true)", s.chain_summed_gemms(), [](Schedule &x) { x.chain_summed_gemms(false); },
+       "the backward has no two GEMMs whose outputs are only added together through one combine (SwiGLU's and "
+       "GeGLU's input gradients are)",
+       true},
+      {"recompute_elementwise(true)", s.recompute_elementwise(), [](Schedule &x) { x.recompute_elementwise(false); },
+       s.recompute() ? "recompute(true) recomputes the whole forward already"
+                     : "the forward saves no element-wise result that the backward could make again",
+       true},
+  };
+  std::vector<std::string> notes;
+  std::string made; // the program under s, lowered once the first choice needs it
+  for (const LayerChoice &c : choices) {
+    if (!c.made || (c.training_only && !training))
+      continue;
+    if (made.empty())
+      made = program_text(s);
+    Schedule without = s;
+    c.undo(without);
+    try {
+      if (program_text(without) == made)
+        notes.push_back(c.call + " is not applied: it changes nothing in this layer's program: " + c.why);
+    } catch (const UserError &) {
+      // Without the choice the schedule is not a legal one: it mattered.
+    }
+  }
+  return notes;
+}
+
+} // namespace moeforge

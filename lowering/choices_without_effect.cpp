@@ -6,12 +6,15 @@ namespace moeforge {
 
 namespace {
 
+// Which lowering reads a choice: the other ignores it by design.
+enum class ReadBy { both, forward, training };
+
 struct LayerChoice {
   std::string call;                     // as the schedule's text writes it
   bool made;                            // the schedule made it
   std::function<void(Schedule &)> undo; // the schedule without it
   std::string why;                      // why a layer may give it nothing to act on
-  bool training_only;                   // read by the training lowering alone
+  ReadBy read_by;
 };
 
 } // namespace
@@ -24,33 +27,34 @@ std::vector<std::string> choices_without_effect(const Schedule &s,
       {"padded_elementwise(true)", s.padded_elementwise(), [](Schedule &x) { x.padded_elementwise(false); },
        blocked ? "the blocked permutation keeps every per-pair tensor in the padded order already"
                : "no per-pair tensor of this layer changes its row order with it",
-       false},
+       ReadBy::both},
+      // A training step's backward reads the expert GEMM's output ungated
+      // (the gate's gradient), so there the gate stays in the combine
+      // whatever gate() says (GateFusion): a forward-only choice.
       {"gate(epilogue)", s.gate() == GateFusion::epilogue, [](Schedule &x) { x.gate(GateFusion::combine); },
-       training ? "a training step keeps the gate in the combine: its backward reads the expert GEMM's output "
-                  "ungated (for the gate's gradient)"
-       : s.atomic_combine()
-           ? "atomic_combine(true) moves the whole gated combine into the expert GEMM's epilogue "
-             "wherever the gate multiplies"
-           : "this layer has no combine of a gate times an expert GEMM's output, which is what moves into that "
-             "GEMM's epilogue",
-       false},
+       s.atomic_combine() ? "atomic_combine(true) moves the whole gated combine into the expert GEMM's epilogue "
+                            "wherever the gate multiplies"
+                          : "this layer has no combine of a gate times an expert GEMM's output, which is what moves "
+                            "into that GEMM's epilogue",
+       ReadBy::forward},
       {"bf16_activations(true)", s.bf16_activations(), [](Schedule &x) { x.bf16_activations(false); },
-       "the backward keeps no f32 activation of this layer", true},
+       "the backward keeps no f32 activation of this layer", ReadBy::training},
       {"bf16_weight_gradients(true)", s.bf16_weight_gradients(), [](Schedule &x) { x.bf16_weight_gradients(false); },
-       "this layer computes no expert weight's gradient", true},
+       "this layer computes no expert weight's gradient", ReadBy::training},
       {"chain_summed_gemms(true)", s.chain_summed_gemms(), [](Schedule &x) { x.chain_summed_gemms(false); },
        "the backward has no two GEMMs whose outputs are only added together through one combine (SwiGLU's and "
        "GeGLU's input gradients are)",
-       true},
+       ReadBy::training},
       {"recompute_elementwise(true)", s.recompute_elementwise(), [](Schedule &x) { x.recompute_elementwise(false); },
        s.recompute() ? "recompute(true) recomputes the whole forward already"
                      : "the forward saves no element-wise result that the backward could make again",
-       true},
+       ReadBy::training},
   };
+  const ReadBy ignored = training ? ReadBy::forward : ReadBy::training;
   std::vector<std::string> notes;
   std::string made; // the program under s, lowered once the first choice needs it
   for (const LayerChoice &c : choices) {
-    if (!c.made || (c.training_only && !training))
+    if (!c.made || c.read_by == ignored)
       continue;
     if (made.empty())
       made = program_text(s);

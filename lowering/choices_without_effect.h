@@ -19,8 +19,10 @@
 namespace moeforge {
 
 // `program_text(s)`: the program lowered under s, as text (everything the
-// choices can change). `training`: the choices only the training lowering
-// reads are checked too; a forward ignores them by design.
+// choices can change). `training`: the lowering is a training step's, which
+// reads the training-only choices (a forward ignores them by design) and
+// keeps the gate in the combine whatever gate() says (its backward reads
+// the expert outputs ungated), so gate() is a forward's choice.
 std::vector<std::string> choices_without_effect(const Schedule &schedule,
                                                 const std::function<std::string(const Schedule &)> &program_text,
                                                 bool training);

@@ -44,9 +44,8 @@ enum class Permutation {
 enum class GateFusion {
   combine,  // in the combine kernel that sums each token's pairs
   epilogue, // in the epilogue of the last expert GEMM, before its store
-            // (a forward's; a training step's backward reads that GEMM's
-            // output ungated, so there the gate stays in the combine, and
-            // the program says so)
+            // (a forward's choice: a training step's backward reads that
+            // GEMM's output ungated, so there the gate stays in the combine)
 };
 
 // The tensor-core instruction a GEMM's main loop is built on.

@@ -112,8 +112,7 @@ TEST_CASE("atomic_combine: k = 1 stays a store; training takes it where the back
       if (step_name(t.program.steps[i]) == g->name)
         at = i;
     CHECK(at < t.forward_steps);
-    // Neither pass reports its choice idle (a training step's gate stays in
-    // the combine, which is said, but that is gate(epilogue)'s note).
+    // Neither pass reports its choice idle.
     for (const std::string &n : t.program.not_applied) {
       CHECK(n.rfind("atomic_combine", 0) != 0);
       CHECK(n.rfind("gate_gradient_from_dh", 0) != 0);

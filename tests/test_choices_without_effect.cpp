@@ -58,7 +58,8 @@ TEST_CASE("choices without effect: padded_elementwise under the blocked permutat
         }) == 1);
 }
 
-TEST_CASE("choices without effect: the gate in the epilogue, in a layer without a gated combine and in training") {
+TEST_CASE(
+    "choices without effect: the gate in the epilogue of a layer without a gated combine, or beside atomic_combine") {
   Schedule s = preset("scattermoe");
   REQUIRE(s.gate() == GateFusion::epilogue);
   // A routed layer's forward takes it.
@@ -67,10 +68,16 @@ TEST_CASE("choices without effect: the gate in the epilogue, in a layer without 
   CHECK(note_on(forward_notes("dense_mlp", s), "gate(epilogue)") ==
         "gate(epilogue) is not applied: it changes nothing in this layer's program: this layer has no combine of a "
         "gate times an expert GEMM's output, which is what moves into that GEMM's epilogue");
-  // A training step's backward reads o ungated: the gate stays in the combine.
-  CHECK(note_on(training_notes("swiglu_moe", s), "gate(epilogue)") ==
-        "gate(epilogue) is not applied: it changes nothing in this layer's program: a training step keeps the gate "
-        "in the combine: its backward reads the expert GEMM's output ungated (for the gate's gradient)");
+  // A training step keeps the gate in the combine by design (its backward
+  // reads o ungated): a forward's choice, not said there.
+  CHECK(note_on(training_notes("swiglu_moe", s), "gate(epilogue)").empty());
+  // Beside atomic_combine the gate's place is moot: the whole gated combine
+  // goes into o's epilogue either way.
+  Schedule atomic = s;
+  atomic.atomic_combine(true);
+  CHECK(note_on(forward_notes("swiglu_moe", atomic), "gate(epilogue)") ==
+        "gate(epilogue) is not applied: it changes nothing in this layer's program: atomic_combine(true) moves the "
+        "whole gated combine into the expert GEMM's epilogue wherever the gate multiplies");
 }
 
 TEST_CASE("choices without effect: training-only choices, said in training and not in a forward") {

@@ -28,6 +28,7 @@ torch.compiler.disable); it is not a torch.library custom op yet.
 """
 
 import math
+import warnings
 
 import torch
 
@@ -179,6 +180,9 @@ values through numpy: for development and tests, not speed).
         self.pipeline = pipeline
         self.outputs = list(outputs) if outputs is not None else list(pipeline.outputs)
         self.schedule = mf.preset(schedule) if isinstance(schedule, str) else schedule
+        # A choice the layer does not take would otherwise run as if absent, unseen.
+        for note in mf.not_applied(pipeline, self.schedule, self.outputs):
+            warnings.warn(f"moeforge: {note}", stacklevel=2)
         decls = pipeline.buffer_decls
         inputs = [b for b in decls if b["kind"] == "input"]
         if len(inputs) != 1:

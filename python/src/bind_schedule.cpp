@@ -3,9 +3,15 @@
 //
 //   s = mf.scattermoe().tile("h", 128, 128, 64).stages("h", 4).recompute(True)
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <optional>
+
+#include "lowering/gemm_plan.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
 #include "schedules/presets.h"
 #include "schedules/schedule.h"
 
@@ -69,6 +75,18 @@ void bind_schedule(nb::module_ &m) {
   m.def("scattermoe", &scattermoe, "ScatterMoE: gathers and scatters fused into the GEMMs.");
   m.def("preset_names", &preset_names);
   m.def("preset", &preset, "name"_a, "A schedule preset by name (UserError listing them otherwise).");
+  m.def(
+      "not_applied",
+      [](const Pipeline &pipeline, const Schedule &schedule, std::optional<std::vector<Func>> outputs) {
+        // As the command line says them before it runs: the unsplit layer's
+        // program where the experts spread over ranks.
+        const Schedule one = schedule.on_one_rank();
+        return not_applied_choices(outputs ? lower_training(pipeline, *outputs, one).program : lower(pipeline, one));
+      },
+      "pipeline"_a, "schedule"_a, "outputs"_a = nb::none(),
+      "The choices `schedule` made that this layer's program does not take, one line each with why (a Func's GEMM "
+      "that cannot use them, a layer-wide choice that changes nothing here); empty when every choice applies. With "
+      "`outputs`, the training step's program (forward and backward of those Funcs), else the forward's.");
 }
 
 } // namespace moeforge::python

@@ -1,0 +1,40 @@
+"""Choices a layer does not take are said, not dropped: mf.not_applied for
+the forward and the training step, and moeforge.torch.MoELayer's warning
+(skipped without torch or the CPU backend)."""
+
+import pytest
+
+import moeforge as mf
+from conftest import moe_mlp_parts
+
+
+def test_not_applied_names_idle_layer_choices():
+    parts = moe_mlp_parts()
+    layer = mf.Pipeline([parts.y])
+    blocked = mf.megablocks().padded_elementwise(True)
+    assert mf.not_applied(layer, blocked) == [
+        "padded_elementwise(true) is not applied: it changes nothing in this layer's program: the blocked "
+        "permutation keeps every per-pair tensor in the padded order already"]
+    # Scattered rows take it; GeLU's input gradient has nothing to chain.
+    scattered = mf.scattermoe().padded_elementwise(True).chain_summed_gemms(True)
+    assert mf.not_applied(layer, scattered) == []
+    notes = mf.not_applied(layer, scattered, [parts.y])
+    assert len(notes) == 1 and notes[0].startswith("chain_summed_gemms(true) is not applied: ")
+
+
+def test_not_applied_names_a_funcs_choice_its_gemm_cannot_take():
+    parts = moe_mlp_parts()
+    s = mf.scattermoe().tma_store("h", True).tma("h", False)
+    notes = mf.not_applied(mf.Pipeline([parts.y]), s)
+    assert len(notes) == 1 and notes[0].startswith("definition 'h': tma_store(\"h\", true) is not applied: ")
+
+
+def test_moelayer_warns_of_each_choice_it_does_not_take():
+    pytest.importorskip("torch")
+    if not mf.has_cpu_backend:
+        pytest.skip("no CPU backend")
+    import moeforge.torch as mft
+
+    parts = moe_mlp_parts()
+    with pytest.warns(UserWarning, match=r"moeforge: padded_elementwise\(true\) is not applied"):
+        mft.MoELayer(mf.Pipeline([parts.y]), schedule=mf.megablocks().padded_elementwise(True), device="cpu")

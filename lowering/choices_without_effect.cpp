@@ -1,6 +1,12 @@
 #include "lowering/choices_without_effect.h"
 
+#include <functional>
+#include <sstream>
+
 #include "dsl/error.h"
+#include "lowering/gemm_plan.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
 
 namespace moeforge {
 
@@ -17,9 +23,9 @@ struct LayerChoice {
   ReadBy read_by;
 };
 
-} // namespace
-
-std::vector<std::string> choices_without_effect(const Schedule &s,
+// The layer-wide choices of s that leave the program as it is without them:
+// `made` is the program under s as program_text(s) would print it.
+std::vector<std::string> choices_without_effect(const Schedule &s, const std::string &made,
                                                 const std::function<std::string(const Schedule &)> &program_text,
                                                 bool training) {
   const bool blocked = s.permutation() == Permutation::blocked;
@@ -52,12 +58,9 @@ std::vector<std::string> choices_without_effect(const Schedule &s,
   };
   const ReadBy ignored = training ? ReadBy::forward : ReadBy::training;
   std::vector<std::string> notes;
-  std::string made; // the program under s, lowered once the first choice needs it
   for (const LayerChoice &c : choices) {
     if (!c.made || c.read_by == ignored)
       continue;
-    if (made.empty())
-      made = program_text(s);
     Schedule without = s;
     c.undo(without);
     try {
@@ -67,6 +70,48 @@ std::vector<std::string> choices_without_effect(const Schedule &s,
       // Without the choice the schedule is not a legal one: it mattered.
     }
   }
+  return notes;
+}
+
+// The training step as text: its program, and what the forward keeps for
+// the backward or leaves for it to make again (recompute_elementwise
+// changes only those lists' share of the steps).
+std::string training_text(const TrainingProgram &t) {
+  std::ostringstream o;
+  o << t.program << "forward steps " << t.forward_steps << "\nsaved";
+  for (const std::string &n : t.saved)
+    o << " " << n;
+  o << "\nrecomputed";
+  for (const std::string &n : t.recomputed)
+    o << " " << n;
+  return o.str();
+}
+
+std::string forward_text(const KernelProgram &p) {
+  std::ostringstream o;
+  o << p;
+  return o.str();
+}
+
+} // namespace
+
+std::vector<std::string> choices_not_taken(const Pipeline &pipeline, const Schedule &schedule,
+                                           const std::vector<Func> &training_outputs) {
+  const bool training = !training_outputs.empty();
+  std::vector<std::string> notes, idle;
+  if (training) {
+    const TrainingProgram t = lower_training(pipeline, training_outputs, schedule);
+    notes = not_applied_choices(t.program);
+    idle = choices_without_effect(
+        schedule, training_text(t),
+        [&](const Schedule &s) { return training_text(lower_training(pipeline, training_outputs, s)); }, true);
+  } else {
+    const KernelProgram p = lower(pipeline, schedule);
+    notes = not_applied_choices(p);
+    idle = choices_without_effect(
+        schedule, forward_text(p), [&](const Schedule &s) { return forward_text(lower(pipeline, s)); }, false);
+  }
+  notes.insert(notes.end(), idle.begin(), idle.end());
   return notes;
 }
 

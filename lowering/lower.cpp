@@ -7,14 +7,12 @@
 #include <iostream>
 #include <optional>
 #include <set>
-#include <sstream>
 
 #include "dsl/check.h"
 #include "dsl/error.h"
 #include "dsl/ops.h"
 #include "dsl/printer.h"
 #include "dsl/visitor.h"
-#include "lowering/choices_without_effect.h"
 #include "lowering/rename_indices.h"
 
 namespace moeforge {
@@ -1256,9 +1254,7 @@ KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &sche
   return p;
 }
 
-namespace {
-
-KernelProgram lower_forward(const Pipeline &pipeline, const Schedule &schedule, const PassObserver &observe) {
+KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule, const PassObserver &observe) {
   KernelProgram p = lower_before_fusion(pipeline, schedule, observe);
   // Last, so that the row layouts and row maps they read are final.
   const size_t end = merge_sibling_gemms(p, 0, p.steps.size());
@@ -1274,22 +1270,6 @@ KernelProgram lower_forward(const Pipeline &pipeline, const Schedule &schedule, 
   dump("gate_from_routing", p, observe);
   p = softmax_into_routing(std::move(p), schedule);
   dump("softmax_into_routing", p, observe);
-  return p;
-}
-
-} // namespace
-
-KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule, const PassObserver &observe) {
-  KernelProgram p = lower_forward(pipeline, schedule, observe);
-  const std::vector<std::string> idle = choices_without_effect(
-      schedule,
-      [&](const Schedule &s) {
-        std::ostringstream o;
-        o << lower_forward(pipeline, s, {});
-        return o.str();
-      },
-      /*training=*/false);
-  p.not_applied.insert(p.not_applied.end(), idle.begin(), idle.end());
   return p;
 }
 

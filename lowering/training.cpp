@@ -4,11 +4,9 @@
 #include <functional>
 #include <map>
 #include <set>
-#include <sstream>
 
 #include "dsl/error.h"
 #include "dsl/visitor.h"
-#include "lowering/choices_without_effect.h"
 #include "lowering/gate_gradient.h"
 #include "lowering/lower.h"
 #include "lowering/rename_indices.h"
@@ -286,10 +284,7 @@ TrainingProgram lower_training(const Pipeline &forward, const Func &output, cons
   return lower_training(forward, std::vector<Func>{output}, schedule);
 }
 
-namespace {
-
-TrainingProgram lower_training_program(const Pipeline &forward, const std::vector<Func> &outputs,
-                                       const Schedule &schedule) {
+TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> &outputs, const Schedule &schedule) {
   TrainingAlgebra algebra = training_algebra(forward, outputs);
   KernelProgram p = lower_before_fusion(algebra.pipeline, schedule); // fused per part below
   std::vector<bool> fwd = forward_steps(p, algebra.outputs);
@@ -407,30 +402,6 @@ TrainingProgram lower_training_program(const Pipeline &forward, const std::vecto
       if (producer.count(r) && !contains(t.saved, r))
         t.saved.push_back(r);
   t.program = std::move(p);
-  return t;
-}
-
-} // namespace
-
-TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> &outputs, const Schedule &schedule) {
-  TrainingProgram t = lower_training_program(forward, outputs, schedule);
-  const std::vector<std::string> idle = choices_without_effect(
-      schedule,
-      [&](const Schedule &s) {
-        // The program, and what the forward keeps for the backward or
-        // leaves for it to make again.
-        const TrainingProgram other = lower_training_program(forward, outputs, s);
-        std::ostringstream o;
-        o << other.program << "forward steps " << other.forward_steps << "\nsaved";
-        for (const std::string &n : other.saved)
-          o << " " << n;
-        o << "\nrecomputed";
-        for (const std::string &n : other.recomputed)
-          o << " " << n;
-        return o.str();
-      },
-      /*training=*/true);
-  t.program.not_applied.insert(t.program.not_applied.end(), idle.begin(), idle.end());
   return t;
 }
 

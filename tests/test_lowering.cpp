@@ -402,7 +402,6 @@ TEST_CASE("lowering: gate_gradient_from_dh says so where the backward gives it n
   Schedule hopper = preset("scattermoe");
   hopper.gate_gradient_from_dh(true);
   TrainingProgram h = lower_training(ex.pipeline, ex.pipeline.func(ex.output), hopper);
-  for (const std::string &n : h.program.not_applied)
-    CHECK(n.rfind("gate_gradient_from_dh", 0) != 0);
+  CHECK(h.program.not_applied.empty());
   CHECK(h.program.find("d_h_ungated") != nullptr);
 }

@@ -19,6 +19,7 @@
 #include "examples/aux_loss_example.h"
 #include "examples/examples.h"
 #include "examples/skewed_routing.h"
+#include "lowering/choices_without_effect.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
@@ -430,17 +431,16 @@ Schedule resolve_schedule(const Options &o, const Example &ex, const std::string
   return s;
 }
 
-// The choices `schedule` named for a Func that its GEMMs cannot take
-// (lowering/gemm_plan.h), one "note" line each: the same on the CPU and the
-// CUDA backend, which lower the same program. Where the experts spread over
+// The choices `schedule` made that the layer's program does not take
+// (lowering/choices_without_effect.h), one "note" line each: the same on the
+// CPU and the CUDA backend, which lower the same program. Where the experts spread over
 // ranks each side has its own program; the lines are the unsplit layer's.
 void print_not_applied(std::ostream &out, const std::string &backend, const TrainingTask *task, const Example &ex,
                        const Schedule &schedule) {
   if (backend == "reference")
     return; // it runs the algebra, not the schedule
   const Schedule one = schedule.on_one_rank();
-  const KernelProgram p = task ? lower_training(ex.pipeline, task->outputs, one).program : lower(ex.pipeline, one);
-  for (const std::string &n : not_applied_choices(p))
+  for (const std::string &n : choices_not_taken(ex.pipeline, one, task ? task->outputs : std::vector<Func>{}))
     out << "note      " << n << "\n";
 }
 

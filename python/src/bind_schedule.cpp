@@ -9,9 +9,7 @@
 
 #include <optional>
 
-#include "lowering/gemm_plan.h"
-#include "lowering/lower.h"
-#include "lowering/training.h"
+#include "lowering/choices_without_effect.h"
 #include "schedules/presets.h"
 #include "schedules/schedule.h"
 
@@ -80,8 +78,7 @@ void bind_schedule(nb::module_ &m) {
       [](const Pipeline &pipeline, const Schedule &schedule, std::optional<std::vector<Func>> outputs) {
         // As the command line says them before it runs: the unsplit layer's
         // program where the experts spread over ranks.
-        const Schedule one = schedule.on_one_rank();
-        return not_applied_choices(outputs ? lower_training(pipeline, *outputs, one).program : lower(pipeline, one));
+        return choices_not_taken(pipeline, schedule.on_one_rank(), outputs.value_or(std::vector<Func>{}));
       },
       "pipeline"_a, "schedule"_a, "outputs"_a = nb::none(),
       "The choices `schedule` made that this layer's program does not take, one line each with why (a Func's GEMM "

@@ -135,9 +135,9 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // tile no longer needs once its main loop is done, or (persistent blocks,
   // whose producer is filling the ring with the next tile) in a buffer of
   // its own past the ring, whose copy then overlaps the next main loop.
-  // Not in clusters yet: untested there (the failure first blamed on the
-  // pair was the clusters' rasterisation, since fixed), so they keep plain
-  // stores.
+  // Persistent clusters (pair items) too: each block stages past its own
+  // ring, as a persistent block does. A cluster per pair of row tiles (not
+  // persistent) keeps plain stores, untested there.
   // Persistent expert reductions too (a bf16 weight gradient [E, M, N], the
   // expert the map's third coordinate): their tiles are short in K, so the
   // stores, which their consumers otherwise waited for, were a tenth of a
@@ -159,8 +159,8 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   p.ring_bytes = p.stage_bytes + (p.wgmma ? 1024 : 0) + (p.ws || p.tma ? 16 * t.stages : 0) + (p.persistent ? 48 : 0);
   // A block per tile stages every output at once in its idle ring.
   const bool staging_fits = p.persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <= p.stage_bytes;
-  p.out_tma = t.tma_store && !g.out_add && (p.tma || (g.expert_k && p.persistent)) && !p.cluster && outputs_bf16 &&
-              (g.extra.empty() || !g.expert_k) && staging_fits &&
+  p.out_tma = t.tma_store && !g.out_add && (p.tma || (g.expert_k && p.persistent)) && (!p.cluster || p.pair_items) &&
+              outputs_bf16 && (g.extra.empty() || !g.expert_k) && staging_fits &&
               (!p.zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
               (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !p.pair_rows));
   // A persistent block stages its output tile past the ring: whole if that
@@ -238,7 +238,8 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
              {!(p.tma || (g.expert_k && p.persistent)),
               g.expert_k ? "an expert reduction's TMA store comes with persistent blocks (persistent(" + f + ", true))"
                          : "TMA stores come with TMA loads (tma(" + f + ", true) on the wgmma loop)"},
-             {p.cluster, "clusters keep plain stores"},
+             {p.cluster && !p.pair_items, "in clusters, TMA stores come with persistent blocks (persistent(" + f +
+                                              ", true)); a cluster per pair of row tiles keeps plain stores"},
              {!outputs_bf16, "an output is not bf16"},
              {!g.extra.empty() && g.expert_k, "an expert reduction with fused outputs keeps plain stores"},
              {!staging_fits, "its outputs' tiles do not fit the idle ring of stages, where a block per tile "

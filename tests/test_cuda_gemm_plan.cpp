@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <variant>
 
+#include "cuda_resources.h"
 #include "layer_compare.h"
 
 #include "backends/cuda/codegen_cuda.h"
@@ -166,4 +167,36 @@ TEST_CASE("gemm plan: a choice named for a Func that its GEMM cannot take is sai
   GemmTiling a = reduce.for_func("d_w1").tiling, b = a;
   b.named = {};
   CHECK(a == b);
+}
+
+TEST_CASE("gemm plan: persistent clusters store their tiles by TMA, each block past its own ring") {
+  // Mixtral's width with the blocked permutation: h and o in tile order.
+  Example ex = make_example("swiglu_moe", testing::shape(1024, 4096, 14336, 8, 2));
+  Schedule s("pairs");
+  s.permutation(Permutation::blocked).tile("*", 128, 128, 64).mma("*", MmaKind::wgmma_ws).tma("*", true);
+  s.cluster("*", 2).persistent("*", true).tma_store("*", true).tile("o", 128, 256, 64);
+  KernelProgram p = lower(ex.pipeline, s);
+  for (const char *name : {"gemm_h", "gemm_o"}) {
+    GemmPlan plan = plan_gemm(p, gemm_named(p, name));
+    INFO(name);
+    CHECK(plan.pair_items);
+    CHECK(plan.out_tma);
+    // 4 stages of 48 KiB and half of a 128-row tile's columns staged.
+    CHECK(plan.staging_bytes == 128 * 128 * 2);
+    CHECK(plan.shared_bytes() <= Schedule::max_shared_bytes);
+  }
+  const CudaModuleSource src = generate_cuda(p);
+  CHECK(src.source.find("auto ring = Cfg::pair_ring(smem, Cfg::BM * 128 * 2);") != std::string::npos);
+  CHECK(src.source.find("Cfg::pair_done(tile_counter);\n  Cfg::out_done();") != std::string::npos);
+  testing::check_resources(cuda::compile_layer(ex.pipeline, s), s.to_text());
+  // A cluster per pair of row tiles (not persistent) keeps plain stores,
+  // and says so.
+  Schedule plain = s;
+  plain.persistent("h", false).tma_store("h", true);
+  KernelProgram q = lower(ex.pipeline, plain);
+  CHECK_FALSE(plan_gemm(q, gemm_named(q, "gemm_h")).out_tma);
+  const std::vector<std::string> notes = not_applied_choices(q);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0] == "definition 'h': tma_store(\"h\", true) is not applied: in clusters, TMA stores come with "
+                    "persistent blocks (persistent(\"h\", true)); a cluster per pair of row tiles keeps plain stores");
 }

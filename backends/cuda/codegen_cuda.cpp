@@ -833,7 +833,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   if (pair_items) {
     body << "  const long long PAIRS = (" << rows_total << " + 1) / 2;  // pairs of row tiles\n";
     body << "  const long long TOTAL = PAIRS * NUM_N;  // items: a pair of row tiles x a column tile\n";
-    body << "  auto ring = Cfg::pair_ring(smem);\n  const int rank = (int)mf::cluster_rank();\n";
+    body << "  auto ring = Cfg::pair_ring(smem" << (out_tma ? staging : ");") << "\n";
+    body << "  const int rank = (int)mf::cluster_rank();\n";
     body << "  for (long long item = blockIdx.x >> 1; item < TOTAL; item = Cfg::pair_next(ring, " << kb.tile_counter()
          << ")) {\n";
     body << "  const long long tile_id = 2 * item + rank;  // this block's tile of the item\n";
@@ -1025,7 +1026,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
                         gC, body);
   stamp(4);
   if (pair_items)
-    body << "  }  // next item\n  Cfg::pair_done(tile_counter);\n";
+    body << "  }  // next item\n  Cfg::pair_done(tile_counter);\n" << (out_tma ? "  Cfg::out_done();\n" : "");
   else if (persistent)
     body << "  }  // next tile\n  Cfg::tiles_done(tile_counter);\n" << (out_tma ? "  Cfg::out_done();\n" : "");
 

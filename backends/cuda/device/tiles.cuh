@@ -1237,9 +1237,9 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
   // item ids and hands each to both blocks (pair_next); rank 1's warps
   // acknowledge on rank 0's barrier. pair_done ends with a cluster barrier,
   // so no remote release or id can reach a block that has left.
-  // Shared memory: as ring() with no staging.
-  __device__ static Ring pair_ring(unsigned char *smem) {
-    const Ring r = Tiles::ring_layout(smem, 0, 2);
+  // Shared memory: as ring(), each block's output staging past its own ring.
+  __device__ static Ring pair_ring(unsigned char *smem, unsigned out_bytes = 0) {
+    const Ring r = Tiles::ring_layout(smem, out_bytes, 2);
     if (threadIdx.x == 0)
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     cluster_sync(); // the peer's copies, releases and ids may reach these barriers from now on

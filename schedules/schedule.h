@@ -75,11 +75,13 @@ struct GemmTiling {
   // through TMA, one copy instruction per 64 x 64 box, instead of 16-byte
   // cp.async per thread.
   bool tma = false;
-  // wgmma / wgmma_ws, not persistent: a bf16 output stored in tile order
-  // (h in blocked or scattered MoE layers, a dense layer's output) leaves
-  // through TMA: the tile staged in shared memory, then one copy per 64 x 64
-  // box, instead of each thread storing its accumulator fragments. Other
-  // outputs, and GEMMs in clusters, are stored as before.
+  // wgmma / wgmma_ws: a bf16 output stored in tile order (h in blocked or
+  // scattered MoE layers, a dense layer's output) leaves through TMA: the
+  // tile staged in shared memory (a block per tile: its idle ring;
+  // persistent blocks and persistent clusters: a buffer past the ring),
+  // then one copy per 64 x 64 box, instead of each thread storing its
+  // accumulator fragments. Other outputs, and a cluster per pair of row
+  // tiles (not persistent), are stored as before; the plan says so.
   bool tma_store = false;
   // Thread blocks per cluster along M (1 or 2; wgmma_ws with tma): two row
   // tiles of one expert share their B tiles, each block loading half and

@@ -74,8 +74,8 @@ std::vector<std::string> choices_without_effect(const Schedule &s, const std::st
 }
 
 // The training step as text: its program, and what the forward keeps for
-// the backward or leaves for it to make again (recompute_elementwise
-// changes only those lists' share of the steps).
+// the backward or leaves for it to make again (the memory choices move
+// tensors between those lists).
 std::string training_text(const TrainingProgram &t) {
   std::ostringstream o;
   o << t.program << "forward steps " << t.forward_steps << "\nsaved";

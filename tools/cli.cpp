@@ -433,8 +433,9 @@ Schedule resolve_schedule(const Options &o, const Example &ex, const std::string
 
 // The choices `schedule` made that the layer's program does not take
 // (lowering/choices_without_effect.h), one "note" line each: the same on the
-// CPU and the CUDA backend, which lower the same program. Where the experts spread over
-// ranks each side has its own program; the lines are the unsplit layer's.
+// CPU and the CUDA backend, which lower the same program. Where the experts
+// spread over ranks each side has its own program; the lines are the
+// unsplit layer's.
 void print_not_applied(std::ostream &out, const std::string &backend, const TrainingTask *task, const Example &ex,
                        const Schedule &schedule) {
   if (backend == "reference")

@@ -30,11 +30,15 @@ def test_not_applied_names_a_funcs_choice_its_gemm_cannot_take():
 
 
 def test_moelayer_warns_of_each_choice_it_does_not_take():
-    pytest.importorskip("torch")
-    if not mf.has_cpu_backend:
-        pytest.skip("no CPU backend")
+    torch = pytest.importorskip("torch")
+    if mf.has_cuda_backend and mf.gpu_available()[0] and torch.cuda.is_available():
+        device = "cuda"
+    elif mf.has_cpu_backend:
+        device = "cpu"
+    else:
+        pytest.skip("neither a GPU nor the CPU backend")
     import moeforge.torch as mft
 
     parts = moe_mlp_parts()
     with pytest.warns(UserWarning, match=r"moeforge: padded_elementwise\(true\) is not applied"):
-        mft.MoELayer(mf.Pipeline([parts.y]), schedule=mf.megablocks().padded_elementwise(True), device="cpu")
+        mft.MoELayer(mf.Pipeline([parts.y]), schedule=mf.megablocks().padded_elementwise(True), device=device)

@@ -39,6 +39,8 @@ def test_moelayer_warns_of_each_choice_it_does_not_take():
         pytest.skip("neither a GPU nor the CPU backend")
     import moeforge.torch as mft
 
+    # A module trains: its notes are the training step's (GeLU's input
+    # gradient is one GEMM, nothing to chain).
     parts = moe_mlp_parts()
-    with pytest.warns(UserWarning, match=r"moeforge: padded_elementwise\(true\) is not applied"):
-        mft.MoELayer(mf.Pipeline([parts.y]), schedule=mf.megablocks().padded_elementwise(True), device=device)
+    with pytest.warns(UserWarning, match=r"moeforge: chain_summed_gemms\(true\) is not applied"):
+        mft.MoELayer(mf.Pipeline([parts.y]), schedule=mf.scattermoe().chain_summed_gemms(True), device=device)

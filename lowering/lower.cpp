@@ -905,10 +905,11 @@ size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const
 
 namespace {
 
-// The latest GEMM of steps [begin, i) whose output step i reads; -1 for none.
-long latest_gemm_read_by(const KernelProgram &p, size_t begin, size_t i) {
+// The latest GEMM of steps [begin, i) whose output step i reads (`reads`,
+// step_reads of step i); -1 for none.
+long latest_gemm_read_by(const KernelProgram &p, size_t begin, size_t i, const std::vector<std::string> &reads) {
   long j = -1;
-  for (const std::string &r : step_reads(p.steps[i])) {
+  for (const std::string &r : reads) {
     long k = step_writing(p, r);
     if (k >= static_cast<long>(begin) && k < static_cast<long>(i) && std::holds_alternative<GemmStep>(p.steps[k]))
       j = std::max(j, k);
@@ -945,7 +946,7 @@ size_t fuse_elementwise_consumers(KernelProgram &p, size_t begin, size_t end, co
       continue; // fuse_epilogue(f, false) keeps f's own step too (split_unfused_epilogues made it)
     // The latest GEMM of this part whose output the step reads.
     const std::vector<std::string> reads = step_reads(p.steps[i]);
-    const long j = latest_gemm_read_by(p, begin, i);
+    const long j = latest_gemm_read_by(p, begin, i, reads);
     if (j < 0)
       continue;
     GemmStep &g = std::get<GemmStep>(p.steps[j]);
@@ -1036,7 +1037,7 @@ size_t fuse_atomic_combines(KernelProgram &p, size_t begin, size_t end) {
       continue;
     const RoutingNode *r = rs->route.get();
     const std::vector<std::string> reads = step_reads(p.steps[i]);
-    const long j = latest_gemm_read_by(p, begin, i);
+    const long j = latest_gemm_read_by(p, begin, i, reads);
     if (j < 0)
       continue;
     GemmStep &g = std::get<GemmStep>(p.steps[j]);

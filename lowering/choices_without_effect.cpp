@@ -95,8 +95,9 @@ std::string forward_text(const KernelProgram &p) {
 
 } // namespace
 
-std::vector<std::string> choices_not_taken(const Pipeline &pipeline, const Schedule &schedule,
+std::vector<std::string> choices_not_taken(const Pipeline &pipeline, const Schedule &layer_schedule,
                                            const std::vector<Func> &training_outputs) {
+  const Schedule schedule = layer_schedule.on_one_rank();
   const bool training = !training_outputs.empty();
   std::vector<std::string> notes, idle;
   if (training) {

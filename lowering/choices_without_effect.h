@@ -23,7 +23,8 @@
 
 namespace moeforge {
 
-// The notes of the forward's program under `schedule`, or with
+// The notes of the forward's program under `schedule` (the unsplit layer's
+// where the experts spread over ranks: each side has its own program), or with
 // `training_outputs`, the training step's (forward and backward of those
 // Funcs). A training step reads the training-only choices (a forward
 // ignores them by design) and keeps the gate in the combine whatever gate()

@@ -440,8 +440,7 @@ void print_not_applied(std::ostream &out, const std::string &backend, const Trai
                        const Schedule &schedule) {
   if (backend == "reference")
     return; // it runs the algebra, not the schedule
-  const Schedule one = schedule.on_one_rank();
-  for (const std::string &n : choices_not_taken(ex.pipeline, one, task ? task->outputs : std::vector<Func>{}))
+  for (const std::string &n : choices_not_taken(ex.pipeline, schedule, task ? task->outputs : std::vector<Func>{}))
     out << "note      " << n << "\n";
 }
 

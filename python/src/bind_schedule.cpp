@@ -76,9 +76,7 @@ void bind_schedule(nb::module_ &m) {
   m.def(
       "not_applied",
       [](const Pipeline &pipeline, const Schedule &schedule, std::optional<std::vector<Func>> outputs) {
-        // As the command line says them before it runs: the unsplit layer's
-        // program where the experts spread over ranks.
-        return choices_not_taken(pipeline, schedule.on_one_rank(), outputs.value_or(std::vector<Func>{}));
+        return choices_not_taken(pipeline, schedule, outputs.value_or(std::vector<Func>{}));
       },
       "pipeline"_a, "schedule"_a, "outputs"_a = nb::none(),
       "The choices `schedule` made that this layer's program does not take, one line each with why (a Func's GEMM "

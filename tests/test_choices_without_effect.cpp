@@ -57,6 +57,13 @@ TEST_CASE("choices without effect: padded_elementwise under the blocked permutat
   CHECK(notes[1].rfind("padded_elementwise(true) is not applied: ", 0) == 0);
   Example ex = make_example("moe_mlp", kShape);
   CHECK(lower(ex.pipeline, both).not_applied.empty());
+  // Experts spread over ranks: the unsplit layer's notes (lower() itself
+  // refuses expert_parallel).
+  Schedule spread = blocked;
+  spread.expert_parallel(2);
+  CHECK(note_on(forward_notes("swiglu_moe", spread), "padded_elementwise(true)") ==
+        note_on(forward_notes("swiglu_moe", blocked), "padded_elementwise(true)"));
+  CHECK_FALSE(note_on(forward_notes("swiglu_moe", spread), "padded_elementwise(true)").empty());
 }
 
 TEST_CASE(

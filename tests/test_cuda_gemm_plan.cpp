@@ -221,7 +221,19 @@ TEST_CASE("gemm plan: a 256-row tile is two warpgroups of two m64 slices, a bloc
   CHECK(src.source.find("using Cfg = mf::WgmmaWsConfig<256, 192, 4, 1>;") != std::string::npos);
   // No spills at 192 accumulators a thread: the consumers' registers come
   // from the producer (ptxas would spill under the 168 a thread starts with).
-  testing::check_resources(cuda::compile_layer(ex.pipeline, s), s.to_text());
+  // Nor wgmmas serialised by ptxas (a branch between the slices' wgmmas of
+  // one group did that, and cost a third of the GEMM's speed).
+  testing::check_resources(cuda::compile_layer(ex.pipeline, s), s.to_text(), /*whole_wgmma=*/true);
+  // Every GEMM of the small layers at 256 x 192 (SwiGLU's h at 2 x 64) and
+  // 256 x 128, as the GPU tests run them (test_cuda_layer).
+  for (int n : {192, 128})
+    for (const char *example : {"moe_mlp", "swiglu_moe", "dense_mlp"}) {
+      Schedule all("rows256");
+      all.permutation(Permutation::blocked).block(256).tile("*", 256, n, 64).mma("*", MmaKind::wgmma_ws);
+      all.tma("*", true).stages("*", n == 192 ? 4 : 3).tile("h", 256, 64, 64);
+      Example small_ex = make_example(example, testing::shape(333, 200, 328, 8, 2));
+      testing::check_resources(cuda::compile_layer(small_ex.pipeline, all), std::string(example) + all.to_text());
+    }
   // A TMA store is not written for it yet, and says so.
   Schedule store = s;
   store.tma_store("o", true);

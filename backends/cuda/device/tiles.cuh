@@ -752,18 +752,15 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
     }
   }
 
-  // Issues (without waiting) warpgroup wg's wgmmas over stage `slot`; of a
-  // warpgroup's slices, those wholly past the tile's `rows` are skipped (an
-  // expert's last tile: their A rows were never loaded).
-  __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc, int rows = BM) {
+  // Issues (without waiting) warpgroup wg's wgmmas over the first SLICES of
+  // its m64 slices of stage `slot`.
+  template <int SLICES> __device__ static __forceinline__ void mma_slices(unsigned s0, int slot, int wg, Acc &acc) {
     const unsigned sA = s0 + slot * STAGE_BYTES + wg * (WG_ROWS * 128);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ++ks) {
 #pragma unroll
-      for (int ms = 0; ms < MS; ++ms) {
-        if (MS > 1 && ms > 0 && rows <= wg * WG_ROWS + ms * 64)
-          continue;
+      for (int ms = 0; ms < SLICES; ++ms) {
         // K-major A: the next 16 columns start 32 bytes on within the swizzled rows.
         const unsigned long long da = wgmma_desc(sA + ms * (64 * 128) + ks * 32, 16, 1024);
 #pragma unroll
@@ -778,6 +775,17 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
       }
     }
     wgmma_commit();
+  }
+  // Warpgroup wg's wgmmas over stage `slot`, without waiting; a second slice
+  // wholly past the tile's `rows` (an expert's last tile, whose A rows there
+  // were never loaded) is skipped. The choice is made around whole groups:
+  // a branch between the wgmmas of one group made ptxas serialise every
+  // wgmma of the kernel (warning C7520).
+  __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc, int rows = BM) {
+    if (MS > 1 && rows <= wg * WG_ROWS + 64)
+      mma_slices<1>(s0, slot, wg, acc);
+    else
+      mma_slices<MS>(s0, slot, wg, acc);
   }
 
   // ---- B by TMA. tB[b]: operand b as a 3-D tensor map {N, K, batches}

@@ -39,20 +39,10 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   internal_check(!p.in_place || (p.wgmma && g.expert_k && p.nb == 1))
       << "in-place operands are for wgmma expert reductions";
   if (p.wgmma && !p.in_place) {
-    // A thread holds tile_n / 2 accumulators per B operand and m64 slice
-    // (two slices a warpgroup at tile_m 256); past 128 they spill under the
-    // 168 registers a thread starts with, and the 256-row tile reaches 192
-    // with registers taken from the producer (setmaxnreg).
-    const int slices = t.tile_m == 256 ? 2 : 1, cap = slices == 2 ? 192 : 128;
-    const int regs = p.nb * slices * t.tile_n / 2;
-    int widest = 64;
-    for (int n : {128, 192, 256})
-      if (p.nb * slices * n / 2 <= cap)
-        widest = n;
-    user_check(regs <= cap) << "definition '" << g.output << "': " << p.nb << " B operand" << (p.nb > 1 ? "s" : "")
-                            << " with tile " << t.tile_m << "x" << t.tile_n << " need " << regs
-                            << " accumulator registers per thread under wgmma, over " << cap << ": use tile_n "
-                            << widest << " or less" << (slices == 2 ? ", or tile_m 128" : "");
+    user_check(p.nb * t.tile_n / 2 <= 128)
+        << "definition '" << g.output << "': " << p.nb << " B operands with tile_n " << t.tile_n << " need "
+        << p.nb * t.tile_n / 2 << " accumulator registers per thread under wgmma: use tile_n " << 256 / (2 * p.nb)
+        << " or less";
   }
   // B by TMA: a dense [K, N] matrix per expert (or one for all rows), or
   // its transpose [N, K] read in place (the backward's dX = dH W^T), whose
@@ -120,26 +110,6 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
       << "chain_summed_gemms";
   if (p.chained)
     check_multiple_of_8(g, g.chained->k, "chained reduced");
-  // tile_m 256 (two warpgroups of two m64 slices, WgmmaConfig): its
-  // accumulators take registers from the producer at the role split before
-  // the main loop, which a block per tile has; the producer then keeps 40
-  // registers, too few for gathered A rows' pointers, so A comes by TMA.
-  if (p.wgmma && t.tile_m == 256) {
-    const std::string f = "\"" + g.func + "\"", where = "definition '" + g.func + "': tile_m 256 ";
-    user_check(!g.expert_k) << where << "is for routed and dense products; an expert reduction's tiles are 64 "
-                            << "or 128 rows: use tile(" << f << ", 128, " << t.tile_n << ", 64)";
-    user_check(p.ws) << where << "runs in the warp-specialised loop: add mma(" << f << ", wgmma_ws)";
-    user_check(p.a_tma) << where << "reads A and B by TMA, A in tile order: add tma(" << f << ", true)"
-                        << (g.a_rows == RowMap::direct ? ""
-                                                       : " with A in tile order (padded_elementwise(true) or the "
-                                                         "blocked permutation)")
-                        << ", or use tile_m 128";
-    user_check(!p.persistent && !p.cluster && !p.chained) << where << "runs a block per tile: drop "
-                                                          << (p.persistent ? "persistent(" + f + ", true)"
-                                                              : p.cluster  ? "cluster(" + f + ", 2)"
-                                                                           : "chain_summed_gemms")
-                                                          << ", or use tile_m 128";
-  }
 
   // ---- the epilogue
   std::vector<std::pair<std::string, Expr>> outputs{{g.output, g.epilogue}};
@@ -152,7 +122,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // the epilogue's rows through sorted_pair are loaded before the main loop,
   // which hides their latency, and a persistent block's consumers skip the
   // producer's A row lookups, which they would otherwise wait for per tile.
-  p.roomy = !p.wgmma || p.nb * (t.tile_m == 256 ? 2 : 1) * t.tile_n / 2 < 128;
+  p.roomy = !p.wgmma || p.nb * t.tile_n / 2 < 128;
   // A routed tile's rows below `rows` are all real pairs, so an epilogue
   // that stores in tile order and never reads the pair index (h = gelu(acc),
   // say) needs no sorted_pair lookup: it was a dependent load per tile.
@@ -190,7 +160,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // A block per tile stages every output at once in its idle ring.
   const bool staging_fits = p.persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <= p.stage_bytes;
   p.out_tma = t.tma_store && !g.out_add && (p.tma || (g.expert_k && p.persistent)) && (!p.cluster || p.pair_items) &&
-              t.tile_m != 256 && outputs_bf16 && (g.extra.empty() || !g.expert_k) && staging_fits &&
+              outputs_bf16 && (g.extra.empty() || !g.expert_k) && staging_fits &&
               (!p.zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
               (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !p.pair_rows));
   // A persistent block stages its output tile past the ring: whole if that
@@ -210,7 +180,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   if (p.in_place) {
     user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
   }
-  p.threads = p.wgmma ? std::min(t.tile_m, 128) * 2 + (p.ws ? 128 : 0) : t.threads(); // two consumer warpgroups at most
+  p.threads = p.wgmma ? t.tile_m * 2 + (p.ws ? 128 : 0) : t.threads();
   // Two blocks per SM when both fit (shared memory, and at most 64
   // accumulators per thread so registers do): one block's epilogue and
   // prologue then overlap the other's main loop. The warp-specialised kernel
@@ -270,7 +240,6 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
                          : "TMA stores come with TMA loads (tma(" + f + ", true) on the wgmma loop)"},
              {p.cluster && !p.pair_items, "in clusters, TMA stores come with persistent blocks (persistent(" + f +
                                               ", true)); a cluster per pair of row tiles keeps plain stores"},
-             {t.tile_m == 256, "a 256-row tile's output leaves by plain stores"},
              {!outputs_bf16, "an output is not bf16"},
              {!g.extra.empty() && g.expert_k, "an expert reduction with fused outputs keeps plain stores"},
              {!staging_fits, "its outputs' tiles do not fit the idle ring of stages, where a block per tile "
@@ -290,8 +259,7 @@ std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
     << ")\n";
   o << "  tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages, " << p.nb
     << " B operand" << (p.nb > 1 ? "s" : "") << "; main loop " << mma_name(p.mma)
-    << (p.split_k ? ", split-K over the grid's y" : "")
-    << (p.wgmma && t.tile_m == 256 ? ", 2 warpgroups of 2 m64 slices (registers 232 / 40 by setmaxnreg)" : "") << "\n";
+    << (p.split_k ? ", split-K over the grid's y" : "") << "\n";
   auto a_how = [&] {
     if (p.in_place)
       return p.a_tma_rows ? "padded rows by TMA" : "rows in place by cp.async";

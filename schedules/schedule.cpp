@@ -188,8 +188,8 @@ Schedule &Schedule::tile(const std::string &func, int m, int n, int k) {
   check_func_name(call, func);
   user_check(one_of(m, {64, 128, 256})) << call << ": tile_m " << m << " of " << func_label(func)
                                         << " is not supported: use 64, 128 or 256";
-  user_check(one_of(n, {64, 128, 192, 256}))
-      << call << ": tile_n " << n << " of " << func_label(func) << " is not supported: use 64, 128, 192 or 256";
+  user_check(one_of(n, {64, 128, 256})) << call << ": tile_n " << n << " of " << func_label(func)
+                                        << " is not supported: use 64, 128 or 256";
   user_check(one_of(k, {32, 64})) << call << ": tile_k " << k << " of " << func_label(func)
                                   << " is not supported: use 32 or 64";
   Overrides patch;
@@ -393,11 +393,11 @@ void Schedule::check_tilings(const std::string &call, const std::string &changed
     } else {
       // wgmma lays its warps out itself (one warpgroup per 64 rows), so the
       // warps setting does not apply.
-      // A warpgroup issues m64 wgmmas over 128-byte swizzled rows of 64 bf16
-      // (two warpgroups of two m64 slices each at tile_m 256).
-      user_check(t.tile_k == 64) << call << ": wgmma for " << who << " needs tile_k 64, but the tile is " << t.tile_m
-                                 << "x" << t.tile_n << "x" << t.tile_k << ": use tile(\"" << f << "\", " << t.tile_m
-                                 << ", " << t.tile_n << ", 64) (set the tile before mma(..., wgmma))";
+      // A warpgroup issues m64 wgmmas over 128-byte swizzled rows of 64 bf16.
+      user_check(t.tile_k == 64 && (t.tile_m == 64 || t.tile_m == 128))
+          << call << ": wgmma for " << who << " needs tile_k 64 and tile_m 64 or 128, but the tile is " << t.tile_m
+          << "x" << t.tile_n << "x" << t.tile_k << ": use tile(\"" << f << "\", 128, " << t.tile_n
+          << ", 64) (set the tile before mma(..., wgmma))";
       user_check(t.stages >= 3) << call << ": wgmma for " << who
                                 << " keeps one group of MMAs in flight while refilling a stage: use stages >= 3";
     }

@@ -238,7 +238,7 @@ public:
   // plain stores anyway. Not with expert_parallel, whose combine runs where
   // the rows come back.
   Schedule &atomic_combine(bool on);
-  // m in {64, 128, 256}, n in {64, 128, 192, 256}; k in {32, 64}.
+  // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
   Schedule &stages(const std::string &func, int s);
@@ -247,8 +247,8 @@ public:
   // mma_sync; wgmma lays out one warpgroup per 64 rows by itself.
   Schedule &warps(const std::string &func, int warps_m, int warps_n);
   Schedule &fuse_epilogue(const std::string &func, bool fuse);
-  // The tensor-core instruction; wgmma needs tile_k 64 and at least 3
-  // stages (tile_m 256: wgmma_ws with A and B by TMA, gemm_plan.h).
+  // The tensor-core instruction; wgmma needs tile_k 64, tile_m 64 or 128 and
+  // at least 3 stages.
   Schedule &mma(const std::string &func, MmaKind kind);
   // Row tiles per rasterisation band, 1 to 64 (1: plain row-major order).
   Schedule &raster(const std::string &func, int row_tiles);

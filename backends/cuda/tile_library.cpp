@@ -39,7 +39,7 @@ const std::string &tile_library_source() {
   static const std::string source = [] {
     std::string t = kTileLibraryTemplate;
     std::string instances;
-    for (int n : {64, 128, 192, 256})
+    for (int n : {64, 128, 256})
       instances += wgmma_instance(n, 1) + wgmma_instance(n, 0) + wgmma_instance(n, 1, 1);
     const std::string marker = "// MOEFORGE_WGMMA_INSTANCES\n";
     const size_t at = t.find(marker);

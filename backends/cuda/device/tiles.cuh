@@ -545,16 +545,6 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 }
 // cp.async writes through the generic proxy; wgmma reads through the async one.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// A warpgroup's register count, changed at a role split (every thread of
-// the warpgroup executes it): the producer gives registers back, the
-// consumers take them. ptxas compiles the code after each to its count.
-constexpr int kProducerRegs = 40;
-template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
 
 // The multi-stage cp.async pipeline both plain Hopper loops share (every
 // thread loads): load(slot, kt) issues k-tile kt's copies into a stage,
@@ -670,36 +660,25 @@ template <int BN> struct TmaStoreTile {
 
 // BT: the B operands are stored transposed, [N, K] (a backward pass's W^T read
 // in place): their tiles are staged K-major like A's.
-// BM 256: two warpgroups of 128 rows, each issuing two m64 wgmmas (slices
-// of 64 rows) per k step on the same B: a stage of 256 x 64 + 64 x BN moves
-// a fifth fewer bytes per FLOP into shared memory than 128 x 256 at BN 192,
-// and the main loop is bound by those bytes (a block's share of L2 and
-// shared-memory bandwidth), not by its overlap. Its 2 x BN / 2
-// accumulators a thread need more than the 168 registers a 384-thread
-// block starts with: the warp-specialised loop moves registers from the
-// producer to the consumers (setmaxnreg; WgmmaWsConfig::CONSUMER_REGS).
 template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaConfig : TmaStoreTile<BN_> {
   static constexpr int BM = BM_, BN = BN_, BK = 64, STAGES = STAGES_, NB = NB_;
-  static constexpr int WG = BM == 256 ? 2 : BM / 64, THREADS = WG * 128;
-  static constexpr int MS = BM / 64 / WG, WG_ROWS = 64 * MS; // m64 slices (and rows) per warpgroup
-  static constexpr int A_ITERS = BM * 8 / THREADS;           // A chunks per thread and stage
-  static constexpr int MI = MS, NI = BN / 8;
+  static constexpr int WG = BM / 64, THREADS = WG * 128;
+  static constexpr int A_ITERS = BM * 8 / THREADS; // A chunks per thread and stage
+  static constexpr int MI = 1, NI = BN / 8;
   static constexpr int A_STAGE_BYTES = BM * 128, B_STAGE_BYTES = BK * BN * 2;
   static constexpr int STAGE_BYTES = A_STAGE_BYTES + NB * B_STAGE_BYTES;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024; // + alignment slack
-  static_assert(BM == 64 || BM == 128 || BM == 256, "wgmma tiles are 64, 128 or 256 rows");
-  static_assert(BN % 64 == 0 && BN <= 256, "wgmma tiles are 64, 128, 192 or 256 columns");
-  static_assert(NB * MS * BN / 2 <= (MS == 1 ? 128 : 192), "accumulators past the registers a thread can hold");
+  static_assert(BM == 64 || BM == 128, "wgmma tiles are 64 or 128 rows");
+  static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma tiles are 64, 128 or 256 columns");
+  static_assert(NB * BN / 2 <= 128, "accumulators past 128 registers per thread");
   static_assert(STAGES >= 3, "wgmma overlaps one group in flight: at least three stages");
 
-  typedef float Acc[NB][MS][BN / 2];
-  __device__ static __forceinline__ float get(const Acc &acc, int b, int mi, int ni, int e) {
-    return acc[b][mi][ni * 4 + e];
-  }
+  typedef float Acc[NB][BN / 2];
+  __device__ static __forceinline__ float get(const Acc &acc, int b, int, int ni, int e) { return acc[b][ni * 4 + e]; }
   __device__ static __forceinline__ int a_load_row(int tid, int i) { return (tid + i * THREADS) / 8; }
   __device__ static __forceinline__ int a_load_chunk(int tid, int i) { return (tid + i * THREADS) % 8; }
-  __device__ static __forceinline__ int acc_row(int warp, int lane, int mi, int e) {
-    return (warp >> 2) * WG_ROWS + mi * 64 + (warp & 3) * 16 + (lane >> 2) + (e >> 1) * 8;
+  __device__ static __forceinline__ int acc_row(int warp, int lane, int, int e) {
+    return (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2) + (e >> 1) * 8;
   }
   __device__ static __forceinline__ int acc_col(int, int lane, int ni, int e) {
     return ni * 8 + (lane & 3) * 2 + (e & 1);
@@ -752,40 +731,25 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
     }
   }
 
-  // Issues (without waiting) warpgroup wg's wgmmas over the first SLICES of
-  // its m64 slices of stage `slot`.
-  template <int SLICES> __device__ static __forceinline__ void mma_slices(unsigned s0, int slot, int wg, Acc &acc) {
-    const unsigned sA = s0 + slot * STAGE_BYTES + wg * (WG_ROWS * 128);
+  // Issues (without waiting) warpgroup wg's wgmmas over stage `slot`.
+  __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
+    const unsigned sA = s0 + slot * STAGE_BYTES + wg * (64 * 128);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ++ks) {
+      // K-major A: the next 16 columns start 32 bytes on within the swizzled rows.
+      const unsigned long long da = wgmma_desc(sA + ks * 32, 16, 1024);
 #pragma unroll
-      for (int ms = 0; ms < SLICES; ++ms) {
-        // K-major A: the next 16 columns start 32 bytes on within the swizzled rows.
-        const unsigned long long da = wgmma_desc(sA + ms * (64 * 128) + ks * 32, 16, 1024);
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          const unsigned sB = s0 + slot * STAGE_BYTES + A_STAGE_BYTES + b * B_STAGE_BYTES;
-          // N-major B: 16 k-rows are two 8-row groups (2 KiB); slabs are BK * 128 bytes apart.
-          // K-major B (BT): as A, the next 16 k start 32 bytes on.
-          const unsigned long long db =
-              BT ? wgmma_desc(sB + ks * 32, 16, 1024) : wgmma_desc(sB + ks * 2048, BK * 128, 1024);
-          Wgmma<BN, BT ? 0 : 1>::mma(acc[b][ms], da, db);
-        }
+      for (int b = 0; b < NB; ++b) {
+        const unsigned sB = s0 + slot * STAGE_BYTES + A_STAGE_BYTES + b * B_STAGE_BYTES;
+        // N-major B: 16 k-rows are two 8-row groups (2 KiB); slabs are BK * 128 bytes apart.
+        // K-major B (BT): as A, the next 16 k start 32 bytes on.
+        const unsigned long long db =
+            BT ? wgmma_desc(sB + ks * 32, 16, 1024) : wgmma_desc(sB + ks * 2048, BK * 128, 1024);
+        Wgmma<BN, BT ? 0 : 1>::mma(acc[b], da, db);
       }
     }
     wgmma_commit();
-  }
-  // Warpgroup wg's wgmmas over stage `slot`, without waiting; a second slice
-  // wholly past the tile's `rows` (an expert's last tile, whose A rows there
-  // were never loaded) is skipped. The choice is made around whole groups:
-  // a branch between the wgmmas of one group made ptxas serialise every
-  // wgmma of the kernel (warning C7520).
-  __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc, int rows = BM) {
-    if (MS > 1 && rows <= wg * WG_ROWS + 64)
-      mma_slices<1>(s0, slot, wg, acc);
-    else
-      mma_slices<MS>(s0, slot, wg, acc);
   }
 
   // ---- B by TMA. tB[b]: operand b as a 3-D tensor map {N, K, batches}
@@ -865,7 +829,7 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
   __device__ static bool mainloop_tma(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
                                       int K, int n0, int rows, Acc &acc) {
     const int tid = threadIdx.x, wg = tid >> 7, KT = (K + BK - 1) / BK;
-    const bool active = rows > wg * WG_ROWS;
+    const bool active = rows > wg * 64;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
     if (tid == 0)
       for (int s = 0; s < STAGES; ++s)
@@ -882,7 +846,7 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
       mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
       fence_proxy_async(); // A may have come through cp.async (the generic proxy)
       if (active)
-        mma_stage(s0, slot, wg, acc, rows);
+        mma_stage(s0, slot, wg, acc);
       wgmma_wait<1>(); // this warpgroup is done with stage kt - 1 ...
       __syncthreads(); // ... and so is every other: its slot takes stage kt + STAGES - 1
       if (kt + STAGES - 1 < KT)
@@ -1077,10 +1041,7 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig : TmaStoreTile<B
 // GENERIC: some of a stage arrives through cp.async (the generic proxy), so
 // consumers fence before wgmma reads it; stages written by TMA alone need no
 // fence (the mbarrier's completion makes the async proxy's writes visible).
-// CONSUMER_REGS (non-zero): the registers each consumer thread takes from
-// the producer's at the role split (setmaxnreg), for accumulators past the
-// block's even share; the producer keeps kProducerRegs.
-template <int STAGES, int CONSUMERS, bool GENERIC = true, int CONSUMER_REGS = 0, typename Load, typename Mma>
+template <int STAGES, int CONSUMERS, bool GENERIC = true, typename Load, typename Mma>
 __device__ __forceinline__ bool ws_pipeline(unsigned full, int KT, Load load, Mma mma) {
   const int tid = threadIdx.x, wg = tid >> 7;
   const unsigned empty = full + 8 * STAGES;
@@ -1091,8 +1052,6 @@ __device__ __forceinline__ bool ws_pipeline(unsigned full, int KT, Load load, Mm
     }
   __syncthreads();
   if (wg == CONSUMERS / 128) { // ---- producer
-    if (CONSUMER_REGS)
-      setmaxnreg_dec<kProducerRegs>();
     for (int kt = 0; kt < KT; ++kt) {
       const int slot = kt % STAGES;
       if (kt >= STAGES)
@@ -1104,8 +1063,6 @@ __device__ __forceinline__ bool ws_pipeline(unsigned full, int KT, Load load, Mm
     }
     return false;
   }
-  if (CONSUMER_REGS)
-    setmaxnreg_inc<CONSUMER_REGS>();
   for (int kt = 0; kt < KT; ++kt) { // ---- consumers
     const int slot = kt % STAGES;
     mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
@@ -1263,11 +1220,6 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
   using typename Base::Acc;
   using typename Tiles::Ring;
   static constexpr int CONSUMERS = Base::WG * 128, THREADS = CONSUMERS + 128;
-  // Two slices a warpgroup (BM 256): 192 accumulators and the loop's
-  // addresses need more than 168 registers; 2 x 128 x 232 + 128 x 40 fit
-  // the SM's 64 K. The role split then comes before the loop (TMA A only:
-  // the producer's 40 registers hold no gathered row pointers).
-  static constexpr int CONSUMER_REGS = Base::MS > 1 ? 232 : 0;
   static constexpr int A_ITERS = BM * 8 / 128;                      // A chunks per producer thread and stage
   static constexpr int SMEM_BYTES = Base::SMEM_BYTES + 16 * STAGES; // + the mbarriers
   // Every thread computes the producer's row pointers (by its lane in the
@@ -1348,7 +1300,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
       }
       return false;
     }
-    const bool active = rows > wg * Base::WG_ROWS;
+    const bool active = rows > wg * 64;
     auto release = [&](int it) { // slot of stage `it` in both blocks
       const unsigned bar = r.empty + 8 * (it % STAGES);
       if (lane == 0)
@@ -1362,7 +1314,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
       if (!ALoad::BY_TMA)
         fence_proxy_async(); // A came through cp.async
       if (active)
-        Base::mma_stage(r.s0, slot, wg, acc, rows);
+        Base::mma_stage(r.s0, slot, wg, acc);
       wgmma_wait<1>();
       if (kt > 0)
         release(r.it - 1);
@@ -1388,7 +1340,8 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
                                   int rows, Acc &acc) {
     return ring_tile(
         r, K, acc,
-        [&](int slot, int kt, int t) { Base::load_stage_tma(r.s0, r.full, slot, kt, t, a, tB, batch, K, n0); }, rows);
+        [&](int slot, int kt, int t) { Base::load_stage_tma(r.s0, r.full, slot, kt, t, a, tB, batch, K, n0); },
+        rows > (threadIdx.x >> 7) * 64);
   }
   // ---- a chained product (GemmStep::chained): acc = A B + A2 B2, the
   // first product's k-tiles, then the second's, as one run of stages, so
@@ -1411,30 +1364,28 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
     return ring_tile(
         r, KT * BK, acc,
         [&](int slot, int kt, int t) { load_chained(r.s0, r.full, slot, kt, t, a, tB, a2, tB2, batch, K, K2, n0); },
-        rows);
+        rows > (threadIdx.x >> 7) * 64);
   }
   template <typename ALoad>
   __device__ static bool mainloop_tma_chain(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB],
                                             const ALoad &a2, const TmaDesc *const (&tB2)[NB], int batch, int K, int K2,
                                             int n0, int rows, Acc &acc) {
     const int wg = threadIdx.x >> 7;
-    const bool active = rows > wg * Base::WG_ROWS;
+    const bool active = rows > wg * 64;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
     return ws_pipeline<STAGES, CONSUMERS, !ALoad::BY_TMA>(
         full, (K + BK - 1) / BK + (K2 + BK - 1) / BK,
         [&](int slot, int kt, int t) { load_chained(s0, full, slot, kt, t, a, tB, a2, tB2, batch, K, K2, n0); },
         [&](int slot) {
           if (active)
-            Base::mma_stage(s0, slot, wg, acc, rows);
+            Base::mma_stage(s0, slot, wg, acc);
         });
   }
-  // rows: the tile's valid rows (mainloop_tma).
-  template <typename Load> __device__ static bool ring_tile(Ring &r, int K, Acc &acc, Load load, int rows = BM) {
+  template <typename Load> __device__ static bool ring_tile(Ring &r, int K, Acc &acc, Load load, bool active = true) {
     const int wg = threadIdx.x >> 7;
-    const bool active = rows > wg * Base::WG_ROWS;
     return Tiles::ring_stages(r, (K + BK - 1) / BK, load, [&](int slot) {
       if (active)
-        Base::mma_stage(r.s0, slot, wg, acc, rows);
+        Base::mma_stage(r.s0, slot, wg, acc);
     });
   }
 
@@ -1458,14 +1409,14 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
   __device__ static bool mainloop_tma(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
                                       int K, int n0, int rows, Acc &acc) {
     const int wg = threadIdx.x >> 7;
-    const bool active = rows > wg * Base::WG_ROWS;
+    const bool active = rows > wg * 64;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
-    return ws_pipeline<STAGES, CONSUMERS, !ALoad::BY_TMA, CONSUMER_REGS>(
+    return ws_pipeline<STAGES, CONSUMERS, !ALoad::BY_TMA>(
         full, (K + BK - 1) / BK,
         [&](int slot, int kt, int t) { Base::load_stage_tma(s0, full, slot, kt, t, a, tB, batch, K, n0); },
         [&](int slot) {
           if (active)
-            Base::mma_stage(s0, slot, wg, acc, rows);
+            Base::mma_stage(s0, slot, wg, acc);
         });
   }
 
@@ -1509,7 +1460,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
       }
       return false;
     }
-    const bool active = rows > wg * Base::WG_ROWS;
+    const bool active = rows > wg * 64;
     for (int kt = 0; kt < KT; ++kt) { // ---- consumers
       const int slot = kt % STAGES;
       mbar_wait(full + 8 * slot, (kt / STAGES) & 1);
@@ -1518,7 +1469,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
       if (!ALoad::BY_TMA)
         fence_proxy_async(); // A came through cp.async
       if (active)
-        Base::mma_stage(s0, slot, wg, acc, rows);
+        Base::mma_stage(s0, slot, wg, acc);
       wgmma_wait<1>();
       if (kt > 0 && kt - 1 + STAGES < KT) { // stage kt - 1's slot will be refilled: release it
         const unsigned prev = empty + 8 * ((kt - 1) % STAGES);

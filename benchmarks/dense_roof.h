@@ -59,6 +59,15 @@ double roof_forward_ms(const RoofShape &shape, RoofData data = RoofData::random)
 // one timed loop, 20 repetitions.
 double roof_forward_backward_ms(const RoofShape &shape, RoofData data = RoofData::random);
 
+// The forward roof timed now, 20 repetitions, on buffers allocated and
+// filled by the first call for the shape and kept for the process: for a
+// ratio against a time measured just before it. The card's clock drifts by
+// several percent with what it ran in the seconds before, so the roof
+// measured once per process (above) can sit at another clock than a
+// schedule timed minutes later; timed back to back, after the same idle
+// pause, both see the same card.
+double roof_forward_ms_now(const RoofShape &shape);
+
 struct RoofTimes {
   double forward_ms = 0;
   double forward_backward_ms = 0;

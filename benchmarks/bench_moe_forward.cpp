@@ -38,6 +38,27 @@ cuda::Device &device() {
   return d;
 }
 
+// The card's clocks beside each timed region (gpu_clocks.h), or null, said
+// once, where NVML cannot be read.
+bench::ClockSampler *clocks() {
+  static std::unique_ptr<bench::ClockSampler> sampler = [] {
+    std::string why;
+    auto s = bench::ClockSampler::open(device().pci_bus_id(), &why);
+    if (!s)
+      std::fprintf(stderr, "no clock readings: %s\n", why.c_str());
+    return s;
+  }();
+  return sampler.get();
+}
+
+// Counters for a region's clock reading, prefixed ("" for ours, "roof_").
+void report_clocks(benchmark::State &state, const std::string &prefix, const bench::ClockReading &r) {
+  state.counters[prefix + "sm_MHz"] = r.sm_mhz;
+  state.counters[prefix + "power_W"] = r.power_w;
+  state.counters[prefix + "pcap_pct"] = 100.0 * r.power_capped;
+  state.counters[prefix + "thermal_pct"] = 100.0 * r.thermal;
+}
+
 // The hand-written schedules timed beside the presets, as files under
 // benchmarks/schedules/forward/ (<name>_swiglu.sched, <name>_gelu.sched: the
 // single-B GEMMs take 256-wide tiles, SwiGLU's two-B GEMM holds 2 x 128
@@ -105,12 +126,21 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   double ours = 0;
   stream.synchronize();
   bench::cooldown();
+  // The clocks over every timed iteration: sums of the readings' means.
+  bench::ClockReading ours_clocks;
   for (auto _ : state) {
-    double ms = time_ms(stream, 10, [&] { graph.launch(stream); });
+    bench::ClockReading r;
+    double ms = time_ms(
+        stream, 10, [&] { graph.launch(stream); }, clocks(), &r);
     state.SetIterationTime(ms / 1e3);
     ours += ms;
+    ours_clocks.sm_mhz += r.sm_mhz, ours_clocks.power_w += r.power_w;
+    ours_clocks.power_capped += r.power_capped, ours_clocks.thermal += r.thermal;
   }
-  ours /= static_cast<double>(state.iterations());
+  const double iterations = static_cast<double>(state.iterations());
+  ours /= iterations;
+  ours_clocks.sm_mhz /= iterations, ours_clocks.power_w /= iterations;
+  ours_clocks.power_capped /= iterations, ours_clocks.thermal /= iterations;
   experts = layer.routed_experts(ex.route);
   std::vector<int64_t> counts(shape.experts, 0);
   for (int32_t e : experts)
@@ -131,9 +161,21 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   // TFLOP/s on an H100 across one run, so read its median over rounds, and
   // beside `ratio`, not instead of it.
   bench::cooldown();
-  const double roof_now = bench::roof_forward_ms_now({shape.tokens, shape.k, shape.d, shape.f, shape.swiglu});
+  bench::ClockReading roof_clocks;
+  const double roof_now =
+      bench::roof_forward_ms_now({shape.tokens, shape.k, shape.d, shape.f, shape.swiglu}, clocks(), &roof_clocks);
   state.counters["roof_paired_TFLOPs"] = shape.flops() / (roof_now * 1e-3) / 1e12;
   state.counters["ratio_paired"] = roof_now / ours;
+  if (clocks()) {
+    // What each ran at. ratio_cycles = (roof time x roof clock) / (our time x
+    // our clock): the paired ratio with the clock difference taken out, so
+    // the part of a gap that is cycles shows apart from the part that is the
+    // clock the card's power limit allowed each.
+    report_clocks(state, "", ours_clocks);
+    report_clocks(state, "roof_", roof_clocks);
+    state.counters["power_limit_W"] = roof_clocks.power_limit_w;
+    state.counters["ratio_cycles"] = (roof_now * roof_clocks.sm_mhz) / (ours * ours_clocks.sm_mhz);
+  }
   state.counters["max_over_mean"] = *std::max_element(counts.begin(), counts.end()) / mean;
   // Pairs dropped at the capacity, of T * k (0 for dropless schedules).
   state.counters["dropped_pct"] = 100.0 * double(layer.dropped_pairs(ex.route)) / double(shape.tokens * shape.k);

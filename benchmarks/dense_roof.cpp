@@ -64,14 +64,23 @@ struct ForwardGemms {
 } // namespace
 
 double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work) {
+  return time_ms(s, reps, work, nullptr, nullptr);
+}
+
+double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, ClockSampler *clocks,
+               ClockReading *reading) {
   cuda::Event a, b;
   work(); // warm-up
   s.synchronize();
+  if (clocks)
+    clocks->start();
   a.record(s);
   for (int i = 0; i < reps; ++i)
     work();
   b.record(s);
   b.synchronize();
+  if (clocks)
+    *reading = clocks->stop();
   return cuda::elapsed_ms(a, b) / reps;
 }
 
@@ -86,14 +95,15 @@ double roof_forward_ms(const RoofShape &s, RoofData data) {
   return cache[key_of(s, data)] = ms;
 }
 
-double roof_forward_ms_now(const RoofShape &s) {
+double roof_forward_ms_now(const RoofShape &s, ClockSampler *clocks, ClockReading *reading) {
   static std::map<Key, std::unique_ptr<ForwardGemms>> kept;
   std::unique_ptr<ForwardGemms> &fwd = kept[key_of(s, RoofData::random)];
   if (!fwd)
     fwd = std::make_unique<ForwardGemms>(s, RoofData::random);
   cuda::CublasHandle handle;
   cuda::Stream stream;
-  return time_ms(stream, kReps, [&] { fwd->enqueue(handle, stream); });
+  return time_ms(
+      stream, kReps, [&] { fwd->enqueue(handle, stream); }, clocks, reading);
 }
 
 double roof_forward_backward_ms(const RoofShape &s, RoofData data) {

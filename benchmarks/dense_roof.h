@@ -25,6 +25,7 @@
 #pragma once
 
 #include "backends/cuda/stream.h"
+#include "benchmarks/gpu_clocks.h"
 
 #include <cstdint>
 #include <functional>
@@ -48,6 +49,10 @@ struct RoofShape {
 // Average milliseconds of GPU time per call of `work` (which queues on `s`):
 // one warm-up call, then `reps` calls between two events.
 double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work);
+// The same, with the card's clocks read over the timed calls (the warm-up
+// left out) into *reading, when `clocks` is not null.
+double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, ClockSampler *clocks,
+               ClockReading *reading);
 
 // The roof's inputs: random bf16 in [-1, 1) (the roof), or all 1.0.
 enum class RoofData { random, ones };
@@ -65,8 +70,9 @@ double roof_forward_backward_ms(const RoofShape &shape, RoofData data = RoofData
 // several percent with what it ran in the seconds before, so the roof
 // measured once per process (above) can sit at another clock than a
 // schedule timed minutes later; timed back to back, after the same idle
-// pause, both see the same card.
-double roof_forward_ms_now(const RoofShape &shape);
+// pause, both see the same card. With `clocks`, the card's clocks over the
+// timed repetitions go to *reading.
+double roof_forward_ms_now(const RoofShape &shape, ClockSampler *clocks = nullptr, ClockReading *reading = nullptr);
 
 struct RoofTimes {
   double forward_ms = 0;

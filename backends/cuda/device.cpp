@@ -35,6 +35,9 @@ Device::Device(int ordinal) : ordinal_(ordinal) {
   char name[256] = {};
   MOEFORGE_CU(cuDeviceGetName, name, static_cast<int>(sizeof(name)), device_);
   name_ = name;
+  char bus[32] = {}; // "dddd:bb:dd.f" and its terminator fit 13 bytes
+  MOEFORGE_CU(cuDeviceGetPCIBusId, bus, static_cast<int>(sizeof(bus)), device_);
+  pci_bus_id_ = bus;
   sm_count_ = attribute(device_, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
   cc_major_ = attribute(device_, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
   cc_minor_ = attribute(device_, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);

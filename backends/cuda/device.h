@@ -34,6 +34,9 @@ public:
   CUdevice handle() const { return device_; }
   CUcontext context() const { return context_; }
   const std::string &name() const { return name_; }
+  // "0000:19:00.0": the device's PCI address, by which tools outside CUDA
+  // (NVML) find the same card whatever their own numbering.
+  const std::string &pci_bus_id() const { return pci_bus_id_; }
   int sm_count() const { return sm_count_; }
   int cc_major() const { return cc_major_; }
   int cc_minor() const { return cc_minor_; }
@@ -51,7 +54,7 @@ private:
   int ordinal_ = 0;
   CUdevice device_ = 0;
   CUcontext context_ = nullptr;
-  std::string name_;
+  std::string name_, pci_bus_id_;
   int sm_count_ = 0, cc_major_ = 0, cc_minor_ = 0, max_smem_optin_ = 0, l2_bytes_ = 0;
 };
 

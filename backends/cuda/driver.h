@@ -34,6 +34,7 @@ namespace moeforge::cuda {
   X(cuDeviceGetCount)                                                                                                  \
   X(cuDeviceGetName)                                                                                                   \
   X(cuDeviceGetAttribute)                                                                                              \
+  X(cuDeviceGetPCIBusId)                                                                                               \
   X(cuDevicePrimaryCtxRetain)                                                                                          \
   X(cuDevicePrimaryCtxRelease)                                                                                         \
   X(cuCtxSetCurrent)                                                                                                   \

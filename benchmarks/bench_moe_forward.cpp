@@ -176,6 +176,27 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
     state.counters["power_limit_W"] = roof_clocks.power_limit_w;
     state.counters["ratio_cycles"] = (roof_now * roof_clocks.sm_mhz) / (ours * ours_clocks.sm_mhz);
   }
+  if (const double steady_s = bench::steady_seconds(); steady_s > 0) {
+    // Both again at the clock a continuous run keeps (moe_shapes.h), each
+    // after the same idle pause and steady_s seconds of its own work, timed
+    // over about a second.
+    bench::ClockReading ours_steady_clocks, roof_steady_clocks;
+    bench::cooldown();
+    const double ours_steady = bench::time_ms_steady(
+        stream, ours, steady_s * 1e3, 1e3, [&] { graph.launch(stream); }, clocks(), &ours_steady_clocks);
+    bench::cooldown();
+    const double roof_steady = bench::roof_forward_ms_steady({shape.tokens, shape.k, shape.d, shape.f, shape.swiglu},
+                                                             steady_s * 1e3, 1e3, clocks(), &roof_steady_clocks);
+    state.counters["steady_ms"] = ours_steady;
+    state.counters["steady_roof_TFLOPs"] = shape.flops() / (roof_steady * 1e-3) / 1e12;
+    state.counters["ratio_steady"] = roof_steady / ours_steady;
+    if (clocks()) {
+      report_clocks(state, "steady_", ours_steady_clocks);
+      report_clocks(state, "steady_roof_", roof_steady_clocks);
+      state.counters["ratio_steady_cycles"] =
+          (roof_steady * roof_steady_clocks.sm_mhz) / (ours_steady * ours_steady_clocks.sm_mhz);
+    }
+  }
   state.counters["max_over_mean"] = *std::max_element(counts.begin(), counts.end()) / mean;
   // Pairs dropped at the capacity, of T * k (0 for dropless schedules).
   state.counters["dropped_pct"] = 100.0 * double(layer.dropped_pairs(ex.route)) / double(shape.tokens * shape.k);

@@ -3,6 +3,7 @@
 #include "backends/cuda/cublas_gemm.h"
 #include "backends/cuda/device.h"
 
+#include <algorithm>
 #include <cstring>
 #include <initializer_list>
 #include <map>
@@ -95,15 +96,57 @@ double roof_forward_ms(const RoofShape &s, RoofData data) {
   return cache[key_of(s, data)] = ms;
 }
 
-double roof_forward_ms_now(const RoofShape &s, ClockSampler *clocks, ClockReading *reading) {
+double time_ms_steady(const cuda::Stream &s, double call_ms, double warm_ms, double timed_ms,
+                      const std::function<void()> &work, ClockSampler *clocks, ClockReading *reading) {
+  const int warm = std::max(1, static_cast<int>(warm_ms / call_ms));
+  const int reps = std::max(1, static_cast<int>(timed_ms / call_ms));
+  for (int i = 0; i < warm; ++i)
+    work();
+  // Drained before the timed part (an idle gap of microseconds, too short
+  // for the clock to move), so that the samples cover only timed calls.
+  s.synchronize();
+  cuda::Event a, b;
+  if (clocks)
+    clocks->start();
+  a.record(s);
+  for (int i = 0; i < reps; ++i)
+    work();
+  b.record(s);
+  b.synchronize();
+  if (clocks)
+    *reading = clocks->stop();
+  return cuda::elapsed_ms(a, b) / reps;
+}
+
+namespace {
+
+// The forward roof's buffers, allocated and filled once per shape and kept.
+ForwardGemms &kept_forward(const RoofShape &s) {
   static std::map<Key, std::unique_ptr<ForwardGemms>> kept;
   std::unique_ptr<ForwardGemms> &fwd = kept[key_of(s, RoofData::random)];
   if (!fwd)
     fwd = std::make_unique<ForwardGemms>(s, RoofData::random);
+  return *fwd;
+}
+
+} // namespace
+
+double roof_forward_ms_now(const RoofShape &s, ClockSampler *clocks, ClockReading *reading) {
+  ForwardGemms &fwd = kept_forward(s);
   cuda::CublasHandle handle;
   cuda::Stream stream;
   return time_ms(
-      stream, kReps, [&] { fwd->enqueue(handle, stream); }, clocks, reading);
+      stream, kReps, [&] { fwd.enqueue(handle, stream); }, clocks, reading);
+}
+
+double roof_forward_ms_steady(const RoofShape &s, double warm_ms, double timed_ms, ClockSampler *clocks,
+                              ClockReading *reading) {
+  ForwardGemms &fwd = kept_forward(s);
+  cuda::CublasHandle handle;
+  cuda::Stream stream;
+  auto work = [&] { fwd.enqueue(handle, stream); };
+  const double call_ms = time_ms(stream, 3, work); // sets the call counts
+  return time_ms_steady(stream, call_ms, warm_ms, timed_ms, work, clocks, reading);
 }
 
 double roof_forward_backward_ms(const RoofShape &s, RoofData data) {

@@ -54,6 +54,18 @@ double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &wor
 double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, ClockSampler *clocks,
                ClockReading *reading);
 
+// Milliseconds per call of `work` at the card's steady state: calls made for
+// `warm_ms` first (an estimate `call_ms` a call sets the counts), then timed
+// over about `timed_ms`, with the clocks over the timed part into *reading
+// when `clocks` is not null. Why: under a long GEMM the card runs into its
+// power limit within a few hundred milliseconds and lowers its clock; a
+// short burst after an idle pause is timed at a clock a continuous run
+// (training) does not keep, and of two bursts of different lengths the
+// shorter gains most. After `warm_ms` of the same work both sides are timed
+// at the clock their power allows.
+double time_ms_steady(const cuda::Stream &s, double call_ms, double warm_ms, double timed_ms,
+                      const std::function<void()> &work, ClockSampler *clocks, ClockReading *reading);
+
 // The roof's inputs: random bf16 in [-1, 1) (the roof), or all 1.0.
 enum class RoofData { random, ones };
 
@@ -73,6 +85,11 @@ double roof_forward_backward_ms(const RoofShape &shape, RoofData data = RoofData
 // pause, both see the same card. With `clocks`, the card's clocks over the
 // timed repetitions go to *reading.
 double roof_forward_ms_now(const RoofShape &shape, ClockSampler *clocks = nullptr, ClockReading *reading = nullptr);
+
+// The forward roof at the card's steady state (time_ms_steady), on the
+// buffers roof_forward_ms_now keeps.
+double roof_forward_ms_steady(const RoofShape &shape, double warm_ms, double timed_ms, ClockSampler *clocks = nullptr,
+                              ClockReading *reading = nullptr);
 
 struct RoofTimes {
   double forward_ms = 0;

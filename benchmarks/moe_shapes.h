@@ -63,6 +63,14 @@ inline void cooldown() {
     std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(v)));
 }
 
+// MOEFORGE_BENCH_STEADY_S seconds (default 0: off) of the same work before
+// a second, steady-state timing of ours and of the roof (time_ms_steady in
+// dense_roof.h): the clock a continuous run keeps under the power limit.
+inline double steady_seconds() {
+  const char *v = std::getenv("MOEFORGE_BENCH_STEADY_S");
+  return v && *v ? std::atof(v) : 0.0;
+}
+
 // `n` random values in [lo, hi): a sequential generator's for the usual 4M,
 // a counter-based hash (filled on every core) past that.
 inline HostTensor bench_values(int64_t n, std::mt19937_64 &rng, uint64_t stream, double lo, double hi) {

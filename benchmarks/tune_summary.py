@@ -38,6 +38,11 @@ def collect(benchmarks, pattern, key):
         shape, routing, schedule = key(m)
         out.setdefault((shape, routing), {}).setdefault(name_of(schedule), []).append(
             (b["real_time"], b.get("ratio", float("nan")), b.get("ratio_paired", float("nan"))))
+        # The same case at the card's steady state, where the run timed it
+        # (MOEFORGE_BENCH_STEADY_S: dense_roof.h's time_ms_steady).
+        if "steady_ms" in b:
+            out.setdefault((shape, routing, "steady"), {}).setdefault(name_of(schedule), []).append(
+                (b["steady_ms"], b["ratio_steady"], float("nan")))
     return out
 
 
@@ -45,11 +50,14 @@ def report(title, cases, is_tuned, is_hand_written):
     if not cases:
         return
     # The roof ratio against the roof timed once per process, then (where the
-    # benchmark times one after each case: dense_roof.h) the paired one.
+    # benchmark times one after each case: dense_roof.h) the paired one. Rows
+    # marked "steady state": both timed after seconds of their own work, at
+    # the clock the power limit keeps (the second ratio is then n/a).
     print(f"## {title}: medians over rounds, ms (roof ratio / paired roof ratio)")
     print("| shape | routing | tuned | best hand-written | tuned / best | others |")
     print("|---|---|---|---|---|---|")
-    for (shape, routing), by_schedule in sorted(cases.items()):
+    for key, by_schedule in sorted(cases.items()):
+        shape, routing = key[0], key[1] + (" (steady state)" if len(key) > 2 else "")
         med = {s: (statistics.median(t for t, _, _ in v), statistics.median(r for _, r, _ in v), len(v),
                    statistics.median(p for _, _, p in v))
                for s, v in by_schedule.items()}

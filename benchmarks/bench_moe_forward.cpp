@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "backends/cuda/layer.h"
+#include "benchmarks/clock_counters.h"
 #include "benchmarks/dense_roof.h"
 #include "benchmarks/moe_shapes.h"
 #include "benchmarks/schedule_files.h"
@@ -38,26 +39,8 @@ cuda::Device &device() {
   return d;
 }
 
-// The card's clocks beside each timed region (gpu_clocks.h), or null, said
-// once, where NVML cannot be read.
-bench::ClockSampler *clocks() {
-  static std::unique_ptr<bench::ClockSampler> sampler = [] {
-    std::string why;
-    auto s = bench::ClockSampler::open(device().pci_bus_id(), &why);
-    if (!s)
-      std::fprintf(stderr, "no clock readings: %s\n", why.c_str());
-    return s;
-  }();
-  return sampler.get();
-}
-
-// Counters for a region's clock reading, prefixed ("" for ours, "roof_").
-void report_clocks(benchmark::State &state, const std::string &prefix, const bench::ClockReading &r) {
-  state.counters[prefix + "sm_MHz"] = r.sm_mhz;
-  state.counters[prefix + "power_W"] = r.power_w;
-  state.counters[prefix + "pcap_pct"] = 100.0 * r.power_capped;
-  state.counters[prefix + "thermal_pct"] = 100.0 * r.thermal;
-}
+// The card's clocks beside each timed region (clock_counters.h).
+bench::ClockSampler *clocks() { return bench::clocks_of(device()); }
 
 // The hand-written schedules timed beside the presets, as files under
 // benchmarks/schedules/forward/ (<name>_swiglu.sched, <name>_gelu.sched: the
@@ -126,21 +109,17 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   double ours = 0;
   stream.synchronize();
   bench::cooldown();
-  // The clocks over every timed iteration: sums of the readings' means.
-  bench::ClockReading ours_clocks;
+  bench::ClockMeans ours_means; // the clocks over every timed iteration
   for (auto _ : state) {
     bench::ClockReading r;
     double ms = time_ms(
         stream, 10, [&] { graph.launch(stream); }, clocks(), &r);
     state.SetIterationTime(ms / 1e3);
     ours += ms;
-    ours_clocks.sm_mhz += r.sm_mhz, ours_clocks.power_w += r.power_w;
-    ours_clocks.power_capped += r.power_capped, ours_clocks.thermal += r.thermal;
+    ours_means.add(r);
   }
-  const double iterations = static_cast<double>(state.iterations());
-  ours /= iterations;
-  ours_clocks.sm_mhz /= iterations, ours_clocks.power_w /= iterations;
-  ours_clocks.power_capped /= iterations, ours_clocks.thermal /= iterations;
+  ours /= static_cast<double>(state.iterations());
+  const bench::ClockReading ours_clocks = ours_means.mean();
   experts = layer.routed_experts(ex.route);
   std::vector<int64_t> counts(shape.experts, 0);
   for (int32_t e : experts)
@@ -171,8 +150,8 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
     // our clock): the paired ratio with the clock difference taken out, so
     // the part of a gap that is cycles shows apart from the part that is the
     // clock the card's power limit allowed each.
-    report_clocks(state, "", ours_clocks);
-    report_clocks(state, "roof_", roof_clocks);
+    bench::report_clocks(state, "", ours_clocks);
+    bench::report_clocks(state, "roof_", roof_clocks);
     state.counters["power_limit_W"] = roof_clocks.power_limit_w;
     state.counters["ratio_cycles"] = (roof_now * roof_clocks.sm_mhz) / (ours * ours_clocks.sm_mhz);
   }
@@ -187,15 +166,8 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
     bench::cooldown();
     const double roof_steady = bench::roof_forward_ms_steady({shape.tokens, shape.k, shape.d, shape.f, shape.swiglu},
                                                              steady_s * 1e3, 1e3, clocks(), &roof_steady_clocks);
-    state.counters["steady_ms"] = ours_steady;
-    state.counters["steady_roof_TFLOPs"] = shape.flops() / (roof_steady * 1e-3) / 1e12;
-    state.counters["ratio_steady"] = roof_steady / ours_steady;
-    if (clocks()) {
-      report_clocks(state, "steady_", ours_steady_clocks);
-      report_clocks(state, "steady_roof_", roof_steady_clocks);
-      state.counters["ratio_steady_cycles"] =
-          (roof_steady * roof_steady_clocks.sm_mhz) / (ours_steady * ours_steady_clocks.sm_mhz);
-    }
+    bench::report_steady(state, clocks() != nullptr, shape.flops(), ours_steady, ours_steady_clocks, roof_steady,
+                         roof_steady_clocks);
   }
   state.counters["max_over_mean"] = *std::max_element(counts.begin(), counts.end()) / mean;
   // Pairs dropped at the capacity, of T * k (0 for dropless schedules).

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "backends/cuda/training_layer.h"
+#include "benchmarks/clock_counters.h"
 #include "benchmarks/dense_roof.h"
 #include "benchmarks/moe_shapes.h"
 #include "benchmarks/schedule_files.h"
@@ -110,6 +111,25 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, M
   state.counters["ratio"] = roof / ours;
   state.counters["fwd_ms"] = f_ms;
   state.counters["bwd_ms"] = b_ms;
+  if (const double steady_s = bench::steady_seconds(); steady_s > 0) {
+    // The step and the roof again at the clock a continuous run keeps
+    // (moe_shapes.h), each after the same idle pause and steady_s seconds
+    // of its own work, timed over about a second.
+    bench::ClockSampler *clocks = bench::clocks_of(device());
+    bench::ClockReading ours_clocks, roof_clocks;
+    bench::cooldown();
+    const double ours_steady = bench::time_ms_steady(
+        stream, ours, steady_s * 1e3, 1e3,
+        [&] {
+          fwd.launch(stream);
+          bwd.launch(stream);
+        },
+        clocks, &ours_clocks);
+    bench::cooldown();
+    const double roof_steady = bench::roof_forward_backward_ms_steady(rs, steady_s * 1e3, 1e3, clocks, &roof_clocks);
+    bench::report_steady(state, clocks != nullptr, rs.forward_backward_flops(), ours_steady, ours_clocks, roof_steady,
+                         roof_clocks);
+  }
   state.counters["saved_MiB"] = double(layer.saved_bytes()) / (1 << 20);
   // Every tensor the step holds beyond its inputs and weights (activations,
   // intermediates, gradients), all allocated up front: the step's peak

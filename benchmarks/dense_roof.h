@@ -91,6 +91,11 @@ double roof_forward_ms_now(const RoofShape &shape, ClockSampler *clocks = nullpt
 double roof_forward_ms_steady(const RoofShape &shape, double warm_ms, double timed_ms, ClockSampler *clocks = nullptr,
                               ClockReading *reading = nullptr);
 
+// The training roof at the card's steady state, on buffers kept for the
+// process.
+double roof_forward_backward_ms_steady(const RoofShape &shape, double warm_ms, double timed_ms,
+                                       ClockSampler *clocks = nullptr, ClockReading *reading = nullptr);
+
 struct RoofTimes {
   double forward_ms = 0;
   double forward_backward_ms = 0;

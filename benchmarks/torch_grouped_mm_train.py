@@ -224,7 +224,7 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3 / reps
 
 
-def run_case(dev, shape, skew, mm, backward, reps, cooldown=0.0):
+def run_case(dev, shape, skew, mm, backward, reps, cooldown=0.0, steady=0.0):
     sname, T, d, f, E, k, swiglu, ramp = shape
     x, wr, bias, w1, w3, w2, dy, leaves = make_case(dev, T, d, f, E, k, swiglu, ramp, skew)
     t = lambda w_: w_.transpose(-2, -1) if w_ is not None else None
@@ -250,6 +250,15 @@ def run_case(dev, shape, skew, mm, backward, reps, cooldown=0.0):
         torch.cuda.synchronize()
         time.sleep(cooldown)
     ms = timer.ms(step, 3, reps)
+    steady_ms = None
+    if dev.type == "cuda" and steady > 0:
+        # --steady: the step again after the same pause and `steady` seconds of
+        # steps, timed over about a second, as bench_moe_train does with
+        # MOEFORGE_BENCH_STEADY_S: the clock the card's power limit keeps in
+        # a continuous run, not a burst's.
+        torch.cuda.synchronize()
+        time.sleep(cooldown)
+        steady_ms = timer.ms(step, max(1, int(steady * 1e3 / ms)), max(1, int(1e3 / ms)))
     for p in leaves:
         p.grad = None
     fwd_ms = timer.ms(lambda: fwd(), 1, reps)  # grad-enabled; the graph is dropped each time
@@ -276,6 +285,8 @@ def run_case(dev, shape, skew, mm, backward, reps, cooldown=0.0):
     out = dict(shape=sname, routing="skewed" if skew else "uniform", ms=ms, tflops=flops / ms / 1e9,
                fwd_ms=fwd_ms, act_MiB=act, saved_MiB=saved, step_peak_MiB=step_peak,
                max_over_mean=max_over_mean, empty_experts=empty, flops=flops, backward=backward)
+    if steady_ms is not None:
+        out.update(steady_ms=steady_ms, steady_tflops=flops / steady_ms / 1e9)
     return out
 
 
@@ -311,6 +322,9 @@ def main():
     ap.add_argument("--reps", type=int, default=10, help="timed steps per case")
     ap.add_argument("--cooldown", type=float, default=0.0,
                     help="seconds idle before each case's timed steps (as MOEFORGE_BENCH_COOLDOWN_S gives ours)")
+    ap.add_argument("--steady", type=float, default=0.0,
+                    help="also time each step after this many seconds of steps (the card's steady state, as "
+                         "MOEFORGE_BENCH_STEADY_S gives ours)")
     ap.add_argument("--tiny", action="store_true", help="shapes scaled down (a logic test; CPU allowed)")
     args = ap.parse_args()
 
@@ -354,7 +368,7 @@ def main():
         for skew in (False, True):
             routing_name = "skewed" if skew else "uniform"
             try:
-                out = run_case(dev, shape, skew, mm, backward, args.reps, args.cooldown)
+                out = run_case(dev, shape, skew, mm, backward, args.reps, args.cooldown, args.steady)
             except torch.cuda.OutOfMemoryError as e:
                 out = dict(shape=shape[0], routing=routing_name,
                            error="out of GPU memory: " + str(e).splitlines()[0][:250])

@@ -40,7 +40,7 @@ cuda::Device &device() {
 }
 
 // The card's clocks beside each timed region (clock_counters.h).
-bench::ClockSampler *clocks() { return bench::clocks_of(device()); }
+cuda::ClockSampler *clocks() { return bench::clocks_of(device()); }
 
 // The hand-written schedules timed beside the presets, as files under
 // benchmarks/schedules/forward/ (<name>_swiglu.sched, <name>_gelu.sched: the
@@ -111,7 +111,7 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   bench::cooldown();
   bench::ClockMeans ours_means; // the clocks over every timed iteration
   for (auto _ : state) {
-    bench::ClockReading r;
+    cuda::ClockReading r;
     double ms = time_ms(
         stream, 10, [&] { graph.launch(stream); }, clocks(), &r);
     state.SetIterationTime(ms / 1e3);
@@ -119,7 +119,7 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
     ours_means.add(r);
   }
   ours /= static_cast<double>(state.iterations());
-  const bench::ClockReading ours_clocks = ours_means.mean();
+  const cuda::ClockReading ours_clocks = ours_means.mean();
   experts = layer.routed_experts(ex.route);
   std::vector<int64_t> counts(shape.experts, 0);
   for (int32_t e : experts)
@@ -140,7 +140,7 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   // TFLOP/s on an H100 across one run, so read its median over rounds, and
   // beside `ratio`, not instead of it.
   bench::cooldown();
-  bench::ClockReading roof_clocks;
+  cuda::ClockReading roof_clocks;
   const double roof_now =
       bench::roof_forward_ms_now({shape.tokens, shape.k, shape.d, shape.f, shape.swiglu}, clocks(), &roof_clocks);
   state.counters["roof_paired_TFLOPs"] = shape.flops() / (roof_now * 1e-3) / 1e12;
@@ -159,7 +159,7 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
     // Both again at the clock a continuous run keeps (moe_shapes.h), each
     // after the same idle pause and steady_s seconds of its own work, timed
     // over about a second.
-    bench::ClockReading ours_steady_clocks, roof_steady_clocks;
+    cuda::ClockReading ours_steady_clocks, roof_steady_clocks;
     bench::cooldown();
     const double ours_steady = bench::time_ms_steady(
         stream, ours, steady_s * 1e3, 1e3, [&] { graph.launch(stream); }, clocks(), &ours_steady_clocks);

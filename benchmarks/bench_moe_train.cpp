@@ -115,8 +115,8 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, M
     // The step and the roof again at the clock a continuous run keeps
     // (moe_shapes.h), each after the same idle pause and steady_s seconds
     // of its own work, timed over about a second.
-    bench::ClockSampler *clocks = bench::clocks_of(device());
-    bench::ClockReading ours_clocks, roof_clocks;
+    cuda::ClockSampler *clocks = bench::clocks_of(device());
+    cuda::ClockReading ours_clocks, roof_clocks;
     bench::cooldown();
     const double ours_steady = bench::time_ms_steady(
         stream, ours, steady_s * 1e3, 1e3,

@@ -1,5 +1,5 @@
 // The card's clocks as Google Benchmark counters, for every benchmark that
-// times the GPU against a roof (gpu_clocks.h says why they are read).
+// times the GPU against a roof (backends/cuda/device_clocks.h says why they are read).
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -9,16 +9,16 @@
 #include <string>
 
 #include "backends/cuda/device.h"
-#include "benchmarks/gpu_clocks.h"
+#include "backends/cuda/device_clocks.h"
 
 namespace moeforge::bench {
 
 // The process's sampler for `device`, or null where NVML cannot be read
 // (said once on stderr; the benchmarks then report no clock counters).
-inline ClockSampler *clocks_of(const cuda::Device &device) {
-  static std::unique_ptr<ClockSampler> sampler = [&] {
+inline cuda::ClockSampler *clocks_of(const cuda::Device &device) {
+  static std::unique_ptr<cuda::ClockSampler> sampler = [&] {
     std::string why;
-    auto s = ClockSampler::open(device.pci_bus_id(), &why);
+    auto s = cuda::ClockSampler::open(device.pci_bus_id(), &why);
     if (!s)
       std::fprintf(stderr, "no clock readings: %s\n", why.c_str());
     return s;
@@ -27,7 +27,7 @@ inline ClockSampler *clocks_of(const cuda::Device &device) {
 }
 
 // A region's reading as counters, named with `prefix` ("" for ours, "roof_").
-inline void report_clocks(benchmark::State &state, const std::string &prefix, const ClockReading &r) {
+inline void report_clocks(benchmark::State &state, const std::string &prefix, const cuda::ClockReading &r) {
   state.counters[prefix + "sm_MHz"] = r.sm_mhz;
   state.counters[prefix + "power_W"] = r.power_w;
   state.counters[prefix + "pcap_pct"] = 100.0 * r.power_capped;
@@ -42,7 +42,7 @@ inline void report_clocks(benchmark::State &state, const std::string &prefix, co
 // is cycles shows apart from the part that is the clock the power limit
 // allowed each.
 inline void report_steady(benchmark::State &state, bool with_clocks, double flops, double ours_ms,
-                          const ClockReading &ours, double roof_ms, const ClockReading &roof) {
+                          const cuda::ClockReading &ours, double roof_ms, const cuda::ClockReading &roof) {
   state.counters["steady_ms"] = ours_ms;
   state.counters["steady_roof_TFLOPs"] = flops / (roof_ms * 1e-3) / 1e12;
   state.counters["ratio_steady"] = roof_ms / ours_ms;
@@ -55,15 +55,15 @@ inline void report_steady(benchmark::State &state, bool with_clocks, double flop
 
 // Means of several readings' means (a benchmark's timed iterations).
 struct ClockMeans {
-  ClockReading sum;
+  cuda::ClockReading sum;
   int n = 0;
-  void add(const ClockReading &r) {
+  void add(const cuda::ClockReading &r) {
     sum.sm_mhz += r.sm_mhz, sum.power_w += r.power_w, sum.power_capped += r.power_capped, sum.thermal += r.thermal;
     sum.power_limit_w = r.power_limit_w;
     ++n;
   }
-  ClockReading mean() const {
-    ClockReading m = sum;
+  cuda::ClockReading mean() const {
+    cuda::ClockReading m = sum;
     if (n > 0)
       m.sm_mhz /= n, m.power_w /= n, m.power_capped /= n, m.thermal /= n;
     return m;

@@ -68,8 +68,8 @@ double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &wor
   return time_ms(s, reps, work, nullptr, nullptr);
 }
 
-double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, ClockSampler *clocks,
-               ClockReading *reading) {
+double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, cuda::ClockSampler *clocks,
+               cuda::ClockReading *reading) {
   cuda::Event a, b;
   work(); // warm-up
   s.synchronize();
@@ -97,7 +97,7 @@ double roof_forward_ms(const RoofShape &s, RoofData data) {
 }
 
 double time_ms_steady(const cuda::Stream &s, double call_ms, double warm_ms, double timed_ms,
-                      const std::function<void()> &work, ClockSampler *clocks, ClockReading *reading) {
+                      const std::function<void()> &work, cuda::ClockSampler *clocks, cuda::ClockReading *reading) {
   const int warm = std::max(1, static_cast<int>(warm_ms / call_ms));
   const int reps = std::max(1, static_cast<int>(timed_ms / call_ms));
   for (int i = 0; i < warm; ++i)
@@ -131,7 +131,7 @@ ForwardGemms &kept_forward(const RoofShape &s) {
 
 } // namespace
 
-double roof_forward_ms_now(const RoofShape &s, ClockSampler *clocks, ClockReading *reading) {
+double roof_forward_ms_now(const RoofShape &s, cuda::ClockSampler *clocks, cuda::ClockReading *reading) {
   ForwardGemms &fwd = kept_forward(s);
   cuda::CublasHandle handle;
   cuda::Stream stream;
@@ -139,8 +139,8 @@ double roof_forward_ms_now(const RoofShape &s, ClockSampler *clocks, ClockReadin
       stream, kReps, [&] { fwd.enqueue(handle, stream); }, clocks, reading);
 }
 
-double roof_forward_ms_steady(const RoofShape &s, double warm_ms, double timed_ms, ClockSampler *clocks,
-                              ClockReading *reading) {
+double roof_forward_ms_steady(const RoofShape &s, double warm_ms, double timed_ms, cuda::ClockSampler *clocks,
+                              cuda::ClockReading *reading) {
   ForwardGemms &fwd = kept_forward(s);
   cuda::CublasHandle handle;
   cuda::Stream stream;
@@ -185,8 +185,8 @@ double roof_forward_backward_ms(const RoofShape &s, RoofData data) {
   return cache[key_of(s, data)] = ms;
 }
 
-double roof_forward_backward_ms_steady(const RoofShape &s, double warm_ms, double timed_ms, ClockSampler *clocks,
-                                       ClockReading *reading) {
+double roof_forward_backward_ms_steady(const RoofShape &s, double warm_ms, double timed_ms, cuda::ClockSampler *clocks,
+                                       cuda::ClockReading *reading) {
   // Kept for the process, as the forward's (mixtral's: about 4 GiB).
   static std::map<Key, std::unique_ptr<TrainingGemms>> kept;
   std::unique_ptr<TrainingGemms> &gemms = kept[key_of(s, RoofData::random)];

@@ -24,8 +24,8 @@
 // forward + backward: about 4 GiB) and frees them before returning.
 #pragma once
 
+#include "backends/cuda/device_clocks.h"
 #include "backends/cuda/stream.h"
-#include "benchmarks/gpu_clocks.h"
 
 #include <cstdint>
 #include <functional>
@@ -51,8 +51,8 @@ struct RoofShape {
 double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work);
 // The same, with the card's clocks read over the timed calls (the warm-up
 // left out) into *reading, when `clocks` is not null.
-double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, ClockSampler *clocks,
-               ClockReading *reading);
+double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, cuda::ClockSampler *clocks,
+               cuda::ClockReading *reading);
 
 // Milliseconds per call of `work` at the card's steady state: calls made for
 // `warm_ms` first (an estimate `call_ms` a call sets the counts), then timed
@@ -64,7 +64,7 @@ double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &wor
 // shorter gains most. After `warm_ms` of the same work both sides are timed
 // at the clock their power allows.
 double time_ms_steady(const cuda::Stream &s, double call_ms, double warm_ms, double timed_ms,
-                      const std::function<void()> &work, ClockSampler *clocks, ClockReading *reading);
+                      const std::function<void()> &work, cuda::ClockSampler *clocks, cuda::ClockReading *reading);
 
 // The roof's inputs: random bf16 in [-1, 1) (the roof), or all 1.0.
 enum class RoofData { random, ones };
@@ -84,17 +84,18 @@ double roof_forward_backward_ms(const RoofShape &shape, RoofData data = RoofData
 // schedule timed minutes later; timed back to back, after the same idle
 // pause, both see the same card. With `clocks`, the card's clocks over the
 // timed repetitions go to *reading.
-double roof_forward_ms_now(const RoofShape &shape, ClockSampler *clocks = nullptr, ClockReading *reading = nullptr);
+double roof_forward_ms_now(const RoofShape &shape, cuda::ClockSampler *clocks = nullptr,
+                           cuda::ClockReading *reading = nullptr);
 
 // The forward roof at the card's steady state (time_ms_steady), on the
 // buffers roof_forward_ms_now keeps.
-double roof_forward_ms_steady(const RoofShape &shape, double warm_ms, double timed_ms, ClockSampler *clocks = nullptr,
-                              ClockReading *reading = nullptr);
+double roof_forward_ms_steady(const RoofShape &shape, double warm_ms, double timed_ms,
+                              cuda::ClockSampler *clocks = nullptr, cuda::ClockReading *reading = nullptr);
 
 // The training roof at the card's steady state, on buffers kept for the
 // process.
 double roof_forward_backward_ms_steady(const RoofShape &shape, double warm_ms, double timed_ms,
-                                       ClockSampler *clocks = nullptr, ClockReading *reading = nullptr);
+                                       cuda::ClockSampler *clocks = nullptr, cuda::ClockReading *reading = nullptr);
 
 struct RoofTimes {
   double forward_ms = 0;

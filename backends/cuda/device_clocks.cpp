@@ -1,12 +1,13 @@
-#include "benchmarks/gpu_clocks.h"
+#include "backends/cuda/device_clocks.h"
 
 #include <dlfcn.h>
 
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 
-namespace moeforge::bench {
+namespace moeforge::cuda {
 
 // The few NVML entry points read here, declared from NVML's documented C
 // API (the CUDA toolkit ships no nvml.h without its development package).
@@ -38,15 +39,16 @@ struct ClockSampler::Nvml {
 
 namespace {
 
-// Loaded and initialised once per process; null with the reason when NVML
-// is absent. The library stays loaded for the process (never dlclose'd or
-// shut down: samplers may outlive any one owner).
-std::shared_ptr<const ClockSampler::Nvml> load_nvml(std::string *why);
+// Loaded and initialised once per process and library name; null with the
+// reason when NVML is absent. The library stays loaded for the process
+// (never dlclose'd or shut down: samplers may outlive any one owner).
+std::shared_ptr<const ClockSampler::Nvml> load_nvml(const std::string &library, std::string *why);
 
 } // namespace
 
-std::unique_ptr<ClockSampler> ClockSampler::open(const std::string &pci_bus_id, std::string *why) {
-  std::shared_ptr<const Nvml> nvml = load_nvml(why);
+std::unique_ptr<ClockSampler> ClockSampler::open(const std::string &pci_bus_id, std::string *why,
+                                                 const std::string &library) {
+  std::shared_ptr<const Nvml> nvml = load_nvml(library, why);
   if (!nvml)
     return nullptr;
   Nvml::Device device = nullptr;
@@ -121,11 +123,11 @@ ClockReading ClockSampler::stop() {
 
 namespace {
 
-std::shared_ptr<const ClockSampler::Nvml> load_nvml_once(std::string &why) {
-  void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+std::shared_ptr<const ClockSampler::Nvml> load_nvml_once(const std::string &library, std::string &why) {
+  void *lib = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char *err = dlerror();
-    why = std::string("libnvidia-ml.so.1 not found (") + (err ? err : "dlopen failed") + ")";
+    why = library + " not found (" + (err ? err : "dlopen failed") + ")";
     return nullptr;
   }
   auto nvml = std::make_shared<ClockSampler::Nvml>();
@@ -143,7 +145,7 @@ std::shared_ptr<const ClockSampler::Nvml> load_nvml_once(std::string &why) {
                   (resolve(nvml->clock_reasons, "nvmlDeviceGetCurrentClocksEventReasons") ||
                    resolve(nvml->clock_reasons, "nvmlDeviceGetCurrentClocksThrottleReasons"));
   if (!ok) {
-    why = "libnvidia-ml.so.1 lacks an entry point the clock sampler reads";
+    why = library + " lacks an entry point the clock sampler reads";
     return nullptr;
   }
   const int r = nvml->init();
@@ -154,16 +156,25 @@ std::shared_ptr<const ClockSampler::Nvml> load_nvml_once(std::string &why) {
   return nvml;
 }
 
-std::shared_ptr<const ClockSampler::Nvml> load_nvml(std::string *why) {
-  static std::string failure;
-  static std::shared_ptr<const ClockSampler::Nvml> nvml;
-  static std::once_flag once;
-  std::call_once(once, [] { nvml = load_nvml_once(failure); });
-  if (!nvml && why)
-    *why = failure;
-  return nvml;
+std::shared_ptr<const ClockSampler::Nvml> load_nvml(const std::string &library, std::string *why) {
+  struct Loaded {
+    std::shared_ptr<const ClockSampler::Nvml> nvml;
+    std::string failure;
+  };
+  static std::mutex mutex;
+  static std::map<std::string, Loaded> loaded;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = loaded.find(library);
+  if (it == loaded.end()) {
+    Loaded l;
+    l.nvml = load_nvml_once(library, l.failure);
+    it = loaded.emplace(library, std::move(l)).first;
+  }
+  if (!it->second.nvml && why)
+    *why = it->second.failure;
+  return it->second.nvml;
 }
 
 } // namespace
 
-} // namespace moeforge::bench
+} // namespace moeforge::cuda

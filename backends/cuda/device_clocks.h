@@ -11,9 +11,9 @@
 // (time x clock) from energy (the clock the work allowed).
 //
 // NVML is the driver's own library (libnvidia-ml.so.1), loaded with dlopen
-// as the driver is (backends/cuda/driver.cpp): a machine without a GPU has
-// none, and the benchmarks still build and skip there. Only reads are made;
-// clocks and limits are never set.
+// as the driver is (driver.cpp): a machine without a GPU has none, and
+// everything still builds and runs there without readings. Only reads are
+// made; clocks and limits are never set.
 #pragma once
 
 #include <atomic>
@@ -21,7 +21,7 @@
 #include <string>
 #include <thread>
 
-namespace moeforge::bench {
+namespace moeforge::cuda {
 
 // Means over the samples of one region.
 struct ClockReading {
@@ -35,9 +35,11 @@ struct ClockReading {
 
 class ClockSampler {
 public:
-  // The sampler for the GPU at `pci_bus_id` (cuda::Device::pci_bus_id), or
-  // null with the reason in *why when NVML or the device cannot be opened.
-  static std::unique_ptr<ClockSampler> open(const std::string &pci_bus_id, std::string *why);
+  // The sampler for the GPU at `pci_bus_id` (Device::pci_bus_id), or null
+  // with the reason in *why when NVML (`library`) or the device cannot be
+  // opened.
+  static std::unique_ptr<ClockSampler> open(const std::string &pci_bus_id, std::string *why,
+                                            const std::string &library = "libnvidia-ml.so.1");
   ~ClockSampler();
   ClockSampler(const ClockSampler &) = delete;
   ClockSampler &operator=(const ClockSampler &) = delete;
@@ -47,7 +49,7 @@ public:
   void start();
   ClockReading stop();
 
-  struct Nvml; // the NVML entry points (gpu_clocks.cpp)
+  struct Nvml; // the NVML entry points (device_clocks.cpp)
 
 private:
   ClockSampler(std::shared_ptr<const Nvml> nvml, void *device);
@@ -62,4 +64,4 @@ private:
   double mhz_ = 0, watts_ = 0, capped_ = 0, thermal_ = 0;
 };
 
-} // namespace moeforge::bench
+} // namespace moeforge::cuda

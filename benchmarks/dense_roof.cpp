@@ -68,11 +68,17 @@ double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &wor
   return time_ms(s, reps, work, nullptr, nullptr);
 }
 
-double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, cuda::ClockSampler *clocks,
-               cuda::ClockReading *reading) {
-  cuda::Event a, b;
-  work(); // warm-up
+namespace {
+
+// `warm` calls of `work`, drained (an idle gap of microseconds, too short
+// for the clock to move, so that the samples cover only timed calls), then
+// `reps` calls between two events with the clocks read over them.
+double warm_then_time(const cuda::Stream &s, int warm, int reps, const std::function<void()> &work,
+                      cuda::ClockSampler *clocks, cuda::ClockReading *reading) {
+  for (int i = 0; i < warm; ++i)
+    work();
   s.synchronize();
+  cuda::Event a, b;
   if (clocks)
     clocks->start();
   a.record(s);
@@ -83,6 +89,13 @@ double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &wor
   if (clocks)
     *reading = clocks->stop();
   return cuda::elapsed_ms(a, b) / reps;
+}
+
+} // namespace
+
+double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, cuda::ClockSampler *clocks,
+               cuda::ClockReading *reading) {
+  return warm_then_time(s, 1, reps, work, clocks, reading);
 }
 
 double roof_forward_ms(const RoofShape &s, RoofData data) {
@@ -100,22 +113,7 @@ double time_ms_steady(const cuda::Stream &s, double call_ms, double warm_ms, dou
                       const std::function<void()> &work, cuda::ClockSampler *clocks, cuda::ClockReading *reading) {
   const int warm = std::max(1, static_cast<int>(warm_ms / call_ms));
   const int reps = std::max(1, static_cast<int>(timed_ms / call_ms));
-  for (int i = 0; i < warm; ++i)
-    work();
-  // Drained before the timed part (an idle gap of microseconds, too short
-  // for the clock to move), so that the samples cover only timed calls.
-  s.synchronize();
-  cuda::Event a, b;
-  if (clocks)
-    clocks->start();
-  a.record(s);
-  for (int i = 0; i < reps; ++i)
-    work();
-  b.record(s);
-  b.synchronize();
-  if (clocks)
-    *reading = clocks->stop();
-  return cuda::elapsed_ms(a, b) / reps;
+  return warm_then_time(s, warm, reps, work, clocks, reading);
 }
 
 namespace {

@@ -64,10 +64,6 @@ struct ForwardGemms {
 
 } // namespace
 
-double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work) {
-  return time_ms(s, reps, work, nullptr, nullptr);
-}
-
 namespace {
 
 // `warm` calls of `work`, drained (an idle gap of microseconds, too short
@@ -118,19 +114,32 @@ double time_ms_steady(const cuda::Stream &s, double call_ms, double warm_ms, dou
 
 namespace {
 
-// The forward roof's buffers, allocated and filled once per shape and kept.
-ForwardGemms &kept_forward(const RoofShape &s) {
-  static std::map<Key, std::unique_ptr<ForwardGemms>> kept;
-  std::unique_ptr<ForwardGemms> &fwd = kept[key_of(s, RoofData::random)];
-  if (!fwd)
-    fwd = std::make_unique<ForwardGemms>(s, RoofData::random);
-  return *fwd;
+// A roof's buffers (ForwardGemms, TrainingGemms), allocated and filled with
+// random inputs by the first call for the shape and kept for the process.
+template <typename Gemms> Gemms &kept(const RoofShape &s) {
+  static std::map<Key, std::unique_ptr<Gemms>> buffers;
+  std::unique_ptr<Gemms> &g = buffers[key_of(s, RoofData::random)];
+  if (!g)
+    g = std::make_unique<Gemms>(s, RoofData::random);
+  return *g;
+}
+
+// `gemms` at the card's steady state (time_ms_steady); three calls first
+// set the call counts.
+template <typename Gemms>
+double steady_ms(Gemms &gemms, double warm_ms, double timed_ms, cuda::ClockSampler *clocks,
+                 cuda::ClockReading *reading) {
+  cuda::CublasHandle handle;
+  cuda::Stream stream;
+  auto work = [&] { gemms.enqueue(handle, stream); };
+  const double call_ms = time_ms(stream, 3, work);
+  return time_ms_steady(stream, call_ms, warm_ms, timed_ms, work, clocks, reading);
 }
 
 } // namespace
 
 double roof_forward_ms_now(const RoofShape &s, cuda::ClockSampler *clocks, cuda::ClockReading *reading) {
-  ForwardGemms &fwd = kept_forward(s);
+  ForwardGemms &fwd = kept<ForwardGemms>(s);
   cuda::CublasHandle handle;
   cuda::Stream stream;
   return time_ms(
@@ -139,12 +148,7 @@ double roof_forward_ms_now(const RoofShape &s, cuda::ClockSampler *clocks, cuda:
 
 double roof_forward_ms_steady(const RoofShape &s, double warm_ms, double timed_ms, cuda::ClockSampler *clocks,
                               cuda::ClockReading *reading) {
-  ForwardGemms &fwd = kept_forward(s);
-  cuda::CublasHandle handle;
-  cuda::Stream stream;
-  auto work = [&] { fwd.enqueue(handle, stream); };
-  const double call_ms = time_ms(stream, 3, work); // sets the call counts
-  return time_ms_steady(stream, call_ms, warm_ms, timed_ms, work, clocks, reading);
+  return steady_ms(kept<ForwardGemms>(s), warm_ms, timed_ms, clocks, reading);
 }
 
 namespace {
@@ -185,16 +189,8 @@ double roof_forward_backward_ms(const RoofShape &s, RoofData data) {
 
 double roof_forward_backward_ms_steady(const RoofShape &s, double warm_ms, double timed_ms, cuda::ClockSampler *clocks,
                                        cuda::ClockReading *reading) {
-  // Kept for the process, as the forward's (mixtral's: about 4 GiB).
-  static std::map<Key, std::unique_ptr<TrainingGemms>> kept;
-  std::unique_ptr<TrainingGemms> &gemms = kept[key_of(s, RoofData::random)];
-  if (!gemms)
-    gemms = std::make_unique<TrainingGemms>(s, RoofData::random);
-  cuda::CublasHandle handle;
-  cuda::Stream stream;
-  auto work = [&] { gemms->enqueue(handle, stream); };
-  const double call_ms = time_ms(stream, 3, work); // sets the call counts
-  return time_ms_steady(stream, call_ms, warm_ms, timed_ms, work, clocks, reading);
+  // Kept as the forward's are (mixtral's: about 4 GiB).
+  return steady_ms(kept<TrainingGemms>(s), warm_ms, timed_ms, clocks, reading);
 }
 
 RoofTimes dense_roof(const RoofShape &shape) { return {roof_forward_ms(shape), roof_forward_backward_ms(shape)}; }

@@ -47,12 +47,11 @@ struct RoofShape {
 };
 
 // Average milliseconds of GPU time per call of `work` (which queues on `s`):
-// one warm-up call, then `reps` calls between two events.
-double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work);
-// The same, with the card's clocks read over the timed calls (the warm-up
-// left out) into *reading, when `clocks` is not null.
-double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, cuda::ClockSampler *clocks,
-               cuda::ClockReading *reading);
+// one warm-up call, then `reps` calls between two events; with `clocks`,
+// the card's clocks over the timed calls (the warm-up left out) go to
+// *reading.
+double time_ms(const cuda::Stream &s, int reps, const std::function<void()> &work, cuda::ClockSampler *clocks = nullptr,
+               cuda::ClockReading *reading = nullptr);
 
 // Milliseconds per call of `work` at the card's steady state: calls made for
 // `warm_ms` first (an estimate `call_ms` a call sets the counts), then timed

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 30: one m64 x NB*BN wgmma over a SwiGLU tile's B tiles (default)
+# against NB wgmmas (MOEFORGE_SPLIT_WGMMA=1), at the steady state.
+set -uo pipefail
+export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv | tee "$OUT/device.txt"
+date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/device.txt"
+S=scratch/s30
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout 240 .gpu/moeforge_tests --test-suite=gpu \
+    -tc="${TCS:-cuda layer: every preset*,cuda layer: TMA B tiles*,cuda layer: MoE edge cases*,cuda layer: persistent two-block*,cuda layer: two-block clusters*,cuda training: gradients of every preset*,cuda training: wide wgmma tiles*,cuda training: persistent GEMMs*}" \
+    > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "ERROR|CRASH|test cases|assertions|Status" "$OUT/tests.log" | head -20
+fi
+for mode in ${MODES:-1 0 1 0}; do
+  i=$((${i:-0} + 1))
+  if [ "$mode" = 1 ]; then export MOEFORGE_SPLIT_WGMMA=1; else unset MOEFORGE_SPLIT_WGMMA; fi
+  MOEFORGE_PROFILE=1 MOEFORGE_BENCH_ROUNDS=${ROUNDS:-1} MOEFORGE_BENCH_COOLDOWN_S=1 \
+  MOEFORGE_BENCH_STEADY_S=${STEADY:-2} \
+  MOEFORGE_BENCH_SCHEDULES=${SCHEDS:-$S/f64_oc.sched,$S/mixtral_tuned.sched} \
+    timeout ${BENCH_TIMEOUT:-150} .gpu/bench_moe_forward --benchmark_filter="${FILTER:-forward/(fine64/.*f64_oc|mixtral/.*mixtral_)}" \
+    --benchmark_out="$OUT/bench_${i}_split$mode.json" --benchmark_out_format=json > "$OUT/bench_${i}_split$mode.log" 2>&1
+  echo "bench $i split=$mode rc=$? at $(date -u +%T)"
+  grep -v "^profile" "$OUT/bench_${i}_split$mode.log" | grep -E "forward/" | sed -E 's/ +/ /g' | grep -oE '^forward/[^ ]+|ratio_steady=[0-9.]+|ratio_steady_cycles=[0-9.]+|steady_sm_MHz=[0-9.k]+|steady_roof_sm_MHz=[0-9.k]+|steady_ms=[0-9.]+' | paste -sd' ' | sed 's/forward\//\nforward\//g'
+  grep -E "^profile.*gemm_h" "$OUT/bench_${i}_split$mode.log" | sed -E "s/ +/ /g"
+done

@@ -4,6 +4,8 @@
 // within Hopper's limits).
 #include <doctest/doctest.h>
 
+#include <tuple>
+
 #include "cuda_resources.h"
 #include "layer_compare.h"
 #include "softmax_layers.h"
@@ -525,6 +527,22 @@ TEST_CASE("codegen: a k = 1 combine in the GEMM epilogue compiles for sm_90a wit
       CHECK(gemm_o.find("g_y + out_row * N") != std::string::npos);
       CHECK(gemm_o.find("out_row = r;") != std::string::npos);
     }
+}
+
+TEST_CASE("codegen: the blocked permutation's padded copy moves four chunks a thread on wide rows") {
+  // d = 1024: 128 chunks of 16 bytes a row, 32 threads a row copying four
+  // each; d = 120: 15 chunks, one a thread. The launch grid counts the
+  // kernel's threads a row, so a wrong span would skip or repeat rows.
+  for (auto [d, per_thread, span] : {std::tuple{1024, 4, 32}, std::tuple{120, 1, 15}}) {
+    INFO("d = " << d);
+    Example ex = make_example("swiglu_moe", testing::shape(64, d, 128, 8, 2));
+    cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, preset("megablocks"));
+    check_resources(c, "megablocks, d = " + std::to_string(d));
+    const std::string src = kernel_source(c, "gather_x_padded_route");
+    CHECK(src.find("uint4 v[" + std::to_string(per_thread) + "];") != std::string::npos);
+    CHECK(src.find("idx / " + std::to_string(span) + ",") != std::string::npos);
+    CHECK(kernel_named(c, "gather_x_padded_route").grid.chunks_per_row == span);
+  }
 }
 
 TEST_CASE("codegen: element-wise steps move eight elements per thread where the innermost extent allows") {

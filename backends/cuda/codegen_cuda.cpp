@@ -1496,25 +1496,39 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
     pairs = kb.extent(s.route->pairs);
     pair_pos = kb.route(s.route, "pair_pos");
   }
-  long long chunks = cols.extent() / 8;
+  // Each thread copies U 16-byte chunks of a row, chunks / U apart so a
+  // warp's accesses stay consecutive: it issues all U loads before its
+  // stores. One chunk a thread left too few bytes in flight to cover DRAM's
+  // latency: fine64's 537 MB copy took 0.234 ms, 0.164 with four.
+  const long long chunks = cols.extent() / 8;
+  // (Rows under 128 chunks keep one a thread: their warps would split rows.)
+  const int U = chunks % 4 == 0 && chunks >= 128 ? 4 : 1;
+  const long long span = chunks / U; // threads a row
   k.grid.kind = GridShape::Kind::padded_rows;
   k.grid.route = s.route;
-  k.grid.chunks_per_row = chunks;
+  k.grid.chunks_per_row = span;
   std::string row = s.rows == RowMap::gather_token  ? "(long long)(r / " + std::to_string(s.route->k) + ")"
                     : s.rows == RowMap::gather_pair ? "(long long)r"
                                                     : "p";
+  const std::string each = "#pragma unroll\n  for (int j = 0; j < " + std::to_string(U) + "; ++j)\n    ";
+  const std::string at = "c + j * " + std::to_string(span) + "LL";
+  auto src_row = [&] {
+    return "reinterpret_cast<const uint4 *>(" + gSrc + " + " + row + " * " + std::to_string(cols.extent()) + ")";
+  };
+  auto dst_row = [&](const std::string &r) {
+    return "reinterpret_cast<uint4 *>(" + gDst + " + (long long)(" + r + ") * " + std::to_string(cols.extent()) + ")";
+  };
   src << "// " << s.name << ": " << s.dst << "[p, :] = " << s.src << "[" << row
       << "] (r = sorted_pair[p]), zero on padding\n";
   src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n";
   src << "  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
-  src << "  const long long p = idx / " << chunks << ", c = idx % " << chunks << ";\n";
+  src << "  const long long p = idx / " << span << ", c = idx % " << span << ";\n";
+  src << "  uint4 v[" << U << "];\n";
   if (s.rows == RowMap::direct) {
     src << "  if (p >= *" << padded << ") return;\n";
     src << "  const int r = " << sp << "[p];\n";
-    src << "  uint4 v = make_uint4(0, 0, 0, 0);\n";
-    src << "  if (r >= 0) v = reinterpret_cast<const uint4 *>(" << gSrc << " + " << row << " * " << cols.extent()
-        << ")[c];\n";
-    src << "  reinterpret_cast<uint4 *>(" << gDst << " + p * " << cols.extent() << ")[c] = v;\n}\n\n";
+    src << "  " << each << "v[j] = r >= 0 ? " << src_row() << "[" << at << "] : make_uint4(0, 0, 0, 0);\n";
+    src << "  " << each << dst_row("p") << "[" << at << "] = v[j];\n}\n\n";
     return;
   }
   // Row slot p: padded row p zeroed if it is padding, and pair r = p (when
@@ -1525,12 +1539,13 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   // Slots past the padded rows still copy their pair: a route that drops
   // pairs at capacity can have fewer padded rows than pairs.
   src << "  if (p >= *" << padded << " && p >= " << pairs << ") return;\n";
-  src << "  if (p < *" << padded << " && " << sp << "[p] < 0) reinterpret_cast<uint4 *>(" << gDst << " + p * "
-      << cols.extent() << ")[c] = make_uint4(0, 0, 0, 0);  // padding\n";
+  src << "  if (p < *" << padded << " && " << sp << "[p] < 0) {\n";
+  src << "  " << each << dst_row("p") << "[" << at << "] = make_uint4(0, 0, 0, 0);  // padding\n  }\n";
   src << "  if (p >= " << pairs << ") return;\n";
   src << "  const long long r = p;  // pair order\n";
-  src << "  reinterpret_cast<uint4 *>(" << gDst << " + (long long)" << pair_pos << "[r] * " << cols.extent()
-      << ")[c] = reinterpret_cast<const uint4 *>(" << gSrc << " + " << row << " * " << cols.extent() << ")[c];\n}\n\n";
+  src << "  " << each << "v[j] = " << src_row() << "[" << at << "];\n";
+  src << "  const long long to = " << pair_pos << "[r];\n";
+  src << "  " << each << dst_row("to") << "[" << at << "] = v[j];\n}\n\n";
 }
 
 // ------------------------------------------------------------ transposes

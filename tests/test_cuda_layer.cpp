@@ -72,7 +72,7 @@ TEST_SUITE("gpu") {
     // d = 1024 and 1056: the blocked permutation copies x's rows four 16-byte
     // chunks a thread (132 chunks: 33 threads a row, past a warp).
     check_every_preset(shape(300, 1024, 256, 8, 2), 23);
-    check_every_preset(shape(77, 1056, 128, 4, 2), 29);
+    check_every_preset(shape(77, 1056, 128, 8, 2), 29);
   }
 
   TEST_CASE("cuda layer: k = 1 with the combine in the GEMM epilogue matches the reference") {

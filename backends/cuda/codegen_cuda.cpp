@@ -1501,7 +1501,7 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   // stores. One chunk a thread left too few bytes in flight to cover DRAM's
   // latency: fine64's 537 MB copy took 0.234 ms, 0.164 with four.
   const long long chunks = cols.extent() / 8;
-  // (Rows under 128 chunks keep one a thread: their warps would split rows.)
+  // Narrower rows (small copies, where this was not measured) keep one.
   const int U = chunks % 4 == 0 && chunks >= 128 ? 4 : 1;
   const long long span = chunks / U; // threads a row
   k.grid.kind = GridShape::Kind::padded_rows;

@@ -217,7 +217,7 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
                << ", k = " << x.route->k << ") -> counts, padded offsets (block " << x.block
                << "), sorted_pair, pair_pos, tiles";
             if (!x.gate_output.empty())
-              os << "; gate -> " << x.gate_output;
+              os << "; gate -> " << x.gate_output << (x.renormalize ? " (renormalised)" : "");
             if (x.drops())
               os << "; capacity " << x.capacity_factor
                  << (x.priority == KeepPriority::score ? " (expert choice: best scores)" : " (drops past it)");

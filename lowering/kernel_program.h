@@ -172,6 +172,11 @@ struct RoutingStep {
   // writes with each pair's chosen score (the gate S(token(r), expert(r))),
   // in place of the pointwise step that read it back from `probs`.
   std::string gate_output;
+  // Also set by gate_from_routing, for top_k(..., renormalize): gate_output
+  // holds each chosen score divided by the sum of its token's k chosen
+  // scores (added in slot order from 0, as the step route_sum computes it),
+  // in place of the two pointwise steps that did so.
+  bool renormalize = false;
   // Fixed expert capacity (dsl/capacity.h): 0 dropless; else each expert
   // keeps its C pairs of highest `priority` (Schedule::capacity for top_k,
   // the route's own for expert choice). A dropped pair r gets no padded row:

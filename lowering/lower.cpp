@@ -1083,6 +1083,39 @@ bool reads_chosen_score(const Expr &e, const RoutingStep &rs) {
          at(a->args[1], RouteField::expert);
 }
 
+// The tensor a renormalised gate divides by: `total` in
+// g(r) = S(token(r), expert(r)) / total(token(r)), or "" when body is not that.
+std::string renormalising_total(const Expr &body, const RoutingStep &rs) {
+  auto *div = body.as<Binary>();
+  if (!div || div->op != BinaryOp::div || !reads_chosen_score(div->a, rs))
+    return "";
+  auto *a = div->b.as<Access>();
+  const RoutingNode *r = rs.route;
+  if (!a || a->args.size() != 1 || a->args[0].field != RouteField::token || a->args[0].route.get() != r ||
+      !a->args[0].var.same_as(r->pair))
+    return "";
+  return a->target_name();
+}
+
+// Whether step `s` is total(t) = route_sum over t's pairs of S(token(r),
+// expert(r)): the sum top_k(..., renormalize) divides by.
+bool sums_chosen_scores(const Step &s, const std::string &total, const RoutingStep &rs) {
+  auto *pw = std::get_if<PointwiseStep>(&s);
+  if (!pw || pw->output != total || !pw->extra.empty() || pw->vars.size() != 1)
+    return false;
+  auto *sum = pw->body.as<RouteSum>();
+  return sum && sum->route.get() == rs.route && sum->field == RouteField::token && sum->target.same_as(pw->vars[0]) &&
+         reads_chosen_score(sum->body, rs);
+}
+
+size_t readers_of(const KernelProgram &p, const std::string &name) {
+  size_t n = 0;
+  for (const Step &s : p.steps)
+    for (const std::string &r : step_reads(s))
+      n += r == name;
+  return n;
+}
+
 } // namespace
 
 KernelProgram gate_from_routing(KernelProgram p, const Schedule &) {
@@ -1094,13 +1127,36 @@ KernelProgram gate_from_routing(KernelProgram p, const Schedule &) {
     // tensor must be stored that way.
     for (size_t j = i + 1; j < p.steps.size(); ++j) {
       auto *pw = std::get_if<PointwiseStep>(&p.steps[j]);
-      if (!pw || pw->vars.size() != 1 || !pw->vars[0].same_as(rs->route->pair) || !reads_chosen_score(pw->body, *rs))
+      if (!pw || pw->vars.size() != 1 || !pw->vars[0].same_as(rs->route->pair) || !pw->extra.empty())
         continue;
       const TensorDecl &t = p.tensor(pw->output);
       if (t.dtype != DType::f32 || t.layout != RowLayout::pair || t.route != rs->route || t.stride8)
         continue;
+      if (reads_chosen_score(pw->body, *rs)) {
+        rs->gate_output = pw->output;
+        p.steps.erase(p.steps.begin() + static_cast<long>(j)); // after i: rs stays valid
+        break;
+      }
+      // A renormalised gate: the routing holds a token's k chosen scores
+      // together, so it divides by their sum itself, and the sum's step goes
+      // too when nothing else reads it. With a capacity the sum skips the
+      // pairs dropped after the selection, which the top-k cannot know; the
+      // group-limited top-k is another kernel, which does not divide.
+      const std::string total = renormalising_total(pw->body, *rs);
+      if (total.empty() || rs->drops() || rs->route->groups > 1 || is_output(p, total) || readers_of(p, total) != 1)
+        continue;
+      auto sum_step = std::find_if(p.steps.begin() + static_cast<long>(i) + 1, p.steps.begin() + static_cast<long>(j),
+                                   [&](const Step &s) { return sums_chosen_scores(s, total, *rs); });
+      if (sum_step == p.steps.begin() + static_cast<long>(j))
+        continue;
+      const TensorDecl &sum_tensor = p.tensor(total);
+      if (sum_tensor.dtype != DType::f32)
+        continue;
       rs->gate_output = pw->output;
+      rs->renormalize = true;
       p.steps.erase(p.steps.begin() + static_cast<long>(j)); // after i: rs stays valid
+      p.steps.erase(sum_step);                               // between i and j
+      erase_tensor(p, total);
       break;
     }
   }

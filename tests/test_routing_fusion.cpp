@@ -173,20 +173,47 @@ TEST_CASE("routing fusion: a router bias in the logits' GEMM fuses the same way"
   check_consistent(p);
 }
 
-TEST_CASE("routing fusion: swiglu_moe's renormalised gates keep the softmax step") {
-  for (int64_t k : {1, 2}) {
-    INFO("k = " << k);
-    KernelProgram p = lower(make_example("swiglu_moe", moe_shape(64, 8, k)).pipeline, preset("megablocks"));
-    // route_gate_sum and route_gate read probs: it must be stored, and
-    // route_gate = probs / route_gate_sum is not the chosen score itself.
-    CHECK(pointwise_writing(p, "probs") != nullptr);
-    CHECK(pointwise_writing(p, "route_gate") != nullptr);
-    const RoutingStep &rs = routing_step(p);
-    CHECK_FALSE(rs.softmax);
-    CHECK(rs.probs == "probs");
-    CHECK(rs.gate_output.empty());
-    check_consistent(p);
-  }
+TEST_CASE("routing fusion: swiglu_moe's renormalised gates run in the routing, with its softmax") {
+  for (int64_t k : {1, 2, 8})
+    for (const std::string &name : preset_names()) {
+      INFO("k = " << k << " / " << name);
+      KernelProgram p = lower(make_example("swiglu_moe", moe_shape(64, 8, k)).pipeline, preset(name));
+      // route_gate = probs / route_gate_sum: the routing divides by the sum
+      // of the chosen probabilities itself, so neither pointwise step stays,
+      // and with them the last readers of probs but the routing.
+      CHECK(pointwise_writing(p, "probs") == nullptr);
+      CHECK(pointwise_writing(p, "route_gate_sum") == nullptr);
+      CHECK(pointwise_writing(p, "route_gate") == nullptr);
+      CHECK(p.find("probs") == nullptr);
+      CHECK(p.find("route_gate_sum") == nullptr);
+      const RoutingStep &rs = routing_step(p);
+      CHECK(rs.softmax);
+      CHECK(rs.renormalize);
+      CHECK(rs.probs == "logits");
+      CHECK(rs.gate_output == "route_gate");
+      check_consistent(p);
+      std::ostringstream text;
+      text << p;
+      CHECK(text.str().find("; gate -> route_gate (renormalised)\n") != std::string::npos);
+    }
+}
+
+TEST_CASE("routing fusion: a renormalised gate stays two steps where the routing cannot divide") {
+  // With a capacity the sum skips pairs dropped after the selection; the
+  // group-limited top-k (deepseek_moe: its own picked / picked_sum gate) is
+  // another kernel.
+  KernelProgram capped =
+      lower(make_example("swiglu_moe", moe_shape(64, 8, 2)).pipeline, Schedule(preset("megablocks")).capacity(1.25));
+  CHECK(pointwise_writing(capped, "route_gate_sum") != nullptr);
+  CHECK(pointwise_writing(capped, "route_gate") != nullptr);
+  CHECK_FALSE(routing_step(capped).renormalize);
+  CHECK(routing_step(capped).gate_output.empty());
+  check_consistent(capped);
+
+  KernelProgram grouped = lower(make_example("deepseek_moe", moe_shape(64, 16, 2)).pipeline, preset("megablocks"));
+  CHECK(pointwise_writing(grouped, "picked_sum") != nullptr);
+  CHECK_FALSE(routing_step(grouped).renormalize);
+  check_consistent(grouped);
 }
 
 TEST_CASE("routing fusion: probabilities something else needs stay a step; the gate still moves") {
@@ -220,7 +247,7 @@ TEST_CASE("routing fusion: training programs keep both steps (the backward reads
 }
 
 TEST_CASE("routing fusion: each pass alone leaves a program without its pattern unchanged") {
-  Example ex = make_example("swiglu_moe", moe_shape(32, 8, 2));
+  Example ex = make_example("deepseek_moe", moe_shape(32, 16, 2));
   KernelProgram p = lower(ex.pipeline, preset("megablocks"));
   std::ostringstream before, gate, softmax;
   before << p;
@@ -251,10 +278,14 @@ TEST_SUITE("cpu") {
   }
 
   TEST_CASE("cpu layer: the fused routing gives the unfused program's gates and output bit for bit") {
-    for (int64_t k : {1, 2}) {
-      INFO("k = " << k);
-      ExampleShape s = moe_shape(200, 64, k);
-      Example ex = make_example("moe_mlp", s);
+    struct Case {
+      const char *example;
+      int64_t k;
+    };
+    for (const Case &c : {Case{"moe_mlp", 1}, Case{"moe_mlp", 2}, Case{"swiglu_moe", 1}, Case{"swiglu_moe", 8}}) {
+      INFO(c.example << " k = " << c.k);
+      ExampleShape s = moe_shape(200, 64, c.k);
+      Example ex = make_example(c.example, s);
       TensorMap in = ex.random_inputs(s, 23);
       auto run = [&](KernelProgram program, const char *what) {
         cpu::CompiledCpuLayer c = cpu::compile_cpu_program(std::move(program), what);
@@ -267,6 +298,7 @@ TEST_SUITE("cpu") {
       };
       KernelProgram fused = lower(ex.pipeline, preset("scattermoe"));
       REQUIRE(routing_step(fused).softmax);
+      REQUIRE(routing_step(fused).renormalize == (std::string(c.example) == "swiglu_moe"));
       auto [gate_f, y_f, experts_f] = run(fused, "fused routing");
       auto [gate_u, y_u, experts_u] = run(lower_unfused(ex.pipeline, preset("scattermoe")), "unfused routing");
       CHECK(experts_f == experts_u);
@@ -368,12 +400,15 @@ TEST_SUITE("gpu") {
     cuda::Stream stream;
     struct Case {
       int64_t experts, k;
+      bool renormalised = false;
     };
-    // Each of the routing's top-k kernels (one per bound on E).
-    for (const Case &ek : {Case{64, 1}, Case{64, 2}, Case{8, 2}, Case{128, 3}, Case{256, 4}}) {
-      INFO("E = " << ek.experts << ", k = " << ek.k);
+    // Each of the routing's top-k kernels (one per bound on E), and the
+    // renormalised gates of swiglu_moe.
+    for (const Case &ek : {Case{64, 1}, Case{64, 2}, Case{8, 2}, Case{128, 3}, Case{256, 4}, Case{64, 8, true},
+                           Case{8, 2, true}, Case{256, 6, true}}) {
+      INFO("E = " << ek.experts << ", k = " << ek.k << (ek.renormalised ? ", swiglu_moe" : ", moe_mlp"));
       ExampleShape s = moe_shape(1000, ek.experts, ek.k);
-      Example ex = make_example("moe_mlp", s);
+      Example ex = make_example(ek.renormalised ? "swiglu_moe" : "moe_mlp", s);
       TensorMap in = ex.random_inputs(s, 29);
       auto run = [&](KernelProgram program) {
         cuda::CompiledLayer c = cuda::compile_program(std::move(program), device.arch_specific());
@@ -387,6 +422,7 @@ TEST_SUITE("gpu") {
       };
       KernelProgram fused = lower(ex.pipeline, preset("scattermoe"));
       REQUIRE(routing_step(fused).softmax);
+      REQUIRE(routing_step(fused).renormalize == ek.renormalised);
       auto [gate_f, y_f, experts_f] = run(fused);
       auto [gate_u, y_u, experts_u] = run(lower_unfused(ex.pipeline, preset("scattermoe")));
       CHECK(experts_f == experts_u);

@@ -127,6 +127,15 @@ void CpuLayer::route(const RoutingStep &step) {
     internal_check(gate.size() == top.gate.size() * sizeof(float))
         << "gate tensor '" << step.gate_output << "' holds " << gate.size() << " bytes for " << top.gate.size()
         << " pairs";
+    if (step.renormalize) // each token's chosen scores over their sum, added in slot order as route_sum adds
+      for (int64_t t = 0; t < st.shape.tokens; ++t) {
+        float *g = &top.gate[static_cast<size_t>(t * st.shape.k)];
+        float total = 0.0f;
+        for (int s = 0; s < st.shape.k; ++s)
+          total += g[s];
+        for (int s = 0; s < st.shape.k; ++s)
+          g[s] /= total;
+      }
     std::memcpy(gate.data(), top.gate.data(), gate.size());
   }
 }

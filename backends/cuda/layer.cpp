@@ -350,7 +350,7 @@ void CudaLayer::run_step(size_t step, const Stream &stream, int64_t window) {
     // softmax and the gate tensor to write (lower.h, softmax_into_routing and
     // gate_from_routing); otherwise the gates stay in the plan.
     CUdeviceptr gate = rs->gate_output.empty() ? 0 : tensors_.at(rs->gate_output).ptr();
-    routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream, rs->softmax, gate);
+    routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream, rs->softmax, gate, rs->renormalize);
     return;
   }
   Launch &l = launches_.at(launch_of_.at(step));

@@ -161,12 +161,15 @@ DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routin
 
 // Each args[] lists the kernel's parameters in the order of its signature in
 // device/routing_kernels.cuh; all launches share `stream`, which orders them.
-void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax,
-                        CUdeviceptr gate) const {
+void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax, CUdeviceptr gate,
+                        bool renormalize) const {
   const RoutingShape &s = plan.shape;
+  internal_check(!renormalize || (gate && !s.drops()))
+      << "renormalised gates go to a gate tensor, and only without a capacity (lower.h, gate_from_routing)";
   if (s.groups > 1) {
     // Group-limited: its own top-k kernel, then the counts from the experts.
     internal_check(!softmax) << "group-limited routing takes scores; lowering leaves the softmax as a step";
+    internal_check(!renormalize) << "group-limited routing does not renormalise; lowering leaves it as steps";
     if (s.pairs() > 0) {
       int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, groups = s.groups,
           top_groups = s.top_groups;
@@ -179,11 +182,12 @@ void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stre
   }
   if (s.pairs() > 0) {
     int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, apply_softmax = softmax ? 1 : 0;
-    int chunk = static_cast<int>(plan.topk_chunk);
+    int divide = renormalize ? 1 : 0, chunk = static_cast<int>(plan.topk_chunk);
     CUdeviceptr no_counts = 0;
     void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
     void *counts_arg = plan.fused ? plan.chunk_counts.arg() : static_cast<void *>(&no_counts);
-    void *args[] = {&probs, &tokens, &experts, &k, &apply_softmax, &chunk, plan.expert.arg(), gate_arg, counts_arg};
+    void *args[] = {&probs,  &tokens, &experts,          &k,       &apply_softmax,
+                    &divide, &chunk,  plan.expert.arg(), gate_arg, counts_arg};
     const unsigned blocks = static_cast<unsigned>(ceil_div(s.pairs(), plan.topk_chunk));
     topk_[topk_index(s.experts)].launch({blocks}, {kRoutingThreads}, 0, stream, args);
   }

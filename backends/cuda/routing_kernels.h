@@ -107,9 +107,12 @@ public:
   // NaNs is undefined on every backend). With `softmax`, probs holds logits
   // and the routing selects by their row softmax, computed as the generated
   // pointwise softmax computes it. The gates (the chosen probabilities, pair
-  // order) go to `gate` (f32 [T*k]) when given, else to plan.gate.
-  void run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax = false,
-           CUdeviceptr gate = 0) const;
+  // order) go to `gate` (f32 [T*k]) when given, else to plan.gate. With
+  // `renormalize` (a gate tensor given, no capacity, one expert group) each
+  // gate is divided by the sum of its token's k chosen probabilities, added
+  // in slot order from 0.
+  void run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax = false, CUdeviceptr gate = 0,
+           bool renormalize = false) const;
   // The same from plan.expert, already filled (expert ids 0..E-1; a router
   // computed elsewhere, or a test's chosen distribution). plan.gate is
   // untouched; a capacity that keeps the best scores reads it.

@@ -252,14 +252,15 @@ template <int kGroup, int kCols> struct Row {
 
 // expert[t*k + s], gate[t*k + s] for this block's chunk of pairs: the s-th
 // largest probability of row t, where the probabilities are `scores`, or
-// their row softmax when `softmax` is set (scores are then logits); then,
+// their row softmax when `softmax` is set (scores are then logits), divided
+// by the sum of the row's k chosen ones when `renormalize` is set; then,
 // unless chunk_counts is null, the chunk's pairs per expert into it. A token
 // whose pairs straddle two chunks is routed by both blocks, each writing its
-// own pairs.
+// own pairs (each selects all k, so both divide by the same sum).
 template <int kGroup, int kCols>
 __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int tokens, int experts, int k,
-                                           int softmax, int chunk, int *__restrict__ expert, float *__restrict__ gate,
-                                           int *__restrict__ chunk_counts) {
+                                           int softmax, int renormalize, int chunk, int *__restrict__ expert,
+                                           float *__restrict__ gate, int *__restrict__ chunk_counts) {
   __shared__ int sCount[MF_MAX_EXPERTS];
   const bool counts = chunk_counts != nullptr; // uniform over the grid
   if (counts)
@@ -277,9 +278,13 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
     const int t = pass + threadIdx.x / kGroup;
     if (softmax) // uniform over the grid
       row.softmax();
+    // The chosen probabilities' sum from 0 in slot order, the order of the
+    // generated route_sum step this replaces, so the division matches it.
+    float total = 0.0f;
     for (int s = 0; s < k; ++s) {
       float prob;
       const int best_e = row.take_best(q, softmax, prob);
+      total += prob;
       const int r = t * k + s;
       if (t < end_token && q == 0 && r >= c.begin && r < c.end) {
         expert[r] = best_e;
@@ -288,6 +293,12 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
           atomicAdd(&sCount[best_e], 1);
       }
     }
+    if (renormalize) // uniform over the grid; this thread reads back what it wrote
+      for (int s = 0; s < k; ++s) {
+        const int r = t * k + s;
+        if (t < end_token && q == 0 && r >= c.begin && r < c.end)
+          gate[r] = gate[r] / total;
+      }
   };
   // A warp's passes run while it has tokens, so the shuffles see full warps;
   // groups past the last token hold no columns and write nothing. Each pass
@@ -316,10 +327,10 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
 // kernels (routing_topk_kernel), appended to this source.
 #define MF_TOPK_KERNEL(name, group, cols)                                                                              \
   extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)                                            \
-      name(const float *__restrict__ scores, /* (T, E) */ int tokens, int experts, int k, int softmax, int chunk,      \
-           int *__restrict__ expert, /* (T*k) */ float *__restrict__ gate, /* (T*k) */                                 \
-           int *__restrict__ chunk_counts) {                               /* (chunks, count_stride) */                \
-    topk_chunk<group, cols>(scores, tokens, experts, k, softmax, chunk, expert, gate, chunk_counts);                   \
+      name(const float *__restrict__ scores, /* (T, E) */ int tokens, int experts, int k, int softmax,                 \
+           int renormalize, int chunk, int *__restrict__ expert, /* (T*k) */ float *__restrict__ gate, /* (T*k) */     \
+           int *__restrict__ chunk_counts) { /* (chunks, count_stride) */                                              \
+    topk_chunk<group, cols>(scores, tokens, experts, k, softmax, renormalize, chunk, expert, gate, chunk_counts);      \
   }
 
 // Group-limited top-k (TopKOptions::groups; dsl/top_k_select.h states the

@@ -16,6 +16,7 @@
 #include "backends/cuda/tuner.h"
 #include "dsl/error.h"
 #include "examples/examples.h"
+#include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "schedules/presets.h"
@@ -102,6 +103,43 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
     CHECK(c.cluster == 1);
   CHECK(std::any_of(dw.pruned.begin(), dw.pruned.end(),
                     [](const PrunedChoice &p) { return p.choice.cluster == 2 && has(p.why, "the same plans as "); }));
+}
+
+TEST_CASE("tune space: a Func's raster band, tried with its other settings as they are") {
+  Example ex = make_example("moe_mlp", small());
+  Schedule base = preset("scattermoe");
+  base.tile("h", 128, 256, 64).persistent("h", true);
+  // The base's settings read back as a choice plan as the base does.
+  const FuncChoice current = choice_in(base, "h");
+  CHECK(current.tile_n == 256);
+  CHECK(current.persistent);
+  CHECK(current.raster == 8);
+  CHECK(current.text() == "128x256, 4 stages, persistent, raster 8");
+  CHECK(describe_gemm_plans(lower(ex.pipeline, with_choice(base, "h", current)), false) ==
+        describe_gemm_plans(lower(ex.pipeline, base), false));
+  // Every band but the base's own, nothing else changed.
+  FuncCandidates h = raster_candidates_for(ex.pipeline, ex.output, base, "h", false);
+  CHECK(h.pruned.empty());
+  std::vector<int> bands;
+  for (const FuncChoice &c : h.kept) {
+    INFO(c.text());
+    bands.push_back(c.raster);
+    CHECK(c.tile_n == 256);
+    CHECK(c.persistent);
+    const Schedule s = with_choice(base, "h", c);
+    CHECK(s.for_func("h").tiling.raster == c.raster);
+    CHECK(s.for_func("o").tiling.raster == 8);
+    CHECK(has(describe_gemm_plans(lower(ex.pipeline, s), false), "raster " + std::to_string(c.raster)));
+  }
+  CHECK(bands == std::vector<int>{1, 2, 4});
+  // A choice without a band leaves the base's.
+  base.raster("h", 2);
+  CHECK(with_choice(base, "h", FuncChoice{128, 128}).for_func("h").tiling.raster == 2);
+  FuncCandidates again = raster_candidates_for(ex.pipeline, ex.output, base, "h", false);
+  bands.clear();
+  for (const FuncChoice &c : again.kept)
+    bands.push_back(c.raster);
+  CHECK(bands == std::vector<int>{1, 4, 8});
 }
 
 TEST_CASE("tune space: the layer-wide choices, their product around a base, none without routing") {

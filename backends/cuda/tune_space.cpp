@@ -23,7 +23,8 @@ KernelProgram lowered(const Pipeline &pipeline, const std::string &output, const
 std::string FuncChoice::text() const {
   std::ostringstream o;
   o << tile_m << "x" << tile_n << ", " << stages << " stages" << (persistent ? ", persistent" : "")
-    << (tma_store ? ", tma_store" : "") << (cluster > 1 ? ", cluster " + std::to_string(cluster) : "");
+    << (tma_store ? ", tma_store" : "") << (cluster > 1 ? ", cluster " + std::to_string(cluster) : "")
+    << (raster > 0 ? ", raster " + std::to_string(raster) : "");
   return o.str();
 }
 
@@ -78,8 +79,17 @@ Schedule with_choice(const Schedule &base, const std::string &func, const FuncCh
       .persistent(func, c.persistent)
       .tma_store(func, c.tma_store)
       .cluster(func, c.cluster);
+  if (c.raster > 0)
+    s.raster(func, c.raster);
   return s;
 }
+
+FuncChoice choice_in(const Schedule &s, const std::string &func) {
+  const GemmTiling t = s.for_func(func).tiling;
+  return FuncChoice{t.tile_m, t.tile_n, t.stages, t.persistent, t.tma_store, t.cluster_m, t.raster};
+}
+
+std::vector<int> raster_choices() { return {1, 2, 4, 8}; }
 
 std::vector<std::string> tunable_funcs(const Pipeline &pipeline, const std::string &output, const Schedule &base,
                                        bool training) {
@@ -147,14 +157,18 @@ LayoutCandidates layout_candidates(const Pipeline &pipeline, const std::string &
   return out;
 }
 
-FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
-                              const std::string &func, bool training) {
+namespace {
+
+// func's candidates among `choices` around `base`: legal, kept by the cheap
+// model, and each with plans no earlier one (nor base) has.
+FuncCandidates candidates_among(const Pipeline &pipeline, const std::string &output, const Schedule &base,
+                                const std::string &func, bool training, const std::vector<FuncChoice> &choices) {
   FuncCandidates fc;
   fc.func = func;
   std::map<std::string, std::string> seen; // the plans' text -> the choice that gave them
   // The base's own settings are what the search already has: no candidate.
   seen.emplace(describe_gemm_plans(lowered(pipeline, output, base, training), /*notes=*/false), "the current settings");
-  for (const FuncChoice &c : func_choices()) {
+  for (const FuncChoice &c : choices) {
     try {
       const KernelProgram p = lowered(pipeline, output, with_choice(base, func, c), training);
       if (std::string why = model_prune(p, func, c); !why.empty()) {
@@ -173,6 +187,26 @@ FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &outpu
     }
   }
   return fc;
+}
+
+} // namespace
+
+FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
+                              const std::string &func, bool training) {
+  return candidates_among(pipeline, output, base, func, training, func_choices());
+}
+
+FuncCandidates raster_candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
+                                     const std::string &func, bool training) {
+  std::vector<FuncChoice> choices;
+  const FuncChoice current = choice_in(base, func);
+  for (int band : raster_choices())
+    if (band != current.raster) {
+      FuncChoice c = current;
+      c.raster = band;
+      choices.push_back(c);
+    }
+  return candidates_among(pipeline, output, base, func, training, choices);
 }
 
 } // namespace moeforge::cuda

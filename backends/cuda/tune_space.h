@@ -1,6 +1,6 @@
 // The autotuner's search space as data: for each contraction the schedule can
 // tile, the per-Func choices (tile, stages, persistent blocks, TMA stores,
-// two-block clusters),
+// two-block clusters; then the raster band, tried apart),
 // each pruned before anything is timed by the GEMM plan pass's legality
 // (lowering and plan_gemm reject it), by what the plan makes of it (a
 // choice whose plans equal another's, a request the kernel would not take
@@ -22,7 +22,8 @@ struct FuncChoice {
   int tile_m = 128, tile_n = 128, stages = 4;
   bool persistent = false, tma_store = false;
   int cluster = 1;          // row tiles per cluster: 2 multicasts B to a pair of blocks
-  std::string text() const; // "128x256, 4 stages, persistent, tma_store, cluster 2"
+  int raster = 0;           // row tiles per band of the block order; 0: as the base has it
+  std::string text() const; // "128x256, 4 stages, persistent, tma_store, cluster 2, raster 2"
 };
 
 struct PrunedChoice {
@@ -67,6 +68,22 @@ std::string model_prune(const KernelProgram &program, const std::string &func, c
 
 // `base` with `choice` applied to `func`.
 Schedule with_choice(const Schedule &base, const std::string &func, const FuncChoice &choice);
+
+// func's settings in `s` as a choice (its raster band named): with_choice(s,
+// func, choice_in(s, func)) plans as s does.
+FuncChoice choice_in(const Schedule &s, const std::string &func);
+
+// The raster bands tried for a Func once its tile, stages and walk are
+// chosen: row tiles per band of the block order (8 is the default). Routed
+// GEMMs have a few row tiles an expert (mbpaper ~2.5, fine64 ~16), and a
+// band of one or two of them was measured ahead of 8 on both; 16 behind.
+std::vector<int> raster_choices();
+
+// func's candidates around `base` that change its raster band alone (each
+// raster_choices() value but base's own), its other settings as base has
+// them; pruned as candidates_for prunes.
+FuncCandidates raster_candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
+                                     const std::string &func, bool training);
 
 // The Funcs whose GEMMs the schedule tiles, in program order (the forward's,
 // or with `training` the training step's), for `pipeline`'s output `output`.

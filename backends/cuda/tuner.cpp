@@ -372,16 +372,13 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
   // The search: coordinate descent from the base, the layer-wide choices
   // first (the routed rows' format, block size, where the gate multiplies:
   // they change which GEMMs there are and what they read), then each
-  // Func's round; a second pass goes over both again from there, since a
-  // layer-wide choice that won under the base's tiles can lose once the
-  // Funcs have theirs, and a pass cannot go back on it. It runs from two
-  // starts: the best layer-wide choices under the base's tiles (the first
-  // round as above), and the base's own layer-wide choices kept through
-  // the first pass. Mbpaper shows why: block(256) with the gate in the
-  // combine beats scattermoe's layout under its 128 x 128 tiles, and holds
-  // on through both passes, while scattermoe's gate in the epilogue with
-  // persistent pairs of down-projection tiles is 3 % faster under skew.
-  // The two ends meet in a last run-off.
+  // Func's round (its tile, stages and walk, then its raster band); a second pass goes over both again from there,
+  // since a layer-wide choice that won under the base's tiles can lose once the Funcs have theirs, and a pass cannot go
+  // back on it. It runs from two starts: the best layer-wide choices under the base's tiles (the first round as above),
+  // and the base's own layer-wide choices kept through the first pass. Mbpaper shows why: block(256) with the gate in
+  // the combine beats scattermoe's layout under its 128 x 128 tiles, and holds on through both passes, while
+  // scattermoe's gate in the epilogue with persistent pairs of down-projection tiles is 3 % faster under skew. The two
+  // ends meet in a last run-off.
   const Compiled base_compiled = best;
   auto descend = [&](bool layout_first) {
     Schedule base = r.base;
@@ -446,6 +443,28 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
           res.best = schedules[*w];
           best = compiled[*w];
           chosen[funcs[f]] = fc.kept[*w];
+          changed = true;
+        }
+        // Then the order its blocks walk the tiles in (the raster band), with
+        // the rest of its settings as they now are: the band decides which
+        // tiles share A rows and B columns in L2 at once, and it was measured
+        // to matter only once the tile and walk are fixed.
+        if (elapsed() > r.budget_seconds)
+          continue;
+        FuncCandidates rc = raster_candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training);
+        res.pruned += static_cast<int>(rc.pruned.size());
+        std::vector<Schedule> banded;
+        std::vector<std::string> band_what;
+        for (const FuncChoice &c : rc.kept) {
+          banded.push_back(build(c));
+          band_what.push_back(funcs[f] + " " + c.text());
+        }
+        const std::vector<Compiled> band_compiled = compile_all(banded);
+        if (auto w = runoff("of " + funcs[f] + "'s raster band" + in_pass, band_compiled, band_what,
+                            sweep(band_compiled, band_what, after, funcs[f]), funcs[f])) {
+          res.best = banded[*w];
+          best = band_compiled[*w];
+          chosen[funcs[f]] = rc.kept[*w];
           changed = true;
         }
       }

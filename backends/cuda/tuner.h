@@ -4,7 +4,7 @@
 // and starts from the best of them; then it walks the tunable Funcs in
 // program order and, for each, times every candidate the search space keeps
 // (tune_space.h) with the other Funcs at their best so far (coordinate
-// descent), in up to two passes (the second from where the first ended,
+// descent), then the Func's raster bands with its winner, in up to two passes (the second from where the first ended,
 // stopping early if a pass changes nothing), from two starts (the layer-wide
 // choices searched first, or the base's kept through the first pass) whose
 // ends meet in a last run-off. The budget stops it early, the

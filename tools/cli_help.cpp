@@ -78,8 +78,8 @@ const std::map<std::string, const char *> kHelp = {
              "  moeforge emit swiglu_moe --schedule scattermoe --plan --train\n"},
     {"tune",
      "moeforge tune <example> [shape flags] [--schedule S] [--train] [--budget-seconds N] [--seed S]\n"
-     "  Searches tiles, stages, persistent blocks, TMA stores and clusters around the schedule\n"
-     "  given, timing whole layers on the GPU within the budget; prints the best as a schedule\n"
+     "  Searches tiles, stages, persistent blocks, TMA stores, clusters and raster bands around\n"
+     "  the schedule given, timing whole layers on the GPU within the budget; prints the best as a schedule\n"
      "  file and keeps it in the tuned-schedule cache.\n\n" MOEFORGE_SHAPE_FLAGS MOEFORGE_SCHEDULE_FLAG
      "  --train         tune the training step (forward and backward), not the forward\n"
      "  --budget-seconds N  how long to search, 1 to 86400 (default 120)\n"

@@ -4,11 +4,12 @@
 // and starts from the best of them; then it walks the tunable Funcs in
 // program order and, for each, times every candidate the search space keeps
 // (tune_space.h) with the other Funcs at their best so far (coordinate
-// descent), then the Func's raster bands with its winner, in up to two passes (the second from where the first ended,
-// stopping early if a pass changes nothing), from two starts (the layer-wide
-// choices searched first, or the base's kept through the first pass) whose
-// ends meet in a last run-off. The budget stops it early, the
-// base schedule always timed first. Each candidate is the whole layer (forward, or forward + backward)
+// descent), then the Func's raster bands with its winner, in up to two
+// passes (the second from where the first ended, stopping early if a pass
+// changes nothing), from two starts (the layer-wide choices searched first,
+// or the base's kept through the first pass) whose ends meet the base in a
+// last run-off. The budget stops it early, the base schedule always timed
+// first. Each candidate is the whole layer (forward, or forward + backward)
 // replayed from CUDA graphs, so what is compared is what a training loop
 // runs.
 //

@@ -58,6 +58,8 @@ struct TuneRequest {
 
 struct TuneResult {
   Schedule best;
+  // base_ms: the base as timed beside the best in the last run-off where it
+  // contended there, else as timed first.
   double best_ms = 0, base_ms = 0;
   int timed = 0, pruned = 0, failed = 0, left = 0; // left: candidates the budget did not reach
   std::vector<std::string> log; // one line per candidate: what it changed, its time or why it was skipped

@@ -3,7 +3,8 @@
 # scripts/device_pack.sh), from the repository root: what a session checks
 # on its last code, in stages that each fit one device call.
 #   tests   the GPU suite in four shards side by side (42 test cases took
-#           ~420 s one after another on an H100; ~140 s in shards), then
+#           ~420 s one after another on an H100; ~140 s in shards), the
+#           other test cases (their GPU branches: ~90 s on an H200), then
 #           compute-sanitizer memcheck on a few of them
 #   sanitize  compute-sanitizer racecheck, synccheck and initcheck on small
 #           cases (a bound layer, the grouped routing kernels, a training
@@ -77,6 +78,12 @@ if has tests; then
     grep -E "ERROR|CRASHED|test cases|Status" "$R/tests_$i.log" | head -8
   done
   echo "gpu suite ($n test cases) done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
+  # The other test cases too: some take a GPU branch where one is present
+  # (the CLI's tune and run), which no machine without a GPU exercises.
+  timeout 400 stdbuf -oL .gpu/moeforge_tests --test-suite-exclude=gpu >"$R/tests_rest.log" 2>&1
+  grep -q "Status: SUCCESS" "$R/tests_rest.log" || status=1
+  grep -E "ERROR|CRASHED|test cases|Status" "$R/tests_rest.log" | head -8
+  echo "the other test cases done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
     -tc="cuda bind*,cuda gpu: group-limited*,cuda layer: the dense MLP*,cuda training: the RMSNorm*,cuda capacity*" \
     >"$R/memcheck.log" 2>&1

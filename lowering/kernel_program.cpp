@@ -119,6 +119,14 @@ std::vector<std::string> step_reads(const Step &s) {
   return r.names;
 }
 
+int reads_of(const KernelProgram &p, const std::string &name) {
+  int n = 0;
+  for (const Step &s : p.steps)
+    for (const std::string &r : step_reads(s))
+      n += r == name;
+  return n;
+}
+
 std::string step_output(const Step &s) {
   return std::visit(
       [](const auto &x) -> std::string {

@@ -254,6 +254,8 @@ std::string step_name(const Step &s);
 // The tensors a step reads (each read once per mention) and the one it
 // writes (empty for a routing step, which writes its route's tables).
 std::vector<std::string> step_reads(const Step &s);
+// How many times the program's steps read tensor `name` (step_reads').
+int reads_of(const KernelProgram &p, const std::string &name);
 std::string step_output(const Step &s);
 // Every tensor a step writes: step_output's, then a GEMM's or an element-wise
 // step's extra outputs or a routing step's gate_output.

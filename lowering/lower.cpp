@@ -1108,14 +1108,6 @@ bool sums_chosen_scores(const Step &s, const std::string &total, const RoutingSt
          reads_chosen_score(sum->body, rs);
 }
 
-size_t readers_of(const KernelProgram &p, const std::string &name) {
-  size_t n = 0;
-  for (const Step &s : p.steps)
-    for (const std::string &r : step_reads(s))
-      n += r == name;
-  return n;
-}
-
 } // namespace
 
 KernelProgram gate_from_routing(KernelProgram p, const Schedule &) {
@@ -1143,7 +1135,7 @@ KernelProgram gate_from_routing(KernelProgram p, const Schedule &) {
       // pairs dropped after the selection, which the top-k cannot know; the
       // group-limited top-k is another kernel, which does not divide.
       const std::string total = renormalising_total(pw->body, *rs);
-      if (total.empty() || rs->drops() || rs->route->groups > 1 || is_output(p, total) || readers_of(p, total) != 1)
+      if (total.empty() || rs->drops() || rs->route->groups > 1 || is_output(p, total) || reads_of(p, total) != 1)
         continue;
       auto sum_step = std::find_if(p.steps.begin() + static_cast<long>(i) + 1, p.steps.begin() + static_cast<long>(j),
                                    [&](const Step &s) { return sums_chosen_scores(s, total, *rs); });

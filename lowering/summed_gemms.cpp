@@ -48,15 +48,6 @@ bool alike(const KernelProgram &p, const GemmStep &x, const GemmStep &y) {
          p.tensor(x.output).layout == p.tensor(y.output).layout;
 }
 
-// How many times any step reads tensor `name`.
-int reads_of(const KernelProgram &p, const std::string &name) {
-  int n = 0;
-  for (const Step &s : p.steps)
-    for (const std::string &r : step_reads(s))
-      n += r == name;
-  return n;
-}
-
 std::optional<size_t> gemm_writing(const KernelProgram &p, const std::string &name) {
   for (size_t i = 0; i < p.steps.size(); ++i)
     if (const auto *g = std::get_if<GemmStep>(&p.steps[i]); g && g->output == name)

@@ -429,50 +429,40 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
               s = with_choice(s, func, choice);
           return with_choice(s, funcs[f], c);
         };
+        // A round of this Func's candidates: compiled side by side, then
+        // timed one by one, the fastest in a run-off with the best so far.
+        auto func_round = [&](const FuncCandidates &cands, const std::string &round_name, size_t after) {
+          std::vector<Schedule> schedules;
+          std::vector<std::string> what;
+          for (const FuncChoice &c : cands.kept) {
+            schedules.push_back(build(c));
+            what.push_back(funcs[f] + " " + c.text());
+          }
+          const std::vector<Compiled> compiled = compile_all(schedules);
+          if (auto w = runoff(round_name + in_pass, compiled, what, sweep(compiled, what, after, funcs[f]), funcs[f])) {
+            res.best = schedules[*w];
+            best = compiled[*w];
+            chosen[funcs[f]] = cands.kept[*w];
+            changed = true;
+          }
+        };
         res.pruned += static_cast<int>(fc.pruned.size());
         if (elapsed() > r.budget_seconds) {
           res.left += static_cast<int>(fc.kept.size());
           continue;
         }
-        // This Func's candidates compile side by side, then are timed one by one.
-        std::vector<Schedule> schedules;
-        std::vector<std::string> what;
-        for (const FuncChoice &c : fc.kept) {
-          schedules.push_back(build(c));
-          what.push_back(funcs[f] + " " + c.text());
-        }
-        const std::vector<Compiled> compiled = compile_all(schedules);
         // The later Funcs' spaces, about as large as this one's.
         const size_t after = fc.kept.size() * (funcs.size() - f - 1);
-        if (auto w =
-                runoff("of " + funcs[f] + in_pass, compiled, what, sweep(compiled, what, after, funcs[f]), funcs[f])) {
-          res.best = schedules[*w];
-          best = compiled[*w];
-          chosen[funcs[f]] = fc.kept[*w];
-          changed = true;
-        }
+        func_round(fc, "of " + funcs[f], after);
         // Then the order its blocks walk the tiles in (the raster band), with
         // the rest of its settings as they now are: the band decides which
-        // tiles share A rows and B columns in L2 at once, and it was measured
-        // to matter only once the tile and walk are fixed.
+        // tiles share A rows and B columns in L2 at once. Tried apart, not in
+        // the product with the other knobs, which would double every round.
         if (elapsed() > r.budget_seconds)
           continue;
         FuncCandidates rc = raster_candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training);
         res.pruned += static_cast<int>(rc.pruned.size());
-        std::vector<Schedule> banded;
-        std::vector<std::string> band_what;
-        for (const FuncChoice &c : rc.kept) {
-          banded.push_back(build(c));
-          band_what.push_back(funcs[f] + " " + c.text());
-        }
-        const std::vector<Compiled> band_compiled = compile_all(banded);
-        if (auto w = runoff("of " + funcs[f] + "'s raster band" + in_pass, band_compiled, band_what,
-                            sweep(band_compiled, band_what, after, funcs[f]), funcs[f])) {
-          res.best = banded[*w];
-          best = band_compiled[*w];
-          chosen[funcs[f]] = rc.kept[*w];
-          changed = true;
-        }
+        func_round(rc, "of " + funcs[f] + "'s raster band", after);
       }
       if (!changed)
         break; // a pass that moved nothing: the next would time the same candidates

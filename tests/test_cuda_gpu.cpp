@@ -262,10 +262,12 @@ extern "C" __global__ void add_one(int *x, int n) {
     DeviceRouting routing(device);
     Stream stream;
     std::mt19937 rng(9);
-    // Top-k, histogram and scatter (heavy rows); top-k counting the chunks itself.
-    for (RoutingShape s : {RoutingShape{3000, 64, 8, 128}, RoutingShape{16384, 64, 1, 128}}) {
+    // Top-k, histogram and scatter (three passes of tokens a chunk); top-k
+    // counting the chunks itself (one pass: k = 1, and k = 8 as fine64's).
+    for (RoutingShape s :
+         {RoutingShape{3000, 256, 8, 128}, RoutingShape{16384, 64, 1, 128}, RoutingShape{16384, 64, 8, 128}}) {
       CAPTURE(s.to_string());
-      CHECK(routing_fuses_counts(s) == (s.k == 1));
+      CHECK(routing_fuses_counts(s) == (s.experts == 64));
       DeviceBuffer d_probs = DeviceBuffer::from(random_probs(s, rng, 0.0f));
       RoutingPlan plan(s);
       CudaGraph graph = CudaGraph::capture(stream, [&] { routing.run(d_probs.ptr(), plan, stream); });

@@ -12,7 +12,7 @@ namespace {
 // The top-k kernels (MF_TOPK_KERNEL in device/routing_kernels.cuh): each routes
 // rows of up to 32 * cols experts with `group` lanes per token, so a lane
 // holds 32 / group * cols probabilities and a block routes
-// kRoutingThreads / group tokens at a time: 16 per lane amortise the group's
+// kRoutingTopkThreads / group tokens at a time: 16 per lane amortise the group's
 // shuffles; above 128 experts, a warp per token (8 per lane) spreads the
 // long argmax rounds of large rows over more warps.
 struct TopkKernel {
@@ -54,14 +54,17 @@ int64_t routing_chunk_pairs(const RoutingShape &shape) {
   return std::max<int64_t>(1, ceil_div(ceil_div(shape.pairs(), target), kRoutingChunkQuantum)) * kRoutingChunkQuantum;
 }
 
-int64_t routing_topk_tokens_per_pass(int experts) { return kRoutingThreads / kTopkKernels[topk_index(experts)].group; }
+int64_t routing_topk_tokens_per_pass(int experts) {
+  return kRoutingTopkThreads / kTopkKernels[topk_index(experts)].group;
+}
 
 bool routing_fuses_counts(const RoutingShape &shape) {
   const int64_t chunk = routing_chunk_pairs(shape), k = shape.k;
   // The most tokens a chunk's pairs belong to: two more when k does not
   // divide the chunk, for the tokens straddling its ends.
   const int64_t tokens = chunk / k + (chunk % k ? 2 : 0);
-  return ceil_div(tokens, routing_topk_tokens_per_pass(shape.experts)) * k <= kRoutingFusedRounds;
+  const int64_t passes = ceil_div(tokens, routing_topk_tokens_per_pass(shape.experts));
+  return passes == 1 || passes * k <= kRoutingFusedRounds;
 }
 
 const char *routing_kernels_source() {
@@ -79,6 +82,7 @@ CompileOptions routing_compile_options(const std::string &arch) {
   CompileOptions o;
   o.arch = arch;
   o.extra_options = {"-DMF_THREADS=" + std::to_string(kRoutingThreads),
+                     "-DMF_TOPK_THREADS=" + std::to_string(kRoutingTopkThreads),
                      "-DMF_MAX_EXPERTS=" + std::to_string(kMaxRoutingExperts),
                      "-DMF_CAPACITY_THREADS=" + std::to_string(kCapacityThreads)};
   return o;
@@ -189,7 +193,7 @@ void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stre
     void *args[] = {&probs,  &tokens, &experts,          &k,       &apply_softmax,
                     &divide, &chunk,  plan.expert.arg(), gate_arg, counts_arg};
     const unsigned blocks = static_cast<unsigned>(ceil_div(s.pairs(), plan.topk_chunk));
-    topk_[topk_index(s.experts)].launch({blocks}, {kRoutingThreads}, 0, stream, args);
+    topk_[topk_index(s.experts)].launch({blocks}, {kRoutingTopkThreads}, 0, stream, args);
   }
   if (plan.fused) {
     scan_scatter(plan, stream);

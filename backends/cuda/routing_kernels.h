@@ -15,8 +15,13 @@
 
 namespace moeforge::cuda {
 
-// Threads per block of every routing kernel.
+// Threads per block of every routing kernel but the top-k.
 inline constexpr int kRoutingThreads = 256;
+// Threads per block of the top-k kernels (moe_topk_e*): a pass of their
+// tokens covers a chunk of the design shapes (128 tokens at 4 lanes each),
+// so one block per chunk routes it in one pass and also counts it, where
+// half the threads took two passes, or a second launch to count.
+inline constexpr int kRoutingTopkThreads = 512;
 // moe_capacity_keep's block: one per expert (device/routing_kernels.cuh).
 inline constexpr int kCapacityThreads = 1024;
 
@@ -44,10 +49,10 @@ int64_t routing_topk_tokens_per_pass(int experts);
 
 // Whether the top-k kernel, a block per chunk, also counts each chunk's
 // pairs per expert, saving the histogram's launch: when a chunk is light
-// work for a block, at most kRoutingFusedRounds argmax rounds (passes over
-// its tokens times k). Heavier chunks would leave too few blocks to hide
-// the latency of their rounds; the top-k then runs a block per pass of
-// tokens and moe_chunk_histogram counts.
+// work for a block, one pass over its tokens or at most kRoutingFusedRounds
+// argmax rounds (passes times k). Heavier chunks would leave too few blocks
+// to hide the latency of their rounds; the top-k then runs a block per pass
+// of tokens and moe_chunk_histogram counts.
 inline constexpr int64_t kRoutingFusedRounds = 4;
 bool routing_fuses_counts(const RoutingShape &shape);
 

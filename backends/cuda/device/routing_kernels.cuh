@@ -1,6 +1,7 @@
 // The device routing, compiled at run time with NVRTC: embedded into the
 // binary at build time (backends/cuda/CMakeLists.txt); routing_kernels.cpp
-// passes MF_THREADS, MF_MAX_EXPERTS and MF_CAPACITY_THREADS with -D, so host
+// passes MF_THREADS, MF_TOPK_THREADS, MF_MAX_EXPERTS and MF_CAPACITY_THREADS
+// with -D, so host
 // and device agree on them, and appends the top-k kernels' instantiations.
 // The format it produces is described in routing_host.h; route_on_host()
 // there is its oracle.
@@ -33,6 +34,9 @@
 #ifndef MF_THREADS
 #error "compile with -DMF_THREADS=<threads per block>"
 #endif
+#ifndef MF_TOPK_THREADS
+#error "compile with -DMF_TOPK_THREADS=<threads per top-k block>"
+#endif
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kNoExpert = 0x7fffffff;
@@ -44,6 +48,7 @@ constexpr int kExpertsPerLane = MF_MAX_EXPERTS / 32;
 // launch bounds ask for at least 1 block per SM, not the default.
 constexpr int kMinBlocksPerSm = 1;
 static_assert(MF_THREADS % 32 == 0, "whole warps");
+static_assert(MF_TOPK_THREADS % 32 == 0, "whole warps");
 static_assert(MF_MAX_EXPERTS % 32 == 0 && MF_MAX_EXPERTS <= MF_THREADS, "one thread per expert in a block");
 
 // The pairs [begin, end) of this block's chunk (empty for the one block of
@@ -69,15 +74,16 @@ __device__ __forceinline__ int count_stride(int experts) {
 // Shared per-expert counters of a chunk: zeroed, counted into with shared
 // atomics (they only count, so the result is order-independent), stored as
 // row blockIdx.x of chunk_counts.
-__device__ __forceinline__ void zero_counts(int *sCount, int experts) {
-  for (int e = threadIdx.x; e < count_stride(experts); e += MF_THREADS)
+template <int kThreads> __device__ __forceinline__ void zero_counts(int *sCount, int experts) {
+  for (int e = threadIdx.x; e < count_stride(experts); e += kThreads)
     sCount[e] = 0;
   __syncthreads();
 }
+template <int kThreads>
 __device__ __forceinline__ void store_counts(const int *sCount, int experts, int *__restrict__ chunk_counts) {
   __syncthreads();
   const int stride = count_stride(experts);
-  for (int e = threadIdx.x; e < stride; e += MF_THREADS)
+  for (int e = threadIdx.x; e < stride; e += kThreads)
     chunk_counts[(long long)blockIdx.x * stride + e] = sCount[e];
 }
 
@@ -264,8 +270,8 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
   __shared__ int sCount[MF_MAX_EXPERTS];
   const bool counts = chunk_counts != nullptr; // uniform over the grid
   if (counts)
-    zero_counts(sCount, experts);
-  constexpr int kTokensPerPass = MF_THREADS / kGroup;
+    zero_counts<MF_TOPK_THREADS>(sCount, experts);
+  constexpr int kTokensPerPass = MF_TOPK_THREADS / kGroup;
   const Chunk c = this_chunk(tokens * k, chunk);
   const int first_token = c.begin / k, end_token = (c.end - 1) / k + 1; // the tokens of pairs begin .. end-1
   const int q = threadIdx.x % kGroup;
@@ -319,14 +325,14 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
     route(b, second);
   }
   if (counts)
-    store_counts(sCount, experts, chunk_counts);
+    store_counts<MF_TOPK_THREADS>(sCount, experts, chunk_counts);
 }
 
 // A top-k kernel for rows of E <= 32 * cols experts, `group` lanes per token.
 // routing_kernels.cpp instantiates it once per entry of its table of top-k
 // kernels (routing_topk_kernel), appended to this source.
 #define MF_TOPK_KERNEL(name, group, cols)                                                                              \
-  extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)                                            \
+  extern "C" __global__ void __launch_bounds__(MF_TOPK_THREADS, kMinBlocksPerSm)                                       \
       name(const float *__restrict__ scores, /* (T, E) */ int tokens, int experts, int k, int softmax,                 \
            int renormalize, int chunk, int *__restrict__ expert, /* (T*k) */ float *__restrict__ gate, /* (T*k) */     \
            int *__restrict__ chunk_counts) { /* (chunks, count_stride) */                                              \
@@ -394,11 +400,11 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS)
                         int pairs, int experts, int chunk,
                         int *__restrict__ chunk_counts) { // (chunks, count_stride)
   __shared__ int sCount[MF_MAX_EXPERTS];
-  zero_counts(sCount, experts);
+  zero_counts<MF_THREADS>(sCount, experts);
   const Chunk c = this_chunk(pairs, chunk);
   for (int r = c.begin + threadIdx.x; r < c.end; r += MF_THREADS)
     atomicAdd(&sCount[expert[r]], 1);
-  store_counts(sCount, experts, chunk_counts);
+  store_counts<MF_THREADS>(sCount, experts, chunk_counts);
 }
 
 // For the experts of this warp's slice (count_stride / kWarps of them from

@@ -49,11 +49,9 @@
 set -uo pipefail
 what=${1:-all}
 T0=$(date +%s)
-OUT=${OUT:-/tmp/out}
+. scripts/device_env.sh
 R=$OUT/check
 mkdir -p "$R"
-export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
 # NCCL: the toolkit's, else the one PyTorch's wheels bring.
 if [ ! -e /usr/local/cuda/lib64/libnccl.so.2 ] && [ -z "${MOEFORGE_LIBNCCL:-}" ]; then
   MOEFORGE_LIBNCCL=$(python3 -c "import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], 'lib', 'libnccl.so.2'))" 2>/dev/null)
@@ -62,8 +60,7 @@ fi
 export NCCL_NVLS_ENABLE=0
 status=0
 has() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$R/device.txt"
-date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$R/device.txt"
+device_note "$R/device.txt"
 if has tests; then
   n=$(.gpu/moeforge_tests --test-suite=gpu --list-test-cases | grep -vc "^\[doctest\]\|^===")
   q=$(( (n + 3) / 4 ))

@@ -6,10 +6,7 @@
 #   kernel regex: ours are gemm_<func>; cuBLAS's are nvjet* / sm90_xmma* on
 #   Hopper (default: both, ours first).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
+. scripts/device_env.sh
 filter=${1:-forward/mixtral/tuned_tma/uniform}
 kernels=${2:-gemm|nvjet|xmma}
 launches=${3:-8}

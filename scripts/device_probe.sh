@@ -7,17 +7,13 @@
 #   shape: mixtral | fine64 | mbpaper; kernel: the GEMM to sample (gemm_h);
 #   the first schedule is the one sampled.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
+. scripts/device_env.sh
 shape=$1
 kernel=$2
 shift 2
 scheds=$(IFS=,; echo "$*")
 first=$1
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
-date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/device.txt"
+device_note "$OUT/device.txt"
 MOEFORGE_PROFILE=1 MOEFORGE_TIMELINE=1 MOEFORGE_BENCH_SCHEDULES="$scheds" timeout 240 .gpu/bench_moe_forward \
   --benchmark_filter="forward/$shape/.*sched/uniform" >"$OUT/timeline.log" 2>&1
 echo "timeline exit $?"

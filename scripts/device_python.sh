@@ -9,15 +9,12 @@
 # SHAPES: the shapes to time (default all five); ROUNDS: alternating rounds
 # (default 5); PYTEST=0 skips the tests (a timing-only call).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
+. scripts/device_env.sh
 R=$OUT/python
 mkdir -p "$R/sched"
-export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
 SHAPES=${SHAPES:-mixtral,fine64,mbpaper,qwen3moe,gptoss}
 status=0
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/device.txt"
-date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$R/device.txt"
+device_note "$R/device.txt"
 python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
   >"$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
 if [ "${PYTEST:-1}" != 0 ]; then

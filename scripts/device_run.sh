@@ -9,12 +9,8 @@
 # BENCH_FILTER: a Google Benchmark filter for the forward benchmark (default all).
 set -uo pipefail
 what=${1:-all}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export MOEFORGE_CACHE_DIR=/tmp/moeforge-cache
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
-date -u +%Y-%m-%dT%H:%M:%SZ | tee -a "$OUT/device.txt"
+. scripts/device_env.sh
+device_note "$OUT/device.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # The GPU suite in shards and memcheck: device_check.sh

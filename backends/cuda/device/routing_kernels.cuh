@@ -1,8 +1,8 @@
 // The device routing, compiled at run time with NVRTC: embedded into the
 // binary at build time (backends/cuda/CMakeLists.txt); routing_kernels.cpp
 // passes MF_THREADS, MF_TOPK_THREADS, MF_MAX_EXPERTS and MF_CAPACITY_THREADS
-// with -D, so host
-// and device agree on them, and appends the top-k kernels' instantiations.
+// with -D, so host and device agree on them, and appends the top-k kernels'
+// instantiations.
 // The format it produces is described in routing_host.h; route_on_host()
 // there is its oracle.
 //

@@ -476,12 +476,32 @@ TrainingTask training_task(const Options &o) {
   return task;
 }
 
+// The float64 reference again with every input moved by one bf16 rounding
+// (a relative 2^-8, of random sign) and the first run's experts given, so
+// that no near-tie of two scores turns the other way: how far each value
+// moves when its inputs are known to bf16's precision only.
+EvalResult reference_moved_by_bf16(const Pipeline &p, TensorMap inputs, const EvalResult &ref, EvalOptions options) {
+  std::mt19937 rng(7);
+  for (auto &[name, t] : inputs)
+    for (double &v : t.data)
+      v *= 1.0 + ((rng() & 1u) ? 0x1p-8 : -0x1p-8);
+  for (const auto &[name, route] : ref.routes)
+    options.given[name] = route.expert;
+  return evaluate(p, inputs, Precision::f64, options);
+}
+
 // Every output (y, and the losses with --aux) and every gradient against the
 // float64 reference of the training algebra.
 // A gradient that is zero in exact arithmetic (the router's, when renormalised
 // gates make y independent of it) holds rounding noise on both sides, so each
 // error is relative to at least 1e-3 x the largest value of y and the
 // gradients, as the tests' compare_with_reference does.
+// A value that is a difference of nearly equal terms (the router's gradient
+// with a token or two: the gates' gradients of two experts that score
+// alike) moves by more than 2e-2 of itself when its inputs move by one bf16
+// rounding, so bf16 storage cannot hold it closer. Such a value passes when
+// it is within what that move does to the reference (computed only for a
+// value past 2e-2), and the line says so.
 bool check_training(std::ostream &out, const BackendTraining &run, const TrainingTask &task, TensorMap inputs,
                     const Schedule &schedule) {
   const TrainingProgram &t = run.training;
@@ -496,6 +516,7 @@ bool check_training(std::ostream &out, const BackendTraining &run, const Trainin
     for (double v : ref[n].data)
       floor = std::max(floor, 1e-3 * std::fabs(v));
   bool ok = true;
+  std::optional<EvalResult> moved;
   for (const std::string &n : names) {
     const HostTensor &want = ref[n], &got = run.values.at(n);
     internal_check(got.shape == want.shape) << "'" << n << "' has the wrong shape";
@@ -504,12 +525,27 @@ bool check_training(std::ostream &out, const BackendTraining &run, const Trainin
       scale = std::max(scale, std::fabs(v));
     for (size_t i = 0; i < got.data.size(); ++i)
       worst = std::max(worst, std::isnan(got.data[i]) ? INFINITY : std::fabs(got.data[i] - want.data[i]));
-    double err = worst / std::max({scale, floor, 1e-30});
-    bool pass = err <= 2e-2;
+    const double denominator = std::max({scale, floor, 1e-30}), err = worst / denominator;
+    double tolerance = 2e-2;
+    if (err > tolerance && std::isfinite(err)) {
+      if (!moved)
+        moved = reference_moved_by_bf16(algebra.pipeline, inputs, ref, reference_options(schedule));
+      const HostTensor &shifted = (*moved)[n];
+      double move = 0;
+      for (size_t i = 0; i < want.data.size(); ++i)
+        move = std::max(move, std::fabs(shifted.data[i] - want.data[i]));
+      tolerance = std::max(tolerance, move / denominator);
+    }
+    const bool pass = err <= tolerance;
     ok &= pass;
     out << "check     " << std::setw(16) << std::left << n << std::right
         << (scale < floor ? " max |ours - ref| / floor        = " : " max |ours - ref| / max |ref| = ")
-        << std::scientific << std::setprecision(2) << err << " (tolerance 2e-2): " << (pass ? "PASS" : "FAIL")
+        << std::scientific << std::setprecision(2) << err;
+    if (tolerance > 2e-2)
+      out << " (tolerance " << tolerance << ", what one bf16 rounding of every input moves the reference by)";
+    else
+      out << " (tolerance 2e-2)";
+    out << ": " << (pass ? "PASS" : "FAIL")
         << (scale < floor ? "; ~0 in exact arithmetic, floor = 1e-3 x the largest value of y and the gradients" : "")
         << "\n"
         << std::defaultfloat;

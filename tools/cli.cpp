@@ -520,21 +520,15 @@ bool check_training(std::ostream &out, const BackendTraining &run, const Trainin
   for (const std::string &n : names) {
     const HostTensor &want = ref[n], &got = run.values.at(n);
     internal_check(got.shape == want.shape) << "'" << n << "' has the wrong shape";
-    double scale = 0, worst = 0;
+    double scale = 0;
     for (double v : want.data)
       scale = std::max(scale, std::fabs(v));
-    for (size_t i = 0; i < got.data.size(); ++i)
-      worst = std::max(worst, std::isnan(got.data[i]) ? INFINITY : std::fabs(got.data[i] - want.data[i]));
-    const double denominator = std::max({scale, floor, 1e-30}), err = worst / denominator;
+    const double denominator = std::max({scale, floor, 1e-30}), err = max_abs_difference(got, want) / denominator;
     double tolerance = 2e-2;
     if (err > tolerance && std::isfinite(err)) {
       if (!moved)
         moved = reference_moved_by_bf16(algebra.pipeline, inputs, ref, reference_options(schedule));
-      const HostTensor &shifted = (*moved)[n];
-      double move = 0;
-      for (size_t i = 0; i < want.data.size(); ++i)
-        move = std::max(move, std::fabs(shifted.data[i] - want.data[i]));
-      tolerance = std::max(tolerance, move / denominator);
+      tolerance = std::max(tolerance, max_abs_difference((*moved)[n], want) / denominator);
     }
     const bool pass = err <= tolerance;
     ok &= pass;

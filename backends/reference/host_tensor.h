@@ -74,6 +74,9 @@ uint16_t bf16_bits(float x);
 float bf16_value(uint16_t bits);
 double round_to_bf16(double x);
 
+// max |a - b| over all elements; infinite where a or b holds a NaN.
+double max_abs_difference(const HostTensor &a, const HostTensor &b);
+
 // max |a - b| / max |b|: the error of a backend with bf16 storage and fp32
 // accumulation against reference b, relative to b's scale (small entries
 // carry absolute error). A NaN in a (an element nothing wrote) is infinite.

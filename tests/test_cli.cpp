@@ -31,8 +31,9 @@ Run cli(const std::vector<std::string> &args) {
 
 bool has(const std::string &text, const std::string &part) { return text.find(part) != std::string::npos; }
 
-// The line of `out` that starts with `start` (REQUIRE'd present), without its newline.
-std::string line(const std::string &out, const std::string &start) {
+// `out` from the first `start` (REQUIRE'd present) to the end of that line,
+// without its newline: a report's line by its label.
+std::string line_from(const std::string &out, const std::string &start) {
   const size_t at = out.find(start);
   REQUIRE(at != std::string::npos);
   return out.substr(at, out.find('\n', at) - at);
@@ -646,14 +647,14 @@ TEST_CASE("cli: train --check holds a value bf16 cannot pin down to what roundin
   INFO(r.out << r.err);
   CHECK(r.code == 0);
   CHECK_FALSE(has(r.out, "FAIL"));
-  const std::string d_wr = line(r.out, "check     d_wr ");
+  const std::string d_wr = line_from(r.out, "check     d_wr ");
   CHECK(has(d_wr, "what one bf16 rounding of every input moves the reference by): PASS"));
   const size_t at = d_wr.find("(tolerance ") + std::string("(tolerance ").size();
   const double tolerance = std::stod(d_wr.substr(at));
   CHECK(tolerance > 2e-2);
   CHECK(tolerance < 0.5); // still a bound: a wrong gradient is off by ~100 %
   for (const char *f : {"y ", "d_x ", "d_w1 ", "d_w2 "})
-    CHECK_MESSAGE(has(line(r.out, std::string("check     ") + f), "(tolerance 2e-2): PASS"), f);
+    CHECK_MESSAGE(has(line_from(r.out, std::string("check     ") + f), "(tolerance 2e-2): PASS"), f);
 #else
   CHECK(r.code == 2);
 #endif
@@ -713,8 +714,8 @@ TEST_CASE("cli: train moe_mlp --aux --check: the auxiliary losses, their values 
   CHECK_FALSE(has(r.out, "FAIL"));
   // The losses' gradients reach the router: d_wr differs from y's alone.
   Run plain = cli({"train", "moe_mlp", "--backend", "cpu"});
-  CHECK(line(r.out, "checksum  y: ") == line(plain.out, "checksum  y: "));
-  CHECK(line(r.out, "checksum  d_wr: ") != line(plain.out, "checksum  d_wr: "));
+  CHECK(line_from(r.out, "checksum  y: ") == line_from(plain.out, "checksum  y: "));
+  CHECK(line_from(r.out, "checksum  d_wr: ") != line_from(plain.out, "checksum  d_wr: "));
 #else
   CHECK(r.code == 2);
 #endif

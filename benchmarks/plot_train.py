@@ -27,7 +27,14 @@ def main():
         schedule = args[args.index("--schedule") + 1]
     steady = "--steady" in args
     ours, roof, tflops = {}, {}, {}
-    for b in json.load(open(f"{folder}/train.json"))["benchmarks"]:
+    benchmarks = json.load(open(f"{folder}/train.json"))["benchmarks"]
+    torch_rows = json.load(open(f"{folder}/torch_train.json"))["results"]
+    if steady and not (all("steady_ms" in b for b in benchmarks if "ratio" in b) and
+                       all("steady_ms" in r for r in torch_rows)):
+        print("plot_train: --steady needs the steady-state timings in both files: bench_moe_train run with "
+              "MOEFORGE_BENCH_STEADY_S=2 and torch_grouped_mm_train.py with --steady 2", file=sys.stderr)
+        sys.exit(1)
+    for b in benchmarks:
         parts = b["name"].split("/")  # train/<shape>/<routing>/<schedule>/<memory>/...
         if len(parts) > 4 and parts[3] == schedule and parts[4] == "store":
             k = (parts[1], parts[2])
@@ -40,8 +47,7 @@ def main():
                 # The roof's time for the same FLOPs: ours x (our TFLOP/s / the roof's).
                 roof[k] = b["real_time"] * b["TFLOPs"] / b["roof_TFLOPs"]
                 tflops[k] = b["TFLOPs"]
-    torch = {(r["shape"], r["routing"]): r["steady_ms" if steady else "ms"]
-             for r in json.load(open(f"{folder}/torch_train.json"))["results"]}
+    torch = {(r["shape"], r["routing"]): r["steady_ms" if steady else "ms"] for r in torch_rows}
     keys = [k for k in ours if k in torch]
     if not keys:
         print(f"plot_train: no case of '{schedule}' in both files", file=sys.stderr)

@@ -8,6 +8,9 @@
 // X[Tk, d] W1[d, f1] and H[Tk, f] W2[f, d] with no routing, measured here
 // (benchmarks/dense_roof.h, shared with the training benchmarks).
 // Reported: TFLOP/s and ratio = roof time / our time, with the device name.
+// `expert_batched/<shape>` times cuBLAS on the layer's per-expert weights
+// with equal rows per expert and no routing (dense_roof.h) the same way: a
+// reference for how far per-expert weights alone put a forward below the roof.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -60,21 +63,30 @@ Schedule hand_written(const Shape &s, const std::string &name) {
       bench::source_file("benchmarks/schedules/forward/" + name + (s.swiglu ? "_swiglu" : "_gelu") + ".sched"));
 }
 
-void run_forward(benchmark::State &state, Shape shape, const char *schedule_name, bool skewed);
+// uniform: the random router's near-uniform choices; skewed: logits plus a
+// ramp over the experts; balanced (MOEFORGE_BENCH_BALANCED=1): every expert
+// exactly T k / E rows (moe_shapes.h's upload_balanced_inputs), to price
+// the tiles of an expert's last few rows against uniform.
+enum class Routing { uniform, skewed, balanced };
+const char *routing_name(Routing r) {
+  return r == Routing::uniform ? "uniform" : r == Routing::skewed ? "skewed" : "balanced";
+}
+
+void run_forward(benchmark::State &state, Shape shape, const char *schedule_name, Routing routing);
 
 // A schedule that does not fit a shape (a schedule file's tile for another
 // layer, say) skips that one benchmark with the reason, not the whole run.
-void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name, bool skewed) {
+void BM_forward(benchmark::State &state, Shape shape, const char *schedule_name, Routing routing) {
   try {
-    run_forward(state, shape, schedule_name, skewed);
+    run_forward(state, shape, schedule_name, routing);
   } catch (const UserError &e) {
     state.SkipWithError(e.what());
   }
 }
 
-void run_forward(benchmark::State &state, Shape shape, const char *schedule_name, bool skewed) {
+void run_forward(benchmark::State &state, Shape shape, const char *schedule_name, Routing routing) {
   ExampleShape es = shape.example();
-  Bias bias = skewed ? Bias::ramp : Bias::none;
+  Bias bias = routing == Routing::skewed ? Bias::ramp : Bias::none;
   Example ex = biased_moe(es, shape.swiglu, bias, shape.swiglu);
   std::string name = schedule_name;
   // "<schedule>@cap<F>": that schedule with a fixed expert capacity F
@@ -91,6 +103,10 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
                                                     : preset(name);
   if (capacity > 0)
     schedule.capacity(capacity);
+  if (routing == Routing::balanced && !bench::balanced_routing_fits(shape)) {
+    state.SkipWithError("balanced routing needs E to divide T k and d >= E");
+    return;
+  }
   // Compiling needs no GPU: without one, every variant is still lowered and
   // compiled (a schedule or codegen error shows here), then skipped.
   std::string why;
@@ -101,7 +117,10 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
   }
   cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, schedule, device().arch_specific());
   cuda::CudaLayer layer(device(), compiled, shape.tokens);
-  bench::upload_inputs(layer, ex, es, bias, shape.skew_ramp);
+  if (routing == Routing::balanced)
+    bench::upload_balanced_inputs(layer, ex, shape);
+  else
+    bench::upload_inputs(layer, ex, es, bias, shape.skew_ramp);
   cuda::Stream stream;
   cuda::CudaGraph graph = cuda::CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
 
@@ -170,19 +189,73 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
                          roof_steady_clocks);
   }
   state.counters["max_over_mean"] = *std::max_element(counts.begin(), counts.end()) / mean;
+  if (routing == Routing::balanced &&
+      std::any_of(counts.begin(), counts.end(), [&](int64_t c) { return double(c) != mean; })) {
+    state.SkipWithError("balanced routing came out unbalanced: an expert's rows differ from T k / E");
+    return;
+  }
   // Pairs dropped at the capacity, of T * k (0 for dropless schedules).
   state.counters["dropped_pct"] = 100.0 * double(layer.dropped_pairs(ex.route)) / double(shape.tokens * shape.k);
   state.counters["act_MiB"] = double(layer.activation_bytes()) / (1 << 20);
   state.SetLabel(device().name());
   for (const std::string &line : layer.timeline(stream)) // a MOEFORGE_TIMELINE build only
-    std::printf("timeline %s %s %s: %s\n", shape.name, schedule_name, skewed ? "skewed" : "uniform", line.c_str());
+    std::printf("timeline %s %s %s: %s\n", shape.name, schedule_name, routing_name(routing), line.c_str());
   if (std::getenv("MOEFORGE_PROFILE")) {
     // Where the time goes, step by step (one run, after the timed ones).
     layer.profile(stream);
     for (const auto &[step, ms] : layer.profile(stream))
-      std::printf("profile %s %s %s: %-32s %8.3f ms\n", shape.name, schedule_name, skewed ? "skewed" : "uniform",
-                  step.c_str(), ms);
+      std::printf("profile %s %s %s: %-32s %8.3f ms\n", shape.name, schedule_name, routing_name(routing), step.c_str(),
+                  ms);
   }
+}
+
+// The expert-batched roof (dense_roof.h) against the dense roof, on the
+// same counters as a schedule's forward: cuBLAS with the layer's per-expert
+// weights, every expert given T*k/E rows, no routing. Its ratio is how close
+// the vendor's own GEMM comes to the dense roof with an MoE layer's weights;
+// a routed forward's ratio is to be read beside it.
+void BM_expert_batched(benchmark::State &state, Shape shape) {
+  device();
+  const bench::RoofShape roof_shape = shape.roof();
+  if (roof_shape.rows() % shape.experts != 0) {
+    state.SkipWithError("T*k is not a multiple of the expert count");
+    return;
+  }
+  double batched = 0;
+  bench::cooldown();
+  bench::ClockMeans batched_means;
+  for (auto _ : state) {
+    cuda::ClockReading r;
+    const double ms = bench::expert_batched_forward_ms_now(roof_shape, shape.experts, clocks(), &r);
+    state.SetIterationTime(ms / 1e3);
+    batched += ms;
+    batched_means.add(r);
+  }
+  batched /= static_cast<double>(state.iterations());
+  bench::cooldown();
+  cuda::ClockReading roof_clocks;
+  const double roof_now = bench::roof_forward_ms_now(roof_shape, clocks(), &roof_clocks);
+  state.counters["TFLOPs"] = shape.flops() / (batched * 1e-3) / 1e12;
+  state.counters["roof_paired_TFLOPs"] = shape.flops() / (roof_now * 1e-3) / 1e12;
+  state.counters["ratio_paired"] = roof_now / batched;
+  if (clocks()) {
+    const cuda::ClockReading batched_clocks = batched_means.mean();
+    bench::report_clocks(state, "", batched_clocks);
+    bench::report_clocks(state, "roof_", roof_clocks);
+    state.counters["ratio_cycles"] = (roof_now * roof_clocks.sm_mhz) / (batched * batched_clocks.sm_mhz);
+  }
+  if (const double steady_s = bench::steady_seconds(); steady_s > 0) {
+    cuda::ClockReading batched_steady_clocks, roof_steady_clocks;
+    bench::cooldown();
+    const double batched_steady = bench::expert_batched_forward_ms_steady(roof_shape, shape.experts, steady_s * 1e3,
+                                                                          1e3, clocks(), &batched_steady_clocks);
+    bench::cooldown();
+    const double roof_steady =
+        bench::roof_forward_ms_steady(roof_shape, steady_s * 1e3, 1e3, clocks(), &roof_steady_clocks);
+    bench::report_steady(state, clocks() != nullptr, shape.flops(), batched_steady, batched_steady_clocks, roof_steady,
+                         roof_steady_clocks);
+  }
+  state.SetLabel(device().name());
 }
 
 void register_all() {
@@ -193,14 +266,27 @@ void register_all() {
   names.insert(names.end(), {"megablocks", "scattermoe"});
   names.insert(names.end(), std::begin(kForwardSchedules), std::end(kForwardSchedules));
   const int rounds = bench::bench_rounds();
+  std::vector<Routing> routings{Routing::uniform, Routing::skewed};
+  if (const char *v = std::getenv("MOEFORGE_BENCH_BALANCED"); v && std::string(v) == "1")
+    routings.push_back(Routing::balanced);
+  for (int round = 1; round <= rounds; ++round)
+    for (const Shape &s : bench::kMoeShapes) {
+      std::string name = std::string("expert_batched/") + s.name;
+      if (rounds > 1)
+        name += "/round" + std::to_string(round);
+      benchmark::RegisterBenchmark(name.c_str(), BM_expert_batched, s)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(3);
+    }
   for (int round = 1; round <= rounds; ++round)
     for (const Shape &s : bench::kMoeShapes)
       for (const char *p : names)
-        for (bool skew : {false, true}) {
-          std::string name = std::string("forward/") + s.name + "/" + p + (skew ? "/skewed" : "/uniform");
+        for (Routing routing : routings) {
+          std::string name = std::string("forward/") + s.name + "/" + p + "/" + routing_name(routing);
           if (rounds > 1)
             name += "/round" + std::to_string(round);
-          benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, skew)
+          benchmark::RegisterBenchmark(name.c_str(), BM_forward, s, p, routing)
               ->UseManualTime()
               ->Unit(benchmark::kMillisecond)
               ->Iterations(3);

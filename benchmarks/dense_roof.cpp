@@ -2,6 +2,7 @@
 
 #include "backends/cuda/cublas_gemm.h"
 #include "backends/cuda/device.h"
+#include "dsl/error.h"
 
 #include <algorithm>
 #include <cstring>
@@ -9,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace moeforge::bench {
@@ -191,6 +193,52 @@ double roof_forward_backward_ms_steady(const RoofShape &s, double warm_ms, doubl
                                        cuda::ClockReading *reading) {
   // Kept as the forward's are (mixtral's: about 4 GiB).
   return steady_ms(kept<TrainingGemms>(s), warm_ms, timed_ms, clocks, reading);
+}
+
+namespace {
+
+// The expert-batched roof's GEMMs: each expert's rows of X and H, and its
+// W1 and W2, back to back (gemm_nn_batched).
+struct ExpertBatchedGemms {
+  int64_t experts, rows_each, d, f, f1;
+  cuda::DeviceBuffer x, w1, h1, h, w2, y;
+  ExpertBatchedGemms(const RoofShape &s, int64_t e)
+      : experts(e), rows_each(s.rows() / e), d(s.d), f(s.f), f1(s.f1()), x(bf16_buffer(s.rows(), d)),
+        w1(bf16_buffer(e * d, f1)), h1(bf16_buffer(s.rows(), f1)), h(bf16_buffer(s.rows(), f)),
+        w2(bf16_buffer(e * f, d)), y(bf16_buffer(s.rows(), d)) {
+    fill_inputs({&x, &w1, &h, &w2}, RoofData::random);
+  }
+  void enqueue(const cuda::CublasHandle &handle, const cuda::Stream &stream) {
+    cuda::gemm_nn_batched(handle, stream, experts, rows_each, f1, d, x.ptr(), w1.ptr(), h1.ptr());
+    cuda::gemm_nn_batched(handle, stream, experts, rows_each, d, f, h.ptr(), w2.ptr(), y.ptr());
+  }
+};
+
+ExpertBatchedGemms &kept_batched(const RoofShape &s, int64_t experts) {
+  user_check(experts > 0 && s.rows() % experts == 0)
+      << "the expert-batched roof splits T*k = " << s.rows() << " rows into " << experts
+      << " experts of equal rows: T*k must be a positive multiple of the expert count";
+  static std::map<std::pair<Key, int64_t>, std::unique_ptr<ExpertBatchedGemms>> buffers;
+  std::unique_ptr<ExpertBatchedGemms> &g = buffers[{key_of(s, RoofData::random), experts}];
+  if (!g)
+    g = std::make_unique<ExpertBatchedGemms>(s, experts);
+  return *g;
+}
+
+} // namespace
+
+double expert_batched_forward_ms_now(const RoofShape &s, int64_t experts, cuda::ClockSampler *clocks,
+                                     cuda::ClockReading *reading) {
+  ExpertBatchedGemms &gemms = kept_batched(s, experts);
+  cuda::CublasHandle handle;
+  cuda::Stream stream;
+  return time_ms(
+      stream, kReps, [&] { gemms.enqueue(handle, stream); }, clocks, reading);
+}
+
+double expert_batched_forward_ms_steady(const RoofShape &s, int64_t experts, double warm_ms, double timed_ms,
+                                        cuda::ClockSampler *clocks, cuda::ClockReading *reading) {
+  return steady_ms(kept_batched(s, experts), warm_ms, timed_ms, clocks, reading);
 }
 
 RoofTimes dense_roof(const RoofShape &shape) { return {roof_forward_ms(shape), roof_forward_backward_ms(shape)}; }

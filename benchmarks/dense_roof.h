@@ -96,6 +96,20 @@ double roof_forward_ms_steady(const RoofShape &shape, double warm_ms, double tim
 double roof_forward_backward_ms_steady(const RoofShape &shape, double warm_ms, double timed_ms,
                                        cuda::ClockSampler *clocks = nullptr, cuda::ClockReading *reading = nullptr);
 
+// The expert-batched roof: the forward's two GEMMs split into `experts`
+// GEMMs of T·k / experts rows each, every one with weights of its own
+// (W1 [E, d, f1], W2 [E, f, d]), run by cuBLAS as one strided batch. It is
+// the dense roof with what per-expert weights cost and nothing a router
+// adds: no routing, gather, activation or combine, no expert's last rows
+// padded (every expert has the same rows). So roof time / this time says how
+// close the vendor's GEMM comes to the dense roof with an MoE layer's
+// weights, a reference for what a routed layer can reach. T·k must be a
+// multiple of `experts`. Buffers are kept for the process, as the roof's are.
+double expert_batched_forward_ms_now(const RoofShape &shape, int64_t experts, cuda::ClockSampler *clocks = nullptr,
+                                     cuda::ClockReading *reading = nullptr);
+double expert_batched_forward_ms_steady(const RoofShape &shape, int64_t experts, double warm_ms, double timed_ms,
+                                        cuda::ClockSampler *clocks = nullptr, cuda::ClockReading *reading = nullptr);
+
 struct RoofTimes {
   double forward_ms = 0;
   double forward_backward_ms = 0;

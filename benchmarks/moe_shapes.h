@@ -100,4 +100,45 @@ void upload_inputs(Layer &layer, const Example &ex, const ExampleShape &es, Bias
   }
 }
 
+// The experts token t routes to under balanced routing: (t k + i) mod E for
+// i < k. Over every token these are 0 .. T k - 1 mod E, so each expert gets
+// exactly T k / E pairs where E divides T k (balanced_routing_fits).
+inline int64_t balanced_expert(int64_t t, int64_t i, int64_t k, int64_t experts) { return (t * k + i) % experts; }
+inline bool balanced_routing_fits(const MoeShape &s) { return (s.tokens * s.k) % s.experts == 0 && s.d >= s.experts; }
+
+// Inputs whose router sends every expert the same number of rows: x and wr
+// as upload_inputs makes them (x not repeated: each row is its own), except
+// that x's first E columns are one-hot over the token's balanced experts and
+// wr's first E rows are 64 times the identity, so a chosen expert's logit is
+// 64 plus the other columns' sum (about +-1) and every other one's that sum
+// alone. Why: with near-uniform random routing about half the experts of a
+// shape like mbpaper (256 +- 16 rows each) end in a tile of a few rows that
+// still streams the expert's whole weights; routed this way no expert has
+// such a tail, and the forward's time against the same layer under uniform
+// routing prices the tails. The rest of x stays random (a GEMM's power, so
+// its clock at the card's limit, depends on the operands' bits).
+template <typename Layer> void upload_balanced_inputs(Layer &layer, const Example &ex, const MoeShape &shape) {
+  upload_inputs(layer, ex, shape.example(), Bias::none, 0.0);
+  const int64_t T = shape.tokens, d = shape.d, E = shape.experts, k = shape.k;
+  auto scale = [&](const std::string &name) {
+    auto it = ex.init_scale.find(name);
+    return it == ex.init_scale.end() ? 1.0 : it->second;
+  };
+  const double ax = scale("x"), awr = scale("wr");
+  HostTensor x = hashed_random_tensor({T, d}, 1, random_stream("x"), -ax, ax);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < E; ++c)
+      x.at({t, c}) = 0.0f;
+    for (int64_t i = 0; i < k; ++i)
+      x.at({t, balanced_expert(t, i, k, E)}) = 1.0f;
+  }
+  layer.upload("x", x);
+  std::mt19937_64 rng(2);
+  HostTensor wr = random_tensor({d, E}, rng, -awr, awr);
+  for (int64_t c = 0; c < E; ++c)
+    for (int64_t e = 0; e < E; ++e)
+      wr.at({c, e}) = c == e ? 64.0f : 0.0f;
+  layer.upload("wr", wr);
+}
+
 } // namespace moeforge::bench

@@ -23,6 +23,7 @@
 using namespace moeforge::cuda;
 using moeforge::bf16_bits;
 using moeforge::bf16_value;
+using moeforge::UserError;
 
 namespace {
 
@@ -328,14 +329,55 @@ extern "C" __global__ void add_one(int *x, int n) {
             double want = 0.0;
             for (int64_t q = 0; q < K; ++q)
               want += double(at(a, i, q, K, at_, M)) * double(at(b, q, j, N, bt, K));
-            worst = std::max(worst, std::abs(c[i * N + j] - want));
-            worst16 = std::max(worst16, std::abs(bf16_value(c16[i * N + j]) - want));
+            // A NaN left by the poison must fail: std::max would drop it.
+            const double err = std::abs(c[i * N + j] - want), err16 = std::abs(bf16_value(c16[i * N + j]) - want);
+            worst = std::max(worst, std::isnan(err) ? INFINITY : err);
+            worst16 = std::max(worst16, std::isnan(err16) ? INFINITY : err16);
           }
         // fp32 accumulation of K=72 products of bf16 values in [-1, 1].
         CHECK(worst < 1e-4);
         // bf16 output: half an ulp of values up to ~10 is 2^-5.
         CHECK(worst16 < 0.04);
       }
+  }
+
+  TEST_CASE("cuda gpu: cuBLAS batched bf16 GEMMs match a CPU loop per batch") {
+    MOEFORGE_REQUIRE_GPU();
+    Device device;
+    Stream stream;
+    CublasHandle cublas;
+    // Three GEMMs with their own operands: a wrong stride would mix one
+    // batch's operands into another's result.
+    const int64_t batch = 3, M = 40, N = 48, K = 56;
+    std::mt19937 rng(2);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<uint16_t> a(batch * M * K), b(batch * K * N);
+    for (uint16_t &x : a)
+      x = bf16_bits(u(rng));
+    for (uint16_t &x : b)
+      x = bf16_bits(u(rng));
+    DeviceBuffer da = DeviceBuffer::from(a), db = DeviceBuffer::from(b);
+    DeviceBuffer dc(batch * M * N * sizeof(float));
+    dc.fill32(kPoisonNaN);
+    gemm_nn_batched(cublas, stream, batch, M, N, K, da.ptr(), db.ptr(), dc.ptr(), GemmOutput::f32);
+    stream.synchronize();
+    std::vector<float> c = dc.download<float>();
+    for (int64_t e = 0; e < batch; ++e) {
+      CAPTURE(e);
+      double worst = 0.0;
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) {
+          double want = 0.0;
+          for (int64_t q = 0; q < K; ++q)
+            want += double(bf16_value(a[(e * M + i) * K + q])) * double(bf16_value(b[(e * K + q) * N + j]));
+          const double err = std::abs(c[(e * M + i) * N + j] - want);
+          worst = std::max(worst, std::isnan(err) ? INFINITY : err); // std::max drops a NaN
+        }
+      // fp32 accumulation of K = 56 products of bf16 values in [-1, 1].
+      CHECK(worst < 1e-4);
+    }
+    CHECK_THROWS_WITH_AS(gemm_nn_batched(cublas, stream, 0, M, N, K, da.ptr(), db.ptr(), dc.ptr()),
+                         doctest::Contains("the count and every dimension must be positive"), UserError);
   }
 
 } // TEST_SUITE("gpu")

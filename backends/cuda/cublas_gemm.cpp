@@ -59,4 +59,26 @@ void gemm_bf16(const CublasHandle &handle, const Stream &stream, Transpose trans
                "cublasGemmEx");
 }
 
+void gemm_nn_batched(const CublasHandle &handle, const Stream &stream, int64_t batch, int64_t m, int64_t n, int64_t k,
+                     CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, GemmOutput c_type) {
+  user_check(batch > 0 && m > 0 && n > 0 && k > 0)
+      << "gemm_nn_batched of " << batch << " GEMMs of shape " << m << "x" << n << "x" << k
+      << ": the count and every dimension must be positive";
+  user_check(batch <= INT_MAX && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX)
+      << "gemm_nn_batched of " << batch << " GEMMs of shape " << m << "x" << n << "x" << k
+      << ": cublasGemmStridedBatchedEx takes counts and dimensions up to " << INT_MAX;
+  // Column-major as in gemm_bf16 above: each row-major C_e = A_e·B_e is the
+  // column-major C_e^T = B_e^T·A_e^T, so B comes first, untransposed.
+  const float alpha = 1.0f, beta = 0.0f;
+  cudaDataType_t out = c_type == GemmOutput::bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  check_cublas(cublasSetStream(handle.get(), stream.handle()), "cublasSetStream");
+  check_cublas(cublasGemmStridedBatchedEx(handle.get(), CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n),
+                                          static_cast<int>(m), static_cast<int>(k), &alpha,
+                                          reinterpret_cast<const void *>(b), CUDA_R_16BF, static_cast<int>(n), k * n,
+                                          reinterpret_cast<const void *>(a), CUDA_R_16BF, static_cast<int>(k), m * k,
+                                          &beta, reinterpret_cast<void *>(c), out, static_cast<int>(n), m * n,
+                                          static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "cublasGemmStridedBatchedEx");
+}
+
 } // namespace moeforge::cuda

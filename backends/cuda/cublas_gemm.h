@@ -71,4 +71,12 @@ inline void gemm_nt(const CublasHandle &h, const Stream &s, int64_t m, int64_t n
   gemm_bf16(h, s, Transpose::no, Transpose::yes, m, n, k, a, b, c, c_type);
 }
 
+// C_e[M, N] = A_e[M, K] · B_e[K, N] for each e in [0, batch): `batch`
+// row-major GEMMs of one shape whose operands lie back to back (A_e at
+// a + e·M·K elements, B_e at b + e·K·N, C_e at c + e·M·N). An MoE layer's
+// expert GEMMs with every expert given the same rows and no routing: what the
+// vendor's GEMM does with per-expert weights at its best (dense_roof.h).
+void gemm_nn_batched(const CublasHandle &handle, const Stream &stream, int64_t batch, int64_t m, int64_t n, int64_t k,
+                     CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, GemmOutput c_type = GemmOutput::bf16);
+
 } // namespace moeforge::cuda

@@ -108,15 +108,16 @@ inline bool balanced_routing_fits(const MoeShape &s) { return (s.tokens * s.k) %
 
 // Inputs whose router sends every expert the same number of rows: x and wr
 // as upload_inputs makes them (x not repeated: each row is its own), except
-// that x's first E columns are one-hot over the token's balanced experts and
-// wr's first E rows are 64 times the identity, so a chosen expert's logit is
-// 64 plus the other columns' sum (about +-1) and every other one's that sum
-// alone. Why: with near-uniform random routing about half the experts of a
+// that in x's first E columns the token's balanced experts hold 1 and the
+// others random values in [-0.25, 0.25), and wr's first E rows are 64 times
+// the identity: a chosen expert's logit is 64 plus the other columns' sum
+// (about +-1), every other one's at most 16 plus that sum. (Random rather
+// than zero: a GEMM's power, so its clock at the card's limit, depends on
+// the operands' bits.) Why: with near-uniform random routing about half the experts of a
 // shape like mbpaper (256 +- 16 rows each) end in a tile of a few rows that
 // still streams the expert's whole weights; routed this way no expert has
 // such a tail, and the forward's time against the same layer under uniform
-// routing prices the tails. The rest of x stays random (a GEMM's power, so
-// its clock at the card's limit, depends on the operands' bits).
+// routing prices the tails.
 template <typename Layer> void upload_balanced_inputs(Layer &layer, const Example &ex, const MoeShape &shape) {
   upload_inputs(layer, ex, shape.example(), Bias::none, 0.0);
   const int64_t T = shape.tokens, d = shape.d, E = shape.experts, k = shape.k;
@@ -128,9 +129,9 @@ template <typename Layer> void upload_balanced_inputs(Layer &layer, const Exampl
   HostTensor x = hashed_random_tensor({T, d}, 1, random_stream("x"), -ax, ax);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t c = 0; c < E; ++c)
-      x.at({t, c}) = 0.0f;
+      x.at({t, c}) *= 0.25 / ax; // random still, in [-0.25, 0.25): logits up to 16
     for (int64_t i = 0; i < k; ++i)
-      x.at({t, balanced_expert(t, i, k, E)}) = 1.0f;
+      x.at({t, balanced_expert(t, i, k, E)}) = 1.0;
   }
   layer.upload("x", x);
   std::mt19937_64 rng(2);

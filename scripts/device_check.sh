@@ -14,7 +14,10 @@
 #   train   issue #16's table: bench_moe_train (tuned_wide storing, lean and
 #           recomputing; uniform and skewed) and
 #           torch_grouped_mm_train.py on the five training shapes, one
-#           process each, in this call
+#           process each, in this call; STEADY=<s>: each side also timed
+#           at the card's steady state (s seconds of its own steps after a
+#           1 s pause, then about a second), store and lean only (what
+#           `benchmarks/plot_train.py --steady` draws)
 #   rounds  issue #16's comparison made steady: ROUNDS (3) rounds, each one
 #           bench_moe_train process (tuned_wide store and lean, uniform and
 #           skewed) then one torch_grouped_mm_train.py process, on SHAPES
@@ -223,10 +226,18 @@ if has tuned; then
 fi
 if has train; then
   filter="train/[a-z0-9]+/[a-z]+/tuned_wide/"
-  timeout 420 .gpu/bench_moe_train --benchmark_filter="$filter" --benchmark_out="$R/train.json" \
+  steady=()
+  if [ -n "${STEADY:-}" ]; then
+    # Each case is then timed three times over (bursts, its steady state,
+    # the roof's): recomputing, never the fastest, is left out to fit.
+    filter="train/[a-z0-9]+/[a-z]+/tuned_wide/(store|lean)/"
+    steady=(--cooldown 1 --steady "$STEADY")
+  fi
+  MOEFORGE_BENCH_STEADY_S=${STEADY:-} MOEFORGE_BENCH_COOLDOWN_S=${STEADY:+1} timeout 420 .gpu/bench_moe_train \
+    --benchmark_filter="$filter" --benchmark_out="$R/train.json" \
     --benchmark_out_format=json --benchmark_counters_tabular=true >"$R/train.log" 2>&1 || status=1
   grep -E "^train" "$R/train.log" | cut -c1-150
-  PYTHONUNBUFFERED=1 timeout 150 python3 benchmarks/torch_grouped_mm_train.py --out "$R/torch_train.json" \
+  PYTHONUNBUFFERED=1 timeout 240 python3 benchmarks/torch_grouped_mm_train.py "${steady[@]}" --out "$R/torch_train.json" \
     >"$R/torch_train.log" 2>&1 || status=1
   tail -12 "$R/torch_train.log"
   echo "train done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"

@@ -215,7 +215,11 @@ void run_forward(benchmark::State &state, Shape shape, const char *schedule_name
 // the vendor's own GEMM comes to the dense roof with an MoE layer's weights;
 // a routed forward's ratio is to be read beside it.
 void BM_expert_batched(benchmark::State &state, Shape shape) {
-  device();
+  std::string why;
+  if (!cuda::gpu_available(&why)) {
+    state.SkipWithError(("no GPU to run on: " + why).c_str());
+    return;
+  }
   const bench::RoofShape roof_shape = shape.roof();
   if (roof_shape.rows() % shape.experts != 0) {
     state.SkipWithError("T*k is not a multiple of the expert count");

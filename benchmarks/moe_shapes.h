@@ -113,11 +113,11 @@ inline bool balanced_routing_fits(const MoeShape &s) { return (s.tokens * s.k) %
 // the identity: a chosen expert's logit is 64 plus the other columns' sum
 // (about +-1), every other one's at most 16 plus that sum. (Random rather
 // than zero: a GEMM's power, so its clock at the card's limit, depends on
-// the operands' bits.) Why: with near-uniform random routing about half the experts of a
-// shape like mbpaper (256 +- 16 rows each) end in a tile of a few rows that
-// still streams the expert's whole weights; routed this way no expert has
-// such a tail, and the forward's time against the same layer under uniform
-// routing prices the tails.
+// the operands' bits.) Why: with near-uniform random routing about half
+// the experts of a shape like mbpaper (256 +- 16 rows each) end in a tile
+// of a few rows that still streams the expert's whole weights; routed this
+// way no expert has such a tail, and the forward's time against the same
+// layer under uniform routing prices the tails.
 template <typename Layer> void upload_balanced_inputs(Layer &layer, const Example &ex, const MoeShape &shape) {
   upload_inputs(layer, ex, shape.example(), Bias::none, 0.0);
   const int64_t T = shape.tokens, d = shape.d, E = shape.experts, k = shape.k;

@@ -591,6 +591,31 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
   }
 }
 
+TEST_CASE("codegen: tanh takes the special-function unit's form where every output is bf16") {
+  // In a bf16 result tanh.approx's ~2^-11 is under the result's rounding; an
+  // f32 result keeps tanhf.
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    Dim T = Dim::dynamic("T"), D("D", 64);
+    Var t("t", T), i("i", D);
+    Input x("x", {T, D});
+    Func y("y", dtype);
+    y(t, i) = tanh(x(t, i)) * x(t, i);
+    cuda::CompiledLayer c = cuda::compile_layer(Pipeline({y}), preset("scattermoe"));
+    INFO(dtype_name(dtype) << " output");
+    check_resources(c, "tanh");
+    CHECK(count_of(c.source.source, "mf::tanh_fast(") == (dtype == DType::bf16 ? 1 : 0));
+    CHECK(count_of(c.source.source, "tanhf(") == (dtype == DType::bf16 ? 0 : 1));
+  }
+  // GeLU's derivative as autodiff writes it: three tanh of one argument per
+  // element of d_h, in the training step's bf16 per-pair gradient.
+  Example ex = make_example("moe_mlp", small());
+  cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), bench::tuned_wide(false));
+  check_resources(c.layer, "moe_mlp training, tuned_wide");
+  const std::string src = kernel_source(c.layer, "pointwise_d_x_s_a");
+  CHECK(count_of(src, "mf::tanh_fast(") == 3);
+  CHECK(count_of(src, "tanhf(") == 0);
+}
+
 TEST_CASE("codegen: padded_elementwise: zero-padded element-wise results, read by TMA, compile without spills") {
   // tuned_wide (padded_elementwise): d_o, dH1 and dH3 come from element-wise
   // kernels over the padded rows (zeros on padding), h from the forward

@@ -133,6 +133,13 @@ public:
   bool warp_split = false, block_split = false;
   std::map<const VarNode *, std::string> vars;       // index variables in scope
   std::map<const FuncNode *, std::string> registers; // placeholders held in registers (accumulators)
+  // Every value this emitter computes is stored in bf16: tanh takes the
+  // special-function unit's form (mf::tanh_fast, relative error ~2^-11,
+  // under bf16's rounding of the result) instead of tanhf's ~20
+  // instructions. The GeLU derivative autodiff writes out (three tanh of
+  // one argument per element) then leaves the backward's element-wise
+  // kernel bound by its memory traffic rather than by its arithmetic.
+  bool fast_special = false;
 
   // Eight elements per thread (emit_pointwise): values are expressions in a
   // lane u = 0..7, vec_var being vars[vec_var] = (vec_base + u); sums keep
@@ -159,7 +166,7 @@ public:
       case UnaryOp::log:
         return "logf(" + a + ")";
       case UnaryOp::tanh:
-        return "tanhf(" + a + ")";
+        return (fast_special ? "mf::tanh_fast(" : "tanhf(") + a + ")";
       case UnaryOp::sqrt:
         return "sqrtf(" + a + ")";
       case UnaryOp::rsqrt:
@@ -800,6 +807,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   for (size_t o = 0; o < outputs.size(); ++o) {
     std::ostringstream code;
     ExprEmitter eo(prog, kb, code, 4);
+    eo.fast_special = prog.tensor(outputs[o].first).dtype == DType::bf16;
     eo.vars[g.row_var.get()] = vr;
     eo.vars[g.col_var.get()] = vc;
     eo.registers = accumulators;
@@ -1145,6 +1153,11 @@ std::vector<Written> written_by(const KernelProgram &prog, const PointwiseStep &
   return outs;
 }
 
+// Whether every output is stored in bf16 (ExprEmitter::fast_special).
+bool all_bf16(const std::vector<Written> &outs) {
+  return std::all_of(outs.begin(), outs.end(), [](const Written &w) { return w.t->dtype == DType::bf16; });
+}
+
 // The comment above an element-wise kernel: what each output is.
 void describe(std::ostringstream &src, const PointwiseStep &s, const std::vector<Written> &outs) {
   for (size_t o = 0; o < outs.size(); ++o) {
@@ -1191,6 +1204,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
 
   std::ostringstream body;
   ExprEmitter em(prog, kb, body, 4);
+  em.fast_special = all_bf16(outs);
   std::string rows = "1LL";
   for (size_t i = 0; i + 1 < s.vars.size(); ++i)
     rows = "(" + rows + " * " + (padded_rows ? padded_slots(prog, kb, out.route) : kb.extent(s.vars[i].dim())) + ")";
@@ -1315,6 +1329,7 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
 
   std::ostringstream body;
   ExprEmitter em(prog, kb, body, 2);
+  em.fast_special = all_bf16(outs);
   // One thread per element; for a softmax, one warp per row of the others.
   std::vector<Var> loop_vars;
   for (const Var &v : s.vars)

@@ -607,13 +607,22 @@ TEST_CASE("codegen: tanh takes the special-function unit's form where every outp
     CHECK(count_of(c.source.source, "tanhf(") == (dtype == DType::bf16 ? 0 : 1));
   }
   // GeLU's derivative as autodiff writes it: three tanh of one argument per
-  // element of d_h, in the training step's bf16 per-pair gradient.
+  // element of d_h, in the training step's bf16 per-pair gradient; in the
+  // lean mode beside the gate's f32 gradient, a row sum of the same kernel
+  // that reads no tanh.
   Example ex = make_example("moe_mlp", small());
-  cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), bench::tuned_wide(false));
-  check_resources(c.layer, "moe_mlp training, tuned_wide");
-  const std::string src = kernel_source(c.layer, "pointwise_d_x_s_a");
-  CHECK(count_of(src, "mf::tanh_fast(") == 3);
-  CHECK(count_of(src, "tanhf(") == 0);
+  for (bool lean : {false, true}) {
+    Schedule s = bench::tuned_wide(false);
+    if (lean)
+      s.recompute_elementwise(true).gate_gradient_from_dh(true);
+    INFO((lean ? "lean" : "store"));
+    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
+    check_resources(c.layer, "moe_mlp training, tuned_wide");
+    const std::string src =
+        kernel_source(c.layer, lean ? "pointwise_d_x_s_a_d_route_gate_h_gated" : "pointwise_d_x_s_a");
+    CHECK(count_of(src, "mf::tanh_fast(") == 3);
+    CHECK(count_of(src, "tanhf(") == 0);
+  }
 }
 
 TEST_CASE("codegen: padded_elementwise: zero-padded element-wise results, read by TMA, compile without spills") {

@@ -133,7 +133,7 @@ public:
   bool warp_split = false, block_split = false;
   std::map<const VarNode *, std::string> vars;       // index variables in scope
   std::map<const FuncNode *, std::string> registers; // placeholders held in registers (accumulators)
-  // Every value this emitter computes is stored in bf16: tanh takes the
+  // The value being emitted is stored in bf16: tanh takes the
   // special-function unit's form (mf::tanh_fast, relative error ~2^-11,
   // under bf16's rounding of the result) instead of tanhf's ~20
   // instructions. The GeLU derivative autodiff writes out (three tanh of
@@ -1153,10 +1153,10 @@ std::vector<Written> written_by(const KernelProgram &prog, const PointwiseStep &
   return outs;
 }
 
-// Whether every output is stored in bf16 (ExprEmitter::fast_special).
-bool all_bf16(const std::vector<Written> &outs) {
-  return std::all_of(outs.begin(), outs.end(), [](const Written &w) { return w.t->dtype == DType::bf16; });
-}
+// Whether an output is stored in bf16 (ExprEmitter::fast_special), set
+// before each output's value is emitted: a kernel's f32 outputs (a row sum
+// beside bf16 gradients, say) keep tanhf.
+bool stored_bf16(const Written &w) { return w.t->dtype == DType::bf16; }
 
 // The comment above an element-wise kernel: what each output is.
 void describe(std::ostringstream &src, const PointwiseStep &s, const std::vector<Written> &outs) {
@@ -1204,7 +1204,6 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
 
   std::ostringstream body;
   ExprEmitter em(prog, kb, body, 4);
-  em.fast_special = all_bf16(outs);
   std::string rows = "1LL";
   for (size_t i = 0; i + 1 < s.vars.size(); ++i)
     rows = "(" + rows + " * " + (padded_rows ? padded_slots(prog, kb, out.route) : kb.extent(s.vars[i].dim())) + ")";
@@ -1262,6 +1261,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
   }
   // Every value before any store, as emit_pointwise does.
   for (size_t o = 0; o < outs.size(); ++o) {
+    em.fast_special = stored_bf16(outs[o]);
     const std::string value = em.emit(outs[o].value);
     if (vectorize) {
       body << "    float out" << o << "[8];\n#pragma unroll\n    for (int u = 0; u < 8; ++u)\n      out" << o
@@ -1329,7 +1329,6 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
 
   std::ostringstream body;
   ExprEmitter em(prog, kb, body, 2);
-  em.fast_special = all_bf16(outs);
   // One thread per element; for a softmax, one warp per row of the others.
   std::vector<Var> loop_vars;
   for (const Var &v : s.vars)
@@ -1450,6 +1449,7 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     std::vector<std::string> out_idx = out_index();
     out_idx.back() = em.vec_base;
     for (size_t o = 0; o < outs.size(); ++o) {
+      em.fast_special = stored_bf16(outs[o]);
       std::string value = em.emit(outs[o].value);
       body << "  float out" << o << "[8];\n#pragma unroll\n  for (int u = 0; u < 8; ++u)\n    out" << o
            << "[u] = " << value << ";\n";
@@ -1466,11 +1466,14 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
                << value << ");\n";
     };
     if (softmax) {
+      em.fast_special = stored_bf16(outs[0]);
       emit_softmax_row(em, kb, *softmax, [&](const std::string &v) { store(outs[0], v); });
     } else {
       std::vector<std::string> values;
-      for (const Written &w : outs)
+      for (const Written &w : outs) {
+        em.fast_special = stored_bf16(w);
         values.push_back(em.emit(w.value));
+      }
       for (size_t o = 0; o < outs.size(); ++o)
         store(outs[o], values[o]);
     }

@@ -5,7 +5,7 @@
 set -uo pipefail
 . scripts/device_env.sh
 device_note "$OUT/device.txt"
-D=benchmarks/results/2026-11-27-h100-s35/stages  # ran from scratch/s35, the path the logs name
+D=benchmarks/results/2026-11-27-h100-h200-s35/stages  # ran from scratch/s35, the path the logs name
 F="$D/f64_r2.sched,$D/f64_h64s4.sched,$D/f64_h64s6.sched,$D/f64_h64s7.sched,$D/f64_o128s6.sched"
 M="$D/mb_hs.sched,$D/mb_h128s4.sched,$D/mb_h128s6.sched,$D/mb_o128s6.sched,$D/mb_o128s7.sched,$D/mb_ho128s6.sched"
 for i in 1 2; do

@@ -591,7 +591,7 @@ TEST_CASE("codegen: element-wise steps move eight elements per thread where the 
   }
 }
 
-TEST_CASE("codegen: tanh takes the special-function unit's form where every output is bf16") {
+TEST_CASE("codegen: tanh takes the special-function unit's form in values stored as bf16") {
   // In a bf16 result tanh.approx's ~2^-11 is under the result's rounding; an
   // f32 result keeps tanhf.
   for (DType dtype : {DType::f32, DType::bf16}) {

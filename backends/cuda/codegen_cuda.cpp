@@ -137,8 +137,8 @@ public:
   // special-function unit's form (mf::tanh_fast, relative error ~2^-11,
   // under bf16's rounding of the result) instead of tanhf's ~20
   // instructions. The GeLU derivative autodiff writes out (three tanh of
-  // one argument per element) then leaves the backward's element-wise
-  // kernel bound by its memory traffic rather than by its arithmetic.
+  // one argument per element) made that arithmetic a share of the
+  // backward's element-wise kernel comparable to its memory traffic.
   bool fast_special = false;
 
   // Eight elements per thread (emit_pointwise): values are expressions in a

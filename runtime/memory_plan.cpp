@@ -22,47 +22,44 @@ bool MemoryPlan::outlives_run(const std::string &name) const {
   return it == live.end() || it->second.second == last_step || !shares(name);
 }
 
-MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes, size_t boundary,
-                       size_t alignment) {
-  MemoryPlan plan;
-  const size_t n = p.steps.size();
-  const size_t end = n == 0 ? 0 : n - 1;
-  plan.last_step = end;
-  // Live ranges from the steps that touch each tensor.
+namespace {
+
+// The steps that touch each tensor: the first, the last, the first write.
+struct Touches {
   std::map<std::string, size_t> first, last, first_write;
-  for (size_t s = 0; s < n; ++s) {
-    auto touch = [&](const std::string &t) {
-      first.emplace(t, s);
-      last[t] = s;
+  bool crosses(const std::string &t, size_t boundary) const {
+    auto w = first_write.find(t);
+    return w != first_write.end() && w->second < boundary && last.at(t) >= boundary;
+  }
+};
+
+Touches touches_of(const KernelProgram &p) {
+  Touches t;
+  for (size_t s = 0; s < p.steps.size(); ++s) {
+    auto touch = [&](const std::string &name) {
+      t.first.emplace(name, s);
+      t.last[name] = s;
     };
     for (const std::string &r : step_reads(p.steps[s]))
       touch(r);
     for (const std::string &w : step_outputs(p.steps[s])) {
       touch(w);
-      first_write.emplace(w, s);
+      t.first_write.emplace(w, s);
     }
   }
-  struct Item {
-    std::string name;
-    size_t size, from, to;
-  };
-  std::vector<Item> items;
-  for (const TensorDecl &t : p.tensors) {
-    if (t.is_input)
-      continue;
-    size_t from = first.count(t.name) ? first[t.name] : 0, to = last.count(t.name) ? last[t.name] : end;
-    const bool output = std::find(p.outputs.begin(), p.outputs.end(), t.name) != p.outputs.end();
-    const bool crosses = first_write.count(t.name) && first_write[t.name] < boundary && to >= boundary;
-    if (output || crosses || !first.count(t.name))
-      to = end; // kept: read after the run, or by a later part of it
-    const size_t size = (bytes(t) + alignment - 1) / alignment * alignment;
-    items.push_back({t.name, size, from, to});
-    plan.live[t.name] = {from, to};
-    plan.size[t.name] = size;
-    plan.separate_bytes += size;
-  }
-  // Largest first, each at the lowest offset clear of every placed tensor
-  // whose lifetime meets its own.
+  return t;
+}
+
+struct Item {
+  std::string name;
+  size_t size, from, to;
+};
+
+size_t aligned(size_t bytes, size_t alignment) { return (bytes + alignment - 1) / alignment * alignment; }
+
+// Largest first, each at the lowest offset clear of every placed tensor
+// whose lifetime meets its own.
+void place_by_lifetime(std::vector<Item> items, MemoryPlan &plan) {
   std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.size > b.size; });
   std::vector<const Item *> placed;
   for (const Item &it : items) {
@@ -78,10 +75,79 @@ MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const 
       at = std::max(at, e);
     }
     plan.offset[it.name] = at;
+    plan.live[it.name] = {it.from, it.to};
+    plan.size[it.name] = it.size;
+    plan.separate_bytes += it.size;
     plan.arena_bytes = std::max(plan.arena_bytes, at + it.size);
     placed.push_back(&it);
   }
   internal_check(plan.arena_bytes <= plan.separate_bytes) << "a memory plan larger than no plan";
+}
+
+bool is_output(const KernelProgram &p, const std::string &name) {
+  return std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end();
+}
+
+} // namespace
+
+MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes, size_t boundary,
+                       size_t alignment) {
+  MemoryPlan plan;
+  const size_t end = p.steps.empty() ? 0 : p.steps.size() - 1;
+  plan.last_step = end;
+  const Touches touched = touches_of(p);
+  std::vector<Item> items;
+  for (const TensorDecl &t : p.tensors) {
+    if (t.is_input)
+      continue;
+    const bool touches = touched.first.count(t.name) > 0;
+    size_t from = touches ? touched.first.at(t.name) : 0, to = touches ? touched.last.at(t.name) : end;
+    if (is_output(p, t.name) || touched.crosses(t.name, boundary) || !touches)
+      to = end; // kept: read after the run, or by a later part of it
+    items.push_back({t.name, aligned(bytes(t), alignment), from, to});
+  }
+  place_by_lifetime(std::move(items), plan);
+  return plan;
+}
+
+StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes,
+                                size_t boundary, size_t alignment) {
+  StepMemoryPlan plan;
+  const size_t end = p.steps.empty() ? 0 : p.steps.size() - 1;
+  plan.saved.last_step = plan.workspace.last_step = end;
+  const Touches touched = touches_of(p);
+  std::vector<Item> transient;
+  for (const TensorDecl &t : p.tensors) {
+    if (t.is_input || is_output(p, t.name))
+      continue;
+    const size_t size = aligned(bytes(t), alignment);
+    if (touched.crosses(t.name, boundary)) {
+      // Live from its write to the backward's end: nothing in this region
+      // could share its bytes, so the tensors follow one another.
+      plan.saved.offset[t.name] = plan.saved.arena_bytes;
+      plan.saved.size[t.name] = size;
+      plan.saved.live[t.name] = {touched.first_write.at(t.name), end};
+      plan.saved.arena_bytes += size;
+      plan.saved.separate_bytes += size;
+      continue;
+    }
+    // A tensor no step touches holds no value: it takes no bytes (a
+    // zero-length lifetime at the first step, clear of every real one, but
+    // given an address all the same).
+    if (!touched.first.count(t.name)) {
+      transient.push_back({t.name, 0, 0, 0});
+      continue;
+    }
+    transient.push_back({t.name, size, touched.first.at(t.name), touched.last.at(t.name)});
+  }
+  place_by_lifetime(transient, plan.workspace);
+  for (const Item &it : transient) {
+    const size_t top = plan.workspace.offset.at(it.name) + it.size;
+    size_t &part = it.from < boundary ? plan.workspace_before : plan.workspace_after;
+    internal_check(it.from >= boundary || it.to < boundary)
+        << "'" << it.name << "' lives across the boundary but is not saved";
+    part = std::max(part, top);
+  }
   return plan;
 }
 

@@ -39,4 +39,29 @@ struct MemoryPlan {
 MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes, size_t boundary,
                        size_t alignment = 256);
 
+// Where each intermediate lives when the caller gives a program its memory
+// one step at a time (a layer inside a model): the program owns none, so a
+// model's memory is what its layers keep between their forwards and
+// backwards, not a buffer per layer for every intermediate it ever makes.
+// Two regions, offsets into each:
+//   saved      the tensors written before `boundary` and read at or after
+//              it (a training forward's activations for its backward), one
+//              after another; the caller keeps this region from the forward
+//              to the end of its backward, one per forward in flight.
+//   workspace  every other intermediate, sharing bytes by lifetime; live
+//              within one entry point only, so the caller may hand the
+//              steps before `boundary` and the steps from it different
+//              memory, each just for the call.
+// Inputs and the program's outputs (the layer's output, the gradients) are
+// the caller's tensors and are not planned.
+struct StepMemoryPlan {
+  MemoryPlan saved, workspace;
+  // The bytes of the workspace the steps before `boundary`, and those from
+  // it, touch (each <= workspace.arena_bytes).
+  size_t workspace_before = 0, workspace_after = 0;
+};
+
+StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes,
+                                size_t boundary, size_t alignment = 256);
+
 } // namespace moeforge

@@ -92,3 +92,73 @@ TEST_CASE("memory plan: a forward layer keeps its output and reuses its intermed
   CHECK(plan.live.at("y").second == plan.last_step);
   CHECK(plan.arena_bytes <= plan.separate_bytes);
 }
+
+TEST_CASE("step memory plan: the saved region holds exactly what the forward keeps; the rest lives within a call") {
+  for (const char *name : {"moe_mlp", "swiglu_moe"})
+    for (bool lean : {false, true}) {
+      INFO(name << (lean ? " lean" : ""));
+      ExampleShape s = shape_of(300);
+      Example ex = make_example(name, s);
+      Schedule sch = preset("scattermoe");
+      if (lean)
+        sch.padded_elementwise(true).recompute_elementwise(true).gate_gradient_from_dh(true);
+      TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), sch);
+      ProgramShapes shapes(t.program, s.tokens);
+      auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };
+      StepMemoryPlan plan = plan_step_memory(t.program, bytes, t.forward_steps);
+      // The saved region is TrainingProgram::saved, one tensor after another.
+      std::vector<std::string> saved;
+      size_t saved_bytes = 0;
+      for (const auto &[n, at] : plan.saved.offset) {
+        saved.push_back(n);
+        saved_bytes += plan.saved.size.at(n);
+        CHECK(!plan.saved.shares(n));
+      }
+      std::vector<std::string> want = t.saved;
+      std::sort(want.begin(), want.end());
+      CHECK(saved == want);
+      CHECK(plan.saved.arena_bytes == saved_bytes);
+      // Neither region holds an Input or an output: those are the caller's.
+      for (const TensorDecl &d : t.program.tensors) {
+        const bool output =
+            std::find(t.program.outputs.begin(), t.program.outputs.end(), d.name) != t.program.outputs.end();
+        INFO(d.name);
+        CHECK((plan.saved.offset.count(d.name) + plan.workspace.offset.count(d.name)) ==
+              (d.is_input || output ? 0u : 1u));
+      }
+      check_disjoint(plan.workspace);
+      // Each call's part of the workspace: no tensor of the forward reaches
+      // into the backward's, and both fit the region.
+      CHECK(plan.workspace_before <= plan.workspace.arena_bytes);
+      CHECK(plan.workspace_after <= plan.workspace.arena_bytes);
+      CHECK(std::max(plan.workspace_before, plan.workspace_after) == plan.workspace.arena_bytes);
+      for (const auto &[n, range] : plan.workspace.live) {
+        INFO(n);
+        CHECK((range.second < t.forward_steps || range.first >= t.forward_steps));
+        const size_t top = plan.workspace.offset.at(n) + plan.workspace.size.at(n);
+        CHECK(top <= (range.first < t.forward_steps ? plan.workspace_before : plan.workspace_after));
+      }
+      // The whole step's memory: less than the owned arena (which keeps every
+      // output and gradient too).
+      Schedule owned = sch;
+      owned.reuse_memory(true);
+      TrainingProgram o = lower_training(ex.pipeline, ex.pipeline.func(ex.output), owned);
+      MemoryPlan arena = plan_memory(o.program, bytes, o.forward_steps);
+      CHECK(plan.saved.arena_bytes + plan.workspace.arena_bytes <= arena.arena_bytes);
+    }
+}
+
+TEST_CASE("step memory plan: a forward-only program keeps nothing; its workspace is all before no boundary") {
+  ExampleShape s = shape_of(200);
+  Example ex = make_example("swiglu_moe", s);
+  KernelProgram p = lower(ex.pipeline, preset("scattermoe"));
+  ProgramShapes shapes(p, s.tokens);
+  StepMemoryPlan plan = plan_step_memory(
+      p, [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); }, 0);
+  CHECK(plan.saved.offset.empty());
+  CHECK(plan.saved.arena_bytes == 0);
+  CHECK(plan.workspace_before == 0);
+  CHECK(plan.workspace_after == plan.workspace.arena_bytes);
+  CHECK(plan.workspace.offset.count("y") == 0);
+  check_disjoint(plan.workspace);
+}

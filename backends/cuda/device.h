@@ -98,6 +98,8 @@ public:
 
   CUdeviceptr ptr() const { return ptr_; }
   size_t bytes() const { return bytes_; }
+  // False for a view (memory someone else owns).
+  bool owned() const { return owned_; }
   // The address of the device pointer, as a kernel argument wants it.
   void *arg() { return &ptr_; }
 

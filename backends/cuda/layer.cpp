@@ -75,17 +75,30 @@ const ResourceReport *CompiledLayer::resources_of(const std::string &kernel) con
   return nullptr;
 }
 
-CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens, size_t keep_across)
+CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens, size_t keep_across,
+                     LayerMemory memory)
     : layer_(layer), tokens_(tokens), capacity_tokens_(tokens), shapes_(layer.program, tokens), routing_(device),
-      sm_count_(device.sm_count()) {
+      sm_count_(device.sm_count()), memory_(memory), keep_across_(keep_across) {
   for (size_t u = 0; u < layer.units.size(); ++u)
     modules_.emplace_back(layer.units[u].cubin, "moeforge layer unit " + std::to_string(u));
+  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype); };
+  if (memory_ == LayerMemory::caller) {
+    // No memory at all until place() and bind(); the launches are built at
+    // the first run, when every address is known.
+    for (const auto &[r, shape] : shapes_.routings()) {
+      plans_[r] = std::make_unique<RoutingPlan>(RoutingPlan::unplaced(shape));
+      padded_rows_[r] = 0;
+    }
+    plan_caller_memory();
+    for (const TensorDecl &t : layer_.program.tensors)
+      tensors_.emplace(t.name, DeviceBuffer::view(0, bytes(t)));
+    return;
+  }
   for (const auto &[r, shape] : shapes_.routings()) {
     auto plan = std::make_unique<RoutingPlan>(shape);
     padded_rows_[r] = plan->offsets.ptr() + sizeof(int32_t) * shape.experts;
     plans_[r] = std::move(plan);
   }
-  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype); };
   if (layer_.program.reuse_memory) {
     plan_ = std::make_unique<MemoryPlan>(plan_memory(layer_.program, bytes, keep_across));
     arena_ = DeviceBuffer(plan_->arena_bytes);
@@ -94,10 +107,104 @@ CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t t
     tensors_.emplace(t.name, plan_ && !t.is_input
                                  ? DeviceBuffer::view(arena_.ptr() + plan_->offset.at(t.name), bytes(t))
                                  : DeviceBuffer(bytes(t)));
-  bind();
+  build_launches();
+  launches_stale_ = false;
 }
 
-void CudaLayer::bind() {
+namespace {
+constexpr size_t kRegionAlignment = 256;
+size_t align_region(size_t n) { return (n + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; }
+} // namespace
+
+void CudaLayer::plan_caller_memory() {
+  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype); };
+  step_plan_ = std::make_unique<StepMemoryPlan>(plan_step_memory(layer_.program, bytes, keep_across_));
+  size_t at = align_region(step_plan_->saved.arena_bytes);
+  table_offset_.clear();
+  for (const auto &[r, plan] : plans_) {
+    table_offset_[r] = at;
+    at += align_region(RoutingPlan::table_bytes(plan->shape));
+  }
+}
+
+CudaLayer::StepMemory CudaLayer::step_memory(int64_t tokens) const {
+  user_check(memory_ == LayerMemory::caller) << "step_memory(): this layer holds memory of its own "
+                                             << "(LayerMemory::owned); make it with LayerMemory::caller";
+  const ProgramShapes shapes(layer_.program, tokens);
+  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype); };
+  const StepMemoryPlan plan = plan_step_memory(layer_.program, bytes, keep_across_);
+  StepMemory m;
+  m.saved = align_region(plan.saved.arena_bytes);
+  for (const auto &[r, shape] : shapes.routings())
+    m.saved += align_region(RoutingPlan::table_bytes(shape));
+  m.workspace_before = plan.workspace_before;
+  m.workspace_after = plan.workspace_after;
+  return m;
+}
+
+void CudaLayer::place(CUdeviceptr saved, CUdeviceptr workspace) {
+  user_check(memory_ == LayerMemory::caller) << "place(): this layer holds memory of its own (LayerMemory::owned)";
+  user_check(saved != 0) << "place(): no saved memory given (it holds every route's tables, so it is never empty)";
+  user_check(saved % kRegionAlignment == 0 && workspace % kRegionAlignment == 0)
+      << "place(): the saved and workspace memory must start at 256-byte aligned addresses (got 0x" << std::hex << saved
+      << " and 0x" << workspace << std::dec << ")";
+  if (placed_ && saved == saved_at_ && workspace == workspace_at_)
+    return;
+  for (const auto &[name, at] : step_plan_->saved.offset)
+    tensors_.at(name) = DeviceBuffer::view(saved + at, tensors_.at(name).bytes());
+  for (const auto &[name, at] : step_plan_->workspace.offset)
+    tensors_.at(name) = DeviceBuffer::view(workspace ? workspace + at : 0, tensors_.at(name).bytes());
+  for (auto &[r, plan] : plans_) {
+    plan->place(saved + table_offset_.at(r));
+    padded_rows_[r] = plan->offsets.ptr() + sizeof(int32_t) * plan->shape.experts;
+  }
+  saved_at_ = saved;
+  workspace_at_ = workspace;
+  placed_ = true;
+  ++bind_epoch_;
+  if (!launches_stale_)
+    refresh_addresses();
+}
+
+void CudaLayer::refresh_addresses() {
+  for (TmaArg &a : tma_args_) {
+    const DeviceBuffer &b = tensors_.at(a.tensor);
+    *a.map = encode_bf16_tiles(b.ptr(), b.bytes(), a.rows, a.cols, a.tensor);
+  }
+  for (Launch &l : launches_)
+    if (!l.gen->zero_first.empty())
+      l.zero = tensors_.at(l.gen->zero_first).ptr();
+}
+
+void CudaLayer::prepare(size_t begin, size_t end, const std::string &call) {
+  internal_check(begin <= end && end <= layer_.program.steps.size()) << "step range out of bounds";
+  check_uploaded(layer_.program, begin, end, uploaded_, call);
+  if (memory_ == LayerMemory::owned)
+    return;
+  user_check(placed_) << call << ": this layer runs on caller memory: give it its memory with place(saved, "
+                      << "workspace) first (again after set_tokens)";
+  const auto &outs = layer_.program.outputs;
+  for (size_t i = begin; i < end; ++i)
+    for (const std::string &w : step_outputs(layer_.program.steps[i]))
+      user_check(std::find(outs.begin(), outs.end(), w) == outs.end() || tensors_.at(w).ptr() != 0)
+          << call << ": output '" << w << "' has no memory: a layer on caller memory writes its outputs where "
+          << "bind() points them; bind it first (again after set_tokens changed its size)";
+  const bool before = begin<keep_across_, after = end> keep_across_;
+  const size_t need = std::max(before ? step_plan_->workspace_before : 0, after ? step_plan_->workspace_after : 0);
+  user_check(need == 0 || workspace_at_ != 0)
+      << call << ": these steps need " << need << " bytes of workspace and place() gave none";
+  if (launches_stale_) {
+    build_launches();
+    launches_stale_ = false;
+  }
+}
+
+void CudaLayer::build_launches() {
+  launches_.clear();
+  launch_of_.clear();
+  tensor_maps_.clear();
+  tma_args_.clear();
+  size_t next_counter = 0;
   // Kernels are generated in step order, one per non-routing step.
   int next = 0;
   for (const Step &s : layer_.program.steps)
@@ -122,10 +229,12 @@ void CudaLayer::bind() {
       case KernelArg::Kind::extent:
         l.args.push_back(shapes_.dynamic_extent(a.name));
         break;
-      case KernelArg::Kind::counter: // zero now; each launch leaves it zero for the next
-        counters_.emplace_back(2 * sizeof(int32_t));
-        counters_.back().fill32(0);
-        l.args.push_back(counters_.back().arg());
+      case KernelArg::Kind::counter: // zero when made; each launch leaves it zero for the next
+        if (next_counter == counters_.size()) {
+          counters_.emplace_back(2 * sizeof(int32_t));
+          counters_.back().fill32(0);
+        }
+        l.args.push_back(counters_[next_counter++].arg());
         break;
       case KernelArg::Kind::route: {
         RoutingPlan &plan = *plans_.at(a.route);
@@ -212,6 +321,38 @@ void CudaLayer::bind() {
 }
 
 void CudaLayer::set_tokens(int64_t tokens) {
+  if (memory_ == LayerMemory::caller) {
+    user_check(tokens >= 1) << "set_tokens(" << tokens << "): a step runs at least one token (one of none has "
+                            << "nothing to compute: skip it)";
+    if (tokens == tokens_)
+      return;
+    tokens_ = capacity_tokens_ = tokens;
+    shapes_ = ProgramShapes(layer_.program, tokens);
+    for (auto &[r, plan] : plans_)
+      plan->resize(shapes_.routing(r));
+    plan_caller_memory();
+    // Every intermediate waits for place(); an Input or output whose size
+    // changed waits for its bind().
+    const std::set<std::string> planned = [&] {
+      std::set<std::string> names;
+      for (const MemoryPlan *p : {&step_plan_->saved, &step_plan_->workspace})
+        for (const auto &[name, at] : p->offset)
+          names.insert(name);
+      return names;
+    }();
+    for (const TensorDecl &t : layer_.program.tensors) {
+      const size_t bytes = static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype);
+      DeviceBuffer &b = tensors_.at(t.name);
+      if (!planned.count(t.name) && b.bytes() == bytes)
+        continue;
+      b = DeviceBuffer::view(0, bytes);
+      uploaded_.erase(t.name);
+    }
+    placed_ = false;
+    launches_stale_ = true;
+    ++bind_epoch_;
+    return;
+  }
   user_check(tokens >= 1 && tokens <= capacity_tokens_) << "set_tokens(" << tokens << "): the layer was made for 1 to "
                                                         << capacity_tokens_ << " tokens; make a layer for more";
   user_check(bind_epoch_ == 0) << "set_tokens: bind() moved a tensor to memory sized for " << tokens_
@@ -228,13 +369,8 @@ void CudaLayer::set_tokens(int64_t tokens) {
     const size_t bytes = static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype);
     tensors_.at(t.name) = DeviceBuffer::view(storage_.at(t.name).ptr(), bytes);
   }
-  // Grids, extents and TMA descriptors follow the count: bound again.
-  launches_.clear();
-  launch_of_.clear();
-  tensor_maps_.clear();
-  tma_args_.clear();
-  counters_.clear();
-  bind();
+  // Grids, extents and TMA descriptors follow the count.
+  build_launches();
 }
 
 CUdeviceptr CudaLayer::address(const std::string &name) {
@@ -250,6 +386,7 @@ const RoutingPlan &CudaLayer::routing_plan(const std::string &route) const { ret
 void CudaLayer::upload(const TensorMap &inputs) {
   for (const TensorDecl &t : layer_.program.tensors)
     if (t.is_input) {
+      check_writable_input(t.name, "upload");
       tensors_.at(t.name).upload(shapes_.encode_input(t, inputs));
       uploaded_.insert(t.name);
     }
@@ -258,6 +395,7 @@ void CudaLayer::upload(const TensorMap &inputs) {
 void CudaLayer::upload(const std::string &name, const HostTensor &value) {
   const TensorDecl *t = layer_.program.find(name);
   user_check(t && t->is_input) << "'" << name << "' is not an Input or Param of the layer";
+  check_writable_input(name, "upload");
   tensors_.at(name).upload(shapes_.encode_input(*t, TensorMap{{name, value}}));
   uploaded_.insert(name);
 }
@@ -269,6 +407,7 @@ void CudaLayer::upload_bytes(const std::string &name, const std::vector<uint8_t>
   user_check(i.contiguous && bytes.size() == i.bytes)
       << "upload_bytes of '" << name << "': " << bytes.size() << " bytes given, the layer holds " << i.bytes << " ("
       << dtype_name(i.dtype) << " values of its shape)";
+  check_writable_input(name, "upload_bytes");
   tensors_.at(name).upload(bytes);
   uploaded_.insert(name);
 }
@@ -277,6 +416,7 @@ void CudaLayer::upload_repeated(const std::string &name, const HostTensor &patte
   const TensorDecl *found = layer_.program.find(name);
   user_check(found && found->is_input) << "'" << name << "' is not an Input or Param";
   const TensorDecl &t = *found;
+  check_writable_input(name, "upload_repeated");
   uploaded_.insert(name);
   DeviceBuffer &b = tensors_.at(name);
   std::vector<uint8_t> bytes = encode_values(pattern.data, t.dtype);
@@ -293,11 +433,33 @@ void CudaLayer::upload_repeated(const std::string &name, const HostTensor &patte
 }
 
 void CudaLayer::poison() {
+  // With caller memory, what has memory now: the placed regions and the
+  // bound outputs.
   for (const TensorDecl &t : layer_.program.tensors)
-    if (!t.is_input)
+    if (!t.is_input && tensors_.at(t.name).ptr() != 0)
       tensors_.at(t.name).fill32(kPoisonNaN);
-  for (auto &[r, plan] : plans_)
-    plan->poison(kPoisonOnes);
+  if (memory_ == LayerMemory::owned || placed_)
+    for (auto &[r, plan] : plans_)
+      plan->poison(kPoisonOnes);
+}
+
+void CudaLayer::check_writable_input(const std::string &name, const char *what) const {
+  user_check(memory_ == LayerMemory::owned || tensors_.at(name).ptr() != 0)
+      << what << " of '" << name << "': a layer on caller memory holds no memory of its own; bind() '" << name
+      << "' to memory of yours first (again after set_tokens changed its size)";
+}
+
+void CudaLayer::check_readable(const std::string &name, const char *what) const {
+  user_check(!plan_ || plan_->outlives_run(name))
+      << "'" << name << "' shares its memory with other tensors under reuse_memory(true): its value is gone once "
+      << "the steps that read it have run; " << what << " it from a layer compiled without reuse_memory";
+  if (memory_ == LayerMemory::owned)
+    return;
+  user_check(!step_plan_->workspace.offset.count(name))
+      << "'" << name << "' lives in the workspace the caller gives each step: its value is gone once the steps "
+      << "that read it have run; " << what << " outputs, gradients and what a forward saves";
+  user_check(tensors_.at(name).ptr() != 0) << "'" << name << "' has no memory yet: bind() it (an output) or "
+                                           << "place() the layer's memory (what a forward saves) first";
 }
 
 const RoutingNode *CudaLayer::route_named(const std::string &route) const {
@@ -331,12 +493,12 @@ void CudaLayer::set_tile_windows(const std::string &route, const std::vector<std
 }
 
 void CudaLayer::enqueue_window(const Stream &stream, size_t begin, size_t end, size_t window) {
-  internal_check(begin <= end && end <= layer_.program.steps.size()) << "step range out of bounds";
   for (const auto &[r, w] : windows_)
     user_check(window < w.tiles.size()) << "enqueue_window(" << window << "): route '" << r->name << "' has "
                                         << w.tiles.size() << " tile windows at " << tokens_
                                         << " tokens; list them with set_tile_windows() after set_tokens()";
-  check_uploaded(layer_.program, begin, end, uploaded_, "enqueue_window()");
+  user_check(memory_ == LayerMemory::owned) << "enqueue_window(): tile windows run on a layer's own memory";
+  prepare(begin, end, "enqueue_window()");
   for (auto &[r, w] : windows_)
     MOEFORGE_CU(cuMemcpyDtoDAsync, w.active.ptr(), w.all.ptr() + sizeof(int32_t) * w.stride * window,
                 sizeof(int32_t) * (1 + w.tiles[window]), stream.handle());
@@ -376,8 +538,7 @@ void CudaLayer::run_step(size_t step, const Stream &stream, int64_t window) {
 void CudaLayer::enqueue(const Stream &stream) { enqueue(stream, 0, layer_.program.steps.size()); }
 
 void CudaLayer::enqueue(const Stream &stream, size_t begin, size_t end) {
-  internal_check(begin <= end && end <= layer_.program.steps.size()) << "step range out of bounds";
-  check_uploaded(layer_.program, begin, end, uploaded_, "enqueue()");
+  prepare(begin, end, "enqueue()");
   for (size_t i = begin; i < end; ++i)
     run_step(i, stream);
 }
@@ -388,7 +549,7 @@ std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &str
 
 std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &stream, size_t begin, size_t end) {
   const auto &steps = layer_.program.steps;
-  internal_check(begin <= end && end <= steps.size()) << "step range out of bounds";
+  prepare(begin, end, "profile()");
   std::vector<Event> marks(end - begin + 1);
   marks[0].record(stream);
   for (size_t i = begin; i < end; ++i) {
@@ -408,6 +569,7 @@ std::vector<std::string> CudaLayer::timeline(const Stream &stream) {
     return lines;
   auto [stamps, bytes] = modules_.front().global("mf_timeline"); // one unit: the whole module
   const auto &steps = layer_.program.steps;
+  prepare(0, steps.size(), "timeline()");
   for (size_t i = 0; i < steps.size(); ++i) {
     const bool gemm = std::holds_alternative<GemmStep>(steps[i]);
     if (gemm)
@@ -429,9 +591,7 @@ std::vector<std::string> CudaLayer::timeline(const Stream &stream) {
 
 HostTensor CudaLayer::download(const std::string &func) const {
   const TensorDecl &t = downloadable(layer_.program, func);
-  user_check(!plan_ || plan_->outlives_run(func))
-      << "'" << func << "' shares its memory with other tensors under reuse_memory(true): its value is gone once "
-      << "the steps that read it have run; download it from a layer compiled without reuse_memory";
+  check_readable(func, "download");
   std::vector<uint8_t> bytes = tensors_.at(func).download<uint8_t>();
   if (t.layout != RowLayout::padded)
     return shapes_.decode(t, bytes);
@@ -466,23 +626,26 @@ void CudaLayer::copy_in(const std::string &name, CUdeviceptr src, size_t bytes, 
   const TensorDecl *t = layer_.program.find(name);
   user_check(t && t->is_input) << "copy_in: '" << name << "' is not an Input or Param of the layer";
   check_copy(info(name), name, bytes, "copy_in");
+  check_writable_input(name, "copy_in");
   MOEFORGE_CU(cuMemcpyDtoDAsync, tensors_.at(name).ptr(), src, bytes, stream.handle());
   uploaded_.insert(name);
 }
 
 void CudaLayer::copy_out(const std::string &name, CUdeviceptr dst, size_t bytes, const Stream &stream) const {
-  user_check(!plan_ || plan_->outlives_run(name))
-      << "'" << name << "' shares its memory with other tensors under reuse_memory(true): its value is gone once "
-      << "the steps that read it have run";
+  check_readable(name, "copy_out");
   check_copy(info(name), name, bytes, "copy_out");
   MOEFORGE_CU(cuMemcpyDtoDAsync, dst, tensors_.at(name).ptr(), bytes, stream.handle());
 }
 
 void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
   const TensorDecl *t = layer_.program.find(name);
-  user_check(t && (t->is_input || !plan_ || plan_->outlives_run(name)))
+  const auto &outs = layer_.program.outputs;
+  const bool output = std::find(outs.begin(), outs.end(), name) != outs.end();
+  user_check(t && (t->is_input || output || (memory_ == LayerMemory::owned && (!plan_ || plan_->outlives_run(name)))))
       << "bind: '" << name << "' "
-      << (t ? "shares its memory with other tensors under reuse_memory(true)" : "is not a tensor of the layer")
+      << (!t                               ? "is not a tensor of the layer"
+          : memory_ == LayerMemory::caller ? "is an intermediate, which place() gives memory"
+                                           : "shares its memory with other tensors under reuse_memory(true)")
       << "; bind Inputs, Params, outputs and gradients";
   check_copy(info(name), name, bytes, "bind");
   user_check(ptr % 16 == 0) << "bind: the memory for '" << name << "' is not 16-byte aligned (the kernels load 16 "
@@ -495,6 +658,8 @@ void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
   // Kernel arguments point at the DeviceBuffer's address field, which stays
   // where it is; what holds the address by value is refreshed.
   tensors_.at(name) = DeviceBuffer::view(ptr, bytes);
+  if (launches_stale_)
+    return; // encoded when they are built
   for (TmaArg &a : tma_args_)
     if (a.tensor == name)
       *a.map = encode_bf16_tiles(ptr, bytes, a.rows, a.cols, name);
@@ -504,10 +669,21 @@ void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
 }
 
 std::vector<int32_t> CudaLayer::routed_experts(const std::string &route) const {
-  for (const auto &[r, plan] : plans_)
-    if (r->name == route)
-      return plan->expert.download<int32_t>(plan->shape.pairs());
-  user_error << "no route named '" << route << "' in this layer";
+  const RoutingPlan &plan = *plans_.at(route_named(route));
+  user_check(memory_ == LayerMemory::owned || placed_) << "routed_experts: the routing tables live in the saved "
+                                                       << "memory place() gives, and none is placed";
+  return plan.expert.download<int32_t>(plan.shape.pairs());
+}
+
+void CudaLayer::copy_routed_experts(const std::string &route, CUdeviceptr dst, size_t bytes,
+                                    const Stream &stream) const {
+  const RoutingPlan &plan = *plans_.at(route_named(route));
+  user_check(memory_ == LayerMemory::owned || placed_) << "copy_routed_experts: the routing tables live in the "
+                                                       << "saved memory place() gives, and none is placed";
+  const size_t want = sizeof(int32_t) * static_cast<size_t>(plan.shape.pairs());
+  user_check(bytes == want) << "copy_routed_experts of route '" << route << "': " << bytes << " bytes given; its "
+                            << plan.shape.pairs() << " pairs take " << want << " (int32 each)";
+  MOEFORGE_CU(cuMemcpyDtoDAsync, dst, plan.expert.ptr(), bytes, stream.handle());
 }
 
 std::vector<uint8_t> CudaLayer::kept_pairs(const std::string &route) const {
@@ -540,6 +716,10 @@ int64_t CudaLayer::dropped_pairs(const std::string &route) const {
 size_t CudaLayer::activation_bytes() const {
   if (plan_)
     return plan_->arena_bytes;
+  if (memory_ == LayerMemory::caller) {
+    const StepMemory m = step_memory(tokens_);
+    return m.saved + std::max(m.workspace_before, m.workspace_after);
+  }
   size_t n = 0;
   for (const TensorDecl &t : layer_.program.tensors)
     if (!t.is_input)

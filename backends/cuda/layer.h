@@ -46,13 +46,45 @@ CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, 
 // Generates and compiles an already lowered program (a training program, say).
 CompiledLayer compile_program(KernelProgram program, const std::string &arch = "sm_90a");
 
+// Where a layer's intermediates live.
+//   owned   buffers of its own for the token count it was made for (or, under
+//           Schedule::reuse_memory, one arena planned by lifetime), held for
+//           the layer's life; Inputs, Params and outputs too until bound.
+//   caller  none of its own: the caller gives each step its memory
+//           (place()), as a model's framework gives its layers memory from
+//           its allocator, and binds every Input, Param and output. Any
+//           token count runs (set_tokens) without new memory or compiling.
+enum class LayerMemory { owned, caller };
+
 // A compiled layer bound to device memory for `tokens` tokens.
 class CudaLayer {
 public:
-  // keep_across: under Schedule::reuse_memory, tensors written before this
-  // step and read at or after it keep their memory to the end (a training
-  // program's forward steps: what the backward reads); 0 for none.
-  CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens, size_t keep_across = 0);
+  // keep_across: tensors written before this step and read at or after it
+  // keep their memory to the end (a training program's forward steps: what
+  // the backward reads): under reuse_memory in the owned arena, or in the
+  // saved region with LayerMemory::caller; 0 for none.
+  CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens, size_t keep_across = 0,
+            LayerMemory memory = LayerMemory::owned);
+
+  // LayerMemory::caller: the memory a step at `tokens` tokens needs, in
+  // bytes (runtime/memory_plan.h, plan_step_memory).
+  struct StepMemory {
+    // What the steps before keep_across leave for the steps from it (a
+    // training forward's activations for its backward) and every route's
+    // tables: kept by the caller from the one's start to the other's end.
+    size_t saved = 0;
+    // What the steps before keep_across, and those from it, use only while
+    // they run: memory the caller may reuse once the call's work is done.
+    size_t workspace_before = 0, workspace_after = 0;
+  };
+  StepMemory step_memory(int64_t tokens) const;
+  // LayerMemory::caller: points every intermediate at the caller's memory
+  // for the current token count: `saved` (step_memory().saved bytes) and
+  // `workspace` (the part about to run needs, or 0 where it needs none),
+  // both 256-byte aligned. Cheap when the addresses are the ones placed
+  // last. Work already queued keeps the addresses it was queued with.
+  void place(CUdeviceptr saved, CUdeviceptr workspace);
+  LayerMemory memory() const { return memory_; }
 
   // Uploads every Input and Param (rounded to its dtype). Shapes must match
   // the declared Dims with the token Dim = tokens.
@@ -126,6 +158,10 @@ public:
   uint64_t bind_epoch() const { return bind_epoch_; }
   // The experts the device chose, pair order (r = t * k + slot).
   std::vector<int32_t> routed_experts(const std::string &route) const;
+  // The same into device memory (int32 [T * k], `bytes` its size) on
+  // `stream`, with no host synchronisation: a copy that outlives memory the
+  // caller gave (the routing tables live with the saved activations).
+  void copy_routed_experts(const std::string &route, CUdeviceptr dst, size_t bytes, const Stream &stream) const;
   // The (token, expert) pairs the route dropped at its expert capacity in
   // the last run, 0 when dropless (synchronous: copies the counts back).
   int64_t dropped_pairs(const std::string &route) const;
@@ -133,12 +169,13 @@ public:
   // synchronous).
   std::vector<uint8_t> kept_pairs(const std::string &route) const;
 
-  // Runs the layer for `tokens` tokens from now on, in the memory it was made
-  // with (no allocation): for a layer whose token count changes from step to
-  // step (an expert-parallel rank's received rows). At most the count the
-  // layer was made for; Inputs over the tokens must be written again.
-  // UserError after a bind() moved a tensor (that memory was sized for the
-  // old count).
+  // Runs the layer for `tokens` tokens from now on, with no allocation and
+  // no compiling. Owned memory: in the memory it was made with (an
+  // expert-parallel rank's received rows), so at most the count the layer
+  // was made for, and a UserError after a bind() moved a tensor (that
+  // memory was sized for the old count); Inputs over the tokens must be
+  // written again. Caller memory: any count of at least 1; place() again,
+  // and bind again every tensor whose size changed.
   void set_tokens(int64_t tokens);
   int64_t capacity_tokens() const { return capacity_tokens_; }
   // The device address of tensor `name`, for a runtime that moves rows in
@@ -181,7 +218,24 @@ private:
   const RoutingNode *route_named(const std::string &route) const;
   // window: the tile window the step's windowed GEMM runs over, or -1.
   void run_step(size_t step, const Stream &stream, int64_t window = -1);
-  void bind();
+  // Every kernel's launch: its arguments, grid and what it zeroes first.
+  void build_launches();
+  // What holds an address by value (TMA descriptors, the zeroed outputs),
+  // encoded again from the tensors' current memory.
+  void refresh_addresses();
+  // Before steps [begin, end) run: every Input they read given, and with
+  // caller memory every output they write bound, the memory placed, and
+  // the launches built for the current count. `call` names the caller.
+  void prepare(size_t begin, size_t end, const std::string &call);
+  // LayerMemory::caller: the plan for the current count (step_plan_,
+  // table_offset_).
+  void plan_caller_memory();
+  // Refused where a tensor has no value to read: in the caller's workspace
+  // (gone once the steps that use it ran), or not yet given any memory.
+  void check_readable(const std::string &name, const char *what) const;
+  // An Input or Param written from the host: with caller memory, only once
+  // bound.
+  void check_writable_input(const std::string &name, const char *what) const;
 
   const CompiledLayer &layer_;
   int64_t tokens_, capacity_tokens_;
@@ -213,11 +267,24 @@ private:
     long long rows, cols;
     CUtensorMap *map;
   };
-  std::vector<TmaArg> tma_args_;      // what each tensor map describes, to encode it again after bind()
-  std::deque<DeviceBuffer> counters_; // persistent GEMMs' tile counters, likewise
+  std::vector<TmaArg> tma_args_; // what each tensor map describes, to encode it again after bind()
+  // Persistent GEMMs' tile counters, one per launch in launch order, kept
+  // when the launches are built again (freeing device memory would wait
+  // for the whole device).
+  std::deque<DeviceBuffer> counters_;
   std::vector<Launch> launches_;
   std::vector<int> launch_of_; // step -> its launch (-1 for routing)
   int sm_count_;               // persistent GEMMs launch at most one block per SM
+
+  LayerMemory memory_;
+  size_t keep_across_;
+  // LayerMemory::caller: where each intermediate sits in the two regions,
+  // and each route's tables in the saved one (after its tensors).
+  std::unique_ptr<StepMemoryPlan> step_plan_;
+  std::map<const RoutingNode *, size_t> table_offset_;
+  bool placed_ = false;        // place() since the count last changed
+  bool launches_stale_ = true; // the count changed since the launches were built
+  CUdeviceptr saved_at_ = 0, workspace_at_ = 0;
 };
 
 } // namespace moeforge::cuda

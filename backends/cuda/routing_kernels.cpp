@@ -103,27 +103,79 @@ int64_t count_stride(int experts) {
 }
 } // namespace
 
-RoutingPlan::RoutingPlan(const RoutingShape &s)
-    : shape((s.check(), s)), chunk(routing_chunk_pairs(s)), chunks(ceil_div(s.pairs(), chunk)),
-      fused(routing_fuses_counts(s) && !s.drops()),
-      topk_chunk(fused ? chunk : routing_topk_tokens_per_pass(s.experts) * s.k), expert(i32(s.pairs())),
-      gate(i32(s.pairs())), counts(i32(s.experts)), offsets(i32(s.experts + 1)), offsets_unpadded(i32(s.experts + 1)),
-      pair_pos(i32(s.pairs())), sorted_pair(i32(s.max_padded_rows())), tile_expert(i32(s.max_tiles())),
-      tile_row_start(i32(s.max_tiles())), tile_rows(i32(s.max_tiles())), num_tiles(i32(1)),
-      chunk_counts(i32(chunks * count_stride(s.experts))), placed(i32(s.drops() ? s.pairs() : 0)) {}
+void RoutingPlan::set_shape(const RoutingShape &s) {
+  s.check();
+  shape = s;
+  chunk = routing_chunk_pairs(s);
+  chunks = ceil_div(s.pairs(), chunk);
+  fused = routing_fuses_counts(s) && !s.drops();
+  topk_chunk = fused ? chunk : routing_topk_tokens_per_pass(s.experts) * s.k;
+}
+
+std::vector<std::pair<DeviceBuffer *, size_t>> RoutingPlan::arrays() {
+  const RoutingShape &s = shape;
+  return {{&expert, i32(s.pairs())},
+          {&gate, i32(s.pairs())},
+          {&counts, i32(s.experts)},
+          {&offsets, i32(s.experts + 1)},
+          {&offsets_unpadded, i32(s.experts + 1)},
+          {&pair_pos, i32(s.pairs())},
+          {&sorted_pair, i32(s.max_padded_rows())},
+          {&tile_expert, i32(s.max_tiles())},
+          {&tile_row_start, i32(s.max_tiles())},
+          {&tile_rows, i32(s.max_tiles())},
+          {&num_tiles, i32(1)},
+          {&chunk_counts, i32(chunks * count_stride(s.experts))},
+          {&placed, i32(s.drops() ? s.pairs() : 0)}};
+}
+
+RoutingPlan::RoutingPlan(const RoutingShape &s) {
+  set_shape(s);
+  for (auto [buffer, bytes] : arrays())
+    *buffer = DeviceBuffer(bytes);
+}
+
+RoutingPlan RoutingPlan::unplaced(const RoutingShape &s) {
+  RoutingPlan plan;
+  plan.resize(s);
+  return plan;
+}
+
+namespace {
+constexpr size_t kTableAlignment = 256;
+size_t align_up(size_t n) { return (n + kTableAlignment - 1) / kTableAlignment * kTableAlignment; }
+} // namespace
+
+size_t RoutingPlan::table_bytes(const RoutingShape &s) {
+  RoutingPlan sizes;
+  sizes.set_shape(s);
+  size_t total = 0;
+  for (auto [buffer, bytes] : sizes.arrays())
+    total += align_up(bytes);
+  return total;
+}
+
+void RoutingPlan::resize(const RoutingShape &s) {
+  set_shape(s);
+  place(0);
+}
+
+void RoutingPlan::place(CUdeviceptr tables) {
+  size_t at = 0;
+  for (auto [buffer, bytes] : arrays()) {
+    internal_check(buffer->ptr() == 0 || !buffer->owned()) << "a routing plan with tables of its own placed elsewhere";
+    *buffer = DeviceBuffer::view(tables ? tables + at : 0, bytes);
+    at += align_up(bytes);
+  }
+}
 
 void RoutingPlan::reshape(const RoutingShape &s) {
-  s.check();
   internal_check(s.experts == shape.experts && s.k == shape.k && !s.drops() && !shape.drops())
       << "a routing plan reshaped to other experts, k or capacity";
   auto fits = [](const DeviceBuffer &b, int64_t n) { return static_cast<int64_t>(b.bytes() / 4) >= n; };
   internal_check(fits(expert, s.pairs()) && fits(sorted_pair, s.max_padded_rows()) && fits(tile_expert, s.max_tiles()))
       << "a routing plan reshaped to more pairs than it holds";
-  shape = s;
-  chunk = routing_chunk_pairs(s);
-  chunks = ceil_div(s.pairs(), chunk);
-  fused = routing_fuses_counts(s);
-  topk_chunk = fused ? chunk : routing_topk_tokens_per_pass(s.experts) * s.k;
+  set_shape(s);
   if (!fits(chunk_counts, chunks * count_stride(s.experts)))
     chunk_counts = DeviceBuffer(i32(chunks * count_stride(s.experts)));
 }

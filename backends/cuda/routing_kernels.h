@@ -68,6 +68,12 @@ CompileResult compile_routing_kernels(const std::string &arch);
 // chunk_counts is its scratch.
 struct RoutingPlan {
   explicit RoutingPlan(const RoutingShape &shape);
+  // A plan whose tables live in memory the caller gives (place()), with
+  // none of its own: a layer on caller memory keeps them with the
+  // activations a forward saves for its backward.
+  static RoutingPlan unplaced(const RoutingShape &shape);
+  // The bytes place() needs for `shape`'s tables (each array 256-aligned).
+  static size_t table_bytes(const RoutingShape &shape);
 
   RoutingShape shape;
   int64_t chunk = 0;                      // routing_chunk_pairs(shape)
@@ -92,12 +98,27 @@ struct RoutingPlan {
   // layer whose row count changes from step to step (an expert-parallel
   // rank's received rows) without allocating each step.
   void reshape(const RoutingShape &smaller);
+  // An unplaced plan: points every array at its part of `tables`
+  // (table_bytes(shape) bytes; 0 for none yet). The arrays' DeviceBuffer
+  // objects stay where they are, so kernel arguments taken from them
+  // (arg()) follow the move.
+  void place(CUdeviceptr tables);
+  // An unplaced plan for any other shape (of the same experts, k and
+  // capacity rule); unplaced until the next place().
+  void resize(const RoutingShape &shape);
   // Writes `pattern` over every output (not `expert` when it is the input,
   // see DeviceRouting::run_from_experts), so tests see unwritten entries.
   void poison(uint32_t pattern, bool including_expert = true);
   // Copies the tables back (synchronous; for tests and debugging).
   RoutingTables download() const;
   std::vector<float> download_gate() const;
+
+private:
+  RoutingPlan() = default;
+  // shape and the chunking that follows from it.
+  void set_shape(const RoutingShape &shape);
+  // Every array and its bytes for the current shape, in placement order.
+  std::vector<std::pair<DeviceBuffer *, size_t>> arrays();
 };
 
 // The compiled routing kernels, loaded into the current context.

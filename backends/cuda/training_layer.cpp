@@ -20,9 +20,18 @@ CompiledTraining compile_training(const Pipeline &forward, const Func &output, c
   return compile_training(forward, std::vector<Func>{output}, schedule, arch);
 }
 
-TrainingLayer::TrainingLayer(const Device &device, const CompiledTraining &compiled, int64_t tokens)
-    : compiled_(compiled), layer_(device, compiled.layer, tokens, compiled.training.forward_steps),
+TrainingLayer::TrainingLayer(const Device &device, const CompiledTraining &compiled, int64_t tokens, LayerMemory memory)
+    : compiled_(compiled), layer_(device, compiled.layer, tokens, compiled.training.forward_steps, memory),
       state_(compiled.training) {}
+
+void TrainingLayer::check_memory(bool caller, const char *call) const {
+  if (caller)
+    user_check(layer_.memory() == LayerMemory::caller)
+        << call << " with memory: this layer holds memory of its own; call " << call << "(stream)";
+  else
+    user_check(layer_.memory() == LayerMemory::owned)
+        << call << "(stream): this layer runs on caller memory; call " << call << "(stream, saved, workspace)";
+}
 
 void TrainingLayer::upload(const TensorMap &inputs) {
   state_.upload_inputs(inputs, [&](const std::string &name, const HostTensor &t) { layer_.upload(name, t); });
@@ -86,12 +95,39 @@ void TrainingLayer::run(Replay &r, size_t begin, size_t end, const Stream &strea
 }
 
 void TrainingLayer::forward(const Stream &stream) {
+  check_memory(false, "forward");
   run(forward_, 0, compiled_.training.forward_steps, stream);
   state_.forward_ran();
 }
 
 void TrainingLayer::backward(const Stream &stream) {
+  check_memory(false, "backward");
   state_.check_ready_for_backward();
+  run(backward_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream);
+}
+
+void TrainingLayer::forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace) {
+  check_memory(true, "forward");
+  layer_.place(saved, workspace);
+  run(forward_, 0, compiled_.training.forward_steps, stream);
+  const std::pair<CUdeviceptr, int64_t> mine{saved, layer_.tokens()};
+  // The same memory written again is that forward's now.
+  forwards_.erase(std::remove(forwards_.begin(), forwards_.end(), mine), forwards_.end());
+  forwards_.push_back(mine);
+  if (forwards_.size() > kRecentForwards)
+    forwards_.pop_front();
+}
+
+void TrainingLayer::backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace) {
+  check_memory(true, "backward");
+  user_check(std::find(forwards_.begin(), forwards_.end(), std::make_pair(saved, layer_.tokens())) != forwards_.end())
+      << "backward: no forward at " << layer_.tokens() << " tokens wrote its activations to the saved memory "
+      << "given; give each backward the saved memory of its own forward, at that forward's token count "
+      << "(set_tokens)";
+  // The saved memory is that forward's, whatever was bound since.
+  state_.forward_ran();
+  state_.check_ready_for_backward();
+  layer_.place(saved, workspace);
   run(backward_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream);
 }
 

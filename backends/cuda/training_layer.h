@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,8 +36,13 @@ CompiledTraining compile_training(const Pipeline &forward, const Func &output, c
 
 class TrainingLayer {
 public:
-  // `compiled` must outlive the layer.
-  TrainingLayer(const Device &device, const CompiledTraining &compiled, int64_t tokens);
+  // `compiled` must outlive the layer. With LayerMemory::caller the layer
+  // holds no memory: each forward is given the memory for what it saves
+  // and a workspace, and its backward the same saved memory and a
+  // workspace of its own (forward(stream, saved, workspace) below), so any
+  // number of forwards may be in flight, each with its own activations.
+  TrainingLayer(const Device &device, const CompiledTraining &compiled, int64_t tokens,
+                LayerMemory memory = LayerMemory::owned);
 
   // Every Input and Param of the forward (the upstream gradient is separate).
   void upload(const TensorMap &inputs);
@@ -77,6 +83,23 @@ public:
   // poison() (the backward reads what the forward keeps for it) and every
   // output's upstream gradient was uploaded since the last poison().
   void backward(const Stream &stream);
+
+  // LayerMemory::caller. The token count of the next forward or backward
+  // (CudaLayer::set_tokens: any count, no compiling, no memory); what a
+  // step at `tokens` needs (saved: kept from a forward to the end of its
+  // backward; workspace_before / _after: the forward's and the backward's,
+  // only while each runs).
+  void set_tokens(int64_t tokens) { layer_.set_tokens(tokens); }
+  CudaLayer::StepMemory step_memory(int64_t tokens) const { return layer_.step_memory(tokens); }
+  // A forward whose activations go to `saved`, and a backward that reads
+  // them there: the same saved memory, the same token count, and this
+  // layer's inputs and parameters as they were then (bound again, with
+  // every output and gradient, by the caller). A backward is refused for
+  // saved memory that no forward of this count wrote lately (one of the
+  // last kRecentForwards).
+  void forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace);
+  void backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace);
+  static constexpr size_t kRecentForwards = 256;
   // Replays the forward and the backward each as one CUDA graph instead of
   // one launch per kernel, for steps short enough that the launches show
   // (a 2 ms step of ~30 kernels). A graph holds TMA descriptors by value, so
@@ -119,8 +142,13 @@ private:
   };
   void run(Replay &r, size_t begin, size_t end, const Stream &stream);
 
+  void check_memory(bool caller, const char *call) const;
+
   const CompiledTraining &compiled_;
   CudaLayer layer_;
+  // LayerMemory::caller: the saved memory and token count of recent
+  // forwards, newest last.
+  std::deque<std::pair<CUdeviceptr, int64_t>> forwards_;
   TrainingState state_;
   bool replay_ = false;
   Replay forward_, backward_;

@@ -102,12 +102,28 @@ def run_shape(name, schedule, iters, rounds, bench=None, variant=None, cooldown=
     module_step()  # compiles
     torch.cuda.synchronize()
     compile_s = time.time() - t0
-    layer, _ = moe._layers[tokens]
+    # The module's compiled layer driven directly, on memory held for the
+    # whole run: its saved activations, one workspace, the output, the
+    # upstream gradient and every gradient (the module binds fresh ones
+    # each step, which torch frees after it).
+    rt = moe._cuda
+    layer = rt.layer
+    saved_bytes, forward_ws, backward_ws = rt.use_tokens(tokens)
+    held = {"saved": torch.empty(saved_bytes, dtype=torch.uint8, device="cuda"),
+            "workspace": torch.empty(max(forward_ws, backward_ws, 1), dtype=torch.uint8, device="cuda")}
+    for name in layer.outputs + list(layer.seeds):
+        dtype, shape, _, _ = layer.info(name)
+        held[name] = torch.zeros(shape, dtype=mft._DTYPES[dtype], device="cuda")
+        rt.bind(name, held[name])
+    for of, name in layer.gradients.items():
+        dtype, shape, _, _ = layer.info(name)
+        held[name] = torch.empty(shape, dtype=mft._DTYPES[dtype], device="cuda")
+        layer.bind_gradient(of, held[name].data_ptr(), held[name].numel() * held[name].element_size())
 
     def layer_step():  # on torch's current stream, as the module's steps run
         stream = torch.cuda.current_stream().cuda_stream
-        layer.forward(stream)
-        layer.backward(stream)
+        layer.forward(stream, held["saved"].data_ptr(), held["workspace"].data_ptr())
+        layer.backward(stream, held["saved"].data_ptr(), held["workspace"].data_ptr())
 
     # Alternating rounds, the median of each: the card's clock drifts over
     # seconds (a longer run is slower), so one block of module steps and one

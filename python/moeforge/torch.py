@@ -4,7 +4,7 @@
     import moeforge.torch as mft
 
     moe = mft.MoELayer(pipeline, schedule=mf.scattermoe())      # or mft.example("moe_mlp", ...)
-    y = moe(x)                 # x: (tokens, d) on the GPU; y: the layer's output
+    y = moe(x)                 # x: (tokens, d) or (batch, seq, d) on the GPU; y: the layer's output
     y.float().pow(2).mean().backward()   # fills moe.w1.grad, ..., and x.grad
 
 The forward and backward are the compiled training program's two entry
@@ -18,10 +18,20 @@ by default, as the algebra declares them); its one Input is the argument of
 forward(); with auxiliary losses among the outputs, forward() returns the
 output and the losses as tensors.
 
-One forward is in flight per module: the training program keeps the
-activations of the last forward for the next backward, so a second forward
-before the first one's backward (activation checkpointing, the same module
-twice in one graph) raises an error instead of giving wrong gradients.
+Memory: the module compiles one program and holds no memory of its own
+besides its parameters. Each forward takes from torch's caching allocator
+the memory for the activations its backward reads (kept with the autograd
+graph until that backward ends) and a workspace for its temporaries
+(returned when the forward is enqueued); each backward takes a workspace
+of its own. So any number of forwards may be in flight (activation
+checkpointing, gradient accumulation, the module applied twice, several
+micro-batches), each backward reads its own forward's activations, and a
+new token count costs no compile and no memory that outlives the step. A
+step of no tokens returns empty outputs and zero gradients.
+
+On the CPU backend (device='cpu', for development and tests) the values
+pass through numpy; its layer keeps one step's state, so a backward whose
+forward was not the layer's last one runs that forward again first.
 
 torch.compile: the module runs as an opaque call (a graph break around it,
 torch.compiler.disable); it is not a torch.library custom op yet.
@@ -57,32 +67,136 @@ def _as_layer_tensor(layer, name, t):
     return t.detach().to(_DTYPES[dtype]).contiguous()
 
 
-def _bind(layer, name, t, bound):
-    """Points the layer's tensor `name` at t's memory (no copy); `bound`
-    remembers the address so an unchanged one is not bound again."""
-    if bound.get(name) != t.data_ptr():
-        layer.bind(name, t.data_ptr(), t.numel() * t.element_size())
-        bound[name] = t.data_ptr()
-
-
 def _empty_like_layer(layer, name, device):
     dtype, shape, _, _ = layer.info(name)
     return torch.empty(shape, dtype=_DTYPES[dtype], device=device)
 
 
-def _cpu_forward(module, layer, x, params):
+def _address(t):
+    """A device address for the layer: 0 for no memory (an empty workspace)."""
+    return 0 if t is None else t.data_ptr()
+
+
+def _memory(nbytes, device):
+    """Bytes from torch's caching allocator (its blocks are 512-byte aligned,
+    as the layer's regions must be), or None for none."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
+
+
+class _CudaRuntime:
+    """The module's one compiled training program on caller memory, and the
+    token count and addresses it was last given (binding an unchanged
+    address again costs nothing, but a call each)."""
+
+    def __init__(self, module, tokens):
+        with torch.cuda.device(module.device):
+            self.layer = mf.CudaTrainingLayer(module.pipeline, module.outputs, module.schedule, tokens,
+                                              module.device.index or 0, caller_memory=True)
+        # One graph launch per entry point while torch's allocator hands
+        # back the same blocks step after step: a short layer's ~30
+        # launches would otherwise show in its step time.
+        self.layer.replay_graphs(True)
+        self.tokens = None
+        self.bound = {}
+        self.memory = {}  # tokens -> (saved, forward workspace, backward workspace) bytes
+        self.backward_reads = set(self.layer.backward_reads)
+
+    def use_tokens(self, tokens):
+        if tokens != self.tokens:
+            self.layer.set_tokens(tokens)
+            self.tokens = tokens
+            self.bound.clear()  # what changed size is unbound; the rest binds again at no cost
+        if tokens not in self.memory:
+            self.memory[tokens] = self.layer.step_memory(tokens)
+        return self.memory[tokens]
+
+    def bind(self, name, t):
+        if self.bound.get(name) != t.data_ptr():
+            self.layer.bind(name, t.data_ptr(), t.numel() * t.element_size())
+            self.bound[name] = t.data_ptr()
+
+
+def _cuda_forward(ctx, module, x, params):
+    rt = module._cuda_runtime(x.shape[0])
+    layer = rt.layer
+    saved_bytes, workspace_bytes, _ = rt.use_tokens(x.shape[0])
+    # The input and weights, read again by the backward (so kept in ctx),
+    # and fresh output tensors, all bound in place.
+    keep = [_as_layer_tensor(layer, module.input_name, x)]
+    keep += [_as_layer_tensor(layer, name, p) for name, p in zip(module._param_names, params)]
+    for name, t in zip([module.input_name] + module._param_names, keep):
+        rt.bind(name, t)
+    outs = [_empty_like_layer(layer, name, x.device) for name in layer.outputs]
+    for name, t in zip(layer.outputs, outs):
+        rt.bind(name, t)
+    saved = _memory(saved_bytes, x.device)
+    workspace = _memory(workspace_bytes, x.device)
+    layer.forward(_stream(x.device), saved.data_ptr(), _address(workspace))
+    del workspace  # back to torch's pool; work queued later on this stream reuses it after ours
+    module._record_routing(layer, x.device)
+    ctx.saved_memory, ctx.keep, ctx.stream = saved, keep, torch.cuda.current_stream(x.device)
+    # Only the outputs the backward reads are kept with the graph (torch
+    # checks they stay unmodified).
+    ctx.save_for_backward(*[t for name, t in zip(layer.outputs, outs) if name in rt.backward_reads])
+    return outs
+
+
+def _cuda_backward(ctx, grads):
+    module = ctx.module
+    rt = module._cuda
+    layer = rt.layer
+    device = ctx.keep[0].device
+    _, _, workspace_bytes = rt.use_tokens(ctx.tokens)
+    stream = torch.cuda.current_stream(device)
+    if stream != ctx.stream:  # the forward's memory is read on this stream too
+        for t in [ctx.saved_memory, *ctx.keep]:
+            t.record_stream(stream)
+    for name, t in zip([module.input_name] + module._param_names, ctx.keep):
+        rt.bind(name, t)
+    for name, t in zip([n for n in layer.outputs if n in rt.backward_reads], ctx.saved_tensors):
+        rt.bind(name, t)
+    seeds = []
+    for seed, g in zip(layer.seeds, grads):
+        if g is None:
+            g = _empty_like_layer(layer, seed, device).zero_()
+        seeds.append(_as_layer_tensor(layer, seed, g))
+        rt.bind(seed, seeds[-1])
+    # Every gradient gets fresh memory, needed or not: the layer writes
+    # them all, and never into memory torch may have handed elsewhere.
+    names = [module.input_name] + module._param_names
+    out = [_empty_like_layer(layer, layer.gradients[name], device) for name in names]
+    for name, t in zip(names, out):
+        layer.bind_gradient(name, t.data_ptr(), t.numel() * t.element_size())
+    workspace = _memory(workspace_bytes, device)
+    layer.backward(stream.cuda_stream, ctx.saved_memory.data_ptr(), _address(workspace))
+    ctx.seeds = seeds  # read by the backward's kernels after we return
+    return out
+
+
+def _cpu_forward(ctx, module, x, params):
     """The CPU backend: values go in and out through numpy (its layers keep
     bf16 storage of their own, so a copy happens anyway)."""
+    layer = module._cpu_layer_for(x.shape[0])
     arrays = {module.input_name: x.detach().float().numpy()}
     arrays.update({name: p.detach().float().numpy() for name, p in zip(module._param_names, params)})
     layer.upload(arrays)
     layer.forward()
+    module._cpu_generation += 1
+    module._cpu_last = module._cpu_generation
+    ctx.generation, ctx.arrays = module._cpu_generation, arrays
+    module._routing = {route: torch.from_numpy(layer.routed_experts(route).copy()) for route in module._route_names}
     return [torch.from_numpy(layer.output(f.name)).to(_DTYPES[f.dtype.name]) for f in module.outputs]
 
 
-def _cpu_backward(module, layer, grads, outs):
-    for f, g, out in zip(module.outputs, grads, outs):
-        g = torch.zeros_like(out) if g is None else g
+def _cpu_backward(ctx, grads):
+    module = ctx.module
+    layer = module._cpu_layer_for(ctx.tokens)
+    if module._cpu_last != ctx.generation:  # another forward ran since: this one's state is made again
+        layer.upload(ctx.arrays)
+        layer.forward()
+        module._cpu_last = ctx.generation
+    for f, g in zip(module.outputs, grads):
+        g = torch.zeros(module._output_shape(f, ctx.tokens)) if g is None else g
         layer.upload_upstream_gradient(g.detach().double().numpy(), f.name)
     layer.backward()
     return [torch.from_numpy(layer.gradient(name)) for name in [module.input_name] + module._param_names]
@@ -91,63 +205,31 @@ def _cpu_backward(module, layer, grads, outs):
 class _TrainingStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, x, *params):
-        layer, bound = module._layer_for(x)
+        ctx.module, ctx.tokens = module, x.shape[0]
         ctx.input_dtypes = [x.dtype] + [p.dtype for p in params]
-        if module.device.type == "cpu":
-            outs = _cpu_forward(module, layer, x, params)
-            module._generation += 1
-            ctx.module, ctx.layer, ctx.generation = module, layer, module._generation
-            ctx.save_for_backward(*outs)
-            return tuple(outs) if len(outs) > 1 else outs[0]
-        # Everything the layer reads or writes is a torch tensor bound in
-        # place: the input and weights (read again by the backward, so kept
-        # in ctx), and fresh output tensors.
-        keep = [_as_layer_tensor(layer, module.input_name, x)]
-        keep += [_as_layer_tensor(layer, name, p) for name, p in zip(module._param_names, params)]
-        for name, t in zip([module.input_name] + module._param_names, keep):
-            _bind(layer, name, t, bound)
-        outs = [_empty_like_layer(layer, name, x.device) for name in layer.outputs]
-        for name, t in zip(layer.outputs, outs):
-            _bind(layer, name, t, bound)
-        layer.forward(_stream(x.device))
-        module._generation += 1
-        ctx.module, ctx.layer, ctx.bound, ctx.generation = module, layer, bound, module._generation
-        ctx.keep = keep
-        ctx.save_for_backward(*outs)  # a backward may read them; torch checks they stay unmodified
+        ctx.param_shapes = [p.shape for p in params]
+        if ctx.tokens == 0:
+            outs = [module._no_token_output(f, x.device) for f in module.outputs]
+        elif module.device.type == "cpu":
+            outs = _cpu_forward(ctx, module, x, params)
+        else:
+            outs = _cuda_forward(ctx, module, x, params)
         return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        module, layer = ctx.module, ctx.layer
-        if module._generation != ctx.generation:
-            raise RuntimeError(
-                "moeforge.torch: this backward belongs to an earlier forward of the same module, whose "
-                "activations a later forward replaced; run each forward's backward before the next forward "
-                "(no activation checkpointing or reuse of one module twice in a graph)")
-        outs = ctx.saved_tensors  # raises if an output was modified in place since the forward
-        if module.device.type == "cpu":
-            got = _cpu_backward(module, layer, grads, outs)
-            return (None, *[g.to(dtype) if need else None
-                            for g, dtype, need in zip(got, ctx.input_dtypes, ctx.needs_input_grad[1:])])
-        bound = ctx.bound
-        device = ctx.keep[0].device
-        seeds = []
-        for seed, g in zip(layer.seeds, grads):
-            if g is None:
-                g = _empty_like_layer(layer, seed, device).zero_()
-            seeds.append(_as_layer_tensor(layer, seed, g))
-            _bind(layer, seed, seeds[-1], bound)
-        # Every gradient gets fresh memory, needed or not: the layer writes
-        # them all, and never into memory torch may have handed elsewhere.
-        names = [module.input_name] + module._param_names
-        out = [_empty_like_layer(layer, layer.gradients[name], device) for name in names]
-        for name, t in zip(names, out):
-            layer.bind_gradient(name, t.data_ptr(), t.numel() * t.element_size())
-        layer.backward(_stream(device))
+        module = ctx.module
+        if ctx.tokens == 0:  # nothing routed: no gradient reaches anything
+            device = module.device
+            got = [torch.zeros(0, *module._input_shape[1:], device=device)]
+            got += [torch.zeros(s, device=device) for s in ctx.param_shapes]
+        elif module.device.type == "cpu":
+            got = _cpu_backward(ctx, grads)
+        else:
+            got = _cuda_backward(ctx, grads)
         result = [None]
-        for t, dtype, need in zip(out, ctx.input_dtypes, ctx.needs_input_grad[1:]):
+        for t, dtype, need in zip(got, ctx.input_dtypes, ctx.needs_input_grad[1:]):
             result.append((t if t.dtype == dtype else t.to(dtype)) if need else None)
-        ctx.seeds = seeds  # read by the backward's kernels after we return
         return tuple(result)
 
 
@@ -159,8 +241,8 @@ class MoELayer(torch.nn.Module):
     schedule: a moeforge.Schedule or a preset name; init_scale: {param name:
     half-width of its uniform init} (default 1/sqrt(fan-in), the first
     non-expert dimension); device: where the parameters live and the layer
-runs: a GPU ('cuda', the CUDA backend) or 'cpu' (the LLVM CPU backend,
-values through numpy: for development and tests, not speed).
+    runs: a GPU ('cuda', the CUDA backend) or 'cpu' (the LLVM CPU backend,
+    values through numpy: for development and tests, not speed).
     """
 
     def __init__(self, pipeline, outputs=None, schedule="scattermoe", init_scale=None, device="cuda", dtype=None):
@@ -190,6 +272,9 @@ values through numpy: for development and tests, not speed).
                 f"MoELayer takes a layer with exactly one Input (the tokens), got {[b['name'] for b in inputs]}")
         self.input_name = inputs[0]["name"]
         self._input_shape = tuple(inputs[0]["shape"])  # None: the token Dim
+        if len(self._input_shape) != 2 or self._input_shape[0] is not None or self._input_shape[1] is None:
+            raise mf.UserError(f"MoELayer's Input '{self.input_name}' must be (tokens, width), declared "
+                               f"{self._input_shape} (None: the token Dim)")
         self._param_names = []
         init_scale = init_scale or {}
         for b in decls:
@@ -205,43 +290,94 @@ values through numpy: for development and tests, not speed).
                 p.uniform_(-scale, scale)
             self.register_parameter(b["name"], torch.nn.Parameter(p))
             self._param_names.append(b["name"])
-        self._layers = {}  # tokens -> (CudaTrainingLayer, {tensor name: address bound})
-        self._generation = 0
+        self._cuda = None  # _CudaRuntime, made at the first forward
+        self._cpu = None  # the CPU backend's layer at the last token count
+        self._cpu_generation = self._cpu_last = 0
+        self._route_names = []
+        self._routing = {}  # route -> the experts the last forward chose (int32, pair order)
+        self._routing_tokens = None
 
-    def _layer_for(self, x):
-        if x.dim() != 2:
-            raise mf.UserError(f"the input '{self.input_name}' must be (tokens, width), got shape {tuple(x.shape)}")
-        tokens = x.shape[0]
-        if tokens not in self._layers and self.device.type == "cpu":
-            self._layers[tokens] = (mf.CpuTrainingLayer(self.pipeline, self.outputs, self.schedule, tokens), {})
-        if tokens not in self._layers:
-            with torch.cuda.device(self.device):
-                layer = mf.CudaTrainingLayer(self.pipeline, self.outputs, self.schedule, tokens,
-                                             self.device.index or 0)
-            # One graph launch per entry point while torch's allocator hands
-            # back the same blocks step after step: a short layer's ~30
-            # launches would otherwise show in its step time.
-            layer.replay_graphs(True)
-            self._layers[tokens] = (layer, {})
-        return self._layers[tokens]
+    def _cuda_runtime(self, tokens):
+        if self._cuda is None:
+            self._cuda = _CudaRuntime(self, tokens)
+            self._route_names = self._cuda.layer.routes
+        return self._cuda
+
+    def _cpu_layer_for(self, tokens):
+        """The CPU layer at `tokens`: the compiled program shared, a new
+        count's layer replacing the last one (so its state is gone)."""
+        if self._cpu is None:
+            self._cpu = mf.CpuTrainingLayer(self.pipeline, self.outputs, self.schedule, tokens)
+            self._route_names = self._cpu.routes
+        elif self._cpu.tokens != tokens:
+            self._cpu = self._cpu.with_tokens(tokens)
+            self._cpu_last = None
+        return self._cpu
+
+    def _record_routing(self, layer, device):
+        """A copy of each route's experts, which live with the forward's
+        saved memory (gone when its backward ends): T * k int32 a route."""
+        self._routing = {}
+        for route in self._route_names:
+            t = torch.empty(layer.pairs(route), dtype=torch.int32, device=device)
+            layer.copy_routed_experts(route, t.data_ptr(), t.numel() * 4, _stream(device))
+            self._routing[route] = t
+
+    def _output_shape(self, f, tokens):
+        shape = []
+        for v in f.args:
+            d = v.dim
+            if d.is_dynamic:
+                shape.append(tokens)
+            elif d.extent is not None:
+                shape.append(d.extent)
+            else:
+                raise mf.UserError(f"output '{f.name}' is over {d.name}, not the tokens: a step of no tokens "
+                                   "cannot shape it")
+        return tuple(shape)
+
+    def _no_token_output(self, f, device):
+        if not any(v.dim.is_dynamic for v in f.args):
+            raise mf.UserError(f"output '{f.name}' of a step of no tokens has no value (it reduces over the "
+                               "tokens); skip the layer for an empty batch")
+        return torch.zeros(self._output_shape(f, 0), dtype=_DTYPES[f.dtype.name], device=device)
 
     @torch.compiler.disable
     def forward(self, x):
         _check_tensor(f"the input '{self.input_name}'", x, self.device)
-        if x.dim() == len(self._input_shape):
-            want = tuple(x.shape[0] if s is None else s for s in self._input_shape)
-            if tuple(x.shape) != want:
-                raise mf.UserError(f"'{self.input_name}' has shape {tuple(x.shape)}; the layer expects {want}")
+        width = self._input_shape[1]
+        if x.dim() < 2 or x.shape[-1] != width:
+            raise mf.UserError(f"'{self.input_name}' has shape {tuple(x.shape)}; the layer expects (tokens, {width}) "
+                               f"or (..., {width}), e.g. (batch, seq, {width})")
+        lead = tuple(x.shape[:-1])
         params = [getattr(self, name) for name in self._param_names]
-        return _TrainingStep.apply(self, x, *params)
+        outs = _TrainingStep.apply(self, x.reshape(-1, width), *params)
+        self._routing_tokens = math.prod(lead)
+        if len(lead) == 1:
+            return outs
+        many = isinstance(outs, tuple)
+        reshaped = [o.reshape(*lead, *o.shape[1:]) if o.dim() > 0 else o for o in (outs if many else (outs,))]
+        return tuple(reshaped) if many else reshaped[0]
 
-    def routed_experts(self, tokens, route="route"):
-        """The experts the last forward over `tokens` tokens chose, pair order."""
-        return torch.from_numpy(self._layers[tokens][0].routed_experts(route).copy())
+    def routed_experts(self, tokens=None, route="route"):
+        """The experts the last forward chose (int32, pair order: token t's
+        k experts at t * k ...); `tokens`, when given, must be its count."""
+        if self._routing_tokens is None:
+            raise mf.UserError("routed_experts: no forward has run yet")
+        if tokens is not None and tokens != self._routing_tokens:
+            raise mf.UserError(f"routed_experts({tokens}): the last forward ran {self._routing_tokens} tokens")
+        if self._routing_tokens == 0:
+            return torch.zeros(0, dtype=torch.int32)
+        if route not in self._routing:
+            raise mf.UserError(f"no route named '{route}' in this layer (it has {sorted(self._routing)})")
+        return self._routing[route].cpu()
 
     def saved_bytes(self, tokens):
-        """What the forward keeps for the backward at `tokens` tokens."""
-        return self._layers[tokens][0].saved_bytes
+        """What a forward over `tokens` tokens keeps for its backward
+        (activations and routing tables), in bytes."""
+        if self.device.type == "cpu":
+            return self._cpu_layer_for(tokens).saved_bytes
+        return self._cuda_runtime(max(tokens, 1)).layer.step_memory(tokens)[0] if tokens else 0
 
 
 def example(name, experts=8, topk=2, d=64, f=128, schedule="scattermoe", device="cuda", **kwargs):

@@ -13,6 +13,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -54,7 +55,8 @@ struct PyCudaTraining {
   Pipeline pipeline;
   std::unique_ptr<cuda::CompiledTraining> compiled;
   std::unique_ptr<cuda::TrainingLayer> layer;
-  PyCudaTraining(const Pipeline &p, const std::vector<Func> &outputs, const Schedule &s, int64_t tokens, int ordinal)
+  PyCudaTraining(const Pipeline &p, const std::vector<Func> &outputs, const Schedule &s, int64_t tokens, int ordinal,
+                 bool caller_memory)
       : pipeline(p) {
     check_tokens(tokens);
     dev = device(ordinal);
@@ -63,7 +65,8 @@ struct PyCudaTraining {
       compiled =
           std::make_unique<cuda::CompiledTraining>(cuda::compile_training(pipeline, outputs, s, dev->arch_specific()));
     }
-    layer = std::make_unique<cuda::TrainingLayer>(*dev, *compiled, tokens);
+    layer = std::make_unique<cuda::TrainingLayer>(*dev, *compiled, tokens,
+                                                  caller_memory ? cuda::LayerMemory::caller : cuda::LayerMemory::owned);
   }
 };
 
@@ -86,8 +89,40 @@ void bind_cuda(nb::module_ &m) {
 
   nb::class_<PyCudaTraining>(m, "CudaTrainingLayer",
                              "Forward and backward of a layer on the GPU, bound to `tokens` tokens.")
-      .def(nb::init<const Pipeline &, const std::vector<Func> &, const Schedule &, int64_t, int>(), "pipeline"_a,
-           "outputs"_a, "schedule"_a, "tokens"_a, "device"_a = 0)
+      .def(nb::init<const Pipeline &, const std::vector<Func> &, const Schedule &, int64_t, int, bool>(), "pipeline"_a,
+           "outputs"_a, "schedule"_a, "tokens"_a, "device"_a = 0, "caller_memory"_a = false,
+           "caller_memory: the layer holds no memory of its own; each forward is given memory for what it saves "
+           "and a workspace, each backward its forward's saved memory (forward(stream, saved, workspace)), and "
+           "set_tokens() changes the token count with no compiling.")
+      .def(
+          "set_tokens",
+          [](PyCudaTraining &l, int64_t tokens) {
+            l.dev->make_current();
+            l.layer->set_tokens(tokens);
+          },
+          "tokens"_a, "The token count of the next forward or backward (caller memory: any; owned: up to the first).")
+      .def(
+          "step_memory",
+          [](const PyCudaTraining &l, int64_t tokens) {
+            const cuda::CudaLayer::StepMemory m = l.layer->step_memory(tokens);
+            return nb::make_tuple(m.saved, m.workspace_before, m.workspace_after);
+          },
+          "tokens"_a,
+          "(saved, forward workspace, backward workspace) bytes of a step at `tokens` tokens on caller memory.")
+      .def(
+          "pairs",
+          [](const PyCudaTraining &l, const std::string &route) {
+            return l.layer->layer().routing_plan(route).shape.pairs();
+          },
+          "route"_a = "route", "The routed (token, expert) pairs of route `route` at the current token count.")
+      .def(
+          "copy_routed_experts",
+          [](const PyCudaTraining &l, const std::string &route, uintptr_t dst, size_t bytes, uintptr_t stream) {
+            l.dev->make_current();
+            l.layer->layer().copy_routed_experts(route, static_cast<CUdeviceptr>(dst), bytes, stream_of(stream));
+          },
+          "route"_a, "dst"_a, "bytes"_a, "stream"_a = 0,
+          "The experts the last forward placed chose (int32, pair order) into device memory, on the stream.")
       .def(
           "upload",
           [](PyCudaTraining &l, const nb::dict &inputs) {
@@ -110,22 +145,32 @@ void bind_cuda(nb::module_ &m) {
            })
       .def(
           "forward",
-          [](PyCudaTraining &l, uintptr_t stream) {
+          [](PyCudaTraining &l, uintptr_t stream, std::optional<uintptr_t> saved, std::optional<uintptr_t> workspace) {
             l.dev->make_current();
-            l.layer->forward(stream_of(stream));
+            if (saved)
+              l.layer->forward(stream_of(stream), *saved, workspace.value_or(0));
+            else
+              l.layer->forward(stream_of(stream));
           },
-          "stream"_a = 0, "Enqueues routing and the forward on the stream (a CUstream handle; 0: the legacy one).")
+          "stream"_a = 0, "saved"_a = nb::none(), "workspace"_a = nb::none(),
+          "Enqueues routing and the forward on the stream (a CUstream handle; 0: the legacy one); on caller "
+          "memory, its activations go to `saved` and its temporaries to `workspace` (device addresses).")
       .def(
           "replay_graphs", [](PyCudaTraining &l, bool on) { l.layer->replay_graphs(on); }, "on"_a = true,
           "Replays the forward and the backward each as one CUDA graph while no tensor was bound elsewhere "
           "(captured again after a bind that moved one).")
       .def(
           "backward",
-          [](PyCudaTraining &l, uintptr_t stream) {
+          [](PyCudaTraining &l, uintptr_t stream, std::optional<uintptr_t> saved, std::optional<uintptr_t> workspace) {
             l.dev->make_current();
-            l.layer->backward(stream_of(stream));
+            if (saved)
+              l.layer->backward(stream_of(stream), *saved, workspace.value_or(0));
+            else
+              l.layer->backward(stream_of(stream));
           },
-          "stream"_a = 0, "Enqueues the backward: every Input's and Param's gradient.")
+          "stream"_a = 0, "saved"_a = nb::none(), "workspace"_a = nb::none(),
+          "Enqueues the backward: every Input's and Param's gradient; on caller memory, reading its forward's "
+          "`saved` memory (at that forward's token count).")
       .def(
           "info", [](const PyCudaTraining &l, const std::string &name) { return info_tuple(l.layer->info(name)); },
           "name"_a, "(dtype, shape, contiguous, bytes) of a tensor the layer holds.")
@@ -191,6 +236,33 @@ void bind_cuda(nb::module_ &m) {
       .def_prop_ro("saved_bytes", [](const PyCudaTraining &l) { return l.layer->saved_bytes(); })
       .def_prop_ro("tokens", [](const PyCudaTraining &l) { return l.layer->layer().tokens(); })
       .def_prop_ro("outputs", [](const PyCudaTraining &l) { return l.compiled->training.outputs; })
+      .def_prop_ro(
+          "routes",
+          [](const PyCudaTraining &l) {
+            std::vector<std::string> names;
+            for (const RoutingNode *r : l.compiled->training.program.routes)
+              names.push_back(r->name);
+            return names;
+          },
+          "The names of the layer's routes.")
+      .def_prop_ro(
+          "backward_reads",
+          [](const PyCudaTraining &l) {
+            // The forward outputs a backward reads: a caller keeps them (and
+            // binds them again) from the forward to the end of its backward.
+            const TrainingProgram &t = l.compiled->training;
+            std::vector<std::string> read;
+            for (const std::string &o : t.outputs)
+              for (size_t i = t.forward_steps; i < t.program.steps.size(); ++i) {
+                const std::vector<std::string> r = step_reads(t.program.steps[i]);
+                if (std::find(r.begin(), r.end(), o) != r.end()) {
+                  read.push_back(o);
+                  break;
+                }
+              }
+            return read;
+          },
+          "The forward outputs the backward reads.")
       .def_prop_ro("seeds", [](const PyCudaTraining &l) { return l.compiled->training.seeds; })
       .def_prop_ro("gradients", [](const PyCudaTraining &l) { return gradient_names(l.compiled->training); });
 }

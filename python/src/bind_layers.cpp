@@ -66,14 +66,26 @@ struct PyCpuLayer {
   }
 };
 
+// A compiled training program bound to host memory for a token count; the
+// program (and the pipeline it refers to) shared by the layers made from
+// it for other counts (with_tokens), which compile nothing.
 struct PyCpuTraining {
-  Pipeline pipeline;
-  std::unique_ptr<cpu::CompiledCpuTraining> compiled;
+  struct Program {
+    Pipeline pipeline;
+    std::unique_ptr<cpu::CompiledCpuTraining> compiled;
+  };
+  std::shared_ptr<Program> program;
   std::unique_ptr<cpu::CpuTrainingLayer> layer;
-  PyCpuTraining(const Pipeline &p, const std::vector<Func> &outputs, const Schedule &s, int64_t tokens) : pipeline(p) {
+  PyCpuTraining(const Pipeline &p, const std::vector<Func> &outputs, const Schedule &s, int64_t tokens)
+      : program(new Program{p, nullptr}) {
     check_tokens(tokens);
-    compiled = std::make_unique<cpu::CompiledCpuTraining>(cpu::compile_cpu_training(pipeline, outputs, s));
-    layer = std::make_unique<cpu::CpuTrainingLayer>(*compiled, tokens);
+    program->compiled =
+        std::make_unique<cpu::CompiledCpuTraining>(cpu::compile_cpu_training(program->pipeline, outputs, s));
+    layer = std::make_unique<cpu::CpuTrainingLayer>(*program->compiled, tokens);
+  }
+  PyCpuTraining(std::shared_ptr<Program> shared, int64_t tokens) : program(std::move(shared)) {
+    check_tokens(tokens);
+    layer = std::make_unique<cpu::CpuTrainingLayer>(*program->compiled, tokens);
   }
 };
 #endif
@@ -164,12 +176,15 @@ void bind_layers(nb::module_ &m) {
       .def(nb::init<const Pipeline &, const std::vector<Func> &, const Schedule &, int64_t>(), "pipeline"_a,
            "outputs"_a, "schedule"_a, "tokens"_a)
       .def(
+          "with_tokens", [](const PyCpuTraining &l, int64_t tokens) { return PyCpuTraining(l.program, tokens); },
+          "tokens"_a, "The same compiled program bound to another token count (no compiling).")
+      .def(
           "upload", [](PyCpuTraining &l, const nb::dict &inputs) { l.layer->upload(to_tensor_map(inputs, "input")); },
           "inputs"_a, "Every Input and Param of the forward, {name: array}.")
       .def(
           "upload_upstream_gradient",
           [](PyCpuTraining &l, const AnyArray &grad, std::optional<std::string> output) {
-            const std::string name = output.value_or(l.compiled->training.output);
+            const std::string name = output.value_or(l.program->compiled->training.output);
             l.layer->upload_upstream_gradient(name, to_host_tensor(grad, "the upstream gradient of '" + name + "'"));
           },
           "grad"_a, "output"_a = nb::none(),
@@ -209,9 +224,18 @@ void bind_layers(nb::module_ &m) {
           "route"_a = "route")
       .def_prop_ro("saved_bytes", [](const PyCpuTraining &l) { return l.layer->saved_bytes(); })
       .def_prop_ro("tokens", [](const PyCpuTraining &l) { return l.layer->layer().tokens(); })
-      .def_prop_ro("outputs", [](const PyCpuTraining &l) { return l.compiled->training.outputs; })
-      .def_prop_ro("seeds", [](const PyCpuTraining &l) { return l.compiled->training.seeds; })
-      .def_prop_ro("gradients", [](const PyCpuTraining &l) { return gradient_names(l.compiled->training); });
+      .def_prop_ro("outputs", [](const PyCpuTraining &l) { return l.program->compiled->training.outputs; })
+      .def_prop_ro(
+          "routes",
+          [](const PyCpuTraining &l) {
+            std::vector<std::string> names;
+            for (const RoutingNode *r : l.program->compiled->training.program.routes)
+              names.push_back(r->name);
+            return names;
+          },
+          "The names of the layer's routes.")
+      .def_prop_ro("seeds", [](const PyCpuTraining &l) { return l.program->compiled->training.seeds; })
+      .def_prop_ro("gradients", [](const PyCpuTraining &l) { return gradient_names(l.program->compiled->training); });
 #else
   m.attr("has_cpu_backend") = false;
 #endif

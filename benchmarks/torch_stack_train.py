@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""A model's training step, not a layer's: a residual stack of L MoE layers
+(h = h + layer(h), the L forwards, then the L backwards from one loss), for
+moeforge.torch, a torch._grouped_mm layer (benchmarks/torch_grouped_mm_train.py's)
+and SonicMoE where it is installed, on the same weights and inputs.
+
+Per implementation, shape and L: the step's median ms (CUDA events, after a
+pause and a warm-up of its own, the median of --reps steps), and the device
+memory at the step's peak, counted at the device level: torch's peak
+reserved bytes plus what the implementation holds outside torch's caching
+allocator (the change of cudaMemGetInfo's used bytes less torch's reserved
+change, taken after the step), and that outside part alone. The weights and
+their gradients are in every figure (the same for all three).
+
+Every layer's weights are drawn from its own seed on the GPU, so the three
+implementations get identical values without a host copy: W1, W3 [E, d, f],
+W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
+
+usage: python3 benchmarks/torch_stack_train.py [--shapes qwen3moe,fine64]
+       [--layers 8,24] [--impls moeforge,torch,sonicmoe] [--schedule FILE]
+       [--reps N] [--out results.json]
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_grouped_mm_train as tgm  # noqa: E402
+
+SHAPES = {name: (T, d, f, E, k) for name, T, d, f, E, k, swiglu, _ in tgm.SHAPES if swiglu}
+GiB = float(1 << 30)
+
+
+def layer_weights(seed, d, f, E, dev):
+    """W1, W3 [E, d, f], W2 [E, f, d], wr [d, E] in bf16, from `seed`."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def u(*shape, fan_in):
+        return ((torch.rand(*shape, device=dev, generator=g) * 2 - 1) / fan_in ** 0.5).bfloat16()
+
+    return u(E, d, f, fan_in=d), u(E, d, f, fan_in=d), u(E, f, d, fan_in=f), u(d, E, fan_in=d)
+
+
+class TorchLayer(torch.nn.Module):
+    """torch_grouped_mm_train.py's layer: weights stored [E, N, K] as nn.Linear's."""
+
+    def __init__(self, w1, w3, w2, wr, k):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(w1.transpose(1, 2).contiguous())
+        self.w3 = torch.nn.Parameter(w3.transpose(1, 2).contiguous())
+        self.w2 = torch.nn.Parameter(w2.transpose(1, 2).contiguous())
+        self.wr = torch.nn.Parameter(wr.clone())
+        self.k = k
+        self.register_buffer("bias", torch.zeros(wr.shape[1], device=wr.device))
+        self.mm = tgm.make_mm("native" if tgm.native_backward_works(wr.device)[0] else "manual")
+
+    def forward(self, x):
+        t = lambda w: w.transpose(-2, -1)
+        return tgm.forward(x, self.wr, self.bias, t(self.w1), t(self.w3), t(self.w2), self.k, True, self.mm)
+
+
+def moeforge_layer(w1, w3, w2, wr, k, schedule):
+    import moeforge as mf
+    import moeforge.torch as mft
+    E, d, f = w1.shape
+    m = mft.example("swiglu_moe", experts=E, topk=k, d=d, f=f, schedule=schedule)
+    with torch.no_grad():
+        for name, w in (("w1", w1), ("w3", w3), ("w2", w2), ("wr", wr)):
+            getattr(m, name).copy_(w)
+    return m
+
+
+class SonicLayer(torch.nn.Module):
+    def __init__(self, w1, w3, w2, wr, k):
+        super().__init__()
+        from sonicmoe.enums import ActivationType, KernelBackendMoE
+        from sonicmoe.moe import MoE
+        E, d, f = w1.shape
+        self.backend = KernelBackendMoE.sonicmoe
+        self.m = MoE(E, k, d, f, ActivationType.SWIGLU, add_bias=False, std=0.02).to(wr.device).bfloat16()
+        with torch.no_grad():
+            self.m.router.weight.copy_(wr.t())
+            self.m.c_fc.weight[:, 0::2, :].copy_(w1.transpose(1, 2))
+            self.m.c_fc.weight[:, 1::2, :].copy_(w3.transpose(1, 2))
+            self.m.c_proj.weight.copy_(w2.transpose(1, 2))
+
+    def forward(self, x):
+        return self.m(x, kernel_backend_moe=self.backend)[0]
+
+
+def make_layer(impl, seed, shape, dev, schedule):
+    T, d, f, E, k = shape
+    w = layer_weights(seed, d, f, E, dev)
+    if impl == "moeforge":
+        return moeforge_layer(*w, k, schedule)
+    if impl == "torch":
+        return TorchLayer(*w, k)
+    return SonicLayer(*w, k)
+
+
+def used_outside(free0, reserved0):
+    free, _ = torch.cuda.mem_get_info()
+    return (free0 - free) - (torch.cuda.memory_reserved() - reserved0)
+
+
+def run(impl, name, layers, reps, schedule, pause):
+    T, d, f, E, k = SHAPES[name]
+    dev = torch.device("cuda")
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    free0, _ = torch.cuda.mem_get_info()
+    reserved0 = torch.cuda.memory_reserved()
+    model = torch.nn.ModuleList(make_layer(impl, 100 + i, (T, d, f, E, k), dev, schedule) for i in range(layers))
+    g = torch.Generator(device=dev).manual_seed(7)
+    x = (torch.rand(T, d, device=dev, generator=g) * 2 - 1).bfloat16()
+    dy = (torch.rand(T, d, device=dev, generator=g) * 2 - 1).bfloat16()
+
+    def step():
+        model.zero_grad(set_to_none=False)  # gradients stay allocated, as in a training loop
+        h = x
+        for layer in model:
+            h = h + layer(h).to(h.dtype)
+        h.backward(dy)
+
+    t0 = time.time()
+    step()  # compiles (SonicMoE: 10-90 s at a new shape)
+    torch.cuda.synchronize()
+    first_s = time.time() - t0
+    step()
+    torch.cuda.synchronize()
+    time.sleep(pause)
+    for _ in range(2):
+        step()
+    torch.cuda.reset_peak_memory_stats()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    peak_reserved = torch.cuda.max_memory_reserved() - reserved0
+    outside = used_outside(free0, reserved0)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    row = {"impl": impl, "shape": name, "layers": layers, "step_ms": statistics.median(times),
+           "step_ms_min": min(times), "peak_GiB": (peak_reserved + outside) / GiB, "outside_GiB": outside / GiB,
+           "weights_and_grads_GiB": 2 * weights / GiB, "first_step_s": first_s}
+    del model, x, dy
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="mixtral,fine64,qwen3moe,gptoss")
+    ap.add_argument("--layers", default="8")
+    ap.add_argument("--impls", default="moeforge,torch,sonicmoe")
+    ap.add_argument("--schedule", default="benchmarks/schedules/train/tuned_wide_swiglu.sched")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pause", type=float, default=1.0)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    impls = args.impls.split(",")
+    if "sonicmoe" in impls:
+        try:
+            import sonicmoe  # noqa: F401
+        except ImportError as e:
+            print(f"torch_stack_train: SonicMoE is not installed ({e}); skipping it", file=sys.stderr)
+            impls.remove("sonicmoe")
+    schedule = args.schedule
+    if schedule and os.path.exists(schedule):
+        import moeforge as mf
+        schedule = mf.Schedule.load(schedule)
+    rows = []
+    for name in args.shapes.split(","):
+        for layers in [int(n) for n in args.layers.split(",")]:
+            for impl in impls:
+                try:
+                    row = run(impl, name, layers, args.reps, schedule, args.pause)
+                except torch.OutOfMemoryError as e:
+                    row = {"impl": impl, "shape": name, "layers": layers, "error": "out of memory: " + str(e)[:120]}
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n{'shape':9} {'L':>3} {'impl':9} {'step ms':>8} {'peak GiB':>9} {'outside':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:9} {r['layers']:>3} {r['impl']:9} {r['error'][:40]}")
+        else:
+            print(f"{r['shape']:9} {r['layers']:>3} {r['impl']:9} {r['step_ms']:8.2f} {r['peak_GiB']:9.2f} "
+                  f"{r['outside_GiB']:8.3f}")
+    if args.out:
+        doc = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+               "torch": torch.__version__, "rows": rows}
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+#include "lowering/default_schedule.h"
+
+#include <algorithm>
+#include <set>
+
+#include "lowering/choices_without_effect.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
+
+namespace moeforge {
+
+namespace {
+
+// The layer-wide part, and the tiles every contraction starts from.
+Schedule layer_wide() {
+  Schedule s("default");
+  s.permutation(Permutation::scattered)
+      .block(128)
+      .gate(GateFusion::epilogue)
+      .tile(Schedule::all_funcs, 128, 256, 64)
+      .stages(Schedule::all_funcs, 4)
+      .warps(Schedule::all_funcs, 8, 1)
+      .mma(Schedule::all_funcs, MmaKind::wgmma_ws)
+      .tma(Schedule::all_funcs, true)
+      .fuse_epilogue(Schedule::all_funcs, true)
+      .bf16_activations(true)
+      .reuse_memory(true)
+      .bf16_weight_gradients(true)
+      .padded_elementwise(true)
+      .recompute_elementwise(true)
+      .gate_gradient_from_dh(true)
+      .chain_summed_gemms(true);
+  return s;
+}
+
+// The tensors a routing selects by, and those each is computed from in one
+// element-wise step (the router's logits before its softmax).
+std::set<std::string> router_outputs(const KernelProgram &p) {
+  std::set<std::string> scores;
+  for (const Step &s : p.steps)
+    if (const auto *r = std::get_if<RoutingStep>(&s))
+      scores.insert(r->probs);
+  std::set<std::string> out = scores;
+  for (const Step &s : p.steps)
+    if (std::holds_alternative<PointwiseStep>(s) && scores.count(step_output(s)))
+      for (const std::string &read : step_reads(s))
+        out.insert(read);
+  return out;
+}
+
+// Leaves out each layer-wide choice the layer does not take: the notes
+// name the primitive ("padded_elementwise(true) is not applied: ...").
+void drop_choices_not_taken(Schedule &s, const Pipeline &pipeline, const std::vector<Func> &outputs) {
+  for (const std::string &note : choices_not_taken(pipeline, s, outputs)) {
+    auto names = [&](const char *primitive) { return note.rfind(primitive, 0) == 0; };
+    if (names("padded_elementwise("))
+      s.padded_elementwise(false);
+    else if (names("recompute_elementwise("))
+      s.recompute_elementwise(false);
+    else if (names("gate_gradient_from_dh("))
+      s.gate_gradient_from_dh(false);
+    else if (names("chain_summed_gemms("))
+      s.chain_summed_gemms(false);
+    else if (names("gate("))
+      s.gate(GateFusion::combine);
+  }
+}
+
+// Takes back each per-Func choice a GEMM's plan does not take (its note:
+// "definition 'o': tma_store(\"o\", true) is not applied: ..."): the
+// program is the same without it, and the user sees no note.
+void drop_func_choices_not_taken(Schedule &s, const Pipeline &pipeline, const std::vector<Func> &outputs) {
+  for (const std::string &note : choices_not_taken(pipeline, s, outputs))
+    for (const char *primitive : {"tma_store", "persistent"}) {
+      const std::string call = std::string(": ") + primitive + "(\"";
+      const size_t at = note.find(call);
+      if (at == std::string::npos)
+        continue;
+      const size_t from = at + call.size(), to = note.find('"', from);
+      const std::string func = note.substr(from, to - from);
+      if (std::string(primitive) == "tma_store")
+        s.tma_store(func, false);
+      else
+        s.persistent(func, false);
+    }
+}
+
+} // namespace
+
+Schedule default_schedule(const Pipeline &pipeline, const std::vector<Func> &outputs) {
+  Schedule s = layer_wide();
+  drop_choices_not_taken(s, pipeline, outputs);
+  // What each GEMM is, read off the program under the anchors' 128 x 128
+  // tiles: lowering makes two GEMMs over the same rows one GEMM of two B
+  // operands only where their tiles fit that, as 128 x 256 would not.
+  Schedule probe = s;
+  probe.tile(Schedule::all_funcs, 128, 128, 64);
+  KernelProgram p;
+  size_t forward_steps = 0;
+  if (outputs.empty()) {
+    p = lower(pipeline, probe);
+    forward_steps = p.steps.size();
+  } else {
+    TrainingProgram t = lower_training(pipeline, outputs, probe);
+    forward_steps = t.forward_steps;
+    p = std::move(t.program);
+  }
+  const std::set<std::string> router = router_outputs(p);
+  auto routed = [](const GemmStep &g) { return g.route && !g.expert_k; };
+  // The down-projection's weight: the B of the forward's last routed GEMM
+  // of one B (the GEMM whose rows the combine sums).
+  std::string down;
+  for (size_t i = 0; i < forward_steps; ++i)
+    if (const auto *g = std::get_if<GemmStep>(&p.steps[i]); g && routed(*g) && g->b.size() == 1)
+      down = g->b[0];
+  for (const Step &step : p.steps) {
+    const auto *g = std::get_if<GemmStep>(&step);
+    if (!g || g->func.empty())
+      continue;
+    if (!g->route && router.count(g->output))
+      s.tile(g->func, 128, 64, 64);
+    else if (g->b.size() == 2)
+      s.tile(g->func, 128, 128, 64);
+    else if (g->expert_k || (routed(*g) && g->b[0] == down) || (routed(*g) && g->extra.size() == 1))
+      s.persistent(g->func, true).tma_store(g->func, true);
+  }
+  drop_func_choices_not_taken(s, pipeline, outputs);
+  return s;
+}
+
+} // namespace moeforge

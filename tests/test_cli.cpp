@@ -188,7 +188,7 @@ TEST_CASE("cli: run dense_mlp and attention have no routing line") {
   CHECK_FALSE(has(r.out, "check "));
   Run c = cli({"run", "dense_mlp", "--backend", "cpu", "--tokens", "32", "--d", "16", "--f", "8"});
   if (c.code == 0) // a build with the CPU backend
-    CHECK(has(c.out, "backend   cpu (LLVM JIT, one thread), schedule 'scattermoe' (tiles only: no routing)"));
+    CHECK(has(c.out, "backend   cpu (LLVM JIT, one thread), schedule 'default' (tiles only: no routing)"));
   else
     CHECK(has(c.err, "this build has no CPU backend"));
   Run a = cli({"run", "attention", "--backend", "reference", "--tokens", "24", "--d", "8", "--check"});
@@ -473,10 +473,10 @@ TEST_CASE("cli: --backend cuda without a GPU says so and how to run anyway") {
   Run dflt = cli({"run", "moe_mlp", "--tokens", "16"});
   CHECK(dflt.code == 0);
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
-  // --schedule auto is the default: scattermoe where nothing is tuned, and
-  // the output says so.
-  CHECK(has(dflt.out, "backend   cpu (LLVM JIT, one thread), schedule 'scattermoe'; no GPU: "));
-  CHECK(has(dflt.out, "schedule  auto: the preset scattermoe on the cpu backend (schedules are tuned on a GPU)"));
+  // --schedule auto is the default: the default schedule where nothing is
+  // tuned, and the output says so.
+  CHECK(has(dflt.out, "backend   cpu (LLVM JIT, one thread), schedule 'default'; no GPU: "));
+  CHECK(has(dflt.out, "schedule  auto: the default schedule on the cpu backend (schedules are tuned on a GPU)"));
 #else
   CHECK(has(dflt.out, "backend   reference (Eigen, f32); no GPU: "));
 #endif
@@ -518,7 +518,7 @@ TEST_CASE("cli: tune times candidates on the GPU, or says there is none") {
   CHECK(has(t.err, "tune times candidate schedules on the GPU, and there is none: "));
 }
 
-TEST_CASE("cli: --schedule auto takes what tune cached for the layer on this GPU, else scattermoe, and says which") {
+TEST_CASE("cli: --schedule auto takes what tune cached for the layer on this GPU, else the default, and says which") {
   check_usage_error({"emit", "moe_mlp", "--schedule", "auto", "--ir"},
                     {"'auto' is chosen where the layer runs (run, train, tune): name a preset or a schedule file"});
   // A fresh tuned-schedule cache for this test.
@@ -541,14 +541,14 @@ TEST_CASE("cli: --schedule auto takes what tune cached for the layer on this GPU
   } restore{old_dir, saved, dir};
   Run before = cli({"run", "moe_mlp", "--tokens", "64", "--schedule", "auto"});
   REQUIRE(before.code == 0);
-  CHECK(has(before.out, "schedule 'scattermoe'"));
+  CHECK(has(before.out, "schedule 'default'"));
   if (!has(before.out, "backend   cuda")) {
-    CHECK(has(before.out, "schedule  auto: the preset scattermoe on the "));
+    CHECK(has(before.out, "schedule  auto: the default schedule on the "));
     CHECK(has(before.out, " backend (schedules are tuned on a GPU)"));
     return;
   }
   MESSAGE("a GPU is present: auto against a fresh tuned-schedule cache");
-  CHECK(has(before.out, "schedule  auto: the preset scattermoe, nothing tuned for this layer and token count here"));
+  CHECK(has(before.out, "schedule  auto: the default schedule, nothing tuned for this layer and token count here"));
   CHECK(has(before.out, "`moeforge tune moe_mlp` finds a faster one and caches it"));
   Run tuned = cli({"tune", "moe_mlp", "--tokens", "64", "--budget-seconds", "2"});
   CHECK(tuned.code == 0);
@@ -558,7 +558,7 @@ TEST_CASE("cli: --schedule auto takes what tune cached for the layer on this GPU
   CHECK(has(after.out, ", tuned on "));
   // Another token bucket, or the training step: nothing tuned for those.
   Run other = cli({"run", "moe_mlp", "--tokens", "1000", "--schedule", "auto"});
-  CHECK(has(other.out, "auto: the preset scattermoe, nothing tuned"));
+  CHECK(has(other.out, "auto: the default schedule, nothing tuned"));
   Run train = cli({"train", "moe_mlp", "--tokens", "64", "--schedule", "auto"});
   CHECK(has(train.out, "`moeforge tune moe_mlp --train` finds a faster one"));
 }
@@ -598,7 +598,9 @@ TEST_CASE("cli: emit --llvm prints the CPU backend's optimised IR") {
 }
 
 TEST_CASE("cli: train moe_mlp --check on the CPU backend: forward, backward, saved activations, every gradient") {
-  Run r = cli({"train", "moe_mlp", "--backend", "cpu", "--check"});
+  // scattermoe, whose saved tensors the lines below name (the default's lean
+  // mode keeps others).
+  Run r = cli({"train", "moe_mlp", "--backend", "cpu", "--check", "--schedule", "scattermoe"});
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
   INFO(r.out << r.err);
   CHECK(r.code == 0);

@@ -20,6 +20,7 @@
 #include "examples/examples.h"
 #include "examples/skewed_routing.h"
 #include "lowering/choices_without_effect.h"
+#include "lowering/default_schedule.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
@@ -52,7 +53,8 @@ const char *kVersion = MOEFORGE_VERSION;
 const char *kDefaults = "\n"
                         "defaults: --tokens 256 --experts 8 --topk 2 --d 64 --f 128 --seed 1 --precision f32\n"
                         "          --schedule auto (run, train, tune: what `moeforge tune` cached for the layer\n"
-                        "          on this GPU, else scattermoe; the output says which), megablocks (emit)\n"
+                        "          on this GPU, else the default schedule; the output says which),\n"
+                        "          megablocks (emit)\n"
                         "          --backend: the GPU when there is one, else the CPU backend, else (run\n"
                         "          only) the reference\n"
                         "moeforge help | --help | -h: this text; moeforge <command> --help (or\n"
@@ -398,12 +400,14 @@ Schedule schedule_arg(const std::string &arg, bool &working) {
 
 // The schedule a run or a training step uses: --schedule's preset or file,
 // or for `auto` what `moeforge tune` cached for this layer, token count and
-// GPU, else the preset scattermoe (the faster preset on every shape
-// measured); `note` says which and why.
+// GPU, else the default schedule (lowering/default_schedule.h: the fastest
+// hand-written training schedule's choices, made for this layer); `note`
+// says which and why.
 Schedule base_schedule(const Options &o, const Example &ex, const std::string &backend, bool training,
                        std::string *note, bool &working) {
   if (o.schedule != "auto")
     return schedule_arg(o.schedule, working);
+  const std::vector<Func> outputs = training ? std::vector<Func>{ex.pipeline.func(ex.output)} : std::vector<Func>{};
 #ifdef MOEFORGE_HAVE_CUDA
   if (backend == "cuda") {
     std::string where;
@@ -411,15 +415,13 @@ Schedule base_schedule(const Options &o, const Example &ex, const std::string &b
       *note = "auto: tuned for this layer and token count (" + where + ")";
       return *s;
     }
-    *note = "auto: the preset scattermoe, nothing tuned for this layer and token count here (" + where +
+    *note = "auto: the default schedule, nothing tuned for this layer and token count here (" + where +
             "); `moeforge tune " + ex.name + (training ? " --train" : "") + "` finds a faster one and caches it";
-    return preset("scattermoe");
+    return default_schedule(ex.pipeline, outputs);
   }
 #endif
-  (void)ex;
-  (void)training;
-  *note = "auto: the preset scattermoe on the " + backend + " backend (schedules are tuned on a GPU)";
-  return preset("scattermoe");
+  *note = "auto: the default schedule on the " + backend + " backend (schedules are tuned on a GPU)";
+  return default_schedule(ex.pipeline, outputs);
 }
 
 // The schedule to run: --schedule's, with --capacity's expert capacity.
@@ -558,7 +560,7 @@ int tune(const Options &o, std::ostream &out, std::ostream &err, bool &working) 
   working = true; // the arguments hold together: from here on, errors are the machine's or the layer's
   std::string no_gpu;
   user_check(gpu_present(&no_gpu)) << "tune times candidate schedules on the GPU, and there is none: " << no_gpu;
-  if (o.schedule == "auto") { // go on from what an earlier tune cached, or from scattermoe
+  if (o.schedule == "auto") { // go on from what an earlier tune cached, or from the default
     std::string auto_note;
     base = resolve_schedule(o, ex, "cuda", o.emit_training, &auto_note, working);
     err << "tune: base schedule " << auto_note << "\n";

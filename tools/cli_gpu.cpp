@@ -39,10 +39,7 @@ std::string cli_cuda_plans(const Example &ex, const Schedule &schedule, bool tra
 namespace {
 // What `tune` stores its winner under and `--schedule auto` looks up.
 cuda::TuneKey tune_key(const Example &ex, const ExampleShape &shape, const cuda::Device &device, bool training) {
-  std::ostringstream algebra;
-  algebra << ex.pipeline;
-  return cuda::TuneKey{algebra.str(), cuda::token_bucket(shape.tokens), device.name(),
-                       std::string("moeforge ") + MOEFORGE_VERSION + ", NVRTC " + cuda::nvrtc_version(), training};
+  return cuda::tune_key(ex.pipeline, shape.tokens, device.name(), training, MOEFORGE_VERSION);
 }
 } // namespace
 

@@ -668,6 +668,26 @@ void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
       l.zero = ptr;
 }
 
+uint64_t CudaLayer::signature(size_t begin, size_t end) const {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i, v >>= 8) {
+      h ^= v & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(static_cast<uint64_t>(tokens_));
+  for (size_t i = begin; i < end; ++i) {
+    const Step &s = layer_.program.steps[i];
+    for (const std::vector<std::string> &names : {step_reads(s), step_outputs(s)})
+      for (const std::string &n : names)
+        mix(tensors_.at(n).ptr());
+  }
+  for (const auto &[r, plan] : plans_)
+    mix(plan->expert.ptr());
+  return h;
+}
+
 std::vector<int32_t> CudaLayer::routed_experts(const std::string &route) const {
   const RoutingPlan &plan = *plans_.at(route_named(route));
   user_check(memory_ == LayerMemory::owned || placed_) << "routed_experts: the routing tables live in the saved "

@@ -156,6 +156,12 @@ public:
   // has changes nothing): a graph captured at one count holds the addresses
   // (in TMA descriptors, by value) that are still right at that count.
   uint64_t bind_epoch() const { return bind_epoch_; }
+  // A hash of what the launches of steps [begin, end) hold by value: the
+  // token count and the address of every tensor and routing table they
+  // touch. Equal signatures: a CUDA graph captured of those steps at one
+  // replays them right at the other (the memory a framework's allocator
+  // hands a step recurs step after step, though other steps' memory moves).
+  uint64_t signature(size_t begin, size_t end) const;
   // The experts the device chose, pair order (r = t * k + slot).
   std::vector<int32_t> routed_experts(const std::string &route) const;
   // The same into device memory (int32 [T * k], `bytes` its size) on

@@ -76,7 +76,7 @@ void TrainingLayer::poison() {
 }
 
 void TrainingLayer::run(Replay &r, size_t begin, size_t end, const Stream &stream) {
-  const uint64_t epoch = layer_.bind_epoch();
+  const uint64_t epoch = layer_.signature(begin, end);
   if (!replay_ || is_capturing(stream) || (r.captured_at != epoch && r.eager_at != epoch)) {
     layer_.enqueue(stream, begin, end);
     r.eager_at = epoch;

@@ -134,8 +134,8 @@ public:
   const CudaLayer &layer() const { return layer_; }
 
 private:
-  // One entry point's graph and the bind epochs it was captured at and last
-  // run eagerly at.
+  // One entry point's graph and the signatures (CudaLayer::signature) of its
+  // steps it was captured at and last run eagerly at.
   struct Replay {
     CudaGraph graph;
     uint64_t captured_at = UINT64_MAX, eager_at = UINT64_MAX;

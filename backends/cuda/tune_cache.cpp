@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "backends/cuda/nvrtc_compiler.h"
 #include "dsl/error.h"
 
 namespace moeforge::cuda {
@@ -30,6 +31,14 @@ uint64_t fnv1a(const std::string &s) {
 }
 
 } // namespace
+
+TuneKey tune_key(const Pipeline &pipeline, int64_t tokens, const std::string &device, bool training,
+                 const std::string &moeforge_version) {
+  std::ostringstream algebra;
+  algebra << pipeline;
+  return TuneKey{algebra.str(), token_bucket(tokens), device,
+                 "moeforge " + moeforge_version + ", NVRTC " + nvrtc_version(), training};
+}
 
 std::string TuneKey::text() const {
   std::ostringstream o;

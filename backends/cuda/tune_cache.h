@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 
+#include "dsl/pipeline.h"
 #include "schedules/schedule.h"
 
 namespace moeforge::cuda {
@@ -29,6 +30,13 @@ struct TuneKey {
 
 // token_bucket's rounding: 1, 2, 4, ...
 int64_t token_bucket(int64_t tokens);
+
+// The key `moeforge tune` stores its winner under and `--schedule auto`
+// (the CLI's, and moeforge.torch's) looks up: the pipeline as printed, the
+// token count's bucket, the device's name, and moeforge's version
+// (`moeforge_version`, e.g. "0.11.0") with NVRTC's.
+TuneKey tune_key(const Pipeline &pipeline, int64_t tokens, const std::string &device, bool training,
+                 const std::string &moeforge_version);
 
 class TuneCache {
 public:

@@ -238,14 +238,18 @@ class MoELayer(torch.nn.Module):
 
     pipeline: the layer (moeforge.Pipeline); outputs: the Funcs forward()
     returns (default: the pipeline's outputs, e.g. [y] or [y, lb_loss]);
-    schedule: a moeforge.Schedule or a preset name; init_scale: {param name:
+    schedule: a moeforge.Schedule, a preset name, or "auto" (the default:
+    what `moeforge tune --train` cached for this layer, the first forward's
+    token count and this GPU, else moeforge.default_schedule, the fastest
+    hand-written schedule's choices made for this layer; schedule_note says
+    which); init_scale: {param name:
     half-width of its uniform init} (default 1/sqrt(fan-in), the first
     non-expert dimension); device: where the parameters live and the layer
     runs: a GPU ('cuda', the CUDA backend) or 'cpu' (the LLVM CPU backend,
     values through numpy: for development and tests, not speed).
     """
 
-    def __init__(self, pipeline, outputs=None, schedule="scattermoe", init_scale=None, device="cuda", dtype=None):
+    def __init__(self, pipeline, outputs=None, schedule="auto", init_scale=None, device="cuda", dtype=None):
         super().__init__()
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -261,7 +265,14 @@ class MoELayer(torch.nn.Module):
             raise mf.UserError(f"device must be 'cuda' or 'cpu', got '{device}'")
         self.pipeline = pipeline
         self.outputs = list(outputs) if outputs is not None else list(pipeline.outputs)
-        self.schedule = mf.preset(schedule) if isinstance(schedule, str) else schedule
+        self._auto = isinstance(schedule, str) and schedule == "auto"
+        if self._auto:
+            self.schedule = mf.default_schedule(pipeline, self.outputs)
+            self.schedule_note = "auto: the default schedule" + (
+                " until the first forward looks in the tuned-schedule cache" if self.device.type == "cuda" else "")
+        else:
+            self.schedule = mf.preset(schedule) if isinstance(schedule, str) else schedule
+            self.schedule_note = f"the schedule given ('{self.schedule.name}')"
         # A choice the layer does not take would otherwise run as if absent, unseen.
         for note in mf.not_applied(pipeline, self.schedule, self.outputs):
             warnings.warn(f"moeforge: {note}", stacklevel=2)
@@ -299,6 +310,13 @@ class MoELayer(torch.nn.Module):
 
     def _cuda_runtime(self, tokens):
         if self._cuda is None:
+            if self._auto:  # the tuned-schedule cache, for this first count's bucket
+                tuned, where = mf.cached_schedule(self.pipeline, tokens, True, self.device.index or 0)
+                if tuned is not None:
+                    self.schedule = tuned
+                    self.schedule_note = f"auto: tuned for this layer and {tokens} tokens ({where})"
+                else:
+                    self.schedule_note = f"auto: the default schedule, nothing tuned for this layer here ({where})"
             self._cuda = _CudaRuntime(self, tokens)
             self._route_names = self._cuda.layer.routes
         return self._cuda
@@ -380,7 +398,7 @@ class MoELayer(torch.nn.Module):
         return self._cuda_runtime(max(tokens, 1)).layer.step_memory(tokens)[0] if tokens else 0
 
 
-def example(name, experts=8, topk=2, d=64, f=128, schedule="scattermoe", device="cuda", **kwargs):
+def example(name, experts=8, topk=2, d=64, f=128, schedule="auto", device="cuda", **kwargs):
     """A ready-made layer (moeforge.example_names()) as a MoELayer."""
     ex, _ = mf.make_example(name, tokens=1, experts=experts, topk=topk, d=d, f=f)
     return MoELayer(ex.pipeline, schedule=schedule, init_scale=dict(ex.init_scale), device=device, **kwargs)

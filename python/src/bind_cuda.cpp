@@ -14,13 +14,16 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 
+#include "backends/cuda/compile_cache.h"
 #include "backends/cuda/driver.h"
 #include "backends/cuda/training_layer.h"
+#include "backends/cuda/tune_cache.h"
 #include "dsl/error.h"
 #include "tensors.h"
 #include "training_names.h"
@@ -86,6 +89,24 @@ void bind_cuda(nb::module_ &m) {
         return std::make_pair(ok, why);
       },
       "(True, '') where the CUDA backend can run, else (False, why).");
+
+  m.def(
+      "cached_schedule",
+      [](const Pipeline &pipeline, int64_t tokens, bool training, int ordinal) {
+        std::shared_ptr<cuda::Device> dev = device(ordinal);
+        const std::filesystem::path dir = cuda::CompileCache::default_directory();
+        if (dir.empty())
+          return nb::make_tuple(nb::none(), "no cache directory (MOEFORGE_CACHE_DIR or HOME)");
+        const cuda::TuneKey key = cuda::tune_key(pipeline, tokens, dev->name(), training, MOEFORGE_VERSION);
+        cuda::TuneCache cache(dir);
+        std::string why;
+        if (std::optional<Schedule> s = cache.load(key, &why))
+          return nb::make_tuple(nb::cast(*s), cache.entry_path(key).string() + ", tuned on " + dev->name());
+        return nb::make_tuple(nb::none(), why);
+      },
+      "pipeline"_a, "tokens"_a, "training"_a = true, "device"_a = 0,
+      "(schedule, where) of what `moeforge tune` cached for this layer, token count's bucket and GPU, or (None, "
+      "why not).");
 
   nb::class_<PyCudaTraining>(m, "CudaTrainingLayer",
                              "Forward and backward of a layer on the GPU, bound to `tokens` tokens.")

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "lowering/choices_without_effect.h"
+#include "lowering/default_schedule.h"
 #include "schedules/presets.h"
 #include "schedules/schedule.h"
 
@@ -73,6 +74,15 @@ void bind_schedule(nb::module_ &m) {
   m.def("scattermoe", &scattermoe, "ScatterMoE: gathers and scatters fused into the GEMMs.");
   m.def("preset_names", &preset_names);
   m.def("preset", &preset, "name"_a, "A schedule preset by name (UserError listing them otherwise).");
+  m.def(
+      "default_schedule",
+      [](const Pipeline &pipeline, std::optional<std::vector<Func>> outputs) {
+        return default_schedule(pipeline, outputs.value_or(std::vector<Func>{}));
+      },
+      "pipeline"_a, "outputs"_a = nb::none(),
+      "The schedule a layer runs when none is named: the fastest hand-written training schedule's choices "
+      "(tuned_wide, lean memory) made by rule for this layer's GEMMs; for the training step of `outputs`, or "
+      "the forward alone without them.");
   m.def(
       "not_applied",
       [](const Pipeline &pipeline, const Schedule &schedule, std::optional<std::vector<Func>> outputs) {

@@ -444,6 +444,21 @@ def test_memory_returns_to_the_weights_after_every_step():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_auto_runs_the_default_schedule_where_nothing_is_tuned(device, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path))  # an empty tuned-schedule cache
+    moe = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F, device=device)
+    assert moe.schedule.name == "default"
+    assert moe.schedule.to_text() == mf.default_schedule(moe.pipeline, moe.outputs).to_text()
+    x = torch.randn(48, D, device=device, dtype=torch.bfloat16)
+    moe(x).sum().backward()
+    assert moe.schedule.name == "default"
+    if device == "cuda":
+        assert "nothing tuned for this layer here" in moe.schedule_note, moe.schedule_note
+    # A schedule named is the one run.
+    assert mft.example("moe_mlp", device=device, schedule="megablocks").schedule.name == "megablocks"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_an_auxiliary_loss_comes_back_as_a_tensor_and_trains_the_router(device):
     """forward() returns (y, lb_loss); the loss's gradient reaches wr, as in
     the Switch Transformer's formula written in plain PyTorch."""

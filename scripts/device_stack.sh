@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (through the device tool), from the repository
+# root: the layer inside a model (issue 48). Builds and installs the Python
+# package there (no LLVM), then, by stage (STAGES, comma-separated; default
+# all):
+#   cpp     the C++ GPU tests of caller memory and the training layer (with
+#           .gpu/ carried from scripts/device_pack.sh), and compute-sanitizer
+#           memcheck on the caller-memory ones
+#   pytest  tests/python/test_torch.py on the GPU (lifetimes, token counts,
+#           memory back to the weights after every step)
+#   stack   benchmarks/torch_stack_train.py: SHAPES (default
+#           qwen3moe,fine64) x LAYERS (default 8) for IMPLS (default
+#           moeforge,torch,sonicmoe; SonicMoE from .peers/sonicmoe when
+#           carried, see ../shared/peers/), SCHEDULE (default: the module's
+#           own default; a file, or "tuned_wide" for
+#           benchmarks/schedules/train/tuned_wide_swiglu.sched)
+# Logs and JSON go to $OUT/stack.
+set -uo pipefail
+. scripts/device_env.sh
+R=$OUT/stack
+mkdir -p "$R"
+STAGES=${STAGES:-cpp,pytest,stack}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+status=0
+device_note "$R/device.txt"
+T0=$(date +%s)
+if has cpp && [ -x .gpu/moeforge_tests ]; then
+  timeout 300 .gpu/moeforge_tests -tc="cuda caller memory*,cuda training: tensors sharing*,cuda bind*" \
+    >"$R/cpp.log" 2>&1 || status=1
+  grep -E "ERROR|CRASHED|test cases|Status" "$R/cpp.log" | head -12
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
+    -tc="cuda caller memory: the same step*,cuda caller memory: misuse*" >"$R/memcheck.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|Status" "$R/memcheck.log" | head -4
+  echo "cpp done at $(( $(date +%s) - T0 )) s"
+fi
+if has stack && [ -d .peers/sonicmoe ]; then
+  mkdir -p /tmp/site && tar -C /tmp/site -xJf .peers/sonicmoe/libsbase.tar.xz &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/sonicmoe/*.whl \
+      >"$R/sonic_pip.log" 2>&1 || echo "SonicMoE did not install: $(tail -3 "$R/sonic_pip.log")"
+  export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages
+fi
+if has pytest || has stack; then
+  python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
+    >"$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
+  echo "pip install done at $(( $(date +%s) - T0 )) s"
+fi
+if has pytest; then
+  timeout "${PYTEST_TIMEOUT:-400}" python3 -m pytest -q -rs tests/python/test_torch.py >"$R/pytest.log" 2>&1 || status=1
+  tail -15 "$R/pytest.log"
+  echo "pytest done at $(( $(date +%s) - T0 )) s"
+fi
+if has stack; then
+  sched=${SCHEDULE:-}
+  [ "$sched" = tuned_wide ] && sched=benchmarks/schedules/train/tuned_wide_swiglu.sched
+  PYTHONUNBUFFERED=1 timeout "${STACK_TIMEOUT:-450}" python3 benchmarks/torch_stack_train.py \
+    --shapes "${SHAPES:-qwen3moe,fine64}" --layers "${LAYERS:-8}" --impls "${IMPLS:-moeforge,torch,sonicmoe}" \
+    --schedule "$sched" --out "$R/stack.json" >"$R/stack.log" 2>&1 || status=1
+  tail -20 "$R/stack.log"
+  echo "stack done at $(( $(date +%s) - T0 )) s"
+fi
+exit $status

@@ -681,7 +681,8 @@ uint64_t CudaLayer::signature(size_t begin, size_t end) const {
     const Step &s = layer_.program.steps[i];
     for (const std::vector<std::string> &names : {step_reads(s), step_outputs(s)})
       for (const std::string &n : names)
-        mix(tensors_.at(n).ptr());
+        if (auto t = tensors_.find(n); t != tensors_.end()) // not the names of registers or routing arrays
+          mix(t->second.ptr());
   }
   for (const auto &[r, plan] : plans_)
     mix(plan->expert.ptr());

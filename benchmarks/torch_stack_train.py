@@ -17,7 +17,7 @@ implementations get identical values without a host copy: W1, W3 [E, d, f],
 W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
 
 usage: python3 benchmarks/torch_stack_train.py [--shapes qwen3moe,fine64]
-       [--layers 8,24] [--impls moeforge,torch,sonicmoe] [--schedule FILE]
+       [--layers 8,24] [--impls moeforge,torch,sonicmoe] [--schedule auto|PRESET|FILE]
        [--reps N] [--out results.json]
 """
 import argparse
@@ -165,7 +165,7 @@ def main():
     ap.add_argument("--shapes", default="mixtral,fine64,qwen3moe,gptoss")
     ap.add_argument("--layers", default="8")
     ap.add_argument("--impls", default="moeforge,torch,sonicmoe")
-    ap.add_argument("--schedule", default="benchmarks/schedules/train/tuned_wide_swiglu.sched")
+    ap.add_argument("--schedule", default="auto", help="moeforge's: auto (the module's default), a preset or a file")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pause", type=float, default=1.0)
     ap.add_argument("--out")
@@ -177,8 +177,8 @@ def main():
         except ImportError as e:
             print(f"torch_stack_train: SonicMoE is not installed ({e}); skipping it", file=sys.stderr)
             impls.remove("sonicmoe")
-    schedule = args.schedule
-    if schedule and os.path.exists(schedule):
+    schedule = args.schedule or "auto"
+    if os.path.exists(schedule):
         import moeforge as mf
         schedule = mf.Schedule.load(schedule)
     rows = []

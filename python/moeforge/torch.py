@@ -184,7 +184,9 @@ def _cpu_forward(ctx, module, x, params):
     module._cpu_generation += 1
     module._cpu_last = module._cpu_generation
     ctx.generation, ctx.arrays = module._cpu_generation, arrays
-    module._routing = {route: torch.from_numpy(layer.routed_experts(route).copy()) for route in module._route_names}
+    if module.keep_routing:
+        module._routing = {route: torch.from_numpy(layer.routed_experts(route).copy())
+                           for route in module._route_names}
     return [torch.from_numpy(layer.output(f.name)).to(_DTYPES[f.dtype.name]) for f in module.outputs]
 
 
@@ -242,14 +244,16 @@ class MoELayer(torch.nn.Module):
     what `moeforge tune --train` cached for this layer, the first forward's
     token count and this GPU, else moeforge.default_schedule, the fastest
     hand-written schedule's choices made for this layer; schedule_note says
-    which); init_scale: {param name:
+    which); keep_routing: keep a copy of each forward's routed experts
+    (T * k int32 a route, on the device) for routed_experts(); init_scale: {param name:
     half-width of its uniform init} (default 1/sqrt(fan-in), the first
     non-expert dimension); device: where the parameters live and the layer
     runs: a GPU ('cuda', the CUDA backend) or 'cpu' (the LLVM CPU backend,
     values through numpy: for development and tests, not speed).
     """
 
-    def __init__(self, pipeline, outputs=None, schedule="auto", init_scale=None, device="cuda", dtype=None):
+    def __init__(self, pipeline, outputs=None, schedule="auto", init_scale=None, device="cuda", dtype=None,
+                 keep_routing=False):
         super().__init__()
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -304,6 +308,7 @@ class MoELayer(torch.nn.Module):
         self._cuda = None  # _CudaRuntime, made at the first forward
         self._cpu = None  # the CPU backend's layer at the last token count
         self._cpu_generation = self._cpu_last = 0
+        self.keep_routing = keep_routing
         self._route_names = []
         self._routing = {}  # route -> the experts the last forward chose (int32, pair order)
         self._routing_tokens = None
@@ -336,6 +341,8 @@ class MoELayer(torch.nn.Module):
         """A copy of each route's experts, which live with the forward's
         saved memory (gone when its backward ends): T * k int32 a route."""
         self._routing = {}
+        if not self.keep_routing:
+            return
         for route in self._route_names:
             t = torch.empty(layer.pairs(route), dtype=torch.int32, device=device)
             layer.copy_routed_experts(route, t.data_ptr(), t.numel() * 4, _stream(device))
@@ -380,6 +387,9 @@ class MoELayer(torch.nn.Module):
     def routed_experts(self, tokens=None, route="route"):
         """The experts the last forward chose (int32, pair order: token t's
         k experts at t * k ...); `tokens`, when given, must be its count."""
+        if not self.keep_routing:
+            raise mf.UserError("routed_experts: this module keeps no routing (it lives with each forward's saved "
+                               "memory, gone when its backward ends); make it with keep_routing=True")
         if self._routing_tokens is None:
             raise mf.UserError("routed_experts: no forward has run yet")
         if tokens is not None and tokens != self._routing_tokens:

@@ -166,7 +166,7 @@ def test_output_and_gradients_match_plain_pytorch(device, schedule, tokens, name
         pytest.skip("moa's attention has one column per token, and the CUDA backend's tiles need a static "
                     "column count (it says so when asked to compile moa)")
     torch.manual_seed(0)
-    moe = mft.example(name, experts=E, topk=K, d=D, f=F, schedule=schedule, device=device)
+    moe = mft.example(name, experts=E, topk=K, d=D, f=F, schedule=schedule, device=device, keep_routing=True)
     x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     y = moe(x)
     assert y.shape == (tokens, D) and y.dtype == torch.float32
@@ -258,6 +258,8 @@ def test_bad_input_raises_with_the_message(device):
         moe([[1.0]])
     with pytest.raises(mf.UserError, match=r"expects \(tokens, 64\) or \(\.\.\., 64\)"):
         moe(torch.randn(16, device=device))
+    with pytest.raises(mf.UserError, match="keeps no routing .* make it with keep_routing=True"):
+        moe.routed_experts()
     with pytest.raises(mf.UserError, match="device must be 'cuda' or 'cpu', got 'meta'"):
         mft.example("moe_mlp", device="meta")
     # Any dtype and strides are converted (a copy), not refused.
@@ -376,7 +378,7 @@ def test_any_token_count_through_one_module(device):
     """0, 1, 37 and 4096 tokens (and 16384 on the GPU) through one module,
     one compile: each against plain PyTorch on the module's own routing."""
     torch.manual_seed(8)
-    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, device=device)
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, device=device, keep_routing=True)
     counts = [1, 0, 37, 4096] + ([16384] if device == "cuda" else [])
     names = PLAIN["moe_mlp"][1]
     compiled = None
@@ -465,7 +467,7 @@ def test_an_auxiliary_loss_comes_back_as_a_tensor_and_trains_the_router(device):
     torch.manual_seed(3)
     m = moe_mlp_parts(D, F, E, K)
     lb = mf.load_balancing_loss(m.route, m.probs, m.e, coefficient=0.01)
-    moe = mft.MoELayer(mf.Pipeline([m.y, lb]), schedule="scattermoe", device=device)
+    moe = mft.MoELayer(mf.Pipeline([m.y, lb]), schedule="scattermoe", device=device, keep_routing=True)
     tokens = 96
     xt = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
     out, loss = moe(xt)

@@ -89,6 +89,12 @@ void drop_func_choices_not_taken(Schedule &s, const Pipeline &pipeline, const st
 
 Schedule default_schedule(const Pipeline &pipeline, const std::vector<Func> &outputs) {
   Schedule s = layer_wide();
+  // A forward alone keeps each intermediate in memory of its own, so that
+  // every Func can be read back (`moeforge run --check`); a training step's
+  // intermediates share memory by lifetime, and only its outputs and
+  // gradients are read.
+  if (outputs.empty())
+    s.reuse_memory(false);
   drop_choices_not_taken(s, pipeline, outputs);
   // What each GEMM is, read off the program under the anchors' 128 x 128
   // tiles: lowering makes two GEMMs over the same rows one GEMM of two B

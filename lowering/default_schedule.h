@@ -18,7 +18,8 @@
 //                      pre-activation and h) persistent with TMA stores
 // and layer-wide: ScatterMoE's routing in blocks of 128, the gate in the
 // epilogue, bf16 activations and weight gradients, per-pair results in the
-// padded row order, memory shared by lifetime, and the lean memory mode
+// padded row order, memory shared by lifetime (in a training step; a
+// forward alone keeps every Func readable), and the lean memory mode
 // (the backward makes the activation's output again from the stored
 // pre-activation, and the gate's gradient from dH, so the expert outputs
 // are not kept). A layer-wide choice this layer gives nothing to act on is

@@ -330,8 +330,13 @@ FuncSchedule Schedule::for_func(const std::string &func) const {
 
 void Schedule::commit(const std::string &call, const std::string &primitive, const std::string &func,
                       const Overrides &patch) {
-  // Work on a copy so that a call that fails its checks leaves *this as it was.
+  // Work on a copy so that a call that fails its checks leaves *this as it
+  // was; the copy leaves out the recorded calls, which only grow (copying
+  // them made a file of n calls take n^2 / 2 string copies to replay).
+  std::vector<std::string> calls = std::move(calls_);
+  calls_.clear();
   Schedule next = *this;
+  calls_ = std::move(calls);
   if (func == all_funcs) {
     next.default_ = apply(next.default_, patch);
   } else {
@@ -357,6 +362,7 @@ void Schedule::commit(const std::string &call, const std::string &primitive, con
       next.funcs_.push_back(func);
   }
   next.check_tilings(call, func);
+  next.calls_ = std::move(calls_);
   next.calls_.push_back(call);
   *this = std::move(next);
 }

@@ -313,7 +313,10 @@ public:
   // optional (the name is then "custom").
   static Schedule from_text(const std::string &text, const std::string &source_name = "<text>");
   void save(const std::string &path) const;
+  // Reads and replays a file written by save(); a UserError for a file
+  // that is not text (a NUL byte) or larger than kMaxScheduleFileBytes.
   static Schedule load(const std::string &path);
+  static constexpr size_t kMaxScheduleFileBytes = 16u << 20;
 
 private:
   // A Func's settings that differ from "*"; unset fields follow the default.

@@ -2,6 +2,7 @@
 // parser only reads a line into a primitive name and typed arguments; the
 // values are then checked by replaying the primitive itself, so the text and
 // the C++ API can never disagree on what is allowed.
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <charconv>
@@ -375,10 +376,27 @@ Schedule Schedule::load(const std::string &path) {
       << "cannot read schedule file '" << path << "': it is a directory; pass a file written by save()";
   std::ifstream in(path, std::ios::binary);
   user_check(in.good()) << "cannot read schedule file '" << path << "': " << std::strerror(errno);
-  std::ostringstream text;
-  text << in.rdbuf();
+  // Read in chunks up to a bound, so that a device or a huge file (/dev/zero,
+  // a pipe of random bytes) is refused at once instead of filling memory: a
+  // NUL byte is never text, and no schedule comes near the bound (one call
+  // per line, tens of bytes each).
+  std::string text;
+  std::vector<char> chunk(64 * 1024);
+  while (in) {
+    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+    const size_t got = static_cast<size_t>(in.gcount());
+    const auto nul = std::find(chunk.begin(), chunk.begin() + static_cast<std::ptrdiff_t>(got), '\0');
+    user_check(nul == chunk.begin() + static_cast<std::ptrdiff_t>(got))
+        << "schedule file '" << path << "': byte " << text.size() + static_cast<size_t>(nul - chunk.begin())
+        << " is a NUL (0x00), so this is not a text file; a schedule file holds one call per line, as "
+        << "Schedule.save writes it";
+    user_check(text.size() + got <= kMaxScheduleFileBytes)
+        << "schedule file '" << path << "' is larger than " << kMaxScheduleFileBytes / (1024 * 1024)
+        << " MiB, far more than any schedule (one call per line): pass the file Schedule.save wrote";
+    text.append(chunk.data(), got);
+  }
   user_check(!in.bad()) << "reading schedule file '" << path << "' failed: " << std::strerror(errno);
-  Schedule s = from_text(text.str(), path);
+  Schedule s = from_text(text, path);
   // An empty file would run as an unnamed default schedule, which is never
   // what a file passed on purpose means.
   std::string presets;

@@ -221,9 +221,21 @@ TEST_SUITE("cpu") {
     TensorMap in = ex.random_inputs(s, 3);
     layer.upload("x", in.at("x"));
     CHECK_THROWS_WITH_AS(layer.run(), doctest::Contains("run() before upload() of 'wr'"), UserError);
-    // A routed tensor before its route ran, then a name the layer lacks.
-    CHECK_THROWS_WITH_AS(layer.download("h"), doctest::Contains("download(\"h\") before run()"), UserError);
+    // A result before any run computed it (it would read as zeros), then a
+    // name the layer lacks.
+    CHECK_THROWS_WITH_AS(layer.download("h"), doctest::Contains("download(\"h\"): no step has computed 'h'"),
+                         UserError);
+    CHECK_THROWS_WITH_AS(layer.download("y"), doctest::Contains("run the layer first"), UserError);
     layer.upload(in);
+    layer.run();
+    CHECK(layer.download("y").shape == std::vector<int64_t>{s.tokens, s.d});
+    // New weights: y is the old inputs' until the next run (never returned
+    // as if it were the new one's); the input itself reads back.
+    layer.upload("w2", in.at("w2"));
+    CHECK_THROWS_WITH_AS(layer.download("y"), doctest::Contains("since the inputs it is made from were last given"),
+                         UserError);
+    CHECK(layer.download("h").shape.size() == 2); // made from x, w1 and the routing: still this run's
+    CHECK(layer.download("w2").shape == in.at("w2").shape);
     layer.run();
     CHECK(layer.download("y").shape == std::vector<int64_t>{s.tokens, s.d});
     CHECK_THROWS_WITH_AS(layer.download("nope"),

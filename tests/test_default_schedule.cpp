@@ -12,6 +12,7 @@
 #include "benchmarks/train_schedule.h"
 #include "examples/biased_moe.h"
 #include "examples/examples.h"
+#include "layer_compare.h"
 #include "lowering/choices_without_effect.h"
 #include "lowering/default_schedule.h"
 
@@ -27,14 +28,10 @@ std::string cuda_of(const Pipeline &p, const Func &out, const Schedule &s) {
   return generate_cuda(program).source;
 }
 
+// bench_moe_train's layers, smaller: many experts with a small f for
+// SwiGLU, top-1 with a wide f for GeLU.
 ExampleShape bench_like(bool swiglu) {
-  ExampleShape s;
-  s.tokens = 512;
-  s.d = 256;
-  s.f = swiglu ? 192 : 512;
-  s.experts = 16;
-  s.topk = swiglu ? 4 : 1;
-  return s;
+  return swiglu ? testing::shape(512, 256, 192, 16, 4) : testing::shape(512, 256, 512, 16, 1);
 }
 
 } // namespace
@@ -53,12 +50,7 @@ TEST_CASE("default schedule: the benchmark's layers compile to tuned_wide's lean
 }
 
 TEST_CASE("default schedule: the examples train under it with no choice left unapplied") {
-  ExampleShape s;
-  s.tokens = 64;
-  s.d = 64;
-  s.f = 128;
-  s.experts = 8;
-  s.topk = 2;
+  const ExampleShape s = testing::shape(64, 64, 128, 8, 2);
   for (const char *name :
        {"moe_mlp", "swiglu_moe", "geglu_moe", "expert_bias_moe", "shared_expert_moe", "deepseek_moe", "rmsnorm_moe"}) {
     INFO(std::string(name));

@@ -2,6 +2,7 @@
 // value, the Func (or file and line) and the fix.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -173,6 +174,38 @@ TEST_SUITE("schedule") {
     std::string dir = std::filesystem::temp_directory_path().string();
     m = error_of([&] { Schedule::load(dir); });
     CHECK_HAS(m, "cannot read schedule file '" + dir + "': it is a directory");
+  }
+
+  TEST_CASE("schedule errors: a file that is not text, or is too large, is refused before it fills memory") {
+    // /dev/zero never ends: its first byte is a NUL, and the read stops there.
+    std::string m = error_of([] { Schedule::load("/dev/zero"); });
+    CHECK_HAS(m, "schedule file '/dev/zero': byte 0 is a NUL (0x00), so this is not a text file");
+    // Text past the bound: refused once the bound's bytes are read.
+    std::filesystem::path p = std::filesystem::temp_directory_path() / "moeforge_huge.sched";
+    {
+      std::ofstream f(p, std::ios::binary);
+      const std::string line = "stages(\"o\", 4)\n";
+      for (size_t at = 0; at <= Schedule::kMaxScheduleFileBytes; at += line.size())
+        f << line;
+    }
+    m = error_of([&] { Schedule::load(p.string()); });
+    CHECK_HAS(m, "schedule file '" + p.string() + "' is larger than 16 MiB");
+    std::filesystem::remove(p);
+  }
+
+  TEST_CASE("schedule errors: replaying a schedule takes time linear in its calls") {
+    // 200,000 calls (3 MB, the sweep's case that did not finish in 60 s when
+    // each call copied every call before it). Not a speed measurement: a
+    // bound 25 times the time it takes, which only a replay that is not
+    // linear misses.
+    std::string text = "schedule(\"long\")\n";
+    for (int i = 0; i < 200000; ++i)
+      text += "stages(\"o\", 4)\n";
+    const auto start = std::chrono::steady_clock::now();
+    Schedule s = Schedule::from_text(text, "long.sched");
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CHECK(s.calls().size() == 200000);
+    CHECK(seconds < 5.0); // a generous bound for a sanitised build on a loaded machine; ~0.2 s here
   }
 
   TEST_CASE("schedule errors: an empty schedule file is an error, not the defaults") {

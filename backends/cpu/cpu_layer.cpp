@@ -67,6 +67,7 @@ void CpuLayer::upload(const TensorMap &inputs) {
     if (t.is_input) {
       tensors_.at(t.name) = shapes_.encode_input(t, inputs);
       uploaded_.insert(t.name);
+      forget_results_of(t.name);
     }
 }
 
@@ -75,9 +76,31 @@ void CpuLayer::upload(const std::string &name, const HostTensor &value) {
   user_check(t != nullptr && t->is_input) << "'" << name << "' is not an Input or Param of this layer";
   tensors_.at(name) = shapes_.encode_input(*t, TensorMap{{name, value}});
   uploaded_.insert(name);
+  forget_results_of(name);
+}
+
+void CpuLayer::forget_results_of(const std::string &input) {
+  // The steps are in program order, so one pass finds every step that reads
+  // the input or a result made from it. A routing step among them reorders
+  // the rows every later step reads: all of those go too.
+  std::set<std::string> stale{input};
+  bool rerouted = false;
+  for (const Step &s : layer_.program.steps) {
+    bool reads_stale = rerouted;
+    for (const std::string &r : step_reads(s))
+      reads_stale = reads_stale || stale.count(r) > 0;
+    if (!reads_stale)
+      continue;
+    rerouted = rerouted || std::holds_alternative<RoutingStep>(s);
+    for (const std::string &w : step_outputs(s)) {
+      stale.insert(w);
+      computed_.erase(w);
+    }
+  }
 }
 
 void CpuLayer::poison() {
+  computed_.clear();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const uint16_t nan16 = bf16_bits(nan);
   for (const TensorDecl &t : layer_.program.tensors) {
@@ -177,6 +200,8 @@ void CpuLayer::run(size_t begin, size_t end) {
     const Step &s = steps[i];
     if (auto *rs = std::get_if<RoutingStep>(&s)) {
       route(*rs);
+      for (const std::string &w : step_outputs(s))
+        computed_.insert(w);
       continue;
     }
     size_t k = kernel_of_step_[i];
@@ -187,6 +212,8 @@ void CpuLayer::run(size_t begin, size_t end) {
     for (const CpuArg &a : kernels[k].args)
       args.push_back(arg(a));
     call(kernels[k], jit.functions[k], args);
+    for (const std::string &w : step_outputs(s))
+      computed_.insert(w);
   }
 }
 
@@ -224,6 +251,10 @@ std::vector<std::pair<std::string, double>> CpuLayer::profile(size_t begin, size
 
 HostTensor CpuLayer::download(const std::string &func) const {
   const TensorDecl &t = downloadable(layer_.program, func);
+  user_check(t.is_input || computed_.count(func))
+      << "download(\"" << func << "\"): no step has computed '" << func << "' since the inputs it is made from "
+      << "were last given (or the layer was poisoned): run the layer first (run(); a training layer's outputs "
+      << "after forward(), its gradients after backward())";
   const std::vector<uint8_t> &bytes = tensors_.at(func);
   if (t.layout != RowLayout::padded)
     return shapes_.decode(t, bytes);

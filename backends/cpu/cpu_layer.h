@@ -70,7 +70,8 @@ public:
   std::vector<std::pair<std::string, double>> profile(size_t begin, size_t end);
   // A Func's values as the reference lays them out (routed rows in pair
   // order, whatever the layout here). A user error for a name the layer
-  // does not hold, and for a routed one before its route ran.
+  // does not hold, and for a result no run computed since the inputs it is
+  // made from last changed (never the zeros or the last step's values).
   HostTensor download(const std::string &func) const;
   // The experts chosen, pair order (r = t * k + slot). After run().
   std::vector<int32_t> routed_experts(const std::string &route) const;
@@ -105,6 +106,10 @@ private:
   std::map<std::string, std::vector<uint8_t>> tensors_;
   std::map<const RoutingNode *, RouteState> routes_;
   std::set<std::string> uploaded_; // the Inputs and Params given so far
+  // The results a run computed from the inputs as they are now: an upload
+  // takes back those made from the input it changed, poison() all.
+  std::set<std::string> computed_;
+  void forget_results_of(const std::string &input);
 };
 
 } // namespace moeforge::cpu

@@ -107,6 +107,8 @@ class _CudaRuntime:
             self.tokens = tokens
             self.bound.clear()  # what changed size is unbound; the rest binds again at no cost
         if tokens not in self.memory:
+            if len(self.memory) >= 64:  # a model of ever-new counts keeps no growing table
+                self.memory.clear()
             self.memory[tokens] = self.layer.step_memory(tokens)
         return self.memory[tokens]
 

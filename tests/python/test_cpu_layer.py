@@ -21,8 +21,9 @@ def test_forward_matches_the_reference(schedule):
     ref = mf.evaluate(layer, inputs)
     cpu = mf.CpuLayer(layer, mf.preset(schedule), TOKENS)
     cpu.upload(inputs)
-    cpu.poison()
-    assert np.isnan(cpu.download("y")).all()
+    cpu.poison()  # what no step writes stays NaN; nothing is a result until the run
+    with pytest.raises(mf.UserError, match=r"no step has computed 'y' .* \(or the layer was poisoned\)"):
+        cpu.download("y")
     cpu.run()
     assert normalized_error(cpu.download("y"), ref["y"]) < 1e-2
     assert normalized_error(cpu.download("h"), ref["h"]) < 1e-2
@@ -43,6 +44,27 @@ def test_training_gradients_match_the_reference():
     train.upload_upstream_gradient(-dy, "y")
     train.backward()
     assert normalized_error(train.gradient("w2"), -ref["w2"]) < 2e-2
+
+
+def test_results_never_computed_are_refused_not_zeros():
+    """output() before forward(), gradient() before backward(), and y after
+    new inputs: each an error that says what to run, never stale values."""
+    layer, y, _ = build_moe_mlp()
+    train = mf.CpuTrainingLayer(layer, [y], mf.scattermoe(), TOKENS)
+    inputs = random_inputs(TOKENS, seed=15)
+    train.upload(inputs)
+    with pytest.raises(mf.UserError, match="no step has computed 'y'"):
+        train.output()
+    train.forward()
+    assert train.output().shape == (TOKENS, 64)
+    with pytest.raises(mf.UserError, match="no step has computed 'd_w1'"):
+        train.gradient("w1")
+    train.upload(random_inputs(TOKENS, seed=16))
+    with pytest.raises(mf.UserError, match="since the inputs it is made from were last given"):
+        train.output()
+    cpu = mf.CpuLayer(layer, mf.scattermoe(), TOKENS)
+    with pytest.raises(mf.UserError, match="run the layer first"):
+        cpu.download("y")
 
 
 def test_recompute_trains_to_the_same_gradients():

@@ -8,16 +8,31 @@
 // of its two largest scores (its one score when a group holds one expert);
 // the top_groups best groups (ties to the lower group) are kept and top-k
 // selects among their experts only.
+//
+// A score that is NaN or infinite is a UserError naming the token and the
+// expert: a NaN compares false with everything, so any order would choose
+// by it silently (one NaN in a selection bias sent every token to one
+// expert), and no finite routing follows from an infinite one.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <vector>
 
+#include "dsl/error.h"
+
 namespace moeforge {
 
-template <typename S> void select_top_k(const S *row, int experts, int k, int groups, int top_groups, int32_t *chosen) {
+template <typename S>
+void select_top_k(const S *row, int experts, int k, int groups, int top_groups, int32_t *chosen, int64_t token = -1) {
+  for (int e = 0; e < experts; ++e)
+    user_check(std::isfinite(static_cast<double>(row[e])))
+        << "top_k: the routing score of " << (token >= 0 ? "token " + std::to_string(token) + ", " : std::string())
+        << "expert " << e << " is " << static_cast<double>(row[e])
+        << ", which chooses no expert by any order: find where it comes from (the router's inputs or weights, "
+        << "a selection bias)";
   auto better = [&](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
   std::vector<int32_t> candidates;
   if (groups <= 1) {

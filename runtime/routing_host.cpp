@@ -147,7 +147,7 @@ HostTopK top_k_on_host(const RoutingShape &shape, const std::vector<float> &prob
   for (int64_t t = 0; t < shape.tokens; ++t) {
     const float *row = &probs[t * E];
     // The reference's rule (dsl/top_k_select.h).
-    select_top_k(row, E, k, shape.groups, shape.top_groups, order.data());
+    select_top_k(row, E, k, shape.groups, shape.top_groups, order.data(), t);
     for (int s = 0; s < k; ++s) {
       out.expert.push_back(order[s]);
       out.gate.push_back(row[order[s]]);

@@ -220,3 +220,35 @@ TEST_CASE("grouped top-k: deepseek_moe compiles for sm_90a without spills, forwa
   }
 }
 #endif
+
+TEST_CASE("grouped top-k: a NaN or infinite score is a user error naming the token and expert, never a choice") {
+  // The sweep's case: one NaN in deepseek_moe's selection-only bias sent
+  // every token to expert 0, with y finite, on the reference and the CPU
+  // backend alike.
+  ExampleShape s;
+  s.tokens = 16;
+  s.d = 64;
+  s.f = 128;
+  s.experts = 8;
+  s.topk = 2;
+  Example ex = make_example("deepseek_moe", s);
+  for (double bad : {std::nan(""), double(INFINITY), -double(INFINITY)}) {
+    INFO(bad);
+    TensorMap in = ex.random_inputs(s, 3);
+    in.at("bias").data[3] = bad;
+    std::string m = testing::user_error_of([&] { evaluate(ex.pipeline, in); });
+    CHECK(has(m, "top_k: the routing score of token 0, expert 3 is "));
+    CHECK(has(m, "which chooses no expert by any order: find where it comes from"));
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+    cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(ex.pipeline, preset("scattermoe"));
+    cpu::CpuLayer layer(compiled, s.tokens);
+    layer.upload(in);
+    m = testing::user_error_of([&] { layer.run(); });
+    CHECK(has(m, "top_k: the routing score of token 0, expert 3 is "));
+#endif
+  }
+  // A NaN in the tokens reaches the scores too: refused where it would route.
+  TensorMap in = ex.random_inputs(s, 4);
+  in.at("x").data[5 * s.d] = std::nan("");
+  CHECK(has(testing::user_error_of([&] { evaluate(ex.pipeline, in); }), "routing score of token 5, expert 0"));
+}

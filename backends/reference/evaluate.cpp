@@ -348,7 +348,7 @@ private:
       const S *row = &p.data[static_cast<size_t>(t * res.experts)];
       // Largest first; ties go to the lower expert index, so routing is a
       // deterministic function of the probabilities on every backend.
-      select_top_k(row, static_cast<int>(res.experts), r.k, r.groups, r.top_groups, order.data());
+      select_top_k(row, static_cast<int>(res.experts), r.k, r.groups, r.top_groups, order.data(), t);
       for (int s = 0; s < r.k; ++s) {
         res.token.push_back(static_cast<int32_t>(t));
         res.expert.push_back(order[static_cast<size_t>(s)]);

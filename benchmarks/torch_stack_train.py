@@ -18,7 +18,7 @@ W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
 
 usage: python3 benchmarks/torch_stack_train.py [--shapes qwen3moe,fine64]
        [--layers 8,24] [--impls moeforge,torch,sonicmoe] [--schedule auto|PRESET|FILE]
-       [--reps N] [--out results.json]
+       [--grads kept|none] [--reps N] [--out results.json]
 """
 import argparse
 import datetime
@@ -110,7 +110,7 @@ def used_outside(free0, reserved0):
     return (free0 - free) - (torch.cuda.memory_reserved() - reserved0)
 
 
-def run(impl, name, layers, reps, schedule, pause):
+def run(impl, name, layers, reps, schedule, pause, grads):
     T, d, f, E, k = SHAPES[name]
     dev = torch.device("cuda")
     gc.collect()
@@ -118,13 +118,18 @@ def run(impl, name, layers, reps, schedule, pause):
     torch.cuda.synchronize()
     free0, _ = torch.cuda.mem_get_info()
     reserved0 = torch.cuda.memory_reserved()
+    allocated0 = torch.cuda.memory_allocated()
     model = torch.nn.ModuleList(make_layer(impl, 100 + i, (T, d, f, E, k), dev, schedule) for i in range(layers))
     g = torch.Generator(device=dev).manual_seed(7)
     x = (torch.rand(T, d, device=dev, generator=g) * 2 - 1).bfloat16()
     dy = (torch.rand(T, d, device=dev, generator=g) * 2 - 1).bfloat16()
 
     def step():
-        model.zero_grad(set_to_none=False)  # gradients stay allocated, as in a training loop
+        # "kept": the gradients stay allocated and each backward adds into
+        # them (gradient accumulation's later micro-batches); "none":
+        # torch's default zero_grad, each backward's gradient tensors become
+        # .grad (the first micro-batch of a step).
+        model.zero_grad(set_to_none=(grads == "none"))
         h = x
         for layer in model:
             h = h + layer(h).to(h.dtype)
@@ -134,6 +139,7 @@ def run(impl, name, layers, reps, schedule, pause):
     step()  # compiles (SonicMoE: 10-90 s at a new shape)
     torch.cuda.synchronize()
     first_s = time.time() - t0
+    print(f"  {impl} {name} L={layers}: first step {first_s:.1f} s", file=sys.stderr, flush=True)
     step()
     torch.cuda.synchronize()
     time.sleep(pause)
@@ -149,10 +155,12 @@ def run(impl, name, layers, reps, schedule, pause):
         b.synchronize()
         times.append(a.elapsed_time(b))
     peak_reserved = torch.cuda.max_memory_reserved() - reserved0
+    peak_allocated = torch.cuda.max_memory_allocated() - allocated0
     outside = used_outside(free0, reserved0)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     row = {"impl": impl, "shape": name, "layers": layers, "step_ms": statistics.median(times),
            "step_ms_min": min(times), "peak_GiB": (peak_reserved + outside) / GiB, "outside_GiB": outside / GiB,
+           "peak_allocated_GiB": peak_allocated / GiB, "grads": grads,
            "weights_and_grads_GiB": 2 * weights / GiB, "first_step_s": first_s}
     del model, x, dy
     gc.collect()
@@ -166,6 +174,9 @@ def main():
     ap.add_argument("--layers", default="8")
     ap.add_argument("--impls", default="moeforge,torch,sonicmoe")
     ap.add_argument("--schedule", default="auto", help="moeforge's: auto (the module's default), a preset or a file")
+    ap.add_argument("--grads", choices=["kept", "none"], default="kept",
+                    help="kept: .grad stays allocated between steps (zero_grad(set_to_none=False)); none: torch's "
+                         "default zero_grad")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pause", type=float, default=1.0)
     ap.add_argument("--out")
@@ -186,20 +197,20 @@ def main():
         for layers in [int(n) for n in args.layers.split(",")]:
             for impl in impls:
                 try:
-                    row = run(impl, name, layers, args.reps, schedule, args.pause)
+                    row = run(impl, name, layers, args.reps, schedule, args.pause, args.grads)
                 except torch.OutOfMemoryError as e:
                     row = {"impl": impl, "shape": name, "layers": layers, "error": "out of memory: " + str(e)[:120]}
                     gc.collect()
                     torch.cuda.empty_cache()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'shape':9} {'L':>3} {'impl':9} {'step ms':>8} {'peak GiB':>9} {'outside':>8}")
+    print(f"\n{'shape':9} {'L':>3} {'impl':9} {'step ms':>8} {'peak GiB':>9} {'outside':>8} {'allocated':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:9} {r['layers']:>3} {r['impl']:9} {r['error'][:40]}")
         else:
             print(f"{r['shape']:9} {r['layers']:>3} {r['impl']:9} {r['step_ms']:8.2f} {r['peak_GiB']:9.2f} "
-                  f"{r['outside_GiB']:8.3f}")
+                  f"{r['outside_GiB']:8.3f} {r['peak_allocated_GiB']:9.2f}")
     if args.out:
         doc = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                "torch": torch.__version__, "rows": rows}

@@ -14,7 +14,8 @@
 #           moeforge,torch,sonicmoe; SonicMoE from .peers/sonicmoe when
 #           carried, see ../shared/peers/), SCHEDULE (default: the module's
 #           own default; a file, or "tuned_wide" for
-#           benchmarks/schedules/train/tuned_wide_swiglu.sched)
+#           benchmarks/schedules/train/tuned_wide_swiglu.sched), GRADS
+#           (kept, the default, or none: torch's default zero_grad)
 # Logs and JSON go to $OUT/stack.
 set -uo pipefail
 . scripts/device_env.sh
@@ -57,7 +58,7 @@ if has stack; then
   [ "$sched" = tuned_wide ] && sched=benchmarks/schedules/train/tuned_wide_swiglu.sched
   PYTHONUNBUFFERED=1 timeout "${STACK_TIMEOUT:-450}" python3 benchmarks/torch_stack_train.py \
     --shapes "${SHAPES:-qwen3moe,fine64}" --layers "${LAYERS:-8}" --impls "${IMPLS:-moeforge,torch,sonicmoe}" \
-    --schedule "$sched" --out "$R/stack.json" >"$R/stack.log" 2>&1 || status=1
+    --schedule "$sched" --grads "${GRADS:-kept}" --out "$R/stack.json" >"$R/stack.log" 2>&1 || status=1
   tail -20 "$R/stack.log"
   echo "stack done at $(( $(date +%s) - T0 )) s"
 fi

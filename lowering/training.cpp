@@ -9,6 +9,7 @@
 #include "dsl/visitor.h"
 #include "lowering/gate_gradient.h"
 #include "lowering/lower.h"
+#include "lowering/order_for_memory.h"
 #include "lowering/rename_indices.h"
 #include "lowering/summed_gemms.h"
 
@@ -397,6 +398,15 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
         p.find(g->output)->dtype = DType::bf16;
   if (schedule.chain_summed_gemms())
     chain_summed_gemms(p, t.forward_steps);
+  // Last: every fusion above has decided which steps exist. What the caller
+  // holds (outputs, gradients) and what the forward wrote (kept for the
+  // backward anyway) live through the whole backward whatever its order.
+  std::vector<std::string> held = p.outputs;
+  held.insert(held.end(), t.gradients.begin(), t.gradients.end());
+  for (size_t i = 0; i < t.forward_steps; ++i)
+    for (const std::string &o : step_outputs(p.steps[i]))
+      held.push_back(o);
+  order_steps_for_memory(p, t.forward_steps, p.steps.size(), held);
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))
       if (producer.count(r) && !contains(t.saved, r))

@@ -7,6 +7,7 @@
 
 #include "dsl/error.h"
 #include "examples/examples.h"
+#include "layer_compare.h"
 #include "lowering/default_schedule.h"
 #include "lowering/order_for_memory.h"
 #include "lowering/training.h"
@@ -20,15 +21,7 @@ namespace {
 
 // Qwen3-MoE's layer shape: where the order was seen to matter (its
 // backward's T k x d temporaries are most of a layer's transient memory).
-ExampleShape qwen3moe_shape() {
-  ExampleShape s;
-  s.tokens = 16384;
-  s.experts = 128;
-  s.topk = 8;
-  s.d = 2048;
-  s.f = 768;
-  return s;
-}
+ExampleShape qwen3moe_shape() { return testing::shape(16384, 2048, 768, 128, 8); }
 
 TrainingProgram lowered(const std::string &example, const ExampleShape &s, bool default_schedule) {
   Example ex = make_example(example, s);

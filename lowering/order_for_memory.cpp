@@ -93,14 +93,13 @@ void order_steps_for_memory(KernelProgram &p, size_t begin, size_t end, const st
                             int64_t tokens) {
   const RangeTensors r(p, begin, end, kept, tokens);
   const size_t n = end - begin;
-  // after[j]: the steps j must follow. Every pair of steps that touch a
+  // needs[j][i]: step j must follow step i. Every pair of steps that touch a
   // common tensor with at least one writing it keeps its order.
-  std::vector<std::vector<size_t>> after(n);
+  std::vector<std::vector<bool>> needs(n, std::vector<bool>(n, false));
   for (size_t j = 0; j < n; ++j)
     for (size_t i = 0; i < j; ++i)
-      if (shares_any(r.writes[i], r.reads[j]) || shares_any(r.reads[i], r.writes[j]) ||
-          shares_any(r.writes[i], r.writes[j]))
-        after[j].push_back(i);
+      needs[j][i] = shares_any(r.writes[i], r.reads[j]) || shares_any(r.reads[i], r.writes[j]) ||
+                    shares_any(r.writes[i], r.writes[j]);
   std::map<std::string, int> readers_left; // steps of the range still to read each tensor
   for (const auto &reads : r.reads)
     for (const std::string &t : reads)
@@ -111,7 +110,10 @@ void order_steps_for_memory(KernelProgram &p, size_t begin, size_t end, const st
     size_t best = n;
     long long best_net = 0;
     for (size_t j = 0; j < n; ++j) {
-      if (done[j] || std::any_of(after[j].begin(), after[j].end(), [&](size_t i) { return !done[i]; }))
+      bool ready = !done[j];
+      for (size_t i = 0; i < j && ready; ++i)
+        ready = !needs[j][i] || done[i];
+      if (!ready)
         continue;
       long long net = 0;
       for (const std::string &t : r.writes[j])
@@ -136,10 +138,6 @@ void order_steps_for_memory(KernelProgram &p, size_t begin, size_t end, const st
   // dependencies and its dependents that lowers the peak (or, at the same
   // peak, the bytes held summed over the steps: a temporary made just before
   // its reader), until no move helps.
-  std::vector<std::vector<bool>> needs(n, std::vector<bool>(n, false)); // needs[j][i]: j after i
-  for (size_t j = 0; j < n; ++j)
-    for (size_t i : after[j])
-      needs[j][i] = true;
   auto cost = live_bytes(r, order);
   for (bool moved = true; moved;) {
     moved = false;

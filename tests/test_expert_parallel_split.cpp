@@ -14,6 +14,7 @@
 #include "expert_parallel_emulation.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
+#include "program_order.h"
 #include "schedules/presets.h"
 #include "user_error.h"
 
@@ -244,25 +245,6 @@ TEST_CASE("expert parallel split: the schedule's exchange_chunks(rounds)") {
 }
 
 namespace {
-// Every tensor a step of p reads is an input or written by an earlier step
-// (a GEMM's accumulators, read in its epilogue, are registers, not tensors).
-bool reads_follow_writes(const KernelProgram &p) {
-  std::set<std::string> have;
-  for (const TensorDecl &t : p.tensors)
-    if (t.is_input)
-      have.insert(t.name);
-  for (const Step &s : p.steps) {
-    for (const std::string &r : step_reads(s))
-      if (p.find(r) && !have.count(r)) {
-        MESSAGE("unwritten read " << r << " in " << step_name(s));
-        return false;
-      }
-    for (const std::string &o : step_outputs(s))
-      have.insert(o);
-  }
-  return true;
-}
-
 std::vector<std::string> step_names(const KernelProgram &p, size_t begin, size_t end) {
   std::vector<std::string> out;
   for (size_t i = begin; i < end; ++i)
@@ -289,7 +271,7 @@ TEST_CASE("expert parallel split: the token side's steps ordered around the exch
   TrainingProgram t = lower_training(split.token_pipeline(), split.token_outputs, preset("scattermoe"));
   KernelProgram &p = t.program;
   const std::vector<std::string> before = step_names(p, 0, p.steps.size());
-  REQUIRE(reads_follow_writes(p)); // the checker holds for the program as lowered
+  REQUIRE(testing::reads_follow_writes(p)); // the checker holds for the program as lowered
 
   // The forward: what reads the returned rows (and what reads that) last.
   const size_t out = defer_steps_reading(p, 0, t.forward_steps, {"o_returned"});
@@ -300,7 +282,7 @@ TEST_CASE("expert parallel split: the token side's steps ordered around the exch
     if (i < out)
       CHECK(!reads);
   }
-  CHECK(reads_follow_writes(p));
+  CHECK(testing::reads_follow_writes(p));
   CHECK(in_order(step_names(p, 0, out), before));
   CHECK(in_order(step_names(p, out, t.forward_steps), before));
 
@@ -315,7 +297,7 @@ TEST_CASE("expert parallel split: the token side's steps ordered around the exch
     written = written || std::find(o.begin(), o.end(), grad) != o.end();
   }
   CHECK(written);
-  CHECK(reads_follow_writes(p));
+  CHECK(testing::reads_follow_writes(p));
   CHECK(in_order(step_names(p, t.forward_steps, needed), before));
   CHECK(in_order(step_names(p, needed, p.steps.size()), before));
 }

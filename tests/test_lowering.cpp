@@ -14,6 +14,7 @@
 #include "examples/examples.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
+#include "program_order.h"
 #include "schedules/presets.h"
 
 using namespace moeforge;
@@ -97,17 +98,7 @@ TEST_CASE("lowering: a training forward's element-wise steps run in its GEMMs' e
       backward_pointwise |= pw->output == "d_x_s_a";
   CHECK(backward_pointwise);
   // Every tensor a step reads is written by an earlier step or is an input.
-  std::set<std::string> ready;
-  for (const TensorDecl &d : t.program.tensors)
-    if (d.is_input)
-      ready.insert(d.name);
-  for (const Step &st : t.program.steps) {
-    for (const std::string &r : step_reads(st))
-      if (t.program.find(r))
-        CHECK_MESSAGE(ready.count(r), step_name(st) << " reads " << r << " before it is written");
-    for (const std::string &o : step_outputs(st))
-      ready.insert(o);
-  }
+  CHECK(testing::reads_follow_writes(t.program));
 }
 
 TEST_CASE("lowering: SwiGLU's two projections in training run as one GEMM, in h's tiling") {

@@ -11,6 +11,7 @@
 #include "lowering/default_schedule.h"
 #include "lowering/order_for_memory.h"
 #include "lowering/training.h"
+#include "program_order.h"
 #include "runtime/memory_plan.h"
 #include "runtime/program_shapes.h"
 #include "schedules/presets.h"
@@ -38,23 +39,6 @@ size_t index_of(const KernelProgram &p, const std::string &step) {
   return 0;
 }
 
-// Every tensor a step reads is an input or written by an earlier step.
-void check_dependencies(const KernelProgram &p) {
-  std::set<std::string> ready;
-  for (const TensorDecl &t : p.tensors)
-    if (t.is_input)
-      ready.insert(t.name);
-  for (const Step &s : p.steps) {
-    for (const std::string &r : step_reads(s))
-      if (p.find(r)) { // not a GEMM's accumulator
-        INFO(step_name(s) << " reads " << r);
-        CHECK(ready.count(r));
-      }
-    for (const std::string &o : step_outputs(s))
-      ready.insert(o);
-  }
-}
-
 size_t backward_workspace(const TrainingProgram &t, const ExampleShape &s) {
   ProgramShapes shapes(t.program, s.tokens);
   auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };
@@ -66,7 +50,7 @@ size_t backward_workspace(const TrainingProgram &t, const ExampleShape &s) {
 TEST_CASE("order for memory: the weight gradient that reads the gathered upstream gradient runs as soon as it can") {
   const ExampleShape s = qwen3moe_shape();
   TrainingProgram t = lowered("swiglu_moe", s, true);
-  check_dependencies(t.program);
+  CHECK(testing::reads_follow_writes(t.program));
   // d_y_rows (T k x d, the upstream gradient in expert rows) is read by the
   // dH GEMM and by dW2's: with dW2 right after dH it is dead before the
   // input gradient's T k x d temporaries exist.
@@ -83,7 +67,7 @@ TEST_CASE("order for memory: the weight gradient that reads the gathered upstrea
   Step moved = late.program.steps[d_w2];
   late.program.steps.erase(late.program.steps.begin() + static_cast<long>(d_w2));
   late.program.steps.push_back(moved);
-  check_dependencies(late.program);
+  CHECK(testing::reads_follow_writes(late.program));
   const size_t autodiff = backward_workspace(late, s);
   CHECK(autodiff > ordered + (size_t(400) << 20));
   std::vector<std::string> held = late.program.outputs;
@@ -92,7 +76,7 @@ TEST_CASE("order for memory: the weight gradient that reads the gathered upstrea
       held.push_back(o);
   const size_t peak_before = peak_live_bytes(late.program, late.forward_steps, late.program.steps.size(), held);
   order_steps_for_memory(late.program, late.forward_steps, late.program.steps.size(), held);
-  check_dependencies(late.program);
+  CHECK(testing::reads_follow_writes(late.program));
   CHECK(peak_live_bytes(late.program, late.forward_steps, late.program.steps.size(), held) < peak_before);
   CHECK(backward_workspace(late, s) == ordered);
 }
@@ -109,7 +93,7 @@ TEST_CASE("order for memory: every example's backward stays valid, and no step r
       } catch (const UserError &) {
         continue; // an example the schedule cannot train (its own tests say why)
       }
-      check_dependencies(t.program);
+      CHECK(testing::reads_follow_writes(t.program));
       // The pass keeps the forward and backward apart: the saved tensors
       // are the same set whatever the backward's order.
       for (const std::string &n : t.saved) {

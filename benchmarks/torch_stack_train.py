@@ -18,7 +18,7 @@ W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
 
 usage: python3 benchmarks/torch_stack_train.py [--shapes qwen3moe,fine64]
        [--layers 8,24] [--impls moeforge,torch,sonicmoe] [--schedule auto|PRESET|FILE]
-       [--grads kept|none] [--reps N] [--out results.json]
+       [--grads kept,none] [--reps N] [--out results.json]
 """
 import argparse
 import datetime
@@ -174,9 +174,9 @@ def main():
     ap.add_argument("--layers", default="8")
     ap.add_argument("--impls", default="moeforge,torch,sonicmoe")
     ap.add_argument("--schedule", default="auto", help="moeforge's: auto (the module's default), a preset or a file")
-    ap.add_argument("--grads", choices=["kept", "none"], default="kept",
-                    help="kept: .grad stays allocated between steps (zero_grad(set_to_none=False)); none: torch's "
-                         "default zero_grad")
+    ap.add_argument("--grads", default="kept",
+                    help="comma-separated: kept: .grad stays allocated between steps (zero_grad(set_to_none=False)); "
+                         "none: torch's default zero_grad")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pause", type=float, default=1.0)
     ap.add_argument("--out")
@@ -192,24 +192,30 @@ def main():
     if os.path.exists(schedule):
         import moeforge as mf
         schedule = mf.Schedule.load(schedule)
+    grads_modes = args.grads.split(",")
+    for g in grads_modes:
+        if g not in ("kept", "none"):
+            ap.error(f"--grads: '{g}' is neither 'kept' nor 'none'")
     rows = []
     for name in args.shapes.split(","):
         for layers in [int(n) for n in args.layers.split(",")]:
-            for impl in impls:
+            for impl, grads in [(i, g) for g in grads_modes for i in impls]:
                 try:
-                    row = run(impl, name, layers, args.reps, schedule, args.pause, args.grads)
+                    row = run(impl, name, layers, args.reps, schedule, args.pause, grads)
                 except torch.OutOfMemoryError as e:
-                    row = {"impl": impl, "shape": name, "layers": layers, "error": "out of memory: " + str(e)[:120]}
+                    row = {"impl": impl, "shape": name, "layers": layers, "grads": grads,
+                           "error": "out of memory: " + str(e)[:120]}
                     gc.collect()
                     torch.cuda.empty_cache()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'shape':9} {'L':>3} {'impl':9} {'step ms':>8} {'peak GiB':>9} {'outside':>8} {'allocated':>9}")
+    print(f"\n{'shape':9} {'L':>3} {'grads':5} {'impl':9} {'step ms':>8} {'peak GiB':>9} {'outside':>8} {'allocated':>9}")
     for r in rows:
+        head = f"{r['shape']:9} {r['layers']:>3} {r['grads']:5} {r['impl']:9}"
         if "error" in r:
-            print(f"{r['shape']:9} {r['layers']:>3} {r['impl']:9} {r['error'][:40]}")
+            print(f"{head} {r['error'][:40]}")
         else:
-            print(f"{r['shape']:9} {r['layers']:>3} {r['impl']:9} {r['step_ms']:8.2f} {r['peak_GiB']:9.2f} "
+            print(f"{head} {r['step_ms']:8.2f} {r['peak_GiB']:9.2f} "
                   f"{r['outside_GiB']:8.3f} {r['peak_allocated_GiB']:9.2f}")
     if args.out:
         doc = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),

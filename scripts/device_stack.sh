@@ -15,7 +15,12 @@
 #           carried, see ../shared/peers/), SCHEDULE (default: the module's
 #           own default; a file, or "tuned_wide" for
 #           benchmarks/schedules/train/tuned_wide_swiglu.sched), GRADS
-#           (kept, the default, or none: torch's default zero_grad)
+#           (comma-separated: kept, the default, and/or none: torch's
+#           default zero_grad)
+# SonicMoE's first step at a shape is its autotuner timing every GEMM
+# config (minutes at qwen3moe): its choices (QuACK's and Triton's
+# *.autotune.json) are written under $OUT/stack/peer-autotune, and read
+# from .peers/peer-autotune when that is carried, so a later call skips it.
 # Logs and JSON go to $OUT/stack.
 set -uo pipefail
 . scripts/device_env.sh
@@ -42,7 +47,17 @@ if has stack && [ -d .peers/sonicmoe ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/sonicmoe/*.whl \
       >"$R/sonic_pip.log" 2>&1 || echo "SonicMoE did not install: $(tail -3 "$R/sonic_pip.log")"
   export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages
+  export QUACK_CACHE_AUTOTUNING=1 TRITON_CACHE_AUTOTUNING=1 QUACK_COMPILE_WORKERS=16
+  export QUACK_CACHE_DIR=/tmp/peer-cache/quack TRITON_CACHE_DIR=/tmp/peer-cache/triton QUACK_HOME=/tmp/peer-cache/home
+  mkdir -p /tmp/peer-cache/quack /tmp/peer-cache/triton
+  [ -d .peers/peer-autotune ] && cp -r .peers/peer-autotune/. /tmp/peer-cache/
 fi
+save_peer_autotune() {
+  [ -d /tmp/peer-cache ] || return 0
+  (cd /tmp/peer-cache && find . -name '*.autotune.json' -print0 | tar --null -cf - -T - 2>/dev/null) |
+    (mkdir -p "$R/peer-autotune" && tar -C "$R/peer-autotune" -xf -)
+  echo "peer autotune files saved: $(find "$R/peer-autotune" -name '*.autotune.json' | wc -l)"
+}
 if has pytest || has stack; then
   python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
     >"$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
@@ -59,6 +74,7 @@ if has stack; then
   PYTHONUNBUFFERED=1 timeout "${STACK_TIMEOUT:-450}" python3 benchmarks/torch_stack_train.py \
     --shapes "${SHAPES:-qwen3moe,fine64}" --layers "${LAYERS:-8}" --impls "${IMPLS:-moeforge,torch,sonicmoe}" \
     --schedule "$sched" --grads "${GRADS:-kept}" --out "$R/stack.json" >"$R/stack.log" 2>&1 || status=1
+  save_peer_autotune
   tail -20 "$R/stack.log"
   echo "stack done at $(( $(date +%s) - T0 )) s"
 fi

@@ -17,10 +17,11 @@
 #           benchmarks/schedules/train/tuned_wide_swiglu.sched), GRADS
 #           (comma-separated: kept, the default, and/or none: torch's
 #           default zero_grad)
-# SonicMoE's first step at a shape is its autotuner timing every GEMM
-# config (minutes at qwen3moe): its choices (QuACK's and Triton's
-# *.autotune.json) are written under $OUT/stack/peer-autotune, and read
-# from .peers/peer-autotune when that is carried, so a later call skips it.
+# SonicMoE's first step at a shape is its autotuner compiling and timing
+# every GEMM config (more than 8 minutes at qwen3moe): its caches (QuACK's
+# and Triton's autotune choices and compiled kernels, about 1 MB packed)
+# are packed into $OUT/stack/peer-cache.txz, and unpacked from
+# .peers/peer-cache.txz when that is carried, so a later call skips them.
 # Logs and JSON go to $OUT/stack.
 set -uo pipefail
 . scripts/device_env.sh
@@ -50,13 +51,13 @@ if has stack && [ -d .peers/sonicmoe ]; then
   export QUACK_CACHE_AUTOTUNING=1 TRITON_CACHE_AUTOTUNING=1 QUACK_COMPILE_WORKERS=16
   export QUACK_CACHE_DIR=/tmp/peer-cache/quack TRITON_CACHE_DIR=/tmp/peer-cache/triton QUACK_HOME=/tmp/peer-cache/home
   mkdir -p /tmp/peer-cache/quack /tmp/peer-cache/triton
-  [ -d .peers/peer-autotune ] && cp -r .peers/peer-autotune/. /tmp/peer-cache/
+  [ -f .peers/peer-cache.txz ] && tar -C /tmp/peer-cache -xJf .peers/peer-cache.txz
 fi
-save_peer_autotune() {
+# One file, not a tree: the device tool brings back no deep folders.
+save_peer_cache() {
   [ -d /tmp/peer-cache ] || return 0
-  (cd /tmp/peer-cache && find . -name '*.autotune.json' -print0 | tar --null -cf - -T - 2>/dev/null) |
-    (mkdir -p "$R/peer-autotune" && tar -C "$R/peer-autotune" -xf -)
-  echo "peer autotune files saved: $(find "$R/peer-autotune" -name '*.autotune.json' | wc -l)"
+  tar -C /tmp/peer-cache -cJf "$R/peer-cache.txz" . &&
+    echo "peer caches saved: $(find /tmp/peer-cache -name '*.autotune.json' | wc -l) autotune choices"
 }
 if has pytest || has stack; then
   python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
@@ -74,7 +75,7 @@ if has stack; then
   PYTHONUNBUFFERED=1 timeout "${STACK_TIMEOUT:-450}" python3 benchmarks/torch_stack_train.py \
     --shapes "${SHAPES:-qwen3moe,fine64}" --layers "${LAYERS:-8}" --impls "${IMPLS:-moeforge,torch,sonicmoe}" \
     --schedule "$sched" --grads "${GRADS:-kept}" --out "$R/stack.json" >"$R/stack.log" 2>&1 || status=1
-  save_peer_autotune
+  save_peer_cache
   tail -20 "$R/stack.log"
   echo "stack done at $(( $(date +%s) - T0 )) s"
 fi

@@ -122,24 +122,34 @@ def _cuda_forward(ctx, module, x, params):
     rt = module._cuda_runtime(x.shape[0])
     layer = rt.layer
     saved_bytes, workspace_bytes, _ = rt.use_tokens(x.shape[0])
-    # The input and weights, read again by the backward (so kept in ctx),
-    # and fresh output tensors, all bound in place.
+    # The input and weights, read again by the backward, and fresh output
+    # tensors, all bound in place.
     keep = [_as_layer_tensor(layer, module.input_name, x)]
     keep += [_as_layer_tensor(layer, name, p) for name, p in zip(module._param_names, params)]
     for name, t in zip([module.input_name] + module._param_names, keep):
         rt.bind(name, t)
+    # The workspace is taken first: it then gets the block the last call's
+    # workspace left in torch's pool, the same size, and the saved region a
+    # block of its own, instead of a split of it (splits of layer after
+    # layer fragmented an 8-layer stack's pool by 3 GiB).
+    workspace = _memory(workspace_bytes, x.device)
+    saved = _memory(saved_bytes, x.device)
     outs = [_empty_like_layer(layer, name, x.device) for name in layer.outputs]
     for name, t in zip(layer.outputs, outs):
         rt.bind(name, t)
-    saved = _memory(saved_bytes, x.device)
-    workspace = _memory(workspace_bytes, x.device)
     layer.forward(_stream(x.device), saved.data_ptr(), _address(workspace))
     del workspace  # back to torch's pool; work queued later on this stream reuses it after ours
     module._record_routing(layer, x.device)
-    ctx.saved_memory, ctx.keep, ctx.stream = saved, keep, torch.cuda.current_stream(x.device)
-    # Only the outputs the backward reads are kept with the graph (torch
-    # checks they stay unmodified).
-    ctx.save_for_backward(*[t for name, t in zip(layer.outputs, outs) if name in rt.backward_reads])
+    ctx.stream = torch.cuda.current_stream(x.device)
+    # Everything the backward reads goes through save_for_backward, not ctx
+    # attributes: autograd frees it when this node's backward ends (kept
+    # as attributes, every layer's activations lived until the whole graph
+    # was dropped, after the last backward) and hands it to saved-tensor
+    # hooks (torch.utils.checkpoint drops it and runs the forward again).
+    # Of the outputs, only those the backward reads (torch checks they stay
+    # unmodified).
+    ctx.keep_count = len(keep)
+    ctx.save_for_backward(*keep, saved, *[t for name, t in zip(layer.outputs, outs) if name in rt.backward_reads])
     return outs
 
 
@@ -147,15 +157,17 @@ def _cuda_backward(ctx, grads):
     module = ctx.module
     rt = module._cuda
     layer = rt.layer
-    device = ctx.keep[0].device
+    tensors = ctx.saved_tensors
+    keep, saved, read_outputs = tensors[:ctx.keep_count], tensors[ctx.keep_count], tensors[ctx.keep_count + 1:]
+    device = keep[0].device
     _, _, workspace_bytes = rt.use_tokens(ctx.tokens)
     stream = torch.cuda.current_stream(device)
     if stream != ctx.stream:  # the forward's memory is read on this stream too
-        for t in [ctx.saved_memory, *ctx.keep]:
+        for t in tensors:
             t.record_stream(stream)
-    for name, t in zip([module.input_name] + module._param_names, ctx.keep):
+    for name, t in zip([module.input_name] + module._param_names, keep):
         rt.bind(name, t)
-    for name, t in zip([n for n in layer.outputs if n in rt.backward_reads], ctx.saved_tensors):
+    for name, t in zip([n for n in layer.outputs if n in rt.backward_reads], read_outputs):
         rt.bind(name, t)
     seeds = []
     for seed, g in zip(layer.seeds, grads):
@@ -163,15 +175,18 @@ def _cuda_backward(ctx, grads):
             g = _empty_like_layer(layer, seed, device).zero_()
         seeds.append(_as_layer_tensor(layer, seed, g))
         rt.bind(seed, seeds[-1])
+    # The workspace first, as in the forward: the last backward's block.
+    workspace = _memory(workspace_bytes, device)
     # Every gradient gets fresh memory, needed or not: the layer writes
     # them all, and never into memory torch may have handed elsewhere.
     names = [module.input_name] + module._param_names
     out = [_empty_like_layer(layer, layer.gradients[name], device) for name in names]
     for name, t in zip(names, out):
         layer.bind_gradient(name, t.data_ptr(), t.numel() * t.element_size())
-    workspace = _memory(workspace_bytes, device)
-    layer.backward(stream.cuda_stream, ctx.saved_memory.data_ptr(), _address(workspace))
-    ctx.seeds = seeds  # read by the backward's kernels after we return
+    layer.backward(stream.cuda_stream, saved.data_ptr(), _address(workspace))
+    # The workspace, the seeds and (when autograd drops them) the saved
+    # tensors go back to torch's pool now: a block freed on this stream is
+    # handed only to work queued on it after the kernels above.
     return out
 
 

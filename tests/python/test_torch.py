@@ -421,6 +421,29 @@ def test_batch_and_sequence_dimensions(device):
 
 
 @needs_gpu
+def test_a_backward_frees_its_forwards_memory_while_the_graph_lives():
+    """A layer's saved activations go when its backward ends, not when the
+    graph is dropped: in a stack, the first layers' backwards then run
+    without the later layers' activations. After y.backward(dy) with y (and
+    so its graph) still alive, torch holds what it held before the forward
+    plus y alone (the gradients were allocated by a warm-up step)."""
+    torch.manual_seed(11)
+    moe = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F)
+    x = torch.randn(256, D, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(256, D, device="cuda")
+    moe(x).backward(dy)
+    moe.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = moe(x)
+    assert torch.cuda.memory_allocated() > before + y.numel() * y.element_size(), "the forward saved nothing?"
+    y.backward(dy)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    assert held == y.numel() * y.element_size(), f"{held} bytes held after the backward, y is {y.numel() * y.element_size()}"
+
+
+@needs_gpu
 def test_memory_returns_to_the_weights_after_every_step():
     """100 steps at varying token counts: after each, torch holds the
     weights and their gradients only, and nothing outside torch's allocator

@@ -411,7 +411,7 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   // backward's stay separate kernels: they read several saved activations per
   // element, which in an epilogue are uncoalesced and not overlapped with the
   // main loop (H200: mixtral's d_h GEMM went from 3.3 to 7.2 ms fused, more
-  // than the two kernels it replaced; benchmarks/NOTES.md, training v7).
+  // than the two kernels it replaced).
   // Sibling GEMMs first (SwiGLU's two projections, which autodiff made two
   // Funcs), so that their element-wise consumers see one epilogue.
   const size_t merged = merge_sibling_gemms(p, 0, forward_count);

@@ -440,10 +440,12 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
         p.find(g->output)->dtype = DType::bf16;
   if (schedule.chain_summed_gemms())
     chain_summed_gemms(p, t.forward_steps);
+  // After the fusions: which GEMM writes a saved tensor, and whether one
+  // reads it, is then final.
+  save_in_pair_order(p, t.forward_steps);
   // Last: every fusion above has decided which steps exist. What the caller
   // holds (outputs, gradients) and what the forward wrote (kept for the
   // backward anyway) live through the whole backward whatever its order.
-  save_in_pair_order(p, t.forward_steps);
   std::vector<std::string> held = p.outputs;
   held.insert(held.end(), t.gradients.begin(), t.gradients.end());
   for (size_t i = 0; i < t.forward_steps; ++i)

@@ -37,12 +37,15 @@ TEST_CASE("saved pair order: SwiGLU's pre-activations are saved in pair order, t
   CHECK(pair_saved == 2); // h_silu_in and h_rhs
   // Their GEMM scatters them to pair rows; h, which the down projection
   // reads by TMA, stays in tile order.
+  int writers = 0;
   for (const Step &st : t.program.steps)
     if (auto *g = std::get_if<GemmStep>(&st); g && g->output == "h_silu_in") {
+      ++writers;
       CHECK(g->out_rows == RowMap::gather_pair);
       REQUIRE(g->extra.size() == 2);
       CHECK(t.program.tensor("h").layout == RowLayout::padded);
     }
+  CHECK(writers == 1);
   ProgramShapes shapes(t.program, s.tokens);
   auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };
   const StepMemoryPlan plan = plan_step_memory(t.program, bytes, t.forward_steps);

@@ -155,6 +155,7 @@ bool scale_made_again_h(KernelProgram &p, size_t forward_steps, const Match &m, 
                      scaled.name,
                      {m.scale_row, j},
                      Binary::make(BinaryOp::mul, m.scale, tensor_read(m.h, p.tensor(m.h).dtype, {m.scale_row, j})),
+                     {},
                      {}};
   dw.a = scaled.name;
   dw.b = {dy_rows};
@@ -226,7 +227,8 @@ bool gate_gradient_from_dh(KernelProgram &p, size_t forward_steps, const Schedul
       rows = bf16.name;
       p.tensors.push_back(bf16);
       const Var t("t", dy.dims[0]), i("i", dy.dims[1]);
-      insert.emplace(m->dh, PointwiseStep{"pointwise_" + rows, rows, {t, i}, tensor_read(m->dy, dy.dtype, {t, i}), {}});
+      insert.emplace(m->dh,
+                     PointwiseStep{"pointwise_" + rows, rows, {t, i}, tensor_read(m->dy, dy.dtype, {t, i}), {}, {}});
     }
     dh.a = rows;
     dh.a_rows = RowMap::gather_token;
@@ -236,7 +238,7 @@ bool gate_gradient_from_dh(KernelProgram &p, size_t forward_steps, const Schedul
     rows.name = m->dy + "_rows";
     p.tensors.push_back(rows);
     dh.a = rows.name;
-    insert.emplace(m->d_o, PointwiseStep{"pointwise_" + rows.name, rows.name, d_o.vars, m->dy_read, {}});
+    insert.emplace(m->d_o, PointwiseStep{"pointwise_" + rows.name, rows.name, d_o.vars, m->dy_read, {}, {}});
   }
   const std::string rows = dh.a; // dy's copy, or dy in bf16 (gathered)
   if (insert)

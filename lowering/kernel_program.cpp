@@ -280,6 +280,8 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
               os << "    and ";
               defines(e.output, e.value, e.row_sum);
             }
+            for (const auto &[out, in] : x.in_place)
+              os << "    (" << out << " in place of " << in << ")\n";
           }
         },
         s);

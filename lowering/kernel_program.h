@@ -29,6 +29,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -156,6 +157,11 @@ struct PointwiseStep {
   // same pass (merge_sibling_pointwise): inputs they share are read once.
   // Each value reads no output of the step.
   std::vector<ExtraOutput> extra;
+  // (output, input): outputs the step may write over an input's bytes
+  // (lowering/in_place.h). Backends compute every value of an element before
+  // storing any, so this holds for them all; the memory plan gives the two
+  // one offset, and kernels do not mark their pointers __restrict__.
+  std::vector<std::pair<std::string, std::string>> in_place;
 };
 
 // The device routing: top-k over probs, counts, padded offsets, the stable

@@ -242,7 +242,7 @@ PointwiseStep make_pointwise(const FuncNode &f) {
         << "definition '" << f.name
         << "': the compiled backends (CPU and CUDA) take softmax only as a whole definition, " << f.name
         << "(...) = softmax(v, ...); move it into its own Func";
-  return PointwiseStep{"pointwise_" + f.name, f.name, f.args, f.body, {}};
+  return PointwiseStep{"pointwise_" + f.name, f.name, f.args, f.body, {}, {}};
 }
 
 bool debug_lowering() {
@@ -395,8 +395,8 @@ KernelProgram split_unfused_epilogues(KernelProgram p, const Schedule &schedule)
       rename.from.push_back(g->accumulators[i]);
       rename.to.push_back(placeholder(name, {g->row_var, g->col_var}, DType::f32));
     }
-    out.push_back(
-        PointwiseStep{"epilogue_" + g->output, g->output, {g->row_var, g->col_var}, rename.mutate(g->epilogue), {}});
+    out.push_back(PointwiseStep{
+        "epilogue_" + g->output, g->output, {g->row_var, g->col_var}, rename.mutate(g->epilogue), {}, {}});
   }
   p.steps = std::move(out);
   return p;

@@ -84,7 +84,7 @@ std::optional<Pair> find_pair(const KernelProgram &p, const PointwiseStep &s, co
       // Each output read once, by this term (s's siblings may read them too).
       bool siblings_read = false;
       for (const ExtraOutput &e : s.extra)
-        for (const std::string &r : step_reads(PointwiseStep{"", e.output, s.vars, e.value, {}}))
+        for (const std::string &r : step_reads(PointwiseStep{"", e.output, s.vars, e.value, {}, {}}))
           siblings_read |= r == xi || r == xj;
       if (outputs || siblings_read || !chainable(a) || !chainable(b) || !alike(p, a, b) || reads_of(p, xi) != 1 ||
           reads_of(p, xj) != 1 || a.route != ri.route.get())

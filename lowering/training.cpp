@@ -8,6 +8,7 @@
 #include "dsl/error.h"
 #include "dsl/visitor.h"
 #include "lowering/gate_gradient.h"
+#include "lowering/in_place.h"
 #include "lowering/lower.h"
 #include "lowering/order_for_memory.h"
 #include "lowering/rename_indices.h"
@@ -211,7 +212,7 @@ void recompute_epilogue_values(KernelProgram &p, size_t forward_steps, const std
         rename_reads(p.steps[j], to);
       inserts.emplace_back(
           first,
-          PointwiseStep{"pointwise_" + copy.name, copy.name, {g->row_var, g->col_var}, from.mutate(e.value), {}});
+          PointwiseStep{"pointwise_" + copy.name, copy.name, {g->row_var, g->col_var}, from.mutate(e.value), {}, {}});
     }
   }
   std::stable_sort(inserts.begin(), inserts.end(), [](const auto &a, const auto &b) { return a.first > b.first; });
@@ -452,6 +453,7 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     for (const std::string &o : step_outputs(p.steps[i]))
       held.push_back(o);
   order_steps_for_memory(p, t.forward_steps, p.steps.size(), held);
+  mark_in_place_outputs(p, t.forward_steps);
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))
       if (producer.count(r) && !contains(t.saved, r))

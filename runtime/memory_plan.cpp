@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "dsl/error.h"
+#include "lowering/in_place.h"
 
 namespace moeforge {
 
@@ -50,23 +51,33 @@ Touches touches_of(const KernelProgram &p) {
   return t;
 }
 
-struct Item {
+// One tensor's bytes and lifetime (first and last step, inclusive).
+struct Member {
   std::string name;
   size_t size, from, to;
 };
 
+// What one offset holds: a tensor, or a tensor and the outputs written over
+// its bytes (PointwiseStep::in_place), whose lifetimes follow one another.
+struct Item {
+  std::vector<Member> members;
+  size_t size, from, to;
+};
+
+Item single(Member m) { return {{m}, m.size, m.from, m.to}; }
+
 size_t aligned(size_t bytes, size_t alignment) { return (bytes + alignment - 1) / alignment * alignment; }
 
-// Largest first, each at the lowest offset clear of every placed tensor
+// Largest first, each at the lowest offset clear of every placed item
 // whose lifetime meets its own.
 void place_by_lifetime(std::vector<Item> items, MemoryPlan &plan) {
   std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.size > b.size; });
-  std::vector<const Item *> placed;
+  std::vector<std::pair<const Item *, size_t>> placed; // with its offset
   for (const Item &it : items) {
     std::vector<std::pair<size_t, size_t>> busy; // [offset, offset + size) of overlapping lifetimes
-    for (const Item *q : placed)
+    for (const auto &[q, q_at] : placed)
       if (q->from <= it.to && it.from <= q->to)
-        busy.emplace_back(plan.offset.at(q->name), plan.offset.at(q->name) + q->size);
+        busy.emplace_back(q_at, q_at + q->size);
     std::sort(busy.begin(), busy.end());
     size_t at = 0;
     for (const auto &[b, e] : busy) {
@@ -74,14 +85,55 @@ void place_by_lifetime(std::vector<Item> items, MemoryPlan &plan) {
         break;
       at = std::max(at, e);
     }
-    plan.offset[it.name] = at;
-    plan.live[it.name] = {it.from, it.to};
-    plan.size[it.name] = it.size;
-    plan.separate_bytes += it.size;
+    for (const Member &m : it.members) {
+      plan.offset[m.name] = at;
+      plan.live[m.name] = {m.from, m.to};
+      plan.size[m.name] = m.size;
+      plan.separate_bytes += m.size;
+    }
     plan.arena_bytes = std::max(plan.arena_bytes, at + it.size);
-    placed.push_back(&it);
+    placed.emplace_back(&it, at);
   }
   internal_check(plan.arena_bytes <= plan.separate_bytes) << "a memory plan larger than no plan";
+}
+
+// Joins each output written over an input's bytes to the input's item, where
+// both are among `members` and the step's order still allows it.
+std::vector<Item> join_in_place(const KernelProgram &p, size_t boundary, const std::vector<Member> &members,
+                                MemoryPlan &plan) {
+  std::map<std::string, size_t> item_of;
+  std::vector<Item> items;
+  for (const Member &m : members) {
+    item_of[m.name] = items.size();
+    items.push_back(single(m));
+  }
+  std::vector<bool> gone(items.size(), false);
+  for (size_t s = 0; s < p.steps.size(); ++s) {
+    const auto *pw = std::get_if<PointwiseStep>(&p.steps[s]);
+    if (!pw)
+      continue;
+    for (const auto &[out, in] : pw->in_place) {
+      auto o = item_of.find(out), i = item_of.find(in);
+      if (o == item_of.end() || i == item_of.end() || o->second == i->second ||
+          !may_write_in_place(p, s, out, in, boundary))
+        continue;
+      const size_t to_item = i->second, from_item = o->second;
+      Item &into = items[to_item], &from = items[from_item];
+      into.members.insert(into.members.end(), from.members.begin(), from.members.end());
+      into.size = std::max(into.size, from.size);
+      into.from = std::min(into.from, from.from);
+      into.to = std::max(into.to, from.to);
+      for (const Member &m : from.members)
+        item_of[m.name] = to_item;
+      gone[from_item] = true;
+      plan.written_over[out] = in;
+    }
+  }
+  std::vector<Item> out;
+  for (size_t k = 0; k < items.size(); ++k)
+    if (!gone[k])
+      out.push_back(std::move(items[k]));
+  return out;
 }
 
 bool is_output(const KernelProgram &p, const std::string &name) {
@@ -104,7 +156,7 @@ MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const 
     size_t from = touches ? touched.first.at(t.name) : 0, to = touches ? touched.last.at(t.name) : end;
     if (is_output(p, t.name) || touched.crosses(t.name, boundary) || !touches)
       to = end; // kept: read after the run, or by a later part of it
-    items.push_back({t.name, aligned(bytes(t), alignment), from, to});
+    items.push_back(single({t.name, aligned(bytes(t), alignment), from, to}));
   }
   place_by_lifetime(std::move(items), plan);
   return plan;
@@ -116,7 +168,7 @@ StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size
   const size_t end = p.steps.empty() ? 0 : p.steps.size() - 1;
   plan.saved.last_step = plan.workspace.last_step = end;
   const Touches touched = touches_of(p);
-  std::vector<Item> transient;
+  std::vector<Member> transient;
   for (const TensorDecl &t : p.tensors) {
     if (t.is_input || is_output(p, t.name))
       continue;
@@ -140,8 +192,8 @@ StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size
     }
     transient.push_back({t.name, size, touched.first.at(t.name), touched.last.at(t.name)});
   }
-  place_by_lifetime(transient, plan.workspace);
-  for (const Item &it : transient) {
+  place_by_lifetime(join_in_place(p, boundary, transient, plan.workspace), plan.workspace);
+  for (const Member &it : transient) {
     const size_t top = plan.workspace.offset.at(it.name) + it.size;
     size_t &part = it.from < boundary ? plan.workspace_before : plan.workspace_after;
     internal_check(it.from >= boundary || it.to < boundary)

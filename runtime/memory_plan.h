@@ -27,6 +27,10 @@ struct MemoryPlan {
   size_t arena_bytes = 0;
   size_t separate_bytes = 0; // what the same tensors take one buffer each
   size_t last_step = 0;
+  // Outputs placed on the bytes of the input an element-wise step writes
+  // them over (PointwiseStep::in_place): output -> input. Their lifetimes
+  // meet at that step, and they share bytes all the same.
+  std::map<std::string, std::string> written_over;
   // Whether `name` shares bytes with another tensor.
   bool shares(const std::string &name) const;
   // Whether its value is still there after a run: kept to the last step,
@@ -48,7 +52,9 @@ MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const 
 //              it (a training forward's activations for its backward), one
 //              after another; the caller keeps this region from the forward
 //              to the end of its backward, one per forward in flight.
-//   workspace  every other intermediate, sharing bytes by lifetime; live
+//   workspace  every other intermediate, sharing bytes by lifetime (an
+//              output an element-wise step writes over an input it reads
+//              takes the input's bytes: PointwiseStep::in_place); live
 //              within one entry point only, so the caller may hand the
 //              steps before `boundary` and the steps from it different
 //              memory, each just for the call.

@@ -59,7 +59,9 @@ save_peer_cache() {
   tar -C /tmp/peer-cache -cJf "$R/peer-cache.txz" . &&
     echo "peer caches saved: $(find /tmp/peer-cache -name '*.autotune.json' | wc -l) autotune choices"
 }
-if has pytest || has stack; then
+# The package only where it runs: a SonicMoE-only stack (IMPLS=sonicmoe, its
+# autotuner's first call at a shape) spends no time building moeforge.
+if has pytest || { has stack && [[ ",${IMPLS:-moeforge}," == *",moeforge,"* ]]; }; then
   python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
     >"$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
   echo "pip install done at $(( $(date +%s) - T0 )) s"

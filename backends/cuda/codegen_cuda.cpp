@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "backends/cuda/tile_library.h"
@@ -50,9 +51,20 @@ public:
     std::string c = "g_" + c_name(name);
     if (add(KernelArg{KernelArg::Kind::tensor, name, nullptr})) {
       const TensorDecl &t = prog_.tensor(name);
-      params_.push_back((writes ? "" : "const ") + c_type(t.dtype) + " *__restrict__ " + c);
+      params_.push_back((writes ? "" : "const ") + c_type(t.dtype) +
+                        (may_alias_.count(name) ? " *" : " *__restrict__ ") + c);
     }
     return c;
+  }
+  // The tensors of an element-wise step that writes an output over an
+  // input's bytes (PointwiseStep::in_place): their pointers are not
+  // __restrict__, so the compiler keeps each element's loads before its
+  // stores. Called before the step's tensors are named.
+  void may_alias(const PointwiseStep &s) {
+    for (const auto &[out, in] : s.in_place) {
+      may_alias_.insert(out);
+      may_alias_.insert(in);
+    }
   }
   std::string route(const RoutingNode *r, const std::string &array) {
     std::string c = "rt_" + c_name(r->name) + "_" + array;
@@ -95,6 +107,7 @@ public:
   }
 
 private:
+  std::set<std::string> may_alias_;
   std::string extent_of(const std::shared_ptr<const DimNode> &n) {
     if (n->base)
       return "(" + extent_of(n->base) + " * " + std::to_string(n->factor) + "LL)";
@@ -1187,6 +1200,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
   k.step = s.name;
   k.threads = 256;
   KernelBuilder kb(prog, k);
+  kb.may_alias(s);
   const std::vector<Written> outs = written_by(prog, s, kb);
   const TensorDecl &out = *outs[0].t;
   internal_check(s.vars.size() >= 2 && !s.body.as<Softmax>() && !has_long_reduction(s.body))
@@ -1320,6 +1334,7 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   k.step = s.name;
   k.threads = 256;
   KernelBuilder kb(prog, k);
+  kb.may_alias(s);
   const TensorDecl &out = prog.tensor(s.output);
   const std::vector<Written> outs = written_by(prog, s, kb);
   const std::string gOut = outs[0].ptr;
@@ -1469,13 +1484,19 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
       em.fast_special = stored_bf16(outs[0]);
       emit_softmax_row(em, kb, *softmax, [&](const std::string &v) { store(outs[0], v); });
     } else {
-      std::vector<std::string> values;
-      for (const Written &w : outs) {
-        em.fast_special = stored_bf16(w);
-        values.push_back(em.emit(w.value));
+      // Every value before any store (an output may be written over an
+      // input the next value reads: PointwiseStep::in_place).
+      for (size_t o = 0; o < outs.size(); ++o) {
+        em.fast_special = stored_bf16(outs[o]);
+        const std::string value = em.emit(outs[o].value);
+        if (outs.size() == 1) {
+          store(outs[o], value);
+          break;
+        }
+        em.out() << em.pad() << "const float out" << o << " = " << value << ";\n";
       }
-      for (size_t o = 0; o < outs.size(); ++o)
-        store(outs[o], values[o]);
+      for (size_t o = 0; outs.size() > 1 && o < outs.size(); ++o)
+        store(outs[o], "out" + std::to_string(o));
     }
   }
   k.grid.kind = GridShape::Kind::elements;

@@ -21,7 +21,8 @@
 # every GEMM config (more than 8 minutes at qwen3moe): its caches (QuACK's
 # and Triton's autotune choices and compiled kernels, about 1 MB packed)
 # are packed into $OUT/stack/peer-cache.txz, and unpacked from
-# .peers/peer-cache.txz when that is carried, so a later call skips them.
+# .peers/peer-cache.txz when that is carried, else from the committed
+# benchmarks/peers/sonicmoe-cache-h200.txz, so a later call skips them.
 # Logs and JSON go to $OUT/stack.
 set -uo pipefail
 . scripts/device_env.sh
@@ -51,7 +52,9 @@ if has stack && [ -d .peers/sonicmoe ]; then
   export QUACK_CACHE_AUTOTUNING=1 TRITON_CACHE_AUTOTUNING=1 QUACK_COMPILE_WORKERS=16
   export QUACK_CACHE_DIR=/tmp/peer-cache/quack TRITON_CACHE_DIR=/tmp/peer-cache/triton QUACK_HOME=/tmp/peer-cache/home
   mkdir -p /tmp/peer-cache/quack /tmp/peer-cache/triton
-  [ -f .peers/peer-cache.txz ] && tar -C /tmp/peer-cache -xJf .peers/peer-cache.txz
+  cache=.peers/peer-cache.txz
+  [ -f "$cache" ] || cache=benchmarks/peers/sonicmoe-cache-h200.txz
+  [ -f "$cache" ] && tar -C /tmp/peer-cache -xJf "$cache"
 fi
 # One file, not a tree: the device tool brings back no deep folders.
 save_peer_cache() {

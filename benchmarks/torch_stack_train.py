@@ -17,7 +17,7 @@ implementations get identical values without a host copy: W1, W3 [E, d, f],
 W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
 
 usage: python3 benchmarks/torch_stack_train.py [--shapes qwen3moe,fine64]
-       [--layers 8,24] [--impls moeforge,torch,sonicmoe] [--schedule auto|PRESET|FILE]
+       [--layers 8,24] [--impls moeforge,moeforge:FILE,torch,sonicmoe] [--schedule auto|PRESET|FILE]
        [--grads kept,none] [--reps N] [--out results.json]
 """
 import argparse
@@ -98,11 +98,26 @@ class SonicLayer(torch.nn.Module):
 def make_layer(impl, seed, shape, dev, schedule):
     T, d, f, E, k = shape
     w = layer_weights(seed, d, f, E, dev)
-    if impl == "moeforge":
-        return moeforge_layer(*w, k, schedule)
+    if impl.startswith("moeforge"):
+        return moeforge_layer(*w, k, impl_schedule(impl, schedule))
     if impl == "torch":
         return TorchLayer(*w, k)
     return SonicLayer(*w, k)
+
+
+def impl_schedule(impl, schedule):
+    """moeforge:FILE runs the schedule in FILE; plain moeforge, --schedule's."""
+    if ":" not in impl:
+        return schedule
+    import moeforge as mf
+    return mf.Schedule.load(impl.split(":", 1)[1])
+
+
+def impl_label(impl):
+    """moeforge:benchmarks/schedules/train/x.sched prints as moeforge:x."""
+    if ":" not in impl:
+        return impl
+    return "moeforge:" + os.path.splitext(os.path.basename(impl.split(":", 1)[1]))[0]
 
 
 def used_outside(free0, reserved0):
@@ -139,7 +154,7 @@ def run(impl, name, layers, reps, schedule, pause, grads):
     step()  # compiles (SonicMoE: 10-90 s at a new shape)
     torch.cuda.synchronize()
     first_s = time.time() - t0
-    print(f"  {impl} {name} L={layers}: first step {first_s:.1f} s", file=sys.stderr, flush=True)
+    print(f"  {impl_label(impl)} {name} L={layers}: first step {first_s:.1f} s", file=sys.stderr, flush=True)
     step()
     torch.cuda.synchronize()
     time.sleep(pause)
@@ -158,7 +173,7 @@ def run(impl, name, layers, reps, schedule, pause, grads):
     peak_allocated = torch.cuda.max_memory_allocated() - allocated0
     outside = used_outside(free0, reserved0)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    row = {"impl": impl, "shape": name, "layers": layers, "step_ms": statistics.median(times),
+    row = {"impl": impl_label(impl), "shape": name, "layers": layers, "step_ms": statistics.median(times),
            "step_ms_min": min(times), "peak_GiB": (peak_reserved + outside) / GiB, "outside_GiB": outside / GiB,
            "peak_allocated_GiB": peak_allocated / GiB, "grads": grads,
            "weights_and_grads_GiB": 2 * weights / GiB, "first_step_s": first_s}
@@ -203,15 +218,15 @@ def main():
                 try:
                     row = run(impl, name, layers, args.reps, schedule, args.pause, grads)
                 except torch.OutOfMemoryError as e:
-                    row = {"impl": impl, "shape": name, "layers": layers, "grads": grads,
+                    row = {"impl": impl_label(impl), "shape": name, "layers": layers, "grads": grads,
                            "error": "out of memory: " + str(e)[:120]}
                     gc.collect()
                     torch.cuda.empty_cache()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'shape':9} {'L':>3} {'grads':5} {'impl':9} {'step ms':>8} {'peak GiB':>9} {'outside':>8} {'allocated':>9}")
+    print(f"\n{'shape':9} {'L':>3} {'grads':5} {'impl':30} {'step ms':>8} {'peak GiB':>9} {'outside':>8} {'allocated':>9}")
     for r in rows:
-        head = f"{r['shape']:9} {r['layers']:>3} {r['grads']:5} {r['impl']:9}"
+        head = f"{r['shape']:9} {r['layers']:>3} {r['grads']:5} {r['impl']:30}"
         if "error" in r:
             print(f"{head} {r['error'][:40]}")
         else:

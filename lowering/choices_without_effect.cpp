@@ -51,6 +51,10 @@ std::vector<std::string> choices_without_effect(const Schedule &s, const std::st
        "the backward has no two GEMMs whose outputs are only added together through one combine (SwiGLU's and "
        "GeGLU's input gradients are)",
        ReadBy::training},
+      {"gather_in_gemms(true)", s.gather_in_gemms(), [](Schedule &x) { x.gather_in_gemms(false); },
+       s.padded_elementwise() ? "the backward copies no token rows into the padded order for a GEMM"
+                              : "without padded_elementwise(true) the GEMMs gather token rows themselves already",
+       ReadBy::training},
       {"recompute_elementwise(true)", s.recompute_elementwise(), [](Schedule &x) { x.recompute_elementwise(false); },
        s.recompute() ? "recompute(true) recomputes the whole forward already"
                      : "the forward saves no element-wise result that the backward could make again",

@@ -129,8 +129,9 @@ std::optional<Match> find_pattern(const KernelProgram &p, size_t forward_steps,
 // Under recompute_elementwise, h is made again in the backward anyway: the
 // weight gradient dW2 = sum over r of h(r)^T d_o(r), with d_o = s(r) dy's
 // rows, reads s(r) * h (made in the same kernel as h, which
-// merge_sibling_pointwise puts together) against dy's per-pair copy, which
-// the dH GEMM reads already: d_o (T*k x d) is then not made at all. Returns
+// merge_sibling_pointwise puts together) against dy's rows as the dH GEMM
+// reads them (its per-pair copy, or dy gathered by token): d_o (T*k x d) is
+// then not made at all. Returns
 // whether d_o's step went.
 bool scale_made_again_h(KernelProgram &p, size_t forward_steps, const Match &m, const std::string &d_o,
                         const std::string &dy_rows) {
@@ -159,6 +160,9 @@ bool scale_made_again_h(KernelProgram &p, size_t forward_steps, const Match &m, 
                      {}};
   dw.a = scaled.name;
   dw.b = {dy_rows};
+  // dy itself, not its per-pair copy: the reduction gathers its rows by token.
+  if (p.tensor(dy_rows).layout == RowLayout::dense)
+    dw.b_rows = RowMap::gather_token;
   p.steps.insert(p.steps.begin() + static_cast<long>(reduction), std::move(make));
   p.steps.erase(std::remove_if(p.steps.begin() + static_cast<long>(forward_steps), p.steps.end(),
                                [&](const Step &s) { return step_output(s) == d_o; }),
@@ -211,13 +215,15 @@ bool gate_gradient_from_dh(KernelProgram &p, size_t forward_steps, const Schedul
   // in the padded order, gathered by token in the GEMM (dy converted to bf16
   // once, T x d, as a GEMM reads bf16). Not under padded_elementwise: the
   // copy is then read by TMA, and a gathered A cost mixtral's dH GEMM 0.3 ms
-  // (H200) against 0.04 ms for writing the copy.
+  // (H200) against 0.04 ms for writing the copy, unless the schedule asks
+  // for the memory back (gather_in_gemms).
   auto &dh = std::get<GemmStep>(steps[m->dh]);
   dh.output = u;
   const std::string d_o_name = dh.a;
   std::optional<std::pair<size_t, PointwiseStep>> insert; // a step before step `first`
   const TensorDecl &dy = p.tensor(m->dy);
-  if (schedule.permutation() == Permutation::scattered && !schedule.padded_elementwise()) {
+  if (schedule.permutation() == Permutation::scattered &&
+      (!schedule.padded_elementwise() || schedule.gather_in_gemms())) {
     std::string rows = m->dy;
     if (dy.dtype != DType::bf16) {
       TensorDecl bf16 = dy;
@@ -245,7 +251,7 @@ bool gate_gradient_from_dh(KernelProgram &p, size_t forward_steps, const Schedul
     steps.insert(steps.begin() + static_cast<long>(insert->first), std::move(insert->second));
   p.steps = std::move(steps);
   std::set<std::string> gone{d_h};
-  if (rows == m->dy + "_rows" && schedule.recompute_elementwise() && !schedule.recompute() &&
+  if (schedule.recompute_elementwise() && !schedule.recompute() &&
       scale_made_again_h(p, forward_steps, *m, d_o_name, rows))
     gone.insert(d_o_name);
   p.tensors.erase(

@@ -258,7 +258,10 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
                  << "  (one accumulator)\n";
             os << "    " << x.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << x.epilogue
                << "  -> rows " << row_map_name(x.out_rows)
-               << (x.out_add ? ", added atomically into the zeroed output" : "") << "\n";
+               << (x.out_add ? x.out_add_onto_written ? ", added atomically onto the output's values"
+                                                      : ", added atomically into the zeroed output"
+                             : "")
+               << "\n";
             for (const GemmStep::Extra &e : x.extra)
               os << "    and " << e.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << e.value
                  << "\n";

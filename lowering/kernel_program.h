@@ -136,6 +136,10 @@ struct GemmStep {
   // backend zeroes before the GEMM runs: a combine's sum over a token's
   // pairs taken in the epilogue (Schedule::atomic_combine).
   bool out_add = false;
+  // out_add onto what an earlier step wrote to the output (a dense GEMM's
+  // plain store: a backward's input gradient from the router, which the
+  // experts' shares add onto), which the backend then does not zero.
+  bool out_add_onto_written = false;
   // A routed GEMM that runs over a window of its route's tiles, a list the
   // runtime writes before each launch (CudaLayer::enqueue_window): an
   // expert-parallel rank's forward over one group of experts whose rows

@@ -533,8 +533,9 @@ KernelProgram materialize_transposes(KernelProgram p, const Schedule &schedule) 
       // padded_elementwise: the token rows an expert reduction gathers (x
       // for dW1 = x^T dH1) are gathered once into the padded order (zero
       // padding), which the reductions then read by TMA like their other
-      // operand; SwiGLU's dW1 and dW3 share the copy.
-      if (schedule.padded_elementwise() && g->a_rows == RowMap::gather_token) {
+      // operand; SwiGLU's dW1 and dW3 share the copy. Not under
+      // gather_in_gemms: the reductions then gather them in place.
+      if (schedule.padded_elementwise() && !schedule.gather_in_gemms() && g->a_rows == RowMap::gather_token) {
         const RoutingNode *r = g->route;
         const TensorDecl a = p.tensor(g->a);
         TensorDecl ap{g->a + "_rows_" + r->name, DType::bf16, {r->pairs, a.dims[1]}, RowLayout::padded, r, false};
@@ -1025,35 +1026,91 @@ const char *const kAtomicCombineNotApplied =
     "outputs keeps them: gate_gradient_from_dh(true) on the wgmma loops takes the gate's gradient from h "
     "instead)";
 
+namespace {
+
+// The step of the dense GEMM whose output `e` reads as it is, w(t, col) at
+// the combine step's own indices, when that GEMM stores its accumulator
+// plainly in y's dtype and shape and step i is w's only reader; else -1.
+// That GEMM can then write y itself, and the combine's adds land on it.
+long dense_gemm_onto(const KernelProgram &p, size_t i, const Expr &e, const PointwiseStep &pw) {
+  const auto *a = e.as<Access>();
+  if (!a || a->args.size() != 2 || !a->args[0].is_plain() || !a->args[1].is_plain() ||
+      !a->args[0].var.same_as(pw.vars[0]) || !a->args[1].var.same_as(pw.vars[1]))
+    return -1;
+  const std::string w = a->target_name();
+  const long k = step_writing(p, w);
+  const auto *g = k >= 0 ? std::get_if<GemmStep>(&p.steps[k]) : nullptr;
+  if (!g || g->route || g->out_add || !g->extra.empty() || g->output != w || is_output(p, w) ||
+      !stores_plain_accumulator(*g) || reads_of(p, w) != 1)
+    return -1;
+  const TensorDecl &wt = p.tensor(w), &yt = p.tensor(pw.output);
+  if (wt.dtype != yt.dtype || wt.dims != yt.dims || wt.layout != RowLayout::dense || wt.stride8 != yt.stride8)
+    return -1;
+  for (size_t s = 0; s < p.steps.size(); ++s)
+    if (s != i && s != static_cast<size_t>(k))
+      for (const std::string &o : step_outputs(p.steps[s]))
+        if (o == pw.output)
+          return -1;
+  return k;
+}
+
+} // namespace
+
 size_t fuse_atomic_combines(KernelProgram &p, size_t begin, size_t end) {
   auto producer = [&](const std::string &name) { return step_writing(p, name); };
   for (size_t i = begin; i < end; ++i) {
     auto *pw = std::get_if<PointwiseStep>(&p.steps[i]);
-    const RouteSum *rs = pw ? pw->body.as<RouteSum>() : nullptr;
-    // y(t, col) = combine(route, t, v(r, col)), the whole body: v must not
-    // read at t itself (only at the pair), since the epilogue has r alone.
+    // y(t, col) = combine(route, t, v(r, col)), the whole body, or plus a
+    // dense GEMM's output w(t, col) (a training backward's input gradient:
+    // the experts' share and the router's): v must not read at t itself
+    // (only at the pair), since the epilogue has r alone.
+    long onto = -1; // the dense GEMM w's, which then writes y for the adds to land on
+    Expr combine = pw ? pw->body : Expr();
+    if (pw && !combine.as<RouteSum>())
+      if (const auto *add = pw->body.as<Binary>(); add && add->op == BinaryOp::add)
+        for (const auto &[sum, other] : {std::pair{add->a, add->b}, std::pair{add->b, add->a}})
+          if (sum.as<RouteSum>() && (onto = dense_gemm_onto(p, i, other, *pw)) >= 0) {
+            combine = sum;
+            break;
+          }
+    const RouteSum *rs = pw ? combine.as<RouteSum>() : nullptr;
     if (!rs || pw->vars.size() != 2 || !pw->extra.empty() || rs->field != RouteField::token ||
         !rs->target.same_as(pw->vars[0]) || rs->route->k == 1 || uses_var(rs->body, pw->vars[0]))
       continue;
     const RoutingNode *r = rs->route.get();
-    const std::vector<std::string> reads = step_reads(p.steps[i]);
-    const long j = latest_gemm_read_by(p, begin, i, reads);
+    // The routed GEMM whose output the combine sums: the latest the sum reads.
+    const std::vector<std::string> reads = step_reads(PointwiseStep{"", pw->output, pw->vars, combine, {}, {}});
+    long j = latest_gemm_read_by(p, begin, i, reads);
     if (j < 0)
       continue;
-    GemmStep &g = std::get<GemmStep>(p.steps[j]);
-    if (g.route != r || g.expert_k || g.windowed || !g.row_var.same_as(r->pair) || !pw->vars[1].dim().same_as(g.n) ||
-        is_output(p, g.output))
-      continue;
+    {
+      const GemmStep &g = std::get<GemmStep>(p.steps[j]);
+      if (g.route != r || g.expert_k || g.windowed || !g.row_var.same_as(r->pair) || !pw->vars[1].dim().same_as(g.n) ||
+          is_output(p, g.output))
+        continue;
+    }
     // The combine must be the GEMM output's only reader (it is not stored
     // any more), and everything else it reads ready when the GEMM runs.
     bool ok = true;
     for (size_t k = 0; k < p.steps.size(); ++k)
       for (const std::string &name : step_reads(p.steps[k]))
-        ok &= k == i || name != g.output;
+        ok &= k == i || name != std::get<GemmStep>(p.steps[j]).output;
     for (const std::string &name : reads)
       ok &= producer(name) <= j;
+    // w is written before the adds: its GEMM moves ahead of the routed one
+    // when what it reads is ready by then (nothing between reads w).
+    if (onto > j)
+      for (const std::string &name : step_reads(p.steps[onto]))
+        ok &= producer(name) < j;
     if (!ok)
       continue;
+    if (onto > j) {
+      Step moved = std::move(p.steps[onto]);
+      p.steps.erase(p.steps.begin() + onto);
+      p.steps.insert(p.steps.begin() + j, std::move(moved));
+      onto = j++;
+    }
+    GemmStep &g = std::get<GemmStep>(p.steps[j]);
     RenameVars rename;
     rename.to[pw->vars[1].get()] = g.col_var;
     std::optional<Expr> value = in_epilogue(g, rs->body, rename);
@@ -1064,6 +1121,12 @@ size_t fuse_atomic_combines(KernelProgram &p, size_t begin, size_t end) {
     g.epilogue = *value;
     g.out_rows = RowMap::gather_token;
     g.out_add = true;
+    if (onto >= 0) {
+      auto &w = std::get<GemmStep>(p.steps[onto]);
+      erase_tensor(p, w.output);
+      w.output = pw->output;
+      g.out_add_onto_written = true;
+    }
     p.steps.erase(p.steps.begin() + static_cast<long>(i));
     --i;
     --end;

@@ -426,11 +426,11 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     recompute_epilogue_values(p, t.forward_steps, t.outputs);
   // After gate_gradient_from_dh, which may leave the combine the expert
   // outputs' only reader.
+  bool combined_atomically = false; // in the forward or the backward
   if (schedule.atomic_combine()) {
     const size_t before = t.forward_steps;
     t.forward_steps = fuse_atomic_combines(p, 0, t.forward_steps);
-    if (t.forward_steps == before)
-      p.not_applied.push_back(kAtomicCombineNotApplied);
+    combined_atomically = t.forward_steps != before;
   }
   merge_sibling_pointwise(p, t.forward_steps, p.steps.size(), schedule);
   if (schedule.bf16_activations())
@@ -441,6 +441,15 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
         p.find(g->output)->dtype = DType::bf16;
   if (schedule.chain_summed_gemms())
     chain_summed_gemms(p, t.forward_steps);
+  // The backward's combine too, once chain_summed_gemms has made its input
+  // gradient's expert products one GEMM: the sum over each token's pairs
+  // (T k x d, the largest tensor of its workspace) and the router's share.
+  if (schedule.atomic_combine()) {
+    const size_t before = p.steps.size();
+    combined_atomically |= fuse_atomic_combines(p, t.forward_steps, p.steps.size()) != before;
+    if (!combined_atomically)
+      p.not_applied.push_back(kAtomicCombineNotApplied);
+  }
   // After the fusions: which GEMM writes a saved tensor, and whether one
   // reads it, is then final.
   save_in_pair_order(p, t.forward_steps);

@@ -195,6 +195,14 @@ public:
   // copied once into that order too, for the backward's time: one more
   // T*k x d bf16 tensor, not kept past the reductions that read it.
   Schedule &padded_elementwise(bool on);
+  // Under padded_elementwise, for the backward's memory: the token rows a
+  // training backward's GEMMs read through the route (the upstream gradient
+  // in the dH GEMM and dW2's reduction, x in the weight gradients dW1 = x^T
+  // dH1, ...) are gathered inside those GEMMs (cp.async, zeros on padding
+  // rows) instead of copied first into the padded order and read by TMA:
+  // two T*k x d bf16 tensors fewer in the backward's workspace (qwen3moe:
+  // 576 MiB each), for the gathered loads' time.
+  Schedule &gather_in_gemms(bool on);
   // Training: forward values that a GEMM's epilogue makes element-wise from
   // results it stores as well (SwiGLU's h = silu(h1) * h3 beside h1 and h3,
   // GeLU's h beside its pre-activation) are not kept for the backward but
@@ -235,8 +243,11 @@ public:
   // own output is read by nothing but that combine (in a training forward,
   // where the backward does not read the expert outputs: the lean mode's
   // gate_gradient_from_dh on the wgmma loops); k = 1 combines are
-  // plain stores anyway. Not with expert_parallel, whose combine runs where
-  // the rows come back.
+  // plain stores anyway. A training backward's input gradient, the sum of
+  // each token's pairs' rows and the router's share, is taken the same way:
+  // the router's GEMM writes it and the experts' GEMM adds onto it (neither
+  // the T*k x d rows nor the router's share is stored). Not with
+  // expert_parallel, whose combine runs where the rows come back.
   Schedule &atomic_combine(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
@@ -282,6 +293,7 @@ public:
   bool gate_gradient_from_dh() const { return gate_gradient_from_dh_; }
   bool chain_summed_gemms() const { return chain_summed_gemms_; }
   bool atomic_combine() const { return atomic_combine_; }
+  bool gather_in_gemms() const { return gather_in_gemms_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -355,6 +367,7 @@ private:
   bool gate_gradient_from_dh_ = false;
   bool chain_summed_gemms_ = false;
   bool atomic_combine_ = false;
+  bool gather_in_gemms_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

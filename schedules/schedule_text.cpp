@@ -60,6 +60,7 @@ const std::vector<Signature> &signatures() {
       {"gate_gradient_from_dh", {{"on", ArgType::boolean}}},
       {"chain_summed_gemms", {{"on", ArgType::boolean}}},
       {"atomic_combine", {{"on", ArgType::boolean}}},
+      {"gather_in_gemms", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -78,6 +79,7 @@ FlagSetter flag_setter(const std::string &primitive) {
       {"gate_gradient_from_dh", &Schedule::gate_gradient_from_dh},
       {"chain_summed_gemms", &Schedule::chain_summed_gemms},
       {"atomic_combine", &Schedule::atomic_combine},
+      {"gather_in_gemms", &Schedule::gather_in_gemms},
   };
   for (const auto &[name, set] : flags)
     if (primitive == name)

@@ -64,7 +64,7 @@ save_peer_cache() {
 }
 # The package only where it runs: a SonicMoE-only stack (IMPLS=sonicmoe, its
 # autotuner's first call at a shape) spends no time building moeforge.
-if has pytest || { has stack && [[ ",${IMPLS:-moeforge}," == *",moeforge,"* ]]; }; then
+if has pytest || { has stack && [[ ",${IMPLS:-moeforge}," == *",moeforge"* ]]; }; then
   python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
     >"$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
   echo "pip install done at $(( $(date +%s) - T0 )) s"

@@ -13,6 +13,7 @@
 #include "dsl/error.h"
 #include "examples/examples.h"
 #include "layer_compare.h"
+#include "lowering/default_schedule.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
@@ -85,13 +86,17 @@ TEST_CASE("atomic_combine: k = 1 stays a store; training takes it where the back
           std::string::npos);
   }
   // Training where the backward reads the expert outputs o (the gate's
-  // gradient <dy, o>): o must be stored, so the combine stays a step.
+  // gradient <dy, o>): o must be stored, so the combine stays a step; and
+  // the backward's input gradient sums two GEMMs' rows per pair (SwiGLU's
+  // dH1 W1^T and dH3 W3^T, one GEMM only under chain_summed_gemms), which
+  // no one epilogue makes either.
   ExampleShape s = shape(150, 64, 192, 8, 2);
   Example ex = make_example("swiglu_moe", s);
   TrainingProgram keeps = lower_training(ex.pipeline, ex.pipeline.outputs().front(),
                                          atomic_schedule(Permutation::scattered, GateFusion::epilogue));
   CHECK(gemm_writing(keeps.program, "y") == nullptr);
   CHECK(has_step_writing(keeps.program, "y"));
+  CHECK(gemm_writing(keeps.program, "d_x") == nullptr);
   CHECK(keeps.program.not_applied == std::vector<std::string>{kAtomicCombineNotApplied});
   // The lean mode on the wgmma loops (gate_gradient_from_dh reads the dH
   // GEMM's W2^T in place): the backward takes the gate's gradient from h,
@@ -128,4 +133,55 @@ TEST_CASE("atomic_combine: the schedule text round-trips and refuses expert para
                                          "token's GPU once its rows come back, where no GEMM epilogue makes them; "
                                          "drop one of the two"),
                        UserError);
+}
+
+TEST_CASE("atomic_combine: a training backward's input gradient adds each pair's row onto the router's share") {
+  // d_x(t) = sum over t's pairs of dA(r) W^T + the router's d_logits Wr^T: the
+  // router's dense GEMM writes d_x, the experts' GEMM adds onto it, and
+  // neither the per-pair rows (T k x d) nor the router's share is stored.
+  ExampleShape s = shape(150, 64, 192, 8, 2);
+  for (const char *example : {"moe_mlp", "swiglu_moe"}) {
+    INFO(example);
+    Example ex = make_example(example, s);
+    // SwiGLU's two products per pair are one GEMM under the default's
+    // chain_summed_gemms.
+    const Func out = ex.pipeline.outputs().front();
+    Schedule sch = example == std::string("moe_mlp") ? preset("scattermoe") : default_schedule(ex.pipeline, {out});
+    sch.atomic_combine(true);
+    TrainingProgram t = lower_training(ex.pipeline, out, sch);
+    std::vector<size_t> writers;
+    for (size_t i = t.forward_steps; i < t.program.steps.size(); ++i)
+      for (const std::string &o : step_outputs(t.program.steps[i]))
+        if (o == "d_x")
+          writers.push_back(i);
+    REQUIRE(writers.size() == 2);
+    const auto *router = std::get_if<GemmStep>(&t.program.steps[writers[0]]);
+    const auto *experts = std::get_if<GemmStep>(&t.program.steps[writers[1]]);
+    REQUIRE(router != nullptr);
+    REQUIRE(experts != nullptr);
+    CHECK(router->route == nullptr);
+    CHECK_FALSE(router->out_add);
+    CHECK(experts->route != nullptr);
+    CHECK(experts->out_add);
+    CHECK(experts->out_add_onto_written);
+    CHECK(experts->out_rows == RowMap::gather_token);
+    std::ostringstream text;
+    text << t.program;
+    CHECK(text.str().find("added atomically onto the output's values") != std::string::npos);
+    // Without the flag the input gradient is a step of its own, which reads
+    // the pairs' rows and the router's share: tensors the flag does not make.
+    TrainingProgram plain = lower_training(ex.pipeline, out, Schedule(sch).atomic_combine(false));
+    CHECK(gemm_writing(plain.program, "d_x") == nullptr);
+    const PointwiseStep *sum = nullptr;
+    for (const Step &st : plain.program.steps)
+      if (const auto *pw = std::get_if<PointwiseStep>(&st); pw && pw->output == "d_x")
+        sum = pw;
+    REQUIRE(sum != nullptr);
+    const std::vector<std::string> read = step_reads(*sum);
+    CHECK(read.size() >= 2);
+    for (const std::string &r : read) {
+      INFO(r);
+      CHECK(t.program.find(r) == nullptr);
+    }
+  }
 }

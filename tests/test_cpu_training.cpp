@@ -15,6 +15,7 @@
 #include "dsl/training.h"
 #include "examples/aux_loss_example.h"
 #include "examples/norm_layers.h"
+#include "lowering/default_schedule.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "runtime/program_shapes.h"
@@ -626,6 +627,31 @@ TEST_SUITE("cpu") {
             CHECK(chained == (std::string(name) == "swiglu_moe" ? 1 : 0));
             check_step(compiled, ex, train, in, s.tokens);
           }
+  }
+
+  TEST_CASE("cpu training: the backward's memory choices (atomic_combine, gather_in_gemms) train") {
+    // The input gradient added atomically onto the router's share (one
+    // writer, then the experts' adds), dy's and x's rows gathered inside the
+    // GEMMs instead of copied in the padded order; the default schedule and
+    // the lean mode of both presets, T = 150 and T = 1.
+    for (const char *name : {"swiglu_moe", "moe_mlp"})
+      for (const char *p : {"default", "megablocks", "scattermoe"})
+        for (int64_t tokens : {150, 1}) {
+          INFO(name << " / " << p << " / T = " << tokens);
+          ExampleShape s = shape(tokens, 64, 128, 8, 2);
+          Example ex = make_example(name, s);
+          Training train = training_of(ex);
+          TensorMap in = with_seed_gradients(ex.pipeline, train, ex.random_inputs(s, 29), 37);
+          const Func out = ex.pipeline.func(ex.output);
+          Schedule sch = p == std::string("default") ? default_schedule(ex.pipeline, {out}) : named(p, false);
+          if (p != std::string("default"))
+            sch.padded_elementwise(true).recompute_elementwise(true).gate_gradient_from_dh(true).chain_summed_gemms(
+                true);
+          sch.atomic_combine(true).gather_in_gemms(true);
+          CHECK(Schedule::from_text(sch.to_text()).gather_in_gemms());
+          cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, out, sch);
+          check_step(compiled, ex, train, in, s.tokens);
+        }
   }
 
   TEST_CASE("cpu training: gradient() of an unknown name and backward() before forward() are user errors") {

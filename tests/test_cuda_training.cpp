@@ -19,6 +19,7 @@
 #include "examples/norm_layers.h"
 #include "gpu_test.h"
 #include "layer_compare.h"
+#include "lowering/default_schedule.h"
 #include "schedules/presets.h"
 #include "training_compare.h"
 #include "whole_gradient.h"
@@ -76,7 +77,8 @@ Outcome train_aux_and_compare(const AuxLossLayer &a, TensorMap inputs, int64_t t
 TEST_CASE("cuda training: every preset x example x memory choice compiles for sm_90a without spills") {
   ExampleShape s = shape(64, 64, 128, 8, 2);
   for (const char *name : {"moe_mlp", "swiglu_moe"})
-    for (const char *p : {"megablocks", "scattermoe", "megablocks+lean", "scattermoe+padded+lean"})
+    for (const char *p : {"megablocks", "scattermoe", "megablocks+lean", "scattermoe+padded+lean",
+                          "scattermoe+padded+lean+chain+atomic+gather"})
       for (bool recompute : {false, true}) {
         Example ex = make_example(name, s);
         cuda::CompiledTraining c =
@@ -90,6 +92,27 @@ TEST_CASE("cuda training: every preset x example x memory choice compiles for sm
         CHECK(c.layer.source.source.find("over the padded rows of route") == std::string::npos);
         CHECK(c.training.forward_steps < c.training.program.steps.size());
       }
+}
+
+TEST_CASE("cuda training: the default schedule with the backward's memory choices compiles for sm_90a without spills") {
+  for (const char *name : {"moe_mlp", "swiglu_moe"})
+    for (const ExampleShape &s : {shape(64, 64, 128, 8, 2), shape(64, 256, 256, 16, 4)}) {
+      Example ex = make_example(name, s);
+      const Func out = ex.pipeline.func(ex.output);
+      Schedule sch = default_schedule(ex.pipeline, {out});
+      sch.atomic_combine(true).gather_in_gemms(true);
+      cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, out, sch);
+      check_resources(c.layer, std::string(name) + " / d = " + std::to_string(s.d));
+      // The experts' input-gradient GEMM adds onto the router's share; no
+      // padded copy of x or dy is made.
+      int onto = 0;
+      for (const Step &st : c.training.program.steps) {
+        if (const auto *g = std::get_if<GemmStep>(&st))
+          onto += g->out_add_onto_written;
+        CHECK(!std::holds_alternative<GatherStep>(st));
+      }
+      CHECK(onto == 1);
+    }
 }
 
 TEST_CASE("cuda training: the RMSNorm-prologue MoE compiles for sm_90a without spills, forward and training") {
@@ -203,13 +226,33 @@ TEST_SUITE("gpu") {
   TEST_CASE("cuda training: gradients of every preset x example match the reference") {
     MOEFORGE_REQUIRE_GPU();
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (const char *p : {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean",
-                            "scattermoe+padded+lean", "scattermoe+padded+lean+chain"})
+      for (const char *p :
+           {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean", "scattermoe+padded+lean",
+            "scattermoe+padded+lean+chain", "scattermoe+padded+lean+chain+atomic+gather"})
         for (bool recompute : {false, true}) {
           ExampleShape s = shape(200, 64, 128, 8, 2);
           Example ex = make_example(name, s);
           INFO(name << " / " << p << (recompute ? " / recompute" : ""));
           Outcome o = train_and_compare(ex, ex.random_inputs(s, 7), s.tokens, training_preset(p, recompute));
+          CHECK(o.routing_mismatches == 0);
+        }
+  }
+
+  // The default schedule (warp-specialised wgmma with TMA operands, the lean
+  // memory mode) as it is and with the backward's memory choices: the input
+  // gradient added atomically onto the router's share, token rows gathered
+  // inside the GEMMs, an activation gradient written over dy W2^T's bytes.
+  TEST_CASE("cuda training: the default schedule with atomic_combine and gather_in_gemms") {
+    MOEFORGE_REQUIRE_GPU();
+    for (const char *name : {"moe_mlp", "swiglu_moe"})
+      for (bool lean : {false, true})
+        for (const ExampleShape &s : {shape(200, 64, 128, 8, 2), shape(300, 256, 128, 128, 8)}) {
+          Example ex = make_example(name, s);
+          const Func out = ex.pipeline.func(ex.output);
+          Schedule sch = default_schedule(ex.pipeline, {out});
+          sch.atomic_combine(lean).gather_in_gemms(lean);
+          INFO(name << " / E = " << s.experts << "\n" << sch.to_text());
+          Outcome o = train_and_compare(ex, ex.random_inputs(s, 9), s.tokens, sch);
           CHECK(o.routing_mismatches == 0);
         }
   }

@@ -31,6 +31,8 @@ inline Schedule training_preset(const std::string &name, bool recompute) {
     s.chain_summed_gemms(true);
   if (has("+atomic"))
     s.atomic_combine(true);
+  if (has("+gather"))
+    s.gather_in_gemms(true);
   return s;
 }
 

@@ -637,10 +637,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
   if (g.route) {
     // Grouped: the used tiles of the routing table, each one expert's rows,
     // in parallel (a pair's row lies in one tile). A GEMM that adds its rows
-    // into their tokens' (out_add) zeroes the output first and walks its
-    // tiles in order: two pairs of one token lie in different tiles.
+    // into their tokens' (out_add) zeroes the output first (unless it adds
+    // onto what an earlier GEMM wrote there) and walks its tiles in order:
+    // two pairs of one token lie in different tiles.
     const RoutingNode *rt = g.route;
-    if (g.out_add) {
+    if (g.out_add && !g.out_add_onto_written) {
       internal_check(C.dims.size() == 2) << "step " << g.name << ": an added output is [tokens, n]";
       fb.for_loop(fb.c64(0), b.CreateMul(fb.extent(C.dims[0]), fb.extent(C.dims[1])), "z",
                   [&](Value *i) { fb.store(C, i, fb.cf(0.0)); });

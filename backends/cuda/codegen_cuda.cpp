@@ -1067,7 +1067,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     k.grid.split_k_dim = g.k;
     k.grid.tile_k = t.tile_k;
   }
-  if (split_k || g.out_add) // the slices or pairs add into it
+  if (split_k || (g.out_add && !g.out_add_onto_written)) // the slices or pairs add into it
     k.zero_first = g.output;
   k.shared_bytes = plan.shared_bytes();
   k.threads = plan.threads;

@@ -54,6 +54,7 @@ void bind_schedule(nb::module_ &m) {
       .def("gate_gradient_from_dh", nb::overload_cast<bool>(&Schedule::gate_gradient_from_dh), "on"_a = true, chain)
       .def("chain_summed_gemms", nb::overload_cast<bool>(&Schedule::chain_summed_gemms), "on"_a = true, chain)
       .def("atomic_combine", nb::overload_cast<bool>(&Schedule::atomic_combine), "on"_a = true, chain)
+      .def("gather_in_gemms", nb::overload_cast<bool>(&Schedule::gather_in_gemms), "on"_a = true, chain)
       .def("tile", nb::overload_cast<const std::string &, int, int, int>(&Schedule::tile), "func"_a, "m"_a, "n"_a,
            "k"_a, chain)
       .def("stages", nb::overload_cast<const std::string &, int>(&Schedule::stages), "func"_a, "stages"_a, chain)

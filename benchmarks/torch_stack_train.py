@@ -120,6 +120,18 @@ def impl_label(impl):
     return "moeforge:" + os.path.splitext(os.path.basename(impl.split(":", 1)[1]))[0]
 
 
+def graph_counts(model):
+    """moeforge's layers: how their entry points' calls ran (replayed from a
+    CUDA graph, captured, eager), summed; {} for the other implementations."""
+    total = {}
+    for layer in model:
+        runtime = getattr(layer, "_cuda", None)
+        if runtime is not None:
+            for key, n in runtime.layer.graph_counts().items():
+                total[key] = total.get(key, 0) + n
+    return total
+
+
 def used_outside(free0, reserved0):
     free, _ = torch.cuda.mem_get_info()
     return (free0 - free) - (torch.cuda.memory_reserved() - reserved0)
@@ -161,6 +173,7 @@ def run(impl, name, layers, reps, schedule, pause, grads):
     for _ in range(2):
         step()
     torch.cuda.reset_peak_memory_stats()
+    graphs_before = graph_counts(model)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
@@ -173,10 +186,13 @@ def run(impl, name, layers, reps, schedule, pause, grads):
     peak_allocated = torch.cuda.max_memory_allocated() - allocated0
     outside = used_outside(free0, reserved0)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    graphs = {key: n - graphs_before.get(key, 0) for key, n in graph_counts(model).items()}
     row = {"impl": impl_label(impl), "shape": name, "layers": layers, "step_ms": statistics.median(times),
            "step_ms_min": min(times), "peak_GiB": (peak_reserved + outside) / GiB, "outside_GiB": outside / GiB,
            "peak_allocated_GiB": peak_allocated / GiB, "grads": grads,
            "weights_and_grads_GiB": 2 * weights / GiB, "first_step_s": first_s}
+    if graphs:  # the timed steps' entry-point calls: all replayed in a steady loop
+        row["graphs_in_timed_steps"] = graphs
     del model, x, dy
     gc.collect()
     torch.cuda.empty_cache()

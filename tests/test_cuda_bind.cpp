@@ -201,6 +201,24 @@ TEST_SUITE("gpu") {
     CHECK(layer.layer().bind_epoch() == epoch + 1);
     for (const char *what : {"moved (eager)", "moved (captured)", "moved (replayed)"})
       step_matches(want_b, what);
+    // Two addresses in turn (a second buffer of b's rows, as a model's two
+    // micro-batches or an allocator's cycle give): the new one runs eagerly,
+    // then is captured, and from then on both replay, each its own graph.
+    cuda::DeviceBuffer xb2 = device_tensor(b.at("x"), layer.info("x").dtype);
+    for (int i = 0; i < 4; ++i) {
+      layer.bind("x", i % 2 ? xb2.ptr() : xb.ptr(), xb.bytes());
+      step_matches(want_b, i % 2 ? "second address" : "first address");
+    }
+    const cuda::TrainingLayer::GraphCounts settled = layer.graph_counts();
+    CHECK(settled.captured >= 3); // a's, b's, and the second address's forward at least
+    for (int i = 0; i < 4; ++i) {
+      layer.bind("x", i % 2 ? xb2.ptr() : xb.ptr(), xb.bytes());
+      step_matches(want_b, i % 2 ? "second address, replayed" : "first address, replayed");
+    }
+    const cuda::TrainingLayer::GraphCounts later = layer.graph_counts();
+    CHECK(later.replayed - settled.replayed == 8); // forward and backward, four steps
+    CHECK(later.captured == settled.captured);
+    CHECK(later.eager == settled.eager);
   }
 
   TEST_CASE("cuda bind: mistakes are user errors that say what to change") {

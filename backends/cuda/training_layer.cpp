@@ -77,21 +77,35 @@ void TrainingLayer::poison() {
 
 void TrainingLayer::run(Replay &r, size_t begin, size_t end, const Stream &stream) {
   const uint64_t epoch = layer_.signature(begin, end);
-  if (!replay_ || is_capturing(stream) || (r.captured_at != epoch && r.eager_at != epoch)) {
+  auto cached = std::find_if(r.graphs.begin(), r.graphs.end(), [&](const auto &g) { return g.first == epoch; });
+  const bool seen = std::find(r.eager_at.begin(), r.eager_at.end(), epoch) != r.eager_at.end();
+  if (!replay_ || is_capturing(stream) || (cached == r.graphs.end() && !seen)) {
     layer_.enqueue(stream, begin, end);
-    r.eager_at = epoch;
+    ++counts_.eager;
+    if (!seen) {
+      r.eager_at.push_front(epoch);
+      if (r.eager_at.size() > kGraphsPerEntry)
+        r.eager_at.pop_back();
+    }
     return;
   }
-  if (r.captured_at != epoch) {
+  if (cached == r.graphs.end()) {
     // Recording runs nothing, so a stream of our own can record what then
     // replays on the caller's; enqueue's checks run here as they would
     // eagerly.
     if (!capture_stream_)
       capture_stream_ = std::make_unique<Stream>();
-    r.graph = CudaGraph::capture(*capture_stream_, [&] { layer_.enqueue(*capture_stream_, begin, end); });
-    r.captured_at = epoch;
+    CudaGraph g = CudaGraph::capture(*capture_stream_, [&] { layer_.enqueue(*capture_stream_, begin, end); });
+    r.graphs.emplace_front(epoch, std::move(g));
+    if (r.graphs.size() > kGraphsPerEntry)
+      r.graphs.pop_back();
+    ++counts_.captured;
+  } else {
+    if (cached != r.graphs.begin())
+      std::rotate(r.graphs.begin(), cached, cached + 1); // most recently used first
+    ++counts_.replayed;
   }
-  r.graph.launch(stream);
+  r.graphs.front().second.launch(stream);
 }
 
 void TrainingLayer::forward(const Stream &stream) {

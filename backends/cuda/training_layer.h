@@ -12,6 +12,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/cuda/layer.h"
@@ -107,8 +108,18 @@ public:
   // addresses runs eagerly, the second captures, later ones replay. Work
   // queued while the stream is being captured by someone else (a step
   // inside torch.cuda.graph) is queued eagerly into that capture. Off by
-  // default.
+  // default. Each entry point keeps the graphs of its last few address sets
+  // (kGraphsPerEntry): a layer a model runs at two sets in turn (two
+  // micro-batches, a module used twice, an allocator handing back blocks
+  // in a cycle) replays both instead of capturing at every call.
   void replay_graphs(bool on) { replay_ = on; }
+  static constexpr size_t kGraphsPerEntry = 4;
+  // What the calls of each entry point did, counted since the layer was
+  // made (for benchmarks and tests: a training loop should replay).
+  struct GraphCounts {
+    uint64_t replayed = 0, captured = 0, eager = 0;
+  };
+  GraphCounts graph_counts() const { return counts_; }
   // Per-step times of the forward or the backward (for benchmarks' notes).
   std::vector<std::pair<std::string, double>> profile_forward(const Stream &stream);
   std::vector<std::pair<std::string, double>> profile_backward(const Stream &stream);
@@ -134,11 +145,12 @@ public:
   const CudaLayer &layer() const { return layer_; }
 
 private:
-  // One entry point's graph and the signatures (CudaLayer::signature) of its
-  // steps it was captured at and last run eagerly at.
+  // One entry point's graphs, most recently used first, each with the
+  // signature (CudaLayer::signature) of its steps it was captured at; and
+  // the signatures it last ran eagerly at (a second call at one captures).
   struct Replay {
-    CudaGraph graph;
-    uint64_t captured_at = UINT64_MAX, eager_at = UINT64_MAX;
+    std::deque<std::pair<uint64_t, CudaGraph>> graphs;
+    std::deque<uint64_t> eager_at;
   };
   void run(Replay &r, size_t begin, size_t end, const Stream &stream);
 
@@ -152,6 +164,7 @@ private:
   TrainingState state_;
   bool replay_ = false;
   Replay forward_, backward_;
+  GraphCounts counts_;
   std::unique_ptr<Stream> capture_stream_; // graphs are recorded here (the legacy stream cannot be captured)
 };
 

@@ -179,7 +179,19 @@ void bind_cuda(nb::module_ &m) {
       .def(
           "replay_graphs", [](PyCudaTraining &l, bool on) { l.layer->replay_graphs(on); }, "on"_a = true,
           "Replays the forward and the backward each as one CUDA graph while no tensor was bound elsewhere "
-          "(captured again after a bind that moved one).")
+          "(captured again after a bind that moved one; the last few address sets each keep theirs).")
+      .def(
+          "graph_counts",
+          [](const PyCudaTraining &l) {
+            const cuda::TrainingLayer::GraphCounts c = l.layer->graph_counts();
+            nb::dict d;
+            d["replayed"] = c.replayed;
+            d["captured"] = c.captured;
+            d["eager"] = c.eager;
+            return d;
+          },
+          "How the entry points' calls ran since the layer was made: {'replayed', 'captured', 'eager'} counts "
+          "(a training loop at steady addresses replays).")
       .def(
           "backward",
           [](PyCudaTraining &l, uintptr_t stream, std::optional<uintptr_t> saved, std::optional<uintptr_t> workspace) {

@@ -354,6 +354,32 @@ def test_gradient_accumulation_over_micro_batches(device):
     _check_same("accumulated against one batch", [p.grad for _, p in moe.named_parameters()], whole, 1e-2)
 
 
+@needs_gpu
+def test_a_steady_training_loop_replays_its_graphs():
+    """Steps at one token count, and a module applied twice per step (two
+    address sets in turn): after the warm-up every forward and backward
+    replays a CUDA graph of the layer's own, none is captured or run eagerly."""
+    torch.manual_seed(4)
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F)
+    x = torch.randn(200, D, device="cuda", dtype=torch.bfloat16)
+    for twice in (False, True):
+        def step():
+            moe.zero_grad(set_to_none=True)
+            y = moe(moe(x)) if twice else moe(x)
+            y.float().square().mean().backward()
+
+        for _ in range(4):
+            step()
+        torch.cuda.synchronize()
+        before = moe._cuda.layer.graph_counts()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        after = moe._cuda.layer.graph_counts()
+        calls = 3 * 2 * (2 if twice else 1)  # steps x (forward, backward) x applications
+        assert {k: after[k] - before[k] for k in after} == {"replayed": calls, "captured": 0, "eager": 0}, twice
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_module_applied_twice_in_one_graph(device):
     """moe(moe(x)): the gradients are the sums of two modules' with the

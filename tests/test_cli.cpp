@@ -312,6 +312,25 @@ TEST_CASE("cli: shapes past what the kernels index or the machine holds end in e
   CHECK(has(r.err, "lower --tokens, --d, --f or --experts"));
 }
 
+TEST_CASE("cli: intermediates larger than the machine are refused with their size, on the reference and the CPU") {
+  // Small inputs (d 64), but T k x f = 1.6M x 65536 values in between: the
+  // inputs' guard passes, and the allocation that would fail is refused.
+  for (const char *backend : {"reference", "cpu"}) {
+    INFO(backend);
+    Run r =
+        cli({"run", "moe_mlp", "--tokens", "200000", "--d", "64", "--f", "65536", "--topk", "8", "--backend", backend});
+    INFO(r.err);
+    CHECK(r.code == 2);
+    CHECK(has(r.err, "GiB of host memory, and "));
+    CHECK(has(r.err, "GiB is available: lower the token count or the layer's sizes (moeforge run: --tokens, --d, "
+                     "--f, --experts)"));
+    CHECK(has(r.err, std::string(backend) == "cpu" ? "the CPU backend's tensors of this layer at 200000 tokens needs"
+                                                   : "the reference's "));
+    CHECK_FALSE(has(r.err, "bad_alloc"));
+    CHECK_FALSE(has(r.err, "usage: moeforge list")); // not a usage error
+  }
+}
+
 TEST_CASE("cli: an error compiling the layer comes without the usage; an error in the arguments with it") {
   std::filesystem::path p = std::filesystem::temp_directory_path() / "moeforge_persistent.schedule";
   {

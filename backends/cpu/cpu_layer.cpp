@@ -8,6 +8,7 @@
 #include <limits>
 #include <thread>
 
+#include "backends/reference/host_memory.h"
 #include "dsl/error.h"
 #include "lowering/lower.h"
 #include "runtime/layer_checks.h"
@@ -58,6 +59,10 @@ CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens)
   size_t next = 0;
   for (const Step &s : layer_.program.steps)
     kernel_of_step_.push_back(std::holds_alternative<RoutingStep>(s) ? layer_.kernels.size() : next++);
+  size_t bytes = 0;
+  for (const TensorDecl &t : layer_.program.tensors)
+    bytes += static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype);
+  check_host_allocation(bytes, "the CPU backend's tensors of this layer at " + std::to_string(tokens) + " tokens");
   for (const TensorDecl &t : layer_.program.tensors)
     tensors_[t.name].assign(static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype), 0);
 }

@@ -10,6 +10,7 @@
 
 #include <Eigen/Dense>
 
+#include "backends/reference/host_memory.h"
 #include "dsl/capacity.h"
 #include "dsl/check.h"
 #include "dsl/error.h"
@@ -66,6 +67,20 @@ template <typename S> struct Value {
 
 int64_t product(const std::vector<int64_t> &shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+}
+
+// Sizes v's data for its shape, once the host has room for it: a layer
+// whose intermediates (T k x f, say) outgrow the machine is refused with the
+// sizes, not ended by std::bad_alloc.
+template <typename S> void allocate(Value<S> &v) {
+  const size_t n = static_cast<size_t>(product(v.shape));
+  if (n * sizeof(S) >= (size_t(64) << 20)) {
+    std::string dims;
+    for (int64_t e : v.shape)
+      dims += (dims.empty() ? "" : " x ") + std::to_string(e);
+    check_host_allocation(n * sizeof(S), "the reference's intermediate of " + dims + " values");
+  }
+  v.data.resize(n);
 }
 
 // Calls f(out_offset, in_offsets) for every element of `shape` in row-major
@@ -467,7 +482,7 @@ private:
       }
       arg_axis[j] = ax;
     }
-    out.data.resize(static_cast<size_t>(product(out.shape)));
+    allocate(out);
     std::vector<const std::vector<int64_t> *> subsets;
     for (VarKey v : out.axes)
       subsets.push_back(subset(v));
@@ -537,7 +552,7 @@ private:
       }
       axis[j] = ax;
     }
-    out.data.resize(static_cast<size_t>(product(out.shape)));
+    allocate(out);
     std::vector<int64_t> idx(out.axes.size(), 0);
     for (size_t o = 0; o < out.data.size(); ++o) {
       int64_t value[2];
@@ -578,7 +593,7 @@ private:
     }
     for (VarKey k : v.axes)
       internal_check(std::find(axes.begin(), axes.end(), k) != axes.end()) << "rearrange drops axis " << k->name;
-    out.data.resize(static_cast<size_t>(product(out.shape)));
+    allocate(out);
     strided_loop<1>(out.shape, st, [&](int64_t o, const std::array<int64_t, 1> &in) { out.data[o] = v.data[in[0]]; });
     return out;
   }
@@ -600,7 +615,7 @@ private:
       if (ib >= 0)
         st[1][i] = bs[ib];
     }
-    out.data.resize(static_cast<size_t>(product(out.shape)));
+    allocate(out);
     strided_loop<2>(out.shape, st, [&](int64_t o, const std::array<int64_t, 2> &in) {
       out.data[o] = apply_binary(op, a.data[in[0]], b.data[in[1]]);
     });
@@ -628,7 +643,7 @@ private:
     Value<S> out;
     out.axes = rest;
     out.shape = std::vector<int64_t>(p.shape.begin(), p.shape.end() - 1);
-    out.data.assign(static_cast<size_t>(product(out.shape)), S(0));
+    allocate(out); // zeros
     for (size_t o = 0; o < out.data.size(); ++o) {
       S acc = 0;
       for (int64_t i = 0; i < n; ++i)
@@ -665,6 +680,9 @@ private:
     out.axes = join(join(batch, m), n);
     for (VarKey x : out.axes)
       out.shape.push_back(x == k ? 0 : (pa.axis_of(x) >= 0 ? pa.shape[pa.axis_of(x)] : pb.shape[pb.axis_of(x)]));
+    check_host_allocation(static_cast<size_t>(nb * mm * nn) * sizeof(S), "the reference's product of " +
+                                                                             std::to_string(nb * mm) + " x " +
+                                                                             std::to_string(nn) + " values");
     out.data.assign(static_cast<size_t>(nb * mm * nn), S(0));
     using Mat = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     for (int64_t bi = 0; bi < nb && kk > 0; ++bi) {
@@ -724,7 +742,7 @@ private:
     out.axes = rows_first;
     for (VarKey k : rows_first)
       out.shape.push_back(domain_size(k));
-    out.data.assign(static_cast<size_t>(product(out.shape)), S(0));
+    allocate(out); // zeros
     int64_t row_size = out.shape[0] ? product(out.shape) / out.shape[0] : 0;
     for (int64_t e = 0; e < res.experts; ++e) {
       if (rows[e].empty())
@@ -755,7 +773,7 @@ private:
     out.axes.insert(out.axes.end(), others.begin(), others.end());
     for (VarKey k : out.axes)
       out.shape.push_back(domain_size(k));
-    out.data.assign(static_cast<size_t>(product(out.shape)), S(0));
+    allocate(out); // zeros
     int64_t row_size = out.shape[0] ? product(out.shape) / out.shape[0] : product(out.shape);
     // Where each value of the target lands along the output's first axis.
     std::vector<int64_t> position(static_cast<size_t>(extent(t->dim.get())), -1);

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "backends/reference/host_memory.h"
 #include "backends/reference/host_parallel.h"
 #include "dsl/error.h"
 
@@ -17,14 +18,26 @@ static size_t element_count(const std::vector<int64_t> &shape) {
   return static_cast<size_t>(n);
 }
 
+// The elements of `shape`, once the host has room for them as doubles.
+static size_t checked_element_count(const std::vector<int64_t> &shape) {
+  const size_t n = element_count(shape);
+  if (n >= (size_t(8) << 20)) { // 64 MiB of doubles: below that the check costs more than it risks
+    std::string dims;
+    for (int64_t s : shape)
+      dims += (dims.empty() ? "" : " x ") + std::to_string(s);
+    check_host_allocation(n * sizeof(double), "a host tensor of " + dims + " values (doubles)");
+  }
+  return n;
+}
+
 HostTensor::HostTensor(std::vector<int64_t> shape_, double fill) : shape(std::move(shape_)) {
-  data.assign(element_count(shape), fill);
+  data.assign(checked_element_count(shape), fill);
 }
 
 HostTensor HostTensor::uninitialized(std::vector<int64_t> shape_) {
   HostTensor t;
   t.shape = std::move(shape_);
-  t.data.resize(element_count(t.shape));
+  t.data.resize(checked_element_count(t.shape));
   return t;
 }
 

@@ -165,3 +165,11 @@ def test_mistakes_are_user_errors_that_say_what_to_change():
         train.upload_upstream_gradient(np.zeros((TOKENS, 64)), "nosuch")
     with pytest.raises(mf.UserError, match="nosuch"):
         train.gradient("nosuch")
+
+
+def test_a_layer_too_large_for_the_host_is_refused_before_it_is_allocated():
+    layer, y, _ = build_moe_mlp()
+    with pytest.raises(mf.UserError, match=r"the CPU backend's tensors of this layer at 268435456 tokens needs "
+                                           r"[0-9.]+ GiB of host memory, and [0-9.]+ GiB is available: lower the "
+                                           r"token count"):
+        mf.CpuTrainingLayer(layer, [y], mf.scattermoe(), 2**28)

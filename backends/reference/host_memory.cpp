@@ -1,0 +1,60 @@
+#include "backends/reference/host_memory.h"
+
+#include <sys/resource.h>
+
+#include <cstdint>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <string>
+
+#include "dsl/error.h"
+
+namespace moeforge {
+
+namespace {
+
+// A "Name:   123 kB" line's value in bytes from a /proc file, or SIZE_MAX.
+size_t proc_kib_field(const char *file, const std::string &name) {
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(name + ":", 0) == 0) {
+      std::istringstream fields(line.substr(name.size() + 1));
+      unsigned long long kib = 0;
+      if (fields >> kib)
+        return static_cast<size_t>(kib) * 1024;
+    }
+  return SIZE_MAX;
+}
+
+std::string gib(size_t bytes) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(bytes < (size_t(10) << 30) ? 2 : 1) << double(bytes) / double(1 << 30);
+  return s.str();
+}
+
+} // namespace
+
+size_t host_bytes_available() {
+  size_t have = proc_kib_field("/proc/meminfo", "MemAvailable");
+  rlimit limit{};
+  if (getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    const size_t mapped = proc_kib_field("/proc/self/status", "VmSize");
+    const size_t cap = static_cast<size_t>(limit.rlim_cur);
+    const size_t left = mapped == SIZE_MAX ? cap : (mapped < cap ? cap - mapped : 0);
+    have = left < have ? left : have;
+  }
+  return have;
+}
+
+void check_host_allocation(size_t bytes, const std::string &what) {
+  if (bytes < (size_t(64) << 20))
+    return;
+  const size_t have = host_bytes_available();
+  user_check(bytes <= have) << what << " needs " << gib(bytes) << " GiB of host memory, and " << gib(have)
+                            << " GiB is available: lower the token count or the layer's sizes (moeforge run: "
+                            << "--tokens, --d, --f, --experts)";
+}
+
+} // namespace moeforge

@@ -216,7 +216,8 @@ TEST_CASE("cli: non-integer value") {
   check_usage_error({"run", "moe_mlp", "--tokens", "abc"}, {"--tokens needs an integer, got 'abc'"});
   check_usage_error({"run", "moe_mlp", "--d", "12x"}, {"--d needs an integer, got '12x'"});
   check_usage_error({"print", "moe_mlp", "--experts", ""}, {"--experts needs an integer, got ''"});
-  check_usage_error({"run", "moe_mlp", "--seed", "99999999999999999999999"}, {"--seed needs an integer"});
+  check_usage_error({"run", "moe_mlp", "--seed", "99999999999999999999999"},
+                    {"--seed 99999999999999999999999 is beyond 18446744073709551615"});
 }
 
 TEST_CASE("cli: unknown example and missing example") {
@@ -310,6 +311,38 @@ TEST_CASE("cli: shapes past what the kernels index or the machine holds end in e
   CHECK(r.code == 2);
   CHECK(has(r.err, "moe_mlp: the inputs alone need"));
   CHECK(has(r.err, "lower --tokens, --d, --f or --experts"));
+}
+
+TEST_CASE("cli: values out of range are told so, not blamed on their form") {
+  check_usage_error({"run", "moe_mlp", "--tokens", "99999999999999999999999"},
+                    {"--tokens 99999999999999999999999 is beyond 9223372036854775807, the largest integer it takes"});
+  check_usage_error({"run", "moe_mlp", "--tokens", "12x"}, {"--tokens needs an integer, got '12x'"});
+  // Every 64-bit seed is one; past them, the bound is named.
+  Run max = cli({"run", "moe_mlp", "--tokens", "8", "--seed", "18446744073709551615"});
+  CHECK(max.code == 0);
+  check_usage_error({"run", "moe_mlp", "--seed", "1180591620717411303424"},
+                    {"--seed 1180591620717411303424 is beyond 18446744073709551615, the largest seed"});
+  check_usage_error({"run", "moe_mlp", "--seed", "-1"},
+                    {"--seed needs a whole number from 0 to 18446744073709551615, got '-1'"});
+  for (const char *big : {"inf", "1e308"})
+    check_usage_error({"run", "moe_mlp", "--capacity", big},
+                      {"is beyond 1024, the largest capacity factor", "for no dropping, leave --capacity out"});
+  check_usage_error({"run", "moe_mlp", "--capacity", "-1"}, {"--capacity must be a positive number"});
+  // An empty --schedule is a mistake, not auto.
+  check_usage_error({"run", "moe_mlp", "--schedule", ""},
+                    {"--schedule needs a value: a preset (megablocks, scattermoe), a schedule file or auto"});
+}
+
+TEST_CASE("cli: help and the version to a stream that cannot be written end in exit 2") {
+  for (const std::vector<std::string> &args : {std::vector<std::string>{"--help"}, {"--version"}, {"help", "run"}}) {
+    std::ostringstream out, err;
+    out.setstate(std::ios::badbit); // as /dev/full leaves a stream
+    CHECK(run_cli(args, out, err) == 2);
+    CHECK(has(err.str(), "writing the output failed"));
+  }
+  // run, train and tune default to auto; emit to megablocks.
+  const Run help = cli({"help", "run"});
+  CHECK(has(help.out, "default auto (emit: megablocks)"));
 }
 
 TEST_CASE("cli: intermediates larger than the machine are refused with their size, on the reference and the CPU") {
@@ -813,7 +846,7 @@ TEST_CASE("cli: hostile command lines end in exit 2 and a message that says what
       {{"run", "dense_mlp", "--d", "2147483648"}, "--d 2147483648 is beyond 2147483647"},
       {{"run", "moe_mlp", "--tokens", "2147483647", "--topk", "2"}, "pairs is beyond 2147483647"},
       {{"run", "moe_mlp", "--topk", "3000000000"}, "--topk 3000000000 with 8 experts: choose 1 <= topk <= experts"},
-      {{"run", "moe_mlp", "--tokens", huge}, "--tokens needs an integer, got '99999999999999999999'"},
+      {{"run", "moe_mlp", "--tokens", huge}, "--tokens 99999999999999999999 is beyond 9223372036854775807"},
       {{"print", "moe_mlp", "--d", big}, "is beyond 2147483647"},
       {{"emit", "moe_mlp", "--ir", "--tokens", big}, "is beyond 2147483647"},
       {{"run", "moe_mlp", "--tokens", "100000000", "--d", "100000"}, "the inputs alone need"},
@@ -830,7 +863,7 @@ TEST_CASE("cli: hostile command lines end in exit 2 and a message that says what
       {{"run", "moe_mlp", "--d", "abc"}, "--d needs an integer, got 'abc'"},
       {{"run", "moe_mlp", "--tokens", "1e6"}, "--tokens needs an integer, got '1e6'"},
       {{"run", "moe_mlp", "--d", "0x40"}, "--d needs an integer, got '0x40'"},
-      {{"run", "moe_mlp", "--seed", "x"}, "--seed needs an integer, got 'x'"},
+      {{"run", "moe_mlp", "--seed", "x"}, "--seed needs a whole number from 0 to 18446744073709551615, got 'x'"},
       {{"run", "moe_mlp", "--tokens", ""}, "--tokens needs an integer, got ''"},
       {{"run", "moe_mlp", "--tokens"}, "--tokens needs a value"},
       {{"run", "moe_mlp", "--check", "--check", "--tokens", "5", "--tokens"}, "--tokens needs a value"},

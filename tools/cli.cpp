@@ -83,11 +83,32 @@ struct Options {
   int ranks = 1;                // run, train: --ranks, GPUs the experts spread over (1: the unsplit layer)
 };
 
+// Whether text is digits only, after an optional sign: an integer however
+// large, so that one too large is told so rather than "not an integer".
+bool integer_text(const std::string &text) {
+  const size_t start = !text.empty() && (text[0] == '-' || text[0] == '+') ? 1 : 0;
+  return text.size() > start &&
+         std::all_of(text.begin() + static_cast<long>(start), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
 int64_t parse_int(const std::string &flag, const std::string &text) {
+  user_check(integer_text(text)) << flag << " needs an integer, got '" << text << "'";
   char *end = nullptr;
   errno = 0;
   long long v = std::strtoll(text.c_str(), &end, 10);
-  user_check(!text.empty() && *end == '\0' && errno == 0) << flag << " needs an integer, got '" << text << "'";
+  user_check(errno == 0) << flag << " " << text << " is beyond " << (text[0] == '-' ? "-" : "")
+                         << "9223372036854775807, the largest integer it takes";
+  return v;
+}
+
+// A seed: any of the 2^64 values of the generator's state.
+uint64_t parse_seed(const std::string &flag, const std::string &text) {
+  user_check(integer_text(text) && text[0] != '-' && text[0] != '+')
+      << flag << " needs a whole number from 0 to 18446744073709551615, got '" << text << "'";
+  char *end = nullptr;
+  errno = 0;
+  unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+  user_check(errno == 0) << flag << " " << text << " is beyond 18446744073709551615, the largest seed";
   return v;
 }
 
@@ -149,6 +170,8 @@ Options parse(const std::vector<std::string> &args) {
     user_check(i + 1 < args.size()) << flag << " needs a value";
     const std::string &v = args[++i];
     if (flag == "--schedule") {
+      user_check(!v.empty()) << "--schedule needs a value: a preset (megablocks, scattermoe), a schedule "
+                             << "file or auto, got an empty one";
       o.schedule = v;
     } else if (flag == "--backend" && o.command == "train") {
       user_check(v == "cpu" || v == "cuda")
@@ -164,15 +187,21 @@ Options parse(const std::vector<std::string> &args) {
     } else if (flag == "--capacity") {
       char *end = nullptr;
       o.capacity = std::strtod(v.c_str(), &end);
-      user_check(end && *end == '\0' && !v.empty() && o.capacity > 0)
+      user_check(end && *end == '\0' && !v.empty())
           << "--capacity must be a positive number (the capacity factor: 1.0 lets each expert take its even share "
           << "T * k / E of the pairs, 1.25 a quarter more), got '" << v << "'";
+      user_check(std::isfinite(o.capacity) && o.capacity <= 1024)
+          << "--capacity " << v << " is beyond 1024, the largest capacity factor (an expert never takes more than "
+          << "all T * k pairs; for no dropping, leave --capacity out)";
+      user_check(o.capacity > 0) << "--capacity must be a positive number (the capacity factor: 1.0 lets each "
+                                 << "expert take its even share T * k / E of the pairs, 1.25 a quarter more), got '"
+                                 << v << "'";
     } else if (flag == "--ranks") {
       const int64_t n = parse_int(flag, v);
       user_check(n >= 1 && n <= 64) << "--ranks must be between 1 and 64 (GPUs of this machine), got " << n;
       o.ranks = static_cast<int>(n);
     } else if (flag == "--seed") {
-      o.seed = static_cast<uint64_t>(parse_int(flag, v));
+      o.seed = parse_seed(flag, v);
     } else if (flag == "--budget-seconds") {
       o.budget_seconds = parse_int(flag, v);
       user_check(o.budget_seconds >= 1 && o.budget_seconds <= 86400)
@@ -858,7 +887,7 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
   // Help and the version are answers, not errors: stdout, exit 0.
   if (args.size() == 1 && (args[0] == "help" || args[0] == "--help" || args[0] == "-h")) {
     out << kUsage << kDefaults;
-    return 0;
+    return wrote(out, err) ? 0 : 2;
   }
   // A command's help: `moeforge help run`, `moeforge run --help`, or -h
   // anywhere after a command's name (other arguments then do not matter).
@@ -879,7 +908,7 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
   if (args.size() == 1 && (args[0] == "version" || args[0] == "--version")) {
     out << "moeforge " << kVersion << "\nbuilt with " << MOEFORGE_BUILD_COMPILER << ", CUDA toolkit "
         << MOEFORGE_BUILD_CUDA << ", LLVM " << MOEFORGE_BUILD_LLVM << "\n";
-    return 0;
+    return wrote(out, err) ? 0 : 2;
   }
   Options o;
   // Errors in the arguments come with the usage; once they hold together

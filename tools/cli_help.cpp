@@ -23,7 +23,7 @@ namespace {
   "  --schedule S    a preset (megablocks, scattermoe), a schedule file, or auto (run, train and\n"                    \
   "                  tune: what `moeforge tune` cached for this layer on this GPU, else the default\n"                 \
   "                  schedule, tuned_wide's choices made for the layer);\n"                                            \
-  "                  default megablocks\n"
+  "                  default auto (emit: megablocks)\n"
 
 const std::map<std::string, const char *> kHelp = {
     {"list", "moeforge list\n"

@@ -10,8 +10,8 @@ namespace moeforge {
 
 Dim::Dim(std::string name, int64_t extent) {
   user_check(extent > 0) << "Dim '" << name << "' has extent " << extent
-                         << ": a static extent must be positive (use Dim::dynamic(\"" << name
-                         << "\") for an extent bound at run time)";
+                         << ": a static extent must be positive (for an extent bound at run time, a dynamic "
+                         << "Dim: Dim.dynamic(\"" << name << "\") in Python, Dim::dynamic in C++)";
   auto n = std::make_shared<DimNode>();
   n->name = std::move(name);
   n->extent = extent;

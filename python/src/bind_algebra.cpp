@@ -13,6 +13,7 @@
 
 #include <sstream>
 
+#include "bind_checked.h"
 #include "dsl/autodiff.h"
 #include "dsl/error.h"
 #include "dsl/losses.h"
@@ -61,7 +62,13 @@ void bind_algebra(nb::module_ &m) {
   m.attr("f16") = DType::f16;
 
   nb::class_<Dim>(m, "Dim", "A named extent; Dim.dynamic(name) is bound at run time (the token count).")
-      .def(nb::init<std::string, int64_t>(), "name"_a, "extent"_a)
+      .def(
+          "__init__",
+          [](Dim *d, const std::string &name, nb::handle extent) {
+            check_user_name(name, "Dim");
+            new (d) Dim(name, checked_integer(extent, INT64_MIN, INT64_MAX, "Dim('" + name + "', ...)", "extent"));
+          },
+          "name"_a, "extent"_a)
       .def_static("dynamic", &Dim::dynamic, "name"_a)
       .def_prop_ro("name", &Dim::name)
       .def_prop_ro("extent",
@@ -77,7 +84,13 @@ void bind_algebra(nb::module_ &m) {
       });
 
   nb::class_<Var>(m, "Var", "An index variable ranging over a Dim.")
-      .def(nb::init<std::string, Dim>(), "name"_a, "dim"_a)
+      .def(
+          "__init__",
+          [](Var *v, const std::string &name, const Dim &dim) {
+            check_user_name(name, "Var");
+            new (v) Var(name, dim);
+          },
+          "name"_a, "dim"_a)
       .def_prop_ro("name", &Var::name)
       .def_prop_ro("dim", &Var::dim)
       .def("__repr__", [](const Var &v) { return "Var('" + v.name() + "', " + v.dim().name() + ")"; });
@@ -106,13 +119,37 @@ void bind_algebra(nb::module_ &m) {
       .def_prop_ro("dims", &Buffer::dims)
       .def_prop_ro("dtype", &Buffer::dtype);
   nb::class_<Input, Buffer>(m, "Input", "An activation: gradients flow to it, it is not trained.")
-      .def(nb::init<std::string, std::vector<Dim>, DType>(), "name"_a, "dims"_a, "dtype"_a = DType::bf16);
+      .def(
+          "__init__",
+          [](Input *b, const std::string &name, std::vector<Dim> dims, DType dtype) {
+            check_user_name(name, "Input");
+            new (b) Input(name, std::move(dims), dtype);
+          },
+          "name"_a, "dims"_a, "dtype"_a = DType::bf16);
   nb::class_<Param, Buffer>(m, "Param", "A trainable weight.")
-      .def(nb::init<std::string, std::vector<Dim>, DType>(), "name"_a, "dims"_a, "dtype"_a = DType::bf16);
+      .def(
+          "__init__",
+          [](Param *b, const std::string &name, std::vector<Dim> dims, DType dtype) {
+            check_user_name(name, "Param");
+            new (b) Param(name, std::move(dims), dtype);
+          },
+          "name"_a, "dims"_a, "dtype"_a = DType::bf16);
 
   nb::class_<Func>(m, "Func", "A tensor defined by the algebra: f[t, i] = expression.")
-      .def(nb::init<std::string>(), "name"_a)
-      .def(nb::init<std::string, DType>(), "name"_a, "dtype"_a)
+      .def(
+          "__init__",
+          [](Func *f, const std::string &name) {
+            check_user_name(name, "Func");
+            new (f) Func(name);
+          },
+          "name"_a)
+      .def(
+          "__init__",
+          [](Func *f, const std::string &name, DType dtype) {
+            check_user_name(name, "Func");
+            new (f) Func(name, dtype);
+          },
+          "name"_a, "dtype"_a)
       .def("__getitem__", [](const Func &f, nb::handle key) { return Expr(f(indices(key, f.name()))); })
       .def("__setitem__", [](const Func &f, nb::handle key, const Expr &body) { f(indices(key, f.name())) = body; })
       .def_prop_ro("name", &Func::name)

@@ -7,8 +7,11 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <climits>
 #include <optional>
+#include <string>
 
+#include "bind_checked.h"
 #include "lowering/choices_without_effect.h"
 #include "lowering/default_schedule.h"
 #include "schedules/presets.h"
@@ -18,6 +21,16 @@ namespace moeforge::python {
 
 namespace nb = nanobind;
 using namespace nb::literals;
+
+namespace {
+
+// A primitive's int argument: a Python int past C++'s int is named with its
+// bound (the primitive then checks its own range).
+int as_int(nb::handle v, const std::string &call, const std::string &arg) {
+  return static_cast<int>(checked_integer(v, INT32_MIN, INT32_MAX, call, arg));
+}
+
+} // namespace
 
 void bind_schedule(nb::module_ &m) {
   constexpr auto chain = nb::rv_policy::reference_internal;
@@ -34,8 +47,19 @@ void bind_schedule(nb::module_ &m) {
   nb::class_<Schedule>(m, "Schedule", "How a layer is computed: permutation, blocks, tiles, fusion, memory.")
       .def(nb::init<std::string>(), "name"_a = "custom")
       .def_prop_ro("name", &Schedule::name)
-      .def_static("from_text", &Schedule::from_text, "text"_a, "source_name"_a = "<text>",
-                  "Replays a schedule's text (one primitive call per line, as to_text() prints).")
+      .def_static(
+          "from_text",
+          [](const std::string &text, const std::string &source_name) {
+            Schedule s = Schedule::from_text(text, source_name);
+            // As the CLI refuses an empty file: a text of no primitive is
+            // never the schedule someone meant to pass.
+            user_check(!s.calls().empty() || s.name() != "custom")
+                << source_name << ": the text holds no primitive (only blank lines or comments): write at least "
+                << "schedule(\"<name>\") and the primitives to apply, or use moeforge.preset(name)";
+            return s;
+          },
+          "text"_a, "source_name"_a = "<text>",
+          "Replays a schedule's text (one primitive call per line, as to_text() prints).")
       .def_static("load", &Schedule::load, "path"_a)
       .def("save", &Schedule::save, "path"_a)
       .def("to_text", &Schedule::to_text)
@@ -43,7 +67,10 @@ void bind_schedule(nb::module_ &m) {
       .def("permutation", nb::overload_cast<Permutation>(&Schedule::permutation), "permutation"_a, chain)
       .def("gate", nb::overload_cast<GateFusion>(&Schedule::gate), "fusion"_a, chain)
       .def("mma", nb::overload_cast<const std::string &, MmaKind>(&Schedule::mma), "func"_a, "kind"_a, chain)
-      .def("block", nb::overload_cast<int>(&Schedule::block), "rows"_a, chain)
+      .def(
+          "block",
+          [](Schedule &s, nb::handle rows) -> Schedule & { return s.block(as_int(rows, "block(...)", "rows")); },
+          "rows"_a, chain)
       .def("capacity", nb::overload_cast<double>(&Schedule::capacity), "factor"_a, chain)
       .def("recompute", nb::overload_cast<bool>(&Schedule::recompute), "on"_a = true, chain)
       .def("bf16_activations", nb::overload_cast<bool>(&Schedule::bf16_activations), "on"_a = true, chain)
@@ -55,20 +82,45 @@ void bind_schedule(nb::module_ &m) {
       .def("chain_summed_gemms", nb::overload_cast<bool>(&Schedule::chain_summed_gemms), "on"_a = true, chain)
       .def("atomic_combine", nb::overload_cast<bool>(&Schedule::atomic_combine), "on"_a = true, chain)
       .def("gather_in_gemms", nb::overload_cast<bool>(&Schedule::gather_in_gemms), "on"_a = true, chain)
-      .def("tile", nb::overload_cast<const std::string &, int, int, int>(&Schedule::tile), "func"_a, "m"_a, "n"_a,
-           "k"_a, chain)
-      .def("stages", nb::overload_cast<const std::string &, int>(&Schedule::stages), "func"_a, "stages"_a, chain)
-      .def("warps", nb::overload_cast<const std::string &, int, int>(&Schedule::warps), "func"_a, "warps_m"_a,
-           "warps_n"_a, chain)
+      .def(
+          "tile",
+          [](Schedule &s, const std::string &f, nb::handle m, nb::handle n, nb::handle k) -> Schedule & {
+            const std::string call = "tile(\"" + f + "\", ...)";
+            return s.tile(f, as_int(m, call, "m"), as_int(n, call, "n"), as_int(k, call, "k"));
+          },
+          "func"_a, "m"_a, "n"_a, "k"_a, chain)
+      .def(
+          "stages",
+          [](Schedule &s, const std::string &f, nb::handle n) -> Schedule & {
+            return s.stages(f, as_int(n, "stages(\"" + f + "\", ...)", "stages"));
+          },
+          "func"_a, "stages"_a, chain)
+      .def(
+          "warps",
+          [](Schedule &s, const std::string &f, nb::handle wm, nb::handle wn) -> Schedule & {
+            const std::string call = "warps(\"" + f + "\", ...)";
+            return s.warps(f, as_int(wm, call, "warps_m"), as_int(wn, call, "warps_n"));
+          },
+          "func"_a, "warps_m"_a, "warps_n"_a, chain)
       .def("fuse_epilogue", nb::overload_cast<const std::string &, bool>(&Schedule::fuse_epilogue), "func"_a,
            "fuse"_a = true, chain)
-      .def("raster", nb::overload_cast<const std::string &, int>(&Schedule::raster), "func"_a, "row_tiles"_a, chain)
+      .def(
+          "raster",
+          [](Schedule &s, const std::string &f, nb::handle n) -> Schedule & {
+            return s.raster(f, as_int(n, "raster(\"" + f + "\", ...)", "row_tiles"));
+          },
+          "func"_a, "row_tiles"_a, chain)
       .def("persistent", nb::overload_cast<const std::string &, bool>(&Schedule::persistent), "func"_a, "on"_a = true,
            chain)
       .def("tma", nb::overload_cast<const std::string &, bool>(&Schedule::tma), "func"_a, "on"_a = true, chain)
       .def("tma_store", nb::overload_cast<const std::string &, bool>(&Schedule::tma_store), "func"_a, "on"_a = true,
            chain)
-      .def("cluster", nb::overload_cast<const std::string &, int>(&Schedule::cluster), "func"_a, "row_tiles"_a, chain)
+      .def(
+          "cluster",
+          [](Schedule &s, const std::string &f, nb::handle n) -> Schedule & {
+            return s.cluster(f, as_int(n, "cluster(\"" + f + "\", ...)", "row_tiles"));
+          },
+          "func"_a, "row_tiles"_a, chain)
       .def("__str__", &Schedule::to_text)
       .def("__repr__", [](const Schedule &s) { return "<moeforge.Schedule '" + s.name() + "'>"; });
   m.def("megablocks", &megablocks, "MegaBlocks: rows sorted by expert and padded into blocks.");

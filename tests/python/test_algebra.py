@@ -1,6 +1,7 @@
 """The algebra from Python: layers build, print and refuse mistakes with the
 C++ message (moeforge.UserError, a ValueError)."""
 
+import numpy as np
 import pytest
 
 import moeforge as mf
@@ -105,3 +106,31 @@ def test_the_permutation_and_the_main_loop_are_schedule_choices():
     assert "permutation(scattered)" in text and "gate(epilogue)" in text and "block(64)" in text
     assert "mma(\"*\", wgmma_ws)" in text
     assert mf.Schedule.from_text(text).to_text() == text
+
+
+def test_arguments_past_their_range_and_names_that_cannot_be_printed_are_user_errors():
+    """Not nanobind's 'Invoked with types': the call, the value and its bound."""
+    with pytest.raises(mf.UserError, match=r"Dim\('D', \.\.\.\): extent 1180591620717411303424 is beyond "
+                                           r"9223372036854775807, the largest it takes"):
+        mf.Dim("D", 2**70)
+    with pytest.raises(mf.UserError, match=r"stages\(\"o\", \.\.\.\): stages 1099511627776 is beyond 2147483647"):
+        mf.scattermoe().stages("o", 2**40)
+    with pytest.raises(mf.UserError, match=r"tile\(\"o\", \.\.\.\): n 8589934592 is beyond 2147483647"):
+        mf.scattermoe().tile("o", 128, 2**33, 64)
+    with pytest.raises(mf.UserError, match=r"block\(\.\.\.\): rows must be an integer, got True"):
+        mf.scattermoe().block(True)
+    assert mf.Dim("D", np.int64(5)).extent == 5  # numpy's integers are integers
+    with pytest.raises(mf.UserError, match=r"Dim\.dynamic\(\"D\"\) in Python"):
+        mf.Dim("D", 0)
+    with pytest.raises(mf.UserError, match=r"Dim\(''\): a Dim needs a name"):
+        mf.Dim("", 4)
+    with pytest.raises(mf.UserError, match=r"Func\('\*'\): '\*' names every Func in a schedule"):
+        mf.Func("*")
+    with pytest.raises(mf.UserError, match=r"Var name 'i j' holds a quote, a backslash, whitespace"):
+        mf.Var("i j", mf.Dim("D", 4))
+    with pytest.raises(mf.UserError, match=r"Input name 'a\"b' holds a quote"):
+        mf.Input('a"b', [mf.Dim("D", 4)])
+    # An empty text is refused as the CLI refuses an empty file.
+    with pytest.raises(mf.UserError, match=r"<text>: the text holds no primitive"):
+        mf.Schedule.from_text("")
+    assert mf.Schedule.from_text(mf.scattermoe().to_text()).name == "scattermoe"

@@ -37,7 +37,8 @@ struct World {
 } // namespace
 
 TEST_CASE("dsl errors: Dim with a non-positive extent") {
-  check_has(user_error_of([] { Dim d("D", 0); }), {"Dim 'D' has extent 0", "must be positive", "Dim.dynamic(\"D\") in Python, Dim::dynamic in C++"});
+  check_has(user_error_of([] { Dim d("D", 0); }),
+            {"Dim 'D' has extent 0", "must be positive", "Dim.dynamic(\"D\") in Python, Dim::dynamic in C++"});
   CHECK_THROWS_WITH_AS(Dim("F", -3), doctest::Contains("Dim 'F' has extent -3"), UserError);
   Dim T = Dim::dynamic("T");
   check_has(user_error_of([&] { Dim::scaled("P", T, 0); }), {"Dim 'P' = T * 0", "the factor must be positive"});

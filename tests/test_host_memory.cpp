@@ -54,6 +54,12 @@ TEST_CASE("host memory: a host tensor larger than the machine is refused before 
 }
 
 TEST_CASE("host memory: under an address-space limit, what is left of it counts") {
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer maps terabytes of shadow and maps more as it goes: a
+  // limit just past what is mapped could fail its own bookkeeping.
+  MESSAGE("SKIPPED under AddressSanitizer: it cannot run under a tight address-space limit");
+  return;
+#endif
   rlimit before{};
   REQUIRE(getrlimit(RLIMIT_AS, &before) == 0);
   const size_t mapped = mapped_bytes();

@@ -333,6 +333,26 @@ TEST_CASE("cli: values out of range are told so, not blamed on their form") {
                     {"--schedule needs a value: a preset (megablocks, scattermoe), a schedule file or auto"});
 }
 
+TEST_CASE("cli: what the machine or a file lacks is said without the usage") {
+  // Not mistakes in the command line: the usage would point at the wrong thing.
+  std::vector<std::vector<std::string>> cases = {
+      {"run", "moe_mlp", "--schedule", std::filesystem::temp_directory_path().string(), "--tokens", "8"},
+      {"run", "moe_mlp", "--schedule", "/dev/null", "--tokens", "8"},
+      {"run", "moe_mlp", "--tokens", "100000000", "--d", "100000", "--backend", "reference"},
+  };
+  if (cli({"run", "moe_mlp", "--backend", "cuda", "--tokens", "8"}).code != 0) { // no GPU here
+    cases.push_back({"run", "moe_mlp", "--backend", "cuda", "--tokens", "8"});
+    cases.push_back({"run", "moe_mlp", "--ranks", "2", "--tokens", "8"});
+  }
+  for (const std::vector<std::string> &args : cases) {
+    Run r = cli(args);
+    INFO(args[2] << " " << args[3] << ": " << r.err);
+    CHECK(r.code == 2);
+    CHECK(r.err.rfind("moeforge: ", 0) == 0);
+    CHECK_FALSE(has(r.err, "usage:"));
+  }
+}
+
 TEST_CASE("cli: help and the version to a stream that cannot be written end in exit 2") {
   for (const std::vector<std::string> &args : {std::vector<std::string>{"--help"}, {"--version"}, {"help", "run"}}) {
     std::ostringstream out, err;

@@ -270,9 +270,18 @@ bool gpu_present(std::string *why) {
 // schedule alone ('megablocks') would suggest a permutation that never ran.
 std::string tiles_only(const Example &ex) { return ex.route.empty() ? " (tiles only: no routing)" : ""; }
 
-std::string choose_backend(const Options &o, std::string *why_not_gpu) {
+std::string choose_backend(const Options &o, std::string *why_not_gpu, bool &working) {
   bool gpu = gpu_present(why_not_gpu);
   bool train = o.command == "train"; // the reference has no training runtime of its own
+  // f64 is the reference's precision; the compiled backends compute in f32
+  // (and bf16 on tensor cores): asked for alone it picks the reference.
+  user_check(o.precision == Precision::f32 || o.backend.empty() || o.backend == "reference")
+      << "--precision f64: the " << o.backend << " backend computes in f32; only the "
+      << "reference evaluates in f64: drop --precision f64, or use --backend reference";
+  // A backend this machine or build lacks is not a mistake in the command
+  // line: said without the usage.
+  const bool before = working;
+  working = true;
   if (o.backend == "cuda") {
     user_check(gpu) << "--backend cuda: " << *why_not_gpu << "; use --backend cpu" << (train ? "" : " or reference");
   }
@@ -280,17 +289,15 @@ std::string choose_backend(const Options &o, std::string *why_not_gpu) {
     user_check(kHaveCpu) << "--backend cpu: this build has no CPU backend (LLVM 19 was not found when it was "
                          << "configured: install llvm-19-dev)" << (train ? "" : "; use --backend reference");
   }
-  // f64 is the reference's precision; the compiled backends compute in f32
-  // (and bf16 on tensor cores): asked for alone it picks the reference.
-  user_check(o.precision == Precision::f32 || o.backend.empty() || o.backend == "reference")
-      << "--precision f64: the " << o.backend << " backend computes in f32; only the "
-      << "reference evaluates in f64: drop --precision f64, or use --backend reference";
+  working = before;
   if (o.precision == Precision::f64)
     return "reference";
   if (!o.backend.empty())
     return o.backend;
+  working = true;
   user_check(!train || gpu || kHaveCpu) << "train needs a compiled backend: " << *why_not_gpu
                                         << ", and this build has no CPU backend (install llvm-19-dev)";
+  working = before;
   return gpu ? "cuda" : (kHaveCpu ? "cpu" : "reference");
 }
 
@@ -418,7 +425,8 @@ void check_host_memory(const Example &ex, const ExampleShape &shape, bool as_dou
 Schedule schedule_arg(const std::string &arg, bool &working) {
   const std::vector<std::string> presets = preset_names();
   std::error_code ec;
-  if (std::find(presets.begin(), presets.end(), arg) != presets.end() || !std::filesystem::is_regular_file(arg, ec))
+  // A path that is there (a directory, /dev/null) is the file's error too.
+  if (std::find(presets.begin(), presets.end(), arg) != presets.end() || !std::filesystem::exists(arg, ec))
     return schedule_from_arg(arg);
   const bool before = working;
   working = true;
@@ -663,11 +671,12 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
   TrainingTask task = training_task(o);
   const Example &ex = task.example;
   std::string no_gpu;
-  std::string backend = choose_backend(o, &no_gpu);
+  std::string backend = choose_backend(o, &no_gpu, working);
   std::string auto_note;
   Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/true, &auto_note, working);
   if (o.recompute)
     schedule.recompute(true);
+  working = o.backend.empty() || o.backend == "cuda"; // as in run
   const int ranks = spread_experts(o, backend, no_gpu, schedule);
   working = true; // the arguments hold together: from here on, errors are the layer's
   progress.phase("generating the inputs");
@@ -739,17 +748,20 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
 int run(const Options &o, std::ostream &out, Progress &progress, bool &working) {
   Example ex = make_example(o.example, o.shape);
   std::string no_gpu;
-  std::string backend = choose_backend(o, &no_gpu);
+  std::string backend = choose_backend(o, &no_gpu, working);
   // The schedule only matters to the compiled backends, whose compilers check
   // it against the layer.
   std::string auto_note;
   Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/false, &auto_note, working);
+  // --ranks beside a backend named that is not CUDA: the command line's
+  // conflict, with the usage; GPUs this machine lacks: the machine's.
+  working = o.backend.empty() || o.backend == "cuda";
   const int ranks = spread_experts(o, backend, no_gpu, schedule);
+  working = true; // the arguments hold together: memory this machine lacks is not their mistake
   // A GPU run without --check never needs the inputs on the host: the
   // backend makes the same values straight in its storage type (one GPU's).
   const bool host_inputs = backend != "cuda" || o.check || ranks > 1;
   check_host_memory(ex, o.shape, /*as_doubles=*/host_inputs);
-  working = true; // the arguments hold together: from here on, errors are the layer's
   TensorMap inputs;
   if (host_inputs) {
     progress.phase("generating the inputs");

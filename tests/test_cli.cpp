@@ -353,6 +353,21 @@ TEST_CASE("cli: what the machine or a file lacks is said without the usage") {
   }
 }
 
+TEST_CASE("cli: a schedule file's expert_parallel is blamed on the file, not on a --ranks never given") {
+  if (cli({"run", "moe_mlp", "--backend", "cuda", "--tokens", "8"}).code == 0)
+    return; // a GPU is here: expert parallelism may run
+  const std::filesystem::path p = std::filesystem::temp_directory_path() / "moeforge_ep3.sched";
+  {
+    std::ofstream f(p);
+    f << "schedule(\"x\")\nexpert_parallel(2)\n";
+  }
+  Run r = cli({"run", "moe_mlp", "--schedule", p.string(), "--tokens", "8"});
+  std::filesystem::remove(p);
+  CHECK(r.code == 2);
+  CHECK(has(r.err, "the schedule's expert_parallel(2) spreads the experts over GPUs: it needs the CUDA backend"));
+  CHECK_FALSE(has(r.err, "--ranks"));
+}
+
 TEST_CASE("cli: help and the version to a stream that cannot be written end in exit 2") {
   for (const std::vector<std::string> &args : {std::vector<std::string>{"--help"}, {"--version"}, {"help", "run"}}) {
     std::ostringstream out, err;

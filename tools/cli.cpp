@@ -639,7 +639,10 @@ int spread_experts(const Options &o, const std::string &backend, const std::stri
   if (o.ranks > 1)
     schedule.expert_parallel(o.ranks);
   const int ranks = schedule.expert_parallel_ranks();
-  user_check(ranks == 1 || backend == "cuda") << "--ranks " << ranks << " spreads the experts over GPUs: it needs the "
+  // Named as the user gave it: the flag, or the schedule's primitive.
+  const std::string asked = o.ranks > 1 ? "--ranks " + std::to_string(ranks)
+                                        : "the schedule's expert_parallel(" + std::to_string(ranks) + ")";
+  user_check(ranks == 1 || backend == "cuda") << asked << " spreads the experts over GPUs: it needs the "
                                               << "CUDA backend" << (no_gpu.empty() ? "" : " (" + no_gpu + ")");
   return ranks;
 }

@@ -174,7 +174,9 @@ TEST_SUITE("cpu") {
     in.erase("w2");
     CHECK_THROWS_WITH_AS(layer.upload(in), "no tensor given for input 'w2'", UserError);
     in = ex.random_inputs(shape(17, 64, 64, 8, 2), 1);
-    CHECK_THROWS_WITH_AS(layer.upload(in), "input 'x' has the wrong shape for 16 tokens: give it the declared Dims",
+    CHECK_THROWS_WITH_AS(layer.upload(in),
+                         "input 'x' has shape (17, 64), and at 16 tokens the layer takes (16, 64) (T, D): give it "
+                         "that shape, or make the layer for the token count it has",
                          UserError);
     CHECK_THROWS_WITH_AS(layer.routed_experts("nope"), "no route named 'nope' in this layer", UserError);
   }

@@ -140,7 +140,7 @@ def test_mistakes_are_user_errors_that_say_what_to_change():
     cpu = mf.CpuLayer(layer, mf.scattermoe(), TOKENS)
     with pytest.raises(mf.UserError, match="upload"):
         cpu.run()  # nothing uploaded: it would compute on zeros
-    with pytest.raises(mf.UserError, match="wrong shape"):
+    with pytest.raises(mf.UserError, match=r"input 'x' has shape \(71, 64\), and at 72 tokens the layer takes"):
         cpu.upload({**inputs, "x": inputs["x"][:-1]})
     with pytest.raises(mf.UserError, match="has dtype bool"):
         cpu.upload("x", inputs["x"] > 0)
@@ -173,3 +173,16 @@ def test_a_layer_too_large_for_the_host_is_refused_before_it_is_allocated():
                                            r"[0-9.]+ GiB of host memory, and [0-9.]+ GiB is available: lower the "
                                            r"token count"):
         mf.CpuTrainingLayer(layer, [y], mf.scattermoe(), 2**28)
+
+
+def test_inputs_of_a_dtype_no_layer_reads_or_the_wrong_shape_say_which():
+    layer, _, _ = build_moe_mlp()
+    cpu = mf.CpuLayer(layer, mf.scattermoe(), 8)
+    inputs = random_inputs(8, seed=1)
+    for bad in (np.array([[object()] * 64] * 8, dtype=object), np.array([["a"] * 64] * 8),
+                np.zeros((8, 64), dtype=[("a", "f4")])):
+        with pytest.raises(mf.UserError, match=r"input 'x' has dtype .*; give float64, float32, float16, bfloat16"):
+            cpu.upload({**inputs, "x": bad})
+    with pytest.raises(mf.UserError, match=r"input 'x' has shape \(7, 64\), and at 8 tokens the layer takes "
+                                           r"\(8, 64\) \(T, D\)"):
+        cpu.upload({**inputs, "x": np.zeros((7, 64), dtype=np.float32)})

@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <sstream>
+#include <type_traits>
 
 #include "bind_checked.h"
 #include "dsl/autodiff.h"
@@ -118,22 +119,18 @@ void bind_algebra(nb::module_ &m) {
       .def_prop_ro("name", &Buffer::name)
       .def_prop_ro("dims", &Buffer::dims)
       .def_prop_ro("dtype", &Buffer::dtype);
+  // Input and Param alike: the name checked, then the C++ constructor.
+  auto buffer_init = [](auto tag, const char *kind) {
+    using B = typename decltype(tag)::type;
+    return [kind](B *b, const std::string &name, std::vector<Dim> dims, DType dtype) {
+      check_user_name(name, kind);
+      new (b) B(name, std::move(dims), dtype);
+    };
+  };
   nb::class_<Input, Buffer>(m, "Input", "An activation: gradients flow to it, it is not trained.")
-      .def(
-          "__init__",
-          [](Input *b, const std::string &name, std::vector<Dim> dims, DType dtype) {
-            check_user_name(name, "Input");
-            new (b) Input(name, std::move(dims), dtype);
-          },
-          "name"_a, "dims"_a, "dtype"_a = DType::bf16);
+      .def("__init__", buffer_init(std::type_identity<Input>{}, "Input"), "name"_a, "dims"_a, "dtype"_a = DType::bf16);
   nb::class_<Param, Buffer>(m, "Param", "A trainable weight.")
-      .def(
-          "__init__",
-          [](Param *b, const std::string &name, std::vector<Dim> dims, DType dtype) {
-            check_user_name(name, "Param");
-            new (b) Param(name, std::move(dims), dtype);
-          },
-          "name"_a, "dims"_a, "dtype"_a = DType::bf16);
+      .def("__init__", buffer_init(std::type_identity<Param>{}, "Param"), "name"_a, "dims"_a, "dtype"_a = DType::bf16);
 
   nb::class_<Func>(m, "Func", "A tensor defined by the algebra: f[t, i] = expression.")
       .def(

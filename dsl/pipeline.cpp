@@ -57,8 +57,15 @@ Pipeline::Pipeline(std::vector<Func> outputs) : outputs_(std::move(outputs)) {
         << "its own name";
   };
   auto add_dim = [&](const Dim &d) {
-    if (std::none_of(dims_.begin(), dims_.end(), [&](const Dim &x) { return x.same_as(d); }))
-      dims_.push_back(d);
+    if (std::any_of(dims_.begin(), dims_.end(), [&](const Dim &x) { return x.same_as(d); }))
+      return;
+    // The algebra's text, schedules and messages tell Dims apart by name.
+    for (const Dim &x : dims_)
+      user_check(x.name() != d.name() || x.extent() == d.extent())
+          << "two different Dims are named '" << d.name() << "' in this pipeline, of extents "
+          << (x.is_dynamic() ? std::string("dynamic") : std::to_string(x.extent())) << " and "
+          << (d.is_dynamic() ? std::string("dynamic") : std::to_string(d.extent())) << ": give each Dim its own name";
+    dims_.push_back(d);
   };
 
   // Post-order DFS: a step is emitted after everything it reads.

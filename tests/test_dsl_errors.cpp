@@ -286,6 +286,15 @@ TEST_CASE("dsl errors: Pipeline construction") {
   Func g("g");
   g(w.t, w.e, w.i) = w.lg(w.t, w.e) * clash(w.t, w.i);
   check_has(user_error_of([&] { Pipeline p({g}); }), {"two different tensors are named 'lg'"});
+  // Two Dims of one name and different extents: the text could not tell
+  // them apart. (One name at one extent, made twice, is the same Dim's.)
+  Dim d2("D", w.D.extent() * 2);
+  Var i2("i2", d2);
+  Input wide("wide", {w.T, d2});
+  Func both("both");
+  both(w.t, w.i, i2) = w.x(w.t, w.i) * wide(w.t, i2);
+  check_has(user_error_of([&] { Pipeline p({both}); }),
+            {"two different Dims are named 'D' in this pipeline, of extents", "give each Dim its own name"});
   // The same tensor read twice is fine.
   Func ok("ok");
   ok(w.t, w.i) = w.x(w.t, w.i) * w.x(w.t, w.i);

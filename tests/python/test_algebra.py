@@ -134,3 +134,14 @@ def test_arguments_past_their_range_and_names_that_cannot_be_printed_are_user_er
     with pytest.raises(mf.UserError, match=r"<text>: the text holds no primitive"):
         mf.Schedule.from_text("")
     assert mf.Schedule.from_text(mf.scattermoe().to_text()).name == "scattermoe"
+
+
+def test_two_dims_of_one_name_and_different_extents_are_refused():
+    T, D, D2 = mf.Dim.dynamic("T"), mf.Dim("D", 64), mf.Dim("D", 128)
+    t, i, j = mf.Var("t", T), mf.Var("i", D), mf.Var("j", D2)
+    x, w = mf.Input("x", [T, D]), mf.Param("w", [D, D2])
+    y = mf.Func("y")
+    y[t, j] = mf.sum(i, x[t, i] * w[i, j])
+    with pytest.raises(mf.UserError, match=r"two different Dims are named 'D' in this pipeline, of extents 64 and "
+                                           r"128: give each Dim its own name"):
+        mf.Pipeline([y])

@@ -162,7 +162,8 @@ TensorMap to_tensor_map(const nb::dict &arrays, const std::string &what) {
       // An array of a dtype no layer reads (object, str, longdouble, a
       // record) is an array all the same: say which dtype, not "not an array".
       if (nb::hasattr(value, "dtype") && nb::hasattr(value, "shape"))
-        throw UserError(what + " '" + name + "' has dtype " + nb::cast<std::string>(nb::str(nb::object(value.attr("dtype")))) +
+        throw UserError(what + " '" + name + "' has dtype " +
+                        nb::cast<std::string>(nb::str(nb::object(value.attr("dtype")))) +
                         "; give float64, float32, float16, bfloat16, int32 or int64 values (numpy: "
                         "astype(np.float32))");
       throw UserError(what + " '" + name + "' is a " + nb::cast<std::string>(nb::str(value.type())) +

@@ -38,10 +38,6 @@ bool same_storage(const TensorDecl &a, const TensorDecl &b) {
   return a.dtype == b.dtype && a.dims == b.dims && a.layout == b.layout && a.route == b.route && a.stride8 == b.stride8;
 }
 
-bool is_output(const KernelProgram &p, const std::string &name) {
-  return std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end();
-}
-
 } // namespace
 
 bool may_write_in_place(const KernelProgram &p, size_t s, const std::string &output, const std::string &input,

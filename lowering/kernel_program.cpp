@@ -119,6 +119,10 @@ std::vector<std::string> step_reads(const Step &s) {
   return r.names;
 }
 
+bool is_output(const KernelProgram &p, const std::string &name) {
+  return std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end();
+}
+
 int reads_of(const KernelProgram &p, const std::string &name) {
   int n = 0;
   for (const Step &s : p.steps)

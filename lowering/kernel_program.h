@@ -264,6 +264,8 @@ std::string step_name(const Step &s);
 // The tensors a step reads (each read once per mention) and the one it
 // writes (empty for a routing step, which writes its route's tables).
 std::vector<std::string> step_reads(const Step &s);
+// Whether `name` is one of the program's outputs (the caller's tensors).
+bool is_output(const KernelProgram &p, const std::string &name);
 // How many times the program's steps read tensor `name` (step_reads').
 int reads_of(const KernelProgram &p, const std::string &name);
 std::string step_output(const Step &s);

@@ -722,10 +722,6 @@ size_t merge_sibling_gemms(KernelProgram &p, size_t begin, size_t end) {
 
 namespace {
 
-bool is_output(const KernelProgram &p, const std::string &name) {
-  return std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end();
-}
-
 // Whether no step reads tensor `name` and the caller does not ask for it.
 bool unwanted(const KernelProgram &p, const std::string &name) {
   if (is_output(p, name))

@@ -136,10 +136,6 @@ std::vector<Item> join_in_place(const KernelProgram &p, size_t boundary, const s
   return out;
 }
 
-bool is_output(const KernelProgram &p, const std::string &name) {
-  return std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end();
-}
-
 } // namespace
 
 MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes, size_t boundary,

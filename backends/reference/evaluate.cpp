@@ -73,14 +73,8 @@ int64_t product(const std::vector<int64_t> &shape) {
 // whose intermediates (T k x f, say) outgrow the machine is refused with the
 // sizes, not ended by std::bad_alloc.
 template <typename S> void allocate(Value<S> &v) {
-  const size_t n = static_cast<size_t>(product(v.shape));
-  if (n * sizeof(S) >= (size_t(64) << 20)) {
-    std::string dims;
-    for (int64_t e : v.shape)
-      dims += (dims.empty() ? "" : " x ") + std::to_string(e);
-    check_host_allocation(n * sizeof(S), "the reference's intermediate of " + dims + " values");
-  }
-  v.data.resize(n);
+  check_host_array(v.shape, sizeof(S), "the reference's intermediate");
+  v.data.resize(static_cast<size_t>(product(v.shape)));
 }
 
 // Calls f(out_offset, in_offsets) for every element of `shape` in row-major
@@ -680,9 +674,7 @@ private:
     out.axes = join(join(batch, m), n);
     for (VarKey x : out.axes)
       out.shape.push_back(x == k ? 0 : (pa.axis_of(x) >= 0 ? pa.shape[pa.axis_of(x)] : pb.shape[pb.axis_of(x)]));
-    check_host_allocation(static_cast<size_t>(nb * mm * nn) * sizeof(S), "the reference's product of " +
-                                                                             std::to_string(nb * mm) + " x " +
-                                                                             std::to_string(nn) + " values");
+    check_host_array({nb * mm, nn}, sizeof(S), "the reference's product");
     out.data.assign(static_cast<size_t>(nb * mm * nn), S(0));
     using Mat = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     for (int64_t bi = 0; bi < nb && kk > 0; ++bi) {

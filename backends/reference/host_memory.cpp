@@ -48,13 +48,30 @@ size_t host_bytes_available() {
   return have;
 }
 
+namespace {
+constexpr size_t kUnchecked = size_t(64) << 20; // below this, reading the limits costs more than it risks
+} // namespace
+
 void check_host_allocation(size_t bytes, const std::string &what) {
-  if (bytes < (size_t(64) << 20))
+  if (bytes < kUnchecked)
     return;
   const size_t have = host_bytes_available();
   user_check(bytes <= have) << what << " needs " << gib(bytes) << " GiB of host memory, and " << gib(have)
                             << " GiB is available: lower the token count or the layer's sizes (moeforge run: "
                             << "--tokens, --d, --f, --experts)";
+}
+
+void check_host_array(const std::vector<int64_t> &shape, size_t value_bytes, const std::string &what,
+                      const std::string &after) {
+  size_t n = 1;
+  for (int64_t e : shape)
+    n *= static_cast<size_t>(e);
+  if (n * value_bytes < kUnchecked)
+    return;
+  std::string dims;
+  for (int64_t e : shape)
+    dims += (dims.empty() ? "" : " x ") + std::to_string(e);
+  check_host_allocation(n * value_bytes, what + " of " + dims + " values" + after);
 }
 
 } // namespace moeforge

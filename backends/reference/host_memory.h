@@ -4,7 +4,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moeforge {
 
@@ -20,5 +22,10 @@ size_t host_bytes_available();
 // token count or the layer's sizes. Allocations under 64 MiB are not
 // checked (reading the limits costs more than they risk).
 void check_host_allocation(size_t bytes, const std::string &what);
+
+// The same for an array of `shape`, each value `value_bytes`, named
+// "<what> of A x B values<after>" (made only for the allocations checked).
+void check_host_array(const std::vector<int64_t> &shape, size_t value_bytes, const std::string &what,
+                      const std::string &after = "");
 
 } // namespace moeforge

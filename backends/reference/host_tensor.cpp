@@ -21,12 +21,7 @@ static size_t element_count(const std::vector<int64_t> &shape) {
 // The elements of `shape`, once the host has room for them as doubles.
 static size_t checked_element_count(const std::vector<int64_t> &shape) {
   const size_t n = element_count(shape);
-  if (n >= (size_t(8) << 20)) { // 64 MiB of doubles: below that the check costs more than it risks
-    std::string dims;
-    for (int64_t s : shape)
-      dims += (dims.empty() ? "" : " x ") + std::to_string(s);
-    check_host_allocation(n * sizeof(double), "a host tensor of " + dims + " values (doubles)");
-  }
+  check_host_array(shape, sizeof(double), "a host tensor", " (doubles)");
   return n;
 }
 

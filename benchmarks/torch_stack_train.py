@@ -18,7 +18,7 @@ W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
 
 usage: python3 benchmarks/torch_stack_train.py [--shapes qwen3moe,fine64]
        [--layers 8,24] [--impls moeforge,moeforge:FILE,torch,sonicmoe] [--schedule auto|PRESET|FILE]
-       [--grads kept,none] [--reps N] [--out results.json]
+       [--grads kept,none] [--reps N] [--steady SECONDS] [--out results.json]
 """
 import argparse
 import datetime
@@ -137,7 +137,15 @@ def used_outside(free0, reserved0):
     return (free0 - free) - (torch.cuda.memory_reserved() - reserved0)
 
 
-def run(impl, name, layers, reps, schedule, pause, grads):
+def sm_clock_mhz():
+    """The SM clock now (NVML, through torch), or None where it cannot be read."""
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # no pynvml on this machine: the row goes without it
+        return None
+
+
+def run(impl, name, layers, reps, schedule, pause, grads, steady):
     T, d, f, E, k = SHAPES[name]
     dev = torch.device("cuda")
     gc.collect()
@@ -172,14 +180,24 @@ def run(impl, name, layers, reps, schedule, pause, grads):
     time.sleep(pause)
     for _ in range(2):
         step()
+    # --steady: the timed steps come after that many seconds of this
+    # implementation's own steps, at the card's power limit as a training
+    # run is (a few steps after a pause run at the burst clock, which
+    # flatters a short step more than a long one).
+    torch.cuda.synchronize()
+    t0 = time.time()
+    while time.time() - t0 < steady:
+        step()
+        torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     graphs_before = graph_counts(model)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
+    times, clocks = [], []
     for _ in range(reps):
         a.record()
         step()
         b.record()
+        clocks.append(sm_clock_mhz())  # read while the step's kernels run
         b.synchronize()
         times.append(a.elapsed_time(b))
     peak_reserved = torch.cuda.max_memory_reserved() - reserved0
@@ -191,6 +209,10 @@ def run(impl, name, layers, reps, schedule, pause, grads):
            "step_ms_min": min(times), "peak_GiB": (peak_reserved + outside) / GiB, "outside_GiB": outside / GiB,
            "peak_allocated_GiB": peak_allocated / GiB, "grads": grads,
            "weights_and_grads_GiB": 2 * weights / GiB, "first_step_s": first_s}
+    if all(c is not None for c in clocks):
+        row["sm_clock_MHz"] = statistics.median(clocks)
+    if steady:
+        row["steady_s"] = steady
     if graphs:  # the timed steps' entry-point calls: all replayed in a steady loop
         row["graphs_in_timed_steps"] = graphs
     del model, x, dy
@@ -210,6 +232,8 @@ def main():
                          "none: torch's default zero_grad")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pause", type=float, default=1.0)
+    ap.add_argument("--steady", type=float, default=0.0,
+                    help="seconds of each implementation's own steps before its timed ones (0: after --pause)")
     ap.add_argument("--out")
     args = ap.parse_args()
     impls = args.impls.split(",")
@@ -232,7 +256,7 @@ def main():
         for layers in [int(n) for n in args.layers.split(",")]:
             for impl, grads in [(i, g) for g in grads_modes for i in impls]:
                 try:
-                    row = run(impl, name, layers, args.reps, schedule, args.pause, grads)
+                    row = run(impl, name, layers, args.reps, schedule, args.pause, grads, args.steady)
                 except torch.OutOfMemoryError as e:
                     row = {"impl": impl_label(impl), "shape": name, "layers": layers, "grads": grads,
                            "error": "out of memory: " + str(e)[:120]}
@@ -240,14 +264,21 @@ def main():
                     torch.cuda.empty_cache()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'shape':9} {'L':>3} {'grads':5} {'impl':30} {'step ms':>8} {'peak GiB':>9} {'outside':>8} {'allocated':>9}")
+    # "x L=1": the step over L times the same implementation's one-layer
+    # step in this run (what a stack adds beyond its layers).
+    single = {(r["impl"], r["shape"], r["grads"]): r["step_ms"] for r in rows if r["layers"] == 1 and "error" not in r}
+    print(f"\n{'shape':9} {'L':>3} {'grads':5} {'impl':30} {'step ms':>8} {'x L=1':>6} {'peak GiB':>9} "
+          f"{'outside':>8} {'allocated':>9} {'MHz':>5}")
     for r in rows:
         head = f"{r['shape']:9} {r['layers']:>3} {r['grads']:5} {r['impl']:30}"
         if "error" in r:
             print(f"{head} {r['error'][:40]}")
-        else:
-            print(f"{head} {r['step_ms']:8.2f} {r['peak_GiB']:9.2f} "
-                  f"{r['outside_GiB']:8.3f} {r['peak_allocated_GiB']:9.2f}")
+            continue
+        one = single.get((r["impl"], r["shape"], r["grads"]))
+        over = f"{r['step_ms'] / (r['layers'] * one):6.3f}" if one else f"{'':6}"
+        clock = f"{r['sm_clock_MHz']:5.0f}" if "sm_clock_MHz" in r else f"{'':5}"
+        print(f"{head} {r['step_ms']:8.2f} {over} {r['peak_GiB']:9.2f} "
+              f"{r['outside_GiB']:8.3f} {r['peak_allocated_GiB']:9.2f} {clock}")
     if args.out:
         doc = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                "torch": torch.__version__, "rows": rows}

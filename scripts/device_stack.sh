@@ -16,17 +16,19 @@
 #           own default; a file, or "tuned_wide" for
 #           benchmarks/schedules/train/tuned_wide_swiglu.sched), GRADS
 #           (comma-separated: kept, the default, and/or none: torch's
-#           default zero_grad)
+#           default zero_grad), STEADY (seconds of each row's own steps
+#           before its timed ones; default 0), REPS (timed steps, default 5)
 # SonicMoE's first step at a shape is its autotuner compiling and timing
 # every GEMM config (more than 8 minutes at qwen3moe): its caches (QuACK's
 # and Triton's autotune choices and compiled kernels, about 1 MB packed)
 # are packed into $OUT/stack/peer-cache.txz, and unpacked from
 # .peers/peer-cache.txz when that is carried, else from the committed
 # benchmarks/peers/sonicmoe-cache-h200.txz, so a later call skips them.
-# Logs and JSON go to $OUT/stack.
+# Logs and JSON go to $OUT/$STACK_DIR (default stack), so one device call
+# can run this twice (e.g. L=24 on fewer shapes) without overwriting.
 set -uo pipefail
 . scripts/device_env.sh
-R=$OUT/stack
+R=$OUT/${STACK_DIR:-stack}
 mkdir -p "$R"
 STAGES=${STAGES:-cpp,pytest,stack}
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -79,7 +81,8 @@ if has stack; then
   [ "$sched" = tuned_wide ] && sched=benchmarks/schedules/train/tuned_wide_swiglu.sched
   PYTHONUNBUFFERED=1 timeout "${STACK_TIMEOUT:-450}" python3 benchmarks/torch_stack_train.py \
     --shapes "${SHAPES:-qwen3moe,fine64}" --layers "${LAYERS:-8}" --impls "${IMPLS:-moeforge,torch,sonicmoe}" \
-    --schedule "$sched" --grads "${GRADS:-kept}" --out "$R/stack.json" >"$R/stack.log" 2>&1 || status=1
+    --schedule "$sched" --grads "${GRADS:-kept}" \
+    --steady "${STEADY:-0}" --reps "${REPS:-5}" --out "$R/stack.json" >"$R/stack.log" 2>&1 || status=1
   save_peer_cache
   tail -20 "$R/stack.log"
   echo "stack done at $(( $(date +%s) - T0 )) s"

@@ -487,6 +487,43 @@ TEST_CASE("cli: emit --ir prints the lowered kernel program of a schedule") {
   CHECK(has(sm.out, "o_gated(r, i) = route_gate(r) * acc0(r, i)  -> rows gather_pair"));
 }
 
+TEST_CASE("cli: emit --memory --train says what a forward keeps and what each entry point's workspace holds") {
+  // qwen3moe under the default schedule: the two pre-activations are kept,
+  // T k x f in bf16 each (16384 * 8 * 768 * 2 bytes = 192 MiB), and the
+  // backward's fullest step holds the activation gradient beside dy's rows.
+  Run r = cli({"emit", "swiglu_moe", "--tokens", "16384", "--d", "2048", "--f", "768", "--experts", "128", "--topk",
+               "8", "--schedule", "default", "--memory", "--train"});
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  CHECK(has(r.out, "memory at 16384 tokens"));
+  CHECK(has(line_from(r.out, "  h_silu_in "), "192.0 MiB"));
+  CHECK(has(line_from(r.out, "  h_rhs "), "192.0 MiB"));
+  CHECK(has(line_from(r.out, "saved      "), "392.1 MiB"));
+  const std::string backward = r.out.substr(r.out.find("backward workspace"));
+  CHECK(has(backward, "d_h_ungated 216.0 MiB")); // padded rows: 131072 + 128 * 127 of them
+  // The saved tensors scale with the tokens; a forward alone saves nothing.
+  Run small = cli({"emit", "swiglu_moe", "--tokens", "8192", "--d", "2048", "--f", "768", "--experts", "128", "--topk",
+                   "8", "--schedule", "default", "--memory", "--train"});
+  CHECK(has(line_from(small.out, "  h_rhs "), "96.0 MiB"));
+  Run fwd = cli({"emit", "swiglu_moe", "--schedule", "default", "--memory"});
+  CHECK(fwd.code == 0);
+  CHECK_FALSE(has(fwd.out, "\nsaved "));
+  CHECK(has(fwd.out, "forward  workspace"));
+  CHECK_FALSE(has(fwd.out, "backward workspace"));
+}
+
+TEST_CASE("cli: --schedule default is the layer's default schedule, the tuned cache not looked in") {
+  Run ir = cli({"emit", "swiglu_moe", "--schedule", "default", "--ir", "--train"});
+  CHECK(ir.code == 0);
+  CHECK(has(ir.out, "kernel program (schedule default)"));
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  Run t = cli({"train", "moe_mlp", "--schedule", "default", "--backend", "cpu", "--check"});
+  INFO(t.err);
+  CHECK(t.code == 0);
+  CHECK(has(t.out, "the default schedule (--schedule default"));
+#endif
+}
+
 TEST_CASE("cli: emit --cuda prints generated CUDA where the backend is built") {
   Run r = cli({"emit", "moe_mlp", "--cuda"});
 #ifdef MOEFORGE_HAVE_CUDA
@@ -505,10 +542,12 @@ TEST_CASE("cli: emit --cuda prints generated CUDA where the backend is built") {
 }
 
 TEST_CASE("cli: emit and schedule and backend usage errors") {
-  check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "--cuda", "--llvm", "or --plan"});
-  check_usage_error({"emit", "moe_mlp", "--ir", "--cuda"},
-                    {"emit needs exactly one of --ir, --passes, --cuda, --llvm or --plan", "got --ir and --cuda"});
-  check_usage_error({"emit", "moe_mlp", "--llvm", "--train"}, {"emit --train goes with --ir, --cuda or --plan"});
+  check_usage_error({"emit", "moe_mlp"}, {"emit needs exactly one of --ir", "--cuda", "--llvm", "or --memory"});
+  check_usage_error(
+      {"emit", "moe_mlp", "--ir", "--cuda"},
+      {"emit needs exactly one of --ir, --passes, --cuda, --llvm, --plan or --memory", "got --ir and --cuda"});
+  check_usage_error({"emit", "moe_mlp", "--llvm", "--train"},
+                    {"emit --train goes with --ir, --cuda, --plan or --memory"});
   check_usage_error({"run", "moe_mlp", "--train"}, {"unknown flag '--train' for 'run'"});
   // The training step's program: the backward's GEMMs too.
   Run t = cli({"emit", "swiglu_moe", "--ir", "--train"});
@@ -526,7 +565,7 @@ TEST_CASE("cli: emit and schedule and backend usage errors") {
   check_usage_error({"emit", "moe_mlp", "--plan"}, {"emit --plan: this build has no CUDA backend"});
 #endif
   check_usage_error({"emit", "moe_mlp", "--ir", "--schedule", "fastest"},
-                    {"schedule 'fastest' is neither a preset (megablocks, scattermoe)"});
+                    {"schedule 'fastest' is neither a preset (megablocks, scattermoe), default, auto"});
   // The kernel program is target-independent (the CPU backend runs D = 100);
   // the CUDA source needs 16-byte rows.
   CHECK(cli({"emit", "moe_mlp", "--ir", "--d", "100"}).code == 0);
@@ -915,7 +954,7 @@ TEST_CASE("cli: hostile command lines end in exit 2 and a message that says what
       {{"fit", "moe_mlp"}, "unknown command 'fit'"},
       {{"emit", "moe_mlp"}, "emit needs exactly one of --ir"},
       {{"emit", "moe_mlp", "--ir", "--cuda"}, "got --ir and --cuda"},
-      {{"emit", "moe_mlp", "--llvm", "--train"}, "emit --train goes with --ir, --cuda or --plan"},
+      {{"emit", "moe_mlp", "--llvm", "--train"}, "emit --train goes with --ir, --cuda, --plan or --memory"},
       {{"run", "moe_mlp", "--schedule", empty}, "has no primitives (only blank lines or comments)"},
       {{"run", "moe_mlp", "--schedule", comment}, "has no primitives (only blank lines or comments)"},
       {{"run", "moe_mlp", "--schedule", nul}, "byte 37 is a NUL (0x00), so this is not a text file"},

@@ -24,6 +24,7 @@
 #include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
+#include "runtime/memory_report.h"
 #include "runtime/program_shapes.h"
 #include "schedules/presets.h"
 #include "tools/cli_backend.h"
@@ -39,11 +40,13 @@ const char *kUsage =
     "usage: moeforge list\n"
     "       moeforge print <example> [--tokens N --experts E --topk K --d D --f F]\n"
     "       moeforge run <example> [--tokens N --experts E --topk K --d D --f F --seed S\n"
-    "                               --precision f32|f64 --schedule megablocks|scattermoe|auto|<file>\n"
+    "                               --precision f32|f64 --schedule megablocks|scattermoe|default|auto|<file>\n"
     "                               --capacity F --backend reference|cpu|cuda --ranks N] [--check | --check=full]\n"
-    "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|auto|<file>]\n"
+    "       moeforge train <example> [shape flags] [--seed S] [--schedule megablocks|scattermoe|default|auto|<file>]\n"
     "                                 [--capacity F] [--recompute] [--aux] [--backend cpu|cuda] [--ranks N] [--check]\n"
-    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --passes | --cuda | --llvm | --plan [--train]\n"
+    "       moeforge emit <example> [shape flags] [--schedule S] --ir | --passes | --cuda | --llvm | --plan | "
+    "--memory\n"
+    "                               [--train]\n"
     "       moeforge tune <example> [shape flags] [--schedule S] [--train] [--budget-seconds N] [--seed S]\n";
 
 // The project's version (CMakeLists.txt), as the installed package reports it.
@@ -148,10 +151,12 @@ Options parse(const std::vector<std::string> &args) {
       o.aux = true;
       continue;
     }
-    if ((flag == "--ir" || flag == "--passes" || flag == "--cuda" || flag == "--llvm" || flag == "--plan") &&
+    if ((flag == "--ir" || flag == "--passes" || flag == "--cuda" || flag == "--llvm" || flag == "--plan" ||
+         flag == "--memory") &&
         o.command == "emit") {
-      user_check(o.emit.empty()) << "emit needs exactly one of --ir, --passes, --cuda, --llvm or --plan, got --"
-                                 << o.emit << " and " << flag;
+      user_check(o.emit.empty())
+          << "emit needs exactly one of --ir, --passes, --cuda, --llvm, --plan or --memory, got --" << o.emit << " and "
+          << flag;
       o.emit = flag.substr(2);
       continue;
     }
@@ -219,10 +224,11 @@ Options parse(const std::vector<std::string> &args) {
     o.schedule = o.command == "emit" ? "megablocks" : "auto";
   user_check(o.command != "emit" || !o.emit.empty())
       << "emit needs exactly one of --ir (the lowered kernel program), --passes (the program after each lowering "
-      << "pass), --cuda (the generated CUDA source), --llvm (the CPU backend's optimised LLVM IR) or --plan (each "
-      << "GEMM's plan on the CUDA backend)";
+      << "pass), --cuda (the generated CUDA source), --llvm (the CPU backend's optimised LLVM IR), --plan (each "
+      << "GEMM's plan on the CUDA backend) or --memory (what the layer keeps and the workspace it takes)";
   user_check(o.command != "emit" || !o.emit_training || (o.emit != "llvm" && o.emit != "passes"))
-      << "emit --train goes with --ir, --cuda or --plan (the training step's program, CUDA source or GEMM plans); "
+      << "emit --train goes with --ir, --cuda, --plan or --memory (the training step's program, CUDA source, GEMM "
+      << "plans or memory); "
       << "--passes shows the forward's passes";
   return o;
 }
@@ -426,8 +432,14 @@ Schedule schedule_arg(const std::string &arg, bool &working) {
   const std::vector<std::string> presets = preset_names();
   std::error_code ec;
   // A path that is there (a directory, /dev/null) is the file's error too.
-  if (std::find(presets.begin(), presets.end(), arg) != presets.end() || !std::filesystem::exists(arg, ec))
+  if (std::find(presets.begin(), presets.end(), arg) != presets.end())
     return schedule_from_arg(arg);
+  std::string names;
+  for (const std::string &n : presets)
+    names += (names.empty() ? "" : ", ") + n;
+  user_check(std::filesystem::exists(arg, ec))
+      << "schedule '" << arg << "' is neither a preset (" << names << "), default, auto (run, train, "
+      << "tune) nor an existing schedule file: name one of those or the path of a file written by Schedule::save";
   const bool before = working;
   working = true;
   Schedule s = schedule_from_arg(arg);
@@ -442,9 +454,13 @@ Schedule schedule_arg(const std::string &arg, bool &working) {
 // says which and why.
 Schedule base_schedule(const Options &o, const Example &ex, const std::string &backend, bool training,
                        std::string *note, bool &working) {
+  const std::vector<Func> outputs = training ? std::vector<Func>{ex.pipeline.func(ex.output)} : std::vector<Func>{};
+  if (o.schedule == "default") {
+    *note = "the default schedule (--schedule default: the tuned-schedule cache is not looked in)";
+    return default_schedule(ex.pipeline, outputs);
+  }
   if (o.schedule != "auto")
     return schedule_arg(o.schedule, working);
-  const std::vector<Func> outputs = training ? std::vector<Func>{ex.pipeline.func(ex.output)} : std::vector<Func>{};
 #ifdef MOEFORGE_HAVE_CUDA
   if (backend == "cuda") {
     std::string where;
@@ -593,11 +609,12 @@ bool check_training(std::ostream &out, const BackendTraining &run, const Trainin
 int tune(const Options &o, std::ostream &out, std::ostream &err, bool &working) {
   TrainingTask task = training_task(o);
   const Example &ex = task.example;
-  Schedule base = o.schedule == "auto" ? Schedule() : schedule_arg(o.schedule, working);
+  const bool resolved = o.schedule == "auto" || o.schedule == "default";
+  Schedule base = resolved ? Schedule() : schedule_arg(o.schedule, working);
   working = true; // the arguments hold together: from here on, errors are the machine's or the layer's
   std::string no_gpu;
   user_check(gpu_present(&no_gpu)) << "tune times candidate schedules on the GPU, and there is none: " << no_gpu;
-  if (o.schedule == "auto") { // go on from what an earlier tune cached, or from the default
+  if (resolved) { // go on from what an earlier tune cached (auto), or from the default
     std::string auto_note;
     base = resolve_schedule(o, ex, "cuda", o.emit_training, &auto_note, working);
     err << "tune: base schedule " << auto_note << "\n";
@@ -946,8 +963,25 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
       Example ex = make_example(o.example, o.shape);
       user_check(o.schedule != "auto") << "emit prints what a schedule compiles to, and 'auto' is chosen where the "
                                        << "layer runs (run, train, tune): name a preset or a schedule file";
-      Schedule schedule = schedule_arg(o.schedule, working);
-      working = o.emit == "ir" || o.emit == "passes" || (o.emit == "cuda" || o.emit == "plan" ? kHaveCuda : kHaveCpu);
+      const Func out_func = ex.pipeline.func(ex.output);
+      // "default": what a layer runs with no schedule and nothing tuned
+      // (lowering/default_schedule.h), made for this layer.
+      Schedule schedule =
+          o.schedule == "default"
+              ? default_schedule(ex.pipeline, o.emit_training ? std::vector<Func>{out_func} : std::vector<Func>{})
+              : schedule_arg(o.schedule, working);
+      working = o.emit == "ir" || o.emit == "passes" || o.emit == "memory" ||
+                (o.emit == "cuda" || o.emit == "plan" ? kHaveCuda : kHaveCpu);
+      if (o.emit == "memory") {
+        if (o.emit_training) {
+          const TrainingProgram t = lower_training(ex.pipeline, out_func, schedule);
+          out << memory_report(t.program, t.forward_steps, o.shape.tokens);
+        } else {
+          const KernelProgram p = lower(ex.pipeline, schedule);
+          out << memory_report(p, p.steps.size(), o.shape.tokens);
+        }
+        return wrote(out, err) ? 0 : 2;
+      }
       if (o.emit == "passes") {
         lower(ex.pipeline, schedule, [&](const std::string &pass, const KernelProgram &p) {
           out << "=== after " << pass << " ===\n" << p;

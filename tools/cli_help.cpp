@@ -20,9 +20,9 @@ namespace {
   "                  counted (default: dropless)\n"
 
 #define MOEFORGE_SCHEDULE_FLAG                                                                                         \
-  "  --schedule S    a preset (megablocks, scattermoe), a schedule file, or auto (run, train and\n"                    \
-  "                  tune: what `moeforge tune` cached for this layer on this GPU, else the default\n"                 \
-  "                  schedule, tuned_wide's choices made for the layer);\n"                                            \
+  "  --schedule S    a preset (megablocks, scattermoe), a schedule file, default (tuned_wide's\n"                      \
+  "                  choices made for this layer) or auto (run, train and tune: what `moeforge\n"                      \
+  "                  tune` cached for this layer on this GPU, else default);\n"                                        \
   "                  default auto (emit: megablocks)\n"
 
 const std::map<std::string, const char *> kHelp = {
@@ -71,13 +71,19 @@ const std::map<std::string, const char *> kHelp = {
               "  moeforge train moe_mlp --check\n"
               "  moeforge train swiglu_moe --aux --recompute --check\n"
               "  moeforge train swiglu_moe --tokens 4096 --d 1024 --f 2048 --ranks 2 --check\n"},
-    {"emit", "moeforge emit <example> [shape flags] [--schedule S] --ir | --cuda | --llvm | --plan [--train]\n"
-             "  Prints what the layer compiles to: the lowered kernel program (--ir), the generated\n"
-             "  CUDA C++ (--cuda), the CPU backend's LLVM IR (--llvm) or each GEMM's plan (--plan);\n"
-             "  --train: the training step's program (with --ir, --cuda or --plan).\n\n" MOEFORGE_SHAPE_FLAGS
-                 MOEFORGE_SCHEDULE_FLAG "\nexamples:\n"
-             "  moeforge emit moe_mlp --ir\n"
-             "  moeforge emit swiglu_moe --schedule scattermoe --plan --train\n"},
+    {"emit",
+     "moeforge emit <example> [shape flags] [--schedule S] --ir | --passes | --cuda | --llvm | --plan |\n"
+     "                        --memory [--train]\n"
+     "  Prints what the layer compiles to: the lowered kernel program (--ir), the program after\n"
+     "  each lowering pass (--passes), the generated CUDA C++ (--cuda), the CPU backend's LLVM IR\n"
+     "  (--llvm), each GEMM's plan (--plan), or the memory it takes at --tokens (--memory: what a\n"
+     "  forward keeps for its backward, and each entry point's workspace with the tensors at its\n"
+     "  fullest step); --train: the training step's (with --ir, --cuda, --plan or --memory).\n\n" MOEFORGE_SHAPE_FLAGS
+         MOEFORGE_SCHEDULE_FLAG "\nexamples:\n"
+     "  moeforge emit moe_mlp --ir\n"
+     "  moeforge emit swiglu_moe --schedule scattermoe --plan --train\n"
+     "  moeforge emit swiglu_moe --tokens 16384 --d 2048 --f 768 --experts 128 --topk 8 --schedule default\n"
+     "                --memory --train\n"},
     {"tune",
      "moeforge tune <example> [shape flags] [--schedule S] [--train] [--budget-seconds N] [--seed S]\n"
      "  Searches tiles, stages, persistent blocks, TMA stores, clusters and raster bands around\n"

@@ -45,7 +45,10 @@ cuda::Device &device() {
 //   lean       the layer input, the pre-activations and the routing tables:
 //              the activation is made again under the GEMMs that read it
 //              (recompute_elementwise) and the gate's gradient comes from the
-//              dH GEMM (gate_gradient_from_dh), so no expert output is kept
+//              dH GEMM (gate_gradient_from_dh), so no expert output is kept;
+//              the gated h dW2 reads is made on its own before dA, so the
+//              backward's peak holds one T k x f tensor fewer
+//              (split_pointwise_for_memory): the default schedule's choices
 //   recompute  the routing tables and the input: the forward runs again
 enum class Memory { store, lean, recompute };
 
@@ -58,7 +61,7 @@ Schedule schedule_of(const Shape &shape, const std::string &name, Memory memory)
                : bench::is_schedule_file(name) ? Schedule::load(name)
                                                : preset(name);
   if (memory == Memory::lean)
-    s.recompute_elementwise(true).gate_gradient_from_dh(true);
+    s.recompute_elementwise(true).gate_gradient_from_dh(true).split_pointwise_for_memory(true);
   s.recompute(memory == Memory::recompute);
   return s;
 }

@@ -55,6 +55,9 @@ std::vector<std::string> choices_without_effect(const Schedule &s, const std::st
        s.padded_elementwise() ? "the backward copies no token rows into the padded order for a GEMM"
                               : "without padded_elementwise(true) the GEMMs gather token rows themselves already",
        ReadBy::training},
+      {"split_pointwise_for_memory(true)", s.split_pointwise_for_memory(),
+       [](Schedule &x) { x.split_pointwise_for_memory(false); },
+       "no element-wise output of the backward lowers its peak as a kernel of its own", ReadBy::training},
       {"recompute_elementwise(true)", s.recompute_elementwise(), [](Schedule &x) { x.recompute_elementwise(false); },
        s.recompute() ? "recompute(true) recomputes the whole forward already"
                      : "the forward saves no element-wise result that the backward could make again",

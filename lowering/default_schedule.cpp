@@ -29,7 +29,8 @@ Schedule layer_wide() {
       .padded_elementwise(true)
       .recompute_elementwise(true)
       .gate_gradient_from_dh(true)
-      .chain_summed_gemms(true);
+      .chain_summed_gemms(true)
+      .split_pointwise_for_memory(true);
   return s;
 }
 
@@ -61,6 +62,8 @@ void drop_choices_not_taken(Schedule &s, const Pipeline &pipeline, const std::ve
       s.gate_gradient_from_dh(false);
     else if (names("chain_summed_gemms("))
       s.chain_summed_gemms(false);
+    else if (names("split_pointwise_for_memory("))
+      s.split_pointwise_for_memory(false);
     else if (names("gate("))
       s.gate(GateFusion::combine);
   }

@@ -34,20 +34,33 @@ std::vector<std::string> unique(std::vector<std::string> v) {
 struct RangeTensors {
   std::vector<std::vector<std::string>> reads, writes;
   std::map<std::string, size_t> bytes; // only tensors whose lifetime counts
+  // An output marked in place (PointwiseStep::in_place) -> the input whose
+  // bytes it takes: the two are one block, live from the input's first
+  // step to the output's last reader.
+  std::map<std::string, std::string> alias;
 
   RangeTensors(const KernelProgram &p, size_t begin, size_t end, const std::vector<std::string> &kept, int64_t tokens) {
     internal_check(begin <= end && end <= p.steps.size()) << "step range out of bounds";
     const std::set<std::string> keep(kept.begin(), kept.end());
+    for (size_t i = begin; i < end; ++i)
+      if (const auto *pw = std::get_if<PointwiseStep>(&p.steps[i]))
+        for (const auto &[out, in] : pw->in_place)
+          alias[out] = in;
     for (size_t i = begin; i < end; ++i) {
       reads.push_back(unique(step_reads(p.steps[i])));
       writes.push_back(unique(step_outputs(p.steps[i])));
       for (const auto *names : {&reads.back(), &writes.back()})
         for (const std::string &n : *names) {
           const TensorDecl *t = p.find(n);
-          if (t && !t->is_input && !keep.count(n))
+          if (t && !t->is_input && !keep.count(n) && !alias.count(n))
             bytes[n] = estimated_bytes(*t, tokens);
         }
     }
+  }
+  // The block tensor n lives in.
+  const std::string &block_of(const std::string &n) const {
+    auto it = alias.find(n);
+    return it == alias.end() ? n : block_of(it->second);
   }
   size_t size_of(const std::string &n) const {
     auto it = bytes.find(n);
@@ -68,8 +81,8 @@ std::pair<size_t, size_t> live_bytes(const RangeTensors &r, const std::vector<si
   for (size_t at = 0; at < order.size(); ++at) {
     const size_t j = order[at];
     for (const auto *names : {&r.reads[j], &r.writes[j]})
-      for (const std::string &t : *names)
-        if (r.bytes.count(t)) {
+      for (const std::string &name : *names)
+        if (const std::string &t = r.block_of(name); r.bytes.count(t)) {
           auto [it, fresh] = live.emplace(t, std::make_pair(names == &r.reads[j] ? 0 : at, at));
           if (!fresh)
             it->second.second = at;

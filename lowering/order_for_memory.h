@@ -33,7 +33,8 @@ void order_steps_for_memory(KernelProgram &p, size_t begin, size_t end, const st
 // The most bytes of tensors not in `kept` live at once over steps
 // [begin, end), at the same size estimate: what order_steps_for_memory
 // lowers (a tensor is live from the step writing it to its last reader; one
-// written before `begin` counts from `begin`).
+// written before `begin` counts from `begin`; an output marked in place
+// shares its input's bytes).
 size_t peak_live_bytes(const KernelProgram &p, size_t begin, size_t end, const std::vector<std::string> &kept,
                        int64_t tokens = 16384);
 

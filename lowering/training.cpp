@@ -12,6 +12,7 @@
 #include "lowering/lower.h"
 #include "lowering/order_for_memory.h"
 #include "lowering/rename_indices.h"
+#include "lowering/split_for_memory.h"
 #include "lowering/summed_gemms.h"
 
 namespace moeforge {
@@ -462,6 +463,8 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     for (const std::string &o : step_outputs(p.steps[i]))
       held.push_back(o);
   order_steps_for_memory(p, t.forward_steps, p.steps.size(), held);
+  if (schedule.split_pointwise_for_memory())
+    split_pointwise_for_memory(p, t.forward_steps, held);
   mark_in_place_outputs(p, t.forward_steps);
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))

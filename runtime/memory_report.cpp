@@ -31,8 +31,15 @@ std::pair<size_t, std::vector<Live>> fullest_step(const MemoryPlan &w, size_t fr
   for (size_t s = from; s < to; ++s) {
     std::vector<Live> live;
     size_t total = 0;
+    auto live_at = [&](const std::string &name) {
+      const auto &span = w.live.at(name);
+      return span.first <= s && s <= span.second;
+    };
     for (const auto &[name, span] : w.live) {
-      if (span.first > s || span.second < s || w.size.at(name) == 0 || w.written_over.count(name))
+      // An output written over an input's bytes counts where the input is
+      // no longer live: the block is then the output's.
+      auto over = w.written_over.find(name);
+      if (!live_at(name) || w.size.at(name) == 0 || (over != w.written_over.end() && live_at(over->second)))
         continue;
       live.push_back({name, w.size.at(name)});
       total += w.size.at(name);

@@ -203,6 +203,14 @@ public:
   // two T*k x d bf16 tensors fewer in the backward's workspace (qwen3moe:
   // 576 MiB each), for the gathered loads' time.
   Schedule &gather_in_gemms(bool on);
+  // Training, for the backward's memory: an element-wise output that
+  // merging put in one kernel with outputs it does not need (SwiGLU's gated
+  // h, which dW2 reads, beside the activation gradients made from dA) runs
+  // as a kernel of its own wherever that lowers the backward's peak: it is
+  // then made, read and freed before the tensors it had been live beside
+  // exist (mixtral: one T*k x f bf16 tensor fewer, 476 MiB), for one more
+  // read of the inputs it shares with them (lowering/split_for_memory.h).
+  Schedule &split_pointwise_for_memory(bool on);
   // Training: forward values that a GEMM's epilogue makes element-wise from
   // results it stores as well (SwiGLU's h = silu(h1) * h3 beside h1 and h3,
   // GeLU's h beside its pre-activation) are not kept for the backward but
@@ -294,6 +302,7 @@ public:
   bool chain_summed_gemms() const { return chain_summed_gemms_; }
   bool atomic_combine() const { return atomic_combine_; }
   bool gather_in_gemms() const { return gather_in_gemms_; }
+  bool split_pointwise_for_memory() const { return split_pointwise_for_memory_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -368,6 +377,7 @@ private:
   bool chain_summed_gemms_ = false;
   bool atomic_combine_ = false;
   bool gather_in_gemms_ = false;
+  bool split_pointwise_for_memory_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

@@ -61,6 +61,7 @@ const std::vector<Signature> &signatures() {
       {"chain_summed_gemms", {{"on", ArgType::boolean}}},
       {"atomic_combine", {{"on", ArgType::boolean}}},
       {"gather_in_gemms", {{"on", ArgType::boolean}}},
+      {"split_pointwise_for_memory", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -80,6 +81,7 @@ FlagSetter flag_setter(const std::string &primitive) {
       {"chain_summed_gemms", &Schedule::chain_summed_gemms},
       {"atomic_combine", &Schedule::atomic_combine},
       {"gather_in_gemms", &Schedule::gather_in_gemms},
+      {"split_pointwise_for_memory", &Schedule::split_pointwise_for_memory},
   };
   for (const auto &[name, set] : flags)
     if (primitive == name)

@@ -500,7 +500,10 @@ TEST_CASE("cli: emit --memory --train says what a forward keeps and what each en
   CHECK(has(line_from(r.out, "  h_rhs "), "192.0 MiB"));
   CHECK(has(line_from(r.out, "saved      "), "392.1 MiB"));
   const std::string backward = r.out.substr(r.out.find("backward workspace"));
-  CHECK(has(backward, "d_h_ungated 216.0 MiB")); // padded rows: 131072 + 128 * 127 of them
+  // Its fullest step is the input gradient's GEMM: the two activation
+  // gradients (padded rows: 131072 + 128 * 127 of them) and dy's rows.
+  CHECK(has(backward, "gemm_d_x_s2_d_x_s"));
+  CHECK(has(backward, "d_x_s_a 216.0 MiB"));
   // The saved tensors scale with the tokens; a forward alone saves nothing.
   Run small = cli({"emit", "swiglu_moe", "--tokens", "8192", "--d", "2048", "--f", "768", "--experts", "128", "--topk",
                    "8", "--schedule", "default", "--memory", "--train"});

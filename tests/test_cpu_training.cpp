@@ -316,7 +316,9 @@ TEST_SUITE("cpu") {
     // The GPU test's presets, seeds and comparison (training_compare.h) on
     // the backend that rounds as the GPU does, so a tolerance question shows
     // up here first, in CI.
-    testing::check_edge_cases(64, 128, {"megablocks+lean", "scattermoe+padded+lean", "scattermoe+padded+lean+chain"},
+    testing::check_edge_cases(64, 128,
+                              {"megablocks+lean", "scattermoe+padded+lean", "scattermoe+padded+lean+chain",
+                               "scattermoe+padded+lean+chain+split"},
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
                                 return cpu_train_and_compare(ex, in, tokens, testing::training_preset(p, false));
                               });

@@ -78,7 +78,7 @@ TEST_CASE("cuda training: every preset x example x memory choice compiles for sm
   ExampleShape s = shape(64, 64, 128, 8, 2);
   for (const char *name : {"moe_mlp", "swiglu_moe"})
     for (const char *p : {"megablocks", "scattermoe", "megablocks+lean", "scattermoe+padded+lean",
-                          "scattermoe+padded+lean+chain+atomic+gather"})
+                          "scattermoe+padded+lean+chain+atomic+gather", "scattermoe+padded+lean+chain+split"})
       for (bool recompute : {false, true}) {
         Example ex = make_example(name, s);
         cuda::CompiledTraining c =
@@ -228,7 +228,8 @@ TEST_SUITE("gpu") {
     for (const char *name : {"moe_mlp", "swiglu_moe"})
       for (const char *p :
            {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean", "scattermoe+padded+lean",
-            "scattermoe+padded+lean+chain", "scattermoe+padded+lean+chain+atomic+gather"})
+            "scattermoe+padded+lean+chain", "scattermoe+padded+lean+chain+atomic+gather",
+            "scattermoe+padded+lean+chain+split", "scattermoe+padded+lean+chain+atomic+gather+split"})
         for (bool recompute : {false, true}) {
           ExampleShape s = shape(200, 64, 128, 8, 2);
           Example ex = make_example(name, s);
@@ -461,7 +462,8 @@ TEST_SUITE("gpu") {
     MOEFORGE_REQUIRE_GPU();
     testing::check_edge_cases(64, 128,
                               {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean",
-                               "scattermoe+padded+lean", "scattermoe+padded+lean+chain"},
+                               "scattermoe+padded+lean", "scattermoe+padded+lean+chain",
+                               "scattermoe+padded+lean+chain+split"},
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
                                 return train_and_compare(ex, in, tokens, training_preset(p, false));
                               });

@@ -33,6 +33,8 @@ inline Schedule training_preset(const std::string &name, bool recompute) {
     s.atomic_combine(true);
   if (has("+gather"))
     s.gather_in_gemms(true);
+  if (has("+split"))
+    s.split_pointwise_for_memory(true);
   return s;
 }
 

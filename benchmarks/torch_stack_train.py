@@ -17,7 +17,7 @@ implementations get identical values without a host copy: W1, W3 [E, d, f],
 W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
 
 usage: python3 benchmarks/torch_stack_train.py [--shapes qwen3moe,fine64]
-       [--layers 8,24] [--impls moeforge,moeforge:FILE,torch,sonicmoe] [--schedule auto|PRESET|FILE]
+       [--layers 8,24] [--impls moeforge,moeforge:FILE,moeforge+CHOICE,torch,sonicmoe] [--schedule auto|PRESET|FILE]
        [--grads kept,none] [--reps N] [--steady SECONDS] [--out results.json]
 """
 import argparse
@@ -99,17 +99,29 @@ def make_layer(impl, seed, shape, dev, schedule):
     T, d, f, E, k = shape
     w = layer_weights(seed, d, f, E, dev)
     if impl.startswith("moeforge"):
-        return moeforge_layer(*w, k, impl_schedule(impl, schedule))
+        return moeforge_layer(*w, k, impl_schedule(impl, schedule, shape))
     if impl == "torch":
         return TorchLayer(*w, k)
     return SonicLayer(*w, k)
 
 
-def impl_schedule(impl, schedule):
-    """moeforge:FILE runs the schedule in FILE; plain moeforge, --schedule's."""
+def impl_schedule(impl, schedule, shape):
+    """moeforge:FILE runs the schedule in FILE; moeforge+CHOICE[+CHOICE...]
+    (e.g. moeforge+atomic_combine+gather_in_gemms) the layer's default
+    schedule with those layer-wide choices on, made for each shape; plain
+    moeforge, --schedule's."""
+    import moeforge as mf
+    if "+" in impl:
+        _, d, f, E, k = shape
+        ex, _ = mf.make_example("swiglu_moe", tokens=1, experts=E, topk=k, d=d, f=f)
+        s = mf.default_schedule(ex.pipeline, list(ex.pipeline.outputs))
+        for choice in impl.split("+")[1:]:
+            if not hasattr(s, choice):
+                raise SystemExit(f"--impls {impl}: the schedule has no choice '{choice}'")
+            getattr(s, choice)(True)
+        return s
     if ":" not in impl:
         return schedule
-    import moeforge as mf
     return mf.Schedule.load(impl.split(":", 1)[1])
 
 

@@ -75,6 +75,18 @@ def test_schedules_chain_and_round_trip_through_text():
         mf.Schedule().tile("*", 100, 128, 64)
 
 
+def test_the_default_splits_the_backward_kernel_for_memory():
+    # The SwiGLU layer's default makes the gated h that dW2 reads in a
+    # kernel of its own (its backward peak holds one T k x f tensor fewer),
+    # and the choice is a schedule call like any other.
+    ex, _ = mf.make_example("swiglu_moe", tokens=1, experts=8, topk=2, d=64, f=128)
+    s = mf.default_schedule(ex.pipeline, list(ex.pipeline.outputs))
+    assert "split_pointwise_for_memory(true)" in s.to_text()
+    off = mf.Schedule.from_text(s.to_text()).split_pointwise_for_memory(False)
+    assert off.to_text().endswith("split_pointwise_for_memory(false)\n")
+    assert mf.Schedule.from_text(off.to_text()).to_text() == off.to_text()
+
+
 def test_grad_names_a_gradient_per_input_and_param():
     layer, y, _ = build_moe_mlp()
     g = mf.grad(layer, [y])

@@ -17,7 +17,7 @@ implementations get identical values without a host copy: W1, W3 [E, d, f],
 W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
 
 usage: python3 benchmarks/torch_stack_train.py [--shapes qwen3moe,fine64]
-       [--layers 8,24] [--impls moeforge,moeforge:FILE,moeforge+CHOICE,torch,sonicmoe] [--schedule auto|PRESET|FILE]
+       [--layers 8,24] [--impls moeforge,moeforge:FILE,moeforge+CHOICE-CHOICE,torch,sonicmoe] [--schedule auto|PRESET|FILE]
        [--grads kept,none] [--reps N] [--steady SECONDS] [--out results.json]
 """
 import argparse
@@ -106,19 +106,21 @@ def make_layer(impl, seed, shape, dev, schedule):
 
 
 def impl_schedule(impl, schedule, shape):
-    """moeforge:FILE runs the schedule in FILE; moeforge+CHOICE[+CHOICE...]
-    (e.g. moeforge+atomic_combine+gather_in_gemms) the layer's default
-    schedule with those layer-wide choices on, made for each shape; plain
+    """moeforge:FILE runs the schedule in FILE; moeforge+CHOICE / -CHOICE...
+    (e.g. moeforge+atomic_combine+gather_in_gemms,
+    moeforge-split_pointwise_for_memory) the layer's default schedule with
+    those layer-wide choices on (+) or off (-), made for each shape; plain
     moeforge, --schedule's."""
+    import re
     import moeforge as mf
-    if "+" in impl:
+    if ":" not in impl and re.search(r"[+-]", impl):
         _, d, f, E, k = shape
         ex, _ = mf.make_example("swiglu_moe", tokens=1, experts=E, topk=k, d=d, f=f)
         s = mf.default_schedule(ex.pipeline, list(ex.pipeline.outputs))
-        for choice in impl.split("+")[1:]:
+        for sign, choice in re.findall(r"([+-])([A-Za-z0-9_]+)", impl):
             if not hasattr(s, choice):
                 raise SystemExit(f"--impls {impl}: the schedule has no choice '{choice}'")
-            getattr(s, choice)(True)
+            getattr(s, choice)(sign == "+")
         return s
     if ":" not in impl:
         return schedule

@@ -87,6 +87,13 @@ std::string step_name(const Step &s) {
       s);
 }
 
+std::string pointwise_name(const PointwiseStep &s) {
+  std::string name = "pointwise_" + s.output;
+  for (const ExtraOutput &e : s.extra)
+    name += "_" + e.output;
+  return name;
+}
+
 std::vector<std::string> step_reads(const Step &s) {
   struct Reads : IRVisitor {
     std::vector<std::string> names;

@@ -261,6 +261,9 @@ bool uses_var(const Expr &e, const Var &v, const std::vector<FuncPtr> &registers
 // (acc0(row, col)): no epilogue around the sum.
 bool stores_plain_accumulator(const GemmStep &g);
 std::string step_name(const Step &s);
+// An element-wise step's name from what it writes, in order
+// ("pointwise_" + output, then "_" + each extra output's name).
+std::string pointwise_name(const PointwiseStep &s);
 // The tensors a step reads (each read once per mention) and the one it
 // writes (empty for a routing step, which writes its route's tables).
 std::vector<std::string> step_reads(const Step &s);

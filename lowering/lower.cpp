@@ -893,9 +893,7 @@ size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const
       g->body = next->value;
       g->extra.erase(next);
     }
-    g->name = "pointwise_" + g->output; // named after what it writes
-    for (const ExtraOutput &e : g->extra)
-      g->name += "_" + e.output;
+    g->name = pointwise_name(*g); // named after what it writes
   }
   return end;
 }

@@ -9,14 +9,6 @@ namespace moeforge {
 
 namespace {
 
-// A step's own name: what it writes, in order (as merge_sibling_pointwise names it).
-std::string name_of(const PointwiseStep &s) {
-  std::string name = "pointwise_" + s.output;
-  for (const ExtraOutput &e : s.extra)
-    name += "_" + e.output;
-  return name;
-}
-
 size_t elementwise_outputs(const PointwiseStep &s) {
   size_t n = 1;
   for (const ExtraOutput &e : s.extra)
@@ -47,8 +39,8 @@ KernelProgram split_off(const KernelProgram &p, size_t s, size_t which) {
     alone.body = e.value;
     merged.extra.erase(merged.extra.begin() + static_cast<long>(which - 1));
   }
-  alone.name = name_of(alone);
-  merged.name = name_of(merged);
+  alone.name = pointwise_name(alone);
+  merged.name = pointwise_name(merged);
   merged.in_place.clear();
   q.steps.insert(q.steps.begin() + static_cast<long>(s), std::move(alone));
   return q;

@@ -48,7 +48,9 @@ cuda::Device &device() {
 //              dH GEMM (gate_gradient_from_dh), so no expert output is kept;
 //              the gated h dW2 reads is made on its own before dA, so the
 //              backward's peak holds one T k x f tensor fewer
-//              (split_pointwise_for_memory): the default schedule's choices
+//              (split_pointwise_for_memory), and the activation gradients
+//              take the saved pre-activations' bytes on caller memory
+//              (gradients_over_saved): the default schedule's choices
 //   recompute  the routing tables and the input: the forward runs again
 enum class Memory { store, lean, recompute };
 
@@ -61,7 +63,8 @@ Schedule schedule_of(const Shape &shape, const std::string &name, Memory memory)
                : bench::is_schedule_file(name) ? Schedule::load(name)
                                                : preset(name);
   if (memory == Memory::lean)
-    s.recompute_elementwise(true).gate_gradient_from_dh(true).split_pointwise_for_memory(true);
+    s.recompute_elementwise(true).gate_gradient_from_dh(true).split_pointwise_for_memory(true).gradients_over_saved(
+        true);
   s.recompute(memory == Memory::recompute);
   return s;
 }

@@ -58,6 +58,9 @@ std::vector<std::string> choices_without_effect(const Schedule &s, const std::st
       {"split_pointwise_for_memory(true)", s.split_pointwise_for_memory(),
        [](Schedule &x) { x.split_pointwise_for_memory(false); },
        "no element-wise output of the backward lowers its peak as a kernel of its own", ReadBy::training},
+      {"gradients_over_saved(true)", s.gradients_over_saved(), [](Schedule &x) { x.gradients_over_saved(false); },
+       "no element-wise step of the backward is the last reader of a saved tensor shaped like its output",
+       ReadBy::training},
       {"recompute_elementwise(true)", s.recompute_elementwise(), [](Schedule &x) { x.recompute_elementwise(false); },
        s.recompute() ? "recompute(true) recomputes the whole forward already"
                      : "the forward saves no element-wise result that the backward could make again",

@@ -30,7 +30,8 @@ Schedule layer_wide() {
       .recompute_elementwise(true)
       .gate_gradient_from_dh(true)
       .chain_summed_gemms(true)
-      .split_pointwise_for_memory(true);
+      .split_pointwise_for_memory(true)
+      .gradients_over_saved(true);
   return s;
 }
 
@@ -64,6 +65,8 @@ void drop_choices_not_taken(Schedule &s, const Pipeline &pipeline, const std::ve
       s.chain_summed_gemms(false);
     else if (names("split_pointwise_for_memory("))
       s.split_pointwise_for_memory(false);
+    else if (names("gradients_over_saved("))
+      s.gradients_over_saved(false);
     else if (names("gate("))
       s.gate(GateFusion::combine);
   }

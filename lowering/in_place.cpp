@@ -82,7 +82,28 @@ bool may_write_in_place(const KernelProgram &p, size_t s, const std::string &out
     return false;
   const bool input_kept = in_written < boundary && s >= boundary;
   const bool output_kept = s < boundary && out_last >= boundary;
-  return !input_kept && !output_kept;
+  return (!input_kept || p.gradients_over_saved) && !output_kept;
+}
+
+bool is_saved_input(const KernelProgram &p, size_t s, const std::string &input, size_t boundary) {
+  if (s < boundary)
+    return false;
+  for (size_t i = 0; i < boundary && i < p.steps.size(); ++i) {
+    const std::vector<std::string> writes = step_outputs(p.steps[i]);
+    if (std::count(writes.begin(), writes.end(), input))
+      return true;
+  }
+  return false;
+}
+
+std::map<std::string, std::string> written_over_saved(const KernelProgram &p, size_t boundary) {
+  std::map<std::string, std::string> over;
+  for (size_t s = boundary; s < p.steps.size(); ++s)
+    if (const auto *pw = std::get_if<PointwiseStep>(&p.steps[s]))
+      for (const auto &[out, in] : pw->in_place)
+        if (is_saved_input(p, s, in, boundary) && may_write_in_place(p, s, out, in, boundary))
+          over[out] = in;
+  return over;
 }
 
 void mark_in_place_outputs(KernelProgram &p, size_t boundary) {
@@ -96,8 +117,12 @@ void mark_in_place_outputs(KernelProgram &p, size_t boundary) {
     for (const ExtraOutput &e : pw->extra)
       if (!e.row_sum)
         outputs.push_back(e.output);
+    // Saved inputs first (their bytes are held to the backward's end anyway).
+    std::vector<std::string> reads = step_reads(p.steps[s]);
+    std::stable_partition(reads.begin(), reads.end(),
+                          [&](const std::string &in) { return is_saved_input(p, s, in, boundary); });
     for (const std::string &out : outputs)
-      for (const std::string &in : step_reads(p.steps[s])) {
+      for (const std::string &in : reads) {
         if (taken.count(in) || !may_write_in_place(p, s, out, in, boundary))
           continue;
         pw->in_place.emplace_back(out, in);

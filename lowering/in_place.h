@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstddef>
+#include <map>
+#include <string>
 
 #include "lowering/kernel_program.h"
 
@@ -17,12 +19,16 @@ namespace moeforge {
 
 // Marks, in each element-wise step's `in_place`, the outputs that may take
 // an input's bytes: the input is an intermediate (not an Input, not a
-// program output, not kept across `boundary`: the tensors a training
-// forward keeps for its backward, which may run more than once), its last
-// reader is this step, and it has the output's dtype, dims and row layout;
-// the output is first written here and is an intermediate too; the step
-// reads the input only at its own indices and takes no reduction or
-// softmax. Each input is taken at most once. Run after the last pass that
+// program output), its last reader is this step, and it has the output's
+// dtype, dims and row layout; the output is first written here and is an
+// intermediate too; the step reads the input only at its own indices and
+// takes no reduction or softmax. Each input is taken at most once. An input
+// kept across `boundary` (what a training forward saves for its backward)
+// is taken only under p.gradients_over_saved, by a step after the
+// boundary: the backward then destroys what it read, so a forward serves
+// one backward. Such an input is preferred, since the saved region holds
+// its bytes until the backward ends anyway, while a transient input taken
+// would live on as long as the output. Run after the last pass that
 // reorders or merges steps: the marks hold for the steps' order as it is
 // (plan_step_memory checks them again).
 void mark_in_place_outputs(KernelProgram &p, size_t boundary);
@@ -31,5 +37,15 @@ void mark_in_place_outputs(KernelProgram &p, size_t boundary);
 // requires, in the steps' order as it is now.
 bool may_write_in_place(const KernelProgram &p, size_t s, const std::string &output, const std::string &input,
                         size_t boundary);
+
+// Whether `input`, read by step `s`, is what a forward saved: written before
+// `boundary`, with s at or after it.
+bool is_saved_input(const KernelProgram &p, size_t s, const std::string &input, size_t boundary);
+
+// The outputs marked to take a saved tensor's bytes (Schedule::
+// gradients_over_saved), output -> the saved tensor, where the steps' order
+// still allows it. Where the runtime shares those bytes (memory the caller
+// gives each step), a backward destroys what its forward saved.
+std::map<std::string, std::string> written_over_saved(const KernelProgram &p, size_t boundary);
 
 } // namespace moeforge

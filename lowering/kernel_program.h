@@ -225,6 +225,9 @@ struct KernelProgram {
   std::vector<const RoutingNode *> routes;
   std::string schedule_name;
   bool reuse_memory = false; // Schedule::reuse_memory: the runtime places tensors by lifetime
+  // Schedule::gradients_over_saved: a backward element-wise output may take
+  // the bytes of a tensor the forward saved (lowering/in_place.h).
+  bool gradients_over_saved = false;
   // Layer-wide choices the schedule named that lowering found nothing to
   // apply to, each "<primitive>(true) is not applied: <why>" (the program
   // runs without them; not_applied_choices prints them with the GEMMs').

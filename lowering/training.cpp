@@ -259,7 +259,10 @@ void store_in_bf16(KernelProgram &p, const TrainingProgram &t) {
 // rows are bounded by the padded order, not by T k), and so does one whose
 // GEMM stores by TMA (GeLU's pre-activation beside h): a TMA tile cannot
 // follow pair rows, and the plain stores would cost that GEMM its speed.
-void save_in_pair_order(KernelProgram &p, size_t forward_steps) {
+// Stores in pair order those of them that `store` accepts, and returns
+// them all.
+std::vector<std::string> save_in_pair_order(KernelProgram &p, size_t forward_steps,
+                                            const std::function<bool(const std::string &)> &store) {
   std::map<std::string, GemmStep *> writer; // a forward routed GEMM's outputs and further outputs
   for (size_t i = 0; i < forward_steps; ++i)
     if (auto *g = std::get_if<GemmStep>(&p.steps[i]);
@@ -268,6 +271,7 @@ void save_in_pair_order(KernelProgram &p, size_t forward_steps) {
       for (const GemmStep::Extra &e : g->extra)
         writer[e.output] = g;
     }
+  std::vector<std::string> candidates;
   for (TensorDecl &t : p.tensors) {
     auto w = writer.find(t.name);
     if (t.layout != RowLayout::padded || !t.route || w == writer.end() || p.routing(t.route).drops())
@@ -280,13 +284,27 @@ void save_in_pair_order(KernelProgram &p, size_t forward_steps) {
       read_after |= i >= forward_steps;
       read_by_gemm |= !std::holds_alternative<PointwiseStep>(p.steps[i]);
     }
-    if (read_after && !read_by_gemm) {
-      t.layout = RowLayout::pair;
-      t.zero_padding = false;
-      if (w->second->output == t.name)
-        w->second->out_rows = RowMap::gather_pair; // the epilogue stores row sorted_pair[p]
-    }
+    if (!read_after || read_by_gemm)
+      continue;
+    candidates.push_back(t.name);
+    if (!store(t.name))
+      continue;
+    t.layout = RowLayout::pair;
+    t.zero_padding = false;
+    if (w->second->output == t.name)
+      w->second->out_rows = RowMap::gather_pair; // the epilogue stores row sorted_pair[p]
   }
+  return candidates;
+}
+
+// The inputs some element-wise step writes an output over.
+std::set<std::string> written_over(const KernelProgram &p) {
+  std::set<std::string> in;
+  for (const Step &s : p.steps)
+    if (const auto *pw = std::get_if<PointwiseStep>(&s))
+      for (const auto &[out, input] : pw->in_place)
+        in.insert(input);
+  return in;
 }
 
 } // namespace
@@ -453,7 +471,11 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   }
   // After the fusions: which GEMM writes a saved tensor, and whether one
   // reads it, is then final.
-  save_in_pair_order(p, t.forward_steps);
+  // Under gradients_over_saved a saved tensor keeps the padded order until
+  // the in-place marks show whether a gradient (padded) takes its bytes.
+  p.gradients_over_saved = schedule.gradients_over_saved();
+  const std::vector<std::string> pair_order =
+      save_in_pair_order(p, t.forward_steps, [&](const std::string &) { return !p.gradients_over_saved; });
   // Last: every fusion above has decided which steps exist. What the caller
   // holds (outputs, gradients) and what the forward wrote (kept for the
   // backward anyway) live through the whole backward whatever its order.
@@ -466,10 +488,15 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   if (schedule.split_pointwise_for_memory())
     split_pointwise_for_memory(p, t.forward_steps, held);
   mark_in_place_outputs(p, t.forward_steps);
+  if (p.gradients_over_saved && !pair_order.empty()) {
+    const std::set<std::string> taken = written_over(p);
+    save_in_pair_order(p, t.forward_steps, [&](const std::string &name) { return !taken.count(name); });
+  }
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))
       if (producer.count(r) && !contains(t.saved, r))
         t.saved.push_back(r);
+  t.written_over_saved = written_over_saved(p, t.forward_steps);
   t.program = std::move(p);
   return t;
 }

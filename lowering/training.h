@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "dsl/training.h"
+#include <map>
+
 #include "lowering/kernel_program.h"
 #include "schedules/schedule.h"
 
@@ -32,6 +34,11 @@ struct TrainingProgram {
   // Tensors the forward writes and the backward reads, in program order.
   std::vector<std::string> saved;
   std::vector<std::string> recomputed; // forward tensors the backward makes again
+  // Saved tensors a backward output takes the bytes of (Schedule::
+  // gradients_over_saved), output -> saved tensor: on memory the caller
+  // gives each step, a backward destroys them, so a forward serves one
+  // backward there.
+  std::map<std::string, std::string> written_over_saved;
 
   // The index of forward output `name` in outputs; a UserError that names
   // the outputs otherwise (`what` says who asked, e.g. "output()").

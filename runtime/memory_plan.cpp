@@ -188,6 +188,23 @@ StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size
     }
     transient.push_back({t.name, size, touched.first.at(t.name), touched.last.at(t.name)});
   }
+  // Backward outputs written over a saved tensor live on its bytes, in the
+  // saved region (same dtype, dims and layout: the same size).
+  const std::map<std::string, std::string> over_saved = written_over_saved(p, boundary);
+  transient.erase(std::remove_if(transient.begin(), transient.end(),
+                                 [&](const Member &m) {
+                                   auto it = over_saved.find(m.name);
+                                   if (it == over_saved.end() || !plan.saved.offset.count(it->second))
+                                     return false;
+                                   internal_check(m.size == plan.saved.size.at(it->second))
+                                       << "'" << m.name << "' written over '" << it->second << "' of another size";
+                                   plan.saved.offset[m.name] = plan.saved.offset.at(it->second);
+                                   plan.saved.size[m.name] = m.size;
+                                   plan.saved.live[m.name] = {m.from, m.to};
+                                   plan.saved.written_over[m.name] = it->second;
+                                   return true;
+                                 }),
+                  transient.end());
   place_by_lifetime(join_in_place(p, boundary, transient, plan.workspace), plan.workspace);
   for (const Member &it : transient) {
     const size_t top = plan.workspace.offset.at(it.name) + it.size;

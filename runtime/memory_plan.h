@@ -51,7 +51,10 @@ MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const 
 //   saved      the tensors written before `boundary` and read at or after
 //              it (a training forward's activations for its backward), one
 //              after another; the caller keeps this region from the forward
-//              to the end of its backward, one per forward in flight.
+//              to the end of its backward, one per forward in flight. A
+//              backward output written over a saved tensor
+//              (Schedule::gradients_over_saved) takes that tensor's bytes
+//              here (saved.written_over).
 //   workspace  every other intermediate, sharing bytes by lifetime (an
 //              output an element-wise step writes over an input it reads
 //              takes the input's bytes: PointwiseStep::in_place); live

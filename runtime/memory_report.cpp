@@ -78,10 +78,17 @@ std::string memory_report(const KernelProgram &p, size_t boundary, int64_t token
     os << "saved      " << mib(plan.saved.arena_bytes) << " (kept from a forward to the end of its backward)\n";
     std::vector<Live> saved;
     for (const auto &[name, size] : plan.saved.size)
-      saved.push_back({name, size});
+      if (!plan.saved.written_over.count(name))
+        saved.push_back({name, size});
     std::sort(saved.begin(), saved.end(), [](const Live &a, const Live &b) { return a.bytes > b.bytes; });
-    for (const Live &l : saved)
-      os << "  " << std::left << std::setw(24) << l.name << " " << mib(l.bytes) << "\n";
+    for (const Live &l : saved) {
+      os << "  " << std::left << std::setw(24) << l.name << " " << mib(l.bytes);
+      // The backward outputs that take its bytes once it is read last.
+      for (const auto &[out, in] : plan.saved.written_over)
+        if (in == l.name)
+          os << ", then " << out;
+      os << "\n";
+    }
   }
   print_part(os, p, plan.workspace, "forward ", plan.workspace_before, 0, std::min(boundary, p.steps.size()));
   if (boundary < p.steps.size())

@@ -182,6 +182,7 @@ Schedule &Schedule::gather_in_gemms(bool on) { return flag(gather_in_gemms_, "ga
 Schedule &Schedule::split_pointwise_for_memory(bool on) {
   return flag(split_pointwise_for_memory_, "split_pointwise_for_memory", on);
 }
+Schedule &Schedule::gradients_over_saved(bool on) { return flag(gradients_over_saved_, "gradients_over_saved", on); }
 
 Schedule &Schedule::recompute(bool on) { return flag(recompute_, "recompute", on); }
 

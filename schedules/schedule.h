@@ -211,6 +211,17 @@ public:
   // exist (mixtral: one T*k x f bf16 tensor fewer, 476 MiB), for one more
   // read of the inputs it shares with them (lowering/split_for_memory.h).
   Schedule &split_pointwise_for_memory(bool on);
+  // Training, for the backward's memory: an activation's gradient is
+  // written over the saved activation it is made from, where the kernel
+  // making it is that tensor's last reader (SwiGLU's dH1 and dH3 over the
+  // two saved pre-activations, GeLU's dH over its pre-activation). The
+  // saved region holds them anyway until the backward ends, so the
+  // backward's workspace holds up to two T*k x f tensors fewer (mixtral:
+  // 952 MiB); those saved tensors then stay in the padded order the
+  // gradients take (up to E (block - 1) rows more each). A forward then
+  // serves one backward: a second backward of it is refused (on caller
+  // memory, where the bytes are shared; run the forward again).
+  Schedule &gradients_over_saved(bool on);
   // Training: forward values that a GEMM's epilogue makes element-wise from
   // results it stores as well (SwiGLU's h = silu(h1) * h3 beside h1 and h3,
   // GeLU's h beside its pre-activation) are not kept for the backward but
@@ -303,6 +314,7 @@ public:
   bool atomic_combine() const { return atomic_combine_; }
   bool gather_in_gemms() const { return gather_in_gemms_; }
   bool split_pointwise_for_memory() const { return split_pointwise_for_memory_; }
+  bool gradients_over_saved() const { return gradients_over_saved_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -378,6 +390,7 @@ private:
   bool atomic_combine_ = false;
   bool gather_in_gemms_ = false;
   bool split_pointwise_for_memory_ = false;
+  bool gradients_over_saved_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

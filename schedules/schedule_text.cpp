@@ -62,6 +62,7 @@ const std::vector<Signature> &signatures() {
       {"atomic_combine", {{"on", ArgType::boolean}}},
       {"gather_in_gemms", {{"on", ArgType::boolean}}},
       {"split_pointwise_for_memory", {{"on", ArgType::boolean}}},
+      {"gradients_over_saved", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -82,6 +83,7 @@ FlagSetter flag_setter(const std::string &primitive) {
       {"atomic_combine", &Schedule::atomic_combine},
       {"gather_in_gemms", &Schedule::gather_in_gemms},
       {"split_pointwise_for_memory", &Schedule::split_pointwise_for_memory},
+      {"gradients_over_saved", &Schedule::gradients_over_saved},
   };
   for (const auto &[name, set] : flags)
     if (primitive == name)

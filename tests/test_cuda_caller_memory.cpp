@@ -119,7 +119,7 @@ TEST_SUITE("gpu") {
     static cuda::Device device;
     cuda::Stream stream;
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (const char *p : {"scattermoe", "megablocks", "scattermoe+padded+lean"}) {
+      for (const char *p : {"scattermoe", "megablocks", "scattermoe+padded+lean", "scattermoe+padded+lean+over"}) {
         INFO(name << " / " << p);
         const Schedule schedule = training_preset(p, false);
         ExampleShape s0 = shape(64, 64, 128, 8, 2);
@@ -155,8 +155,17 @@ TEST_SUITE("gpu") {
                                              1e-3, schedule.capacity());
           CHECK(o.routing_mismatches == 0);
         }
-        // A second backward on the last one's memory: the same gradients.
+        // A second backward on the last one's memory: the same gradients;
+        // refused where the first wrote over what the forward saved, until
+        // the forward runs again.
+        if (!compiled.training.written_over_saved.empty()) {
+          CHECK_THROWS_WITH_AS(layer.backward(steps.front(), stream), doctest::Contains("run the forward again"),
+                               UserError);
+          layer.forward(steps.front(), ex.route, stream);
+        }
         Downloaded again = layer.backward(steps.front(), stream);
+        if (!compiled.training.written_over_saved.empty())
+          layer.forward(steps.front(), ex.route, stream);
         Downloaded once = layer.backward(steps.front(), stream);
         for (const auto &[n, v] : once.values) {
           INFO(n);
@@ -171,42 +180,45 @@ TEST_SUITE("gpu") {
     cuda::Stream stream;
     ExampleShape s = shape(300, 64, 128, 8, 2);
     Example ex = make_example("swiglu_moe", s);
-    const Schedule schedule = training_preset("scattermoe+padded+lean", false);
-    cuda::CompiledTraining compiled =
-        cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device.arch_specific());
-    TensorMap inputs = ex.random_inputs(s, 50);
-    HostTensor dy = upstream_gradient(ex, inputs, 51);
+    for (const char *preset_name : {"scattermoe+padded+lean", "scattermoe+padded+lean+over"}) {
+      INFO(preset_name);
+      const Schedule schedule = training_preset(preset_name, false);
+      cuda::CompiledTraining compiled =
+          cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), schedule, device.arch_specific());
+      TensorMap inputs = ex.random_inputs(s, 50);
+      HostTensor dy = upstream_gradient(ex, inputs, 51);
 
-    cuda::TrainingLayer owned(device, compiled, s.tokens);
-    owned.upload(inputs);
-    owned.poison();
-    owned.upload_upstream_gradient(dy);
-    owned.forward(stream);
-    owned.backward(stream);
-    stream.synchronize();
+      cuda::TrainingLayer owned(device, compiled, s.tokens);
+      owned.upload(inputs);
+      owned.poison();
+      owned.upload_upstream_gradient(dy);
+      owned.forward(stream);
+      owned.backward(stream);
+      stream.synchronize();
 
-    TensorMap params = inputs;
-    params.erase("x");
-    CallerLayer caller(device, compiled, params);
-    InFlight f;
-    f.tokens = s.tokens;
-    f.inputs = inputs;
-    f.dy = dy;
-    caller.forward(f, ex.route, stream);
-    Downloaded got = caller.backward(f, stream);
-    CHECK(got.values.at("y").data == owned.output().data);
-    for (const char *w : {"x", "w1", "w3", "w2"}) {
-      INFO(w);
-      CHECK(got.values.at(compiled.training.gradient_of(w)).data == owned.gradient(w).data);
+      TensorMap params = inputs;
+      params.erase("x");
+      CallerLayer caller(device, compiled, params);
+      InFlight f;
+      f.tokens = s.tokens;
+      f.inputs = inputs;
+      f.dy = dy;
+      caller.forward(f, ex.route, stream);
+      Downloaded got = caller.backward(f, stream);
+      CHECK(got.values.at("y").data == owned.output().data);
+      for (const char *w : {"x", "w1", "w3", "w2"}) {
+        INFO(w);
+        CHECK(got.values.at(compiled.training.gradient_of(w)).data == owned.gradient(w).data);
+      }
+      // d_wr's K slices add in whatever order they finish.
+      CHECK(max_normalized_error(got.values.at("d_wr"), owned.gradient("wr")) < 1e-5);
+      // What a step needs: the saved region is what the forward keeps (and the
+      // routing tables, a little larger for their alignment and scratch).
+      const cuda::CudaLayer::StepMemory m = caller.layer().step_memory(s.tokens);
+      CHECK(m.saved >= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)));
+      CHECK(m.saved <= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)) + 64 * 1024);
+      CHECK(m.saved + std::max(m.workspace_before, m.workspace_after) < owned.layer().activation_bytes());
     }
-    // d_wr's K slices add in whatever order they finish.
-    CHECK(max_normalized_error(got.values.at("d_wr"), owned.gradient("wr")) < 1e-5);
-    // What a step needs: the saved region is what the forward keeps (and the
-    // routing tables, a little larger for their alignment and scratch).
-    const cuda::CudaLayer::StepMemory m = caller.layer().step_memory(s.tokens);
-    CHECK(m.saved >= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)));
-    CHECK(m.saved <= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)) + 64 * 1024);
-    CHECK(m.saved + std::max(m.workspace_before, m.workspace_after) < owned.layer().activation_bytes());
   }
 
   TEST_CASE("cuda caller memory: misuse is a user error that says what to call") {

@@ -18,7 +18,10 @@ namespace moeforge::testing {
 // memory mode: recompute_elementwise and gate_gradient_from_dh, which keep
 // the pre-activations, the layer input and the routing tables only) and
 // "+chain" (chain_summed_gemms: SwiGLU's input gradient as one GEMM) and
-// "+atomic" (atomic_combine: the combine added up in o's GEMM epilogue).
+// "+atomic" (atomic_combine: the combine added up in o's GEMM epilogue),
+// "+gather" (gather_in_gemms), "+split" (split_pointwise_for_memory) and
+// "+over" (gradients_over_saved: on caller memory the activation gradients
+// take the saved pre-activations' bytes).
 inline Schedule training_preset(const std::string &name, bool recompute) {
   auto has = [&](const char *part) { return name.find(part) != std::string::npos; };
   Schedule s = preset(name.substr(0, name.find('+')));
@@ -35,6 +38,8 @@ inline Schedule training_preset(const std::string &name, bool recompute) {
     s.gather_in_gemms(true);
   if (has("+split"))
     s.split_pointwise_for_memory(true);
+  if (has("+over"))
+    s.gradients_over_saved(true);
   return s;
 }
 

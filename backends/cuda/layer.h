@@ -207,6 +207,8 @@ public:
 
   const CompiledLayer &compiled() const { return layer_; }
   int64_t tokens() const { return tokens_; }
+  // LayerMemory::caller: the saved memory place() was last given (0 before).
+  CUdeviceptr saved_at() const { return saved_at_; }
   // Bytes of device memory held for intermediates and outputs (not inputs):
   // under reuse_memory, the shared arena's.
   size_t activation_bytes() const;

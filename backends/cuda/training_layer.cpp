@@ -127,14 +127,32 @@ void TrainingLayer::forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr
   const std::pair<CUdeviceptr, int64_t> mine{saved, layer_.tokens()};
   // The same memory written again is that forward's now.
   forwards_.erase(std::remove(forwards_.begin(), forwards_.end(), mine), forwards_.end());
+  spent_.erase(std::remove(spent_.begin(), spent_.end(), mine), spent_.end());
   forwards_.push_back(mine);
   if (forwards_.size() > kRecentForwards)
     forwards_.pop_front();
 }
 
+namespace {
+// "d_x_s_a over h_rhs, d_x_s_a2 over h_silu_in"
+std::string written_over_text(const std::map<std::string, std::string> &over) {
+  std::string text;
+  for (const auto &[out, in] : over)
+    text += (text.empty() ? "" : ", ") + out + " over " + in;
+  return text;
+}
+} // namespace
+
 void TrainingLayer::backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace) {
   check_memory(true, "backward");
-  user_check(std::find(forwards_.begin(), forwards_.end(), std::make_pair(saved, layer_.tokens())) != forwards_.end())
+  const std::pair<CUdeviceptr, int64_t> theirs{saved, layer_.tokens()};
+  auto forward = std::find(forwards_.begin(), forwards_.end(), theirs);
+  user_check(forward != forwards_.end() || std::find(spent_.begin(), spent_.end(), theirs) == spent_.end())
+      << "backward: the forward that wrote this saved memory has had its backward already, and that backward "
+      << "wrote gradients over the activations it read (" << written_over_text(compiled_.training.written_over_saved)
+      << ": the schedule's gradients_over_saved(true)); run the forward again before another backward, or "
+      << "lower with gradients_over_saved(false) to keep them";
+  user_check(forward != forwards_.end())
       << "backward: no forward at " << layer_.tokens() << " tokens wrote its activations to the saved memory "
       << "given; give each backward the saved memory of its own forward, at that forward's token count "
       << "(set_tokens)";
@@ -143,6 +161,12 @@ void TrainingLayer::backward(const Stream &stream, CUdeviceptr saved, CUdevicept
   state_.check_ready_for_backward();
   layer_.place(saved, workspace);
   run(backward_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream);
+  if (!compiled_.training.written_over_saved.empty()) { // what the forward saved is gone
+    forwards_.erase(forward);
+    spent_.push_back(theirs);
+    if (spent_.size() > kRecentForwards)
+      spent_.pop_front();
+  }
 }
 
 std::vector<std::pair<std::string, double>> TrainingLayer::profile_forward(const Stream &stream) {
@@ -153,6 +177,16 @@ std::vector<std::pair<std::string, double>> TrainingLayer::profile_forward(const
 std::vector<std::pair<std::string, double>> TrainingLayer::profile_backward(const Stream &stream) {
   state_.check_ready_for_backward();
   return layer_.profile(stream, compiled_.training.forward_steps, compiled_.training.program.steps.size());
+}
+
+HostTensor TrainingLayer::download(const std::string &func) const {
+  const auto &over = compiled_.training.written_over_saved;
+  const bool overwritten = std::any_of(over.begin(), over.end(), [&](const auto &o) { return o.second == func; });
+  const std::pair<CUdeviceptr, int64_t> placed{layer_.saved_at(), layer_.tokens()};
+  user_check(!overwritten || std::find(spent_.begin(), spent_.end(), placed) == spent_.end())
+      << "download('" << func << "'): the backward wrote a gradient over it (" << written_over_text(over)
+      << ": gradients_over_saved(true)); download it between the forward and the backward";
+  return layer_.download(func);
 }
 
 HostTensor TrainingLayer::output(const std::string &name) const {

@@ -97,7 +97,9 @@ public:
   // layer's inputs and parameters as they were then (bound again, with
   // every output and gradient, by the caller). A backward is refused for
   // saved memory that no forward of this count wrote lately (one of the
-  // last kRecentForwards).
+  // last kRecentForwards), and for saved memory whose backward ran already
+  // where that backward writes over it (TrainingProgram::
+  // written_over_saved, the default schedule's gradients_over_saved).
   void forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace);
   void backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace);
   static constexpr size_t kRecentForwards = 256;
@@ -135,7 +137,9 @@ public:
   HostTensor gradient(const std::string &name) const;
   // Any Func the program materialises (the output, a gradient, an
   // intermediate such as d_h), in the reference's layout.
-  HostTensor download(const std::string &func) const { return layer_.download(func); }
+  // On caller memory, a saved tensor a backward wrote a gradient over
+  // (written_over_saved) is refused once that backward ran.
+  HostTensor download(const std::string &func) const;
   std::vector<int32_t> routed_experts(const std::string &route) const { return layer_.routed_experts(route); }
   int64_t dropped_pairs(const std::string &route) const { return layer_.dropped_pairs(route); }
   std::vector<uint8_t> kept_pairs(const std::string &route) const { return layer_.kept_pairs(route); }
@@ -161,6 +165,9 @@ private:
   // LayerMemory::caller: the saved memory and token count of recent
   // forwards, newest last.
   std::deque<std::pair<CUdeviceptr, int64_t>> forwards_;
+  // Saved memory whose backward wrote over it (gradients_over_saved), so a
+  // second backward is refused with the reason; newest last.
+  std::deque<std::pair<CUdeviceptr, int64_t>> spent_;
   TrainingState state_;
   bool replay_ = false;
   Replay forward_, backward_;

@@ -267,6 +267,10 @@ void bind_cuda(nb::module_ &m) {
           },
           "route"_a = "route", "The experts the last forward chose, pair order (synchronises).")
       .def_prop_ro("saved_bytes", [](const PyCudaTraining &l) { return l.layer->saved_bytes(); })
+      .def_prop_ro(
+          "written_over_saved", [](const PyCudaTraining &l) { return l.compiled->training.written_over_saved; },
+          "{gradient: saved tensor} a backward writes over (gradients_over_saved): on caller memory a forward "
+          "then serves one backward.")
       .def_prop_ro("tokens", [](const PyCudaTraining &l) { return l.layer->layer().tokens(); })
       .def_prop_ro("outputs", [](const PyCudaTraining &l) { return l.compiled->training.outputs; })
       .def_prop_ro(

@@ -223,6 +223,10 @@ void bind_layers(nb::module_ &m) {
           [](const PyCpuTraining &l, const std::string &route) { return to_numpy(l.layer->routed_experts(route)); },
           "route"_a = "route")
       .def_prop_ro("saved_bytes", [](const PyCpuTraining &l) { return l.layer->saved_bytes(); })
+      .def_prop_ro(
+          "written_over_saved", [](const PyCpuTraining &l) { return l.program->compiled->training.written_over_saved; },
+          "{gradient: saved tensor} the program writes over (gradients_over_saved); the CPU layer keeps "
+          "its own memory, but moeforge.torch refuses a second backward of one forward all the same.")
       .def_prop_ro("tokens", [](const PyCpuTraining &l) { return l.layer->layer().tokens(); })
       .def_prop_ro("outputs", [](const PyCpuTraining &l) { return l.program->compiled->training.outputs; })
       .def_prop_ro(

@@ -84,6 +84,7 @@ void bind_schedule(nb::module_ &m) {
       .def("gather_in_gemms", nb::overload_cast<bool>(&Schedule::gather_in_gemms), "on"_a = true, chain)
       .def("split_pointwise_for_memory", nb::overload_cast<bool>(&Schedule::split_pointwise_for_memory), "on"_a = true,
            chain)
+      .def("gradients_over_saved", nb::overload_cast<bool>(&Schedule::gradients_over_saved), "on"_a = true, chain)
       .def(
           "tile",
           [](Schedule &s, const std::string &f, nb::handle m, nb::handle n, nb::handle k) -> Schedule & {

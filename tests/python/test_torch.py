@@ -400,6 +400,34 @@ def test_a_module_applied_twice_in_one_graph(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_second_backward_of_one_forward(device):
+    """The default schedule's backward writes the activation gradients over
+    the saved pre-activations (gradients_over_saved): a second backward
+    through one forward (retain_graph) is refused with the reason. Without
+    that choice it runs, and adds the same gradients again."""
+    torch.manual_seed(8)
+    x = torch.randn(96, D, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(96, D, device=device)
+    moe = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F, device=device)
+    assert "gradients_over_saved(true)" in moe.schedule.to_text()
+    y = moe(x.clone().requires_grad_(True))
+    y.backward(dy, retain_graph=True)
+    with pytest.raises(mf.UserError, match=r"run the forward again.*gradients_over_saved\(false\)"):
+        y.backward(dy)
+    keep = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F, device=device,
+                       schedule=mf.Schedule.from_text(moe.schedule.to_text()).gradients_over_saved(False))
+    keep.load_state_dict(moe.state_dict())
+    once = _step(keep, x, dy)
+    keep.zero_grad(set_to_none=True)
+    xt = x.clone().requires_grad_(True)
+    y = keep(xt)
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)
+    _check_same("two backwards", [xt.grad] + [p.grad.float() for p in keep.parameters()],
+                [2 * g.float() for g in once[1:]], 2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_any_token_count_through_one_module(device):
     """0, 1, 37 and 4096 tokens (and 16384 on the GPU) through one module,
     one compile: each against plain PyTorch on the module's own routing."""

@@ -447,6 +447,12 @@ Schedule schedule_arg(const std::string &arg, bool &working) {
   return s;
 }
 
+// The outputs a layer's schedule is made for: its output when it trains
+// (default_schedule then makes the backward's choices), none for a forward.
+std::vector<Func> schedule_outputs(const Example &ex, bool training) {
+  return training ? std::vector<Func>{ex.pipeline.func(ex.output)} : std::vector<Func>{};
+}
+
 // The schedule a run or a training step uses: --schedule's preset or file,
 // or for `auto` what `moeforge tune` cached for this layer, token count and
 // GPU, else the default schedule (lowering/default_schedule.h: the fastest
@@ -454,7 +460,7 @@ Schedule schedule_arg(const std::string &arg, bool &working) {
 // says which and why.
 Schedule base_schedule(const Options &o, const Example &ex, const std::string &backend, bool training,
                        std::string *note, bool &working) {
-  const std::vector<Func> outputs = training ? std::vector<Func>{ex.pipeline.func(ex.output)} : std::vector<Func>{};
+  const std::vector<Func> outputs = schedule_outputs(ex, training);
   if (o.schedule == "default") {
     *note = "the default schedule (--schedule default: the tuned-schedule cache is not looked in)";
     return default_schedule(ex.pipeline, outputs);
@@ -966,10 +972,8 @@ int run_cli(const std::vector<std::string> &args, std::ostream &out, std::ostrea
       const Func out_func = ex.pipeline.func(ex.output);
       // "default": what a layer runs with no schedule and nothing tuned
       // (lowering/default_schedule.h), made for this layer.
-      Schedule schedule =
-          o.schedule == "default"
-              ? default_schedule(ex.pipeline, o.emit_training ? std::vector<Func>{out_func} : std::vector<Func>{})
-              : schedule_arg(o.schedule, working);
+      Schedule schedule = o.schedule == "default" ? default_schedule(ex.pipeline, schedule_outputs(ex, o.emit_training))
+                                                  : schedule_arg(o.schedule, working);
       working = o.emit == "ir" || o.emit == "passes" || o.emit == "memory" ||
                 (o.emit == "cuda" || o.emit == "plan" ? kHaveCuda : kHaveCpu);
       if (o.emit == "memory") {

@@ -279,6 +279,13 @@ class MoELayer(torch.nn.Module):
     non-expert dimension); device: where the parameters live and the layer
     runs: a GPU ('cuda', the CUDA backend) or 'cpu' (the LLVM CPU backend,
     values through numpy: for development and tests, not speed).
+
+    Any number of forwards may be in flight (checkpointing, accumulation, a
+    module applied twice); each serves one backward where the schedule has
+    gradients_over_saved(true) (the default's: the backward writes the
+    activation gradients over what its forward saved), so a second backward
+    through one forward (retain_graph=True) is refused; a schedule with
+    gradients_over_saved(False) keeps the saved activations for it.
     """
 
     def __init__(self, pipeline, outputs=None, schedule="auto", init_scale=None, device="cuda", dtype=None,

@@ -12,7 +12,8 @@ namespace moeforge::cuda {
 
 void RoutingShape::check() const {
   user_check(experts >= 1 && experts <= kMaxRoutingExperts)
-      << "routing with E = " << experts << " experts: the device routing supports 1 to " << kMaxRoutingExperts;
+      << "routing with E = " << experts << " experts: the routing of the compiled backends (CPU and CUDA) "
+      << "supports 1 to " << kMaxRoutingExperts;
   user_check(k >= 1 && k <= experts) << "routing with k = " << k << " of E = " << experts
                                      << " experts: k must be between 1 and E";
   user_check(groups >= 1 && experts % groups == 0 && top_groups >= 1 && top_groups <= groups &&

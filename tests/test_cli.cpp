@@ -313,6 +313,28 @@ TEST_CASE("cli: shapes past what the kernels index or the machine holds end in e
   CHECK(has(r.err, "lower --tokens, --d, --f or --experts"));
 }
 
+TEST_CASE("cli: more experts than the compiled backends route is refused before any input is made") {
+  // The backend that runs (the GPU, else the CPU backend) routes at most 256.
+  for (const char *command : {"run", "train"}) {
+    INFO(command);
+    Run r = cli({command, "moe_mlp", "--experts", "257", "--tokens", "16", "--d", "8", "--f", "8"});
+    CHECK(r.code == 2);
+    CHECK_FALSE(has(r.out, "inputs"));
+    CHECK(has(r.err, "--experts 257: the "));
+    CHECK(has(r.err, " backend routes 1 to 256 experts"));
+    CHECK(has(r.err, std::string(command) == "run" ? "--backend reference takes any count" : "lower --experts"));
+  }
+  // The reference routes any count; a layer without routing ignores it.
+  Run ref =
+      cli({"run", "moe_mlp", "--experts", "257", "--tokens", "16", "--d", "8", "--f", "8", "--backend", "reference"});
+  INFO(ref.err);
+  CHECK(ref.code == 0);
+  CHECK(has(ref.out, "wr[8x257]"));
+  Run dense = cli({"run", "dense_mlp", "--experts", "300", "--tokens", "16", "--d", "8", "--f", "8"});
+  INFO(dense.err);
+  CHECK(dense.code == 0);
+}
+
 TEST_CASE("cli: values out of range are told so, not blamed on their form") {
   check_usage_error({"run", "moe_mlp", "--tokens", "99999999999999999999999"},
                     {"--tokens 99999999999999999999999 is beyond 9223372036854775807, the largest integer it takes"});

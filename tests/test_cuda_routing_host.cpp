@@ -211,7 +211,8 @@ TEST_CASE("cuda: routing shape errors name the field") {
     }
     return std::string("no error");
   };
-  CHECK(message({10, 300, 2, 64}) == "routing with E = 300 experts: the device routing supports 1 to 256");
+  CHECK(message({10, 300, 2, 64}) ==
+        "routing with E = 300 experts: the routing of the compiled backends (CPU and CUDA) supports 1 to 256");
   CHECK(message({10, 8, 9, 64}) == "routing with k = 9 of E = 8 experts: k must be between 1 and E");
   CHECK(message({10, 8, 2, 0}) == "routing with block size 0: it must be positive (64, 128 or 256)");
   CHECK_THROWS_WITH_AS(route_on_host({2, 4, 1, 64}, {0, 4}), "route_on_host: expert id 4 is outside 0..3",

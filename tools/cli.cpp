@@ -26,6 +26,7 @@
 #include "lowering/training.h"
 #include "runtime/memory_report.h"
 #include "runtime/program_shapes.h"
+#include "runtime/routing_host.h"
 #include "schedules/presets.h"
 #include "tools/cli_backend.h"
 #include "tools/cli_help.h"
@@ -305,6 +306,17 @@ std::string choose_backend(const Options &o, std::string *why_not_gpu, bool &wor
                                         << ", and this build has no CPU backend (install llvm-19-dev)";
   working = before;
   return gpu ? "cuda" : (kHaveCpu ? "cpu" : "reference");
+}
+
+// --experts beyond what a compiled backend routes: refused before any input
+// is made (the layer's inputs grow with E, and the routing would refuse it
+// only once they exist).
+void check_expert_count(const Options &o, const Example &ex, const std::string &backend) {
+  if (ex.route.empty() || backend == "reference")
+    return;
+  user_check(o.shape.experts <= cuda::kMaxRoutingExperts)
+      << "--experts " << o.shape.experts << ": the " << backend << " backend routes 1 to " << cuda::kMaxRoutingExperts
+      << " experts" << (o.command == "run" ? "; --backend reference takes any count" : "; lower --experts");
 }
 
 // inputs: null where the backend makes the seed's inputs itself (the GPU).
@@ -698,6 +710,7 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
   const Example &ex = task.example;
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu, working);
+  check_expert_count(o, ex, backend);
   std::string auto_note;
   Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/true, &auto_note, working);
   if (o.recompute)
@@ -775,6 +788,7 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
   Example ex = make_example(o.example, o.shape);
   std::string no_gpu;
   std::string backend = choose_backend(o, &no_gpu, working);
+  check_expert_count(o, ex, backend);
   // The schedule only matters to the compiled backends, whose compilers check
   // it against the layer.
   std::string auto_note;

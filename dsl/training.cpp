@@ -5,7 +5,8 @@
 namespace moeforge {
 
 TrainingAlgebra training_algebra(const Pipeline &p, const std::vector<Func> &outputs) {
-  user_check(!outputs.empty()) << "training_algebra needs at least one output to differentiate";
+  user_check(!outputs.empty()) << "a training step needs at least one output to differentiate: "
+                               << "give the layer's outputs (its y, and any loss)";
   Gradients g = grad(p, outputs);
   internal_check(g.seeds.size() == outputs.size())
       << "grad() gave " << g.seeds.size() << " seeds for " << outputs.size() << " outputs";

@@ -17,40 +17,54 @@ namespace {
 // (in bytes): beyond these a shape would wrap, not fail.
 constexpr int64_t kMaxExtent = (int64_t(1) << 31) - 1;
 
-int64_t checked_product(const std::string &name, const std::vector<std::pair<const char *, int64_t>> &factors) {
+// A size as the caller spelled it: "--tokens" / "--tokens 5", or "tokens" /
+// "tokens=5".
+struct Spelled {
+  ShapeSpelling spelling;
+  std::string name(const char *size) const {
+    return spelling == ShapeSpelling::cli_flags ? "--" + std::string(size) : size;
+  }
+  std::string value(const char *size, int64_t v) const {
+    return name(size) + (spelling == ShapeSpelling::cli_flags ? " " : "=") + std::to_string(v);
+  }
+};
+
+int64_t checked_product(const std::string &name, const Spelled &sp,
+                        const std::vector<std::pair<const char *, int64_t>> &factors) {
   int64_t p = 8; // bytes per element at most (the reference's doubles)
   std::string what;
-  for (const auto &[flag, v] : factors) {
-    what += (what.empty() ? "" : " x ") + std::string(flag) + " " + std::to_string(v);
+  for (const auto &[size, v] : factors) {
+    what += (what.empty() ? "" : " x ") + sp.value(size, v);
     user_check(!__builtin_mul_overflow(p, v, &p))
         << name << ": a tensor of " << what << " elements is too large to address (its size in bytes overflows "
-        << "64 bits): lower those flags";
+        << "64 bits): lower those sizes";
   }
   return p;
 }
 
-void check_shape(const std::string &name, const ExampleShape &s, bool routed) {
-  user_check(s.tokens >= 1) << name << ": --tokens must be at least 1 (got " << s.tokens << ")";
-  user_check(s.d >= 1) << name << ": --d must be at least 1 (got " << s.d << ")";
-  user_check(s.f >= 1) << name << ": --f must be at least 1 (got " << s.f << ")";
-  for (const auto &[flag, v] : {std::pair{"--tokens", s.tokens}, {"--d", s.d}, {"--f", s.f}})
-    user_check(v <= kMaxExtent) << name << ": " << flag << " " << v << " is beyond " << kMaxExtent
+void check_shape(const std::string &name, const ExampleShape &s, bool routed, const Spelled &sp) {
+  user_check(s.tokens >= 1) << name << ": " << sp.name("tokens") << " must be at least 1 (got " << s.tokens << ")";
+  user_check(s.d >= 1) << name << ": " << sp.name("d") << " must be at least 1 (got " << s.d << ")";
+  user_check(s.f >= 1) << name << ": " << sp.name("f") << " must be at least 1 (got " << s.f << ")";
+  for (const auto &[size, v] : {std::pair{"tokens", s.tokens}, {"d", s.d}, {"f", s.f}})
+    user_check(v <= kMaxExtent) << name << ": " << sp.value(size, v) << " is beyond " << kMaxExtent
                                 << ", the largest extent the kernels index with 32-bit integers";
-  checked_product(name, {{"--tokens", s.tokens}, {"--d", s.d}});
-  checked_product(name, {{"--tokens", s.tokens}, {"--f", s.f}});
-  checked_product(name, {{"--d", s.d}, {"--f", s.f}});
+  checked_product(name, sp, {{"tokens", s.tokens}, {"d", s.d}});
+  checked_product(name, sp, {{"tokens", s.tokens}, {"f", s.f}});
+  checked_product(name, sp, {{"d", s.d}, {"f", s.f}});
   if (!routed)
     return;
-  user_check(s.experts >= 1) << name << ": --experts must be at least 1 (got " << s.experts << ")";
-  user_check(s.experts <= kMaxExtent) << name << ": --experts " << s.experts << " is beyond " << kMaxExtent;
+  user_check(s.experts >= 1) << name << ": " << sp.name("experts") << " must be at least 1 (got " << s.experts << ")";
+  user_check(s.experts <= kMaxExtent) << name << ": " << sp.value("experts", s.experts) << " is beyond " << kMaxExtent;
   user_check(s.topk >= 1 && s.topk <= s.experts)
-      << name << ": --topk " << s.topk << " with " << s.experts << " experts: choose 1 <= topk <= experts";
+      << name << ": " << sp.value("topk", s.topk) << " with " << s.experts << " experts: choose 1 <= topk <= experts";
   user_check(s.tokens <= kMaxExtent / s.topk)
-      << name << ": --tokens " << s.tokens << " x --topk " << s.topk << " pairs is beyond " << kMaxExtent
-      << ", the most pairs the routing numbers with 32-bit integers: lower --tokens or --topk";
-  checked_product(name, {{"--experts", s.experts}, {"--d", s.d}, {"--f", s.f}});
-  checked_product(name, {{"--tokens", s.tokens}, {"--topk", s.topk}, {"--f", s.f}});
-  checked_product(name, {{"--tokens", s.tokens}, {"--experts", s.experts}});
+      << name << ": " << sp.value("tokens", s.tokens) << " x " << sp.value("topk", s.topk) << " pairs is beyond "
+      << kMaxExtent << ", the most pairs the routing numbers with 32-bit integers: lower " << sp.name("tokens")
+      << " or " << sp.name("topk");
+  checked_product(name, sp, {{"experts", s.experts}, {"d", s.d}, {"f", s.f}});
+  checked_product(name, sp, {{"tokens", s.tokens}, {"topk", s.topk}, {"f", s.f}});
+  checked_product(name, sp, {{"tokens", s.tokens}, {"experts", s.experts}});
 }
 
 // The router shared by the MoE examples: logits = x Wr, softmax over experts.
@@ -375,17 +389,19 @@ std::vector<std::string> example_names() {
           "deepseek_moe", "rmsnorm_moe", "expert_choice_moe", "dense_mlp", "attention",       "moa"};
 }
 
-Example make_example(const std::string &name, const ExampleShape &shape) {
+Example make_example(const std::string &name, const ExampleShape &shape, ShapeSpelling spelling) {
+  const Spelled sp{spelling};
   bool routed = name == "moe_mlp" || name == "swiglu_moe" || name == "geglu_moe" || name == "reglu_moe" ||
                 name == "expert_bias_moe" || name == "shared_expert_moe" || name == "deepseek_moe" ||
                 name == "rmsnorm_moe" || name == "moa" || name == "expert_choice_moe";
   if (routed || name == "dense_mlp" || name == "attention")
-    check_shape(name, shape, routed);
+    check_shape(name, shape, routed, sp);
   if (name == "expert_choice_moe") {
     // Every token offers every expert: T * E pairs.
     user_check(shape.tokens <= kMaxExtent / shape.experts)
-        << name << ": --tokens " << shape.tokens << " x --experts " << shape.experts << " pairs is beyond "
-        << kMaxExtent << ", the most pairs the routing numbers with 32-bit integers: lower --tokens or --experts";
+        << name << ": " << sp.value("tokens", shape.tokens) << " x " << sp.value("experts", shape.experts)
+        << " pairs is beyond " << kMaxExtent << ", the most pairs the routing numbers with 32-bit integers: lower "
+        << sp.name("tokens") << " or " << sp.name("experts");
     return expert_choice_moe(shape);
   }
   if (name == "moe_mlp")

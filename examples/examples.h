@@ -50,8 +50,13 @@ struct Example {
 // Names of every example, for listings and error messages.
 std::vector<std::string> example_names();
 
+// How an impossible shape's error names its sizes: as the CLI's flags
+// ("--tokens 5"), or as Python's keyword arguments ("tokens=5").
+enum class ShapeSpelling { cli_flags, keywords };
+
 // Builds the named example. Unknown names and impossible shapes are
 // UserErrors that name the problem and the fix.
-Example make_example(const std::string &name, const ExampleShape &shape);
+Example make_example(const std::string &name, const ExampleShape &shape,
+                     ShapeSpelling spelling = ShapeSpelling::cli_flags);
 
 } // namespace moeforge

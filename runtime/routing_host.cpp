@@ -30,7 +30,7 @@ void RoutingShape::check() const {
 
 std::string RoutingShape::to_string() const {
   std::ostringstream s;
-  s << "T=" << tokens << " E=" << experts << " k=" << k << " bs=" << block;
+  s << "T=" << tokens << " E=" << experts << " k=" << k << " block=" << block;
   if (drops())
     s << " capacity=" << capacity;
   return s.str();

@@ -72,7 +72,7 @@ struct RoutingShape {
   int64_t max_padded_rows() const { return max_tiles() * block; }
   // Throws UserError naming the bad field and its allowed range.
   void check() const;
-  std::string to_string() const; // "T=100 E=8 k=2 bs=64"
+  std::string to_string() const; // "T=100 E=8 k=2 block=64"
 };
 
 // Top-k over experts is done by one warp holding E / 32 values per lane.

@@ -46,7 +46,7 @@ std::vector<int32_t> random_experts(const RoutingShape &s, std::mt19937 &rng) {
 } // namespace
 
 TEST_CASE("cuda: routing oracle on a worked example") {
-  RoutingShape s{3, 3, 1, 2}; // T=3 E=3 k=1 bs=2
+  RoutingShape s{3, 3, 1, 2}; // T=3 E=3 k=1 block=2
   RoutingTables t = route_on_host(s, {2, 0, 2});
   CHECK(t.counts == std::vector<int32_t>{1, 0, 2});
   CHECK(t.offsets == std::vector<int32_t>{0, 2, 2, 4});

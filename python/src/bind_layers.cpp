@@ -132,7 +132,7 @@ void bind_layers(nb::module_ &m) {
   m.def(
       "make_example",
       [](const std::string &name, int64_t tokens, int64_t experts, int64_t topk, int64_t d, int64_t f) {
-        return std::make_pair(make_example(name, ExampleShape{tokens, experts, topk, d, f}),
+        return std::make_pair(make_example(name, ExampleShape{tokens, experts, topk, d, f}, ShapeSpelling::keywords),
                               ExampleShape{tokens, experts, topk, d, f});
       },
       "name"_a, "tokens"_a = 256, "experts"_a = 8, "topk"_a = 2, "d"_a = 64, "f"_a = 128,

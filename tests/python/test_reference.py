@@ -79,6 +79,23 @@ def test_example_layers_come_ready_made():
         mf.make_example("nosuch")
 
 
+def test_an_impossible_example_shape_is_told_in_python_spelling():
+    """make_example's shape errors name its keyword arguments (topk=5), not
+    the CLI's flags (--topk 5), which Python callers never typed."""
+    cases = [(dict(experts=4, topk=5), r"moe_mlp: topk=5 with 4 experts: choose 1 <= topk <= experts"),
+             (dict(tokens=0), r"moe_mlp: tokens must be at least 1 \(got 0\)"),
+             (dict(tokens=2**30, topk=4), r"tokens=1073741824 x topk=4 pairs is beyond .* lower tokens or topk"),
+             (dict(experts=2**20, d=2**20, f=2**30, topk=1), r"a tensor of experts=1048576 x d=1048576 x f=1073741824")]
+    for kwargs, message in cases:
+        with pytest.raises(mf.UserError, match=message) as got:
+            mf.make_example("moe_mlp", **kwargs)
+        assert "--" not in str(got.value), str(got.value)
+    if mf.has_cpu_backend:  # a training layer of no outputs: told in the words of a training step
+        ex, _ = mf.make_example("moe_mlp", tokens=8)
+        with pytest.raises(mf.UserError, match="a training step needs at least one output to differentiate"):
+            mf.CpuTrainingLayer(ex.pipeline, [], mf.preset("scattermoe"), 8)
+
+
 def test_expert_choice_reference_matches_numpy():
     """Each expert takes its top C = ceil(cf T / E) tokens by probability."""
     d, f, experts, tokens, cf = 64, 128, 8, 80, 2.0

@@ -297,16 +297,6 @@ std::vector<std::string> save_in_pair_order(KernelProgram &p, size_t forward_ste
   return candidates;
 }
 
-// The inputs some element-wise step writes an output over.
-std::set<std::string> written_over(const KernelProgram &p) {
-  std::set<std::string> in;
-  for (const Step &s : p.steps)
-    if (const auto *pw = std::get_if<PointwiseStep>(&s))
-      for (const auto &[out, input] : pw->in_place)
-        in.insert(input);
-  return in;
-}
-
 } // namespace
 
 size_t TrainingProgram::output_index(const std::string &name, const std::string &what) const {
@@ -314,6 +304,19 @@ size_t TrainingProgram::output_index(const std::string &name, const std::string 
   user_check(it != outputs.end()) << what << ": no output '" << name << "': the training step's outputs are "
                                   << joined(outputs);
   return static_cast<size_t>(it - outputs.begin());
+}
+
+std::string TrainingProgram::one_backward_reason() const {
+  if (written_over_saved.empty())
+    return "";
+  std::string over;
+  for (const auto &[out, in] : written_over_saved)
+    over += (over.empty() ? "" : ", ") + out + " over " + in;
+  return "backward: the forward that wrote this saved memory has had its backward already, and that backward "
+         "wrote gradients over the activations it read (" +
+         over +
+         ": the schedule's gradients_over_saved(true)); run the forward again before another backward, or lower "
+         "with gradients_over_saved(false) to keep them";
 }
 
 bool TrainingProgram::is_seed(const std::string &name) const { return contains(seeds, name); }
@@ -488,15 +491,17 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   if (schedule.split_pointwise_for_memory())
     split_pointwise_for_memory(p, t.forward_steps, held);
   mark_in_place_outputs(p, t.forward_steps);
+  t.written_over_saved = written_over_saved(p, t.forward_steps);
   if (p.gradients_over_saved && !pair_order.empty()) {
-    const std::set<std::string> taken = written_over(p);
+    std::set<std::string> taken;
+    for (const auto &[out, in] : t.written_over_saved)
+      taken.insert(in);
     save_in_pair_order(p, t.forward_steps, [&](const std::string &name) { return !taken.count(name); });
   }
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))
       if (producer.count(r) && !contains(t.saved, r))
         t.saved.push_back(r);
-  t.written_over_saved = written_over_saved(p, t.forward_steps);
   t.program = std::move(p);
   return t;
 }

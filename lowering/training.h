@@ -13,12 +13,11 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "dsl/training.h"
-#include <map>
-
 #include "lowering/kernel_program.h"
 #include "schedules/schedule.h"
 
@@ -39,6 +38,10 @@ struct TrainingProgram {
   // gives each step, a backward destroys them, so a forward serves one
   // backward there.
   std::map<std::string, std::string> written_over_saved;
+  // Where written_over_saved is not empty, why a second backward of one
+  // forward is refused and what to do instead (the words every runtime
+  // refuses it with); empty otherwise.
+  std::string one_backward_reason() const;
 
   // The index of forward output `name` in outputs; a UserError that names
   // the outputs otherwise (`what` says who asked, e.g. "output()").

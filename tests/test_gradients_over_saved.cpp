@@ -52,6 +52,12 @@ TEST_CASE("gradients over saved: mixtral's dH1 and dH3 take the two saved pre-ac
   const std::map<std::string, std::string> want{{"d_x_s_a", "h_rhs"}, {"d_x_s_a2", "h_silu_in"}};
   CHECK(on.t.written_over_saved == want);
   CHECK(off.t.written_over_saved.empty());
+  // The words every runtime refuses a second backward with.
+  const std::string why = on.t.one_backward_reason();
+  CHECK(why.find("d_x_s_a over h_rhs, d_x_s_a2 over h_silu_in") != std::string::npos);
+  CHECK(why.find("run the forward again") != std::string::npos);
+  CHECK(why.find("gradients_over_saved(false)") != std::string::npos);
+  CHECK(off.t.one_backward_reason().empty());
   // The saved pre-activations keep the padded order their gradients take;
   // off, they are saved in pair order (test_saved_pair_order.cpp).
   for (const char *name : {"h_rhs", "h_silu_in"}) {

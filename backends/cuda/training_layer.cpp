@@ -133,25 +133,12 @@ void TrainingLayer::forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr
     forwards_.pop_front();
 }
 
-namespace {
-// "d_x_s_a over h_rhs, d_x_s_a2 over h_silu_in"
-std::string written_over_text(const std::map<std::string, std::string> &over) {
-  std::string text;
-  for (const auto &[out, in] : over)
-    text += (text.empty() ? "" : ", ") + out + " over " + in;
-  return text;
-}
-} // namespace
-
 void TrainingLayer::backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace) {
   check_memory(true, "backward");
   const std::pair<CUdeviceptr, int64_t> theirs{saved, layer_.tokens()};
   auto forward = std::find(forwards_.begin(), forwards_.end(), theirs);
   user_check(forward != forwards_.end() || std::find(spent_.begin(), spent_.end(), theirs) == spent_.end())
-      << "backward: the forward that wrote this saved memory has had its backward already, and that backward "
-      << "wrote gradients over the activations it read (" << written_over_text(compiled_.training.written_over_saved)
-      << ": the schedule's gradients_over_saved(true)); run the forward again before another backward, or "
-      << "lower with gradients_over_saved(false) to keep them";
+      << compiled_.training.one_backward_reason();
   user_check(forward != forwards_.end())
       << "backward: no forward at " << layer_.tokens() << " tokens wrote its activations to the saved memory "
       << "given; give each backward the saved memory of its own forward, at that forward's token count "
@@ -184,8 +171,8 @@ HostTensor TrainingLayer::download(const std::string &func) const {
   const bool overwritten = std::any_of(over.begin(), over.end(), [&](const auto &o) { return o.second == func; });
   const std::pair<CUdeviceptr, int64_t> placed{layer_.saved_at(), layer_.tokens()};
   user_check(!overwritten || std::find(spent_.begin(), spent_.end(), placed) == spent_.end())
-      << "download('" << func << "'): the backward wrote a gradient over it (" << written_over_text(over)
-      << ": gradients_over_saved(true)); download it between the forward and the backward";
+      << "download('" << func << "'): the backward wrote a gradient over it (gradients_over_saved(true)); "
+      << "download it between the forward and the backward";
   return layer_.download(func);
 }
 

@@ -213,14 +213,9 @@ def _cpu_backward(ctx, grads):
     # The CUDA layer refuses a second backward of one forward where its
     # backward wrote over what the forward saved; the CPU layer keeps its
     # own memory, but the module keeps one contract on both devices.
-    over = layer.written_over_saved
-    if over and getattr(ctx, "backward_ran", False):
-        raise mf.UserError(
-            "backward: the forward that wrote this saved memory has had its backward already, and that backward "
-            "wrote gradients over the activations it read ("
-            + ", ".join(f"{o} over {i}" for o, i in sorted(over.items()))
-            + ": the schedule's gradients_over_saved(true)); run the forward again before another backward, or "
-            "lower with gradients_over_saved(false) to keep them")
+    reason = layer.one_backward_reason
+    if reason and getattr(ctx, "backward_ran", False):
+        raise mf.UserError(reason)
     ctx.backward_ran = True
     if module._cpu_last != ctx.generation:  # another forward ran since: this one's state is made again
         layer.upload(ctx.arrays)

@@ -227,6 +227,10 @@ void bind_layers(nb::module_ &m) {
           "written_over_saved", [](const PyCpuTraining &l) { return l.program->compiled->training.written_over_saved; },
           "{gradient: saved tensor} the program writes over (gradients_over_saved); the CPU layer keeps "
           "its own memory, but moeforge.torch refuses a second backward of one forward all the same.")
+      .def_prop_ro(
+          "one_backward_reason",
+          [](const PyCpuTraining &l) { return l.program->compiled->training.one_backward_reason(); },
+          "Why a second backward of one forward is refused (the CUDA layer's words); empty where it is not.")
       .def_prop_ro("tokens", [](const PyCpuTraining &l) { return l.layer->layer().tokens(); })
       .def_prop_ro("outputs", [](const PyCpuTraining &l) { return l.program->compiled->training.outputs; })
       .def_prop_ro(

@@ -50,7 +50,9 @@ cuda::Device &device() {
 //              backward's peak holds one T k x f tensor fewer
 //              (split_pointwise_for_memory), and the activation gradients
 //              take the saved pre-activations' bytes on caller memory
-//              (gradients_over_saved): the default schedule's choices
+//              (gradients_over_saved); y, dy and dx are bf16, as a bf16
+//              model passes them (bf16_boundary): the default schedule's
+//              choices
 //   recompute  the routing tables and the input: the forward runs again
 enum class Memory { store, lean, recompute };
 
@@ -63,8 +65,11 @@ Schedule schedule_of(const Shape &shape, const std::string &name, Memory memory)
                : bench::is_schedule_file(name) ? Schedule::load(name)
                                                : preset(name);
   if (memory == Memory::lean)
-    s.recompute_elementwise(true).gate_gradient_from_dh(true).split_pointwise_for_memory(true).gradients_over_saved(
-        true);
+    s.recompute_elementwise(true)
+        .gate_gradient_from_dh(true)
+        .split_pointwise_for_memory(true)
+        .gradients_over_saved(true)
+        .bf16_boundary(true);
   s.recompute(memory == Memory::recompute);
   return s;
 }

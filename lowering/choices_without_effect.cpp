@@ -55,6 +55,16 @@ std::vector<std::string> choices_without_effect(const Schedule &s, const std::st
        s.padded_elementwise() ? "the backward copies no token rows into the padded order for a GEMM"
                               : "without padded_elementwise(true) the GEMMs gather token rows themselves already",
        ReadBy::training},
+      {"gather_upstream_in_gemms(true)", s.gather_upstream_in_gemms(),
+       [](Schedule &x) { x.gather_upstream_in_gemms(false); },
+       s.gather_in_gemms()      ? "gather_in_gemms(true) gathers the upstream gradient's rows in the GEMMs already"
+       : s.padded_elementwise() ? "the backward copies no upstream gradient's rows into the padded order for a GEMM"
+                                : "without padded_elementwise(true) the GEMMs gather token rows themselves already",
+       ReadBy::training},
+      {"bf16_boundary(true)", s.bf16_boundary(), [](Schedule &x) { x.bf16_boundary(false); },
+       "the layer's outputs, their upstream gradients and its inputs' gradients are scalars, bf16 already or summed "
+       "by atomic adds (atomic_combine)",
+       ReadBy::training},
       {"split_pointwise_for_memory(true)", s.split_pointwise_for_memory(),
        [](Schedule &x) { x.split_pointwise_for_memory(false); },
        "no element-wise output of the backward lowers its peak as a kernel of its own", ReadBy::training},

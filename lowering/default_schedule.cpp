@@ -31,7 +31,8 @@ Schedule layer_wide() {
       .gate_gradient_from_dh(true)
       .chain_summed_gemms(true)
       .split_pointwise_for_memory(true)
-      .gradients_over_saved(true);
+      .gradients_over_saved(true)
+      .bf16_boundary(true);
   return s;
 }
 
@@ -67,6 +68,10 @@ void drop_choices_not_taken(Schedule &s, const Pipeline &pipeline, const std::ve
       s.split_pointwise_for_memory(false);
     else if (names("gradients_over_saved("))
       s.gradients_over_saved(false);
+    else if (names("gather_upstream_in_gemms("))
+      s.gather_upstream_in_gemms(false);
+    else if (names("bf16_boundary("))
+      s.bf16_boundary(false);
     else if (names("gate("))
       s.gate(GateFusion::combine);
   }

@@ -216,14 +216,14 @@ bool gate_gradient_from_dh(KernelProgram &p, size_t forward_steps, const Schedul
   // once, T x d, as a GEMM reads bf16). Not under padded_elementwise: the
   // copy is then read by TMA, and a gathered A cost mixtral's dH GEMM 0.3 ms
   // (H200) against 0.04 ms for writing the copy, unless the schedule asks
-  // for the memory back (gather_in_gemms).
+  // for the memory back (gather_in_gemms, gather_upstream_in_gemms).
   auto &dh = std::get<GemmStep>(steps[m->dh]);
   dh.output = u;
   const std::string d_o_name = dh.a;
   std::optional<std::pair<size_t, PointwiseStep>> insert; // a step before step `first`
   const TensorDecl &dy = p.tensor(m->dy);
   if (schedule.permutation() == Permutation::scattered &&
-      (!schedule.padded_elementwise() || schedule.gather_in_gemms())) {
+      (!schedule.padded_elementwise() || schedule.gather_in_gemms() || schedule.gather_upstream_in_gemms())) {
     std::string rows = m->dy;
     if (dy.dtype != DType::bf16) {
       TensorDecl bf16 = dy;

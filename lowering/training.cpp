@@ -247,6 +247,33 @@ void store_in_bf16(KernelProgram &p, const TrainingProgram &t) {
       d.dtype = DType::bf16;
 }
 
+// schedule.bf16_boundary(), first part: the non-scalar seeds (dy) in bf16,
+// before any pass reads their dtype (the dH GEMM's gathered rows need no
+// bf16 copy of dy then). They are only ever read.
+void seeds_in_bf16(KernelProgram &p, const TrainingProgram &t) {
+  for (const std::string &seed : t.seeds)
+    if (TensorDecl *d = p.find(seed); d && !d->dims.empty())
+      d->dtype = DType::bf16;
+}
+
+// schedule.bf16_boundary(), second part, after the fusions: the
+// non-scalar outputs (y) and the Inputs' gradients (dx) in bf16, except
+// where a GEMM adds into one by atomic adds (atomic_combine: its f32 sum is
+// the output, and bf16 atomics would round every pair's share).
+void boundary_in_bf16(KernelProgram &p, const TrainingProgram &t, const Pipeline &forward) {
+  std::set<std::string> names(t.outputs.begin(), t.outputs.end());
+  for (size_t i = 0; i < t.of.size(); ++i)
+    for (const BufferPtr &b : forward.buffers())
+      if (b->name == t.of[i] && b->kind == BufferKind::input)
+        names.insert(t.gradients[i]);
+  for (const Step &s : p.steps)
+    if (auto *g = std::get_if<GemmStep>(&s); g && g->out_add)
+      names.erase(g->output);
+  for (const std::string &n : names)
+    if (TensorDecl *d = p.find(n); d && !d->dims.empty() && d->dtype == DType::f32)
+      d->dtype = DType::bf16;
+}
+
 // A training forward's saved activations in the pair order (T k rows)
 // rather than the padded one (T k + E (block - 1) rows, the worst case of
 // every expert's last block): a routed tensor the forward's GEMM epilogue
@@ -375,6 +402,8 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   t.gradients = algebra.gradients;
   t.of = algebra.of;
 
+  if (schedule.bf16_boundary())
+    seeds_in_bf16(p, t);
   std::map<std::string, std::string> copies; // forward tensor -> the backward's copy (recompute)
   if (schedule.recompute()) {
     // Which forward tensors are cheap to make again: routed matrices from
@@ -472,6 +501,8 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     if (!combined_atomically)
       p.not_applied.push_back(kAtomicCombineNotApplied);
   }
+  if (schedule.bf16_boundary())
+    boundary_in_bf16(p, t, forward);
   // After the fusions: which GEMM writes a saved tensor, and whether one
   // reads it, is then final.
   // Under gradients_over_saved a saved tensor keeps the padded order until

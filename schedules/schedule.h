@@ -203,6 +203,13 @@ public:
   // two T*k x d bf16 tensors fewer in the backward's workspace (qwen3moe:
   // 576 MiB each), for the gathered loads' time.
   Schedule &gather_in_gemms(bool on);
+  // Under padded_elementwise, for the backward's memory: gather_in_gemms
+  // for the upstream gradient's rows alone (the dH GEMM's A and dW2's
+  // operand gathered by token from dy, the only per-pair copy at the
+  // backward's fullest step: fine64 544 MiB), while x's copy for dW1 and
+  // dW3, made and dropped away from that step, stays read by TMA.
+  // gather_in_gemms(true) does this too.
+  Schedule &gather_upstream_in_gemms(bool on);
   // Training, for the backward's memory: an element-wise output that
   // merging put in one kernel with outputs it does not need (SwiGLU's gated
   // h, which dW2 reads, beside the activation gradients made from dA) runs
@@ -222,6 +229,15 @@ public:
   // serves one backward: a second backward of it is refused (on caller
   // memory, where the bytes are shared; run the forward again).
   Schedule &gradients_over_saved(bool on);
+  // Training: the layer's outputs that are not scalars (y), their upstream
+  // gradients (dy) and the gradients of its Inputs (dx) are stored in bf16,
+  // the dtype a bf16 model passes between its layers, instead of f32: the
+  // model then neither converts them nor holds an f32 copy beside its own
+  // (three T x d f32 tensors at the backward's fullest step). Each is summed
+  // in f32 and rounded once. Where atomic_combine adds into one (its sum
+  // taken by atomic adds) it stays f32, as do scalar losses and the Params'
+  // gradients (bf16_weight_gradients decides those).
+  Schedule &bf16_boundary(bool on);
   // Training: forward values that a GEMM's epilogue makes element-wise from
   // results it stores as well (SwiGLU's h = silu(h1) * h3 beside h1 and h3,
   // GeLU's h beside its pre-activation) are not kept for the backward but
@@ -315,6 +331,8 @@ public:
   bool gather_in_gemms() const { return gather_in_gemms_; }
   bool split_pointwise_for_memory() const { return split_pointwise_for_memory_; }
   bool gradients_over_saved() const { return gradients_over_saved_; }
+  bool gather_upstream_in_gemms() const { return gather_upstream_in_gemms_; }
+  bool bf16_boundary() const { return bf16_boundary_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -391,6 +409,8 @@ private:
   bool gather_in_gemms_ = false;
   bool split_pointwise_for_memory_ = false;
   bool gradients_over_saved_ = false;
+  bool gather_upstream_in_gemms_ = false;
+  bool bf16_boundary_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

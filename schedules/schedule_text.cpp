@@ -63,6 +63,8 @@ const std::vector<Signature> &signatures() {
       {"gather_in_gemms", {{"on", ArgType::boolean}}},
       {"split_pointwise_for_memory", {{"on", ArgType::boolean}}},
       {"gradients_over_saved", {{"on", ArgType::boolean}}},
+      {"gather_upstream_in_gemms", {{"on", ArgType::boolean}}},
+      {"bf16_boundary", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -84,6 +86,8 @@ FlagSetter flag_setter(const std::string &primitive) {
       {"gather_in_gemms", &Schedule::gather_in_gemms},
       {"split_pointwise_for_memory", &Schedule::split_pointwise_for_memory},
       {"gradients_over_saved", &Schedule::gradients_over_saved},
+      {"gather_upstream_in_gemms", &Schedule::gather_upstream_in_gemms},
+      {"bf16_boundary", &Schedule::bf16_boundary},
   };
   for (const auto &[name, set] : flags)
     if (primitive == name)

@@ -318,7 +318,7 @@ TEST_SUITE("cpu") {
     // up here first, in CI.
     testing::check_edge_cases(64, 128,
                               {"megablocks+lean", "scattermoe+padded+lean", "scattermoe+padded+lean+chain",
-                               "scattermoe+padded+lean+chain+split"},
+                               "scattermoe+padded+lean+chain+split", "scattermoe+padded+lean+chain+upstream+boundary"},
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
                                 return cpu_train_and_compare(ex, in, tokens, testing::training_preset(p, false));
                               });
@@ -503,6 +503,23 @@ TEST_SUITE("cpu") {
         if (!recompute)
           CHECK(saved_bytes(tp, s.tokens) < saved_bytes(wide, s.tokens));
         check_step(compiled, ex, train, in, s.tokens);
+      }
+  }
+
+  TEST_CASE("cpu training: y, dy and dx in bf16 (bf16_boundary), dy gathered in the GEMMs, within tolerance") {
+    // Every example the default trains, under the default (bf16_boundary
+    // on), with dy's rows gathered in the GEMMs, and with the boundary f32.
+    ExampleShape s = shape(150, 64, 128, 8, 2);
+    for (const char *name : {"moe_mlp", "swiglu_moe", "geglu_moe", "shared_expert_moe", "deepseek_moe"})
+      for (int mode : {0, 1, 2}) {
+        Example ex = make_example(name, s);
+        const Func out = ex.pipeline.func(ex.output);
+        Schedule sch = default_schedule(ex.pipeline, {out});
+        REQUIRE(sch.bf16_boundary());
+        sch.gather_upstream_in_gemms(mode == 1).bf16_boundary(mode != 2);
+        INFO(name << " / mode " << mode);
+        Outcome o = cpu_train_and_compare(ex, ex.random_inputs(s, 19), s.tokens, sch);
+        CHECK(o.routing_mismatches == 0);
       }
   }
 

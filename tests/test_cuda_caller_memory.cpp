@@ -119,7 +119,8 @@ TEST_SUITE("gpu") {
     static cuda::Device device;
     cuda::Stream stream;
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (const char *p : {"scattermoe", "megablocks", "scattermoe+padded+lean", "scattermoe+padded+lean+over"}) {
+      for (const char *p : {"scattermoe", "megablocks", "scattermoe+padded+lean", "scattermoe+padded+lean+over",
+                            "scattermoe+padded+lean+over+upstream+boundary"}) {
         INFO(name << " / " << p);
         const Schedule schedule = training_preset(p, false);
         ExampleShape s0 = shape(64, 64, 128, 8, 2);

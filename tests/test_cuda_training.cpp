@@ -78,7 +78,8 @@ TEST_CASE("cuda training: every preset x example x memory choice compiles for sm
   ExampleShape s = shape(64, 64, 128, 8, 2);
   for (const char *name : {"moe_mlp", "swiglu_moe"})
     for (const char *p : {"megablocks", "scattermoe", "megablocks+lean", "scattermoe+padded+lean",
-                          "scattermoe+padded+lean+chain+atomic+gather", "scattermoe+padded+lean+chain+split"})
+                          "scattermoe+padded+lean+chain+atomic+gather", "scattermoe+padded+lean+chain+split",
+                          "scattermoe+padded+lean+chain+upstream+boundary"})
       for (bool recompute : {false, true}) {
         Example ex = make_example(name, s);
         cuda::CompiledTraining c =
@@ -229,7 +230,8 @@ TEST_SUITE("gpu") {
       for (const char *p :
            {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean", "scattermoe+padded+lean",
             "scattermoe+padded+lean+chain", "scattermoe+padded+lean+chain+atomic+gather",
-            "scattermoe+padded+lean+chain+split", "scattermoe+padded+lean+chain+atomic+gather+split"})
+            "scattermoe+padded+lean+chain+split", "scattermoe+padded+lean+chain+atomic+gather+split",
+            "scattermoe+padded+lean+chain+upstream+boundary", "scattermoe+padded+lean+chain+atomic+boundary"})
         for (bool recompute : {false, true}) {
           ExampleShape s = shape(200, 64, 128, 8, 2);
           Example ex = make_example(name, s);
@@ -242,16 +244,20 @@ TEST_SUITE("gpu") {
   // The default schedule (warp-specialised wgmma with TMA operands, the lean
   // memory mode) as it is and with the backward's memory choices: the input
   // gradient added atomically onto the router's share, token rows gathered
-  // inside the GEMMs, an activation gradient written over dy W2^T's bytes.
+  // inside the GEMMs, an activation gradient written over dy W2^T's bytes;
+  // dy's rows alone gathered (gather_upstream_in_gemms); y, dy and dx in
+  // f32 (bf16_boundary off; on in the default).
   TEST_CASE("cuda training: the default schedule with atomic_combine and gather_in_gemms") {
     MOEFORGE_REQUIRE_GPU();
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (bool lean : {false, true})
+      for (int mode : {0, 1, 2, 3})
         for (const ExampleShape &s : {shape(200, 64, 128, 8, 2), shape(300, 256, 128, 128, 8)}) {
           Example ex = make_example(name, s);
           const Func out = ex.pipeline.func(ex.output);
           Schedule sch = default_schedule(ex.pipeline, {out});
-          sch.atomic_combine(lean).gather_in_gemms(lean);
+          sch.atomic_combine(mode == 1).gather_in_gemms(mode == 1).gather_upstream_in_gemms(mode == 2);
+          if (mode == 3)
+            sch.bf16_boundary(false);
           INFO(name << " / E = " << s.experts << "\n" << sch.to_text());
           Outcome o = train_and_compare(ex, ex.random_inputs(s, 9), s.tokens, sch);
           CHECK(o.routing_mismatches == 0);
@@ -463,7 +469,7 @@ TEST_SUITE("gpu") {
     testing::check_edge_cases(64, 128,
                               {"megablocks", "scattermoe", "scattermoe+padded", "megablocks+lean",
                                "scattermoe+padded+lean", "scattermoe+padded+lean+chain",
-                               "scattermoe+padded+lean+chain+split"},
+                               "scattermoe+padded+lean+chain+split", "scattermoe+padded+lean+chain+upstream+boundary"},
                               [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &p) {
                                 return train_and_compare(ex, in, tokens, training_preset(p, false));
                               });
@@ -514,7 +520,7 @@ TEST_SUITE("gpu") {
   TEST_CASE("cuda training: moe_mlp and swiglu_moe with the auxiliary losses through TrainingLayer") {
     MOEFORGE_REQUIRE_GPU();
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (const char *p : {"megablocks", "scattermoe"})
+      for (const char *p : {"megablocks", "scattermoe", "scattermoe+padded+lean+boundary"})
         for (bool recompute : {false, true}) {
           ExampleShape s = shape(150, 64, 128, 8, 2);
           AuxLossLayer a = make_aux_loss_example(name, s);

@@ -42,8 +42,11 @@ TEST_CASE("default schedule: the benchmark's layers compile to tuned_wide's lean
     Example ex = biased_moe(bench_like(swiglu), swiglu, Bias::none, swiglu); // bench_moe_train's layer
     const Func out = ex.pipeline.func(ex.output);
     Schedule tuned = bench::tuned_wide(swiglu);
-    tuned.recompute_elementwise(true).gate_gradient_from_dh(true).split_pointwise_for_memory(true).gradients_over_saved(
-        true); // bench_moe_train's lean mode
+    tuned.recompute_elementwise(true)
+        .gate_gradient_from_dh(true)
+        .split_pointwise_for_memory(true)
+        .gradients_over_saved(true)
+        .bf16_boundary(true); // bench_moe_train's lean mode
     const Schedule def = default_schedule(ex.pipeline, {out});
     CHECK(cuda_of(ex.pipeline, out, def) == cuda_of(ex.pipeline, out, tuned));
     CHECK(choices_not_taken(ex.pipeline, def, {out}) == std::vector<std::string>{});

@@ -21,7 +21,9 @@ namespace moeforge::testing {
 // "+atomic" (atomic_combine: the combine added up in o's GEMM epilogue),
 // "+gather" (gather_in_gemms), "+split" (split_pointwise_for_memory) and
 // "+over" (gradients_over_saved: on caller memory the activation gradients
-// take the saved pre-activations' bytes).
+// take the saved pre-activations' bytes), "+upstream"
+// (gather_upstream_in_gemms: dy's rows gathered in the GEMMs, x's copied) and
+// "+boundary" (bf16_boundary: y, dy and dx in bf16).
 inline Schedule training_preset(const std::string &name, bool recompute) {
   auto has = [&](const char *part) { return name.find(part) != std::string::npos; };
   Schedule s = preset(name.substr(0, name.find('+')));
@@ -40,6 +42,10 @@ inline Schedule training_preset(const std::string &name, bool recompute) {
     s.split_pointwise_for_memory(true);
   if (has("+over"))
     s.gradients_over_saved(true);
+  if (has("+upstream"))
+    s.gather_upstream_in_gemms(true);
+  if (has("+boundary"))
+    s.bf16_boundary(true);
   return s;
 }
 
@@ -51,14 +57,16 @@ inline Example training_example(const Example &ex) {
   return t;
 }
 
-// U(-1, 1), shaped like the output: (tokens, d).
+// U(-1, 1), shaped like the output: (tokens, d); bf16-exact, so a schedule
+// that stores dy in bf16 (bf16_boundary) reads what the reference and an
+// f32 dy read.
 inline HostTensor upstream_gradient(const Example &ex, const TensorMap &inputs, uint64_t seed) {
   const HostTensor &x = inputs.at("x");
   HostTensor g({x.shape[0], ex.pipeline.func(ex.output).args()[1].dim().extent()});
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> u(-1, 1);
   for (double &v : g.data)
-    v = u(rng);
+    v = round_to_bf16(u(rng));
   return g;
 }
 

@@ -204,7 +204,7 @@ def _cpu_forward(ctx, module, x, params):
     if module.keep_routing:
         module._routing = {route: torch.from_numpy(layer.routed_experts(route).copy())
                            for route in module._route_names}
-    return [torch.from_numpy(layer.output(f.name)).to(_DTYPES[f.dtype.name]) for f in module.outputs]
+    return [torch.from_numpy(layer.output(f.name)).to(dtype) for f, dtype in zip(module.outputs, module._output_dtypes)]
 
 
 def _cpu_backward(ctx, grads):
@@ -235,7 +235,8 @@ class _TrainingStep(torch.autograd.Function):
         ctx.input_dtypes = [x.dtype] + [p.dtype for p in params]
         ctx.param_shapes = [p.shape for p in params]
         if ctx.tokens == 0:
-            outs = [module._no_token_output(f, x.device) for f in module.outputs]
+            outs = [module._no_token_output(f, dtype, x.device)
+                    for f, dtype in zip(module.outputs, module._output_dtypes)]
         elif module.device.type == "cpu":
             outs = _cpu_forward(ctx, module, x, params)
         else:
@@ -311,6 +312,7 @@ class MoELayer(torch.nn.Module):
         # A choice the layer does not take would otherwise run as if absent, unseen.
         for note in mf.not_applied(pipeline, self.schedule, self.outputs):
             warnings.warn(f"moeforge: {note}", stacklevel=2)
+        self._output_dtypes = self._stored_dtypes()
         decls = pipeline.buffer_decls
         inputs = [b for b in decls if b["kind"] == "input"]
         if len(inputs) != 1:
@@ -350,12 +352,20 @@ class MoELayer(torch.nn.Module):
                 tuned, where = mf.cached_schedule(self.pipeline, tokens, True, self.device.index or 0)
                 if tuned is not None:
                     self.schedule = tuned
+                    self._output_dtypes = self._stored_dtypes()
                     self.schedule_note = f"auto: tuned for this layer and {tokens} tokens ({where})"
                 else:
                     self.schedule_note = f"auto: the default schedule, nothing tuned for this layer here ({where})"
             self._cuda = _CudaRuntime(self, tokens)
             self._route_names = self._cuda.layer.routes
         return self._cuda
+
+    def _stored_dtypes(self):
+        """The torch dtype of each output, as the schedule stores it: bf16
+        for y under bf16_boundary (the default's), whatever the Func's own
+        dtype (f32, as sums are), so that every token count, 0 included,
+        and both devices return one dtype."""
+        return [_DTYPES[d] for d in mf.output_dtypes(self.pipeline, self.outputs, self.schedule)]
 
     def _cpu_layer_for(self, tokens):
         """The CPU layer at `tokens`: the compiled program shared, a new
@@ -392,11 +402,11 @@ class MoELayer(torch.nn.Module):
                                    "cannot shape it")
         return tuple(shape)
 
-    def _no_token_output(self, f, device):
+    def _no_token_output(self, f, dtype, device):
         if not any(v.dim.is_dynamic for v in f.args):
             raise mf.UserError(f"output '{f.name}' of a step of no tokens has no value (it reduces over the "
                                "tokens); skip the layer for an empty batch")
-        return torch.zeros(self._output_shape(f, 0), dtype=_DTYPES[f.dtype.name], device=device)
+        return torch.zeros(self._output_shape(f, 0), dtype=dtype, device=device)
 
     @torch.compiler.disable
     def forward(self, x):

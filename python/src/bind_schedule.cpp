@@ -14,6 +14,7 @@
 #include "bind_checked.h"
 #include "lowering/choices_without_effect.h"
 #include "lowering/default_schedule.h"
+#include "lowering/training.h"
 #include "schedules/presets.h"
 #include "schedules/schedule.h"
 
@@ -85,6 +86,9 @@ void bind_schedule(nb::module_ &m) {
       .def("split_pointwise_for_memory", nb::overload_cast<bool>(&Schedule::split_pointwise_for_memory), "on"_a = true,
            chain)
       .def("gradients_over_saved", nb::overload_cast<bool>(&Schedule::gradients_over_saved), "on"_a = true, chain)
+      .def("gather_upstream_in_gemms", nb::overload_cast<bool>(&Schedule::gather_upstream_in_gemms), "on"_a = true,
+           chain)
+      .def("bf16_boundary", nb::overload_cast<bool>(&Schedule::bf16_boundary), "on"_a = true, chain)
       .def(
           "tile",
           [](Schedule &s, const std::string &f, nb::handle m, nb::handle n, nb::handle k) -> Schedule & {
@@ -148,6 +152,18 @@ void bind_schedule(nb::module_ &m) {
       "The choices `schedule` made that this layer's program does not take, one line each with why (a Func's GEMM "
       "that cannot use them, a layer-wide choice that changes nothing here); empty when every choice applies. With "
       "`outputs`, the training step's program (forward and backward of those Funcs), else the forward's.");
+  m.def(
+      "output_dtypes",
+      [](const Pipeline &pipeline, const std::vector<Func> &outputs, const Schedule &schedule) {
+        const TrainingProgram t = lower_training(pipeline, outputs, schedule);
+        std::vector<std::string> names;
+        for (const std::string &o : t.outputs)
+          names.push_back(dtype_name(t.program.tensor(o).dtype));
+        return names;
+      },
+      "pipeline"_a, "outputs"_a, "schedule"_a,
+      "The dtype ('bf16', 'f32') the training step stores each of `outputs` in, as the schedule decides "
+      "(bf16_boundary); a Func's own dtype is its value's, f32 for sums.");
 }
 
 } // namespace moeforge::python

@@ -195,7 +195,7 @@ def test_a_two_layer_model_learns(device):
     model = torch.nn.Sequential(
         torch.nn.Linear(D, D, device=device, dtype=torch.bfloat16),
         mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, device=device),
-        torch.nn.Linear(D, 1, device=device, dtype=torch.float32),
+        torch.nn.Linear(D, 1, device=device, dtype=torch.bfloat16),
     )
     x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
     target = torch.sin(x.float().sum(dim=1, keepdim=True))
@@ -203,7 +203,7 @@ def test_a_two_layer_model_learns(device):
     losses = []
     for _ in range(50):
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss = torch.nn.functional.mse_loss(model(x).float(), target)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -440,7 +440,7 @@ def test_any_token_count_through_one_module(device):
         x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16, requires_grad=True)
         moe.zero_grad(set_to_none=True)
         y = moe(x)
-        assert y.shape == (tokens, D)
+        assert y.shape == (tokens, D) and y.dtype == torch.bfloat16  # the default's bf16_boundary, 0 tokens too
         dy = torch.randn_like(y)
         y.backward(dy)
         runtime = moe._cuda if device == "cuda" else moe._cpu
@@ -462,6 +462,37 @@ def test_any_token_count_through_one_module(device):
         check_close(f"x.grad at {tokens}", x.grad, ref[1], spread[1])
         for i, (n, want) in enumerate(zip(names, ref[2:])):
             check_close(f"{n}.grad at {tokens}", getattr(moe, n).grad, want, spread[2 + i])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_output_and_input_gradient_in_the_models_dtype(device):
+    """Under the default (bf16_boundary) y and x.grad are bf16, as a bf16
+    model passes them, and agree with the f32 boundary's to bf16 rounding;
+    where atomic_combine adds y up, y stays f32, and says so by its dtype."""
+    torch.manual_seed(12)
+    moe = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F, device=device)
+    wide = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F, device=device,
+                       schedule=mf.Schedule.from_text(moe.schedule.to_text()).bf16_boundary(False))
+    atomic = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F, device=device,
+                         schedule=mf.Schedule.from_text(moe.schedule.to_text()).atomic_combine(True))
+    for other in (wide, atomic):
+        other.load_state_dict(moe.state_dict())
+    x = torch.randn(96, D, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(96, D, device=device, dtype=torch.bfloat16)
+    got = {}
+    for name, m in (("bf16", moe), ("f32", wide), ("atomic", atomic)):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        y.backward(dy.to(y.dtype))
+        got[name] = (y, xi.grad)
+        assert xi.grad.dtype == torch.bfloat16
+        assert m(x[:0]).dtype == y.dtype  # no tokens: the same dtype
+    assert got["bf16"][0].dtype == torch.bfloat16
+    assert got["f32"][0].dtype == torch.float32
+    assert got["atomic"][0].dtype == torch.float32
+    for name in ("f32", "atomic"):
+        assert normalized_error(got["bf16"][0], got[name][0]) < 1e-2, name
+        assert normalized_error(got["bf16"][1], got[name][1]) < 2e-2, name
 
 
 @pytest.mark.parametrize("device", DEVICES)

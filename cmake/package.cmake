@@ -34,8 +34,8 @@ set(MOEFORGE_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/moeforge)
 
 # The umbrella target. (`moeforge` itself is the CLI's executable.)
 add_library(moeforge_library INTERFACE)
-target_link_libraries(moeforge_library INTERFACE moeforge_dsl moeforge_schedules moeforge_lowering moeforge_reference
-                                                 moeforge_routing moeforge_runtime)
+target_link_libraries(moeforge_library INTERFACE moeforge_dsl moeforge_schedules moeforge_lowering moeforge_tensor
+                                                 moeforge_reference moeforge_routing moeforge_runtime)
 add_library(moeforge::moeforge ALIAS moeforge_library)
 add_library(moeforge::examples ALIAS moeforge_examples)
 
@@ -44,8 +44,8 @@ target_compile_features(moeforge_dsl PUBLIC cxx_std_20)
 
 # Exported names: moeforge::<name>.
 set_target_properties(moeforge_library PROPERTIES EXPORT_NAME moeforge)
-set(MOEFORGE_CORE_LIBRARIES moeforge_dsl moeforge_schedules moeforge_lowering moeforge_reference moeforge_routing
-                            moeforge_runtime moeforge_examples)
+set(MOEFORGE_CORE_LIBRARIES moeforge_dsl moeforge_schedules moeforge_lowering moeforge_tensor moeforge_reference
+                            moeforge_routing moeforge_runtime moeforge_examples)
 foreach(lib IN LISTS MOEFORGE_CORE_LIBRARIES)
   string(REPLACE "moeforge_" "" name ${lib})
   set_target_properties(${lib} PROPERTIES EXPORT_NAME ${name})

@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
+#include "runtime/tensor.h"
 
 namespace moeforge {
 

@@ -11,8 +11,8 @@
 #include <optional>
 #include <string>
 
-#include "backends/reference/host_tensor.h"
 #include "examples/examples.h"
+#include "runtime/tensor.h"
 
 namespace moeforge {
 

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "backends/reference/host_tensor.h"
+#include "runtime/tensor.h"
 
 namespace moeforge {
 

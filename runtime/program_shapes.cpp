@@ -2,8 +2,8 @@
 
 #include <cstring>
 
-#include "backends/reference/host_parallel.h"
 #include "dsl/error.h"
+#include "runtime/parallel.h"
 
 namespace moeforge {
 
@@ -54,7 +54,7 @@ ProgramShapes::ProgramShapes(const KernelProgram &program, int64_t tokens) : tok
   }
   for (const Step &s : program.steps)
     if (auto *rs = std::get_if<RoutingStep>(&s)) {
-      cuda::RoutingShape shape;
+      RoutingShape shape;
       shape.tokens = extent(rs->route->token_dim());
       shape.experts = static_cast<int>(rs->route->expert_dim().extent());
       shape.k = rs->route->k;

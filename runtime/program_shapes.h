@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "backends/reference/host_tensor.h"
 #include "lowering/kernel_program.h"
 #include "lowering/training.h"
 #include "runtime/routing_host.h"
+#include "runtime/tensor.h"
 
 namespace moeforge {
 
@@ -33,8 +33,8 @@ public:
 
   int64_t tokens() const { return tokens_; }
   int64_t extent(const Dim &d) const;
-  const cuda::RoutingShape &routing(const RoutingNode *route) const { return routings_.at(route); }
-  const std::map<const RoutingNode *, cuda::RoutingShape> &routings() const { return routings_; }
+  const RoutingShape &routing(const RoutingNode *route) const { return routings_.at(route); }
+  const std::map<const RoutingNode *, RoutingShape> &routings() const { return routings_; }
   // Stored elements of t (padded layouts hold max_padded_rows rows); at least 1.
   int64_t elements(const TensorDecl &t) const;
   // t's shape as the user and the reference see it (routed rows: T * k).
@@ -55,7 +55,7 @@ private:
   // Every dynamic Dim is the token count; a dropping route's padded row
   // bound is here too, by max_padded_rows_extent(route).
   std::map<std::string, long long> dynamic_;
-  std::map<const RoutingNode *, cuda::RoutingShape> routings_;
+  std::map<const RoutingNode *, RoutingShape> routings_;
 };
 
 // The activation memory of a training step for `tokens` tokens: the bytes of

@@ -8,7 +8,7 @@
 #include <numeric>
 #include <sstream>
 
-namespace moeforge::cuda {
+namespace moeforge {
 
 void RoutingShape::check() const {
   user_check(experts >= 1 && experts <= kMaxRoutingExperts)
@@ -274,4 +274,4 @@ std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const 
   return v.take();
 }
 
-} // namespace moeforge::cuda
+} // namespace moeforge

@@ -49,7 +49,7 @@
 
 #include "dsl/capacity.h"
 
-namespace moeforge::cuda {
+namespace moeforge {
 
 struct RoutingShape {
   int64_t tokens = 0;             // T
@@ -139,4 +139,4 @@ HostTopK top_k_on_host(const RoutingShape &shape, const std::vector<float> &prob
 std::vector<std::string> verify_routing_tables(const RoutingShape &shape, const RoutingTables &tables,
                                                const std::vector<float> &score = {});
 
-} // namespace moeforge::cuda
+} // namespace moeforge

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "backends/reference/host_tensor.h"
 #include "dsl/error.h"
 #include "lowering/training.h"
+#include "runtime/tensor.h"
 
 namespace moeforge {
 

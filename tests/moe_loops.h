@@ -10,7 +10,7 @@
 
 #include <doctest/doctest.h>
 
-#include "backends/reference/host_tensor.h"
+#include "runtime/tensor.h"
 
 namespace moeforge::loops {
 

@@ -101,19 +101,19 @@ TEST_CASE("capacity: the schedule primitive traces, replays and refuses a factor
 }
 
 TEST_CASE("capacity: host routing leaves dropped pairs out of the tables and sends them to the drop row") {
-  cuda::RoutingShape s{4, 3, 2, 64};
+  RoutingShape s{4, 3, 2, 64};
   s.capacity = 2;
   const std::vector<int32_t> expert = {0, 1, 0, 2, 0, 1, 1, 0};
-  cuda::RoutingTables t = cuda::route_on_host(s, expert);
+  RoutingTables t = route_on_host(s, expert);
   CHECK(verify_routing_tables(s, t).empty());
   CHECK(t.counts == std::vector<int32_t>{2, 2, 1});
-  CHECK(cuda::dropped_pairs(s, t) == 3);
+  CHECK(dropped_pairs(s, t) == 3);
   for (int r : {4, 5, 7})
     CHECK(t.pair_pos[r] == s.drop_row());
   // The drop row is past every tile.
   CHECK(t.offsets.back() <= s.drop_row());
   // A table that kept a dropped pair is caught.
-  cuda::RoutingTables dropless = cuda::route_on_host(cuda::RoutingShape{4, 3, 2, 64}, expert);
+  RoutingTables dropless = route_on_host(RoutingShape{4, 3, 2, 64}, expert);
   CHECK_FALSE(verify_routing_tables(s, dropless).empty());
 }
 

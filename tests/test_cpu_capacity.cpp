@@ -95,7 +95,7 @@ TEST_CASE("capacity: fewer padded rows than pairs (the bound by the kept pairs) 
         schedule.capacity(c.capacity);
       const KernelProgram program = lower_training(ex.pipeline, ex.pipeline.func(ex.output), schedule).program;
       const ProgramShapes shapes(program, s.tokens);
-      const cuda::RoutingShape &rs = shapes.routing(program.routes.at(0));
+      const RoutingShape &rs = shapes.routing(program.routes.at(0));
       INFO(c.example << " / " << p << ": " << rs.to_string() << ", " << rs.max_padded_rows() << " padded rows");
       CHECK(rs.max_padded_rows() < rs.pairs());
       testing::Outcome o = cpu_test::cpu_train_and_compare(ex, in, s.tokens, schedule);

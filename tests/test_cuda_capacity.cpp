@@ -34,7 +34,7 @@ Schedule capped(const std::string &p, double factor) {
 }
 
 void check_same(const std::vector<int32_t> &got, const std::vector<int32_t> &want, const char *what,
-                const cuda::RoutingShape &s) {
+                const RoutingShape &s) {
   INFO(what << " for " << s.to_string());
   REQUIRE(got.size() == want.size());
   size_t bad = 0, first = 0;
@@ -107,7 +107,7 @@ TEST_SUITE("gpu") {
         {7, 4, 4, 64, 2, KeepPriority::score, false},
     };
     for (const Case &c : cases) {
-      cuda::RoutingShape s{c.tokens, c.experts, c.k, c.block};
+      RoutingShape s{c.tokens, c.experts, c.k, c.block};
       s.capacity = c.capacity;
       s.priority = c.priority;
       std::vector<float> probs(static_cast<size_t>(c.tokens * c.experts));
@@ -116,8 +116,8 @@ TEST_SUITE("gpu") {
         probs[i] = u(rng) * (c.skewed ? 1.0f / (1.0f + static_cast<float>(i % c.experts)) : 1.0f);
       // A tie in the scores: the earlier token must win it everywhere.
       probs[static_cast<size_t>(c.experts)] = probs[0];
-      cuda::HostTopK top = cuda::top_k_on_host(s, probs);
-      cuda::RoutingTables want = cuda::route_on_host(s, top.expert, top.gate);
+      HostTopK top = top_k_on_host(s, probs);
+      RoutingTables want = route_on_host(s, top.expert, top.gate);
       REQUIRE(verify_routing_tables(s, want, top.gate).empty());
       cuda::DeviceBuffer d_probs = cuda::DeviceBuffer::from(probs);
       cuda::RoutingPlan plan(s);
@@ -125,7 +125,7 @@ TEST_SUITE("gpu") {
         plan.poison(poison);
         routing.run(d_probs.ptr(), plan, stream);
         stream.synchronize();
-        cuda::RoutingTables got = plan.download();
+        RoutingTables got = plan.download();
         CAPTURE(s.to_string());
         check_same(got.counts, want.counts, "counts", s);
         check_same(got.pair_pos, want.pair_pos, "pair_pos", s);
@@ -135,7 +135,7 @@ TEST_SUITE("gpu") {
         CHECK(got.num_tiles == want.num_tiles);
         CHECK(verify_routing_tables(s, got, top.gate).empty());
       }
-      CHECK(cuda::dropped_pairs(s, want) > 0);
+      CHECK(dropped_pairs(s, want) > 0);
     }
   }
 

@@ -13,6 +13,7 @@
 #include "backends/cuda/device_clocks.h"
 #include "tests/gpu_test.h"
 
+using namespace moeforge;
 using namespace moeforge::cuda;
 
 TEST_CASE("cuda: the clock sampler names a missing NVML library") {

@@ -3,7 +3,7 @@
 // name it looks for (checked against the toolkit's stub libcuda).
 #include <doctest/doctest.h>
 
-#include "backends/reference/host_tensor.h"
+#include "runtime/tensor.h"
 
 #include <cmath>
 #include <filesystem>
@@ -13,6 +13,7 @@
 #include "backends/cuda/driver.h"
 #include "backends/cuda/nvrtc_compiler.h"
 
+using namespace moeforge;
 using namespace moeforge::cuda;
 using moeforge::bf16_bits;
 using moeforge::bf16_value;

@@ -3,7 +3,7 @@
 // against a CPU loop. Without a GPU every case skips, saying why.
 #include <doctest/doctest.h>
 
-#include "backends/reference/host_tensor.h"
+#include "runtime/tensor.h"
 
 #include <cmath>
 #include <cstring>
@@ -20,6 +20,7 @@
 #include "backends/cuda/stream.h"
 #include "tests/gpu_test.h"
 
+using namespace moeforge;
 using namespace moeforge::cuda;
 using moeforge::bf16_bits;
 using moeforge::bf16_value;

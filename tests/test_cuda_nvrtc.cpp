@@ -18,6 +18,7 @@
 #include "backends/cuda/routing_kernels.h"
 #include "backends/cuda/tile_library.h"
 
+using namespace moeforge;
 using namespace moeforge::cuda;
 namespace fs = std::filesystem;
 

@@ -1,4 +1,4 @@
-// backends/reference/host_memory.h: host allocations too large for the
+// runtime/host_memory.h: host allocations too large for the
 // machine are refused with the sizes and the fix, before they are made (the
 // reference's intermediates, host tensors, the CPU backend's tensors), not
 // ended by std::bad_alloc.
@@ -11,9 +11,9 @@
 #include <sstream>
 #include <string>
 
-#include "backends/reference/host_memory.h"
-#include "backends/reference/host_tensor.h"
 #include "dsl/error.h"
+#include "runtime/host_memory.h"
+#include "runtime/tensor.h"
 #include "user_error.h"
 
 using namespace moeforge;

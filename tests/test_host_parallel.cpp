@@ -1,4 +1,4 @@
-// backends/reference/host_parallel.h: host loops split over the cores visit
+// runtime/parallel.h: host loops split over the cores visit
 // every index once, whatever the grain (a matrix of rows over 2^20 elements
 // asks for a grain of 1: the CLI's `train` at d = 2048, f = 1408 divided
 // by zero there).
@@ -7,7 +7,7 @@
 #include <atomic>
 #include <vector>
 
-#include "backends/reference/host_parallel.h"
+#include "runtime/parallel.h"
 
 using namespace moeforge;
 

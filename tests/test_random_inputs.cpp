@@ -7,9 +7,9 @@
 #include <cmath>
 #include <set>
 
-#include "backends/reference/host_tensor.h"
 #include "examples/examples.h"
 #include "runtime/program_shapes.h"
+#include "runtime/tensor.h"
 
 using namespace moeforge;
 

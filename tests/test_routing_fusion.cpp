@@ -326,7 +326,7 @@ namespace {
 // apart in probability (a factor e^(1/8)), so no rounding of the device's
 // or the host's softmax can reorder them, and equal logits give equal
 // probabilities on both (ties go to the lower expert everywhere).
-std::vector<float> grid_logits(const cuda::RoutingShape &s, std::mt19937 &rng) {
+std::vector<float> grid_logits(const RoutingShape &s, std::mt19937 &rng) {
   std::uniform_int_distribution<int> u(-24, 24);
   std::vector<float> v(static_cast<size_t>(s.tokens * s.experts));
   for (float &x : v)
@@ -336,7 +336,7 @@ std::vector<float> grid_logits(const cuda::RoutingShape &s, std::mt19937 &rng) {
   return v;
 }
 
-std::vector<float> host_softmax(std::vector<float> v, const cuda::RoutingShape &s) {
+std::vector<float> host_softmax(std::vector<float> v, const RoutingShape &s) {
   for (int64_t t = 0; t < s.tokens; ++t) {
     float *row = &v[t * s.experts], mx = -INFINITY, sum = 0.0f;
     for (int e = 0; e < s.experts; ++e)
@@ -359,17 +359,17 @@ TEST_SUITE("gpu") {
     cuda::DeviceRouting routing(device);
     cuda::Stream stream;
     std::mt19937 rng(31);
-    for (cuda::RoutingShape s : std::vector<cuda::RoutingShape>{{1, 8, 2, 64},
-                                                                {100, 8, 2, 64},
-                                                                {4096, 64, 1, 128},
-                                                                {777, 33, 5, 256},
-                                                                {3000, 256, 8, 64},
-                                                                {500, 16, 16, 128},
-                                                                {999, 128, 3, 64},
-                                                                {16384, 64, 1, 128}}) {
+    for (RoutingShape s : std::vector<RoutingShape>{{1, 8, 2, 64},
+                                                    {100, 8, 2, 64},
+                                                    {4096, 64, 1, 128},
+                                                    {777, 33, 5, 256},
+                                                    {3000, 256, 8, 64},
+                                                    {500, 16, 16, 128},
+                                                    {999, 128, 3, 64},
+                                                    {16384, 64, 1, 128}}) {
       CAPTURE(s.to_string());
       std::vector<float> logits = grid_logits(s, rng);
-      cuda::HostTopK want = cuda::top_k_on_host(s, host_softmax(logits, s));
+      HostTopK want = top_k_on_host(s, host_softmax(logits, s));
       cuda::DeviceBuffer d_logits = cuda::DeviceBuffer::from(logits);
       cuda::DeviceBuffer d_gate(static_cast<size_t>(s.pairs()) * sizeof(float));
       cuda::RoutingPlan plan(s);
@@ -377,10 +377,10 @@ TEST_SUITE("gpu") {
       d_gate.fill32(cuda::kPoisonNaN);
       routing.run(d_logits.ptr(), plan, stream, /*softmax=*/true, d_gate.ptr());
       stream.synchronize();
-      cuda::RoutingTables tables = plan.download();
+      RoutingTables tables = plan.download();
       CHECK(tables.expert == want.expert);
-      CHECK(cuda::verify_routing_tables(s, tables).empty());
-      CHECK(tables.pair_pos == cuda::route_on_host(s, want.expert).pair_pos);
+      CHECK(verify_routing_tables(s, tables).empty());
+      CHECK(tables.pair_pos == route_on_host(s, want.expert).pair_pos);
       // The gates went to d_gate; plan.gate was not written.
       std::vector<float> gate = d_gate.download<float>();
       REQUIRE(gate.size() == want.gate.size());

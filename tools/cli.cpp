@@ -314,8 +314,8 @@ std::string choose_backend(const Options &o, std::string *why_not_gpu, bool &wor
 void check_expert_count(const Options &o, const Example &ex, const std::string &backend) {
   if (ex.route.empty() || backend == "reference")
     return;
-  user_check(o.shape.experts <= cuda::kMaxRoutingExperts)
-      << "--experts " << o.shape.experts << ": the " << backend << " backend routes 1 to " << cuda::kMaxRoutingExperts
+  user_check(o.shape.experts <= kMaxRoutingExperts)
+      << "--experts " << o.shape.experts << ": the " << backend << " backend routes 1 to " << kMaxRoutingExperts
       << " experts" << (o.command == "run" ? "; --backend reference takes any count" : "; lower --experts");
 }
 

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "backends/reference/evaluate.h"
-#include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
+#include "runtime/tensor.h"
 
 namespace moeforge {
 

@@ -8,9 +8,9 @@
 #include <limits>
 #include <thread>
 
-#include "backends/reference/host_memory.h"
 #include "dsl/error.h"
 #include "lowering/lower.h"
+#include "runtime/host_memory.h"
 #include "runtime/layer_checks.h"
 
 namespace moeforge::cpu {
@@ -147,8 +147,8 @@ void CpuLayer::route(const RoutingStep &step) {
     softmax_rows(probs, st.shape.tokens, st.shape.experts);
   // The reference's rule (largest first, ties to the lower expert), then the
   // blocked format's tables: the same code the GPU routing is checked with.
-  cuda::HostTopK top = cuda::top_k_on_host(st.shape, probs);
-  st.tables = cuda::route_on_host(st.shape, top.expert, top.gate);
+  HostTopK top = top_k_on_host(st.shape, probs);
+  st.tables = route_on_host(st.shape, top.expert, top.gate);
   st.padded_rows = st.tables.offsets.back();
   if (!step.gate_output.empty()) { // the chosen probabilities, pair order (gate_from_routing)
     std::vector<uint8_t> &gate = tensors_.at(step.gate_output);
@@ -178,12 +178,12 @@ void *CpuLayer::arg(const CpuArg &a) {
     return nullptr; // per call (call())
   case CpuArg::Kind::route: {
     RouteState &st = routes_.at(a.route);
-    cuda::RoutingTables &t = st.tables;
+    RoutingTables &t = st.tables;
     if (a.name == "num_tiles")
       return &t.num_tiles;
     if (a.name == "padded_rows")
       return &st.padded_rows;
-    std::vector<int32_t> *v = cuda::routing_array(t, a.name);
+    std::vector<int32_t> *v = routing_array(t, a.name);
     internal_check(v != nullptr) << "unknown routing array '" << a.name << "'";
     internal_check(!v->empty()) << "routing array '" << a.name << "' of route '" << a.route->name
                                 << "' read before the route ran";
@@ -266,14 +266,14 @@ HostTensor CpuLayer::download(const std::string &func) const {
   auto route = routes_.find(t.route);
   user_check(route != routes_.end() && !route->second.tables.pair_pos.empty())
       << "download(\"" << func << "\") before run(): its rows are in the routing's order, which run() makes";
-  const cuda::RoutingTables &tables = route->second.tables;
+  const RoutingTables &tables = route->second.tables;
   return shapes_.decode(t, bytes, &tables.pair_pos);
 }
 
 int64_t CpuLayer::dropped_pairs(const std::string &route) const {
   for (const auto &[r, st] : routes_)
     if (r->name == route)
-      return cuda::dropped_pairs(st.shape, st.tables);
+      return moeforge::dropped_pairs(st.shape, st.tables);
   user_error << "no route named '" << route << "' in this layer";
 }
 

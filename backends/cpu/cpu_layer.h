@@ -13,11 +13,11 @@
 #include <vector>
 
 #include "backends/cpu/jit.h"
-#include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
 #include "lowering/kernel_program.h"
 #include "runtime/program_shapes.h"
 #include "runtime/routing_host.h"
+#include "runtime/tensor.h"
 #include "schedules/schedule.h"
 
 namespace moeforge::cpu {
@@ -86,8 +86,8 @@ public:
 
 private:
   struct RouteState {
-    cuda::RoutingShape shape;
-    cuda::RoutingTables tables;
+    RoutingShape shape;
+    RoutingTables tables;
     int32_t padded_rows = 0;
   };
   void route(const RoutingStep &step);

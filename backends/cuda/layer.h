@@ -17,11 +17,11 @@
 #include "backends/cuda/nvrtc_compiler.h"
 #include "backends/cuda/routing_kernels.h"
 #include "backends/cuda/stream.h"
-#include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
 #include "lowering/kernel_program.h"
 #include "runtime/memory_plan.h"
 #include "runtime/program_shapes.h"
+#include "runtime/tensor.h"
 #include "schedules/schedule.h"
 
 namespace moeforge::cuda {

@@ -35,8 +35,8 @@
 #include "backends/cuda/device.h"
 #include "backends/cuda/layer.h"
 #include "backends/cuda/training_layer.h"
-#include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
+#include "runtime/tensor.h"
 #include "schedules/schedule.h"
 
 namespace moeforge::cuda {

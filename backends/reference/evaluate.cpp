@@ -10,12 +10,12 @@
 
 #include <Eigen/Dense>
 
-#include "backends/reference/host_memory.h"
 #include "dsl/capacity.h"
 #include "dsl/check.h"
 #include "dsl/error.h"
 #include "dsl/printer.h"
 #include "dsl/visitor.h"
+#include "runtime/host_memory.h"
 
 namespace moeforge {
 

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "backends/reference/host_tensor.h"
 #include "dsl/pipeline.h"
+#include "runtime/tensor.h"
 
 namespace moeforge {
 

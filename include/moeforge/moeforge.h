@@ -22,7 +22,7 @@
 
 // The Eigen reference: evaluate(pipeline, inputs), host tensors, error metrics.
 #include "backends/reference/evaluate.h"
-#include "backends/reference/host_tensor.h"
+#include "runtime/tensor.h"
 
 // Lowering: algebra + schedule -> kernel program (lower, lower_training).
 #include "lowering/lower.h"

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/reference/host_tensor.h"
+#include "runtime/tensor.h"
 
 namespace moeforge::python {
 

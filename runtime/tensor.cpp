@@ -1,11 +1,11 @@
-#include "backends/reference/host_tensor.h"
+#include "runtime/tensor.h"
 
 #include <cmath>
 #include <cstring>
 
-#include "backends/reference/host_memory.h"
-#include "backends/reference/host_parallel.h"
 #include "dsl/error.h"
+#include "runtime/host_memory.h"
+#include "runtime/parallel.h"
 
 namespace moeforge {
 

@@ -1,4 +1,4 @@
-#include "backends/reference/host_memory.h"
+#include "runtime/host_memory.h"
 
 #include <sys/resource.h>
 

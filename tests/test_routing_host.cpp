@@ -14,7 +14,7 @@
 #include "examples/examples.h"
 #include "runtime/routing_host.h"
 
-using namespace moeforge::cuda;
+using namespace moeforge;
 
 namespace {
 
@@ -45,7 +45,7 @@ std::vector<int32_t> random_experts(const RoutingShape &s, std::mt19937 &rng) {
 
 } // namespace
 
-TEST_CASE("cuda: routing oracle on a worked example") {
+TEST_CASE("routing oracle on a worked example") {
   RoutingShape s{3, 3, 1, 2}; // T=3 E=3 k=1 block=2
   RoutingTables t = route_on_host(s, {2, 0, 2});
   CHECK(t.counts == std::vector<int32_t>{1, 0, 2});
@@ -61,7 +61,7 @@ TEST_CASE("cuda: routing oracle on a worked example") {
   CHECK(verify_routing_tables(s, t).empty());
 }
 
-TEST_CASE("cuda: routing tiles come pair-aligned") {
+TEST_CASE("routing tiles come pair-aligned") {
   // n = (3, 2, 1) tiles per expert (bs = 2): e0's pair, e1's pair, then the
   // tails of e0 and e2 together; tiles 2m, 2m + 1 are one expert's or two tails.
   RoutingShape s{10, 3, 1, 2};
@@ -85,7 +85,7 @@ TEST_CASE("cuda: routing tiles come pair-aligned") {
   CHECK(!verify_routing_tables(s, t).empty());
 }
 
-TEST_CASE("cuda: the pair-aligned tile order from the tile counts alone") {
+TEST_CASE("routing: the pair-aligned tile order from the tile counts alone") {
   // n = (3, 2, 1): e0's pair, e1's pair, the tails of e0 and e2.
   std::vector<TileSlot> order = pair_aligned_tiles({3, 2, 1});
   std::vector<int32_t> experts, index;
@@ -117,7 +117,7 @@ TEST_CASE("cuda: the pair-aligned tile order from the tile counts alone") {
   }
 }
 
-TEST_CASE("cuda: routing oracle on the MoE edge cases") {
+TEST_CASE("routing oracle on the MoE edge cases") {
   std::mt19937 rng(7);
   SUBCASE("an expert with no pairs") {
     RoutingShape s{100, 4, 1, 64};
@@ -159,7 +159,7 @@ TEST_CASE("cuda: routing oracle on the MoE edge cases") {
   }
 }
 
-TEST_CASE("cuda: routing oracle sweep over shapes") {
+TEST_CASE("routing oracle sweep over shapes") {
   std::mt19937 rng(11);
   for (int64_t T : {1, 2, 63, 64, 65, 200, 1031})
     for (int E : {1, 2, 7, 64})
@@ -172,7 +172,7 @@ TEST_CASE("cuda: routing oracle sweep over shapes") {
         }
 }
 
-TEST_CASE("cuda: verify_routing_tables finds broken tables") {
+TEST_CASE("routing: verify_routing_tables finds broken tables") {
   RoutingShape s{8, 2, 1, 4};
   std::vector<int32_t> e = {0, 1, 0, 0, 1, 1, 0, 1};
   RoutingTables good = route_on_host(s, e);
@@ -202,7 +202,7 @@ TEST_CASE("cuda: verify_routing_tables finds broken tables") {
   }
 }
 
-TEST_CASE("cuda: routing shape errors name the field") {
+TEST_CASE("routing shape errors name the field") {
   auto message = [](RoutingShape s) {
     try {
       s.check();
@@ -219,7 +219,7 @@ TEST_CASE("cuda: routing shape errors name the field") {
                        moeforge::UserError);
 }
 
-TEST_CASE("cuda: host top-k breaks ties toward the lower expert") {
+TEST_CASE("routing: host top-k breaks ties toward the lower expert") {
   RoutingShape s{2, 5, 3, 64};
   std::vector<float> probs = {0.1f, 0.3f, 0.1f, 0.3f, 0.2f, //
                               0.2f, 0.2f, 0.2f, 0.2f, 0.2f};
@@ -228,7 +228,7 @@ TEST_CASE("cuda: host top-k breaks ties toward the lower expert") {
   CHECK(k.gate == std::vector<float>{0.3f, 0.3f, 0.2f, 0.2f, 0.2f, 0.2f});
 }
 
-TEST_CASE("cuda: host top-k routes exactly like the Eigen reference") {
+TEST_CASE("routing: host top-k routes exactly like the Eigen reference") {
   moeforge::ExampleShape shape;
   shape.tokens = 97;
   shape.experts = 16;

@@ -1,4 +1,4 @@
-// Expert parallelism's row exchange over NCCL (backends/cuda/expert_exchange.h)
+// Expert parallelism's row exchange over NCCL (backends/cuda/parallel/expert_exchange.h)
 // on every GPU of the machine, one thread per rank: the counts' exchange
 // with its one host synchronisation, the dispatch of each rank's routed rows
 // (T * k rows of width d, bf16) to the ranks owning their experts, and their
@@ -15,7 +15,7 @@
 #include <chrono>
 #include <random>
 
-#include "backends/cuda/expert_exchange.h"
+#include "backends/cuda/parallel/expert_exchange.h"
 #include "benchmarks/moe_shapes.h"
 
 using namespace moeforge;

@@ -1,4 +1,4 @@
-// The expert-parallel training step (backends/cuda/expert_parallel_layer.h)
+// The expert-parallel training step (backends/cuda/parallel/expert_parallel_layer.h)
 // on R GPUs of the machine, R = 1 and 2: each rank trains on the shape's
 // token count of its own (weak scaling), the experts spread E / R a rank,
 // under the training schedule of issue #16's table (tuned_wide, storing).
@@ -31,7 +31,7 @@
 #include <random>
 #include <tuple>
 
-#include "backends/cuda/expert_parallel_layer.h"
+#include "backends/cuda/parallel/expert_parallel_layer.h"
 #include "benchmarks/moe_shapes.h"
 #include "benchmarks/train_schedule.h"
 #include "examples/biased_moe.h"

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/cuda/layer.h"
+#include "backends/cuda/runtime/layer.h"
 #include "benchmarks/clock_counters.h"
 #include "benchmarks/dense_roof.h"
 #include "benchmarks/moe_shapes.h"

@@ -19,7 +19,7 @@
 #include <random>
 #include <string>
 
-#include "backends/cuda/training_layer.h"
+#include "backends/cuda/runtime/training_layer.h"
 #include "benchmarks/clock_counters.h"
 #include "benchmarks/dense_roof.h"
 #include "benchmarks/moe_shapes.h"

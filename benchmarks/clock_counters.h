@@ -1,5 +1,5 @@
 // The card's clocks as Google Benchmark counters, for every benchmark that
-// times the GPU against a roof (backends/cuda/device_clocks.h says why they are read).
+// times the GPU against a roof (backends/cuda/runtime/device_clocks.h says why they are read).
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -8,8 +8,8 @@
 #include <memory>
 #include <string>
 
-#include "backends/cuda/device.h"
-#include "backends/cuda/device_clocks.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/device_clocks.h"
 
 namespace moeforge::bench {
 

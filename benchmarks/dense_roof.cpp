@@ -1,7 +1,7 @@
 #include "benchmarks/dense_roof.h"
 
-#include "backends/cuda/cublas_gemm.h"
-#include "backends/cuda/device.h"
+#include "backends/cuda/runtime/cublas_gemm.h"
+#include "backends/cuda/runtime/device.h"
 #include "dsl/error.h"
 
 #include <algorithm>

@@ -9,7 +9,7 @@
 //             dX[Tk, d]  = dH1 W1^T                 dW1[d, f1] = X^T dH1
 //
 // f1 = 2f for SwiGLU (W1 and W3 side by side), f otherwise. bf16 operands and
-// outputs, fp32 accumulation (backends/cuda/cublas_gemm.h). No gather,
+// outputs, fp32 accumulation (backends/cuda/runtime/cublas_gemm.h). No gather,
 // activation, gate or combine is in the roof. Inputs are random bf16 in
 // [-1, 1), as our layers' are: a tensor core's power, so the clock an SM
 // holds under a long GEMM, depends on the operands' bits, and inputs of 1.0
@@ -24,8 +24,8 @@
 // forward + backward: about 4 GiB) and frees them before returning.
 #pragma once
 
-#include "backends/cuda/device_clocks.h"
-#include "backends/cuda/stream.h"
+#include "backends/cuda/runtime/device_clocks.h"
+#include "backends/cuda/runtime/stream.h"
 
 #include <cstdint>
 #include <functional>

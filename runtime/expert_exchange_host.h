@@ -1,7 +1,7 @@
 // Expert parallelism's row exchange on the host: where each routed row goes
 // and comes back, for ranks emulated in one process (a loopback exchange).
 // The CPU backend's expert-parallel runs and the tests' oracles use it; the
-// device exchange (backends/cuda/expert_exchange.h) moves rows in the same
+// device exchange (backends/cuda/parallel/expert_exchange.h) moves rows in the same
 // order.
 //
 // Rank q owns experts q E/R .. (q+1) E/R - 1. A rank receives, source rank by

@@ -144,7 +144,7 @@ public:
   // Expert parallelism: the experts spread over `ranks` GPUs (E / ranks
   // each, ranks dividing E), each GPU routing its own tokens and moving the
   // routed rows to their expert's GPU and back over NCCL
-  // (lowering/expert_parallel_split.h, backends/cuda/expert_parallel_layer.h).
+  // (lowering/expert_parallel_split.h, backends/cuda/parallel/expert_parallel_layer.h).
   // 1, the default: one GPU. A layer whose schedule spreads its experts is
   // compiled by the expert-parallel entry point, not as one layer.
   Schedule &expert_parallel(int ranks);

@@ -2,9 +2,9 @@
 // outputs poisoned first, against the float64 reference.
 #pragma once
 
-#include "backends/cuda/device.h"
-#include "backends/cuda/layer.h"
-#include "backends/cuda/stream.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/layer.h"
+#include "backends/cuda/runtime/stream.h"
 #include "layer_compare.h"
 
 namespace moeforge::testing {

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "backends/cuda/layer.h"
+#include "backends/cuda/runtime/layer.h"
 
 namespace moeforge::testing {
 

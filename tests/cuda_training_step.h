@@ -4,9 +4,9 @@
 // training algebra (training_compare.h; under the schedule's capacity).
 #pragma once
 
-#include "backends/cuda/device.h"
-#include "backends/cuda/stream.h"
-#include "backends/cuda/training_layer.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/stream.h"
+#include "backends/cuda/runtime/training_layer.h"
 #include "training_compare.h"
 
 namespace moeforge::testing {

@@ -14,7 +14,7 @@
 
 #include <string>
 
-#include "backends/cuda/driver.h"
+#include "backends/cuda/runtime/driver.h"
 
 #define MOEFORGE_REQUIRE_GPU()                                                                                         \
   do {                                                                                                                 \

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "atomic_combine_test.h"
-#include "backends/cuda/codegen_cuda.h"
+#include "backends/cuda/codegen/codegen_cuda.h"
 #include "cuda_forward_compare.h"
 #include "cuda_resources.h"
 #include "cuda_training_step.h"

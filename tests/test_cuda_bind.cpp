@@ -13,7 +13,7 @@
 #include <random>
 #include <string>
 
-#include "backends/cuda/training_layer.h"
+#include "backends/cuda/runtime/training_layer.h"
 #include "benchmarks/train_schedule.h"
 #include "gpu_test.h"
 #include "layer_compare.h"

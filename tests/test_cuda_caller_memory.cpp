@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/cuda/training_layer.h"
+#include "backends/cuda/runtime/training_layer.h"
 #include "gpu_test.h"
 #include "runtime/memory_plan.h"
 #include "runtime/program_shapes.h"

@@ -7,11 +7,11 @@
 
 #include <random>
 
-#include "backends/cuda/device.h"
-#include "backends/cuda/layer.h"
-#include "backends/cuda/routing_kernels.h"
-#include "backends/cuda/stream.h"
-#include "backends/cuda/training_layer.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/layer.h"
+#include "backends/cuda/runtime/routing_kernels.h"
+#include "backends/cuda/runtime/stream.h"
+#include "backends/cuda/runtime/training_layer.h"
 #include "cuda_resources.h"
 #include "cuda_training_step.h"
 #include "examples/examples.h"

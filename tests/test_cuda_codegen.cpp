@@ -12,8 +12,8 @@
 #include "source_files.h"
 #include "whole_gradient.h"
 
-#include "backends/cuda/layer.h"
-#include "backends/cuda/training_layer.h"
+#include "backends/cuda/runtime/layer.h"
+#include "backends/cuda/runtime/training_layer.h"
 #include "benchmarks/train_schedule.h"
 #include "dsl/printer.h"
 #include "examples/aux_loss_example.h"

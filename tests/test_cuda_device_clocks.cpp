@@ -9,8 +9,8 @@
 #include <string>
 #include <thread>
 
-#include "backends/cuda/device.h"
-#include "backends/cuda/device_clocks.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/device_clocks.h"
 #include "tests/gpu_test.h"
 
 using namespace moeforge;

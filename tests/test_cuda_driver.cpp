@@ -9,9 +9,9 @@
 #include <filesystem>
 #include <string>
 
-#include "backends/cuda/cublas_gemm.h"
-#include "backends/cuda/driver.h"
-#include "backends/cuda/nvrtc_compiler.h"
+#include "backends/cuda/codegen/nvrtc_compiler.h"
+#include "backends/cuda/runtime/cublas_gemm.h"
+#include "backends/cuda/runtime/driver.h"
 
 using namespace moeforge;
 using namespace moeforge::cuda;

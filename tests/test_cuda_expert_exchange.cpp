@@ -1,4 +1,4 @@
-// Expert parallelism's row exchange (backends/cuda/expert_exchange.h): the
+// Expert parallelism's row exchange (backends/cuda/parallel/expert_exchange.h): the
 // placement of experts on ranks and the sizes of an exchange on the host;
 // on GPUs, routed rows dispatched to the rank owning their expert over NCCL
 // and given back to where they came from, on one rank and on two.
@@ -10,7 +10,7 @@
 #include <exception>
 #include <random>
 
-#include "backends/cuda/expert_exchange.h"
+#include "backends/cuda/parallel/expert_exchange.h"
 #include "gpu_test.h"
 #include "user_error.h"
 

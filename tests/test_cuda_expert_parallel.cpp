@@ -1,4 +1,4 @@
-// The expert-parallel layer (backends/cuda/expert_parallel_layer.h): both
+// The expert-parallel layer (backends/cuda/parallel/expert_parallel_layer.h): both
 // sides compile for sm_90a through NVRTC without a GPU; on GPUs, one rank and
 // two ranks train a step whose output and every gradient match the float64
 // reference of the unsplit layer over all ranks' tokens (the router's
@@ -11,8 +11,8 @@
 #include <cmath>
 #include <random>
 
-#include "backends/cuda/expert_parallel_layer.h"
-#include "backends/cuda/nccl.h"
+#include "backends/cuda/parallel/expert_parallel_layer.h"
+#include "backends/cuda/parallel/nccl.h"
 #include "benchmarks/train_schedule.h"
 #include "cuda_resources.h"
 #include "dsl/training.h"

@@ -8,7 +8,7 @@
 #include "cuda_resources.h"
 #include "layer_compare.h"
 
-#include "backends/cuda/codegen_cuda.h"
+#include "backends/cuda/codegen/codegen_cuda.h"
 #include "benchmarks/train_schedule.h"
 #include "dsl/error.h"
 #include "examples/examples.h"

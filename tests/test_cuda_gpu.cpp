@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
-#include "backends/cuda/cublas_gemm.h"
-#include "backends/cuda/device.h"
-#include "backends/cuda/module.h"
-#include "backends/cuda/nvrtc_compiler.h"
-#include "backends/cuda/routing_kernels.h"
-#include "backends/cuda/stream.h"
+#include "backends/cuda/codegen/nvrtc_compiler.h"
+#include "backends/cuda/runtime/cublas_gemm.h"
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/module.h"
+#include "backends/cuda/runtime/routing_kernels.h"
+#include "backends/cuda/runtime/stream.h"
 #include "tests/gpu_test.h"
 
 using namespace moeforge;

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "backends/cuda/layer.h"
+#include "backends/cuda/runtime/layer.h"
 #include "backends/reference/evaluate.h"
 #include "cuda_forward_compare.h"
 #include "dsl/error.h"

@@ -12,11 +12,11 @@
 #include <fstream>
 #include <string>
 
-#include "backends/cuda/compile_cache.h"
-#include "backends/cuda/nvrtc_compiler.h"
-#include "backends/cuda/ptxas_report.h"
-#include "backends/cuda/routing_kernels.h"
-#include "backends/cuda/tile_library.h"
+#include "backends/cuda/codegen/compile_cache.h"
+#include "backends/cuda/codegen/nvrtc_compiler.h"
+#include "backends/cuda/codegen/ptxas_report.h"
+#include "backends/cuda/codegen/tile_library.h"
+#include "backends/cuda/runtime/routing_kernels.h"
 
 using namespace moeforge;
 using namespace moeforge::cuda;

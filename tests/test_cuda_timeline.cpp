@@ -7,8 +7,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "backends/cuda/layer.h"
-#include "backends/cuda/timeline.h"
+#include "backends/cuda/runtime/layer.h"
+#include "backends/cuda/runtime/timeline.h"
 #include "cuda_resources.h"
 #include "examples/examples.h"
 #include "gpu_test.h"

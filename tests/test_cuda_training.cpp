@@ -9,7 +9,7 @@
 
 #include <random>
 
-#include "backends/cuda/training_layer.h"
+#include "backends/cuda/runtime/training_layer.h"
 #include "benchmarks/train_schedule.h"
 #include "cuda_resources.h"
 #include "cuda_training_step.h"

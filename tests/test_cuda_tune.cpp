@@ -1,5 +1,5 @@
 // The autotuner's parts that need no GPU: the search space and its pruning
-// (backends/cuda/tune_space.h), the parallel compile of candidates, the
+// (backends/cuda/tune/tune_space.h), the parallel compile of candidates, the
 // tuned-schedule cache (tune_cache.h) and
 // the CLI's `tune` where there is no GPU. The timed search runs on the device
 // (scripts/device_run.sh's tune step).
@@ -11,9 +11,9 @@
 
 #include "layer_compare.h"
 
-#include "backends/cuda/tune_cache.h"
-#include "backends/cuda/tune_space.h"
-#include "backends/cuda/tuner.h"
+#include "backends/cuda/tune/tune_cache.h"
+#include "backends/cuda/tune/tune_space.h"
+#include "backends/cuda/tune/tuner.h"
 #include "dsl/error.h"
 #include "examples/examples.h"
 #include "lowering/gemm_plan.h"

@@ -8,7 +8,7 @@
 
 #include <string>
 
-#include "backends/cuda/training_layer.h"
+#include "backends/cuda/runtime/training_layer.h"
 #include "benchmarks/train_schedule.h"
 #include "examples/biased_moe.h"
 #include "examples/examples.h"

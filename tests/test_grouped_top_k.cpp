@@ -26,7 +26,7 @@
 #include "cpu_compare.h"
 #endif
 #ifdef MOEFORGE_HAVE_CUDA
-#include "backends/cuda/training_layer.h"
+#include "backends/cuda/runtime/training_layer.h"
 #include "cuda_resources.h"
 #include "layer_compare.h"
 #endif

@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "backends/cuda/codegen_cuda.h"
+#include "backends/cuda/codegen/codegen_cuda.h"
 #include "examples/examples.h"
 #include "layer_compare.h"
 #include "lowering/default_schedule.h"

@@ -27,8 +27,8 @@
 #include "cpu_compare.h"
 #endif
 #ifdef MOEFORGE_HAVE_CUDA
-#include "backends/cuda/layer.h"
-#include "backends/cuda/routing_kernels.h"
+#include "backends/cuda/runtime/layer.h"
+#include "backends/cuda/runtime/routing_kernels.h"
 #include "gpu_test.h"
 #endif
 

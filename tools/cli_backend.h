@@ -93,7 +93,7 @@ BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const Te
 BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
                                  const Schedule &schedule);
 // `train --ranks N` (a schedule with expert_parallel(N)): one training step
-// with the experts spread over GPUs 0..N-1 of this machine (backends/cuda/expert_parallel_layer.h), each rank
+// with the experts spread over GPUs 0..N-1 of this machine (backends/cuda/parallel/expert_parallel_layer.h), each rank
 // training on its share of the tokens. The values are assembled as the
 // unsplit layer's (outputs and token gradients in token order, each
 // expert's gradient from its owner, the replicated weights' gradients
@@ -109,7 +109,7 @@ std::string cli_cuda_source(const Example &ex, const Schedule &schedule, bool tr
 // Each GEMM's plan on the CUDA backend (gemm_plan.h): of the forward, or
 // with `training` of the training step's forward and backward.
 std::string cli_cuda_plans(const Example &ex, const Schedule &schedule, bool training);
-// `moeforge tune`: the search on the GPU (backends/cuda/tuner.h), its winner
+// `moeforge tune`: the search on the GPU (backends/cuda/tune/tuner.h), its winner
 // stored in the tuned-schedule cache.
 struct TuneOutcome {
   std::string device, best_text, cached; // cached: the entry's path, empty when not written

@@ -4,16 +4,16 @@
 #include <filesystem>
 #include <sstream>
 
-#include "backends/cuda/codegen_cuda.h"
-#include "backends/cuda/compile_cache.h"
+#include "backends/cuda/codegen/codegen_cuda.h"
+#include "backends/cuda/codegen/compile_cache.h"
 #if MOEFORGE_HAVE_NCCL
-#include "backends/cuda/expert_parallel_layer.h"
+#include "backends/cuda/parallel/expert_parallel_layer.h"
 #endif
-#include "backends/cuda/layer.h"
-#include "backends/cuda/nvrtc_compiler.h"
-#include "backends/cuda/training_layer.h"
-#include "backends/cuda/tune_cache.h"
-#include "backends/cuda/tuner.h"
+#include "backends/cuda/codegen/nvrtc_compiler.h"
+#include "backends/cuda/runtime/layer.h"
+#include "backends/cuda/runtime/training_layer.h"
+#include "backends/cuda/tune/tune_cache.h"
+#include "backends/cuda/tune/tuner.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"

@@ -36,6 +36,6 @@
 
 #ifdef MOEFORGE_HAVE_CUDA
 // The CUDA backend: cuda::compile_layer, cuda::CudaLayer, cuda::TrainingLayer.
-#include "backends/cuda/layer.h"
-#include "backends/cuda/training_layer.h"
+#include "backends/cuda/runtime/layer.h"
+#include "backends/cuda/runtime/training_layer.h"
 #endif

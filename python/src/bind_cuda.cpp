@@ -20,10 +20,10 @@
 #include <mutex>
 #include <optional>
 
-#include "backends/cuda/compile_cache.h"
-#include "backends/cuda/driver.h"
-#include "backends/cuda/training_layer.h"
-#include "backends/cuda/tune_cache.h"
+#include "backends/cuda/codegen/compile_cache.h"
+#include "backends/cuda/runtime/driver.h"
+#include "backends/cuda/runtime/training_layer.h"
+#include "backends/cuda/tune/tune_cache.h"
 #include "dsl/error.h"
 #include "tensors.h"
 #include "training_names.h"

@@ -1,0 +1,53 @@
+#include "backends/cuda/codegen/tile_library.h"
+
+#include <sstream>
+
+#include "backends/cuda/device/tiles_cuh.h"
+#include "dsl/error.h"
+
+namespace moeforge {
+
+namespace {
+
+// wgmma.mma_async m64nNk16 with N/2 fp32 accumulators per thread: the operand
+// list is too long to write by hand, so it is generated once per N.
+// trans_b: 1 for B stored N-major in shared memory (B[K, N] in global), 0
+// for K-major (B stored [N, K]: a transposed operand read as it is).
+// trans_a: 1 for A stored M-major in shared memory (an expert reduction's
+// A, whose rows are the reduced index).
+std::string wgmma_instance(int n, int trans_b, int trans_a = 0) {
+  const int regs = n / 2;
+  std::ostringstream s;
+  s << "template <> struct Wgmma<" << n << ", " << trans_b << ", " << trans_a << "> {\n"
+    << "  __device__ static __forceinline__ void mma(float (&d)[" << regs
+    << "], unsigned long long da, unsigned long long db) {\n"
+    << "    asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n"
+    << "                 \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32.bf16.bf16 {";
+  for (int i = 0; i < regs; ++i)
+    s << (i ? ", " : "") << "%" << i;
+  s << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, " << trans_a << ", " << trans_b
+    << ";\\n}\\n\"\n                 : ";
+  for (int i = 0; i < regs; ++i)
+    s << (i ? ", " : "") << "\"+f\"(d[" << i << "])";
+  s << "\n                 : \"l\"(da), \"l\"(db));\n  }\n};\n";
+  return s.str();
+}
+
+} // namespace
+
+const std::string &tile_library_source() {
+  static const std::string source = [] {
+    std::string t = kTileLibraryTemplate;
+    std::string instances;
+    for (int n : {64, 128, 256})
+      instances += wgmma_instance(n, 1) + wgmma_instance(n, 0) + wgmma_instance(n, 1, 1);
+    const std::string marker = "// MOEFORGE_WGMMA_INSTANCES\n";
+    const size_t at = t.find(marker);
+    internal_check(at != std::string::npos) << "tiles.cuh has no line '" << marker << "'";
+    t.replace(at, marker.size(), instances);
+    return t;
+  }();
+  return source;
+}
+
+} // namespace moeforge

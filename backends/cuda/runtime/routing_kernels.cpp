@@ -1,0 +1,312 @@
+#include "backends/cuda/runtime/routing_kernels.h"
+
+#include "backends/cuda/device/routing_kernels_cuh.h"
+#include "dsl/error.h"
+
+#include <algorithm>
+#include <climits>
+
+namespace moeforge::cuda {
+
+namespace {
+// The top-k kernels (MF_TOPK_KERNEL in device/routing_kernels.cuh): each routes
+// rows of up to 32 * cols experts with `group` lanes per token, so a lane
+// holds 32 / group * cols probabilities and a block routes
+// kRoutingTopkThreads / group tokens at a time: 16 per lane amortise the group's
+// shuffles; above 128 experts, a warp per token (8 per lane) spreads the
+// long argmax rounds of large rows over more warps.
+struct TopkKernel {
+  const char *name;
+  int cols, group;
+};
+constexpr TopkKernel kTopkKernels[] = {
+    {"moe_topk_e32", 1, 4}, {"moe_topk_e64", 2, 4}, {"moe_topk_e128", 4, 8}, {"moe_topk_e256", 8, 32}};
+constexpr int kTopkKernelCount = sizeof(kTopkKernels) / sizeof(kTopkKernels[0]);
+
+int topk_index(int experts) {
+  int i = 0;
+  while (i + 1 < kTopkKernelCount && 32 * kTopkKernels[i].cols < experts)
+    ++i;
+  return i;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+} // namespace
+
+const std::vector<std::string> &routing_kernel_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const TopkKernel &k : kTopkKernels)
+      n.push_back(k.name);
+    n.push_back("moe_chunk_histogram");
+    n.push_back("moe_scan_scatter");
+    n.push_back("moe_capacity_keep");
+    return n;
+  }();
+  return names;
+}
+
+const std::string &routing_topk_kernel(int experts) { return routing_kernel_names().at(topk_index(experts)); }
+
+int64_t routing_chunk_pairs(const RoutingShape &shape) {
+  shape.check();
+  const int64_t target = std::clamp<int64_t>(kRoutingMaxChunkCounts / shape.experts, 1, kRoutingTargetChunks);
+  return std::max<int64_t>(1, ceil_div(ceil_div(shape.pairs(), target), kRoutingChunkQuantum)) * kRoutingChunkQuantum;
+}
+
+int64_t routing_topk_tokens_per_pass(int experts) {
+  return kRoutingTopkThreads / kTopkKernels[topk_index(experts)].group;
+}
+
+bool routing_fuses_counts(const RoutingShape &shape) {
+  const int64_t chunk = routing_chunk_pairs(shape), k = shape.k;
+  // The most tokens a chunk's pairs belong to: two more when k does not
+  // divide the chunk, for the tokens straddling its ends.
+  const int64_t tokens = chunk / k + (chunk % k ? 2 : 0);
+  const int64_t passes = ceil_div(tokens, routing_topk_tokens_per_pass(shape.experts));
+  return passes == 1 || passes * k <= kRoutingFusedRounds;
+}
+
+const char *routing_kernels_source() {
+  static const std::string source = [] {
+    std::string s = kRoutingKernelsSource;
+    for (const TopkKernel &k : kTopkKernels)
+      s += "MF_TOPK_KERNEL(" + std::string(k.name) + ", " + std::to_string(k.group) + ", " + std::to_string(k.cols) +
+           ")\n";
+    return s;
+  }();
+  return source.c_str();
+}
+
+CompileOptions routing_compile_options(const std::string &arch) {
+  CompileOptions o;
+  o.arch = arch;
+  o.extra_options = {"-DMF_THREADS=" + std::to_string(kRoutingThreads),
+                     "-DMF_TOPK_THREADS=" + std::to_string(kRoutingTopkThreads),
+                     "-DMF_MAX_EXPERTS=" + std::to_string(kMaxRoutingExperts),
+                     "-DMF_CAPACITY_THREADS=" + std::to_string(kCapacityThreads)};
+  return o;
+}
+
+CompileResult compile_routing_kernels(const std::string &arch) {
+  return compile_cuda(routing_kernels_source(), "routing_kernels.cu", routing_compile_options(arch));
+}
+
+namespace {
+size_t i32(int64_t n) { return static_cast<size_t>(n) * sizeof(int32_t); }
+// Ints per row of chunk_counts: as count_stride() in device/routing_kernels.cuh.
+int64_t count_stride(int experts) {
+  int64_t stride = 32;
+  while (stride < experts)
+    stride *= 2;
+  return stride;
+}
+} // namespace
+
+void RoutingPlan::set_shape(const RoutingShape &s) {
+  s.check();
+  shape = s;
+  chunk = routing_chunk_pairs(s);
+  chunks = ceil_div(s.pairs(), chunk);
+  fused = routing_fuses_counts(s) && !s.drops();
+  topk_chunk = fused ? chunk : routing_topk_tokens_per_pass(s.experts) * s.k;
+}
+
+std::vector<std::pair<DeviceBuffer *, size_t>> RoutingPlan::arrays() {
+  const RoutingShape &s = shape;
+  return {{&expert, i32(s.pairs())},
+          {&gate, i32(s.pairs())},
+          {&counts, i32(s.experts)},
+          {&offsets, i32(s.experts + 1)},
+          {&offsets_unpadded, i32(s.experts + 1)},
+          {&pair_pos, i32(s.pairs())},
+          {&sorted_pair, i32(s.max_padded_rows())},
+          {&tile_expert, i32(s.max_tiles())},
+          {&tile_row_start, i32(s.max_tiles())},
+          {&tile_rows, i32(s.max_tiles())},
+          {&num_tiles, i32(1)},
+          {&chunk_counts, i32(chunks * count_stride(s.experts))},
+          {&placed, i32(s.drops() ? s.pairs() : 0)}};
+}
+
+RoutingPlan::RoutingPlan(const RoutingShape &s) {
+  set_shape(s);
+  for (auto [buffer, bytes] : arrays())
+    *buffer = DeviceBuffer(bytes);
+}
+
+RoutingPlan RoutingPlan::unplaced(const RoutingShape &s) {
+  RoutingPlan plan;
+  plan.resize(s);
+  return plan;
+}
+
+namespace {
+constexpr size_t kTableAlignment = 256;
+size_t align_up(size_t n) { return (n + kTableAlignment - 1) / kTableAlignment * kTableAlignment; }
+} // namespace
+
+size_t RoutingPlan::table_bytes(const RoutingShape &s) {
+  RoutingPlan sizes;
+  sizes.set_shape(s);
+  size_t total = 0;
+  for (auto [buffer, bytes] : sizes.arrays())
+    total += align_up(bytes);
+  return total;
+}
+
+void RoutingPlan::resize(const RoutingShape &s) {
+  set_shape(s);
+  place(0);
+}
+
+void RoutingPlan::place(CUdeviceptr tables) {
+  size_t at = 0;
+  for (auto [buffer, bytes] : arrays()) {
+    internal_check(buffer->ptr() == 0 || !buffer->owned()) << "a routing plan with tables of its own placed elsewhere";
+    *buffer = DeviceBuffer::view(tables ? tables + at : 0, bytes);
+    at += align_up(bytes);
+  }
+}
+
+void RoutingPlan::reshape(const RoutingShape &s) {
+  internal_check(s.experts == shape.experts && s.k == shape.k && !s.drops() && !shape.drops())
+      << "a routing plan reshaped to other experts, k or capacity";
+  auto fits = [](const DeviceBuffer &b, int64_t n) { return static_cast<int64_t>(b.bytes() / 4) >= n; };
+  internal_check(fits(expert, s.pairs()) && fits(sorted_pair, s.max_padded_rows()) && fits(tile_expert, s.max_tiles()))
+      << "a routing plan reshaped to more pairs than it holds";
+  set_shape(s);
+  if (!fits(chunk_counts, chunks * count_stride(s.experts)))
+    chunk_counts = DeviceBuffer(i32(chunks * count_stride(s.experts)));
+}
+
+void RoutingPlan::poison(uint32_t pattern, bool including_expert) {
+  for (DeviceBuffer *b : {&gate, &counts, &offsets, &offsets_unpadded, &pair_pos, &sorted_pair, &tile_expert,
+                          &tile_row_start, &tile_rows, &num_tiles, &chunk_counts})
+    b->fill32(pattern);
+  if (including_expert)
+    expert.fill32(pattern);
+}
+
+RoutingTables RoutingPlan::download() const {
+  RoutingTables t;
+  t.expert = expert.download<int32_t>();
+  t.counts = counts.download<int32_t>();
+  t.offsets = offsets.download<int32_t>();
+  t.offsets_unpadded = offsets_unpadded.download<int32_t>();
+  t.pair_pos = pair_pos.download<int32_t>();
+  t.sorted_pair = sorted_pair.download<int32_t>();
+  t.tile_expert = tile_expert.download<int32_t>();
+  t.tile_row_start = tile_row_start.download<int32_t>();
+  t.tile_rows = tile_rows.download<int32_t>();
+  t.num_tiles = num_tiles.download<int32_t>()[0];
+  return t;
+}
+
+std::vector<float> RoutingPlan::download_gate() const { return gate.download<float>(); }
+
+DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routing_kernels(arch)) {
+  module_ = Module(compiled_.cubin, "routing_kernels");
+  for (int i = 0; i < kTopkKernelCount; ++i)
+    topk_[i] = module_.kernel(kTopkKernels[i].name);
+  histogram_ = module_.kernel("moe_chunk_histogram");
+  grouped_ = module_.kernel("moe_topk_grouped");
+  scan_scatter_ = module_.kernel("moe_scan_scatter");
+  capacity_keep_ = module_.kernel("moe_capacity_keep");
+}
+
+// Each args[] lists the kernel's parameters in the order of its signature in
+// device/routing_kernels.cuh; all launches share `stream`, which orders them.
+void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax, CUdeviceptr gate,
+                        bool renormalize) const {
+  const RoutingShape &s = plan.shape;
+  internal_check(!renormalize || (gate && !s.drops()))
+      << "renormalised gates go to a gate tensor, and only without a capacity (lower.h, gate_from_routing)";
+  if (s.groups > 1) {
+    // Group-limited: its own top-k kernel, then the counts from the experts.
+    internal_check(!softmax) << "group-limited routing takes scores; lowering leaves the softmax as a step";
+    internal_check(!renormalize) << "group-limited routing does not renormalise; lowering leaves it as steps";
+    if (s.pairs() > 0) {
+      int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, groups = s.groups,
+          top_groups = s.top_groups;
+      void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
+      void *args[] = {&probs, &tokens, &experts, &k, &groups, &top_groups, plan.expert.arg(), gate_arg};
+      grouped_.launch({static_cast<unsigned>(ceil_div(s.tokens, kRoutingThreads))}, {kRoutingThreads}, 0, stream, args);
+    }
+    place(plan, stream, gate);
+    return;
+  }
+  if (s.pairs() > 0) {
+    int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, apply_softmax = softmax ? 1 : 0;
+    int divide = renormalize ? 1 : 0, chunk = static_cast<int>(plan.topk_chunk);
+    CUdeviceptr no_counts = 0;
+    void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
+    void *counts_arg = plan.fused ? plan.chunk_counts.arg() : static_cast<void *>(&no_counts);
+    void *args[] = {&probs,  &tokens, &experts,          &k,       &apply_softmax,
+                    &divide, &chunk,  plan.expert.arg(), gate_arg, counts_arg};
+    const unsigned blocks = static_cast<unsigned>(ceil_div(s.pairs(), plan.topk_chunk));
+    topk_[topk_index(s.experts)].launch({blocks}, {kRoutingTopkThreads}, 0, stream, args);
+  }
+  if (plan.fused) {
+    scan_scatter(plan, stream);
+    return;
+  }
+  place(plan, stream, gate);
+}
+
+void DeviceRouting::run_from_experts(RoutingPlan &plan, const Stream &stream) const { place(plan, stream, 0); }
+
+void DeviceRouting::place(RoutingPlan &plan, const Stream &stream, CUdeviceptr gate) const {
+  const RoutingShape &s = plan.shape;
+  if (s.drops() && s.pairs() > 0) {
+    internal_check(s.capacity <= INT_MAX) << "capacity " << s.capacity << " past int32";
+    int tokens = static_cast<int>(s.tokens), k = s.k, capacity = static_cast<int>(s.capacity);
+    int by_score = s.priority == KeepPriority::score ? 1 : 0;
+    CUdeviceptr score = gate ? gate : plan.gate.ptr();
+    void *args[] = {plan.expert.arg(), &score, &tokens, &k, &capacity, &by_score, plan.placed.arg()};
+    capacity_keep_.launch({static_cast<unsigned>(s.experts)}, {kCapacityThreads}, 0, stream, args);
+  }
+  histogram(plan, stream);
+  scan_scatter(plan, stream);
+}
+
+void DeviceRouting::histogram(RoutingPlan &plan, const Stream &stream) const {
+  if (plan.chunks == 0)
+    return;
+  int pairs = static_cast<int>(plan.shape.pairs()), experts = plan.shape.experts;
+  int chunk = static_cast<int>(plan.chunk);
+  void *ids = plan.shape.drops() ? plan.placed.arg() : plan.expert.arg();
+  void *args[] = {ids, &pairs, &experts, &chunk, plan.chunk_counts.arg()};
+  histogram_.launch({static_cast<unsigned>(plan.chunks)}, {kRoutingThreads}, 0, stream, args);
+}
+
+void DeviceRouting::scan_scatter(RoutingPlan &plan, const Stream &stream) const {
+  const RoutingShape &s = plan.shape;
+  int pairs = static_cast<int>(s.pairs()), experts = s.experts, block = s.block;
+  int chunk = static_cast<int>(plan.chunk), chunks = static_cast<int>(plan.chunks);
+  int max_tiles = static_cast<int>(s.max_tiles()), max_padded_rows = static_cast<int>(s.max_padded_rows());
+  void *args[] = {plan.shape.drops() ? plan.placed.arg() : plan.expert.arg(),
+                  plan.chunk_counts.arg(),
+                  &pairs,
+                  &experts,
+                  &chunk,
+                  &chunks,
+                  &block,
+                  &max_tiles,
+                  &max_padded_rows,
+                  plan.counts.arg(),
+                  plan.offsets.arg(),
+                  plan.offsets_unpadded.arg(),
+                  plan.num_tiles.arg(),
+                  plan.tile_expert.arg(),
+                  plan.tile_row_start.arg(),
+                  plan.tile_rows.arg(),
+                  plan.pair_pos.arg(),
+                  plan.sorted_pair.arg()};
+  // At least one block: with no pairs it still writes the offsets, the
+  // empty tile table and the padding rows.
+  const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, plan.chunks));
+  scan_scatter_.launch({blocks}, {kRoutingThreads}, 0, stream, args);
+}
+
+} // namespace moeforge::cuda

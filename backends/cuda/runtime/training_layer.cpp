@@ -1,0 +1,189 @@
+#include "backends/cuda/runtime/training_layer.h"
+
+#include <algorithm>
+
+#include "dsl/error.h"
+
+namespace moeforge::cuda {
+
+CompiledTraining compile_training(const Pipeline &forward, const std::vector<Func> &outputs, const Schedule &schedule,
+                                  const std::string &arch) {
+  CompiledTraining c;
+  check_vector_alignment(training_algebra(forward, outputs).pipeline); // the gradients' contractions too
+  c.training = lower_training(forward, outputs, schedule);
+  c.layer = compile_program(c.training.program, arch);
+  return c;
+}
+
+CompiledTraining compile_training(const Pipeline &forward, const Func &output, const Schedule &schedule,
+                                  const std::string &arch) {
+  return compile_training(forward, std::vector<Func>{output}, schedule, arch);
+}
+
+TrainingLayer::TrainingLayer(const Device &device, const CompiledTraining &compiled, int64_t tokens, LayerMemory memory)
+    : compiled_(compiled), layer_(device, compiled.layer, tokens, compiled.training.forward_steps, memory),
+      state_(compiled.training) {}
+
+void TrainingLayer::check_memory(bool caller, const char *call) const {
+  if (caller)
+    user_check(layer_.memory() == LayerMemory::caller)
+        << call << " with memory: this layer holds memory of its own; call " << call << "(stream)";
+  else
+    user_check(layer_.memory() == LayerMemory::owned)
+        << call << "(stream): this layer runs on caller memory; call " << call << "(stream, saved, workspace)";
+}
+
+void TrainingLayer::upload(const TensorMap &inputs) {
+  state_.upload_inputs(inputs, [&](const std::string &name, const HostTensor &t) { layer_.upload(name, t); });
+}
+
+void TrainingLayer::upload(const std::string &name, const HostTensor &value) {
+  layer_.upload(name, value);
+  state_.uploaded(name);
+}
+
+void TrainingLayer::upload_repeated(const std::string &name, const HostTensor &pattern) {
+  layer_.upload_repeated(name, pattern);
+  state_.uploaded(name);
+}
+
+void TrainingLayer::upload_upstream_gradient(const std::string &output, const HostTensor &grad) {
+  layer_.upload(state_.upstream_gradient_of(output), grad);
+}
+
+void TrainingLayer::upload_upstream_gradient(const HostTensor &grad) {
+  upload_upstream_gradient(compiled_.training.output, grad);
+}
+
+void TrainingLayer::copy_in(const std::string &name, CUdeviceptr src, size_t bytes, const Stream &stream) {
+  layer_.copy_in(name, src, bytes, stream);
+  state_.uploaded(name);
+}
+
+void TrainingLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
+  layer_.bind(name, ptr, bytes);
+  if (const TensorDecl *t = compiled_.training.program.find(name); t && t->is_input)
+    state_.uploaded(name); // new values: a seed counts as given, an input needs a new forward
+}
+
+void TrainingLayer::copy_gradient(const std::string &of, CUdeviceptr dst, size_t bytes, const Stream &stream) const {
+  layer_.copy_out(compiled_.training.gradient_of(of), dst, bytes, stream);
+}
+
+void TrainingLayer::poison() {
+  layer_.poison();
+  state_.poisoned();
+}
+
+void TrainingLayer::run(Replay &r, size_t begin, size_t end, const Stream &stream) {
+  const uint64_t epoch = layer_.signature(begin, end);
+  auto cached = std::find_if(r.graphs.begin(), r.graphs.end(), [&](const auto &g) { return g.first == epoch; });
+  const bool seen = std::find(r.eager_at.begin(), r.eager_at.end(), epoch) != r.eager_at.end();
+  if (!replay_ || is_capturing(stream) || (cached == r.graphs.end() && !seen)) {
+    layer_.enqueue(stream, begin, end);
+    ++counts_.eager;
+    if (!seen) {
+      r.eager_at.push_front(epoch);
+      if (r.eager_at.size() > kGraphsPerEntry)
+        r.eager_at.pop_back();
+    }
+    return;
+  }
+  if (cached == r.graphs.end()) {
+    // Recording runs nothing, so a stream of our own can record what then
+    // replays on the caller's; enqueue's checks run here as they would
+    // eagerly.
+    if (!capture_stream_)
+      capture_stream_ = std::make_unique<Stream>();
+    CudaGraph g = CudaGraph::capture(*capture_stream_, [&] { layer_.enqueue(*capture_stream_, begin, end); });
+    r.graphs.emplace_front(epoch, std::move(g));
+    if (r.graphs.size() > kGraphsPerEntry)
+      r.graphs.pop_back();
+    ++counts_.captured;
+  } else {
+    if (cached != r.graphs.begin())
+      std::rotate(r.graphs.begin(), cached, cached + 1); // most recently used first
+    ++counts_.replayed;
+  }
+  r.graphs.front().second.launch(stream);
+}
+
+void TrainingLayer::forward(const Stream &stream) {
+  check_memory(false, "forward");
+  run(forward_, 0, compiled_.training.forward_steps, stream);
+  state_.forward_ran();
+}
+
+void TrainingLayer::backward(const Stream &stream) {
+  check_memory(false, "backward");
+  state_.check_ready_for_backward();
+  run(backward_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream);
+}
+
+void TrainingLayer::forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace) {
+  check_memory(true, "forward");
+  layer_.place(saved, workspace);
+  run(forward_, 0, compiled_.training.forward_steps, stream);
+  const std::pair<CUdeviceptr, int64_t> mine{saved, layer_.tokens()};
+  // The same memory written again is that forward's now.
+  forwards_.erase(std::remove(forwards_.begin(), forwards_.end(), mine), forwards_.end());
+  spent_.erase(std::remove(spent_.begin(), spent_.end(), mine), spent_.end());
+  forwards_.push_back(mine);
+  if (forwards_.size() > kRecentForwards)
+    forwards_.pop_front();
+}
+
+void TrainingLayer::backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace) {
+  check_memory(true, "backward");
+  const std::pair<CUdeviceptr, int64_t> theirs{saved, layer_.tokens()};
+  auto forward = std::find(forwards_.begin(), forwards_.end(), theirs);
+  user_check(forward != forwards_.end() || std::find(spent_.begin(), spent_.end(), theirs) == spent_.end())
+      << compiled_.training.one_backward_reason();
+  user_check(forward != forwards_.end())
+      << "backward: no forward at " << layer_.tokens() << " tokens wrote its activations to the saved memory "
+      << "given; give each backward the saved memory of its own forward, at that forward's token count "
+      << "(set_tokens)";
+  // The saved memory is that forward's, whatever was bound since.
+  state_.forward_ran();
+  state_.check_ready_for_backward();
+  layer_.place(saved, workspace);
+  run(backward_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream);
+  if (!compiled_.training.written_over_saved.empty()) { // what the forward saved is gone
+    forwards_.erase(forward);
+    spent_.push_back(theirs);
+    if (spent_.size() > kRecentForwards)
+      spent_.pop_front();
+  }
+}
+
+std::vector<std::pair<std::string, double>> TrainingLayer::profile_forward(const Stream &stream) {
+  state_.forward_ran();
+  return layer_.profile(stream, 0, compiled_.training.forward_steps);
+}
+
+std::vector<std::pair<std::string, double>> TrainingLayer::profile_backward(const Stream &stream) {
+  state_.check_ready_for_backward();
+  return layer_.profile(stream, compiled_.training.forward_steps, compiled_.training.program.steps.size());
+}
+
+HostTensor TrainingLayer::download(const std::string &func) const {
+  const auto &over = compiled_.training.written_over_saved;
+  const bool overwritten = std::any_of(over.begin(), over.end(), [&](const auto &o) { return o.second == func; });
+  const std::pair<CUdeviceptr, int64_t> placed{layer_.saved_at(), layer_.tokens()};
+  user_check(!overwritten || std::find(spent_.begin(), spent_.end(), placed) == spent_.end())
+      << "download('" << func << "'): the backward wrote a gradient over it (gradients_over_saved(true)); "
+      << "download it between the forward and the backward";
+  return layer_.download(func);
+}
+
+HostTensor TrainingLayer::output(const std::string &name) const {
+  return layer_.download(compiled_.training.outputs[compiled_.training.output_index(name, "output()")]);
+}
+
+HostTensor TrainingLayer::gradient(const std::string &name) const {
+  return layer_.download(compiled_.training.gradient_of(name));
+}
+
+int64_t TrainingLayer::saved_bytes() const { return moeforge::saved_bytes(compiled_.training, layer_.tokens()); }
+
+} // namespace moeforge::cuda

@@ -1,0 +1,178 @@
+// Training on the GPU: a layer's forward and backward compiled as one
+// training program (lowering/training.h) and bound to device memory, with
+// the two entry points a training loop calls. The forward leaves the
+// activations the backward needs in the layer's buffers; the backward reads
+// them and the upstream gradients (one per output: the layer's and, with
+// auxiliary losses, each loss's) and writes every Input's and Param's
+// gradient. Neither synchronises with the host, so both can be captured in a
+// CUDA graph.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backends/cuda/runtime/layer.h"
+#include "backends/cuda/runtime/stream.h"
+#include "lowering/training.h"
+#include "runtime/training_state.h"
+
+namespace moeforge::cuda {
+
+struct CompiledTraining {
+  TrainingProgram training;
+  CompiledLayer layer; // layer.program is training.program
+};
+
+// Lowers (forward outputs `outputs` of `forward`) for training under
+// `schedule`, generates and compiles it. Works without a GPU.
+CompiledTraining compile_training(const Pipeline &forward, const std::vector<Func> &outputs, const Schedule &schedule,
+                                  const std::string &arch = "sm_90a");
+// One output: compile_training(forward, {output}, schedule, arch).
+CompiledTraining compile_training(const Pipeline &forward, const Func &output, const Schedule &schedule,
+                                  const std::string &arch = "sm_90a");
+
+class TrainingLayer {
+public:
+  // `compiled` must outlive the layer. With LayerMemory::caller the layer
+  // holds no memory: each forward is given the memory for what it saves
+  // and a workspace, and its backward the same saved memory and a
+  // workspace of its own (forward(stream, saved, workspace) below), so any
+  // number of forwards may be in flight, each with its own activations.
+  TrainingLayer(const Device &device, const CompiledTraining &compiled, int64_t tokens,
+                LayerMemory memory = LayerMemory::owned);
+
+  // Every Input and Param of the forward (the upstream gradient is separate).
+  void upload(const TensorMap &inputs);
+  // One of them, the others as they were (the autotuner's skewed routing:
+  // the router's inputs changed, the weights shared).
+  void upload(const std::string &name, const HostTensor &value);
+  // Fills an Input or Param (or an upstream gradient, by its seed's name
+  // "d_y") with `pattern` repeated (benchmarks: realistic values without
+  // gigabytes of host random numbers).
+  void upload_repeated(const std::string &name, const HostTensor &pattern);
+  // The upstream gradient d(loss)/d(output) of forward output `output`
+  // ("y", "lb_loss", ...), shaped like it (a 0-D loss: a 0-D tensor, usually
+  // HostTensor({}, 1.0)). UserError naming the outputs for an unknown one.
+  void upload_upstream_gradient(const std::string &output, const HostTensor &grad);
+  // The first output's (the layer's own, "y").
+  void upload_upstream_gradient(const HostTensor &grad);
+  // Every upstream gradient must be uploaded again before the next backward().
+  void poison();
+  // Device-to-device copies for another framework's tensors (CudaLayer's
+  // copy_in / copy_out: on `stream`, no host synchronisation). copy_in takes
+  // a forward Input or Param, or an upstream gradient by its seed's name
+  // ("d_y"); copy_gradient the gradient of Input or Param `of` ("w1").
+  void copy_in(const std::string &name, CUdeviceptr src, size_t bytes, const Stream &stream);
+  void copy_out(const std::string &name, CUdeviceptr dst, size_t bytes, const Stream &stream) const {
+    layer_.copy_out(name, dst, bytes, stream);
+  }
+  void copy_gradient(const std::string &of, CUdeviceptr dst, size_t bytes, const Stream &stream) const;
+  // CudaLayer::bind, for a forward Input or Param, an upstream gradient (by
+  // its seed's name), an output, or the gradient of Input or Param `of`.
+  void bind(const std::string &name, CUdeviceptr ptr, size_t bytes);
+  void bind_gradient(const std::string &of, CUdeviceptr ptr, size_t bytes) {
+    layer_.bind(compiled_.training.gradient_of(of), ptr, bytes);
+  }
+  CudaLayer::TensorInfo info(const std::string &name) const { return layer_.info(name); }
+  const TrainingProgram &training() const { return compiled_.training; }
+  void forward(const Stream &stream);
+  // UserError unless forward() was enqueued since the last upload() or
+  // poison() (the backward reads what the forward keeps for it) and every
+  // output's upstream gradient was uploaded since the last poison().
+  void backward(const Stream &stream);
+
+  // LayerMemory::caller. The token count of the next forward or backward
+  // (CudaLayer::set_tokens: any count, no compiling, no memory); what a
+  // step at `tokens` needs (saved: kept from a forward to the end of its
+  // backward; workspace_before / _after: the forward's and the backward's,
+  // only while each runs).
+  void set_tokens(int64_t tokens) { layer_.set_tokens(tokens); }
+  CudaLayer::StepMemory step_memory(int64_t tokens) const { return layer_.step_memory(tokens); }
+  // A forward whose activations go to `saved`, and a backward that reads
+  // them there: the same saved memory, the same token count, and this
+  // layer's inputs and parameters as they were then (bound again, with
+  // every output and gradient, by the caller). A backward is refused for
+  // saved memory that no forward of this count wrote lately (one of the
+  // last kRecentForwards), and for saved memory whose backward ran already
+  // where that backward writes over it (TrainingProgram::
+  // written_over_saved, the default schedule's gradients_over_saved).
+  void forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace);
+  void backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace);
+  static constexpr size_t kRecentForwards = 256;
+  // Replays the forward and the backward each as one CUDA graph instead of
+  // one launch per kernel, for steps short enough that the launches show
+  // (a 2 ms step of ~30 kernels). A graph holds TMA descriptors by value, so
+  // it is captured again after a bind moved a tensor: the first call at new
+  // addresses runs eagerly, the second captures, later ones replay. Work
+  // queued while the stream is being captured by someone else (a step
+  // inside torch.cuda.graph) is queued eagerly into that capture. Off by
+  // default. Each entry point keeps the graphs of its last few address sets
+  // (kGraphsPerEntry): a layer a model runs at two sets in turn (two
+  // micro-batches, a module used twice, an allocator handing back blocks
+  // in a cycle) replays both instead of capturing at every call.
+  void replay_graphs(bool on) { replay_ = on; }
+  static constexpr size_t kGraphsPerEntry = 4;
+  // What the calls of each entry point did, counted since the layer was
+  // made (for benchmarks and tests: a training loop should replay).
+  struct GraphCounts {
+    uint64_t replayed = 0, captured = 0, eager = 0;
+  };
+  GraphCounts graph_counts() const { return counts_; }
+  // Per-step times of the forward or the backward (for benchmarks' notes).
+  std::vector<std::pair<std::string, double>> profile_forward(const Stream &stream);
+  std::vector<std::pair<std::string, double>> profile_backward(const Stream &stream);
+  // A timeline build's tile phases of every GEMM, forward and backward
+  // (CudaLayer::timeline); empty otherwise.
+  std::vector<std::string> timeline(const Stream &stream) { return layer_.timeline(stream); }
+
+  // The first forward output ("y"), or the one named (UserError naming the
+  // outputs for an unknown one). Synchronises.
+  HostTensor output() const { return layer_.download(compiled_.training.output); }
+  HostTensor output(const std::string &name) const;
+  // The gradient of Input or Param `name` ("x", "w1", ...). Synchronises.
+  HostTensor gradient(const std::string &name) const;
+  // Any Func the program materialises (the output, a gradient, an
+  // intermediate such as d_h), in the reference's layout.
+  // On caller memory, a saved tensor a backward wrote a gradient over
+  // (written_over_saved) is refused once that backward ran.
+  HostTensor download(const std::string &func) const;
+  std::vector<int32_t> routed_experts(const std::string &route) const { return layer_.routed_experts(route); }
+  int64_t dropped_pairs(const std::string &route) const { return layer_.dropped_pairs(route); }
+  std::vector<uint8_t> kept_pairs(const std::string &route) const { return layer_.kept_pairs(route); }
+  // Bytes the forward keeps for the backward (activations and routing tables).
+  int64_t saved_bytes() const;
+
+  const CudaLayer &layer() const { return layer_; }
+
+private:
+  // One entry point's graphs, most recently used first, each with the
+  // signature (CudaLayer::signature) of its steps it was captured at; and
+  // the signatures it last ran eagerly at (a second call at one captures).
+  struct Replay {
+    std::deque<std::pair<uint64_t, CudaGraph>> graphs;
+    std::deque<uint64_t> eager_at;
+  };
+  void run(Replay &r, size_t begin, size_t end, const Stream &stream);
+
+  void check_memory(bool caller, const char *call) const;
+
+  const CompiledTraining &compiled_;
+  CudaLayer layer_;
+  // LayerMemory::caller: the saved memory and token count of recent
+  // forwards, newest last.
+  std::deque<std::pair<CUdeviceptr, int64_t>> forwards_;
+  // Saved memory whose backward wrote over it (gradients_over_saved), so a
+  // second backward is refused with the reason; newest last.
+  std::deque<std::pair<CUdeviceptr, int64_t>> spent_;
+  TrainingState state_;
+  bool replay_ = false;
+  Replay forward_, backward_;
+  GraphCounts counts_;
+  std::unique_ptr<Stream> capture_stream_; // graphs are recorded here (the legacy stream cannot be captured)
+};
+
+} // namespace moeforge::cuda

@@ -48,22 +48,25 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // its transpose [N, K] read in place (the backward's dX = dH W^T), whose
   // shape is known here; expert reductions and dynamic K stay on cp.async.
   p.tma = p.wgmma && t.tma && !p.in_place && !g.expert_k && !g.k.is_dynamic();
-  // An expert reduction's B by TMA: consecutive padded rows with zeros on
-  // padding (WgmmaRowsWsConfig::mainloop_b_tma).
+  // An expert reduction's operands by TMA: consecutive padded rows with
+  // zeros on padding (WgmmaRowsWsConfig::mainloop_tma_rows); the other
+  // operand, gathered where it is (gather_in_gemms, gather_upstream_in_gemms),
+  // by cp.async.
   auto zero_padded = [&](const std::string &name, RowMap rows) {
     return rows == RowMap::direct && prog.tensor(name).zero_padding && prog.tensor(name).dtype == DType::bf16;
   };
-  p.b_tma_rows = p.in_place && p.ws && t.tma && p.nb == 1 && zero_padded(g.b[0], g.b_rows);
-  // A as well when it is one too and each expert's segment is whole boxes
-  // of 64 rows (nothing then zeroes rows of the next segment).
-  p.a_tma_rows = p.b_tma_rows && zero_padded(g.a, g.a_rows) && g.block % 64 == 0;
+  const bool rows_by_tma = p.in_place && p.ws && t.tma && p.nb == 1;
+  p.b_tma_rows = rows_by_tma && zero_padded(g.b[0], g.b_rows);
+  // A when each expert's segment is whole boxes of 64 rows too (nothing
+  // else zeroes rows of the next segment that a box would read).
+  p.a_tma_rows = rows_by_tma && zero_padded(g.a, g.a_rows) && g.block % 64 == 0;
   // A by TMA too when its rows are consecutive (tile order, or a dense A).
   p.a_tma = p.tma && g.a_rows == RowMap::direct;
   internal_check(!p.tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
       << "GEMM operands are bf16 (lowering converts them)";
-  // Persistent blocks (warp-specialised GEMMs, and expert reductions whose B
-  // comes by TMA): a loop over the tiles.
-  p.persistent = t.persistent && (!g.expert_k || p.b_tma_rows);
+  // Persistent blocks (warp-specialised GEMMs, expert reductions in place
+  // included, whichever way their operands load): a loop over the tiles.
+  p.persistent = t.persistent && (!g.expert_k || (p.in_place && p.ws));
   internal_check(!p.persistent || p.ws) << "definition '" << g.output << "': persistent without wgmma_ws "
                                         << "(Schedule::validate rejects it)";
   // Split-K: a dense GEMM over a dynamic K (the tokens: the router's weight
@@ -201,10 +204,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
         return why;
     return "it does not fit this GEMM's loop";
   };
-  auto zero_padded_b = [&] {
-    return g.b_rows == RowMap::direct && prog.tensor(g.b[0]).zero_padding && prog.tensor(g.b[0]).dtype == DType::bf16;
-  };
-  if (t.named.tma && !p.tma && !p.b_tma_rows)
+  if (t.named.tma && !p.tma && !p.b_tma_rows && !p.a_tma_rows)
     p.not_applied.push_back(
         "tma(" + f + ", true) is not applied: " +
         first({{!p.wgmma, "TMA loads feed the wgmma main loops, and this GEMM runs mma.sync"},
@@ -213,13 +213,15 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
                {g.expert_k && !p.in_place, "an expert reduction reads its operands by TMA only in place"},
                {g.expert_k && !p.ws, "an expert reduction's TMA loads come from the warp-specialised loop (wgmma_ws)"},
                {g.expert_k && p.nb != 1, "an expert reduction's TMA loads take one B operand"},
-               {g.expert_k && !zero_padded_b(),
-                "an expert reduction reads B by TMA as zero-padded bf16 rows in the padded order, which '" + g.b[0] +
-                    "' is not (padded_elementwise(true) and bf16_activations(true) make it so)"}}));
+               {g.expert_k,
+                "an expert reduction reads an operand by TMA where it is zero-padded bf16 rows in the padded order "
+                "(A's segments whole 64-row boxes too), which neither '" + g.a + "' nor '" + g.b[0] +
+                    "' is (padded_elementwise(true) and bf16_activations(true) make them so)"}}));
   if (t.named.persistent && !p.persistent)
     p.not_applied.push_back("persistent(" + f +
-                            ", true) is not applied: a persistent expert reduction needs its B by TMA, and " +
-                            (t.tma ? "this one's B is not TMA-ready (see its tma)" : "tma(" + f + ") is off"));
+                            ", true) is not applied: a persistent expert reduction reads its operands in place "
+                            "from the warp-specialised loop (mma(" +
+                            f + ", wgmma_ws))");
   if (t.named.warps && p.wgmma)
     p.not_applied.push_back("warps(" + f + ", " + std::to_string(t.warps_m) + ", " + std::to_string(t.warps_n) +
                             ") is not applied: the " + mma_name(p.mma) +

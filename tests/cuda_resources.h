@@ -1,5 +1,6 @@
 // Shared by the CUDA tests that compile without a GPU: ptxas' resource report
-// of every generated kernel is within what one SM gives a block.
+// of every generated kernel is within what one SM gives a block, and one
+// kernel's source.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -35,6 +36,14 @@ inline void check_resources(const cuda::CompiledLayer &c, const std::string &wha
     CHECK(per_partition * 32 * ((r->registers + 7) / 8 * 8) <= 16384);
     CHECK(k.shared_bytes + r->shared_bytes <= Schedule::max_shared_bytes);
   }
+}
+
+// The source of one generated kernel, from its signature to the next kernel.
+inline std::string kernel_source(const cuda::CompiledLayer &c, const std::string &name) {
+  const std::string &src = c.source.source;
+  size_t at = src.find(" " + name + "(\n");
+  REQUIRE(at != std::string::npos);
+  return src.substr(at, src.find("extern \"C\"", at) - at);
 }
 
 } // namespace moeforge::testing

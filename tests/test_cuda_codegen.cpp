@@ -25,6 +25,7 @@
 
 using namespace moeforge;
 using testing::check_resources;
+using testing::kernel_source;
 
 namespace {
 
@@ -459,14 +460,6 @@ TEST_CASE("codegen: step and [a == b] (the gradient nodes) compile for sm_90a") 
 
 namespace {
 
-// The source of one generated kernel, from its signature to the next kernel.
-std::string kernel_source(const cuda::CompiledLayer &c, const std::string &name) {
-  const std::string &src = c.source.source;
-  size_t at = src.find(" " + name + "(\n");
-  REQUIRE(at != std::string::npos);
-  return src.substr(at, src.find("extern \"C\"", at) - at);
-}
-
 size_t count_of(const std::string &text, const std::string &what) {
   size_t n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1))
@@ -646,7 +639,7 @@ TEST_CASE("codegen: padded_elementwise: zero-padded element-wise results, read b
     auto source = [&](const std::string &kernel) { return kernel_source(c.layer, kernel); };
     for (const char *g : {"gemm_d_w1", "gemm_d_w3", "gemm_d_w2"}) {
       CHECK(source(g).find("A and B by TMA") != std::string::npos);
-      CHECK(source(g).find("Cfg::tile_tma_rows<true>(ring") != std::string::npos); // persistent (tuned_wide)
+      CHECK(source(g).find("Cfg::tile_tma_rows<true, true>(ring") != std::string::npos); // persistent (tuned_wide)
     }
     // dW1 and dW3 read x through one padded copy (zero padding).
     CHECK(p.tensor("x_rows_route").zero_padding);

@@ -26,6 +26,7 @@
 
 using namespace moeforge;
 using testing::check_resources;
+using testing::kernel_source;
 
 namespace {
 
@@ -113,6 +114,13 @@ TEST_CASE("cuda training: the default schedule with the backward's memory choice
         CHECK(!std::holds_alternative<GatherStep>(st));
       }
       CHECK(onto == 1);
+      // dy's rows alone gathered: dW2 walks persistently with its A (the
+      // gated h) by TMA and its B (dy's token rows) by cp.async.
+      Schedule upstream = default_schedule(ex.pipeline, {out});
+      upstream.gather_upstream_in_gemms(true);
+      cuda::CompiledTraining u = cuda::compile_training(ex.pipeline, out, upstream);
+      check_resources(u.layer, std::string(name) + " / upstream / d = " + std::to_string(s.d));
+      CHECK(kernel_source(u.layer, "gemm_d_w2").find("Cfg::tile_tma_rows<true, false>(ring") != std::string::npos);
     }
 }
 
@@ -288,9 +296,9 @@ TEST_SUITE("gpu") {
   TEST_CASE("cuda training: persistent GEMMs in the forward and the backward") {
     MOEFORGE_REQUIRE_GPU();
     ExampleShape s = shape(300, 64, 128, 8, 2);
-    // With padded_elementwise the expert reductions (B by TMA) are
-    // persistent too: every expert's tiles, empty experts' included, on one
-    // ring per block; with tma_store and bf16 weight gradients as well,
+    // The expert reductions are persistent too: every expert's tiles, empty
+    // experts' included, on one ring per block, both operands by cp.async
+    // (mode 0) or, with padded_elementwise, by TMA; with tma_store and bf16 weight gradients as well,
     // their tiles and the forward's (SwiGLU's three fused outputs one after
     // another through one buffer) leave by TMA. Mode 3: tuned_wide, whose
     // 128 x 256 weight-gradient tiles beside 4 stages are staged in halves

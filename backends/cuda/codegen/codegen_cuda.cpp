@@ -740,9 +740,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   if (in_place) {
     body << "  using Cfg = mf::" << (ws ? "WgmmaRowsWsConfig<" : "WgmmaRowsConfig<") << t.tile_m << ", " << t.tile_n
          << ", " << t.stages << ">;  // Hopper warpgroup MMA, "
-         << (a_tma_rows   ? "A and B by TMA"
-             : b_tma_rows ? "A by rows, B by TMA"
-                          : "A and B by rows")
+         << (a_tma_rows && b_tma_rows ? "A and B by TMA"
+             : b_tma_rows             ? "A by rows, B by TMA"
+             : a_tma_rows             ? "A by TMA, B by rows"
+                                      : "A and B by rows")
          << (ws ? ", warp-specialised" : "") << "\n";
   } else if (wgmma) {
     body << "  using Cfg = mf::" << (ws ? "WgmmaWsConfig<" : "WgmmaConfig<") << t.tile_m << ", " << t.tile_n << ", "
@@ -951,11 +952,14 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };
     body << "  Cfg::Acc acc = {};\n";
     stamp(1);
-    if (b_tma_rows)
+    // Each operand as (rows, TMA map): one of them null.
+    auto operand = [](bool by_tma, const std::string &g_x) { return by_tma ? "nullptr, " + g_x : g_x + ", nullptr"; };
+    if (a_tma_rows || b_tma_rows || persistent)
       body << "  if (!Cfg::" << (persistent ? "tile_tma_rows<" : "mainloop_tma_rows<")
-           << (a_tma_rows ? "true" : "false") << ">(" << (persistent ? "ring, " : "smem, ")
-           << (a_tma_rows ? "nullptr, " + gA : gA + ", nullptr") << ", " << div(g.a_rows) << ", (int)M, (int)p0, "
-           << gB[0] << ", n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
+           << (a_tma_rows ? "true" : "false") << ", " << (b_tma_rows ? "true" : "false") << ">("
+           << (persistent ? "ring, " : "smem, ") << operand(a_tma_rows, gA) << ", " << div(g.a_rows)
+           << ", (int)M, (int)p0, " << operand(b_tma_rows, gB[0]) << ", " << div(g.b_rows) << ", N, n0, "
+           << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
            << (persistent ? "    continue;  // the producer: on to the next tile\n\n"
                           : "    return;  // a loading-only warpgroup\n\n");
     else

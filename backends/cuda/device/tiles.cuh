@@ -1524,27 +1524,30 @@ struct WgmmaRowsWsConfig
         },
         [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
   }
-  // The same with B by TMA: B is a padded tensor whose padding rows hold
-  // zeros (padded_elementwise), so a stage's BK rows p_begin + kt * BK .. are
-  // consecutive, BN / 64 boxes of 64 columns x 64 rows under the 128-byte
-  // swizzle (mn_off's slabs). A comes row by row through cp.async, zero on
-  // padding rows and past K, where a box may run past the expert's segment
-  // (a routing block under 64 rows); or, A_TMA, by TMA as well, when A too
-  // is padded with zero padding and the segments are whole boxes (the
-  // codegen checks the block). Two thirds of a 128 x 256 stage's bytes, or
-  // all of them, then need no producer instructions: the cp.async issue
-  // rate is what bounded this loop.
-  template <bool A_TMA>
+  // The same with either operand by TMA where it is a padded tensor whose
+  // padding rows hold zeros (padded_elementwise), so that a stage's BK rows
+  // p_begin + kt * BK .. are consecutive: BM / 64 (A) or BN / 64 (B) boxes
+  // of 64 columns x 64 rows under the 128-byte swizzle (mn_off's slabs).
+  // An operand not by TMA comes row by row through cp.async (gathered
+  // through sorted_pair where its rows are the tokens'), zero on padding
+  // rows and past K. A by TMA needs each expert's segment to be whole boxes
+  // (the plan checks the block), since nothing else zeroes the next
+  // segment's rows a box would run into; B by TMA may run past the segment,
+  // where A's rows are zero. Every byte a TMA box moves needs no producer
+  // instruction: the cp.async issue rate is what bounded this loop (two
+  // thirds of a 128 x 256 stage is B).
+  template <bool A_TMA, bool B_TMA>
   __device__ static bool mainloop_tma_rows(unsigned char *smem, const bf16 *A, const TmaDesc *tA, int a_div, int M,
-                                           int m0, const TmaDesc *tB, int n0, const int *sorted_pair, long long p_begin,
-                                           int K, Acc &acc) {
+                                           int m0, const bf16 *B, const TmaDesc *tB, int b_div, int N, int n0,
+                                           const int *sorted_pair, long long p_begin, int K, Acc &acc) {
     const int wg = threadIdx.x >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * Base::STAGE_BYTES;
     typename Base::template Rows<128> rows;
     return ws_pipeline<STAGES, CONSUMERS>(
         full, (K + Base::BK - 1) / Base::BK,
         [&](int slot, int kt, int t) {
-          load_tma_rows<A_TMA>(s0, full, slot, kt, t, rows, A, tA, a_div, M, m0, tB, n0, sorted_pair, p_begin, K);
+          load_tma_rows<A_TMA, B_TMA>(s0, full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
+                                      sorted_pair, p_begin, K);
         },
         [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
   }
@@ -1555,44 +1558,50 @@ struct WgmmaRowsWsConfig
   // Expert reductions are short in K (an expert's rows: 32 k-tiles for
   // mixtral), so a block per tile spent a tenth of each tile filling its
   // pipeline and storing its output with the tensor cores idle.
-  template <bool A_TMA>
+  template <bool A_TMA, bool B_TMA>
   __device__ static bool tile_tma_rows(Ring &r, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0,
-                                       const TmaDesc *tB, int n0, const int *sorted_pair, long long p_begin, int K,
-                                       Acc &acc) {
+                                       const bf16 *B, const TmaDesc *tB, int b_div, int N, int n0,
+                                       const int *sorted_pair, long long p_begin, int K, Acc &acc) {
     const int wg = threadIdx.x >> 7;
     typename Base::template Rows<128> rows;
     return Tiles::ring_stages(
         r, (K + Base::BK - 1) / Base::BK,
         [&](int slot, int kt, int t) {
-          load_tma_rows<A_TMA>(r.s0, r.full, slot, kt, t, rows, A, tA, a_div, M, m0, tB, n0, sorted_pair, p_begin, K);
+          load_tma_rows<A_TMA, B_TMA>(r.s0, r.full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
+                                      sorted_pair, p_begin, K);
         },
         [&](int slot) { Base::mma_stage(r.s0, slot, wg, acc); });
   }
-  // Stage kt of the TMA loops above into `slot`: B's boxes (and A's, A_TMA)
-  // from thread t 0, A's rows through cp.async from every producer thread
-  // otherwise.
-  template <bool A_TMA>
-  __device__ static __forceinline__ void load_tma_rows(unsigned s0, unsigned full, int slot, int kt, int t,
-                                                       typename Base::template Rows<128> &rows, const bf16 *A,
-                                                       const TmaDesc *tA, int a_div, int M, int m0, const TmaDesc *tB,
-                                                       int n0, const int *sorted_pair, long long p_begin, int K) {
-    if (kt == 0 && !A_TMA)
+  // Stage kt of the loops above into `slot`: the TMA operands' boxes from
+  // thread t 0, the others' rows through cp.async from every producer
+  // thread.
+  template <bool A_TMA, bool B_TMA>
+  __device__ static __forceinline__ void
+  load_tma_rows(unsigned s0, unsigned full, int slot, int kt, int t, typename Base::template Rows<128> &rows,
+                const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0, const bf16 *B, const TmaDesc *tB, int b_div,
+                int N, int n0, const int *sorted_pair, long long p_begin, int K) {
+    constexpr bool ALL_TMA = A_TMA && B_TMA;
+    if (kt == 0 && !ALL_TMA)
       rows.start(t, sorted_pair, p_begin, K);
-    const unsigned sA = s0 + slot * Base::STAGE_BYTES, bar = full + 8 * slot;
+    const unsigned sA = s0 + slot * Base::STAGE_BYTES, sB = sA + Base::A_STAGE_BYTES, bar = full + 8 * slot;
     const int k_row = (int)p_begin + kt * Base::BK;
-    if (t == 0) { // the stage's TMA bytes, before this thread's own arrival can complete it
-      mbar_expect_tx(bar, Base::B_STAGE_BYTES + (A_TMA ? Base::A_STAGE_BYTES : 0));
+    if ((A_TMA || B_TMA) && t == 0) { // the stage's TMA bytes, before this thread's own arrival can complete it
+      mbar_expect_tx(bar, (B_TMA ? Base::B_STAGE_BYTES : 0) + (A_TMA ? Base::A_STAGE_BYTES : 0));
+      if (B_TMA)
 #pragma unroll
-      for (int s = 0; s < Base::BN / 64; ++s)
-        tma_load_3d(sA + Base::A_STAGE_BYTES + s * (Base::BK * 128), tB, n0 + s * 64, k_row, 0, bar);
+        for (int s = 0; s < Base::BN / 64; ++s)
+          tma_load_3d(sB + s * (Base::BK * 128), tB, n0 + s * 64, k_row, 0, bar);
       if (A_TMA)
 #pragma unroll
         for (int s = 0; s < Base::BM / 64; ++s)
           tma_load_3d(sA + s * (Base::BK * 128), tA, m0 + s * 64, k_row, 0, bar);
     }
-    if (!A_TMA) {
+    if (!ALL_TMA) {
       const int r = rows.next(kt);
-      Base::template copy_rows<Base::BM, 128>(sA, t, rows.source(kt, r, a_div), A, M, m0);
+      if (!A_TMA)
+        Base::template copy_rows<Base::BM, 128>(sA, t, rows.source(kt, r, a_div), A, M, m0);
+      if (!B_TMA)
+        Base::template copy_rows<Base::BN, 128>(sB, t, rows.source(kt, r, b_div), B, N, n0);
     }
   }
 };

@@ -32,6 +32,7 @@ Schedule layer_wide() {
       .chain_summed_gemms(true)
       .split_pointwise_for_memory(true)
       .gradients_over_saved(true)
+      .gather_upstream_in_gemms(true)
       .bf16_boundary(true);
   return s;
 }

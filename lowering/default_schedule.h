@@ -22,7 +22,10 @@
 // forward alone keeps every Func readable), and the lean memory mode
 // (the backward makes the activation's output again from the stored
 // pre-activation, and the gate's gradient from dH, so the expert outputs
-// are not kept). A layer-wide choice this layer gives nothing to act on is
+// are not kept), with the backward's GEMMs gathering dy's rows themselves
+// (no T k x d copy; dW2 still walks persistently, its B by cp.async: on an
+// H200 the 8-layer stacks of the four training shapes within -2.6..+0.9 %
+// of the copy's step time, 0.09-0.24 GiB lower). A layer-wide choice this layer gives nothing to act on is
 // left out, so the default never draws a "not applied" note.
 #pragma once
 

@@ -26,7 +26,9 @@ Planned planned(const ExampleShape &s, bool memory_choices) {
   Example ex = make_example("swiglu_moe", s);
   const Func out = ex.pipeline.func(ex.output);
   Schedule sch = default_schedule(ex.pipeline, {out});
-  sch.atomic_combine(memory_choices).gather_in_gemms(memory_choices);
+  // Without them, dy's rows copied per pair (gather_upstream_in_gemms, on in
+  // the default, gathers them too: test_gather_upstream.cpp).
+  sch.atomic_combine(memory_choices).gather_in_gemms(memory_choices).gather_upstream_in_gemms(false);
   Planned p{lower_training(ex.pipeline, out, sch), {}};
   ProgramShapes shapes(p.t.program, s.tokens);
   auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };

@@ -253,8 +253,8 @@ TEST_SUITE("gpu") {
   // memory mode) as it is and with the backward's memory choices: the input
   // gradient added atomically onto the router's share, token rows gathered
   // inside the GEMMs, an activation gradient written over dy W2^T's bytes;
-  // dy's rows alone gathered (gather_upstream_in_gemms); y, dy and dx in
-  // f32 (bf16_boundary off; on in the default).
+  // dy's rows copied per pair (gather_upstream_in_gemms off; on in the
+  // default); y, dy and dx in f32 (bf16_boundary off; on in the default).
   TEST_CASE("cuda training: the default schedule with atomic_combine and gather_in_gemms") {
     MOEFORGE_REQUIRE_GPU();
     for (const char *name : {"moe_mlp", "swiglu_moe"})
@@ -263,7 +263,7 @@ TEST_SUITE("gpu") {
           Example ex = make_example(name, s);
           const Func out = ex.pipeline.func(ex.output);
           Schedule sch = default_schedule(ex.pipeline, {out});
-          sch.atomic_combine(mode == 1).gather_in_gemms(mode == 1).gather_upstream_in_gemms(mode == 2);
+          sch.atomic_combine(mode == 1).gather_in_gemms(mode == 1).gather_upstream_in_gemms(mode == 0 || mode == 3);
           if (mode == 3)
             sch.bf16_boundary(false);
           INFO(name << " / E = " << s.experts << "\n" << sch.to_text());

@@ -55,7 +55,8 @@ const GemmStep *gemm_reading(const KernelProgram &p, const std::string &tensor, 
 TEST_CASE("gather upstream: dy's rows gathered by the dH GEMM and dW2, x's copy kept, fine64's peak lower") {
   const ExampleShape s = testing::shape(16384, 2048, 1408, 64, 8); // fine64
   const Schedule def = default_of(s);
-  const Lowered copy = lowered(s, def), gather = lowered(s, Schedule(def).gather_upstream_in_gemms(true));
+  REQUIRE(def.gather_upstream_in_gemms()); // on in the default
+  const Lowered copy = lowered(s, Schedule(def).gather_upstream_in_gemms(false)), gather = lowered(s, def);
   CHECK(testing::reads_follow_writes(gather.t.program));
   CHECK(Schedule::from_text(Schedule(def).gather_upstream_in_gemms(true).to_text()).gather_upstream_in_gemms());
   // The copy: d_y_rows, made in the padded order and read by the dH GEMM.

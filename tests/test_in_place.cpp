@@ -27,10 +27,12 @@ TrainingProgram lowered(const ExampleShape &s) {
   // in-place output lowers by a whole T k x f tensor (split apart, the peak
   // moves to the input gradient's GEMM: test_split_for_memory.cpp). The
   // saved tensors stay the backward's to read (test_gradients_over_saved.cpp
-  // writes over them).
-  return lower_training(
-      ex.pipeline, out,
-      default_schedule(ex.pipeline, {out}).split_pointwise_for_memory(false).gradients_over_saved(false));
+  // writes over them), and dy's rows copied per pair, as measured then.
+  return lower_training(ex.pipeline, out,
+                        default_schedule(ex.pipeline, {out})
+                            .split_pointwise_for_memory(false)
+                            .gradients_over_saved(false)
+                            .gather_upstream_in_gemms(false));
 }
 
 StepMemoryPlan plan_of(const TrainingProgram &t, const ExampleShape &s) {

@@ -29,10 +29,12 @@ TrainingProgram lowered(const std::string &example, const ExampleShape &s, bool 
   const Func out = ex.pipeline.func(ex.output);
   // The default's backward with the gated h merged into the activation
   // gradients' kernel (made after dH), the order this file's cases follow;
-  // split apart it runs before dH (test_split_for_memory.cpp).
-  const Schedule sch = default_schedule
-                           ? moeforge::default_schedule(ex.pipeline, {out}).split_pointwise_for_memory(false)
-                           : preset("scattermoe");
+  // split apart it runs before dH (test_split_for_memory.cpp); dy's rows
+  // copied per pair, which the cases below order.
+  const Schedule sch =
+      default_schedule
+          ? moeforge::default_schedule(ex.pipeline, {out}).split_pointwise_for_memory(false).gather_upstream_in_gemms(false)
+          : preset("scattermoe");
   return lower_training(ex.pipeline, out, sch);
 }
 

@@ -29,8 +29,9 @@ Lowered lowered(const ExampleShape &s, bool split) {
   const Func out = ex.pipeline.func(ex.output);
   Schedule sch = default_schedule(ex.pipeline, {out});
   // Over the backward's own tensors (what the split was measured on; over
-  // the saved ones: test_gradients_over_saved.cpp).
-  sch.split_pointwise_for_memory(split).gradients_over_saved(false);
+  // the saved ones: test_gradients_over_saved.cpp), dy's rows copied per
+  // pair, as the split was measured.
+  sch.split_pointwise_for_memory(split).gradients_over_saved(false).gather_upstream_in_gemms(false);
   Lowered l{lower_training(ex.pipeline, out, sch), 0};
   ProgramShapes shapes(l.t.program, s.tokens);
   auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };

@@ -61,6 +61,11 @@ std::vector<std::string> choices_without_effect(const Schedule &s, const std::st
        : s.padded_elementwise() ? "the backward copies no upstream gradient's rows into the padded order for a GEMM"
                                 : "without padded_elementwise(true) the GEMMs gather token rows themselves already",
        ReadBy::training},
+      {"atomic_input_gradient(true)", s.atomic_input_gradient(), [](Schedule &x) { x.atomic_input_gradient(false); },
+       s.atomic_combine() ? "atomic_combine(true) adds the input gradient up atomically already"
+                          : "the backward sums no input gradient over k > 1 pairs of an expert GEMM whose "
+                            "epilogue could add them (a k = 1 layer stores each token's row directly)",
+       ReadBy::training},
       {"bf16_boundary(true)", s.bf16_boundary(), [](Schedule &x) { x.bf16_boundary(false); },
        "the layer's outputs, their upstream gradients and its inputs' gradients are scalars, bf16 already or summed "
        "by atomic adds (atomic_combine)",

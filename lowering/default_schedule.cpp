@@ -69,6 +69,8 @@ void drop_choices_not_taken(Schedule &s, const Pipeline &pipeline, const std::ve
       s.split_pointwise_for_memory(false);
     else if (names("gradients_over_saved("))
       s.gradients_over_saved(false);
+    else if (names("atomic_input_gradient("))
+      s.atomic_input_gradient(false);
     else if (names("gather_upstream_in_gemms("))
       s.gather_upstream_in_gemms(false);
     else if (names("bf16_boundary("))

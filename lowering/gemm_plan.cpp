@@ -215,7 +215,8 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
                {g.expert_k && p.nb != 1, "an expert reduction's TMA loads take one B operand"},
                {g.expert_k,
                 "an expert reduction reads an operand by TMA where it is zero-padded bf16 rows in the padded order "
-                "(A's segments whole 64-row boxes too), which neither '" + g.a + "' nor '" + g.b[0] +
+                "(A's segments whole 64-row boxes too), which neither '" +
+                    g.a + "' nor '" + g.b[0] +
                     "' is (padded_elementwise(true) and bf16_activations(true) make them so)"}}));
   if (t.named.persistent && !p.persistent)
     p.not_applied.push_back("persistent(" + f +

@@ -495,10 +495,10 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   // The backward's combine too, once chain_summed_gemms has made its input
   // gradient's expert products one GEMM: the sum over each token's pairs
   // (T k x d, the largest tensor of its workspace) and the router's share.
-  if (schedule.atomic_combine()) {
+  if (schedule.atomic_combine() || schedule.atomic_input_gradient()) {
     const size_t before = p.steps.size();
     combined_atomically |= fuse_atomic_combines(p, t.forward_steps, p.steps.size()) != before;
-    if (!combined_atomically)
+    if (schedule.atomic_combine() && !combined_atomically)
       p.not_applied.push_back(kAtomicCombineNotApplied);
   }
   if (schedule.bf16_boundary())

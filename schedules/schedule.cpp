@@ -178,6 +178,7 @@ Schedule &Schedule::recompute_elementwise(bool on) { return flag(recompute_eleme
 Schedule &Schedule::gate_gradient_from_dh(bool on) { return flag(gate_gradient_from_dh_, "gate_gradient_from_dh", on); }
 Schedule &Schedule::chain_summed_gemms(bool on) { return flag(chain_summed_gemms_, "chain_summed_gemms", on); }
 Schedule &Schedule::atomic_combine(bool on) { return flag(atomic_combine_, "atomic_combine", on); }
+Schedule &Schedule::atomic_input_gradient(bool on) { return flag(atomic_input_gradient_, "atomic_input_gradient", on); }
 Schedule &Schedule::gather_in_gemms(bool on) { return flag(gather_in_gemms_, "gather_in_gemms", on); }
 Schedule &Schedule::split_pointwise_for_memory(bool on) {
   return flag(split_pointwise_for_memory_, "split_pointwise_for_memory", on);

@@ -284,6 +284,16 @@ public:
   // the T*k x d rows nor the router's share is stored). Not with
   // expert_parallel, whose combine runs where the rows come back.
   Schedule &atomic_combine(bool on);
+  // Training, for the backward's memory: atomic_combine's backward half
+  // alone. The input gradient (each token's pairs' rows summed, plus the
+  // router's share) is added up atomically from the experts' dX GEMM's
+  // epilogue onto the router's share, so its T*k x d per-pair rows (fine64:
+  // 544 MiB, the backward's largest tensor once dy is gathered) are never
+  // stored, while the forward's combine stays a kernel (its atomic form is
+  // what costs atomic_combine its time). The input gradient is then f32
+  // (the adds' order follows the tiles' timing: not bitwise repeatable).
+  // atomic_combine(true) does this too. Not with expert_parallel.
+  Schedule &atomic_input_gradient(bool on);
   // m, n in {64, 128, 256}; k in {32, 64}.
   Schedule &tile(const std::string &func, int m, int n, int k);
   // 2 to 8 shared-memory stages.
@@ -328,6 +338,7 @@ public:
   bool gate_gradient_from_dh() const { return gate_gradient_from_dh_; }
   bool chain_summed_gemms() const { return chain_summed_gemms_; }
   bool atomic_combine() const { return atomic_combine_; }
+  bool atomic_input_gradient() const { return atomic_input_gradient_; }
   bool gather_in_gemms() const { return gather_in_gemms_; }
   bool split_pointwise_for_memory() const { return split_pointwise_for_memory_; }
   bool gradients_over_saved() const { return gradients_over_saved_; }
@@ -406,6 +417,7 @@ private:
   bool gate_gradient_from_dh_ = false;
   bool chain_summed_gemms_ = false;
   bool atomic_combine_ = false;
+  bool atomic_input_gradient_ = false;
   bool gather_in_gemms_ = false;
   bool split_pointwise_for_memory_ = false;
   bool gradients_over_saved_ = false;

@@ -149,6 +149,10 @@ void Schedule::validate(const Pipeline &pipeline) const {
       << "schedule '" << name_ << "': atomic_combine(true) with expert_parallel(" << ranks_
       << "): the combine runs on the token's GPU once its rows come back, where no GEMM epilogue makes them; drop "
          "one of the two";
+  user_check(!atomic_input_gradient_ || ranks_ == 1)
+      << "schedule '" << name_ << "': atomic_input_gradient(true) with expert_parallel(" << ranks_
+      << "): the input gradient's rows are summed on the token's GPU once they come back, where no GEMM epilogue "
+         "makes them; drop one of the two";
 }
 
 void check_vector_alignment(const Pipeline &pipeline) {

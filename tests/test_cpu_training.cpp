@@ -508,15 +508,21 @@ TEST_SUITE("cpu") {
 
   TEST_CASE("cpu training: y, dy and dx in bf16 (bf16_boundary), dy gathered in the GEMMs, within tolerance") {
     // Every example the default trains, under the default (bf16_boundary
-    // on), with dy's rows gathered in the GEMMs, and with the boundary f32.
+    // and dy's rows gathered in the GEMMs, on), with dy's rows copied per
+    // pair, with the boundary f32, and with the input gradient added up
+    // atomically and x's rows gathered too (atomic_input_gradient,
+    // gather_in_gemms: the backward's least memory).
     ExampleShape s = shape(150, 64, 128, 8, 2);
     for (const char *name : {"moe_mlp", "swiglu_moe", "geglu_moe", "shared_expert_moe", "deepseek_moe"})
-      for (int mode : {0, 1, 2}) {
+      for (int mode : {0, 1, 2, 3}) {
         Example ex = make_example(name, s);
         const Func out = ex.pipeline.func(ex.output);
         Schedule sch = default_schedule(ex.pipeline, {out});
         REQUIRE(sch.bf16_boundary());
-        sch.gather_upstream_in_gemms(mode == 1).bf16_boundary(mode != 2);
+        REQUIRE(sch.gather_upstream_in_gemms());
+        sch.gather_upstream_in_gemms(mode != 1).bf16_boundary(mode != 2);
+        if (mode == 3)
+          sch.gather_upstream_in_gemms(false).atomic_input_gradient(true).gather_in_gemms(true);
         INFO(name << " / mode " << mode);
         Outcome o = cpu_train_and_compare(ex, ex.random_inputs(s, 19), s.tokens, sch);
         CHECK(o.routing_mismatches == 0);

@@ -254,16 +254,21 @@ TEST_SUITE("gpu") {
   // gradient added atomically onto the router's share, token rows gathered
   // inside the GEMMs, an activation gradient written over dy W2^T's bytes;
   // dy's rows copied per pair (gather_upstream_in_gemms off; on in the
-  // default); y, dy and dx in f32 (bf16_boundary off; on in the default).
+  // default); y, dy and dx in f32 (bf16_boundary off; on in the default);
+  // the backward's input gradient alone added up atomically, x's rows
+  // gathered too (atomic_input_gradient, gather_in_gemms).
   TEST_CASE("cuda training: the default schedule with atomic_combine and gather_in_gemms") {
     MOEFORGE_REQUIRE_GPU();
     for (const char *name : {"moe_mlp", "swiglu_moe"})
-      for (int mode : {0, 1, 2, 3})
+      for (int mode : {0, 1, 2, 3, 4})
         for (const ExampleShape &s : {shape(200, 64, 128, 8, 2), shape(300, 256, 128, 128, 8)}) {
           Example ex = make_example(name, s);
           const Func out = ex.pipeline.func(ex.output);
           Schedule sch = default_schedule(ex.pipeline, {out});
-          sch.atomic_combine(mode == 1).gather_in_gemms(mode == 1).gather_upstream_in_gemms(mode == 0 || mode == 3);
+          sch.atomic_combine(mode == 1)
+              .gather_in_gemms(mode == 1 || mode == 4)
+              .gather_upstream_in_gemms(mode == 0 || mode == 3);
+          sch.atomic_input_gradient(mode == 4);
           if (mode == 3)
             sch.bf16_boundary(false);
           INFO(name << " / E = " << s.experts << "\n" << sch.to_text());

@@ -31,10 +31,10 @@ TrainingProgram lowered(const std::string &example, const ExampleShape &s, bool 
   // gradients' kernel (made after dH), the order this file's cases follow;
   // split apart it runs before dH (test_split_for_memory.cpp); dy's rows
   // copied per pair, which the cases below order.
-  const Schedule sch =
-      default_schedule
-          ? moeforge::default_schedule(ex.pipeline, {out}).split_pointwise_for_memory(false).gather_upstream_in_gemms(false)
-          : preset("scattermoe");
+  const Schedule sch = default_schedule ? moeforge::default_schedule(ex.pipeline, {out})
+                                              .split_pointwise_for_memory(false)
+                                              .gather_upstream_in_gemms(false)
+                                        : preset("scattermoe");
   return lower_training(ex.pipeline, out, sch);
 }
 

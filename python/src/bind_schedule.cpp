@@ -82,6 +82,7 @@ void bind_schedule(nb::module_ &m) {
       .def("gate_gradient_from_dh", nb::overload_cast<bool>(&Schedule::gate_gradient_from_dh), "on"_a = true, chain)
       .def("chain_summed_gemms", nb::overload_cast<bool>(&Schedule::chain_summed_gemms), "on"_a = true, chain)
       .def("atomic_combine", nb::overload_cast<bool>(&Schedule::atomic_combine), "on"_a = true, chain)
+      .def("atomic_input_gradient", nb::overload_cast<bool>(&Schedule::atomic_input_gradient), "on"_a = true, chain)
       .def("gather_in_gemms", nb::overload_cast<bool>(&Schedule::gather_in_gemms), "on"_a = true, chain)
       .def("split_pointwise_for_memory", nb::overload_cast<bool>(&Schedule::split_pointwise_for_memory), "on"_a = true,
            chain)

@@ -13,7 +13,7 @@
 #include "backends/cuda/runtime/layer.h"
 #include "backends/cuda/runtime/training_layer.h"
 #include "backends/cuda/tune/tune_cache.h"
-#include "backends/cuda/tune/tuner.h"
+#include "backends/cuda/tune/tune_layer.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
@@ -75,7 +75,8 @@ TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const 
   r.upstream = upstream;
   r.base = base;
   r.budget_seconds = budget_seconds;
-  cuda::TuneResult res = cuda::tune(device, r, progress);
+  const cuda::StoredTune stored = cuda::tune_and_store(device, r, progress);
+  const cuda::TuneResult &res = stored.result;
   TuneOutcome t;
   t.device = device.name();
   t.base_ms = res.base_ms;
@@ -85,10 +86,7 @@ TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const 
   t.failed = res.failed;
   t.left = res.left;
   t.best_text = res.best.to_text();
-  const cuda::TuneKey key = tune_key(ex, shape, device, training);
-  const std::filesystem::path dir = cuda::CompileCache::default_directory();
-  if (!dir.empty() && cuda::TuneCache(dir).store(key, res.best))
-    t.cached = cuda::TuneCache(dir).entry_path(key).string();
+  t.cached = stored.cached;
   return t;
 }
 

@@ -24,7 +24,11 @@
 #include "backends/cuda/runtime/driver.h"
 #include "backends/cuda/runtime/training_layer.h"
 #include "backends/cuda/tune/tune_cache.h"
+#include "backends/cuda/tune/tune_layer.h"
 #include "dsl/error.h"
+#include "examples/skewed_routing.h"
+#include "lowering/default_schedule.h"
+#include "lowering/lower.h"
 #include "tensors.h"
 #include "training_names.h"
 
@@ -107,6 +111,71 @@ void bind_cuda(nb::module_ &m) {
       "pipeline"_a, "tokens"_a, "training"_a = true, "device"_a = 0,
       "(schedule, where) of what `moeforge tune` cached for this layer, token count's bucket and GPU, or (None, "
       "why not).");
+
+  m.def(
+      "tune",
+      [](const Pipeline &pipeline, int64_t tokens, std::optional<std::vector<Func>> outputs,
+         std::optional<Schedule> schedule, bool training, double budget_seconds, uint64_t seed, int ordinal,
+         const std::map<std::string, double> &init_scale, bool progress) {
+        user_check(tokens > 0) << "tune(tokens=0): tuning times the layer at a token count; give the count a step "
+                                  "runs (e.g. batch x sequence length)";
+        user_check(budget_seconds > 0 && budget_seconds <= 24 * 3600)
+            << "tune(budget_seconds=" << budget_seconds << "): give a budget from a few seconds to 86400";
+        std::shared_ptr<cuda::Device> dev = device(ordinal);
+        const std::vector<Func> outs = outputs && !outputs->empty() ? *outputs : pipeline.outputs();
+        cuda::TuneRequest r;
+        r.pipeline = &pipeline;
+        r.output = outs.front().name();
+        r.tokens = tokens;
+        r.training = training;
+        r.budget_seconds = budget_seconds;
+        // Where the search starts: the schedule given, else the layer's
+        // default (what MoELayer runs with nothing tuned).
+        r.base = schedule   ? *schedule
+                 : training ? default_schedule(pipeline, {outs.front()})
+                            : default_schedule(pipeline);
+        r.inputs = cuda::layer_inputs(pipeline, tokens, seed, init_scale);
+        if (training)
+          r.upstream = cuda::upstream_like(outs.front(), tokens, seed);
+        // Timed under skewed routing too where the router is x wr (as the
+        // CLI's tune does), so the winner holds up when the load is uneven.
+        const KernelProgram lowered = lower(pipeline, r.base);
+        if (lowered.routes.size() == 1)
+          if (std::optional<SkewedInputs> skewed =
+                  skewed_router_inputs(r.inputs, lowered.routes.front()->k, 2.5, nullptr))
+            r.skewed_inputs = skewed->inputs;
+        cuda::StoredTune t;
+        {
+          nb::gil_scoped_release release; // minutes of compiling and timing
+          t = cuda::tune_and_store(*dev, r, [&](const std::string &line) {
+            if (progress) {
+              nb::gil_scoped_acquire hold;
+              nb::print(nb::str(("moeforge.tune: " + line).c_str()));
+            }
+          });
+        }
+        nb::dict info;
+        info["device"] = dev->name();
+        info["base_ms"] = t.result.base_ms;
+        info["best_ms"] = t.result.best_ms;
+        info["timed"] = t.result.timed;
+        info["pruned"] = t.result.pruned;
+        info["failed"] = t.result.failed;
+        info["left"] = t.result.left;
+        info["skewed"] = !r.skewed_inputs.empty();
+        info["cached"] = t.cached;
+        return nb::make_tuple(nb::cast(t.result.best), info);
+      },
+      "pipeline"_a, "tokens"_a, "outputs"_a = nb::none(), "schedule"_a = nb::none(), "training"_a = true,
+      "budget_seconds"_a = 120.0, "seed"_a = 0, "device"_a = 0, "init_scale"_a = std::map<std::string, double>{},
+      "progress"_a = false,
+      "Times candidate schedules of the layer on the GPU (as `moeforge tune` does: the layer-wide choices, then "
+      "each contraction's tiles, stages, walk and stores, within budget_seconds) from `schedule` (default: the "
+      "layer's default schedule), on random inputs at `tokens` tokens (Params U(+-1/sqrt(fan-in)) unless "
+      "init_scale names them), under uniform and, where the router is x wr, skewed routing; stores the fastest in "
+      "the tuned-schedule cache, where schedule=\"auto\" (moeforge.torch.MoELayer) and `--schedule auto` find "
+      "it for this layer, the token count's power-of-two bucket and this GPU. Returns (schedule, info): info has "
+      "base_ms, best_ms, timed, pruned, failed, left, device and cached (the entry's path, '' if not written).");
 
   nb::class_<PyCudaTraining>(m, "CudaTrainingLayer",
                              "Forward and backward of a layer on the GPU, bound to `tokens` tokens.")

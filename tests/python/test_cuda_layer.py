@@ -21,6 +21,23 @@ def test_without_a_gpu_the_layer_says_why():
 
 
 @needs_backend
+def test_tune_refuses_what_it_cannot_time_before_looking_for_a_gpu():
+    layer, _, _ = build_moe_mlp()
+    with pytest.raises(mf.UserError, match=r"tune\(tokens=0\): tuning times the layer at a token count"):
+        mf.tune(layer, 0)
+    with pytest.raises(mf.UserError, match=r"tune\(budget_seconds=-1\): give a budget"):
+        mf.tune(layer, 64, budget_seconds=-1)
+
+
+@needs_backend
+@pytest.mark.skipif(gpu[0], reason="a GPU is present")
+def test_without_a_gpu_tune_says_why():
+    layer, _, _ = build_moe_mlp()
+    with pytest.raises(mf.UserError, match="the CUDA backend needs a GPU"):
+        mf.tune(layer, 64, budget_seconds=1)
+
+
+@needs_backend
 @pytest.mark.skipif(not gpu[0], reason=f"no GPU: {gpu[1]}")
 @pytest.mark.parametrize("schedule", ["megablocks", "scattermoe"])
 def test_gradients_on_the_gpu_match_the_reference(schedule):

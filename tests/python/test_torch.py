@@ -568,6 +568,31 @@ def test_auto_runs_the_default_schedule_where_nothing_is_tuned(device, tmp_path,
     assert mft.example("moe_mlp", device=device, schedule="megablocks").schedule.name == "megablocks"
 
 
+@needs_gpu
+def test_tune_caches_a_schedule_that_auto_then_runs(tmp_path, monkeypatch):
+    """moeforge.tune from Python: the winner lands in the tuned-schedule
+    cache, where a module with schedule="auto" finds it at its first forward
+    and computes what the default schedule computes."""
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path))
+    tokens = 256
+    plain = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F)
+    x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
+    y_plain = plain(x)  # its first forward, before the tune: the default schedule
+    assert "nothing tuned" in plain.schedule_note, plain.schedule_note
+    best, info = mf.tune(plain.pipeline, tokens, plain.outputs, budget_seconds=20)
+    assert info["cached"].startswith(str(tmp_path)), info
+    assert info["timed"] >= 1 and info["best_ms"] > 0, info
+    cached, where = mf.cached_schedule(plain.pipeline, tokens, True, 0)
+    assert cached is not None and cached.to_text() == best.to_text(), where
+    auto = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F)
+    auto.load_state_dict(plain.state_dict())
+    y_auto = auto(x)
+    assert "tuned for this layer" in auto.schedule_note, auto.schedule_note
+    assert auto.schedule.to_text() == best.to_text()
+    err = (y_auto.float() - y_plain.float()).abs().max() / y_plain.float().abs().max()
+    assert err < 2e-2, err
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_an_auxiliary_loss_comes_back_as_a_tensor_and_trains_the_router(device):
     """forward() returns (y, lb_loss); the loss's gradient reaches wr, as in

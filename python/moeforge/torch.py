@@ -266,8 +266,9 @@ class MoELayer(torch.nn.Module):
     pipeline: the layer (moeforge.Pipeline); outputs: the Funcs forward()
     returns (default: the pipeline's outputs, e.g. [y] or [y, lb_loss]);
     schedule: a moeforge.Schedule, a preset name, or "auto" (the default:
-    what `moeforge tune --train` cached for this layer, the first forward's
-    token count and this GPU, else moeforge.default_schedule, the fastest
+    what `moeforge tune --train` or moeforge.tune(pipeline, tokens) cached
+    for this layer, the first forward's token count and this GPU, else
+    moeforge.default_schedule, the fastest
     hand-written schedule's choices made for this layer; schedule_note says
     which); keep_routing: keep a copy of each forward's routed experts
     (T * k int32 a route, on the device) for routed_experts(); init_scale: {param name:

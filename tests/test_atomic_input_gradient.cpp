@@ -13,9 +13,8 @@
 #include "lowering/choices_without_effect.h"
 #include "lowering/default_schedule.h"
 #include "lowering/training.h"
+#include "planned_step.h"
 #include "program_order.h"
-#include "runtime/memory_plan.h"
-#include "runtime/program_shapes.h"
 #include "schedules/presets.h"
 #include "user_error.h"
 
@@ -23,20 +22,8 @@ using namespace moeforge;
 
 namespace {
 
-constexpr size_t kMiB = size_t(1) << 20;
-
-struct Lowered {
-  TrainingProgram t;
-  StepMemoryPlan plan;
-};
-
-Lowered lowered(const Example &ex, int64_t tokens, const Schedule &sch) {
-  Lowered l{lower_training(ex.pipeline, ex.pipeline.func(ex.output), sch), {}};
-  ProgramShapes shapes(l.t.program, tokens);
-  auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };
-  l.plan = plan_step_memory(l.t.program, bytes, l.t.forward_steps);
-  return l;
-}
+using testing::kMiB;
+using Lowered = testing::PlannedStep;
 
 int atomic_gemms(const KernelProgram &p, size_t begin, size_t end) {
   int n = 0;
@@ -63,8 +50,9 @@ TEST_CASE("atomic input gradient: the backward adds dX up atomically, the forwar
   Schedule atomic = def;
   atomic.atomic_input_gradient(true);
   CHECK(Schedule::from_text(atomic.to_text()).atomic_input_gradient());
-  const Lowered plain = lowered(ex, s.tokens, def), added = lowered(ex, s.tokens, atomic),
-                least = lowered(ex, s.tokens, Schedule(atomic).gather_upstream_in_gemms(false).gather_in_gemms(true));
+  const Lowered plain = testing::planned_step(ex, s.tokens, def), added = testing::planned_step(ex, s.tokens, atomic),
+                least = testing::planned_step(ex, s.tokens,
+                                              Schedule(atomic).gather_upstream_in_gemms(false).gather_in_gemms(true));
   for (const Lowered *l : {&added, &least}) {
     const KernelProgram &p = l->t.program;
     CHECK(testing::reads_follow_writes(p));

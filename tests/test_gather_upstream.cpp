@@ -14,28 +14,18 @@
 #include "lowering/default_schedule.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/training.h"
+#include "planned_step.h"
 #include "program_order.h"
-#include "runtime/memory_plan.h"
-#include "runtime/program_shapes.h"
 
 using namespace moeforge;
 
 namespace {
 
-constexpr size_t kMiB = size_t(1) << 20;
-
-struct Lowered {
-  TrainingProgram t;
-  StepMemoryPlan plan;
-};
+using testing::kMiB;
+using Lowered = testing::PlannedStep;
 
 Lowered lowered(const ExampleShape &s, const Schedule &sch) {
-  Example ex = make_example("swiglu_moe", s);
-  Lowered l{lower_training(ex.pipeline, ex.pipeline.func(ex.output), sch), {}};
-  ProgramShapes shapes(l.t.program, s.tokens);
-  auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };
-  l.plan = plan_step_memory(l.t.program, bytes, l.t.forward_steps);
-  return l;
+  return testing::planned_step(make_example("swiglu_moe", s), s.tokens, sch);
 }
 
 Schedule default_of(const ExampleShape &s) {

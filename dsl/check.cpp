@@ -172,11 +172,21 @@ DType check_definition(const FuncNode &func, const std::vector<Index> &args, con
                               << ix.var.name() << "); a definition's indices must be plain variables";
     user_check(!contains(lhs, ix.var)) << "the left side of '" << name << "' uses '" << ix.var.name()
                                        << "' twice; each index of a definition must be a distinct variable";
+    // The algebra's text tells indices apart by name (f(i, i) would print).
+    for (const Var &v : lhs)
+      user_check(v.name() != ix.var.name())
+          << "the left side of '" << name << "' has two different indices named '" << v.name() << "' (over "
+          << v.dim().name() << " and " << ix.var.dim().name() << "): give each Var its own name";
     lhs.push_back(ix.var);
   }
   std::vector<Var> bound = lhs;
   std::vector<Var> fv = DefinitionChecker(name).visit(body, bound);
   for (const Var &v : fv) {
+    for (const Var &w : lhs)
+      user_check(w.name() != v.name() || w.same_as(v))
+          << "in definition of '" << name << "': two different indices are named '" << v.name() << "' (over "
+          << w.dim().name() << " on the left and " << v.dim().name()
+          << " on the right): give each Var its own name, or use the left side's Var on the right";
     user_check(contains(lhs, v)) << "in definition of '" << name << "': index '" << v.name()
                                  << "' is used on the right side but is not on the left: add it to " << name
                                  << "(...) or sum over it with sum(" << v.name() << ", ...)";

@@ -187,6 +187,15 @@ TEST_CASE("dsl errors: left side of a definition") {
   Func routed("routed");
   check_has(user_error_of([&] { routed(route.token(r), w.i) = w.x(route.token(r), w.i); }),
             {"the left side of 'routed' uses token(r)", "must be plain variables"});
+  // Two different Vars of one name: the text would print f(i, i).
+  Var i_over_e("i", w.E);
+  Func same_name("same_name");
+  check_has(user_error_of([&] { same_name(w.i, i_over_e) = w.x(w.t, w.i) * 0.0 + 1.0; }),
+            {"the left side of 'same_name' has two different indices named 'i' (over D and E)",
+             "give each Var its own name"});
+  Func right("right");
+  check_has(user_error_of([&] { right(w.t, w.i) = w.x(w.t, w.i) + w.p(w.t, i_over_e); }),
+            {"in definition of 'right': two different indices are named 'i' (over D on the left and E on the right)"});
 }
 
 TEST_CASE("dsl errors: top_k arguments") {

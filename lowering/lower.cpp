@@ -1336,12 +1336,13 @@ KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &sche
   user_check(schedule.expert_parallel_ranks() == 1)
       << "schedule '" << schedule.name() << "': expert_parallel(" << schedule.expert_parallel_ranks()
       << ") spreads the experts over GPUs, which one layer cannot do: compile it with "
-      << "cuda::compile_expert_parallel (moeforge train --ranks " << schedule.expert_parallel_ranks()
-      << "), or drop expert_parallel to run on one GPU";
+      << "cuda::compile_expert_parallel in C++ (the CLI: moeforge train --ranks " << schedule.expert_parallel_ranks()
+      << "; Python has no expert-parallel layer yet), or drop expert_parallel to run on one GPU";
   user_check(schedule.exchange_chunks() == 1)
       << "schedule '" << schedule.name() << "': exchange_chunks(" << schedule.exchange_chunks()
       << ") divides an expert-parallel layer's row exchange, and one layer has none: add expert_parallel(ranks) "
-      << "and compile it with cuda::compile_expert_parallel, or drop exchange_chunks";
+      << "and compile it with cuda::compile_expert_parallel in C++ (Python has no expert-parallel layer yet), or drop "
+         "exchange_chunks";
   KernelProgram p = build_steps(pipeline, schedule);
   dump("build_steps", p, observe);
   p = fuse_gate_into_epilogue(std::move(p), schedule);

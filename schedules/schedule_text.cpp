@@ -254,7 +254,7 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
       if ((b < 0x20 && b != '\t' && b != '\r') || b == 0x7f) {
         static const char *hex = "0123456789abcdef";
         user_error << where << "column " << c + 1 << ": byte 0x" << hex[b >> 4] << hex[b & 15]
-                   << " is not text; a schedule file holds one call per line, as Schedule::save writes it";
+                   << " is not text; a schedule file holds one call per line, as a schedule's save() writes it";
       }
     }
     Statement st;

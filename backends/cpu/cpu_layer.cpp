@@ -193,11 +193,11 @@ void *CpuLayer::arg(const CpuArg &a) {
   return nullptr;
 }
 
-void CpuLayer::run(size_t begin, size_t end) {
+void CpuLayer::run(size_t begin, size_t end, const char *entry) {
   const std::vector<Step> &steps = layer_.program.steps;
   internal_check(begin <= end && end <= steps.size())
       << "steps [" << begin << ", " << end << ") of a program of " << steps.size();
-  check_uploaded(layer_.program, begin, end, uploaded_, "run()");
+  check_uploaded(layer_.program, begin, end, uploaded_, entry);
   const JitProgram &jit = *layer_.jit;
   const std::vector<CpuKernel> &kernels = layer_.kernels;
   std::vector<void *> args;

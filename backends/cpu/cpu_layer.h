@@ -63,8 +63,9 @@ public:
   // training program's forward or backward). Later steps read what earlier
   // runs left in the buffers and the routing tables. A user error until
   // every Input and Param these steps read has been uploaded (they would
-  // compute on zeros).
-  void run(size_t begin, size_t end);
+  // compute on zeros); `entry` names the caller's entry point in that error
+  // (a training layer's forward() or backward(), not run()).
+  void run(size_t begin, size_t end, const char *entry = "run()");
   // Steps [begin, end) as run() runs them, each timed: its name and
   // milliseconds, in program order (for benchmarks and `train --profile`).
   std::vector<std::pair<std::string, double>> profile(size_t begin, size_t end);

@@ -41,13 +41,13 @@ void CpuTrainingLayer::poison() {
 }
 
 void CpuTrainingLayer::forward() {
-  layer_.run(0, compiled_.training.forward_steps);
+  layer_.run(0, compiled_.training.forward_steps, "forward()");
   state_.forward_ran();
 }
 
 void CpuTrainingLayer::backward() {
   state_.check_ready_for_backward();
-  layer_.run(compiled_.training.forward_steps, compiled_.training.program.steps.size());
+  layer_.run(compiled_.training.forward_steps, compiled_.training.program.steps.size(), "backward()");
 }
 
 std::vector<std::pair<std::string, double>> CpuTrainingLayer::profile_forward() {

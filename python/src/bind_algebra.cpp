@@ -70,7 +70,13 @@ void bind_algebra(nb::module_ &m) {
             new (d) Dim(name, checked_integer(extent, INT64_MIN, INT64_MAX, "Dim('" + name + "', ...)", "extent"));
           },
           "name"_a, "extent"_a)
-      .def_static("dynamic", &Dim::dynamic, "name"_a)
+      .def_static(
+          "dynamic",
+          [](const std::string &name) {
+            check_user_name(name, "Dim.dynamic");
+            return Dim::dynamic(name);
+          },
+          "name"_a)
       .def_prop_ro("name", &Dim::name)
       .def_prop_ro("extent",
                    [](const Dim &d) -> nb::object {

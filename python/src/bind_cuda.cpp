@@ -222,7 +222,7 @@ void bind_cuda(nb::module_ &m) {
           "inputs"_a, "Every Input and Param of the forward from host arrays (synchronous).")
       .def(
           "upload_upstream_gradient",
-          [](PyCudaTraining &l, const AnyArray &grad, std::optional<std::string> output) {
+          [](PyCudaTraining &l, nb::handle grad, std::optional<std::string> output) {
             l.dev->make_current();
             const std::string name = output.value_or(l.compiled->training.output);
             l.layer->upload_upstream_gradient(name, to_host_tensor(grad, "the upstream gradient of '" + name + "'"));

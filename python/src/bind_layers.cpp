@@ -147,7 +147,7 @@ void bind_layers(nb::module_ &m) {
           "inputs"_a, "Every Input and Param, {name: array}.")
       .def(
           "upload",
-          [](PyCpuLayer &l, const std::string &name, const AnyArray &a) {
+          [](PyCpuLayer &l, const std::string &name, nb::handle a) {
             l.layer->upload(name, to_host_tensor(a, "input '" + name + "'"));
           },
           "name"_a, "array"_a)
@@ -183,7 +183,7 @@ void bind_layers(nb::module_ &m) {
           "inputs"_a, "Every Input and Param of the forward, {name: array}.")
       .def(
           "upload_upstream_gradient",
-          [](PyCpuTraining &l, const AnyArray &grad, std::optional<std::string> output) {
+          [](PyCpuTraining &l, nb::handle grad, std::optional<std::string> output) {
             const std::string name = output.value_or(l.program->compiled->training.output);
             l.layer->upload_upstream_gradient(name, to_host_tensor(grad, "the upstream gradient of '" + name + "'"));
           },

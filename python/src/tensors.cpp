@@ -157,21 +157,24 @@ TensorMap to_tensor_map(const nb::dict &arrays, const std::string &what) {
     if (!nb::isinstance<nb::str>(key))
       throw UserError(what + " names must be strings, got " + nb::cast<std::string>(nb::str(key.type())));
     const std::string name = nb::cast<std::string>(key);
-    AnyArray array;
-    if (!nb::try_cast(value, array)) {
-      // An array of a dtype no layer reads (object, str, longdouble, a
-      // record) is an array all the same: say which dtype, not "not an array".
-      if (nb::hasattr(value, "dtype") && nb::hasattr(value, "shape"))
-        throw UserError(what + " '" + name + "' has dtype " +
-                        nb::cast<std::string>(nb::str(nb::object(value.attr("dtype")))) +
-                        "; give float64, float32, float16, bfloat16, int32 or int64 values (numpy: "
-                        "astype(np.float32))");
-      throw UserError(what + " '" + name + "' is a " + nb::cast<std::string>(nb::str(value.type())) +
-                      ", not an array: give a numpy array or a tensor (anything with __dlpack__)");
-    }
-    out[name] = to_host_tensor(array, what + " '" + name + "'");
+    out[name] = to_host_tensor(nb::handle(value), what + " '" + name + "'");
   }
   return out;
+}
+
+HostTensor to_host_tensor(nb::handle value, const std::string &what) {
+  AnyArray array;
+  if (!nb::try_cast(value, array)) {
+    // An array of a dtype no layer reads (object, str, longdouble, a
+    // record) is an array all the same: say which dtype, not "not an array".
+    if (nb::hasattr(value, "dtype") && nb::hasattr(value, "shape"))
+      throw UserError(what + " has dtype " + nb::cast<std::string>(nb::str(nb::object(value.attr("dtype")))) +
+                      "; give float64, float32, float16, bfloat16, int32 or int64 values (numpy: "
+                      "astype(np.float32))");
+    throw UserError(what + " is a " + nb::cast<std::string>(nb::str(value.type())) +
+                    ", not an array: give a numpy array or a tensor (anything with __dlpack__)");
+  }
+  return to_host_tensor(array, what);
 }
 
 nb::dict to_dict(TensorMap tensors) {

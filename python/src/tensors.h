@@ -34,6 +34,12 @@ NumpyArray to_numpy(HostTensor tensor);
 // Integer tables (routing choices) as an int32 numpy array.
 nb::ndarray<nb::numpy, int32_t> to_numpy(std::vector<int32_t> values);
 
+// Any Python value as a HostTensor: an array of a dtype no layer reads, or
+// no array at all, is a UserError naming `what` and the dtype or type
+// (the bindings take nb::handle for arrays, so that nanobind's generic
+// "incompatible function arguments" never answers instead).
+HostTensor to_host_tensor(nb::handle value, const std::string &what);
+
 // A dict {name: array} as a TensorMap ("input 'name'" in errors).
 TensorMap to_tensor_map(const nb::dict &arrays, const std::string &what);
 

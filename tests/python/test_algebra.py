@@ -136,6 +136,8 @@ def test_arguments_past_their_range_and_names_that_cannot_be_printed_are_user_er
         mf.Dim("D", 0)
     with pytest.raises(mf.UserError, match=r"Dim\(''\): a Dim needs a name"):
         mf.Dim("", 4)
+    with pytest.raises(mf.UserError, match=r"Dim\.dynamic\(''\): a Dim\.dynamic needs a name"):
+        mf.Dim.dynamic("")
     with pytest.raises(mf.UserError, match=r"Func\('\*'\): '\*' names every Func in a schedule"):
         mf.Func("*")
     with pytest.raises(mf.UserError, match=r"Var name 'i j' holds a quote, a backslash, whitespace"):

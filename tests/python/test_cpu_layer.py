@@ -186,3 +186,24 @@ def test_inputs_of_a_dtype_no_layer_reads_or_the_wrong_shape_say_which():
     with pytest.raises(mf.UserError, match=r"input 'x' has shape \(7, 64\), and at 8 tokens the layer takes "
                                            r"\(8, 64\) \(T, D\)"):
         cpu.upload({**inputs, "x": np.zeros((7, 64), dtype=np.float32)})
+    # One array at a time, and the upstream gradient: the same words, not
+    # nanobind's "incompatible function arguments".
+    with pytest.raises(mf.UserError, match=r"input 'x' has dtype object; give float64"):
+        cpu.upload("x", np.array([[object()] * 64] * 8, dtype=object))
+    layer, y, _ = build_moe_mlp()
+    train = mf.CpuTrainingLayer(layer, [y], mf.scattermoe(), 8)
+    with pytest.raises(mf.UserError, match=r"the upstream gradient of 'y' is a <class 'str'>, not an array"):
+        train.upload_upstream_gradient("zeros")
+
+
+def test_a_training_layer_names_its_own_entry_points_and_python_spellings():
+    layer, y, _ = build_moe_mlp()
+    train = mf.CpuTrainingLayer(layer, [y], mf.scattermoe(), 8)
+    with pytest.raises(mf.UserError, match=r"forward\(\) before upload\(\) of 'x'"):
+        train.forward()
+    # Expert parallelism is C++'s and the CLI's for now: the advice says so.
+    with pytest.raises(mf.UserError, match=r"in C\+\+ \(the CLI: moeforge train --ranks 2; Python has no "
+                                           r"expert-parallel layer yet\)"):
+        mf.CpuLayer(layer, mf.Schedule.from_text(mf.scattermoe().to_text() + "expert_parallel(2)\n"), 8)
+    with pytest.raises(mf.UserError, match=r"byte 0x00 is not text; .* as a schedule's save\(\) writes it"):
+        mf.Schedule.from_text("schedule(\"x\")\nblock(128)\x00\n")

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -384,10 +385,19 @@ TEST_CASE("cli: a schedule file's expert_parallel is blamed on the file, not on 
     f << "schedule(\"x\")\nexpert_parallel(2)\n";
   }
   Run r = cli({"run", "moe_mlp", "--schedule", p.string(), "--tokens", "8"});
-  std::filesystem::remove(p);
   CHECK(r.code == 2);
   CHECK(has(r.err, "the schedule's expert_parallel(2) spreads the experts over GPUs: it needs the CUDA backend"));
   CHECK_FALSE(has(r.err, "--ranks"));
+  // With a CPU backend named: the file's content, not the flags, so no usage.
+  for (const char *command : {"run", "train"}) {
+    INFO(command);
+    Run cpu = cli({command, "moe_mlp", "--schedule", p.string(), "--tokens", "8", "--backend", "cpu"});
+    CHECK(cpu.code == 2);
+    CHECK(has(cpu.err, "it needs the CUDA backend"));
+    CHECK(has(cpu.err, "to run on the cpu backend, drop expert_parallel from the schedule file"));
+    CHECK_FALSE(has(cpu.err, "usage:"));
+  }
+  std::filesystem::remove(p);
 }
 
 TEST_CASE("cli: help and the version to a stream that cannot be written end in exit 2") {
@@ -947,6 +957,16 @@ TEST_CASE("cli: hostile command lines end in exit 2 and a message that says what
                                                               10)),
                     badtile = file("badtile.sched", "schedule(\"x\")\ntile(\"*\", 100, 128, 64)\n"),
                     unknown = file("unknown.sched", "schedule(\"x\")\nwarp_drive(\"*\", 9)\n");
+  // A 2 GiB sparse file (no disk used) and bytes as /dev/urandom gives them:
+  // refused at their first NUL, never read whole.
+  const std::string sparse = file("sparse.sched", "");
+  std::filesystem::resize_file(sparse, std::uintmax_t(2) << 30);
+  std::string noise(4096, '\0');
+  std::mt19937 bytes(51);
+  for (char &c : noise)
+    c = static_cast<char>(1 + bytes() % 255);
+  noise[595] = '\0';
+  const std::string random = file("random.sched", noise);
   const std::string big = "2305843009213693952", huge = "99999999999999999999";
   const std::vector<std::pair<std::vector<std::string>, std::string>> rows = {
       {{"run", "moe_mlp", "--d", big}, "--d 2305843009213693952 is beyond 2147483647"},
@@ -996,6 +1016,8 @@ TEST_CASE("cli: hostile command lines end in exit 2 and a message that says what
       {{"run", "moe_mlp", "--schedule", nul}, "byte 37 is a NUL (0x00), so this is not a text file"},
       {{"run", "moe_mlp", "--schedule", binary}, "byte 7 is a NUL (0x00), so this is not a text file"},
       {{"run", "moe_mlp", "--schedule", "/dev/zero"}, "byte 0 is a NUL (0x00), so this is not a text file"},
+      {{"run", "moe_mlp", "--schedule", sparse}, "byte 0 is a NUL (0x00), so this is not a text file"},
+      {{"run", "moe_mlp", "--schedule", random}, "byte 595 is a NUL (0x00), so this is not a text file"},
       {{"run", "moe_mlp", "--schedule", badtile}, "tile_m 100 of the default ('*') is not supported"},
       {{"run", "moe_mlp", "--schedule", unknown}, "warp_drive"},
       {{"run", "moe_mlp", "--schedule", (dir / "missing.sched").string()}, "nor an existing schedule file"},

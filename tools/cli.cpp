@@ -677,8 +677,10 @@ int spread_experts(const Options &o, const std::string &backend, const std::stri
   // Named as the user gave it: the flag, or the schedule's primitive.
   const std::string asked = o.ranks > 1 ? "--ranks " + std::to_string(ranks)
                                         : "the schedule's expert_parallel(" + std::to_string(ranks) + ")";
-  user_check(ranks == 1 || backend == "cuda") << asked << " spreads the experts over GPUs: it needs the "
-                                              << "CUDA backend" << (no_gpu.empty() ? "" : " (" + no_gpu + ")");
+  user_check(ranks == 1 || backend == "cuda")
+      << asked << " spreads the experts over GPUs: it needs the CUDA backend"
+      << (no_gpu.empty() ? "" : " (" + no_gpu + ")")
+      << (o.ranks > 1 ? "" : "; to run on the " + backend + " backend, drop expert_parallel from the schedule file");
   return ranks;
 }
 
@@ -715,7 +717,7 @@ int train(const Options &o, std::ostream &out, Progress &progress, bool &working
   Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/true, &auto_note, working);
   if (o.recompute)
     schedule.recompute(true);
-  working = o.backend.empty() || o.backend == "cuda"; // as in run
+  working = o.backend.empty() || o.backend == "cuda" || o.ranks <= 1; // as in run
   const int ranks = spread_experts(o, backend, no_gpu, schedule);
   working = true; // the arguments hold together: from here on, errors are the layer's
   progress.phase("generating the inputs");
@@ -794,8 +796,9 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
   std::string auto_note;
   Schedule schedule = resolve_schedule(o, ex, backend, /*training=*/false, &auto_note, working);
   // --ranks beside a backend named that is not CUDA: the command line's
-  // conflict, with the usage; GPUs this machine lacks: the machine's.
-  working = o.backend.empty() || o.backend == "cuda";
+  // conflict, with the usage; GPUs this machine lacks, or a schedule file's
+  // expert_parallel: not the flags' mistake, no usage.
+  working = o.backend.empty() || o.backend == "cuda" || o.ranks <= 1;
   const int ranks = spread_experts(o, backend, no_gpu, schedule);
   working = true; // the arguments hold together: memory this machine lacks is not their mistake
   // A GPU run without --check never needs the inputs on the host: the

@@ -57,8 +57,9 @@ void check_host_allocation(size_t bytes, const std::string &what) {
     return;
   const size_t have = host_bytes_available();
   user_check(bytes <= have) << what << " needs " << gib(bytes) << " GiB of host memory, and " << gib(have)
-                            << " GiB is available: lower the token count or the layer's sizes (moeforge run: "
-                            << "--tokens, --d, --f, --experts)";
+                            << " GiB is available: lower the token count or the layer's sizes (the CLI's "
+                            << "--tokens, --d, --f, --experts; the Dims' extents and the tokens given from C++ "
+                            << "or Python)";
 }
 
 void check_host_array(const std::vector<int64_t> &shape, size_t value_bytes, const std::string &what,

@@ -107,17 +107,11 @@ std::vector<uint8_t> ProgramShapes::encode_input(const TensorDecl &t, const Tens
   auto it = inputs.find(t.name);
   user_check(it != inputs.end()) << "no tensor given for input '" << t.name << "'";
   const HostTensor &h = it->second;
-  auto text = [](const std::vector<int64_t> &s) {
-    std::string out = "(";
-    for (size_t i = 0; i < s.size(); ++i)
-      out += (i ? ", " : "") + std::to_string(s[i]);
-    return out + (s.size() == 1 ? ",)" : ")");
-  };
   std::string dims;
   for (const Dim &d : t.dims)
     dims += (dims.empty() ? "" : ", ") + d.name();
-  user_check(h.shape == shape(t)) << "input '" << t.name << "' has shape " << text(h.shape) << ", and at " << tokens_
-                                  << " tokens the layer takes " << text(shape(t)) << " (" << dims
+  user_check(h.shape == shape(t)) << "input '" << t.name << "' has shape " << shape_text(h.shape) << ", and at "
+                                  << tokens_ << " tokens the layer takes " << shape_text(shape(t)) << " (" << dims
                                   << "): give it that shape, or make the layer for the token count it has";
   return encode_values(h.data, t.dtype);
 }

@@ -150,4 +150,11 @@ double max_relative_error(const HostTensor &a, const HostTensor &b, double floor
   return worst;
 }
 
+std::string shape_text(const std::vector<int64_t> &shape) {
+  std::string out = "(";
+  for (size_t i = 0; i < shape.size(); ++i)
+    out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + (shape.size() == 1 ? ",)" : ")");
+}
+
 } // namespace moeforge

@@ -61,6 +61,9 @@ HostTensor hashed_random_tensor(std::vector<int64_t> shape, uint64_t seed, uint6
                                 double hi = 1.0, bool bf16 = true);
 // A stream number for hashed_random_tensor from a tensor's name.
 uint64_t random_stream(const std::string &name);
+
+// A shape as Python writes it, for messages: "(8, 64)", "(8,)", "()".
+std::string shape_text(const std::vector<int64_t> &shape);
 // Element i of hashed_random_tensor(shape, seed, stream, lo, hi, bf16), for
 // a caller that stores the values some other way (the CLI's GPU run writes
 // them straight into the device's bf16 bytes): key = hashed_random_key.

@@ -427,8 +427,8 @@ TEST_CASE("cli: intermediates larger than the machine are refused with their siz
     INFO(r.err);
     CHECK(r.code == 2);
     CHECK(has(r.err, "GiB of host memory, and "));
-    CHECK(has(r.err, "GiB is available: lower the token count or the layer's sizes (moeforge run: --tokens, --d, "
-                     "--f, --experts)"));
+    CHECK(has(r.err, "GiB is available: lower the token count or the layer's sizes (the CLI's --tokens, --d, "
+                     "--f, --experts;"));
     CHECK(has(r.err, std::string(backend) == "cpu" ? "the CPU backend's tensors of this layer at 200000 tokens needs"
                                                    : "the reference's "));
     CHECK_FALSE(has(r.err, "bad_alloc"));

@@ -343,7 +343,8 @@ TEST_CASE("evaluator errors: wrong rank and wrong element count") {
   Example ex = make_example("moe_mlp", shape);
   TensorMap in = ex.random_inputs(shape, 1);
   in["wr"] = HostTensor({4, 4, 1});
-  check_has(user_error_of([&] { evaluate(ex.pipeline, in); }), {"'wr' has 3 dimensions but is declared wr(D, E)"});
+  check_has(user_error_of([&] { evaluate(ex.pipeline, in); }),
+            {"'wr' has 3 dimensions (shape (4, 4, 1)) but is declared wr(D, E)"});
   in = ex.random_inputs(shape, 1);
   in["wr"].data.pop_back();
   check_has(user_error_of([&] { evaluate(ex.pipeline, in); }), {"'wr' holds 15 values but its shape needs 16"});

@@ -38,8 +38,8 @@ TEST_CASE("host memory: what a machine has is known, and more than it has is ref
   CHECK(have < SIZE_MAX);
   const std::string m = testing::user_error_of([] { check_host_allocation(size_t(1) << 60, "a test's buffer"); });
   CHECK(m.find("a test's buffer needs 1073741824.0 GiB of host memory, and ") != std::string::npos);
-  CHECK(m.find(" GiB is available: lower the token count or the layer's sizes (moeforge run: --tokens, --d, --f, "
-               "--experts)") != std::string::npos);
+  CHECK(m.find(" GiB is available: lower the token count or the layer's sizes (the CLI's --tokens, --d, --f, "
+               "--experts; the Dims' extents and the tokens given from C++ or Python)") != std::string::npos);
   // Small ones pass unchecked; one that fits passes.
   CHECK_NOTHROW(check_host_allocation(size_t(1) << 20, "a small buffer"));
   CHECK_NOTHROW(check_host_allocation(size_t(64) << 20, "a buffer that fits"));

@@ -235,7 +235,8 @@ private:
                                      << " '" << b->name << "': pass one of shape " << describe_shape(*b);
       const HostTensor &t = *it->second;
       user_check(t.shape.size() == b->dims.size())
-          << "'" << b->name << "' has " << t.shape.size() << " dimensions but is declared " << describe_shape(*b);
+          << "'" << b->name << "' has " << t.shape.size() << " dimensions (shape " << shape_text(t.shape)
+          << ") but is declared " << describe_shape(*b);
       user_check(static_cast<int64_t>(t.data.size()) == product(t.shape))
           << "'" << b->name << "' holds " << t.data.size() << " values but its shape needs " << product(t.shape);
       for (size_t i = 0; i < b->dims.size(); ++i) {

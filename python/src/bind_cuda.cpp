@@ -28,7 +28,6 @@
 #include "dsl/error.h"
 #include "examples/skewed_routing.h"
 #include "lowering/default_schedule.h"
-#include "lowering/lower.h"
 #include "tensors.h"
 #include "training_names.h"
 
@@ -139,10 +138,9 @@ void bind_cuda(nb::module_ &m) {
           r.upstream = cuda::upstream_like(outs.front(), tokens, seed);
         // Timed under skewed routing too where the router is x wr (as the
         // CLI's tune does), so the winner holds up when the load is uneven.
-        const KernelProgram lowered = lower(pipeline, r.base);
-        if (lowered.routes.size() == 1)
+        if (pipeline.routes().size() == 1)
           if (std::optional<SkewedInputs> skewed =
-                  skewed_router_inputs(r.inputs, lowered.routes.front()->k, 2.5, nullptr))
+                  skewed_router_inputs(r.inputs, pipeline.routes().front()->k, 2.5, nullptr))
             r.skewed_inputs = skewed->inputs;
         cuda::StoredTune t;
         {

@@ -159,3 +159,29 @@ def test_two_dims_of_one_name_and_different_extents_are_refused():
     with pytest.raises(mf.UserError, match=r"two different Dims are named 'D' in this pipeline, of extents 64 and "
                                            r"128: give each Dim its own name"):
         mf.Pipeline([y])
+
+
+def test_hostile_schedule_files_and_sizes_are_refused_with_what_to_change(tmp_path):
+    """The sweep's cases (#51) from Python: a file of NULs and a large sparse
+    one refused at their first byte, a 1 MB text replayed at once, and a Dim
+    too large for the machine named with what to lower."""
+    import time
+    with pytest.raises(mf.UserError, match=r"'/dev/zero': byte 0 is a NUL \(0x00\), so this is not a text file"):
+        mf.Schedule.load("/dev/zero")
+    sparse = tmp_path / "sparse.sched"
+    with open(sparse, "wb") as f:
+        f.truncate(2 << 30)  # 2 GiB of holes: no disk used
+    with pytest.raises(mf.UserError, match=r"byte 0 is a NUL"):
+        mf.Schedule.load(str(sparse))
+    text = mf.scattermoe().to_text() + 'stages("o", 4)\n' * 70000  # about 1 MB
+    start = time.perf_counter()
+    assert mf.Schedule.from_text(text).name == "scattermoe"
+    assert time.perf_counter() - start < 10  # linear: ~0.1 s here; quadratic took minutes
+    T, D = mf.Dim.dynamic("T"), mf.Dim("D", 2**40)
+    t, i = mf.Var("t", T), mf.Var("i", D)
+    x, y = mf.Input("x", [T, D]), mf.Func("y")
+    y[t, i] = x[t, i] * 2.0
+    if mf.has_cpu_backend:
+        with pytest.raises(mf.UserError, match=r"needs 32768\.0 GiB of host memory, and .* GiB is available: lower "
+                                               r"the token count or the layer's sizes"):
+            mf.CpuLayer(mf.Pipeline([y]), mf.scattermoe(), 8)

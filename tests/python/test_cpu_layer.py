@@ -180,7 +180,7 @@ def test_inputs_of_a_dtype_no_layer_reads_or_the_wrong_shape_say_which():
     cpu = mf.CpuLayer(layer, mf.scattermoe(), 8)
     inputs = random_inputs(8, seed=1)
     for bad in (np.array([[object()] * 64] * 8, dtype=object), np.array([["a"] * 64] * 8),
-                np.zeros((8, 64), dtype=[("a", "f4")])):
+                np.zeros((8, 64), dtype=[("a", "f4")]), np.zeros((8, 64), dtype=np.longdouble)):
         with pytest.raises(mf.UserError, match=r"input 'x' has dtype .*; give float64, float32, float16, bfloat16"):
             cpu.upload({**inputs, "x": bad})
     with pytest.raises(mf.UserError, match=r"input 'x' has shape \(7, 64\), and at 8 tokens the layer takes "

@@ -120,7 +120,6 @@ void bind_cuda(nb::module_ &m) {
                                   "runs (e.g. batch x sequence length)";
         user_check(budget_seconds > 0 && budget_seconds <= 24 * 3600)
             << "tune(budget_seconds=" << budget_seconds << "): give a budget from a few seconds to 86400";
-        std::shared_ptr<cuda::Device> dev = device(ordinal);
         const std::vector<Func> outs = outputs && !outputs->empty() ? *outputs : pipeline.outputs();
         cuda::TuneRequest r;
         r.pipeline = &pipeline;
@@ -142,6 +141,8 @@ void bind_cuda(nb::module_ &m) {
           if (std::optional<SkewedInputs> skewed =
                   skewed_router_inputs(r.inputs, pipeline.routes().front()->k, 2.5, nullptr))
             r.skewed_inputs = skewed->inputs;
+        // Last: what the request needs is made (and checked) without a GPU.
+        std::shared_ptr<cuda::Device> dev = device(ordinal);
         cuda::StoredTune t;
         {
           nb::gil_scoped_release release; // minutes of compiling and timing

@@ -32,9 +32,12 @@ def test_tune_refuses_what_it_cannot_time_before_looking_for_a_gpu():
 @needs_backend
 @pytest.mark.skipif(gpu[0], reason="a GPU is present")
 def test_without_a_gpu_tune_says_why():
+    # After making the request's inputs, its upstream gradient and its
+    # skewed routing (the router is x wr), for the forward and the step.
     layer, _, _ = build_moe_mlp()
-    with pytest.raises(mf.UserError, match="the CUDA backend needs a GPU"):
-        mf.tune(layer, 64, budget_seconds=1)
+    for training in (True, False):
+        with pytest.raises(mf.UserError, match="the CUDA backend needs a GPU"):
+            mf.tune(layer, 64, training=training, budget_seconds=1)
 
 
 @needs_backend

@@ -111,9 +111,11 @@ Schedule &Schedule::block(int rows) {
 
 Schedule &Schedule::capacity(double factor) {
   std::string call = "capacity(" + format_number(factor) + ")";
-  user_check(std::isfinite(factor) && factor > 0 && factor <= 1024)
-      << call << ": the capacity factor must be positive (1.0: an expert takes its even share T * k / E of the "
-      << "pairs; 1.25 or 2.0 leave room for imbalance); for no dropping, do not call capacity()";
+  user_check(!std::isnan(factor) && factor > 0 && factor <= 1024)
+      << call << ": the capacity factor must be "
+      << (factor > 1024 ? "at most 1024, where no expert drops a pair anyway" : "a positive number")
+      << " (1.0: an expert takes its even share T * k / E of the pairs; 1.25 or 2.0 leave room for imbalance); "
+      << "for no dropping, do not call capacity()";
   capacity_ = factor;
   calls_.push_back(call);
   return *this;

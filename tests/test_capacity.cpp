@@ -94,7 +94,10 @@ TEST_CASE("capacity: the schedule primitive traces, replays and refuses a factor
   CHECK(s.to_text().find("capacity(1.25)") != std::string::npos);
   CHECK(Schedule::from_text(s.to_text()).capacity() == 1.25);
   CHECK(Schedule("plain").capacity() == 0); // dropless by default
-  CHECK(testing::user_error_of([] { Schedule().capacity(0); }).find("must be positive") != std::string::npos);
+  CHECK(testing::user_error_of([] { Schedule().capacity(0); }).find("must be a positive number") != std::string::npos);
+  // Too large is not "not positive" (#51): said as the bound it passes.
+  for (const char *text : {"capacity(1e308)", "capacity(inf)"})
+    CHECK(testing::user_error_of([&] { Schedule::from_text(text); }).find("must be at most 1024") != std::string::npos);
   CHECK(testing::user_error_of([] { Schedule().capacity(-1); }).find("do not call capacity()") != std::string::npos);
   CHECK(testing::user_error_of([] { Schedule::from_text("capacity(lots)"); }).find("expected a number") !=
         std::string::npos);

@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsl/error.h"
@@ -24,20 +25,30 @@ using namespace moeforge;
 
 namespace {
 
-// The seeds: every preset and every schedule file the benchmarks keep.
+// Every .sched file under `folder` of the source tree, as text.
+std::vector<std::pair<std::string, std::string>> schedule_files(const char *folder) {
+  std::vector<std::pair<std::string, std::string>> files;
+  const std::filesystem::path dir = testing::source_file(folder);
+  for (const auto &entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (!entry.is_regular_file() || entry.path().extension() != ".sched")
+      continue;
+    std::ifstream in(entry.path(), std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    files.emplace_back(entry.path().filename().string(), text.str());
+  }
+  return files;
+}
+
+// The seeds: every preset, every schedule file the benchmarks keep, and the
+// bad-input sweep's hostile texts (tests/fuzz_corpus/).
 std::vector<std::string> schedule_corpus() {
   std::vector<std::string> corpus;
   for (const std::string &p : preset_names())
     corpus.push_back(preset(p).to_text());
-  const std::filesystem::path dir = testing::source_file("benchmarks/schedules");
-  for (const auto &entry : std::filesystem::recursive_directory_iterator(dir)) {
-    if (!entry.is_regular_file() || entry.path().extension() != ".sched")
-      continue;
-    std::ifstream in(entry.path());
-    std::stringstream text;
-    text << in.rdbuf();
-    corpus.push_back(text.str());
-  }
+  for (const char *folder : {"benchmarks/schedules", "tests/fuzz_corpus"})
+    for (const auto &[name, text] : schedule_files(folder))
+      corpus.push_back(text);
   return corpus;
 }
 
@@ -119,6 +130,21 @@ std::string mutate(std::string text, std::mt19937_64 &rng) {
 }
 
 } // namespace
+
+TEST_CASE("fuzz: the sweep's hostile schedule texts end in a UserError that names the file") {
+  const auto files = schedule_files("tests/fuzz_corpus");
+  REQUIRE(files.size() >= 10);
+  const Example ex = make_example("swiglu_moe", ExampleShape{});
+  for (const auto &[name, text] : files) {
+    INFO(name);
+    try {
+      Schedule::from_text(text, name).validate(ex.pipeline);
+      FAIL("a hostile schedule text was taken: " << name);
+    } catch (const UserError &e) {
+      CHECK(std::string(e.what()).find(name) != std::string::npos);
+    }
+  }
+}
 
 TEST_CASE("fuzz: mutated schedule texts parse or end in a UserError, and what parses round-trips") {
   const std::vector<std::string> corpus = schedule_corpus();

@@ -2,6 +2,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <fstream>
 #include <iomanip>
@@ -55,7 +56,13 @@ constexpr size_t kUnchecked = size_t(64) << 20; // below this, reading the limit
 void check_host_allocation(size_t bytes, const std::string &what) {
   if (bytes < kUnchecked)
     return;
-  const size_t have = host_bytes_available();
+  // A sixteenth of what is free (at least 512 MiB) stays free: each
+  // allocation is checked on its own, and a layer whose tensors each fit
+  // could otherwise fill the machine to the last few hundred MiB, where the
+  // OOM killer, not this message, ends the run.
+  size_t have = host_bytes_available();
+  if (have != SIZE_MAX)
+    have -= std::min(have, std::max(size_t(512) << 20, have / 16));
   user_check(bytes <= have) << what << " needs " << gib(bytes) << " GiB of host memory, and " << gib(have)
                             << " GiB is available: lower the token count or the layer's sizes (the CLI's "
                             << "--tokens, --d, --f, --experts; the Dims' extents and the tokens given from C++ "

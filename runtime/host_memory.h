@@ -18,8 +18,9 @@ size_t host_bytes_available();
 
 // UserError when `bytes` of host memory for `what` ("the CPU backend's
 // tensors of moe_mlp", "a host tensor of 200000 x 8 x 8192 values") exceed
-// what is available: the message gives both sizes and says to lower the
-// token count or the layer's sizes. Allocations under 64 MiB are not
+// what is available, less a sixteenth of it (at least 512 MiB) kept free
+// for the rest of the run: the message gives both sizes and says to lower
+// the token count or the layer's sizes. Allocations under 64 MiB are not
 // checked (reading the limits costs more than they risk).
 void check_host_allocation(size_t bytes, const std::string &what);
 

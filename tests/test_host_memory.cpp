@@ -43,6 +43,11 @@ TEST_CASE("host memory: what a machine has is known, and more than it has is ref
   // Small ones pass unchecked; one that fits passes.
   CHECK_NOTHROW(check_host_allocation(size_t(1) << 20, "a small buffer"));
   CHECK_NOTHROW(check_host_allocation(size_t(64) << 20, "a buffer that fits"));
+  // All that is free is more than one allocation may take: a sixteenth (at
+  // least 512 MiB) stays for the rest of the run.
+  const size_t all = host_bytes_available();
+  const std::string full = testing::user_error_of([&] { check_host_allocation(all, "everything free"); });
+  CHECK(full.find("everything free needs ") != std::string::npos);
 }
 
 TEST_CASE("host memory: a host tensor larger than the machine is refused before it is allocated") {

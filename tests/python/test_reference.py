@@ -133,5 +133,5 @@ def test_schedule_capacity_round_trips():
     s = mf.Schedule("capped")
     s.capacity(1.25)
     assert "capacity(1.25)" in s.to_text()
-    with pytest.raises(mf.UserError, match="must be positive"):
+    with pytest.raises(mf.UserError, match="must be a positive number"):
         s.capacity(0.0)

@@ -52,7 +52,7 @@ foreach(lib IN LISTS MOEFORGE_CORE_LIBRARIES)
 endforeach()
 
 # Public header folders, relative to the repository root.
-set(MOEFORGE_HEADER_DIRS dsl schedules lowering runtime backends/reference examples)
+set(MOEFORGE_HEADER_DIRS dsl schedules lowering runtime backends backends/reference examples)
 
 # The backends: the umbrella header includes a backend's layer API where its
 # target is linked (the definition travels with the target).

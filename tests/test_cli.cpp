@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/backends.h"
 #include "examples/examples.h"
 #include "tools/cli.h"
 
@@ -31,6 +32,16 @@ Run cli(const std::vector<std::string> &args) {
 }
 
 bool has(const std::string &text, const std::string &part) { return text.find(part) != std::string::npos; }
+
+// The CPU backend as `run` and `train` name it: "cpu (LLVM JIT, 2 threads)"
+// (a build without it never prints the line).
+std::string cpu_backend() {
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  return make_backend("cpu")->description();
+#else
+  return "cpu (not built)";
+#endif
+}
 
 // `out` from the first `start` (REQUIRE'd present) to the end of that line,
 // without its newline: a report's line by its label.
@@ -189,7 +200,7 @@ TEST_CASE("cli: run dense_mlp and attention have no routing line") {
   CHECK_FALSE(has(r.out, "check "));
   Run c = cli({"run", "dense_mlp", "--backend", "cpu", "--tokens", "32", "--d", "16", "--f", "8"});
   if (c.code == 0) // a build with the CPU backend
-    CHECK(has(c.out, "backend   cpu (LLVM JIT, one thread), schedule 'default' (tiles only: no routing)"));
+    CHECK(has(c.out, "backend   " + cpu_backend() + ", schedule 'default' (tiles only: no routing)"));
   else
     CHECK(has(c.err, "this build has no CPU backend"));
   Run a = cli({"run", "attention", "--backend", "reference", "--tokens", "24", "--d", "8", "--check"});
@@ -647,7 +658,7 @@ TEST_CASE("cli: --backend cuda without a GPU says so and how to run anyway") {
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
   // --schedule auto is the default: the default schedule where nothing is
   // tuned, and the output says so.
-  CHECK(has(dflt.out, "backend   cpu (LLVM JIT, one thread), schedule 'default'; no GPU: "));
+  CHECK(has(dflt.out, "backend   " + cpu_backend() + ", schedule 'default'; no GPU: "));
   CHECK(has(dflt.out, "schedule  auto: the default schedule on the cpu backend (schedules are tuned on a GPU)"));
 #else
   CHECK(has(dflt.out, "backend   reference (Eigen, f32); no GPU: "));
@@ -740,7 +751,7 @@ TEST_CASE("cli: run on the CPU backend checks every Func against the reference")
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
   INFO(r.out << r.err);
   CHECK(r.code == 0);
-  CHECK(has(r.out, "backend   cpu (LLVM JIT, one thread), schedule 'scattermoe'"));
+  CHECK(has(r.out, "backend   " + cpu_backend() + ", schedule 'scattermoe'"));
   CHECK(has(r.out, "routing   route: 200 pairs (100 tokens x k=2) over 8 experts"));
   // Every stored tensor; the routing takes the softmax and the gates'
   // renormalisation itself, so probs and route_gate_sum are not stored.
@@ -779,7 +790,7 @@ TEST_CASE("cli: train moe_mlp --check on the CPU backend: forward, backward, sav
   CHECK(r.err.empty());
   CHECK(has(r.out, "example   moe_mlp"));
   CHECK(has(r.out, "upstream gradient d_y[256x64]"));
-  CHECK(has(r.out, "backend   cpu (LLVM JIT, one thread), schedule 'scattermoe'\n"));
+  CHECK(has(r.out, "backend   " + cpu_backend() + ", schedule 'scattermoe'\n"));
   CHECK(has(r.out, "routing   route: 512 pairs (256 tokens x k=2) over 8 experts"));
   CHECK(has(r.out, "\nforward   "));
   CHECK(has(r.out, "\nbackward  "));
@@ -840,7 +851,7 @@ TEST_CASE("cli: train swiglu_moe --schedule scattermoe --recompute --check passe
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
   INFO(r.out << r.err);
   CHECK(r.code == 0);
-  CHECK(has(r.out, "backend   cpu (LLVM JIT, one thread), schedule 'scattermoe' with recompute"));
+  CHECK(has(r.out, "backend   " + cpu_backend() + ", schedule 'scattermoe' with recompute"));
   CHECK(has(r.out, "routing   route: 100 pairs (100 tokens x k=1) over 8 experts"));
   CHECK(has(r.out, "\nrecompute "));
   CHECK(has(r.out, " h "));

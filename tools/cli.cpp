@@ -319,22 +319,6 @@ void check_expert_count(const Options &o, const Example &ex, const std::string &
       << " experts" << (o.command == "run" ? "; --backend reference takes any count" : "; lower --experts");
 }
 
-// inputs: null where the backend makes the seed's inputs itself (the GPU).
-BackendRun run_backend(const std::string &backend, const Example &ex, const ExampleShape &shape,
-                       const TensorMap *inputs, uint64_t seed, const Schedule &schedule, bool every_func) {
-#ifdef MOEFORGE_HAVE_CUDA
-  if (backend == "cuda")
-    return cli_run_on_gpu(ex, shape, inputs, seed, schedule, every_func);
-#endif
-#ifdef MOEFORGE_HAVE_CPU_BACKEND
-  if (backend == "cpu") {
-    internal_check(inputs) << "the CPU backend runs on host inputs";
-    return cli_run_on_cpu(ex, shape, *inputs, schedule, every_func);
-  }
-#endif
-  internal_check(false) << "backend " << backend << " is not built";
-}
-
 void print_time_and_checksum(std::ostream &out, double ms, const std::string &func, const HostTensor &y) {
   out << "time      " << std::fixed << std::setprecision(3) << ms << " ms\n" << std::defaultfloat;
   out << "checksum  " << func << ": " << std::setprecision(9) << y.checksum() << std::setprecision(6) << "\n";
@@ -375,19 +359,6 @@ bool check_backend(std::ostream &out, const BackendRun &run, const EvalResult &r
         << std::defaultfloat;
   }
   return ok;
-}
-
-BackendTraining train_on_backend(const std::string &backend, const TrainingTask &task, const ExampleShape &shape,
-                                 const TensorMap &inputs, const Schedule &schedule) {
-#ifdef MOEFORGE_HAVE_CUDA
-  if (backend == "cuda")
-    return cli_train_on_gpu(task, shape, inputs, schedule);
-#endif
-#ifdef MOEFORGE_HAVE_CPU_BACKEND
-  if (backend == "cpu")
-    return cli_train_on_cpu(task, shape, inputs, schedule);
-#endif
-  internal_check(false) << "backend " << backend << " is not built";
 }
 
 void print_shape(std::ostream &out, const std::string &name, const HostTensor &t) {
@@ -834,8 +805,8 @@ int run(const Options &o, std::ostream &out, Progress &progress, bool &working) 
       user_error << "--ranks: this build has no NCCL (nccl.h was not in the CUDA toolkit when it was configured)";
 #endif
     } else {
-      run = run_backend(backend, ex, o.shape, host_inputs ? &inputs : nullptr, o.seed, schedule,
-                        /*every_func=*/o.check);
+      run = run_on_backend(backend, ex, o.shape, host_inputs ? &inputs : nullptr, o.seed, schedule,
+                           /*every_func=*/o.check);
     }
     progress.finish();
     out << "backend   " << run.backend << ", schedule '" << schedule.name() << "'" << tiles_only(ex)

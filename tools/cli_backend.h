@@ -48,34 +48,16 @@ struct TrainingTask {
 RoutingResult routing_from_experts(const RoutingNode &route, int64_t tokens, std::vector<int32_t> experts,
                                    std::vector<uint8_t> kept);
 
-// Fills run.routes and run.values from a finished layer of either backend
-// (both offer routed_experts(route) and download(func) in pair order): every
-// Func the layer materialises, or with `only` that one (a run without
-// --check prints the output's checksum alone, and at real sizes the others
-// are gigabytes to copy back and convert).
-template <typename Layer>
-void collect_results(BackendRun &run, const KernelProgram &program, const Layer &layer, int64_t tokens,
-                     const std::string *only = nullptr) {
-  for (const RoutingNode *r : program.routes)
-    run.routes[r->name] = routing_from_experts(*r, tokens, layer.routed_experts(r->name), layer.kept_pairs(r->name));
-  for (const TensorDecl &t : program.tensors)
-    if (!t.is_input && (!only || t.name == *only))
-      run.values[t.name] = layer.download(t.name);
-}
-
-// Fills run from a finished training layer of either backend (cpu::
-// CpuTrainingLayer, cuda::TrainingLayer).
-template <typename Layer>
-void collect_training(BackendTraining &run, const TrainingProgram &t, const Layer &layer, int64_t tokens) {
-  for (const RoutingNode *r : t.program.routes)
-    run.routes[r->name] = routing_from_experts(*r, tokens, layer.routed_experts(r->name), layer.kept_pairs(r->name));
-  for (const std::string &o : t.outputs)
-    run.values[o] = layer.output(o);
-  for (size_t i = 0; i < t.of.size(); ++i)
-    run.values[t.gradients[i]] = layer.gradient(t.of[i]);
-  run.saved_bytes = layer.saved_bytes();
-  run.training = t;
-}
+// `run` and `train` on compiled backend `backend` ("cpu", "cuda"; built
+// with it), through the backend interface (backend_run.cpp). every_func:
+// download every Func the layer materialises (for --check), else the output
+// alone. inputs: the host's, or null for the example's random inputs of
+// `seed` made straight in the backend's storage type (the same values,
+// without the doubles).
+BackendRun run_on_backend(const std::string &backend, const Example &ex, const ExampleShape &shape,
+                          const TensorMap *inputs, uint64_t seed, const Schedule &schedule, bool every_func);
+BackendTraining train_on_backend(const std::string &backend, const TrainingTask &task, const ExampleShape &shape,
+                                 const TensorMap &inputs, const Schedule &schedule);
 
 // Each is built only with its backend (MOEFORGE_HAVE_CUDA, MOEFORGE_HAVE_CPU_BACKEND).
 bool cli_gpu_available(std::string *why);
@@ -84,14 +66,6 @@ bool cli_gpu_available(std::string *why);
 // and device, or why there is none.
 std::optional<Schedule> cli_cached_schedule_on_gpu(const Example &ex, const ExampleShape &shape, bool training,
                                                    std::string *where);
-// every_func: download every Func the layer materialises (for --check),
-// else the output alone. inputs: the host's, or null for the example's
-// random inputs of `seed` made straight in the device's storage type
-// (the same values, without the doubles).
-BackendRun cli_run_on_gpu(const Example &ex, const ExampleShape &shape, const TensorMap *inputs, uint64_t seed,
-                          const Schedule &schedule, bool every_func);
-BackendTraining cli_train_on_gpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
-                                 const Schedule &schedule);
 // `train --ranks N` (a schedule with expert_parallel(N)): one training step
 // with the experts spread over GPUs 0..N-1 of this machine (backends/cuda/parallel/expert_parallel_layer.h), each rank
 // training on its share of the tokens. The values are assembled as the
@@ -120,10 +94,6 @@ TuneOutcome cli_tune_on_gpu(const Example &ex, const ExampleShape &shape, const 
                             const TensorMap &skewed_inputs, bool training, const HostTensor &upstream,
                             const Schedule &base, double budget_seconds,
                             const std::function<void(const std::string &)> &progress);
-BackendRun cli_run_on_cpu(const Example &ex, const ExampleShape &shape, const TensorMap &inputs,
-                          const Schedule &schedule, bool every_func);
-BackendTraining cli_train_on_cpu(const TrainingTask &task, const ExampleShape &shape, const TensorMap &inputs,
-                                 const Schedule &schedule);
 std::string cli_llvm_ir(const Pipeline &pipeline, const Schedule &schedule);
 
 } // namespace moeforge

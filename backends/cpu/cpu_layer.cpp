@@ -36,9 +36,6 @@ std::string cpu_llvm_ir(const Pipeline &pipeline, const Schedule &schedule, bool
   return m.ir_text();
 }
 
-namespace {
-
-// Threads a parallel step runs on: MOEFORGE_CPU_THREADS, else every core.
 int64_t cpu_threads() {
   if (const char *v = std::getenv("MOEFORGE_CPU_THREADS"); v && *v) {
     char *end = nullptr;
@@ -49,8 +46,6 @@ int64_t cpu_threads() {
   }
   return std::max(1u, std::thread::hardware_concurrency());
 }
-
-} // namespace
 
 CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens)
     : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens), threads_(cpu_threads()) {
@@ -80,6 +75,18 @@ void CpuLayer::upload(const std::string &name, const HostTensor &value) {
   const TensorDecl *t = layer_.program.find(name);
   user_check(t != nullptr && t->is_input) << "'" << name << "' is not an Input or Param of this layer";
   tensors_.at(name) = shapes_.encode_input(*t, TensorMap{{name, value}});
+  uploaded_.insert(name);
+  forget_results_of(name);
+}
+
+void CpuLayer::upload_bytes(const std::string &name, const std::vector<uint8_t> &bytes) {
+  const TensorDecl *t = layer_.program.find(name);
+  user_check(t != nullptr && t->is_input) << "'" << name << "' is not an Input or Param of this layer";
+  std::vector<uint8_t> &stored = tensors_.at(name);
+  user_check(bytes.size() == stored.size())
+      << "upload_bytes of '" << name << "': " << bytes.size() << " bytes given, the layer holds " << stored.size()
+      << " (" << dtype_name(t->dtype) << " values of its shape)";
+  stored = bytes;
   uploaded_.insert(name);
   forget_results_of(name);
 }

@@ -43,6 +43,10 @@ CompiledCpuLayer compile_cpu_program(KernelProgram program, const std::string &w
 // (for `moeforge emit --llvm`).
 std::string cpu_llvm_ir(const Pipeline &pipeline, const Schedule &schedule, bool optimised = false);
 
+// Threads a parallel step runs on: MOEFORGE_CPU_THREADS (1 to 1024; a
+// UserError otherwise), else every core.
+int64_t cpu_threads();
+
 // A compiled layer bound to host memory for `tokens` tokens. The pipeline
 // and the CompiledCpuLayer must outlive it.
 class CpuLayer {
@@ -54,6 +58,9 @@ public:
   void upload(const TensorMap &inputs);
   // Copies one Input or Param in (UserError naming it when it is not one).
   void upload(const std::string &name, const HostTensor &value);
+  // One Input or Param already in its storage type (encode_values): its
+  // elements' bytes, a UserError for another size.
+  void upload_bytes(const std::string &name, const std::vector<uint8_t> &bytes);
   // Fills every intermediate and output with NaN, so an element no step
   // writes shows up in any comparison.
   void poison();

@@ -27,6 +27,11 @@ void CpuTrainingLayer::upload(const TensorMap &inputs) {
   state_.upload_inputs(inputs, [&](const std::string &name, const HostTensor &t) { layer_.upload(name, t); });
 }
 
+void CpuTrainingLayer::upload(const std::string &name, const HostTensor &value) {
+  layer_.upload(name, value);
+  state_.uploaded(name);
+}
+
 void CpuTrainingLayer::upload_upstream_gradient(const std::string &output, const HostTensor &grad) {
   layer_.upload(state_.upstream_gradient_of(output), grad);
 }

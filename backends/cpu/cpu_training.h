@@ -39,6 +39,8 @@ public:
   // New inputs make the saved activations stale: forward() again before the
   // next backward().
   void upload(const TensorMap &inputs);
+  // One of them, the others as they were (cuda::TrainingLayer's upload).
+  void upload(const std::string &name, const HostTensor &value);
   // The upstream gradient d(loss)/d(output) of forward output `output`
   // ("y", "lb_loss", ...), shaped like it (a 0-D loss: a 0-D tensor, usually
   // HostTensor({}, 1.0)). UserError naming the outputs for an unknown one.

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <exception>
 #include <iostream>
+#include <memory>
 #include <random>
 #include <string>
 
@@ -58,12 +59,14 @@ int main() {
     std::string backend;
     HostTensor got;
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
-    cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(layer, schedule);
-    cpu::CpuLayer cpu_layer(compiled, tokens);
-    cpu_layer.upload(inputs);
-    cpu_layer.run();
-    got = cpu_layer.download("y");
-    backend = "cpu (LLVM JIT), schedule '" + schedule.name() + "'";
+    // Any backend this program links, by name ("cpu", or "cuda" where
+    // moeforge::cuda is linked and a GPU is present): one interface.
+    std::unique_ptr<Backend> cpu = make_backend("cpu");
+    std::unique_ptr<Layer> compiled = cpu->layer(layer, schedule, tokens);
+    compiled->upload(inputs);
+    compiled->run();
+    got = compiled->download("y");
+    backend = cpu->description() + ", schedule '" + schedule.name() + "'";
 #else
     // Built without the CPU backend: the reference in float32 against float64.
     (void)schedule;

@@ -28,14 +28,20 @@
 #include "lowering/lower.h"
 #include "lowering/training.h"
 
+// The backends through one interface: make_backend("cpu" or "cuda") compiles
+// a Layer (the forward) or a TrainingLayer, for whichever backend is linked.
+#include "backends/backends.h"
+#include "runtime/backend.h"
+
 #ifdef MOEFORGE_HAVE_CPU_BACKEND
-// The LLVM CPU backend: cpu::compile_cpu_layer, cpu::CpuLayer, cpu::CpuTrainingLayer.
+// The LLVM CPU backend's own classes: cpu::compile_cpu_layer, cpu::CpuLayer, cpu::CpuTrainingLayer.
 #include "backends/cpu/cpu_layer.h"
 #include "backends/cpu/cpu_training.h"
 #endif
 
 #ifdef MOEFORGE_HAVE_CUDA
-// The CUDA backend: cuda::compile_layer, cuda::CudaLayer, cuda::TrainingLayer.
+// The CUDA backend's own classes (streams, caller memory, binding another
+// framework's tensors): cuda::compile_layer, cuda::CudaLayer, cuda::TrainingLayer.
 #include "backends/cuda/runtime/layer.h"
 #include "backends/cuda/runtime/training_layer.h"
 #endif

@@ -9,6 +9,7 @@ namespace nb = nanobind;
 void bind_algebra(nb::module_ &m);
 void bind_schedule(nb::module_ &m);
 void bind_layers(nb::module_ &m);
+void bind_backends(nb::module_ &m);
 #ifdef MOEFORGE_HAVE_CUDA
 void bind_cuda(nb::module_ &m);
 #endif
@@ -24,6 +25,7 @@ NB_MODULE(_core, m) {
   moeforge::python::bind_algebra(m);
   moeforge::python::bind_schedule(m);
   moeforge::python::bind_layers(m);
+  moeforge::python::bind_backends(m);
 #ifdef MOEFORGE_HAVE_CUDA
   moeforge::python::bind_cuda(m);
 #else

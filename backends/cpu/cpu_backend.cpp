@@ -1,0 +1,120 @@
+#include "backends/cpu/cpu_backend.h"
+
+#include <chrono>
+
+#include "backends/cpu/cpu_layer.h"
+#include "backends/cpu/cpu_training.h"
+
+namespace moeforge::cpu {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+template <typename F> double timed_ms(F &&f) {
+  const Clock::time_point start = Clock::now();
+  f();
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+// The compiled forward with the pipeline whose nodes its program points at.
+struct ForwardProgram {
+  Pipeline pipeline;
+  CompiledCpuLayer compiled;
+  ForwardProgram(const Pipeline &p, const Schedule &s) : pipeline(p), compiled(compile_cpu_layer(pipeline, s)) {}
+};
+
+class BoundLayer final : public Layer {
+public:
+  BoundLayer(std::shared_ptr<const ForwardProgram> program, int64_t tokens)
+      : program_(std::move(program)), layer_(program_->compiled, tokens) {}
+
+  const KernelProgram &program() const override { return program_->compiled.program; }
+  int64_t tokens() const override { return layer_.tokens(); }
+  void upload(const TensorMap &inputs) override { layer_.upload(inputs); }
+  void upload(const std::string &name, const HostTensor &value) override { layer_.upload(name, value); }
+  void upload_bytes(const std::string &name, const std::vector<uint8_t> &bytes) override {
+    layer_.upload_bytes(name, bytes);
+  }
+  void poison() override { layer_.poison(); }
+  double run() override {
+    return timed_ms([&] { layer_.run(); });
+  }
+  StepTimes profile() override { return layer_.profile(0, program().steps.size()); }
+  HostTensor download(const std::string &func) const override { return layer_.download(func); }
+  std::vector<int32_t> routed_experts(const std::string &route) const override { return layer_.routed_experts(route); }
+  int64_t dropped_pairs(const std::string &route) const override { return layer_.dropped_pairs(route); }
+  std::vector<uint8_t> kept_pairs(const std::string &route) const override { return layer_.kept_pairs(route); }
+
+private:
+  std::shared_ptr<const ForwardProgram> program_;
+  CpuLayer layer_;
+};
+
+struct TrainingStep {
+  Pipeline pipeline;
+  CompiledCpuTraining compiled;
+  TrainingStep(const Pipeline &p, const std::vector<Func> &outputs, const Schedule &s)
+      : pipeline(p), compiled(compile_cpu_training(pipeline, outputs, s)) {}
+};
+
+class BoundTraining final : public TrainingLayer {
+public:
+  BoundTraining(std::shared_ptr<const TrainingStep> step, int64_t tokens)
+      : step_(std::move(step)), layer_(step_->compiled, tokens) {}
+
+  const TrainingProgram &training() const override { return step_->compiled.training; }
+  int64_t tokens() const override { return layer_.layer().tokens(); }
+  std::unique_ptr<TrainingLayer> with_tokens(int64_t tokens) const override {
+    return std::make_unique<BoundTraining>(step_, tokens);
+  }
+  void upload(const TensorMap &inputs) override { layer_.upload(inputs); }
+  void upload(const std::string &name, const HostTensor &value) override { layer_.upload(name, value); }
+  using TrainingLayer::upload_upstream_gradient;
+  void upload_upstream_gradient(const std::string &output, const HostTensor &grad) override {
+    layer_.upload_upstream_gradient(output, grad);
+  }
+  void poison() override { layer_.poison(); }
+  double forward() override {
+    return timed_ms([&] { layer_.forward(); });
+  }
+  double backward() override {
+    return timed_ms([&] { layer_.backward(); });
+  }
+  StepTimes profile_forward() override { return layer_.profile_forward(); }
+  StepTimes profile_backward() override { return layer_.profile_backward(); }
+  using TrainingLayer::output;
+  HostTensor output(const std::string &name) const override { return layer_.output(name); }
+  HostTensor gradient(const std::string &name) const override { return layer_.gradient(name); }
+  HostTensor download(const std::string &func) const override { return layer_.download(func); }
+  std::vector<int32_t> routed_experts(const std::string &route) const override { return layer_.routed_experts(route); }
+  int64_t dropped_pairs(const std::string &route) const override { return layer_.dropped_pairs(route); }
+  std::vector<uint8_t> kept_pairs(const std::string &route) const override { return layer_.kept_pairs(route); }
+  int64_t saved_bytes() const override { return layer_.saved_bytes(); }
+
+private:
+  std::shared_ptr<const TrainingStep> step_;
+  CpuTrainingLayer layer_;
+};
+
+class CpuBackend final : public Backend {
+public:
+  std::string name() const override { return "cpu"; }
+  std::string description() const override {
+    const int64_t n = cpu_threads();
+    return "cpu (LLVM JIT, " + std::to_string(n) + (n == 1 ? " thread)" : " threads)");
+  }
+  std::unique_ptr<Layer> layer(const Pipeline &pipeline, const Schedule &schedule, int64_t tokens) override {
+    return std::make_unique<BoundLayer>(std::make_shared<const ForwardProgram>(pipeline, schedule), tokens);
+  }
+  std::unique_ptr<TrainingLayer> training_layer(const Pipeline &pipeline, const std::vector<Func> &outputs,
+                                                const Schedule &schedule, int64_t tokens) override {
+    return std::make_unique<BoundTraining>(std::make_shared<const TrainingStep>(pipeline, outputs, schedule), tokens);
+  }
+};
+
+} // namespace
+
+std::unique_ptr<Backend> make_backend() { return std::make_unique<CpuBackend>(); }
+
+} // namespace moeforge::cpu

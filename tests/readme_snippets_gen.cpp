@@ -7,8 +7,8 @@
 // blocks run in order in one function, so a later block uses what an earlier
 // one defined. #include and `using namespace` lines move to the top of the
 // file; #line directives make a compiler error name README.md's own line. A
-// block that uses the CPU backend (cpu::) is compiled only where it is built
-// (MOEFORGE_HAVE_CPU_BACKEND). Each section becomes one test case that runs
+// block that uses the CPU backend (cpu:: or make_backend("cpu")) is compiled
+// only where it is built (MOEFORGE_HAVE_CPU_BACKEND). Each section becomes one test case that runs
 // its program with std::cout captured.
 #include <algorithm>
 #include <fstream>
@@ -124,7 +124,7 @@ int main(int argc, char **argv) {
     ++index;
     out << "void readme_section_" << index << "() {\n";
     for (const Block &b : s.blocks) {
-      bool cpu = b.uses("cpu::");
+      bool cpu = b.uses("cpu::") || b.uses("make_backend(\"cpu\")");
       if (cpu)
         out << "#ifdef MOEFORGE_HAVE_CPU_BACKEND\n";
       out << "#line " << b.first_line << " " << quoted(readme) << "\n";

@@ -241,3 +241,35 @@ TEST_CASE("routing: host top-k routes exactly like the Eigen reference") {
   HostTopK k = top_k_on_host({97, 16, 4, 64}, probs);
   CHECK(k.expert == res.routes.at(ex.route).expert);
 }
+
+TEST_CASE("routing format: every array's extent is what the host tables hold, names distinct") {
+  std::mt19937 rng(7);
+  for (int64_t capacity : {-1, 20}) {
+    RoutingShape s;
+    s.tokens = 100;
+    s.experts = 8;
+    s.k = 2;
+    s.block = 64;
+    s.capacity = capacity;
+    std::vector<int32_t> expert(static_cast<size_t>(s.pairs()));
+    for (int32_t &e : expert)
+      e = static_cast<int32_t>(rng() % 8);
+    RoutingTables t = route_on_host(s, expert);
+    const RoutingArray all[] = {RoutingArray::expert,         RoutingArray::counts,      RoutingArray::offsets,
+                                RoutingArray::pair_pos,       RoutingArray::sorted_pair, RoutingArray::tile_expert,
+                                RoutingArray::tile_row_start, RoutingArray::tile_rows,   RoutingArray::num_tiles,
+                                RoutingArray::padded_rows,    RoutingArray::window};
+    std::vector<std::string> names;
+    for (RoutingArray a : all) {
+      INFO(routing_array_name(a) << ", capacity " << capacity);
+      names.push_back(routing_array_name(a));
+      CHECK(routing_array_elements(a, s) >= 1);
+      if (const std::vector<int32_t> *v = routing_array(t, a))
+        CHECK(static_cast<int64_t>(v->size()) == routing_array_elements(a, s));
+      else // the scalars and the CUDA layer's tile windows
+        CHECK((a == RoutingArray::num_tiles || a == RoutingArray::padded_rows || a == RoutingArray::window));
+    }
+    std::sort(names.begin(), names.end());
+    CHECK(std::adjacent_find(names.begin(), names.end()) == names.end());
+  }
+}

@@ -71,21 +71,23 @@ public:
   Value *cf(double v) { return llvm::ConstantFP::get(f32(), v); }
 
   Value *tensor(const std::string &name) { return arg(CpuArg{CpuArg::Kind::tensor, name, nullptr}, "t_" + name); }
-  Value *route(const RoutingNode *r, const std::string &array) {
-    return arg(CpuArg{CpuArg::Kind::route, array, r}, r->name + "_" + array);
+  Value *route(const RoutingNode *r, RoutingArray array) {
+    const std::string name = routing_array_name(array);
+    return arg(CpuArg{CpuArg::Kind::route, name, r, array}, r->name + "_" + name);
   }
   // A route scalar (num_tiles, padded_rows) as i64.
-  Value *route_scalar(const RoutingNode *r, const std::string &name) {
+  Value *route_scalar(const RoutingNode *r, RoutingArray array) {
+    const std::string name = routing_array_name(array);
     std::string key = "scalar:" + r->name + ":" + name;
     if (auto it = loaded_.find(key); it != loaded_.end())
       return it->second;
-    Value *v = entry_b_.CreateSExt(entry_b_.CreateLoad(b.getInt32Ty(), route(r, name)), i64(), name);
+    Value *v = entry_b_.CreateSExt(entry_b_.CreateLoad(b.getInt32Ty(), route(r, array)), i64(), name);
     return loaded_[key] = v;
   }
   // route array[index] as i64.
-  Value *route_at(const RoutingNode *r, const std::string &array, Value *index) {
+  Value *route_at(const RoutingNode *r, RoutingArray array, Value *index) {
     Value *p = b.CreateGEP(b.getInt32Ty(), route(r, array), index);
-    return b.CreateSExt(b.CreateLoad(b.getInt32Ty(), p), i64(), array);
+    return b.CreateSExt(b.CreateLoad(b.getInt32Ty(), p), i64(), routing_array_name(array));
   }
   // A Dim's extent as i64; dynamic extents are arguments.
   Value *extent(const Dim &d) { return extent_of(d.get()); }
@@ -190,7 +192,7 @@ public:
     for (size_t i = 0; i < idx.size(); ++i) {
       Value *v = idx[i];
       if (i == 0 && t.layout == RowLayout::padded)
-        v = route_at(t.route, "pair_pos", v);
+        v = route_at(t.route, RoutingArray::pair_pos, v);
       off = i == 0 ? v : b.CreateAdd(b.CreateMul(off, extent(t.dims[i])), v);
     }
     return off;
@@ -313,7 +315,7 @@ public:
     case RouteField::token: // pairs are numbered r = t * k + slot
       return b.CreateSDiv(it->second, fb_.c64(ix.route->k));
     case RouteField::expert:
-      return fb_.route_at(ix.route.get(), "expert", it->second);
+      return fb_.route_at(ix.route.get(), RoutingArray::expert, it->second);
     }
     return nullptr;
   }
@@ -410,16 +412,16 @@ private:
         // values may be anything (a row no kernel wrote).
         Value *before = b.CreateLoad(fb_.f32(), acc);
         add(r);
-        Value *dropped =
-            b.CreateICmpEQ(fb_.route_at(route, "pair_pos", r), b.CreateSub(fb_.max_padded_rows(route), fb_.c64(1)));
+        Value *dropped = b.CreateICmpEQ(fb_.route_at(route, RoutingArray::pair_pos, r),
+                                        b.CreateSub(fb_.max_padded_rows(route), fb_.c64(1)));
         b.CreateStore(b.CreateSelect(dropped, before, b.CreateLoad(fb_.f32(), acc)), acc);
       });
     } else {
       // An expert's pairs are the first counts[e] rows of its padded segment,
       // in pair order (the sort is stable).
-      Value *p0 = fb_.route_at(s.route.get(), "offsets", target);
-      Value *p1 = b.CreateAdd(p0, fb_.route_at(s.route.get(), "counts", target));
-      fb_.for_loop(p0, p1, "seg", [&](Value *p) { add(fb_.route_at(s.route.get(), "sorted_pair", p)); });
+      Value *p0 = fb_.route_at(s.route.get(), RoutingArray::offsets, target);
+      Value *p1 = b.CreateAdd(p0, fb_.route_at(s.route.get(), RoutingArray::counts, target));
+      fb_.for_loop(p0, p1, "seg", [&](Value *p) { add(fb_.route_at(s.route.get(), RoutingArray::sorted_pair, p)); });
     }
     return b.CreateLoad(fb_.f32(), acc);
   }
@@ -519,12 +521,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
       };
       // Experts in parallel: each writes its own C[e].
       fb.parallel_for(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
-        Value *p0 = fb.route_at(rt, "offsets", e);
-        Value *p1 = fb.route_at(rt, "offsets", b.CreateAdd(e, fb.c64(1)));
+        Value *p0 = fb.route_at(rt, RoutingArray::offsets, e);
+        Value *p1 = fb.route_at(rt, RoutingArray::offsets, b.CreateAdd(e, fb.c64(1)));
         fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
           columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, Value *, const Update &update) {
             fb.for_loop(p0, p1, "p", [&](Value *p) {
-              Value *r = fb.route_at(rt, "sorted_pair", p);
+              Value *r = fb.route_at(rt, RoutingArray::sorted_pair, p);
               fb.if_then(b.CreateICmpSGE(r, fb.c64(0)), [&] {
                 Value *a = fb.load(A, b.CreateAdd(b.CreateMul(row_of(g.a_rows, p, r), M), m));
                 update(0, b.CreateAdd(b.CreateMul(row_of(g.b_rows, p, r), N), n0), a);
@@ -539,8 +541,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
         << "step " << g.name << ": an expert reduction reads A^T (padded_t) and B (padded)";
     Value *stride = fb.max_padded_rows(rt), *M = fb.extent(g.m);
     fb.parallel_for(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
-      Value *p0 = fb.route_at(rt, "offsets", e);
-      Value *p1 = fb.route_at(rt, "offsets", b.CreateAdd(e, fb.c64(1)));
+      Value *p0 = fb.route_at(rt, RoutingArray::offsets, e);
+      Value *p1 = fb.route_at(rt, RoutingArray::offsets, b.CreateAdd(e, fb.c64(1)));
       fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
         Value *a_base = b.CreateMul(m, stride);
         columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, Value *, const Update &update) {
@@ -652,13 +654,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
       else
         fb.parallel_for(fb.c64(0), end, name, body);
     };
-    tiles(fb.route_scalar(rt, "num_tiles"), "tile", [&](Value *tile) {
-      Value *expert = fb.route_at(rt, "tile_expert", tile);
-      Value *p0 = fb.route_at(rt, "tile_row_start", tile);
-      Value *rows = fb.route_at(rt, "tile_rows", tile);
+    tiles(fb.route_scalar(rt, RoutingArray::num_tiles), "tile", [&](Value *tile) {
+      Value *expert = fb.route_at(rt, RoutingArray::tile_expert, tile);
+      Value *p0 = fb.route_at(rt, RoutingArray::tile_row_start, tile);
+      Value *rows = fb.route_at(rt, RoutingArray::tile_rows, tile);
       fb.for_loop(fb.c64(0), rows, "lr", [&](Value *lr) {
         Value *p = b.CreateAdd(p0, lr);
-        Value *r = fb.route_at(rt, "sorted_pair", p);
+        Value *r = fb.route_at(rt, RoutingArray::sorted_pair, p);
         fb.if_then(b.CreateICmpSGE(r, fb.c64(0)), [&] { row(p, r, expert); }); // padding rows: nothing to do
       });
     });
@@ -791,8 +793,8 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, FunctionBuilder
   const int64_t n = cols.extent(), row_bytes = n * dtype_bytes(dst.dtype);
   const bool same = src.dtype == dst.dtype;
   Value *gsrc = fb.tensor(s.src), *gdst = fb.tensor(s.dst);
-  fb.parallel_for(fb.c64(0), fb.route_scalar(s.route, "padded_rows"), "p", [&](Value *p) { // a row each
-    Value *r = fb.route_at(s.route, "sorted_pair", p);
+  fb.parallel_for(fb.c64(0), fb.route_scalar(s.route, RoutingArray::padded_rows), "p", [&](Value *p) { // a row each
+    Value *r = fb.route_at(s.route, RoutingArray::sorted_pair, p);
     Value *to = b.CreateGEP(b.getInt8Ty(), gdst, b.CreateMul(p, fb.c64(row_bytes)));
     Value *is_pad = b.CreateICmpSLT(r, fb.c64(0));
     fb.if_then(is_pad, [&] { b.CreateMemSet(to, b.getInt8(0), row_bytes, llvm::MaybeAlign(2)); });
@@ -824,10 +826,10 @@ void emit_transpose(const KernelProgram &prog, const TransposeStep &s, FunctionB
     internal_check(dst.layout == RowLayout::padded_t && src.dims.size() == 2)
         << "step " << s.name << ": a routed transpose writes a padded_t copy of a 2-D tensor";
     Value *cols = fb.extent(src.dims[1]), *stride = fb.max_padded_rows(s.route);
-    Value *used = fb.route_scalar(s.route, "padded_rows");
+    Value *used = fb.route_scalar(s.route, RoutingArray::padded_rows);
     fb.for_loop(fb.c64(0), stride, "p", [&](Value *p) {
       Value *in_use = b.CreateICmpSLT(p, used);
-      Value *r = b.CreateSelect(in_use, fb.route_at(s.route, "sorted_pair", p), fb.c64(-1));
+      Value *r = b.CreateSelect(in_use, fb.route_at(s.route, RoutingArray::sorted_pair, p), fb.c64(-1));
       Value *is_pad = b.CreateICmpSLT(r, fb.c64(0));
       fb.if_then(is_pad, [&] {
         fb.for_loop(fb.c64(0), cols, "c",

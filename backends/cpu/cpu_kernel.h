@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dsl/ir.h"
+#include "runtime/routing_format.h"
 
 namespace moeforge::cpu {
 
@@ -15,13 +16,14 @@ struct CpuArg {
   enum class Kind {
     tensor, // the tensor's storage (float or bf16 bits as uint16)
     extent, // an int64_t: a dynamic Dim's extent (by the Dim's name)
-    route,  // an int32_t array of the route's tables (routing_host.h names),
-            // or the scalars num_tiles / padded_rows
+    route,  // an int32_t array of the route's tables (`array`; num_tiles and
+            // padded_rows are one int32_t each)
     thread, // an int64_t: "index" (this call's) or "count" (the calls of a step)
   };
   Kind kind;
-  std::string name;
+  std::string name; // a tensor's or Dim's; for a route, routing_array_name(array)
   const RoutingNode *route = nullptr;
+  RoutingArray array = RoutingArray::expert; // Kind::route
   bool operator==(const CpuArg &) const = default;
 };
 

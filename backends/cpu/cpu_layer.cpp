@@ -186,12 +186,12 @@ void *CpuLayer::arg(const CpuArg &a) {
   case CpuArg::Kind::route: {
     RouteState &st = routes_.at(a.route);
     RoutingTables &t = st.tables;
-    if (a.name == "num_tiles")
+    if (a.array == RoutingArray::num_tiles)
       return &t.num_tiles;
-    if (a.name == "padded_rows")
+    if (a.array == RoutingArray::padded_rows)
       return &st.padded_rows;
-    std::vector<int32_t> *v = routing_array(t, a.name);
-    internal_check(v != nullptr) << "unknown routing array '" << a.name << "'";
+    std::vector<int32_t> *v = routing_array(t, a.array);
+    internal_check(v != nullptr) << "routing array '" << a.name << "' has no host table";
     internal_check(!v->empty()) << "routing array '" << a.name << "' of route '" << a.route->name
                                 << "' read before the route ran";
     return v->data();

@@ -66,9 +66,12 @@ public:
       may_alias_.insert(in);
     }
   }
-  std::string route(const RoutingNode *r, const std::string &array) {
-    std::string c = "rt_" + c_name(r->name) + "_" + array;
-    if (add(KernelArg{KernelArg::Kind::route, array, r}))
+  std::string route(const RoutingNode *r, RoutingArray array) {
+    const std::string name = routing_array_name(array);
+    std::string c = "rt_" + c_name(r->name) + "_" + name;
+    KernelArg a{KernelArg::Kind::route, name, r};
+    a.array = array;
+    if (add(a))
       params_.push_back("const int *__restrict__ " + c);
     return c;
   }
@@ -220,7 +223,7 @@ public:
     case RouteField::token:
       return "(" + it->second + " / " + std::to_string(ix.route->k) + "LL)";
     case RouteField::expert:
-      return "(long long)" + kb_.route(ix.route.get(), "expert") + "[" + it->second + "]";
+      return "(long long)" + kb_.route(ix.route.get(), RoutingArray::expert) + "[" + it->second + "]";
     }
     return "";
   }
@@ -232,7 +235,7 @@ public:
     for (size_t i = 0; i < idx.size(); ++i) {
       std::string v = idx[i];
       if (i == 0 && t.layout == RowLayout::padded)
-        v = "(long long)" + kb_.route(t.route, "pair_pos") + "[" + v + "]";
+        v = "(long long)" + kb_.route(t.route, RoutingArray::pair_pos) + "[" + v + "]";
       off = i == 0 ? v : "(" + off + " * " + kb_.extent(t.dims[i]) + " + " + v + ")";
     }
     return off.empty() ? "0" : off;
@@ -339,7 +342,7 @@ private:
     // adds nothing; its values may be anything, so it is skipped, not
     // multiplied by 0.
     if (prog_.routing(s.route.get()).drops())
-      out_ << pad() << "if (" << kb_.route(s.route.get(), "pair_pos") << "[" << r
+      out_ << pad() << "if (" << kb_.route(s.route.get(), RoutingArray::pair_pos) << "[" << r
            << "] == " << max_padded_rows(prog_, kb_, s.route.get()) << " - 1) continue;  // dropped at capacity\n";
     vars[s.route->pair.get()] = r;
     const auto loads = loads_;
@@ -356,7 +359,8 @@ private:
   std::string expert_sum(const RouteSum &s) {
     const RoutingNode *r = s.route.get();
     std::string acc = temp("sum"), p = temp("p"), pr = temp("r"), e = vars.at(s.target.get());
-    std::string off = kb_.route(r, "offsets"), cnt = kb_.route(r, "counts"), sp = kb_.route(r, "sorted_pair");
+    std::string off = kb_.route(r, RoutingArray::offsets), cnt = kb_.route(r, RoutingArray::counts),
+                sp = kb_.route(r, RoutingArray::sorted_pair);
     declare_sum(acc);
     out_ << pad() << "for (long long " << p << " = " << off << "[" << e << "]; " << p << " < " << off << "[" << e
          << "] + " << cnt << "[" << e << "]; ++" << p << ") {\n";
@@ -445,7 +449,7 @@ std::string padded_slots(const KernelProgram &prog, KernelBuilder &kb, const Rou
 
 // `p_row` (a row slot) is a padding row of route r's padded layout.
 std::string padding_slot(const KernelProgram &prog, KernelBuilder &kb, const RoutingNode *r) {
-  const std::string padding = kb.route(r, "sorted_pair") + "[p_row] < 0";
+  const std::string padding = kb.route(r, RoutingArray::sorted_pair) + "[p_row] < 0";
   if (!prog.routing(r).drops())
     return padding;
   return "p_row < " + max_padded_rows(prog, kb, r) + " && " + padding;
@@ -468,7 +472,7 @@ void skip_dropped_pairs(const KernelProgram &prog, KernelBuilder &kb,
       unread = unread && dropped_rows_unread(prog, t->name, r);
     for (const Var &v : loop_vars)
       if (unread && v.same_as(r->pair))
-        body << "  if (" << kb.route(r, "pair_pos") << "[" << vars.at(v.get())
+        body << "  if (" << kb.route(r, RoutingArray::pair_pos) << "[" << vars.at(v.get())
              << "] == " << max_padded_rows(prog, kb, r)
              << " - 1) return;  // dropped at capacity: nothing reads what it would write\n";
   }
@@ -711,7 +715,7 @@ void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const
 // (rasterised), and the expert's padded segment of sorted rows, which is
 // the reduction (K) range, empty for an expert with no pairs.
 void emit_expert_tile(KernelBuilder &kb, const GemmStep &g, const std::string &id, std::ostringstream &body) {
-  std::string off = kb.route(g.route, "offsets");
+  std::string off = kb.route(g.route, RoutingArray::offsets);
   body << "  const long long expert = " << id << " / (NUM_M * NUM_N);\n";
   body << "  const int pid = (int)(" << id << " % (NUM_M * NUM_N));\n";
   body << "  mf::raster_mn(pid, NUM_M, NUM_N, " << g.tiling.raster << ", m_tile, n_tile);  // within the expert\n";
@@ -847,11 +851,14 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // Persistent blocks' row tiles. Routed: the routing's own tile count (read
   // on the device), so no block walks the upper bound's empty tiles.
   // A window's tiles: window[0] of them, ids window[1 ...] (GemmStep::windowed).
-  const std::string window = plan.windowed ? kb.route(g.route, "window") : "";
-  const std::string rows_total =
-      plan.windowed ? "(long long)" + window + "[0] * " + std::to_string(g.block / t.tile_m)
-      : g.route     ? "(long long)*" + kb.route(g.route, "num_tiles") + " * " + std::to_string(g.block / t.tile_m)
-                    : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
+  // The launch's grid counts the same row tiles (launch_grid.h).
+  k.grid.row_tiles_per_block = g.route ? g.block / t.tile_m : 1;
+  const std::string row_tiles = std::to_string(k.grid.row_tiles_per_block);
+  const std::string window = plan.windowed ? kb.route(g.route, RoutingArray::window) : "";
+  const std::string rows_total = plan.windowed ? "(long long)" + window + "[0] * " + row_tiles
+                                 : g.route
+                                     ? "(long long)*" + kb.route(g.route, RoutingArray::num_tiles) + " * " + row_tiles
+                                     : "(" + kb.extent(g.m) + " + Cfg::BM - 1) / Cfg::BM";
   if (pair_items) {
     body << "  const long long PAIRS = (" << rows_total << " + 1) / 2;  // pairs of row tiles\n";
     body << "  const long long TOTAL = PAIRS * NUM_N;  // items: a pair of row tiles x a column tile\n";
@@ -909,32 +916,32 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   } else if (g.route) {
     const RoutingNode *r = g.route;
     int sub = g.block / t.tile_m;
-    sorted_pair = kb.route(r, "sorted_pair");
+    sorted_pair = kb.route(r, RoutingArray::sorted_pair);
     body << "  // This block's rows: part m_tile % " << sub << " of routing tile m_tile / " << sub
          << " (one expert's rows, padded to " << g.block << ").\n";
-    const std::string num_tiles = plan.windowed ? "" : kb.route(r, "num_tiles");
+    const std::string num_tiles = plan.windowed ? "" : kb.route(r, RoutingArray::num_tiles);
     if (pair_items) {
       // Past the last routing tile (an odd count): the partner's tile, no rows.
       body << "  const bool live = m_tile / " << sub << " < *" << num_tiles << ";\n";
       body << "  const int tile = (live ? m_tile : m_tile - rank) / " << sub << ", part = m_tile % " << sub << ";\n";
-      body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
-      body << "  const int rows = live ? max(0, " << kb.route(r, "tile_rows")
+      body << "  const long long p0 = " << kb.route(r, RoutingArray::tile_row_start) << "[tile] + part * Cfg::BM;\n";
+      body << "  const int rows = live ? max(0, " << kb.route(r, RoutingArray::tile_rows)
            << "[tile] - part * Cfg::BM) : 0;  // 0: this block only keeps the pair in step\n";
     } else if (plan.windowed) {
       body << "  const int w_tile = m_tile / " << sub << ", part = m_tile % " << sub << ";\n";
       body << "  if (w_tile >= " << window << "[0]) " << skip << ";  // grids are sized by the window's tiles\n";
       body << "  const int tile = " << window << "[1 + w_tile];  // the window's w_tile-th tile of the route\n";
-      body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
-      body << "  const int rows = " << kb.route(r, "tile_rows") << "[tile] - part * Cfg::BM;\n";
+      body << "  const long long p0 = " << kb.route(r, RoutingArray::tile_row_start) << "[tile] + part * Cfg::BM;\n";
+      body << "  const int rows = " << kb.route(r, RoutingArray::tile_rows) << "[tile] - part * Cfg::BM;\n";
       body << "  if (rows <= 0) " << skip << ";\n";
     } else {
       body << "  const int tile = m_tile / " << sub << ", part = m_tile % " << sub << ";\n";
       body << "  if (tile >= *" << num_tiles << ") " << skip << ";  // grids are sized by an upper bound\n";
-      body << "  const long long p0 = " << kb.route(r, "tile_row_start") << "[tile] + part * Cfg::BM;\n";
-      body << "  const int rows = " << kb.route(r, "tile_rows") << "[tile] - part * Cfg::BM;\n";
+      body << "  const long long p0 = " << kb.route(r, RoutingArray::tile_row_start) << "[tile] + part * Cfg::BM;\n";
+      body << "  const int rows = " << kb.route(r, RoutingArray::tile_rows) << "[tile] - part * Cfg::BM;\n";
       body << "  if (rows <= 0) " << skip << ";\n";
     }
-    body << "  const long long expert = " << kb.route(r, "tile_expert") << "[tile];\n";
+    body << "  const long long expert = " << kb.route(r, RoutingArray::tile_expert) << "[tile];\n";
   } else {
     body << "  const long long M = " << kb.extent(g.m) << ";\n";
     body << "  const long long p0 = (long long)m_tile * Cfg::BM;\n";
@@ -959,12 +966,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
            << (a_tma_rows ? "true" : "false") << ", " << (b_tma_rows ? "true" : "false") << ">("
            << (persistent ? "ring, " : "smem, ") << operand(a_tma_rows, gA) << ", " << div(g.a_rows)
            << ", (int)M, (int)p0, " << operand(b_tma_rows, gB[0]) << ", " << div(g.b_rows) << ", N, n0, "
-           << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
+           << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc))\n"
            << (persistent ? "    continue;  // the producer: on to the next tile\n\n"
                           : "    return;  // a loading-only warpgroup\n\n");
     else
       body << "  if (!Cfg::mainloop(smem, " << gA << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << gB[0] << ", "
-           << div(g.b_rows) << ", N, n0, " << kb.route(g.route, "sorted_pair") << ", k_begin, K, acc))\n"
+           << div(g.b_rows) << ", N, n0, " << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc))\n"
            << "    return;  // a loading-only warpgroup\n\n";
   } else {
     emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, ws && persistent && plan.roomy, split_k, body);
@@ -1020,12 +1027,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     else if (cluster) {
       // Both blocks of the pair decide alike: share B when both tiles hold rows of one expert.
       if (g.route && g.block == 2 * t.tile_m)
-        body << "  const bool share = " << kb.route(g.route, "tile_rows")
+        body << "  const bool share = " << kb.route(g.route, RoutingArray::tile_rows)
              << "[tile] > Cfg::BM;  // both halves of the routing tile hold rows\n";
       else if (g.route)
         body << "  const int pair_tile = m_tile & ~1;\n  const bool share = pair_tile + 1 < *"
-             << kb.route(g.route, "num_tiles") << " && " << kb.route(g.route, "tile_expert")
-             << "[pair_tile] == " << kb.route(g.route, "tile_expert") << "[pair_tile + 1];\n";
+             << kb.route(g.route, RoutingArray::num_tiles) << " && " << kb.route(g.route, RoutingArray::tile_expert)
+             << "[pair_tile] == " << kb.route(g.route, RoutingArray::tile_expert) << "[pair_tile + 1];\n";
       else
         body << "  const bool share = (long long)(m_tile | 1) * Cfg::BM < M;  // both row tiles hold rows\n";
       if (pair_items)
@@ -1063,7 +1070,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.n = g.n;
   k.grid.tile_m = t.tile_m;
   k.grid.tile_n = t.tile_n;
-  k.grid.block = g.block;
   k.grid.persistent = persistent;
   k.grid.windowed = plan.windowed;
   if (split_k) {
@@ -1531,13 +1537,13 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   user_check(!cols.is_dynamic() && cols.extent() % 8 == 0)
       << "tensor '" << s.src << "': its row length " << cols.name() << " must be a static multiple of 8 for the "
       << "blocked permutation's 16-byte copies";
-  std::string gSrc = kb.tensor(s.src), gDst = kb.tensor(s.dst, true), sp = kb.route(s.route, "sorted_pair");
-  std::string padded = kb.route(s.route, "padded_rows");
+  std::string gSrc = kb.tensor(s.src), gDst = kb.tensor(s.dst, true), sp = kb.route(s.route, RoutingArray::sorted_pair);
+  std::string padded = kb.route(s.route, RoutingArray::padded_rows);
   // Pair order (below) for gathers; before the signature, which lists what is used.
   std::string pairs, pair_pos;
   if (s.rows != RowMap::direct) {
     pairs = kb.extent(s.route->pairs);
-    pair_pos = kb.route(s.route, "pair_pos");
+    pair_pos = kb.route(s.route, RoutingArray::pair_pos);
   }
   // Each thread copies U 16-byte chunks of a row, chunks / U apart so a
   // warp's accesses stay consecutive: it issues all U loads before its
@@ -1610,7 +1616,8 @@ void emit_transpose_scalar(const TransposeStep &s, KernelBuilder &kb, std::ostri
   body << "    const long long r = r0 + i, c = c0 + tx;\n";
   body << "    float v = 0.f;\n";
   if (s.route) {
-    std::string sp = kb.route(s.route, "sorted_pair"), padded = kb.route(s.route, "padded_rows");
+    std::string sp = kb.route(s.route, RoutingArray::sorted_pair),
+                padded = kb.route(s.route, RoutingArray::padded_rows);
     std::string row = s.rows == RowMap::gather_token  ? "(long long)(pr / " + std::to_string(s.route->k) + ")"
                       : s.rows == RowMap::gather_pair ? "(long long)pr"
                                                       : "r";

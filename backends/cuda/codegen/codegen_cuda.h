@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "lowering/kernel_program.h"
+#include "runtime/routing_format.h"
 
 namespace moeforge {
 
@@ -21,15 +22,16 @@ struct KernelArg {
     counter, // two int32 the runtime zeroes once and the kernel leaves zero (persistent blocks' tile counter)
   };
   Kind kind;
-  std::string name;                   // tensor name, route array name, or Dim name
-  const RoutingNode *route = nullptr; // for Kind::route
-  long long cols = 0, rows = 0;       // for Kind::tma: one [rows, cols] matrix (rows 0: all the tensor holds)
+  std::string name;                          // tensor name, routing_array_name(array), or Dim name
+  const RoutingNode *route = nullptr;        // for Kind::route
+  long long cols = 0, rows = 0;              // for Kind::tma: one [rows, cols] matrix (rows 0: all the tensor holds)
+  RoutingArray array = RoutingArray::expert; // for Kind::route
 };
 
 // How many thread blocks a kernel runs, from the run's extents.
 struct GridShape {
   enum class Kind {
-    routed_tiles, // x: max_tiles(route) * (block / tile_m); y: ceil(N / tile_n)
+    routed_tiles, // x: max_tiles(route) * row_tiles_per_block; y: ceil(N / tile_n)
     dense_tiles,  // x: ceil(M / tile_m); y: ceil(N / tile_n)
     elements,     // x: ceil(product(count) / threads)
     padded_rows,  // x: ceil(max(P, max_padded_rows(route)) * chunks_per_row / threads): row slots
@@ -41,7 +43,10 @@ struct GridShape {
   const RoutingNode *route = nullptr;
   std::vector<Dim> count; // dims multiplied for elements / M for dense tiles
   Dim n;                  // columns, for tiles
-  int tile_m = 0, tile_n = 0, block = 0;
+  int tile_m = 0, tile_n = 0;
+  // Routed tiles: the GEMM's row tiles in one routing block (block / tile_m;
+  // the kernel counts its tiles with the same number).
+  int row_tiles_per_block = 1;
   long long chunks_per_row = 0;
   int threads_per_element = 1; // elements: 32 when a warp computes each element
   int elements_per_thread = 1; // elements: 8 when a thread computes eight consecutive ones

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "backends/cuda/codegen/tile_library.h"
+#include "backends/cuda/runtime/launch_grid.h"
 #include "backends/cuda/runtime/tensor_map.h"
 #include "backends/cuda/runtime/timeline.h"
 #include "dsl/error.h"
@@ -15,12 +16,6 @@
 #include "runtime/layer_checks.h"
 
 namespace moeforge::cuda {
-
-namespace {
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-} // namespace
 
 CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, const std::string &arch) {
   check_vector_alignment(pipeline);
@@ -238,7 +233,7 @@ void CudaLayer::build_launches() {
         break;
       case KernelArg::Kind::route: {
         RoutingPlan &plan = *plans_.at(a.route);
-        if (a.name == "window") { // room for every tile the layer's capacity can have
+        if (a.array == RoutingArray::window) { // room for every tile the layer's capacity can have
           TileWindows &w = windows_[a.route];
           w.stride = static_cast<size_t>(plan.shape.max_tiles()) + 1;
           w.tiles.clear(); // windows listed for another token count are stale
@@ -249,66 +244,19 @@ void CudaLayer::build_launches() {
           l.args.push_back(w.active.arg());
           break;
         }
-        DeviceBuffer *b = a.name == "num_tiles" ? &plan.num_tiles : routing_array(plan, a.name);
-        if (a.name == "padded_rows") {
+        if (a.array == RoutingArray::padded_rows) {
           l.args.push_back(&padded_rows_.at(a.route));
           break;
         }
-        internal_check(b != nullptr) << "unknown routing array '" << a.name << "'";
+        DeviceBuffer *b = a.array == RoutingArray::num_tiles ? &plan.num_tiles : routing_array(plan, a.array);
+        internal_check(b != nullptr) << "routing array '" << a.name << "' has no device table";
         l.args.push_back(b->arg());
         break;
       }
       }
     }
-    const GridShape &gs = g.grid;
     l.block = Dim3{static_cast<unsigned>(g.threads), 1, 1};
-    int64_t gx = 1, gy = 1;
-    switch (gs.kind) {
-    // GEMMs run a 1-D grid over row x column tiles (rasterised in the kernel).
-    case GridShape::Kind::routed_tiles:
-      gx = ceil_div(plans_.at(gs.route)->shape.max_tiles() * (gs.block / gs.tile_m), gs.cluster_m) * gs.cluster_m *
-           ceil_div(shapes_.extent(gs.n), gs.tile_n);
-      break;
-    case GridShape::Kind::dense_tiles:
-      gx = ceil_div(ceil_div(shapes_.extent(gs.count.at(0)), gs.tile_m), gs.cluster_m) * gs.cluster_m *
-           ceil_div(shapes_.extent(gs.n), gs.tile_n);
-      break;
-    case GridShape::Kind::elements: {
-      int64_t n = 1;
-      for (const Dim &d : gs.count)
-        n *= shapes_.extent(d);
-      gx = ceil_div(n / gs.elements_per_thread * gs.threads_per_element, g.threads);
-      break;
-    }
-    case GridShape::Kind::padded_rows: { // row slots: max(P, max_padded_rows) (codegen_cuda.cpp, padded_slots)
-      const RoutingShape &rs = plans_.at(gs.route)->shape;
-      gx = ceil_div(std::max(rs.max_padded_rows(), rs.pairs()) * gs.chunks_per_row, g.threads);
-      break;
-    }
-    case GridShape::Kind::expert_tiles:
-      gx = plans_.at(gs.route)->shape.experts * ceil_div(shapes_.extent(gs.count.at(0)), gs.tile_m) *
-           ceil_div(shapes_.extent(gs.n), gs.tile_n);
-      break;
-    case GridShape::Kind::transpose: {
-      size_t n = gs.count.size();
-      int64_t rows = gs.route ? plans_.at(gs.route)->shape.max_padded_rows() : shapes_.extent(gs.count.at(n - 2));
-      int64_t cols = shapes_.extent(gs.count.back()), batch = 1;
-      for (size_t i = 0; !gs.route && i + 2 < n; ++i)
-        batch *= shapes_.extent(gs.count[i]);
-      gx = batch * ceil_div(rows, gs.tile_m) * ceil_div(cols, gs.tile_m);
-      break;
-    }
-    }
-    if (gs.split_k) {
-      // Slices of K that fill the SMs, each at least four k-tiles long.
-      const int64_t k_tiles = ceil_div(shapes_.extent(gs.split_k_dim), gs.tile_k);
-      gy = std::max<int64_t>(1, std::min<int64_t>(sm_count_ / std::max<int64_t>(gx, 1), k_tiles / 4));
-    }
-    if (gs.persistent) // one block per SM; whole clusters
-      gx = std::min<int64_t>(gx, std::max<int64_t>(gs.cluster_m, sm_count_ / gs.cluster_m * gs.cluster_m));
-    user_check(gx >= 1 && gx < (1LL << 31) && gy < 65536)
-        << "kernel " << g.name << ": grid " << gx << " x " << gy << " is out of range for these shapes";
-    l.grid = Dim3{static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1};
+    l.grid = launch_grid(g.grid, g.threads, grid_inputs(), g.name);
     if (!g.zero_first.empty()) {
       const DeviceBuffer &out = tensors_.at(g.zero_first);
       l.zero = out.ptr();
@@ -506,6 +454,14 @@ void CudaLayer::enqueue_window(const Stream &stream, size_t begin, size_t end, s
     run_step(i, stream, static_cast<int64_t>(window));
 }
 
+GridInputs CudaLayer::grid_inputs() const {
+  GridInputs in;
+  in.extent = [this](const Dim &d) { return shapes_.extent(d); };
+  in.routing = [this](const RoutingNode *r) -> const RoutingShape & { return plans_.at(r)->shape; };
+  in.sm_count = sm_count_;
+  return in;
+}
+
 void CudaLayer::run_step(size_t step, const Stream &stream, int64_t window) {
   if (auto *rs = std::get_if<RoutingStep>(&layer_.program.steps[step])) {
     // No generated kernel. Lowering may have given the routing the router's
@@ -522,15 +478,11 @@ void CudaLayer::run_step(size_t step, const Stream &stream, int64_t window) {
   if (const GridShape &gs = l.gen->grid; gs.windowed) {
     internal_check(window >= 0) << "step '" << l.gen->step << "' runs over a tile window: enqueue it with "
                                 << "enqueue_window()";
-    // The window's tiles only (the kernel reads their ids): no block is
-    // launched just to find its tile outside the window.
-    int64_t gx = windows_.at(gs.route).tiles.at(static_cast<size_t>(window)) * (gs.block / gs.tile_m) *
-                 ceil_div(shapes_.extent(gs.n), gs.tile_n);
-    if (gx == 0)
+    GridInputs in = grid_inputs();
+    in.window_tiles = windows_.at(gs.route).tiles.at(static_cast<size_t>(window));
+    grid = launch_grid(gs, l.gen->threads, in, l.gen->name);
+    if (grid.x == 0)
       return; // no tile of the route in this window
-    if (gs.persistent)
-      gx = std::min<int64_t>(gx, sm_count_);
-    grid.x = static_cast<unsigned>(gx);
   }
   l.kernel.launch(grid, l.block, static_cast<unsigned>(l.gen->shared_bytes), stream, l.args.data());
 }

@@ -26,6 +26,8 @@
 
 namespace moeforge::cuda {
 
+struct GridInputs; // launch_grid.h
+
 struct CompiledLayer {
   KernelProgram program;
   CudaModuleSource source;
@@ -228,6 +230,8 @@ private:
   void run_step(size_t step, const Stream &stream, int64_t window = -1);
   // Every kernel's launch: its arguments, grid and what it zeroes first.
   void build_launches();
+  // The extents launch_grid reads, at the current token count.
+  GridInputs grid_inputs() const;
   // What holds an address by value (TMA descriptors, the zeroed outputs),
   // encoded again from the tensors' current memory.
   void refresh_addresses();

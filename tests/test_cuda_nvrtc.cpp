@@ -94,7 +94,7 @@ TEST_CASE("cuda: NVRTC compiles the routing kernels for sm_90a without spills") 
   CHECK(r.resources_of("moe_scan_scatter")->shared_bytes >= kRoutingThreads / 32 * kMaxRoutingExperts * 4);
 }
 
-TEST_CASE("cuda: the tile library (device/tiles.cuh) compiles on its own for sm_90a") {
+TEST_CASE("cuda: the tile library (device/tiles.cuh and its parts) compiles on its own for sm_90a") {
   // A translation unit of the library alone (the wgmma wrappers included),
   // as NVRTC receives it: what a generated kernel includes must compile
   // before any kernel uses it; templates are checked as far as they can be
@@ -103,16 +103,26 @@ TEST_CASE("cuda: the tile library (device/tiles.cuh) compiles on its own for sm_
   CompileOptions options;
   options.arch = "sm_90a";
   options.use_cache = false;
-  options.headers.push_back({moeforge::kTileLibraryName, moeforge::tile_library_source()});
-  const std::string unit = std::string("#include \"") + moeforge::kTileLibraryName + "\"\n";
-  CompileResult r = compile_cuda(unit, "tiles_alone.cu", options);
-  CHECK_FALSE(r.from_cache);
-  REQUIRE(r.cubin.size() > 4);
-  CHECK(std::string(r.cubin.data(), 4) == "\x7f"
-                                          "ELF");
-  // The wrappers went in where tiles.cuh marks their place.
-  CHECK(moeforge::tile_library_source().find("// MOEFORGE_WGMMA_INSTANCES") == std::string::npos);
-  CHECK(moeforge::tile_library_source().find("template <> struct Wgmma<256, 1, 0>") != std::string::npos);
+  options.headers = moeforge::tile_library_headers();
+  // The whole library, and each part alone with what it includes: a part
+  // names every part it builds on.
+  for (const NamedHeader &h : options.headers) {
+    INFO(h.name);
+    const std::string unit = "#include \"" + h.name + "\"\n";
+    CompileResult r = compile_cuda(unit, "tiles_alone.cu", options);
+    CHECK_FALSE(r.from_cache);
+    REQUIRE(r.cubin.size() > 4);
+    CHECK(std::string(r.cubin.data(), 4) == "\x7f"
+                                            "ELF");
+    // The wrappers went in where tiles/wgmma.cuh marks their place.
+    CHECK(h.content.find("// MOEFORGE_WGMMA_INSTANCES") == std::string::npos);
+    if (h.name == "moeforge_tiles_wgmma.cuh")
+      CHECK(h.content.find("template <> struct Wgmma<256, 1, 0>") != std::string::npos);
+  }
+  // The umbrella includes every part.
+  for (const NamedHeader &h : options.headers)
+    if (h.name != moeforge::kTileLibraryName)
+      CHECK(options.headers.front().content.find("#include \"" + h.name + "\"") != std::string::npos);
 }
 
 TEST_CASE("cuda: routing chunks fill the GPU, and each E has its top-k kernel") {

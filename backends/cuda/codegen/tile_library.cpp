@@ -2,6 +2,15 @@
 
 #include <sstream>
 
+#include "backends/cuda/device/tiles/cluster_cuh.h"
+#include "backends/cuda/device/tiles/copies_cuh.h"
+#include "backends/cuda/device/tiles/elementwise_cuh.h"
+#include "backends/cuda/device/tiles/mma_sync_cuh.h"
+#include "backends/cuda/device/tiles/timeline_cuh.h"
+#include "backends/cuda/device/tiles/tma_cuh.h"
+#include "backends/cuda/device/tiles/wgmma_cuh.h"
+#include "backends/cuda/device/tiles/wgmma_rows_cuh.h"
+#include "backends/cuda/device/tiles/wgmma_ws_cuh.h"
 #include "backends/cuda/device/tiles_cuh.h"
 #include "dsl/error.h"
 
@@ -35,19 +44,31 @@ std::string wgmma_instance(int n, int trans_b, int trans_a = 0) {
 
 } // namespace
 
-const std::string &tile_library_source() {
-  static const std::string source = [] {
-    std::string t = kTileLibraryTemplate;
+const std::vector<cuda::NamedHeader> &tile_library_headers() {
+  static const std::vector<cuda::NamedHeader> headers = [] {
     std::string instances;
     for (int n : {64, 128, 256})
       instances += wgmma_instance(n, 1) + wgmma_instance(n, 0) + wgmma_instance(n, 1, 1);
+    std::string wgmma = tile_parts::wgmma::kSource;
     const std::string marker = "// MOEFORGE_WGMMA_INSTANCES\n";
-    const size_t at = t.find(marker);
-    internal_check(at != std::string::npos) << "tiles.cuh has no line '" << marker << "'";
-    t.replace(at, marker.size(), instances);
-    return t;
+    const size_t at = wgmma.find(marker);
+    internal_check(at != std::string::npos) << "tiles/wgmma.cuh has no line '" << marker << "'";
+    wgmma.replace(at, marker.size(), instances);
+    // In the order tiles.cuh includes them.
+    return std::vector<cuda::NamedHeader>{
+        {kTileLibraryName, kTileLibrarySource},
+        {"moeforge_tiles_timeline.cuh", tile_parts::timeline::kSource},
+        {"moeforge_tiles_elementwise.cuh", tile_parts::elementwise::kSource},
+        {"moeforge_tiles_copies.cuh", tile_parts::copies::kSource},
+        {"moeforge_tiles_mma_sync.cuh", tile_parts::mma_sync::kSource},
+        {"moeforge_tiles_tma.cuh", tile_parts::tma::kSource},
+        {"moeforge_tiles_cluster.cuh", tile_parts::cluster::kSource},
+        {"moeforge_tiles_wgmma.cuh", wgmma},
+        {"moeforge_tiles_wgmma_rows.cuh", tile_parts::wgmma_rows::kSource},
+        {"moeforge_tiles_wgmma_ws.cuh", tile_parts::wgmma_ws::kSource},
+    };
   }();
-  return source;
+  return headers;
 }
 
 } // namespace moeforge

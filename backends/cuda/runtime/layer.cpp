@@ -28,7 +28,7 @@ CompiledLayer compile_program(KernelProgram program, const std::string &arch) {
   c.source = generate_cuda(c.program);
   CompileOptions options;
   options.arch = arch;
-  options.headers.push_back({kTileLibraryName, tile_library_source()});
+  options.headers = tile_library_headers();
   const std::vector<GeneratedKernel> &kernels = c.source.kernels;
   internal_check(!kernels.empty()) << "a kernel program with no kernels";
   if (c.source.timeline()) {

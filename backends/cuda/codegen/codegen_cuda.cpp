@@ -1638,63 +1638,6 @@ void emit_transpose_scalar(const TransposeStep &s, KernelBuilder &kb, std::ostri
 // elements in one 16-byte load and one 16-byte store where rows are
 // 16-byte aligned (C and RS multiples of 8), element by element otherwise.
 // The scalar kernel's 2-byte accesses reached a third of the memory's rate.
-void emit_transpose_bf16(std::ostringstream &body, const std::string &gSrc, const std::string &gDst,
-                         const std::string &batch) {
-  // A 33-word row pitch: the load phase's word stores hit 32 banks, the
-  // store phase's column reads (rows eight apart) at most two ways.
-  std::string text = R"(  __shared__ unsigned tile[64][33];  // bf16 pairs: tile[i][w] holds columns 2w, 2w + 1 of row i
-  const long long tiles_r = (R + 63) / 64, tiles_c = (C + 63) / 64;
-  const long long b = blockIdx.x / (tiles_r * tiles_c), t = blockIdx.x % (tiles_r * tiles_c);
-  if (b >= BATCH) return;
-  const long long r0 = (t / tiles_c) * 64, c0 = (t % tiles_c) * 64;
-  const bool vec = C % 8 == 0 && RS % 8 == 0;
-  const unsigned short *src = reinterpret_cast<const unsigned short *>(SRC) + b * R * C;
-  unsigned short *dst = reinterpret_cast<unsigned short *>(DST) + b * C * RS;
-  for (int v = threadIdx.x; v < 512; v += 256) {
-    const int i = v >> 3, j = (v & 7) * 8;
-    const long long r = r0 + i, c = c0 + j;
-    uint4 q = make_uint4(0u, 0u, 0u, 0u);
-    if (r < R && vec && c < C) {
-      q = *reinterpret_cast<const uint4 *>(src + r * C + c);
-    } else if (r < R) {
-      unsigned e[8];
-      for (int x = 0; x < 8; ++x)
-        e[x] = c + x < C ? src[r * C + c + x] : 0u;
-      q = make_uint4(e[0] | e[1] << 16, e[2] | e[3] << 16, e[4] | e[5] << 16, e[6] | e[7] << 16);
-    }
-    tile[i][j / 2] = q.x;
-    tile[i][j / 2 + 1] = q.y;
-    tile[i][j / 2 + 2] = q.z;
-    tile[i][j / 2 + 3] = q.w;
-  }
-  __syncthreads();
-  for (int v = threadIdx.x; v < 512; v += 256) {
-    const int i = v >> 3, j = (v & 7) * 8;
-    const long long c = c0 + i, r = r0 + j;
-    if (c >= C || r >= RS) continue;
-    // Column i of rows j .. j + 7; rows past R hold zeros (the stride8 tail).
-    unsigned e[8];
-    for (int x = 0; x < 8; ++x)
-      e[x] = (tile[j + x][i / 2] >> (16 * (i & 1))) & 0xffffu;
-    if (vec) {
-      *reinterpret_cast<uint4 *>(dst + c * RS + r) =
-          make_uint4(e[0] | e[1] << 16, e[2] | e[3] << 16, e[4] | e[5] << 16, e[6] | e[7] << 16);
-    } else {
-      for (int x = 0; x < 8 && r + x < RS; ++x)
-        dst[c * RS + r + x] = static_cast<unsigned short>(e[x]);
-    }
-  }
-)";
-  auto replace = [&](const std::string &from, const std::string &to) {
-    for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, at + to.size()))
-      text.replace(at, from.size(), to);
-  };
-  replace("SRC", gSrc);
-  replace("DST", gDst);
-  replace("BATCH", batch);
-  body << text;
-}
-
 void emit_transpose(const KernelProgram &prog, const TransposeStep &s, std::ostringstream &src, GeneratedKernel &k) {
   k.name = c_name(s.name);
   k.step = s.name;
@@ -1718,7 +1661,8 @@ void emit_transpose(const KernelProgram &prog, const TransposeStep &s, std::ostr
   // dst's row stride: R, or R rounded up to 8 with a zero tail (stride8).
   body << "  const long long RS = " << (to.stride8 ? "(R + 7) / 8 * 8" : "R") << ";\n";
   if (!s.route && from.dtype == DType::bf16 && to.dtype == DType::bf16) {
-    emit_transpose_bf16(body, gSrc, gDst, batch);
+    // A 64 x 64 tile a block (tiles/transpose.cuh).
+    body << "  mf::transpose_bf16_tile(" << gSrc << ", " << gDst << ", R, C, RS, " << batch << ");\n";
     k.grid.tile_m = 64;
   } else {
     emit_transpose_scalar(s, kb, body, gSrc, gDst, batch, to);

@@ -8,6 +8,7 @@
 #include "backends/cuda/device/tiles/mma_sync_cuh.h"
 #include "backends/cuda/device/tiles/timeline_cuh.h"
 #include "backends/cuda/device/tiles/tma_cuh.h"
+#include "backends/cuda/device/tiles/transpose_cuh.h"
 #include "backends/cuda/device/tiles/wgmma_cuh.h"
 #include "backends/cuda/device/tiles/wgmma_rows_cuh.h"
 #include "backends/cuda/device/tiles/wgmma_ws_cuh.h"
@@ -60,6 +61,7 @@ const std::vector<cuda::NamedHeader> &tile_library_headers() {
         {"moeforge_tiles_timeline.cuh", tile_parts::timeline::kSource},
         {"moeforge_tiles_elementwise.cuh", tile_parts::elementwise::kSource},
         {"moeforge_tiles_copies.cuh", tile_parts::copies::kSource},
+        {"moeforge_tiles_transpose.cuh", tile_parts::transpose::kSource},
         {"moeforge_tiles_mma_sync.cuh", tile_parts::mma_sync::kSource},
         {"moeforge_tiles_tma.cuh", tile_parts::tma::kSource},
         {"moeforge_tiles_cluster.cuh", tile_parts::cluster::kSource},

@@ -13,6 +13,7 @@
 #pragma once
 #include "moeforge_tiles_cluster.cuh"
 #include "moeforge_tiles_copies.cuh"
+#include "moeforge_tiles_transpose.cuh"
 #include "moeforge_tiles_elementwise.cuh"
 #include "moeforge_tiles_mma_sync.cuh"
 #include "moeforge_tiles_timeline.cuh"

@@ -13,11 +13,11 @@
 #pragma once
 #include "moeforge_tiles_cluster.cuh"
 #include "moeforge_tiles_copies.cuh"
-#include "moeforge_tiles_transpose.cuh"
 #include "moeforge_tiles_elementwise.cuh"
 #include "moeforge_tiles_mma_sync.cuh"
 #include "moeforge_tiles_timeline.cuh"
 #include "moeforge_tiles_tma.cuh"
+#include "moeforge_tiles_transpose.cuh"
 #include "moeforge_tiles_wgmma.cuh"
 #include "moeforge_tiles_wgmma_rows.cuh"
 #include "moeforge_tiles_wgmma_ws.cuh"

@@ -8,8 +8,8 @@
 // fed by TMA through mbarriers, warp-specialised producers) fill the same
 // accumulators for the block's output tile.
 //
-// The library in parts, each one job (tiles/*.cuh), in the order they build
-// on each other.
+// The library in parts, each one job (tiles/*.cuh); each part includes the
+// parts it builds on.
 #pragma once
 #include "moeforge_tiles_cluster.cuh"
 #include "moeforge_tiles_copies.cuh"

@@ -1,6 +1,7 @@
 #include "lowering/gemm_plan.h"
 
 #include <algorithm>
+#include <memory>
 #include <sstream>
 
 #include "dsl/error.h"
@@ -304,19 +305,32 @@ std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
   return o.str();
 }
 
+void plan_gemms(KernelProgram &prog) {
+  for (Step &s : prog.steps)
+    if (auto *g = std::get_if<GemmStep>(&s)) {
+      g->plan.reset();
+      g->plan_refusal.clear();
+      try {
+        g->plan = std::make_shared<const GemmPlan>(plan_gemm(prog, *g));
+      } catch (const UserError &e) {
+        g->plan_refusal = e.what(); // the CUDA target cannot run it (the CPU backend may)
+      }
+    }
+}
+
+const GemmPlan &planned(const GemmStep &g) {
+  user_check(g.plan_refusal.empty()) << g.plan_refusal;
+  internal_check(g.plan != nullptr) << "GEMM step " << g.name << " has no plan: plan_gemms did not run on its program";
+  return *g.plan;
+}
+
 std::vector<std::string> not_applied_choices(const KernelProgram &prog) {
   std::vector<std::string> out;
   for (const Step &s : prog.steps) {
     const auto *g = std::get_if<GemmStep>(&s);
-    if (!g)
-      continue;
-    GemmPlan plan;
-    try {
-      plan = plan_gemm(prog, *g);
-    } catch (const UserError &) {
-      continue; // the CUDA target cannot run it at all (the CPU backend may): the CUDA backend says why
-    }
-    for (const std::string &n : plan.not_applied) {
+    if (!g || !g->plan)
+      continue; // refused by the CUDA target (the CPU backend may run it): the CUDA backend says why
+    for (const std::string &n : g->plan->not_applied) {
       const std::string line = "definition '" + (g->func.empty() ? g->output : g->func) + "': " + n;
       if (std::find(out.begin(), out.end(), line) == out.end())
         out.push_back(line);
@@ -330,7 +344,7 @@ std::string describe_gemm_plans(const KernelProgram &prog, bool notes) {
   std::string out;
   for (const Step &s : prog.steps)
     if (const auto *g = std::get_if<GemmStep>(&s))
-      out += describe(plan_gemm(prog, *g), *g, notes);
+      out += describe(planned(*g), *g, notes);
   return out;
 }
 

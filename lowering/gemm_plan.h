@@ -66,12 +66,22 @@ struct GemmPlan {
 // without the loop they need, shared memory past the SM's).
 GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g);
 
-// The plan as text, one GEMM per paragraph; with `notes`, the named
+// The pass: every GEMM step's plan_gemm stored on it (GemmStep::plan), or
+// the UserError's text where the CUDA target cannot run it
+// (GemmStep::plan_refusal). Again after any change to the program.
+void plan_gemms(KernelProgram &prog);
+// g's stored plan; its refusal as a UserError; an internal error where no
+// plan_gemms ran.
+const GemmPlan &planned(const GemmStep &g);
+
+// The plan as text, one GEMM per paragraph (the header line first, then
+// indented lines); with `notes`, the named
 // choices it could not take too (without: only what the kernel does, which
 // the tuner compares to skip candidates that change nothing).
 std::string describe(const GemmPlan &p, const GemmStep &g, bool notes = true);
 
-// Every GEMM step's plan, in program order.
+// Every GEMM step's stored plan, in program order (a UserError for the
+// first the CUDA target refuses).
 std::string describe_gemm_plans(const KernelProgram &prog, bool notes = true);
 
 // The choices named for a Func that its GEMMs could not take, one line each

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <set>
+#include <sstream>
 
 #include "dsl/error.h"
 #include "dsl/printer.h"
 #include "dsl/visitor.h"
+#include "lowering/gemm_plan.h"
 
 namespace moeforge {
 
@@ -276,6 +278,16 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
             for (const GemmStep::Extra &e : x.extra)
               os << "    and " << e.output << "(" << x.row_var.name() << ", " << x.col_var.name() << ") = " << e.value
                  << "\n";
+            // The CUDA target's plan (plan_gemms), its lines after the
+            // header, or why that target cannot run the step.
+            if (x.plan) {
+              const std::string d = describe(*x.plan, x, /*notes=*/false);
+              std::istringstream lines(d.substr(d.find('\n') + 1));
+              for (std::string line; std::getline(lines, line);)
+                os << "    cuda plan:" << line.substr(1) << "\n";
+            } else if (!x.plan_refusal.empty()) {
+              os << "    cuda plan: refused: " << x.plan_refusal << "\n";
+            }
           } else {
             auto defines = [&](const std::string &out, const Expr &value, bool row_sum) {
               const size_t n = x.vars.size() - (row_sum ? 1 : 0);

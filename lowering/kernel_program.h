@@ -78,6 +78,8 @@ struct ExtraOutput {
 };
 
 // C[rows, n] = epilogue(sum_k A[rows, k] * B_i[expert?, k, n] for each i).
+struct GemmPlan; // lowering/gemm_plan.h
+
 struct GemmStep {
   std::string name;
   std::string output; // tensor written
@@ -145,6 +147,13 @@ struct GemmStep {
   // expert-parallel rank's forward over one group of experts whose rows
   // have arrived while the next group's rows are still on their way.
   bool windowed = false;
+  // How the CUDA target runs it (lowering/gemm_plan.h), set by plan_gemms:
+  // lower() and lower_training() run it last, and the CUDA backend again on
+  // the program it compiles, so the plan is of the step as compiled. Or,
+  // where that target cannot run the step, why (a UserError's text, which
+  // its code generator raises; the CPU backend reads neither).
+  std::shared_ptr<const GemmPlan> plan;
+  std::string plan_refusal;
 };
 
 // out(vars) = body, one thread per element; sums over the pairs of a token

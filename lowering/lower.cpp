@@ -1,7 +1,5 @@
 #include "lowering/lower.h"
 
-#include "lowering/decompose.h"
-
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
@@ -13,6 +11,8 @@
 #include "dsl/ops.h"
 #include "dsl/printer.h"
 #include "dsl/visitor.h"
+#include "lowering/decompose.h"
+#include "lowering/gemm_plan.h"
 #include "lowering/rename_indices.h"
 
 namespace moeforge {
@@ -1377,6 +1377,8 @@ KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule, const Pa
   dump("gate_from_routing", p, observe);
   p = softmax_into_routing(std::move(p), schedule);
   dump("softmax_into_routing", p, observe);
+  plan_gemms(p); // last: of the steps as they are
+  dump("plan_gemms", p, observe);
   return p;
 }
 

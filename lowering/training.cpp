@@ -8,6 +8,7 @@
 #include "dsl/error.h"
 #include "dsl/visitor.h"
 #include "lowering/gate_gradient.h"
+#include "lowering/gemm_plan.h"
 #include "lowering/in_place.h"
 #include "lowering/lower.h"
 #include "lowering/order_for_memory.h"
@@ -533,6 +534,7 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     for (const std::string &r : step_reads(p.steps[i]))
       if (producer.count(r) && !contains(t.saved, r))
         t.saved.push_back(r);
+  plan_gemms(p); // last: of the steps as they are
   t.program = std::move(p);
   return t;
 }

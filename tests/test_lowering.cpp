@@ -33,17 +33,20 @@ TEST_CASE("lowering: MOEFORGE_DEBUG=lower prints the program after every pass in
   size_t at = 0;
   for (const char *pass : {"build_steps", "fuse_gate_into_epilogue", "split_unfused_epilogues", "insert_permutation",
                            "assign_row_layouts", "resolve_row_maps", "materialize_transposes",
-                           "fuse_elementwise_consumers", "gate_from_routing", "softmax_into_routing"}) {
+                           "fuse_elementwise_consumers", "gate_from_routing", "softmax_into_routing", "plan_gemms"}) {
     size_t found = text.find(std::string("=== after ") + pass + " ===", at);
     CHECK_MESSAGE(found != std::string::npos, "no dump after " << pass << " (in order)");
     if (found != std::string::npos)
       at = found;
   }
-  // The last dump is the program lower() returned.
+  // The last dump is the program lower() returned, each GEMM with the CUDA
+  // target's plan.
   std::ostringstream final_program;
   final_program << p;
-  const std::string last = "=== after softmax_into_routing ===\n";
+  const std::string last = "=== after plan_gemms ===\n";
   CHECK(text.substr(text.rfind(last) + last.size()) == final_program.str());
+  CHECK(final_program.str().find("    cuda plan: tile 128x128x64") != std::string::npos);
+  CHECK(final_program.str().find("    cuda plan: walk: ") != std::string::npos);
 }
 
 TEST_CASE("lowering: without MOEFORGE_DEBUG nothing is printed") {

@@ -79,7 +79,10 @@ struct CudaModuleSource {
   std::vector<GeneratedKernel> kernels; // in step order (routing steps have none)
   // Kernel i alone: the preamble and its definition, a compilation unit.
   std::string unit(size_t i) const { return preamble + kernels.at(i).source; }
-  bool timeline() const { return preamble.find("#define MF_TIMELINE") != std::string::npos; }
+  // Its GEMMs stamp their phases (MOEFORGE_TIMELINE was set when it was
+  // generated): the module compiles as one unit, whose kernels share the
+  // stamps' global.
+  bool timeline = false;
 };
 
 // Throws UserError for what the CUDA backend cannot do (e.g. a K or N that is

@@ -12,6 +12,7 @@
 #include "backends/cuda/runtime/tensor_map.h"
 #include "backends/cuda/runtime/timeline.h"
 #include "dsl/error.h"
+#include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "runtime/layer_checks.h"
 
@@ -25,13 +26,14 @@ CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, 
 CompiledLayer compile_program(KernelProgram program, const std::string &arch) {
   CompiledLayer c;
   c.program = std::move(program);
+  plan_gemms(c.program); // of the program as compiled (a caller may have changed it since lowering)
   c.source = generate_cuda(c.program);
   CompileOptions options;
   options.arch = arch;
   options.headers = tile_library_headers();
   const std::vector<GeneratedKernel> &kernels = c.source.kernels;
   internal_check(!kernels.empty()) << "a kernel program with no kernels";
-  if (c.source.timeline()) {
+  if (c.source.timeline) {
     c.units.push_back(compile_cuda(c.source.source, "moeforge_" + c.program.schedule_name + ".cu", options));
     c.unit_of.assign(kernels.size(), 0);
     return c;
@@ -517,7 +519,7 @@ std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &str
 
 std::vector<std::string> CudaLayer::timeline(const Stream &stream) {
   std::vector<std::string> lines;
-  if (!layer_.source.timeline())
+  if (!layer_.source.timeline)
     return lines;
   auto [stamps, bytes] = modules_.front().global("mf_timeline"); // one unit: the whole module
   const auto &steps = layer_.program.steps;

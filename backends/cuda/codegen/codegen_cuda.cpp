@@ -591,7 +591,7 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
   if (wide_stores) {
     // Two column groups at a time, the halves exchanged with the neighbour
     // lane (mf::store2x2): a bf16 row's 4-byte stores wrote half sectors and
-    // the epilogue waited on the store queue (NOTES v19); now a warp's
+    // the epilogue waited on the store queue; now a warp's
     // store writes whole 32-byte sectors, with half the instructions.
     // A row's last tile (BN not dividing N): the quad's 16 columns are
     // all past N (skipped), or the second 8 are (computed at in-range

@@ -28,7 +28,7 @@ __device__ __forceinline__ void cluster_sync() {
 // Arrives on the barrier at the same offset in block `rank`'s shared memory,
 // with the default release at the block's scope: what is released is a slot
 // whose reads (wgmma) have completed, so no cluster-wide ordering is owed,
-// and .release.cluster cost the pair loop a third of its speed (NOTES v11).
+// and .release.cluster cost the pair loop a third of its speed.
 __device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
   asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
                "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),

@@ -72,7 +72,7 @@ template <int STAGES, int STAGE_BYTES, int CONSUMERS> struct TileRing {
   // flight then stay a window of consecutive ids, as when the hardware hands
   // out one block per tile, so an expert's weights are read from DRAM about
   // once. With a fixed stride (tile blockIdx.x + i * gridDim.x) blocks drift
-  // apart and the same GEMM read a third more from DRAM (NOTES v14). The
+  // apart and the same GEMM read a third more from DRAM. The
   // producer's thread 0 draws the next id and publishes it in a 2-slot ring
   // (tile_full: it has written the slot; tile_empty: every warp has read it).
   struct Ring {

@@ -29,17 +29,21 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   GemmPlan p;
   p.step = g.name;
   p.nb = static_cast<int>(g.b.size());
+  // The choices as flags while they are made; the plan keeps each as one
+  // enum (GemmPlan::a_load, b_load, walk, store) once all are.
+  bool wgmma = false, ws = false, in_place = false, tma = false, a_tma = false, b_tma_rows = false, a_tma_rows = false,
+       persistent = false, cluster = false, pair_items = false, out_tma = false, wide_stores = false;
   check_multiple_of_8(g, g.k, "reduced");
   check_multiple_of_8(g, g.n, "column");
   user_check(!g.n.is_dynamic()) << "definition '" << g.output << "': the CUDA backend needs a static column extent ("
                                 << g.n.name() << ")";
   p.mma = t.mma;
-  p.in_place = g.operands_in_place;
-  p.ws = t.mma == MmaKind::wgmma_ws;
-  p.wgmma = t.mma == MmaKind::wgmma || p.ws;
-  internal_check(!p.in_place || (p.wgmma && g.expert_k && p.nb == 1))
+  in_place = g.operands_in_place;
+  ws = t.mma == MmaKind::wgmma_ws;
+  wgmma = t.mma == MmaKind::wgmma || ws;
+  internal_check(!in_place || (wgmma && g.expert_k && p.nb == 1))
       << "in-place operands are for wgmma expert reductions";
-  if (p.wgmma && !p.in_place) {
+  if (wgmma && !in_place) {
     user_check(p.nb * t.tile_n / 2 <= 128)
         << "definition '" << g.output << "': " << p.nb << " B operands with tile_n " << t.tile_n << " need "
         << p.nb * t.tile_n / 2 << " accumulator registers per thread under wgmma: use tile_n " << 256 / (2 * p.nb)
@@ -48,7 +52,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // B by TMA: a dense [K, N] matrix per expert (or one for all rows), or
   // its transpose [N, K] read in place (the backward's dX = dH W^T), whose
   // shape is known here; expert reductions and dynamic K stay on cp.async.
-  p.tma = p.wgmma && t.tma && !p.in_place && !g.expert_k && !g.k.is_dynamic();
+  tma = wgmma && t.tma && !in_place && !g.expert_k && !g.k.is_dynamic();
   // An expert reduction's operands by TMA: consecutive padded rows with
   // zeros on padding (WgmmaRowsWsConfig::mainloop_tma_rows); the other
   // operand, gathered where it is (gather_in_gemms, gather_upstream_in_gemms),
@@ -56,20 +60,20 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   auto zero_padded = [&](const std::string &name, RowMap rows) {
     return rows == RowMap::direct && prog.tensor(name).zero_padding && prog.tensor(name).dtype == DType::bf16;
   };
-  const bool rows_by_tma = p.in_place && p.ws && t.tma && p.nb == 1;
-  p.b_tma_rows = rows_by_tma && zero_padded(g.b[0], g.b_rows);
+  const bool rows_by_tma = in_place && ws && t.tma && p.nb == 1;
+  b_tma_rows = rows_by_tma && zero_padded(g.b[0], g.b_rows);
   // A when each expert's segment is whole boxes of 64 rows too (nothing
   // else zeroes rows of the next segment that a box would read).
-  p.a_tma_rows = rows_by_tma && zero_padded(g.a, g.a_rows) && g.block % 64 == 0;
+  a_tma_rows = rows_by_tma && zero_padded(g.a, g.a_rows) && g.block % 64 == 0;
   // A by TMA too when its rows are consecutive (tile order, or a dense A).
-  p.a_tma = p.tma && g.a_rows == RowMap::direct;
-  internal_check(!p.tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
+  a_tma = tma && g.a_rows == RowMap::direct;
+  internal_check(!tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
       << "GEMM operands are bf16 (lowering converts them)";
   // Persistent blocks (warp-specialised GEMMs, expert reductions in place
   // included, whichever way their operands load): a loop over the tiles.
-  p.persistent = t.persistent && (!g.expert_k || (p.in_place && p.ws));
-  internal_check(!p.persistent || p.ws) << "definition '" << g.output << "': persistent without wgmma_ws "
-                                        << "(Schedule::validate rejects it)";
+  persistent = t.persistent && (!g.expert_k || (in_place && ws));
+  internal_check(!persistent || ws) << "definition '" << g.output << "': persistent without wgmma_ws "
+                                    << "(Schedule::validate rejects it)";
   // Split-K: a dense GEMM over a dynamic K (the tokens: the router's weight
   // gradient x^T d_logits) has a handful of output tiles and a long K, so a
   // block per tile left most SMs idle. The grid's y slices K into runs of
@@ -77,21 +81,21 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // which the runtime zeroes first. Only for a plain accumulator epilogue,
   // which is linear in the partial sums, and B as [K, N] (B^T's rows are K
   // long, which the loops take from K, here the slice's length).
-  p.split_k = !g.route && !g.expert_k && !p.in_place && !g.b_trans && g.k.is_dynamic() && !t.persistent &&
+  p.split_k = !g.route && !g.expert_k && !in_place && !g.b_trans && g.k.is_dynamic() && !t.persistent &&
               t.cluster_m == 1 && p.nb == 1 && g.extra.empty() && prog.tensor(g.output).dtype == DType::f32 &&
               g.epilogue.as<Access>() && g.epilogue.as<Access>()->func == g.accumulators[0] && !g.chained;
   // Two blocks per cluster sharing B (row tiles 2m, 2m + 1 of one expert).
-  p.cluster = t.cluster_m == 2 && !g.expert_k && !p.in_place;
-  user_check(!p.cluster || (p.ws && p.tma && !g.b_trans && !g.k.is_dynamic()))
+  cluster = t.cluster_m == 2 && !g.expert_k && !in_place;
+  user_check(!cluster || (ws && tma && !g.b_trans && !g.k.is_dynamic()))
       << "definition '" << g.output << "': clusters of two row tiles multicast TMA loads from the warp-specialised "
       << "loop: add mma(\"" << g.output << "\", wgmma_ws) and tma(\"" << g.output << "\", true), or drop cluster";
   // Persistent clusters: the pair walks (pair of row tiles, column tile)
   // items together (WgmmaWsConfig::pair_ring).
-  p.pair_items = p.persistent && p.cluster;
+  pair_items = persistent && cluster;
   // Routed pairs: consecutive routing tiles (block = tile_m; they share B
   // when one expert holds both), or the two halves of one routing tile
   // (block = 2 tile_m: always one expert, every pair shares).
-  user_check(!p.cluster || !g.route || g.block == t.tile_m || g.block == 2 * t.tile_m)
+  user_check(!cluster || !g.route || g.block == t.tile_m || g.block == 2 * t.tile_m)
       << "definition '" << g.output << "': clusters of two row tiles need the routing block (" << g.block
       << ") to be tile_m or twice it, not tile_m " << t.tile_m << ": set tile(\"" << g.output << "\", " << g.block
       << ", ...), block(" << 2 * t.tile_m << ") or drop cluster";
@@ -99,14 +103,14 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // persistent walk over the window's tiles.
   p.windowed = g.windowed;
   internal_check(!p.windowed || (g.route && !g.expert_k)) << g.name << ": a tile window is for routed row tiles";
-  user_check(!p.windowed || !p.cluster)
+  user_check(!p.windowed || !cluster)
       << "definition '" << g.func << "': exchange_chunks runs the expert GEMMs over one group of experts' tiles at a "
       << "time, which the two-block clusters' pairs of tiles do not follow yet: drop cluster(\"" << g.func
       << "\", 2) or use exchange_chunks(1)";
   // A chained product: its A and B come through maps of their own, loaded
   // after the first product's k-tiles into the same ring.
   p.chained = g.chained.has_value();
-  user_check(!p.chained || (p.ws && p.tma && p.a_tma && !p.cluster && p.nb == 1 && !g.chained->k.is_dynamic()))
+  user_check(!p.chained || (ws && tma && a_tma && !cluster && p.nb == 1 && !g.chained->k.is_dynamic()))
       << "definition '" << g.func << "': chain_summed_gemms runs its two products (" << g.a << " x " << g.b[0] << ", "
       << (p.chained ? g.chained->a + " x " + g.chained->b : "") << ") in the warp-specialised loop with TMA "
       << "operands, A in tile order: add mma(\"" << g.func << "\", wgmma_ws) and tma(\"" << g.func
@@ -126,14 +130,14 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // the epilogue's rows through sorted_pair are loaded before the main loop,
   // which hides their latency, and a persistent block's consumers skip the
   // producer's A row lookups, which they would otherwise wait for per tile.
-  p.roomy = !p.wgmma || p.nb * t.tile_n / 2 < 128;
+  p.roomy = !wgmma || p.nb * t.tile_n / 2 < 128;
   // A routed tile's rows below `rows` are all real pairs, so an epilogue
   // that stores in tile order and never reads the pair index (h = gelu(acc),
   // say) needs no sorted_pair lookup: it was a dependent load per tile.
   p.pair_rows = g.out_rows != RowMap::direct || p.reads_row;
   for (const GemmStep::Extra &e : g.extra)
     p.pair_rows |= prog.tensor(e.output).layout != RowLayout::padded;
-  p.prefetch_rows = g.route && !g.expert_k && !p.in_place && p.roomy && p.pair_rows;
+  p.prefetch_rows = g.route && !g.expert_k && !in_place && p.roomy && p.pair_rows;
   // The output tile through TMA (GemmTiling::tma_store): a bf16 output in
   // tile order with no pair lookups, staged in the ring, which a block per
   // tile no longer needs once its main loop is done, or (persistent blocks,
@@ -160,38 +164,49 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // the stages' barriers and a persistent block's tile-id ring
   // (WgmmaWsConfig::ring); a persistent TMA store's staging comes on top.
   p.stage_bytes = t.ring_bytes(p.nb);
-  p.ring_bytes = p.stage_bytes + (p.wgmma ? 1024 : 0) + (p.ws || p.tma ? 16 * t.stages : 0) + (p.persistent ? 48 : 0);
+  p.ring_bytes = p.stage_bytes + (wgmma ? 1024 : 0) + (ws || tma ? 16 * t.stages : 0) + (persistent ? 48 : 0);
   // A block per tile stages every output at once in its idle ring.
-  const bool staging_fits = p.persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <= p.stage_bytes;
-  p.out_tma = t.tma_store && !g.out_add && (p.tma || (g.expert_k && p.persistent)) && (!p.cluster || p.pair_items) &&
-              outputs_bf16 && (g.extra.empty() || !g.expert_k) && staging_fits &&
-              (!p.zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
-              (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !p.pair_rows));
+  const bool staging_fits = persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <= p.stage_bytes;
+  out_tma = t.tma_store && !g.out_add && (tma || (g.expert_k && persistent)) && (!cluster || pair_items) &&
+            outputs_bf16 && (g.extra.empty() || !g.expert_k) && staging_fits &&
+            (!p.zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
+            (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !p.pair_rows));
   // A persistent block stages its output tile past the ring: whole if that
   // fits beside the stages, else in halves (TmaStoreTile's W), so that the
   // ring keeps its depth (3 stages instead of 4 slowed mixtral's weight
   // gradients by 8 %, more than the stores had cost).
-  p.staged_cols = p.persistent && p.out_tma && p.ring_bytes + t.tile_m * t.tile_n * 2 > Schedule::max_shared_bytes &&
-                          t.tile_n >= 128
-                      ? t.tile_n / 2
-                      : t.tile_n;
-  p.staging_bytes = p.persistent && p.out_tma ? t.tile_m * p.staged_cols * 2 : 0;
+  p.staged_cols =
+      persistent && out_tma && p.ring_bytes + t.tile_m * t.tile_n * 2 > Schedule::max_shared_bytes && t.tile_n >= 128
+          ? t.tile_n / 2
+          : t.tile_n;
+  p.staging_bytes = persistent && out_tma ? t.tile_m * p.staged_cols * 2 : 0;
   // 8-byte (bf16) or 16-byte (f32) stores under wgmma (its accumulator
   // columns: ni * 8 + 2 (lane & 3)), for every output alike.
-  p.wide_stores = !p.out_tma && !p.split_k && p.wgmma && t.tile_n % 16 == 0;
+  wide_stores = !out_tma && !p.split_k && wgmma && t.tile_n % 16 == 0;
   for (const auto &[name, value] : outputs)
-    p.wide_stores &= prog.tensor(name).dtype == DType::bf16 || prog.tensor(name).dtype == DType::f32;
-  if (p.in_place) {
+    wide_stores &= prog.tensor(name).dtype == DType::bf16 || prog.tensor(name).dtype == DType::f32;
+  auto load = [](bool rows, bool rows_by_tma, bool by_tma) {
+    return rows ? (rows_by_tma ? OperandLoad::rows_tma : OperandLoad::rows_cp_async)
+                : (by_tma ? OperandLoad::tma : OperandLoad::cp_async);
+  };
+  p.a_load = load(in_place, a_tma_rows, a_tma);
+  p.b_load = load(in_place, b_tma_rows, tma);
+  p.walk = pair_items   ? TileWalk::persistent_pairs
+           : persistent ? TileWalk::persistent
+           : cluster    ? TileWalk::cluster_pairs
+                        : TileWalk::per_tile;
+  p.store = out_tma ? TileStore::tma : wide_stores ? TileStore::wide : TileStore::plain;
+  if (in_place) {
     user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
   }
-  p.threads = p.wgmma ? t.tile_m * 2 + (p.ws ? 128 : 0) : t.threads();
+  p.threads = wgmma ? t.tile_m * 2 + (ws ? 128 : 0) : t.threads();
   // Two blocks per SM when both fit (shared memory, and at most 64
   // accumulators per thread so registers do): one block's epilogue and
   // prologue then overlap the other's main loop. The warp-specialised kernel
   // keeps one block, its producer and consumers under one register cap
   // (ptxas does not compile a role to setmaxnreg's counts).
   p.min_blocks =
-      p.wgmma && !p.ws && 2 * p.shared_bytes() <= Schedule::max_shared_bytes && p.nb * t.tile_n / 2 <= 64 ? 2 : 1;
+      wgmma && !ws && 2 * p.shared_bytes() <= Schedule::max_shared_bytes && p.nb * t.tile_n / 2 <= 64 ? 2 : 1;
   user_check(p.shared_bytes() <= Schedule::max_shared_bytes)
       << "definition '" << g.output << "': " << p.nb << " B operands with tile " << t.tile_m << "x" << t.tile_n << "x"
       << t.tile_k << " and " << t.stages << " stages need " << p.shared_bytes() << " bytes of shared memory, over "
@@ -205,45 +220,45 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
         return why;
     return "it does not fit this GEMM's loop";
   };
-  if (t.named.tma && !p.tma && !p.b_tma_rows && !p.a_tma_rows)
+  if (t.named.tma && !tma && !b_tma_rows && !a_tma_rows)
     p.not_applied.push_back(
         "tma(" + f + ", true) is not applied: " +
-        first({{!p.wgmma, "TMA loads feed the wgmma main loops, and this GEMM runs mma.sync"},
+        first({{!wgmma, "TMA loads feed the wgmma main loops, and this GEMM runs mma.sync"},
                {!g.expert_k && g.k.is_dynamic(),
                 "its reduction runs over a run-time extent, which the TMA boxes are not made for"},
-               {g.expert_k && !p.in_place, "an expert reduction reads its operands by TMA only in place"},
-               {g.expert_k && !p.ws, "an expert reduction's TMA loads come from the warp-specialised loop (wgmma_ws)"},
+               {g.expert_k && !in_place, "an expert reduction reads its operands by TMA only in place"},
+               {g.expert_k && !ws, "an expert reduction's TMA loads come from the warp-specialised loop (wgmma_ws)"},
                {g.expert_k && p.nb != 1, "an expert reduction's TMA loads take one B operand"},
                {g.expert_k,
                 "an expert reduction reads an operand by TMA where it is zero-padded bf16 rows in the padded order "
                 "(A's segments whole 64-row boxes too), which neither '" +
                     g.a + "' nor '" + g.b[0] +
                     "' is (padded_elementwise(true) and bf16_activations(true) make them so)"}}));
-  if (t.named.persistent && !p.persistent)
+  if (t.named.persistent && !persistent)
     p.not_applied.push_back("persistent(" + f +
                             ", true) is not applied: a persistent expert reduction reads its operands in place "
                             "from the warp-specialised loop (mma(" +
                             f + ", wgmma_ws))");
-  if (t.named.warps && p.wgmma)
+  if (t.named.warps && wgmma)
     p.not_applied.push_back("warps(" + f + ", " + std::to_string(t.warps_m) + ", " + std::to_string(t.warps_n) +
                             ") is not applied: the " + mma_name(p.mma) +
                             " loop lays its warps out itself (a warpgroup per 64 rows of the tile); warps() shapes "
                             "mma_sync tiles");
-  if (t.named.cluster && !p.cluster)
+  if (t.named.cluster && !cluster)
     p.not_applied.push_back("cluster(" + f +
                             ", 2) is not applied: an expert reduction (K over one expert's rows) "
                             "runs without clusters");
-  if (t.named.tma_store && !p.out_tma)
+  if (t.named.tma_store && !out_tma)
     p.not_applied.push_back(
         "tma_store(" + f + ", true) is not applied: " +
         first(
             {{g.out_add, "its output is added into each pair's token row (atomic_combine), which a TMA store of a "
                          "tile cannot do"},
-             {!(p.tma || (g.expert_k && p.persistent)),
+             {!(tma || (g.expert_k && persistent)),
               g.expert_k ? "an expert reduction's TMA store comes with persistent blocks (persistent(" + f + ", true))"
                          : "TMA stores come with TMA loads (tma(" + f + ", true) on the wgmma loop)"},
-             {p.cluster && !p.pair_items, "in clusters, TMA stores come with persistent blocks (persistent(" + f +
-                                              ", true)); a cluster per pair of row tiles keeps plain stores"},
+             {cluster && !pair_items, "in clusters, TMA stores come with persistent blocks (persistent(" + f +
+                                          ", true)); a cluster per pair of row tiles keeps plain stores"},
              {!outputs_bf16, "an output is not bf16"},
              {!g.extra.empty() && g.expert_k, "an expert reduction with fused outputs keeps plain stores"},
              {!staging_fits, "its outputs' tiles do not fit the idle ring of stages, where a block per tile "
@@ -265,33 +280,33 @@ std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
     << " B operand" << (p.nb > 1 ? "s" : "") << "; main loop " << mma_name(p.mma)
     << (p.split_k ? ", split-K over the grid's y" : "") << "\n";
   auto a_how = [&] {
-    if (p.in_place)
-      return p.a_tma_rows ? "padded rows by TMA" : "rows in place by cp.async";
-    if (p.a_tma)
+    if (p.in_place())
+      return p.a_tma_rows() ? "padded rows by TMA" : "rows in place by cp.async";
+    if (p.a_tma())
       return "rows in tile order by TMA";
     return g.a_rows == RowMap::direct ? "rows by cp.async" : "rows gathered through sorted_pair by cp.async";
   };
   auto b_how = [&] {
-    if (p.in_place)
-      return p.b_tma_rows ? "padded rows by TMA" : "rows in place by cp.async";
-    return p.tma ? (g.b_trans ? "B^T [N, K] in place by TMA" : "by TMA") : "by cp.async";
+    if (p.in_place())
+      return p.b_tma_rows() ? "padded rows by TMA" : "rows in place by cp.async";
+    return p.tma() ? (g.b_trans ? "B^T [N, K] in place by TMA" : "by TMA") : "by cp.async";
   };
   o << "  A " << g.a << ": " << a_how() << "; B " << g.b[0];
   for (size_t i = 1; i < g.b.size(); ++i)
     o << ", " << g.b[i];
-  o << ": " << b_how() << (p.cluster ? ", multicast to a 2-block cluster" : "") << "\n";
+  o << ": " << b_how() << (p.cluster() ? ", multicast to a 2-block cluster" : "") << "\n";
   if (p.chained)
     o << "  then A2 " << g.chained->a << " x B2 " << g.chained->b << " (K2 = " << g.chained->k.name()
       << ") into the same accumulator\n";
   o << "  walk: "
-    << (p.pair_items   ? "persistent 2-block clusters over (row-tile pair, column tile) items"
-        : p.persistent ? "persistent blocks drawing tiles from a counter"
-        : p.cluster    ? "a 2-block cluster per pair of row tiles"
-                       : "a block per output tile")
+    << (p.pair_items()   ? "persistent 2-block clusters over (row-tile pair, column tile) items"
+        : p.persistent() ? "persistent blocks drawing tiles from a counter"
+        : p.cluster()    ? "a 2-block cluster per pair of row tiles"
+                         : "a block per output tile")
     << (p.windowed ? " of a window of the route's tiles" : "") << ", raster " << t.raster << "\n";
-  o << "  epilogue: " << (p.out_tma ? "staged in shared memory, stored by TMA" : "plain stores")
-    << (p.out_tma && p.persistent ? " (" + std::to_string(p.staged_cols) + " columns at a time)" : "")
-    << (p.wide_stores ? ", 8/16-byte" : "") << (g.out_add ? ", added atomically into the tokens' rows" : "")
+  o << "  epilogue: " << (p.out_tma() ? "staged in shared memory, stored by TMA" : "plain stores")
+    << (p.out_tma() && p.persistent() ? " (" + std::to_string(p.staged_cols) + " columns at a time)" : "")
+    << (p.wide_stores() ? ", 8/16-byte" : "") << (g.out_add ? ", added atomically into the tokens' rows" : "")
     << (p.pair_rows ? ", rows through sorted_pair" : "") << (p.prefetch_rows ? " (looked up before the main loop)" : "")
     << (p.zero_rows ? ", padding rows zeroed" : "") << "; outputs " << g.output;
   for (const GemmStep::Extra &e : g.extra)

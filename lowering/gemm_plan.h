@@ -15,39 +15,62 @@
 
 namespace moeforge {
 
+// How an operand reaches shared memory.
+enum class OperandLoad {
+  cp_async,      // by cp.async: A's rows (direct, or through sorted_pair as the step's a_rows says), B's matrix
+  tma,           // by TMA: A's rows in tile order; B's [K, N] matrix per expert (or one), or B^T [N, K] in place
+  rows_cp_async, // an expert reduction's operand read where it is: its rows, by cp.async
+  rows_tma,      // ... zero-padded rows in the padded order, by TMA
+};
+// How the blocks walk the output tiles.
+enum class TileWalk {
+  per_tile,         // a block per output tile
+  cluster_pairs,    // a 2-block cluster per pair of row tiles (2m, 2m + 1), B multicast
+  persistent,       // a block per SM drawing tiles from a counter
+  persistent_pairs, // persistent 2-block clusters drawing (row-tile pair, column tile) items
+};
+// How the output tile leaves.
+enum class TileStore {
+  plain, // a store per element (pair)
+  wide,  // 8- or 16-byte stores of a quad's columns
+  tma,   // staged in shared memory, stored by TMA
+};
+
 struct GemmPlan {
   std::string step;
   // ---- the main loop
   MmaKind mma = MmaKind::wgmma_ws;
-  bool wgmma = false; // wgmma or wgmma_ws
-  bool ws = false;    // warp-specialised: a producer warpgroup loads, the consumers compute
-  int nb = 1;         // B operands (accumulator sets)
+  bool wgmma() const { return mma != MmaKind::mma_sync; }
+  // Warp-specialised: a producer warpgroup loads, the consumers compute.
+  bool ws() const { return mma == MmaKind::wgmma_ws; }
+  int nb = 1; // B operands (accumulator sets)
+  OperandLoad a_load = OperandLoad::cp_async, b_load = OperandLoad::cp_async;
   // An expert reduction reading both operands where they are (rows of the
   // routed tensors) rather than from a transposed copy.
-  bool in_place = false;
-  // B by TMA: a dense [K, N] matrix per expert (or one for all rows), or its
-  // transpose [N, K] read in place.
-  bool tma = false;
-  bool a_tma = false;      // A rows in tile order by TMA
-  bool b_tma_rows = false; // an expert reduction's B as padded rows by TMA
-  bool a_tma_rows = false; // ... and its A too
-  bool chained = false;    // a second product into the same accumulator (GemmStep::chained)
+  bool in_place() const { return b_load == OperandLoad::rows_cp_async || b_load == OperandLoad::rows_tma; }
+  bool tma() const { return b_load == OperandLoad::tma; }
+  bool a_tma() const { return a_load == OperandLoad::tma; }
+  bool b_tma_rows() const { return b_load == OperandLoad::rows_tma; }
+  bool a_tma_rows() const { return a_load == OperandLoad::rows_tma; }
+  bool chained = false; // a second product into the same accumulator (GemmStep::chained)
   // Split-K over the grid's y: a dense GEMM over a dynamic K with few tiles.
   bool split_k = false;
   // ---- the walk over output tiles
-  bool persistent = false; // one block per SM walking tiles
-  bool cluster = false;    // two blocks per cluster, row tiles 2m and 2m + 1, B multicast
-  bool pair_items = false; // persistent clusters walking (row-tile pair, column tile) items
-  bool windowed = false;   // over a window of the route's tiles (GemmStep::windowed)
+  TileWalk walk = TileWalk::per_tile;
+  bool persistent() const { return walk == TileWalk::persistent || walk == TileWalk::persistent_pairs; }
+  bool cluster() const { return walk == TileWalk::cluster_pairs || walk == TileWalk::persistent_pairs; }
+  bool pair_items() const { return walk == TileWalk::persistent_pairs; }
+  bool windowed = false; // over a window of the route's tiles (GemmStep::windowed)
   // ---- the epilogue
   bool reads_row = false;     // an epilogue reads the row's pair index
   bool pair_rows = false;     // the tile's rows are looked up through sorted_pair
   bool roomy = false;         // accumulators leave registers for latency trims
   bool prefetch_rows = false; // those lookups made before the main loop
-  bool out_tma = false;       // the output tile leaves by TMA from shared memory
-  bool zero_rows = false;     // a zero-padded output: padding rows stored as zeros
-  int staged_cols = 0;        // columns staged at a time (out_tma, persistent)
-  bool wide_stores = false;   // 8- or 16-byte plain stores
+  TileStore store = TileStore::plain;
+  bool out_tma() const { return store == TileStore::tma; }
+  bool wide_stores() const { return store == TileStore::wide; }
+  bool zero_rows = false; // a zero-padded output: padding rows stored as zeros
+  int staged_cols = 0;    // columns staged at a time (out_tma, persistent)
   // ---- resources
   int stage_bytes = 0;   // the ring of stages
   int ring_bytes = 0;    // + alignment slack, barriers, a persistent block's tile ids

@@ -55,7 +55,7 @@ TEST_CASE("atomic_combine: the CUDA plan adds rows into tokens and says why no T
   const GemmStep *g = gemm_writing(p, "y");
   REQUIRE(g != nullptr);
   GemmPlan plan = plan_gemm(p, *g);
-  CHECK_FALSE(plan.out_tma);
+  CHECK_FALSE(plan.out_tma());
   CHECK(plan.pair_rows);
   CHECK(describe(plan, *g).find("added atomically into the tokens' rows") != std::string::npos);
   std::vector<std::string> notes = not_applied_choices(p);

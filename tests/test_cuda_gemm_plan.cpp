@@ -57,7 +57,7 @@ TEST_CASE("gemm plan: the kernels launch with the plan's threads and shared memo
       INFO(g.name);
       CHECK(k.shared_bytes == plan.shared_bytes());
       CHECK(k.threads == plan.threads);
-      CHECK(k.grid.persistent == plan.persistent);
+      CHECK(k.grid.persistent == plan.persistent());
       CHECK(plan.shared_bytes() <= Schedule::max_shared_bytes);
       // The stages are the schedule's one formula for the tile.
       CHECK(plan.stage_bytes == g.tiling.ring_bytes(plan.nb));
@@ -71,21 +71,21 @@ TEST_CASE("gemm plan: tuned_wide's choices, as emit --plan prints them") {
   KernelProgram p = lower_training(ex.pipeline, ex.pipeline.func(ex.output), bench::tuned_wide(true)).program;
   const GemmPlan h = plan_gemm(p, gemm_named(p, "gemm_h_silu_in_h_rhs"));
   CHECK(h.nb == 2);
-  CHECK(h.ws);
-  CHECK(h.tma);
-  CHECK_FALSE(h.a_tma); // x gathered by the producer (scattermoe)
-  CHECK_FALSE(h.persistent);
-  CHECK_FALSE(h.out_tma);
+  CHECK(h.ws());
+  CHECK(h.tma());
+  CHECK_FALSE(h.a_tma()); // x gathered by the producer (scattermoe)
+  CHECK_FALSE(h.persistent());
+  CHECK_FALSE(h.out_tma());
   const GemmPlan dw = plan_gemm(p, gemm_named(p, "gemm_d_w1"));
-  CHECK(dw.in_place);
-  CHECK(dw.b_tma_rows);
-  CHECK(dw.a_tma_rows);
-  CHECK(dw.persistent);
-  CHECK(dw.out_tma);
+  CHECK(dw.in_place());
+  CHECK(dw.b_tma_rows());
+  CHECK(dw.a_tma_rows());
+  CHECK(dw.persistent());
+  CHECK(dw.out_tma());
   CHECK(dw.staged_cols == 128); // 4 stages of 128 x 256 leave room for half a tile's staging
   const GemmPlan dx = plan_gemm(p, gemm_named(p, "gemm_d_x_s2_d_x_s"));
   CHECK(dx.chained);
-  CHECK(dx.a_tma);
+  CHECK(dx.a_tma());
   const std::string text = describe_gemm_plans(p);
   CHECK(text.find("gemm gemm_d_x_s2_d_x_s (d_x_s2, schedule of d_x)") != std::string::npos);
   CHECK(text.find("then A2 d_x_s_a x B2 w1") != std::string::npos);
@@ -179,8 +179,8 @@ TEST_CASE("gemm plan: persistent clusters store their tiles by TMA, each block p
   for (const char *name : {"gemm_h", "gemm_o"}) {
     GemmPlan plan = plan_gemm(p, gemm_named(p, name));
     INFO(name);
-    CHECK(plan.pair_items);
-    CHECK(plan.out_tma);
+    CHECK(plan.pair_items());
+    CHECK(plan.out_tma());
     // 4 stages of 48 KiB and half of a 128-row tile's columns staged.
     CHECK(plan.staging_bytes == 128 * 128 * 2);
     CHECK(plan.shared_bytes() <= Schedule::max_shared_bytes);
@@ -194,7 +194,7 @@ TEST_CASE("gemm plan: persistent clusters store their tiles by TMA, each block p
   Schedule plain = s;
   plain.persistent("h", false).tma_store("h", true);
   KernelProgram q = lower(ex.pipeline, plain);
-  CHECK_FALSE(plan_gemm(q, gemm_named(q, "gemm_h")).out_tma);
+  CHECK_FALSE(plan_gemm(q, gemm_named(q, "gemm_h")).out_tma());
   const std::vector<std::string> notes = not_applied_choices(q);
   REQUIRE(notes.size() == 1);
   CHECK(notes[0] == "definition 'h': tma_store(\"h\", true) is not applied: in clusters, TMA stores come with "

@@ -75,10 +75,10 @@ TEST_CASE("gather upstream: dy's rows gathered by the dH GEMM and dW2, x's copy 
   REQUIRE(dw2 != nullptr);
   CHECK(dw2->b[0] == "d_y");
   const GemmPlan plan = plan_gemm(gather.t.program, *dw2);
-  CHECK(plan.a_tma_rows);
-  CHECK(!plan.b_tma_rows);
-  CHECK(plan.persistent);
-  CHECK(plan.out_tma);
+  CHECK(plan.a_tma_rows());
+  CHECK(!plan.b_tma_rows());
+  CHECK(plan.persistent());
+  CHECK(plan.out_tma());
   CHECK(plan.not_applied.empty());
 }
 

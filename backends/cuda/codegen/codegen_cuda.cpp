@@ -732,8 +732,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.name = c_name(g.name);
   k.step = g.name;
   KernelBuilder kb(prog, k);
-  const bool in_place = plan.in_place, ws = plan.ws, wgmma = plan.wgmma, tma = plan.tma;
-  const bool b_tma_rows = plan.b_tma_rows, a_tma_rows = plan.a_tma_rows, a_tma = plan.a_tma;
+  const bool in_place = plan.in_place(), ws = plan.ws(), wgmma = plan.wgmma(), tma = plan.tma();
+  const bool b_tma_rows = plan.b_tma_rows(), a_tma_rows = plan.a_tma_rows(), a_tma = plan.a_tma();
   std::string gA = a_tma ? "" : a_tma_rows ? "&" + kb.tma(g.a, 0, g.m.extent()) : kb.tensor(g.a);
   std::vector<std::string> gB;
   for (const std::string &b : g.b)
@@ -764,7 +764,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // Timeline stamps (nothing unless compiled with MF_TIMELINE): a block per
   // tile only, whose phases are the tile's.
   // Persistent blocks: a loop over the tiles, `skip` leaving one tile.
-  const bool persistent = plan.persistent;
+  const bool persistent = plan.persistent();
   const bool stamp_tiles = persistent; // persistent blocks stamp per tile
   auto stamp = [&](int phase) {
     if (timeline_requested())
@@ -802,12 +802,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     body << "  constexpr int K = " << g.k.extent() << ";\n";
   body << "  constexpr int NUM_N = (N + Cfg::BN - 1) / Cfg::BN;\n";
   body << "  int m_tile, n_tile;\n";
-  const bool cluster = plan.cluster;
+  const bool cluster = plan.cluster();
   // Persistent clusters: the pair walks (pair of row tiles, column tile)
   // items together (WgmmaWsConfig::pair_ring); a block whose tile of the
   // pair is empty runs the item's stages with no rows, keeping the pair in
   // step.
-  const bool pair_items = plan.pair_items;
+  const bool pair_items = plan.pair_items();
   const bool chained = plan.chained;
   // The epilogue: the algebra around the sums, per output element.
   std::string vr = "v_" + c_name(g.row_var.name()), vc = "v_" + c_name(g.col_var.name());
@@ -840,7 +840,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   }
   internal_check(reads_row == plan.reads_row) << g.name << ": the plan and the epilogue disagree on reading the row";
   const bool pair_rows = plan.pair_rows, prefetch_rows = plan.prefetch_rows, zero_rows = plan.zero_rows;
-  const bool out_tma = plan.out_tma;
+  const bool out_tma = plan.out_tma();
   const std::string gC = out_tma ? "" : kb.tensor(g.output, /*writes=*/true);
   // A persistent block stages its output tile past the ring: whole if that
   // fits beside the stages, else in halves (TmaStoreTile's W), so that the
@@ -1055,8 +1055,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   if (out_tma)
     emit_tma_store_epilogue(g, kb, nb, vr, persistent, staged_cols, outputs, zero_rows, body);
   else
-    emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, plan.wide_stores, split_k, sorted_pair,
-                        gC, body);
+    emit_store_epilogue(prog, g, kb, nb, vr, outputs, pair_rows, prefetch_rows, plan.wide_stores(), split_k,
+                        sorted_pair, gC, body);
   stamp(4);
   if (pair_items)
     body << "  }  // next item\n  Cfg::pair_done(tile_counter);\n" << (out_tma ? "  Cfg::out_done();\n" : "");

@@ -13,10 +13,12 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 
 #include "backends/backends.h"
+#include "bind_checked.h"
 #include "dsl/error.h"
 #include "tensors.h"
 #include "training_names.h"
@@ -28,15 +30,21 @@ using namespace nb::literals;
 
 namespace {
 
-std::unique_ptr<Layer> layer_on(Backend &b, const Pipeline &p, const Schedule &s, int64_t tokens) {
-  check_tokens(tokens);
-  return b.layer(p, s, tokens);
+// A token count from Python: any integer (numpy's too), at least 1; one past
+// int64 is told so, not answered with nanobind's list of argument types.
+int64_t tokens_of(nb::handle tokens, const char *call) {
+  const int64_t t = checked_integer(tokens, INT64_MIN, INT64_MAX, call, "tokens");
+  check_tokens(t);
+  return t;
+}
+
+std::unique_ptr<Layer> layer_on(Backend &b, const Pipeline &p, const Schedule &s, nb::handle tokens) {
+  return b.layer(p, s, tokens_of(tokens, "layer(pipeline, schedule, tokens)"));
 }
 
 std::unique_ptr<TrainingLayer> training_on(Backend &b, const Pipeline &p, const std::vector<Func> &outputs,
-                                           const Schedule &s, int64_t tokens) {
-  check_tokens(tokens);
-  return b.training_layer(p, outputs, s, tokens);
+                                           const Schedule &s, nb::handle tokens) {
+  return b.training_layer(p, outputs, s, tokens_of(tokens, "training_layer(pipeline, outputs, schedule, tokens)"));
 }
 
 void bind_layer(nb::module_ &m) {
@@ -73,8 +81,10 @@ void bind_layer(nb::module_ &m) {
 void bind_training_layer(nb::module_ &m) {
   nb::class_<TrainingLayer>(m, "TrainingLayer",
                             "A layer's forward and backward compiled by a backend, bound to `tokens` tokens.")
-      .def("with_tokens", &TrainingLayer::with_tokens, "tokens"_a,
-           "The same compiled program bound to another token count (no compiling).")
+      .def(
+          "with_tokens",
+          [](const TrainingLayer &l, nb::handle tokens) { return l.with_tokens(tokens_of(tokens, "with_tokens")); },
+          "tokens"_a, "The same compiled program bound to another token count (no compiling).")
       .def(
           "upload", [](TrainingLayer &l, const nb::dict &inputs) { l.upload(to_tensor_map(inputs, "input")); },
           "inputs"_a, "Every Input and Param of the forward, {name: array}.")
@@ -160,11 +170,13 @@ void bind_backends(nb::module_ &m) {
   m.attr("has_cpu_backend") = true;
   m.def(
       "CpuLayer",
-      [](const Pipeline &p, const Schedule &s, int64_t tokens) { return layer_on(*make_backend("cpu"), p, s, tokens); },
+      [](const Pipeline &p, const Schedule &s, nb::handle tokens) {
+        return layer_on(*make_backend("cpu"), p, s, tokens);
+      },
       "pipeline"_a, "schedule"_a, "tokens"_a, "mf.backend('cpu').layer(pipeline, schedule, tokens).");
   m.def(
       "CpuTrainingLayer",
-      [](const Pipeline &p, const std::vector<Func> &outputs, const Schedule &s, int64_t tokens) {
+      [](const Pipeline &p, const std::vector<Func> &outputs, const Schedule &s, nb::handle tokens) {
         return training_on(*make_backend("cpu"), p, outputs, s, tokens);
       },
       "pipeline"_a, "outputs"_a, "schedule"_a, "tokens"_a,

@@ -60,3 +60,8 @@ def test_forward_and_training_match_the_reference(name):
     train_and_check(other, layer, y, inputs24, np.random.default_rng(24).uniform(-1, 1, (24, 64)))
     with pytest.raises(mf.UserError, match="tokens must be at least 1"):
         backend.layer(layer, mf.megablocks(), 0)
+    with pytest.raises(mf.UserError, match=r"layer\(pipeline, schedule, tokens\): tokens 2361183241434822606848 is beyond"):
+        backend.layer(layer, mf.megablocks(), 2**71)
+    with pytest.raises(mf.UserError, match=r"with_tokens: tokens must be an integer, got 'eight'"):
+        train.with_tokens("eight")
+    assert train.with_tokens(np.int64(16)).tokens == 16  # numpy's integers are integers

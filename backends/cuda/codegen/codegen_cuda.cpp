@@ -13,6 +13,7 @@
 #include "dsl/printer.h"
 #include "dsl/visitor.h"
 #include "lowering/gemm_plan.h"
+#include "lowering/pointwise_plan.h"
 #include "schedules/schedule.h"
 
 namespace moeforge {
@@ -384,35 +385,6 @@ private:
   int split_depth_ = 0;
   std::map<std::string, std::string> loads_; // eight-wide loads in scope, by address
 };
-
-// Whether e sums over the pairs of a token or an expert indexed by v (the
-// loop bounds would then differ between the eight elements of a thread).
-bool sums_over_routes_of(const Expr &e, const Var &v) {
-  struct Finder : IRVisitor {
-    const VarNode *v;
-    bool found = false;
-    void visit_node(const RouteSum &n) override {
-      found |= n.target.get() == v;
-      IRVisitor::visit_node(n);
-    }
-  } f;
-  f.v = v.get();
-  f.visit(e);
-  return f.found;
-}
-
-// Whether e holds a reduction long enough to split over a warp's lanes.
-bool has_long_reduction(const Expr &e) {
-  struct Finder : IRVisitor {
-    bool found = false;
-    void visit_node(const Sum &n) override {
-      found |= n.var.dim().is_dynamic() || n.var.dim().extent() >= 64;
-      IRVisitor::visit_node(n);
-    }
-  } f;
-  f.visit(e);
-  return f.found;
-}
 
 // The routing block of a route (its RoutingStep's).
 int route_block(const KernelProgram &prog, const RoutingNode *r) {
@@ -1214,18 +1186,13 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
   kb.may_alias(s);
   const std::vector<Written> outs = written_by(prog, s, kb);
   const TensorDecl &out = *outs[0].t;
-  internal_check(s.vars.size() >= 2 && !s.body.as<Softmax>() && !has_long_reduction(s.body))
-      << s.name << ": row sums ride along element-wise values over two or more indices";
+  const PointwisePlan plan = plan_pointwise(prog, s); // a warp per row (pointwise_plan.h)
+  internal_check(plan.walk == ElementWalk::warp_per_row) << s.name << ": not a step with row sums";
   const Var &col = s.vars.back();
-  user_check(!col.dim().is_dynamic()) << "step " << s.name << ": a row sum over " << col.name()
-                                      << " needs a static row length on the CUDA backend";
   const long long n = col.dim().extent();
-  const bool vectorize = n % 8 == 0 && std::all_of(outs.begin(), outs.end(), [](const Written &w) {
-                           return w.row_sum || (w.t->dtype != DType::f16 && !w.t->stride8);
-                         });
-  const int width = vectorize ? 8 : 1;
-  const bool padded_rows =
-      out.layout == RowLayout::padded && s.vars.size() == 2 && out.route && s.vars[0].same_as(out.route->pair);
+  const bool vectorize = plan.per_thread == 8;
+  const int width = plan.per_thread;
+  const bool padded_rows = plan.padded_rows;
 
   std::ostringstream body;
   ExprEmitter em(prog, kb, body, 4);
@@ -1350,8 +1317,6 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   const std::vector<Written> outs = written_by(prog, s, kb);
   const std::string gOut = outs[0].ptr;
   const Softmax *softmax = s.body.as<Softmax>();
-  internal_check(s.extra.empty() || (!softmax && !has_long_reduction(s.body)))
-      << s.name << ": merged element-wise steps are plain element-wise values";
 
   std::ostringstream body;
   ExprEmitter em(prog, kb, body, 2);
@@ -1360,51 +1325,21 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   for (const Var &v : s.vars)
     if (!softmax || !v.same_as(softmax->var))
       loop_vars.push_back(v);
-  // A [pairs, n] result stored in the padded order (padded_elementwise): the
-  // grid runs over row slots q < max_padded_rows; slot q computes pair q
-  // (q < pairs), stored at its padded row pair_pos[q], and zeroes padded row
-  // q if that is padding, which GEMMs reading it by TMA rely on. Pairs in
-  // pair order keep a token's k pairs together, so its rows of the inputs
-  // (d_y, say) are read from cache after the first; in sorted order each
-  // came from DRAM again (fine64's d_o: 0.27 -> 0.43 ms).
-  const bool padded_rows = out.layout == RowLayout::padded && s.vars.size() == 2 && !softmax && out.route &&
-                           s.vars[0].same_as(out.route->pair);
+  // Who computes an element, how many each takes, and whether the grid
+  // walks the padded order's row slots (pointwise_plan.h).
+  const PointwisePlan plan = plan_pointwise(prog, s);
+  const bool padded_rows = plan.padded_rows;
   auto extent_of = [&](size_t i) {
     return padded_rows && i == 0 ? padded_slots(prog, kb, out.route) : kb.extent(loop_vars[i].dim());
   };
   std::string total = "1LL";
   for (size_t i = 0; i < loop_vars.size(); ++i)
     total = "(" + total + " * " + extent_of(i) + ")";
-  // Dot products and sums over the tokens: a warp per element (coalesced
-  // reads along the reduced index, and 32x the parallelism of a thread each).
-  // A softmax splits its row over the lanes itself; its body is one lane's.
-  em.warp_split = !softmax && has_long_reduction(s.body);
-  // Few elements, each a long reduction (a bias's gradient, a sum over
-  // every token): a block per element, or most SMs would sit idle while a
-  // warp each walked its reduction.
-  long long elements = 1;
-  for (const Var &v : loop_vars)
-    elements = v.dim().is_dynamic() ? 1LL << 40 : elements * v.dim().extent();
-  em.block_split = em.warp_split && elements <= 4096;
-  const bool warp_per_element = softmax || em.warp_split;
-  user_check(!padded_rows || (!warp_per_element && !s.vars[1].dim().is_dynamic()))
-      << "definition '" << s.output << "': padded_elementwise stores it in the padded row order, which the CUDA "
-      << "backend does for element-wise values over a static row length only (not reductions): drop "
-      << "padded_elementwise";
-  // Eight consecutive elements of the innermost index per thread, when its
-  // extent is a static multiple of eight (and not a padded tensor's row
-  // index): the index arithmetic (64-bit divisions, one per index) is done
-  // once, reads along that index are 16-byte loads and the store one, where
-  // a thread per element spent more instructions on indices than on data.
-  const bool vectorize =
-      !warp_per_element && !s.vars.empty() && !s.vars.back().dim().is_dynamic() &&
-      s.vars.back().dim().extent() % 8 == 0 &&
-      std::all_of(outs.begin(), outs.end(),
-                  [&](const Written &w) {
-                    return w.t->dtype != DType::f16 && !w.t->stride8 && !sums_over_routes_of(w.value, s.vars.back());
-                  }) &&
-      !(s.vars.size() == 1 && out.layout == RowLayout::padded);
-  const int per_thread = vectorize ? 8 : 1;
+  em.block_split = plan.walk == ElementWalk::block;
+  em.warp_split = em.block_split || (plan.walk == ElementWalk::warp && !softmax);
+  const bool warp_per_element = plan.walk == ElementWalk::warp || plan.walk == ElementWalk::block;
+  const int per_thread = plan.per_thread;
+  const bool vectorize = per_thread == 8;
   if (em.block_split) {
     body << "  long long idx = blockIdx.x;  // a block per element\n";
     body << "  const int lane = threadIdx.x & 31;\n";

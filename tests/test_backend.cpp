@@ -111,6 +111,17 @@ TEST_CASE("backend: cpu, by name, runs a forward that matches the reference") {
   CHECK(cpu->description().rfind("cpu (LLVM JIT, ", 0) == 0);
   check_forward(*cpu, "scattermoe");
   check_forward(*cpu, "megablocks");
+  // Each entry point names itself when called too early.
+  const ExampleShape s = shape(16, 32, 64, 8, 2);
+  const Example ex = make_example("moe_mlp", s);
+  std::unique_ptr<Layer> early = cpu->layer(ex.pipeline, preset("scattermoe"), s.tokens);
+  CHECK(user_error_of([&] { early->profile(); }).find("profile() before upload() of 'x'") != std::string::npos);
+  CHECK(user_error_of([&] { early->run(); }).find("run() before upload() of 'x'") != std::string::npos);
+  std::unique_ptr<TrainingLayer> train =
+      cpu->training_layer(ex.pipeline, {ex.pipeline.func(ex.output)}, preset("scattermoe"), s.tokens);
+  CHECK(user_error_of([&] { train->profile_forward(); }).find("profile_forward() before upload() of 'x'") !=
+        std::string::npos);
+  CHECK(user_error_of([&] { train->profile_backward(); }).find("backward() before forward()") != std::string::npos);
 }
 
 TEST_CASE("backend: cpu trains through the interface, at two token counts of one program") {

@@ -250,11 +250,11 @@ void CpuLayer::call(const CpuKernel &kernel, StepFunction f, std::vector<void *>
     t.join();
 }
 
-std::vector<std::pair<std::string, double>> CpuLayer::profile(size_t begin, size_t end) {
+std::vector<std::pair<std::string, double>> CpuLayer::profile(size_t begin, size_t end, const char *entry) {
   std::vector<std::pair<std::string, double>> out;
   for (size_t i = begin; i < end; ++i) {
     auto start = std::chrono::steady_clock::now();
-    run(i, i + 1);
+    run(i, i + 1, entry);
     out.emplace_back(step_name(layer_.program.steps[i]),
                      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }

@@ -74,8 +74,9 @@ public:
   // (a training layer's forward() or backward(), not run()).
   void run(size_t begin, size_t end, const char *entry = "run()");
   // Steps [begin, end) as run() runs them, each timed: its name and
-  // milliseconds, in program order (for benchmarks and `train --profile`).
-  std::vector<std::pair<std::string, double>> profile(size_t begin, size_t end);
+  // milliseconds, in program order (for benchmarks and `train --profile`);
+  // `entry` as for run().
+  std::vector<std::pair<std::string, double>> profile(size_t begin, size_t end, const char *entry = "profile()");
   // A Func's values as the reference lays them out (routed rows in pair
   // order, whatever the layout here). A user error for a name the layer
   // does not hold, and for a result no run computed since the inputs it is

@@ -56,14 +56,15 @@ void CpuTrainingLayer::backward() {
 }
 
 std::vector<std::pair<std::string, double>> CpuTrainingLayer::profile_forward() {
-  auto steps = layer_.profile(0, compiled_.training.forward_steps);
+  auto steps = layer_.profile(0, compiled_.training.forward_steps, "profile_forward()");
   state_.forward_ran();
   return steps;
 }
 
 std::vector<std::pair<std::string, double>> CpuTrainingLayer::profile_backward() {
   state_.check_ready_for_backward();
-  return layer_.profile(compiled_.training.forward_steps, compiled_.training.program.steps.size());
+  return layer_.profile(compiled_.training.forward_steps, compiled_.training.program.steps.size(),
+                        "profile_backward()");
 }
 
 HostTensor CpuTrainingLayer::output(const std::string &name) const {

@@ -4,6 +4,7 @@
 
 #include "backends/cpu/cpu_layer.h"
 #include "backends/cpu/cpu_training.h"
+#include "runtime/forwarding_layers.h"
 
 namespace moeforge::cpu {
 
@@ -24,29 +25,20 @@ struct ForwardProgram {
   ForwardProgram(const Pipeline &p, const Schedule &s) : pipeline(p), compiled(compile_cpu_layer(pipeline, s)) {}
 };
 
-class BoundLayer final : public Layer {
+class BoundLayer final : public ForwardingLayer<CpuLayer> {
 public:
   BoundLayer(std::shared_ptr<const ForwardProgram> program, int64_t tokens)
       : program_(std::move(program)), layer_(program_->compiled, tokens) {}
 
   const KernelProgram &program() const override { return program_->compiled.program; }
-  int64_t tokens() const override { return layer_.tokens(); }
-  void upload(const TensorMap &inputs) override { layer_.upload(inputs); }
-  void upload(const std::string &name, const HostTensor &value) override { layer_.upload(name, value); }
-  void upload_bytes(const std::string &name, const std::vector<uint8_t> &bytes) override {
-    layer_.upload_bytes(name, bytes);
-  }
-  void poison() override { layer_.poison(); }
   double run() override {
     return timed_ms([&] { layer_.run(); });
   }
   StepTimes profile() override { return layer_.profile(0, program().steps.size()); }
-  HostTensor download(const std::string &func) const override { return layer_.download(func); }
-  std::vector<int32_t> routed_experts(const std::string &route) const override { return layer_.routed_experts(route); }
-  int64_t dropped_pairs(const std::string &route) const override { return layer_.dropped_pairs(route); }
-  std::vector<uint8_t> kept_pairs(const std::string &route) const override { return layer_.kept_pairs(route); }
 
 private:
+  CpuLayer &inner() override { return layer_; }
+  const CpuLayer &inner() const override { return layer_; }
   std::shared_ptr<const ForwardProgram> program_;
   CpuLayer layer_;
 };
@@ -58,23 +50,15 @@ struct TrainingStep {
       : pipeline(p), compiled(compile_cpu_training(pipeline, outputs, s)) {}
 };
 
-class BoundTraining final : public TrainingLayer {
+class BoundTraining final : public ForwardingTrainingLayer<CpuTrainingLayer> {
 public:
   BoundTraining(std::shared_ptr<const TrainingStep> step, int64_t tokens)
       : step_(std::move(step)), layer_(step_->compiled, tokens) {}
 
   const TrainingProgram &training() const override { return step_->compiled.training; }
-  int64_t tokens() const override { return layer_.layer().tokens(); }
   std::unique_ptr<TrainingLayer> with_tokens(int64_t tokens) const override {
     return std::make_unique<BoundTraining>(step_, tokens);
   }
-  void upload(const TensorMap &inputs) override { layer_.upload(inputs); }
-  void upload(const std::string &name, const HostTensor &value) override { layer_.upload(name, value); }
-  using TrainingLayer::upload_upstream_gradient;
-  void upload_upstream_gradient(const std::string &output, const HostTensor &grad) override {
-    layer_.upload_upstream_gradient(output, grad);
-  }
-  void poison() override { layer_.poison(); }
   double forward() override {
     return timed_ms([&] { layer_.forward(); });
   }
@@ -83,16 +67,10 @@ public:
   }
   StepTimes profile_forward() override { return layer_.profile_forward(); }
   StepTimes profile_backward() override { return layer_.profile_backward(); }
-  using TrainingLayer::output;
-  HostTensor output(const std::string &name) const override { return layer_.output(name); }
-  HostTensor gradient(const std::string &name) const override { return layer_.gradient(name); }
-  HostTensor download(const std::string &func) const override { return layer_.download(func); }
-  std::vector<int32_t> routed_experts(const std::string &route) const override { return layer_.routed_experts(route); }
-  int64_t dropped_pairs(const std::string &route) const override { return layer_.dropped_pairs(route); }
-  std::vector<uint8_t> kept_pairs(const std::string &route) const override { return layer_.kept_pairs(route); }
-  int64_t saved_bytes() const override { return layer_.saved_bytes(); }
 
 private:
+  CpuTrainingLayer &inner() override { return layer_; }
+  const CpuTrainingLayer &inner() const override { return layer_; }
   std::shared_ptr<const TrainingStep> step_;
   CpuTrainingLayer layer_;
 };

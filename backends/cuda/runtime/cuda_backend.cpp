@@ -6,6 +6,7 @@
 #include "backends/cuda/runtime/stream.h"
 #include "backends/cuda/runtime/training_layer.h"
 #include "dsl/error.h"
+#include "runtime/forwarding_layers.h"
 
 namespace moeforge::cuda {
 
@@ -30,29 +31,20 @@ struct ForwardProgram {
       : pipeline(p), compiled(compile_layer(pipeline, s, arch)) {}
 };
 
-class BoundLayer final : public moeforge::Layer {
+class BoundLayer final : public ForwardingLayer<CudaLayer> {
 public:
   BoundLayer(std::shared_ptr<const Device> device, std::shared_ptr<const ForwardProgram> program, int64_t tokens)
       : device_(std::move(device)), program_(std::move(program)), layer_(*device_, program_->compiled, tokens) {}
 
   const KernelProgram &program() const override { return program_->compiled.program; }
-  int64_t tokens() const override { return layer_.tokens(); }
-  void upload(const TensorMap &inputs) override { layer_.upload(inputs); }
-  void upload(const std::string &name, const HostTensor &value) override { layer_.upload(name, value); }
-  void upload_bytes(const std::string &name, const std::vector<uint8_t> &bytes) override {
-    layer_.upload_bytes(name, bytes);
-  }
-  void poison() override { layer_.poison(); }
   double run() override {
     return timed_ms(stream_, [&] { layer_.enqueue(stream_); });
   }
   StepTimes profile() override { return layer_.profile(stream_); }
-  HostTensor download(const std::string &func) const override { return layer_.download(func); }
-  std::vector<int32_t> routed_experts(const std::string &route) const override { return layer_.routed_experts(route); }
-  int64_t dropped_pairs(const std::string &route) const override { return layer_.dropped_pairs(route); }
-  std::vector<uint8_t> kept_pairs(const std::string &route) const override { return layer_.kept_pairs(route); }
 
 private:
+  CudaLayer &inner() override { return layer_; }
+  const CudaLayer &inner() const override { return layer_; }
   // Declared first, destroyed last: the layer's memory lives in the
   // device's context.
   std::shared_ptr<const Device> device_;
@@ -68,23 +60,15 @@ struct TrainingStep {
       : pipeline(p), compiled(compile_training(pipeline, outputs, s, arch)) {}
 };
 
-class BoundTraining final : public moeforge::TrainingLayer {
+class BoundTraining final : public ForwardingTrainingLayer<cuda::TrainingLayer> {
 public:
   BoundTraining(std::shared_ptr<const Device> device, std::shared_ptr<const TrainingStep> step, int64_t tokens)
       : device_(std::move(device)), step_(std::move(step)), layer_(*device_, step_->compiled, tokens) {}
 
   const TrainingProgram &training() const override { return step_->compiled.training; }
-  int64_t tokens() const override { return layer_.layer().tokens(); }
   std::unique_ptr<TrainingLayer> with_tokens(int64_t tokens) const override {
     return std::make_unique<BoundTraining>(device_, step_, tokens);
   }
-  void upload(const TensorMap &inputs) override { layer_.upload(inputs); }
-  void upload(const std::string &name, const HostTensor &value) override { layer_.upload(name, value); }
-  using TrainingLayer::upload_upstream_gradient;
-  void upload_upstream_gradient(const std::string &output, const HostTensor &grad) override {
-    layer_.upload_upstream_gradient(output, grad);
-  }
-  void poison() override { layer_.poison(); }
   double forward() override {
     return timed_ms(stream_, [&] { layer_.forward(stream_); });
   }
@@ -93,16 +77,10 @@ public:
   }
   StepTimes profile_forward() override { return layer_.profile_forward(stream_); }
   StepTimes profile_backward() override { return layer_.profile_backward(stream_); }
-  using TrainingLayer::output;
-  HostTensor output(const std::string &name) const override { return layer_.output(name); }
-  HostTensor gradient(const std::string &name) const override { return layer_.gradient(name); }
-  HostTensor download(const std::string &func) const override { return layer_.download(func); }
-  std::vector<int32_t> routed_experts(const std::string &route) const override { return layer_.routed_experts(route); }
-  int64_t dropped_pairs(const std::string &route) const override { return layer_.dropped_pairs(route); }
-  std::vector<uint8_t> kept_pairs(const std::string &route) const override { return layer_.kept_pairs(route); }
-  int64_t saved_bytes() const override { return layer_.saved_bytes(); }
 
 private:
+  cuda::TrainingLayer &inner() override { return layer_; }
+  const cuda::TrainingLayer &inner() const override { return layer_; }
   std::shared_ptr<const Device> device_; // first: destroyed after the layer's memory
   std::shared_ptr<const TrainingStep> step_;
   Stream stream_;

@@ -37,6 +37,9 @@ public:
 
   virtual const KernelProgram &program() const = 0;
   virtual int64_t tokens() const = 0;
+  // The same compiled program bound to `tokens` tokens: no compiling, a new
+  // layer with memory (and inputs) of its own.
+  virtual std::unique_ptr<Layer> with_tokens(int64_t tokens) const = 0;
 
   // Every Input and Param (shapes checked against the declared Dims with the
   // token Dim = tokens(), values rounded to each one's dtype).

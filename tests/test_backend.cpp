@@ -58,6 +58,20 @@ void check_forward(Backend &backend, const std::string &schedule_name) {
         }).find("upload_bytes of 'w1': 3 bytes given, the layer holds") != std::string::npos);
   CHECK(user_error_of([&] { layer->upload("y", inputs.at("x")); }).find("'y' is not an Input or Param") !=
         std::string::npos);
+
+  // The same program at another token count: its own memory and inputs.
+  const ExampleShape s2 = shape(40, 32, 64, 8, 2);
+  std::unique_ptr<Layer> other = layer->with_tokens(s2.tokens);
+  CHECK(other->tokens() == s2.tokens);
+  CHECK(&other->program() == &layer->program()); // one compiled program
+  const TensorMap inputs2 = ex.random_inputs(s2, 6);
+  CHECK(user_error_of([&] { other->run(); }).find("run() before upload()") != std::string::npos);
+  other->upload(inputs2);
+  other->poison();
+  other->run();
+  const Outcome o2 = compare_with_reference(ex, inputs2, other->program(), *other, schedule.to_text(), 1e-2);
+  CHECK(o2.routing_mismatches == 0);
+  CHECK(max_abs_difference(layer->download(ex.output), y) == 0); // the first layer untouched
 }
 
 // A training step of swiglu_moe, then the same program at another token

@@ -31,6 +31,9 @@ public:
       : program_(std::move(program)), layer_(program_->compiled, tokens) {}
 
   const KernelProgram &program() const override { return program_->compiled.program; }
+  std::unique_ptr<Layer> with_tokens(int64_t tokens) const override {
+    return std::make_unique<BoundLayer>(program_, tokens);
+  }
   double run() override {
     return timed_ms([&] { layer_.run(); });
   }

@@ -50,6 +50,10 @@ std::unique_ptr<TrainingLayer> training_on(Backend &b, const Pipeline &p, const 
 void bind_layer(nb::module_ &m) {
   nb::class_<Layer>(m, "Layer", "A layer's forward compiled by a backend, bound to `tokens` tokens.")
       .def(
+          "with_tokens",
+          [](const Layer &l, nb::handle tokens) { return l.with_tokens(tokens_of(tokens, "with_tokens")); }, "tokens"_a,
+          "The same compiled program bound to another token count (no compiling).")
+      .def(
           "upload", [](Layer &l, const nb::dict &inputs) { l.upload(to_tensor_map(inputs, "input")); }, "inputs"_a,
           "Every Input and Param, {name: array}.")
       .def(

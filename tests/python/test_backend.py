@@ -48,6 +48,13 @@ def test_forward_and_training_match_the_reference(name):
     assert normalized_error(fwd.download("y"), mf.evaluate(layer, inputs)["y"]) < 1e-2
     assert [s for s, _ in fwd.profile()]  # every step, named
     assert fwd.dropped_pairs("route") == 0
+    # Another token count of the same forward: no compiling, its own memory.
+    fwd24 = fwd.with_tokens(24)
+    inputs24 = random_inputs(24, seed=25)
+    fwd24.upload(inputs24)
+    fwd24.run()
+    assert normalized_error(fwd24.download("y"), mf.evaluate(layer, inputs24)["y"]) < 1e-2
+    assert fwd.tokens == 56 and fwd24.tokens == 24
 
     train = backend.training_layer(layer, [y], mf.scattermoe(), 56)
     assert isinstance(train, mf.TrainingLayer)

@@ -37,6 +37,9 @@ public:
       : device_(std::move(device)), program_(std::move(program)), layer_(*device_, program_->compiled, tokens) {}
 
   const KernelProgram &program() const override { return program_->compiled.program; }
+  std::unique_ptr<moeforge::Layer> with_tokens(int64_t tokens) const override {
+    return std::make_unique<BoundLayer>(device_, program_, tokens);
+  }
   double run() override {
     return timed_ms(stream_, [&] { layer_.enqueue(stream_); });
   }

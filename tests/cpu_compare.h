@@ -8,6 +8,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include <memory>
+
+#include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/cpu_layer.h"
 #include "backends/cpu/cpu_training.h"
 #include "backends/reference/evaluate.h"
@@ -27,14 +30,15 @@ inline double normalized_error(const HostTensor &a, const HostTensor &b) {
   return max_normalized_error(a, b);
 }
 
+// Through the backend interface (runtime/backend.h), as any caller runs a
+// layer, so that every CPU test exercises it too.
 inline Outcome run_and_compare(const Example &ex, const TensorMap &inputs, int64_t tokens, const Schedule &schedule,
                                double tolerance = 1e-2) {
-  cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(ex.pipeline, schedule);
-  cpu::CpuLayer layer(compiled, tokens);
-  layer.upload(inputs);
-  layer.poison();
-  layer.run();
-  return testing::compare_with_reference(ex, inputs, compiled.program, layer, schedule.to_text(), tolerance,
+  const std::unique_ptr<Layer> layer = cpu::make_backend()->layer(ex.pipeline, schedule, tokens);
+  layer->upload(inputs);
+  layer->poison();
+  layer->run();
+  return testing::compare_with_reference(ex, inputs, layer->program(), *layer, schedule.to_text(), tolerance,
                                          /*floor_fraction=*/0, schedule.capacity());
 }
 
@@ -42,13 +46,13 @@ inline Outcome run_and_compare(const Example &ex, const TensorMap &inputs, int64
 // the GPU's training tests check theirs (training_compare.h).
 inline Outcome cpu_train_and_compare(const Example &ex, const TensorMap &inputs, int64_t tokens,
                                      const Schedule &schedule) {
-  cpu::CompiledCpuTraining compiled = cpu::compile_cpu_training(ex.pipeline, ex.pipeline.func(ex.output), schedule);
-  cpu::CpuTrainingLayer layer(compiled, tokens);
-  return testing::step_and_compare(ex, inputs, compiled.training.program, compiled.training.seed, layer, schedule,
-                                   [](cpu::CpuTrainingLayer &l) {
-                                     l.forward();
-                                     l.backward();
-                                   });
+  const std::unique_ptr<TrainingLayer> layer =
+      cpu::make_backend()->training_layer(ex.pipeline, {ex.pipeline.func(ex.output)}, schedule, tokens);
+  const TrainingProgram &t = layer->training();
+  return testing::step_and_compare(ex, inputs, t.program, t.seed, *layer, schedule, [](TrainingLayer &l) {
+    l.forward();
+    l.backward();
+  });
 }
 
 } // namespace moeforge::cpu_test

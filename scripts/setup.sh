@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Installs moeforge's dependencies from Debian's packages, configures, builds,
-# and runs the main example. Safe to run again.
+# Installs moeforge's dependencies from Debian's packages, configures and
+# builds the library, the CLI and the Python package (one build tree for
+# both, so the C++ core compiles once), and runs the main example. Safe to
+# run again. The tests and benchmarks build in the same tree with
+# scripts/test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${MOEFORGE_BUILD_DIR:-build}
@@ -20,10 +23,10 @@ fi
 # The CUDA toolkit is optional: found at /usr/local/cuda when present.
 export PATH="$PATH:/usr/local/cuda/bin"
 
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
-cmake --build "$BUILD_DIR" -j "$(nproc)"
-
 # The Python package (import moeforge): its build tools from PyPI, then
-# `pip install .` (scikit-build-core builds the extension in build-python/).
-bash scripts/install_python.sh
+# `pip install .`, which configures $BUILD_DIR (Ninja, Release) and builds
+# the extension there, the core with it.
+MOEFORGE_BUILD_DIR="$BUILD_DIR" bash scripts/install_python.sh
+# The CLI, from the objects just built.
+cmake --build "$BUILD_DIR" -j "$(nproc)" --target moeforge
 "$BUILD_DIR/tools/moeforge" run moe_mlp --check

@@ -11,6 +11,4 @@ raise mf.UserError (a ValueError) with the message that says what to change.
 """
 
 from ._core import *  # noqa: F401,F403
-from ._core import UserError, __doc__ as _core_doc  # noqa: F401
-
-__version__ = "0.11.0"
+from ._core import UserError, __doc__ as _core_doc, __version__  # noqa: F401

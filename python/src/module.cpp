@@ -18,6 +18,9 @@ void bind_cuda(nb::module_ &m);
 NB_MODULE(_core, m) {
   namespace nb = nanobind;
   m.doc() = "moeforge: a scheduling DSL for Mixture-of-Experts layers (the C++ core)";
+  // One version for C++ and Python: CMake's project version, which
+  // pyproject.toml reads too.
+  m.attr("__version__") = MOEFORGE_VERSION;
   // A user's mistake (a wrong shape, an unknown name, a bad schedule) is a
   // ValueError subclass carrying the C++ message; InternalError stays a
   // RuntimeError (a bug in moeforge, not in the caller's code).

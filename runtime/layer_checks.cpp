@@ -25,4 +25,15 @@ void check_uploaded(const KernelProgram &program, size_t begin, size_t end, cons
     }
 }
 
+TensorInfo tensor_info(const KernelProgram &program, const ProgramShapes &shapes, const std::string &name) {
+  const TensorDecl &t = downloadable(program, name);
+  TensorInfo i{t.dtype, shapes.shape(t), false, static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype)};
+  int64_t elements = 1;
+  for (int64_t e : i.shape)
+    elements *= e;
+  // Routed rows in pair order (r = t * k + slot) are the user's layout too.
+  i.contiguous = (t.layout == RowLayout::dense || t.layout == RowLayout::pair) && elements == shapes.elements(t);
+  return i;
+}
+
 } // namespace moeforge

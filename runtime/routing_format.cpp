@@ -1,5 +1,7 @@
 #include "runtime/routing_format.h"
 
+#include "dsl/error.h"
+
 namespace moeforge {
 
 const char *routing_array_name(RoutingArray a) {
@@ -52,6 +54,18 @@ int64_t routing_array_elements(RoutingArray a, const RoutingShape &shape) {
     return shape.max_tiles() + 1;
   }
   return 0;
+}
+
+size_t routing_table_offset(RoutingArray a, const RoutingShape &shape) {
+  internal_check(a != RoutingArray::window) << "the routing tables' block holds no window";
+  size_t at = 0;
+  for (int i = 0; i < static_cast<int>(a); ++i)
+    at += static_cast<size_t>(routing_array_elements(static_cast<RoutingArray>(i), shape)) * sizeof(int32_t);
+  return at;
+}
+
+size_t routing_table_bytes(const RoutingShape &shape) {
+  return routing_table_offset(RoutingArray::padded_rows, shape) + sizeof(int32_t);
 }
 
 } // namespace moeforge

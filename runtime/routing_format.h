@@ -44,6 +44,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -100,6 +101,13 @@ enum class RoutingArray {
 const char *routing_array_name(RoutingArray a);
 // Its int32 elements for `shape`.
 int64_t routing_array_elements(RoutingArray a, const RoutingShape &shape);
+
+// The tables as one block of memory (where a runtime keeps them with a
+// training forward's saved activations, so each forward in flight keeps its
+// own): every array but `window`, in the enum's order, one after another.
+// Byte offset of array `a` (not `window`) and the block's bytes.
+size_t routing_table_offset(RoutingArray a, const RoutingShape &shape);
+size_t routing_table_bytes(const RoutingShape &shape);
 
 // Array `a` of a set of routing tables: the host's RoutingTables
 // (routing_host.h) or a device RoutingPlan, which share the member names;

@@ -47,48 +47,196 @@ int64_t cpu_threads() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens)
-    : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens), threads_(cpu_threads()) {
-  for (const auto &[r, shape] : shapes_.routings())
-    routes_[r].shape = shape;
+namespace {
+// Offsets into the caller's regions are multiples of this (as on the GPU);
+// the regions' own starts need 64 bytes, what host allocators give.
+constexpr size_t kRegionAlignment = 256;
+constexpr uintptr_t kBaseAlignment = 64;
+size_t align_region(size_t n) { return (n + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; }
+} // namespace
+
+CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens, size_t keep_across, LayerMemory memory)
+    : layer_(layer), tokens_(tokens), shapes_(layer.program, tokens), threads_(cpu_threads()),
+      keep_across_(keep_across), memory_(memory) {
   size_t next = 0;
   for (const Step &s : layer_.program.steps)
     kernel_of_step_.push_back(std::holds_alternative<RoutingStep>(s) ? layer_.kernels.size() : next++);
+  if (memory_ == LayerMemory::caller) {
+    user_check(tokens >= 1) << "a layer on caller memory runs at least one token (a step of none has nothing to "
+                            << "compute: skip it), got " << tokens;
+    plan_caller_memory();
+  }
+  // What the layer holds itself: every tensor on owned memory; on caller
+  // memory the Inputs, outputs and gradients until bound.
+  auto owned = [&](const TensorDecl &t) {
+    return memory_ == LayerMemory::owned ||
+           !(step_plan_->saved.offset.count(t.name) || step_plan_->workspace.offset.count(t.name));
+  };
   size_t bytes = 0;
   for (const TensorDecl &t : layer_.program.tensors)
-    bytes += static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype);
+    if (owned(t))
+      bytes += static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype);
+  for (const auto &[r, shape] : shapes_.routings())
+    if (memory_ == LayerMemory::owned)
+      bytes += routing_table_bytes(shape);
   check_host_allocation(bytes, "the CPU backend's tensors of this layer at " + std::to_string(tokens) + " tokens");
-  for (const TensorDecl &t : layer_.program.tensors)
-    tensors_[t.name].assign(static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype), 0);
+  for (const TensorDecl &t : layer_.program.tensors) {
+    Buffer &b = tensors_[t.name];
+    const size_t n = static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype);
+    if (owned(t))
+      b.hold(n);
+    else
+      b.bytes = n;
+  }
+  for (const auto &[r, shape] : shapes_.routings()) {
+    RouteState &st = routes_[r];
+    st.shape = shape;
+    if (memory_ == LayerMemory::owned) {
+      st.own.assign(routing_table_bytes(shape), 0);
+      st.block = st.own.data();
+    }
+  }
+}
+
+void CpuLayer::plan_caller_memory() {
+  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype); };
+  step_plan_ = std::make_unique<StepMemoryPlan>(plan_step_memory(layer_.program, bytes, keep_across_));
+  size_t at = align_region(step_plan_->saved.arena_bytes);
+  table_offset_.clear();
+  for (const auto &[r, shape] : shapes_.routings()) {
+    table_offset_[r] = at;
+    at += align_region(routing_table_bytes(shape));
+  }
+}
+
+StepMemory CpuLayer::step_memory(int64_t tokens) const {
+  user_check(memory_ == LayerMemory::caller) << "step_memory(): this layer holds memory of its own "
+                                             << "(LayerMemory::owned); make it with LayerMemory::caller";
+  user_check(tokens >= 1) << "step_memory(" << tokens << "): a step runs at least one token";
+  const ProgramShapes shapes(layer_.program, tokens);
+  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype); };
+  const StepMemoryPlan plan = plan_step_memory(layer_.program, bytes, keep_across_);
+  StepMemory m;
+  m.saved = align_region(plan.saved.arena_bytes);
+  for (const auto &[r, shape] : shapes.routings())
+    m.saved += align_region(routing_table_bytes(shape));
+  m.workspace_before = plan.workspace_before;
+  m.workspace_after = plan.workspace_after;
+  return m;
+}
+
+void CpuLayer::place(uint8_t *saved, uint8_t *workspace) {
+  user_check(memory_ == LayerMemory::caller) << "place(): this layer holds memory of its own (LayerMemory::owned)";
+  user_check(saved != nullptr) << "place(): no saved memory given (it holds every route's tables, so it is never "
+                               << "empty)";
+  user_check(reinterpret_cast<uintptr_t>(saved) % kBaseAlignment == 0 &&
+             reinterpret_cast<uintptr_t>(workspace) % kBaseAlignment == 0)
+      << "place(): the saved and workspace memory must start at 64-byte aligned addresses (got "
+      << static_cast<const void *>(saved) << " and " << static_cast<const void *>(workspace) << ")";
+  for (const auto &[name, at] : step_plan_->saved.offset)
+    tensors_.at(name).at = saved + at;
+  for (const auto &[name, at] : step_plan_->workspace.offset)
+    tensors_.at(name).at = workspace ? workspace + at : nullptr;
+  // The tables there are the ones the forward that wrote this memory made:
+  // a forward routes before any step reads them, and a training layer runs
+  // a backward only on memory a recent forward wrote (forwards_in_flight.h).
+  for (auto &[r, st] : routes_) {
+    st.block = saved + table_offset_.at(r);
+    st.routed = true;
+  }
+  saved_at_ = saved;
+}
+
+void CpuLayer::set_tokens(int64_t tokens) {
+  user_check(memory_ == LayerMemory::caller)
+      << "set_tokens: this layer holds memory of its own for " << tokens_ << " tokens; make a layer for "
+      << "another count (with_tokens), or one on caller memory";
+  user_check(tokens >= 1) << "set_tokens(" << tokens << "): a step runs at least one token (one of none has "
+                          << "nothing to compute: skip it)";
+  if (tokens == tokens_)
+    return;
+  tokens_ = tokens;
+  shapes_ = ProgramShapes(layer_.program, tokens);
+  for (auto &[r, st] : routes_) {
+    st.shape = shapes_.routing(r);
+    st.block = nullptr;
+    st.routed = false;
+  }
+  plan_caller_memory();
+  // Every intermediate waits for place(); an Input or output whose size
+  // changed is the layer's own again, empty, until uploaded or bound.
+  for (const TensorDecl &t : layer_.program.tensors) {
+    Buffer &b = tensors_.at(t.name);
+    const size_t n = static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype);
+    if (step_plan_->saved.offset.count(t.name) || step_plan_->workspace.offset.count(t.name)) {
+      b = Buffer{};
+      b.bytes = n;
+      continue;
+    }
+    if (b.bytes == n)
+      continue;
+    b.hold(n);
+    uploaded_.erase(t.name);
+  }
+  computed_.clear();
+  saved_at_ = nullptr;
+}
+
+void CpuLayer::bind(const std::string &name, void *ptr, size_t bytes) {
+  const TensorDecl *t = layer_.program.find(name);
+  user_check(t != nullptr) << "bind: this layer holds no tensor '" << name << "'";
+  user_check(!step_plan_ || !(step_plan_->saved.offset.count(name) || step_plan_->workspace.offset.count(name)))
+      << "bind: '" << name << "' is an intermediate, placed in the saved memory or the workspace (place()); bind "
+      << "an Input, Param, output or gradient";
+  Buffer &b = tensors_.at(name);
+  user_check(ptr != nullptr && bytes == b.bytes)
+      << "bind('" << name << "'): " << bytes << " bytes at " << ptr << " given, the layer reads and writes " << b.bytes
+      << " (" << dtype_name(t->dtype) << " values of its shape)";
+  user_check(reinterpret_cast<uintptr_t>(ptr) % dtype_bytes(t->dtype) == 0)
+      << "bind('" << name << "'): the address " << ptr << " is not aligned to its " << dtype_name(t->dtype)
+      << " values";
+  if (b.at == ptr)
+    return;
+  b.own.clear();
+  b.own.shrink_to_fit();
+  b.at = static_cast<uint8_t *>(ptr);
+  if (t->is_input) {
+    uploaded_.insert(name);
+    forget_results_of(name);
+  } else {
+    computed_.erase(name);
+  }
+}
+
+void CpuLayer::store_input(const std::string &name, const std::vector<uint8_t> &bytes) {
+  Buffer &b = tensors_.at(name);
+  internal_check(bytes.size() == b.bytes && b.at != nullptr)
+      << "input '" << name << "': " << bytes.size() << " bytes for " << b.bytes;
+  std::memcpy(b.at, bytes.data(), bytes.size());
+  uploaded_.insert(name);
+  forget_results_of(name);
 }
 
 void CpuLayer::upload(const TensorMap &inputs) {
   for (const TensorDecl &t : layer_.program.tensors)
-    if (t.is_input) {
-      tensors_.at(t.name) = shapes_.encode_input(t, inputs);
-      uploaded_.insert(t.name);
-      forget_results_of(t.name);
-    }
+    if (t.is_input)
+      store_input(t.name, shapes_.encode_input(t, inputs));
 }
 
 void CpuLayer::upload(const std::string &name, const HostTensor &value) {
   const TensorDecl *t = layer_.program.find(name);
   user_check(t != nullptr && t->is_input) << "'" << name << "' is not an Input or Param of this layer";
-  tensors_.at(name) = shapes_.encode_input(*t, TensorMap{{name, value}});
-  uploaded_.insert(name);
-  forget_results_of(name);
+  store_input(name, shapes_.encode_input(*t, TensorMap{{name, value}}));
 }
 
 void CpuLayer::upload_bytes(const std::string &name, const std::vector<uint8_t> &bytes) {
   const TensorDecl *t = layer_.program.find(name);
   user_check(t != nullptr && t->is_input) << "'" << name << "' is not an Input or Param of this layer";
-  std::vector<uint8_t> &stored = tensors_.at(name);
-  user_check(bytes.size() == stored.size())
-      << "upload_bytes of '" << name << "': " << bytes.size() << " bytes given, the layer holds " << stored.size()
-      << " (" << dtype_name(t->dtype) << " values of its shape)";
-  stored = bytes;
-  uploaded_.insert(name);
-  forget_results_of(name);
+  const size_t stored = tensors_.at(name).bytes;
+  user_check(bytes.size() == stored) << "upload_bytes of '" << name << "': " << bytes.size()
+                                     << " bytes given, the layer holds " << stored << " (" << dtype_name(t->dtype)
+                                     << " values of its shape)";
+  store_input(name, bytes);
 }
 
 void CpuLayer::forget_results_of(const std::string &input) {
@@ -116,11 +264,11 @@ void CpuLayer::poison() {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const uint16_t nan16 = bf16_bits(nan);
   for (const TensorDecl &t : layer_.program.tensors) {
-    if (t.is_input)
+    Buffer &buf = tensors_.at(t.name);
+    if (t.is_input || buf.at == nullptr) // on caller memory: what is placed now
       continue;
-    std::vector<uint8_t> &buf = tensors_.at(t.name);
-    for (size_t at = 0; at + dtype_bytes(t.dtype) <= buf.size(); at += dtype_bytes(t.dtype))
-      t.dtype == DType::f32 ? (void)std::memcpy(&buf[at], &nan, 4) : (void)std::memcpy(&buf[at], &nan16, 2);
+    for (size_t at = 0; at + dtype_bytes(t.dtype) <= buf.bytes; at += dtype_bytes(t.dtype))
+      t.dtype == DType::f32 ? (void)std::memcpy(buf.at + at, &nan, 4) : (void)std::memcpy(buf.at + at, &nan16, 2);
   }
 }
 
@@ -147,20 +295,31 @@ void softmax_rows(std::vector<float> &v, int64_t rows, int64_t cols) {
 
 void CpuLayer::route(const RoutingStep &step) {
   RouteState &st = routes_.at(step.route);
-  const std::vector<uint8_t> &raw = tensors_.at(step.probs);
+  user_check(st.block != nullptr) << "route '" << step.route->name << "': no saved memory placed for its tables "
+                                  << "(place() first)";
+  const Buffer &raw = tensors_.at(step.probs);
+  user_check(raw.at != nullptr) << "'" << step.probs << "' has no memory: place() the saved memory and workspace first";
   std::vector<float> probs(static_cast<size_t>(st.shape.tokens * st.shape.experts));
-  std::memcpy(probs.data(), raw.data(), probs.size() * sizeof(float));
+  std::memcpy(probs.data(), raw.at, probs.size() * sizeof(float));
   if (step.softmax) // step.probs holds the router's logits (lower.h, softmax_into_routing)
     softmax_rows(probs, st.shape.tokens, st.shape.experts);
   // The reference's rule (largest first, ties to the lower expert), then the
   // blocked format's tables: the same code the GPU routing is checked with.
   HostTopK top = top_k_on_host(st.shape, probs);
-  st.tables = route_on_host(st.shape, top.expert, top.gate);
-  st.padded_rows = st.tables.offsets.back();
+  RoutingTables tables = route_on_host(st.shape, top.expert, top.gate);
+  for (int a = 0; a < static_cast<int>(RoutingArray::num_tiles); ++a) {
+    const std::vector<int32_t> &v = *routing_array(tables, static_cast<RoutingArray>(a));
+    internal_check(static_cast<int64_t>(v.size()) == routing_array_elements(static_cast<RoutingArray>(a), st.shape))
+        << "routing array '" << routing_array_name(static_cast<RoutingArray>(a)) << "' has " << v.size() << " elements";
+    std::memcpy(st.array(static_cast<RoutingArray>(a)), v.data(), v.size() * sizeof(int32_t));
+  }
+  *st.array(RoutingArray::num_tiles) = tables.num_tiles;
+  *st.array(RoutingArray::padded_rows) = tables.offsets.back();
+  st.routed = true;
   if (!step.gate_output.empty()) { // the chosen probabilities, pair order (gate_from_routing)
-    std::vector<uint8_t> &gate = tensors_.at(step.gate_output);
-    internal_check(gate.size() == top.gate.size() * sizeof(float))
-        << "gate tensor '" << step.gate_output << "' holds " << gate.size() << " bytes for " << top.gate.size()
+    Buffer &gate = tensors_.at(step.gate_output);
+    internal_check(gate.bytes == top.gate.size() * sizeof(float) && gate.at != nullptr)
+        << "gate tensor '" << step.gate_output << "' holds " << gate.bytes << " bytes for " << top.gate.size()
         << " pairs";
     if (step.renormalize) // each token's chosen scores over their sum, added in slot order as route_sum adds
       for (int64_t t = 0; t < st.shape.tokens; ++t) {
@@ -171,30 +330,28 @@ void CpuLayer::route(const RoutingStep &step) {
         for (int s = 0; s < st.shape.k; ++s)
           g[s] /= total;
       }
-    std::memcpy(gate.data(), top.gate.data(), gate.size());
+    std::memcpy(gate.at, top.gate.data(), gate.bytes);
   }
 }
 
 void *CpuLayer::arg(const CpuArg &a) {
   switch (a.kind) {
-  case CpuArg::Kind::tensor:
-    return tensors_.at(a.name).data();
+  case CpuArg::Kind::tensor: {
+    uint8_t *at = tensors_.at(a.name).at;
+    user_check(at != nullptr) << "'" << a.name << "' has no memory: place() the saved memory and a workspace of "
+                              << "step_memory()'s bytes first";
+    return at;
+  }
   case CpuArg::Kind::extent:
     return shapes_.dynamic_extent(a.name);
   case CpuArg::Kind::thread:
     return nullptr; // per call (call())
   case CpuArg::Kind::route: {
     RouteState &st = routes_.at(a.route);
-    RoutingTables &t = st.tables;
-    if (a.array == RoutingArray::num_tiles)
-      return &t.num_tiles;
-    if (a.array == RoutingArray::padded_rows)
-      return &st.padded_rows;
-    std::vector<int32_t> *v = routing_array(t, a.array);
-    internal_check(v != nullptr) << "routing array '" << a.name << "' has no host table";
-    internal_check(!v->empty()) << "routing array '" << a.name << "' of route '" << a.route->name
-                                << "' read before the route ran";
-    return v->data();
+    internal_check(a.array != RoutingArray::window) << "routing array '" << a.name << "' has no host table";
+    internal_check(st.routed && st.block != nullptr)
+        << "routing array '" << a.name << "' of route '" << a.route->name << "' read before the route ran";
+    return st.array(a.array);
   }
   }
   return nullptr;
@@ -219,7 +376,7 @@ void CpuLayer::run(size_t begin, size_t end, const char *entry) {
     size_t k = kernel_of_step_[i];
     internal_check(k < kernels.size() && kernels[k].step == step_name(s) && k < jit.functions.size())
         << "compiled steps do not match the program at " << step_name(s);
-    // Arguments are bound per call: the routing tables are rebuilt each run.
+    // Arguments are bound per call: memory moves with place() and bind().
     args.clear();
     for (const CpuArg &a : kernels[k].args)
       args.push_back(arg(a));
@@ -263,43 +420,54 @@ std::vector<std::pair<std::string, double>> CpuLayer::profile(size_t begin, size
 
 HostTensor CpuLayer::download(const std::string &func) const {
   const TensorDecl &t = downloadable(layer_.program, func);
+  user_check(!step_plan_ || !step_plan_->workspace.offset.count(func))
+      << "'" << func << "' lives in the workspace the caller gives each step: its value is gone once the steps "
+      << "that read it have run; download outputs, gradients and what a forward saves";
   user_check(t.is_input || computed_.count(func))
       << "download(\"" << func << "\"): no step has computed '" << func << "' since the inputs it is made from "
       << "were last given (or the layer was poisoned): run the layer first (run(); a training layer's outputs "
       << "after forward(), its gradients after backward())";
-  const std::vector<uint8_t> &bytes = tensors_.at(func);
+  const Buffer &b = tensors_.at(func);
+  user_check(b.at != nullptr) << "download(\"" << func << "\"): it has no memory yet: bind() it (an output) or "
+                              << "place() the layer's memory (what a forward saves) first";
+  const std::vector<uint8_t> bytes(b.at, b.at + b.bytes);
   if (t.layout != RowLayout::padded)
     return shapes_.decode(t, bytes);
   auto route = routes_.find(t.route);
-  user_check(route != routes_.end() && !route->second.tables.pair_pos.empty())
+  user_check(route != routes_.end() && route->second.routed)
       << "download(\"" << func << "\") before run(): its rows are in the routing's order, which run() makes";
-  const RoutingTables &tables = route->second.tables;
-  return shapes_.decode(t, bytes, &tables.pair_pos);
+  const std::vector<int32_t> pair_pos = route->second.copy(RoutingArray::pair_pos);
+  return shapes_.decode(t, bytes, &pair_pos);
 }
 
-int64_t CpuLayer::dropped_pairs(const std::string &route) const {
-  for (const auto &[r, st] : routes_)
-    if (r->name == route)
-      return moeforge::dropped_pairs(st.shape, st.tables);
-  user_error << "no route named '" << route << "' in this layer";
-}
-
-std::vector<uint8_t> CpuLayer::kept_pairs(const std::string &route) const {
+const CpuLayer::RouteState &CpuLayer::routed(const std::string &route, const char *call) const {
   for (const auto &[r, st] : routes_)
     if (r->name == route) {
-      std::vector<uint8_t> kept(st.tables.pair_pos.size());
-      for (size_t p = 0; p < kept.size(); ++p)
-        kept[p] = !st.shape.drops() || st.tables.pair_pos[p] != st.shape.drop_row();
-      return kept;
+      user_check(st.routed) << call << "('" << route << "'): the route has not run (run the layer first)";
+      return st;
     }
   user_error << "no route named '" << route << "' in this layer";
 }
 
+int64_t CpuLayer::dropped_pairs(const std::string &route) const {
+  const RouteState &st = routed(route, "dropped_pairs");
+  int64_t kept = 0;
+  for (int32_t c : st.copy(RoutingArray::counts))
+    kept += c;
+  return st.shape.pairs() - kept;
+}
+
+std::vector<uint8_t> CpuLayer::kept_pairs(const std::string &route) const {
+  const RouteState &st = routed(route, "kept_pairs");
+  const std::vector<int32_t> pair_pos = st.copy(RoutingArray::pair_pos);
+  std::vector<uint8_t> kept(pair_pos.size());
+  for (size_t p = 0; p < kept.size(); ++p)
+    kept[p] = !st.shape.drops() || pair_pos[p] != st.shape.drop_row();
+  return kept;
+}
+
 std::vector<int32_t> CpuLayer::routed_experts(const std::string &route) const {
-  for (const auto &[r, st] : routes_)
-    if (r->name == route)
-      return st.tables.expert;
-  user_error << "no route named '" << route << "' in this layer";
+  return routed(route, "routed_experts").copy(RoutingArray::expert);
 }
 
 } // namespace moeforge::cpu

@@ -15,6 +15,9 @@
 #include "backends/cpu/jit.h"
 #include "dsl/pipeline.h"
 #include "lowering/kernel_program.h"
+#include "runtime/layer_checks.h"
+#include "runtime/layer_memory.h"
+#include "runtime/memory_plan.h"
 #include "runtime/program_shapes.h"
 #include "runtime/routing_host.h"
 #include "runtime/tensor.h"
@@ -47,11 +50,23 @@ std::string cpu_llvm_ir(const Pipeline &pipeline, const Schedule &schedule, bool
 // UserError otherwise), else every core.
 int64_t cpu_threads();
 
-// A compiled layer bound to host memory for `tokens` tokens. The pipeline
-// and the CompiledCpuLayer must outlive it.
+// A compiled layer bound to host memory for `tokens` tokens.
+//
+// Memory, as cuda::CudaLayer's (runtime/layer_memory.h): owned, a buffer of
+// its own for every tensor; or LayerMemory::caller, where the caller gives
+// the intermediates their memory each call (place(): the saved region,
+// which also holds every route's tables, and a workspace, both planned by
+// plan_step_memory), binds the tensors it wants read or written in place
+// (bind()), and any token count runs (set_tokens) with no compiling. The
+// CPU backend runs the same plan the GPU runs, so a plan that let two live
+// tensors share bytes shows here as a wrong result.
 class CpuLayer {
 public:
-  CpuLayer(const CompiledCpuLayer &layer, int64_t tokens);
+  // keep_across: tensors written before this step and read at or after it
+  // are what a training forward keeps for its backward (the saved region
+  // with LayerMemory::caller); 0 for none.
+  CpuLayer(const CompiledCpuLayer &layer, int64_t tokens, size_t keep_across = 0,
+           LayerMemory memory = LayerMemory::owned);
 
   // Copies every Input and Param in (rounded to its dtype). Shapes must match
   // the declared Dims with the token Dim = tokens.
@@ -90,20 +105,68 @@ public:
   // kept[r] = 0 for each pair the route dropped at capacity (pair order).
   std::vector<uint8_t> kept_pairs(const std::string &route) const;
 
+  // A tensor as stored here (runtime/layer_checks.h).
+  TensorInfo info(const std::string &name) const { return tensor_info(layer_.program, shapes_, name); }
+  // Points tensor `name` (an Input, Param, output or gradient: a tensor the
+  // caller reads or writes, not an intermediate placed by the plan) at host
+  // memory the caller owns and keeps alive, `bytes` = info(name).bytes, so
+  // its values are read or written there with no copy. An Input or Param
+  // counts as given from then on.
+  void bind(const std::string &name, void *ptr, size_t bytes);
+
+  LayerMemory memory() const { return memory_; }
+  // LayerMemory::caller: what a step at `tokens` tokens needs.
+  StepMemory step_memory(int64_t tokens) const;
+  // LayerMemory::caller: every intermediate and route table at the caller's
+  // memory for the current token count: `saved` (step_memory().saved
+  // bytes, never null) and `workspace` (what the steps about to run need,
+  // or null where they need none), both 64-byte aligned.
+  void place(uint8_t *saved, uint8_t *workspace);
+  // LayerMemory::caller: the saved memory place() was last given (null before).
+  const uint8_t *saved_at() const { return saved_at_; }
+  // LayerMemory::caller: runs the layer for `tokens` tokens from now on, with
+  // no compiling; place() again, and bind or upload again every tensor whose
+  // size changed (the others keep their values).
+  void set_tokens(int64_t tokens);
+
   const CompiledCpuLayer &compiled() const { return layer_; }
   int64_t tokens() const { return tokens_; }
 
 private:
+  // A tensor's bytes: its own, or the caller's (bound, or placed by the plan).
+  struct Buffer {
+    std::vector<uint8_t> own;
+    uint8_t *at = nullptr; // null: an intermediate not placed yet
+    size_t bytes = 0;
+    void hold(size_t n) {
+      own.assign(n, 0);
+      at = own.data();
+      bytes = n;
+    }
+  };
+  // A route's shape and its tables, one block (routing_table_offset): the
+  // layer's own, or in the saved region on caller memory, so each forward
+  // in flight keeps its own routing beside its activations.
   struct RouteState {
     RoutingShape shape;
-    RoutingTables tables;
-    int32_t padded_rows = 0;
+    std::vector<uint8_t> own;
+    uint8_t *block = nullptr;
+    bool routed = false;
+    int32_t *array(RoutingArray a) const { return reinterpret_cast<int32_t *>(block + routing_table_offset(a, shape)); }
+    std::vector<int32_t> copy(RoutingArray a) const {
+      const int32_t *p = array(a);
+      return std::vector<int32_t>(p, p + routing_array_elements(a, shape));
+    }
   };
   void route(const RoutingStep &step);
   void *arg(const CpuArg &a);
   // One step's function with `args`: once, or for a parallel kernel once per
   // thread, each with its own thread index.
   void call(const CpuKernel &kernel, StepFunction f, std::vector<void *> &args) const;
+  const RouteState &routed(const std::string &route, const char *call) const;
+  void plan_caller_memory();
+  // Input `name`'s new bytes, into its own or its bound memory.
+  void store_input(const std::string &name, const std::vector<uint8_t> &bytes);
 
   const CompiledCpuLayer &layer_;
   // kernel_of_step_[s]: the index into layer_.kernels of step s (routing
@@ -112,8 +175,16 @@ private:
   int64_t tokens_;
   ProgramShapes shapes_;
   int64_t threads_; // a parallel step's calls (MOEFORGE_CPU_THREADS, else the cores)
-  std::map<std::string, std::vector<uint8_t>> tensors_;
+  size_t keep_across_;
+  LayerMemory memory_;
+  std::map<std::string, Buffer> tensors_;
   std::map<const RoutingNode *, RouteState> routes_;
+  // LayerMemory::caller: the current count's plan, each route's tables'
+  // offset in the saved region (after its tensors), and where place() put
+  // them last.
+  std::unique_ptr<StepMemoryPlan> step_plan_;
+  std::map<const RoutingNode *, size_t> table_offset_;
+  uint8_t *saved_at_ = nullptr;
   std::set<std::string> uploaded_; // the Inputs and Params given so far
   // The results a run computed from the inputs as they are now: an upload
   // takes back those made from the input it changed, poison() all.

@@ -1,5 +1,8 @@
 #include "backends/cpu/cpu_training.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include "dsl/error.h"
 
 namespace moeforge::cpu {
@@ -20,8 +23,55 @@ CompiledCpuTraining compile_cpu_training(const Pipeline &forward, const Func &ou
   return compile_cpu_training(forward, std::vector<Func>{output}, schedule);
 }
 
-CpuTrainingLayer::CpuTrainingLayer(const CompiledCpuTraining &compiled, int64_t tokens)
-    : compiled_(compiled), layer_(compiled.layer, tokens), state_(compiled.training) {}
+CpuTrainingLayer::CpuTrainingLayer(const CompiledCpuTraining &compiled, int64_t tokens, LayerMemory memory)
+    : compiled_(compiled), layer_(compiled.layer, tokens, compiled.training.forward_steps, memory),
+      state_(compiled.training) {}
+
+void CpuTrainingLayer::check_memory(bool caller, const char *call) const {
+  if (caller)
+    user_check(layer_.memory() == LayerMemory::caller)
+        << call << "(saved, workspace): this layer holds memory of its own; call " << call << "()";
+  else
+    user_check(layer_.memory() == LayerMemory::owned)
+        << call << "(): this layer runs on caller memory; call " << call << "(saved, workspace)";
+}
+
+void CpuTrainingLayer::bind(const std::string &name, void *ptr, size_t bytes) {
+  layer_.bind(name, ptr, bytes);
+  if (const TensorDecl *t = compiled_.training.program.find(name); t && t->is_input)
+    state_.uploaded(name); // new values: a seed counts as given, an input needs a new forward
+}
+
+void CpuTrainingLayer::bind_gradient(const std::string &of, void *ptr, size_t bytes) {
+  layer_.bind(compiled_.training.gradient_of(of), ptr, bytes);
+}
+
+void CpuTrainingLayer::forward(uint8_t *saved, uint8_t *workspace) {
+  check_memory(true, "forward");
+  layer_.place(saved, workspace);
+  layer_.run(0, compiled_.training.forward_steps, "forward()");
+  forwards_.forward_wrote(reinterpret_cast<uintptr_t>(saved), layer_.tokens());
+}
+
+void CpuTrainingLayer::backward(uint8_t *saved, uint8_t *workspace) {
+  check_memory(true, "backward");
+  forwards_.check_backward(compiled_.training, reinterpret_cast<uintptr_t>(saved), layer_.tokens());
+  // The saved memory is that forward's, whatever was bound since.
+  state_.forward_ran();
+  state_.check_ready_for_backward();
+  layer_.place(saved, workspace);
+  layer_.run(compiled_.training.forward_steps, compiled_.training.program.steps.size(), "backward()");
+  forwards_.backward_ran(compiled_.training, reinterpret_cast<uintptr_t>(saved), layer_.tokens());
+}
+
+HostTensor CpuTrainingLayer::download(const std::string &func) const {
+  const auto &over = compiled_.training.written_over_saved;
+  const bool overwritten = std::any_of(over.begin(), over.end(), [&](const auto &o) { return o.second == func; });
+  user_check(!overwritten || !forwards_.spent(reinterpret_cast<uintptr_t>(layer_.saved_at()), layer_.tokens()))
+      << "download('" << func << "'): the backward wrote a gradient over it (gradients_over_saved(true)); "
+      << "download it between the forward and the backward";
+  return layer_.download(func);
+}
 
 void CpuTrainingLayer::upload(const TensorMap &inputs) {
   state_.upload_inputs(inputs, [&](const std::string &name, const HostTensor &t) { layer_.upload(name, t); });
@@ -46,11 +96,13 @@ void CpuTrainingLayer::poison() {
 }
 
 void CpuTrainingLayer::forward() {
+  check_memory(false, "forward");
   layer_.run(0, compiled_.training.forward_steps, "forward()");
   state_.forward_ran();
 }
 
 void CpuTrainingLayer::backward() {
+  check_memory(false, "backward");
   state_.check_ready_for_backward();
   layer_.run(compiled_.training.forward_steps, compiled_.training.program.steps.size(), "backward()");
 }

@@ -14,6 +14,7 @@
 
 #include "backends/cpu/cpu_layer.h"
 #include "lowering/training.h"
+#include "runtime/forwards_in_flight.h"
 #include "runtime/training_state.h"
 
 namespace moeforge::cpu {
@@ -33,7 +34,7 @@ CompiledCpuTraining compile_cpu_training(const Pipeline &forward, const Func &ou
 class CpuTrainingLayer {
 public:
   // `compiled` must outlive the layer.
-  CpuTrainingLayer(const CompiledCpuTraining &compiled, int64_t tokens);
+  CpuTrainingLayer(const CompiledCpuTraining &compiled, int64_t tokens, LayerMemory memory = LayerMemory::owned);
 
   // Every Input and Param of the forward (the upstream gradient is separate).
   // New inputs make the saved activations stale: forward() again before the
@@ -59,6 +60,25 @@ public:
   // last poison (or ever).
   void backward();
 
+  // LayerMemory::caller (cuda::TrainingLayer's calls). What a step at
+  // `tokens` needs; the token count of the next forward or backward.
+  StepMemory step_memory(int64_t tokens) const { return layer_.step_memory(tokens); }
+  void set_tokens(int64_t tokens) { layer_.set_tokens(tokens); }
+  // Host memory the caller owns for an Input, Param, upstream gradient (by
+  // its seed's name, "d_y") or output; for the gradient of Input or Param
+  // `of`. Sizes as info() says.
+  void bind(const std::string &name, void *ptr, size_t bytes);
+  void bind_gradient(const std::string &of, void *ptr, size_t bytes);
+  TensorInfo info(const std::string &name) const { return layer_.info(name); }
+  // A forward whose activations and routing go to `saved` and a backward
+  // that reads them there: the same saved memory, at the same token count,
+  // with this layer's inputs and parameters as they were then (bound again
+  // by the caller). A backward is refused for saved memory no recent forward
+  // of this count wrote, and for a second backward of one forward where the
+  // first wrote over what it saved (runtime/forwards_in_flight.h).
+  void forward(uint8_t *saved, uint8_t *workspace);
+  void backward(uint8_t *saved, uint8_t *workspace);
+
   // forward() / backward() with each step timed: name and milliseconds, in
   // program order (cuda::TrainingLayer's profile_forward / profile_backward).
   std::vector<std::pair<std::string, double>> profile_forward();
@@ -73,7 +93,9 @@ public:
   HostTensor gradient(const std::string &name) const;
   // Any Func the program materialises (the output, a gradient, an
   // intermediate such as d_h), in the reference's layout.
-  HostTensor download(const std::string &func) const { return layer_.download(func); }
+  // On caller memory, a saved tensor a backward wrote a gradient over
+  // (written_over_saved) is refused once that backward ran.
+  HostTensor download(const std::string &func) const;
   std::vector<int32_t> routed_experts(const std::string &route) const { return layer_.routed_experts(route); }
   int64_t dropped_pairs(const std::string &route) const { return layer_.dropped_pairs(route); }
   std::vector<uint8_t> kept_pairs(const std::string &route) const { return layer_.kept_pairs(route); }
@@ -84,9 +106,12 @@ public:
   const TrainingProgram &training() const { return compiled_.training; }
 
 private:
+  void check_memory(bool caller, const char *call) const;
+
   const CompiledCpuTraining &compiled_;
   CpuLayer layer_;
   TrainingState state_;
+  ForwardsInFlight forwards_;
 };
 
 } // namespace moeforge::cpu

@@ -554,13 +554,10 @@ HostTensor CudaLayer::download(const std::string &func) const {
 }
 
 CudaLayer::TensorInfo CudaLayer::info(const std::string &name) const {
-  const TensorDecl &t = downloadable(layer_.program, name);
-  TensorInfo i{t.dtype, shapes_.shape(t), false, tensors_.at(name).bytes()};
-  int64_t elements = 1;
-  for (int64_t e : i.shape)
-    elements *= e;
-  // Routed rows in pair order (r = t * k + slot) are the user's layout too.
-  i.contiguous = (t.layout == RowLayout::dense || t.layout == RowLayout::pair) && elements == shapes_.elements(t);
+  TensorInfo i = tensor_info(layer_.program, shapes_, name);
+  // What copies move is the buffer, which owned memory keeps at the count
+  // the layer was made for (set_tokens may run fewer).
+  i.bytes = tensors_.at(name).bytes();
   return i;
 }
 

@@ -19,12 +19,17 @@
 #include "backends/cuda/runtime/stream.h"
 #include "dsl/pipeline.h"
 #include "lowering/kernel_program.h"
+#include "runtime/layer_checks.h"
+#include "runtime/layer_memory.h"
 #include "runtime/memory_plan.h"
 #include "runtime/program_shapes.h"
 #include "runtime/tensor.h"
 #include "schedules/schedule.h"
 
 namespace moeforge::cuda {
+
+// Spelled cuda::LayerMemory too, as before both backends had it.
+using moeforge::LayerMemory;
 
 struct GridInputs; // launch_grid.h
 
@@ -48,16 +53,6 @@ CompiledLayer compile_layer(const Pipeline &pipeline, const Schedule &schedule, 
 // Generates and compiles an already lowered program (a training program, say).
 CompiledLayer compile_program(KernelProgram program, const std::string &arch = "sm_90a");
 
-// Where a layer's intermediates live.
-//   owned   buffers of its own for the token count it was made for (or, under
-//           Schedule::reuse_memory, one arena planned by lifetime), held for
-//           the layer's life; Inputs, Params and outputs too until bound.
-//   caller  none of its own: the caller gives each step its memory
-//           (place()), as a model's framework gives its layers memory from
-//           its allocator, and binds every Input, Param and output. Any
-//           token count runs (set_tokens) without new memory or compiling.
-enum class LayerMemory { owned, caller };
-
 // A compiled layer bound to device memory for `tokens` tokens.
 class CudaLayer {
 public:
@@ -68,17 +63,8 @@ public:
   CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens, size_t keep_across = 0,
             LayerMemory memory = LayerMemory::owned);
 
-  // LayerMemory::caller: the memory a step at `tokens` tokens needs, in
-  // bytes (runtime/memory_plan.h, plan_step_memory).
-  struct StepMemory {
-    // What the steps before keep_across leave for the steps from it (a
-    // training forward's activations for its backward) and every route's
-    // tables: kept by the caller from the one's start to the other's end.
-    size_t saved = 0;
-    // What the steps before keep_across, and those from it, use only while
-    // they run: memory the caller may reuse once the call's work is done.
-    size_t workspace_before = 0, workspace_after = 0;
-  };
+  // LayerMemory::caller: the memory a step at `tokens` tokens needs.
+  using StepMemory = moeforge::StepMemory;
   StepMemory step_memory(int64_t tokens) const;
   // LayerMemory::caller: points every intermediate at the caller's memory
   // for the current token count: `saved` (step_memory().saved bytes) and
@@ -129,12 +115,7 @@ public:
   // A tensor as the user sees it: its storage type and shape (routed rows:
   // T * k), and whether its device bytes are exactly that, row-major and
   // unpadded, so another framework's tensor can be copied in or out as is.
-  struct TensorInfo {
-    DType dtype;
-    std::vector<int64_t> shape;
-    bool contiguous;
-    size_t bytes; // what copy_in and copy_out move
-  };
+  using TensorInfo = moeforge::TensorInfo;
   // UserError naming the layer's tensors for an unknown name.
   TensorInfo info(const std::string &name) const;
   // Device-to-device, enqueued on `stream` without host synchronisation (and

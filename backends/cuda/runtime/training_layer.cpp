@@ -124,36 +124,18 @@ void TrainingLayer::forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr
   check_memory(true, "forward");
   layer_.place(saved, workspace);
   run(forward_, 0, compiled_.training.forward_steps, stream);
-  const std::pair<CUdeviceptr, int64_t> mine{saved, layer_.tokens()};
-  // The same memory written again is that forward's now.
-  forwards_.erase(std::remove(forwards_.begin(), forwards_.end(), mine), forwards_.end());
-  spent_.erase(std::remove(spent_.begin(), spent_.end(), mine), spent_.end());
-  forwards_.push_back(mine);
-  if (forwards_.size() > kRecentForwards)
-    forwards_.pop_front();
+  forwards_.forward_wrote(saved, layer_.tokens());
 }
 
 void TrainingLayer::backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace) {
   check_memory(true, "backward");
-  const std::pair<CUdeviceptr, int64_t> theirs{saved, layer_.tokens()};
-  auto forward = std::find(forwards_.begin(), forwards_.end(), theirs);
-  user_check(forward != forwards_.end() || std::find(spent_.begin(), spent_.end(), theirs) == spent_.end())
-      << compiled_.training.one_backward_reason();
-  user_check(forward != forwards_.end())
-      << "backward: no forward at " << layer_.tokens() << " tokens wrote its activations to the saved memory "
-      << "given; give each backward the saved memory of its own forward, at that forward's token count "
-      << "(set_tokens)";
+  forwards_.check_backward(compiled_.training, saved, layer_.tokens());
   // The saved memory is that forward's, whatever was bound since.
   state_.forward_ran();
   state_.check_ready_for_backward();
   layer_.place(saved, workspace);
   run(backward_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream);
-  if (!compiled_.training.written_over_saved.empty()) { // what the forward saved is gone
-    forwards_.erase(forward);
-    spent_.push_back(theirs);
-    if (spent_.size() > kRecentForwards)
-      spent_.pop_front();
-  }
+  forwards_.backward_ran(compiled_.training, saved, layer_.tokens());
 }
 
 std::vector<std::pair<std::string, double>> TrainingLayer::profile_forward(const Stream &stream) {
@@ -169,8 +151,7 @@ std::vector<std::pair<std::string, double>> TrainingLayer::profile_backward(cons
 HostTensor TrainingLayer::download(const std::string &func) const {
   const auto &over = compiled_.training.written_over_saved;
   const bool overwritten = std::any_of(over.begin(), over.end(), [&](const auto &o) { return o.second == func; });
-  const std::pair<CUdeviceptr, int64_t> placed{layer_.saved_at(), layer_.tokens()};
-  user_check(!overwritten || std::find(spent_.begin(), spent_.end(), placed) == spent_.end())
+  user_check(!overwritten || !forwards_.spent(layer_.saved_at(), layer_.tokens()))
       << "download('" << func << "'): the backward wrote a gradient over it (gradients_over_saved(true)); "
       << "download it between the forward and the backward";
   return layer_.download(func);

@@ -18,6 +18,7 @@
 #include "backends/cuda/runtime/layer.h"
 #include "backends/cuda/runtime/stream.h"
 #include "lowering/training.h"
+#include "runtime/forwards_in_flight.h"
 #include "runtime/training_state.h"
 
 namespace moeforge::cuda {
@@ -102,7 +103,7 @@ public:
   // written_over_saved, the default schedule's gradients_over_saved).
   void forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace);
   void backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace);
-  static constexpr size_t kRecentForwards = 256;
+  static constexpr size_t kRecentForwards = ForwardsInFlight::kRecent;
   // Replays the forward and the backward each as one CUDA graph instead of
   // one launch per kernel, for steps short enough that the launches show
   // (a 2 ms step of ~30 kernels). A graph holds TMA descriptors by value, so
@@ -162,12 +163,8 @@ private:
 
   const CompiledTraining &compiled_;
   CudaLayer layer_;
-  // LayerMemory::caller: the saved memory and token count of recent
-  // forwards, newest last.
-  std::deque<std::pair<CUdeviceptr, int64_t>> forwards_;
-  // Saved memory whose backward wrote over it (gradients_over_saved), so a
-  // second backward is refused with the reason; newest last.
-  std::deque<std::pair<CUdeviceptr, int64_t>> spent_;
+  // LayerMemory::caller: which saved memory a backward may be given.
+  ForwardsInFlight forwards_;
   TrainingState state_;
   bool replay_ = false;
   Replay forward_, backward_;

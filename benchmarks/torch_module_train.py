@@ -106,7 +106,7 @@ def run_shape(name, schedule, iters, rounds, bench=None, variant=None, cooldown=
     # whole run: its saved activations, one workspace, the output, the
     # upstream gradient and every gradient (the module binds fresh ones
     # each step, which torch frees after it).
-    rt = moe._cuda
+    rt = moe._caller
     layer = rt.layer
     saved_bytes, forward_ws, backward_ws = rt.use_tokens(tokens)
     held = {"saved": torch.empty(saved_bytes, dtype=torch.uint8, device="cuda"),

@@ -139,7 +139,7 @@ def graph_counts(model):
     CUDA graph, captured, eager), summed; {} for the other implementations."""
     total = {}
     for layer in model:
-        runtime = getattr(layer, "_cuda", None)
+        runtime = getattr(layer, "_caller", None)
         if runtime is not None:
             for key, n in runtime.layer.graph_counts().items():
                 total[key] = total.get(key, 0) + n

@@ -29,9 +29,11 @@ micro-batches), each backward reads its own forward's activations, and a
 new token count costs no compile and no memory that outlives the step. A
 step of no tokens returns empty outputs and zero gradients.
 
-On the CPU backend (device='cpu', for development and tests) the values
-pass through numpy; its layer keeps one step's state, so a backward whose
-forward was not the layer's last one runs that forward again first.
+On the CPU backend (device='cpu', for development and tests) the module
+runs the same way: the CPU layer on caller memory (moeforge.CpuCallerTrainingLayer)
+reads and writes torch's CPU tensors in place, each forward's activations
+in a tensor of torch's, so forwards in flight, checkpointing and any token
+count behave as on the GPU.
 
 torch.compile: the module runs as an opaque call (a graph break around it,
 torch.compiler.disable); it is not a torch.library custom op yet.
@@ -83,19 +85,24 @@ def _memory(nbytes, device):
     return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
 
 
-class _CudaRuntime:
-    """The module's one compiled training program on caller memory, and the
-    token count and addresses it was last given (binding an unchanged
-    address again costs nothing, but a call each)."""
+class _Runtime:
+    """The module's one compiled training program on caller memory (the
+    GPU's or the CPU backend's), and the token count and addresses it was
+    last given (binding an unchanged address again costs nothing, but a call
+    each)."""
 
     def __init__(self, module, tokens):
-        with torch.cuda.device(module.device):
-            self.layer = mf.CudaTrainingLayer(module.pipeline, module.outputs, module.schedule, tokens,
-                                              module.device.index or 0, caller_memory=True)
-        # One graph launch per entry point while torch's allocator hands
-        # back the same blocks step after step: a short layer's ~30
-        # launches would otherwise show in its step time.
-        self.layer.replay_graphs(True)
+        self.cuda = module.device.type == "cuda"
+        if self.cuda:
+            with torch.cuda.device(module.device):
+                self.layer = mf.CudaTrainingLayer(module.pipeline, module.outputs, module.schedule, tokens,
+                                                  module.device.index or 0, caller_memory=True)
+            # One graph launch per entry point while torch's allocator hands
+            # back the same blocks step after step: a short layer's ~30
+            # launches would otherwise show in its step time.
+            self.layer.replay_graphs(True)
+        else:
+            self.layer = mf.CpuCallerTrainingLayer(module.pipeline, module.outputs, module.schedule, tokens)
         self.tokens = None
         self.bound = {}
         self.memory = {}  # tokens -> (saved, forward workspace, backward workspace) bytes
@@ -117,9 +124,31 @@ class _CudaRuntime:
             self.layer.bind(name, t.data_ptr(), t.numel() * t.element_size())
             self.bound[name] = t.data_ptr()
 
+    def forward(self, device, saved, workspace):
+        if self.cuda:
+            self.layer.forward(_stream(device), saved, workspace)
+        else:
+            self.layer.forward(saved, workspace)
 
-def _cuda_forward(ctx, module, x, params):
-    rt = module._cuda_runtime(x.shape[0])
+    def backward(self, stream, saved, workspace):
+        if self.cuda:
+            self.layer.backward(stream.cuda_stream, saved, workspace)
+        else:
+            self.layer.backward(saved, workspace)
+
+    def routed_experts(self, route, device):
+        """A copy of the experts the forward just run chose: T * k int32,
+        on the module's device (the tables live in that forward's saved
+        memory, gone when its backward ends)."""
+        if not self.cuda:
+            return torch.from_numpy(self.layer.routed_experts(route).copy())
+        t = torch.empty(self.layer.pairs(route), dtype=torch.int32, device=device)
+        self.layer.copy_routed_experts(route, t.data_ptr(), t.numel() * 4, _stream(device))
+        return t
+
+
+def _step_forward(ctx, module, x, params):
+    rt = module._runtime(x.shape[0])
     layer = rt.layer
     saved_bytes, workspace_bytes, _ = rt.use_tokens(x.shape[0])
     # The input and weights, read again by the backward, and fresh output
@@ -137,10 +166,11 @@ def _cuda_forward(ctx, module, x, params):
     outs = [_empty_like_layer(layer, name, x.device) for name in layer.outputs]
     for name, t in zip(layer.outputs, outs):
         rt.bind(name, t)
-    layer.forward(_stream(x.device), saved.data_ptr(), _address(workspace))
+    rt.forward(x.device, saved.data_ptr(), _address(workspace))
     del workspace  # back to torch's pool; work queued later on this stream reuses it after ours
-    module._record_routing(layer, x.device)
-    ctx.stream = torch.cuda.current_stream(x.device)
+    module._record_routing(rt, x.device)
+    if rt.cuda:
+        ctx.stream = torch.cuda.current_stream(x.device)
     # Everything the backward reads goes through save_for_backward, not ctx
     # attributes: autograd frees it when this node's backward ends (kept
     # as attributes, every layer's activations lived until the whole graph
@@ -153,18 +183,20 @@ def _cuda_forward(ctx, module, x, params):
     return outs
 
 
-def _cuda_backward(ctx, grads):
+def _step_backward(ctx, grads):
     module = ctx.module
-    rt = module._cuda
+    rt = module._caller
     layer = rt.layer
     tensors = ctx.saved_tensors
     keep, saved, read_outputs = tensors[:ctx.keep_count], tensors[ctx.keep_count], tensors[ctx.keep_count + 1:]
     device = keep[0].device
     _, _, workspace_bytes = rt.use_tokens(ctx.tokens)
-    stream = torch.cuda.current_stream(device)
-    if stream != ctx.stream:  # the forward's memory is read on this stream too
-        for t in tensors:
-            t.record_stream(stream)
+    stream = None
+    if rt.cuda:
+        stream = torch.cuda.current_stream(device)
+        if stream != ctx.stream:  # the forward's memory is read on this stream too
+            for t in tensors:
+                t.record_stream(stream)
     for name, t in zip([module.input_name] + module._param_names, keep):
         rt.bind(name, t)
     for name, t in zip([n for n in layer.outputs if n in rt.backward_reads], read_outputs):
@@ -183,49 +215,11 @@ def _cuda_backward(ctx, grads):
     out = [_empty_like_layer(layer, layer.gradients[name], device) for name in names]
     for name, t in zip(names, out):
         layer.bind_gradient(name, t.data_ptr(), t.numel() * t.element_size())
-    layer.backward(stream.cuda_stream, saved.data_ptr(), _address(workspace))
+    rt.backward(stream, saved.data_ptr(), _address(workspace))
     # The workspace, the seeds and (when autograd drops them) the saved
     # tensors go back to torch's pool now: a block freed on this stream is
     # handed only to work queued on it after the kernels above.
     return out
-
-
-def _cpu_forward(ctx, module, x, params):
-    """The CPU backend: values go in and out through numpy (its layers keep
-    bf16 storage of their own, so a copy happens anyway)."""
-    layer = module._cpu_layer_for(x.shape[0])
-    arrays = {module.input_name: x.detach().float().numpy()}
-    arrays.update({name: p.detach().float().numpy() for name, p in zip(module._param_names, params)})
-    layer.upload(arrays)
-    layer.forward()
-    module._cpu_generation += 1
-    module._cpu_last = module._cpu_generation
-    ctx.generation, ctx.arrays = module._cpu_generation, arrays
-    if module.keep_routing:
-        module._routing = {route: torch.from_numpy(layer.routed_experts(route).copy())
-                           for route in module._route_names}
-    return [torch.from_numpy(layer.output(f.name)).to(dtype) for f, dtype in zip(module.outputs, module._output_dtypes)]
-
-
-def _cpu_backward(ctx, grads):
-    module = ctx.module
-    layer = module._cpu_layer_for(ctx.tokens)
-    # The CUDA layer refuses a second backward of one forward where its
-    # backward wrote over what the forward saved; the CPU layer keeps its
-    # own memory, but the module keeps one contract on both devices.
-    reason = layer.one_backward_reason
-    if reason and getattr(ctx, "backward_ran", False):
-        raise mf.UserError(reason)
-    ctx.backward_ran = True
-    if module._cpu_last != ctx.generation:  # another forward ran since: this one's state is made again
-        layer.upload(ctx.arrays)
-        layer.forward()
-        module._cpu_last = ctx.generation
-    for f, g in zip(module.outputs, grads):
-        g = torch.zeros(module._output_shape(f, ctx.tokens)) if g is None else g
-        layer.upload_upstream_gradient(g.detach().double().numpy(), f.name)
-    layer.backward()
-    return [torch.from_numpy(layer.gradient(name)) for name in [module.input_name] + module._param_names]
 
 
 class _TrainingStep(torch.autograd.Function):
@@ -237,10 +231,8 @@ class _TrainingStep(torch.autograd.Function):
         if ctx.tokens == 0:
             outs = [module._no_token_output(f, dtype, x.device)
                     for f, dtype in zip(module.outputs, module._output_dtypes)]
-        elif module.device.type == "cpu":
-            outs = _cpu_forward(ctx, module, x, params)
         else:
-            outs = _cuda_forward(ctx, module, x, params)
+            outs = _step_forward(ctx, module, x, params)
         return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
@@ -250,10 +242,8 @@ class _TrainingStep(torch.autograd.Function):
             device = module.device
             got = [torch.zeros(0, *module._input_shape[1:], device=device)]
             got += [torch.zeros(s, device=device) for s in ctx.param_shapes]
-        elif module.device.type == "cpu":
-            got = _cpu_backward(ctx, grads)
         else:
-            got = _cuda_backward(ctx, grads)
+            got = _step_backward(ctx, grads)
         result = [None]
         for t, dtype, need in zip(got, ctx.input_dtypes, ctx.needs_input_grad[1:]):
             result.append((t if t.dtype == dtype else t.to(dtype)) if need else None)
@@ -275,7 +265,7 @@ class MoELayer(torch.nn.Module):
     half-width of its uniform init} (default 1/sqrt(fan-in), the first
     non-expert dimension); device: where the parameters live and the layer
     runs: a GPU ('cuda', the CUDA backend) or 'cpu' (the LLVM CPU backend,
-    values through numpy: for development and tests, not speed).
+    on torch's CPU tensors in place: for development and tests, not speed).
 
     Any number of forwards may be in flight (checkpointing, accumulation, a
     module applied twice); each serves one backward where the schedule has
@@ -339,17 +329,15 @@ class MoELayer(torch.nn.Module):
                 p.uniform_(-scale, scale)
             self.register_parameter(b["name"], torch.nn.Parameter(p))
             self._param_names.append(b["name"])
-        self._cuda = None  # _CudaRuntime, made at the first forward
-        self._cpu = None  # the CPU backend's layer at the last token count
-        self._cpu_generation = self._cpu_last = 0
+        self._caller = None  # _Runtime, made at the first forward
         self.keep_routing = keep_routing
         self._route_names = []
         self._routing = {}  # route -> the experts the last forward chose (int32, pair order)
         self._routing_tokens = None
 
-    def _cuda_runtime(self, tokens):
-        if self._cuda is None:
-            if self._auto:  # the tuned-schedule cache, for this first count's bucket
+    def _runtime(self, tokens):
+        if self._caller is None:
+            if self._auto and self.device.type == "cuda":  # the tuned-schedule cache, for this first count's bucket
                 tuned, where = mf.cached_schedule(self.pipeline, tokens, True, self.device.index or 0)
                 if tuned is not None:
                     self.schedule = tuned
@@ -357,9 +345,9 @@ class MoELayer(torch.nn.Module):
                     self.schedule_note = f"auto: tuned for this layer and {tokens} tokens ({where})"
                 else:
                     self.schedule_note = f"auto: the default schedule, nothing tuned for this layer here ({where})"
-            self._cuda = _CudaRuntime(self, tokens)
-            self._route_names = self._cuda.layer.routes
-        return self._cuda
+            self._caller = _Runtime(self, tokens)
+            self._route_names = self._caller.layer.routes
+        return self._caller
 
     def _stored_dtypes(self):
         """The torch dtype of each output, as the schedule stores it: bf16
@@ -368,27 +356,14 @@ class MoELayer(torch.nn.Module):
         and both devices return one dtype."""
         return [_DTYPES[d] for d in mf.output_dtypes(self.pipeline, self.outputs, self.schedule)]
 
-    def _cpu_layer_for(self, tokens):
-        """The CPU layer at `tokens`: the compiled program shared, a new
-        count's layer replacing the last one (so its state is gone)."""
-        if self._cpu is None:
-            self._cpu = mf.CpuTrainingLayer(self.pipeline, self.outputs, self.schedule, tokens)
-            self._route_names = self._cpu.routes
-        elif self._cpu.tokens != tokens:
-            self._cpu = self._cpu.with_tokens(tokens)
-            self._cpu_last = None
-        return self._cpu
-
-    def _record_routing(self, layer, device):
+    def _record_routing(self, rt, device):
         """A copy of each route's experts, which live with the forward's
         saved memory (gone when its backward ends): T * k int32 a route."""
         self._routing = {}
         if not self.keep_routing:
             return
         for route in self._route_names:
-            t = torch.empty(layer.pairs(route), dtype=torch.int32, device=device)
-            layer.copy_routed_experts(route, t.data_ptr(), t.numel() * 4, _stream(device))
-            self._routing[route] = t
+            self._routing[route] = rt.routed_experts(route, device)
 
     def _output_shape(self, f, tokens):
         shape = []
@@ -445,9 +420,7 @@ class MoELayer(torch.nn.Module):
     def saved_bytes(self, tokens):
         """What a forward over `tokens` tokens keeps for its backward
         (activations and routing tables), in bytes."""
-        if self.device.type == "cpu":
-            return self._cpu_layer_for(tokens).saved_bytes
-        return self._cuda_runtime(max(tokens, 1)).layer.step_memory(tokens)[0] if tokens else 0
+        return self._runtime(max(tokens, 1)).layer.step_memory(tokens)[0] if tokens else 0
 
 
 def example(name, experts=8, topk=2, d=64, f=128, schedule="auto", device="cuda", **kwargs):

@@ -351,22 +351,7 @@ void bind_cuda(nb::module_ &m) {
           },
           "The names of the layer's routes.")
       .def_prop_ro(
-          "backward_reads",
-          [](const PyCudaTraining &l) {
-            // The forward outputs a backward reads: a caller keeps them (and
-            // binds them again) from the forward to the end of its backward.
-            const TrainingProgram &t = l.compiled->training;
-            std::vector<std::string> read;
-            for (const std::string &o : t.outputs)
-              for (size_t i = t.forward_steps; i < t.program.steps.size(); ++i) {
-                const std::vector<std::string> r = step_reads(t.program.steps[i]);
-                if (std::find(r.begin(), r.end(), o) != r.end()) {
-                  read.push_back(o);
-                  break;
-                }
-              }
-            return read;
-          },
+          "backward_reads", [](const PyCudaTraining &l) { return backward_reads(l.compiled->training); },
           "The forward outputs the backward reads.")
       .def_prop_ro("seeds", [](const PyCudaTraining &l) { return l.compiled->training.seeds; })
       .def_prop_ro("gradients", [](const PyCudaTraining &l) { return gradient_names(l.compiled->training); });

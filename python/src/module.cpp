@@ -10,6 +10,9 @@ void bind_algebra(nb::module_ &m);
 void bind_schedule(nb::module_ &m);
 void bind_layers(nb::module_ &m);
 void bind_backends(nb::module_ &m);
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+void bind_cpu(nb::module_ &m);
+#endif
 #ifdef MOEFORGE_HAVE_CUDA
 void bind_cuda(nb::module_ &m);
 #endif
@@ -29,6 +32,9 @@ NB_MODULE(_core, m) {
   moeforge::python::bind_schedule(m);
   moeforge::python::bind_layers(m);
   moeforge::python::bind_backends(m);
+#ifdef MOEFORGE_HAVE_CPU_BACKEND
+  moeforge::python::bind_cpu(m);
+#endif
 #ifdef MOEFORGE_HAVE_CUDA
   moeforge::python::bind_cuda(m);
 #else

@@ -35,18 +35,32 @@ reads and writes torch's CPU tensors in place, each forward's activations
 in a tensor of torch's, so forwards in flight, checkpointing and any token
 count behave as on the GPU.
 
-torch.compile: the module runs as an opaque call (a graph break around it,
-torch.compiler.disable); it is not a torch.library custom op yet.
+torch.compile: the forward and the backward are torch.library custom ops
+(moeforge::layer_forward, moeforge::layer_backward) with fake kernels, so
+torch.compile(model, fullgraph=True) traces a model holding the module with
+no graph break, at any token count (dynamic shapes), and the ops pass
+torch.library.opcheck (with zero_saved = True: it compares the saved region
+bit for bit).
 """
 
+import itertools
 import math
 import warnings
+import weakref
 
 import torch
 
 import moeforge as mf
 
 _DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
+
+# Zero each forward's saved region before the forward writes it. Its bytes
+# between the tensors it holds (alignment, padding rows no step reads) are
+# otherwise what torch's allocator handed over, so two runs of one forward
+# return saved regions that differ there though every value the backward
+# reads is the same: tools that compare an op's outputs bit for bit
+# (torch.library.opcheck) need this on. It costs a memset of the region.
+zero_saved = False
 
 
 def _stream(device):
@@ -147,15 +161,22 @@ class _Runtime:
         return t
 
 
-def _step_forward(ctx, module, x, params):
-    rt = module._runtime(x.shape[0])
+def _step_forward(module, x, params):
+    """One forward on caller memory: the outputs and the saved region its
+    backward reads (a uint8 tensor of torch's)."""
+    tokens = x.shape[0]
+    module._routing_tokens = tokens
+    if tokens == 0:
+        module._routing = {}
+        outs = [module._no_token_output(f, dtype, x.device) for f, dtype in zip(module.outputs, module._output_dtypes)]
+        return outs, torch.empty(0, dtype=torch.uint8, device=x.device)
+    rt = module._runtime(tokens)
     layer = rt.layer
-    saved_bytes, workspace_bytes, _ = rt.use_tokens(x.shape[0])
-    # The input and weights, read again by the backward, and fresh output
-    # tensors, all bound in place.
-    keep = [_as_layer_tensor(layer, module.input_name, x)]
-    keep += [_as_layer_tensor(layer, name, p) for name, p in zip(module._param_names, params)]
-    for name, t in zip([module.input_name] + module._param_names, keep):
+    saved_bytes, workspace_bytes, _ = rt.use_tokens(tokens)
+    # The input and weights and fresh output tensors, all bound in place
+    # (a converted copy held here until the forward has run).
+    inputs = _layer_inputs(module, layer, x, params)
+    for name, t in zip([module.input_name] + module._param_names, inputs):
         rt.bind(name, t)
     # The workspace is taken first: it then gets the block the last call's
     # workspace left in torch's pool, the same size, and the saved region a
@@ -163,48 +184,44 @@ def _step_forward(ctx, module, x, params):
     # layer fragmented an 8-layer stack's pool by 3 GiB).
     workspace = _memory(workspace_bytes, x.device)
     saved = _memory(saved_bytes, x.device)
+    if zero_saved and saved is not None:
+        saved.zero_()
     outs = [_empty_like_layer(layer, name, x.device) for name in layer.outputs]
     for name, t in zip(layer.outputs, outs):
         rt.bind(name, t)
     rt.forward(x.device, saved.data_ptr(), _address(workspace))
     del workspace  # back to torch's pool; work queued later on this stream reuses it after ours
     module._record_routing(rt, x.device)
-    if rt.cuda:
-        ctx.stream = torch.cuda.current_stream(x.device)
-    # Everything the backward reads goes through save_for_backward, not ctx
-    # attributes: autograd frees it when this node's backward ends (kept
-    # as attributes, every layer's activations lived until the whole graph
-    # was dropped, after the last backward) and hands it to saved-tensor
-    # hooks (torch.utils.checkpoint drops it and runs the forward again).
-    # Of the outputs, only those the backward reads (torch checks they stay
-    # unmodified).
-    ctx.keep_count = len(keep)
-    ctx.save_for_backward(*keep, saved, *[t for name, t in zip(layer.outputs, outs) if name in rt.backward_reads])
-    return outs
+    return outs, saved
 
 
-def _step_backward(ctx, grads):
-    module = ctx.module
-    rt = module._caller
+def _layer_inputs(module, layer, x, params):
+    """x and the weights in the layer's storage type, contiguous: themselves
+    where they already are (no copy)."""
+    names = [module.input_name] + module._param_names
+    return [_as_layer_tensor(layer, name, t) for name, t in zip(names, [x, *params])]
+
+
+def _step_backward(module, x, params, saved, read_outputs, grads):
+    """The backward of the forward whose saved region `saved` is: every
+    Input's and Param's gradient, in the layer's storage types."""
+    tokens = x.shape[0]
+    if tokens == 0:  # nothing routed: no gradient reaches anything
+        return [torch.zeros_like(x)] + [torch.zeros_like(p) for p in params]
+    rt = module._runtime(tokens)
     layer = rt.layer
-    tensors = ctx.saved_tensors
-    keep, saved, read_outputs = tensors[:ctx.keep_count], tensors[ctx.keep_count], tensors[ctx.keep_count + 1:]
-    device = keep[0].device
-    _, _, workspace_bytes = rt.use_tokens(ctx.tokens)
-    stream = None
-    if rt.cuda:
-        stream = torch.cuda.current_stream(device)
-        if stream != ctx.stream:  # the forward's memory is read on this stream too
-            for t in tensors:
-                t.record_stream(stream)
-    for name, t in zip([module.input_name] + module._param_names, keep):
+    device = x.device
+    _, _, workspace_bytes = rt.use_tokens(tokens)
+    # The forward's input, weights and the outputs the backward reads, bound
+    # again (a model may have run other forwards since). Autograd runs a
+    # backward on its forward's stream, so no stream needs recording.
+    inputs = _layer_inputs(module, layer, x, params)  # held until the backward has run
+    for name, t in zip([module.input_name] + module._param_names, inputs):
         rt.bind(name, t)
     for name, t in zip([n for n in layer.outputs if n in rt.backward_reads], read_outputs):
         rt.bind(name, t)
     seeds = []
     for seed, g in zip(layer.seeds, grads):
-        if g is None:
-            g = _empty_like_layer(layer, seed, device).zero_()
         seeds.append(_as_layer_tensor(layer, seed, g))
         rt.bind(seed, seeds[-1])
     # The workspace first, as in the forward: the last backward's block.
@@ -215,39 +232,90 @@ def _step_backward(ctx, grads):
     out = [_empty_like_layer(layer, layer.gradients[name], device) for name in names]
     for name, t in zip(names, out):
         layer.bind_gradient(name, t.data_ptr(), t.numel() * t.element_size())
+    stream = torch.cuda.current_stream(device) if rt.cuda else None
     rt.backward(stream, saved.data_ptr(), _address(workspace))
-    # The workspace, the seeds and (when autograd drops them) the saved
-    # tensors go back to torch's pool now: a block freed on this stream is
-    # handed only to work queued on it after the kernels above.
+    # The workspace and the seeds go back to torch's pool now (a block freed
+    # on this stream is handed only to work queued on it after the kernels
+    # above); the saved region when autograd drops it.
     return out
 
 
-class _TrainingStep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, module, x, *params):
-        ctx.module, ctx.tokens = module, x.shape[0]
-        ctx.input_dtypes = [x.dtype] + [p.dtype for p in params]
-        ctx.param_shapes = [p.shape for p in params]
-        if ctx.tokens == 0:
-            outs = [module._no_token_output(f, dtype, x.device)
-                    for f, dtype in zip(module.outputs, module._output_dtypes)]
-        else:
-            outs = _step_forward(ctx, module, x, params)
-        return tuple(outs) if len(outs) > 1 else outs[0]
+# The forward and the backward as torch.library custom ops, so that
+# torch.compile traces a model holding moeforge layers without a graph break:
+# each op's fake kernel says what it returns from shapes alone, and an op
+# finds its module by a handle (an op's arguments are tensors and numbers).
+_MODULES = {}  # handle -> weakref to the MoELayer
+_HANDLES = itertools.count(1)
 
-    @staticmethod
-    def backward(ctx, *grads):
-        module = ctx.module
-        if ctx.tokens == 0:  # nothing routed: no gradient reaches anything
-            device = module.device
-            got = [torch.zeros(0, *module._input_shape[1:], device=device)]
-            got += [torch.zeros(s, device=device) for s in ctx.param_shapes]
-        else:
-            got = _step_backward(ctx, grads)
-        result = [None]
-        for t, dtype, need in zip(got, ctx.input_dtypes, ctx.needs_input_grad[1:]):
-            result.append((t if t.dtype == dtype else t.to(dtype)) if need else None)
-        return tuple(result)
+
+def _module(handle):
+    ref = _MODULES.get(handle)
+    module = ref() if ref is not None else None
+    if module is None:
+        raise mf.UserError(f"moeforge: no live MoELayer has handle {handle} (the module was freed)")
+    return module
+
+
+@torch.library.custom_op("moeforge::layer_forward", mutates_args=())
+def _layer_forward(handle: int, x: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    outs, saved = _step_forward(_module(handle), x, params)
+    return [*outs, saved]
+
+
+@_layer_forward.register_fake
+def _(handle, x, params):
+    module = _module(handle)
+    tokens = x.shape[0]
+    outs = [x.new_empty(module._output_shape(f, tokens), dtype=dtype)
+            for f, dtype in zip(module.outputs, module._output_dtypes)]
+    if isinstance(tokens, int):  # the saved region's bytes follow from the count
+        nbytes = module.saved_bytes(tokens)
+    else:  # a symbolic count: the size is known when the op runs
+        nbytes = torch.library.get_ctx().new_dynamic_size()
+    return [*outs, x.new_empty(nbytes, dtype=torch.uint8)]
+
+
+@torch.library.custom_op("moeforge::layer_backward", mutates_args=())
+def _layer_backward(handle: int, x: torch.Tensor, params: list[torch.Tensor], saved: torch.Tensor,
+                    read_outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _step_backward(_module(handle), x, params, saved, read_outputs, grads)
+
+
+@_layer_backward.register_fake
+def _(handle, x, params, saved, read_outputs, grads):
+    dtypes = _module(handle)._gradient_dtypes(x.shape[0])
+    return [t.new_empty(t.shape, dtype=dtype) for t, dtype in zip([x, *params], dtypes)]
+
+
+def _setup_context(ctx, inputs, output):
+    handle, x, params = inputs
+    module = _module(handle)
+    outs = output[:-1]
+    ctx.handle, ctx.param_count = handle, len(params)
+    ctx.output_meta = [(o.shape, o.dtype) for o in outs]
+    reads = module._backward_reads(x.shape[0])
+    # Through save_for_backward, not ctx attributes: autograd frees the
+    # saved region when this node's backward ends (as attributes, every
+    # layer's activations lived until the whole graph was dropped) and hands
+    # it to saved-tensor hooks (torch.utils.checkpoint drops it and runs the
+    # forward again). Of the outputs, only those the backward reads.
+    ctx.save_for_backward(x, output[-1], *params, *[t for f, t in zip(module.outputs, outs) if f.name in reads])
+
+
+def _backward(ctx, grads):
+    tensors = ctx.saved_tensors
+    x, saved = tensors[0], tensors[1]
+    params = list(tensors[2:2 + ctx.param_count])
+    read = list(tensors[2 + ctx.param_count:])
+    # An output nothing used has no gradient: zeros of its shape.
+    seeds = [g if g is not None else torch.zeros(shape, dtype=dtype, device=x.device)
+             for g, (shape, dtype) in zip(grads[:-1], ctx.output_meta)]
+    got = torch.ops.moeforge.layer_backward(ctx.handle, x, params, saved, read, seeds)
+    cast = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(got, [x, *params])]
+    return None, cast[0], cast[1:]
+
+
+_layer_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 class MoELayer(torch.nn.Module):
@@ -330,6 +398,7 @@ class MoELayer(torch.nn.Module):
             self.register_parameter(b["name"], torch.nn.Parameter(p))
             self._param_names.append(b["name"])
         self._caller = None  # _Runtime, made at the first forward
+        self._handle = None  # how the custom ops find this module (_MODULES)
         self.keep_routing = keep_routing
         self._route_names = []
         self._routing = {}  # route -> the experts the last forward chose (int32, pair order)
@@ -384,7 +453,28 @@ class MoELayer(torch.nn.Module):
                                "tokens); skip the layer for an empty batch")
         return torch.zeros(self._output_shape(f, 0), dtype=dtype, device=device)
 
-    @torch.compiler.disable
+    def _op_handle(self):
+        """This module's handle for the custom ops (a copy of a module gets
+        its own)."""
+        ref = _MODULES.get(self._handle)
+        if ref is None or ref() is not self:
+            self._handle = next(_HANDLES)
+            _MODULES[self._handle] = weakref.ref(self, lambda _, h=self._handle: _MODULES.pop(h, None))
+        return self._handle
+
+    def _compiled(self, tokens):
+        """The runtime, made at `tokens` (or one token for a symbolic count,
+        as torch.compile's dynamic shapes trace)."""
+        return self._runtime(tokens if isinstance(tokens, int) and tokens > 0 else 1)
+
+    def _gradient_dtypes(self, tokens):
+        layer = self._compiled(tokens).layer
+        names = [self.input_name] + self._param_names
+        return [_DTYPES[layer.info(layer.gradients[name])[0]] for name in names]
+
+    def _backward_reads(self, tokens):
+        return self._compiled(tokens).backward_reads
+
     def forward(self, x):
         _check_tensor(f"the input '{self.input_name}'", x, self.device)
         width = self._input_shape[1]
@@ -393,13 +483,10 @@ class MoELayer(torch.nn.Module):
                                f"or (..., {width}), e.g. (batch, seq, {width})")
         lead = tuple(x.shape[:-1])
         params = [getattr(self, name) for name in self._param_names]
-        outs = _TrainingStep.apply(self, x.reshape(-1, width), *params)
-        self._routing_tokens = math.prod(lead)
-        if len(lead) == 1:
-            return outs
-        many = isinstance(outs, tuple)
-        reshaped = [o.reshape(*lead, *o.shape[1:]) if o.dim() > 0 else o for o in (outs if many else (outs,))]
-        return tuple(reshaped) if many else reshaped[0]
+        outs = torch.ops.moeforge.layer_forward(self._op_handle(), x.reshape(-1, width), params)[:-1]
+        if len(lead) > 1:
+            outs = [o.reshape(*lead, *o.shape[1:]) if o.dim() > 0 else o for o in outs]
+        return tuple(outs) if len(outs) > 1 else outs[0]
 
     def routed_experts(self, tokens=None, route="route"):
         """The experts the last forward chose (int32, pair order: token t's

@@ -1,0 +1,92 @@
+"""moeforge.torch under torch.compile (skipped without torch): the layer's
+forward and backward are torch.library custom ops with fake kernels, so a
+model holding a moeforge layer compiles with fullgraph=True (no graph break)
+and computes what it computes eagerly, at every token count (dynamic shapes),
+and the ops pass torch.library.opcheck."""
+
+import pytest
+
+import moeforge as mf
+
+torch = pytest.importorskip("torch")
+
+import moeforge.torch as mft  # noqa: E402
+
+GPU = mf.has_cuda_backend and mf.gpu_available()[0] and torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason=f"no GPU: {mf.gpu_available()[1] or 'torch sees none'}")
+DEVICES = [pytest.param("cuda", marks=needs_gpu),
+           pytest.param("cpu", marks=pytest.mark.skipif(not mf.has_cpu_backend, reason="no CPU backend"))]
+
+D = 64
+
+
+class Block(torch.nn.Module):
+    """A transformer block's MoE half: x + moe(norm(x)), on (batch, seq, d)."""
+
+    def __init__(self, device):
+        super().__init__()
+        # No affine parameters: their gradients are bf16 sums over the
+        # tokens, which inductor and eager PyTorch round differently.
+        self.norm = torch.nn.LayerNorm(D, elementwise_affine=False, device=device, dtype=torch.bfloat16)
+        self.moe = mft.example("swiglu_moe", experts=8, topk=2, d=D, f=128, device=device)
+
+    def forward(self, x):
+        return x + self.moe(self.norm(x))
+
+
+def step(model, x, dy):
+    """Output and every gradient (input's first) of one training step."""
+    x = x.detach().requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+
+def check_same(what, got, want):
+    for i, (g, w) in enumerate(zip(got, want)):
+        err = (g.float() - w.float()).abs().max().item()
+        scale = w.float().abs().max().item()
+        # Inductor fuses the LayerNorm's backward its own way: its rounding.
+        assert err <= 1e-2 * max(scale, 1e-6), f"{what}, tensor {i}: max |compiled - eager| {err}, scale {scale}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_model_compiles_whole_and_matches_eager(device):
+    torch.manual_seed(3)
+    model = Block(device)
+    compiled = torch.compile(model, fullgraph=True)  # a graph break is an error
+    for batch, seq in ((4, 37), (2, 50), (3, 11)):  # the second and third trace the token count as symbolic
+        x = torch.randn(batch, seq, D, device=device, dtype=torch.bfloat16)
+        dy = torch.randn(batch, seq, D, device=device, dtype=torch.bfloat16)
+        want = step(model, x, dy)
+        got = step(compiled, x, dy)
+        check_same(f"{batch} x {seq} tokens", got, want)
+    # One compiled program served every count.
+    assert model.moe._caller is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_ops_pass_opcheck(device, monkeypatch):
+    torch.manual_seed(4)
+    moe = mft.example("moe_mlp", experts=8, topk=2, d=D, f=128, device=device)
+    # opcheck compares the ops' outputs bit for bit, the saved region too,
+    # whose bytes between its tensors are otherwise left as allocated.
+    monkeypatch.setattr(mft, "zero_saved", True)
+    x = torch.randn(37, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    params = [getattr(moe, n) for n in moe._param_names]
+    result = torch.library.opcheck(torch.ops.moeforge.layer_forward, (moe._op_handle(), x, params))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@needs_gpu
+def test_reduce_overhead_replays_the_step_in_cuda_graphs():
+    torch.manual_seed(5)
+    model = Block("cuda")
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(4, 64, D, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(4, 64, D, device="cuda", dtype=torch.bfloat16)
+    want = step(model, x, dy)
+    for _ in range(4):  # warm-up, capture, replays
+        got = [t.clone() for t in step(compiled, x, dy)]
+        check_same("reduce-overhead", got, want)

@@ -1,0 +1,61 @@
+"""moeforge.torch under FSDP2 (torch.distributed.fsdp.fully_shard; skipped
+without torch): a model whose moeforge layer and the model around it are
+sharded trains with the gradients of the same model unsharded. World size 1
+here (gloo on the CPU, NCCL on a GPU); two GPUs where the machine has them
+run the same check in the device suite."""
+
+import pytest
+
+import moeforge as mf
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import moeforge.torch as mft  # noqa: E402
+
+GPU = mf.has_cuda_backend and mf.gpu_available()[0] and torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason=f"no GPU: {mf.gpu_available()[1] or 'torch sees none'}")
+DEVICES = [pytest.param("cuda", marks=needs_gpu),
+           pytest.param("cpu", marks=pytest.mark.skipif(not mf.has_cpu_backend, reason="no CPU backend"))]
+
+D = 64
+
+
+class Block(torch.nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.moe = mft.example("swiglu_moe", experts=8, topk=2, d=D, f=128, device=device)
+
+    def forward(self, x):
+        return x + self.moe(x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sharded_model_has_the_unsharded_gradients(device, tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(6)
+        plain, sharded = Block(device), Block(device)
+        sharded.load_state_dict(plain.state_dict())
+        mesh = init_device_mesh(device, (1,))
+        fully_shard(sharded.moe, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        for tokens in (37, 100):  # two steps, two token counts
+            x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
+            dy = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
+            plain.zero_grad(set_to_none=True)
+            sharded.zero_grad(set_to_none=True)
+            y_plain, y_sharded = plain(x), sharded(x)
+            y_plain.backward(dy)
+            y_sharded.backward(dy)
+            assert torch.equal(y_plain, y_sharded)
+            for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
+                assert type(q).__name__ == "DTensor", f"{name} is not sharded"
+                got = q.grad.full_tensor()
+                assert torch.equal(got, p.grad), f"{name}: max diff {(got.float() - p.grad.float()).abs().max()}"
+    finally:
+        dist.destroy_process_group()

@@ -99,11 +99,30 @@ def _memory(nbytes, device):
     return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
 
 
-class _Runtime:
+class _BoundLayer:
+    """What both runtimes share: binding torch's tensors (an unchanged
+    address costs nothing, but a call each) and copying out the experts a
+    forward chose."""
+
+    def bind(self, name, t):
+        if self.bound.get(name) != t.data_ptr():
+            self.layer.bind(name, t.data_ptr(), t.numel() * t.element_size())
+            self.bound[name] = t.data_ptr()
+
+    def routed_experts(self, route, device):
+        """A copy of the experts the forward just run chose: T * k int32,
+        on the module's device (the tables live in that forward's memory)."""
+        if not self.cuda:
+            return torch.from_numpy(self.layer.routed_experts(route).copy())
+        t = torch.empty(self.layer.pairs(route), dtype=torch.int32, device=device)
+        self.layer.copy_routed_experts(route, t.data_ptr(), t.numel() * 4, _stream(device))
+        return t
+
+
+class _Runtime(_BoundLayer):
     """The module's one compiled training program on caller memory (the
     GPU's or the CPU backend's), and the token count and addresses it was
-    last given (binding an unchanged address again costs nothing, but a call
-    each)."""
+    last given."""
 
     def __init__(self, module, tokens):
         self.cuda = module.device.type == "cuda"
@@ -133,11 +152,6 @@ class _Runtime:
             self.memory[tokens] = self.layer.step_memory(tokens)
         return self.memory[tokens]
 
-    def bind(self, name, t):
-        if self.bound.get(name) != t.data_ptr():
-            self.layer.bind(name, t.data_ptr(), t.numel() * t.element_size())
-            self.bound[name] = t.data_ptr()
-
     def forward(self, device, saved, workspace):
         if self.cuda:
             self.layer.forward(_stream(device), saved, workspace)
@@ -149,16 +163,6 @@ class _Runtime:
             self.layer.backward(stream.cuda_stream, saved, workspace)
         else:
             self.layer.backward(saved, workspace)
-
-    def routed_experts(self, route, device):
-        """A copy of the experts the forward just run chose: T * k int32,
-        on the module's device (the tables live in that forward's saved
-        memory, gone when its backward ends)."""
-        if not self.cuda:
-            return torch.from_numpy(self.layer.routed_experts(route).copy())
-        t = torch.empty(self.layer.pairs(route), dtype=torch.int32, device=device)
-        self.layer.copy_routed_experts(route, t.data_ptr(), t.numel() * 4, _stream(device))
-        return t
 
 
 def _step_forward(module, x, params):
@@ -318,6 +322,75 @@ def _backward(ctx, grads):
 _layer_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _ForwardRuntime(_BoundLayer):
+    """The module's forward alone (inference: nothing kept for a backward),
+    compiled once on caller memory, for forwards under torch.no_grad() or
+    torch.inference_mode() or with nothing that needs a gradient."""
+
+    def __init__(self, module, tokens):
+        self.cuda = module.device.type == "cuda"
+        schedule = module._forward_schedule(tokens)
+        if self.cuda:
+            with torch.cuda.device(module.device):
+                self.layer = mf.CudaCallerLayer(module.pipeline, schedule, tokens, module.device.index or 0)
+        else:
+            self.layer = mf.CpuCallerLayer(module.pipeline, schedule, tokens)
+        self.tokens = None
+        self.bound = {}
+
+    def use_tokens(self, tokens):
+        if tokens != self.tokens:
+            self.layer.set_tokens(tokens)
+            self.tokens = tokens
+            self.bound.clear()
+        return self.layer.step_memory(tokens)
+
+    def forward(self, device, tables, workspace):
+        if self.cuda:
+            self.layer.forward(_stream(device), tables, workspace)
+        else:
+            self.layer.forward(tables, workspace)
+
+
+def _inference_forward(module, x, params):
+    """The forward alone: the outputs, in the dtypes the training step gives
+    them (one dtype whatever the grad mode)."""
+    tokens = x.shape[0]
+    module._routing_tokens = tokens
+    if tokens == 0:
+        module._routing = {}
+        return [module._no_token_output(f, dtype, x.device) for f, dtype in zip(module.outputs, module._output_dtypes)]
+    rt = module._forward_runtime(tokens)
+    layer = rt.layer
+    tables_bytes, workspace_bytes = rt.use_tokens(tokens)
+    inputs = _layer_inputs(module, layer, x, params)  # held until the forward has run
+    for name, t in zip([module.input_name] + module._param_names, inputs):
+        rt.bind(name, t)
+    workspace = _memory(workspace_bytes, x.device)
+    tables = _memory(tables_bytes, x.device)
+    wanted = [f.name for f in module.outputs]
+    outs = {name: _empty_like_layer(layer, name, x.device) for name in layer.outputs}
+    for name, t in outs.items():
+        rt.bind(name, t)
+    rt.forward(x.device, tables.data_ptr(), _address(workspace))
+    module._record_routing(rt, x.device)
+    # The tables and the workspace go back to torch's pool (on the GPU, to
+    # work queued after ours on this stream).
+    return [outs[n] if outs[n].dtype == dtype else outs[n].to(dtype) for n, dtype in zip(wanted, module._output_dtypes)]
+
+
+@torch.library.custom_op("moeforge::layer_inference", mutates_args=())
+def _layer_inference(handle: int, x: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _inference_forward(_module(handle), x, params)
+
+
+@_layer_inference.register_fake
+def _(handle, x, params):
+    module = _module(handle)
+    return [x.new_empty(module._output_shape(f, x.shape[0]), dtype=dtype)
+            for f, dtype in zip(module.outputs, module._output_dtypes)]
+
+
 class MoELayer(torch.nn.Module):
     """A layer of the algebra as a module: its Params become nn.Parameters.
 
@@ -397,8 +470,9 @@ class MoELayer(torch.nn.Module):
                 p.uniform_(-scale, scale)
             self.register_parameter(b["name"], torch.nn.Parameter(p))
             self._param_names.append(b["name"])
-        self._caller = None  # _Runtime, made at the first forward
-        self._handle = None  # how the custom ops find this module (_MODULES)
+        self._caller = None  # _Runtime, made at the first forward that records a backward
+        self._forward_only = None  # _ForwardRuntime, made at the first forward that does not
+        self._register()  # self._handle: how the custom ops find this module (_MODULES)
         self.keep_routing = keep_routing
         self._route_names = []
         self._routing = {}  # route -> the experts the last forward chose (int32, pair order)
@@ -417,6 +491,25 @@ class MoELayer(torch.nn.Module):
             self._caller = _Runtime(self, tokens)
             self._route_names = self._caller.layer.routes
         return self._caller
+
+    def _forward_runtime(self, tokens):
+        if self._forward_only is None:
+            self._forward_only = _ForwardRuntime(self, tokens)
+            self._route_names = self._forward_only.layer.routes
+        return self._forward_only
+
+    def _forward_schedule(self, tokens):
+        """The schedule of a forward that records no backward: under "auto"
+        what `moeforge tune` (forward) cached for this layer and GPU, else
+        the layer's default forward schedule; otherwise the schedule given
+        (its choices for the backward's Funcs left out)."""
+        if not self._auto:
+            return self.schedule
+        if self.device.type == "cuda":
+            tuned, _ = mf.cached_schedule(self.pipeline, tokens, False, self.device.index or 0)
+            if tuned is not None:
+                return tuned
+        return mf.default_schedule(self.pipeline)
 
     def _stored_dtypes(self):
         """The torch dtype of each output, as the schedule stores it: bf16
@@ -453,14 +546,26 @@ class MoELayer(torch.nn.Module):
                                "tokens); skip the layer for an empty batch")
         return torch.zeros(self._output_shape(f, 0), dtype=dtype, device=device)
 
-    def _op_handle(self):
-        """This module's handle for the custom ops (a copy of a module gets
-        its own)."""
-        ref = _MODULES.get(self._handle)
-        if ref is None or ref() is not self:
-            self._handle = next(_HANDLES)
-            _MODULES[self._handle] = weakref.ref(self, lambda _, h=self._handle: _MODULES.pop(h, None))
-        return self._handle
+    def _register(self):
+        """A handle of its own for the custom ops to find this module by:
+        made when the module is, not while torch.compile traces it."""
+        self._handle = next(_HANDLES)
+        _MODULES[self._handle] = weakref.ref(self, lambda _, h=self._handle: _MODULES.pop(h, None))
+
+    def __getstate__(self):
+        # The compiled runtimes hold the backend's objects, which do not
+        # copy: a copy compiles its own.
+        state = self.__dict__.copy()
+        state["_caller"] = state["_forward_only"] = None
+        state["_routing"] = {}
+        return state
+
+    def __setstate__(self, state):
+        # A copy (copy.deepcopy, unpickling) is a module of its own: its own
+        # handle and runtimes, compiled again at its first forward.
+        super().__setstate__(state)
+        self._caller = self._forward_only = None
+        self._register()
 
     def _compiled(self, tokens):
         """The runtime, made at `tokens` (or one token for a symbolic count,
@@ -483,7 +588,11 @@ class MoELayer(torch.nn.Module):
                                f"or (..., {width}), e.g. (batch, seq, {width})")
         lead = tuple(x.shape[:-1])
         params = [getattr(self, name) for name in self._param_names]
-        outs = torch.ops.moeforge.layer_forward(self._op_handle(), x.reshape(-1, width), params)[:-1]
+        x2 = x.reshape(-1, width)
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            outs = torch.ops.moeforge.layer_forward(self._handle, x2, params)[:-1]
+        else:  # no backward will run: the forward alone, keeping nothing
+            outs = torch.ops.moeforge.layer_inference(self._handle, x2, params)
         if len(lead) > 1:
             outs = [o.reshape(*lead, *o.shape[1:]) if o.dim() > 0 else o for o in outs]
         return tuple(outs) if len(outs) > 1 else outs[0]

@@ -138,7 +138,13 @@ void bind_algebra(nb::module_ &m) {
   nb::class_<Param, Buffer>(m, "Param", "A trainable weight.")
       .def("__init__", buffer_init(std::type_identity<Param>{}, "Param"), "name"_a, "dims"_a, "dtype"_a = DType::bf16);
 
+  // Copies share the definition (the algebra's nodes are immutable once
+  // made), so a model holding a layer can be deep-copied (an EMA copy, a
+  // frozen reference model).
   nb::class_<Func>(m, "Func", "A tensor defined by the algebra: f[t, i] = expression.")
+      .def("__copy__", [](const Func &f) { return f; })
+      .def(
+          "__deepcopy__", [](const Func &f, nb::handle) { return f; }, "memo"_a)
       .def(
           "__init__",
           [](Func *f, const std::string &name) {
@@ -216,6 +222,9 @@ void bind_algebra(nb::module_ &m) {
       "logits"_a, "expert"_a, "name"_a = "", "coefficient"_a = 1.0, "ST-MoE's router z-loss (a 0-D Func).");
 
   nb::class_<Pipeline>(m, "Pipeline", "A layer: every Func its outputs need, in order.")
+      .def("__copy__", [](const Pipeline &p) { return p; })
+      .def(
+          "__deepcopy__", [](const Pipeline &p, nb::handle) { return p; }, "memo"_a)
       .def(nb::init<std::vector<Func>>(), "outputs"_a)
       .def_prop_ro("outputs", &Pipeline::outputs)
       .def_prop_ro("funcs", &Pipeline::funcs)

@@ -1,5 +1,6 @@
-// The CPU backend's extra from Python: a training layer on caller memory
-// (mf.CpuCallerTrainingLayer), the calls of mf.CudaTrainingLayer with
+// The CPU backend's extras from Python: a training layer on caller memory
+// (mf.CpuCallerTrainingLayer), and the forward alone on caller memory
+// (mf.CpuCallerLayer, what inference runs: nothing kept for a backward), the calls of mf.CudaTrainingLayer with
 // caller_memory=True on host addresses: the caller binds its arrays' memory
 // (numpy's arr.ctypes.data, torch's t.data_ptr()) and gives each forward
 // memory for what it saves and a workspace, each backward its forward's
@@ -12,10 +13,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
 
+#include "backends/cpu/cpu_layer.h"
 #include "backends/cpu/cpu_training.h"
 #include "bind_checked.h"
 #include "tensors.h"
@@ -46,9 +49,84 @@ struct PyCpuCallerTraining {
 
 uint8_t *host(uintptr_t address) { return reinterpret_cast<uint8_t *>(address); }
 
+struct PyCpuCallerForward {
+  Pipeline pipeline;
+  std::unique_ptr<cpu::CompiledCpuLayer> compiled;
+  std::unique_ptr<cpu::CpuLayer> layer;
+  PyCpuCallerForward(const Pipeline &p, const Schedule &s, nb::handle tokens) : pipeline(p) {
+    const int64_t t = checked_integer(tokens, INT64_MIN, INT64_MAX, "CpuCallerLayer", "tokens");
+    check_tokens(t);
+    {
+      nb::gil_scoped_release release;
+      // A training schedule's choices for the backward's Funcs do not apply.
+      compiled = std::make_unique<cpu::CompiledCpuLayer>(cpu::compile_cpu_layer(pipeline, s.only_funcs_of(pipeline)));
+    }
+    layer = std::make_unique<cpu::CpuLayer>(*compiled, t, 0, LayerMemory::caller);
+  }
+};
+
+std::vector<std::string> route_names(const KernelProgram &p) {
+  std::vector<std::string> names;
+  for (const RoutingNode *r : p.routes)
+    names.push_back(r->name);
+  return names;
+}
+
 } // namespace
 
 void bind_cpu(nb::module_ &m) {
+  nb::class_<PyCpuCallerForward>(
+      m, "CpuCallerLayer",
+      "A layer's forward alone on the CPU backend on caller memory (inference: nothing kept for a backward; a "
+      "training schedule's choices for the backward's Funcs left out): each "
+      "forward is given host memory for its routing tables (`saved`, dropped when the call returns) and a "
+      "workspace; set_tokens() changes the token count with no compiling.")
+      .def(nb::init<const Pipeline &, const Schedule &, nb::handle>(), "pipeline"_a, "schedule"_a, "tokens"_a = 1)
+      .def(
+          "set_tokens",
+          [](PyCpuCallerForward &l, nb::handle tokens) {
+            l.layer->set_tokens(checked_integer(tokens, INT64_MIN, INT64_MAX, "set_tokens", "tokens"));
+          },
+          "tokens"_a, "The token count of the next forward (any, at least 1; no compiling).")
+      .def(
+          "step_memory",
+          [](const PyCpuCallerForward &l, nb::handle tokens) {
+            const StepMemory m =
+                l.layer->step_memory(checked_integer(tokens, INT64_MIN, INT64_MAX, "step_memory", "tokens"));
+            // A forward alone runs every step from the boundary (0): all of
+            // its workspace is the part after it.
+            return nb::make_tuple(m.saved, std::max(m.workspace_before, m.workspace_after));
+          },
+          "tokens"_a, "(tables, workspace) bytes of a forward at `tokens` tokens.")
+      .def(
+          "info", [](const PyCpuCallerForward &l, const std::string &name) { return info_tuple(l.layer->info(name)); },
+          "name"_a, "(dtype, shape, contiguous, bytes) of a tensor the layer reads or writes.")
+      .def(
+          "bind",
+          [](PyCpuCallerForward &l, const std::string &name, uintptr_t ptr, size_t bytes) {
+            l.layer->bind(name, host(ptr), bytes);
+          },
+          "name"_a, "ptr"_a, "bytes"_a, "Reads or writes Input, Param or output `name` at host memory the caller owns.")
+      .def(
+          "forward",
+          [](PyCpuCallerForward &l, uintptr_t saved, uintptr_t workspace) {
+            nb::gil_scoped_release release;
+            l.layer->place(host(saved), host(workspace));
+            l.layer->run(0, l.compiled->program.steps.size(), "forward()");
+          },
+          "saved"_a, "workspace"_a = 0,
+          "Routing and every step: the routing tables to `saved`, temporaries to `workspace` (step_memory()'s "
+          "bytes, 64-byte aligned; 0 where none).")
+      .def(
+          "routed_experts",
+          [](const PyCpuCallerForward &l, const std::string &route) {
+            return to_numpy(l.layer->routed_experts(route));
+          },
+          "route"_a = "route", "The experts the last forward chose (int32, pair order), while its memory lives.")
+      .def_prop_ro("outputs", [](const PyCpuCallerForward &l) { return l.compiled->program.outputs; })
+      .def_prop_ro("routes", [](const PyCpuCallerForward &l) { return route_names(l.compiled->program); })
+      .def_prop_ro("tokens", [](const PyCpuCallerForward &l) { return l.layer->tokens(); });
+
   nb::class_<PyCpuCallerTraining>(
       m, "CpuCallerTrainingLayer",
       "Forward and backward of a layer on the CPU backend on caller memory: the layer holds no memory for its "
@@ -73,12 +151,7 @@ void bind_cpu(nb::module_ &m) {
           },
           "tokens"_a, "(saved, forward workspace, backward workspace) bytes of a step at `tokens` tokens.")
       .def(
-          "info",
-          [](const PyCpuCallerTraining &l, const std::string &name) {
-            const TensorInfo i = l.layer->info(name);
-            return nb::make_tuple(std::string(dtype_name(i.dtype)), nb::tuple(nb::cast(i.shape)), i.contiguous,
-                                  i.bytes);
-          },
+          "info", [](const PyCpuCallerTraining &l, const std::string &name) { return info_tuple(l.layer->info(name)); },
           "name"_a, "(dtype, shape, contiguous, bytes) of a tensor the layer reads or writes.")
       .def(
           "bind",
@@ -149,13 +222,7 @@ void bind_cpu(nb::module_ &m) {
                    [](const PyCpuCallerTraining &l) { return l.compiled->training.one_backward_reason(); })
       .def_prop_ro("tokens", [](const PyCpuCallerTraining &l) { return l.layer->layer().tokens(); })
       .def_prop_ro("outputs", [](const PyCpuCallerTraining &l) { return l.compiled->training.outputs; })
-      .def_prop_ro("routes",
-                   [](const PyCpuCallerTraining &l) {
-                     std::vector<std::string> names;
-                     for (const RoutingNode *r : l.compiled->training.program.routes)
-                       names.push_back(r->name);
-                     return names;
-                   })
+      .def_prop_ro("routes", [](const PyCpuCallerTraining &l) { return route_names(l.compiled->training.program); })
       .def_prop_ro(
           "backward_reads", [](const PyCpuCallerTraining &l) { return backward_reads(l.compiled->training); },
           "The forward outputs the backward reads.")

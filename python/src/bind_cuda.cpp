@@ -56,6 +56,28 @@ std::shared_ptr<cuda::Device> device(int ordinal) {
 
 cuda::Stream stream_of(uintptr_t handle) { return cuda::Stream::borrow(reinterpret_cast<CUstream>(handle)); }
 
+// A layer's forward alone on caller memory (inference: nothing kept for a
+// backward): the memory of each forward (its routing tables and a
+// workspace) is given by the caller for the call, as torch's allocator
+// gives moeforge.torch's.
+struct PyCudaCallerForward {
+  std::shared_ptr<cuda::Device> dev;
+  Pipeline pipeline;
+  std::unique_ptr<cuda::CompiledLayer> compiled;
+  std::unique_ptr<cuda::CudaLayer> layer;
+  PyCudaCallerForward(const Pipeline &p, const Schedule &s, int64_t tokens, int ordinal) : pipeline(p) {
+    check_tokens(tokens);
+    dev = device(ordinal);
+    {
+      nb::gil_scoped_release release; // NVRTC takes seconds on large layers
+      // A training schedule's choices for the backward's Funcs do not apply.
+      compiled = std::make_unique<cuda::CompiledLayer>(
+          cuda::compile_layer(pipeline, s.only_funcs_of(pipeline), dev->arch_specific()));
+    }
+    layer = std::make_unique<cuda::CudaLayer>(*dev, *compiled, tokens, 0, cuda::LayerMemory::caller);
+  }
+};
+
 struct PyCudaTraining {
   std::shared_ptr<cuda::Device> dev;
   Pipeline pipeline;
@@ -75,10 +97,6 @@ struct PyCudaTraining {
                                                   caller_memory ? cuda::LayerMemory::caller : cuda::LayerMemory::owned);
   }
 };
-
-nb::tuple info_tuple(const cuda::CudaLayer::TensorInfo &i) {
-  return nb::make_tuple(std::string(dtype_name(i.dtype)), nb::tuple(nb::cast(i.shape)), i.contiguous, i.bytes);
-}
 
 } // namespace
 
@@ -175,6 +193,74 @@ void bind_cuda(nb::module_ &m) {
       "the tuned-schedule cache, where schedule=\"auto\" (moeforge.torch.MoELayer) and `--schedule auto` find "
       "it for this layer, the token count's power-of-two bucket and this GPU. Returns (schedule, info): info has "
       "base_ms, best_ms, timed, pruned, failed, left, device and cached (the entry's path, '' if not written).");
+
+  nb::class_<PyCudaCallerForward>(
+      m, "CudaCallerLayer",
+      "A layer's forward alone on the GPU on caller memory (inference: nothing kept for a backward; a training "
+      "schedule's choices for the backward's Funcs left out): each forward "
+      "is given device memory for its routing tables (`saved`, free once the forward's work is done) and a "
+      "workspace; set_tokens() changes the token count with no compiling.")
+      .def(nb::init<const Pipeline &, const Schedule &, int64_t, int>(), "pipeline"_a, "schedule"_a, "tokens"_a = 1,
+           "device"_a = 0)
+      .def(
+          "set_tokens",
+          [](PyCudaCallerForward &l, int64_t tokens) {
+            l.dev->make_current();
+            l.layer->set_tokens(tokens);
+          },
+          "tokens"_a, "The token count of the next forward (any, at least 1; no compiling).")
+      .def(
+          "step_memory",
+          [](const PyCudaCallerForward &l, int64_t tokens) {
+            const StepMemory m = l.layer->step_memory(tokens);
+            // A forward alone runs every step from the boundary (0): all of
+            // its workspace is the part after it.
+            return nb::make_tuple(m.saved, std::max(m.workspace_before, m.workspace_after));
+          },
+          "tokens"_a, "(tables, workspace) bytes of a forward at `tokens` tokens.")
+      .def(
+          "info", [](const PyCudaCallerForward &l, const std::string &name) { return info_tuple(l.layer->info(name)); },
+          "name"_a, "(dtype, shape, contiguous, bytes) of a tensor the layer reads or writes.")
+      .def(
+          "bind",
+          [](PyCudaCallerForward &l, const std::string &name, uintptr_t ptr, size_t bytes) {
+            l.dev->make_current();
+            l.layer->bind(name, static_cast<CUdeviceptr>(ptr), bytes);
+          },
+          "name"_a, "ptr"_a, "bytes"_a,
+          "Reads or writes Input, Param or output `name` at device memory the caller owns.")
+      .def(
+          "forward",
+          [](PyCudaCallerForward &l, uintptr_t stream, uintptr_t saved, uintptr_t workspace) {
+            l.dev->make_current();
+            l.layer->place(static_cast<CUdeviceptr>(saved), static_cast<CUdeviceptr>(workspace));
+            l.layer->enqueue(stream_of(stream));
+          },
+          "stream"_a, "saved"_a, "workspace"_a = 0,
+          "Enqueues routing and every step on the stream: the routing tables to `saved`, temporaries to "
+          "`workspace` (step_memory()'s bytes, 256-byte aligned; 0 where none).")
+      .def(
+          "pairs",
+          [](const PyCudaCallerForward &l, const std::string &route) {
+            return l.layer->routing_plan(route).shape.pairs();
+          },
+          "route"_a = "route")
+      .def(
+          "copy_routed_experts",
+          [](const PyCudaCallerForward &l, const std::string &route, uintptr_t dst, size_t bytes, uintptr_t stream) {
+            l.dev->make_current();
+            l.layer->copy_routed_experts(route, static_cast<CUdeviceptr>(dst), bytes, stream_of(stream));
+          },
+          "route"_a, "dst"_a, "bytes"_a, "stream"_a = 0)
+      .def_prop_ro("outputs", [](const PyCudaCallerForward &l) { return l.compiled->program.outputs; })
+      .def_prop_ro("routes",
+                   [](const PyCudaCallerForward &l) {
+                     std::vector<std::string> names;
+                     for (const RoutingNode *r : l.compiled->program.routes)
+                       names.push_back(r->name);
+                     return names;
+                   })
+      .def_prop_ro("tokens", [](const PyCudaCallerForward &l) { return l.layer->tokens(); });
 
   nb::class_<PyCudaTraining>(m, "CudaTrainingLayer",
                              "Forward and backward of a layer on the GPU, bound to `tokens` tokens.")

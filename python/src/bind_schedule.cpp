@@ -46,6 +46,9 @@ void bind_schedule(nb::module_ &m) {
       .value("wgmma", MmaKind::wgmma)
       .value("wgmma_ws", MmaKind::wgmma_ws);
   nb::class_<Schedule>(m, "Schedule", "How a layer is computed: permutation, blocks, tiles, fusion, memory.")
+      .def("__copy__", [](const Schedule &s) { return s; })
+      .def(
+          "__deepcopy__", [](const Schedule &s, nb::handle) { return s; }, "memo"_a)
       .def(nb::init<std::string>(), "name"_a = "custom")
       .def_prop_ro("name", &Schedule::name)
       .def_static(

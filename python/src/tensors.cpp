@@ -1,5 +1,7 @@
 #include "tensors.h"
 
+#include <nanobind/stl/vector.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -182,6 +184,11 @@ nb::dict to_dict(TensorMap tensors) {
   for (auto &[name, tensor] : tensors)
     out[nb::str(name.c_str())] = to_numpy(std::move(tensor));
   return out;
+}
+
+nb::tuple info_tuple(const TensorInfo &info) {
+  return nb::make_tuple(std::string(dtype_name(info.dtype)), nb::tuple(nb::cast(info.shape)), info.contiguous,
+                        info.bytes);
 }
 
 } // namespace moeforge::python

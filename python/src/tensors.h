@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/layer_checks.h"
 #include "runtime/tensor.h"
 
 namespace moeforge::python {
@@ -39,6 +40,10 @@ nb::ndarray<nb::numpy, int32_t> to_numpy(std::vector<int32_t> values);
 // (the bindings take nb::handle for arrays, so that nanobind's generic
 // "incompatible function arguments" never answers instead).
 HostTensor to_host_tensor(nb::handle value, const std::string &what);
+
+// A tensor as a layer stores it (runtime/layer_checks.h), as Python sees
+// it: (dtype name, shape, contiguous, bytes).
+nb::tuple info_tuple(const TensorInfo &info);
 
 // A dict {name: array} as a TensorMap ("input 'name'" in errors).
 TensorMap to_tensor_map(const nb::dict &arrays, const std::string &what);

@@ -336,7 +336,11 @@ def test_activation_checkpointing(device, reentrant):
         y.backward(dy)
         grads.append([y.detach(), xl.grad.clone(), lin.weight.grad.clone()] +
                      [p.grad.clone() for _, p in moe.named_parameters()])
-    _check_same("checkpointed against plain", grads[1], grads[0])
+    # Reentrant checkpointing runs the first forward under no_grad: the
+    # forward alone (the inference program, its own fusions), so y agrees to
+    # its rounding; the gradients come from the forward run again.
+    _check_same("checkpointed y against plain", grads[1][:1], grads[0][:1], 1e-5 if not reentrant else 1e-2)
+    _check_same("checkpointed against plain", grads[1][1:], grads[0][1:])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -617,3 +621,21 @@ def test_an_auxiliary_loss_comes_back_as_a_tensor_and_trains_the_router(device):
     assert abs(loss.item() - want.item()) < 1e-3 * abs(want.item())
     assert normalized_error(moe.wr.grad, wr_ref.grad) < 2e-2
     assert moe.w1.grad is not None and moe.w1.grad.abs().max().item() == 0.0  # the loss ignores the experts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_copied_module_is_a_module_of_its_own(device):
+    """copy.deepcopy gives the copy its own handle and runtime: each runs
+    on its own weights and keeps its own routing."""
+    import copy
+    torch.manual_seed(12)
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, device=device, keep_routing=True)
+    x = torch.randn(40, D, device=device, dtype=torch.bfloat16)
+    y = moe(x)
+    twin = copy.deepcopy(moe)
+    assert twin._handle != moe._handle
+    with torch.no_grad():
+        twin.w2.mul_(2)
+    assert normalized_error(twin(x), 2 * y.float()) < 2e-2
+    assert normalized_error(moe(x), y) < 1e-6
+    assert torch.equal(twin.routed_experts(40), moe.routed_experts(40))

@@ -75,7 +75,7 @@ def test_the_ops_pass_opcheck(device, monkeypatch):
     monkeypatch.setattr(mft, "zero_saved", True)
     x = torch.randn(37, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     params = [getattr(moe, n) for n in moe._param_names]
-    result = torch.library.opcheck(torch.ops.moeforge.layer_forward, (moe._op_handle(), x, params))
+    result = torch.library.opcheck(torch.ops.moeforge.layer_forward, (moe._handle, x, params))
     assert set(result.values()) == {"SUCCESS"}, result
 
 

@@ -1,0 +1,85 @@
+"""moeforge.torch's forward alone (skipped without torch): under
+torch.no_grad(), torch.inference_mode() or with nothing that needs a
+gradient, the module runs the layer's forward program on caller memory
+(mf.CpuCallerLayer / mf.CudaCallerLayer): nothing kept for a backward, any
+token count through one compiled program, the output against plain PyTorch
+on the module's own routing, and the training layer unaffected."""
+
+import pytest
+
+import moeforge as mf
+
+torch = pytest.importorskip("torch")
+
+import moeforge.torch as mft  # noqa: E402
+from test_torch import DEVICES, D, E, F, K, normalized_error, torch_moe_mlp  # noqa: E402
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_any_token_count_through_one_forward_program(device, mode):
+    torch.manual_seed(9)
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, device=device, keep_routing=True)
+    params = [getattr(moe, n) for n in ("wr", "w1", "w2")]
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    compiled = None
+    for tokens in (0, 1, 2, 3, 7, 64, 255, 4096):
+        x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
+        with context():
+            y = moe(x)
+        assert y.shape == (tokens, D) and y.dtype == torch.bfloat16 and not y.requires_grad
+        if tokens == 0:
+            continue
+        if compiled is None:
+            compiled = moe._forward_only.layer
+        assert moe._forward_only.layer is compiled, "a new token count compiled a new layer"
+        want = torch_moe_mlp(x, *params, moe.routed_experts(tokens))
+        assert normalized_error(y, want) < 2e-2, f"y at {tokens} tokens"
+    # No training program was made: nothing was kept for a backward.
+    assert moe._caller is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_forward_alone_keeps_less_than_a_training_forward(device):
+    moe = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F, device=device)
+    x = torch.randn(300, D, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y_inference = moe(x)
+    tables, _ = moe._forward_only.layer.step_memory(300)
+    assert tables < moe.saved_bytes(300) / 4, "the forward alone holds its routing tables, no activations"
+    # A frozen module (nothing requires a gradient) runs the forward alone too.
+    for p in moe.parameters():
+        p.requires_grad_(False)
+    assert normalized_error(moe(x), y_inference) < 1e-6
+    for p in moe.parameters():
+        p.requires_grad_(True)
+    # The training step beside it is unaffected: its y agrees to rounding
+    # (another program, its own fusions) and its backward runs.
+    xg = x.clone().requires_grad_(True)
+    y = moe(xg)
+    assert y.requires_grad and normalized_error(y, y_inference) < 1e-2
+    y.float().sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad.float()).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_and_sequence_under_inference_mode(device):
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, device=device)
+    x = torch.randn(3, 17, D, device=device, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y = moe(x)
+        flat = moe(x.reshape(-1, D))
+    assert y.shape == (3, 17, D)
+    assert torch.equal(y.reshape(-1, D), flat)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_model_under_inference_mode(device):
+    torch.manual_seed(10)
+    moe = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F, device=device)
+    compiled = torch.compile(moe, fullgraph=True)
+    with torch.inference_mode():
+        for tokens in (5, 64, 9):
+            x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
+            assert torch.equal(compiled(x), moe(x)), f"{tokens} tokens"
+    assert moe._caller is None

@@ -28,6 +28,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   const GemmTiling &t = g.tiling;
   GemmPlan p;
   p.step = g.name;
+  p.tiling = t;
   p.nb = static_cast<int>(g.b.size());
   // The choices as flags while they are made; the plan keeps each as one
   // enum (GemmPlan::a_load, b_load, walk, store) once all are.
@@ -272,7 +273,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
 }
 
 std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
-  const GemmTiling &t = g.tiling;
+  const GemmTiling &t = p.tiling;
   std::ostringstream o;
   o << "gemm " << g.name << " (" << g.output << (g.func.empty() || g.func == g.output ? "" : ", schedule of " + g.func)
     << ")\n";

@@ -38,6 +38,9 @@ enum class TileStore {
 
 struct GemmPlan {
   std::string step;
+  // The tile the plan was made for (the schedule's GemmTiling of the step):
+  // its shape, stages, warps and raster band, what the code is printed with.
+  GemmTiling tiling;
   // ---- the main loop
   MmaKind mma = MmaKind::wgmma_ws;
   bool wgmma() const { return mma != MmaKind::mma_sync; }

@@ -629,7 +629,7 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
 void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const std::string &vr, bool persistent,
                              int staged_cols, const std::vector<std::pair<std::string, Expr>> &outputs, bool zero_rows,
                              std::ostringstream &body) {
-  const int parts = g.tiling.tile_n / staged_cols;
+  const int parts = planned(g).tiling.tile_n / staged_cols;
   const std::string w = std::to_string(staged_cols);
   if (parts > 1)
     body << "  // The tile in " << parts << " parts of " << w << " columns: the staging past the ring holds one.\n";
@@ -690,16 +690,18 @@ void emit_expert_tile(KernelBuilder &kb, const GemmStep &g, const std::string &i
   std::string off = kb.route(g.route, RoutingArray::offsets);
   body << "  const long long expert = " << id << " / (NUM_M * NUM_N);\n";
   body << "  const int pid = (int)(" << id << " % (NUM_M * NUM_N));\n";
-  body << "  mf::raster_mn(pid, NUM_M, NUM_N, " << g.tiling.raster << ", m_tile, n_tile);  // within the expert\n";
+  body << "  mf::raster_mn(pid, NUM_M, NUM_N, " << planned(g).tiling.raster
+       << ", m_tile, n_tile);  // within the expert\n";
   body << "  const long long k_begin = " << off << "[expert];\n";
   body << "  const int K = (int)(" << off << "[expert + 1] - k_begin);\n";
 }
 
 void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream &src, GeneratedKernel &k) {
-  const GemmTiling &t = g.tiling;
   // Every choice below was made by the plan (gemm_plan.h, plan_gemms),
-  // legality included: a refusal is the user's error here.
+  // legality included: a refusal is the user's error here. The code is
+  // printed from the plan alone, the tile it was made for included.
   const GemmPlan &plan = planned(g);
+  const GemmTiling &t = plan.tiling;
   const int nb = plan.nb;
   k.name = c_name(g.name);
   k.step = g.name;

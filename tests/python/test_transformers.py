@@ -1,0 +1,100 @@
+"""moeforge.transformers (skipped without torch or transformers): each of
+transformers' sparse MoE blocks (Mixtral, Qwen3-MoE with and without
+norm_topk_prob, OLMoE) swapped for moeforge's gives the block's output and
+every gradient, and a small Qwen3-MoE model with its blocks swapped trains
+as the original does."""
+
+import pytest
+
+import moeforge as mf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import moeforge.transformers as mftf  # noqa: E402
+from test_torch import DEVICES  # noqa: E402
+
+D, F, E, K = 64, 128, 8, 2
+
+
+def blocks():
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    return {
+        "mixtral": lambda: MixtralSparseMoeBlock(transformers.MixtralConfig(
+            hidden_size=D, intermediate_size=F, num_local_experts=E, num_experts_per_tok=K, router_jitter_noise=0.0)),
+        "qwen3moe": lambda: Qwen3MoeSparseMoeBlock(transformers.Qwen3MoeConfig(
+            hidden_size=D, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True)),
+        "qwen3moe-unnormalised": lambda: Qwen3MoeSparseMoeBlock(transformers.Qwen3MoeConfig(
+            hidden_size=D, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K, norm_topk_prob=False)),
+        "olmoe": lambda: OlmoeSparseMoeBlock(transformers.OlmoeConfig(
+            hidden_size=D, intermediate_size=F, num_experts=E, num_experts_per_tok=K)),
+    }
+
+
+def error(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe", "qwen3moe-unnormalised", "olmoe"])
+def test_a_swapped_block_gives_the_blocks_output_and_gradients(device, kind):
+    torch.manual_seed(21)
+    block = blocks()[kind]().to(device)
+    with torch.no_grad():  # bf16-exact f32 weights: both sides read the same values
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p).mul(0.1).to(torch.bfloat16).float())
+    ours = mftf.SparseMoeBlock.from_block(block)
+    x = torch.randn(3, 29, D, device=device).to(torch.bfloat16)
+    dy = torch.randn(3, 29, D, device=device).to(torch.bfloat16)
+    xr = x.float().requires_grad_(True)
+    want = block(xr)
+    want.backward(dy.float())
+    xo = x.clone().requires_grad_(True)
+    got = ours(xo)
+    got.backward(dy)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert error(got, want) < 2e-2
+    assert error(xo.grad, xr.grad) < 2e-2
+    gate_up, down = block.experts.gate_up_proj.grad, block.experts.down_proj.grad
+    assert error(ours.moe.w1.grad, gate_up[:, :F, :].transpose(1, 2)) < 2e-2
+    assert error(ours.moe.w3.grad, gate_up[:, F:, :].transpose(1, 2)) < 2e-2
+    assert error(ours.moe.w2.grad, down.transpose(1, 2)) < 2e-2
+    assert error(ours.moe.wr.grad, block.gate.weight.grad.t()) < 3e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_small_qwen3_moe_model_trains_as_the_original(device):
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=D, intermediate_size=F, moe_intermediate_size=F, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=E, num_experts_per_tok=K,
+        norm_topk_prob=True, max_position_embeddings=64)
+    torch.manual_seed(22)
+    original = transformers.Qwen3MoeForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    swapped = transformers.Qwen3MoeForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    swapped.load_state_dict(original.state_dict())
+    mftf.swap_sparse_moe_blocks(swapped)
+    assert sum(isinstance(m, mftf.SparseMoeBlock) for m in swapped.modules()) == 2
+    tokens = torch.randint(0, 96, (4, 24), device=device)
+    losses = {}
+    for name, model in (("original", original), ("swapped", swapped)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        curve = []
+        for _ in range(20):
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            curve.append(loss.item())
+        losses[name] = curve
+    o, s = losses["original"], losses["swapped"]
+    assert abs(s[0] - o[0]) < 1e-2 * o[0], f"step 0: {s[0]} against {o[0]}"
+    assert s[-1] < 0.8 * s[0], f"the swapped model's loss did not fall: {s}"
+    # bf16 models whose routers round differently drift apart a little.
+    assert abs(s[-1] - o[-1]) < 5e-2 * o[-1], f"after 20 steps: {s[-1]} against {o[-1]}"
+
+
+def test_a_model_without_sparse_blocks_is_told_so():
+    with pytest.raises(mf.UserError, match="has no sparse MoE block"):
+        mftf.swap_sparse_moe_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)))

@@ -216,4 +216,21 @@ StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size
   return plan;
 }
 
+CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
+                                        const std::function<size_t(const RoutingShape &)> &table_bytes) {
+  auto align = [](size_t n) { return (n + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; };
+  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype); };
+  CallerMemoryLayout l;
+  l.plan = plan_step_memory(p, bytes, boundary, kRegionAlignment);
+  size_t at = align(l.plan.saved.arena_bytes);
+  for (const auto &[r, shape] : shapes.routings()) {
+    l.table_offset[r] = at;
+    at += align(table_bytes(shape));
+  }
+  l.memory.saved = at;
+  l.memory.workspace_before = l.plan.workspace_before;
+  l.memory.workspace_after = l.plan.workspace_after;
+  return l;
+}
+
 } // namespace moeforge

@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "lowering/kernel_program.h"
+#include "runtime/layer_memory.h"
+#include "runtime/program_shapes.h"
 
 namespace moeforge {
 
@@ -72,5 +74,18 @@ struct StepMemoryPlan {
 
 StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes,
                                 size_t boundary, size_t alignment = 256);
+
+// A layer on caller memory at one token count, as both backends lay it out:
+// the plan of its tensors, then each route's tables in the saved region
+// after them (`table_bytes`: the backend's size of one route's tables), and
+// what a step needs. Region offsets are multiples of kRegionAlignment.
+inline constexpr size_t kRegionAlignment = 256;
+struct CallerMemoryLayout {
+  StepMemoryPlan plan;
+  std::map<const RoutingNode *, size_t> table_offset; // bytes into the saved region
+  StepMemory memory;
+};
+CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
+                                        const std::function<size_t(const RoutingShape &)> &table_bytes);
 
 } // namespace moeforge

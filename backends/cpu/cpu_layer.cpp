@@ -48,11 +48,10 @@ int64_t cpu_threads() {
 }
 
 namespace {
-// Offsets into the caller's regions are multiples of this (as on the GPU);
-// the regions' own starts need 64 bytes, what host allocators give.
-constexpr size_t kRegionAlignment = 256;
+// Offsets into the caller's regions are multiples of kRegionAlignment (as
+// on the GPU); the regions' own starts need 64 bytes, what host allocators
+// give.
 constexpr uintptr_t kBaseAlignment = 64;
-size_t align_region(size_t n) { return (n + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; }
 } // namespace
 
 CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens, size_t keep_across, LayerMemory memory)
@@ -99,30 +98,17 @@ CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens, size_t keep_ac
 }
 
 void CpuLayer::plan_caller_memory() {
-  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype); };
-  step_plan_ = std::make_unique<StepMemoryPlan>(plan_step_memory(layer_.program, bytes, keep_across_));
-  size_t at = align_region(step_plan_->saved.arena_bytes);
-  table_offset_.clear();
-  for (const auto &[r, shape] : shapes_.routings()) {
-    table_offset_[r] = at;
-    at += align_region(routing_table_bytes(shape));
-  }
+  CallerMemoryLayout l = caller_memory_layout(layer_.program, shapes_, keep_across_, routing_table_bytes);
+  step_plan_ = std::make_unique<StepMemoryPlan>(std::move(l.plan));
+  table_offset_ = std::move(l.table_offset);
 }
 
 StepMemory CpuLayer::step_memory(int64_t tokens) const {
   user_check(memory_ == LayerMemory::caller) << "step_memory(): this layer holds memory of its own "
                                              << "(LayerMemory::owned); make it with LayerMemory::caller";
   user_check(tokens >= 1) << "step_memory(" << tokens << "): a step runs at least one token";
-  const ProgramShapes shapes(layer_.program, tokens);
-  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype); };
-  const StepMemoryPlan plan = plan_step_memory(layer_.program, bytes, keep_across_);
-  StepMemory m;
-  m.saved = align_region(plan.saved.arena_bytes);
-  for (const auto &[r, shape] : shapes.routings())
-    m.saved += align_region(routing_table_bytes(shape));
-  m.workspace_before = plan.workspace_before;
-  m.workspace_after = plan.workspace_after;
-  return m;
+  return caller_memory_layout(layer_.program, ProgramShapes(layer_.program, tokens), keep_across_, routing_table_bytes)
+      .memory;
 }
 
 void CpuLayer::place(uint8_t *saved, uint8_t *workspace) {

@@ -6,16 +6,11 @@ and the ops pass torch.library.opcheck."""
 
 import pytest
 
-import moeforge as mf
-
 torch = pytest.importorskip("torch")
 
 import moeforge.torch as mft  # noqa: E402
+from test_torch import DEVICES, needs_gpu  # noqa: E402
 
-GPU = mf.has_cuda_backend and mf.gpu_available()[0] and torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not GPU, reason=f"no GPU: {mf.gpu_available()[1] or 'torch sees none'}")
-DEVICES = [pytest.param("cuda", marks=needs_gpu),
-           pytest.param("cpu", marks=pytest.mark.skipif(not mf.has_cpu_backend, reason="no CPU backend"))]
 
 D = 64
 

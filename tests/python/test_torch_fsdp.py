@@ -1,22 +1,15 @@
 """moeforge.torch under FSDP2 (torch.distributed.fsdp.fully_shard; skipped
 without torch): a model whose moeforge layer and the model around it are
 sharded trains with the gradients of the same model unsharded. World size 1
-here (gloo on the CPU, NCCL on a GPU); two GPUs where the machine has them
-run the same check in the device suite."""
+(gloo on the CPU, NCCL on a GPU); two ranks are not tested yet."""
 
 import pytest
-
-import moeforge as mf
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import moeforge.torch as mft  # noqa: E402
-
-GPU = mf.has_cuda_backend and mf.gpu_available()[0] and torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not GPU, reason=f"no GPU: {mf.gpu_available()[1] or 'torch sees none'}")
-DEVICES = [pytest.param("cuda", marks=needs_gpu),
-           pytest.param("cpu", marks=pytest.mark.skipif(not mf.has_cpu_backend, reason="no CPU backend"))]
+from test_torch import DEVICES  # noqa: E402
 
 D = 64
 

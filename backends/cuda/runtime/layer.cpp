@@ -108,35 +108,18 @@ CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t t
   launches_stale_ = false;
 }
 
-namespace {
-constexpr size_t kRegionAlignment = 256;
-size_t align_region(size_t n) { return (n + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; }
-} // namespace
-
 void CudaLayer::plan_caller_memory() {
-  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype); };
-  step_plan_ = std::make_unique<StepMemoryPlan>(plan_step_memory(layer_.program, bytes, keep_across_));
-  size_t at = align_region(step_plan_->saved.arena_bytes);
-  table_offset_.clear();
-  for (const auto &[r, plan] : plans_) {
-    table_offset_[r] = at;
-    at += align_region(RoutingPlan::table_bytes(plan->shape));
-  }
+  CallerMemoryLayout l = caller_memory_layout(layer_.program, shapes_, keep_across_, RoutingPlan::table_bytes);
+  step_plan_ = std::make_unique<StepMemoryPlan>(std::move(l.plan));
+  table_offset_ = std::move(l.table_offset);
 }
 
 CudaLayer::StepMemory CudaLayer::step_memory(int64_t tokens) const {
   user_check(memory_ == LayerMemory::caller) << "step_memory(): this layer holds memory of its own "
                                              << "(LayerMemory::owned); make it with LayerMemory::caller";
-  const ProgramShapes shapes(layer_.program, tokens);
-  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype); };
-  const StepMemoryPlan plan = plan_step_memory(layer_.program, bytes, keep_across_);
-  StepMemory m;
-  m.saved = align_region(plan.saved.arena_bytes);
-  for (const auto &[r, shape] : shapes.routings())
-    m.saved += align_region(RoutingPlan::table_bytes(shape));
-  m.workspace_before = plan.workspace_before;
-  m.workspace_after = plan.workspace_after;
-  return m;
+  return caller_memory_layout(layer_.program, ProgramShapes(layer_.program, tokens), keep_across_,
+                              RoutingPlan::table_bytes)
+      .memory;
 }
 
 void CudaLayer::place(CUdeviceptr saved, CUdeviceptr workspace) {

@@ -17,6 +17,11 @@ status=0
 device_note "$R/device.txt"
 python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
   >"$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
+if [ -d .peers/transformers ]; then # scripts/prep_transformers.sh: moeforge.transformers' tests run too
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/transformers/*.whl \
+    >"$R/transformers.log" 2>&1 || tail -5 "$R/transformers.log"
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if [ "${PYTEST:-1}" != 0 ]; then
   timeout 600 python3 -m pytest -q -rs tests/python >"$R/pytest.log" 2>&1 || status=1
   tail -15 "$R/pytest.log"

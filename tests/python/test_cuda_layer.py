@@ -18,6 +18,8 @@ def test_without_a_gpu_the_layer_says_why():
     layer, y, _ = build_moe_mlp()
     with pytest.raises(mf.UserError, match="the CUDA backend needs a GPU: .*use the CPU backend"):
         mf.CudaTrainingLayer(layer, [y], mf.scattermoe(), 64)
+    with pytest.raises(mf.UserError, match="the CUDA backend needs a GPU: .*use the CPU backend"):
+        mf.CudaCallerLayer(layer, mf.scattermoe(), 64)
 
 
 @needs_backend

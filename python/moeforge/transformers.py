@@ -2,22 +2,25 @@
 
     import moeforge.transformers as mftf
     model = AutoModelForCausalLM.from_config(config)      # Mixtral, Qwen3-MoE or OLMoE
-    swapped = mftf.swap_sparse_moe_blocks(model)          # each block now a moeforge layer
+    mftf.swap_sparse_moe_blocks(model)                    # each block now a moeforge layer
 
 Each sparse MoE block (MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock,
 OlmoeSparseMoeBlock) becomes a SparseMoeBlock: the same layer written in
 moeforge's algebra (softmax router in f32, top-k, the gates renormalised
 over the chosen experts where the block does it, SwiGLU experts, the gated
-combine) as a moeforge.torch.MoELayer, with the block's weights copied in
-once, in the layouts the layer reads (gate_up_proj [E, 2F, d] split and
-transposed into w1, w3 [E, d, F], down_proj [E, d, F] into w2 [E, F, d],
-the router's weight [E, d] into wr [d, E]). The model then trains and runs
-with moeforge's kernels, under torch.compile too; its state_dict holds the
-new names and layouts. The router runs in f32 from bf16 inputs, so a pair
-transformers' bf16 router logits would route the other way at a near-tie
-may differ. Not covered: Mixtral's router jitter noise in training, the
-router logits transformers records for its auxiliary loss
-(output_router_logits), an activation other than SiLU.
+combine) as a moeforge.torch.MoELayer. The router's weight [E, d] and the
+experts' down_proj [E, d, F] are the block's own Parameters, read in their
+layouts (the algebra says which index is which); gate_up_proj [E, 2F, d] is
+copied once into w1 and w3 [E, d, F] (its gate and up halves sit side by
+side in one tensor, which the algebra cannot index yet). The model then
+trains and runs with moeforge's kernels, under torch.compile too. Where the
+model's config asks for router logits (output_router_logits, for the
+auxiliary loss), the block runs its original router beside the layer so
+that transformers records them; its weight is the layer's, so both losses'
+gradients reach one Parameter. The router runs in f32 from bf16 inputs, so
+a pair transformers' bf16 router logits would route the other way at a
+near-tie may differ. Not covered: Mixtral's router jitter noise in
+training, an activation other than SiLU.
 """
 
 import torch
@@ -39,17 +42,19 @@ def sparse_moe_pipeline(hidden, intermediate, experts, top_k, renormalize):
     F, E = mf.Dim("F", intermediate), mf.Dim("E", experts)
     t, e, i, j = mf.Var("t", T), mf.Var("e", E), mf.Var("i", D), mf.Var("j", F)
     x = mf.Input("x", [T, D])
-    wr, w1 = mf.Param("wr", [D, E]), mf.Param("w1", [E, D, F])
-    w3, w2 = mf.Param("w3", [E, D, F]), mf.Param("w2", [E, F, D])
+    # wr and w2 in transformers' layouts (the router's weight [E, d], down_proj
+    # [E, d, F]), so the block's own Parameters are read in place.
+    wr, w1 = mf.Param("wr", [E, D]), mf.Param("w1", [E, D, F])
+    w3, w2 = mf.Param("w3", [E, D, F]), mf.Param("w2", [E, D, F])
     logits, probs = mf.Func("logits", mf.f32), mf.Func("probs", mf.f32)
-    logits[t, e] = mf.sum(i, x[t, i] * wr[i, e])
+    logits[t, e] = mf.sum(i, x[t, i] * wr[e, i])
     probs[t, e] = mf.softmax(e, logits[t, e])
     route = mf.top_k(probs, e, top_k, renormalize=renormalize)
     r = route.pair
     h, o, y = mf.Func("h"), mf.Func("o"), mf.Func("y")
     h[r, j] = (mf.silu(mf.sum(i, x[route.token(r), i] * w1[route.expert(r), i, j])) *
                mf.sum(i, x[route.token(r), i] * w3[route.expert(r), i, j]))
-    o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), j, i])
+    o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), i, j])
     y[t, i] = mf.combine(route, t, route.gate(r) * o[r, i])
     return mf.Pipeline([y])
 
@@ -82,36 +87,46 @@ class SparseMoeBlock(torch.nn.Module):
         super().__init__()
         self.pipeline = sparse_moe_pipeline(hidden, intermediate, experts, top_k, renormalize)
         self.moe = mft.MoELayer(self.pipeline, schedule=schedule, device=device)
+        self.gate = None  # the original router, run only for the logits transformers records
+        self.record_router_logits = False
 
     @classmethod
-    def from_block(cls, block, schedule="auto"):
-        """The moeforge block of a transformers one, its weights copied in
-        (on the block's device; 'cuda' or 'cpu')."""
+    def from_block(cls, block, schedule="auto", record_router_logits=False):
+        """The moeforge block of a transformers one (on the block's device,
+        'cuda' or 'cpu'): its router and down_proj Parameters shared, its
+        gate_up_proj copied; the original router kept for
+        `record_router_logits`."""
         shape = _block_shape(block)
-        weight = block.experts.gate_up_proj
-        new = cls(*shape, schedule=schedule, device=weight.device.type)
-        _, f = shape[0], shape[1]
+        gate_up = block.experts.gate_up_proj
+        new = cls(*shape, schedule=schedule, device=gate_up.device.type)
+        f = shape[1]
+        new.moe.wr = block.gate.weight
+        new.moe.w2 = block.experts.down_proj
         with torch.no_grad():
-            new.moe.wr.copy_(block.gate.weight.t())
-            new.moe.w1.copy_(weight[:, :f, :].transpose(1, 2))
-            new.moe.w3.copy_(weight[:, f:, :].transpose(1, 2))
-            new.moe.w2.copy_(block.experts.down_proj.transpose(1, 2))
+            new.moe.w1.copy_(gate_up[:, :f, :].transpose(1, 2))
+            new.moe.w3.copy_(gate_up[:, f:, :].transpose(1, 2))
+        new.gate = block.gate
+        new.record_router_logits = record_router_logits
         return new
 
     def forward(self, hidden_states):
+        if self.record_router_logits and self.gate is not None:
+            self.gate(hidden_states.reshape(-1, hidden_states.shape[-1]))  # transformers' hooks record its logits
         y = self.moe(hidden_states)
         return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
 
 
 def swap_sparse_moe_blocks(model, schedule="auto"):
     """Replaces every transformers sparse MoE block in `model` by a
-    SparseMoeBlock with its weights (in place; returns the model). A
-    UserError when the model has none."""
+    SparseMoeBlock with its weights (in place; returns the model), recording
+    router logits where the model's config asks for them. A UserError when
+    the model has none."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child).__name__ in BLOCK_CLASSES]
     if not swaps:
         raise mf.UserError(f"{type(model).__name__} has no sparse MoE block moeforge.transformers reads "
                            f"({', '.join(BLOCK_CLASSES)})")
+    record = bool(getattr(getattr(model, "config", None), "output_router_logits", False))
     for parent, name, child in swaps:
-        setattr(parent, name, SparseMoeBlock.from_block(child, schedule=schedule))
+        setattr(parent, name, SparseMoeBlock.from_block(child, schedule=schedule, record_router_logits=record))
     return model

@@ -4,6 +4,8 @@ norm_topk_prob, OLMoE) swapped for moeforge's gives the block's output and
 every gradient, and a small Qwen3-MoE model with its blocks swapped trains
 as the original does."""
 
+import copy
+
 import pytest
 
 import moeforge as mf
@@ -45,7 +47,10 @@ def test_a_swapped_block_gives_the_blocks_output_and_gradients(device, kind):
     with torch.no_grad():  # bf16-exact f32 weights: both sides read the same values
         for p in block.parameters():
             p.copy_(torch.randn_like(p).mul(0.1).to(torch.bfloat16).float())
-    ours = mftf.SparseMoeBlock.from_block(block)
+    # A copy: the swapped block shares the router's and down_proj's
+    # Parameters, whose gradients are compared below.
+    ours = mftf.SparseMoeBlock.from_block(copy.deepcopy(block))
+    assert ours.moe.wr.data_ptr() != block.gate.weight.data_ptr()
     x = torch.randn(3, 29, D, device=device).to(torch.bfloat16)
     dy = torch.randn(3, 29, D, device=device).to(torch.bfloat16)
     xr = x.float().requires_grad_(True)
@@ -60,8 +65,8 @@ def test_a_swapped_block_gives_the_blocks_output_and_gradients(device, kind):
     gate_up, down = block.experts.gate_up_proj.grad, block.experts.down_proj.grad
     assert error(ours.moe.w1.grad, gate_up[:, :F, :].transpose(1, 2)) < 2e-2
     assert error(ours.moe.w3.grad, gate_up[:, F:, :].transpose(1, 2)) < 2e-2
-    assert error(ours.moe.w2.grad, down.transpose(1, 2)) < 2e-2
-    assert error(ours.moe.wr.grad, block.gate.weight.grad.t()) < 3e-2
+    assert error(ours.moe.w2.grad, down) < 2e-2
+    assert error(ours.moe.wr.grad, block.gate.weight.grad) < 3e-2
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -93,6 +98,36 @@ def test_a_small_qwen3_moe_model_trains_as_the_original(device):
     assert s[-1] < 0.8 * s[0], f"the swapped model's loss did not fall: {s}"
     # bf16 models whose routers round differently drift apart a little.
     assert abs(s[-1] - o[-1]) < 5e-2 * o[-1], f"after 20 steps: {s[-1]} against {o[-1]}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_router_and_down_proj_are_the_blocks_own_parameters(device):
+    block = blocks()["mixtral"]().to(device=device, dtype=torch.bfloat16)
+    ours = mftf.SparseMoeBlock.from_block(block)
+    assert ours.moe.wr is block.gate.weight and ours.moe.w2 is block.experts.down_proj
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_mixtral_model_with_its_auxiliary_loss(device):
+    """output_router_logits: the swapped blocks run the original router for
+    the logits transformers records, so the model's loss includes its
+    load-balancing term as the original's does, and its gradient reaches
+    the router's (shared) weight."""
+    config = transformers.MixtralConfig(
+        vocab_size=96, hidden_size=D, intermediate_size=F, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=E, num_experts_per_tok=K, router_jitter_noise=0.0,
+        output_router_logits=True, router_aux_loss_coef=0.5, max_position_embeddings=64)
+    torch.manual_seed(23)
+    original = transformers.MixtralForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    swapped = copy.deepcopy(original)
+    mftf.swap_sparse_moe_blocks(swapped)
+    tokens = torch.randint(0, 96, (2, 16), device=device)
+    want, got = original(input_ids=tokens, labels=tokens), swapped(input_ids=tokens, labels=tokens)
+    assert got.aux_loss is not None and abs(got.aux_loss.item() - want.aux_loss.item()) < 1e-2 * want.aux_loss.item()
+    assert abs(got.loss.item() - want.loss.item()) < 1e-2 * want.loss.item()
+    got.loss.backward()
+    router = swapped.model.layers[0].mlp.gate.weight
+    assert router.grad is not None and router.grad.abs().sum() > 0
 
 
 def test_a_model_without_sparse_blocks_is_told_so():

@@ -6,7 +6,8 @@
 // tests check the plan with real kernels on every CI run: a plan that let
 // two live tensors share bytes, or left a saved tensor in the workspace,
 // gives a wrong gradient here. Every region is poisoned (NaN) before each
-// call.
+// call. The forward alone (inference: boundary 0) keeps nothing but its
+// routing tables.
 #include <doctest/doctest.h>
 
 #include <cstdlib>
@@ -16,8 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "backends/cpu/cpu_layer.h"
 #include "backends/cpu/cpu_training.h"
 #include "lowering/default_schedule.h"
+#include "runtime/memory_plan.h"
+#include "runtime/routing_format.h"
 #include "training_compare.h"
 #include "user_error.h"
 
@@ -305,4 +309,58 @@ TEST_CASE("cpu caller memory: misuse is a user error that says what to call") {
                        UserError);
   CHECK_THROWS_WITH_AS(owned.step_memory(64), doctest::Contains("holds memory of its own"), UserError);
   CHECK_THROWS_WITH_AS(owned.set_tokens(32), doctest::Contains("make a layer for another count"), UserError);
+}
+
+TEST_CASE("cpu caller memory: the forward alone at any token count through one program, keeping nothing") {
+  for (const char *name : {"moe_mlp", "swiglu_moe", "deepseek_moe"}) {
+    INFO(name);
+    const ExampleShape s0 = shape(64, 64, 128, 8, 2);
+    Example ex = make_example(name, s0);
+    const Schedule schedule = default_schedule(ex.pipeline);
+    cpu::CompiledCpuLayer compiled = cpu::compile_cpu_layer(ex.pipeline, schedule);
+    const KernelProgram &p = compiled.program;
+    TensorMap params = ex.random_inputs(s0, 70);
+    params.erase("x");
+    cpu::CpuLayer layer(compiled, 1, 0, LayerMemory::caller);
+    std::map<std::string, std::vector<uint8_t>> held;
+    for (const auto &[n, v] : params) {
+      held[n] = ProgramShapes(p, 1).encode_input(p.tensor(n), params);
+      layer.bind(n, held[n].data(), held[n].size());
+    }
+    KernelProgram outputs_only = p; // only the outputs outlive the call
+    outputs_only.reuse_memory = true;
+    for (int64_t tokens : {1, 2, 3, 7, 64, 255, 4096}) {
+      INFO(tokens << " tokens");
+      layer.set_tokens(tokens);
+      TensorMap inputs = ex.random_inputs(shape(tokens, 64, 128, 8, 2), 71 + tokens);
+      for (const auto &[n, v] : params)
+        inputs[n] = v;
+      std::vector<uint8_t> x = ProgramShapes(p, tokens).encode_input(p.tensor("x"), inputs);
+      layer.bind("x", x.data(), x.size());
+      std::map<std::string, std::vector<uint8_t>> outs;
+      for (const std::string &o : p.outputs) {
+        outs[o].assign(layer.info(o).bytes, 0xFF); // NaN in f32 and bf16
+        layer.bind(o, outs[o].data(), outs[o].size());
+      }
+      const StepMemory m = layer.step_memory(tokens);
+      // Nothing kept: the saved region holds the routing tables alone.
+      size_t tables = 0;
+      const ProgramShapes shapes(p, tokens);
+      for (const auto &[r, shape] : shapes.routings())
+        tables += (routing_table_bytes(shape) + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
+      CHECK(m.saved == tables);
+      CHECK(m.workspace_before == 0);
+      Region saved(m.saved), workspace(m.workspace_after);
+      layer.place(saved.get(), workspace.get());
+      layer.run();
+      Downloaded got;
+      for (const std::string &o : p.outputs)
+        got.values[o] = layer.download(o);
+      if (!ex.route.empty())
+        got.experts = layer.routed_experts(ex.route);
+      Outcome o = compare_with_reference(ex, inputs, outputs_only, got, schedule.to_text(), 2e-2, 1e-3);
+      CHECK(o.routing_mismatches == 0);
+    }
+    CHECK_THROWS_WITH_AS(layer.set_tokens(0), doctest::Contains("at least one token"), UserError);
+  }
 }

@@ -15,6 +15,7 @@
 
 #include "backends/cuda/runtime/training_layer.h"
 #include "gpu_test.h"
+#include "lowering/default_schedule.h"
 #include "runtime/memory_plan.h"
 #include "runtime/program_shapes.h"
 #include "training_compare.h"
@@ -264,5 +265,66 @@ TEST_SUITE("gpu") {
     cuda::TrainingLayer owned(device, compiled, 64);
     CHECK_THROWS_WITH_AS(owned.forward(stream, saved.ptr(), workspace.ptr()),
                          doctest::Contains("holds memory of its own"), UserError);
+  }
+
+  TEST_CASE("cuda caller memory: the forward alone at any token count through one program, replayed from a graph") {
+    MOEFORGE_REQUIRE_GPU();
+    static cuda::Device device;
+    cuda::Stream stream;
+    for (const char *name : {"moe_mlp", "swiglu_moe"}) {
+      INFO(name);
+      const ExampleShape s0 = shape(64, 64, 128, 8, 2);
+      Example ex = make_example(name, s0);
+      const Schedule schedule = default_schedule(ex.pipeline);
+      cuda::CompiledLayer compiled = cuda::compile_layer(ex.pipeline, schedule, device.arch_specific());
+      const KernelProgram &p = compiled.program;
+      TensorMap params = ex.random_inputs(s0, 80);
+      params.erase("x");
+      cuda::CudaLayer layer(device, compiled, 1, 0, cuda::LayerMemory::caller);
+      std::map<std::string, cuda::DeviceBuffer> held;
+      for (const auto &[n, v] : params) {
+        held.emplace(n, cuda::DeviceBuffer::from(ProgramShapes(p, 1).encode_input(p.tensor(n), params)));
+        layer.bind(n, held.at(n).ptr(), held.at(n).bytes());
+      }
+      KernelProgram outputs_only = p; // only the outputs outlive the call
+      outputs_only.reuse_memory = true;
+      for (int64_t tokens : {1, 2, 3, 7, 64, 255, 4096}) {
+        INFO(tokens << " tokens");
+        layer.set_tokens(tokens);
+        TensorMap inputs = ex.random_inputs(shape(tokens, 64, 128, 8, 2), 81 + tokens);
+        for (const auto &[n, v] : params)
+          inputs[n] = v;
+        cuda::DeviceBuffer x = cuda::DeviceBuffer::from(ProgramShapes(p, tokens).encode_input(p.tensor("x"), inputs));
+        layer.bind("x", x.ptr(), x.bytes());
+        std::map<std::string, cuda::DeviceBuffer> outs;
+        for (const std::string &o : p.outputs) {
+          outs.emplace(o, poisoned(layer.info(o).bytes));
+          layer.bind(o, outs.at(o).ptr(), outs.at(o).bytes());
+        }
+        const cuda::CudaLayer::StepMemory m = layer.step_memory(tokens);
+        CHECK(m.workspace_before == 0); // a forward alone runs every step from its boundary, 0
+        cuda::DeviceBuffer saved = poisoned(m.saved), workspace = poisoned(m.workspace_after);
+        layer.place(saved.ptr(), workspace.ptr());
+        layer.enqueue(stream);
+        stream.synchronize();
+        Downloaded got;
+        for (const std::string &o : p.outputs)
+          got.values[o] = layer.download(o);
+        got.experts = layer.routed_experts(ex.route);
+        Outcome o = compare_with_reference(ex, inputs, outputs_only, got, schedule.to_text(), 2e-2, 1e-3);
+        CHECK(o.routing_mismatches == 0);
+        if (tokens == 64) { // captured once, replayed on poisoned outputs: the same bits
+          cuda::CudaGraph graph = cuda::CudaGraph::capture(stream, [&] { layer.enqueue(stream); });
+          for (auto &[n, b] : outs)
+            b.fill32(cuda::kPoisonNaN);
+          graph.launch(stream);
+          stream.synchronize();
+          for (const std::string &n : p.outputs) {
+            INFO(n);
+            CHECK(layer.download(n).data == got.values.at(n).data);
+          }
+        }
+      }
+    }
   }
 }

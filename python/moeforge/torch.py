@@ -8,8 +8,8 @@
     y.float().pow(2).mean().backward()   # fills moe.w1.grad, ..., and x.grad
 
 The forward and backward are the compiled training program's two entry
-points (moeforge.CudaTrainingLayer), run through a torch.autograd.Function on
-torch's current CUDA stream. The layer reads and writes torch's tensors in
+points (moeforge.CudaTrainingLayer on caller memory), run as torch.library
+custom ops on torch's current CUDA stream. The layer reads and writes torch's tensors in
 place (its input, weights, outputs, upstream gradients and gradients are
 bound to their memory: no copies), nothing synchronises with the host, and
 a step can be captured in a CUDA graph (torch.cuda.graph) after a warm-up
@@ -27,7 +27,10 @@ of its own. So any number of forwards may be in flight (activation
 checkpointing, gradient accumulation, the module applied twice, several
 micro-batches), each backward reads its own forward's activations, and a
 new token count costs no compile and no memory that outlives the step. A
-step of no tokens returns empty outputs and zero gradients.
+step of no tokens returns empty outputs and zero gradients. Where no
+backward will run (torch.no_grad(), torch.inference_mode(), nothing that
+needs a gradient) the module runs the layer's forward program alone
+(moeforge.CudaCallerLayer): nothing is kept for a backward.
 
 On the CPU backend (device='cpu', for development and tests) the module
 runs the same way: the CPU layer on caller memory (moeforge.CpuCallerTrainingLayer)
@@ -35,8 +38,9 @@ reads and writes torch's CPU tensors in place, each forward's activations
 in a tensor of torch's, so forwards in flight, checkpointing and any token
 count behave as on the GPU.
 
-torch.compile: the forward and the backward are torch.library custom ops
-(moeforge::layer_forward, moeforge::layer_backward) with fake kernels, so
+torch.compile: the forward, the backward and the forward alone are
+torch.library custom ops (moeforge::layer_forward, moeforge::layer_backward,
+moeforge::layer_inference) with fake kernels, so
 torch.compile(model, fullgraph=True) traces a model holding the module with
 no graph break, at any token count (dynamic shapes), and the ops pass
 torch.library.opcheck (with zero_saved = True: it compares the saved region

@@ -75,6 +75,9 @@ def test_the_ops_pass_opcheck(device, monkeypatch):
 
 
 @needs_gpu
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="on an H100 with torch 2.11 (2026-12-05): inductor's CUDA-graph trees find the custom ops' "
+                          "outputs outside their pool ('These storage data ptrs are not allocated in pool'); open")
 def test_reduce_overhead_replays_the_step_in_cuda_graphs():
     torch.manual_seed(5)
     model = Block("cuda")

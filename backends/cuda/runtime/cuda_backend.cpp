@@ -41,7 +41,7 @@ public:
     return std::make_unique<BoundLayer>(device_, program_, tokens);
   }
   double run() override {
-    return timed_ms(stream_, [&] { layer_.enqueue(stream_); });
+    return timed_ms(stream_, [&] { layer_.enqueue(stream_, 0, program().steps.size(), "run()"); });
   }
   StepTimes profile() override { return layer_.profile(stream_); }
 

@@ -474,8 +474,8 @@ void CudaLayer::run_step(size_t step, const Stream &stream, int64_t window) {
 
 void CudaLayer::enqueue(const Stream &stream) { enqueue(stream, 0, layer_.program.steps.size()); }
 
-void CudaLayer::enqueue(const Stream &stream, size_t begin, size_t end) {
-  prepare(begin, end, "enqueue()");
+void CudaLayer::enqueue(const Stream &stream, size_t begin, size_t end, const char *entry) {
+  prepare(begin, end, entry);
   for (size_t i = begin; i < end; ++i)
     run_step(i, stream);
 }

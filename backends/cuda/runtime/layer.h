@@ -96,8 +96,10 @@ public:
   void enqueue(const Stream &stream);
   // Enqueues the program's steps [begin, end) only (a training program's
   // forward or backward). A user error until every Input and Param these
-  // steps read has been uploaded (they would compute on whatever memory held).
-  void enqueue(const Stream &stream, size_t begin, size_t end);
+  // steps read has been uploaded (they would compute on whatever memory held);
+  // `entry` names the caller's entry point in that error (the backend
+  // interface's run(), a training layer's forward()).
+  void enqueue(const Stream &stream, size_t begin, size_t end, const char *entry = "enqueue()");
   // Runs the forward once with an event around every step and returns each
   // step's name and milliseconds, in program order (for benchmarks' notes).
   std::vector<std::pair<std::string, double>> profile(const Stream &stream);

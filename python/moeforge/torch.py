@@ -617,6 +617,21 @@ class MoELayer(torch.nn.Module):
             raise mf.UserError(f"no route named '{route}' in this layer (it has {sorted(self._routing)})")
         return self._routing[route].cpu()
 
+    def check_routing_scores(self):
+        """Raises moeforge.UserError, naming the token and the expert, if a
+        routing score of this module's work so far was NaN or infinite.
+        On the CPU every forward refuses one at once. On the GPU the layer
+        queues its work without waiting for it, so the routing reports such
+        a score (its token's gates made NaN, its experts still in range)
+        and the module's next forward or backward raises it; this waits
+        for the current stream and raises it now."""
+        if self.device.type != "cuda":
+            return
+        torch.cuda.current_stream(self.device).synchronize()
+        for rt in (self._caller, self._forward_only):
+            if rt is not None:
+                rt.layer.check_routing_scores(_stream(self.device))
+
     def saved_bytes(self, tokens):
         """What a forward over `tokens` tokens keeps for its backward
         (activations and routing tables), in bytes."""

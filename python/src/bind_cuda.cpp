@@ -240,6 +240,15 @@ void bind_cuda(nb::module_ &m) {
           "Enqueues routing and every step on the stream: the routing tables to `saved`, temporaries to "
           "`workspace` (step_memory()'s bytes, 256-byte aligned; 0 where none).")
       .def(
+          "check_routing_scores",
+          [](PyCudaCallerForward &l, uintptr_t stream) {
+            l.dev->make_current();
+            l.layer->check_routing_scores(stream_of(stream), "check_routing_scores()");
+          },
+          "stream"_a = 0,
+          "Raises moeforge.UserError naming the token and expert if a routing score of work queued so far was "
+          "NaN or infinite (forward() checks it first).")
+      .def(
           "pairs",
           [](const PyCudaCallerForward &l, const std::string &route) {
             return l.layer->routing_plan(route).shape.pairs();
@@ -330,6 +339,16 @@ void bind_cuda(nb::module_ &m) {
           "stream"_a = 0, "saved"_a = nb::none(), "workspace"_a = nb::none(),
           "Enqueues routing and the forward on the stream (a CUstream handle; 0: the legacy one); on caller "
           "memory, its activations go to `saved` and its temporaries to `workspace` (device addresses).")
+      .def(
+          "check_routing_scores",
+          [](PyCudaTraining &l, uintptr_t stream) {
+            l.dev->make_current();
+            l.layer->check_routing_scores(stream_of(stream), "check_routing_scores()");
+          },
+          "stream"_a = 0,
+          "Raises moeforge.UserError naming the token and expert if a routing score of work queued so far was "
+          "NaN or infinite (waits for the stream only then; forward() and backward() check it first). Call it "
+          "after waiting for the stream to see the last step's.")
       .def(
           "replay_graphs", [](PyCudaTraining &l, bool on) { l.layer->replay_graphs(on); }, "on"_a = true,
           "Replays the forward and the backward each as one CUDA graph while no tensor was bound elsewhere "

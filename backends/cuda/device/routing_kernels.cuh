@@ -128,6 +128,22 @@ template <int kGroup, int kCols> struct Row {
     }
   }
 
+  // The lowest column of the group whose value (the score, or with the
+  // softmax its numerator, NaN exactly where the probability is) is NaN or
+  // infinite, known to every lane of the group; kNoExpert when none. The
+  // shuffles run only in a warp that holds one (rare).
+  __device__ int first_non_finite(int q) const {
+    int bad = kNoExpert;
+#pragma unroll
+    for (int s = kSlots - 1; s >= 0; --s) // descending, so the lowest column is left
+      bad = has(s) && !isfinite(p[s]) ? column(q, s) : bad;
+    if (__any_sync(kFullMask, bad != kNoExpert))
+#pragma unroll
+      for (int d = kGroup / 2; d > 0; d >>= 1)
+        bad = min(bad, __shfl_xor_sync(kFullMask, bad, d));
+    return bad;
+  }
+
   // The numerators and the denominator of p = expf(x - max) / sum of
   // expf(x - max), with the order of every operation of the generated softmax
   // (see above). The division waits for take_best: only the chosen
@@ -256,6 +272,23 @@ template <int kGroup, int kCols> struct Row {
   }
 };
 
+// A routing score that is NaN or infinite chooses no expert by any order
+// (a NaN compares false with everything). The top-k kernels still choose k
+// experts in range for such a token, write NaN gates for it (so an output
+// weighted by them shows it), and report it: the lowest key
+// route_tag | token << 8 | expert to *first_bad (all ones when none), and a
+// flag in host memory the caller maps (`seen`), which the host reads without
+// waiting for the stream (backends/cuda/runtime/routing_score_check.h).
+// Both pointers null: no report.
+__device__ __forceinline__ void report_non_finite(unsigned long long *first_bad, unsigned *seen,
+                                                  unsigned long long route_tag, long long token, int expert) {
+  if (first_bad == nullptr)
+    return;
+  atomicMin(first_bad, route_tag | (static_cast<unsigned long long>(token) << 8) | static_cast<unsigned>(expert));
+  __threadfence_system(); // the key before the flag, as the host reads them
+  *reinterpret_cast<volatile unsigned *>(seen) = 1u;
+}
+
 // expert[t*k + s], gate[t*k + s] for this block's chunk of pairs: the s-th
 // largest probability of row t, where the probabilities are `scores`, or
 // their row softmax when `softmax` is set (scores are then logits), divided
@@ -266,7 +299,9 @@ template <int kGroup, int kCols> struct Row {
 template <int kGroup, int kCols>
 __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int tokens, int experts, int k,
                                            int softmax, int renormalize, int chunk, int *__restrict__ expert,
-                                           float *__restrict__ gate, int *__restrict__ chunk_counts) {
+                                           float *__restrict__ gate, int *__restrict__ chunk_counts,
+                                           unsigned long long *first_bad, unsigned *seen,
+                                           unsigned long long route_tag) {
   __shared__ int sCount[MF_MAX_EXPERTS];
   const bool counts = chunk_counts != nullptr; // uniform over the grid
   if (counts)
@@ -284,6 +319,9 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
     const int t = pass + threadIdx.x / kGroup;
     if (softmax) // uniform over the grid
       row.softmax();
+    const int bad = row.first_non_finite(q);
+    if (bad != kNoExpert && q == 0 && t < end_token)
+      report_non_finite(first_bad, seen, route_tag, t, bad);
     // The chosen probabilities' sum from 0 in slot order, the order of the
     // generated route_sum step this replaces, so the division matches it.
     float total = 0.0f;
@@ -294,7 +332,7 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
       const int r = t * k + s;
       if (t < end_token && q == 0 && r >= c.begin && r < c.end) {
         expert[r] = best_e;
-        gate[r] = prob;
+        gate[r] = bad != kNoExpert ? __int_as_float(0x7fc00000) : prob;
         if (counts)
           atomicAdd(&sCount[best_e], 1);
       }
@@ -335,8 +373,10 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
   extern "C" __global__ void __launch_bounds__(MF_TOPK_THREADS, kMinBlocksPerSm)                                       \
       name(const float *__restrict__ scores, /* (T, E) */ int tokens, int experts, int k, int softmax,                 \
            int renormalize, int chunk, int *__restrict__ expert, /* (T*k) */ float *__restrict__ gate, /* (T*k) */     \
-           int *__restrict__ chunk_counts) { /* (chunks, count_stride) */                                              \
-    topk_chunk<group, cols>(scores, tokens, experts, k, softmax, renormalize, chunk, expert, gate, chunk_counts);      \
+           int *__restrict__ chunk_counts, /* (chunks, count_stride) */                                                \
+           unsigned long long *first_bad, unsigned *seen, unsigned long long route_tag) {                              \
+    topk_chunk<group, cols>(scores, tokens, experts, k, softmax, renormalize, chunk, expert, gate, chunk_counts,       \
+                            first_bad, seen, route_tag);                                                               \
   }
 
 // Group-limited top-k (TopKOptions::groups; dsl/top_k_select.h states the
@@ -350,11 +390,17 @@ __device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int
 extern "C" __global__ void __launch_bounds__(MF_THREADS)
     moe_topk_grouped(const float *__restrict__ scores, // (T, E)
                      int tokens, int experts, int k, int groups, int top_groups, int *__restrict__ expert,
-                     float *__restrict__ gate) { // (P)
+                     float *__restrict__ gate, // (P)
+                     unsigned long long *first_bad, unsigned *seen, unsigned long long route_tag) {
   const int t = blockIdx.x * MF_THREADS + threadIdx.x;
   if (t >= tokens)
     return;
   const float *row = scores + static_cast<long long>(t) * experts;
+  int bad = -1; // the lowest expert whose score is NaN or infinite (report_non_finite)
+  for (int e = experts - 1; e >= 0; --e)
+    bad = isfinite(row[e]) ? bad : e;
+  if (bad >= 0)
+    report_non_finite(first_bad, seen, route_tag, t, bad);
   const int size = experts / groups;
   float group_score[MF_MAX_EXPERTS];
   bool group_taken[MF_MAX_EXPERTS], candidate[MF_MAX_EXPERTS];
@@ -390,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS)
         best = e;
     candidate[best] = false;
     expert[static_cast<long long>(t) * k + s] = best;
-    gate[static_cast<long long>(t) * k + s] = row[best];
+    gate[static_cast<long long>(t) * k + s] = bad >= 0 ? __int_as_float(0x7fc00000) : row[best];
   }
 }
 

@@ -41,7 +41,9 @@ public:
     return std::make_unique<BoundLayer>(device_, program_, tokens);
   }
   double run() override {
-    return timed_ms(stream_, [&] { layer_.enqueue(stream_, 0, program().steps.size(), "run()"); });
+    const double ms = timed_ms(stream_, [&] { layer_.enqueue(stream_, 0, program().steps.size(), "run()"); });
+    layer_.check_routing_scores(stream_, "run()");
+    return ms;
   }
   StepTimes profile() override { return layer_.profile(stream_); }
 
@@ -73,7 +75,9 @@ public:
     return std::make_unique<BoundTraining>(device_, step_, tokens);
   }
   double forward() override {
-    return timed_ms(stream_, [&] { layer_.forward(stream_); });
+    const double ms = timed_ms(stream_, [&] { layer_.forward(stream_); });
+    layer_.check_routing_scores(stream_, "forward()");
+    return ms;
   }
   double backward() override {
     return timed_ms(stream_, [&] { layer_.backward(stream_); });

@@ -47,6 +47,9 @@ namespace moeforge::cuda {
   X(cuMemcpyHtoDAsync)                                                                                                 \
   X(cuMemcpyDtoHAsync)                                                                                                 \
   X(cuMemcpyDtoDAsync)                                                                                                 \
+  X(cuMemHostAlloc)                                                                                                    \
+  X(cuMemHostGetDevicePointer)                                                                                         \
+  X(cuMemFreeHost)                                                                                                     \
   X(cuMemsetD8)                                                                                                        \
   X(cuMemsetD32)                                                                                                       \
   X(cuMemsetD8Async)                                                                                                   \

@@ -75,7 +75,10 @@ const ResourceReport *CompiledLayer::resources_of(const std::string &kernel) con
 CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t tokens, size_t keep_across,
                      LayerMemory memory)
     : layer_(layer), tokens_(tokens), capacity_tokens_(tokens), shapes_(layer.program, tokens), routing_(device),
-      sm_count_(device.sm_count()), memory_(memory), keep_across_(keep_across) {
+      score_check_(std::make_unique<RoutingScoreCheck>()), sm_count_(device.sm_count()), memory_(memory),
+      keep_across_(keep_across) {
+  for (const auto &[r, shape] : shapes_.routings())
+    route_names_.push_back(r->name); // the order of plans_ (a map by the same keys)
   for (size_t u = 0; u < layer.units.size(); ++u)
     modules_.emplace_back(layer.units[u].cubin, "moeforge layer unit " + std::to_string(u));
   auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype); };
@@ -431,6 +434,7 @@ void CudaLayer::enqueue_window(const Stream &stream, size_t begin, size_t end, s
                                         << w.tiles.size() << " tile windows at " << tokens_
                                         << " tokens; list them with set_tile_windows() after set_tokens()";
   user_check(memory_ == LayerMemory::owned) << "enqueue_window(): tile windows run on a layer's own memory";
+  check_routing_scores(stream, "enqueue_window()");
   prepare(begin, end, "enqueue_window()");
   for (auto &[r, w] : windows_)
     MOEFORGE_CU(cuMemcpyDtoDAsync, w.active.ptr(), w.all.ptr() + sizeof(int32_t) * w.stride * window,
@@ -453,7 +457,10 @@ void CudaLayer::run_step(size_t step, const Stream &stream, int64_t window) {
     // softmax and the gate tensor to write (lower.h, softmax_into_routing and
     // gate_from_routing); otherwise the gates stay in the plan.
     CUdeviceptr gate = rs->gate_output.empty() ? 0 : tensors_.at(rs->gate_output).ptr();
-    routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream, rs->softmax, gate, rs->renormalize);
+    const auto index = std::distance(plans_.begin(), plans_.find(rs->route));
+    NonFiniteSink sink{score_check_->first_bad(), score_check_->seen(), routing_route_tag(static_cast<int>(index))};
+    routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream, rs->softmax, gate, rs->renormalize,
+                 sink);
     return;
   }
   Launch &l = launches_.at(launch_of_.at(step));
@@ -474,7 +481,14 @@ void CudaLayer::run_step(size_t step, const Stream &stream, int64_t window) {
 
 void CudaLayer::enqueue(const Stream &stream) { enqueue(stream, 0, layer_.program.steps.size()); }
 
+void CudaLayer::check_routing_scores(const Stream &stream, const std::string &call) {
+  // A stream being captured cannot be waited for; the next call reports it.
+  if (score_check_->raised() && !is_capturing(stream))
+    score_check_->throw_if_raised(stream, route_names_, call);
+}
+
 void CudaLayer::enqueue(const Stream &stream, size_t begin, size_t end, const char *entry) {
+  check_routing_scores(stream, entry);
   prepare(begin, end, entry);
   for (size_t i = begin; i < end; ++i)
     run_step(i, stream);
@@ -486,6 +500,7 @@ std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &str
 
 std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &stream, size_t begin, size_t end) {
   const auto &steps = layer_.program.steps;
+  check_routing_scores(stream, "profile()");
   prepare(begin, end, "profile()");
   std::vector<Event> marks(end - begin + 1);
   marks[0].record(stream);
@@ -494,6 +509,7 @@ std::vector<std::pair<std::string, double>> CudaLayer::profile(const Stream &str
     marks[i - begin + 1].record(stream);
   }
   marks.back().synchronize();
+  check_routing_scores(stream, "profile()");
   std::vector<std::pair<std::string, double>> out;
   for (size_t i = begin; i < end; ++i)
     out.emplace_back(step_name(steps[i]), elapsed_ms(marks[i - begin], marks[i - begin + 1]));

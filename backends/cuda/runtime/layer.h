@@ -16,6 +16,7 @@
 #include "backends/cuda/runtime/device.h"
 #include "backends/cuda/runtime/module.h"
 #include "backends/cuda/runtime/routing_kernels.h"
+#include "backends/cuda/runtime/routing_score_check.h"
 #include "backends/cuda/runtime/stream.h"
 #include "dsl/pipeline.h"
 #include "lowering/kernel_program.h"
@@ -160,6 +161,13 @@ public:
   // synchronous).
   std::vector<uint8_t> kept_pairs(const std::string &route) const;
 
+  // A routing score that was NaN or infinite in work queued before
+  // (routing_score_check.h): a UserError naming the route, token, expert
+  // and `call`, after waiting for `stream`; otherwise returns at once,
+  // waiting for nothing. Every entry point that queues work calls it first;
+  // a synchronous caller calls it again once its work is done.
+  void check_routing_scores(const Stream &stream, const std::string &call);
+
   // Runs the layer for `tokens` tokens from now on, with no allocation and
   // no compiling. Owned memory: in the memory it was made with (an
   // expert-parallel rank's received rows), so at most the count the layer
@@ -237,6 +245,8 @@ private:
   ProgramShapes shapes_;
   std::vector<Module> modules_; // one per compiled unit
   DeviceRouting routing_;
+  std::unique_ptr<RoutingScoreCheck> score_check_;
+  std::vector<std::string> route_names_; // by the index the score check's key holds: plans_'s order
   std::unique_ptr<MemoryPlan> plan_; // reuse_memory: where each tensor sits in arena_
   DeviceBuffer arena_;
   std::map<std::string, DeviceBuffer> tensors_; // views into arena_ for planned tensors

@@ -121,6 +121,15 @@ private:
   std::vector<std::pair<DeviceBuffer *, size_t>> arrays();
 };
 
+// Where the top-k kernels report a score that is NaN or infinite
+// (routing_score_check.h): the device key and the mapped flag, with the
+// route's tag (routing_route_tag); all zero for no report (the token's
+// gates are made NaN either way).
+struct NonFiniteSink {
+  CUdeviceptr first_bad = 0, seen = 0;
+  uint64_t route_tag = 0;
+};
+
 // The compiled routing kernels, loaded into the current context.
 class DeviceRouting {
 public:
@@ -136,9 +145,11 @@ public:
   // order) go to `gate` (f32 [T*k]) when given, else to plan.gate. With
   // `renormalize` (a gate tensor given, no capacity, one expert group) each
   // gate is divided by the sum of its token's k chosen probabilities, added
-  // in slot order from 0.
+  // in slot order from 0. A token with a score (or, with `softmax`, a
+  // probability) that is NaN or infinite gets experts in range and NaN
+  // gates, and is reported to `sink`.
   void run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax = false, CUdeviceptr gate = 0,
-           bool renormalize = false) const;
+           bool renormalize = false, NonFiniteSink sink = {}) const;
   // The same from plan.expert, already filled (expert ids 0..E-1; a router
   // computed elsewhere, or a test's chosen distribution). plan.gate is
   // untouched; a capacity that keeps the best scores reads it.

@@ -76,6 +76,8 @@ void TrainingLayer::poison() {
 }
 
 void TrainingLayer::run(Replay &r, size_t begin, size_t end, const Stream &stream) {
+  // Before anything is queued, so a graph replay reports it too.
+  layer_.check_routing_scores(stream, begin == 0 ? "forward()" : "backward()");
   const uint64_t epoch = layer_.signature(begin, end);
   auto cached = std::find_if(r.graphs.begin(), r.graphs.end(), [&](const auto &g) { return g.first == epoch; });
   const bool seen = std::find(r.eager_at.begin(), r.eager_at.end(), epoch) != r.eager_at.end();

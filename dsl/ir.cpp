@@ -26,7 +26,7 @@ Dim Dim::dynamic(std::string name) {
 }
 
 Dim Dim::scaled(std::string name, const Dim &base, int64_t factor) {
-  user_check(base.defined()) << "Dim::scaled(\"" << name << "\", ...) needs a base Dim to scale";
+  user_check(base.defined()) << "Dim '" << name << "' is a scaled Dim and needs a base Dim to scale (none was given)";
   user_check(factor > 0) << "Dim '" << name << "' = " << base.name() << " * " << factor
                          << ": the factor must be positive";
   auto n = std::make_shared<DimNode>();

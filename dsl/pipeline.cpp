@@ -18,6 +18,7 @@ struct Dependencies : IRVisitor {
   std::vector<FuncPtr> funcs;
   std::vector<BufferPtr> buffers;
   std::vector<RoutingPtr> routes;
+  std::vector<Var> vars; // every index variable the expression names
 
   template <typename T> static void add(std::vector<T> &v, const T &x) {
     if (std::find(v.begin(), v.end(), x) == v.end())
@@ -28,18 +29,31 @@ struct Dependencies : IRVisitor {
       add(funcs, a.func);
     else
       add(buffers, a.buffer);
-    for (const Index &i : a.args)
+    for (const Index &i : a.args) {
+      add(vars, i.var);
       if (i.route)
         add(routes, i.route);
+    }
+  }
+  void visit_node(const Sum &s) override {
+    add(vars, s.var);
+    IRVisitor::visit_node(s);
+  }
+  void visit_node(const Softmax &s) override {
+    add(vars, s.var);
+    IRVisitor::visit_node(s);
   }
   void visit_node(const RouteSum &s) override {
     add(routes, s.route);
+    add(vars, s.target);
     IRVisitor::visit_node(s);
   }
   void visit_node(const IndexEq &q) override {
-    for (const Index *i : {&q.a, &q.b})
+    for (const Index *i : {&q.a, &q.b}) {
+      add(vars, i->var);
       if (i->route)
         add(routes, i->route);
+    }
   }
 };
 
@@ -68,6 +82,16 @@ Pipeline::Pipeline(std::vector<Func> outputs) : outputs_(std::move(outputs)) {
     dims_.push_back(d);
   };
 
+  // The algebra's text names index variables too: one name over two Dims
+  // would print `sum(i, x(t, i) * w(i, i))` for a contraction over D into F.
+  std::map<std::string, Dim> var_dims;
+  auto check_var = [&](const Var &v, const std::string &func) {
+    auto [it, fresh] = var_dims.emplace(v.name(), v.dim());
+    user_check(fresh || it->second.same_as(v.dim()))
+        << "two Vars named '" << v.name() << "' range over different Dims (" << it->second.name() << " and "
+        << v.dim().name() << "), the second in '" << func << "': give each Var its own name";
+  };
+
   // Post-order DFS: a step is emitted after everything it reads.
   std::function<void(const FuncPtr &)> visit_func;
   std::function<void(const RoutingPtr &)> visit_route = [&](const RoutingPtr &r) {
@@ -88,6 +112,10 @@ Pipeline::Pipeline(std::vector<Func> outputs) : outputs_(std::move(outputs)) {
     claim_name(f->name, f.get());
     Dependencies deps;
     deps.visit(f->body);
+    for (const Var &v : f->args)
+      check_var(v, f->name);
+    for (const Var &v : deps.vars)
+      check_var(v, f->name);
     for (const FuncPtr &g : deps.funcs)
       visit_func(g);
     for (const RoutingPtr &r : deps.routes)

@@ -54,7 +54,8 @@ Schedule schedule_from_arg(const std::string &arg) {
   std::error_code ec;
   user_check(std::filesystem::exists(arg, ec))
       << "schedule '" << arg << "' is neither a preset (" << preset_list()
-      << ") nor an existing schedule file: name a preset or the path of a file written by Schedule::save";
+      << ") nor an existing schedule file: name a preset or the path of a schedule file (a schedule's text, "
+      << "as its save() writes it)";
   return Schedule::load(arg);
 }
 

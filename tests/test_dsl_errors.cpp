@@ -42,7 +42,7 @@ TEST_CASE("dsl errors: Dim with a non-positive extent") {
   CHECK_THROWS_WITH_AS(Dim("F", -3), doctest::Contains("Dim 'F' has extent -3"), UserError);
   Dim T = Dim::dynamic("T");
   check_has(user_error_of([&] { Dim::scaled("P", T, 0); }), {"Dim 'P' = T * 0", "the factor must be positive"});
-  check_has(user_error_of([&] { Dim::scaled("P", Dim(), 2); }), {"Dim::scaled(\"P\", ...) needs a base Dim"});
+  check_has(user_error_of([&] { Dim::scaled("P", Dim(), 2); }), {"Dim 'P' is a scaled Dim and needs a base Dim"});
 }
 
 TEST_CASE("dsl errors: empty names and empty handles") {
@@ -304,6 +304,20 @@ TEST_CASE("dsl errors: Pipeline construction") {
   both(w.t, w.i, i2) = w.x(w.t, w.i) * wide(w.t, i2);
   check_has(user_error_of([&] { Pipeline p({both}); }),
             {"two different Dims are named 'D' in this pipeline, of extents", "give each Dim its own name"});
+  // Two Vars of one name over different Dims: the text would print
+  // sum(i, x(t, i) * w(i, i)) for a contraction over D into F.
+  Dim F("F", w.D.extent() + 16);
+  Var i_f("i", F);
+  Param wf("wf", {w.D, F});
+  Func proj("proj");
+  proj(w.t, i_f) = sum(w.i, w.x(w.t, w.i) * wf(w.i, i_f));
+  check_has(user_error_of([&] { Pipeline p({proj}); }),
+            {"two Vars named 'i' range over different Dims (", "the second in 'proj'", "give each Var its own name"});
+  // One name over one Dim, made twice (a helper's own Var), is fine.
+  Var i_again("i", w.D);
+  Func again("again");
+  again(w.t, i_again) = w.x(w.t, i_again);
+  CHECK_NOTHROW(Pipeline({again}));
   // The same tensor read twice is fine.
   Func ok("ok");
   ok(w.t, w.i) = w.x(w.t, w.i) * w.x(w.t, w.i);

@@ -422,7 +422,8 @@ Schedule schedule_arg(const std::string &arg, bool &working) {
     names += (names.empty() ? "" : ", ") + n;
   user_check(std::filesystem::exists(arg, ec))
       << "schedule '" << arg << "' is neither a preset (" << names << "), default, auto (run, train, "
-      << "tune) nor an existing schedule file: name one of those or the path of a file written by Schedule::save";
+      << "tune) nor an existing schedule file: name one of those or the path of a schedule file (a schedule's "
+      << "text, as its save() writes it)";
   const bool before = working;
   working = true;
   Schedule s = schedule_from_arg(arg);

@@ -161,6 +161,17 @@ def test_two_dims_of_one_name_and_different_extents_are_refused():
         mf.Pipeline([y])
 
 
+def test_two_vars_of_one_name_over_different_dims_are_refused():
+    T, D, F = mf.Dim.dynamic("T"), mf.Dim("D", 8), mf.Dim("F", 16)
+    t, i, i_f = mf.Var("t", T), mf.Var("i", D), mf.Var("i", F)
+    x, w = mf.Input("x", [T, D]), mf.Param("w", [D, F])
+    y = mf.Func("y")
+    y[t, i_f] = mf.sum(i, x[t, i] * w[i, i_f])  # would print sum(i, x(t, i) * w(i, i))
+    with pytest.raises(mf.UserError, match=r"two Vars named 'i' range over different Dims \((D and F|F and D)\), "
+                                           r"the second in 'y': give each Var its own name"):
+        mf.Pipeline([y])
+
+
 def test_hostile_schedule_files_and_sizes_are_refused_with_what_to_change(tmp_path):
     """The sweep's cases (#51) from Python: a file of NULs and a large sparse
     one refused at their first byte, a 1 MB text replayed at once, and a Dim

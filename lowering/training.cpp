@@ -273,6 +273,30 @@ void boundary_in_bf16(KernelProgram &p, const TrainingProgram &t, const Pipeline
   for (const std::string &n : names)
     if (TensorDecl *d = p.find(n); d && !d->dims.empty() && d->dtype == DType::f32)
       d->dtype = DType::bf16;
+  // An Input gradient made in bf16 as the experts' sum over its token's
+  // pairs plus a dense GEMM's share (the router's, d_logits wr^T): that
+  // share lives beside the pairs' rows at the backward's fullest step (128
+  // MiB of f32 at fine64), and the sum is rounded to bf16 anyway, so it is
+  // stored in bf16 too: one rounding of a part, at the output's precision.
+  for (const Step &s : p.steps) {
+    const auto *pw = std::get_if<PointwiseStep>(&s);
+    const TensorDecl *out = pw ? p.find(pw->output) : nullptr;
+    const auto *add = pw ? pw->body.as<Binary>() : nullptr;
+    if (!out || out->dtype != DType::bf16 || !names.count(pw->output) || !add || add->op != BinaryOp::add)
+      continue;
+    for (const auto &[sum, other] : {std::pair{add->a, add->b}, std::pair{add->b, add->a}}) {
+      const auto *share = other.as<Access>();
+      if (!sum.as<RouteSum>() || !share || reads_of(p, share->target_name()) != 1)
+        continue;
+      TensorDecl *d = p.find(share->target_name());
+      const auto writer = std::find_if(p.steps.begin(), p.steps.end(), [&](const Step &w) {
+        const auto *g = std::get_if<GemmStep>(&w);
+        return g && g->output == share->target_name() && !g->route && !g->out_add && g->extra.empty();
+      });
+      if (d && writer != p.steps.end() && d->dtype == DType::f32 && d->dims == out->dims && !is_output(p, d->name))
+        d->dtype = DType::bf16;
+    }
+  }
 }
 
 // A training forward's saved activations in the pair order (T k rows)

@@ -85,6 +85,36 @@ bool may_write_in_place(const KernelProgram &p, size_t s, const std::string &out
   return (!input_kept || p.gradients_over_saved) && !output_kept;
 }
 
+bool may_live_in_output(const KernelProgram &p, size_t s, const std::string &output, const std::string &input,
+                        size_t boundary) {
+  const auto *pw = std::get_if<PointwiseStep>(&p.steps.at(s));
+  if (!pw || pw->output != output || output == input || !is_output(p, output) || is_output(p, input))
+    return false;
+  const TensorDecl *in = p.find(input), *out = p.find(output);
+  if (!in || !out || in->is_input || out->is_input || !same_storage(*in, *out))
+    return false;
+  if (!reads_only_at(pw->body, input, pw->vars))
+    return false;
+  for (const ExtraOutput &e : pw->extra)
+    if (!reads_only_at(e.value, input, pw->vars))
+      return false;
+  size_t writers = 0, in_written = p.steps.size();
+  for (size_t i = 0; i < p.steps.size(); ++i) {
+    const std::vector<std::string> reads = step_reads(p.steps[i]), writes = step_outputs(p.steps[i]);
+    const bool reads_in = std::count(reads.begin(), reads.end(), input) > 0;
+    const bool writes_in = std::count(writes.begin(), writes.end(), input) > 0;
+    const bool touches_out = std::count(reads.begin(), reads.end(), output) + std::count(writes.begin(), writes.end(), output) > 0;
+    if (writes_in) {
+      ++writers;
+      in_written = std::min(in_written, i);
+    }
+    if ((reads_in && i != s) || (touches_out && i < s) || (touches_out && i > s))
+      return false;
+  }
+  // One writer before s, on the same side of the boundary as s.
+  return writers == 1 && in_written < s && (in_written < boundary) == (s < boundary);
+}
+
 bool is_saved_input(const KernelProgram &p, size_t s, const std::string &input, size_t boundary) {
   if (s < boundary)
     return false;
@@ -126,6 +156,12 @@ void mark_in_place_outputs(KernelProgram &p, size_t boundary) {
         if (taken.count(in) || !may_write_in_place(p, s, out, in, boundary))
           continue;
         pw->in_place.emplace_back(out, in);
+        taken.insert(in);
+        break;
+      }
+    for (const std::string &in : reads)
+      if (!taken.count(in) && may_live_in_output(p, s, pw->output, in, boundary)) {
+        pw->in_place.emplace_back(pw->output, in);
         taken.insert(in);
         break;
       }

@@ -38,6 +38,21 @@ void mark_in_place_outputs(KernelProgram &p, size_t boundary);
 bool may_write_in_place(const KernelProgram &p, size_t s, const std::string &output, const std::string &input,
                         size_t boundary);
 
+// Whether `input` may live in the bytes of `output`, a program output (the
+// caller's tensor, which it points the layer at) that step s writes while
+// reading `input` only at its own indices: `input` is an intermediate of
+// the output's dtype, dims and layout, written by one step before s and
+// read by s alone, in the same part of the program (not kept across
+// `boundary`), and no step before s touches the output. The input's writer
+// then fills the output's memory, and s reads each element there before it
+// writes the output's value over it. A training backward's input gradient,
+// the experts' share summed onto the router's, so needs no workspace for
+// the router's share. mark_in_place_outputs marks such a pair too (the
+// kernels must not treat the two pointers as apart); plan_step_memory
+// places the input there.
+bool may_live_in_output(const KernelProgram &p, size_t s, const std::string &output, const std::string &input,
+                        size_t boundary);
+
 // Whether `input`, read by step `s`, is what a forward saved: written before
 // `boundary`, with s at or after it.
 bool is_saved_input(const KernelProgram &p, size_t s, const std::string &input, size_t boundary);

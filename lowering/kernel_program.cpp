@@ -307,7 +307,10 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
               defines(e.output, e.value, e.row_sum);
             }
             for (const auto &[out, in] : x.in_place)
-              os << "    (" << out << " in place of " << in << ")\n";
+              if (is_output(p, out)) // the caller's tensor: the input lives in its memory
+                os << "    (" << in << " in " << out << "'s memory)\n";
+              else
+                os << "    (" << out << " in place of " << in << ")\n";
           }
         },
         s);

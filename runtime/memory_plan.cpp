@@ -205,6 +205,15 @@ StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size
                                    return true;
                                  }),
                   transient.end());
+  // Intermediates that live in an output's memory take no workspace.
+  for (size_t s = 0; s < p.steps.size(); ++s)
+    if (const auto *pw = std::get_if<PointwiseStep>(&p.steps[s]))
+      for (const auto &[out, in] : pw->in_place)
+        if (may_live_in_output(p, s, out, in, boundary))
+          plan.in_output[in] = out;
+  transient.erase(std::remove_if(transient.begin(), transient.end(),
+                                 [&](const Member &m) { return plan.in_output.count(m.name) > 0; }),
+                  transient.end());
   place_by_lifetime(join_in_place(p, boundary, transient, plan.workspace), plan.workspace);
   for (const Member &it : transient) {
     const size_t top = plan.workspace.offset.at(it.name) + it.size;

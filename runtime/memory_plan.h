@@ -70,6 +70,15 @@ struct StepMemoryPlan {
   // The bytes of the workspace the steps before `boundary`, and those from
   // it, touch (each <= workspace.arena_bytes).
   size_t workspace_before = 0, workspace_after = 0;
+  // Intermediates that live in an output's memory (lowering/in_place.h,
+  // may_live_in_output): intermediate -> the output, wherever the caller
+  // binds it; in neither region.
+  std::map<std::string, std::string> in_output;
+  // Whether the plan gives `name` its memory (a region, or an output's):
+  // an intermediate, which the caller never binds.
+  bool places(const std::string &name) const {
+    return saved.offset.count(name) || workspace.offset.count(name) || in_output.count(name);
+  }
 };
 
 StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes,

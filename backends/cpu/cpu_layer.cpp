@@ -68,8 +68,7 @@ CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens, size_t keep_ac
   // What the layer holds itself: every tensor on owned memory; on caller
   // memory the Inputs, outputs and gradients until bound.
   auto owned = [&](const TensorDecl &t) {
-    return memory_ == LayerMemory::owned ||
-           !(step_plan_->saved.offset.count(t.name) || step_plan_->workspace.offset.count(t.name));
+    return memory_ == LayerMemory::owned || !step_plan_->places(t.name);
   };
   size_t bytes = 0;
   for (const TensorDecl &t : layer_.program.tensors)
@@ -154,7 +153,7 @@ void CpuLayer::set_tokens(int64_t tokens) {
   for (const TensorDecl &t : layer_.program.tensors) {
     Buffer &b = tensors_.at(t.name);
     const size_t n = static_cast<size_t>(shapes_.elements(t)) * dtype_bytes(t.dtype);
-    if (step_plan_->saved.offset.count(t.name) || step_plan_->workspace.offset.count(t.name)) {
+    if (step_plan_->places(t.name)) {
       b = Buffer{};
       b.bytes = n;
       continue;
@@ -171,7 +170,7 @@ void CpuLayer::set_tokens(int64_t tokens) {
 void CpuLayer::bind(const std::string &name, void *ptr, size_t bytes) {
   const TensorDecl *t = layer_.program.find(name);
   user_check(t != nullptr) << "bind: this layer holds no tensor '" << name << "'";
-  user_check(!step_plan_ || !(step_plan_->saved.offset.count(name) || step_plan_->workspace.offset.count(name)))
+  user_check(!step_plan_ || !step_plan_->places(name))
       << "bind: '" << name << "' is an intermediate, placed in the saved memory or the workspace (place()); bind "
       << "an Input, Param, output or gradient";
   Buffer &b = tensors_.at(name);
@@ -350,6 +349,9 @@ void CpuLayer::run(size_t begin, size_t end, const char *entry) {
   check_uploaded(layer_.program, begin, end, uploaded_, entry);
   const JitProgram &jit = *layer_.jit;
   const std::vector<CpuKernel> &kernels = layer_.kernels;
+  if (step_plan_) // intermediates that live in an output's memory, wherever it is now
+    for (const auto &[in, output] : step_plan_->in_output)
+      tensors_.at(in).at = tensors_.at(output).at;
   std::vector<void *> args;
   for (size_t i = begin; i < end; ++i) {
     const Step &s = steps[i];
@@ -406,7 +408,7 @@ std::vector<std::pair<std::string, double>> CpuLayer::profile(size_t begin, size
 
 HostTensor CpuLayer::download(const std::string &func) const {
   const TensorDecl &t = downloadable(layer_.program, func);
-  user_check(!step_plan_ || !step_plan_->workspace.offset.count(func))
+  user_check(!step_plan_ || !(step_plan_->workspace.offset.count(func) || step_plan_->in_output.count(func)))
       << "'" << func << "' lives in the workspace the caller gives each step: its value is gone once the steps "
       << "that read it have run; download outputs, gradients and what a forward saves";
   user_check(t.is_input || computed_.count(func))

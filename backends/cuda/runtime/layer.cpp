@@ -137,6 +137,8 @@ void CudaLayer::place(CUdeviceptr saved, CUdeviceptr workspace) {
     tensors_.at(name) = DeviceBuffer::view(saved + at, tensors_.at(name).bytes());
   for (const auto &[name, at] : step_plan_->workspace.offset)
     tensors_.at(name) = DeviceBuffer::view(workspace ? workspace + at : 0, tensors_.at(name).bytes());
+  for (const auto &[name, output] : step_plan_->in_output)
+    tensors_.at(name) = DeviceBuffer::view(tensors_.at(output).ptr(), tensors_.at(name).bytes());
   for (auto &[r, plan] : plans_) {
     plan->place(saved + table_offset_.at(r));
     padded_rows_[r] = plan->offsets.ptr() + sizeof(int32_t) * plan->shape.experts;
@@ -391,9 +393,12 @@ void CudaLayer::check_readable(const std::string &name, const char *what) const 
       << "the steps that read it have run; " << what << " it from a layer compiled without reuse_memory";
   if (memory_ == LayerMemory::owned)
     return;
-  user_check(!step_plan_->workspace.offset.count(name))
-      << "'" << name << "' lives in the workspace the caller gives each step: its value is gone once the steps "
-      << "that read it have run; " << what << " outputs, gradients and what a forward saves";
+  user_check(!step_plan_->workspace.offset.count(name) && !step_plan_->in_output.count(name))
+      << "'" << name << "' lives in the workspace the caller gives each step"
+      << (step_plan_->in_output.count(name) ? " (in the memory of output '" + step_plan_->in_output.at(name) + "')"
+                                             : std::string())
+      << ": its value is gone once the steps that read it have run; " << what
+      << " outputs, gradients and what a forward saves";
   user_check(tensors_.at(name).ptr() != 0) << "'" << name << "' has no memory yet: bind() it (an output) or "
                                            << "place() the layer's memory (what a forward saves) first";
 }
@@ -607,15 +612,25 @@ void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
   ++bind_epoch_;
   // Kernel arguments point at the DeviceBuffer's address field, which stays
   // where it is; what holds the address by value is refreshed.
+  std::vector<std::string> moved{name};
   tensors_.at(name) = DeviceBuffer::view(ptr, bytes);
+  if (step_plan_) // intermediates that live in this output's memory follow it
+    for (const auto &[in, output] : step_plan_->in_output)
+      if (output == name) {
+        tensors_.at(in) = DeviceBuffer::view(ptr, tensors_.at(in).bytes());
+        moved.push_back(in);
+      }
   if (launches_stale_)
     return; // encoded when they are built
-  for (TmaArg &a : tma_args_)
-    if (a.tensor == name)
-      *a.map = encode_bf16_tiles(ptr, bytes, a.rows, a.cols, name);
-  for (Launch &l : launches_)
-    if (l.gen->zero_first == name)
-      l.zero = ptr;
+  for (const std::string &m : moved) {
+    const DeviceBuffer &b = tensors_.at(m);
+    for (TmaArg &a : tma_args_)
+      if (a.tensor == m)
+        *a.map = encode_bf16_tiles(b.ptr(), b.bytes(), a.rows, a.cols, m);
+    for (Launch &l : launches_)
+      if (l.gen->zero_first == m)
+        l.zero = b.ptr();
+  }
 }
 
 uint64_t CudaLayer::signature(size_t begin, size_t end) const {

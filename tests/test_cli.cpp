@@ -559,6 +559,7 @@ TEST_CASE("cli: emit --memory --train says what a forward keeps and what each en
   const std::string backward = r.out.substr(r.out.find("backward workspace"));
   CHECK(has(backward, "backward workspace  576.0 MiB"));
   CHECK(has(backward, "(gemm_d_x_s2_d_x_s): d_x_s2 576.0 MiB\n"));
+  CHECK(has(backward, "in an output's memory: d_x_s3 64.0 MiB (in d_x's, until d_x is written over it)"));
   // The saved tensors scale with the tokens; a forward alone saves nothing.
   Run small = cli({"emit", "swiglu_moe", "--tokens", "8192", "--d", "2048", "--f", "768", "--experts", "128", "--topk",
                    "8", "--schedule", "default", "--memory", "--train"});

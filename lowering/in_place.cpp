@@ -103,7 +103,8 @@ bool may_live_in_output(const KernelProgram &p, size_t s, const std::string &out
     const std::vector<std::string> reads = step_reads(p.steps[i]), writes = step_outputs(p.steps[i]);
     const bool reads_in = std::count(reads.begin(), reads.end(), input) > 0;
     const bool writes_in = std::count(writes.begin(), writes.end(), input) > 0;
-    const bool touches_out = std::count(reads.begin(), reads.end(), output) + std::count(writes.begin(), writes.end(), output) > 0;
+    const bool touches_out =
+        std::count(reads.begin(), reads.end(), output) + std::count(writes.begin(), writes.end(), output) > 0;
     if (writes_in) {
       ++writers;
       in_written = std::min(in_written, i);

@@ -94,8 +94,8 @@ std::string memory_report(const KernelProgram &p, size_t boundary, int64_t token
   if (boundary < p.steps.size())
     print_part(os, p, plan.workspace, "backward", plan.workspace_after, boundary, p.steps.size());
   for (const auto &[in, out] : plan.in_output)
-    os << "in an output's memory: " << in << " " << mib(bytes(p.tensor(in))) << " (in " << out << "'s, until "
-       << out << " is written over it)\n";
+    os << "in an output's memory: " << in << " " << mib(bytes(p.tensor(in))) << " (in " << out << "'s, until " << out
+       << " is written over it)\n";
   return os.str();
 }
 

@@ -65,8 +65,10 @@ TEST_SUITE("gpu") {
       RoutingShape shape;
       bool softmax;
     };
-    const std::vector<Case> cases = {{{300, 8, 2, 64}, true},          {{300, 64, 8, 128}, false},
-                                     {{1000, 128, 8, 128}, true},      {{257, 256, 4, 128}, false},
+    const std::vector<Case> cases = {{{300, 8, 2, 64}, true},
+                                     {{300, 64, 8, 128}, false},
+                                     {{1000, 128, 8, 128}, true},
+                                     {{257, 256, 4, 128}, false},
                                      {{200, 16, 4, 64, 4, 2}, false}};
     for (const Case &c : cases) {
       const RoutingShape &s = c.shape;
@@ -124,7 +126,8 @@ TEST_SUITE("gpu") {
         if (bad[static_cast<size_t>(r / s.k)])
           wrong += !std::isnan(gate[i]);
         else
-          wrong += tables.expert[i] != want.expert[i] || !(std::fabs(gate[i] - want.gate[i]) <= 1e-5f + 1e-5f * std::fabs(want.gate[i]));
+          wrong += tables.expert[i] != want.expert[i] ||
+                   !(std::fabs(gate[i] - want.gate[i]) <= 1e-5f + 1e-5f * std::fabs(want.gate[i]));
       }
       CHECK(wrong == 0);
       // Reported: the lowest key, then cleared.

@@ -71,8 +71,8 @@ TEST_CASE("in place: SwiGLU's backward writes an activation gradient over the gr
   REQUIRE(in_output.size() == 1);
   CHECK(in_output[0].output == t.gradients[0]); // d_x
   CHECK(in_output[0].input == "d_x_s3");
-  CHECK_FALSE(may_write_in_place(t.program, in_output[0].step, in_output[0].output, in_output[0].input,
-                                 t.forward_steps));
+  CHECK_FALSE(
+      may_write_in_place(t.program, in_output[0].step, in_output[0].output, in_output[0].input, t.forward_steps));
   std::vector<Mark> apart_marks;
   for (const Mark &m : marks)
     if (m.input != "d_x_s3")

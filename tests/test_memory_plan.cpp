@@ -134,8 +134,8 @@ TEST_CASE("step memory plan: the saved region holds exactly what the forward kee
         const bool output =
             std::find(t.program.outputs.begin(), t.program.outputs.end(), d.name) != t.program.outputs.end();
         INFO(d.name);
-        CHECK((plan.saved.offset.count(d.name) + plan.workspace.offset.count(d.name) +
-               plan.in_output.count(d.name)) == (d.is_input || output ? 0u : 1u));
+        CHECK((plan.saved.offset.count(d.name) + plan.workspace.offset.count(d.name) + plan.in_output.count(d.name)) ==
+              (d.is_input || output ? 0u : 1u));
         CHECK(plan.places(d.name) == !(d.is_input || output));
       }
       check_disjoint(plan.workspace);

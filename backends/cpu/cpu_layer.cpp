@@ -67,9 +67,7 @@ CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens, size_t keep_ac
   }
   // What the layer holds itself: every tensor on owned memory; on caller
   // memory the Inputs, outputs and gradients until bound.
-  auto owned = [&](const TensorDecl &t) {
-    return memory_ == LayerMemory::owned || !step_plan_->places(t.name);
-  };
+  auto owned = [&](const TensorDecl &t) { return memory_ == LayerMemory::owned || !step_plan_->places(t.name); };
   size_t bytes = 0;
   for (const TensorDecl &t : layer_.program.tensors)
     if (owned(t))

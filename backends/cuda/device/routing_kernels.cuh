@@ -297,11 +297,10 @@ __device__ __forceinline__ void report_non_finite(unsigned long long *first_bad,
 // whose pairs straddle two chunks is routed by both blocks, each writing its
 // own pairs (each selects all k, so both divide by the same sum).
 template <int kGroup, int kCols>
-__device__ __forceinline__ void topk_chunk(const float *__restrict__ scores, int tokens, int experts, int k,
-                                           int softmax, int renormalize, int chunk, int *__restrict__ expert,
-                                           float *__restrict__ gate, int *__restrict__ chunk_counts,
-                                           unsigned long long *first_bad, unsigned *seen,
-                                           unsigned long long route_tag) {
+__device__ __forceinline__ void
+topk_chunk(const float *__restrict__ scores, int tokens, int experts, int k, int softmax, int renormalize, int chunk,
+           int *__restrict__ expert, float *__restrict__ gate, int *__restrict__ chunk_counts,
+           unsigned long long *first_bad, unsigned *seen, unsigned long long route_tag) {
   __shared__ int sCount[MF_MAX_EXPERTS];
   const bool counts = chunk_counts != nullptr; // uniform over the grid
   if (counts)

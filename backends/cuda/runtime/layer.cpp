@@ -396,7 +396,7 @@ void CudaLayer::check_readable(const std::string &name, const char *what) const 
   user_check(!step_plan_->workspace.offset.count(name) && !step_plan_->in_output.count(name))
       << "'" << name << "' lives in the workspace the caller gives each step"
       << (step_plan_->in_output.count(name) ? " (in the memory of output '" + step_plan_->in_output.at(name) + "')"
-                                             : std::string())
+                                            : std::string())
       << ": its value is gone once the steps that read it have run; " << what
       << " outputs, gradients and what a forward saves";
   user_check(tensors_.at(name).ptr() != 0) << "'" << name << "' has no memory yet: bind() it (an output) or "
@@ -464,8 +464,7 @@ void CudaLayer::run_step(size_t step, const Stream &stream, int64_t window) {
     CUdeviceptr gate = rs->gate_output.empty() ? 0 : tensors_.at(rs->gate_output).ptr();
     const auto index = std::distance(plans_.begin(), plans_.find(rs->route));
     NonFiniteSink sink{score_check_->first_bad(), score_check_->seen(), routing_route_tag(static_cast<int>(index))};
-    routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream, rs->softmax, gate, rs->renormalize,
-                 sink);
+    routing_.run(tensors_.at(rs->probs).ptr(), *plans_.at(rs->route), stream, rs->softmax, gate, rs->renormalize, sink);
     return;
   }
   Launch &l = launches_.at(launch_of_.at(step));

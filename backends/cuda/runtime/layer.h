@@ -247,7 +247,7 @@ private:
   DeviceRouting routing_;
   std::unique_ptr<RoutingScoreCheck> score_check_;
   std::vector<std::string> route_names_; // by the index the score check's key holds: plans_'s order
-  std::unique_ptr<MemoryPlan> plan_; // reuse_memory: where each tensor sits in arena_
+  std::unique_ptr<MemoryPlan> plan_;     // reuse_memory: where each tensor sits in arena_
   DeviceBuffer arena_;
   std::map<std::string, DeviceBuffer> tensors_; // views into arena_ for planned tensors
   // After set_tokens: each tensor's memory for capacity_tokens_, of which

@@ -231,8 +231,8 @@ void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stre
       int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, groups = s.groups,
           top_groups = s.top_groups;
       void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
-      void *args[] = {&probs,   &tokens,         &experts,        &k,          &groups,
-                      &top_groups, plan.expert.arg(), gate_arg, &sink.first_bad, &sink.seen, &route_tag};
+      void *args[] = {&probs,   &tokens,         &experts,   &k,        &groups, &top_groups, plan.expert.arg(),
+                      gate_arg, &sink.first_bad, &sink.seen, &route_tag};
       grouped_.launch({static_cast<unsigned>(ceil_div(s.tokens, kRoutingThreads))}, {kRoutingThreads}, 0, stream, args);
     }
     place(plan, stream, gate);
@@ -244,8 +244,9 @@ void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stre
     CUdeviceptr no_counts = 0;
     void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
     void *counts_arg = plan.fused ? plan.chunk_counts.arg() : static_cast<void *>(&no_counts);
-    void *args[] = {&probs,    &tokens,    &experts,        &k,         &apply_softmax, &divide,
-                    &chunk,    plan.expert.arg(), gate_arg, counts_arg, &sink.first_bad, &sink.seen, &route_tag};
+    void *args[] = {&probs,          &tokens,    &experts,          &k,       &apply_softmax,
+                    &divide,         &chunk,     plan.expert.arg(), gate_arg, counts_arg,
+                    &sink.first_bad, &sink.seen, &route_tag};
     const unsigned blocks = static_cast<unsigned>(ceil_div(s.pairs(), plan.topk_chunk));
     topk_[topk_index(s.experts)].launch({blocks}, {kRoutingTopkThreads}, 0, stream, args);
   }

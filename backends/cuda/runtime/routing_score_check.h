@@ -62,7 +62,7 @@ public:
   void throw_if_raised(const Stream &stream, const std::vector<std::string> &routes, const std::string &call);
 
 private:
-  DeviceBuffer key_;                    // u64, kNoNonFiniteScore when none
+  DeviceBuffer key_;                       // u64, kNoNonFiniteScore when none
   volatile uint32_t *seen_host_ = nullptr; // page-locked, mapped into the device
   CUdeviceptr seen_device_ = 0;
   void clear();

@@ -106,7 +106,9 @@ public:
   // A routing score that was NaN or infinite in work queued before
   // (CudaLayer::check_routing_scores): forward() and backward() check
   // before they queue anything; a synchronous caller again after its wait.
-  void check_routing_scores(const Stream &stream, const std::string &call) { layer_.check_routing_scores(stream, call); }
+  void check_routing_scores(const Stream &stream, const std::string &call) {
+    layer_.check_routing_scores(stream, call);
+  }
   static constexpr size_t kRecentForwards = ForwardsInFlight::kRecent;
   // Replays the forward and the backward each as one CUDA graph instead of
   // one launch per kernel, for steps short enough that the launches show

@@ -18,6 +18,7 @@
 #include "backends/cuda/runtime/training_layer.h"
 #include "examples/examples.h"
 #include "gpu_test.h"
+#include "host_softmax.h"
 #include "lowering/default_schedule.h"
 #include "runtime/routing_host.h"
 #include "schedules/presets.h"
@@ -108,17 +109,7 @@ TEST_SUITE("gpu") {
         if (bad[static_cast<size_t>(t)])
           for (int e = 0; e < s.experts; ++e)
             clean[static_cast<size_t>(t * s.experts + e)] = 0.0f;
-      if (c.softmax)
-        for (int64_t t = 0; t < s.tokens; ++t) {
-          float *row = &clean[static_cast<size_t>(t * s.experts)], mx = -inf, sum = 0.0f;
-          for (int e = 0; e < s.experts; ++e)
-            mx = std::max(mx, row[e]);
-          for (int e = 0; e < s.experts; ++e)
-            sum += row[e] = std::exp(row[e] - mx);
-          for (int e = 0; e < s.experts; ++e)
-            row[e] /= sum;
-        }
-      const HostTopK want = top_k_on_host(s, clean);
+      const HostTopK want = top_k_on_host(s, c.softmax ? host_softmax(clean, s) : clean);
       const std::vector<float> gate = d_gate.download<float>();
       int wrong = 0;
       for (int64_t r = 0; r < s.pairs(); ++r) {

@@ -30,6 +30,7 @@
 #include "backends/cuda/runtime/layer.h"
 #include "backends/cuda/runtime/routing_kernels.h"
 #include "gpu_test.h"
+#include "host_softmax.h"
 #endif
 
 using namespace moeforge;
@@ -336,19 +337,6 @@ std::vector<float> grid_logits(const RoutingShape &s, std::mt19937 &rng) {
   return v;
 }
 
-std::vector<float> host_softmax(std::vector<float> v, const RoutingShape &s) {
-  for (int64_t t = 0; t < s.tokens; ++t) {
-    float *row = &v[t * s.experts], mx = -INFINITY, sum = 0.0f;
-    for (int e = 0; e < s.experts; ++e)
-      mx = std::max(mx, row[e]);
-    for (int e = 0; e < s.experts; ++e)
-      sum += row[e] = std::exp(row[e] - mx);
-    for (int e = 0; e < s.experts; ++e)
-      row[e] /= sum;
-  }
-  return v;
-}
-
 } // namespace
 
 TEST_SUITE("gpu") {
@@ -369,7 +357,7 @@ TEST_SUITE("gpu") {
                                                     {16384, 64, 1, 128}}) {
       CAPTURE(s.to_string());
       std::vector<float> logits = grid_logits(s, rng);
-      HostTopK want = top_k_on_host(s, host_softmax(logits, s));
+      HostTopK want = top_k_on_host(s, testing::host_softmax(logits, s));
       cuda::DeviceBuffer d_logits = cuda::DeviceBuffer::from(logits);
       cuda::DeviceBuffer d_gate(static_cast<size_t>(s.pairs()) * sizeof(float));
       cuda::RoutingPlan plan(s);

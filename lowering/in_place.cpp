@@ -109,7 +109,7 @@ bool may_live_in_output(const KernelProgram &p, size_t s, const std::string &out
       ++writers;
       in_written = std::min(in_written, i);
     }
-    if ((reads_in && i != s) || (touches_out && i < s) || (touches_out && i > s))
+    if ((reads_in || touches_out) && i != s) // only s reads the input; only s touches the output
       return false;
   }
   // One writer before s, on the same side of the boundary as s.

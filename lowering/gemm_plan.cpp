@@ -36,8 +36,27 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
        persistent = false, cluster = false, pair_items = false, out_tma = false, wide_stores = false;
   check_multiple_of_8(g, g.k, "reduced");
   check_multiple_of_8(g, g.n, "column");
-  user_check(!g.n.is_dynamic()) << "definition '" << g.output << "': the CUDA backend needs a static column extent ("
-                                << g.n.name() << ")";
+  // Columns of a run-time extent (the tokens: attention's scores over them):
+  // the output's rows then start at multiples of 8 elements (stride8, which
+  // lowering gives every intermediate with such rows), and B is read as
+  // B^T [N, K] with a static K, whose rows the loads guard one by one.
+  if (g.n.is_dynamic()) {
+    user_check(prog.tensor(g.output).stride8)
+        << "definition '" << g.output << "': its columns run over the dynamic " << g.n.name()
+        << ", which the CUDA backend computes into intermediates only; make '" << g.output
+        << "' feed a further definition that the layer outputs";
+    user_check(g.b_trans && !g.k.is_dynamic())
+        << "definition '" << g.output << "': the CUDA backend reads a B with a dynamic column extent (" << g.n.name()
+        << ") as B^T [" << g.n.name() << ", " << g.k.name() << "] with a static " << g.k.name() << " only";
+  }
+  // A dynamic K: A's rows have a run-time length, so they must start at
+  // multiples of 8 (stride8) for the 16-byte loads; B^T's rows likewise.
+  user_check(!g.k.is_dynamic() || g.expert_k || prog.tensor(g.a).stride8 || g.a_trans)
+      << "definition '" << g.output << "': '" << g.a << "' is read with rows over the dynamic " << g.k.name()
+      << ", which the CUDA backend reads from intermediates only";
+  user_check(!g.k.is_dynamic() || !g.b_trans)
+      << "definition '" << g.output << "': the CUDA backend reads B^T [" << g.n.name() << ", " << g.k.name()
+      << "] with a static " << g.k.name() << " only";
   p.mma = t.mma;
   in_place = g.operands_in_place;
   ws = t.mma == MmaKind::wgmma_ws;
@@ -53,7 +72,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // B by TMA: a dense [K, N] matrix per expert (or one for all rows), or
   // its transpose [N, K] read in place (the backward's dX = dH W^T), whose
   // shape is known here; expert reductions and dynamic K stay on cp.async.
-  tma = wgmma && t.tma && !in_place && !g.expert_k && !g.k.is_dynamic();
+  tma = wgmma && t.tma && !in_place && !g.expert_k && !g.k.is_dynamic() && !g.n.is_dynamic();
   // An expert reduction's operands by TMA: consecutive padded rows with
   // zeros on padding (WgmmaRowsWsConfig::mainloop_tma_rows); the other
   // operand, gathered where it is (gather_in_gemms, gather_upstream_in_gemms),

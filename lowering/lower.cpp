@@ -12,6 +12,7 @@
 #include "dsl/printer.h"
 #include "dsl/visitor.h"
 #include "lowering/decompose.h"
+#include "lowering/dynamic_rows.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/rename_indices.h"
 
@@ -560,7 +561,6 @@ KernelProgram materialize_transposes(KernelProgram p, const Schedule &schedule) 
     if (g->a_trans) {
       const TensorDecl &a = p.tensor(g->a);
       TensorDecl at{g->a + "_T", a.dtype, {a.dims[1], a.dims[0]}, RowLayout::dense, nullptr, false};
-      at.stride8 = a.dims[0].is_dynamic();
       add(at, TransposeStep{"transpose_" + at.name, g->a, at.name});
       g->a = at.name;
       g->a_trans = false;
@@ -1357,6 +1357,7 @@ KernelProgram lower_before_fusion(const Pipeline &pipeline, const Schedule &sche
   dump("resolve_row_maps", p, observe);
   p = materialize_transposes(std::move(p), schedule);
   dump("materialize_transposes", p, observe);
+  pad_dynamic_rows(p);
   check_dropping(p);
   return p;
 }
@@ -1377,7 +1378,8 @@ KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule, const Pa
   dump("gate_from_routing", p, observe);
   p = softmax_into_routing(std::move(p), schedule);
   dump("softmax_into_routing", p, observe);
-  plan_gemms(p); // last: of the steps as they are
+  pad_dynamic_rows(p); // the tensors the passes above added
+  plan_gemms(p);       // last: of the steps as they are
   dump("plan_gemms", p, observe);
   return p;
 }

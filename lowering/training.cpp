@@ -7,6 +7,7 @@
 
 #include "dsl/error.h"
 #include "dsl/visitor.h"
+#include "lowering/dynamic_rows.h"
 #include "lowering/gate_gradient.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/in_place.h"
@@ -543,6 +544,7 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   for (size_t i = 0; i < t.forward_steps; ++i)
     for (const std::string &o : step_outputs(p.steps[i]))
       held.push_back(o);
+  pad_dynamic_rows(p); // the tensors the passes above added, before memory is planned
   order_steps_for_memory(p, t.forward_steps, p.steps.size(), held);
   if (schedule.split_pointwise_for_memory())
     split_pointwise_for_memory(p, t.forward_steps, held);

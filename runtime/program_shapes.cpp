@@ -149,6 +149,24 @@ HostTensor ProgramShapes::decode(const TensorDecl &t, const std::vector<uint8_t>
   return out;
 }
 
+std::vector<uint8_t> ProgramShapes::drop_row_padding(const TensorDecl &t, std::vector<uint8_t> bytes) const {
+  if (!t.stride8 || t.dims.empty())
+    return bytes;
+  std::vector<int64_t> s = shape(t);
+  if (t.layout == RowLayout::padded)
+    s.at(0) = routing(t.route).max_padded_rows();
+  const int64_t len = s.back(), stride = (len + 7) / 8 * 8, size = dtype_bytes(t.dtype);
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < s.size(); ++i)
+    rows *= s[i];
+  internal_check(static_cast<int64_t>(bytes.size()) >= rows * stride * size)
+      << "'" << t.name << "': " << bytes.size() << " bytes for " << rows << " rows of stride " << stride;
+  for (int64_t r = 0; r < rows; ++r) // in place, front to back: row r moves to or before where it was
+    std::memmove(&bytes[r * len * size], &bytes[r * stride * size], len * size);
+  bytes.resize(rows * len * size);
+  return bytes;
+}
+
 int64_t saved_bytes(const TrainingProgram &t, int64_t tokens) {
   ProgramShapes shapes(t.program, tokens);
   int64_t bytes = 0;

@@ -49,6 +49,11 @@ public:
   // route's pair_pos (where each pair's row is stored).
   HostTensor decode(const TensorDecl &t, const std::vector<uint8_t> &bytes,
                     const std::vector<int32_t> *pair_pos = nullptr) const;
+  // A stride8 tensor's bytes as a backend that pads its rows stores them
+  // (each row's last extent rounded up to 8 elements: the CUDA backend) with
+  // the padding dropped, as decode() reads them; others unchanged. The CPU
+  // backend keeps such rows dense (its storage is only larger).
+  std::vector<uint8_t> drop_row_padding(const TensorDecl &t, std::vector<uint8_t> bytes) const;
 
 private:
   int64_t tokens_;

@@ -111,13 +111,6 @@ TEST_CASE("gemm plan: what the backend cannot run is a user error before any cod
   CHECK_THROWS_WITH_AS(plan_gemm(q, gemm_named(q, "gemm_h")),
                        doctest::Contains("2 B operands with tile_n 256 need 256 accumulator registers per thread"),
                        UserError);
-  // Attention over the tokens (Mixture-of-Attention's scores: one column
-  // per token) has a dynamic column extent, which the CUDA backend's tiles
-  // cannot take; the reference and the CPU backend run it.
-  Example moa = make_example("moa", small());
-  CHECK_THROWS_WITH_AS(generate_cuda(lower(moa.pipeline, preset("scattermoe"))),
-                       doctest::Contains("definition 'p_s': the CUDA backend needs a static column extent (T)"),
-                       UserError);
 }
 
 TEST_CASE("gemm plan: a choice named for a Func that its GEMM cannot take is said, not dropped") {

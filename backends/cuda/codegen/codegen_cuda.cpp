@@ -230,14 +230,18 @@ public:
   }
 
   // Row-major offset of `t` at the given index expressions; a padded tensor's
-  // first index is a pair r, found at its padded position pair_pos[r].
+  // first index is a pair r, found at its padded position pair_pos[r]; a
+  // stride8 tensor's rows are its last extent rounded up to 8.
   std::string offset(const TensorDecl &t, const std::vector<std::string> &idx) {
     std::string off;
     for (size_t i = 0; i < idx.size(); ++i) {
       std::string v = idx[i];
       if (i == 0 && t.layout == RowLayout::padded)
         v = "(long long)" + kb_.route(t.route, RoutingArray::pair_pos) + "[" + v + "]";
-      off = i == 0 ? v : "(" + off + " * " + kb_.extent(t.dims[i]) + " + " + v + ")";
+      std::string extent = kb_.extent(t.dims[i]);
+      if (t.stride8 && i + 1 == t.dims.size())
+        extent = "((" + extent + " + 7) / 8 * 8)";
+      off = i == 0 ? v : "(" + off + " * " + extent + " + " + v + ")";
     }
     return off.empty() ? "0" : off;
   }
@@ -524,6 +528,16 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
                          const std::vector<std::pair<std::string, Expr>> &outputs, bool pair_rows, bool prefetch_rows,
                          bool wide_stores, bool add, const std::string &sorted_pair, const std::string &gC,
                          std::ostringstream &body) {
+  // LDC: the outputs' row stride, N rounded up to 8 for stride8 outputs
+  // (rows of a run-time length start at multiples of 8, so the wide stores
+  // stay aligned). Every output of a GEMM has its columns, so one stride.
+  const bool stride8 = prog.tensor(outputs[0].first).stride8;
+  for (const auto &[name, value] : outputs)
+    internal_check(prog.tensor(name).stride8 == stride8)
+        << g.name << ": outputs of one GEMM with different row strides (" << name << ")";
+  const std::string ldc = stride8 ? "LDC" : "N";
+  if (stride8)
+    body << "  const long long LDC = (N + 7) / 8 * 8;\n";
   body << "#pragma unroll\n  for (int mi = 0; mi < Cfg::MI; ++mi)\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
 
   body << "    const int lr = Cfg::acc_row(warp, lane, mi, h * 2);\n";
@@ -538,7 +552,7 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
          << "#pragma unroll\n      for (int ni = 0; ni < Cfg::NI; ++ni) {\n"
          << "        const int col = n0 + Cfg::acc_col(warp, lane, ni, 0);\n        if (col >= N) continue;\n";
     for (const std::string &z : zeroed)
-      body << "        mf::store2(" << z << " + (p0 + lr) * N + col, 0.f, 0.f);\n";
+      body << "        mf::store2(" << z << " + (p0 + lr) * " << ldc << " + col, 0.f, 0.f);\n";
     body << "      }\n      continue;\n    }\n";
   } else {
     body << "    if (lr >= rows) continue;\n";
@@ -576,8 +590,8 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
       body << "      const float v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
     for (int e = 0; e < 2; ++e)
       body << "      const float w" << e << " = " << epilogue_call("epilogue", nb, vr, e, "ni + 1", "col8") << ";\n";
-    body << "      mf::store2x2" << (g.out_add ? "<true>(" : "(") << gC << " + out_row * N, col, v0, v1, w0, w1, N);"
-         << (g.out_add ? "  // added into the token's row" : "") << "\n";
+    body << "      mf::store2x2" << (g.out_add ? "<true>(" : "(") << gC << " + out_row * " << ldc
+         << ", col, v0, v1, w0, w1, N);" << (g.out_add ? "  // added into the token's row" : "") << "\n";
     for (size_t o = 1; o < outputs.size(); ++o) {
       // A fused output, in its own layout: padded (tile order) or pair.
       const TensorDecl &t = prog.tensor(outputs[o].first);
@@ -588,8 +602,8 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
         body << "        const float x" << e << " = " << epilogue_call(fn, nb, vr, e) << ";\n";
       for (int e = 0; e < 2; ++e)
         body << "        const float y" << e << " = " << epilogue_call(fn, nb, vr, e, "ni + 1", "col8") << ";\n";
-      body << "        mf::store2x2(" << kb.tensor(outputs[o].first, /*writes=*/true) << " + " << row
-           << " * N, col, x0, x1, y0, y1, N);\n      }\n";
+      body << "        mf::store2x2(" << kb.tensor(outputs[o].first, /*writes=*/true) << " + " << row << " * " << ldc
+           << ", col, x0, x1, y0, y1, N);\n      }\n";
     }
     body << "    }\n  }\n";
     return;
@@ -602,7 +616,7 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
   body << "      if (N % Cfg::BN != 0 && col >= N) continue;\n";
   for (int e = 0; e < 2; ++e)
     body << "      const float v" << e << " = " << epilogue_call("epilogue", nb, vr, e) << ";\n";
-  body << "      mf::" << (add || g.out_add ? "add2(" : "store2(") << gC << " + out_row * N + col, v0, v1);"
+  body << "      mf::" << (add || g.out_add ? "add2(" : "store2(") << gC << " + out_row * " << ldc << " + col, v0, v1);"
        << (add         ? "  // this K slice's share"
            : g.out_add ? "  // added into the token's row"
                        : "")
@@ -615,8 +629,8 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
     for (int e = 0; e < 2; ++e)
       body << "        const float w" << e << " = " << epilogue_call("epilogue" + std::to_string(o), nb, vr, e)
            << ";\n";
-    body << "        mf::store2(" << kb.tensor(outputs[o].first, /*writes=*/true) << " + " << row
-         << " * N + col, w0, w1);\n      }\n";
+    body << "        mf::store2(" << kb.tensor(outputs[o].first, /*writes=*/true) << " + " << row << " * " << ldc
+         << " + col, w0, w1);\n      }\n";
   }
   body << "    }\n  }\n";
 }
@@ -712,7 +726,6 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   std::vector<std::string> gB;
   for (const std::string &b : g.b)
     gB.push_back(tma ? "" : b_tma_rows ? "&" + kb.tma(b, 0, g.n.extent()) : kb.tensor(b));
-  const std::string N = std::to_string(g.n.extent());
 
   std::ostringstream body;
   internal_check(!in_place || (wgmma && g.expert_k && nb == 1)) << "in-place operands are for wgmma expert reductions";
@@ -752,7 +765,13 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   };
   if (!stamp_tiles)
     stamp(0);
-  body << "  constexpr int N = " << N << ";\n";
+  // N: the columns, a constant, or the token count at run time (attention's
+  // scores p(r, u) over the tokens u), then every column test below is a
+  // run-time one.
+  if (g.n.is_dynamic())
+    body << "  const int N = (int)" << kb.extent(g.n) << ";\n";
+  else
+    body << "  constexpr int N = " << g.n.extent() << ";\n";
   // Split-K: the grid's y slices K into runs of whole k-tiles, each adding
   // its partial sums into the zeroed f32 output.
   const bool split_k = plan.split_k;
@@ -774,7 +793,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
          << (prog.tensor(g.a).stride8 ? "(K + 7) / 8 * 8;  // zero-padded rows\n" : "K;\n");
   else
     body << "  constexpr int K = " << g.k.extent() << ";\n";
-  body << "  constexpr int NUM_N = (N + Cfg::BN - 1) / Cfg::BN;\n";
+  body << "  " << (g.n.is_dynamic() ? "const" : "constexpr") << " int NUM_N = (N + Cfg::BN - 1) / Cfg::BN;\n";
   body << "  int m_tile, n_tile;\n";
   const bool cluster = plan.cluster();
   // Persistent clusters: the pair walks (pair of row tiles, column tile)
@@ -1560,9 +1579,9 @@ void emit_transpose_scalar(const TransposeStep &s, KernelBuilder &kb, std::ostri
                       : s.rows == RowMap::gather_pair ? "(long long)pr"
                                                       : "r";
     body << "    const int pr = r < *" << padded << " ? " << sp << "[r] : -1;  // padding and unused rows: 0\n";
-    body << "    if (pr >= 0 && c < C) v = mf::to_f32(" << gSrc << "[" << row << " * C + c]);\n";
+    body << "    if (pr >= 0 && c < C) v = mf::to_f32(" << gSrc << "[" << row << " * CS + c]);\n";
   } else {
-    body << "    if (r < R && c < C) v = mf::to_f32(" << gSrc << "[(b * R + r) * C + c]);\n";
+    body << "    if (r < R && c < C) v = mf::to_f32(" << gSrc << "[(b * R + r) * CS + c]);\n";
   }
   body << "    tile[i][tx] = v;\n  }\n  __syncthreads();\n";
   body << "  for (int i = ty; i < 32; i += 8) {\n";
@@ -1596,11 +1615,13 @@ void emit_transpose(const KernelProgram &prog, const TransposeStep &s, std::ostr
       batch = "(" + batch + " * " + kb.extent(from.dims[i]) + ")";
   }
   body << "  const long long R = " << R << ", C = " << C << ";\n";
-  // dst's row stride: R, or R rounded up to 8 with a zero tail (stride8).
+  // src's row stride: C, or C rounded up to 8 (stride8: rows of a run-time
+  // length); dst's: R, or R rounded up to 8 with a zero tail.
+  body << "  const long long CS = " << (from.stride8 ? "(C + 7) / 8 * 8" : "C") << ";\n";
   body << "  const long long RS = " << (to.stride8 ? "(R + 7) / 8 * 8" : "R") << ";\n";
   if (!s.route && from.dtype == DType::bf16 && to.dtype == DType::bf16) {
     // A 64 x 64 tile a block (tiles/transpose.cuh).
-    body << "  mf::transpose_bf16_tile(" << gSrc << ", " << gDst << ", R, C, RS, " << batch << ");\n";
+    body << "  mf::transpose_bf16_tile(" << gSrc << ", " << gDst << ", R, C, CS, RS, " << batch << ");\n";
     k.grid.tile_m = 64;
   } else {
     emit_transpose_scalar(s, kb, body, gSrc, gDst, batch, to);

@@ -549,7 +549,7 @@ std::vector<std::string> CudaLayer::timeline(const Stream &stream) {
 HostTensor CudaLayer::download(const std::string &func) const {
   const TensorDecl &t = downloadable(layer_.program, func);
   check_readable(func, "download");
-  std::vector<uint8_t> bytes = tensors_.at(func).download<uint8_t>();
+  std::vector<uint8_t> bytes = shapes_.drop_row_padding(t, tensors_.at(func).download<uint8_t>());
   if (t.layout != RowLayout::padded)
     return shapes_.decode(t, bytes);
   std::vector<int32_t> pos = plans_.at(t.route)->pair_pos.download<int32_t>();

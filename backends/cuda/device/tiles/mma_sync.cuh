@@ -93,8 +93,8 @@ GemmConfig<BM_, BN_, BK_, STAGES_, WM_, WN_, NB_>::mainloop(unsigned char *smem,
 #pragma unroll
     for (int i = 0; i < C::A_ITERS; ++i) {
       const int row = C::a_load_row(tid, i), ch = C::a_load_chunk(tid, i);
-      const bool ok = a_ok[i] && k0 + ch * 8 < K;
-      cp_async_16(sA + C::a_off(row, ch), ok ? gA[i] + k0 : gA[i], ok);
+      const int bytes = chunk_bytes_bf16(a_ok[i], k0 + ch * 8, K);
+      cp_async_16_part(sA + C::a_off(row, ch), bytes ? gA[i] + k0 : gA[i], bytes);
     }
 #pragma unroll
     for (int b = 0; b < C::NB; ++b) {

@@ -185,8 +185,8 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
 #pragma unroll
     for (int i = 0; i < BM * 8 / LOADERS; ++i) {
       const int row = (t + i * LOADERS) / 8, ch = (t + i * LOADERS) % 8;
-      const bool ok = a_ok[i] && k0 + ch * 8 < K;
-      cp_async_16(sA + a_off(row, ch), ok ? gA[i] + k0 : gA[i], ok);
+      const int bytes = chunk_bytes_bf16(a_ok[i], k0 + ch * 8, K);
+      cp_async_16_part(sA + a_off(row, ch), bytes ? gA[i] + k0 : gA[i], bytes);
     }
   }
   template <int LOADERS>

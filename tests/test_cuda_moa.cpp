@@ -1,0 +1,124 @@
+// Attention over the tokens on the CUDA backend: Mixture-of-Attention (heads
+// as experts, keys and values shared) and plain softmax attention. Their
+// scores p(r, u) have one column per token, so the GEMMs making them (and
+// their gradients) have a column extent known at run time, and the rows of
+// p, its gradients and their transposes have a run-time length: each such
+// intermediate's rows are padded to 8 elements (stride8), the GEMMs read
+// B^T by guarded rows and zero-fill A's elements past K. Without a GPU: the
+// plans and the kernels compiling for sm_90a without spills; on a GPU: the
+// forward and the training step against the float64 reference at token
+// counts that are no multiple of 8, outputs poisoned.
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "backends/cuda/runtime/device.h"
+#include "backends/cuda/runtime/layer.h"
+#include "backends/cuda/runtime/stream.h"
+#include "backends/cuda/runtime/training_layer.h"
+#include "cuda_resources.h"
+#include "cuda_training_step.h"
+#include "examples/examples.h"
+#include "layer_compare.h"
+#include "lowering/gemm_plan.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
+#include "schedules/presets.h"
+#include "tests/gpu_test.h"
+#include "training_compare.h"
+
+using namespace moeforge;
+
+namespace {
+
+ExampleShape attention_shape(int64_t tokens) { return testing::shape(tokens, 64, 32, 8, 2); }
+
+const GemmStep &gemm_writing(const KernelProgram &p, const std::string &out) {
+  for (const Step &s : p.steps)
+    if (auto *g = std::get_if<GemmStep>(&s); g && g->output == out)
+      return *g;
+  FAIL("no GEMM writes " << out);
+  throw 0;
+}
+
+} // namespace
+
+TEST_CASE("cuda attention: the scores' GEMM plans a run-time column count, its rows padded to 8") {
+  Example ex = make_example("moa", attention_shape(37));
+  KernelProgram p = lower(ex.pipeline, preset("scattermoe"));
+  const GemmStep &scores = gemm_writing(p, "p_s");
+  REQUIRE(scores.n.is_dynamic());
+  REQUIRE(scores.plan != nullptr);
+  // B = key^T read by rows (no tensor map has a run-time shape here), the
+  // output's rows padded.
+  CHECK(scores.plan->b_load == OperandLoad::cp_async);
+  CHECK(scores.plan->store != TileStore::tma);
+  CHECK(p.tensor("p_s").stride8);
+  CHECK(p.tensor("p").stride8);
+  // Rows of a static length stay dense, and so do the caller's tensors.
+  CHECK_FALSE(p.tensor("q").stride8);
+  CHECK_FALSE(p.tensor("x").stride8);
+  CHECK_FALSE(p.tensor("y").stride8);
+  // The training step's transposed scores and score gradients too.
+  TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), preset("scattermoe"));
+  for (const char *name : {"p_s", "p", "d_p", "d_q_a", "d_key_a", "p_T", "x_T"}) {
+    INFO(name);
+    CHECK(t.program.tensor(name).stride8);
+  }
+}
+
+TEST_CASE("cuda attention: moa and attention compile for sm_90a without spills, forward and training") {
+  for (const char *name : {"moa", "attention"})
+    for (const char *p : {"megablocks", "scattermoe"}) {
+      Example ex = make_example(name, attention_shape(37));
+      const std::string what = std::string(name) + " / " + p;
+      cuda::CompiledLayer f = cuda::compile_layer(ex.pipeline, preset(p));
+      testing::check_resources(f, what);
+      // The run-time column count and the padded row stride.
+      const std::string src = f.source.source;
+      CHECK(src.find("const int N = (int)") != std::string::npos);
+      CHECK(src.find("const long long LDC = (N + 7) / 8 * 8;") != std::string::npos);
+      testing::check_resources(cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), preset(p)).layer,
+                               what + " training");
+    }
+}
+
+TEST_SUITE("gpu") {
+  TEST_CASE("cuda gpu: moa and attention forward match the reference at 1, 37 and 300 tokens") {
+    MOEFORGE_REQUIRE_GPU();
+    static cuda::Device device;
+    for (const char *name : {"moa", "attention"})
+      for (int64_t tokens : {1, 37, 300})
+        for (const char *p : {"megablocks", "scattermoe"}) {
+          ExampleShape s = attention_shape(tokens);
+          Example ex = make_example(name, s);
+          TensorMap in = ex.random_inputs(s, 31);
+          INFO(name << " / T " << tokens << " / " << p);
+          cuda::CompiledLayer fl = cuda::compile_layer(ex.pipeline, preset(p), device.arch_specific());
+          cuda::CudaLayer layer(device, fl, tokens);
+          layer.upload(in);
+          layer.poison();
+          cuda::Stream stream;
+          layer.enqueue(stream);
+          stream.synchronize();
+          testing::Outcome o = testing::compare_with_reference(ex, in, fl.program, layer, p, 2e-2);
+          CHECK(o.routing_mismatches == 0);
+          CHECK(o.worst_error <= 2e-2);
+        }
+  }
+
+  TEST_CASE("cuda gpu: moa and attention train: every gradient against the reference at 1, 37 and 300 tokens") {
+    MOEFORGE_REQUIRE_GPU();
+    for (const char *name : {"moa", "attention"})
+      for (int64_t tokens : {1, 37, 300})
+        for (const char *p : {"megablocks", "scattermoe+padded+lean"}) {
+          ExampleShape s = attention_shape(tokens);
+          Example ex = make_example(name, s);
+          INFO(name << " / T " << tokens << " / " << p);
+          testing::Outcome o = testing::cuda_train_and_compare(ex, ex.random_inputs(s, 29), s.tokens,
+                                                               testing::training_preset(p, false));
+          CHECK(o.routing_mismatches == 0);
+          CHECK(o.worst_error <= 2e-2);
+        }
+  }
+}

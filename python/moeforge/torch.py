@@ -169,7 +169,7 @@ class _Runtime(_BoundLayer):
             self.layer.backward(saved, workspace)
 
 
-def _step_forward(module, x, params):
+def _step_forward(module, x, params, consts):
     """One forward on caller memory: the outputs and the saved region its
     backward reads (a uint8 tensor of torch's)."""
     tokens = x.shape[0]
@@ -183,8 +183,8 @@ def _step_forward(module, x, params):
     saved_bytes, workspace_bytes, _ = rt.use_tokens(tokens)
     # The input and weights and fresh output tensors, all bound in place
     # (a converted copy held here until the forward has run).
-    inputs = _layer_inputs(module, layer, x, params)
-    for name, t in zip([module.input_name] + module._param_names, inputs):
+    inputs = _layer_inputs(module, layer, x, params, consts)
+    for name, t in zip(module._bound_names(), inputs):
         rt.bind(name, t)
     # The workspace is taken first: it then gets the block the last call's
     # workspace left in torch's pool, the same size, and the saved region a
@@ -203,14 +203,13 @@ def _step_forward(module, x, params):
     return outs, saved
 
 
-def _layer_inputs(module, layer, x, params):
-    """x and the weights in the layer's storage type, contiguous: themselves
-    where they already are (no copy)."""
-    names = [module.input_name] + module._param_names
-    return [_as_layer_tensor(layer, name, t) for name, t in zip(names, [x, *params])]
+def _layer_inputs(module, layer, x, params, consts):
+    """x, the weights and the constant inputs in the layer's storage type,
+    contiguous: themselves where they already are (no copy)."""
+    return [_as_layer_tensor(layer, name, t) for name, t in zip(module._bound_names(), [x, *params, *consts])]
 
 
-def _step_backward(module, x, params, saved, read_outputs, grads):
+def _step_backward(module, x, params, consts, saved, read_outputs, grads):
     """The backward of the forward whose saved region `saved` is: every
     Input's and Param's gradient, in the layer's storage types."""
     tokens = x.shape[0]
@@ -223,8 +222,8 @@ def _step_backward(module, x, params, saved, read_outputs, grads):
     # The forward's input, weights and the outputs the backward reads, bound
     # again (a model may have run other forwards since). Autograd runs a
     # backward on its forward's stream, so no stream needs recording.
-    inputs = _layer_inputs(module, layer, x, params)  # held until the backward has run
-    for name, t in zip([module.input_name] + module._param_names, inputs):
+    inputs = _layer_inputs(module, layer, x, params, consts)  # held until the backward has run
+    for name, t in zip(module._bound_names(), inputs):
         rt.bind(name, t)
     for name, t in zip([n for n in layer.outputs if n in rt.backward_reads], read_outputs):
         rt.bind(name, t)
@@ -265,13 +264,14 @@ def _module(handle):
 
 
 @torch.library.custom_op("moeforge::layer_forward", mutates_args=())
-def _layer_forward(handle: int, x: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    outs, saved = _step_forward(_module(handle), x, params)
+def _layer_forward(handle: int, x: torch.Tensor, params: list[torch.Tensor],
+                   consts: list[torch.Tensor]) -> list[torch.Tensor]:
+    outs, saved = _step_forward(_module(handle), x, params, consts)
     return [*outs, saved]
 
 
 @_layer_forward.register_fake
-def _(handle, x, params):
+def _(handle, x, params, consts):
     module = _module(handle)
     tokens = x.shape[0]
     outs = [x.new_empty(module._output_shape(f, tokens), dtype=dtype)
@@ -284,22 +284,23 @@ def _(handle, x, params):
 
 
 @torch.library.custom_op("moeforge::layer_backward", mutates_args=())
-def _layer_backward(handle: int, x: torch.Tensor, params: list[torch.Tensor], saved: torch.Tensor,
-                    read_outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _step_backward(_module(handle), x, params, saved, read_outputs, grads)
+def _layer_backward(handle: int, x: torch.Tensor, params: list[torch.Tensor], consts: list[torch.Tensor],
+                    saved: torch.Tensor, read_outputs: list[torch.Tensor],
+                    grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _step_backward(_module(handle), x, params, consts, saved, read_outputs, grads)
 
 
 @_layer_backward.register_fake
-def _(handle, x, params, saved, read_outputs, grads):
+def _(handle, x, params, consts, saved, read_outputs, grads):
     dtypes = _module(handle)._gradient_dtypes(x.shape[0])
     return [t.new_empty(t.shape, dtype=dtype) for t, dtype in zip([x, *params], dtypes)]
 
 
 def _setup_context(ctx, inputs, output):
-    handle, x, params = inputs
+    handle, x, params, consts = inputs
     module = _module(handle)
     outs = output[:-1]
-    ctx.handle, ctx.param_count = handle, len(params)
+    ctx.handle, ctx.param_count, ctx.const_count = handle, len(params), len(consts)
     ctx.output_meta = [(o.shape, o.dtype) for o in outs]
     reads = module._backward_reads(x.shape[0])
     # Through save_for_backward, not ctx attributes: autograd frees the
@@ -307,20 +308,22 @@ def _setup_context(ctx, inputs, output):
     # layer's activations lived until the whole graph was dropped) and hands
     # it to saved-tensor hooks (torch.utils.checkpoint drops it and runs the
     # forward again). Of the outputs, only those the backward reads.
-    ctx.save_for_backward(x, output[-1], *params, *[t for f, t in zip(module.outputs, outs) if f.name in reads])
+    ctx.save_for_backward(x, output[-1], *params, *consts,
+                          *[t for f, t in zip(module.outputs, outs) if f.name in reads])
 
 
 def _backward(ctx, grads):
     tensors = ctx.saved_tensors
     x, saved = tensors[0], tensors[1]
     params = list(tensors[2:2 + ctx.param_count])
-    read = list(tensors[2 + ctx.param_count:])
+    consts = list(tensors[2 + ctx.param_count:2 + ctx.param_count + ctx.const_count])
+    read = list(tensors[2 + ctx.param_count + ctx.const_count:])
     # An output nothing used has no gradient: zeros of its shape.
     seeds = [g if g is not None else torch.zeros(shape, dtype=dtype, device=x.device)
              for g, (shape, dtype) in zip(grads[:-1], ctx.output_meta)]
-    got = torch.ops.moeforge.layer_backward(ctx.handle, x, params, saved, read, seeds)
+    got = torch.ops.moeforge.layer_backward(ctx.handle, x, params, consts, saved, read, seeds)
     cast = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(got, [x, *params])]
-    return None, cast[0], cast[1:]
+    return None, cast[0], cast[1:], [None] * ctx.const_count  # constant inputs take no gradient
 
 
 _layer_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -356,7 +359,7 @@ class _ForwardRuntime(_BoundLayer):
             self.layer.forward(tables, workspace)
 
 
-def _inference_forward(module, x, params):
+def _inference_forward(module, x, params, consts):
     """The forward alone: the outputs, in the dtypes the training step gives
     them (one dtype whatever the grad mode)."""
     tokens = x.shape[0]
@@ -367,8 +370,8 @@ def _inference_forward(module, x, params):
     rt = module._forward_runtime(tokens)
     layer = rt.layer
     tables_bytes, workspace_bytes = rt.use_tokens(tokens)
-    inputs = _layer_inputs(module, layer, x, params)  # held until the forward has run
-    for name, t in zip([module.input_name] + module._param_names, inputs):
+    inputs = _layer_inputs(module, layer, x, params, consts)  # held until the forward has run
+    for name, t in zip(module._bound_names(), inputs):
         rt.bind(name, t)
     workspace = _memory(workspace_bytes, x.device)
     tables = _memory(tables_bytes, x.device)
@@ -384,12 +387,13 @@ def _inference_forward(module, x, params):
 
 
 @torch.library.custom_op("moeforge::layer_inference", mutates_args=())
-def _layer_inference(handle: int, x: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _inference_forward(_module(handle), x, params)
+def _layer_inference(handle: int, x: torch.Tensor, params: list[torch.Tensor],
+                     consts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _inference_forward(_module(handle), x, params, consts)
 
 
 @_layer_inference.register_fake
-def _(handle, x, params):
+def _(handle, x, params, consts):
     module = _module(handle)
     return [x.new_empty(module._output_shape(f, x.shape[0]), dtype=dtype)
             for f, dtype in zip(module.outputs, module._output_dtypes)]
@@ -451,11 +455,13 @@ class MoELayer(torch.nn.Module):
         self._output_dtypes = self._stored_dtypes()
         decls = pipeline.buffer_decls
         inputs = [b for b in decls if b["kind"] == "input"]
-        if len(inputs) != 1:
+        over_tokens = [b for b in inputs if None in tuple(b["shape"])]  # None: the token Dim
+        if len(over_tokens) != 1:
             raise mf.UserError(
-                f"MoELayer takes a layer with exactly one Input (the tokens), got {[b['name'] for b in inputs]}")
-        self.input_name = inputs[0]["name"]
-        self._input_shape = tuple(inputs[0]["shape"])  # None: the token Dim
+                f"MoELayer takes a layer with exactly one Input over the tokens (the argument of forward()), got "
+                f"{[b['name'] for b in over_tokens]} of the Inputs {[b['name'] for b in inputs]}")
+        self.input_name = over_tokens[0]["name"]
+        self._input_shape = tuple(over_tokens[0]["shape"])
         if len(self._input_shape) != 2 or self._input_shape[0] is not None or self._input_shape[1] is None:
             raise mf.UserError(f"MoELayer's Input '{self.input_name}' must be (tokens, width), declared "
                                f"{self._input_shape} (None: the token Dim)")
@@ -474,6 +480,17 @@ class MoELayer(torch.nn.Module):
                 p.uniform_(-scale, scale)
             self.register_parameter(b["name"], torch.nn.Parameter(p))
             self._param_names.append(b["name"])
+        # Inputs not over the tokens (DeepSeek's selection-only expert bias):
+        # buffers, read by every forward and given no gradient (the algebra
+        # differentiates nothing through them); zeros until the model sets
+        # them.
+        self._const_names = []
+        for b in inputs:
+            if b is over_tokens[0]:
+                continue
+            self.register_buffer(b["name"], torch.zeros(tuple(b["shape"]), dtype=_DTYPES[b["dtype"]],
+                                                        device=self.device))
+            self._const_names.append(b["name"])
         self._caller = None  # _Runtime, made at the first forward that records a backward
         self._forward_only = None  # _ForwardRuntime, made at the first forward that does not
         self._register()  # self._handle: how the custom ops find this module (_MODULES)
@@ -576,6 +593,11 @@ class MoELayer(torch.nn.Module):
         as torch.compile's dynamic shapes trace)."""
         return self._runtime(tokens if isinstance(tokens, int) and tokens > 0 else 1)
 
+    def _bound_names(self):
+        """The layer's tensors forward() binds, in the ops' argument order:
+        the token input, the Params, the constant inputs."""
+        return [self.input_name] + self._param_names + self._const_names
+
     def _gradient_dtypes(self, tokens):
         layer = self._compiled(tokens).layer
         names = [self.input_name] + self._param_names
@@ -592,11 +614,14 @@ class MoELayer(torch.nn.Module):
                                f"or (..., {width}), e.g. (batch, seq, {width})")
         lead = tuple(x.shape[:-1])
         params = [getattr(self, name) for name in self._param_names]
+        consts = [getattr(self, name) for name in self._const_names]
+        for name, c in zip(self._const_names, consts):
+            _check_tensor(f"the constant input '{name}'", c, self.device)
         x2 = x.reshape(-1, width)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            outs = torch.ops.moeforge.layer_forward(self._handle, x2, params)[:-1]
+            outs = torch.ops.moeforge.layer_forward(self._handle, x2, params, consts)[:-1]
         else:  # no backward will run: the forward alone, keeping nothing
-            outs = torch.ops.moeforge.layer_inference(self._handle, x2, params)
+            outs = torch.ops.moeforge.layer_inference(self._handle, x2, params, consts)
         if len(lead) > 1:
             outs = [o.reshape(*lead, *o.shape[1:]) if o.dim() > 0 else o for o in outs]
         return tuple(outs) if len(outs) > 1 else outs[0]

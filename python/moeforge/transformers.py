@@ -21,6 +21,16 @@ gradients reach one Parameter. The router runs in f32 from bf16 inputs, so
 a pair transformers' bf16 router logits would route the other way at a
 near-tie may differ. Not covered: Mixtral's router jitter noise in
 training, an activation other than SiLU.
+
+DeepSeek-V3's MoE block (DeepseekV3MoE, and GLM-4-MoE's Glm4MoeMoE of the
+same router) becomes a BiasedMoeBlock: its router in the algebra too
+(sigmoid scores; a selection-only expert bias, the block's own
+e_score_correction_bias buffer, read in place as the layer's constant
+input; the experts of the topk_group best of n_group groups, a group
+scored by the sum of its two largest biased scores; the chosen unbiased
+scores normalised over the token's k where norm_topk_prob says, and
+scaled by routed_scaling_factor), the routed experts run by moeforge and
+the block's shared experts by torch, added as the block adds them.
 """
 
 import torch
@@ -31,6 +41,8 @@ import moeforge.torch as mft
 # transformers' sparse block classes, by name (so that importing this module
 # needs no transformers: a model is walked by its modules' class names).
 BLOCK_CLASSES = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
+# Blocks with DeepSeek-V3's router and shared experts.
+BIASED_BLOCK_CLASSES = ("DeepseekV3MoE", "Glm4MoeMoE")
 
 
 def sparse_moe_pipeline(hidden, intermediate, experts, top_k, renormalize):
@@ -56,6 +68,42 @@ def sparse_moe_pipeline(hidden, intermediate, experts, top_k, renormalize):
                mf.sum(i, x[route.token(r), i] * w3[route.expert(r), i, j]))
     o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), i, j])
     y[t, i] = mf.combine(route, t, route.gate(r) * o[r, i])
+    return mf.Pipeline([y])
+
+
+def biased_moe_pipeline(hidden, intermediate, experts, top_k, groups, top_groups, normalize, scaling):
+    """DeepSeek-V3's routed experts in the algebra: scores s = sigmoid(x Wr^T),
+    the top-k of s + bias among the experts of the top_groups best of
+    `groups` groups (a group scored by its two largest), gates the chosen
+    s (over their sum + 1e-20 where `normalize`) times `scaling`, SwiGLU
+    experts, the gated combine. Returns the Pipeline."""
+    T, D = mf.Dim.dynamic("T"), mf.Dim("D", hidden)
+    F, E = mf.Dim("F", intermediate), mf.Dim("E", experts)
+    t, e, i, j = mf.Var("t", T), mf.Var("e", E), mf.Var("i", D), mf.Var("j", F)
+    x = mf.Input("x", [T, D])
+    # The bias moves the choice only: an Input (the block's buffer), no gradient.
+    bias = mf.Input("bias", [E], mf.f32)
+    wr, w1 = mf.Param("wr", [E, D]), mf.Param("w1", [E, D, F])
+    w3, w2 = mf.Param("w3", [E, D, F]), mf.Param("w2", [E, D, F])
+    logits, scores, choice = mf.Func("logits", mf.f32), mf.Func("scores", mf.f32), mf.Func("choice", mf.f32)
+    logits[t, e] = mf.sum(i, x[t, i] * wr[e, i])
+    scores[t, e] = mf.sigmoid(logits[t, e])
+    choice[t, e] = scores[t, e] + bias[e]
+    route = mf.top_k(choice, e, top_k, groups=groups, top_groups=top_groups)
+    r = route.pair
+    picked, gate = mf.Func("picked", mf.f32), mf.Func("gate", mf.f32)
+    picked[r] = scores[route.token(r), route.expert(r)]
+    if normalize:
+        total = mf.Func("picked_sum", mf.f32)
+        total[t] = mf.combine(route, t, picked[r])
+        gate[r] = picked[r] / (total[route.token(r)] + 1e-20) * scaling
+    else:
+        gate[r] = picked[r] * scaling
+    h, o, y = mf.Func("h"), mf.Func("o"), mf.Func("y")
+    h[r, j] = (mf.silu(mf.sum(i, x[route.token(r), i] * w1[route.expert(r), i, j])) *
+               mf.sum(i, x[route.token(r), i] * w3[route.expert(r), i, j]))
+    o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), i, j])
+    y[t, i] = mf.combine(route, t, gate[r] * o[r, i])
     return mf.Pipeline([y])
 
 
@@ -116,17 +164,81 @@ class SparseMoeBlock(torch.nn.Module):
         return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
 
 
+def _biased_block_shape(block):
+    """(hidden, intermediate, experts, top_k, groups, top_groups, normalize,
+    scaling) of a DeepSeek-V3-style block, or a UserError saying what it
+    lacks."""
+    name = type(block).__name__
+    experts, gate = getattr(block, "experts", None), getattr(block, "gate", None)
+    if (experts is None or gate is None or not hasattr(experts, "gate_up_proj")
+            or not hasattr(gate, "e_score_correction_bias") or getattr(block, "shared_experts", None) is None):
+        raise mf.UserError(f"{name} has no experts.gate_up_proj, gate.e_score_correction_bias and shared_experts: "
+                           f"moeforge.transformers reads transformers 5's {', '.join(BIASED_BLOCK_CLASSES)}")
+    act = type(experts.act_fn).__name__
+    if "SiLU" not in act:
+        raise mf.UserError(f"{name}'s experts use {act}: moeforge.transformers writes SwiGLU (SiLU) experts")
+    groups, top_groups = int(gate.num_group), int(gate.topk_group)
+    if groups < 1 or experts.num_experts % groups or experts.num_experts // groups < 2:
+        raise mf.UserError(f"{name}: n_group = {groups} must split the {experts.num_experts} experts into groups of "
+                           "at least two (a group is scored by its two largest scores)")
+    return (experts.hidden_dim, experts.intermediate_dim, experts.num_experts, gate.top_k, groups, top_groups,
+            bool(gate.norm_topk_prob), float(gate.routed_scaling_factor))
+
+
+class BiasedMoeBlock(torch.nn.Module):
+    """A DeepSeek-V3-style MoE block run by moeforge (the router and the
+    routed experts; the shared experts by torch): forward(hidden_states)
+    takes (batch, seq, hidden) and returns the same shape and dtype."""
+
+    def __init__(self, hidden, intermediate, experts, top_k, groups, top_groups, normalize, scaling,
+                 schedule="auto", device="cuda"):
+        super().__init__()
+        self.pipeline = biased_moe_pipeline(hidden, intermediate, experts, top_k, groups, top_groups, normalize,
+                                            scaling)
+        self.moe = mft.MoELayer(self.pipeline, schedule=schedule, device=device)
+        self.shared_experts = None  # the block's own, set by from_block
+
+    @classmethod
+    def from_block(cls, block, schedule="auto"):
+        """The moeforge block of a transformers one (on the block's device):
+        its router weight, down_proj, expert bias (the buffer itself, so an
+        update of it reaches the layer) and shared experts shared, its
+        gate_up_proj copied."""
+        shape = _biased_block_shape(block)
+        gate_up = block.experts.gate_up_proj
+        new = cls(*shape, schedule=schedule, device=gate_up.device.type)
+        f = shape[1]
+        new.moe.wr = block.gate.weight
+        new.moe.w2 = block.experts.down_proj
+        new.moe.bias = block.gate.e_score_correction_bias
+        with torch.no_grad():
+            new.moe.w1.copy_(gate_up[:, :f, :].transpose(1, 2))
+            new.moe.w3.copy_(gate_up[:, f:, :].transpose(1, 2))
+        new.shared_experts = block.shared_experts
+        return new
+
+    def forward(self, hidden_states):
+        y = self.moe(hidden_states)
+        y = y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
+        return y + self.shared_experts(hidden_states)
+
+
 def swap_sparse_moe_blocks(model, schedule="auto"):
     """Replaces every transformers sparse MoE block in `model` by a
-    SparseMoeBlock with its weights (in place; returns the model), recording
-    router logits where the model's config asks for them. A UserError when
-    the model has none."""
+    SparseMoeBlock (a BiasedMoeBlock for DeepSeek-V3's and GLM-4-MoE's) with
+    its weights (in place; returns the model), recording router logits
+    where the model's config asks for them. A UserError when the model has
+    none."""
+    kinds = BLOCK_CLASSES + BIASED_BLOCK_CLASSES
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child).__name__ in BLOCK_CLASSES]
+             if type(child).__name__ in kinds]
     if not swaps:
         raise mf.UserError(f"{type(model).__name__} has no sparse MoE block moeforge.transformers reads "
-                           f"({', '.join(BLOCK_CLASSES)})")
+                           f"({', '.join(kinds)})")
     record = bool(getattr(getattr(model, "config", None), "output_router_logits", False))
     for parent, name, child in swaps:
-        setattr(parent, name, SparseMoeBlock.from_block(child, schedule=schedule, record_router_logits=record))
+        if type(child).__name__ in BIASED_BLOCK_CLASSES:
+            setattr(parent, name, BiasedMoeBlock.from_block(child, schedule=schedule))
+        else:
+            setattr(parent, name, SparseMoeBlock.from_block(child, schedule=schedule, record_router_logits=record))
     return model

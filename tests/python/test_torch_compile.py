@@ -62,15 +62,17 @@ def test_a_model_compiles_whole_and_matches_eager(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_ops_pass_opcheck(device, monkeypatch):
+@pytest.mark.parametrize("name", ["moe_mlp", "deepseek_moe"])  # deepseek_moe: a constant input (its expert bias)
+def test_the_ops_pass_opcheck(device, name, monkeypatch):
     torch.manual_seed(4)
-    moe = mft.example("moe_mlp", experts=8, topk=2, d=D, f=128, device=device)
+    moe = mft.example(name, experts=8, topk=2, d=D, f=128, device=device)
     # opcheck compares the ops' outputs bit for bit, the saved region too,
     # whose bytes between its tensors are otherwise left as allocated.
     monkeypatch.setattr(mft, "zero_saved", True)
     x = torch.randn(37, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     params = [getattr(moe, n) for n in moe._param_names]
-    result = torch.library.opcheck(torch.ops.moeforge.layer_forward, (moe._handle, x, params))
+    consts = [getattr(moe, n) for n in moe._const_names]
+    result = torch.library.opcheck(torch.ops.moeforge.layer_forward, (moe._handle, x, params, consts))
     assert set(result.values()) == {"SUCCESS"}, result
 
 

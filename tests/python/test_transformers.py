@@ -1,8 +1,9 @@
 """moeforge.transformers (skipped without torch or transformers): each of
 transformers' sparse MoE blocks (Mixtral, Qwen3-MoE with and without
-norm_topk_prob, OLMoE) swapped for moeforge's gives the block's output and
-every gradient, and a small Qwen3-MoE model with its blocks swapped trains
-as the original does."""
+norm_topk_prob, OLMoE, DeepSeek-V3 with and without it) swapped for
+moeforge's gives the block's output and every gradient, and small Qwen3-MoE
+and DeepSeek-V3 models with their blocks swapped train as the originals
+do."""
 
 import copy
 
@@ -128,6 +129,95 @@ def test_a_mixtral_model_with_its_auxiliary_loss(device):
     got.loss.backward()
     router = swapped.model.layers[0].mlp.gate.weight
     assert router.grad is not None and router.grad.abs().sum() > 0
+
+
+def deepseek_v3_block(normalize=True):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    return DeepseekV3MoE(transformers.DeepseekV3Config(
+        hidden_size=D, intermediate_size=2 * F, moe_intermediate_size=F, n_routed_experts=E, num_experts_per_tok=K,
+        n_group=4, topk_group=2, norm_topk_prob=normalize, routed_scaling_factor=2.5, n_shared_experts=1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_a_swapped_deepseek_v3_block_gives_the_blocks_output_and_gradients(device, normalize):
+    """Sigmoid scores, the selection-only bias (non-zero, so that it moves
+    the choice), groups, the scaled gates and the shared experts."""
+    torch.manual_seed(24)
+    block = deepseek_v3_block(normalize).to(device)
+    with torch.no_grad():  # bf16-exact f32 weights: both sides read the same values
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p).mul(0.1).to(torch.bfloat16).float())
+        block.gate.e_score_correction_bias.copy_(torch.randn(E, device=device) * 0.3)
+    ours = mftf.BiasedMoeBlock.from_block(copy.deepcopy(block))
+    assert ours.moe.bias is not block.gate.e_score_correction_bias  # a copy's own buffer
+    ours.shared_experts.to(torch.bfloat16)  # torch's MLP, in the model's dtype as in a bf16 model
+    x = torch.randn(3, 29, D, device=device).to(torch.bfloat16)
+    dy = torch.randn(3, 29, D, device=device).to(torch.bfloat16)
+    xr = x.float().requires_grad_(True)
+    want = block(xr)
+    want.backward(dy.float())
+    xo = x.clone().requires_grad_(True)
+    got = ours(xo)
+    got.backward(dy)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert error(got, want) < 2e-2
+    assert error(xo.grad, xr.grad) < 2e-2
+    gate_up, down = block.experts.gate_up_proj.grad, block.experts.down_proj.grad
+    assert error(ours.moe.w1.grad, gate_up[:, :F, :].transpose(1, 2)) < 2e-2
+    assert error(ours.moe.w3.grad, gate_up[:, F:, :].transpose(1, 2)) < 2e-2
+    assert error(ours.moe.w2.grad, down) < 2e-2
+    assert error(ours.moe.wr.grad, block.gate.weight.grad) < 3e-2
+    assert error(ours.shared_experts.gate_proj.weight.grad, block.shared_experts.gate_proj.weight.grad) < 2e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_deepseek_v3_bias_is_the_blocks_buffer_and_steers_the_choice(device):
+    """An update of the block's e_score_correction_bias (as a load-balancing
+    loop makes between steps) reaches the swapped layer: a large bias on
+    one expert sends every token there."""
+    block = deepseek_v3_block().to(device=device, dtype=torch.bfloat16)
+    ours = mftf.BiasedMoeBlock.from_block(block)
+    assert ours.moe.bias is block.gate.e_score_correction_bias
+    assert ours.moe.wr is block.gate.weight and ours.shared_experts is block.shared_experts
+    ours.moe.keep_routing = True
+    x = torch.randn(1, 40, D, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        block.gate.e_score_correction_bias.zero_()
+        block.gate.e_score_correction_bias[5] = 100.0
+        ours(x)
+    experts = ours.moe.routed_experts(40).view(40, K)
+    assert (experts == 5).any(dim=1).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_small_deepseek_v3_model_trains_as_the_original(device):
+    config = transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=D, intermediate_size=2 * F, moe_intermediate_size=F, num_hidden_layers=2,
+        first_k_dense_replace=0, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=E, num_experts_per_tok=K,
+        n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=64)
+    torch.manual_seed(25)
+    original = transformers.DeepseekV3ForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    swapped = copy.deepcopy(original)
+    mftf.swap_sparse_moe_blocks(swapped)
+    assert sum(isinstance(m, mftf.BiasedMoeBlock) for m in swapped.modules()) == 2
+    tokens = torch.randint(0, 96, (4, 24), device=device)
+    losses = {}
+    for name, model in (("original", original), ("swapped", swapped)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        curve = []
+        for _ in range(20):
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            curve.append(loss.item())
+        losses[name] = curve
+    o, s = losses["original"], losses["swapped"]
+    assert abs(s[0] - o[0]) < 1e-2 * o[0], f"step 0: {s[0]} against {o[0]}"
+    assert s[-1] < 0.8 * s[0], f"the swapped model's loss did not fall: {s}"
+    assert abs(s[-1] - o[-1]) < 5e-2 * o[-1], f"after 20 steps: {s[-1]} against {o[-1]}"
 
 
 def test_a_model_without_sparse_blocks_is_told_so():

@@ -17,8 +17,8 @@ namespace moeforge {
 
 // Sets stride8 on every intermediate of rank 2 or more (not an Input, Param
 // or program output: those are the caller's dense tensors) whose last dim
-// is dynamic, in a dense or pair-order layout (a padded_t tensor's rows are
-// the route's padded rows, already whole routing blocks). Idempotent: the
+// is dynamic, in any layout but padded_t (whose rows are the route's
+// padded rows, already whole routing blocks). Idempotent: the
 // lowerings run it once their tensors are made, and again before planning
 // for the tensors later passes add.
 void pad_dynamic_rows(KernelProgram &p);

@@ -55,10 +55,11 @@ struct TensorDecl {
   RowLayout layout = RowLayout::dense;
   const RoutingNode *route = nullptr; // set for pair / padded layouts
   bool is_input = false;              // an Input or Param, uploaded by the caller
-  // The last dim is stored with a row stride rounded up to 8 and a zero tail:
-  // a transposed A whose K (the token count) is dynamic, so the GEMM's
-  // 16-byte loads stay aligned and read zeros past K. A backend that reads
-  // element by element may ignore it (the storage is only larger).
+  // The last dim is stored with a row stride rounded up to 8: an
+  // intermediate whose last dim is dynamic (lowering/dynamic_rows.h), so
+  // the CUDA GEMMs' 16-byte loads and wide stores stay aligned at any
+  // count. Nothing reads the tail as a value. The CPU backend, which reads
+  // element by element, keeps such rows dense (the storage is only larger).
   bool stride8 = false;
   // A padded tensor whose padding rows hold zeros (the element-wise kernel,
   // gather or GEMM epilogue that writes it zeroes them: padded_elementwise):

@@ -97,7 +97,8 @@ TEST_CASE("codegen: TMA tiles compile without spills with a tensor map per B ope
         s.tma("*", true).persistent("*", persistent);
         cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, s);
         check_resources(c, std::string(example) + " / " + preset_name + " / tma");
-        CHECK(c.source.source.find(persistent ? "Cfg::tile_tma(" : "Cfg::mainloop_tma(") != std::string::npos);
+        CHECK(c.source.source.find(persistent ? "Cfg::tile(ring, Cfg::tma_loads("
+                                              : "Cfg::mainloop(smem, Cfg::tma_loads(") != std::string::npos);
         // Every GEMM's B operands travel as tensor maps, not pointers.
         for (const GeneratedKernel &k : c.source.kernels) {
           if (k.grid.kind != GridShape::Kind::routed_tiles && k.grid.kind != GridShape::Kind::dense_tiles)
@@ -750,7 +751,8 @@ TEST_CASE("codegen: chain_summed_gemms: SwiGLU's input gradient is one GEMM over
     REQUIRE(chained == 1);
     CHECK(c.training.program.find("d_x_s") == nullptr);
     const std::string src = kernel_source(c.layer, name);
-    CHECK(count_of(src, mode == 2 ? "Cfg::tile_tma_chain(ring, " : "Cfg::mainloop_tma_chain(smem, ") == 1);
+    CHECK(count_of(src, mode == 2 ? "Cfg::tile(ring, Cfg::chain_loads(" : "Cfg::mainloop(smem, Cfg::chain_loads(") ==
+          1);
     bool a2 = false, b2 = false;
     for (const KernelArg &a : kernel_named(c.layer, name).args) {
       a2 |= a.kind == KernelArg::Kind::tma && a.name == "d_x_s_a";

@@ -1008,16 +1008,17 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     stamp(1);
     stamp_rows();
     const std::string batch = g.b_per_expert ? "(int)expert" : "0";
-    if (chained)
-      body << "  if (!Cfg::" << (persistent ? "tile_tma_chain(ring, " : "mainloop_tma_chain(smem, ")
-           << "a_load, tB, a_load2, tB2, " << batch << ", K, K2, n0, rows, acc))\n    "
-           << (persistent ? "continue;  // the producer: on to the next tile\n\n"
-                          : "return;  // a loading-only warpgroup\n\n");
-    else if (persistent && !cluster)
-      body << "  if (!Cfg::"
-           << (tma ? "tile_tma(ring, a_load, tB, " + batch + ", K, n0, rows, acc)"
-                   : "tile(ring, gA, a_ok, gB, K, N, n0, acc)")
-           << ")\n    continue;  // the producer: on to the next tile\n\n";
+    // The warp-specialised loop: one walk (a block per tile: mainloop;
+    // persistent: tile) over what its stages load (WgmmaWsConfig's
+    // CopyLoads, TmaLoads, ChainLoads).
+    const std::string loads = chained ? "Cfg::chain_loads(a_load, tB, a_load2, tB2, " + batch + ", K, K2, n0), rows"
+                              : tma   ? "Cfg::tma_loads(a_load, tB, " + batch + ", K, n0), rows"
+                                      : "Cfg::CopyLoads{gA, a_ok, gB, K, N, n0}, Cfg::BM";
+    internal_check(!chained || ws) << g.name << ": a chained product runs in the warp-specialised loop";
+    if (ws && persistent && !cluster)
+      body << "  if (!Cfg::tile(ring, " << loads << ", acc))\n    continue;  // the producer: on to the next tile\n\n";
+    else if (ws && !cluster)
+      body << "  if (!Cfg::mainloop(smem, " << loads << ", acc))\n    return;  // a loading-only warpgroup\n\n";
     else if (cluster) {
       // Both blocks of the pair decide alike: share B when both tiles hold rows of one expert.
       if (g.route && g.block == 2 * t.tile_m)

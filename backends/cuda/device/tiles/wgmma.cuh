@@ -319,7 +319,7 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
   // completes when every thread's copies and the boxes' bytes have landed.
   // A block barrier per k step guards the slot being refilled, as in
   // cp_async_pipeline; two blocks per SM then overlap one's epilogue with
-  // the other's main loop. `rows`: see WgmmaWsConfig::mainloop_tma.
+  // the other's main loop. `rows`: as WgmmaWsConfig's TmaLoads (SKIPS_EMPTY).
   template <typename ALoad>
   __device__ static bool mainloop_tma(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
                                       int K, int n0, int rows, Acc &acc) {

@@ -257,7 +257,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
     Tiles::tiles_done(counter);
     cluster_sync();
   }
-  // One item's tile: as tile_tma, with B multicast when `share`.
+  // One item's tile: as tile() over TmaLoads, with B multicast when `share`.
   template <typename ALoad>
   __device__ static bool pair_tile_tma(Ring &r, const ALoad &a, const TmaDesc *const (&tB)[NB], int batch, int K,
                                        int n0, int rows, bool share, Acc &acc) {
@@ -302,100 +302,96 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
     return true;
   }
 
-  // One output tile: the producer issues its loads and returns false (go on
-  // to the next tile); the consumers accumulate it into acc and return true.
-  __device__ static bool tile(Ring &r, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
-                              const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
-    return ring_tile(r, K, acc, [&](int slot, int kt, int t) {
-      Base::template load_stage<128>(r.s0, slot, kt, t, gA, a_ok, gB, K, N, n0);
-    });
-  }
-  // The same with B by TMA and A by `a` (ACopy or ATma; load_stage_tma);
-  // `rows`: the tile's valid rows (mainloop_tma).
-  template <typename ALoad>
-  __device__ static bool tile_tma(Ring &r, const ALoad &a, const TmaDesc *const (&tB)[NB], int batch, int K, int n0,
-                                  int rows, Acc &acc) {
-    return ring_tile(
-        r, K, acc,
-        [&](int slot, int kt, int t) { Base::load_stage_tma(r.s0, r.full, slot, kt, t, a, tB, batch, K, n0); },
-        rows > (threadIdx.x >> 7) * 64);
-  }
-  // ---- a chained product (GemmStep::chained): acc = A B + A2 B2, the
-  // first product's k-tiles, then the second's, as one run of stages, so
-  // the consumers see one main loop and one epilogue.
-  template <typename ALoad>
-  __device__ static __forceinline__ void
-  load_chained(unsigned s0, unsigned full, int slot, int kt, int t, const ALoad &a, const TmaDesc *const (&tB)[NB],
-               const ALoad &a2, const TmaDesc *const (&tB2)[NB], int batch, int K, int K2, int n0) {
-    const int KT1 = (K + BK - 1) / BK;
-    if (kt < KT1)
+  // ---- what a stage loads: one type per way the operands come, which
+  // either walk below takes (a block per tile: mainloop; persistent: tile).
+  // Each says how many k-tiles the tile has, loads stage kt into `slot` from
+  // producer thread t, whether A comes by TMA (else the consumers fence the
+  // generic proxy's cp.async copies), and whether a warpgroup whose 64 rows
+  // are all past the tile's `rows` skips its wgmmas (an expert's last,
+  // partly filled tile: the other warpgroup then has the tensor cores).
+  // A and B through per-thread pointers, by cp.async (rows unknown here).
+  struct CopyLoads {
+    const bf16 *const (&gA)[A_ITERS];
+    const bool (&a_ok)[A_ITERS];
+    const bf16 *const (&gB)[NB];
+    int K, N, n0;
+    static constexpr bool BY_TMA = false, SKIPS_EMPTY = false;
+    __device__ int k_tiles() const { return (K + BK - 1) / BK; }
+    __device__ void load(unsigned s0, unsigned, int slot, int kt, int t) const {
+      Base::template load_stage<128>(s0, slot, kt, t, gA, a_ok, gB, K, N, n0);
+    }
+  };
+  // B by TMA, A by `a` (ACopy or ATma; load_stage_tma).
+  template <typename ALoad> struct TmaLoads {
+    const ALoad &a;
+    const TmaDesc *const (&tB)[NB];
+    int batch, K, n0;
+    static constexpr bool BY_TMA = ALoad::BY_TMA, SKIPS_EMPTY = true;
+    __device__ int k_tiles() const { return (K + BK - 1) / BK; }
+    __device__ void load(unsigned s0, unsigned full, int slot, int kt, int t) const {
       Base::load_stage_tma(s0, full, slot, kt, t, a, tB, batch, K, n0);
-    else
-      Base::load_stage_tma(s0, full, slot, kt - KT1, t, a2, tB2, batch, K2, n0);
+    }
+  };
+  // A chained product (GemmStep::chained): acc = A B + A2 B2, the first
+  // product's k-tiles, then the second's, as one run of stages, so the
+  // consumers see one main loop and one epilogue.
+  template <typename ALoad> struct ChainLoads {
+    const ALoad &a;
+    const TmaDesc *const (&tB)[NB];
+    const ALoad &a2;
+    const TmaDesc *const (&tB2)[NB];
+    int batch, K, K2, n0;
+    static constexpr bool BY_TMA = ALoad::BY_TMA, SKIPS_EMPTY = true;
+    __device__ int k_tiles() const { return (K + BK - 1) / BK + (K2 + BK - 1) / BK; }
+    __device__ void load(unsigned s0, unsigned full, int slot, int kt, int t) const {
+      const int KT1 = (K + BK - 1) / BK;
+      if (kt < KT1)
+        Base::load_stage_tma(s0, full, slot, kt, t, a, tB, batch, K, n0);
+      else
+        Base::load_stage_tma(s0, full, slot, kt - KT1, t, a2, tB2, batch, K2, n0);
+    }
+  };
+  template <typename ALoad>
+  __device__ static TmaLoads<ALoad> tma_loads(const ALoad &a, const TmaDesc *const (&tB)[NB], int batch, int K,
+                                              int n0) {
+    return {a, tB, batch, K, n0};
   }
   template <typename ALoad>
-  __device__ static bool tile_tma_chain(Ring &r, const ALoad &a, const TmaDesc *const (&tB)[NB], const ALoad &a2,
-                                        const TmaDesc *const (&tB2)[NB], int batch, int K, int K2, int n0, int rows,
-                                        Acc &acc) {
-    const int KT = (K + BK - 1) / BK + (K2 + BK - 1) / BK;
-    return ring_tile(
-        r, KT * BK, acc,
-        [&](int slot, int kt, int t) { load_chained(r.s0, r.full, slot, kt, t, a, tB, a2, tB2, batch, K, K2, n0); },
-        rows > (threadIdx.x >> 7) * 64);
+  __device__ static ChainLoads<ALoad> chain_loads(const ALoad &a, const TmaDesc *const (&tB)[NB], const ALoad &a2,
+                                                  const TmaDesc *const (&tB2)[NB], int batch, int K, int K2, int n0) {
+    return {a, tB, a2, tB2, batch, K, K2, n0};
   }
-  template <typename ALoad>
-  __device__ static bool mainloop_tma_chain(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB],
-                                            const ALoad &a2, const TmaDesc *const (&tB2)[NB], int batch, int K, int K2,
-                                            int n0, int rows, Acc &acc) {
+
+  // ---- the walks. A block per tile: the producer warpgroup loads the
+  // tile's stages and returns false (it must then leave the kernel); the
+  // consumers accumulate into acc and return true.
+  template <typename Loads> __device__ static bool mainloop(unsigned char *smem, const Loads &l, int rows, Acc &acc) {
     const int wg = threadIdx.x >> 7;
-    const bool active = rows > wg * 64;
+    const bool active = !Loads::SKIPS_EMPTY || rows > wg * 64;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
-    return ws_pipeline<STAGES, CONSUMERS, !ALoad::BY_TMA>(
-        full, (K + BK - 1) / BK + (K2 + BK - 1) / BK,
-        [&](int slot, int kt, int t) { load_chained(s0, full, slot, kt, t, a, tB, a2, tB2, batch, K, K2, n0); },
+    return ws_pipeline<STAGES, CONSUMERS, !Loads::BY_TMA>(
+        full, l.k_tiles(), [&](int slot, int kt, int t) { l.load(s0, full, slot, kt, t); },
         [&](int slot) {
           if (active)
             Base::mma_stage(s0, slot, wg, acc);
         });
   }
-  template <typename Load> __device__ static bool ring_tile(Ring &r, int K, Acc &acc, Load load, bool active = true) {
+  // Persistent blocks: one output tile on the ring; the producer issues its
+  // loads and returns false (go on to the next tile), the consumers
+  // accumulate it and return true.
+  template <typename Loads> __device__ static bool tile(Ring &r, const Loads &l, int rows, Acc &acc) {
     const int wg = threadIdx.x >> 7;
-    return Tiles::ring_stages(r, (K + BK - 1) / BK, load, [&](int slot) {
-      if (active)
-        Base::mma_stage(r.s0, slot, wg, acc);
-    });
-  }
-
-  // Returns false in the producer warpgroup, which must then leave the kernel.
-  __device__ static bool mainloop(unsigned char *smem, const bf16 *const (&gA)[A_ITERS], const bool (&a_ok)[A_ITERS],
-                                  const bf16 *const (&gB)[NB], int K, int N, int n0, Acc &acc) {
-    const int wg = threadIdx.x >> 7;
-    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u;
-    return ws_pipeline<STAGES, CONSUMERS>(
-        s0 + STAGES * STAGE_BYTES, (K + BK - 1) / BK,
-        [&](int slot, int kt, int t) { Base::template load_stage<128>(s0, slot, kt, t, gA, a_ok, gB, K, N, n0); },
-        [&](int slot) { Base::mma_stage(s0, slot, wg, acc); });
+    const bool active = !Loads::SKIPS_EMPTY || rows > wg * 64;
+    return Tiles::ring_stages(
+        r, l.k_tiles(), [&](int slot, int kt, int t) { l.load(r.s0, r.full, slot, kt, t); },
+        [&](int slot) {
+          if (active)
+            Base::mma_stage(r.s0, slot, wg, acc);
+        });
   }
 
   typedef typename Base::template ACopyBy<128> ACopy; // the producer warpgroup loads
   typedef typename Base::ATma ATma;
-  // A warpgroup whose 64 rows are all past the tile's `rows` (an expert's
-  // last, partly filled tile) skips its wgmmas but keeps the stage protocol:
-  // the other warpgroup then has the tensor cores to itself.
-  template <typename ALoad>
-  __device__ static bool mainloop_tma(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB], int batch,
-                                      int K, int n0, int rows, Acc &acc) {
-    const int wg = threadIdx.x >> 7;
-    const bool active = rows > wg * 64;
-    const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
-    return ws_pipeline<STAGES, CONSUMERS, !ALoad::BY_TMA>(
-        full, (K + BK - 1) / BK,
-        [&](int slot, int kt, int t) { Base::load_stage_tma(s0, full, slot, kt, t, a, tB, batch, K, n0); },
-        [&](int slot) {
-          if (active)
-            Base::mma_stage(s0, slot, wg, acc);
-        });
-  }
 
   // ---- two blocks of a cluster on row tiles of one expert (same B tiles).
   // Each block loads its own A and half of every stage's B boxes, multicast
@@ -403,7 +399,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
   // A slot is refilled only when the consumers of both blocks have released
   // it (each consumer warp arrives on its own block's `empty` barrier from
   // lane 0 and on the peer's from lane 1). share = false: the blocks run
-  // mainloop_tma independently (a partner tile of another expert, or none).
+  // mainloop over TmaLoads independently (a partner tile of another expert, or none).
   // Lifetimes without a closing cluster barrier: a block touches the peer's
   // shared memory only through its multicast boxes, which the peer's
   // consumers wait for, and through releases of slots the peer's producer
@@ -414,7 +410,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
   __device__ static bool mainloop_tma_pair(unsigned char *smem, const ALoad &a, const TmaDesc *const (&tB)[NB],
                                            int batch, int K, int n0, int rows, bool share, Acc &acc) {
     if (!share)
-      return mainloop_tma(smem, a, tB, batch, K, n0, rows, acc);
+      return mainloop(smem, tma_loads(a, tB, batch, K, n0), rows, acc);
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, KT = (K + BK - 1) / BK;
     const unsigned rank = cluster_rank(), peer = rank ^ 1u;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;

@@ -74,7 +74,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // shape is known here; expert reductions and dynamic K stay on cp.async.
   tma = wgmma && t.tma && !in_place && !g.expert_k && !g.k.is_dynamic() && !g.n.is_dynamic();
   // An expert reduction's operands by TMA: consecutive padded rows with
-  // zeros on padding (WgmmaRowsWsConfig::mainloop_tma_rows); the other
+  // zeros on padding (WgmmaRowsWsConfig::mainloop<A_TMA, B_TMA>); the other
   // operand, gathered where it is (gather_in_gemms, gather_upstream_in_gemms),
   // by cp.async.
   auto zero_padded = [&](const std::string &name, RowMap rows) {

@@ -640,7 +640,7 @@ TEST_CASE("codegen: padded_elementwise: zero-padded element-wise results, read b
     auto source = [&](const std::string &kernel) { return kernel_source(c.layer, kernel); };
     for (const char *g : {"gemm_d_w1", "gemm_d_w3", "gemm_d_w2"}) {
       CHECK(source(g).find("A and B by TMA") != std::string::npos);
-      CHECK(source(g).find("Cfg::tile_tma_rows<true, true>(ring") != std::string::npos); // persistent (tuned_wide)
+      CHECK(source(g).find("Cfg::tile<true, true>(ring") != std::string::npos); // persistent (tuned_wide)
     }
     // dW1 and dW3 read x through one padded copy (zero padding).
     CHECK(p.tensor("x_rows_route").zero_padding);

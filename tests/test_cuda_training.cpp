@@ -120,7 +120,7 @@ TEST_CASE("cuda training: the default schedule with the backward's memory choice
       upstream.gather_upstream_in_gemms(true);
       cuda::CompiledTraining u = cuda::compile_training(ex.pipeline, out, upstream);
       check_resources(u.layer, std::string(name) + " / upstream / d = " + std::to_string(s.d));
-      CHECK(kernel_source(u.layer, "gemm_d_w2").find("Cfg::tile_tma_rows<true, false>(ring") != std::string::npos);
+      CHECK(kernel_source(u.layer, "gemm_d_w2").find("Cfg::tile<true, false>(ring") != std::string::npos);
     }
 }
 

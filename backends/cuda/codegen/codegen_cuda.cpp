@@ -956,11 +956,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     // Each operand as (rows, TMA map): one of them null.
     auto operand = [](bool by_tma, const std::string &g_x) { return by_tma ? "nullptr, " + g_x : g_x + ", nullptr"; };
     if (a_tma_rows || b_tma_rows || persistent)
-      body << "  if (!Cfg::" << (persistent ? "tile_tma_rows<" : "mainloop_tma_rows<")
-           << (a_tma_rows ? "true" : "false") << ", " << (b_tma_rows ? "true" : "false") << ">("
-           << (persistent ? "ring, " : "smem, ") << operand(a_tma_rows, gA) << ", " << div(g.a_rows)
-           << ", (int)M, (int)p0, " << operand(b_tma_rows, gB[0]) << ", " << div(g.b_rows) << ", N, n0, "
-           << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc))\n"
+      body << "  if (!Cfg::" << (persistent ? "tile<" : "mainloop<") << (a_tma_rows ? "true" : "false") << ", "
+           << (b_tma_rows ? "true" : "false") << ">(" << (persistent ? "ring, " : "smem, ") << operand(a_tma_rows, gA)
+           << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << operand(b_tma_rows, gB[0]) << ", " << div(g.b_rows)
+           << ", N, n0, " << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc))\n"
            << (persistent ? "    continue;  // the producer: on to the next tile\n\n"
                           : "    return;  // a loading-only warpgroup\n\n");
     else

@@ -500,9 +500,9 @@ struct WgmmaRowsWsConfig
   // instruction: the cp.async issue rate is what bounded this loop (two
   // thirds of a 128 x 256 stage is B).
   template <bool A_TMA, bool B_TMA>
-  __device__ static bool mainloop_tma_rows(unsigned char *smem, const bf16 *A, const TmaDesc *tA, int a_div, int M,
-                                           int m0, const bf16 *B, const TmaDesc *tB, int b_div, int N, int n0,
-                                           const int *sorted_pair, long long p_begin, int K, Acc &acc) {
+  __device__ static bool mainloop(unsigned char *smem, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0,
+                                  const bf16 *B, const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair,
+                                  long long p_begin, int K, Acc &acc) {
     const int wg = threadIdx.x >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * Base::STAGE_BYTES;
     typename Base::template Rows<128> rows;
@@ -522,9 +522,9 @@ struct WgmmaRowsWsConfig
   // mixtral), so a block per tile spent a tenth of each tile filling its
   // pipeline and storing its output with the tensor cores idle.
   template <bool A_TMA, bool B_TMA>
-  __device__ static bool tile_tma_rows(Ring &r, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0,
-                                       const bf16 *B, const TmaDesc *tB, int b_div, int N, int n0,
-                                       const int *sorted_pair, long long p_begin, int K, Acc &acc) {
+  __device__ static bool tile(Ring &r, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0, const bf16 *B,
+                              const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair, long long p_begin,
+                              int K, Acc &acc) {
     const int wg = threadIdx.x >> 7;
     typename Base::template Rows<128> rows;
     return Tiles::ring_stages(

@@ -533,6 +533,32 @@ def test_a_backward_frees_its_forwards_memory_while_the_graph_lives():
 
 
 @needs_gpu
+def test_a_backward_holds_no_second_copy_of_its_saved_activations():
+    """The backward's peak above what was alive before it stays under the
+    saved region's size: no zero "gradient" of the saved region (the
+    forward op's uint8 output, which no loss reads) is made beside it, as
+    autograd's materialised gradients did (H100, 2026-12-05: 754 MiB a
+    layer at fine64's shape). The weights are small and the token count
+    large, so the saved region dwarfs the gradients and the workspace."""
+    torch.manual_seed(12)
+    moe = mft.example("swiglu_moe", experts=8, topk=2, d=256, f=512)
+    x = torch.randn(32768, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(32768, 256, device="cuda", dtype=torch.bfloat16)
+    moe(x).backward(dy)  # compiles; the gradients exist from here
+    torch.cuda.synchronize()
+    y = moe(x)
+    saved = moe.saved_bytes(x.shape[0])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y.backward(dy)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert saved > 64 * 2 ** 20
+    assert extra < saved, f"the backward took {extra} bytes beside a saved region of {saved}"
+
+
+@needs_gpu
 def test_memory_returns_to_the_weights_after_every_step():
     """100 steps at varying token counts: after each, torch holds the
     weights and their gradients only, and nothing outside torch's allocator

@@ -45,30 +45,49 @@ BLOCK_CLASSES = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparse
 BIASED_BLOCK_CLASSES = ("DeepseekV3MoE", "Glm4MoeMoE")
 
 
+class _Layer:
+    """The dims, indices and weights both blocks' algebra share: x [T, d];
+    the router's weight wr [E, d] and down_proj w2 [E, d, F] in
+    transformers' layouts (so the block's own Parameters are read in
+    place); w1, w3 [E, d, F] (gate_up_proj's halves, copied)."""
+
+    def __init__(self, hidden, intermediate, experts):
+        T, D = mf.Dim.dynamic("T"), mf.Dim("D", hidden)
+        F, E = mf.Dim("F", intermediate), mf.Dim("E", experts)
+        self.t, self.e, self.i, self.j = mf.Var("t", T), mf.Var("e", E), mf.Var("i", D), mf.Var("j", F)
+        self.x = mf.Input("x", [T, D])
+        self.E = E
+        self.wr, self.w1 = mf.Param("wr", [E, D]), mf.Param("w1", [E, D, F])
+        self.w3, self.w2 = mf.Param("w3", [E, D, F]), mf.Param("w2", [E, D, F])
+
+    def logits(self):
+        logits = mf.Func("logits", mf.f32)
+        logits[self.t, self.e] = mf.sum(self.i, self.x[self.t, self.i] * self.wr[self.e, self.i])
+        return logits
+
+    def experts(self, route, gate):
+        """y[t] = sum over t's pairs r of gate(r) * (silu(x W1) * (x W3)) W2,
+        each pair through its expert's weights (gate: pair -> expression):
+        the Pipeline."""
+        x, i, j, t, r = self.x, self.i, self.j, self.t, route.pair
+        h, o, y = mf.Func("h"), mf.Func("o"), mf.Func("y")
+        h[r, j] = (mf.silu(mf.sum(i, x[route.token(r), i] * self.w1[route.expert(r), i, j])) *
+                   mf.sum(i, x[route.token(r), i] * self.w3[route.expert(r), i, j]))
+        o[r, i] = mf.sum(j, h[r, j] * self.w2[route.expert(r), i, j])
+        y[t, i] = mf.combine(route, t, gate(r) * o[r, i])
+        return mf.Pipeline([y])
+
+
 def sparse_moe_pipeline(hidden, intermediate, experts, top_k, renormalize):
     """The sparse block in the algebra: y[t] = sum over t's top-k experts e
     of gate(t, e) * (silu(x W1[e]) * (x W3[e])) W2[e], the gates the
     router's softmax probabilities (over the chosen ones where
     `renormalize`). Returns the Pipeline."""
-    T, D = mf.Dim.dynamic("T"), mf.Dim("D", hidden)
-    F, E = mf.Dim("F", intermediate), mf.Dim("E", experts)
-    t, e, i, j = mf.Var("t", T), mf.Var("e", E), mf.Var("i", D), mf.Var("j", F)
-    x = mf.Input("x", [T, D])
-    # wr and w2 in transformers' layouts (the router's weight [E, d], down_proj
-    # [E, d, F]), so the block's own Parameters are read in place.
-    wr, w1 = mf.Param("wr", [E, D]), mf.Param("w1", [E, D, F])
-    w3, w2 = mf.Param("w3", [E, D, F]), mf.Param("w2", [E, D, F])
-    logits, probs = mf.Func("logits", mf.f32), mf.Func("probs", mf.f32)
-    logits[t, e] = mf.sum(i, x[t, i] * wr[e, i])
-    probs[t, e] = mf.softmax(e, logits[t, e])
-    route = mf.top_k(probs, e, top_k, renormalize=renormalize)
-    r = route.pair
-    h, o, y = mf.Func("h"), mf.Func("o"), mf.Func("y")
-    h[r, j] = (mf.silu(mf.sum(i, x[route.token(r), i] * w1[route.expert(r), i, j])) *
-               mf.sum(i, x[route.token(r), i] * w3[route.expert(r), i, j]))
-    o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), i, j])
-    y[t, i] = mf.combine(route, t, route.gate(r) * o[r, i])
-    return mf.Pipeline([y])
+    a = _Layer(hidden, intermediate, experts)
+    logits, probs = a.logits(), mf.Func("probs", mf.f32)
+    probs[a.t, a.e] = mf.softmax(a.e, logits[a.t, a.e])
+    route = mf.top_k(probs, a.e, top_k, renormalize=renormalize)
+    return a.experts(route, route.gate)
 
 
 def biased_moe_pipeline(hidden, intermediate, experts, top_k, groups, top_groups, normalize, scaling):
@@ -77,16 +96,11 @@ def biased_moe_pipeline(hidden, intermediate, experts, top_k, groups, top_groups
     `groups` groups (a group scored by its two largest), gates the chosen
     s (over their sum + 1e-20 where `normalize`) times `scaling`, SwiGLU
     experts, the gated combine. Returns the Pipeline."""
-    T, D = mf.Dim.dynamic("T"), mf.Dim("D", hidden)
-    F, E = mf.Dim("F", intermediate), mf.Dim("E", experts)
-    t, e, i, j = mf.Var("t", T), mf.Var("e", E), mf.Var("i", D), mf.Var("j", F)
-    x = mf.Input("x", [T, D])
+    a = _Layer(hidden, intermediate, experts)
+    t, e = a.t, a.e
     # The bias moves the choice only: an Input (the block's buffer), no gradient.
-    bias = mf.Input("bias", [E], mf.f32)
-    wr, w1 = mf.Param("wr", [E, D]), mf.Param("w1", [E, D, F])
-    w3, w2 = mf.Param("w3", [E, D, F]), mf.Param("w2", [E, D, F])
-    logits, scores, choice = mf.Func("logits", mf.f32), mf.Func("scores", mf.f32), mf.Func("choice", mf.f32)
-    logits[t, e] = mf.sum(i, x[t, i] * wr[e, i])
+    bias = mf.Input("bias", [a.E], mf.f32)
+    logits, scores, choice = a.logits(), mf.Func("scores", mf.f32), mf.Func("choice", mf.f32)
     scores[t, e] = mf.sigmoid(logits[t, e])
     choice[t, e] = scores[t, e] + bias[e]
     route = mf.top_k(choice, e, top_k, groups=groups, top_groups=top_groups)
@@ -99,12 +113,7 @@ def biased_moe_pipeline(hidden, intermediate, experts, top_k, groups, top_groups
         gate[r] = picked[r] / (total[route.token(r)] + 1e-20) * scaling
     else:
         gate[r] = picked[r] * scaling
-    h, o, y = mf.Func("h"), mf.Func("o"), mf.Func("y")
-    h[r, j] = (mf.silu(mf.sum(i, x[route.token(r), i] * w1[route.expert(r), i, j])) *
-               mf.sum(i, x[route.token(r), i] * w3[route.expert(r), i, j]))
-    o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), i, j])
-    y[t, i] = mf.combine(route, t, gate[r] * o[r, i])
-    return mf.Pipeline([y])
+    return a.experts(route, lambda pair: gate[pair])
 
 
 def _block_shape(block):
@@ -127,6 +136,18 @@ def _block_shape(block):
     return experts.hidden_dim, experts.intermediate_dim, experts.num_experts, gate.top_k, renormalize
 
 
+def _take_weights(moe, block):
+    """The block's router weight and down_proj become the layer's own
+    Parameters (read in their layouts); gate_up_proj's gate and up halves
+    are copied into w1 and w3 once."""
+    gate_up, f = block.experts.gate_up_proj, block.experts.intermediate_dim
+    moe.wr = block.gate.weight
+    moe.w2 = block.experts.down_proj
+    with torch.no_grad():
+        moe.w1.copy_(gate_up[:, :f, :].transpose(1, 2))
+        moe.w3.copy_(gate_up[:, f:, :].transpose(1, 2))
+
+
 class SparseMoeBlock(torch.nn.Module):
     """A transformers sparse MoE block run by moeforge: forward(hidden_states)
     takes (batch, seq, hidden) and returns the same shape and dtype."""
@@ -145,14 +166,8 @@ class SparseMoeBlock(torch.nn.Module):
         gate_up_proj copied; the original router kept for
         `record_router_logits`."""
         shape = _block_shape(block)
-        gate_up = block.experts.gate_up_proj
-        new = cls(*shape, schedule=schedule, device=gate_up.device.type)
-        f = shape[1]
-        new.moe.wr = block.gate.weight
-        new.moe.w2 = block.experts.down_proj
-        with torch.no_grad():
-            new.moe.w1.copy_(gate_up[:, :f, :].transpose(1, 2))
-            new.moe.w3.copy_(gate_up[:, f:, :].transpose(1, 2))
+        new = cls(*shape, schedule=schedule, device=block.experts.gate_up_proj.device.type)
+        _take_weights(new.moe, block)
         new.gate = block.gate
         new.record_router_logits = record_router_logits
         return new
@@ -205,15 +220,9 @@ class BiasedMoeBlock(torch.nn.Module):
         update of it reaches the layer) and shared experts shared, its
         gate_up_proj copied."""
         shape = _biased_block_shape(block)
-        gate_up = block.experts.gate_up_proj
-        new = cls(*shape, schedule=schedule, device=gate_up.device.type)
-        f = shape[1]
-        new.moe.wr = block.gate.weight
-        new.moe.w2 = block.experts.down_proj
+        new = cls(*shape, schedule=schedule, device=block.experts.gate_up_proj.device.type)
+        _take_weights(new.moe, block)
         new.moe.bias = block.gate.e_score_correction_bias
-        with torch.no_grad():
-            new.moe.w1.copy_(gate_up[:, :f, :].transpose(1, 2))
-            new.moe.w3.copy_(gate_up[:, f:, :].transpose(1, 2))
         new.shared_experts = block.shared_experts
         return new
 

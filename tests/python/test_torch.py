@@ -269,6 +269,33 @@ def test_bad_input_raises_with_the_message(device):
     assert normalized_error(y, ref) < 1e-5
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_constant_inputs_are_buffers_and_bad_ones_are_named(device):
+    """An Input not over the tokens (deepseek_moe's expert bias) is a buffer
+    the forward reads (no gradient); one of the wrong shape or device is
+    named; a layer with two Inputs over the tokens is refused."""
+    moe = mft.example("deepseek_moe", experts=E, topk=K, d=D, f=F, device=device)
+    assert moe._const_names == ["bias"] and "bias" in dict(moe.named_buffers())
+    assert "bias" not in dict(moe.named_parameters())
+    x = torch.randn(16, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    moe(x).float().sum().backward()
+    assert x.grad is not None and moe.bias.grad is None
+    moe.bias = torch.zeros(E + 1, device=device)
+    with pytest.raises(mf.UserError, match=rf"'bias' has shape \({E + 1},\); the layer expects \({E},\)"):
+        moe(x)
+    if device == "cuda":
+        moe.bias = torch.zeros(E)
+        with pytest.raises(mf.UserError, match="the constant input 'bias' is on cpu, the layer on cuda"):
+            moe(x)
+    T, Dd = mf.Dim.dynamic("T"), mf.Dim("D", D)
+    t, i = mf.Var("t", T), mf.Var("i", Dd)
+    a, b = mf.Input("a", [T, Dd]), mf.Input("b", [T, Dd])
+    y = mf.Func("y")
+    y[t, i] = a[t, i] * b[t, i]
+    with pytest.raises(mf.UserError, match=r"exactly one Input over the tokens .*got \['a', 'b'\]"):
+        mft.MoELayer(mf.Pipeline([y]), device=device)
+
+
 def _grads(moe, x):
     return [x.grad.clone()] + [p.grad.clone() for _, p in moe.named_parameters()]
 

@@ -346,6 +346,10 @@ class _ForwardRuntime(_BoundLayer):
         if self.cuda:
             with torch.cuda.device(module.device):
                 self.layer = mf.CudaCallerLayer(module.pipeline, schedule, tokens, module.device.index or 0)
+            # One graph launch per forward once torch's allocator hands back
+            # the same blocks: a decoding step's kernels take microseconds,
+            # so their launches would be most of its time.
+            self.layer.replay_graphs(True)
         else:
             self.layer = mf.CpuCallerLayer(module.pipeline, schedule, tokens)
         self.tokens = None

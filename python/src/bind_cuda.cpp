@@ -65,6 +65,11 @@ struct PyCudaCallerForward {
   Pipeline pipeline;
   std::unique_ptr<cuda::CompiledLayer> compiled;
   std::unique_ptr<cuda::CudaLayer> layer;
+  // Each forward as one CUDA graph once its addresses repeat (off until
+  // replay_graphs(True)): a decoding step's kernels take microseconds, so
+  // their launches are most of its time.
+  cuda::GraphReplay replay;
+  bool replay_on = false;
   PyCudaCallerForward(const Pipeline &p, const Schedule &s, int64_t tokens, int ordinal) : pipeline(p) {
     check_tokens(tokens);
     dev = device(ordinal);
@@ -234,11 +239,22 @@ void bind_cuda(nb::module_ &m) {
           [](PyCudaCallerForward &l, uintptr_t stream, uintptr_t saved, uintptr_t workspace) {
             l.dev->make_current();
             l.layer->place(static_cast<CUdeviceptr>(saved), static_cast<CUdeviceptr>(workspace));
-            l.layer->enqueue(stream_of(stream));
+            l.replay.run(*l.layer, 0, l.compiled->program.steps.size(), stream_of(stream), "enqueue()", l.replay_on);
           },
           "stream"_a, "saved"_a, "workspace"_a = 0,
           "Enqueues routing and every step on the stream: the routing tables to `saved`, temporaries to "
           "`workspace` (step_memory()'s bytes, 256-byte aligned; 0 where none).")
+      .def(
+          "replay_graphs", [](PyCudaCallerForward &l, bool on) { l.replay_on = on; }, "on"_a = true,
+          "Runs each forward as one CUDA graph: eagerly the first time at a token count and set of addresses, "
+          "captured the second, replayed after (eagerly inside someone else's capture).")
+      .def(
+          "graph_counts",
+          [](const PyCudaCallerForward &l) {
+            const cuda::GraphReplay::Counts &c = l.replay.counts();
+            return nb::make_tuple(c.replayed, c.captured, c.eager);
+          },
+          "(replayed, captured, eager) forwards since the layer was made.")
       .def(
           "check_routing_scores",
           [](PyCudaCallerForward &l, uintptr_t stream) {

@@ -83,3 +83,26 @@ def test_a_compiled_model_under_inference_mode(device):
             x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
             assert torch.equal(compiled(x), moe(x)), f"{tokens} tokens"
     assert moe._caller is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not mf.gpu_available()[0], reason="no GPU")
+def test_a_decoding_loop_replays_the_forward_as_one_graph():
+    """At steady addresses (torch's allocator hands back the same blocks) the
+    forward alone runs eagerly once, is captured once, then replays, each
+    time on the values its input tensor holds then."""
+    torch.manual_seed(13)
+    moe = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F)
+    x = torch.empty(4, D, device="cuda", dtype=torch.bfloat16)
+    inputs, outputs = [], []
+    for _ in range(6):
+        x.copy_(torch.randn(4, D, device="cuda", dtype=torch.bfloat16))
+        with torch.inference_mode():
+            y = moe(x)
+        inputs.append(x.clone())
+        outputs.append(y.clone())
+        del y  # its block comes back to the next forward: the same addresses
+    replayed, captured, eager = moe._forward_only.layer.graph_counts()
+    assert captured >= 1 and replayed >= 2, (replayed, captured, eager)
+    for step, (xi, yi) in enumerate(zip(inputs, outputs)):
+        want = moe(xi.clone().requires_grad_(True)).detach()  # the training forward, eager kernels
+        assert normalized_error(yi, want) < 1e-2, f"step {step}"

@@ -75,57 +75,23 @@ void TrainingLayer::poison() {
   state_.poisoned();
 }
 
-void TrainingLayer::run(Replay &r, size_t begin, size_t end, const Stream &stream) {
-  // Before anything is queued, so a graph replay reports it too.
-  layer_.check_routing_scores(stream, begin == 0 ? "forward()" : "backward()");
-  const uint64_t epoch = layer_.signature(begin, end);
-  auto cached = std::find_if(r.graphs.begin(), r.graphs.end(), [&](const auto &g) { return g.first == epoch; });
-  const bool seen = std::find(r.eager_at.begin(), r.eager_at.end(), epoch) != r.eager_at.end();
-  if (!replay_ || is_capturing(stream) || (cached == r.graphs.end() && !seen)) {
-    layer_.enqueue(stream, begin, end);
-    ++counts_.eager;
-    if (!seen) {
-      r.eager_at.push_front(epoch);
-      if (r.eager_at.size() > kGraphsPerEntry)
-        r.eager_at.pop_back();
-    }
-    return;
-  }
-  if (cached == r.graphs.end()) {
-    // Recording runs nothing, so a stream of our own can record what then
-    // replays on the caller's; enqueue's checks run here as they would
-    // eagerly.
-    if (!capture_stream_)
-      capture_stream_ = std::make_unique<Stream>();
-    CudaGraph g = CudaGraph::capture(*capture_stream_, [&] { layer_.enqueue(*capture_stream_, begin, end); });
-    r.graphs.emplace_front(epoch, std::move(g));
-    if (r.graphs.size() > kGraphsPerEntry)
-      r.graphs.pop_back();
-    ++counts_.captured;
-  } else {
-    if (cached != r.graphs.begin())
-      std::rotate(r.graphs.begin(), cached, cached + 1); // most recently used first
-    ++counts_.replayed;
-  }
-  r.graphs.front().second.launch(stream);
-}
-
 void TrainingLayer::forward(const Stream &stream) {
   check_memory(false, "forward");
-  run(forward_, 0, compiled_.training.forward_steps, stream);
+  replay_.run(layer_, 0, compiled_.training.forward_steps, stream, "forward()", replay_on_);
   state_.forward_ran();
 }
 
 void TrainingLayer::backward(const Stream &stream) {
   check_memory(false, "backward");
   state_.check_ready_for_backward();
-  run(backward_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream);
+  replay_.run(layer_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream, "backward()",
+              replay_on_);
 }
 
 void TrainingLayer::forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace) {
   check_memory(true, "forward");
   layer_.place(saved, workspace);
-  run(forward_, 0, compiled_.training.forward_steps, stream);
+  replay_.run(layer_, 0, compiled_.training.forward_steps, stream, "forward()", replay_on_);
   forwards_.forward_wrote(saved, layer_.tokens());
 }
 
@@ -136,7 +102,8 @@ void TrainingLayer::backward(const Stream &stream, CUdeviceptr saved, CUdevicept
   state_.forward_ran();
   state_.check_ready_for_backward();
   layer_.place(saved, workspace);
-  run(backward_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream);
+  replay_.run(layer_, compiled_.training.forward_steps, compiled_.training.program.steps.size(), stream, "backward()",
+              replay_on_);
   forwards_.backward_ran(compiled_.training, saved, layer_.tokens());
 }
 

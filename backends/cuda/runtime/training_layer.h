@@ -9,12 +9,12 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "backends/cuda/runtime/graph_replay.h"
 #include "backends/cuda/runtime/layer.h"
 #include "backends/cuda/runtime/stream.h"
 #include "lowering/training.h"
@@ -111,24 +111,12 @@ public:
   }
   static constexpr size_t kRecentForwards = ForwardsInFlight::kRecent;
   // Replays the forward and the backward each as one CUDA graph instead of
-  // one launch per kernel, for steps short enough that the launches show
-  // (a 2 ms step of ~30 kernels). A graph holds TMA descriptors by value, so
-  // it is captured again after a bind moved a tensor: the first call at new
-  // addresses runs eagerly, the second captures, later ones replay. Work
-  // queued while the stream is being captured by someone else (a step
-  // inside torch.cuda.graph) is queued eagerly into that capture. Off by
-  // default. Each entry point keeps the graphs of its last few address sets
-  // (kGraphsPerEntry): a layer a model runs at two sets in turn (two
-  // micro-batches, a module used twice, an allocator handing back blocks
-  // in a cycle) replays both instead of capturing at every call.
-  void replay_graphs(bool on) { replay_ = on; }
-  static constexpr size_t kGraphsPerEntry = 4;
-  // What the calls of each entry point did, counted since the layer was
-  // made (for benchmarks and tests: a training loop should replay).
-  struct GraphCounts {
-    uint64_t replayed = 0, captured = 0, eager = 0;
-  };
-  GraphCounts graph_counts() const { return counts_; }
+  // one launch per kernel (GraphReplay: the first call at new addresses
+  // runs eagerly, the second captures, later ones replay; eagerly inside
+  // someone else's capture). Off by default.
+  void replay_graphs(bool on) { replay_on_ = on; }
+  using GraphCounts = GraphReplay::Counts;
+  GraphCounts graph_counts() const { return replay_.counts(); }
   // Per-step times of the forward or the backward (for benchmarks' notes).
   std::vector<std::pair<std::string, double>> profile_forward(const Stream &stream);
   std::vector<std::pair<std::string, double>> profile_backward(const Stream &stream);
@@ -156,15 +144,6 @@ public:
   const CudaLayer &layer() const { return layer_; }
 
 private:
-  // One entry point's graphs, most recently used first, each with the
-  // signature (CudaLayer::signature) of its steps it was captured at; and
-  // the signatures it last ran eagerly at (a second call at one captures).
-  struct Replay {
-    std::deque<std::pair<uint64_t, CudaGraph>> graphs;
-    std::deque<uint64_t> eager_at;
-  };
-  void run(Replay &r, size_t begin, size_t end, const Stream &stream);
-
   void check_memory(bool caller, const char *call) const;
 
   const CompiledTraining &compiled_;
@@ -172,10 +151,8 @@ private:
   // LayerMemory::caller: which saved memory a backward may be given.
   ForwardsInFlight forwards_;
   TrainingState state_;
-  bool replay_ = false;
-  Replay forward_, backward_;
-  GraphCounts counts_;
-  std::unique_ptr<Stream> capture_stream_; // graphs are recorded here (the legacy stream cannot be captured)
+  bool replay_on_ = false;
+  GraphReplay replay_;
 };
 
 } // namespace moeforge::cuda

@@ -14,9 +14,11 @@ place (its input, weights, outputs, upstream gradients and gradients are
 bound to their memory: no copies), nothing synchronises with the host, and
 a step can be captured in a CUDA graph (torch.cuda.graph) after a warm-up
 step outside it. The layer's Params are the module's nn.Parameters (bf16
-by default, as the algebra declares them); its one Input is the argument of
-forward(); with auxiliary losses among the outputs, forward() returns the
-output and the losses as tensors.
+by default, as the algebra declares them); its one Input over the tokens is
+the argument of forward(), and its other Inputs (DeepSeek's selection-only
+expert bias) are buffers, read by every forward and given no gradient; with
+auxiliary losses among the outputs, forward() returns the output and the
+losses as tensors.
 
 Memory: the module compiles one program and holds no memory of its own
 besides its parameters. Each forward takes from torch's caching allocator

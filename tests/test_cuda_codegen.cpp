@@ -8,6 +8,7 @@
 
 #include "cuda_resources.h"
 #include "layer_compare.h"
+#include "program_steps.h"
 #include "softmax_layers.h"
 #include "source_files.h"
 #include "whole_gradient.h"
@@ -38,13 +39,7 @@ template <typename T> int count_steps(const KernelProgram &p) {
   return n;
 }
 
-const GemmStep &gemm(const KernelProgram &p, const std::string &out) {
-  for (const Step &s : p.steps)
-    if (auto *g = std::get_if<GemmStep>(&s); g && g->output == out)
-      return *g;
-  FAIL("no GEMM writes " << out);
-  throw 0;
-}
+const GemmStep &gemm(const KernelProgram &p, const std::string &out) { return testing::gemm_writing(p, out); }
 
 } // namespace
 

@@ -7,6 +7,7 @@
 
 #include "cuda_resources.h"
 #include "layer_compare.h"
+#include "program_steps.h"
 
 #include "backends/cuda/codegen/codegen_cuda.h"
 #include "benchmarks/train_schedule.h"
@@ -18,18 +19,11 @@
 #include "schedules/presets.h"
 
 using namespace moeforge;
+using testing::gemm_named;
 
 namespace {
 
 ExampleShape small() { return testing::shape(64, 128, 256, 8, 2); }
-
-const GemmStep &gemm_named(const KernelProgram &p, const std::string &name) {
-  for (const Step &s : p.steps)
-    if (const auto *g = std::get_if<GemmStep>(&s); g && g->name == name)
-      return *g;
-  FAIL("no GEMM step " << name);
-  throw 0;
-}
 
 } // namespace
 

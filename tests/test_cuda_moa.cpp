@@ -16,6 +16,7 @@
 #include "backends/cuda/runtime/layer.h"
 #include "backends/cuda/runtime/stream.h"
 #include "backends/cuda/runtime/training_layer.h"
+#include "cuda_forward_compare.h"
 #include "cuda_resources.h"
 #include "cuda_training_step.h"
 #include "examples/examples.h"
@@ -23,23 +24,17 @@
 #include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
+#include "program_steps.h"
 #include "schedules/presets.h"
 #include "tests/gpu_test.h"
 #include "training_compare.h"
 
 using namespace moeforge;
+using testing::gemm_writing;
 
 namespace {
 
 ExampleShape attention_shape(int64_t tokens) { return testing::shape(tokens, 64, 32, 8, 2); }
-
-const GemmStep &gemm_writing(const KernelProgram &p, const std::string &out) {
-  for (const Step &s : p.steps)
-    if (auto *g = std::get_if<GemmStep>(&s); g && g->output == out)
-      return *g;
-  FAIL("no GEMM writes " << out);
-  throw 0;
-}
 
 } // namespace
 
@@ -86,7 +81,6 @@ TEST_CASE("cuda attention: moa and attention compile for sm_90a without spills, 
 TEST_SUITE("gpu") {
   TEST_CASE("cuda gpu: moa and attention forward match the reference at 1, 37 and 300 tokens") {
     MOEFORGE_REQUIRE_GPU();
-    static cuda::Device device;
     for (const char *name : {"moa", "attention"})
       for (int64_t tokens : {1, 37, 300})
         for (const char *p : {"megablocks", "scattermoe"}) {
@@ -94,14 +88,7 @@ TEST_SUITE("gpu") {
           Example ex = make_example(name, s);
           TensorMap in = ex.random_inputs(s, 31);
           INFO(name << " / T " << tokens << " / " << p);
-          cuda::CompiledLayer fl = cuda::compile_layer(ex.pipeline, preset(p), device.arch_specific());
-          cuda::CudaLayer layer(device, fl, tokens);
-          layer.upload(in);
-          layer.poison();
-          cuda::Stream stream;
-          layer.enqueue(stream);
-          stream.synchronize();
-          testing::Outcome o = testing::compare_with_reference(ex, in, fl.program, layer, p, 2e-2);
+          testing::Outcome o = testing::cuda_forward_and_compare(ex, in, tokens, preset(p));
           CHECK(o.routing_mismatches == 0);
           CHECK(o.worst_error <= 2e-2);
         }

@@ -70,6 +70,27 @@ def test_a_swapped_block_gives_the_blocks_output_and_gradients(device, kind):
     assert error(ours.moe.wr.grad, block.gate.weight.grad) < 3e-2
 
 
+def train_both(original, swapped, tokens, steps=20):
+    """Each model trained `steps` AdamW steps on `tokens` (next-token loss):
+    the two loss curves, after checking that they start together and that
+    the swapped one falls."""
+    losses = []
+    for model in (original, swapped):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        curve = []
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            curve.append(loss.item())
+        losses.append(curve)
+    o, s = losses
+    assert abs(s[0] - o[0]) < 1e-2 * o[0], f"step 0: {s[0]} against {o[0]}"
+    assert s[-1] < 0.8 * s[0], f"the swapped model's loss did not fall: {s}"
+    return o, s
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_small_qwen3_moe_model_trains_as_the_original(device):
     config = transformers.Qwen3MoeConfig(
@@ -82,21 +103,7 @@ def test_a_small_qwen3_moe_model_trains_as_the_original(device):
     swapped.load_state_dict(original.state_dict())
     mftf.swap_sparse_moe_blocks(swapped)
     assert sum(isinstance(m, mftf.SparseMoeBlock) for m in swapped.modules()) == 2
-    tokens = torch.randint(0, 96, (4, 24), device=device)
-    losses = {}
-    for name, model in (("original", original), ("swapped", swapped)):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        curve = []
-        for _ in range(20):
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optimizer.step()
-            curve.append(loss.item())
-        losses[name] = curve
-    o, s = losses["original"], losses["swapped"]
-    assert abs(s[0] - o[0]) < 1e-2 * o[0], f"step 0: {s[0]} against {o[0]}"
-    assert s[-1] < 0.8 * s[0], f"the swapped model's loss did not fall: {s}"
+    o, s = train_both(original, swapped, torch.randint(0, 96, (4, 24), device=device))
     # bf16 models whose routers round differently drift apart a little.
     assert abs(s[-1] - o[-1]) < 5e-2 * o[-1], f"after 20 steps: {s[-1]} against {o[-1]}"
 
@@ -202,21 +209,7 @@ def test_a_small_deepseek_v3_model_trains_as_the_original(device):
     swapped = copy.deepcopy(original)
     mftf.swap_sparse_moe_blocks(swapped)
     assert sum(isinstance(m, mftf.BiasedMoeBlock) for m in swapped.modules()) == 2
-    tokens = torch.randint(0, 96, (4, 24), device=device)
-    losses = {}
-    for name, model in (("original", original), ("swapped", swapped)):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        curve = []
-        for _ in range(20):
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optimizer.step()
-            curve.append(loss.item())
-        losses[name] = curve
-    o, s = losses["original"], losses["swapped"]
-    assert abs(s[0] - o[0]) < 1e-2 * o[0], f"step 0: {s[0]} against {o[0]}"
-    assert s[-1] < 0.8 * s[0], f"the swapped model's loss did not fall: {s}"
+    o, s = train_both(original, swapped, torch.randint(0, 96, (4, 24), device=device))
     assert abs(s[-1] - o[-1]) < 5e-2 * o[-1], f"after 20 steps: {s[-1]} against {o[-1]}"
 
 

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""One MoE layer's forward alone (serving: no backward) over a sweep of token
+counts, moeforge against torch._grouped_mm and SonicMoE, on the same weights
+and inputs, beside the memory-bandwidth limit (issue #53).
+
+Per shape (mixtral, qwen3moe, gptoss: SwiGLU experts, softmax router) and
+token count T (decode: 1, 2, 4, ..., 256; prefill: 4096, 16384): the median
+of --reps forwards, CUDA events around each, after a warm-up of its own and
+a pause; moeforge through moeforge.torch under torch.inference_mode() (the
+forward alone on caller memory, replayed as one CUDA graph at steady
+addresses), torch._grouped_mm's layer (torch_grouped_mm_train.py's
+forward) under inference_mode, SonicMoE's MoE module in inference mode
+where it is installed. The limit is the bytes of the experts the T tokens
+hit on average, E (1 - (1 - k / E)^T) experts of 3 d f bf16 values, read at
+the card's copy bandwidth (a device-to-device copy of 2 GiB timed in the
+same run), or the dense roof's time for the forward's FLOPs (--roof
+TFLOP/s, 989 for an H200's bf16 by default) where that is longer.
+
+usage: python3 benchmarks/torch_decode.py [--shapes mixtral,qwen3moe,gptoss]
+       [--tokens 1,2,4,...,256,4096,16384] [--impls moeforge,torch,sonicmoe]
+       [--reps 50] [--out results.json] [--device cuda|cpu]
+       [--tiny] [--device cpu]   (d, f / 16 and the CPU backend: a logic test)
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_grouped_mm_train as tgm  # noqa: E402
+
+SHAPES = {name: (d, f, E, k) for name, _, d, f, E, k, swiglu, _ in tgm.SHAPES if swiglu}
+DECODE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+PREFILL = [4096, 16384]
+
+
+def weights(d, f, E, dev, seed=3):
+    """W1, W3 [E, d, f], W2 [E, f, d], wr [d, E] in bf16, U(-1, 1) / sqrt(fan-in)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def u(*shape, fan_in):
+        return ((torch.rand(*shape, device=dev, generator=g) * 2 - 1) / fan_in ** 0.5).bfloat16()
+
+    return u(E, d, f, fan_in=d), u(E, d, f, fan_in=d), u(E, f, d, fan_in=f), u(d, E, fan_in=d)
+
+
+class TorchLayer:
+    def __init__(self, w1, w3, w2, wr, k):
+        self.w = (w1, w3, w2, wr)
+        self.k = k
+        self.bias = torch.zeros(wr.shape[1], device=wr.device)
+
+    def __call__(self, x):
+        w1, w3, w2, wr = self.w
+        return tgm.forward(x, wr, self.bias, w1, w3, w2, self.k, True, tgm.make_mm("native"))
+
+
+def moeforge_layer(w1, w3, w2, wr, k):
+    import moeforge.torch as mft
+    E, d, f = w1.shape
+    m = mft.example("swiglu_moe", experts=E, topk=k, d=d, f=f, device=w1.device.type)
+    with torch.no_grad():
+        for name, w in (("w1", w1), ("w3", w3), ("w2", w2), ("wr", wr)):
+            getattr(m, name).copy_(w)
+    return m
+
+
+def sonic_layer(w1, w3, w2, wr, k):
+    from sonicmoe.enums import ActivationType, KernelBackendMoE
+    from sonicmoe.moe import MoE
+    E, d, f = w1.shape
+    m = MoE(E, k, d, f, ActivationType.SWIGLU, add_bias=False, std=0.02).to(wr.device).bfloat16()
+    with torch.no_grad():
+        m.router.weight.copy_(wr.t())
+        m.c_fc.weight[:, 0::2, :].copy_(w1.transpose(1, 2))
+        m.c_fc.weight[:, 1::2, :].copy_(w3.transpose(1, 2))
+        m.c_proj.weight.copy_(w2.transpose(1, 2))
+    m.eval()
+    return lambda x: m(x, kernel_backend_moe=KernelBackendMoE.sonicmoe, is_inference_mode=True)[0]
+
+
+def copy_bandwidth(dev):
+    """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        dst.copy_(src)
+    b.record()
+    b.synchronize()
+    return 2 * src.numel() * 10 / (a.elapsed_time(b) / 1e3)
+
+
+def limit_us(T, d, f, E, k, bandwidth, roof_tflops):
+    experts_hit = E * (1 - (1 - k / E) ** T)
+    read = experts_hit * 3 * d * f * 2 / bandwidth
+    compute = 2.0 * T * k * d * 3 * f / (roof_tflops * 1e12)
+    return 1e6 * max(read, compute)
+
+
+def time_us(fn, x, reps, dev):
+    with torch.inference_mode():
+        for _ in range(5):
+            fn(x)
+        if dev.type != "cuda":
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn(x)
+                times.append(1e6 * (time.perf_counter() - t0))
+            return statistics.median(times)
+        torch.cuda.synchronize()
+        time.sleep(0.2)
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(x)
+            b.record()
+            b.synchronize()
+            times.append(1e3 * a.elapsed_time(b))
+        return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="mixtral,qwen3moe,gptoss")
+    ap.add_argument("--tokens", default=",".join(str(t) for t in DECODE + PREFILL))
+    ap.add_argument("--impls", default="moeforge,torch,sonicmoe")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--roof", type=float, default=989.0, help="dense bf16 TFLOP/s for the limit's compute side")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="d and f / 16 (at least 64): a logic test")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else 4.8e12
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"{name}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for shape in a.shapes.split(","):
+        d, f, E, k = SHAPES[shape]
+        if a.tiny:
+            d, f = max(d // 16 // 8 * 8, 64), max(f // 16 // 8 * 8, 64)
+        w = weights(d, f, E, dev)
+        impls = {}
+        for impl in a.impls.split(","):
+            try:
+                impls[impl] = {"moeforge": moeforge_layer, "torch": TorchLayer, "sonicmoe": sonic_layer}[impl](*w, k)
+            except ImportError as e:
+                print(f"  {impl}: not installed ({e})", file=sys.stderr)
+        for T in (int(t) for t in a.tokens.split(",")):
+            x = ((torch.rand(T, d, device=dev, generator=torch.Generator(device=dev).manual_seed(T)) * 2 - 1)
+                 .bfloat16())
+            row = {"shape": shape, "tokens": T, "limit_us": limit_us(T, d, f, E, k, bandwidth, a.roof)}
+            for impl, fn in impls.items():
+                row[f"{impl}_us"] = time_us(fn, x, a.reps, dev)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'shape':9s} {'T':>6s} {'limit us':>9s} " + " ".join(f"{i + ' us':>12s}" for i in a.impls.split(",")) +
+          "  moeforge / limit")
+    for r in rows:
+        cells = " ".join(f"{r.get(i + '_us', float('nan')):12.1f}" for i in a.impls.split(","))
+        ratio = r.get("moeforge_us", float("nan")) / r["limit_us"]
+        print(f"{r['shape']:9s} {r['tokens']:6d} {r['limit_us']:9.1f} {cells}  {ratio:.2f}")
+    if a.out:
+        with open(a.out, "w") as out:
+            json.dump({"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                       "torch": torch.__version__, "copy_bandwidth": bandwidth, "roof_tflops": a.roof,
+                       "rows": rows}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -51,7 +51,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   }
   // A dynamic K: A's rows have a run-time length, so they must start at
   // multiples of 8 (stride8) for the 16-byte loads; B^T's rows likewise.
-  user_check(!g.k.is_dynamic() || g.expert_k || prog.tensor(g.a).stride8 || g.a_trans)
+  user_check(!g.k.is_dynamic() || g.expert_k || prog.tensor(g.a).stride8)
       << "definition '" << g.output << "': '" << g.a << "' is read with rows over the dynamic " << g.k.name()
       << ", which the CUDA backend reads from intermediates only";
   user_check(!g.k.is_dynamic() || !g.b_trans)

@@ -40,18 +40,17 @@ def error(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe", "qwen3moe-unnormalised", "olmoe"])
-def test_a_swapped_block_gives_the_blocks_output_and_gradients(device, kind):
-    torch.manual_seed(21)
-    block = blocks()[kind]().to(device)
-    with torch.no_grad():  # bf16-exact f32 weights: both sides read the same values
+def bf16_exact_weights(block):
+    """Random block weights that are bf16 values in f32: both sides read the same values."""
+    with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn_like(p).mul(0.1).to(torch.bfloat16).float())
-    # A copy: the swapped block shares the router's and down_proj's
-    # Parameters, whose gradients are compared below.
-    ours = mftf.SparseMoeBlock.from_block(copy.deepcopy(block))
-    assert ours.moe.wr.data_ptr() != block.gate.weight.data_ptr()
+
+
+def check_against_block(block, ours, device):
+    """One forward and backward of the transformers block (f32 from bf16
+    inputs) and of its swapped copy (bf16): the output, the input gradient
+    and every expert and router weight's gradient within bf16's spread."""
     x = torch.randn(3, 29, D, device=device).to(torch.bfloat16)
     dy = torch.randn(3, 29, D, device=device).to(torch.bfloat16)
     xr = x.float().requires_grad_(True)
@@ -68,6 +67,19 @@ def test_a_swapped_block_gives_the_blocks_output_and_gradients(device, kind):
     assert error(ours.moe.w3.grad, gate_up[:, F:, :].transpose(1, 2)) < 2e-2
     assert error(ours.moe.w2.grad, down) < 2e-2
     assert error(ours.moe.wr.grad, block.gate.weight.grad) < 3e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe", "qwen3moe-unnormalised", "olmoe"])
+def test_a_swapped_block_gives_the_blocks_output_and_gradients(device, kind):
+    torch.manual_seed(21)
+    block = blocks()[kind]().to(device)
+    bf16_exact_weights(block)
+    # A copy: the swapped block shares the router's and down_proj's
+    # Parameters, whose gradients are compared below.
+    ours = mftf.SparseMoeBlock.from_block(copy.deepcopy(block))
+    assert ours.moe.wr.data_ptr() != block.gate.weight.data_ptr()
+    check_against_block(block, ours, device)
 
 
 def train_both(original, swapped, tokens, steps=20):
@@ -152,29 +164,13 @@ def test_a_swapped_deepseek_v3_block_gives_the_blocks_output_and_gradients(devic
     the choice), groups, the scaled gates and the shared experts."""
     torch.manual_seed(24)
     block = deepseek_v3_block(normalize).to(device)
-    with torch.no_grad():  # bf16-exact f32 weights: both sides read the same values
-        for p in block.parameters():
-            p.copy_(torch.randn_like(p).mul(0.1).to(torch.bfloat16).float())
+    bf16_exact_weights(block)
+    with torch.no_grad():
         block.gate.e_score_correction_bias.copy_(torch.randn(E, device=device) * 0.3)
     ours = mftf.BiasedMoeBlock.from_block(copy.deepcopy(block))
     assert ours.moe.bias is not block.gate.e_score_correction_bias  # a copy's own buffer
     ours.shared_experts.to(torch.bfloat16)  # torch's MLP, in the model's dtype as in a bf16 model
-    x = torch.randn(3, 29, D, device=device).to(torch.bfloat16)
-    dy = torch.randn(3, 29, D, device=device).to(torch.bfloat16)
-    xr = x.float().requires_grad_(True)
-    want = block(xr)
-    want.backward(dy.float())
-    xo = x.clone().requires_grad_(True)
-    got = ours(xo)
-    got.backward(dy)
-    assert got.shape == want.shape and got.dtype == torch.bfloat16
-    assert error(got, want) < 2e-2
-    assert error(xo.grad, xr.grad) < 2e-2
-    gate_up, down = block.experts.gate_up_proj.grad, block.experts.down_proj.grad
-    assert error(ours.moe.w1.grad, gate_up[:, :F, :].transpose(1, 2)) < 2e-2
-    assert error(ours.moe.w3.grad, gate_up[:, F:, :].transpose(1, 2)) < 2e-2
-    assert error(ours.moe.w2.grad, down) < 2e-2
-    assert error(ours.moe.wr.grad, block.gate.weight.grad) < 3e-2
+    check_against_block(block, ours, device)
     assert error(ours.shared_experts.gate_proj.weight.grad, block.shared_experts.gate_proj.weight.grad) < 2e-2
 
 

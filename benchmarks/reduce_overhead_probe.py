@@ -8,7 +8,7 @@ names is looked up in the history: the allocation's size, the pool its
 segment belongs to, and the Python frames that made it (which of the
 module's tensors it is). Prints "no error" where the steps run.
 
-usage: python3 benchmarks/reduce_overhead_probe.py [--steps 4]
+usage: python3 benchmarks/reduce_overhead_probe.py [--steps 4] [--compiled-only]
 """
 import argparse
 import os
@@ -30,6 +30,7 @@ def frames(entry, depth=6):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--compiled-only", action="store_true", help="no eager step before the compiled ones")
     a = ap.parse_args()
     torch.manual_seed(5)
     model = Block("cuda")
@@ -38,8 +39,12 @@ def main():
     dy = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     try:
+        # The test's order: one eager step first (the module's runtime made
+        # outside any graph), then the compiled steps, each output cloned.
+        if not a.compiled_only:
+            step(model, x, dy)
         for i in range(a.steps):
-            step(compiled, x, dy)
+            [t.clone() for t in step(compiled, x, dy)]
             torch.cuda.synchronize()
             print(f"step {i}: ran")
         print("no error")

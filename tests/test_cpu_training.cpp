@@ -251,11 +251,15 @@ TEST_SUITE("cpu") {
   }
 
   TEST_CASE("cpu training: attention's gradients (GEMMs over dynamic column extents) match the reference") {
-    ExampleShape s = shape(300, 64, 128, 1, 1);
-    Example ex = make_example("attention", s);
-    TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 6), s.tokens, preset("megablocks"));
-    CHECK(o.outcome.worst_error <= 2e-2);
-    CHECK(o.gradients.size() == 3u); // d_q, d_k, d_v
+    for (int64_t tokens : {1, 37, 300})
+      for (const char *p : {"megablocks", "scattermoe+lean"}) {
+        ExampleShape s = shape(tokens, 64, 128, 1, 1);
+        Example ex = make_example("attention", s);
+        TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 6), s.tokens, testing::training_preset(p, false));
+        INFO("T " << tokens << " / " << p);
+        CHECK(o.outcome.worst_error <= 2e-2);
+        CHECK(o.gradients.size() == 3u); // d_q, d_k, d_v
+      }
   }
 
   // Mixture-of-Attention: the keys' and values' gradients are dense GEMMs
@@ -264,11 +268,12 @@ TEST_SUITE("cpu") {
   // is no multiple of the block as well.
   TEST_CASE("cpu training: moa (Mixture-of-Attention) trains") {
     for (int64_t tokens : {1, 37, 200})
-      for (const char *p : {"megablocks", "scattermoe"})
+      for (const char *p : {"megablocks", "scattermoe", "scattermoe+lean"})
         for (bool recompute : {false, true}) {
           ExampleShape s = shape(tokens, 64, 32, 8, 2);
           Example ex = make_example("moa", s);
-          TrainingOutcome o = train_and_compare(ex, ex.random_inputs(s, 29), s.tokens, named(p, recompute));
+          TrainingOutcome o =
+              train_and_compare(ex, ex.random_inputs(s, 29), s.tokens, testing::training_preset(p, recompute));
           INFO("T " << tokens << " / " << p << (recompute ? " / recompute" : ""));
           CHECK(o.outcome.routing_mismatches == 0);
           CHECK(o.outcome.worst_error <= 2e-2);

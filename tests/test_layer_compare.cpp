@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "examples/examples.h"
 #include "layer_compare.h"
 #include "training_compare.h"
 
@@ -61,5 +62,17 @@ TEST_CASE("layer compare: a cancellation's rounding spread is nonzero and far be
       INFO(name);
       CHECK(spread.at(name) <= 0.05 * std::max(max_abs(value), 1e-12) + 0.05 * terms);
     }
+  }
+}
+
+TEST_CASE("layer compare: the upstream gradient takes the token count of the input over the output's tokens") {
+  // Attention's tokens come in as q, k and v (no x): the gradient is (T, d).
+  for (const char *name : {"attention", "swiglu_moe"}) {
+    ExampleShape s = testing::shape(37, 64, 32, 8, 2);
+    Example ex = make_example(name, s);
+    HostTensor dy = testing::upstream_gradient(ex, ex.random_inputs(s, 1), 11);
+    INFO(std::string(name));
+    CHECK(dy.shape == std::vector<int64_t>{37, 64});
+    CHECK(max_abs(dy) > 0);
   }
 }

@@ -57,12 +57,19 @@ inline Example training_example(const Example &ex) {
   return t;
 }
 
-// U(-1, 1), shaped like the output: (tokens, d); bf16-exact, so a schedule
-// that stores dy in bf16 (bf16_boundary) reads what the reference and an
-// f32 dy read.
+// U(-1, 1), shaped like the output: (tokens, d), the token count read off
+// the first buffer over the output's token dim (x in an MoE layer, q in
+// attention); bf16-exact, so a schedule that stores dy in bf16
+// (bf16_boundary) reads what the reference and an f32 dy read.
 inline HostTensor upstream_gradient(const Example &ex, const TensorMap &inputs, uint64_t seed) {
-  const HostTensor &x = inputs.at("x");
-  HostTensor g({x.shape[0], ex.pipeline.func(ex.output).args()[1].dim().extent()});
+  const auto &args = ex.pipeline.func(ex.output).args();
+  const Dim tokens = args[0].dim();
+  int64_t rows = -1;
+  for (const BufferPtr &b : ex.pipeline.buffers())
+    if (rows < 0 && !b->dims.empty() && b->dims[0].same_as(tokens) && inputs.count(b->name))
+      rows = inputs.at(b->name).shape[0];
+  REQUIRE_MESSAGE(rows >= 0, "no input over the output's first dim " << tokens.name());
+  HostTensor g({rows, args[1].dim().extent()});
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> u(-1, 1);
   for (double &v : g.data)

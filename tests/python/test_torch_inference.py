@@ -92,14 +92,18 @@ def test_a_decoding_loop_replays_the_forward_as_one_graph():
     time on the values its input tensor holds then."""
     torch.manual_seed(13)
     moe = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F)
+    steps = 8
+    # Every step's input and output made or kept in memory taken before the
+    # loop: a tensor the loop allocates and keeps (a clone per step) would
+    # move the blocks torch hands the next forward.
+    inputs = torch.randn(steps, 4, D, device="cuda", dtype=torch.bfloat16)
+    outputs = torch.full_like(inputs, float("nan"))  # poisoned: a step that writes nothing shows
     x = torch.empty(4, D, device="cuda", dtype=torch.bfloat16)
-    inputs, outputs = [], []
-    for _ in range(6):
-        x.copy_(torch.randn(4, D, device="cuda", dtype=torch.bfloat16))
+    for step in range(steps):
+        x.copy_(inputs[step])
         with torch.inference_mode():
             y = moe(x)
-        inputs.append(x.clone())
-        outputs.append(y.clone())
+        outputs[step].copy_(y)
         del y  # its block comes back to the next forward: the same addresses
     replayed, captured, eager = moe._forward_only.layer.graph_counts()
     assert captured >= 1 and replayed >= 2, (replayed, captured, eager)

@@ -24,8 +24,9 @@
 # are packed into $OUT/stack/peer-cache.txz, and unpacked from
 # .peers/peer-cache.txz when that is carried, else from the committed
 # benchmarks/peers/sonicmoe-cache-h200.txz, so a later call skips them.
-# Logs and JSON go to $OUT/$STACK_DIR (default stack), so one device call
-# can run this twice (e.g. L=24 on fewer shapes) without overwriting.
+# Logs and JSON go to $OUT/$STACK_DIR (default stack), packed into
+# $OUT/$STACK_DIR.tgz at the end, so one device call can run this twice
+# (e.g. L=24 on fewer shapes) without overwriting.
 set -uo pipefail
 . scripts/device_env.sh
 R=$OUT/${STACK_DIR:-stack}
@@ -87,4 +88,8 @@ if has stack; then
   tail -20 "$R/stack.log"
   echo "stack done at $(( $(date +%s) - T0 )) s"
 fi
+# One file per stage folder: the device tool brings back a few files per call
+# and leaves the rest out (a call's stack.json and stack.log were lost so).
+d=${STACK_DIR:-stack}
+(cd "$OUT" && tar czf "$d.tgz" "$d" && rm -rf "$d")
 exit $status

@@ -25,7 +25,7 @@ def frames_of(entry, depth=4):
     out = []
     for f in entry.get("frames", []):
         name = f.get("filename", "")
-        if "/torch/" in name or not name.endswith(".py"):
+        if "site-packages/torch/" in name or not name.endswith(".py"):
             continue
         out.append(f"{os.path.basename(name)}:{f.get('line')} {f.get('name')}")
         if len(out) == depth:

@@ -13,6 +13,7 @@
 #include "lowering/in_place.h"
 #include "lowering/lower.h"
 #include "lowering/order_for_memory.h"
+#include "lowering/pair_order.h"
 #include "lowering/rename_indices.h"
 #include "lowering/split_for_memory.h"
 #include "lowering/summed_gemms.h"
@@ -300,56 +301,6 @@ void boundary_in_bf16(KernelProgram &p, const TrainingProgram &t, const Pipeline
   }
 }
 
-// A training forward's saved activations in the pair order (T k rows)
-// rather than the padded one (T k + E (block - 1) rows, the worst case of
-// every expert's last block): a routed tensor the forward's GEMM epilogue
-// writes among its outputs (SwiGLU's two pre-activations) and that only
-// element-wise steps read, which find a pair's row in either layout. The
-// saved region is what a model keeps per layer between its forward and its
-// backward; the padding it no longer holds is 12 % of it on qwen3moe
-// (128 experts, top-8). A GEMM reading the tensor keeps it padded (its
-// tiles load rows by TMA), and so does a route that drops pairs (its kept
-// rows are bounded by the padded order, not by T k), and so does one whose
-// GEMM stores by TMA (GeLU's pre-activation beside h): a TMA tile cannot
-// follow pair rows, and the plain stores would cost that GEMM its speed.
-// Stores in pair order those of them that `store` accepts, and returns
-// them all.
-std::vector<std::string> save_in_pair_order(KernelProgram &p, size_t forward_steps,
-                                            const std::function<bool(const std::string &)> &store) {
-  std::map<std::string, GemmStep *> writer; // a forward routed GEMM's outputs and further outputs
-  for (size_t i = 0; i < forward_steps; ++i)
-    if (auto *g = std::get_if<GemmStep>(&p.steps[i]);
-        g && g->route && !g->expert_k && !g->tiling.tma_store && !g->extra.empty()) {
-      writer[g->output] = g;
-      for (const GemmStep::Extra &e : g->extra)
-        writer[e.output] = g;
-    }
-  std::vector<std::string> candidates;
-  for (TensorDecl &t : p.tensors) {
-    auto w = writer.find(t.name);
-    if (t.layout != RowLayout::padded || !t.route || w == writer.end() || p.routing(t.route).drops())
-      continue;
-    bool read_after = false, read_by_gemm = false;
-    for (size_t i = 0; i < p.steps.size(); ++i) {
-      const std::vector<std::string> reads = step_reads(p.steps[i]);
-      if (std::find(reads.begin(), reads.end(), t.name) == reads.end())
-        continue;
-      read_after |= i >= forward_steps;
-      read_by_gemm |= !std::holds_alternative<PointwiseStep>(p.steps[i]);
-    }
-    if (!read_after || read_by_gemm)
-      continue;
-    candidates.push_back(t.name);
-    if (!store(t.name))
-      continue;
-    t.layout = RowLayout::pair;
-    t.zero_padding = false;
-    if (w->second->output == t.name)
-      w->second->out_rows = RowMap::gather_pair; // the epilogue stores row sorted_pair[p]
-  }
-  return candidates;
-}
-
 } // namespace
 
 size_t TrainingProgram::output_index(const std::string &name, const std::string &what) const {
@@ -536,6 +487,7 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   p.gradients_over_saved = schedule.gradients_over_saved();
   const std::vector<std::string> pair_order =
       save_in_pair_order(p, t.forward_steps, [&](const std::string &) { return !p.gradients_over_saved; });
+  backward_rows_in_pair_order(p, t.forward_steps);
   // Last: every fusion above has decided which steps exist. What the caller
   // holds (outputs, gradients) and what the forward wrote (kept for the
   // backward anyway) live through the whole backward whatever its order.

@@ -545,9 +545,10 @@ TEST_CASE("cli: emit --memory --train says what a forward keeps and what each en
   // T k x f in bf16 each in the padded order (131072 + 128 * 127 rows of
   // 768: 216 MiB), and the activation gradients take their bytes
   // (gradients_over_saved); dy's rows are gathered by the GEMMs
-  // (gather_upstream_in_gemms), so the backward's fullest step holds the
-  // input gradient's per-pair rows; the router's share of the input
-  // gradient lives in the input gradient's own memory.
+  // (gather_upstream_in_gemms), so the backward's fullest step holds x's
+  // padded copy for the weight gradients (the input gradient's per-pair
+  // rows, as large when padded, are in pair order: 512 MiB); the router's
+  // share of the input gradient lives in the input gradient's own memory.
   Run r = cli({"emit", "swiglu_moe", "--tokens", "16384", "--d", "2048", "--f", "768", "--experts", "128", "--topk",
                "8", "--schedule", "default", "--memory", "--train"});
   INFO(r.err);
@@ -558,7 +559,7 @@ TEST_CASE("cli: emit --memory --train says what a forward keeps and what each en
   CHECK(has(line_from(r.out, "saved      "), "440.1 MiB"));
   const std::string backward = r.out.substr(r.out.find("backward workspace"));
   CHECK(has(backward, "backward workspace  576.0 MiB"));
-  CHECK(has(backward, "(gemm_d_x_s2_d_x_s): d_x_s2 576.0 MiB\n"));
+  CHECK(has(backward, "(gather_x_rows_route): x_rows_route 576.0 MiB\n"));
   CHECK(has(backward, "in an output's memory: d_x_s3 64.0 MiB (in d_x's, until d_x is written over it)"));
   // The saved tensors scale with the tokens; a forward alone saves nothing.
   Run small = cli({"emit", "swiglu_moe", "--tokens", "8192", "--d", "2048", "--f", "768", "--experts", "128", "--topk",

@@ -59,7 +59,7 @@ TEST_CASE("gradients over saved: mixtral's dH1 and dH3 take the two saved pre-ac
   CHECK(why.find("gradients_over_saved(false)") != std::string::npos);
   CHECK(off.t.one_backward_reason().empty());
   // The saved pre-activations keep the padded order their gradients take;
-  // off, they are saved in pair order (test_saved_pair_order.cpp).
+  // off, they are saved in pair order (test_pair_order.cpp).
   for (const char *name : {"h_rhs", "h_silu_in"}) {
     INFO(name);
     CHECK(on.t.program.tensor(name).layout == RowLayout::padded);

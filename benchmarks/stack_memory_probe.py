@@ -6,6 +6,7 @@ at the step's peak of allocated bytes, largest first, each with its size
 and the Python frames that made it (grouped by those frames).
 
 usage: python3 benchmarks/stack_memory_probe.py [--impl moeforge] [--shape fine64] [--layers 8] [--top 25]
+       [--blocks MiB]
 """
 import argparse
 import collections
@@ -35,17 +36,18 @@ def frames_of(entry, depth=4):
 
 def live_at_peak(trace):
     """Replays one device's alloc / free events: the blocks live when the
-    allocated bytes were highest, and that peak."""
-    live, total, peak, at_peak = {}, 0, 0, {}
+    allocated bytes were highest, that peak, and the allocation that
+    reached it (where in the step the peak is)."""
+    live, total, peak, at_peak, last = {}, 0, 0, {}, None
     for e in trace:
         if e["action"] == "alloc":
             live[e["addr"]] = e
             total += e["size"]
             if total > peak:
-                peak, at_peak = total, dict(live)
+                peak, at_peak, last = total, dict(live), e
         elif e["action"] in ("free_requested", "free_completed") and e["addr"] in live:
             total -= live.pop(e["addr"])["size"]
-    return at_peak, peak
+    return at_peak, peak, last
 
 
 def main():
@@ -54,6 +56,7 @@ def main():
     ap.add_argument("--shape", default="fine64")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--blocks", type=float, default=0, help="also list each live block of at least this many MiB")
     a = ap.parse_args()
     T, d, f, E, k = stack.SHAPES[a.shape]
     dev = torch.device("cuda")
@@ -82,7 +85,7 @@ def main():
     trace = snap["device_traces"][dev.index or 0]
     # Blocks allocated before the recording (weights, x, dy) are live
     # throughout: their bytes are `base`, less the grads zero_grad frees.
-    at_peak, peak = live_at_peak(trace)
+    at_peak, peak, last = live_at_peak(trace)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"{a.impl} {a.shape} L={a.layers}: allocated before the step {base / MiB:.0f} MiB "
           f"(weights {weights / MiB:.0f}); at the step's peak {peak / MiB:.0f} MiB more, in {len(at_peak)} blocks")
@@ -93,6 +96,12 @@ def main():
         groups[key][1] += 1
     for key, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:a.top]:
         print(f"{size / MiB:9.1f} MiB {n:4d} x  {key}")
+    if last is not None:
+        print(f"the peak reached by {last['size'] / MiB:.1f} MiB made at {frames_of(last, depth=8)}")
+    if a.blocks:  # each large block on its own, with more of its frames
+        for e in sorted(at_peak.values(), key=lambda e: -e["size"]):
+            if e["size"] >= a.blocks * MiB:
+                print(f"  {e['size'] / MiB:9.1f} MiB  {frames_of(e, depth=8)}")
     sizes = collections.Counter(round(e["size"] / MiB, 1) for e in at_peak.values())
     print("blocks by size (MiB x count):", ", ".join(f"{s} x {n}" for s, n in sorted(sizes.items(), reverse=True)))
 

@@ -18,6 +18,9 @@
 #           (comma-separated: kept, the default, and/or none: torch's
 #           default zero_grad), STEADY (seconds of each row's own steps
 #           before its timed ones; default 0), REPS (timed steps, default 5)
+#   probe   benchmarks/stack_memory_probe.py (what is alive at the step's
+#           peak, with the frames that made it, each block of 32 MiB or
+#           more listed) for each of IMPLS but torch on each of SHAPES
 # SonicMoE's first step at a shape is its autotuner compiling and timing
 # every GEMM config (more than 8 minutes at qwen3moe): its caches (QuACK's
 # and Triton's autotune choices and compiled kernels, about 1 MB packed)
@@ -47,7 +50,7 @@ if has cpp && [ -x .gpu/moeforge_tests ]; then
   fi
   echo "cpp done at $(( $(date +%s) - T0 )) s"
 fi
-if has stack && [ -d .peers/sonicmoe ]; then
+if { has stack || has probe; } && [ -d .peers/sonicmoe ]; then
   mkdir -p /tmp/site && tar -C /tmp/site -xJf .peers/sonicmoe/libsbase.tar.xz &&
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/sonicmoe/*.whl \
       >"$R/sonic_pip.log" 2>&1 || echo "SonicMoE did not install: $(tail -3 "$R/sonic_pip.log")"
@@ -67,7 +70,7 @@ save_peer_cache() {
 }
 # The package only where it runs: a SonicMoE-only stack (IMPLS=sonicmoe, its
 # autotuner's first call at a shape) spends no time building moeforge.
-if has pytest || { has stack && [[ ",${IMPLS:-moeforge}," == *",moeforge"* ]]; }; then
+if has pytest || { { has stack || has probe; } && [[ ",${IMPLS:-moeforge}," == *",moeforge"* ]]; }; then
   python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
     >"$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
   echo "pip install done at $(( $(date +%s) - T0 )) s"
@@ -87,6 +90,18 @@ if has stack; then
   save_peer_cache
   tail -20 "$R/stack.log"
   echo "stack done at $(( $(date +%s) - T0 )) s"
+fi
+if has probe; then
+  shapes=${SHAPES:-qwen3moe,fine64} impls=${IMPLS:-moeforge,torch,sonicmoe}
+  for shape in ${shapes//,/ }; do
+    for impl in ${impls//,/ }; do
+      [ "$impl" = torch ] && continue
+      timeout "${PROBE_TIMEOUT:-150}" python3 benchmarks/stack_memory_probe.py --impl "$impl" --shape "$shape" \
+        --layers "${LAYERS:-8}" --blocks 32 >"$R/probe_${impl}_${shape}.log" 2>&1 || status=1
+      head -12 "$R/probe_${impl}_${shape}.log" | cut -c1-220
+    done
+  done
+  echo "probe done at $(( $(date +%s) - T0 )) s"
 fi
 # One file per stage folder: the device tool brings back a few files per call
 # and leaves the rest out (a call's stack.json and stack.log were lost so).

@@ -68,8 +68,7 @@ std::vector<std::string> save_in_pair_order(KernelProgram &p, size_t forward_ste
   return candidates;
 }
 
-std::vector<std::string> backward_rows_in_pair_order(KernelProgram &p, size_t forward_steps) {
-  std::vector<std::string> stored;
+void backward_rows_in_pair_order(KernelProgram &p, size_t forward_steps) {
   for (size_t i = forward_steps; i < p.steps.size(); ++i) {
     auto *g = std::get_if<GemmStep>(&p.steps[i]);
     if (!g || !stores_rows(*g) || !g->extra.empty())
@@ -85,9 +84,7 @@ std::vector<std::string> backward_rows_in_pair_order(KernelProgram &p, size_t fo
     if (!r.after || r.by_gemm)
       continue;
     store_in_pair_order(*t, *g);
-    stored.push_back(t->name);
   }
-  return stored;
 }
 
 } // namespace moeforge

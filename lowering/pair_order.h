@@ -35,7 +35,7 @@ std::vector<std::string> save_in_pair_order(KernelProgram &p, size_t forward_ste
 // rows (T k x d), which the sum over each token's pairs reads, are the
 // largest tensor of the backward's workspace at its fullest step, and their
 // padding (E (block - 1) x d) goes with this. The sum then reads a token's
-// k rows one after another. Returns the tensors it stored in pair order.
-std::vector<std::string> backward_rows_in_pair_order(KernelProgram &p, size_t forward_steps);
+// k rows one after another.
+void backward_rows_in_pair_order(KernelProgram &p, size_t forward_steps);
 
 } // namespace moeforge

@@ -4,8 +4,6 @@
 // rows of the input gradient.
 #include <doctest/doctest.h>
 
-#include <algorithm>
-
 #include "examples/examples.h"
 #include "layer_compare.h"
 #include "lowering/default_schedule.h"

@@ -14,9 +14,10 @@ place (its input, weights, outputs, upstream gradients and gradients are
 bound to their memory: no copies), nothing synchronises with the host, and
 a step can be captured in a CUDA graph (torch.cuda.graph) after a warm-up
 step outside it. The layer's Params are the module's nn.Parameters (bf16
-by default, as the algebra declares them); its one Input over the tokens is
-the argument of forward(), and its other Inputs (DeepSeek's selection-only
-expert bias) are buffers, read by every forward and given no gradient; with
+by default, as the algebra declares them); its Inputs over the tokens are
+the arguments of forward() (x, and where the layer takes a given routing,
+its scores), and its other Inputs (DeepSeek's selection-only expert bias)
+are buffers, read by every forward and given no gradient; with
 auxiliary losses among the outputs, forward() returns the output and the
 losses as tensors.
 
@@ -171,9 +172,10 @@ class _Runtime(_BoundLayer):
             self.layer.backward(saved, workspace)
 
 
-def _step_forward(module, x, params, consts):
+def _step_forward(module, xs, params, consts):
     """One forward on caller memory: the outputs and the saved region its
     backward reads (a uint8 tensor of torch's)."""
+    x = xs[0]
     tokens = x.shape[0]
     module._routing_tokens = tokens
     if tokens == 0:
@@ -185,7 +187,7 @@ def _step_forward(module, x, params, consts):
     saved_bytes, workspace_bytes, _ = rt.use_tokens(tokens)
     # The input and weights and fresh output tensors, all bound in place
     # (a converted copy held here until the forward has run).
-    inputs = _layer_inputs(module, layer, x, params, consts)
+    inputs = _layer_inputs(module, layer, xs, params, consts)
     for name, t in zip(module._bound_names(), inputs):
         rt.bind(name, t)
     # The workspace is taken first: it then gets the block the last call's
@@ -205,18 +207,19 @@ def _step_forward(module, x, params, consts):
     return outs, saved
 
 
-def _layer_inputs(module, layer, x, params, consts):
-    """x, the weights and the constant inputs in the layer's storage type,
-    contiguous: themselves where they already are (no copy)."""
-    return [_as_layer_tensor(layer, name, t) for name, t in zip(module._bound_names(), [x, *params, *consts])]
+def _layer_inputs(module, layer, xs, params, consts):
+    """The token inputs, the weights and the constant inputs in the layer's
+    storage type, contiguous: themselves where they already are (no copy)."""
+    return [_as_layer_tensor(layer, name, t) for name, t in zip(module._bound_names(), [*xs, *params, *consts])]
 
 
-def _step_backward(module, x, params, consts, saved, read_outputs, grads):
+def _step_backward(module, xs, params, consts, saved, read_outputs, grads):
     """The backward of the forward whose saved region `saved` is: every
-    Input's and Param's gradient, in the layer's storage types."""
+    token input's and Param's gradient, in the layer's storage types."""
+    x = xs[0]
     tokens = x.shape[0]
     if tokens == 0:  # nothing routed: no gradient reaches anything
-        return [torch.zeros_like(x)] + [torch.zeros_like(p) for p in params]
+        return [torch.zeros_like(t) for t in xs] + [torch.zeros_like(p) for p in params]
     rt = module._runtime(tokens)
     layer = rt.layer
     device = x.device
@@ -224,7 +227,7 @@ def _step_backward(module, x, params, consts, saved, read_outputs, grads):
     # The forward's input, weights and the outputs the backward reads, bound
     # again (a model may have run other forwards since). Autograd runs a
     # backward on its forward's stream, so no stream needs recording.
-    inputs = _layer_inputs(module, layer, x, params, consts)  # held until the backward has run
+    inputs = _layer_inputs(module, layer, xs, params, consts)  # held until the backward has run
     for name, t in zip(module._bound_names(), inputs):
         rt.bind(name, t)
     for name, t in zip([n for n in layer.outputs if n in rt.backward_reads], read_outputs):
@@ -237,7 +240,7 @@ def _step_backward(module, x, params, consts, saved, read_outputs, grads):
     workspace = _memory(workspace_bytes, device)
     # Every gradient gets fresh memory, needed or not: the layer writes
     # them all, and never into memory torch may have handed elsewhere.
-    names = [module.input_name] + module._param_names
+    names = module.input_names + module._param_names
     out = [_empty_like_layer(layer, layer.gradients[name], device) for name in names]
     for name, t in zip(names, out):
         layer.bind_gradient(name, t.data_ptr(), t.numel() * t.element_size())
@@ -266,15 +269,16 @@ def _module(handle):
 
 
 @torch.library.custom_op("moeforge::layer_forward", mutates_args=())
-def _layer_forward(handle: int, x: torch.Tensor, params: list[torch.Tensor],
+def _layer_forward(handle: int, xs: list[torch.Tensor], params: list[torch.Tensor],
                    consts: list[torch.Tensor]) -> list[torch.Tensor]:
-    outs, saved = _step_forward(_module(handle), x, params, consts)
+    outs, saved = _step_forward(_module(handle), xs, params, consts)
     return [*outs, saved]
 
 
 @_layer_forward.register_fake
-def _(handle, x, params, consts):
+def _(handle, xs, params, consts):
     module = _module(handle)
+    x = xs[0]
     tokens = x.shape[0]
     outs = [x.new_empty(module._output_shape(f, tokens), dtype=dtype)
             for f, dtype in zip(module.outputs, module._output_dtypes)]
@@ -286,23 +290,24 @@ def _(handle, x, params, consts):
 
 
 @torch.library.custom_op("moeforge::layer_backward", mutates_args=())
-def _layer_backward(handle: int, x: torch.Tensor, params: list[torch.Tensor], consts: list[torch.Tensor],
+def _layer_backward(handle: int, xs: list[torch.Tensor], params: list[torch.Tensor], consts: list[torch.Tensor],
                     saved: torch.Tensor, read_outputs: list[torch.Tensor],
                     grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _step_backward(_module(handle), x, params, consts, saved, read_outputs, grads)
+    return _step_backward(_module(handle), xs, params, consts, saved, read_outputs, grads)
 
 
 @_layer_backward.register_fake
-def _(handle, x, params, consts, saved, read_outputs, grads):
-    dtypes = _module(handle)._gradient_dtypes(x.shape[0])
-    return [t.new_empty(t.shape, dtype=dtype) for t, dtype in zip([x, *params], dtypes)]
+def _(handle, xs, params, consts, saved, read_outputs, grads):
+    dtypes = _module(handle)._gradient_dtypes(xs[0].shape[0])
+    return [t.new_empty(t.shape, dtype=dtype) for t, dtype in zip([*xs, *params], dtypes)]
 
 
 def _setup_context(ctx, inputs, output):
-    handle, x, params, consts = inputs
+    handle, xs, params, consts = inputs
     module = _module(handle)
     outs = output[:-1]
-    ctx.handle, ctx.param_count, ctx.const_count = handle, len(params), len(consts)
+    x = xs[0]
+    ctx.handle, ctx.input_count, ctx.param_count, ctx.const_count = handle, len(xs), len(params), len(consts)
     # An output without a gradient comes to the backward as None, not as
     # zeros: autograd would otherwise make a zero "gradient" of the saved
     # region (a uint8 tensor as large as the activations) in every backward,
@@ -316,22 +321,24 @@ def _setup_context(ctx, inputs, output):
     # layer's activations lived until the whole graph was dropped) and hands
     # it to saved-tensor hooks (torch.utils.checkpoint drops it and runs the
     # forward again). Of the outputs, only those the backward reads.
-    ctx.save_for_backward(x, output[-1], *params, *consts,
+    ctx.save_for_backward(output[-1], *xs, *params, *consts,
                           *[t for f, t in zip(module.outputs, outs) if f.name in reads])
 
 
 def _backward(ctx, grads):
     tensors = ctx.saved_tensors
-    x, saved = tensors[0], tensors[1]
-    params = list(tensors[2:2 + ctx.param_count])
-    consts = list(tensors[2 + ctx.param_count:2 + ctx.param_count + ctx.const_count])
-    read = list(tensors[2 + ctx.param_count + ctx.const_count:])
+    saved, rest = tensors[0], list(tensors[1:])
+    counts = (ctx.input_count, ctx.param_count, ctx.const_count)
+    xs, params, consts = (rest[sum(counts[:i]):sum(counts[:i + 1])] for i in range(3))
+    read = rest[sum(counts):]
+    x = xs[0]
     # An output nothing used has no gradient: zeros of its shape.
     seeds = [g if g is not None else torch.zeros(shape, dtype=dtype, device=x.device)
              for g, (shape, dtype) in zip(grads[:-1], ctx.output_meta)]
-    got = torch.ops.moeforge.layer_backward(ctx.handle, x, params, consts, saved, read, seeds)
-    cast = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(got, [x, *params])]
-    return None, cast[0], cast[1:], [None] * ctx.const_count  # constant inputs take no gradient
+    got = torch.ops.moeforge.layer_backward(ctx.handle, xs, params, consts, saved, read, seeds)
+    cast = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(got, [*xs, *params])]
+    n = ctx.input_count
+    return None, cast[:n], cast[n:], [None] * ctx.const_count  # constant inputs take no gradient
 
 
 _layer_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -371,9 +378,10 @@ class _ForwardRuntime(_BoundLayer):
             self.layer.forward(tables, workspace)
 
 
-def _inference_forward(module, x, params, consts):
+def _inference_forward(module, xs, params, consts):
     """The forward alone: the outputs, in the dtypes the training step gives
     them (one dtype whatever the grad mode)."""
+    x = xs[0]
     tokens = x.shape[0]
     module._routing_tokens = tokens
     if tokens == 0:
@@ -382,7 +390,7 @@ def _inference_forward(module, x, params, consts):
     rt = module._forward_runtime(tokens)
     layer = rt.layer
     tables_bytes, workspace_bytes = rt.use_tokens(tokens)
-    inputs = _layer_inputs(module, layer, x, params, consts)  # held until the forward has run
+    inputs = _layer_inputs(module, layer, xs, params, consts)  # held until the forward has run
     for name, t in zip(module._bound_names(), inputs):
         rt.bind(name, t)
     workspace = _memory(workspace_bytes, x.device)
@@ -399,14 +407,15 @@ def _inference_forward(module, x, params, consts):
 
 
 @torch.library.custom_op("moeforge::layer_inference", mutates_args=())
-def _layer_inference(handle: int, x: torch.Tensor, params: list[torch.Tensor],
+def _layer_inference(handle: int, xs: list[torch.Tensor], params: list[torch.Tensor],
                      consts: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _inference_forward(_module(handle), x, params, consts)
+    return _inference_forward(_module(handle), xs, params, consts)
 
 
 @_layer_inference.register_fake
-def _(handle, x, params, consts):
+def _(handle, xs, params, consts):
     module = _module(handle)
+    x = xs[0]
     return [x.new_empty(module._output_shape(f, x.shape[0]), dtype=dtype)
             for f, dtype in zip(module.outputs, module._output_dtypes)]
 
@@ -426,7 +435,11 @@ class MoELayer(torch.nn.Module):
     half-width of its uniform init} (default 1/sqrt(fan-in), the first
     non-expert dimension); device: where the parameters live and the layer
     runs: a GPU ('cuda', the CUDA backend) or 'cpu' (the LLVM CPU backend,
-    on torch's CPU tensors in place: for development and tests, not speed).
+    on torch's CPU tensors in place: for development and tests, not speed);
+    own_params: False for a layer of another module's weights, which
+    registers no Parameters and reads the tensors each forward() is given
+    (params=); inputs: the order of forward()'s arguments, by the names of
+    the Inputs over the tokens (default: as the pipeline lists them).
 
     Any number of forwards may be in flight (checkpointing, accumulation, a
     module applied twice); each serves one backward where the schedule has
@@ -437,8 +450,9 @@ class MoELayer(torch.nn.Module):
     """
 
     def __init__(self, pipeline, outputs=None, schedule="auto", init_scale=None, device="cuda", dtype=None,
-                 keep_routing=False):
+                 keep_routing=False, own_params=True, inputs=None):
         super().__init__()
+        input_order = inputs
         self.device = torch.device(device)
         if self.device.type == "cuda":
             ok, why = mf.gpu_available()
@@ -468,16 +482,27 @@ class MoELayer(torch.nn.Module):
         decls = pipeline.buffer_decls
         inputs = [b for b in decls if b["kind"] == "input"]
         over_tokens = [b for b in inputs if None in tuple(b["shape"])]  # None: the token Dim
-        if len(over_tokens) != 1:
+        if not over_tokens:
             raise mf.UserError(
-                f"MoELayer takes a layer with exactly one Input over the tokens (the argument of forward()), got "
-                f"{[b['name'] for b in over_tokens]} of the Inputs {[b['name'] for b in inputs]}")
-        self.input_name = over_tokens[0]["name"]
-        self._input_shape = tuple(over_tokens[0]["shape"])
-        if len(self._input_shape) != 2 or self._input_shape[0] is not None or self._input_shape[1] is None:
-            raise mf.UserError(f"MoELayer's Input '{self.input_name}' must be (tokens, width), declared "
-                               f"{self._input_shape} (None: the token Dim)")
+                f"MoELayer takes a layer with an Input over the tokens (the argument of forward()); its Inputs "
+                f"{[b['name'] for b in inputs]} have none")
+        # forward()'s arguments: in the order `inputs` names them, else as
+        # the layer lists them.
+        if input_order is not None:
+            names = [b["name"] for b in over_tokens]
+            if sorted(input_order) != sorted(names):
+                raise mf.UserError(f"inputs={list(input_order)} must name each Input over the tokens once: {names}")
+            over_tokens = sorted(over_tokens, key=lambda b: list(input_order).index(b["name"]))
+        self.input_names = [b["name"] for b in over_tokens]
+        self.input_name = self.input_names[0]
+        self._input_shapes = [tuple(b["shape"]) for b in over_tokens]
+        for name, shape in zip(self.input_names, self._input_shapes):
+            if len(shape) != 2 or shape[0] is not None or shape[1] is None:
+                raise mf.UserError(f"MoELayer's Input '{name}' must be (tokens, width), declared {shape} "
+                                   "(None: the token Dim)")
         self._param_names = []
+        self._param_shapes = {}
+        self.own_params = own_params
         init_scale = init_scale or {}
         for b in decls:
             if b["kind"] != "param":
@@ -485,6 +510,10 @@ class MoELayer(torch.nn.Module):
             shape = tuple(b["shape"])
             if any(s is None for s in shape):
                 raise mf.UserError(f"Param '{b['name']}' has the token Dim: a weight cannot grow with the tokens")
+            self._param_shapes[b["name"]] = shape
+            if not own_params:  # the caller's tensors, given to each forward
+                self._param_names.append(b["name"])
+                continue
             fan_in = shape[-2] if len(shape) >= 2 else shape[-1]
             scale = init_scale.get(b["name"], 1.0 / math.sqrt(fan_in))
             p = torch.empty(shape, dtype=dtype or _DTYPES[b["dtype"]], device=self.device)
@@ -498,7 +527,7 @@ class MoELayer(torch.nn.Module):
         # them.
         self._const_names = []
         for b in inputs:
-            if b is over_tokens[0]:
+            if b["name"] in self.input_names:
                 continue
             self.register_buffer(b["name"], torch.zeros(tuple(b["shape"]), dtype=_DTYPES[b["dtype"]],
                                                         device=self.device))
@@ -607,36 +636,77 @@ class MoELayer(torch.nn.Module):
 
     def _bound_names(self):
         """The layer's tensors forward() binds, in the ops' argument order:
-        the token input, the Params, the constant inputs."""
-        return [self.input_name] + self._param_names + self._const_names
+        the token inputs, the Params, the constant inputs."""
+        return self.input_names + self._param_names + self._const_names
 
     def _gradient_dtypes(self, tokens):
         layer = self._compiled(tokens).layer
-        names = [self.input_name] + self._param_names
+        names = self.input_names + self._param_names
         return [_DTYPES[layer.info(layer.gradients[name])[0]] for name in names]
 
     def _backward_reads(self, tokens):
         return self._compiled(tokens).backward_reads
 
-    def forward(self, x):
-        _check_tensor(f"the input '{self.input_name}'", x, self.device)
-        width = self._input_shape[1]
-        if x.dim() < 2 or x.shape[-1] != width:
-            raise mf.UserError(f"'{self.input_name}' has shape {tuple(x.shape)}; the layer expects (tokens, {width}) "
-                               f"or (..., {width}), e.g. (batch, seq, {width})")
-        lead = tuple(x.shape[:-1])
-        params = [getattr(self, name) for name in self._param_names]
+    def forward(self, *xs, params=None):
+        """The layer's outputs for its Inputs over the tokens, in the order
+        the layer declares them (input_names), each (tokens, width) or
+        (..., width) with the same leading shape. params: {Param name:
+        tensor} read in place of the module's own (every Param, for a
+        module made with own_params=False): another module's weights, or
+        views of them; gradients flow back to them as to any tensor."""
+        if len(xs) != len(self.input_names):
+            raise mf.UserError(f"forward() takes the layer's {len(self.input_names)} Input(s) over the tokens "
+                               f"({', '.join(self.input_names)}), got {len(xs)}")
+        lead = None
+        flat = []
+        for name, shape, x in zip(self.input_names, self._input_shapes, xs):
+            _check_tensor(f"the input '{name}'", x, self.device)
+            width = shape[1]
+            if x.dim() < 2 or x.shape[-1] != width:
+                raise mf.UserError(f"'{name}' has shape {tuple(x.shape)}; the layer expects (tokens, {width}) "
+                                   f"or (..., {width}), e.g. (batch, seq, {width})")
+            if lead is not None and tuple(x.shape[:-1]) != lead:
+                raise mf.UserError(f"'{name}' has shape {tuple(x.shape)}, over other tokens than "
+                                   f"'{self.input_names[0]}' {tuple(xs[0].shape)}: every input's leading shape "
+                                   "must be the same")
+            lead = tuple(x.shape[:-1])
+            flat.append(x.reshape(-1, width))
+        params = self._params(params)
         consts = [getattr(self, name) for name in self._const_names]
         for name, c in zip(self._const_names, consts):
             _check_tensor(f"the constant input '{name}'", c, self.device)
-        x2 = x.reshape(-1, width)
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            outs = torch.ops.moeforge.layer_forward(self._handle, x2, params, consts)[:-1]
+        needs_grad = any(x.requires_grad for x in xs) or any(p.requires_grad for p in params)
+        if torch.is_grad_enabled() and needs_grad:
+            outs = torch.ops.moeforge.layer_forward(self._handle, flat, params, consts)[:-1]
         else:  # no backward will run: the forward alone, keeping nothing
-            outs = torch.ops.moeforge.layer_inference(self._handle, x2, params, consts)
+            outs = torch.ops.moeforge.layer_inference(self._handle, flat, params, consts)
         if len(lead) > 1:
             outs = [o.reshape(*lead, *o.shape[1:]) if o.dim() > 0 else o for o in outs]
         return tuple(outs) if len(outs) > 1 else outs[0]
+
+    def _params(self, given):
+        """The weights a forward reads, in the ops' order: the tensors given
+        (checked: shape, device), else the module's own."""
+        given = dict(given or {})
+        unknown = sorted(set(given) - set(self._param_names))
+        if unknown:
+            raise mf.UserError(f"params names {unknown}, not Params of this layer ({', '.join(self._param_names)})")
+        out = []
+        for name in self._param_names:
+            if name not in given:
+                if not self.own_params:
+                    raise mf.UserError(f"this MoELayer holds no weights (own_params=False): forward() needs "
+                                       f"params={{...}} with every Param ({', '.join(self._param_names)}); "
+                                       f"'{name}' is missing")
+                out.append(getattr(self, name))
+                continue
+            t = given[name]
+            _check_tensor(f"the Param '{name}'", t, self.device)
+            if tuple(t.shape) != self._param_shapes[name]:
+                raise mf.UserError(f"the Param '{name}' given has shape {tuple(t.shape)}; the layer expects "
+                                   f"{self._param_shapes[name]}")
+            out.append(t)
+        return out
 
     def routed_experts(self, tokens=None, route="route"):
         """The experts the last forward chose (int32, pair order: token t's

@@ -1,8 +1,23 @@
-"""moeforge.transformers: transformers' sparse MoE blocks run by moeforge.
+"""moeforge.transformers: transformers' MoE models run by moeforge, two ways.
 
-    import moeforge.transformers as mftf
-    model = AutoModelForCausalLM.from_config(config)      # Mixtral, Qwen3-MoE or OLMoE
-    mftf.swap_sparse_moe_blocks(model)                    # each block now a moeforge layer
+    import moeforge.transformers as mftf                 # registers "moeforge" as an experts implementation
+    model.set_experts_implementation("moeforge")         # 1. transformers' router, moeforge's experts
+    mftf.swap_sparse_moe_blocks(model)                   # 2. or each sparse block a moeforge layer, router too
+
+1. The experts implementation (experts_forward, registered with
+transformers' ExpertsInterface as "moeforge" when this module is imported).
+transformers hands an experts module the router's top_k_index and
+top_k_weights; moeforge's layer takes them as a given routing (the
+algebra's given_routing_pipeline: scores [T, E] holding each token's
+weights at its chosen experts) and runs SwiGLU experts on the module's own
+gate_up_proj (its gate and up halves as views) and down_proj, with
+gradients to the input, the routing weights and both weights. Any model
+whose experts transformers dispatches this way (Mixtral, Qwen3-MoE, OLMoE,
+DeepSeek-V3, GLM-4-MoE) runs so; the views are still made contiguous per
+call (a transient copy of gate_up_proj), until the layer reads strided
+weights.
+
+2. The swapped block:
 
 Each sparse MoE block (MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock,
 OlmoeSparseMoeBlock) becomes a SparseMoeBlock: the same layer written in
@@ -33,6 +48,8 @@ scaled by routed_scaling_factor), the routed experts run by moeforge and
 the block's shared experts by torch, added as the block adds them.
 """
 
+import weakref
+
 import torch
 
 import moeforge as mf
@@ -46,23 +63,26 @@ BIASED_BLOCK_CLASSES = ("DeepseekV3MoE", "Glm4MoeMoE")
 
 
 class _Layer:
-    """The dims, indices and weights both blocks' algebra share: x [T, d];
+    """The dims, indices and weights every block's algebra shares: x [T, d];
     the router's weight wr [E, d] and down_proj w2 [E, d, F] in
     transformers' layouts (so the block's own Parameters are read in
-    place); w1, w3 [E, d, F] (gate_up_proj's halves, copied)."""
+    place); w1, w3 [E, d, F] (gate_up_proj's halves, copied), or with
+    `halves_as_gate_up` [E, F, d], the layout of gate_up_proj's halves."""
 
-    def __init__(self, hidden, intermediate, experts):
+    def __init__(self, hidden, intermediate, experts, halves_as_gate_up=False):
         T, D = mf.Dim.dynamic("T"), mf.Dim("D", hidden)
         F, E = mf.Dim("F", intermediate), mf.Dim("E", experts)
+        self.T, self.E = T, E
         self.t, self.e, self.i, self.j = mf.Var("t", T), mf.Var("e", E), mf.Var("i", D), mf.Var("j", F)
         self.x = mf.Input("x", [T, D])
-        self.E = E
-        self.wr, self.w1 = mf.Param("wr", [E, D]), mf.Param("w1", [E, D, F])
-        self.w3, self.w2 = mf.Param("w3", [E, D, F]), mf.Param("w2", [E, D, F])
+        self.halves_as_gate_up = halves_as_gate_up
+        half = [E, F, D] if halves_as_gate_up else [E, D, F]
+        self.w1, self.w3, self.w2 = mf.Param("w1", half), mf.Param("w3", half), mf.Param("w2", [E, D, F])
 
     def logits(self):
+        wr = mf.Param("wr", [self.E, self.i.dim])
         logits = mf.Func("logits", mf.f32)
-        logits[self.t, self.e] = mf.sum(self.i, self.x[self.t, self.i] * self.wr[self.e, self.i])
+        logits[self.t, self.e] = mf.sum(self.i, self.x[self.t, self.i] * wr[self.e, self.i])
         return logits
 
     def experts(self, route, gate):
@@ -71,8 +91,10 @@ class _Layer:
         the Pipeline."""
         x, i, j, t, r = self.x, self.i, self.j, self.t, route.pair
         h, o, y = mf.Func("h"), mf.Func("o"), mf.Func("y")
-        h[r, j] = (mf.silu(mf.sum(i, x[route.token(r), i] * self.w1[route.expert(r), i, j])) *
-                   mf.sum(i, x[route.token(r), i] * self.w3[route.expert(r), i, j]))
+        e = route.expert(r)
+        w1, w3 = ((self.w1[e, j, i], self.w3[e, j, i]) if self.halves_as_gate_up else
+                  (self.w1[e, i, j], self.w3[e, i, j]))
+        h[r, j] = mf.silu(mf.sum(i, x[route.token(r), i] * w1)) * mf.sum(i, x[route.token(r), i] * w3)
         o[r, i] = mf.sum(j, h[r, j] * self.w2[route.expert(r), i, j])
         y[t, i] = mf.combine(route, t, gate(r) * o[r, i])
         return mf.Pipeline([y])
@@ -87,6 +109,23 @@ def sparse_moe_pipeline(hidden, intermediate, experts, top_k, renormalize):
     logits, probs = a.logits(), mf.Func("probs", mf.f32)
     probs[a.t, a.e] = mf.softmax(a.e, logits[a.t, a.e])
     route = mf.top_k(probs, a.e, top_k, renormalize=renormalize)
+    return a.experts(route, route.gate)
+
+
+def given_routing_pipeline(hidden, intermediate, experts, top_k):
+    """SwiGLU experts over a routing chosen outside the layer (transformers'
+    experts implementations are handed the router's top_k_index and
+    top_k_weights): y[t] = sum over t's k pairs of their weight times the
+    expert's output. The routing comes as scores [T, E] (f32): each token's
+    k chosen experts hold their weights, every other expert a score below
+    any weight; the layer's top-k picks the chosen and gates each pair by
+    its score, so the weights' gradient is the scores' at the chosen.
+    w1, w3 in gate_up_proj's halves' layout [E, F, d]. Returns the
+    Pipeline."""
+    a = _Layer(hidden, intermediate, experts, halves_as_gate_up=True)
+    scores, choice = mf.Input("scores", [a.T, a.E], mf.f32), mf.Func("choice", mf.f32)
+    choice[a.t, a.e] = scores[a.t, a.e]
+    route = mf.top_k(choice, a.e, top_k)
     return a.experts(route, route.gate)
 
 
@@ -251,3 +290,79 @@ def swap_sparse_moe_blocks(model, schedule="auto"):
         else:
             setattr(parent, name, SparseMoeBlock.from_block(child, schedule=schedule, record_router_logits=record))
     return model
+
+
+# ---------------------------------------------------------------- the experts implementation
+
+# A score below any routing weight: the experts a token did not choose. Finite,
+# because the layer's top-k reports an infinite score as bad input.
+_UNCHOSEN = torch.finfo(torch.float32).min
+
+# Each transformers experts module's moeforge layers, by (device, top_k): made
+# at its first call, dropped with the module.
+_EXPERTS_LAYERS = weakref.WeakKeyDictionary()
+
+
+def _experts_shape(experts):
+    """(hidden, intermediate, experts) of a transformers experts module, or a
+    UserError naming what moeforge's experts implementation does not read."""
+    name = type(experts).__name__
+    if not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj"):
+        raise mf.UserError(f"{name} has no gate_up_proj and down_proj: moeforge's experts implementation reads "
+                           "transformers 5's fused expert weights")
+    unread = [flag for flag, want in (("has_gate", True), ("has_bias", False), ("is_transposed", False),
+                                      ("is_concatenated", True), ("_is_expert_parallel", False))
+              if getattr(experts, flag, want) != want]
+    if unread:
+        raise mf.UserError(f"{name} has {', '.join(f'{f}={getattr(experts, f)}' for f in unread)}: moeforge's "
+                           "experts implementation reads gate_up_proj [E, 2F, d] as [gate; up] halves, down_proj "
+                           "[E, d, F], no biases, on one device")
+    act = type(getattr(experts, "act_fn", None)).__name__
+    if "SiLU" not in act:
+        raise mf.UserError(f"{name}'s experts use {act}: moeforge's experts implementation writes SwiGLU (SiLU)")
+    return experts.hidden_dim, experts.intermediate_dim, experts.num_experts
+
+
+def _experts_layer(experts, device, top_k):
+    layers = _EXPERTS_LAYERS.setdefault(experts, {})
+    key = (str(device), top_k)
+    if key not in layers:
+        hidden, intermediate, count = _experts_shape(experts)
+        layers[key] = mft.MoELayer(given_routing_pipeline(hidden, intermediate, count, top_k), device=device.type,
+                                   own_params=False, inputs=["x", "scores"])
+    return layers[key]
+
+
+def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts call, run by moeforge: hidden_states [T, d], the
+    router's top_k_index and top_k_weights [T, k] -> [T, d] in
+    hidden_states' dtype. The experts' gate_up_proj and down_proj are read
+    where they are (gate_up_proj's halves as views), and gradients reach
+    them, hidden_states and top_k_weights."""
+    top_k = top_k_index.shape[-1]
+    layer = _experts_layer(experts, hidden_states.device, top_k)
+    tokens, count = hidden_states.shape[0], experts.num_experts
+    scores = torch.full((tokens, count), _UNCHOSEN, dtype=torch.float32, device=hidden_states.device)
+    scores = scores.scatter(1, top_k_index.long(), top_k_weights.float())
+    gate_up, f = experts.gate_up_proj, experts.intermediate_dim
+    params = {"w1": gate_up[:, :f, :], "w3": gate_up[:, f:, :], "w2": experts.down_proj}
+    y = layer(hidden_states, scores, params=params)
+    return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
+
+
+def register_experts_implementation(name="moeforge"):
+    """Registers experts_forward with transformers' ExpertsInterface under
+    `name`, so that a model whose experts transformers dispatches
+    (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, ...) runs them with moeforge:
+    `model.set_experts_implementation(name)` or
+    `from_pretrained(..., experts_implementation=name)`. Importing this
+    module registers "moeforge" where transformers is installed."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, experts_forward)
+
+
+try:
+    register_experts_implementation()
+except ImportError:  # no transformers here: nothing to register with
+    pass

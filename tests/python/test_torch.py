@@ -287,12 +287,11 @@ def test_constant_inputs_are_buffers_and_bad_ones_are_named(device):
         moe.bias = torch.zeros(E)
         with pytest.raises(mf.UserError, match="the constant input 'bias' is on cpu, the layer on cuda"):
             moe(x)
-    T, Dd = mf.Dim.dynamic("T"), mf.Dim("D", D)
-    t, i = mf.Var("t", T), mf.Var("i", Dd)
-    a, b = mf.Input("a", [T, Dd]), mf.Input("b", [T, Dd])
-    y = mf.Func("y")
-    y[t, i] = a[t, i] * b[t, i]
-    with pytest.raises(mf.UserError, match=r"exactly one Input over the tokens .*got \['a', 'b'\]"):
+    Dd = mf.Dim("D", D)
+    i = mf.Var("i", Dd)
+    w, y = mf.Param("w", [Dd]), mf.Func("y")
+    y[i] = w[i] * 2.0
+    with pytest.raises(mf.UserError, match=r"an Input over the tokens .*its Inputs \[\] have none"):
         mft.MoELayer(mf.Pipeline([y]), device=device)
 
 
@@ -692,3 +691,42 @@ def test_a_copied_module_is_a_module_of_its_own(device):
     assert normalized_error(twin(x), 2 * y.float()) < 2e-2
     assert normalized_error(moe(x), y) < 1e-6
     assert torch.equal(twin.routed_experts(40), moe.routed_experts(40))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_inputs_over_the_tokens_and_weights_given_per_call(device):
+    """A layer of two Inputs over the tokens (x and a given routing's
+    scores) takes both as forward()'s arguments, in the order `inputs`
+    names them, (batch, seq, width) too; with own_params=False it holds no
+    weights and reads those each call is given, and gradients reach them.
+    Bad calls are named."""
+    import moeforge.transformers as mftf
+    torch.manual_seed(41)
+    moe = mft.MoELayer(mftf.given_routing_pipeline(D, F, E, K), device=device, own_params=False,
+                       inputs=["x", "scores"])
+    assert moe.input_names == ["x", "scores"] and list(moe.parameters()) == []
+    weights = {"w1": torch.randn(E, F, D), "w3": torch.randn(E, F, D), "w2": torch.randn(E, D, F)}
+    weights = {n: (w * 0.1).to(device=device, dtype=torch.bfloat16).requires_grad_(True) for n, w in weights.items()}
+    x = torch.randn(2, 9, D, device=device).to(torch.bfloat16)
+    scores = torch.rand(2, 9, E, device=device)
+    y = moe(x, scores, params=weights)
+    assert y.shape == (2, 9, D)
+    y.float().sum().backward()
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in weights.values())
+    flat = moe(x.reshape(18, D), scores.reshape(18, E), params=weights)
+    assert torch.equal(flat.reshape(2, 9, D), y)
+    with pytest.raises(mf.UserError, match=r"forward\(\) takes the layer's 2 Input\(s\) over the tokens \(x, scores\), "
+                                           r"got 1"):
+        moe(x, params=weights)
+    with pytest.raises(mf.UserError, match=r"'scores' has shape \(18, 8\), over other tokens than 'x' \(2, 9, 64\)"):
+        moe(x, scores.reshape(18, E), params=weights)
+    with pytest.raises(mf.UserError, match=r"own_params=False\): forward\(\) needs params=\{...\} with every Param "
+                                           r"\(w1, w3, w2\); 'w2' is missing"):
+        moe(x, scores, params={"w1": weights["w1"], "w3": weights["w3"]})
+    with pytest.raises(mf.UserError, match=r"the Param 'w1' given has shape \(8, 64, 128\); the layer expects "
+                                           r"\(8, 128, 64\)"):
+        moe(x, scores, params={**weights, "w1": weights["w1"].transpose(1, 2)})
+    with pytest.raises(mf.UserError, match=r"params names \['w9'\], not Params of this layer"):
+        moe(x, scores, params={**weights, "w9": weights["w1"]})
+    with pytest.raises(mf.UserError, match=r"inputs=\['x'\] must name each Input over the tokens once"):
+        mft.MoELayer(mftf.given_routing_pipeline(D, F, E, K), device=device, inputs=["x"])

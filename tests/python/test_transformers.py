@@ -212,3 +212,90 @@ def test_a_small_deepseek_v3_model_trains_as_the_original(device):
 def test_a_model_without_sparse_blocks_is_told_so():
     with pytest.raises(mf.UserError, match="has no sparse MoE block"):
         mftf.swap_sparse_moe_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+# ---------------------------------------------------------------- the experts implementation
+
+
+def experts_of(kind, device):
+    """A transformers experts module (run eagerly, f32, bf16-exact weights)."""
+    block = blocks()[kind]()
+    block.experts.config._experts_implementation = "eager"
+    bf16_exact_weights(block)
+    return block.experts.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe", "olmoe"])
+def test_the_experts_implementation_gives_the_experts_output_and_gradients(device, kind):
+    """moeforge's experts call on the router's top_k_index and top_k_weights
+    against the experts' eager loop (f32): the output and the gradients of
+    the input, the routing weights, gate_up_proj and down_proj."""
+    torch.manual_seed(31)
+    experts = experts_of(kind, device)
+    ours = copy.deepcopy(experts).to(torch.bfloat16)
+    T = 37
+    x = torch.randn(T, D, device=device).to(torch.bfloat16)
+    weights, index = torch.topk(torch.randn(T, E, device=device).softmax(-1), K, dim=-1)
+    dy = torch.randn(T, D, device=device).to(torch.bfloat16)
+    xr, wr = x.float().requires_grad_(True), weights.clone().requires_grad_(True)
+    want = experts(xr, index, wr)
+    want.backward(dy.float())
+    xo, wo = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    got = mftf.experts_forward(ours, xo, index, wo)
+    got.backward(dy)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert error(got, want) < 2e-2
+    assert error(xo.grad, xr.grad) < 2e-2
+    assert error(wo.grad, wr.grad) < 2e-2
+    assert error(ours.gate_up_proj.grad, experts.gate_up_proj.grad) < 2e-2
+    assert error(ours.down_proj.grad, experts.down_proj.grad) < 2e-2
+    # The experts hold no copy of their weights: only the module's own.
+    assert [n for n, _ in ours.named_parameters()] == ["gate_up_proj", "down_proj"]
+
+
+def small_model(kind, device):
+    """A 2-layer bf16 model of transformers' `kind` whose experts
+    transformers dispatches (ExpertsInterface)."""
+    shared = dict(vocab_size=96, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, num_experts_per_tok=K)
+    if kind == "qwen3moe":
+        config = transformers.Qwen3MoeConfig(**shared, intermediate_size=F, moe_intermediate_size=F,
+                                             num_key_value_heads=2, head_dim=16, num_experts=E, norm_topk_prob=True)
+        return transformers.Qwen3MoeForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(**shared, intermediate_size=F, num_key_value_heads=2, head_dim=16,
+                                            num_local_experts=E, router_jitter_noise=0.0)
+        return transformers.MixtralForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    config = transformers.DeepseekV3Config(
+        **shared, intermediate_size=2 * F, moe_intermediate_size=F, first_k_dense_replace=0, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=E, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5)
+    return transformers.DeepseekV3ForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral", "deepseek_v3"])
+def test_a_model_with_moeforge_experts_trains_as_the_original(device, kind):
+    """set_experts_implementation("moeforge") on a small model: transformers'
+    own router and blocks, moeforge's experts; its loss curve against the
+    same model's with transformers' own experts implementation (grouped_mm
+    where it dispatches, else eager)."""
+    torch.manual_seed(32)
+    original = small_model(kind, device)
+    ours = copy.deepcopy(original)
+    ours.set_experts_implementation("moeforge")
+    assert ours.config._experts_implementation == "moeforge"
+    o, s = train_both(original, ours, torch.randint(0, 96, (4, 24), device=device))
+    assert abs(s[-1] - o[-1]) < 5e-2 * o[-1], f"after 20 steps: {s[-1]} against {o[-1]}"
+    # Both layers' experts ran as moeforge layers.
+    assert sum(m in mftf._EXPERTS_LAYERS for m in ours.modules()) == 2
+
+
+def test_experts_it_does_not_read_are_named():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    experts = GptOssExperts(transformers.GptOssConfig(hidden_size=D, intermediate_size=F, num_local_experts=E))
+    x = torch.randn(5, D)
+    with pytest.raises(mf.UserError, match=r"GptOssExperts has has_bias=True, is_transposed=True, "
+                                           r"is_concatenated=False: moeforge's experts implementation reads"):
+        mftf.experts_forward(experts, x, torch.zeros(5, K, dtype=torch.long), torch.ones(5, K))

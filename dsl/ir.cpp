@@ -264,4 +264,42 @@ Buffer::Buffer(BufferKind kind, std::string name, std::vector<Dim> dims, DType t
   node_ = std::make_shared<BufferNode>(BufferNode{std::move(name), kind, std::move(dims), t});
 }
 
+int64_t BufferNode::first_dim_stride() const {
+  if (outer_stride > 0)
+    return outer_stride;
+  int64_t inner = 1;
+  for (size_t i = 1; i < dims.size(); ++i) {
+    if (dims[i].is_dynamic())
+      return -1; // varies with the token count
+    inner *= dims[i].extent();
+  }
+  return inner;
+}
+
+void Buffer::set_outer_stride(int64_t outer_stride) {
+  const BufferNode &n = *node_;
+  user_check(n.dims.size() >= 2) << "Param '" << n.name << "': outer_stride steps its first dim over the others, "
+                                 << "so it needs two dims or more (it has " << n.dims.size() << ")";
+  int64_t inner = 1;
+  for (size_t i = 1; i < n.dims.size(); ++i) {
+    user_check(!n.dims[i].is_dynamic()) << "Param '" << n.name << "': outer_stride needs static dims after the first ("
+                                        << n.dims[i].name() << " is dynamic)";
+    inner *= n.dims[i].extent();
+  }
+  user_check(outer_stride >= inner) << "Param '" << n.name << "': outer_stride " << outer_stride
+                                    << " is less than the " << inner
+                                    << " elements of one index of its first dim: its rows would overlap";
+  user_check(outer_stride % 8 == 0) << "Param '" << n.name << "': outer_stride " << outer_stride
+                                    << " must be a multiple of 8 elements (16 bytes of bf16), as the GPU's copies "
+                                    << "need aligned rows";
+  auto strided = std::make_shared<BufferNode>(n);
+  strided->outer_stride = outer_stride == inner ? 0 : outer_stride; // a dense stride is the plain Param
+  node_ = std::move(strided);
+}
+
+Param::Param(std::string name, std::vector<Dim> dims, DType t, int64_t outer_stride)
+    : Buffer(BufferKind::param, std::move(name), std::move(dims), t) {
+  set_outer_stride(outer_stride);
+}
+
 } // namespace moeforge

@@ -115,6 +115,14 @@ struct BufferNode {
   BufferKind kind;
   std::vector<Dim> dims;
   DType dtype;
+  // Elements between consecutive indices of the first dim; 0: dense (the
+  // product of the other extents). A Param stored inside a larger tensor
+  // has a wider one: transformers' gate_up_proj [E, 2F, d] holds w1 and w3
+  // [E, F, d] as its two halves, each a Param whose experts lie 2F d apart.
+  int64_t outer_stride = 0;
+  // The stride of the first dim as stored: outer_stride, or dense (-1 when
+  // a later dim is dynamic).
+  int64_t first_dim_stride() const;
 };
 using BufferPtr = std::shared_ptr<const BufferNode>;
 
@@ -338,7 +346,12 @@ public:
   const std::vector<Dim> &dims() const { return checked_node()->dims; }
   DType dtype() const { return checked_node()->dtype; }
   BufferKind kind() const { return checked_node()->kind; }
+  int64_t outer_stride() const { return checked_node()->outer_stride; }
   const BufferPtr &node() const { return node_; }
+
+protected:
+  // The strided form's node (Param's constructor).
+  void set_outer_stride(int64_t outer_stride);
 
 private:
   // The node, or a user error for a default-constructed Input or Param.
@@ -358,6 +371,10 @@ class Param : public Buffer {
 public:
   Param(std::string name, std::vector<Dim> dims, DType t = DType::bf16)
       : Buffer(BufferKind::param, std::move(name), std::move(dims), t) {}
+  // A weight stored inside a larger tensor: its first index steps
+  // `outer_stride` elements (at least the product of the other extents, a
+  // multiple of 8 so that rows stay 16-byte aligned for the GPU's copies).
+  Param(std::string name, std::vector<Dim> dims, DType t, int64_t outer_stride);
 };
 
 // ---------------------------------------------------------------- Routing

@@ -156,7 +156,10 @@ std::ostream &operator<<(std::ostream &os, const Buffer &b) {
   os << (b.kind() == BufferKind::input ? "input " : "param ") << b.name() << "(";
   for (size_t i = 0; i < b.dims().size(); ++i)
     os << (i ? ", " : "") << b.dims()[i].name();
-  return os << ") : " << dtype_name(b.dtype());
+  os << ") : " << dtype_name(b.dtype());
+  if (b.outer_stride() > 0)
+    os << ", " << b.dims()[0].name() << " every " << b.outer_stride() << " elements";
+  return os;
 }
 
 std::ostream &operator<<(std::ostream &os, const RoutingNode &r) {

@@ -227,6 +227,8 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
       os << " rows=" << row_layout_name(t.layout) << "(" << t.route->name << ")";
     if (t.is_input)
       os << " input";
+    if (t.outer_stride > 0)
+      os << " " << t.dims[0].name() << "-stride " << t.outer_stride;
     os << "\n";
   }
   for (const Step &s : p.steps) {

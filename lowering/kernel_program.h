@@ -61,6 +61,11 @@ struct TensorDecl {
   // count. Nothing reads the tail as a value. The CPU backend, which reads
   // element by element, keeps such rows dense (the storage is only larger).
   bool stride8 = false;
+  // Elements between consecutive indices of the first dim; 0: dense. A
+  // Param stored inside a larger tensor (BufferNode::outer_stride), and its
+  // gradient, which is written into the same place of the larger tensor's
+  // gradient. The memory between rows is never read or written.
+  int64_t outer_stride = 0;
   // A padded tensor whose padding rows hold zeros (the element-wise kernel,
   // gather or GEMM epilogue that writes it zeroes them: padded_elementwise):
   // a GEMM may read its rows by TMA without the zero fill its cp.async

@@ -259,8 +259,10 @@ KernelProgram build_steps(const Pipeline &p, const Schedule &schedule) {
   prog.schedule_name = schedule.name();
   prog.reuse_memory = schedule.reuse_memory();
   Decomposer decomposer(p, /*share_forward_sums=*/true);
-  for (const BufferPtr &b : p.buffers())
+  for (const BufferPtr &b : p.buffers()) {
     prog.tensors.push_back(TensorDecl{b->name, b->dtype, b->dims, RowLayout::dense, nullptr, true});
+    prog.tensors.back().outer_stride = b->outer_stride;
+  }
   for (const Pipeline::Step &step : p.steps()) {
     if (step.route) {
       const RoutingNode &r = *step.route;
@@ -384,6 +386,7 @@ KernelProgram split_unfused_epilogues(KernelProgram p, const Schedule &schedule)
       TensorDecl t = dst;
       t.name = name;
       t.dtype = DType::f32;
+      t.outer_stride = 0; // a tensor of its own, dense
       p.tensors.push_back(t);
       GemmStep part = *g;
       part.name = "gemm_" + name;
@@ -573,6 +576,7 @@ KernelProgram materialize_transposes(KernelProgram p, const Schedule &schedule) 
         TensorDecl bt = b;
         bt.name = name + "_T";
         bt.is_input = false;
+        bt.outer_stride = 0; // a copy of its own, dense
         std::swap(bt.dims[bt.dims.size() - 1], bt.dims[bt.dims.size() - 2]);
         add(bt, TransposeStep{"transpose_" + bt.name, name, bt.name});
         name = bt.name;

@@ -378,6 +378,13 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   t.seed = algebra.seed;
   t.gradients = algebra.gradients;
   t.of = algebra.of;
+  // A Param stored inside a larger tensor has its gradient in the same
+  // place of that tensor's gradient (transformers' gate_up_proj: one
+  // gradient tensor holds both halves').
+  for (size_t i = 0; i < t.of.size(); ++i)
+    if (const TensorDecl *w = p.find(t.of[i]); w && w->outer_stride > 0)
+      if (TensorDecl *g = p.find(t.gradients[i]))
+        g->outer_stride = w->outer_stride;
 
   if (schedule.bf16_boundary())
     seeds_in_bf16(p, t);

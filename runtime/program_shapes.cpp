@@ -96,8 +96,10 @@ int64_t ProgramShapes::elements(const TensorDecl &t) const {
   if (t.stride8 && !s.empty())
     s.back() = (s.back() + 7) / 8 * 8;
   int64_t n = 1;
-  for (int64_t e : s)
-    n *= e;
+  for (size_t i = t.outer_stride > 0 ? 1 : 0; i < s.size(); ++i)
+    n *= s[i];
+  if (t.outer_stride > 0) // up to the last index's elements: the rest of the larger tensor is not this one's
+    n += (s[0] - 1) * t.outer_stride;
   return std::max<int64_t>(n, 1);
 }
 
@@ -113,7 +115,15 @@ std::vector<uint8_t> ProgramShapes::encode_input(const TensorDecl &t, const Tens
   user_check(h.shape == shape(t)) << "input '" << t.name << "' has shape " << shape_text(h.shape) << ", and at "
                                   << tokens_ << " tokens the layer takes " << shape_text(shape(t)) << " (" << dims
                                   << "): give it that shape, or make the layer for the token count it has";
-  return encode_values(h.data, t.dtype);
+  std::vector<uint8_t> dense = encode_values(h.data, t.dtype);
+  if (t.outer_stride == 0)
+    return dense;
+  // Each index of the first dim at its stride; the bytes between stay zero.
+  const size_t bytes = static_cast<size_t>(dtype_bytes(t.dtype)), row = dense.size() / h.shape.at(0);
+  std::vector<uint8_t> out(static_cast<size_t>(elements(t)) * bytes, 0);
+  for (int64_t i = 0; i < h.shape[0]; ++i)
+    std::memcpy(&out[static_cast<size_t>(i * t.outer_stride) * bytes], &dense[i * row], row);
+  return out;
 }
 
 HostTensor ProgramShapes::decode(const TensorDecl &t, const std::vector<uint8_t> &bytes,
@@ -136,13 +146,14 @@ HostTensor ProgramShapes::decode(const TensorDecl &t, const std::vector<uint8_t>
   const bool padded = t.layout == RowLayout::padded;
   internal_check(!padded || pair_pos) << "decoding padded '" << t.name << "' needs its route's pair_pos";
   internal_check(t.layout != RowLayout::padded_t) << "'" << t.name << "' is a transposed internal copy";
+  const int64_t stride = t.outer_stride > 0 ? t.outer_stride : row; // where each row is stored
   parallel_chunks(
       out.shape.empty() ? 1 : out.shape[0],
       [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
           int64_t from = padded ? (*pair_pos)[r] : r;
           for (int64_t i = 0; i < row; ++i)
-            out.data[r * row + i] = value(from * row + i);
+            out.data[r * row + i] = value(from * stride + i);
         }
       },
       std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(row, 1)));

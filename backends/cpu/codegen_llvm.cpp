@@ -155,8 +155,23 @@ public:
     b.SetInsertPoint(done);
   }
 
+  // Where element `offset` (row-major over t's dims) is stored: a tensor
+  // with an outer stride (a Param inside a larger tensor, or its gradient)
+  // has its first index `outer_stride` elements apart. Every load and store
+  // goes through here, so no kernel needs to know.
+  Value *stored_at(const TensorDecl &t, Value *offset) {
+    if (t.outer_stride == 0)
+      return offset;
+    int64_t inner = 1;
+    for (size_t i = 1; i < t.dims.size(); ++i)
+      inner *= t.dims[i].extent();
+    return b.CreateAdd(b.CreateMul(b.CreateSDiv(offset, c64(inner)), c64(t.outer_stride)),
+                       b.CreateSRem(offset, c64(inner)));
+  }
+
   // Element `offset` of tensor t, as f32 (bf16 widened exactly).
   Value *load(const TensorDecl &t, Value *offset) {
+    offset = stored_at(t, offset);
     Value *base = tensor(t.name);
     if (t.dtype == DType::f32)
       return b.CreateLoad(f32(), b.CreateGEP(f32(), base, offset));
@@ -168,6 +183,7 @@ public:
   // Stores f32 `v` as t's dtype: bf16 rounds to nearest, ties to even, and a
   // NaN stays a quiet NaN (the GPU's __float2bfloat16_rn).
   void store(const TensorDecl &t, Value *offset, Value *v) {
+    offset = stored_at(t, offset);
     Value *base = tensor(t.name);
     if (t.dtype == DType::f32) {
       b.CreateStore(v, b.CreateGEP(f32(), base, offset));
@@ -792,6 +808,8 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, FunctionBuilder
                                  << "' must be static for the CPU backend";
   const int64_t n = cols.extent(), row_bytes = n * dtype_bytes(dst.dtype);
   const bool same = src.dtype == dst.dtype;
+  internal_check(src.outer_stride == 0 && dst.outer_stride == 0)
+      << "step " << s.name << ": a gather copies whole rows of dense tensors";
   Value *gsrc = fb.tensor(s.src), *gdst = fb.tensor(s.dst);
   fb.parallel_for(fb.c64(0), fb.route_scalar(s.route, RoutingArray::padded_rows), "p", [&](Value *p) { // a row each
     Value *r = fb.route_at(s.route, RoutingArray::sorted_pair, p);

@@ -250,8 +250,14 @@ void CpuLayer::poison() {
     Buffer &buf = tensors_.at(t.name);
     if (t.is_input || buf.at == nullptr) // on caller memory: what is placed now
       continue;
-    for (size_t at = 0; at + dtype_bytes(t.dtype) <= buf.bytes; at += dtype_bytes(t.dtype))
-      t.dtype == DType::f32 ? (void)std::memcpy(buf.at + at, &nan, 4) : (void)std::memcpy(buf.at + at, &nan16, 2);
+    const size_t size = dtype_bytes(t.dtype);
+    // A tensor with an outer stride owns its rows only: what lies between
+    // them is another tensor's (the other half of transformers' gate_up_proj).
+    const size_t row = t.outer_stride > 0 ? buf.bytes - (t.dims[0].extent() - 1) * t.outer_stride * size : buf.bytes;
+    const size_t step = t.outer_stride > 0 ? t.outer_stride * size : buf.bytes;
+    for (size_t start = 0; start < buf.bytes; start += step)
+      for (size_t at = start; at + size <= start + row; at += size)
+        t.dtype == DType::f32 ? (void)std::memcpy(buf.at + at, &nan, 4) : (void)std::memcpy(buf.at + at, &nan16, 2);
   }
 }
 

@@ -90,6 +90,33 @@ def _as_layer_tensor(layer, name, t):
     return t.detach().to(_DTYPES[dtype]).contiguous()
 
 
+def _whole_shape(whole, decls, members):
+    """The shape of a tensor holding `members` (Params (n0, n1, n2, ...) at
+    their offsets in elements, each stored every outer_stride elements along
+    n0) as one tensor (n0, m1, n2, ...), and whether they cover all of it;
+    a UserError where they do not fit it or overlap."""
+    shapes = {tuple(b["shape"]) for b in decls}
+    strides = {b["outer_stride"] for b in decls}
+    first = tuple(decls[0]["shape"])
+    rest = math.prod(first[2:])
+    if len(shapes) != 1 or len(strides) != 1 or len(first) < 2 or next(iter(strides)) % rest:
+        raise mf.UserError(f"stored_in['{whole}']: its Params must have one shape of two dims or more and one "
+                           f"outer_stride, a whole number of rows of their second dim; got "
+                           f"{[(b['name'], tuple(b['shape']), b['outer_stride']) for b in decls]}")
+    stride = next(iter(strides))
+    inner = math.prod(first[1:])
+    spans = sorted((offset, offset + inner, p) for p, offset in members)
+    for (a0, a1, pa), (b0, b1, pb) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise mf.UserError(f"stored_in['{whole}']: '{pa}' at {a0} and '{pb}' at {b0} overlap ({inner} elements "
+                               "each)")
+    if spans[0][0] < 0 or spans[-1][1] > stride:
+        raise mf.UserError(f"stored_in['{whole}']: each Param's offset must lie in [0, {stride - inner}] (its "
+                           f"outer_stride {stride} less its {inner} elements)")
+    covered = sum(b - a for a, b, _ in spans) == stride
+    return (first[0], stride // rest, *first[2:]), covered
+
+
 def _empty_like_layer(layer, name, device):
     dtype, shape, _, _ = layer.info(name)
     return torch.empty(shape, dtype=_DTYPES[dtype], device=device)
@@ -111,10 +138,13 @@ class _BoundLayer:
     address costs nothing, but a call each) and copying out the experts a
     forward chose."""
 
-    def bind(self, name, t):
-        if self.bound.get(name) != t.data_ptr():
-            self.layer.bind(name, t.data_ptr(), t.numel() * t.element_size())
-            self.bound[name] = t.data_ptr()
+    def bind(self, name, t, offset=0, nbytes=None):
+        """Points the layer's tensor `name` at t's memory, `offset` bytes in
+        (a Param inside a larger tensor), over `nbytes` (default: t's)."""
+        address = t.data_ptr() + offset
+        if self.bound.get(name) != address:
+            self.layer.bind(name, address, t.numel() * t.element_size() if nbytes is None else nbytes)
+            self.bound[name] = address
 
     def routed_experts(self, route, device):
         """A copy of the experts the forward just run chose: T * k int32,
@@ -188,8 +218,8 @@ def _step_forward(module, xs, params, consts):
     # The input and weights and fresh output tensors, all bound in place
     # (a converted copy held here until the forward has run).
     inputs = _layer_inputs(module, layer, xs, params, consts)
-    for name, t in zip(module._bound_names(), inputs):
-        rt.bind(name, t)
+    for binding in inputs:
+        rt.bind(*binding)
     # The workspace is taken first: it then gets the block the last call's
     # workspace left in torch's pool, the same size, and the saved region a
     # block of its own, instead of a split of it (splits of layer after
@@ -208,9 +238,21 @@ def _step_forward(module, xs, params, consts):
 
 
 def _layer_inputs(module, layer, xs, params, consts):
-    """The token inputs, the weights and the constant inputs in the layer's
-    storage type, contiguous: themselves where they already are (no copy)."""
-    return [_as_layer_tensor(layer, name, t) for name, t in zip(module._bound_names(), [*xs, *params, *consts])]
+    """What a step binds, as (layer tensor, torch tensor, byte offset, bytes)
+    of the token inputs, the weights and the constant inputs, each in the
+    layer's storage type, contiguous: themselves where they already are (no
+    copy). A weight tensor holding several Params (stored_in) binds each at
+    its place in it."""
+    out = [(name, _as_layer_tensor(layer, name, t), 0, None)
+           for name, t in zip(module.input_names, xs)]
+    for weight, t in zip(module._weight_names, params):
+        members = module._members[weight]
+        if members == [(weight, 0)]:
+            out.append((weight, _as_layer_tensor(layer, weight, t), 0, None))
+            continue
+        whole = t.detach().to(_DTYPES[layer.info(members[0][0])[0]]).contiguous()
+        out += [(p, whole, offset * whole.element_size(), layer.info(p)[3]) for p, offset in members]
+    return out + [(name, _as_layer_tensor(layer, name, t), 0, None) for name, t in zip(module._const_names, consts)]
 
 
 def _step_backward(module, xs, params, consts, saved, read_outputs, grads):
@@ -228,8 +270,8 @@ def _step_backward(module, xs, params, consts, saved, read_outputs, grads):
     # again (a model may have run other forwards since). Autograd runs a
     # backward on its forward's stream, so no stream needs recording.
     inputs = _layer_inputs(module, layer, xs, params, consts)  # held until the backward has run
-    for name, t in zip(module._bound_names(), inputs):
-        rt.bind(name, t)
+    for binding in inputs:
+        rt.bind(*binding)
     for name, t in zip([n for n in layer.outputs if n in rt.backward_reads], read_outputs):
         rt.bind(name, t)
     seeds = []
@@ -240,10 +282,23 @@ def _step_backward(module, xs, params, consts, saved, read_outputs, grads):
     workspace = _memory(workspace_bytes, device)
     # Every gradient gets fresh memory, needed or not: the layer writes
     # them all, and never into memory torch may have handed elsewhere.
-    names = module.input_names + module._param_names
-    out = [_empty_like_layer(layer, layer.gradients[name], device) for name in names]
-    for name, t in zip(names, out):
+    out = [_empty_like_layer(layer, layer.gradients[name], device) for name in module.input_names]
+    for name, t in zip(module.input_names, out):
         layer.bind_gradient(name, t.data_ptr(), t.numel() * t.element_size())
+    for weight in module._weight_names:
+        members = module._members[weight]
+        if members == [(weight, 0)]:
+            out.append(_empty_like_layer(layer, layer.gradients[weight], device))
+            layer.bind_gradient(weight, out[-1].data_ptr(), out[-1].numel() * out[-1].element_size())
+            continue
+        # One gradient tensor for the weight tensor, each Param's written in
+        # its place; zeros where no Param lies (nothing writes there).
+        dtype = _DTYPES[layer.info(layer.gradients[members[0][0]])[0]]
+        make = torch.empty if module._covered[weight] else torch.zeros
+        out.append(make(module._weight_shapes[weight], dtype=dtype, device=device))
+        for p, offset in members:
+            layer.bind_gradient(p, out[-1].data_ptr() + offset * out[-1].element_size(),
+                                layer.info(layer.gradients[p])[3])
     stream = torch.cuda.current_stream(device) if rt.cuda else None
     rt.backward(stream, saved.data_ptr(), _address(workspace))
     # The workspace and the seeds go back to torch's pool now (a block freed
@@ -391,8 +446,8 @@ def _inference_forward(module, xs, params, consts):
     layer = rt.layer
     tables_bytes, workspace_bytes = rt.use_tokens(tokens)
     inputs = _layer_inputs(module, layer, xs, params, consts)  # held until the forward has run
-    for name, t in zip(module._bound_names(), inputs):
-        rt.bind(name, t)
+    for binding in inputs:
+        rt.bind(*binding)
     workspace = _memory(workspace_bytes, x.device)
     tables = _memory(tables_bytes, x.device)
     wanted = [f.name for f in module.outputs]
@@ -439,7 +494,13 @@ class MoELayer(torch.nn.Module):
     own_params: False for a layer of another module's weights, which
     registers no Parameters and reads the tensors each forward() is given
     (params=); inputs: the order of forward()'s arguments, by the names of
-    the Inputs over the tokens (default: as the pipeline lists them).
+    the Inputs over the tokens (default: as the pipeline lists them);
+    stored_in: {tensor name: {Param name: offset in elements}}: Params that
+    live inside one tensor, read and written there in place (transformers'
+    gate_up_proj [E, 2F, d] holds w1 and w3 [E, F, d], declared with
+    outer_stride=2 F d, at offsets 0 and F d): that tensor, not its
+    Params, is then the module's Parameter (or params= entry), of shape
+    (n0, outer_stride / (n2 ...), n2, ...), and its gradient one tensor.
 
     Any number of forwards may be in flight (checkpointing, accumulation, a
     module applied twice); each serves one backward where the schedule has
@@ -450,7 +511,7 @@ class MoELayer(torch.nn.Module):
     """
 
     def __init__(self, pipeline, outputs=None, schedule="auto", init_scale=None, device="cuda", dtype=None,
-                 keep_routing=False, own_params=True, inputs=None):
+                 keep_routing=False, own_params=True, inputs=None, stored_in=None):
         super().__init__()
         input_order = inputs
         self.device = torch.device(device)
@@ -501,26 +562,26 @@ class MoELayer(torch.nn.Module):
                 raise mf.UserError(f"MoELayer's Input '{name}' must be (tokens, width), declared {shape} "
                                    "(None: the token Dim)")
         self._param_names = []
-        self._param_shapes = {}
         self.own_params = own_params
         init_scale = init_scale or {}
-        for b in decls:
-            if b["kind"] != "param":
-                continue
-            shape = tuple(b["shape"])
-            if any(s is None for s in shape):
+        params = [b for b in decls if b["kind"] == "param"]
+        for b in params:
+            if any(s is None for s in b["shape"]):
                 raise mf.UserError(f"Param '{b['name']}' has the token Dim: a weight cannot grow with the tokens")
-            self._param_shapes[b["name"]] = shape
+            self._param_names.append(b["name"])
+        self._group_weights(params, stored_in or {})
+        for name in self._weight_names:
             if not own_params:  # the caller's tensors, given to each forward
-                self._param_names.append(b["name"])
                 continue
-            fan_in = shape[-2] if len(shape) >= 2 else shape[-1]
-            scale = init_scale.get(b["name"], 1.0 / math.sqrt(fan_in))
+            b = next(b for b in params if b["name"] == self._members[name][0][0])
+            shape = self._weight_shapes[name]
+            declared = tuple(b["shape"])  # the (first) Param's own: its fan-in
+            fan_in = declared[-2] if len(declared) >= 2 else declared[-1]
+            scale = init_scale.get(name, init_scale.get(b["name"], 1.0 / math.sqrt(fan_in)))
             p = torch.empty(shape, dtype=dtype or _DTYPES[b["dtype"]], device=self.device)
             with torch.no_grad():
                 p.uniform_(-scale, scale)
-            self.register_parameter(b["name"], torch.nn.Parameter(p))
-            self._param_names.append(b["name"])
+            self.register_parameter(name, torch.nn.Parameter(p))
         # Inputs not over the tokens (DeepSeek's selection-only expert bias):
         # buffers, read by every forward and given no gradient (the algebra
         # differentiates nothing through them); zeros until the model sets
@@ -634,14 +695,50 @@ class MoELayer(torch.nn.Module):
         as torch.compile's dynamic shapes trace)."""
         return self._runtime(tokens if isinstance(tokens, int) and tokens > 0 else 1)
 
-    def _bound_names(self):
-        """The layer's tensors forward() binds, in the ops' argument order:
-        the token inputs, the Params, the constant inputs."""
-        return self.input_names + self._param_names + self._const_names
+    def _group_weights(self, params, stored_in):
+        """The weight tensors the ops take (_weight_names, each a Param, or a
+        tensor of `stored_in` holding several), their shapes, and each one's
+        Params with their offsets in elements (_members)."""
+        by_name = {b["name"]: b for b in params}
+        self._weight_names, self._weight_shapes, self._members, self._covered = [], {}, {}, {}
+        grouped = {}
+        for whole, members in stored_in.items():
+            if whole in by_name and whole not in members:
+                raise mf.UserError(f"stored_in: '{whole}' is a Param of the layer; name the tensor otherwise")
+            for p in members:
+                if p not in by_name:
+                    raise mf.UserError(f"stored_in['{whole}'] names '{p}', not a Param of this layer "
+                                       f"({', '.join(by_name)})")
+                if p in grouped:
+                    raise mf.UserError(f"stored_in: Param '{p}' is in both '{grouped[p]}' and '{whole}'")
+                grouped[p] = whole
+        for b in params:
+            name = b["name"]
+            if name not in grouped:
+                dense = math.prod(b["shape"][1:])
+                if len(b["shape"]) >= 2 and b["outer_stride"] != dense:
+                    raise mf.UserError(f"Param '{name}' is stored every {b['outer_stride']} elements along its first "
+                                       f"dim, inside a larger tensor: name that tensor and where '{name}' lies in it "
+                                       f"with stored_in={{'tensor': {{'{name}': offset, ...}}}}")
+                self._weight_names.append(name)
+                self._weight_shapes[name] = tuple(b["shape"])
+                self._members[name] = [(name, 0)]
+                self._covered[name] = True
+                continue
+            whole = grouped[name]
+            if whole in self._members:
+                continue
+            self._weight_names.append(whole)
+            self._members[whole] = [(p, int(offset)) for p, offset in stored_in[whole].items()]
+            self._weight_shapes[whole], self._covered[whole] = _whole_shape(whole, [by_name[p] for p, _ in
+                                                                                   self._members[whole]],
+                                                                            self._members[whole])
 
     def _gradient_dtypes(self, tokens):
+        """The gradients' dtypes, in the backward op's order: the token
+        inputs', then each weight tensor's (its first Param's)."""
         layer = self._compiled(tokens).layer
-        names = self.input_names + self._param_names
+        names = self.input_names + [self._members[w][0][0] for w in self._weight_names]
         return [_DTYPES[layer.info(layer.gradients[name])[0]] for name in names]
 
     def _backward_reads(self, tokens):
@@ -688,23 +785,23 @@ class MoELayer(torch.nn.Module):
         """The weights a forward reads, in the ops' order: the tensors given
         (checked: shape, device), else the module's own."""
         given = dict(given or {})
-        unknown = sorted(set(given) - set(self._param_names))
+        names = ", ".join(self._weight_names)
+        unknown = sorted(set(given) - set(self._weight_names))
         if unknown:
-            raise mf.UserError(f"params names {unknown}, not Params of this layer ({', '.join(self._param_names)})")
+            raise mf.UserError(f"params names {unknown}, not weights of this layer ({names})")
         out = []
-        for name in self._param_names:
+        for name in self._weight_names:
             if name not in given:
                 if not self.own_params:
                     raise mf.UserError(f"this MoELayer holds no weights (own_params=False): forward() needs "
-                                       f"params={{...}} with every Param ({', '.join(self._param_names)}); "
-                                       f"'{name}' is missing")
+                                       f"params={{...}} with every weight ({names}); '{name}' is missing")
                 out.append(getattr(self, name))
                 continue
             t = given[name]
-            _check_tensor(f"the Param '{name}'", t, self.device)
-            if tuple(t.shape) != self._param_shapes[name]:
-                raise mf.UserError(f"the Param '{name}' given has shape {tuple(t.shape)}; the layer expects "
-                                   f"{self._param_shapes[name]}")
+            _check_tensor(f"the weight '{name}'", t, self.device)
+            if tuple(t.shape) != self._weight_shapes[name]:
+                raise mf.UserError(f"the weight '{name}' given has shape {tuple(t.shape)}; the layer expects "
+                                   f"{self._weight_shapes[name]}")
             out.append(t)
         return out
 

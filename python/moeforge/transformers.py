@@ -13,9 +13,9 @@ weights at its chosen experts) and runs SwiGLU experts on the module's own
 gate_up_proj (its gate and up halves as views) and down_proj, with
 gradients to the input, the routing weights and both weights. Any model
 whose experts transformers dispatches this way (Mixtral, Qwen3-MoE, OLMoE,
-DeepSeek-V3, GLM-4-MoE) runs so; the views are still made contiguous per
-call (a transient copy of gate_up_proj), until the layer reads strided
-weights.
+DeepSeek-V3, GLM-4-MoE) runs so, its weights read and their gradients
+written in place (no copies: w1 and w3 are Params stored inside
+gate_up_proj, outer_stride 2 F d).
 
 2. The swapped block:
 
@@ -55,6 +55,12 @@ import torch
 import moeforge as mf
 import moeforge.torch as mft
 
+# Where w1 and w3 lie in transformers' gate_up_proj [E, 2F, d] (the gate
+# half, then the up half), for MoELayer's stored_in.
+def gate_up_storage(intermediate, hidden):
+    return {"gate_up_proj": {"w1": 0, "w3": intermediate * hidden}}
+
+
 # transformers' sparse block classes, by name (so that importing this module
 # needs no transformers: a model is walked by its modules' class names).
 BLOCK_CLASSES = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
@@ -67,7 +73,8 @@ class _Layer:
     the router's weight wr [E, d] and down_proj w2 [E, d, F] in
     transformers' layouts (so the block's own Parameters are read in
     place); w1, w3 [E, d, F] (gate_up_proj's halves, copied), or with
-    `halves_as_gate_up` [E, F, d], the layout of gate_up_proj's halves."""
+    `halves_as_gate_up` gate_up_proj's halves themselves ([E, F, d], the
+    experts 2 F d elements apart: GATE_UP holds them)."""
 
     def __init__(self, hidden, intermediate, experts, halves_as_gate_up=False):
         T, D = mf.Dim.dynamic("T"), mf.Dim("D", hidden)
@@ -76,8 +83,13 @@ class _Layer:
         self.t, self.e, self.i, self.j = mf.Var("t", T), mf.Var("e", E), mf.Var("i", D), mf.Var("j", F)
         self.x = mf.Input("x", [T, D])
         self.halves_as_gate_up = halves_as_gate_up
-        half = [E, F, D] if halves_as_gate_up else [E, D, F]
-        self.w1, self.w3, self.w2 = mf.Param("w1", half), mf.Param("w3", half), mf.Param("w2", [E, D, F])
+        if halves_as_gate_up:  # gate_up_proj's halves where they are: experts 2 F d apart
+            stride = 2 * intermediate * hidden
+            self.w1 = mf.Param("w1", [E, F, D], mf.bf16, outer_stride=stride)
+            self.w3 = mf.Param("w3", [E, F, D], mf.bf16, outer_stride=stride)
+        else:
+            self.w1, self.w3 = mf.Param("w1", [E, D, F]), mf.Param("w3", [E, D, F])
+        self.w2 = mf.Param("w2", [E, D, F])
 
     def logits(self):
         wr = mf.Param("wr", [self.E, self.i.dim])
@@ -329,7 +341,8 @@ def _experts_layer(experts, device, top_k):
     if key not in layers:
         hidden, intermediate, count = _experts_shape(experts)
         layers[key] = mft.MoELayer(given_routing_pipeline(hidden, intermediate, count, top_k), device=device.type,
-                                   own_params=False, inputs=["x", "scores"])
+                                   own_params=False, inputs=["x", "scores"],
+                                   stored_in=gate_up_storage(intermediate, hidden))
     return layers[key]
 
 
@@ -337,16 +350,14 @@ def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     """transformers' experts call, run by moeforge: hidden_states [T, d], the
     router's top_k_index and top_k_weights [T, k] -> [T, d] in
     hidden_states' dtype. The experts' gate_up_proj and down_proj are read
-    where they are (gate_up_proj's halves as views), and gradients reach
-    them, hidden_states and top_k_weights."""
+    where they are (w1 and w3 are gate_up_proj's halves, in place), and
+    gradients reach them, hidden_states and top_k_weights."""
     top_k = top_k_index.shape[-1]
     layer = _experts_layer(experts, hidden_states.device, top_k)
     tokens, count = hidden_states.shape[0], experts.num_experts
     scores = torch.full((tokens, count), _UNCHOSEN, dtype=torch.float32, device=hidden_states.device)
     scores = scores.scatter(1, top_k_index.long(), top_k_weights.float())
-    gate_up, f = experts.gate_up_proj, experts.intermediate_dim
-    params = {"w1": gate_up[:, :f, :], "w3": gate_up[:, f:, :], "w2": experts.down_proj}
-    y = layer(hidden_states, scores, params=params)
+    y = layer(hidden_states, scores, params={"gate_up_proj": experts.gate_up_proj, "w2": experts.down_proj})
     return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
 
 

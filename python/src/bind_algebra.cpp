@@ -124,7 +124,8 @@ void bind_algebra(nb::module_ &m) {
       .def("__getitem__", buffer_getitem)
       .def_prop_ro("name", &Buffer::name)
       .def_prop_ro("dims", &Buffer::dims)
-      .def_prop_ro("dtype", &Buffer::dtype);
+      .def_prop_ro("dtype", &Buffer::dtype)
+      .def_prop_ro("outer_stride", &Buffer::outer_stride);
   // Input and Param alike: the name checked, then the C++ constructor.
   auto buffer_init = [](auto tag, const char *kind) {
     using B = typename decltype(tag)::type;
@@ -135,8 +136,19 @@ void bind_algebra(nb::module_ &m) {
   };
   nb::class_<Input, Buffer>(m, "Input", "An activation: gradients flow to it, it is not trained.")
       .def("__init__", buffer_init(std::type_identity<Input>{}, "Input"), "name"_a, "dims"_a, "dtype"_a = DType::bf16);
-  nb::class_<Param, Buffer>(m, "Param", "A trainable weight.")
-      .def("__init__", buffer_init(std::type_identity<Param>{}, "Param"), "name"_a, "dims"_a, "dtype"_a = DType::bf16);
+  nb::class_<Param, Buffer>(m, "Param",
+                            "A trainable weight. outer_stride: elements between consecutive indices of its first "
+                            "dim, for a weight stored inside a larger tensor (0: dense).")
+      .def(
+          "__init__",
+          [](Param *p, const std::string &name, std::vector<Dim> dims, DType dtype, int64_t outer_stride) {
+            check_user_name(name, "Param");
+            if (outer_stride == 0)
+              new (p) Param(name, std::move(dims), dtype);
+            else
+              new (p) Param(name, std::move(dims), dtype, outer_stride);
+          },
+          "name"_a, "dims"_a, "dtype"_a = DType::bf16, "outer_stride"_a = 0);
 
   // Copies share the definition (the algebra's nodes are immutable once
   // made), so a model holding a layer can be deep-copied (an EMA copy, a
@@ -248,11 +260,13 @@ void bind_algebra(nb::module_ &m) {
               d["kind"] = b->kind == BufferKind::input ? "input" : "param";
               d["shape"] = nb::tuple(shape);
               d["dtype"] = dtype_name(b->dtype);
+              d["outer_stride"] = b->first_dim_stride();
               out.append(d);
             }
             return out;
           },
-          "Each Input and Param: {name, kind ('input' or 'param'), shape (None: the token Dim), dtype}.")
+          "Each Input and Param: {name, kind ('input' or 'param'), shape (None: the token Dim), dtype, outer_stride "
+          "(elements between indices of its first dim as stored)}.")
       .def("func", &Pipeline::func, "name"_a)
       .def("__str__", [](const Pipeline &p) { return printed(p); });
 

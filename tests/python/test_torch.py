@@ -703,9 +703,9 @@ def test_several_inputs_over_the_tokens_and_weights_given_per_call(device):
     import moeforge.transformers as mftf
     torch.manual_seed(41)
     moe = mft.MoELayer(mftf.given_routing_pipeline(D, F, E, K), device=device, own_params=False,
-                       inputs=["x", "scores"])
+                       inputs=["x", "scores"], stored_in=mftf.gate_up_storage(F, D))
     assert moe.input_names == ["x", "scores"] and list(moe.parameters()) == []
-    weights = {"w1": torch.randn(E, F, D), "w3": torch.randn(E, F, D), "w2": torch.randn(E, D, F)}
+    weights = {"gate_up_proj": torch.randn(E, 2 * F, D), "w2": torch.randn(E, D, F)}
     weights = {n: (w * 0.1).to(device=device, dtype=torch.bfloat16).requires_grad_(True) for n, w in weights.items()}
     x = torch.randn(2, 9, D, device=device).to(torch.bfloat16)
     scores = torch.rand(2, 9, E, device=device)
@@ -720,13 +720,74 @@ def test_several_inputs_over_the_tokens_and_weights_given_per_call(device):
         moe(x, params=weights)
     with pytest.raises(mf.UserError, match=r"'scores' has shape \(18, 8\), over other tokens than 'x' \(2, 9, 64\)"):
         moe(x, scores.reshape(18, E), params=weights)
-    with pytest.raises(mf.UserError, match=r"own_params=False\): forward\(\) needs params=\{...\} with every Param "
-                                           r"\(w1, w3, w2\); 'w2' is missing"):
-        moe(x, scores, params={"w1": weights["w1"], "w3": weights["w3"]})
-    with pytest.raises(mf.UserError, match=r"the Param 'w1' given has shape \(8, 64, 128\); the layer expects "
-                                           r"\(8, 128, 64\)"):
-        moe(x, scores, params={**weights, "w1": weights["w1"].transpose(1, 2)})
-    with pytest.raises(mf.UserError, match=r"params names \['w9'\], not Params of this layer"):
-        moe(x, scores, params={**weights, "w9": weights["w1"]})
+    with pytest.raises(mf.UserError, match=r"own_params=False\): forward\(\) needs params=\{...\} with every weight "
+                                           r"\(gate_up_proj, w2\); 'w2' is missing"):
+        moe(x, scores, params={"gate_up_proj": weights["gate_up_proj"]})
+    with pytest.raises(mf.UserError, match=r"the weight 'gate_up_proj' given has shape \(8, 64, 256\); the layer "
+                                           r"expects \(8, 256, 64\)"):
+        moe(x, scores, params={**weights, "gate_up_proj": weights["gate_up_proj"].transpose(1, 2)})
+    with pytest.raises(mf.UserError, match=r"params names \['w1'\], not weights of this layer"):
+        moe(x, scores, params={**weights, "w1": weights["w2"]})
     with pytest.raises(mf.UserError, match=r"inputs=\['x'\] must name each Input over the tokens once"):
         mft.MoELayer(mftf.given_routing_pipeline(D, F, E, K), device=device, inputs=["x"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_params_stored_inside_one_tensor_are_read_and_written_there(device):
+    """w1 and w3 declared as the halves of one gate_up tensor (outer_stride
+    2 F d, stored_in): the module's one Parameter is that tensor, the
+    layer reads it in place, and its gradient comes back as one tensor,
+    each half's gradient in its place; the same layer over dense w1 and w3
+    copied out of it gives the same output and gradients."""
+    import moeforge.transformers as mftf
+    torch.manual_seed(42)
+    strided = mft.MoELayer(mftf.given_routing_pipeline(D, F, E, K), device=device, inputs=["x", "scores"],
+                           stored_in=mftf.gate_up_storage(F, D))
+    assert [n for n, _ in strided.named_parameters()] == ["gate_up_proj", "w2"]
+    assert strided.gate_up_proj.shape == (E, 2 * F, D)
+    T, Dd, Ff, Ee = mf.Dim.dynamic("T"), mf.Dim("D", D), mf.Dim("F", F), mf.Dim("E", E)
+    t, e, i, j = mf.Var("t", T), mf.Var("e", Ee), mf.Var("i", Dd), mf.Var("j", Ff)
+    x_in, scores_in = mf.Input("x", [T, Dd]), mf.Input("scores", [T, Ee], mf.f32)
+    w1, w3, w2 = mf.Param("w1", [Ee, Ff, Dd]), mf.Param("w3", [Ee, Ff, Dd]), mf.Param("w2", [Ee, Dd, Ff])
+    choice, h, o, y = mf.Func("choice", mf.f32), mf.Func("h"), mf.Func("o"), mf.Func("y")
+    choice[t, e] = scores_in[t, e]
+    route = mf.top_k(choice, e, K)
+    r = route.pair
+    h[r, j] = (mf.silu(mf.sum(i, x_in[route.token(r), i] * w1[route.expert(r), j, i])) *
+               mf.sum(i, x_in[route.token(r), i] * w3[route.expert(r), j, i]))
+    o[r, i] = mf.sum(j, h[r, j] * w2[route.expert(r), i, j])
+    y[t, i] = mf.combine(route, t, route.gate(r) * o[r, i])
+    dense = mft.MoELayer(mf.Pipeline([y]), device=device, inputs=["x", "scores"])
+    with torch.no_grad():
+        dense.w1.copy_(strided.gate_up_proj[:, :F])
+        dense.w3.copy_(strided.gate_up_proj[:, F:])
+        dense.w2.copy_(strided.w2)
+    x = torch.randn(37, D, device=device).to(torch.bfloat16)
+    scores = torch.rand(37, E, device=device)
+    got, want = strided(x, scores), dense(x, scores)
+    assert torch.equal(got, want)
+    dy = torch.randn_like(got)
+    got.backward(dy)
+    want.backward(dy)
+    assert torch.equal(strided.gate_up_proj.grad[:, :F], dense.w1.grad)
+    assert torch.equal(strided.gate_up_proj.grad[:, F:], dense.w3.grad)
+    assert torch.equal(strided.w2.grad, dense.w2.grad)
+
+
+@pytest.mark.skipif(not mf.has_cpu_backend, reason="no CPU backend")
+def test_params_inside_a_tensor_need_it_named_and_must_fit_it():
+    import moeforge.transformers as mftf
+    pipeline = mftf.given_routing_pipeline(D, F, E, K)
+    with pytest.raises(mf.UserError, match=r"Param 'w1' is stored every 16384 elements along its first dim, inside a "
+                                           r"larger tensor: name that tensor"):
+        mft.MoELayer(pipeline, device="cpu")
+    with pytest.raises(mf.UserError, match=r"stored_in\['gate_up_proj'\]: 'w1' at 0 and 'w3' at 64 overlap"):
+        mft.MoELayer(pipeline, device="cpu", stored_in={"gate_up_proj": {"w1": 0, "w3": 64}})
+    with pytest.raises(mf.UserError, match=r"stored_in\['gate_up_proj'\]: each Param's offset must lie in \[0, 8192\]"):
+        mft.MoELayer(pipeline, device="cpu", stored_in={"gate_up_proj": {"w1": 0, "w3": 8200}})
+    with pytest.raises(mf.UserError, match=r"stored_in\['gate_up_proj'\] names 'w9', not a Param of this layer"):
+        mft.MoELayer(pipeline, device="cpu", stored_in={"gate_up_proj": {"w1": 0, "w9": 8192}})
+    with pytest.raises(mf.UserError, match=r"outer_stride 100 must be a multiple of 8 elements"):
+        mf.Param("w", [mf.Dim("E", 2), mf.Dim("F", 4)], mf.bf16, outer_stride=100)
+    with pytest.raises(mf.UserError, match=r"outer_stride 2 is less than the 4 elements of one index"):
+        mf.Param("w", [mf.Dim("E", 2), mf.Dim("F", 4)], mf.bf16, outer_stride=2)

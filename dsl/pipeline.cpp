@@ -176,12 +176,8 @@ void Pipeline::print(std::ostream &os) const {
   for (const Dim &d : dims_)
     os << "  " << d << ";";
   os << "\n";
-  for (const BufferPtr &b : buffers_) {
-    os << (b->kind == BufferKind::input ? "input " : "param ") << b->name << "(";
-    for (size_t i = 0; i < b->dims.size(); ++i)
-      os << (i ? ", " : "") << b->dims[i].name();
-    os << ") : " << dtype_name(b->dtype) << "\n";
-  }
+  for (const BufferPtr &b : buffers_)
+    os << *b << "\n";
   for (const Step &s : steps_) {
     if (s.route)
       os << *s.route << "\n";

@@ -153,12 +153,17 @@ std::ostream &operator<<(std::ostream &os, const Func &f) {
 }
 
 std::ostream &operator<<(std::ostream &os, const Buffer &b) {
-  os << (b.kind() == BufferKind::input ? "input " : "param ") << b.name() << "(";
-  for (size_t i = 0; i < b.dims().size(); ++i)
-    os << (i ? ", " : "") << b.dims()[i].name();
-  os << ") : " << dtype_name(b.dtype());
-  if (b.outer_stride() > 0)
-    os << ", " << b.dims()[0].name() << " every " << b.outer_stride() << " elements";
+  (void)b.name(); // a default-constructed Input or Param: the user error that says so
+  return os << *b.node();
+}
+
+std::ostream &operator<<(std::ostream &os, const BufferNode &b) {
+  os << (b.kind == BufferKind::input ? "input " : "param ") << b.name << "(";
+  for (size_t i = 0; i < b.dims.size(); ++i)
+    os << (i ? ", " : "") << b.dims[i].name();
+  os << ") : " << dtype_name(b.dtype);
+  if (b.outer_stride > 0)
+    os << ", " << b.dims[0].name() << " every " << b.outer_stride << " elements";
   return os;
 }
 

@@ -17,6 +17,7 @@ std::ostream &operator<<(std::ostream &os, const Var &v);
 std::ostream &operator<<(std::ostream &os, const Func &f);
 // "input x(T, D) : bf16" / "param w1(E, D, F) : bf16".
 std::ostream &operator<<(std::ostream &os, const Buffer &b);
+std::ostream &operator<<(std::ostream &os, const BufferNode &b);
 // "route = top_k(probs, e, k = 2)  -- pairs r over route.pairs = T * 2".
 std::ostream &operator<<(std::ostream &os, const RoutingNode &r);
 

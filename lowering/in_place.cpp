@@ -35,7 +35,8 @@ bool reads_only_at(const Expr &e, const std::string &input, const std::vector<Va
 }
 
 bool same_storage(const TensorDecl &a, const TensorDecl &b) {
-  return a.dtype == b.dtype && a.dims == b.dims && a.layout == b.layout && a.route == b.route && a.stride8 == b.stride8;
+  return a.dtype == b.dtype && a.dims == b.dims && a.layout == b.layout && a.route == b.route &&
+         a.stride8 == b.stride8 && a.outer_stride == b.outer_stride;
 }
 
 } // namespace

@@ -761,7 +761,8 @@ size_t merge_sibling_pointwise(KernelProgram &p, size_t begin, size_t end, const
       if (!x.vars[i].dim().same_as(y.vars[i].dim()))
         return false;
     const TensorDecl &a = p.tensor(x.output), &b = p.tensor(y.output);
-    return a.layout == b.layout && a.route == b.route && a.stride8 == b.stride8 && a.zero_padding == b.zero_padding;
+    return a.layout == b.layout && a.route == b.route && a.stride8 == b.stride8 && a.zero_padding == b.zero_padding &&
+           a.outer_stride == b.outer_stride;
   };
   // y(i...) = sum(j, e(i..., j)) over x's index Dims, j over x's last: y
   // rides along x as a row sum (e element-wise).
@@ -1042,7 +1043,8 @@ long dense_gemm_onto(const KernelProgram &p, size_t i, const Expr &e, const Poin
       !stores_plain_accumulator(*g) || reads_of(p, w) != 1)
     return -1;
   const TensorDecl &wt = p.tensor(w), &yt = p.tensor(pw.output);
-  if (wt.dtype != yt.dtype || wt.dims != yt.dims || wt.layout != RowLayout::dense || wt.stride8 != yt.stride8)
+  if (wt.dtype != yt.dtype || wt.dims != yt.dims || wt.layout != RowLayout::dense || wt.stride8 != yt.stride8 ||
+      wt.outer_stride != yt.outer_stride)
     return -1;
   for (size_t s = 0; s < p.steps.size(); ++s)
     if (s != i && s != static_cast<size_t>(k))

@@ -42,6 +42,21 @@ std::string float_literal(double v) {
   return "(" + s + "f)";
 }
 
+// The elements of one index of t's first dim (its other dims' extents, static).
+long long elements_past_first(const TensorDecl &t) {
+  long long n = 1;
+  for (size_t i = 1; i < t.dims.size(); ++i)
+    n *= t.dims[i].extent();
+  return n;
+}
+
+// Elements from one expert's matrix of a per-expert operand to the next:
+// `dense` (its [K, N] size, as a C++ expression) or the stride it is stored
+// with inside a larger tensor.
+std::string expert_stride(const TensorDecl &t, const std::string &dense) {
+  return t.outer_stride > 0 ? std::to_string(t.outer_stride) + "LL" : dense;
+}
+
 // Collects a kernel's arguments as its body is emitted, then prints the
 // signature, so every argument is one the body uses.
 class KernelBuilder {
@@ -82,6 +97,14 @@ public:
     KernelArg a{KernelArg::Kind::tma, name, nullptr};
     a.rows = rows;
     a.cols = cols;
+    // A tensor stored with an outer stride (a Param inside a larger
+    // tensor, or its gradient): its matrices lie that far apart.
+    if (const TensorDecl &t = prog_.tensor(name); t.outer_stride > 0) {
+      user_check(rows > 0 && rows * cols == elements_past_first(t))
+          << "TMA tiles of '" << name << "' (stored every " << t.outer_stride << " elements along " << t.dims[0].name()
+          << ") must be one [" << t.dims[0].name() << "] index's matrix each";
+      a.matrix_stride = t.outer_stride;
+    }
     if (add(a))
       params_.push_back("const __grid_constant__ mf::TmaDesc " + c);
     return c;
@@ -231,8 +254,15 @@ public:
 
   // Row-major offset of `t` at the given index expressions; a padded tensor's
   // first index is a pair r, found at its padded position pair_pos[r]; a
-  // stride8 tensor's rows are its last extent rounded up to 8.
+  // stride8 tensor's rows are its last extent rounded up to 8; a tensor with
+  // an outer stride has its first index that many elements apart.
   std::string offset(const TensorDecl &t, const std::vector<std::string> &idx) {
+    if (t.outer_stride > 0 && !idx.empty()) {
+      std::string rest = "0";
+      for (size_t i = 1; i < idx.size(); ++i)
+        rest = i == 1 ? idx[i] : "(" + rest + " * " + kb_.extent(t.dims[i]) + " + " + idx[i] + ")";
+      return "(" + idx[0] + " * " + std::to_string(t.outer_stride) + "LL + " + rest + ")";
+    }
     std::string off;
     for (size_t i = 0; i < idx.size(); ++i) {
       std::string v = idx[i];
@@ -558,7 +588,15 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
     body << "    if (lr >= rows) continue;\n";
   }
   if (g.expert_k) {
-    body << "    const long long " << vr << " = p0 + lr, out_row = expert * M + " << vr << ";\n";
+    // An output stored inside a larger tensor (a weight gradient in place):
+    // each expert's rows start outer_stride elements apart, a whole number
+    // of rows (emit_gemm checks).
+    const TensorDecl &c = prog.tensor(g.output);
+    user_check(c.outer_stride % g.n.extent() == 0)
+        << g.name << ": '" << g.output << "' is stored every " << c.outer_stride << " elements along "
+        << c.dims[0].name() << ", not a whole number of its " << g.n.extent() << "-element rows";
+    const std::string rows_apart = c.outer_stride > 0 ? std::to_string(c.outer_stride / g.n.extent()) + "LL" : "M";
+    body << "    const long long " << vr << " = p0 + lr, out_row = expert * " << rows_apart << " + " << vr << ";\n";
   } else if (g.route) {
     if (pair_rows)
       body << "    const int r = " << (prefetch_rows ? std::string("r_pre[mi][h]") : sorted_pair + "[p0 + lr]")
@@ -719,6 +757,14 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   const int nb = plan.nb;
   k.name = c_name(g.name);
   k.step = g.name;
+  // Of what a GEMM writes, only an expert reduction's output may be stored
+  // inside a larger tensor (a weight's gradient in place); its A operand is
+  // never such a tensor (routed rows are).
+  for (const std::string &o : step_outputs(Step{g}))
+    user_check(prog.tensor(o).outer_stride == 0 || (g.expert_k && o == g.output))
+        << g.name << ": '" << o << "' is stored inside a larger tensor, which this GEMM writes only as an expert "
+        << "reduction's output";
+  internal_check(prog.tensor(g.a).outer_stride == 0) << g.name << ": A '" << g.a << "' is read densely";
   KernelBuilder kb(prog, k);
   const bool in_place = plan.in_place(), ws = plan.ws(), wgmma = plan.wgmma(), tma = plan.tma();
   const bool b_tma_rows = plan.b_tma_rows(), a_tma_rows = plan.a_tma_rows(), a_tma = plan.a_tma();
@@ -990,7 +1036,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
         body << (b ? ", " : "") << gB[b]
              << (g.expert_k       ? " + k_begin * N"
                  : split_k        ? " + (long long)k_begin * N"
-                 : g.b_per_expert ? " + (long long)expert * K * N"
+                 : g.b_per_expert ? " + (long long)expert * " + expert_stride(prog.tensor(g.b[b]), "K * N")
                                   : "");
       body << "};\n";
     }
@@ -1071,8 +1117,14 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     k.grid.split_k_dim = g.k;
     k.grid.tile_k = t.tile_k;
   }
-  if (split_k || (g.out_add && !g.out_add_onto_written)) // the slices or pairs add into it
+  if (split_k || (g.out_add && !g.out_add_onto_written)) { // the slices or pairs add into it
+    // Zeroing a tensor stored inside a larger one would zero its neighbours' rows too.
+    const TensorDecl &c = prog.tensor(g.output);
+    user_check(c.outer_stride == 0) << g.name << ": '" << g.output << "' is stored inside a larger tensor (every "
+                                    << c.outer_stride << " elements along " << c.dims[0].name()
+                                    << "), which split-K or added rows cannot zero first: drop split_k for " << g.func;
     k.zero_first = g.output;
+  }
   k.shared_bytes = plan.shared_bytes();
   k.threads = plan.threads;
   const int min_blocks = plan.min_blocks;
@@ -1562,7 +1614,8 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
 // leading index. Routed: dst[c, p] = src[row(p), c] over every padded
 // position p.
 void emit_transpose_scalar(const TransposeStep &s, KernelBuilder &kb, std::ostringstream &body, const std::string &gSrc,
-                           const std::string &gDst, const std::string &batch, const TensorDecl &to) {
+                           const std::string &gDst, const std::string &batch, const TensorDecl &from,
+                           const TensorDecl &to) {
   body << "  __shared__ float tile[32][33];\n";
   body << "  const long long tiles_r = (R + 31) / 32, tiles_c = (C + 31) / 32;\n";
   body << "  const long long b = blockIdx.x / (tiles_r * tiles_c), t = blockIdx.x % (tiles_r * tiles_c);\n";
@@ -1581,7 +1634,10 @@ void emit_transpose_scalar(const TransposeStep &s, KernelBuilder &kb, std::ostri
     body << "    const int pr = r < *" << padded << " ? " << sp << "[r] : -1;  // padding and unused rows: 0\n";
     body << "    if (pr >= 0 && c < C) v = mf::to_f32(" << gSrc << "[" << row << " * CS + c]);\n";
   } else {
-    body << "    if (r < R && c < C) v = mf::to_f32(" << gSrc << "[(b * R + r) * CS + c]);\n";
+    // A source stored inside a larger tensor: its matrices outer_stride apart.
+    const std::string matrix =
+        from.outer_stride > 0 ? "b * " + std::to_string(from.outer_stride) + "LL + r * CS" : "(b * R + r) * CS";
+    body << "    if (r < R && c < C) v = mf::to_f32(" << gSrc << "[" << matrix << " + c]);\n";
   }
   body << "    tile[i][tx] = v;\n  }\n  __syncthreads();\n";
   body << "  for (int i = ty; i < 32; i += 8) {\n";
@@ -1601,6 +1657,9 @@ void emit_transpose(const KernelProgram &prog, const TransposeStep &s, std::ostr
   k.threads = 256;
   KernelBuilder kb(prog, k);
   const TensorDecl &from = prog.tensor(s.src), &to = prog.tensor(s.dst);
+  internal_check(to.outer_stride == 0) << s.name << ": a transpose writes a dense copy of its own";
+  internal_check(from.outer_stride == 0 || (!s.route && from.dims.size() == 3))
+      << s.name << ": '" << s.src << "' (stored inside a larger tensor) is transposed as [E, R, C] matrices";
   std::string gSrc = kb.tensor(s.src), gDst = kb.tensor(s.dst, true);
   std::ostringstream body;
   std::string R, C, batch = "1LL";
@@ -1619,12 +1678,14 @@ void emit_transpose(const KernelProgram &prog, const TransposeStep &s, std::ostr
   // length); dst's: R, or R rounded up to 8 with a zero tail.
   body << "  const long long CS = " << (from.stride8 ? "(C + 7) / 8 * 8" : "C") << ";\n";
   body << "  const long long RS = " << (to.stride8 ? "(R + 7) / 8 * 8" : "R") << ";\n";
-  if (!s.route && from.dtype == DType::bf16 && to.dtype == DType::bf16) {
+  // The tiled kernel reads packed matrices; one stored inside a larger
+  // tensor (a weight read transposed by mma.sync GEMMs) goes element-wise.
+  if (!s.route && from.dtype == DType::bf16 && to.dtype == DType::bf16 && from.outer_stride == 0) {
     // A 64 x 64 tile a block (tiles/transpose.cuh).
     body << "  mf::transpose_bf16_tile(" << gSrc << ", " << gDst << ", R, C, CS, RS, " << batch << ");\n";
     k.grid.tile_m = 64;
   } else {
-    emit_transpose_scalar(s, kb, body, gSrc, gDst, batch, to);
+    emit_transpose_scalar(s, kb, body, gSrc, gDst, batch, from, to);
     k.grid.tile_m = 32;
   }
   k.grid.kind = GridShape::Kind::transpose;

@@ -25,6 +25,7 @@ struct KernelArg {
   std::string name;                          // tensor name, routing_array_name(array), or Dim name
   const RoutingNode *route = nullptr;        // for Kind::route
   long long cols = 0, rows = 0;              // for Kind::tma: one [rows, cols] matrix (rows 0: all the tensor holds)
+  long long matrix_stride = 0;               // for Kind::tma: elements from one matrix to the next (0: rows * cols)
   RoutingArray array = RoutingArray::expert; // for Kind::route
 };
 

@@ -145,6 +145,15 @@ void DeviceBuffer::fill32(uint32_t pattern) {
     synchronously([&] { MOEFORGE_CU(cuMemsetD32, ptr_, pattern, bytes_ / 4); });
 }
 
+void DeviceBuffer::fill32_rows(uint32_t pattern, size_t pitch, size_t row_bytes, size_t rows) {
+  user_check(row_bytes % 4 == 0 && pitch % 4 == 0 && ptr_ % 4 == 0)
+      << "fill32_rows: rows of " << row_bytes << " bytes every " << pitch << " bytes are not whole 32-bit words";
+  internal_check(rows == 0 || (rows - 1) * pitch + row_bytes <= bytes_)
+      << "fill32_rows: " << rows << " rows every " << pitch << " bytes pass the buffer's " << bytes_;
+  if (rows && row_bytes)
+    synchronously([&] { MOEFORGE_CU(cuMemsetD2D32, ptr_, pitch, pattern, row_bytes / 4, rows); });
+}
+
 void DeviceBuffer::fill32_async(uint32_t pattern, const Stream &stream) {
   user_check(bytes_ % 4 == 0) << "fill32 on a buffer of " << bytes_ << " bytes: not a whole number of 32-bit words";
   if (bytes_)

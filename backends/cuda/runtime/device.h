@@ -131,6 +131,9 @@ public:
   // Every 32-bit word set to `pattern` (poisoning outputs; bytes() must be a
   // multiple of 4).
   void fill32(uint32_t pattern);
+  // fill32 of `rows` runs of `row_bytes`, each `pitch` bytes after the last
+  // (a tensor stored inside a larger one: the bytes between are another's).
+  void fill32_rows(uint32_t pattern, size_t pitch, size_t row_bytes, size_t rows);
   void fill32_async(uint32_t pattern, const Stream &stream);
 
 private:

@@ -52,6 +52,7 @@ namespace moeforge::cuda {
   X(cuMemFreeHost)                                                                                                     \
   X(cuMemsetD8)                                                                                                        \
   X(cuMemsetD32)                                                                                                       \
+  X(cuMemsetD2D32)                                                                                                     \
   X(cuMemsetD8Async)                                                                                                   \
   X(cuMemsetD32Async)                                                                                                  \
   X(cuModuleLoadData)                                                                                                  \

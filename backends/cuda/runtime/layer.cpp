@@ -154,7 +154,7 @@ void CudaLayer::place(CUdeviceptr saved, CUdeviceptr workspace) {
 void CudaLayer::refresh_addresses() {
   for (TmaArg &a : tma_args_) {
     const DeviceBuffer &b = tensors_.at(a.tensor);
-    *a.map = encode_bf16_tiles(b.ptr(), b.bytes(), a.rows, a.cols, a.tensor);
+    *a.map = encode_bf16_tiles(b.ptr(), b.bytes(), a.rows, a.cols, a.tensor, a.matrix_stride);
   }
   for (Launch &l : launches_)
     if (!l.gen->zero_first.empty())
@@ -206,8 +206,8 @@ void CudaLayer::build_launches() {
         const DeviceBuffer &b = tensors_.at(a.name);
         // rows 0: one matrix of every row the buffer holds.
         const long long rows = a.rows ? a.rows : static_cast<long long>(b.bytes() / 2 / a.cols);
-        tensor_maps_.push_back(encode_bf16_tiles(b.ptr(), b.bytes(), rows, a.cols, a.name));
-        tma_args_.push_back({a.name, rows, a.cols, &tensor_maps_.back()});
+        tensor_maps_.push_back(encode_bf16_tiles(b.ptr(), b.bytes(), rows, a.cols, a.name, a.matrix_stride));
+        tma_args_.push_back({a.name, rows, a.cols, a.matrix_stride, &tensor_maps_.back()});
         l.args.push_back(&tensor_maps_.back());
         break;
       }
@@ -373,9 +373,17 @@ void CudaLayer::upload_repeated(const std::string &name, const HostTensor &patte
 void CudaLayer::poison() {
   // With caller memory, what has memory now: the placed regions and the
   // bound outputs.
-  for (const TensorDecl &t : layer_.program.tensors)
-    if (!t.is_input && tensors_.at(t.name).ptr() != 0)
+  for (const TensorDecl &t : layer_.program.tensors) {
+    if (t.is_input || tensors_.at(t.name).ptr() == 0)
+      continue;
+    if (t.outer_stride > 0) { // its rows only: what lies between them is another tensor's
+      const size_t size = dtype_bytes(t.dtype),
+                   row = tensors_.at(t.name).bytes() - (t.dims[0].extent() - 1) * t.outer_stride * size;
+      tensors_.at(t.name).fill32_rows(kPoisonNaN, t.outer_stride * size, row, t.dims[0].extent());
+    } else {
       tensors_.at(t.name).fill32(kPoisonNaN);
+    }
+  }
   if (memory_ == LayerMemory::owned || placed_)
     for (auto &[r, plan] : plans_)
       plan->poison(kPoisonOnes);
@@ -625,7 +633,7 @@ void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
     const DeviceBuffer &b = tensors_.at(m);
     for (TmaArg &a : tma_args_)
       if (a.tensor == m)
-        *a.map = encode_bf16_tiles(b.ptr(), b.bytes(), a.rows, a.cols, m);
+        *a.map = encode_bf16_tiles(b.ptr(), b.bytes(), a.rows, a.cols, m, a.matrix_stride);
     for (Launch &l : launches_)
       if (l.gen->zero_first == m)
         l.zero = b.ptr();

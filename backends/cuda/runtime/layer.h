@@ -269,7 +269,7 @@ private:
   std::deque<CUtensorMap> tensor_maps_; // TMA arguments (a deque: their addresses stay put)
   struct TmaArg {
     std::string tensor;
-    long long rows, cols;
+    long long rows, cols, matrix_stride; // matrix_stride: elements apart, 0 packed
     CUtensorMap *map;
   };
   std::vector<TmaArg> tma_args_; // what each tensor map describes, to encode it again after bind()

@@ -5,7 +5,8 @@
 
 namespace moeforge::cuda {
 
-CUtensorMap encode_bf16_tiles(CUdeviceptr base, size_t bytes, long long rows, long long cols, const std::string &what) {
+CUtensorMap encode_bf16_tiles(CUdeviceptr base, size_t bytes, long long rows, long long cols, const std::string &what,
+                              long long matrix_stride) {
   // The driver wants 16-byte aligned addresses and row strides, at most 2^32
   // elements a dimension.
   user_check(rows > 0 && cols > 0 && cols % 8 == 0) << "TMA tiles of '" << what << "': a [" << rows << ", " << cols
@@ -13,10 +14,13 @@ CUtensorMap encode_bf16_tiles(CUdeviceptr base, size_t bytes, long long rows, lo
                                                        "pad the columns or drop tma(...) from the schedule";
   user_check(base % 16 == 0) << "TMA tiles of '" << what << "': the tensor's address is not 16-byte aligned";
   const size_t matrix = static_cast<size_t>(rows) * static_cast<size_t>(cols) * 2;
-  internal_check(bytes % matrix == 0) << "TMA tiles of '" << what << "': " << bytes << " bytes are not whole [" << rows
-                                      << ", " << cols << "] bf16 matrices";
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), bytes / matrix};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2, matrix}; // bytes, dims 1 and 2
+  const size_t apart = matrix_stride > 0 ? static_cast<size_t>(matrix_stride) * 2 : matrix; // bytes
+  internal_check(apart >= matrix && apart % 16 == 0 && bytes >= matrix && (bytes - matrix) % apart == 0)
+      << "TMA tiles of '" << what << "': " << bytes << " bytes are not whole [" << rows << ", " << cols
+      << "] bf16 matrices " << apart << " bytes apart";
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              (bytes - matrix) / apart + 1};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2, apart}; // bytes, dims 1 and 2
   const cuuint32_t box[3] = {64, 64, 1}, element_strides[3] = {1, 1, 1};
   CUtensorMap map;
   MOEFORGE_CU(cuTensorMapEncodeTiled, &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, reinterpret_cast<void *>(base), dims,

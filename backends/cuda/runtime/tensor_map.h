@@ -12,9 +12,13 @@
 
 namespace moeforge::cuda {
 
-// Encodes the map of the `bytes` of bf16 at `base` (a whole number of [rows,
-// cols] matrices). Throws UserError when the driver's constraints are not met
-// (cols not a multiple of 8, a misaligned base) and CudaError from the driver.
-CUtensorMap encode_bf16_tiles(CUdeviceptr base, size_t bytes, long long rows, long long cols, const std::string &what);
+// Encodes the map of the `bytes` of bf16 at `base`: a whole number of [rows,
+// cols] matrices, each `matrix_stride` elements after the last (0: packed,
+// rows * cols; more for a tensor stored inside a larger one, whose bytes then
+// end with its last matrix). Throws UserError when the driver's constraints
+// are not met (cols not a multiple of 8, a misaligned base) and CudaError
+// from the driver.
+CUtensorMap encode_bf16_tiles(CUdeviceptr base, size_t bytes, long long rows, long long cols, const std::string &what,
+                              long long matrix_stride = 0);
 
 } // namespace moeforge::cuda

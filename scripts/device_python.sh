@@ -5,9 +5,13 @@
 # backend is off), runs the Python tests (moeforge.torch against plain
 # PyTorch, a training loop, CUDA graph capture) and times the torch module
 # against the same compiled layer (benchmarks/torch_module_train.py) on the
-# schedules bench_moe_train writes. Logs and JSON go to $OUT/python.
+# schedules bench_moe_train writes. Logs and JSON go to $OUT/python, packed
+# into $OUT/python.tgz at the end (the device tool brings back a few files).
 # SHAPES: the shapes to time (default all five); ROUNDS: alternating rounds
-# (default 5); PYTEST=0 skips the tests (a timing-only call).
+# (default 5); PYTEST=0 skips the tests (a timing-only call); MODULE=0 skips
+# the module's timing; TRANSFORMERS_TABLE=1 trains transformers' small models
+# with each experts implementation (benchmarks/transformers_train.py, needs
+# .peers/transformers from scripts/prep_transformers.sh).
 set -uo pipefail
 . scripts/device_env.sh
 R=$OUT/python
@@ -26,6 +30,15 @@ if [ "${PYTEST:-1}" != 0 ]; then
   timeout 600 python3 -m pytest -q -rs tests/python >"$R/pytest.log" 2>&1 || status=1
   tail -15 "$R/pytest.log"
 fi
+if [ "${TRANSFORMERS_TABLE:-0}" = 1 ]; then
+  PYTHONUNBUFFERED=1 timeout 500 python3 benchmarks/transformers_train.py --out "$R/transformers.json" \
+    >"$R/transformers_train.log" 2>&1 || status=1
+  tail -16 "$R/transformers_train.log"
+fi
+if [ "${MODULE:-1}" = 0 ]; then
+  (cd "$OUT" && tar czf python.tgz python && rm -rf python)
+  exit $status
+fi
 MOEFORGE_WRITE_SCHEDULES=$R/sched timeout 400 .gpu/bench_moe_train \
   --benchmark_filter="train/(${SHAPES//,/|})/uniform/tuned_wide/store" --benchmark_out="$R/train.json" \
   --benchmark_out_format=json --benchmark_counters_tabular=true >"$R/train.log" 2>&1 || status=1
@@ -33,4 +46,5 @@ grep -E "^train" "$R/train.log" | cut -c1-160
 PYTHONUNBUFFERED=1 timeout 540 python3 benchmarks/torch_module_train.py --schedules "$R/sched" --variant tuned_wide_store \
   --shapes "$SHAPES" --bench .gpu/bench_moe_train --rounds "${ROUNDS:-5}" --out "$R/module.json" 2>&1 | tee "$R/module.log" ||
   status=1
+(cd "$OUT" && tar czf python.tgz python && rm -rf python)
 exit $status

@@ -23,11 +23,11 @@ Each sparse MoE block (MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock,
 OlmoeSparseMoeBlock) becomes a SparseMoeBlock: the same layer written in
 moeforge's algebra (softmax router in f32, top-k, the gates renormalised
 over the chosen experts where the block does it, SwiGLU experts, the gated
-combine) as a moeforge.torch.MoELayer. The router's weight [E, d] and the
-experts' down_proj [E, d, F] are the block's own Parameters, read in their
-layouts (the algebra says which index is which); gate_up_proj [E, 2F, d] is
-copied once into w1 and w3 [E, d, F] (its gate and up halves sit side by
-side in one tensor, which the algebra cannot index yet). The model then
+combine) as a moeforge.torch.MoELayer. The router's weight [E, d], the
+experts' gate_up_proj [E, 2F, d] and down_proj [E, d, F] are the block's
+own Parameters, read in their layouts (the algebra says which index is
+which; w1 and w3 are gate_up_proj's halves, Params stored inside it), so
+nothing is copied. The model then
 trains and runs with moeforge's kernels, under torch.compile too. Where the
 model's config asks for router logits (output_router_logits, for the
 auxiliary loss), the block runs its original router beside the layer so
@@ -69,26 +69,22 @@ BIASED_BLOCK_CLASSES = ("DeepseekV3MoE", "Glm4MoeMoE")
 
 
 class _Layer:
-    """The dims, indices and weights every block's algebra shares: x [T, d];
-    the router's weight wr [E, d] and down_proj w2 [E, d, F] in
-    transformers' layouts (so the block's own Parameters are read in
-    place); w1, w3 [E, d, F] (gate_up_proj's halves, copied), or with
-    `halves_as_gate_up` gate_up_proj's halves themselves ([E, F, d], the
-    experts 2 F d elements apart: GATE_UP holds them)."""
+    """The dims, indices and weights every block's algebra shares, in
+    transformers' layouts, so that the block's own Parameters are read in
+    place: x [T, d]; the router's weight wr [E, d]; w1 and w3 [E, F, d],
+    gate_up_proj's two halves (Params stored inside it: each expert's rows
+    2 F d elements after the last's; gate_up_storage says where); down_proj
+    w2 [E, d, F]."""
 
-    def __init__(self, hidden, intermediate, experts, halves_as_gate_up=False):
+    def __init__(self, hidden, intermediate, experts):
         T, D = mf.Dim.dynamic("T"), mf.Dim("D", hidden)
         F, E = mf.Dim("F", intermediate), mf.Dim("E", experts)
         self.T, self.E = T, E
         self.t, self.e, self.i, self.j = mf.Var("t", T), mf.Var("e", E), mf.Var("i", D), mf.Var("j", F)
         self.x = mf.Input("x", [T, D])
-        self.halves_as_gate_up = halves_as_gate_up
-        if halves_as_gate_up:  # gate_up_proj's halves where they are: experts 2 F d apart
-            stride = 2 * intermediate * hidden
-            self.w1 = mf.Param("w1", [E, F, D], mf.bf16, outer_stride=stride)
-            self.w3 = mf.Param("w3", [E, F, D], mf.bf16, outer_stride=stride)
-        else:
-            self.w1, self.w3 = mf.Param("w1", [E, D, F]), mf.Param("w3", [E, D, F])
+        stride = 2 * intermediate * hidden
+        self.w1 = mf.Param("w1", [E, F, D], mf.bf16, outer_stride=stride)
+        self.w3 = mf.Param("w3", [E, F, D], mf.bf16, outer_stride=stride)
         self.w2 = mf.Param("w2", [E, D, F])
 
     def logits(self):
@@ -104,9 +100,8 @@ class _Layer:
         x, i, j, t, r = self.x, self.i, self.j, self.t, route.pair
         h, o, y = mf.Func("h"), mf.Func("o"), mf.Func("y")
         e = route.expert(r)
-        w1, w3 = ((self.w1[e, j, i], self.w3[e, j, i]) if self.halves_as_gate_up else
-                  (self.w1[e, i, j], self.w3[e, i, j]))
-        h[r, j] = mf.silu(mf.sum(i, x[route.token(r), i] * w1)) * mf.sum(i, x[route.token(r), i] * w3)
+        h[r, j] = (mf.silu(mf.sum(i, x[route.token(r), i] * self.w1[e, j, i])) *
+                   mf.sum(i, x[route.token(r), i] * self.w3[e, j, i]))
         o[r, i] = mf.sum(j, h[r, j] * self.w2[route.expert(r), i, j])
         y[t, i] = mf.combine(route, t, gate(r) * o[r, i])
         return mf.Pipeline([y])
@@ -134,7 +129,7 @@ def given_routing_pipeline(hidden, intermediate, experts, top_k):
     its score, so the weights' gradient is the scores' at the chosen.
     w1, w3 in gate_up_proj's halves' layout [E, F, d]. Returns the
     Pipeline."""
-    a = _Layer(hidden, intermediate, experts, halves_as_gate_up=True)
+    a = _Layer(hidden, intermediate, experts)
     scores, choice = mf.Input("scores", [a.T, a.E], mf.f32), mf.Func("choice", mf.f32)
     choice[a.t, a.e] = scores[a.t, a.e]
     route = mf.top_k(choice, a.e, top_k)
@@ -188,15 +183,11 @@ def _block_shape(block):
 
 
 def _take_weights(moe, block):
-    """The block's router weight and down_proj become the layer's own
-    Parameters (read in their layouts); gate_up_proj's gate and up halves
-    are copied into w1 and w3 once."""
-    gate_up, f = block.experts.gate_up_proj, block.experts.intermediate_dim
+    """The block's router weight, gate_up_proj (w1 and w3 in place) and
+    down_proj become the layer's own Parameters: nothing is copied."""
     moe.wr = block.gate.weight
+    moe.gate_up_proj = block.experts.gate_up_proj
     moe.w2 = block.experts.down_proj
-    with torch.no_grad():
-        moe.w1.copy_(gate_up[:, :f, :].transpose(1, 2))
-        moe.w3.copy_(gate_up[:, f:, :].transpose(1, 2))
 
 
 class SparseMoeBlock(torch.nn.Module):
@@ -206,16 +197,16 @@ class SparseMoeBlock(torch.nn.Module):
     def __init__(self, hidden, intermediate, experts, top_k, renormalize, schedule="auto", device="cuda"):
         super().__init__()
         self.pipeline = sparse_moe_pipeline(hidden, intermediate, experts, top_k, renormalize)
-        self.moe = mft.MoELayer(self.pipeline, schedule=schedule, device=device)
+        self.moe = mft.MoELayer(self.pipeline, schedule=schedule, device=device,
+                                stored_in=gate_up_storage(intermediate, hidden))
         self.gate = None  # the original router, run only for the logits transformers records
         self.record_router_logits = False
 
     @classmethod
     def from_block(cls, block, schedule="auto", record_router_logits=False):
         """The moeforge block of a transformers one (on the block's device,
-        'cuda' or 'cpu'): its router and down_proj Parameters shared, its
-        gate_up_proj copied; the original router kept for
-        `record_router_logits`."""
+        'cuda' or 'cpu'): its router, gate_up_proj and down_proj Parameters
+        shared; the original router kept for `record_router_logits`."""
         shape = _block_shape(block)
         new = cls(*shape, schedule=schedule, device=block.experts.gate_up_proj.device.type)
         _take_weights(new.moe, block)
@@ -261,15 +252,16 @@ class BiasedMoeBlock(torch.nn.Module):
         super().__init__()
         self.pipeline = biased_moe_pipeline(hidden, intermediate, experts, top_k, groups, top_groups, normalize,
                                             scaling)
-        self.moe = mft.MoELayer(self.pipeline, schedule=schedule, device=device)
+        self.moe = mft.MoELayer(self.pipeline, schedule=schedule, device=device,
+                                stored_in=gate_up_storage(intermediate, hidden))
         self.shared_experts = None  # the block's own, set by from_block
 
     @classmethod
     def from_block(cls, block, schedule="auto"):
         """The moeforge block of a transformers one (on the block's device):
-        its router weight, down_proj, expert bias (the buffer itself, so an
-        update of it reaches the layer) and shared experts shared, its
-        gate_up_proj copied."""
+        its router weight, gate_up_proj, down_proj, expert bias (the buffer
+        itself, so an update of it reaches the layer) and shared experts
+        shared."""
         shape = _biased_block_shape(block)
         new = cls(*shape, schedule=schedule, device=block.experts.gate_up_proj.device.type)
         _take_weights(new.moe, block)

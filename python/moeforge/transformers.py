@@ -15,7 +15,10 @@ gradients to the input, the routing weights and both weights. Any model
 whose experts transformers dispatches this way (Mixtral, Qwen3-MoE, OLMoE,
 DeepSeek-V3, GLM-4-MoE) runs so, its weights read and their gradients
 written in place (no copies: w1 and w3 are Params stored inside
-gate_up_proj, outer_stride 2 F d).
+gate_up_proj, outer_stride 2 F d). Under torch.compile(model,
+fullgraph=True) the experts' calls trace into moeforge's custom ops once
+their layers exist: call prepare_experts(model) first (or run the model
+once), since a layer is compiled C++ that tracing cannot make.
 
 2. The swapped block:
 
@@ -331,6 +334,10 @@ def _experts_layer(experts, device, top_k):
     layers = _EXPERTS_LAYERS.setdefault(experts, {})
     key = (str(device), top_k)
     if key not in layers:
+        if torch.compiler.is_compiling():
+            # A layer is compiled C++ that torch.compile cannot trace into being.
+            raise mf.UserError(f"{type(experts).__name__}: moeforge's experts layer is made outside torch.compile: "
+                               "call moeforge.transformers.prepare_experts(model) (or run the model once) first")
         hidden, intermediate, count = _experts_shape(experts)
         layers[key] = mft.MoELayer(given_routing_pipeline(hidden, intermediate, count, top_k), device=device.type,
                                    own_params=False, inputs=["x", "scores"],
@@ -351,6 +358,20 @@ def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     scores = scores.scatter(1, top_k_index.long(), top_k_weights.float())
     y = layer(hidden_states, scores, params={"gate_up_proj": experts.gate_up_proj, "w2": experts.down_proj})
     return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)
+
+
+def prepare_experts(model):
+    """Makes the moeforge layer of every experts module in `model` now (on
+    its device, for its config's num_experts_per_tok), as its first call
+    would: torch.compile(model, fullgraph=True) then traces the experts'
+    calls without making anything. Returns the model."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and config is not None:
+            top_k = getattr(config, "num_experts_per_tok", None)
+            if top_k is not None:
+                _experts_layer(module, module.gate_up_proj.device, int(top_k))
+    return model
 
 
 def register_experts_implementation(name="moeforge"):

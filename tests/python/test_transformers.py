@@ -300,3 +300,30 @@ def test_experts_it_does_not_read_are_named():
     with pytest.raises(mf.UserError, match=r"GptOssExperts has has_bias=True, is_transposed=True, "
                                            r"is_concatenated=False: moeforge's experts implementation reads"):
         mftf.experts_forward(experts, x, torch.zeros(5, K, dtype=torch.long), torch.ones(5, K))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_model_with_moeforge_experts_compiles_whole(device):
+    """torch.compile(fullgraph=True) of a model whose experts are moeforge's:
+    the experts' calls trace into the custom ops once prepare_experts made
+    their layers (before that, tracing says what to call); its loss is the
+    eager model's at two token counts (dynamic shapes) and the expert
+    weights get gradients."""
+    torch.manual_seed(33)
+    model = small_model("qwen3moe", device)
+    model.set_experts_implementation("moeforge")
+    eager = copy.deepcopy(model)
+    with pytest.raises(Exception, match=r"moeforge's experts layer is made outside torch.compile: call "
+                                        r"moeforge.transformers.prepare_experts\(model\)"):
+        torch.compile(copy.deepcopy(model), fullgraph=True, dynamic=True)(input_ids=torch.zeros(1, 4, dtype=torch.long,
+                                                                                               device=device))
+    compiled = torch.compile(mftf.prepare_experts(model), fullgraph=True, dynamic=True)
+    for seq in (16, 9):
+        tokens = torch.randint(0, 96, (2, seq), device=device)
+        loss = compiled(input_ids=tokens, labels=tokens).loss
+        want = eager(input_ids=tokens, labels=tokens).loss
+        assert abs(loss.item() - want.item()) < 1e-2 * want.item()
+        loss.backward()
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    assert len(experts) == 2 and all(m.gate_up_proj.grad is not None and m.down_proj.grad is not None
+                                     for m in experts)

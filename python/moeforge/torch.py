@@ -247,7 +247,7 @@ def _layer_inputs(module, layer, xs, params, consts):
            for name, t in zip(module.input_names, xs)]
     for weight, t in zip(module._weight_names, params):
         members = module._members[weight]
-        if members == [(weight, 0)]:
+        if module._alone(weight):
             out.append((weight, _as_layer_tensor(layer, weight, t), 0, None))
             continue
         whole = t.detach().to(_DTYPES[layer.info(members[0][0])[0]]).contiguous()
@@ -287,7 +287,7 @@ def _step_backward(module, xs, params, consts, saved, read_outputs, grads):
         layer.bind_gradient(name, t.data_ptr(), t.numel() * t.element_size())
     for weight in module._weight_names:
         members = module._members[weight]
-        if members == [(weight, 0)]:
+        if module._alone(weight):
             out.append(_empty_like_layer(layer, layer.gradients[weight], device))
             layer.bind_gradient(weight, out[-1].data_ptr(), out[-1].numel() * out[-1].element_size())
             continue
@@ -561,14 +561,12 @@ class MoELayer(torch.nn.Module):
             if len(shape) != 2 or shape[0] is not None or shape[1] is None:
                 raise mf.UserError(f"MoELayer's Input '{name}' must be (tokens, width), declared {shape} "
                                    "(None: the token Dim)")
-        self._param_names = []
         self.own_params = own_params
         init_scale = init_scale or {}
         params = [b for b in decls if b["kind"] == "param"]
         for b in params:
             if any(s is None for s in b["shape"]):
                 raise mf.UserError(f"Param '{b['name']}' has the token Dim: a weight cannot grow with the tokens")
-            self._param_names.append(b["name"])
         self._group_weights(params, stored_in or {})
         for name in self._weight_names:
             if not own_params:  # the caller's tensors, given to each forward
@@ -733,6 +731,11 @@ class MoELayer(torch.nn.Module):
             self._weight_shapes[whole], self._covered[whole] = _whole_shape(whole, [by_name[p] for p, _ in
                                                                                    self._members[whole]],
                                                                             self._members[whole])
+
+    def _alone(self, weight):
+        """Whether weight tensor `weight` is a Param of its own (not a tensor
+        holding several)."""
+        return self._members[weight] == [(weight, 0)]
 
     def _gradient_dtypes(self, tokens):
         """The gradients' dtypes, in the backward op's order: the token

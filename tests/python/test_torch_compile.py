@@ -70,7 +70,7 @@ def test_the_ops_pass_opcheck(device, name, monkeypatch):
     # whose bytes between its tensors are otherwise left as allocated.
     monkeypatch.setattr(mft, "zero_saved", True)
     x = torch.randn(37, D, device=device, dtype=torch.bfloat16, requires_grad=True)
-    params = [getattr(moe, n) for n in moe._param_names]
+    params = [getattr(moe, n) for n in moe._weight_names]
     consts = [getattr(moe, n) for n in moe._const_names]
     result = torch.library.opcheck(torch.ops.moeforge.layer_forward, (moe._handle, [x], params, consts))
     assert set(result.values()) == {"SUCCESS"}, result

@@ -90,3 +90,20 @@ def test_reduce_overhead_replays_the_step_in_cuda_graphs():
     for _ in range(4):  # warm-up, capture, replays
         got = [t.clone() for t in step(compiled, x, dy)]
         check_same("reduce-overhead", got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_ops_pass_opcheck_with_two_token_inputs_and_params_inside_one_tensor(device, monkeypatch):
+    """The given-routing layer of transformers' experts implementation: x and
+    the routing scores as token inputs, w1 and w3 read inside one gate_up
+    tensor (stored_in) whose gradient comes back whole."""
+    import moeforge.transformers as mftf
+    torch.manual_seed(8)
+    moe = mft.MoELayer(mftf.given_routing_pipeline(D, 128, 8, 2), device=device, inputs=["x", "scores"],
+                       stored_in=mftf.gate_up_storage(128, D))
+    monkeypatch.setattr(mft, "zero_saved", True)
+    x = torch.randn(37, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    scores = torch.rand(37, 8, device=device, requires_grad=True)
+    params = [getattr(moe, n) for n in moe._weight_names]
+    result = torch.library.opcheck(torch.ops.moeforge.layer_forward, (moe._handle, [x, scores], params, []))
+    assert set(result.values()) == {"SUCCESS"}, result

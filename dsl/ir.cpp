@@ -286,9 +286,8 @@ void Buffer::set_outer_stride(int64_t outer_stride) {
                                         << n.dims[i].name() << " is dynamic)";
     inner *= n.dims[i].extent();
   }
-  user_check(outer_stride >= inner) << "Param '" << n.name << "': outer_stride " << outer_stride
-                                    << " is less than the " << inner
-                                    << " elements of one index of its first dim: its rows would overlap";
+  user_check(outer_stride >= inner) << "Param '" << n.name << "': outer_stride " << outer_stride << " is less than the "
+                                    << inner << " elements of one index of its first dim: its rows would overlap";
   user_check(outer_stride % 8 == 0) << "Param '" << n.name << "': outer_stride " << outer_stride
                                     << " must be a multiple of 8 elements (16 bytes of bf16), as the GPU's copies "
                                     << "need aligned rows";

@@ -1,10 +1,10 @@
 // Params stored inside a larger tensor on the CUDA backend (transformers'
 // gate_up_proj halves, tests/strided_params.h). In CI: the training program
 // compiles for sm_90a without spills under the default schedule, tuned_wide
-// (both memory modes) and the presets; the halves' tensor maps step their
+// (both memory modes), the presets and plain mma.sync; the halves' tensor maps step their
 // matrices by the stride, the weight gradients' rows are stored at it, and
 // cp.async reads of the weights step experts by it. On a GPU: a training
-// step against the float64 reference at 1, 37 and 300 tokens.
+// step against the float64 reference at 1, 37 and 300 tokens under each.
 #include <doctest/doctest.h>
 
 #include "benchmarks/train_schedule.h"
@@ -28,7 +28,10 @@ std::vector<std::pair<std::string, Schedule>> schedules(const Example &ex) {
           {"tuned_wide", bench::tuned_wide(true)},
           {"tuned_wide lean", lean},
           {"scattermoe", preset("scattermoe")},
-          {"megablocks", preset("megablocks")}};
+          {"megablocks", preset("megablocks")},
+          // mma.sync everywhere: the forward reads w1 and w3 through
+          // transposed copies, the backward's dX by cp.async.
+          {"mma.sync", Schedule("mma_sync")}};
 }
 
 } // namespace
@@ -57,6 +60,16 @@ TEST_CASE("codegen: Params inside a larger tensor compile for sm_90a, read and w
     // Every schedule reads the halves somewhere at their stride: by TMA
     // maps, or in a kernel's own address arithmetic.
     CHECK((strided_map || strided_source));
+    if (name == "mma.sync") { // B by cp.async, and the transposed copies' reads
+      bool cp_async = false, transposed = false;
+      for (const GeneratedKernel &g : c.layer.source.kernels) {
+        const std::string src = testing::kernel_source(c.layer, g.name);
+        cp_async |= src.find("(long long)expert * " + std::to_string(stride) + "LL") != std::string::npos;
+        transposed |= src.find("b * " + std::to_string(stride) + "LL + r * CS") != std::string::npos;
+      }
+      CHECK(cp_async);
+      CHECK(transposed);
+    }
     // The weight gradients are stored at the stride, each expert 2F rows on.
     for (const char *w : {"w1", "w3"}) {
       const std::string grad = t.gradient_of(w);

@@ -15,6 +15,15 @@ from test_torch import DEVICES  # noqa: E402
 D = 64
 
 
+def check_sharded_gradients(plain, sharded):
+    """Every Parameter of `sharded` is a DTensor whose gathered gradient is
+    bit for bit the unsharded model's."""
+    for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
+        assert type(q).__name__ == "DTensor", f"{name} is not sharded"
+        got = q.grad.full_tensor()
+        assert torch.equal(got, p.grad), f"{name}: max diff {(got.float() - p.grad.float()).abs().max()}"
+
+
 class Block(torch.nn.Module):
     def __init__(self, device):
         super().__init__()
@@ -47,10 +56,7 @@ def test_a_sharded_model_has_the_unsharded_gradients(device, tmp_path):
             y_plain.backward(dy)
             y_sharded.backward(dy)
             assert torch.equal(y_plain, y_sharded)
-            for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
-                assert type(q).__name__ == "DTensor", f"{name} is not sharded"
-                got = q.grad.full_tensor()
-                assert torch.equal(got, p.grad), f"{name}: max diff {(got.float() - p.grad.float()).abs().max()}"
+            check_sharded_gradients(plain, sharded)
     finally:
         dist.destroy_process_group()
 
@@ -89,9 +95,6 @@ def test_a_sharded_transformers_model_with_moeforge_experts_has_the_unsharded_gr
         want.backward()
         got.backward()
         assert torch.equal(got, want)
-        for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
-            assert type(q).__name__ == "DTensor", f"{name} is not sharded"
-            g = q.grad.full_tensor()
-            assert torch.equal(g, p.grad), f"{name}: max diff {(g.float() - p.grad.float()).abs().max()}"
+        check_sharded_gradients(plain, sharded)
     finally:
         dist.destroy_process_group()

@@ -73,6 +73,16 @@ struct TensorDecl {
   bool zero_padding = false;
 };
 
+// The elements of one index of t's first dim: the product of its other
+// extents (static where outer_stride is set). A tensor with an outer stride
+// owns that many elements at each multiple of the stride.
+inline int64_t elements_past_first(const TensorDecl &t) {
+  int64_t n = 1;
+  for (size_t i = 1; i < t.dims.size(); ++i)
+    n *= t.dims[i].extent();
+  return n;
+}
+
 // A further tensor a step writes at the same indices as its primary output;
 // or, row_sum (element-wise steps only), at all but the last of them: the
 // sum of `value` over the last index, a per-row reduction made from values

@@ -162,9 +162,7 @@ public:
   Value *stored_at(const TensorDecl &t, Value *offset) {
     if (t.outer_stride == 0)
       return offset;
-    int64_t inner = 1;
-    for (size_t i = 1; i < t.dims.size(); ++i)
-      inner *= t.dims[i].extent();
+    const int64_t inner = elements_past_first(t);
     return b.CreateAdd(b.CreateMul(b.CreateSDiv(offset, c64(inner)), c64(t.outer_stride)),
                        b.CreateSRem(offset, c64(inner)));
   }

@@ -253,7 +253,7 @@ void CpuLayer::poison() {
     const size_t size = dtype_bytes(t.dtype);
     // A tensor with an outer stride owns its rows only: what lies between
     // them is another tensor's (the other half of transformers' gate_up_proj).
-    const size_t row = t.outer_stride > 0 ? buf.bytes - (t.dims[0].extent() - 1) * t.outer_stride * size : buf.bytes;
+    const size_t row = t.outer_stride > 0 ? elements_past_first(t) * size : buf.bytes;
     const size_t step = t.outer_stride > 0 ? t.outer_stride * size : buf.bytes;
     for (size_t start = 0; start < buf.bytes; start += step)
       for (size_t at = start; at + size <= start + row; at += size)

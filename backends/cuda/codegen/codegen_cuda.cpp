@@ -42,14 +42,6 @@ std::string float_literal(double v) {
   return "(" + s + "f)";
 }
 
-// The elements of one index of t's first dim (its other dims' extents, static).
-long long elements_past_first(const TensorDecl &t) {
-  long long n = 1;
-  for (size_t i = 1; i < t.dims.size(); ++i)
-    n *= t.dims[i].extent();
-  return n;
-}
-
 // Elements from one expert's matrix of a per-expert operand to the next:
 // `dense` (its [K, N] size, as a C++ expression) or the stride it is stored
 // with inside a larger tensor.

@@ -377,9 +377,9 @@ void CudaLayer::poison() {
     if (t.is_input || tensors_.at(t.name).ptr() == 0)
       continue;
     if (t.outer_stride > 0) { // its rows only: what lies between them is another tensor's
-      const size_t size = dtype_bytes(t.dtype),
-                   row = tensors_.at(t.name).bytes() - (t.dims[0].extent() - 1) * t.outer_stride * size;
-      tensors_.at(t.name).fill32_rows(kPoisonNaN, t.outer_stride * size, row, t.dims[0].extent());
+      const size_t size = dtype_bytes(t.dtype);
+      tensors_.at(t.name).fill32_rows(kPoisonNaN, t.outer_stride * size, elements_past_first(t) * size,
+                                      t.dims[0].extent());
     } else {
       tensors_.at(t.name).fill32(kPoisonNaN);
     }

@@ -26,6 +26,7 @@
 #include "benchmarks/schedule_files.h"
 #include "benchmarks/train_schedule.h"
 #include "examples/biased_moe.h"
+#include "lowering/default_schedule.h"
 #include "schedules/presets.h"
 
 using namespace moeforge;
@@ -60,10 +61,12 @@ enum class Memory { store, lean, recompute };
 
 const char *memory_name(Memory m) { return m == Memory::store ? "store" : m == Memory::lean ? "lean" : "recompute"; }
 
-// A preset by name, tuned_wide (benchmarks/schedules/train/tuned_wide_*.sched)
-// or a schedule file.
-Schedule schedule_of(const Shape &shape, const std::string &name, Memory memory) {
+// A preset by name, tuned_wide (benchmarks/schedules/train/tuned_wide_*.sched),
+// "default" (what MoELayer and the CLI run when given no schedule: its lean
+// choices are its own, so it is timed as written) or a schedule file.
+Schedule schedule_of(const Shape &shape, const Example &ex, const std::string &name, Memory memory) {
   Schedule s = name == "tuned_wide"            ? bench::tuned_wide(shape.swiglu)
+               : name == "default"             ? default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)})
                : bench::is_schedule_file(name) ? Schedule::load(name)
                                                : preset(name);
   if (memory == Memory::lean)
@@ -80,7 +83,7 @@ Schedule schedule_of(const Shape &shape, const std::string &name, Memory memory)
 void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, Memory memory, bool skewed) {
   ExampleShape es = shape.example();
   Example ex = biased_moe(es, shape.swiglu, Bias::none, shape.swiglu);
-  Schedule schedule = schedule_of(shape, schedule_name, memory);
+  Schedule schedule = schedule_of(shape, ex, schedule_name, memory);
   // MOEFORGE_WRITE_SCHEDULES=<dir>: each benchmark's schedule as a file
   // (<shape>_<schedule>_<memory>.sched), so that another harness (the
   // PyTorch module's, benchmarks/torch_module_train.py) times the very same
@@ -167,7 +170,8 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, M
 // on the design shapes, uniform routing, storing or recomputing; tuned_wide
 // in every memory mode on every shape, and skewed routing (a ramp on the
 // router logits: the busiest expert gets about 3x the mean) storing or lean;
-// the schedule files of MOEFORGE_BENCH_SCHEDULES; all of it
+// the default schedule, both routings, on every shape (train/<shape>/
+// <routing>/default/store: its memory choices are its own); the schedule files of MOEFORGE_BENCH_SCHEDULES; all of it
 // MOEFORGE_BENCH_ROUNDS times over (a "/round<r>" suffix where more than
 // once). Experiments with other variants are entries of benchmarks/NOTES.md.
 void register_all() {
@@ -190,6 +194,8 @@ void register_all() {
       add(s, "tuned_wide", m, false);
     for (Memory m : {Memory::store, Memory::lean})
       add(s, "tuned_wide", m, true);
+    for (bool skewed : {false, true})
+      add(s, "default", Memory::store, skewed);
   };
   for (round = 1; round <= rounds; ++round) {
     for (const Shape &s : bench::kMoeShapes)

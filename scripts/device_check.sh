@@ -19,10 +19,12 @@
 #           1 s pause, then about a second), store and lean only (what
 #           `benchmarks/plot_train.py --steady` draws)
 #   rounds  issue #16's comparison made steady: ROUNDS (3) rounds, each one
-#           bench_moe_train process (tuned_wide store and lean, uniform and
-#           skewed) then one torch_grouped_mm_train.py process, on SHAPES
+#           bench_moe_train process (tuned_wide store and lean, and the
+#           default schedule, uniform and skewed) then one
+#           torch_grouped_mm_train.py process (TORCH=0: none), on SHAPES
 #           (default mixtral,fine64), every timed block after COOLDOWN (3) s
-#           idle in both harnesses; medians per case and ours / torch
+#           idle in both harnesses; medians per case, ours / torch, and the
+#           default / tuned_wide store (issue #48's bar: within 3 %)
 #   python  scripts/device_python.sh (pip install, pytest, the torch module
 #           against bench_moe_train), SHAPES as there
 #   ep      the expert-parallel training step (bench_expert_parallel) on
@@ -246,10 +248,12 @@ if has rounds; then
   shapes=${SHAPES:-mixtral,fine64}
   for i in $(seq 1 "${ROUNDS:-3}"); do
     MOEFORGE_BENCH_COOLDOWN_S=${COOLDOWN:-3} timeout 200 .gpu/bench_moe_train \
-      --benchmark_filter="train/(${shapes//,/|})/(uniform|skewed)/tuned_wide/(store|lean)" \
+      --benchmark_filter="train/(${shapes//,/|})/(uniform|skewed)/(tuned_wide/(store|lean)|default/store)" \
       --benchmark_out="$R/rounds_ours_$i.json" --benchmark_out_format=json >"$R/rounds_ours_$i.log" 2>&1 || status=1
-    timeout 200 python3 benchmarks/torch_grouped_mm_train.py --shapes "$shapes" --cooldown "${COOLDOWN:-3}" \
-      --out "$R/rounds_torch_$i.json" >"$R/rounds_torch_$i.log" 2>&1 || status=1
+    if [ "${TORCH:-1}" != 0 ]; then
+      timeout 200 python3 benchmarks/torch_grouped_mm_train.py --shapes "$shapes" --cooldown "${COOLDOWN:-3}" \
+        --out "$R/rounds_torch_$i.json" >"$R/rounds_torch_$i.log" 2>&1 || status=1
+    fi
     echo "round $i done at $(( $(date +%s) - T0 )) s"
   done
   python3 - "$R" <<'PY' | tee "$R/rounds_summary.txt"
@@ -259,7 +263,7 @@ ours, torch = {}, {}
 for f in sorted(glob.glob(f"{r}/rounds_ours_*.json")):
     for b in json.load(open(f))["benchmarks"]:
         _, shape, routing, sched, memory = b["run_name"].split("/")[:5]
-        ours.setdefault((shape, routing, memory), []).append(b["real_time"])
+        ours.setdefault((shape, routing, f"{sched} {memory}"), []).append(b["real_time"])
 for f in sorted(glob.glob(f"{r}/rounds_torch_*.json")):
     for c in json.load(open(f))["results"]:
         if "ms" in c:
@@ -271,6 +275,13 @@ for (shape, routing), t in sorted(torch.items()):
     print(f"{shape} {routing}: torch {tm:.2f} ms {t}; ours " +
           ", ".join(f"{m} {v:.2f} ms {ours[(shape, routing, m)]}" for m, v in sorted(mine.items())) +
           f"; best ours / torch {best / tm:.3f}")
+for shape, routing in sorted({(s, rt) for s, rt, _ in ours}):
+    med = {m: statistics.median(v) for (s, rt, m), v in ours.items() if (s, rt) == (shape, routing)}
+    if "default store" in med and "tuned_wide store" in med:
+        print(f"{shape} {routing}: default {med['default store']:.2f} ms / tuned_wide store "
+              f"{med['tuned_wide store']:.2f} = {med['default store'] / med['tuned_wide store']:.3f}, / tuned_wide "
+              f"lean {med.get('tuned_wide lean', float('nan')):.2f} = "
+              f"{med['default store'] / med.get('tuned_wide lean', float('nan')):.3f}")
 PY
 fi
 if has python; then

@@ -361,7 +361,8 @@ TEST_CASE("cli: values out of range are told so, not blamed on their form") {
   for (const char *big : {"inf", "1e308"})
     check_usage_error({"run", "moe_mlp", "--capacity", big},
                       {"is beyond 1024, the largest capacity factor", "for no dropping, leave --capacity out"});
-  check_usage_error({"run", "moe_mlp", "--capacity", "-1"}, {"--capacity must be a positive number"});
+  for (const char *bad : {"-1", "nan"})
+    check_usage_error({"run", "moe_mlp", "--capacity", bad}, {"--capacity must be a positive number"});
   // An empty --schedule is a mistake, not auto.
   check_usage_error({"run", "moe_mlp", "--schedule", ""},
                     {"--schedule needs a value: a preset (megablocks, scattermoe), a schedule file or auto"});

@@ -193,7 +193,7 @@ Options parse(const std::vector<std::string> &args) {
     } else if (flag == "--capacity") {
       char *end = nullptr;
       o.capacity = std::strtod(v.c_str(), &end);
-      user_check(end && *end == '\0' && !v.empty())
+      user_check(end && *end == '\0' && !v.empty() && !std::isnan(o.capacity))
           << "--capacity must be a positive number (the capacity factor: 1.0 lets each expert take its even share "
           << "T * k / E of the pairs, 1.25 a quarter more), got '" << v << "'";
       user_check(std::isfinite(o.capacity) && o.capacity <= 1024)

@@ -79,6 +79,14 @@ def _check_tensor(what, t, device):
         raise mf.UserError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != device:
         raise mf.UserError(f"{what} is on {t.device}, the layer on {device}: move it with .to('{device}')")
+    # Every tensor the layer reads is floating point: an integer or boolean
+    # tensor (token ids where activations belong, say) would otherwise be
+    # converted to bf16 and run as numbers.
+    if not (t.is_floating_point() or t.is_complex()):
+        raise mf.UserError(f"{what} has dtype {t.dtype}; the layer reads floating-point values (bf16, f16 or f32): "
+                           "pass activations, not indices or masks")
+    if t.is_complex():
+        raise mf.UserError(f"{what} has dtype {t.dtype}; the layer reads real values (bf16, f16 or f32)")
 
 
 def _as_layer_tensor(layer, name, t):
@@ -480,7 +488,8 @@ class MoELayer(torch.nn.Module):
 
     pipeline: the layer (moeforge.Pipeline); outputs: the Funcs forward()
     returns (default: the pipeline's outputs, e.g. [y] or [y, lb_loss]);
-    schedule: a moeforge.Schedule, a preset name, or "auto" (the default:
+    schedule: a moeforge.Schedule, a preset name, "default"
+    (moeforge.default_schedule of this layer), or "auto" (the default:
     what `moeforge tune --train` or moeforge.tune(pipeline, tokens) cached
     for this layer, the first forward's token count and this GPU, else
     moeforge.default_schedule, the fastest
@@ -533,9 +542,22 @@ class MoELayer(torch.nn.Module):
             self.schedule = mf.default_schedule(pipeline, self.outputs)
             self.schedule_note = "auto: the default schedule" + (
                 " until the first forward looks in the tuned-schedule cache" if self.device.type == "cuda" else "")
-        else:
-            self.schedule = mf.preset(schedule) if isinstance(schedule, str) else schedule
+        elif isinstance(schedule, str) and schedule == "default":
+            self.schedule = mf.default_schedule(pipeline, self.outputs)
+            self.schedule_note = "the default schedule"
+        elif isinstance(schedule, str):
+            if schedule not in mf.preset_names():
+                raise mf.UserError(f"unknown schedule '{schedule}': choose 'auto' (the tuned cache's, else the "
+                                   f"default), 'default', a preset ({', '.join(mf.preset_names())}) or a "
+                                   "moeforge.Schedule (moeforge.Schedule.load(path) reads a file)")
+            self.schedule = mf.preset(schedule)
             self.schedule_note = f"the schedule given ('{self.schedule.name}')"
+        elif isinstance(schedule, mf.Schedule):
+            self.schedule = schedule
+            self.schedule_note = f"the schedule given ('{self.schedule.name}')"
+        else:
+            raise mf.UserError(f"schedule must be a moeforge.Schedule or a name ('auto', 'default', "
+                               f"{', '.join(repr(n) for n in mf.preset_names())}), got {type(schedule).__name__}")
         # A choice the layer does not take would otherwise run as if absent, unseen.
         for note in mf.not_applied(pipeline, self.schedule, self.outputs):
             warnings.warn(f"moeforge: {note}", stacklevel=2)

@@ -262,6 +262,19 @@ def test_bad_input_raises_with_the_message(device):
         moe.routed_experts()
     with pytest.raises(mf.UserError, match="device must be 'cuda' or 'cpu', got 'meta'"):
         mft.example("moe_mlp", device="meta")
+    # Token ids or a mask where activations belong would run as numbers.
+    with pytest.raises(mf.UserError, match="'x' has dtype torch.int64; the layer reads floating-point values"):
+        moe(torch.ones(16, D, device=device, dtype=torch.int64))
+    given = mft.MoELayer(moe.pipeline, device=device, own_params=False)
+    weights = {n: getattr(moe, n) for n in moe._weight_names}
+    with pytest.raises(mf.UserError, match="the weight 'w1' has dtype torch.bool"):
+        given(torch.randn(16, D, device=device), params={**weights, "w1": weights["w1"] > 0})
+    with pytest.raises(mf.UserError, match=r"unknown schedule 'fastest': choose 'auto' .* 'default', a preset "
+                                           r"\(megablocks, scattermoe\)"):
+        mft.MoELayer(moe.pipeline, schedule="fastest", device=device)
+    with pytest.raises(mf.UserError, match="schedule must be a moeforge.Schedule or a name .* got int"):
+        mft.MoELayer(moe.pipeline, schedule=3, device=device)
+    assert mft.MoELayer(moe.pipeline, schedule="default", device=device).schedule_note == "the default schedule"
     # Any dtype and strides are converted (a copy), not refused.
     x = torch.randn(D, 16, device=device, dtype=torch.float32).t()
     y = moe(x)

@@ -11,7 +11,10 @@
 # (default 5); PYTEST=0 skips the tests (a timing-only call); MODULE=0 skips
 # the module's timing; TRANSFORMERS_TABLE=1 trains transformers' small models
 # with each experts implementation (benchmarks/transformers_train.py, needs
-# .peers/transformers from scripts/prep_transformers.sh).
+# .peers/transformers from scripts/prep_transformers.sh); PROBE=1 runs
+# benchmarks/reduce_overhead_probe.py (what inductor's CUDA-graph trees
+# refuse); DECODE=1 runs benchmarks/torch_decode.py's token sweep (issue
+# #53; DECODE_IMPLS, default moeforge,torch).
 set -uo pipefail
 . scripts/device_env.sh
 R=$OUT/python
@@ -29,6 +32,15 @@ fi
 if [ "${PYTEST:-1}" != 0 ]; then
   timeout 600 python3 -m pytest -q -rs tests/python >"$R/pytest.log" 2>&1 || status=1
   tail -15 "$R/pytest.log"
+fi
+if [ "${PROBE:-0}" = 1 ]; then
+  timeout 300 python3 benchmarks/reduce_overhead_probe.py >"$R/reduce_overhead_probe.log" 2>&1
+  tail -12 "$R/reduce_overhead_probe.log"
+fi
+if [ "${DECODE:-0}" = 1 ]; then
+  PYTHONUNBUFFERED=1 timeout 400 python3 benchmarks/torch_decode.py --impls "${DECODE_IMPLS:-moeforge,torch}" \
+    --out "$R/decode.json" >"$R/decode.log" 2>&1 || status=1
+  tail -40 "$R/decode.log"
 fi
 if [ "${TRANSFORMERS_TABLE:-0}" = 1 ]; then
   PYTHONUNBUFFERED=1 timeout 500 python3 benchmarks/transformers_train.py --out "$R/transformers.json" \

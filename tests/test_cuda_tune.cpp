@@ -80,6 +80,15 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
         "128-column tile");
   CHECK(model_prune(forward, "o", FuncChoice{128, 128}).empty());
   CHECK(model_prune(forward, "no_such_func", FuncChoice{128, 256}).empty());
+  // Decoding: a few rows an expert (T k / E = 2 k / 8 here: 32 rows at 128
+  // tokens, 33 past it) read A's few bytes once per 64 columns, and the
+  // narrow tile doubles the blocks streaming the weights.
+  CHECK(model_prune(forward, "o", FuncChoice{128, 64}, 1).empty());
+  CHECK(model_prune(forward, "o", FuncChoice{128, 64}, 128).empty());
+  CHECK(has(model_prune(forward, "o", FuncChoice{128, 64}, 132), "twice the A traffic"));
+  CHECK(has(model_prune(forward, "o", FuncChoice{128, 64}, 0), "twice the A traffic")); // 0: every tile full
+  FuncCandidates decode = candidates_for(ex.pipeline, ex.output, base, "o", false, 1);
+  CHECK(std::any_of(decode.kept.begin(), decode.kept.end(), [](const FuncChoice &c) { return c.tile_n == 64; }));
   for (const FuncChoice &c : h.kept)
     CHECK(c.tile_n == 128);
   // Every kept candidate lowers and plans: what the tuner times compiles.

@@ -48,7 +48,31 @@ std::vector<FuncChoice> func_choices() {
 // The narrowest tile of the space: the model has no narrower one to offer.
 constexpr int kNarrowestTile = 64;
 
-std::string model_prune(const KernelProgram &program, const std::string &func, const FuncChoice &c) {
+// A row tile's rows at `tokens` tokens, on average: the tokens of a dense
+// GEMM, an expert's share T k / E of the pairs of a routed one, at most the
+// tile's rows; the whole tile where the count is unknown (0) or the rows are
+// no token's (an expert reduction's output rows are a weight's).
+double rows_per_tile(const GemmStep &g, int64_t tokens, int tile_m) {
+  if (tokens <= 0 || g.expert_k || (g.route && g.route->expert_choice()))
+    return tile_m;
+  double rows = static_cast<double>(tokens);
+  if (g.route) {
+    const int64_t experts = g.route->expert_dim().extent();
+    if (experts > 0)
+      rows = rows * g.route->k / static_cast<double>(experts);
+  }
+  if (!g.m.is_dynamic() && !g.route)
+    rows = static_cast<double>(g.m.extent());
+  return std::min(rows, static_cast<double>(tile_m));
+}
+
+// Where a 64-column tile's A bytes are at most half its B bytes (a row tile
+// of 32 rows or fewer: decoding's few tokens an expert), reading A once per
+// 64 columns costs little, and the narrow tile gives the grid twice the
+// blocks to stream the weights with.
+constexpr double kFewRows = 32;
+
+std::string model_prune(const KernelProgram &program, const std::string &func, const FuncChoice &c, int64_t tokens) {
   for (const Step &st : program.steps) {
     const auto *g = std::get_if<GemmStep>(&st);
     if (!g || g->func != func)
@@ -62,7 +86,7 @@ std::string model_prune(const KernelProgram &program, const std::string &func, c
           << "-column tile covers them with half the padded columns";
       return why.str();
     }
-    if (c.tile_n == kNarrowestTile && n >= 256) {
+    if (c.tile_n == kNarrowestTile && n >= 256 && rows_per_tile(*g, tokens, c.tile_m) > kFewRows) {
       why << "a 64-column tile over " << n << " columns reads each A tile once per 64 columns, "
           << "twice the A traffic of a 128-column tile";
       return why.str();
@@ -162,7 +186,8 @@ namespace {
 // func's candidates among `choices` around `base`: legal, kept by the cheap
 // model, and each with plans no earlier one (nor base) has.
 FuncCandidates candidates_among(const Pipeline &pipeline, const std::string &output, const Schedule &base,
-                                const std::string &func, bool training, const std::vector<FuncChoice> &choices) {
+                                const std::string &func, bool training, const std::vector<FuncChoice> &choices,
+                                int64_t tokens) {
   FuncCandidates fc;
   fc.func = func;
   std::map<std::string, std::string> seen; // the plans' text -> the choice that gave them
@@ -171,7 +196,7 @@ FuncCandidates candidates_among(const Pipeline &pipeline, const std::string &out
   for (const FuncChoice &c : choices) {
     try {
       const KernelProgram p = lowered(pipeline, output, with_choice(base, func, c), training);
-      if (std::string why = model_prune(p, func, c); !why.empty()) {
+      if (std::string why = model_prune(p, func, c, tokens); !why.empty()) {
         fc.pruned.push_back({c, why});
         continue;
       }
@@ -192,12 +217,12 @@ FuncCandidates candidates_among(const Pipeline &pipeline, const std::string &out
 } // namespace
 
 FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
-                              const std::string &func, bool training) {
-  return candidates_among(pipeline, output, base, func, training, func_choices());
+                              const std::string &func, bool training, int64_t tokens) {
+  return candidates_among(pipeline, output, base, func, training, func_choices(), tokens);
 }
 
 FuncCandidates raster_candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
-                                     const std::string &func, bool training) {
+                                     const std::string &func, bool training, int64_t tokens) {
   std::vector<FuncChoice> choices;
   const FuncChoice current = choice_in(base, func);
   for (int band : raster_choices())
@@ -206,7 +231,7 @@ FuncCandidates raster_candidates_for(const Pipeline &pipeline, const std::string
       c.raster = band;
       choices.push_back(c);
     }
-  return candidates_among(pipeline, output, base, func, training, choices);
+  return candidates_among(pipeline, output, base, func, training, choices, tokens);
 }
 
 } // namespace moeforge::cuda

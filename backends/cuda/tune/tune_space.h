@@ -63,8 +63,13 @@ std::vector<FuncChoice> func_choices();
 // lowered with it), or "" where it keeps it: a tile twice as wide as the
 // GEMM's columns or more (its half covers them with less padding), or a
 // 64-column tile over 256 columns or more (it reads A twice as often as a
-// 128-column tile; narrow tiles are for narrow GEMMs).
-std::string model_prune(const KernelProgram &program, const std::string &func, const FuncChoice &choice);
+// 128-column tile; narrow tiles are for narrow GEMMs), unless its row tiles
+// average 32 rows or fewer at `tokens` tokens (a routed GEMM's T k / E: a
+// decoding step's), where A's bytes are at most half of B's and the narrow
+// tile gives the grid twice the blocks to stream the weights with. tokens 0:
+// count every row tile full.
+std::string model_prune(const KernelProgram &program, const std::string &func, const FuncChoice &choice,
+                        int64_t tokens = 0);
 
 // `base` with `choice` applied to `func`.
 Schedule with_choice(const Schedule &base, const std::string &func, const FuncChoice &choice);
@@ -83,7 +88,7 @@ std::vector<int> raster_choices();
 // raster_choices() value but base's own), its other settings as base has
 // them; pruned as candidates_for prunes.
 FuncCandidates raster_candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
-                                     const std::string &func, bool training);
+                                     const std::string &func, bool training, int64_t tokens = 0);
 
 // The Funcs whose GEMMs the schedule tiles, in program order (the forward's,
 // or with `training` the training step's), for `pipeline`'s output `output`.
@@ -92,8 +97,9 @@ std::vector<std::string> tunable_funcs(const Pipeline &pipeline, const std::stri
 
 // func's candidates around `base` (the other Funcs as base has them); a
 // choice that gives base's own plans is pruned as "the same plans as the
-// current settings".
+// current settings". `tokens`: the count tuned for, which model_prune
+// judges narrow tiles by (0: every row tile full).
 FuncCandidates candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
-                              const std::string &func, bool training);
+                              const std::string &func, bool training, int64_t tokens = 0);
 
 } // namespace moeforge::cuda

@@ -423,7 +423,7 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
       }
       const std::vector<std::string> funcs = tunable_funcs(*r.pipeline, r.output, base, r.training);
       for (size_t f = 0; f < funcs.size(); ++f) {
-        FuncCandidates fc = candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training);
+        FuncCandidates fc = candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training, r.tokens);
         // Each candidate is the base with the Funcs' best choices so far and
         // this one, so the winner's schedule file names each Func once.
         auto build = [&](const FuncChoice &c) {
@@ -464,7 +464,7 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
         // the product with the other knobs, which would double every round.
         if (elapsed() > r.budget_seconds)
           continue;
-        FuncCandidates rc = raster_candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training);
+        FuncCandidates rc = raster_candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training, r.tokens);
         res.pruned += static_cast<int>(rc.pruned.size());
         func_round(rc, "of " + funcs[f] + "'s raster band", after);
       }

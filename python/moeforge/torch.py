@@ -412,9 +412,8 @@ class _ForwardRuntime(_BoundLayer):
     compiled once on caller memory, for forwards under torch.no_grad() or
     torch.inference_mode() or with nothing that needs a gradient."""
 
-    def __init__(self, module, tokens):
+    def __init__(self, module, tokens, schedule):
         self.cuda = module.device.type == "cuda"
-        schedule = module._forward_schedule(tokens)
         if self.cuda:
             with torch.cuda.device(module.device):
                 self.layer = mf.CudaCallerLayer(module.pipeline, schedule, tokens, module.device.index or 0)
@@ -614,6 +613,12 @@ class MoELayer(torch.nn.Module):
                                                         device=self.device))
             self._const_names.append(b["name"])
         self._caller = None  # _Runtime, made at the first forward that records a backward
+        # The forward alone: a _ForwardRuntime per distinct schedule its
+        # token counts' buckets run (one, unless "auto" finds a schedule
+        # tuned for some bucket: decoding's few tokens and a prefill's many
+        # want different tiles), the bucket's, and the last one used.
+        self._forward_runtimes = {}  # schedule text -> _ForwardRuntime
+        self._forward_buckets = {}  # token bucket (a power of two) -> _ForwardRuntime
         self._forward_only = None  # _ForwardRuntime, made at the first forward that does not
         self._register()  # self._handle: how the custom ops find this module (_MODULES)
         self.keep_routing = keep_routing
@@ -636,10 +641,20 @@ class MoELayer(torch.nn.Module):
         return self._caller
 
     def _forward_runtime(self, tokens):
-        if self._forward_only is None:
-            self._forward_only = _ForwardRuntime(self, tokens)
-            self._route_names = self._forward_only.layer.routes
-        return self._forward_only
+        # A schedule given runs every count; under "auto" each power-of-two
+        # bucket looks in the tuned cache once, as `moeforge tune` keys it.
+        bucket = 1 << (tokens - 1).bit_length() if self._auto else 0
+        rt = self._forward_buckets.get(bucket)
+        if rt is None:
+            schedule = self._forward_schedule(tokens)
+            key = schedule.to_text()
+            rt = self._forward_runtimes.get(key)
+            if rt is None:  # compiled once per distinct schedule, serving every count of its buckets
+                rt = self._forward_runtimes[key] = _ForwardRuntime(self, tokens, schedule)
+            self._forward_buckets[bucket] = rt
+        self._forward_only = rt
+        self._route_names = rt.layer.routes
+        return rt
 
     def _forward_schedule(self, tokens):
         """The schedule of a forward that records no backward: under "auto"
@@ -700,6 +715,7 @@ class MoELayer(torch.nn.Module):
         # copy: a copy compiles its own.
         state = self.__dict__.copy()
         state["_caller"] = state["_forward_only"] = None
+        state["_forward_runtimes"], state["_forward_buckets"] = {}, {}
         state["_routing"] = {}
         return state
 
@@ -708,6 +724,7 @@ class MoELayer(torch.nn.Module):
         # handle and runtimes, compiled again at its first forward.
         super().__setstate__(state)
         self._caller = self._forward_only = None
+        self._forward_runtimes, self._forward_buckets = {}, {}
         self._register()
 
     def _compiled(self, tokens):
@@ -857,7 +874,7 @@ class MoELayer(torch.nn.Module):
         if self.device.type != "cuda":
             return
         torch.cuda.current_stream(self.device).synchronize()
-        for rt in (self._caller, self._forward_only):
+        for rt in (self._caller, *self._forward_runtimes.values()):
             if rt is not None:
                 rt.layer.check_routing_scores(_stream(self.device))
 

@@ -110,3 +110,35 @@ def test_a_decoding_loop_replays_the_forward_as_one_graph():
     for step, (xi, yi) in enumerate(zip(inputs, outputs)):
         want = moe(xi.clone().requires_grad_(True)).detach()  # the training forward, eager kernels
         assert normalized_error(yi, want) < 1e-2, f"step {step}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_token_bucket_runs_its_own_schedule(device, monkeypatch):
+    """Under "auto" a bucket of token counts (powers of two, as `moeforge
+    tune` keys its cache) runs the schedule found for it: decoding's few
+    tokens and a prefill's many are compiled apart, once each, and every
+    count of a bucket reuses its program. Here the schedule lookup is made
+    to answer megablocks up to 4 tokens, the default past them."""
+    torch.manual_seed(14)
+    moe = mft.example("moe_mlp", experts=E, topk=K, d=D, f=F, device=device, keep_routing=True)
+    params = [getattr(moe, n) for n in ("wr", "w1", "w2")]
+    asked = []
+
+    def schedule_for(tokens):
+        asked.append(tokens)
+        return mf.preset("megablocks") if tokens <= 4 else mf.default_schedule(moe.pipeline)
+
+    monkeypatch.setattr(moe, "_forward_schedule", schedule_for)
+    layers = {}
+    for tokens in (1, 3, 37, 4, 300, 2, 64):
+        x = torch.randn(tokens, D, device=device, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            y = moe(x)
+        layers.setdefault(tokens <= 4, moe._forward_only.layer)
+        assert moe._forward_only.layer is layers[tokens <= 4], f"{tokens} tokens ran another bucket's program"
+        want = torch_moe_mlp(x, *params, moe.routed_experts(tokens))
+        assert normalized_error(y, want) < 2e-2, f"y at {tokens} tokens"
+    assert layers[True] is not layers[False]
+    assert len(moe._forward_runtimes) == 2
+    # Buckets 1, 4 (3 and 4), 64 (37 and 64), 512 and 2: each looked up once.
+    assert asked == [1, 3, 37, 300, 2]

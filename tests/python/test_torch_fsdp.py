@@ -2,13 +2,18 @@
 without torch): a model whose moeforge layer and the model around it are
 sharded, and a transformers model whose experts are moeforge's, train with
 the gradients of the same model unsharded. World size 1 (gloo on the CPU,
-NCCL on a GPU); two ranks are not tested yet."""
+NCCL on a GPU), and two ranks in two processes (gloo on the CPU, NCCL where
+the machine has two GPUs), each on its own tokens: the gradients averaged
+over the ranks."""
+
+import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+import moeforge as mf  # noqa: E402
 import moeforge.torch as mft  # noqa: E402
 from test_torch import DEVICES  # noqa: E402
 
@@ -98,3 +103,64 @@ def test_a_sharded_transformers_model_with_moeforge_experts_has_the_unsharded_gr
         check_sharded_gradients(plain, sharded)
     finally:
         dist.destroy_process_group()
+
+
+def _two_rank_step(rank, device, store, result):
+    """One rank of the two-rank test: the sharded block's step on this
+    rank's tokens; rank 0 writes the gathered gradients to `result`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=2)
+    try:
+        torch.manual_seed(6)  # the same weights on both ranks
+        sharded = Block(device)
+        mesh = init_device_mesh(device, (2,))
+        fully_shard(sharded.moe, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        torch.manual_seed(100 + rank)  # each rank's own tokens, another count on each
+        x = torch.randn(37 + 26 * rank, D, device=device, dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        sharded(x).backward(dy)
+        grads = {name: p.grad.full_tensor().cpu() for name, p in sharded.named_parameters()}
+        if rank == 0:
+            torch.save(grads, result)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                                  reason="two ranks on the GPU need two GPUs")),
+    pytest.param("cpu", marks=pytest.mark.skipif(not mf.has_cpu_backend, reason="no CPU backend"))])
+def test_two_ranks_average_the_gradients_of_their_own_tokens(device, tmp_path):
+    """fully_shard over two ranks (two processes), each holding half of
+    every weight and stepping on its own tokens: each gathered gradient is
+    the mean of the unsharded block's gradients on the two ranks' tokens
+    (FSDP's reduce-scatter), within bf16's rounding of that mean."""
+    import torch.multiprocessing as mp
+
+    result = os.path.join(tmp_path, "grads.pt")
+    mp.spawn(_two_rank_step, args=(device, os.path.join(tmp_path, "store"), result), nprocs=2, join=True)
+    got = torch.load(result)
+    torch.manual_seed(6)
+    plain = Block(device)
+    per_rank = []
+    for rank in range(2):
+        torch.manual_seed(100 + rank)
+        x = torch.randn(37 + 26 * rank, D, device=device, dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        plain.zero_grad(set_to_none=True)
+        plain(x).backward(dy)
+        per_rank.append({name: p.grad.float().cpu() for name, p in plain.named_parameters()})
+    assert set(got) == set(per_rank[0])
+    for name, g in got.items():
+        want = (per_rank[0][name] + per_rank[1][name]) / 2
+        err = (g.float() - want).abs().max().item()
+        scale = want.abs().max().item()
+        assert scale > 0 and err <= 1e-2 * scale, f"{name}: max |sharded - mean| {err}, scale {scale}"
+        # Not rank 0's own gradient alone: the other rank's tokens count.
+        assert (g.float() - per_rank[0][name]).abs().max().item() > 1e-2 * scale, name

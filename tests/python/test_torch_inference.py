@@ -142,3 +142,39 @@ def test_each_token_bucket_runs_its_own_schedule(device, monkeypatch):
     assert len(moe._forward_runtimes) == 2
     # Buckets 1, 4 (3 and 4), 64 (37 and 64), 512 and 2: each looked up once.
     assert asked == [1, 3, 37, 300, 2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not mf.gpu_available()[0], reason="no GPU")
+def test_the_forward_alone_is_captured_in_a_cuda_graph_per_token_bucket():
+    """A server captures one CUDA graph per token bucket (here 1 and 64
+    tokens) around the module under inference_mode and replays it on new
+    inputs: each replay computes what an eager forward of the same input
+    does (the same kernels; outputs poisoned before each replay)."""
+    torch.manual_seed(15)
+    moe = mft.example("swiglu_moe", experts=E, topk=K, d=D, f=F)
+    graphs = {}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for tokens in (1, 64):
+        static_x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):  # warm-up outside the graph: the compile, the first binds
+                moe(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            static_y = moe(static_x)
+        graphs[tokens] = (graph, static_x, static_y)
+    for step in range(3):
+        for tokens, (graph, static_x, static_y) in graphs.items():
+            x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
+            static_x.copy_(x)
+            with torch.inference_mode():  # an inference tensor is written inside the mode only
+                static_y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            got = static_y.clone()
+            with torch.inference_mode():
+                want = moe(x)
+            assert torch.isfinite(got.float()).all(), f"step {step}, {tokens} tokens: unwritten output"
+            assert normalized_error(got, want) < 1e-5, f"step {step}, {tokens} tokens"

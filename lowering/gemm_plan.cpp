@@ -216,6 +216,16 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
            : cluster    ? TileWalk::cluster_pairs
                         : TileWalk::per_tile;
   p.store = out_tma ? TileStore::tma : wide_stores ? TileStore::wide : TileStore::plain;
+  // The narrow tail: the warp-specialised walks (a block per tile,
+  // persistent; an expert reduction's in its TMA or persistent form) choose
+  // per tile between the whole tile's wgmmas and the half-width ones, with
+  // one B operand; a cluster's pair shares its B stages whole.
+  const int64_t n_extent = g.n.extent();
+  const int tail_cols = n_extent > 0 ? static_cast<int>(n_extent % t.tile_n) : 0;
+  const bool tail_is_narrow = tail_cols > 0 && tail_cols <= t.tile_n / 2;
+  const bool walk_halves =
+      ws && p.nb == 1 && t.tile_n >= 128 && !cluster && (!in_place || a_tma_rows || b_tma_rows || persistent);
+  p.narrow_tail = t.narrow_tail && tail_is_narrow && walk_halves;
   if (in_place) {
     user_check(t.tile_k == 64) << "definition '" << g.output << "': the wgmma expert reduction needs tile_k 64";
   }
@@ -268,6 +278,16 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
     p.not_applied.push_back("cluster(" + f +
                             ", 2) is not applied: an expert reduction (K over one expert's rows) "
                             "runs without clusters");
+  if (t.named.narrow_tail && t.narrow_tail && !p.narrow_tail)
+    p.not_applied.push_back(
+        "narrow_tail(" + f + ", true) is not applied: " +
+        first({{n_extent <= 0, "its columns are known at run time only"},
+               {!tail_is_narrow, "its last column tile is full or more than half full (N = " +
+                                     std::to_string(n_extent) + ", tile_n " + std::to_string(t.tile_n) + ")"},
+               {!ws, "the half-width wgmmas come from the warp-specialised loop (mma(" + f + ", wgmma_ws))"},
+               {p.nb != 1, "it has " + std::to_string(p.nb) + " B operands, whose wgmmas run as one"},
+               {t.tile_n < 128, "its tile is 64 columns wide, the narrowest wgmma tile moeforge runs"},
+               {cluster, "a cluster's pair of blocks shares its B stages whole"}}));
   if (t.named.tma_store && !out_tma)
     p.not_applied.push_back(
         "tma_store(" + f + ", true) is not applied: " +
@@ -298,7 +318,10 @@ std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
     << ")\n";
   o << "  tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages, " << p.nb
     << " B operand" << (p.nb > 1 ? "s" : "") << "; main loop " << mma_name(p.mma)
-    << (p.split_k ? ", split-K over the grid's y" : "") << "\n";
+    << (p.split_k ? ", split-K over the grid's y" : "")
+    << (p.narrow_tail ? ", the last column tile (" + std::to_string(g.n.extent() % t.tile_n) + " columns) half-width"
+                      : "")
+    << "\n";
   auto a_how = [&] {
     if (p.in_place())
       return p.a_tma_rows() ? "padded rows by TMA" : "rows in place by cp.async";

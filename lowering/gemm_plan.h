@@ -56,6 +56,9 @@ struct GemmPlan {
   bool b_tma_rows() const { return b_load == OperandLoad::rows_tma; }
   bool a_tma_rows() const { return a_load == OperandLoad::rows_tma; }
   bool chained = false; // a second product into the same accumulator (GemmStep::chained)
+  // The narrow tail (GemmTiling::narrow_tail): the last column tile holds
+  // N % tile_n <= tile_n / 2 columns, and its wgmmas are half-width.
+  bool narrow_tail = false;
   // Split-K over the grid's y: a dense GEMM over a dynamic K with few tiles.
   bool split_k = false;
   // ---- the walk over output tiles

@@ -300,6 +300,15 @@ Schedule &Schedule::tma_store(const std::string &func, bool on) {
   return *this;
 }
 
+Schedule &Schedule::narrow_tail(const std::string &func, bool on) {
+  std::string call = "narrow_tail(" + quoted(func) + ", " + (on ? "true" : "false") + ")";
+  check_func_name(call, func);
+  Overrides patch;
+  patch.narrow_tail = on;
+  commit(call, "narrow_tail", func, patch);
+  return *this;
+}
+
 Schedule &Schedule::cluster(const std::string &func, int row_tiles) {
   std::string call = "cluster(" + quoted(func) + ", " + std::to_string(row_tiles) + ")";
   check_func_name(call, func);
@@ -325,6 +334,7 @@ FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   t.tma = o.tma.value_or(t.tma);
   t.tma_store = o.tma_store.value_or(t.tma_store);
   t.cluster_m = o.cluster_m.value_or(t.cluster_m);
+  t.narrow_tail = o.narrow_tail.value_or(t.narrow_tail);
   base.fuse_epilogue = o.fuse_epilogue.value_or(base.fuse_epilogue);
   return base;
 }
@@ -336,7 +346,7 @@ FuncSchedule Schedule::for_func(const std::string &func) const {
   FuncSchedule f = apply(default_, it->second);
   const Overrides &o = it->second;
   f.tiling.named = {o.persistent.value_or(false), o.tma.value_or(false), o.tma_store.value_or(false),
-                    o.cluster_m.value_or(1) > 1, o.warps_m.has_value()};
+                    o.cluster_m.value_or(1) > 1,  o.warps_m.has_value(), o.narrow_tail.value_or(false)};
   return f;
 }
 
@@ -370,6 +380,7 @@ void Schedule::commit(const std::string &call, const std::string &primitive, con
     merge(o.tma, patch.tma);
     merge(o.tma_store, patch.tma_store);
     merge(o.cluster_m, patch.cluster_m);
+    merge(o.narrow_tail, patch.narrow_tail);
     if (next.named_by_.emplace(func, primitive).second)
       next.funcs_.push_back(func);
   }

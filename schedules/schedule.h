@@ -90,6 +90,13 @@ struct GemmTiling {
   // holds both) or the two halves of one (block = 2 tile_m: always shared
   // when the second half holds rows).
   int cluster_m = 1;
+  // wgmma_ws with one B operand: where the GEMM's last column tile holds
+  // half the tile's columns or fewer (N % tile_n in (0, tile_n / 2]: fine64's
+  // f = 1408 under 256-wide tiles, 128 of the last tile's 256), that tile's
+  // wgmmas are the half-width instruction, so the tensor cores do not
+  // multiply the zero-filled columns past N: 1/12 of such a GEMM's MMA
+  // work at f = 1408.
+  bool narrow_tail = false;
   // Which of the choices above the schedule named for this Func itself (a
   // `"*"` default is not named): where one of those cannot apply to the
   // Func's GEMM, its plan says so and why (gemm_plan.h), rather than
@@ -98,6 +105,7 @@ struct GemmTiling {
   struct Named {
     bool persistent = false, tma = false, tma_store = false, cluster = false;
     bool warps = false; // warps(func, ...): its layout, which only mma_sync takes
+    bool narrow_tail = false;
     bool operator==(const Named &) const { return true; }
   };
   Named named = {};
@@ -315,6 +323,9 @@ public:
   Schedule &tma(const std::string &func, bool on);
   // Output tiles stored through TMA (GemmTiling::tma_store).
   Schedule &tma_store(const std::string &func, bool on);
+  // The last column tile's wgmmas at half width where it holds half the
+  // tile's columns or fewer (GemmTiling::narrow_tail).
+  Schedule &narrow_tail(const std::string &func, bool on);
   // Row tiles per thread-block cluster (GemmTiling::cluster_m): 1 or 2.
   Schedule &cluster(const std::string &func, int row_tiles);
 
@@ -391,6 +402,7 @@ private:
     std::optional<bool> tma;
     std::optional<bool> tma_store;
     std::optional<int> cluster_m;
+    std::optional<bool> narrow_tail;
   };
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);
   // A whole-layer on/off primitive: sets `field` and records the call.

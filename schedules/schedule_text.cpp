@@ -52,6 +52,7 @@ const std::vector<Signature> &signatures() {
       {"tma", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"tma_store", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"cluster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
+      {"narrow_tail", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"bf16_activations", {{"on", ArgType::boolean}}},
       {"reuse_memory", {{"on", ArgType::boolean}}},
       {"bf16_weight_gradients", {{"on", ArgType::boolean}}},
@@ -363,6 +364,8 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.tma_store(func, bools[1]);
       } else if (st.primitive == "cluster") {
         s.cluster(func, i(1));
+      } else if (st.primitive == "narrow_tail") {
+        s.narrow_tail(func, bools[1]);
       } else {
         internal_check(false) << "no replay for primitive " << st.primitive;
       }

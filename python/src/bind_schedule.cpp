@@ -124,6 +124,8 @@ void bind_schedule(nb::module_ &m) {
       .def("persistent", nb::overload_cast<const std::string &, bool>(&Schedule::persistent), "func"_a, "on"_a = true,
            chain)
       .def("tma", nb::overload_cast<const std::string &, bool>(&Schedule::tma), "func"_a, "on"_a = true, chain)
+      .def("narrow_tail", nb::overload_cast<const std::string &, bool>(&Schedule::narrow_tail), "func"_a, "on"_a = true,
+           chain)
       .def("tma_store", nb::overload_cast<const std::string &, bool>(&Schedule::tma_store), "func"_a, "on"_a = true,
            chain)
       .def(

@@ -986,6 +986,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       body << "  if (rows <= 0) return;  // the grid's last pair is rounded up\n";
     body << "  const long long expert = 0;  // one B for every row\n  (void)expert;\n";
   }
+  // The narrow tail: a tile whose columns past BN / 2 all lie past N runs
+  // the half-width wgmmas (the walks' `half`).
+  const std::string half = plan.narrow_tail ? ", n0 + Cfg::BN / 2 >= N" : "";
   if (in_place) {
     // Row maps of the reduced index p: 0 = row p (padded), d = sorted_pair[p] / d.
     auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };
@@ -997,7 +1000,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       body << "  if (!Cfg::" << (persistent ? "tile<" : "mainloop<") << (a_tma_rows ? "true" : "false") << ", "
            << (b_tma_rows ? "true" : "false") << ">(" << (persistent ? "ring, " : "smem, ") << operand(a_tma_rows, gA)
            << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << operand(b_tma_rows, gB[0]) << ", " << div(g.b_rows)
-           << ", N, n0, " << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc))\n"
+           << ", N, n0, " << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc" << half << "))\n"
            << (persistent ? "    continue;  // the producer: on to the next tile\n\n"
                           : "    return;  // a loading-only warpgroup\n\n");
     else
@@ -1053,9 +1056,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
                                       : "Cfg::CopyLoads{gA, a_ok, gB, K, N, n0}, Cfg::BM";
     internal_check(!chained || ws) << g.name << ": a chained product runs in the warp-specialised loop";
     if (ws && persistent && !cluster)
-      body << "  if (!Cfg::tile(ring, " << loads << ", acc))\n    continue;  // the producer: on to the next tile\n\n";
+      body << "  if (!Cfg::tile(ring, " << loads << ", acc" << half
+           << "))\n    continue;  // the producer: on to the next tile\n\n";
     else if (ws && !cluster)
-      body << "  if (!Cfg::mainloop(smem, " << loads << ", acc))\n    return;  // a loading-only warpgroup\n\n";
+      body << "  if (!Cfg::mainloop(smem, " << loads << ", acc" << half
+           << "))\n    return;  // a loading-only warpgroup\n\n";
     else if (cluster) {
       // Both blocks of the pair decide alike: share B when both tiles hold rows of one expert.
       if (g.route && g.block == 2 * t.tile_m)

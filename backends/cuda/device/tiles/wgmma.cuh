@@ -216,8 +216,13 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
     }
   }
 
-  // Issues (without waiting) warpgroup wg's wgmmas over stage `slot`.
-  __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
+  // Issues (without waiting) warpgroup wg's wgmmas over stage `slot`. W <
+  // BN: the tile's first W columns only, by the m64nW instruction into the
+  // first W / 2 accumulators of each set (a column tile whose columns past
+  // W lie past N: the narrow tail, GemmTiling::narrow_tail); the stage's B
+  // slabs are read from the same places, the first W / 64 of them.
+  template <int W = BN> __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
+    static_assert(W == BN || (W * 2 == BN && NB == 1), "a half-width stage has one B operand");
     const unsigned sA = s0 + slot * STAGE_BYTES + wg * (64 * 128);
     wgmma_fence();
 #pragma unroll
@@ -230,7 +235,9 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
         // K-major B (BT): as A, the next 16 k start 32 bytes on.
         return BT ? wgmma_desc(sB + ks * 32, 16, 1024) : wgmma_desc(sB + ks * 2048, BK * 128, 1024);
       };
-      if constexpr (NB > 1 && NB * BN <= 256) {
+      if constexpr (W < BN) {
+        Wgmma<W, BT ? 0 : 1>::mma(reinterpret_cast<float(&)[W / 2]>(acc[0]), da, b_desc(0));
+      } else if constexpr (NB > 1 && NB * BN <= 256) {
         // The B tiles lie back to back with one stride (N-major: 64-column
         // slabs BK * 128 bytes apart; K-major: 128-byte rows n), and acc's
         // sets lie in order as one wider instruction's accumulators: one

@@ -127,7 +127,10 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig : TmaStoreTile<B
     copy_rows<BN, LOADERS>(sA + A_STAGE_BYTES, t, rows.source(kt, r, b_div), B, N, n0);
   }
 
-  __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
+  // W < BN: the tile's first W columns only (the narrow tail, as
+  // WgmmaConfig::mma_stage).
+  template <int W = BN> __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
+    static_assert(W == BN || W * 2 == BN, "a stage is the whole tile or its first half");
     const unsigned sA = s0 + slot * STAGE_BYTES + wg * (BK * 128); // this warpgroup's 64 columns of A
     const unsigned sB = s0 + slot * STAGE_BYTES + A_STAGE_BYTES;
     wgmma_fence();
@@ -136,7 +139,7 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig : TmaStoreTile<B
       // M-/N-major: 16 k-rows are two 8-row groups (2 KiB); slabs BK * 128 bytes apart.
       const unsigned long long da = wgmma_desc(sA + ks * 2048, BK * 128, 1024);
       const unsigned long long db = wgmma_desc(sB + ks * 2048, BK * 128, 1024);
-      Wgmma<BN, 1, 1>::mma(acc[0], da, db);
+      Wgmma<W, 1, 1>::mma(reinterpret_cast<float(&)[W / 2]>(acc[0]), da, db);
     }
     wgmma_commit();
   }

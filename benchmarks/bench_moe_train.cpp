@@ -63,12 +63,19 @@ const char *memory_name(Memory m) { return m == Memory::store ? "store" : m == M
 
 // A preset by name, tuned_wide (benchmarks/schedules/train/tuned_wide_*.sched),
 // "default" (what MoELayer and the CLI run when given no schedule: its lean
-// choices are its own, so it is timed as written) or a schedule file.
+// choices are its own, so it is timed as written), "default_narrow" (the
+// default with every single-B contraction's narrow tail: the last column
+// tile's wgmmas half-width where it is half full or less) or a schedule
+// file.
 Schedule schedule_of(const Shape &shape, const Example &ex, const std::string &name, Memory memory) {
+  const bool is_default = name == "default" || name == "default_narrow";
   Schedule s = name == "tuned_wide"            ? bench::tuned_wide(shape.swiglu)
-               : name == "default"             ? default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)})
+               : is_default                    ? default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)})
                : bench::is_schedule_file(name) ? Schedule::load(name)
                                                : preset(name);
+  if (name == "default_narrow")
+    for (const char *f : {"o", "d_h", "d_w1", "d_w2", "d_w3", "d_x"})
+      s.narrow_tail(f, true);
   if (memory == Memory::lean)
     s.recompute_elementwise(true)
         .gate_gradient_from_dh(true)
@@ -171,7 +178,8 @@ void BM_train(benchmark::State &state, Shape shape, const char *schedule_name, M
 // in every memory mode on every shape, and skewed routing (a ramp on the
 // router logits: the busiest expert gets about 3x the mean) storing or lean;
 // the default schedule, both routings, on every shape (train/<shape>/
-// <routing>/default/store: its memory choices are its own); the schedule files of MOEFORGE_BENCH_SCHEDULES; all of it
+// <routing>/default/store: its memory choices are its own), and with its
+// narrow tails where a column extent leaves one; the schedule files of MOEFORGE_BENCH_SCHEDULES; all of it
 // MOEFORGE_BENCH_ROUNDS times over (a "/round<r>" suffix where more than
 // once). Experiments with other variants are entries of benchmarks/NOTES.md.
 void register_all() {
@@ -196,6 +204,11 @@ void register_all() {
       add(s, "tuned_wide", m, true);
     for (bool skewed : {false, true})
       add(s, "default", Memory::store, skewed);
+    // Where a column extent leaves the last 256-wide tile half full or less
+    // (fine64's f = 1408, gptoss's 2880).
+    if (s.f % 256 != 0 || s.d % 256 != 0)
+      for (bool skewed : {false, true})
+        add(s, "default_narrow", Memory::store, skewed);
   };
   for (round = 1; round <= rounds; ++round) {
     for (const Shape &s : bench::kMoeShapes)

@@ -248,7 +248,7 @@ if has rounds; then
   shapes=${SHAPES:-mixtral,fine64}
   for i in $(seq 1 "${ROUNDS:-3}"); do
     MOEFORGE_BENCH_COOLDOWN_S=${COOLDOWN:-3} timeout 200 .gpu/bench_moe_train \
-      --benchmark_filter="train/(${shapes//,/|})/(uniform|skewed)/(tuned_wide/(store|lean)|default/store)" \
+      --benchmark_filter="train/(${shapes//,/|})/(uniform|skewed)/(tuned_wide/(store|lean)|default/store|default_narrow/store)" \
       --benchmark_out="$R/rounds_ours_$i.json" --benchmark_out_format=json >"$R/rounds_ours_$i.log" 2>&1 || status=1
     if [ "${TORCH:-1}" != 0 ]; then
       timeout 200 python3 benchmarks/torch_grouped_mm_train.py --shapes "$shapes" --cooldown "${COOLDOWN:-3}" \
@@ -277,6 +277,9 @@ for (shape, routing), t in sorted(torch.items()):
           f"; best ours / torch {best / tm:.3f}")
 for shape, routing in sorted({(s, rt) for s, rt, _ in ours}):
     med = {m: statistics.median(v) for (s, rt, m), v in ours.items() if (s, rt) == (shape, routing)}
+    if "default_narrow store" in med and "default store" in med:
+        print(f"{shape} {routing}: default_narrow {med['default_narrow store']:.2f} ms / default "
+              f"{med['default store']:.2f} = {med['default_narrow store'] / med['default store']:.3f}")
     if "default store" in med and "tuned_wide store" in med:
         print(f"{shape} {routing}: default {med['default store']:.2f} ms / tuned_wide store "
               f"{med['tuned_wide store']:.2f} = {med['default store'] / med['tuned_wide store']:.3f}, / tuned_wide "

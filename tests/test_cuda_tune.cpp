@@ -151,6 +151,30 @@ TEST_CASE("tune space: a Func's raster band, tried with its other settings as th
   CHECK(bands == std::vector<int>{1, 4, 8});
 }
 
+TEST_CASE("tune space: the narrow tail, one candidate where the last column tile is half full or less") {
+  // f = 320 under 256-wide tiles: d_h's last column tile holds 64 columns.
+  Example ex = make_example("swiglu_moe", testing::shape(64, 256, 320, 8, 2));
+  Schedule base = preset("scattermoe");
+  base.tile("*", 128, 256, 64).mma("*", MmaKind::wgmma_ws).tma("*", true);
+  FuncCandidates dh = narrow_tail_candidates_for(ex.pipeline, ex.output, base, "d_h", true);
+  REQUIRE(dh.kept.size() == 1);
+  CHECK(dh.kept[0].narrow_tail == 1);
+  CHECK(dh.kept[0].text().find("narrow tail") != std::string::npos);
+  const Schedule on = with_choice(base, "d_h", dh.kept[0]);
+  CHECK(on.for_func("d_h").tiling.narrow_tail);
+  CHECK(choice_in(on, "d_h").narrow_tail == 1);
+  // Switched back off, and left unnamed where it never was.
+  FuncCandidates off = narrow_tail_candidates_for(ex.pipeline, ex.output, on, "d_h", true);
+  REQUIRE(off.kept.size() == 1);
+  CHECK(off.kept[0].narrow_tail == 0);
+  CHECK(with_choice(base, "d_h", choice_in(base, "d_h")).to_text().find("narrow_tail") == std::string::npos);
+  // d = 256: o's columns fill every tile, so its plans would not change.
+  FuncCandidates o = narrow_tail_candidates_for(ex.pipeline, ex.output, base, "o", true);
+  CHECK(o.kept.empty());
+  REQUIRE(o.pruned.size() == 1);
+  CHECK(has(o.pruned[0].why, "the same plans as the current settings"));
+}
+
 TEST_CASE("tune space: the layer-wide choices, their product around a base, none without routing") {
   Example ex = make_example("swiglu_moe", small());
   // 2 permutations x 2 gate placements x 2 blocks x padded_elementwise x

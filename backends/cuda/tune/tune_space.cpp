@@ -24,7 +24,7 @@ std::string FuncChoice::text() const {
   std::ostringstream o;
   o << tile_m << "x" << tile_n << ", " << stages << " stages" << (persistent ? ", persistent" : "")
     << (tma_store ? ", tma_store" : "") << (cluster > 1 ? ", cluster " + std::to_string(cluster) : "")
-    << (raster > 0 ? ", raster " + std::to_string(raster) : "");
+    << (raster > 0 ? ", raster " + std::to_string(raster) : "") << (narrow_tail == 1 ? ", narrow tail" : "");
   return o.str();
 }
 
@@ -105,12 +105,16 @@ Schedule with_choice(const Schedule &base, const std::string &func, const FuncCh
       .cluster(func, c.cluster);
   if (c.raster > 0)
     s.raster(func, c.raster);
+  if (c.narrow_tail >= 0)
+    s.narrow_tail(func, c.narrow_tail == 1);
   return s;
 }
 
 FuncChoice choice_in(const Schedule &s, const std::string &func) {
   const GemmTiling t = s.for_func(func).tiling;
-  return FuncChoice{t.tile_m, t.tile_n, t.stages, t.persistent, t.tma_store, t.cluster_m, t.raster};
+  // An unnamed narrow tail stays unnamed (-1): a chosen schedule's file names what changed.
+  return FuncChoice{t.tile_m,    t.tile_n,    t.stages, t.persistent,
+                    t.tma_store, t.cluster_m, t.raster, t.narrow_tail ? 1 : -1};
 }
 
 std::vector<int> raster_choices() { return {1, 2, 4, 8}; }
@@ -232,6 +236,13 @@ FuncCandidates raster_candidates_for(const Pipeline &pipeline, const std::string
       choices.push_back(c);
     }
   return candidates_among(pipeline, output, base, func, training, choices, tokens);
+}
+
+FuncCandidates narrow_tail_candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
+                                          const std::string &func, bool training, int64_t tokens) {
+  FuncChoice c = choice_in(base, func);
+  c.narrow_tail = c.narrow_tail == 1 ? 0 : 1;
+  return candidates_among(pipeline, output, base, func, training, {c}, tokens);
 }
 
 } // namespace moeforge::cuda

@@ -23,6 +23,7 @@ struct FuncChoice {
   bool persistent = false, tma_store = false;
   int cluster = 1;          // row tiles per cluster: 2 multicasts B to a pair of blocks
   int raster = 0;           // row tiles per band of the block order; 0: as the base has it
+  int narrow_tail = -1;     // the last column tile half-width (1) or not (0); -1: as the base has it
   std::string text() const; // "128x256, 4 stages, persistent, tma_store, cluster 2, raster 2"
 };
 
@@ -89,6 +90,13 @@ std::vector<int> raster_choices();
 // them; pruned as candidates_for prunes.
 FuncCandidates raster_candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
                                      const std::string &func, bool training, int64_t tokens = 0);
+
+// func's settings in `base` with its narrow tail (GemmTiling::narrow_tail)
+// switched: one candidate, tried once the tile is chosen, pruned as
+// candidates_for prunes (where the GEMM has no narrow tail its plans are
+// base's own).
+FuncCandidates narrow_tail_candidates_for(const Pipeline &pipeline, const std::string &output, const Schedule &base,
+                                          const std::string &func, bool training, int64_t tokens = 0);
 
 // The Funcs whose GEMMs the schedule tiles, in program order (the forward's,
 // or with `training` the training step's), for `pipeline`'s output `output`.

@@ -467,6 +467,13 @@ TuneResult tune(Device &device, const TuneRequest &r, const std::function<void(c
         FuncCandidates rc = raster_candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training, r.tokens);
         res.pruned += static_cast<int>(rc.pruned.size());
         func_round(rc, "of " + funcs[f] + "'s raster band", after);
+        // And its narrow tail (a last column tile half full or less, whose
+        // wgmmas can be half-width): one candidate where the GEMM has one.
+        if (elapsed() > r.budget_seconds)
+          continue;
+        FuncCandidates nc = narrow_tail_candidates_for(*r.pipeline, r.output, res.best, funcs[f], r.training, r.tokens);
+        res.pruned += static_cast<int>(nc.pruned.size());
+        func_round(nc, "of " + funcs[f] + "'s narrow tail", after);
       }
       if (!changed)
         break; // a pass that moved nothing: the next would time the same candidates

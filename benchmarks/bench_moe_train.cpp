@@ -65,7 +65,7 @@ const char *memory_name(Memory m) { return m == Memory::store ? "store" : m == M
 // "default" (what MoELayer and the CLI run when given no schedule: its lean
 // choices are its own, so it is timed as written), "default_narrow" (the
 // default with every single-B contraction's narrow tail: the last column
-// tile's wgmmas half-width where it is half full or less) or a schedule
+// tile's wgmmas narrower where it is half full or less) or a schedule
 // file.
 Schedule schedule_of(const Shape &shape, const Example &ex, const std::string &name, Memory memory) {
   const bool is_default = name == "default" || name == "default_narrow";

@@ -319,8 +319,10 @@ std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
   o << "  tile " << t.tile_m << "x" << t.tile_n << "x" << t.tile_k << ", " << t.stages << " stages, " << p.nb
     << " B operand" << (p.nb > 1 ? "s" : "") << "; main loop " << mma_name(p.mma)
     << (p.split_k ? ", split-K over the grid's y" : "")
-    << (p.narrow_tail ? ", the last column tile (" + std::to_string(g.n.extent() % t.tile_n) + " columns) half-width"
-                      : "")
+    << (p.narrow_tail
+            ? ", the last column tile (" + std::to_string(g.n.extent() % t.tile_n) + " columns) by m64n" +
+                  std::to_string(narrow_width(t.tile_n, static_cast<int>(g.n.extent() % t.tile_n))) + " wgmmas"
+            : "")
     << "\n";
   auto a_how = [&] {
     if (p.in_place())

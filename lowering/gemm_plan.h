@@ -57,7 +57,8 @@ struct GemmPlan {
   bool a_tma_rows() const { return a_load == OperandLoad::rows_tma; }
   bool chained = false; // a second product into the same accumulator (GemmStep::chained)
   // The narrow tail (GemmTiling::narrow_tail): the last column tile holds
-  // N % tile_n <= tile_n / 2 columns, and its wgmmas are half-width.
+  // N % tile_n <= tile_n / 2 columns, and its wgmmas are narrower
+  // (narrow_width).
   bool narrow_tail = false;
   // Split-K over the grid's y: a dense GEMM over a dynamic K with few tiles.
   bool split_k = false;
@@ -88,6 +89,14 @@ struct GemmPlan {
   // apply (GemmTiling::named), each with why: the GEMM runs without it.
   std::vector<std::string> not_applied;
 };
+
+// The wgmma width a narrow tail of `cols` columns runs (the tile's last
+// column tile, tile_n / 2 columns or fewer): tile_n / 4 where that covers
+// them and is 64 or more, else tile_n / 2, as the tile library's
+// stage_mma chooses.
+inline int narrow_width(int tile_n, int cols) {
+  return cols <= tile_n / 4 && tile_n / 4 >= 64 ? tile_n / 4 : tile_n / 2;
+}
 
 // Resolves g's plan; a user error where the schedule asks for what this
 // backend cannot run for g (a dimension not a multiple of 8, a dynamic

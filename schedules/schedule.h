@@ -92,10 +92,11 @@ struct GemmTiling {
   int cluster_m = 1;
   // wgmma_ws with one B operand: where the GEMM's last column tile holds
   // half the tile's columns or fewer (N % tile_n in (0, tile_n / 2]: fine64's
-  // f = 1408 under 256-wide tiles, 128 of the last tile's 256), that tile's
-  // wgmmas are the half-width instruction, so the tensor cores do not
-  // multiply the zero-filled columns past N: 1/12 of such a GEMM's MMA
-  // work at f = 1408.
+  // f = 1408 under 256-wide tiles, 128 of the last tile's 256; gptoss's
+  // 2880, 64), that tile's wgmmas are the half- or quarter-width
+  // instruction that covers its columns, so the tensor cores do not
+  // multiply the zero-filled columns past N: 1/12 of such a GEMM's MMA work
+  // at f = 1408, 3/48 at 2880.
   bool narrow_tail = false;
   // Which of the choices above the schedule named for this Func itself (a
   // `"*"` default is not named): where one of those cannot apply to the
@@ -323,8 +324,8 @@ public:
   Schedule &tma(const std::string &func, bool on);
   // Output tiles stored through TMA (GemmTiling::tma_store).
   Schedule &tma_store(const std::string &func, bool on);
-  // The last column tile's wgmmas at half width where it holds half the
-  // tile's columns or fewer (GemmTiling::narrow_tail).
+  // The last column tile's wgmmas narrower where it holds half the tile's
+  // columns or fewer (GemmTiling::narrow_tail).
   Schedule &narrow_tail(const std::string &func, bool on);
   // Row tiles per thread-block cluster (GemmTiling::cluster_m): 1 or 2.
   Schedule &cluster(const std::string &func, int row_tiles);

@@ -1,15 +1,17 @@
 // The narrow tail (Schedule::narrow_tail): where a GEMM's last column tile
-// holds half the tile's columns or fewer, that tile's wgmmas are the
-// half-width instruction. In CI: the choice prints, saves and replays; the
-// plan takes it where it applies and says why where it does not; the
-// training step compiles for sm_90a without spills, and at fine64's widths
-// (f = 1408 under 256-wide tiles) without serialised wgmmas. On a GPU: a
-// training step against the float64 reference where every single-B GEMM
-// has a narrow tail.
+// holds half the tile's columns or fewer, that tile's wgmmas are the half-
+// or quarter-width instruction covering them. In CI: the choice prints,
+// saves and replays; the plan takes it where it applies and says why where
+// it does not; the training step compiles for sm_90a without spills, and
+// at fine64's widths (f = 1408 under 256-wide tiles: half) and gptoss's
+// (2880: a quarter) without serialised wgmmas. On a GPU: training steps
+// against the float64 reference where every single-B GEMM has a narrow
+// tail, of each width.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <iterator>
+#include <vector>
 
 #include "cuda_resources.h"
 #include "cuda_training_step.h"
@@ -37,8 +39,8 @@ Schedule narrow(const Example &ex) {
 }
 
 // d = f = 320: every column extent is 256 + 64, so each 256-wide GEMM's
-// last column tile holds 64 columns.
-ExampleShape tails(int64_t tokens) { return testing::shape(tokens, 320, 320, 8, 2); }
+// last column tile holds 64 columns (m64n64 wgmmas); at 384, 128 (m64n128).
+ExampleShape tails(int64_t tokens, int64_t width = 320) { return testing::shape(tokens, width, width, 8, 2); }
 
 } // namespace
 
@@ -70,7 +72,7 @@ TEST_CASE("gemm plan: the narrow tail where the last column tile is half full or
       continue;
     }
     CHECK(p.narrow_tail);
-    CHECK(describe(p, *g).find("the last column tile (64 columns) half-width") != std::string::npos);
+    CHECK(describe(p, *g).find("the last column tile (64 columns) by m64n64 wgmmas") != std::string::npos);
     ++narrow_gemms;
   }
   CHECK(narrow_gemms >= 6); // o, d_h, d_w1, d_w2, d_w3 and d_x's products
@@ -100,39 +102,48 @@ TEST_CASE("codegen: the narrow tail compiles for sm_90a, and at fine64's widths 
     cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), narrow(ex));
     check_resources(c.layer, "swiglu_moe / default + narrow_tail at d = f = 320");
     for (const char *k : {"gemm_o", "gemm_d_h", "gemm_d_w1", "gemm_d_w2", "gemm_d_w3"})
-      CHECK_MESSAGE(testing::kernel_source(c.layer, k).find("n0 + Cfg::BN / 2 >= N") != std::string::npos, k);
+      CHECK_MESSAGE(testing::kernel_source(c.layer, k).find("acc, N - n0)") != std::string::npos, k);
   }
-  // fine64: T k / E = 2048 rows an expert, K long enough that ptxas sees the
-  // main loops as the benchmark runs them. The per-tile choice between the
-  // whole and the half-width groups must not serialise the wgmmas (warning
-  // C7520), which would cost far more than the tail saves.
-  const Example ex = make_example("swiglu_moe", testing::shape(16384, 2048, 1408, 64, 8));
-  Schedule s = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)});
-  for (const char *f : {"d_h", "d_w1", "d_w3"})
-    s.narrow_tail(f, true);
-  cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
-  for (const char *k : {"gemm_d_h", "gemm_d_w1", "gemm_d_w3"}) {
-    INFO(k);
-    CHECK(testing::kernel_source(c.layer, k).find("n0 + Cfg::BN / 2 >= N") != std::string::npos);
-    const cuda::ResourceReport *r = c.layer.resources_of(k);
-    REQUIRE(r != nullptr);
-    CHECK_FALSE(r->wgmma_serialized);
-    CHECK(r->spill_store_bytes == 0);
-    CHECK(r->spill_load_bytes == 0);
+  // fine64 (half-width tails) and gptoss (quarter-width): K long enough
+  // that ptxas sees the main loops as the benchmark runs them. The per-tile
+  // choice between the whole and the narrower groups must not serialise the
+  // wgmmas (warning C7520), which would cost far more than the tail saves.
+  struct Widths {
+    ExampleShape shape;
+    std::vector<const char *> kernels;
+  };
+  for (const Widths &w : {Widths{testing::shape(16384, 2048, 1408, 64, 8), {"gemm_d_h", "gemm_d_w1", "gemm_d_w3"}},
+                          Widths{testing::shape(8192, 2880, 2880, 128, 4),
+                                 {"gemm_o", "gemm_d_h", "gemm_d_w1", "gemm_d_w2", "gemm_d_w3"}}}) {
+    const Example ex = make_example("swiglu_moe", w.shape);
+    Schedule s = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)});
+    for (const char *f : {"o", "d_h", "d_w1", "d_w2", "d_w3", "d_x"})
+      s.narrow_tail(f, true);
+    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), s);
+    for (const char *k : w.kernels) {
+      INFO("d = " << w.shape.d << ", f = " << w.shape.f << ": " << k);
+      CHECK(testing::kernel_source(c.layer, k).find("acc, N - n0)") != std::string::npos);
+      const cuda::ResourceReport *r = c.layer.resources_of(k);
+      REQUIRE(r != nullptr);
+      CHECK_FALSE(r->wgmma_serialized);
+      CHECK(r->spill_store_bytes == 0);
+      CHECK(r->spill_load_bytes == 0);
+    }
   }
 }
 
 TEST_SUITE("gpu") {
-  TEST_CASE("cuda gpu: a training step with every single-B GEMM's last column tile half-width matches the "
+  TEST_CASE("cuda gpu: a training step with every single-B GEMM's last column tile narrower matches the "
             "reference") {
     MOEFORGE_REQUIRE_GPU();
-    for (int64_t tokens : {1, 37, 300}) {
-      const ExampleShape s = tails(tokens);
-      const Example ex = make_example("swiglu_moe", s);
-      INFO(tokens << " tokens");
-      const testing::Outcome o = testing::cuda_train_and_compare(ex, ex.random_inputs(s, 31), tokens, narrow(ex));
-      CHECK(o.routing_mismatches == 0);
-      CHECK(o.worst_error <= 2e-2);
-    }
+    for (int64_t width : {320, 384}) // m64n64 and m64n128 tails
+      for (int64_t tokens : {1, 37, 300}) {
+        const ExampleShape s = tails(tokens, width);
+        const Example ex = make_example("swiglu_moe", s);
+        INFO("d = f = " << width << ", " << tokens << " tokens");
+        const testing::Outcome o = testing::cuda_train_and_compare(ex, ex.random_inputs(s, 31), tokens, narrow(ex));
+        CHECK(o.routing_mismatches == 0);
+        CHECK(o.worst_error <= 2e-2);
+      }
   }
 }

@@ -986,9 +986,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       body << "  if (rows <= 0) return;  // the grid's last pair is rounded up\n";
     body << "  const long long expert = 0;  // one B for every row\n  (void)expert;\n";
   }
-  // The narrow tail: a tile whose columns past BN / 2 all lie past N runs
-  // the half-width wgmmas (the walks' `half`).
-  const std::string half = plan.narrow_tail ? ", n0 + Cfg::BN / 2 >= N" : "";
+  // The narrow tail: the walks' `cols`, the tile's columns before N, pick
+  // narrower wgmmas where the tile is half full or less.
+  const std::string half = plan.narrow_tail ? ", N - n0" : "";
   if (in_place) {
     // Row maps of the reduced index p: 0 = row p (padded), d = sorted_pair[p] / d.
     auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };

@@ -23,7 +23,7 @@ struct FuncChoice {
   bool persistent = false, tma_store = false;
   int cluster = 1;          // row tiles per cluster: 2 multicasts B to a pair of blocks
   int raster = 0;           // row tiles per band of the block order; 0: as the base has it
-  int narrow_tail = -1;     // the last column tile half-width (1) or not (0); -1: as the base has it
+  int narrow_tail = -1;     // the last column tile's wgmmas narrower (1) or not (0); -1: as the base has it
   std::string text() const; // "128x256, 4 stages, persistent, tma_store, cluster 2, raster 2"
 };
 

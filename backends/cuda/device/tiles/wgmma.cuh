@@ -222,7 +222,7 @@ template <int BM_, int BN_, int STAGES_, int NB_, bool BT = false> struct WgmmaC
   // W lie past N: the narrow tail, GemmTiling::narrow_tail); the stage's B
   // slabs are read from the same places, the first W / 64 of them.
   template <int W = BN> __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
-    static_assert(W == BN || (W * 2 == BN && NB == 1), "a half-width stage has one B operand");
+    static_assert(W == BN || (W >= 64 && BN % W == 0 && NB == 1), "a narrower stage has one B operand");
     const unsigned sA = s0 + slot * STAGE_BYTES + wg * (64 * 128);
     wgmma_fence();
 #pragma unroll

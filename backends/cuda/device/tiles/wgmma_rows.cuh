@@ -130,7 +130,7 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig : TmaStoreTile<B
   // W < BN: the tile's first W columns only (the narrow tail, as
   // WgmmaConfig::mma_stage).
   template <int W = BN> __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
-    static_assert(W == BN || W * 2 == BN, "a stage is the whole tile or its first half");
+    static_assert(W == BN || (W >= 64 && BN % W == 0), "a stage is the whole tile or its first W columns");
     const unsigned sA = s0 + slot * STAGE_BYTES + wg * (BK * 128); // this warpgroup's 64 columns of A
     const unsigned sB = s0 + slot * STAGE_BYTES + A_STAGE_BYTES;
     wgmma_fence();

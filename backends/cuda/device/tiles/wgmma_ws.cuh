@@ -362,14 +362,18 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
     return {a, tB, a2, tB2, batch, K, K2, n0};
   }
 
-  // One stage's wgmmas: the whole tile, or (half: the narrow tail, a
-  // column tile whose second half lies past N) its first half by the
-  // half-width instruction. The choice is made per tile, around whole
-  // groups, never between the wgmmas of one.
-  static constexpr bool CAN_HALVE = NB == 1 && BN >= 128;
-  __device__ static __forceinline__ void stage_mma(unsigned s0, int slot, int wg, bool half, Acc &acc) {
-    if constexpr (CAN_HALVE) {
-      if (half) {
+  // One stage's wgmmas: the whole tile, or (the narrow tail: `cols`, the
+  // tile's columns before N, half of BN or fewer) its first BN / 2 or BN / 4
+  // columns by the narrower instruction. The choice is made per tile,
+  // around whole groups, never between the wgmmas of one.
+  static constexpr bool CAN_NARROW = NB == 1 && BN >= 128;
+  __device__ static __forceinline__ void stage_mma(unsigned s0, int slot, int wg, int cols, Acc &acc) {
+    if constexpr (CAN_NARROW) {
+      if (cols <= BN / 4 && BN / 4 >= 64) {
+        Base::template mma_stage<BN / 4>(s0, slot, wg, acc);
+        return;
+      }
+      if (cols <= BN / 2) {
         Base::template mma_stage<BN / 2>(s0, slot, wg, acc);
         return;
       }
@@ -379,11 +383,11 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
 
   // ---- the walks. A block per tile: the producer warpgroup loads the
   // tile's stages and returns false (it must then leave the kernel); the
-  // consumers accumulate into acc and return true. half: the tile's
-  // columns past BN / 2 lie past N (the narrow tail): its wgmmas are
-  // half-width and acc's second half stays as it was.
+  // consumers accumulate into acc and return true. cols: the tile's columns
+  // before N where the narrow tail is on (BN / 2 or fewer: its wgmmas are
+  // narrower, and acc's sets past them stay as they were).
   template <typename Loads>
-  __device__ static bool mainloop(unsigned char *smem, const Loads &l, int rows, Acc &acc, bool half = false) {
+  __device__ static bool mainloop(unsigned char *smem, const Loads &l, int rows, Acc &acc, int cols = BN) {
     const int wg = threadIdx.x >> 7;
     const bool active = !Loads::SKIPS_EMPTY || rows > wg * 64;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * STAGE_BYTES;
@@ -391,21 +395,21 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
         full, l.k_tiles(), [&](int slot, int kt, int t) { l.load(s0, full, slot, kt, t); },
         [&](int slot) {
           if (active)
-            stage_mma(s0, slot, wg, half, acc);
+            stage_mma(s0, slot, wg, cols, acc);
         });
   }
   // Persistent blocks: one output tile on the ring; the producer issues its
   // loads and returns false (go on to the next tile), the consumers
   // accumulate it and return true.
   template <typename Loads>
-  __device__ static bool tile(Ring &r, const Loads &l, int rows, Acc &acc, bool half = false) {
+  __device__ static bool tile(Ring &r, const Loads &l, int rows, Acc &acc, int cols = BN) {
     const int wg = threadIdx.x >> 7;
     const bool active = !Loads::SKIPS_EMPTY || rows > wg * 64;
     return Tiles::ring_stages(
         r, l.k_tiles(), [&](int slot, int kt, int t) { l.load(r.s0, r.full, slot, kt, t); },
         [&](int slot) {
           if (active)
-            stage_mma(r.s0, slot, wg, half, acc);
+            stage_mma(r.s0, slot, wg, cols, acc);
         });
   }
 
@@ -518,13 +522,18 @@ struct WgmmaRowsWsConfig
   // where A's rows are zero. Every byte a TMA box moves needs no producer
   // instruction: the cp.async issue rate is what bounded this loop (two
   // thirds of a 128 x 256 stage is B).
-  // One stage's wgmmas, whole or (half: the narrow tail) the first half of
-  // the tile's columns, as WgmmaWsConfig::stage_mma.
-  static constexpr bool CAN_HALVE = Base::BN >= 128;
-  __device__ static __forceinline__ void stage_mma(unsigned s0, int slot, int wg, bool half, Acc &acc) {
-    if constexpr (CAN_HALVE) {
-      if (half) {
-        Base::template mma_stage<Base::BN / 2>(s0, slot, wg, acc);
+  // One stage's wgmmas, whole or (the narrow tail: cols <= BN / 2) the
+  // first BN / 2 or BN / 4 columns, as WgmmaWsConfig::stage_mma.
+  static constexpr int BN = Base::BN;
+  static constexpr bool CAN_NARROW = BN >= 128;
+  __device__ static __forceinline__ void stage_mma(unsigned s0, int slot, int wg, int cols, Acc &acc) {
+    if constexpr (CAN_NARROW) {
+      if (cols <= BN / 4 && BN / 4 >= 64) {
+        Base::template mma_stage<BN / 4>(s0, slot, wg, acc);
+        return;
+      }
+      if (cols <= BN / 2) {
+        Base::template mma_stage<BN / 2>(s0, slot, wg, acc);
         return;
       }
     }
@@ -533,7 +542,7 @@ struct WgmmaRowsWsConfig
   template <bool A_TMA, bool B_TMA>
   __device__ static bool mainloop(unsigned char *smem, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0,
                                   const bf16 *B, const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair,
-                                  long long p_begin, int K, Acc &acc, bool half = false) {
+                                  long long p_begin, int K, Acc &acc, int cols = Base::BN) {
     const int wg = threadIdx.x >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * Base::STAGE_BYTES;
     typename Base::template Rows<128> rows;
@@ -543,7 +552,7 @@ struct WgmmaRowsWsConfig
           load_tma_rows<A_TMA, B_TMA>(s0, full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
                                       sorted_pair, p_begin, K);
         },
-        [&](int slot) { stage_mma(s0, slot, wg, half, acc); });
+        [&](int slot) { stage_mma(s0, slot, wg, cols, acc); });
   }
   // One output tile of a persistent block (codegen: persistent expert
   // reductions): the producer issues its stages on the ring and returns
@@ -555,7 +564,7 @@ struct WgmmaRowsWsConfig
   template <bool A_TMA, bool B_TMA>
   __device__ static bool tile(Ring &r, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0, const bf16 *B,
                               const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair, long long p_begin,
-                              int K, Acc &acc, bool half = false) {
+                              int K, Acc &acc, int cols = Base::BN) {
     const int wg = threadIdx.x >> 7;
     typename Base::template Rows<128> rows;
     return Tiles::ring_stages(
@@ -564,7 +573,7 @@ struct WgmmaRowsWsConfig
           load_tma_rows<A_TMA, B_TMA>(r.s0, r.full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
                                       sorted_pair, p_begin, K);
         },
-        [&](int slot) { stage_mma(r.s0, slot, wg, half, acc); });
+        [&](int slot) { stage_mma(r.s0, slot, wg, cols, acc); });
   }
   // Stage kt of the loops above into `slot`: the TMA operands' boxes from
   // thread t 0, the others' rows through cp.async from every producer

@@ -369,9 +369,11 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
   static constexpr bool CAN_NARROW = NB == 1 && BN >= 128;
   __device__ static __forceinline__ void stage_mma(unsigned s0, int slot, int wg, int cols, Acc &acc) {
     if constexpr (CAN_NARROW) {
-      if (cols <= BN / 4 && BN / 4 >= 64) {
-        Base::template mma_stage<BN / 4>(s0, slot, wg, acc);
-        return;
+      if constexpr (BN / 4 >= 64) {
+        if (cols <= BN / 4) {
+          Base::template mma_stage<BN / 4>(s0, slot, wg, acc);
+          return;
+        }
       }
       if (cols <= BN / 2) {
         Base::template mma_stage<BN / 2>(s0, slot, wg, acc);
@@ -401,8 +403,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
   // Persistent blocks: one output tile on the ring; the producer issues its
   // loads and returns false (go on to the next tile), the consumers
   // accumulate it and return true.
-  template <typename Loads>
-  __device__ static bool tile(Ring &r, const Loads &l, int rows, Acc &acc, int cols = BN) {
+  template <typename Loads> __device__ static bool tile(Ring &r, const Loads &l, int rows, Acc &acc, int cols = BN) {
     const int wg = threadIdx.x >> 7;
     const bool active = !Loads::SKIPS_EMPTY || rows > wg * 64;
     return Tiles::ring_stages(
@@ -528,9 +529,11 @@ struct WgmmaRowsWsConfig
   static constexpr bool CAN_NARROW = BN >= 128;
   __device__ static __forceinline__ void stage_mma(unsigned s0, int slot, int wg, int cols, Acc &acc) {
     if constexpr (CAN_NARROW) {
-      if (cols <= BN / 4 && BN / 4 >= 64) {
-        Base::template mma_stage<BN / 4>(s0, slot, wg, acc);
-        return;
+      if constexpr (BN / 4 >= 64) {
+        if (cols <= BN / 4) {
+          Base::template mma_stage<BN / 4>(s0, slot, wg, acc);
+          return;
+        }
       }
       if (cols <= BN / 2) {
         Base::template mma_stage<BN / 2>(s0, slot, wg, acc);

@@ -9,6 +9,30 @@
 namespace mf {
 
 // ------------------------------------------------------------ Hopper: warp-specialised wgmma
+// One stage's wgmmas of a wgmma configuration (WgmmaConfig,
+// WgmmaRowsConfig): the whole tile, or (the narrow tail: `cols`, the tile's
+// columns before N, half of BN or fewer) its first BN / 2 or BN / 4 columns
+// by the narrower instruction that covers them (the plan's narrow_width).
+// The choice is made per tile, around whole groups, never between the
+// wgmmas of one (which would serialise every wgmma of the kernel).
+template <typename Cfg>
+__device__ __forceinline__ void mma_stage_cols(unsigned s0, int slot, int wg, int cols, typename Cfg::Acc &acc) {
+  constexpr int BN = Cfg::BN;
+  if constexpr (Cfg::NB == 1 && BN >= 128) {
+    if constexpr (BN / 4 >= 64) {
+      if (cols <= BN / 4) {
+        Cfg::template mma_stage<BN / 4>(s0, slot, wg, acc);
+        return;
+      }
+    }
+    if (cols <= BN / 2) {
+      Cfg::template mma_stage<BN / 2>(s0, slot, wg, acc);
+      return;
+    }
+  }
+  Cfg::mma_stage(s0, slot, wg, acc);
+}
+
 // The warp-specialised pipeline both Hopper loops share. The last warpgroup
 // produces: load(slot, kt, t) issues stage kt's copies (t = its thread,
 // 0..127) and each copy's completion arrives on the stage's `full` barrier;
@@ -362,27 +386,6 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
     return {a, tB, a2, tB2, batch, K, K2, n0};
   }
 
-  // One stage's wgmmas: the whole tile, or (the narrow tail: `cols`, the
-  // tile's columns before N, half of BN or fewer) its first BN / 2 or BN / 4
-  // columns by the narrower instruction. The choice is made per tile,
-  // around whole groups, never between the wgmmas of one.
-  static constexpr bool CAN_NARROW = NB == 1 && BN >= 128;
-  __device__ static __forceinline__ void stage_mma(unsigned s0, int slot, int wg, int cols, Acc &acc) {
-    if constexpr (CAN_NARROW) {
-      if constexpr (BN / 4 >= 64) {
-        if (cols <= BN / 4) {
-          Base::template mma_stage<BN / 4>(s0, slot, wg, acc);
-          return;
-        }
-      }
-      if (cols <= BN / 2) {
-        Base::template mma_stage<BN / 2>(s0, slot, wg, acc);
-        return;
-      }
-    }
-    Base::mma_stage(s0, slot, wg, acc);
-  }
-
   // ---- the walks. A block per tile: the producer warpgroup loads the
   // tile's stages and returns false (it must then leave the kernel); the
   // consumers accumulate into acc and return true. cols: the tile's columns
@@ -397,7 +400,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
         full, l.k_tiles(), [&](int slot, int kt, int t) { l.load(s0, full, slot, kt, t); },
         [&](int slot) {
           if (active)
-            stage_mma(s0, slot, wg, cols, acc);
+            mma_stage_cols<Base>(s0, slot, wg, cols, acc);
         });
   }
   // Persistent blocks: one output tile on the ring; the producer issues its
@@ -410,7 +413,7 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
         r, l.k_tiles(), [&](int slot, int kt, int t) { l.load(r.s0, r.full, slot, kt, t); },
         [&](int slot) {
           if (active)
-            stage_mma(r.s0, slot, wg, cols, acc);
+            mma_stage_cols<Base>(r.s0, slot, wg, cols, acc);
         });
   }
 
@@ -523,25 +526,6 @@ struct WgmmaRowsWsConfig
   // where A's rows are zero. Every byte a TMA box moves needs no producer
   // instruction: the cp.async issue rate is what bounded this loop (two
   // thirds of a 128 x 256 stage is B).
-  // One stage's wgmmas, whole or (the narrow tail: cols <= BN / 2) the
-  // first BN / 2 or BN / 4 columns, as WgmmaWsConfig::stage_mma.
-  static constexpr int BN = Base::BN;
-  static constexpr bool CAN_NARROW = BN >= 128;
-  __device__ static __forceinline__ void stage_mma(unsigned s0, int slot, int wg, int cols, Acc &acc) {
-    if constexpr (CAN_NARROW) {
-      if constexpr (BN / 4 >= 64) {
-        if (cols <= BN / 4) {
-          Base::template mma_stage<BN / 4>(s0, slot, wg, acc);
-          return;
-        }
-      }
-      if (cols <= BN / 2) {
-        Base::template mma_stage<BN / 2>(s0, slot, wg, acc);
-        return;
-      }
-    }
-    Base::mma_stage(s0, slot, wg, acc);
-  }
   template <bool A_TMA, bool B_TMA>
   __device__ static bool mainloop(unsigned char *smem, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0,
                                   const bf16 *B, const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair,
@@ -555,7 +539,7 @@ struct WgmmaRowsWsConfig
           load_tma_rows<A_TMA, B_TMA>(s0, full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
                                       sorted_pair, p_begin, K);
         },
-        [&](int slot) { stage_mma(s0, slot, wg, cols, acc); });
+        [&](int slot) { mma_stage_cols<Base>(s0, slot, wg, cols, acc); });
   }
   // One output tile of a persistent block (codegen: persistent expert
   // reductions): the producer issues its stages on the ring and returns
@@ -576,7 +560,7 @@ struct WgmmaRowsWsConfig
           load_tma_rows<A_TMA, B_TMA>(r.s0, r.full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
                                       sorted_pair, p_begin, K);
         },
-        [&](int slot) { stage_mma(r.s0, slot, wg, cols, acc); });
+        [&](int slot) { mma_stage_cols<Base>(r.s0, slot, wg, cols, acc); });
   }
   // Stage kt of the loops above into `slot`: the TMA operands' boxes from
   // thread t 0, the others' rows through cp.async from every producer

@@ -14,7 +14,9 @@ where it is installed. The limit is the bytes of the experts the T tokens
 hit on average, E (1 - (1 - k / E)^T) experts of 3 d f bf16 values, read at
 the card's copy bandwidth (a device-to-device copy of 2 GiB timed in the
 same run), or the dense roof's time for the forward's FLOPs (--roof
-TFLOP/s, 989 for an H200's bf16 by default) where that is longer.
+TFLOP/s, 989 for an H200's bf16 by default) where that is longer. Each
+row also gives each implementation's output against torch's layer (max
+|impl - torch| / max |torch|), so that a fast wrong output shows.
 
 usage: python3 benchmarks/torch_decode.py [--shapes mixtral,qwen3moe,gptoss]
        [--tokens 1,2,4,...,256,4096,16384] [--impls moeforge,torch,sonicmoe]
@@ -163,14 +165,24 @@ def main():
             row = {"shape": shape, "tokens": T, "limit_us": limit_us(T, d, f, E, k, bandwidth, a.roof)}
             for impl, fn in impls.items():
                 row[f"{impl}_us"] = time_us(fn, x, a.reps, dev)
+            # What each computed, against torch's layer on the same weights:
+            # a fast row of a wrong output would otherwise read as a win.
+            if "torch" in impls:
+                with torch.inference_mode():
+                    want = impls["torch"](x).float()
+                    scale = max(want.abs().max().item(), 1e-30)
+                    for impl, fn in impls.items():
+                        if impl != "torch":
+                            row[f"{impl}_err"] = (fn(x).float() - want).abs().max().item() / scale
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n{'shape':9s} {'T':>6s} {'limit us':>9s} " + " ".join(f"{i + ' us':>12s}" for i in a.impls.split(",")) +
-          "  moeforge / limit")
+          "  moeforge / limit  max |moeforge - torch| / max |torch|")
     for r in rows:
         cells = " ".join(f"{r.get(i + '_us', float('nan')):12.1f}" for i in a.impls.split(","))
         ratio = r.get("moeforge_us", float("nan")) / r["limit_us"]
-        print(f"{r['shape']:9s} {r['tokens']:6d} {r['limit_us']:9.1f} {cells}  {ratio:.2f}")
+        print(f"{r['shape']:9s} {r['tokens']:6d} {r['limit_us']:9.1f} {cells}  {ratio:16.2f}  "
+              f"{r.get('moeforge_err', float('nan')):.1e}")
     if a.out:
         with open(a.out, "w") as out:
             json.dump({"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

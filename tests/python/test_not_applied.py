@@ -29,6 +29,19 @@ def test_not_applied_names_a_funcs_choice_its_gemm_cannot_take():
     assert len(notes) == 1 and notes[0].startswith("definition 'h': tma_store(\"h\", true) is not applied: ")
 
 
+def test_the_narrow_tail_is_taken_where_the_last_column_tile_is_half_full_and_named_elsewhere():
+    # f = 320 under 256-wide tiles: the last column tile of d_h holds 64
+    # columns; h has two B operands, whose wgmmas run as one.
+    ex, _ = mf.make_example("swiglu_moe", tokens=64, experts=8, topk=2, d=256, f=320)
+    outputs = list(ex.pipeline.outputs)
+    s = mf.default_schedule(ex.pipeline, outputs).narrow_tail("d_h").narrow_tail("h")
+    assert 'narrow_tail("d_h", true)' in s.to_text()
+    assert mf.Schedule.from_text(s.to_text()).to_text() == s.to_text()
+    notes = mf.not_applied(ex.pipeline, s, outputs)
+    assert notes == ["definition 'h': narrow_tail(\"h\", true) is not applied: it has 2 B operands, whose wgmmas "
+                     "run as one"]
+
+
 def test_moelayer_warns_of_each_choice_it_does_not_take():
     torch = pytest.importorskip("torch")
     if mf.has_cuda_backend and mf.gpu_available()[0] and torch.cuda.is_available():

@@ -241,13 +241,18 @@ Schedule &Schedule::warps(const std::string &func, int warps_m, int warps_n) {
   return *this;
 }
 
-Schedule &Schedule::fuse_epilogue(const std::string &func, bool fuse) {
-  std::string call = "fuse_epilogue(" + quoted(func) + ", " + (fuse ? "true" : "false") + ")";
+Schedule &Schedule::func_flag(std::optional<bool> Overrides::*field, const char *primitive, const std::string &func,
+                              bool on) {
+  std::string call = std::string(primitive) + "(" + quoted(func) + ", " + (on ? "true" : "false") + ")";
   check_func_name(call, func);
   Overrides patch;
-  patch.fuse_epilogue = fuse;
-  commit(call, "fuse_epilogue", func, patch);
+  patch.*field = on;
+  commit(call, primitive, func, patch);
   return *this;
+}
+
+Schedule &Schedule::fuse_epilogue(const std::string &func, bool fuse) {
+  return func_flag(&Overrides::fuse_epilogue, "fuse_epilogue", func, fuse);
 }
 
 Schedule &Schedule::mma(const std::string &func, MmaKind kind) {
@@ -274,39 +279,17 @@ Schedule &Schedule::raster(const std::string &func, int row_tiles) {
 }
 
 Schedule &Schedule::persistent(const std::string &func, bool on) {
-  std::string call = "persistent(" + quoted(func) + ", " + (on ? "true" : "false") + ")";
-  check_func_name(call, func);
-  Overrides patch;
-  patch.persistent = on;
-  commit(call, "persistent", func, patch);
-  return *this;
+  return func_flag(&Overrides::persistent, "persistent", func, on);
 }
 
-Schedule &Schedule::tma(const std::string &func, bool on) {
-  std::string call = "tma(" + quoted(func) + ", " + (on ? "true" : "false") + ")";
-  check_func_name(call, func);
-  Overrides patch;
-  patch.tma = on;
-  commit(call, "tma", func, patch);
-  return *this;
-}
+Schedule &Schedule::tma(const std::string &func, bool on) { return func_flag(&Overrides::tma, "tma", func, on); }
 
 Schedule &Schedule::tma_store(const std::string &func, bool on) {
-  std::string call = "tma_store(" + quoted(func) + ", " + (on ? "true" : "false") + ")";
-  check_func_name(call, func);
-  Overrides patch;
-  patch.tma_store = on;
-  commit(call, "tma_store", func, patch);
-  return *this;
+  return func_flag(&Overrides::tma_store, "tma_store", func, on);
 }
 
 Schedule &Schedule::narrow_tail(const std::string &func, bool on) {
-  std::string call = "narrow_tail(" + quoted(func) + ", " + (on ? "true" : "false") + ")";
-  check_func_name(call, func);
-  Overrides patch;
-  patch.narrow_tail = on;
-  commit(call, "narrow_tail", func, patch);
-  return *this;
+  return func_flag(&Overrides::narrow_tail, "narrow_tail", func, on);
 }
 
 Schedule &Schedule::cluster(const std::string &func, int row_tiles) {

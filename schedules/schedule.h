@@ -408,6 +408,9 @@ private:
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);
   // A whole-layer on/off primitive: sets `field` and records the call.
   Schedule &flag(bool &field, const char *primitive, bool on);
+  // A per-Func on/off primitive (persistent, tma, ...): sets `field` of
+  // func's settings ("*": the default) and records the call.
+  Schedule &func_flag(std::optional<bool> Overrides::*field, const char *primitive, const std::string &func, bool on);
 
   // Applies `patch` to func's settings ("*": the default) in a copy, rechecks
   // every tiling it affects and only then records `call` and commits.

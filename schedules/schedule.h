@@ -96,7 +96,9 @@ struct GemmTiling {
   // 2880, 64), that tile's wgmmas are the half- or quarter-width
   // instruction that covers its columns, so the tensor cores do not
   // multiply the zero-filled columns past N: 1/12 of such a GEMM's MMA work
-  // at f = 1408, 3/48 at 2880.
+  // at f = 1408, 3/48 at 2880. Measured no faster there (H100, 2026-12-06:
+  // fine64's and gptoss's training steps within their spread of the
+  // default's), so it is the tuner's to try, not the default's.
   bool narrow_tail = false;
   // Which of the choices above the schedule named for this Func itself (a
   // `"*"` default is not named): where one of those cannot apply to the

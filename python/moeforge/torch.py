@@ -82,11 +82,9 @@ def _check_tensor(what, t, device):
     # Every tensor the layer reads is floating point: an integer or boolean
     # tensor (token ids where activations belong, say) would otherwise be
     # converted to bf16 and run as numbers.
-    if not (t.is_floating_point() or t.is_complex()):
+    if not t.is_floating_point():  # complex tensors too: not real values
         raise mf.UserError(f"{what} has dtype {t.dtype}; the layer reads floating-point values (bf16, f16 or f32): "
                            "pass activations, not indices or masks")
-    if t.is_complex():
-        raise mf.UserError(f"{what} has dtype {t.dtype}; the layer reads real values (bf16, f16 or f32)")
 
 
 def _as_layer_tensor(layer, name, t):

@@ -55,14 +55,10 @@ constexpr int kNarrowestTile = 64;
 double rows_per_tile(const GemmStep &g, int64_t tokens, int tile_m) {
   if (tokens <= 0 || g.expert_k || (g.route && g.route->expert_choice()))
     return tile_m;
-  double rows = static_cast<double>(tokens);
-  if (g.route) {
-    const int64_t experts = g.route->expert_dim().extent();
-    if (experts > 0)
-      rows = rows * g.route->k / static_cast<double>(experts);
-  }
-  if (!g.m.is_dynamic() && !g.route)
-    rows = static_cast<double>(g.m.extent());
+  const int64_t experts = g.route ? g.route->expert_dim().extent() : 0;
+  const double rows = !g.route      ? static_cast<double>(g.m.is_dynamic() ? tokens : g.m.extent())
+                      : experts > 0 ? static_cast<double>(tokens) * g.route->k / static_cast<double>(experts)
+                                    : static_cast<double>(tokens);
   return std::min(rows, static_cast<double>(tile_m));
 }
 

@@ -22,7 +22,9 @@
 #           bench_moe_train process (tuned_wide store and lean, and the
 #           default schedule, uniform and skewed) then one
 #           torch_grouped_mm_train.py process (TORCH=0: none), on SHAPES
-#           (default mixtral,fine64), every timed block after COOLDOWN (3) s
+#           (default mixtral,fine64; one process per shape; SCHEDS
+#           overrides the schedules' filter), every timed block after
+#           COOLDOWN (3) s
 #           idle in both harnesses; medians per case, ours / torch, and the
 #           default / tuned_wide store (issue #48's bar: within 3 %)
 #   python  scripts/device_python.sh (pip install, pytest, the torch module
@@ -246,10 +248,15 @@ if has train; then
 fi
 if has rounds; then
   shapes=${SHAPES:-mixtral,fine64}
+  scheds=${SCHEDS:-tuned_wide/(store|lean)|default/store|default_narrow/store}
   for i in $(seq 1 "${ROUNDS:-3}"); do
-    MOEFORGE_BENCH_COOLDOWN_S=${COOLDOWN:-3} timeout 200 .gpu/bench_moe_train \
-      --benchmark_filter="train/(${shapes//,/|})/(uniform|skewed)/(tuned_wide/(store|lean)|default/store|default_narrow/store)" \
-      --benchmark_out="$R/rounds_ours_$i.json" --benchmark_out_format=json >"$R/rounds_ours_$i.log" 2>&1 || status=1
+    # One process per shape: five shapes' compiles and cooldowns in one
+    # process ran past any single timeout worth waiting for.
+    for s in ${shapes//,/ }; do
+      MOEFORGE_BENCH_COOLDOWN_S=${COOLDOWN:-3} timeout 200 .gpu/bench_moe_train \
+        --benchmark_filter="train/$s/(uniform|skewed)/($scheds)" \
+        --benchmark_out="$R/rounds_ours_${i}_$s.json" --benchmark_out_format=json >"$R/rounds_ours_${i}_$s.log" 2>&1 || status=1
+    done
     if [ "${TORCH:-1}" != 0 ]; then
       timeout 200 python3 benchmarks/torch_grouped_mm_train.py --shapes "$shapes" --cooldown "${COOLDOWN:-3}" \
         --out "$R/rounds_torch_$i.json" >"$R/rounds_torch_$i.log" 2>&1 || status=1

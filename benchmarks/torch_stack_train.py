@@ -10,7 +10,11 @@ memory at the step's peak, counted at the device level: torch's peak
 reserved bytes plus what the implementation holds outside torch's caching
 allocator (the change of cudaMemGetInfo's used bytes less torch's reserved
 change, taken after the step), and that outside part alone. The weights and
-their gradients are in every figure (the same for all three).
+their gradients are in every figure (the same for all three). By default
+the timed steps start from a pool emptied of its free blocks (what the
+warm-up's steps and compiles left cached is reported beside, not counted):
+torch's peak reserved for the same allocations otherwise moved by up to a
+GiB from run to run with what the pool held before.
 
 Every layer's weights are drawn from its own seed on the GPU, so the three
 implementations get identical values without a host copy: W1, W3 [E, d, f],
@@ -18,7 +22,7 @@ W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
 
 usage: python3 benchmarks/torch_stack_train.py [--shapes qwen3moe,fine64]
        [--layers 8,24] [--impls moeforge,moeforge:FILE,moeforge+CHOICE-CHOICE,torch,sonicmoe] [--schedule auto|PRESET|FILE]
-       [--grads kept,none] [--reps N] [--steady SECONDS] [--out results.json]
+       [--grads kept,none] [--reps N] [--steady SECONDS] [--fresh-pool 1|0] [--out results.json]
 """
 import argparse
 import datetime
@@ -159,7 +163,7 @@ def sm_clock_mhz():
         return None
 
 
-def run(impl, name, layers, reps, schedule, pause, grads, steady):
+def run(impl, name, layers, reps, schedule, pause, grads, steady, fresh_pool):
     T, d, f, E, k = SHAPES[name]
     dev = torch.device("cuda")
     gc.collect()
@@ -203,6 +207,15 @@ def run(impl, name, layers, reps, schedule, pause, grads, steady):
     while time.time() - t0 < steady:
         step()
         torch.cuda.synchronize()
+    # Reserved as the warm-up left it (its first step's compiles included),
+    # then from a pool emptied of every free block: the timed steps' peak
+    # then shows what this implementation's own step reserves (its
+    # allocations and the fragmentation they make), not what the pool
+    # happened to hold from earlier steps. Both are reported.
+    torch.cuda.synchronize()
+    warm_reserved = torch.cuda.memory_reserved() - reserved0
+    if fresh_pool:
+        torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     graphs_before = graph_counts(model)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -221,7 +234,8 @@ def run(impl, name, layers, reps, schedule, pause, grads, steady):
     graphs = {key: n - graphs_before.get(key, 0) for key, n in graph_counts(model).items()}
     row = {"impl": impl_label(impl), "shape": name, "layers": layers, "step_ms": statistics.median(times),
            "step_ms_min": min(times), "peak_GiB": (peak_reserved + outside) / GiB, "outside_GiB": outside / GiB,
-           "peak_allocated_GiB": peak_allocated / GiB, "grads": grads,
+           "peak_allocated_GiB": peak_allocated / GiB, "grads": grads, "fresh_pool": fresh_pool,
+           "reserved_after_warmup_GiB": warm_reserved / GiB,
            "weights_and_grads_GiB": 2 * weights / GiB, "first_step_s": first_s}
     if all(c is not None for c in clocks):
         row["sm_clock_MHz"] = statistics.median(clocks)
@@ -248,6 +262,9 @@ def main():
     ap.add_argument("--pause", type=float, default=1.0)
     ap.add_argument("--steady", type=float, default=0.0,
                     help="seconds of each implementation's own steps before its timed ones (0: after --pause)")
+    ap.add_argument("--fresh-pool", type=int, default=1,
+                    help="1: empty torch's cache of free blocks before the timed steps, so their peak reserved is "
+                         "their own (0: as the warm-up left the pool)")
     ap.add_argument("--out")
     args = ap.parse_args()
     impls = args.impls.split(",")
@@ -270,7 +287,7 @@ def main():
         for layers in [int(n) for n in args.layers.split(",")]:
             for impl, grads in [(i, g) for g in grads_modes for i in impls]:
                 try:
-                    row = run(impl, name, layers, args.reps, schedule, args.pause, grads, args.steady)
+                    row = run(impl, name, layers, args.reps, schedule, args.pause, grads, args.steady, args.fresh_pool)
                 except torch.OutOfMemoryError as e:
                     row = {"impl": impl_label(impl), "shape": name, "layers": layers, "grads": grads,
                            "error": "out of memory: " + str(e)[:120]}
@@ -282,7 +299,7 @@ def main():
     # step in this run (what a stack adds beyond its layers).
     single = {(r["impl"], r["shape"], r["grads"]): r["step_ms"] for r in rows if r["layers"] == 1 and "error" not in r}
     print(f"\n{'shape':9} {'L':>3} {'grads':5} {'impl':30} {'step ms':>8} {'x L=1':>6} {'peak GiB':>9} "
-          f"{'outside':>8} {'allocated':>9} {'MHz':>5}")
+          f"{'outside':>8} {'allocated':>9} {'warm res':>8} {'MHz':>5}")
     for r in rows:
         head = f"{r['shape']:9} {r['layers']:>3} {r['grads']:5} {r['impl']:30}"
         if "error" in r:
@@ -292,7 +309,7 @@ def main():
         over = f"{r['step_ms'] / (r['layers'] * one):6.3f}" if one else f"{'':6}"
         clock = f"{r['sm_clock_MHz']:5.0f}" if "sm_clock_MHz" in r else f"{'':5}"
         print(f"{head} {r['step_ms']:8.2f} {over} {r['peak_GiB']:9.2f} "
-              f"{r['outside_GiB']:8.3f} {r['peak_allocated_GiB']:9.2f} {clock}")
+              f"{r['outside_GiB']:8.3f} {r['peak_allocated_GiB']:9.2f} {r['reserved_after_warmup_GiB']:8.2f} {clock}")
     if args.out:
         doc = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                "torch": torch.__version__, "rows": rows}

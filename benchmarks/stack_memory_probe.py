@@ -6,7 +6,7 @@ at the step's peak of allocated bytes, largest first, each with its size
 and the Python frames that made it (grouped by those frames).
 
 usage: python3 benchmarks/stack_memory_probe.py [--impl moeforge] [--shape fine64] [--layers 8] [--top 25]
-       [--blocks MiB]
+       [--blocks MiB] [--dump FILE.json.gz]
 """
 import argparse
 import collections
@@ -50,6 +50,44 @@ def live_at_peak(trace):
     return at_peak, peak, last
 
 
+def new_segments(before, trace):
+    """Why the pool grew: replays the step's events over the segments and
+    blocks the pool held before it, and for every segment the allocator
+    had to add, returns (request bytes, frames, cached free bytes then,
+    largest free block then): a new segment while more than the request
+    lay free is fragmentation."""
+    segments = {s["address"]: s["total_size"] for s in before}
+    live = {b["address"]: b["size"] for s in before for b in s["blocks"] if b["state"] == "active_allocated"}
+    out, pending = [], None
+
+    def free_blocks():
+        gaps = []
+        for base, size in segments.items():
+            at = base
+            for addr in sorted(a for a in live if base <= a < base + size):
+                gaps.append(addr - at)
+                at = addr + live[addr]
+            gaps.append(base + size - at)
+        return gaps
+
+    for e in trace:
+        act = e["action"]
+        if act == "segment_alloc":
+            gaps = free_blocks()
+            pending = (sum(gaps), max(gaps, default=0))
+            segments[e["addr"]] = e["size"]
+        elif act == "segment_free":
+            segments.pop(e["addr"], None)
+        elif act == "alloc":
+            live[e["addr"]] = e["size"]
+            if pending is not None:
+                out.append((e["size"], frames_of(e, depth=3), *pending))
+                pending = None
+        elif act == "free_completed":
+            live.pop(e["addr"], None)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impl", default="moeforge")
@@ -57,6 +95,8 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--blocks", type=float, default=0, help="also list each live block of at least this many MiB")
+    ap.add_argument("--dump", help="also write the pool before the step and the step's events here (.json.gz), "
+                                   "to replay the allocator offline")
     a = ap.parse_args()
     T, d, f, E, k = stack.SHAPES[a.shape]
     dev = torch.device("cuda")
@@ -76,6 +116,11 @@ def main():
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    # As torch_stack_train.py times it: from a pool emptied of free blocks.
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory._snapshot()["segments"]
+    reserved0 = torch.cuda.memory_reserved()
     base = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     step()
@@ -102,6 +147,19 @@ def main():
         for e in sorted(at_peak.values(), key=lambda e: -e["size"]):
             if e["size"] >= a.blocks * MiB:
                 print(f"  {e['size'] / MiB:9.1f} MiB  {frames_of(e, depth=8)}")
+    if a.dump:
+        import gzip
+        import json
+        events = [{"action": e["action"], "addr": e["addr"], "size": e["size"], "where": frames_of(e, depth=3)}
+                  for e in trace]
+        with gzip.open(a.dump, "wt") as fh:
+            json.dump({"before": before, "events": events}, fh)
+    grown = new_segments(before, trace)
+    print(f"reserved {reserved0 / MiB:.0f} MiB before the step, {torch.cuda.max_memory_reserved() / MiB:.0f} at its "
+          f"end; {len(grown)} segments added (request MiB / free cached then / largest free block, by whom):")
+    for size, where, free, largest in grown:
+        flag = "  fragmented" if free >= size else ""
+        print(f"  {size / MiB:8.1f} / {free / MiB:8.1f} / {largest / MiB:8.1f}  {where}{flag}")
     sizes = collections.Counter(round(e["size"] / MiB, 1) for e in at_peak.values())
     print("blocks by size (MiB x count):", ", ".join(f"{s} x {n}" for s, n in sorted(sizes.items(), reverse=True)))
 

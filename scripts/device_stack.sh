@@ -99,8 +99,8 @@ if has probe; then
     for impl in ${impls//,/ }; do
       [ "$impl" = torch ] && continue
       timeout "${PROBE_TIMEOUT:-150}" python3 benchmarks/stack_memory_probe.py --impl "$impl" --shape "$shape" \
-        --layers "${LAYERS:-8}" --blocks 32 >"$R/probe_${impl}_${shape}.log" 2>&1 || status=1
-      head -12 "$R/probe_${impl}_${shape}.log" | cut -c1-220
+        --layers "${LAYERS:-8}" --blocks 32 --dump "$R/trace_${impl}_${shape}.json.gz" >"$R/probe_${impl}_${shape}.log" 2>&1 || status=1
+      grep -v "^  *[0-9.]* MiB  " "$R/probe_${impl}_${shape}.log" | cut -c1-200 | head -60
     done
   done
   echo "probe done at $(( $(date +%s) - T0 )) s"

@@ -288,10 +288,10 @@ for shape, routing in sorted({(s, rt) for s, rt, _ in ours}):
         print(f"{shape} {routing}: default_narrow {med['default_narrow store']:.2f} ms / default "
               f"{med['default store']:.2f} = {med['default_narrow store'] / med['default store']:.3f}")
     if "default store" in med and "tuned_wide store" in med:
+        lean = med.get("tuned_wide lean")
         print(f"{shape} {routing}: default {med['default store']:.2f} ms / tuned_wide store "
-              f"{med['tuned_wide store']:.2f} = {med['default store'] / med['tuned_wide store']:.3f}, / tuned_wide "
-              f"lean {med.get('tuned_wide lean', float('nan')):.2f} = "
-              f"{med['default store'] / med.get('tuned_wide lean', float('nan')):.3f}")
+              f"{med['tuned_wide store']:.2f} = {med['default store'] / med['tuned_wide store']:.3f}" +
+              (f", / tuned_wide lean {lean:.2f} = {med['default store'] / lean:.3f}" if lean else ""))
 PY
 fi
 if has python; then

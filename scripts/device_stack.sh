@@ -23,6 +23,9 @@
 #   probe   benchmarks/stack_memory_probe.py (what is alive at the step's
 #           peak, with the frames that made it, each block of 32 MiB or
 #           more listed) for each of IMPLS but torch on each of SHAPES
+#   profile benchmarks/kernel_profile.py: one layer's training step, its
+#           kernels by name with their time per step, for each of IMPLS on
+#           each of SHAPES (issue 50's per-kernel comparison)
 # SonicMoE's first step at a shape is its autotuner compiling and timing
 # every GEMM config (more than 8 minutes at qwen3moe): its caches (QuACK's
 # and Triton's autotune choices and compiled kernels, about 1 MB packed)
@@ -52,7 +55,7 @@ if has cpp && [ -x .gpu/moeforge_tests ]; then
   fi
   echo "cpp done at $(( $(date +%s) - T0 )) s"
 fi
-if { has stack || has probe; } && [ -d .peers/sonicmoe ]; then
+if { has stack || has probe || has profile; } && [ -d .peers/sonicmoe ]; then
   mkdir -p /tmp/site && tar -C /tmp/site -xJf .peers/sonicmoe/libsbase.tar.xz &&
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/sonicmoe/*.whl \
       >"$R/sonic_pip.log" 2>&1 || echo "SonicMoE did not install: $(tail -3 "$R/sonic_pip.log")"
@@ -72,7 +75,7 @@ save_peer_cache() {
 }
 # The package only where it runs: a SonicMoE-only stack (IMPLS=sonicmoe, its
 # autotuner's first call at a shape) spends no time building moeforge.
-if has pytest || { { has stack || has probe; } && [[ ",${IMPLS:-moeforge}," == *",moeforge"* ]]; }; then
+if has pytest || { { has stack || has probe || has profile; } && [[ ",${IMPLS:-moeforge}," == *",moeforge"* ]]; }; then
   python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
     >"$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
   echo "pip install done at $(( $(date +%s) - T0 )) s"
@@ -104,6 +107,16 @@ if has probe; then
     done
   done
   echo "probe done at $(( $(date +%s) - T0 )) s"
+fi
+if has profile; then
+  shapes=${SHAPES:-qwen3moe,fine64}
+  for shape in ${shapes//,/ }; do
+    timeout "${PROFILE_TIMEOUT:-200}" python3 benchmarks/kernel_profile.py --shape "$shape" \
+      --impls "${IMPLS:-moeforge,sonicmoe,torch}" --json "$R/profile_$shape.json" >"$R/profile_$shape.log" 2>&1 || status=1
+    grep -v "^  .* 0\.[0-9] % " "$R/profile_$shape.log" | head -80
+  done
+  save_peer_cache
+  echo "profile done at $(( $(date +%s) - T0 )) s"
 fi
 # One file per stage folder: the device tool brings back a few files per call
 # and leaves the rest out (a call's stack.json and stack.log were lost so).

@@ -25,7 +25,8 @@
 #           more listed) for each of IMPLS but torch on each of SHAPES
 #   profile benchmarks/kernel_profile.py: one layer's training step, its
 #           kernels by name with their time per step, for each of IMPLS on
-#           each of SHAPES (issue 50's per-kernel comparison)
+#           each of SHAPES (issue 50's per-kernel comparison); PROFILE_LAYERS
+#           (default 1; e.g. "1 8"): a residual stack of that many layers
 # SonicMoE's first step at a shape is its autotuner compiling and timing
 # every GEMM config (more than 8 minutes at qwen3moe): its caches (QuACK's
 # and Triton's autotune choices and compiled kernels, about 1 MB packed)
@@ -111,9 +112,12 @@ fi
 if has profile; then
   shapes=${SHAPES:-qwen3moe,fine64}
   for shape in ${shapes//,/ }; do
-    timeout "${PROFILE_TIMEOUT:-200}" python3 benchmarks/kernel_profile.py --shape "$shape" \
-      --impls "${IMPLS:-moeforge,sonicmoe,torch}" --json "$R/profile_$shape.json" >"$R/profile_$shape.log" 2>&1 || status=1
-    grep -v "^  .* 0\.[0-9] % " "$R/profile_$shape.log" | head -80
+    for l in ${PROFILE_LAYERS:-1}; do
+      timeout "${PROFILE_TIMEOUT:-200}" python3 benchmarks/kernel_profile.py --shape "$shape" --layers "$l" \
+        --impls "${IMPLS:-moeforge,sonicmoe,torch}" --json "$R/profile_${shape}_L$l.json" \
+        >"$R/profile_${shape}_L$l.log" 2>&1 || status=1
+      grep -v "^  .* 0\.[0-9] % \|Warning\|_warn_once" "$R/profile_${shape}_L$l.log" | head -80
+    done
   done
   save_peer_cache
   echo "profile done at $(( $(date +%s) - T0 )) s"

@@ -67,7 +67,22 @@ const char *memory_name(Memory m) { return m == Memory::store ? "store" : m == M
 // default with every single-B contraction's narrow tail: the last column
 // tile's wgmmas narrower where it is half full or less) or a schedule
 // file.
+// "default+a-b" (MOEFORGE_BENCH_DEFAULT_CHOICES) is the default with
+// layer-wide choice a on and b off, to time a choice against the default in
+// one process.
 Schedule schedule_of(const Shape &shape, const Example &ex, const std::string &name, Memory memory) {
+  const bool with_choices = name.rfind("default+", 0) == 0 || name.rfind("default-", 0) == 0;
+  if (with_choices) {
+    std::string text = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)}).to_text();
+    for (size_t at = 7; at < name.size();) {
+      const size_t next = name.find_first_of("+-", at + 1);
+      text += name.substr(at + 1, next - at - 1) + (name[at] == '+' ? "(true)\n" : "(false)\n");
+      at = next == std::string::npos ? name.size() : next;
+    }
+    Schedule s = Schedule::from_text(text, name);
+    s.recompute(memory == Memory::recompute);
+    return s;
+  }
   const bool is_default = name == "default" || name == "default_narrow";
   Schedule s = name == "tuned_wide"            ? bench::tuned_wide(shape.swiglu)
                : is_default                    ? default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)})
@@ -210,7 +225,25 @@ void register_all() {
       for (bool skewed : {false, true})
         add(s, "default_narrow", Memory::store, skewed);
   };
+  // MOEFORGE_BENCH_DEFAULT_CHOICES: ';'-separated variants of the default,
+  // each "+choice" / "-choice" layer-wide (e.g.
+  // "+gather_in_gemms;+atomic_input_gradient+gather_in_gemms").
+  static const std::vector<std::string> variants = [] {
+    std::vector<std::string> out;
+    const char *env = std::getenv("MOEFORGE_BENCH_DEFAULT_CHOICES");
+    for (std::string rest = env ? env : ""; !rest.empty();) {
+      const size_t semi = rest.find(';');
+      if (const std::string v = rest.substr(0, semi); !v.empty())
+        out.push_back("default" + v);
+      rest = semi == std::string::npos ? "" : rest.substr(semi + 1);
+    }
+    return out;
+  }();
   for (round = 1; round <= rounds; ++round) {
+    for (const Shape &s : bench::kMoeShapes)
+      for (const std::string &v : variants)
+        for (bool skewed : {false, true})
+          add(s, v.c_str(), Memory::store, skewed);
     for (const Shape &s : bench::kMoeShapes)
       for (const std::string &f : files)
         for (bool skewed : {false, true})

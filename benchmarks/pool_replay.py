@@ -10,9 +10,12 @@ pool's segments before the step and the step's alloc / free events.
 It prints the peak reserved and allocated bytes the model reaches, to
 check the model against the device's figures, and with --resize
 OLD:NEW[,...] (MiB, matched to 0.1) the same step with those requests'
-sizes changed, to try a layout before building it.
+sizes changed, to try a layout before building it; --steps N replays the
+step N times (the cache emptied before the last, as the device's timed
+step), so that the pool the last one starts from is the resized layout's
+own, not the recorded history's.
 
-usage: python3 benchmarks/pool_replay.py TRACE.json.gz [--resize 754.1:704,...]
+usage: python3 benchmarks/pool_replay.py TRACE.json.gz [--resize 754.1:704,...] [--steps 4]
 """
 import argparse
 import bisect
@@ -105,7 +108,17 @@ class Pool:
         self._add_free(addr)
 
 
-def replay(doc, resize):
+def empty_cache(pool):
+    """torch.cuda.empty_cache(): every wholly free segment goes back."""
+    for base, size in list(pool.segments.items()):
+        block = pool.blocks.get(base)
+        if block is not None and not block[1] and block[0] == size:
+            pool._drop_free(base)
+            del pool.blocks[base], pool.segments[base]
+            pool.reserved -= size
+
+
+def replay(doc, resize, steps=1):
     pool = Pool()
     # The pool before the step: its segments and the blocks in them.
     for seg in sorted(doc["before"], key=lambda s: s["address"]):
@@ -122,19 +135,32 @@ def replay(doc, resize):
                 pool._add_free(b["address"])
     pool.peak_allocated = pool.allocated
     pool.peak_reserved = pool.reserved
-    ours = {}  # the trace's address -> the model's
-    for e in doc["events"]:
-        if e["action"] == "alloc":
-            size = e["size"]
-            for old, new in resize:
-                if abs(size / MiB - old) < 0.05:
-                    size = int(new * MiB)
-            ours[e["addr"]] = pool.malloc(size)
-        elif e["action"] == "free_completed":
-            if e["addr"] in ours:
-                pool.release(ours.pop(e["addr"]))
-            elif e["addr"] in pool.blocks and pool.blocks[e["addr"]][1]:
-                pool.release(e["addr"])  # a block from before the step
+    # Blocks from before the step that it frees (the last step's weight
+    # gradients, dropped by zero_grad): in a later replayed step, the
+    # blocks the step before it left allocated stand for them, in order.
+    carried = [e["addr"] for e in doc["events"] if e["action"] == "free_completed"
+               and e["addr"] in pool.blocks and pool.blocks[e["addr"]][1]]
+    stand_in = {a: a for a in carried}
+    for step in range(steps):
+        if step == steps - 1 and steps > 1:
+            # The device's protocol: the cache emptied before the timed step.
+            empty_cache(pool)
+            pool.peak_allocated, pool.peak_reserved = pool.allocated, pool.reserved
+        ours = {}  # the trace's address -> the model's
+        for e in doc["events"]:
+            if e["action"] == "alloc":
+                size = e["size"]
+                for old, new in resize:
+                    if abs(size / MiB - old) < 0.05:
+                        size = int(new * MiB)
+                ours[e["addr"]] = pool.malloc(size)
+            elif e["action"] == "free_completed":
+                if e["addr"] in ours:
+                    pool.release(ours.pop(e["addr"]))
+                elif e["addr"] in stand_in:
+                    pool.release(stand_in.pop(e["addr"]))  # a block from before the step
+        # What this step leaves allocated stands for what it freed from before.
+        stand_in = dict(zip(carried, ours.values()))
     return pool
 
 
@@ -142,11 +168,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace")
     ap.add_argument("--resize", default="", help="OLD:NEW MiB pairs, comma-separated")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="replay the step this many times, the cache emptied before the last (a resized layout's "
+                         "own steady state; 1: the recorded pool as it was)")
     a = ap.parse_args()
     with gzip.open(a.trace, "rt") as fh:
         doc = json.load(fh)
     resize = [tuple(float(x) for x in pair.split(":")) for pair in a.resize.split(",") if pair]
-    pool = replay(doc, resize)
+    pool = replay(doc, resize, a.steps)
     print(f"{a.trace}: peak reserved {pool.peak_reserved / MiB:.0f} MiB, peak allocated "
           f"{pool.peak_allocated / MiB:.0f} MiB, reserved over allocated {(pool.peak_reserved - pool.peak_allocated) / MiB:.0f}"
           + (f" (resized {a.resize})" if resize else ""))

@@ -59,3 +59,14 @@ def test_the_recorded_step_replays_to_the_devices_peak():
     with gzip.open(trace, "rt") as fh:
         pool = pool_replay.replay(json.load(fh), [])
     assert pool.peak_reserved == 19646 * MiB  # the probe's "19646 at its end"
+
+
+def test_a_step_replayed_to_its_own_steady_pool():
+    trace = ROOT / "benchmarks/results/2026-12-06-h100-s53/probe/trace_moeforge_fine64.json.gz"
+    with gzip.open(trace, "rt") as fh:
+        doc = json.load(fh)
+    # The device's steps were already steady: more replays land where it did.
+    assert pool_replay.replay(doc, [], steps=4).peak_reserved == 19646 * MiB
+    # A resize judged from its own history differs from one judged from the
+    # recorded pool (the forward's workspace, 918.5 MiB, made smaller).
+    assert pool_replay.replay(doc, [(918.5, 544.5)], steps=4).peak_reserved != 19646 * MiB

@@ -120,6 +120,8 @@ std::vector<std::string> step_reads(const Step &s) {
             r.visit(e.value);
         } else if constexpr (std::is_same_v<T, GatherStep> || std::is_same_v<T, TransposeStep>) {
           r.names.push_back(x.src);
+        } else if constexpr (std::is_same_v<T, AttentionStep>) {
+          r.names.insert(r.names.end(), {x.q, x.key, x.value});
         } else {
           r.names.push_back(x.probs);
         }
@@ -248,6 +250,10 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
           } else if constexpr (std::is_same_v<T, GatherStep>) {
             os << "  gather " << x.name << ": " << x.dst << "[p, :] = " << x.src
                << (x.rows == RowMap::gather_token ? "[token(sorted_pair[p]), :]\n" : "[sorted_pair[p], :]\n");
+          } else if constexpr (std::is_same_v<T, AttentionStep>) {
+            os << "  attention " << x.name << ": " << x.output << "[r, c] = sum(u, softmax(u, " << x.scale
+               << " * sum(j, " << x.q << "[r, j] * " << x.key << "[u, j])) * " << x.value << "[u, c])"
+               << (x.route ? " over the padded rows of " + x.route->name : "") << ", scores never stored\n";
           } else if constexpr (std::is_same_v<T, TransposeStep>) {
             os << "  transpose " << x.name << ": " << x.dst << " = " << x.src << "^T";
             if (x.route)
@@ -393,6 +399,9 @@ bool dropped_rows_unread(const KernelProgram &p, const std::string &tensor, cons
         return false;
     } else if (const auto *tr = std::get_if<TransposeStep>(&s)) {
       if (tr->route != r)
+        return false;
+    } else if (const auto *at = std::get_if<AttentionStep>(&s)) {
+      if (at->route != r)
         return false;
     } else {
       return false;

@@ -241,7 +241,21 @@ struct TransposeStep {
   RowMap rows = RowMap::direct;
 };
 
-using Step = std::variant<RoutingStep, GatherStep, GemmStep, PointwiseStep, TransposeStep>;
+// out[r, c] = sum over u of softmax over u of (scale * sum over j of
+// q[r, j] key[u, j]), times value[u, c]: an attention between projections,
+// with u over the run-time token count (lowering/fuse_attention.h). The
+// softmax is taken online, one pass over key and value per row: the
+// [rows, T] scores, 4 GiB of f32 at T = 16384 with 32768 rows, are never
+// stored. q's and out's rows are a route's padded rows (route set; padding
+// rows get zeros) or dense; key and value are dense [T, F] rows.
+struct AttentionStep {
+  std::string name;
+  std::string output, q, key, value;
+  double scale = 1;
+  const RoutingNode *route = nullptr;
+};
+
+using Step = std::variant<RoutingStep, GatherStep, GemmStep, PointwiseStep, TransposeStep, AttentionStep>;
 
 struct KernelProgram {
   std::vector<TensorDecl> tensors;

@@ -13,6 +13,7 @@
 #include "dsl/visitor.h"
 #include "lowering/decompose.h"
 #include "lowering/dynamic_rows.h"
+#include "lowering/fuse_attention.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/rename_indices.h"
 
@@ -1384,6 +1385,8 @@ KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule, const Pa
   dump("gate_from_routing", p, observe);
   p = softmax_into_routing(std::move(p), schedule);
   dump("softmax_into_routing", p, observe);
+  p = fuse_attention(std::move(p), schedule);
+  dump("fuse_attention", p, observe);
   pad_dynamic_rows(p); // the tensors the passes above added
   plan_gemms(p);       // last: of the steps as they are
   dump("plan_gemms", p, observe);

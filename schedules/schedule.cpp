@@ -190,6 +190,7 @@ Schedule &Schedule::gather_upstream_in_gemms(bool on) {
   return flag(gather_upstream_in_gemms_, "gather_upstream_in_gemms", on);
 }
 Schedule &Schedule::bf16_boundary(bool on) { return flag(bf16_boundary_, "bf16_boundary", on); }
+Schedule &Schedule::fused_attention(bool on) { return flag(fused_attention_, "fused_attention", on); }
 
 Schedule &Schedule::recompute(bool on) { return flag(recompute_, "recompute", on); }
 

@@ -249,6 +249,16 @@ public:
   // taken by atomic adds) it stays f32, as do scalar losses and the Params'
   // gradients (bf16_weight_gradients decides those).
   Schedule &bf16_boundary(bool on);
+  // A forward's attention between two contractions over the tokens,
+  // softmax(u, c q(r) . key(u)) times value(u) (Mixture-of-Attention's, or
+  // plain attention's), runs as one kernel that takes the softmax online
+  // over key and value rows: the [rows, T] scores and probabilities are
+  // never stored (4 GiB of f32 at T = 16384 with 32768 rows), for one
+  // kernel on the CUDA cores where the unfused form ran two GEMMs on the
+  // tensor cores. The probabilities stay f32 (unfused, they are stored as
+  // the activations' dtype). Training keeps the unfused steps: its backward
+  // reads the probabilities.
+  Schedule &fused_attention(bool on);
   // Training: forward values that a GEMM's epilogue makes element-wise from
   // results it stores as well (SwiGLU's h = silu(h1) * h3 beside h1 and h3,
   // GeLU's h beside its pre-activation) are not kept for the backward but
@@ -358,6 +368,7 @@ public:
   bool gradients_over_saved() const { return gradients_over_saved_; }
   bool gather_upstream_in_gemms() const { return gather_upstream_in_gemms_; }
   bool bf16_boundary() const { return bf16_boundary_; }
+  bool fused_attention() const { return fused_attention_; }
   bool bf16_weight_gradients() const { return bf16_weight_gradients_; }
   // The settings of `func`: the "*" default with func's own overrides on top.
   // A Func the schedule never named gets the default.
@@ -441,6 +452,7 @@ private:
   bool gradients_over_saved_ = false;
   bool gather_upstream_in_gemms_ = false;
   bool bf16_boundary_ = false;
+  bool fused_attention_ = false;
   FuncSchedule default_;
   std::map<std::string, Overrides> overrides_;
   std::vector<std::string> funcs_;

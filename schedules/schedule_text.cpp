@@ -67,6 +67,7 @@ const std::vector<Signature> &signatures() {
       {"gradients_over_saved", {{"on", ArgType::boolean}}},
       {"gather_upstream_in_gemms", {{"on", ArgType::boolean}}},
       {"bf16_boundary", {{"on", ArgType::boolean}}},
+      {"fused_attention", {{"on", ArgType::boolean}}},
   };
   return all;
 }
@@ -91,6 +92,7 @@ FlagSetter flag_setter(const std::string &primitive) {
       {"gradients_over_saved", &Schedule::gradients_over_saved},
       {"gather_upstream_in_gemms", &Schedule::gather_upstream_in_gemms},
       {"bf16_boundary", &Schedule::bf16_boundary},
+      {"fused_attention", &Schedule::fused_attention},
   };
   for (const auto &[name, set] : flags)
     if (primitive == name)

@@ -68,7 +68,8 @@ const std::vector<std::string> kPasses = {"build_steps",
                                           "fuse_elementwise_consumers",
                                           "fuse_atomic_combines",
                                           "gate_from_routing",
-                                          "softmax_into_routing"};
+                                          "softmax_into_routing",
+                                          "fuse_attention"};
 
 void check_golden(const Golden &g) {
   std::ostringstream out, err;

@@ -894,8 +894,8 @@ LlvmModule generate_llvm(const KernelProgram &program) {
   m.context = std::make_unique<llvm::LLVMContext>();
   m.module = std::make_unique<llvm::Module>("moeforge_" + program.schedule_name, *m.context);
   for (const Step &step : program.steps) {
-    if (std::holds_alternative<RoutingStep>(step))
-      continue; // routing runs on the host (runtime/routing_host.h)
+    if (std::holds_alternative<RoutingStep>(step) || std::holds_alternative<AttentionStep>(step))
+      continue; // routing (runtime/routing_host.h) and attention (CpuLayer::attend) run on the host
     CpuKernel k;
     k.step = step_name(step);
     k.symbol = symbol_name(k.step);

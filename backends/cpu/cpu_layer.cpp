@@ -59,7 +59,9 @@ CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens, size_t keep_ac
       keep_across_(keep_across), memory_(memory) {
   size_t next = 0;
   for (const Step &s : layer_.program.steps)
-    kernel_of_step_.push_back(std::holds_alternative<RoutingStep>(s) ? layer_.kernels.size() : next++);
+    kernel_of_step_.push_back(std::holds_alternative<RoutingStep>(s) || std::holds_alternative<AttentionStep>(s)
+                                  ? layer_.kernels.size()
+                                  : next++);
   if (memory_ == LayerMemory::caller) {
     user_check(tokens >= 1) << "a layer on caller memory runs at least one token (a step of none has nothing to "
                             << "compute: skip it), got " << tokens;
@@ -323,6 +325,83 @@ void CpuLayer::route(const RoutingStep &step) {
   }
 }
 
+namespace {
+
+// Element i of a bf16 or f32 tensor, as f32.
+float load_f32(const uint8_t *at, DType t, int64_t i) {
+  if (t == DType::f32) {
+    float v;
+    std::memcpy(&v, at + i * 4, 4);
+    return v;
+  }
+  uint16_t bits;
+  std::memcpy(&bits, at + i * 2, 2);
+  return bf16_value(bits);
+}
+
+void store_f32(uint8_t *at, DType t, int64_t i, float v) {
+  if (t == DType::f32) {
+    std::memcpy(at + i * 4, &v, 4);
+    return;
+  }
+  const uint16_t bits = bf16_bits(v);
+  std::memcpy(at + i * 2, &bits, 2);
+}
+
+} // namespace
+
+void CpuLayer::attend(const AttentionStep &step) {
+  const KernelProgram &prog = layer_.program;
+  const TensorDecl &q = prog.tensor(step.q), &key = prog.tensor(step.key), &value = prog.tensor(step.value),
+                   &out = prog.tensor(step.output);
+  auto memory = [&](const std::string &name) {
+    uint8_t *at = tensors_.at(name).at;
+    user_check(at != nullptr) << "'" << name << "' has no memory: place() the saved memory and a workspace of "
+                              << "step_memory()'s bytes first";
+    return at;
+  };
+  const uint8_t *gq = memory(step.q), *gk = memory(step.key), *gv = memory(step.value);
+  uint8_t *gz = memory(step.output);
+  const int64_t fk = q.dims[1].extent(), fv = out.dims[1].extent();
+  const int64_t rows = shapes_.elements(q) / fk, tokens = shapes_.elements(key) / fk;
+  // Padded rows: which pair each holds (-1: padding) and how many are in use.
+  const int32_t *sorted_pair = nullptr;
+  int64_t used = rows;
+  if (step.route) {
+    const RouteState &st = routes_.at(step.route);
+    internal_check(st.routed && st.block != nullptr) << step.name << ": its route has not run";
+    sorted_pair = st.array(RoutingArray::sorted_pair);
+    used = std::min<int64_t>(rows, *st.array(RoutingArray::padded_rows));
+  }
+  std::vector<float> qr(static_cast<size_t>(fk)), acc(static_cast<size_t>(fv));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    if (r < used && (!sorted_pair || sorted_pair[r] >= 0) && tokens > 0) {
+      for (int64_t j = 0; j < fk; ++j)
+        qr[static_cast<size_t>(j)] = load_f32(gq, q.dtype, r * fk + j);
+      // The running maximum m and sum l of exp(s - m): each new maximum
+      // rescales what was summed before it, so one pass over u suffices.
+      float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+      for (int64_t u = 0; u < tokens; ++u) {
+        float dot = 0.0f;
+        for (int64_t j = 0; j < fk; ++j)
+          dot += qr[static_cast<size_t>(j)] * load_f32(gk, key.dtype, u * fk + j);
+        const float s = static_cast<float>(step.scale) * dot, m_new = std::fmax(m, s);
+        const float rescale = std::exp(m - m_new), w = std::exp(s - m_new);
+        l = l * rescale + w;
+        for (int64_t c = 0; c < fv; ++c)
+          acc[static_cast<size_t>(c)] =
+              acc[static_cast<size_t>(c)] * rescale + w * load_f32(gv, value.dtype, u * fv + c);
+        m = m_new;
+      }
+      for (float &a : acc)
+        a /= l;
+    }
+    for (int64_t c = 0; c < fv; ++c)
+      store_f32(gz, out.dtype, r * fv + c, acc[static_cast<size_t>(c)]);
+  }
+}
+
 void *CpuLayer::arg(const CpuArg &a) {
   switch (a.kind) {
   case CpuArg::Kind::tensor: {
@@ -363,6 +442,11 @@ void CpuLayer::run(size_t begin, size_t end, const char *entry) {
       route(*rs);
       for (const std::string &w : step_outputs(s))
         computed_.insert(w);
+      continue;
+    }
+    if (auto *as = std::get_if<AttentionStep>(&s)) {
+      attend(*as);
+      computed_.insert(as->output);
       continue;
     }
     size_t k = kernel_of_step_[i];

@@ -159,6 +159,9 @@ private:
     }
   };
   void route(const RoutingStep &step);
+  // An attention step (lowering/fuse_attention.h) on the host, its softmax
+  // online over the key and value rows as the GPU kernel takes it.
+  void attend(const AttentionStep &step);
   void *arg(const CpuArg &a);
   // One step's function with `args`: once, or for a parallel kernel once per
   // thread, each with its own thread index.

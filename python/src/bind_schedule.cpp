@@ -93,6 +93,7 @@ void bind_schedule(nb::module_ &m) {
       .def("gather_upstream_in_gemms", nb::overload_cast<bool>(&Schedule::gather_upstream_in_gemms), "on"_a = true,
            chain)
       .def("bf16_boundary", nb::overload_cast<bool>(&Schedule::bf16_boundary), "on"_a = true, chain)
+      .def("fused_attention", nb::overload_cast<bool>(&Schedule::fused_attention), "on"_a = true, chain)
       .def(
           "tile",
           [](Schedule &s, const std::string &f, nb::handle m, nb::handle n, nb::handle k) -> Schedule & {

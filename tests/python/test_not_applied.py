@@ -57,3 +57,16 @@ def test_moelayer_warns_of_each_choice_it_does_not_take():
     parts = moe_mlp_parts()
     with pytest.warns(UserWarning, match=r"moeforge: chain_summed_gemms\(true\) is not applied"):
         mft.MoELayer(mf.Pipeline([parts.y]), schedule=mf.scattermoe().chain_summed_gemms(True), device=device)
+
+
+def test_fused_attention_is_taken_by_an_attention_and_named_where_none_fuses():
+    ex, _ = mf.make_example("attention", tokens=37)
+    s = mf.default_schedule(ex.pipeline).fused_attention()
+    assert "fused_attention(true)" in s.to_text()
+    assert mf.Schedule.from_text(s.to_text()).to_text() == s.to_text()
+    assert mf.not_applied(ex.pipeline, s) == []
+    mlp = mf.Pipeline([moe_mlp_parts().y])
+    notes = mf.not_applied(mlp, mf.scattermoe().fused_attention(True))
+    assert notes == ["fused_attention(true) is not applied: this layer has no softmax over the tokens between two "
+                     "contractions whose scores nothing else reads (a forward alone; a training backward reads "
+                     "them)"]

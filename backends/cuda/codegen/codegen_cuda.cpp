@@ -1694,6 +1694,46 @@ void emit_transpose(const KernelProgram &prog, const TransposeStep &s, std::ostr
       << body.str() << "}\n\n";
 }
 
+// ------------------------------------------------------------ attention
+
+// An attention step (lowering/fuse_attention.h): a warp per row of q and the
+// output (a route's padded row slots, or the dense rows), its softmax online
+// over every key and value row (tiles/attention.cuh).
+void emit_attention(const KernelProgram &prog, const AttentionStep &s, std::ostringstream &src, GeneratedKernel &k) {
+  k.name = c_name(s.name);
+  k.step = s.name;
+  k.threads = 256;
+  KernelBuilder kb(prog, k);
+  const TensorDecl &q = prog.tensor(s.q), &key = prog.tensor(s.key), &value = prog.tensor(s.value),
+                   &out = prog.tensor(s.output);
+  const std::string gq = kb.tensor(s.q), gk = kb.tensor(s.key), gv = kb.tensor(s.value), gz = kb.tensor(s.output, true);
+  const long long fk = q.dims[1].extent(), fv = out.dims[1].extent();
+  std::ostringstream body;
+  body << "  const long long p_row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // a warp per row\n";
+  body << "  const long long T = " << kb.extent(key.dims[0]) << ";  // key and value rows\n";
+  if (s.route) {
+    body << "  if (p_row >= " << max_padded_rows(prog, kb, s.route) << ") return;\n";
+    body << "  const bool live = p_row < *" << kb.route(s.route, RoutingArray::padded_rows) << " && "
+         << kb.route(s.route, RoutingArray::sorted_pair) << "[p_row] >= 0;  // padding rows: zeros\n";
+    k.grid.kind = GridShape::Kind::padded_rows;
+    k.grid.route = s.route;
+    k.grid.chunks_per_row = 32;
+  } else {
+    body << "  if (p_row >= " << kb.extent(q.dims[0]) << ") return;\n";
+    body << "  const bool live = true;\n";
+    k.grid.kind = GridShape::Kind::elements;
+    k.grid.count = {q.dims[0]};
+    k.grid.threads_per_element = 32;
+  }
+  body << "  mf::attention_row_warp<" << fk << ", " << fv << ">(" << gq << " + p_row * " << fk << "LL, " << gk << ", "
+       << gv << ", " << gz << " + p_row * " << fv << "LL, T, " << float_literal(s.scale) << ", live);\n";
+  src << "// " << s.name << ": " << s.output << "[r, c] = sum(u, softmax(u, " << s.scale << " * " << s.q << "[r] . "
+      << s.key << "[u]) * " << s.value << "[u, c])" << (s.route ? " over the padded rows of " + s.route->name : "")
+      << ", the softmax online\n";
+  src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n"
+      << body.str() << "}\n\n";
+}
+
 } // namespace
 
 CudaModuleSource generate_cuda(const KernelProgram &program) {
@@ -1717,6 +1757,8 @@ CudaModuleSource generate_cuda(const KernelProgram &program) {
       emit_pointwise(program, *p, src, k);
     else if (auto *t = std::get_if<TransposeStep>(&step))
       emit_transpose(program, *t, src, k);
+    else if (auto *a = std::get_if<AttentionStep>(&step))
+      emit_attention(program, *a, src, k);
     else
       emit_gather(program, std::get<GatherStep>(step), src, k);
     k.source = src.str();

@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "backends/cuda/device/tiles/attention_cuh.h"
 #include "backends/cuda/device/tiles/cluster_cuh.h"
 #include "backends/cuda/device/tiles/copies_cuh.h"
 #include "backends/cuda/device/tiles/elementwise_cuh.h"
@@ -62,6 +63,7 @@ const std::vector<cuda::NamedHeader> &tile_library_headers() {
         {"moeforge_tiles_elementwise.cuh", tile_parts::elementwise::kSource},
         {"moeforge_tiles_copies.cuh", tile_parts::copies::kSource},
         {"moeforge_tiles_transpose.cuh", tile_parts::transpose::kSource},
+        {"moeforge_tiles_attention.cuh", tile_parts::attention::kSource},
         {"moeforge_tiles_mma_sync.cuh", tile_parts::mma_sync::kSource},
         {"moeforge_tiles_tma.cuh", tile_parts::tma::kSource},
         {"moeforge_tiles_cluster.cuh", tile_parts::cluster::kSource},

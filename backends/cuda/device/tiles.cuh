@@ -11,6 +11,7 @@
 // The library in parts, each one job (tiles/*.cuh); each part includes the
 // parts it builds on.
 #pragma once
+#include "moeforge_tiles_attention.cuh"
 #include "moeforge_tiles_cluster.cuh"
 #include "moeforge_tiles_copies.cuh"
 #include "moeforge_tiles_elementwise.cuh"

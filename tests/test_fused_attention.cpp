@@ -1,0 +1,114 @@
+// fused_attention (lowering/fuse_attention.h): a forward's attention between
+// two contractions over the tokens, softmax(u, c q . key) value, becomes one
+// AttentionStep that takes the softmax online and stores no scores. Checked
+// on the program (which steps and tensors remain; where it does not apply,
+// the schedule's note) and, on the CPU backend, against the float64
+// reference at token counts that are no multiple of 8, outputs poisoned.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "examples/examples.h"
+#include "lowering/default_schedule.h"
+#include "lowering/fuse_attention.h"
+#include "lowering/lower.h"
+#include "lowering/training.h"
+#if MOEFORGE_HAVE_CPU_BACKEND
+#include "cpu_compare.h"
+#endif
+
+using namespace moeforge;
+
+namespace {
+
+ExampleShape attention_shape(int64_t tokens) {
+  ExampleShape s;
+  s.tokens = tokens;
+  s.d = 64;
+  s.f = 32;
+  s.experts = 8;
+  s.topk = 2;
+  return s;
+}
+
+Schedule fused(const Example &ex) { return default_schedule(ex.pipeline, {}).fused_attention(true); }
+
+size_t count_attention(const KernelProgram &p) {
+  return static_cast<size_t>(std::count_if(p.steps.begin(), p.steps.end(),
+                                           [](const Step &s) { return std::holds_alternative<AttentionStep>(s); }));
+}
+
+bool has_note(const KernelProgram &p, const std::string &start) {
+  return std::any_of(p.not_applied.begin(), p.not_applied.end(),
+                     [&](const std::string &n) { return n.rfind(start, 0) == 0; });
+}
+
+} // namespace
+
+TEST_CASE("fused attention: moa's and attention's scores, softmax and second contraction become one step") {
+  for (const char *name : {"moa", "attention"}) {
+    INFO(name);
+    Example ex = make_example(name, attention_shape(37));
+    const KernelProgram unfused = lower(ex.pipeline, default_schedule(ex.pipeline, {}));
+    REQUIRE(unfused.find("p") != nullptr);
+    CHECK(count_attention(unfused) == 0);
+    const KernelProgram p = lower(ex.pipeline, fused(ex));
+    REQUIRE(count_attention(p) == 1);
+    CHECK(p.steps.size() == unfused.steps.size() - 2); // the scores' GEMM, the softmax and p value: one step
+    // Neither the scores nor the probabilities are tensors any more.
+    CHECK(p.find("p") == nullptr);
+    CHECK(p.find("p_s") == nullptr);
+    CHECK_FALSE(has_note(p, "fused_attention"));
+    const auto &a = *std::find_if(p.steps.begin(), p.steps.end(),
+                                  [](const Step &s) { return std::holds_alternative<AttentionStep>(s); });
+    const AttentionStep &at = std::get<AttentionStep>(a);
+    // The scale is the algebra's 1 / sqrt(head dim).
+    const double head = static_cast<double>(p.tensor(at.q).dims[1].extent());
+    CHECK(at.scale == doctest::Approx(1 / std::sqrt(head)).epsilon(1e-6));
+    // moa's query rows are its route's padded rows; attention's the tokens.
+    CHECK((at.route != nullptr) == (std::string(name) == "moa"));
+  }
+}
+
+TEST_CASE("fused attention: not applied where nothing fuses, with the reason") {
+  SUBCASE("a layer without attention") {
+    Example ex = make_example("swiglu_moe", attention_shape(37));
+    const KernelProgram p = lower(ex.pipeline, default_schedule(ex.pipeline, {}).fused_attention(true));
+    CHECK(count_attention(p) == 0);
+    CHECK(has_note(p, "fused_attention(true) is not applied"));
+  }
+  SUBCASE("training keeps the probabilities its backward reads") {
+    Example ex = make_example("moa", attention_shape(37));
+    Schedule s = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)}).fused_attention(true);
+    TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), s);
+    CHECK(count_attention(t.program) == 0);
+    CHECK(t.program.find("p") != nullptr);
+  }
+  SUBCASE("off unless named") {
+    Example ex = make_example("attention", attention_shape(37));
+    CHECK(count_attention(lower(ex.pipeline, default_schedule(ex.pipeline, {}))) == 0);
+  }
+}
+
+TEST_CASE("fused attention: the schedule choice prints and replays") {
+  Schedule s = Schedule("x").fused_attention(true);
+  const std::string text = s.to_text();
+  CHECK(text.find("fused_attention(true)") != std::string::npos);
+  CHECK(Schedule::from_text(text).fused_attention());
+}
+
+#if MOEFORGE_HAVE_CPU_BACKEND
+TEST_CASE("fused attention: the CPU backend's forward matches the reference at 1, 37 and 300 tokens") {
+  for (const char *name : {"moa", "attention"})
+    for (int64_t tokens : {1, 37, 300}) {
+      ExampleShape s = attention_shape(tokens);
+      Example ex = make_example(name, s);
+      INFO(std::string(name) << " / T " << tokens);
+      testing::Outcome o = cpu_test::run_and_compare(ex, ex.random_inputs(s, 31), tokens, fused(ex));
+      CHECK(o.routing_mismatches == 0);
+      CHECK(o.worst_error <= 1e-2);
+    }
+}
+#endif

@@ -1,6 +1,7 @@
 // fused_attention on the CUDA backend (lowering/fuse_attention.h,
-// tiles/attention.cuh): a warp per query row, the softmax online over every
-// key and value row. Without a GPU: the kernels compile for sm_90a without
+// tiles/attention.cuh): the softmax online over every key and value row, on
+// the tensor cores (16 query rows a warp) where the head dims allow, else a
+// warp per query row. Without a GPU: the kernels compile for sm_90a without
 // spills; on a GPU: the forward against the float64 reference at token
 // counts that are no multiple of 8 and at 4096 (a row's loop over many
 // blocks of tokens), outputs poisoned.
@@ -19,10 +20,10 @@ using namespace moeforge;
 
 namespace {
 
-ExampleShape attention_shape(int64_t tokens) {
+ExampleShape attention_shape(int64_t tokens, int64_t d = 64) {
   ExampleShape s;
   s.tokens = tokens;
-  s.d = 64;
+  s.d = d;
   s.f = 32;
   s.experts = 8;
   s.topk = 2;
@@ -39,10 +40,21 @@ TEST_CASE("cuda fused attention: moa and attention compile for sm_90a without sp
     cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, fused(ex));
     testing::check_resources(c, std::string(name) + " / fused_attention");
     const std::string &src = c.source.source;
-    CHECK(src.find("mf::attention_row_warp<") != std::string::npos);
+    // Head dims of 32 and 64: the tensor-core form.
+    CHECK(src.find("mf::attention_rows_mma<") != std::string::npos);
     // No kernel makes the scores.
     CHECK(src.find("gemm_p_s") == std::string::npos);
   }
+  // moa's head dim of 128 (its output accumulators: 64 floats a thread).
+  ExampleShape wide = attention_shape(37);
+  wide.f = 128;
+  Example moa = make_example("moa", wide);
+  testing::check_resources(cuda::compile_layer(moa.pipeline, fused(moa)), "moa / head 128 / fused_attention");
+  // A head dim of 40, no multiple of 16: a warp per row on the CUDA cores.
+  Example ex = make_example("attention", attention_shape(37, 40));
+  cuda::CompiledLayer c = cuda::compile_layer(ex.pipeline, fused(ex));
+  testing::check_resources(c, "attention / d 40 / fused_attention");
+  CHECK(c.source.source.find("mf::attention_row_warp<40, 40>") != std::string::npos);
 }
 
 TEST_SUITE("gpu") {
@@ -57,5 +69,12 @@ TEST_SUITE("gpu") {
         CHECK(o.routing_mismatches == 0);
         CHECK(o.worst_error <= 2e-2);
       }
+    // The CUDA-core form (a head dim of 40).
+    for (int64_t tokens : {1, 37, 300}) {
+      ExampleShape s = attention_shape(tokens, 40);
+      Example ex = make_example("attention", s);
+      INFO("attention / d 40 / T " << tokens);
+      CHECK(testing::cuda_forward_and_compare(ex, ex.random_inputs(s, 31), tokens, fused(ex)).worst_error <= 2e-2);
+    }
   }
 }

@@ -35,11 +35,13 @@ bool scaled_scores(const PointwiseStep &pw, std::string &scores, double &scale) 
   return true;
 }
 
-// A GEMM that stores its one accumulator as it is, over rows read directly.
+// A GEMM that stores its one accumulator as it is. How it maps its rows
+// (the scores' and p's orders) does not matter: the fused step computes
+// each row of the output from the same pair's row of q, which lie in one
+// order (checked below).
 bool plain_gemm(const GemmStep &g) {
-  return g.b.size() == 1 && !g.expert_k && !g.a_trans && !g.b_per_expert && g.a_rows == RowMap::direct &&
-         g.out_rows == RowMap::direct && g.extra.empty() && !g.chained && !g.out_add && !g.windowed &&
-         stores_plain_accumulator(g);
+  return g.b.size() == 1 && !g.expert_k && !g.a_trans && !g.b_per_expert && g.extra.empty() && !g.chained &&
+         !g.out_add && !g.windowed && stores_plain_accumulator(g);
 }
 
 long producer_of(const KernelProgram &p, const std::string &name) {
@@ -93,7 +95,7 @@ KernelProgram fuse_attention(KernelProgram p, const Schedule &schedule) {
         !dense_over(key, tokens_var.dim()) || !dense_over(value, tokens_var.dim()) ||
         key->dims[1].extent() != q->dims[1].extent() || value->dims[1].extent() != z->dims[1].extent())
       continue;
-    if (q->layout != RowLayout::dense && q->layout != RowLayout::padded)
+    if (q->layout != RowLayout::dense && q->layout != RowLayout::padded && q->layout != RowLayout::pair)
       continue;
     AttentionStep a;
     a.name = "attention_" + z->name;
@@ -102,6 +104,8 @@ KernelProgram fuse_attention(KernelProgram p, const Schedule &schedule) {
     a.key = key->name;
     a.value = value->name;
     a.scale = scale;
+    // Padded rows need the route's tables (which rows are padding); pair
+    // order and dense rows are all real.
     a.route = q->layout == RowLayout::padded ? q->route : nullptr;
     // In the place of p value (value is made by then), the scores' GEMM and
     // the softmax gone.

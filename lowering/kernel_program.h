@@ -247,7 +247,8 @@ struct TransposeStep {
 // softmax is taken online, one pass over key and value per row: the
 // [rows, T] scores, 4 GiB of f32 at T = 16384 with 32768 rows, are never
 // stored. q's and out's rows are a route's padded rows (route set; padding
-// rows get zeros) or dense; key and value are dense [T, F] rows.
+// rows get zeros) or rows that are all real (dense, or a route's pair
+// order); key and value are dense [T, F] rows.
 struct AttentionStep {
   std::string name;
   std::string output, q, key, value;

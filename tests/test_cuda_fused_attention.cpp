@@ -45,6 +45,10 @@ TEST_CASE("cuda fused attention: moa and attention compile for sm_90a without sp
     // No kernel makes the scores.
     CHECK(src.find("gemm_p_s") == std::string::npos);
   }
+  // moa's rows in pair order (no padded_elementwise): all real, no route.
+  Example pairs = make_example("moa", attention_shape(37));
+  testing::check_resources(cuda::compile_layer(pairs.pipeline, fused(pairs).padded_elementwise(false)),
+                           "moa / pair order / fused_attention");
   // moa's head dim of 128 (its output accumulators: 64 floats a thread).
   ExampleShape wide = attention_shape(37);
   wide.f = 128;

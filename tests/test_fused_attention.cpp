@@ -99,16 +99,25 @@ TEST_CASE("fused attention: the schedule choice prints and replays") {
   CHECK(Schedule::from_text(text).fused_attention());
 }
 
+TEST_CASE("fused attention: the routed rows in pair order (no padded_elementwise) fuse too") {
+  Example ex = make_example("moa", attention_shape(37));
+  const KernelProgram p = lower(ex.pipeline, fused(ex).padded_elementwise(false));
+  REQUIRE(count_attention(p) == 1);
+  CHECK(p.find("p") == nullptr);
+}
+
 #if MOEFORGE_HAVE_CPU_BACKEND
 TEST_CASE("fused attention: the CPU backend's forward matches the reference at 1, 37 and 300 tokens") {
   for (const char *name : {"moa", "attention"})
-    for (int64_t tokens : {1, 37, 300}) {
-      ExampleShape s = attention_shape(tokens);
-      Example ex = make_example(name, s);
-      INFO(std::string(name) << " / T " << tokens);
-      testing::Outcome o = cpu_test::run_and_compare(ex, ex.random_inputs(s, 31), tokens, fused(ex));
-      CHECK(o.routing_mismatches == 0);
-      CHECK(o.worst_error <= 1e-2);
-    }
+    for (int64_t tokens : {1, 37, 300})
+      for (bool padded : {true, false}) {
+        ExampleShape s = attention_shape(tokens);
+        Example ex = make_example(name, s);
+        INFO(std::string(name) << " / T " << tokens << " / padded_elementwise " << padded);
+        testing::Outcome o =
+            cpu_test::run_and_compare(ex, ex.random_inputs(s, 31), tokens, fused(ex).padded_elementwise(padded));
+        CHECK(o.routing_mismatches == 0);
+        CHECK(o.worst_error <= 1e-2);
+      }
 }
 #endif

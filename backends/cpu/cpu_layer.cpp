@@ -354,14 +354,8 @@ void CpuLayer::attend(const AttentionStep &step) {
   const KernelProgram &prog = layer_.program;
   const TensorDecl &q = prog.tensor(step.q), &key = prog.tensor(step.key), &value = prog.tensor(step.value),
                    &out = prog.tensor(step.output);
-  auto memory = [&](const std::string &name) {
-    uint8_t *at = tensors_.at(name).at;
-    user_check(at != nullptr) << "'" << name << "' has no memory: place() the saved memory and a workspace of "
-                              << "step_memory()'s bytes first";
-    return at;
-  };
-  const uint8_t *gq = memory(step.q), *gk = memory(step.key), *gv = memory(step.value);
-  uint8_t *gz = memory(step.output);
+  const uint8_t *gq = placed(step.q), *gk = placed(step.key), *gv = placed(step.value);
+  uint8_t *gz = placed(step.output);
   const int64_t fk = q.dims[1].extent(), fv = out.dims[1].extent();
   const int64_t rows = shapes_.elements(q) / fk, tokens = shapes_.elements(key) / fk;
   // Padded rows: which pair each holds (-1: padding) and how many are in use.
@@ -402,14 +396,17 @@ void CpuLayer::attend(const AttentionStep &step) {
   }
 }
 
+uint8_t *CpuLayer::placed(const std::string &name) {
+  uint8_t *at = tensors_.at(name).at;
+  user_check(at != nullptr) << "'" << name << "' has no memory: place() the saved memory and a workspace of "
+                            << "step_memory()'s bytes first";
+  return at;
+}
+
 void *CpuLayer::arg(const CpuArg &a) {
   switch (a.kind) {
-  case CpuArg::Kind::tensor: {
-    uint8_t *at = tensors_.at(a.name).at;
-    user_check(at != nullptr) << "'" << a.name << "' has no memory: place() the saved memory and a workspace of "
-                              << "step_memory()'s bytes first";
-    return at;
-  }
+  case CpuArg::Kind::tensor:
+    return placed(a.name);
   case CpuArg::Kind::extent:
     return shapes_.dynamic_extent(a.name);
   case CpuArg::Kind::thread:

@@ -163,6 +163,8 @@ private:
   // online over the key and value rows as the GPU kernel takes it.
   void attend(const AttentionStep &step);
   void *arg(const CpuArg &a);
+  // Tensor `name`'s memory now, or the user error saying what to place.
+  uint8_t *placed(const std::string &name);
   // One step's function with `args`: once, or for a parallel kernel once per
   // thread, each with its own thread index.
   void call(const CpuKernel &kernel, StepFunction f, std::vector<void *> &args) const;

@@ -44,14 +44,6 @@ bool plain_gemm(const GemmStep &g) {
          !g.out_add && !g.windowed && stores_plain_accumulator(g);
 }
 
-long producer_of(const KernelProgram &p, const std::string &name) {
-  for (size_t i = 0; i < p.steps.size(); ++i)
-    for (const std::string &o : step_outputs(p.steps[i]))
-      if (o == name)
-        return static_cast<long>(i);
-  return -1;
-}
-
 // Dense [T, F] rows over the token dim `t`.
 bool dense_over(const TensorDecl *t, const Dim &tokens) {
   return t && t->layout == RowLayout::dense && !t->stride8 && t->outer_stride == 0 && t->dims.size() == 2 &&
@@ -74,7 +66,7 @@ KernelProgram fuse_attention(KernelProgram p, const Schedule &schedule) {
     const Var tokens_var = pw->vars[1];
     if (is_output(p, scores) || is_output(p, probs) || reads_of(p, scores) != 1 || reads_of(p, probs) != 1)
       continue;
-    const long s_at = producer_of(p, scores);
+    const long s_at = step_writing(p, scores);
     const auto *g1 = s_at >= 0 ? std::get_if<GemmStep>(&p.steps[s_at]) : nullptr;
     // The scores: q key^T, N over the tokens.
     if (!g1 || !plain_gemm(*g1) || !g1->b_trans || !g1->n.same_as(tokens_var.dim()))

@@ -171,6 +171,14 @@ std::vector<std::string> step_outputs(const Step &s) {
   return out;
 }
 
+long step_writing(const KernelProgram &p, const std::string &name) {
+  for (size_t k = 0; k < p.steps.size(); ++k)
+    for (const std::string &o : step_outputs(p.steps[k]))
+      if (o == name)
+        return static_cast<long>(k);
+  return -1;
+}
+
 namespace {
 // Moves the steps of [begin, end) with first[i - begin] ahead of the others,
 // each group in its own order; returns where the others start.

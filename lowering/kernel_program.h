@@ -318,6 +318,8 @@ std::string step_output(const Step &s);
 // Every tensor a step writes: step_output's, then a GEMM's or an element-wise
 // step's extra outputs or a routing step's gate_output.
 std::vector<std::string> step_outputs(const Step &s);
+// The index of the step that writes `name` (step_outputs'); -1 for an input.
+long step_writing(const KernelProgram &p, const std::string &name);
 
 // Moves the steps of [begin, end) that read any of `late` (or what such a
 // step writes) after the others, each group in its own order, and returns

@@ -669,19 +669,6 @@ RowMap output_rows(const GemmStep &g, const TensorDecl &t) {
 
 } // namespace
 
-namespace {
-
-// The index of the step that writes `name`; -1 for an input.
-long step_writing(const KernelProgram &p, const std::string &name) {
-  for (size_t k = 0; k < p.steps.size(); ++k)
-    for (const std::string &o : step_outputs(p.steps[k]))
-      if (o == name)
-        return static_cast<long>(k);
-  return -1;
-}
-
-} // namespace
-
 size_t merge_sibling_gemms(KernelProgram &p, size_t begin, size_t end) {
   auto producer = [&](const std::string &name) { return step_writing(p, name); };
   auto siblings = [](const GemmStep &x, const GemmStep &y) {

@@ -27,6 +27,13 @@
 #           kernels by name with their time per step, for each of IMPLS on
 #           each of SHAPES (issue 50's per-kernel comparison); PROFILE_LAYERS
 #           (default 1; e.g. "1 8"): a residual stack of that many layers
+#   decode  benchmarks/torch_decode.py (issue 53): one layer's forward alone
+#           over the token sweep, moeforge and torch._grouped_mm in one
+#           process, then SonicMoE beside torch._grouped_mm in another (its
+#           autotuner may take minutes at a new token count, and a process
+#           cut by its timeout keeps the rows it printed); DECODE_SHAPES
+#           (default mixtral,qwen3moe,gptoss), DECODE_TOKENS (default the
+#           script's sweep)
 # SonicMoE's first step at a shape is its autotuner compiling and timing
 # every GEMM config (more than 8 minutes at qwen3moe): its caches (QuACK's
 # and Triton's autotune choices and compiled kernels, about 1 MB packed)
@@ -56,7 +63,7 @@ if has cpp && [ -x .gpu/moeforge_tests ]; then
   fi
   echo "cpp done at $(( $(date +%s) - T0 )) s"
 fi
-if { has stack || has probe || has profile; } && [ -d .peers/sonicmoe ]; then
+if { has stack || has probe || has profile || has decode; } && [ -d .peers/sonicmoe ]; then
   mkdir -p /tmp/site && tar -C /tmp/site -xJf .peers/sonicmoe/libsbase.tar.xz &&
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/sonicmoe/*.whl \
       >"$R/sonic_pip.log" 2>&1 || echo "SonicMoE did not install: $(tail -3 "$R/sonic_pip.log")"
@@ -76,7 +83,7 @@ save_peer_cache() {
 }
 # The package only where it runs: a SonicMoE-only stack (IMPLS=sonicmoe, its
 # autotuner's first call at a shape) spends no time building moeforge.
-if has pytest || { { has stack || has probe || has profile; } && [[ ",${IMPLS:-moeforge}," == *",moeforge"* ]]; }; then
+if has pytest || has decode || { { has stack || has probe || has profile; } && [[ ",${IMPLS:-moeforge}," == *",moeforge"* ]]; }; then
   python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
     >"$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
   echo "pip install done at $(( $(date +%s) - T0 )) s"
@@ -121,6 +128,18 @@ if has profile; then
   done
   save_peer_cache
   echo "profile done at $(( $(date +%s) - T0 )) s"
+fi
+if has decode; then
+  tokens=${DECODE_TOKENS:+--tokens $DECODE_TOKENS}
+  for impls in moeforge,torch torch,sonicmoe; do
+    [ "$impls" = torch,sonicmoe ] && [ ! -d .peers/sonicmoe ] && continue
+    PYTHONUNBUFFERED=1 timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/torch_decode.py \
+      --shapes "${DECODE_SHAPES:-mixtral,qwen3moe,gptoss}" $tokens --impls "$impls" \
+      --out "$R/decode_${impls/,/_}.json" >"$R/decode_${impls/,/_}.log" 2>&1 || status=1
+    grep -v '^{' "$R/decode_${impls/,/_}.log" | tail -40
+  done
+  save_peer_cache
+  echo "decode done at $(( $(date +%s) - T0 )) s"
 fi
 # One file per stage folder: the device tool brings back a few files per call
 # and leaves the rest out (a call's stack.json and stack.log were lost so).

@@ -16,7 +16,12 @@ the card's copy bandwidth (a device-to-device copy of 2 GiB timed in the
 same run), or the dense roof's time for the forward's FLOPs (--roof
 TFLOP/s, 989 for an H200's bf16 by default) where that is longer. Each
 row also gives each implementation's output against torch's layer (max
-|impl - torch| / max |torch|), so that a fast wrong output shows.
+|impl - torch| / max |torch|), so that a fast wrong output shows: moeforge
+against torch's layer with its router's logits in float32, as moeforge's
+are (a bf16 product ties experts at bf16's rounding, and a token routed to
+another expert differs by its whole output), SonicMoE against torch's bf16
+router, its own; `router_ties` is the fraction of tokens whose experts the
+two routers choose differently.
 
 usage: python3 benchmarks/torch_decode.py [--shapes mixtral,qwen3moe,gptoss]
        [--tokens 1,2,4,...,256,4096,16384] [--impls moeforge,torch,sonicmoe]
@@ -52,14 +57,20 @@ def weights(d, f, E, dev, seed=3):
 
 
 class TorchLayer:
-    def __init__(self, w1, w3, w2, wr, k):
+    def __init__(self, w1, w3, w2, wr, k, router_f32=False):
         self.w = (w1, w3, w2, wr)
         self.k = k
+        self.router_f32 = router_f32
         self.bias = torch.zeros(wr.shape[1], device=wr.device)
 
     def __call__(self, x):
         w1, w3, w2, wr = self.w
-        return tgm.forward(x, wr, self.bias, w1, w3, w2, self.k, True, tgm.make_mm("native"))
+        return tgm.forward(x, wr, self.bias, w1, w3, w2, self.k, True, tgm.make_mm("native"), self.router_f32)
+
+    def experts(self, x):
+        """Each token's chosen experts, as a sorted [T, k] tensor."""
+        _, e = tgm.routing(x, self.w[3], self.bias, self.k, True, self.router_f32)
+        return e.sort(dim=-1).values
 
 
 def moeforge_layer(w1, w3, w2, wr, k):
@@ -165,24 +176,26 @@ def main():
             row = {"shape": shape, "tokens": T, "limit_us": limit_us(T, d, f, E, k, bandwidth, a.roof)}
             for impl, fn in impls.items():
                 row[f"{impl}_us"] = time_us(fn, x, a.reps, dev)
-            # What each computed, against torch's layer on the same weights:
-            # a fast row of a wrong output would otherwise read as a win.
-            if "torch" in impls:
-                with torch.inference_mode():
-                    want = impls["torch"](x).float()
-                    scale = max(want.abs().max().item(), 1e-30)
-                    for impl, fn in impls.items():
-                        if impl != "torch":
-                            row[f"{impl}_err"] = (fn(x).float() - want).abs().max().item() / scale
+            # What each computed, against torch's layer on the same weights
+            # with the implementation's router precision: a fast row of a
+            # wrong output would otherwise read as a win.
+            with torch.inference_mode():
+                bf16_router, f32_router = TorchLayer(*w, k), TorchLayer(*w, k, router_f32=True)
+                row["router_ties"] = (bf16_router.experts(x) != f32_router.experts(x)).any(-1).float().mean().item()
+                for impl, fn in impls.items():
+                    if impl != "torch":
+                        want = (f32_router if impl == "moeforge" else bf16_router)(x).float()
+                        scale = max(want.abs().max().item(), 1e-30)
+                        row[f"{impl}_err"] = (fn(x).float() - want).abs().max().item() / scale
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n{'shape':9s} {'T':>6s} {'limit us':>9s} " + " ".join(f"{i + ' us':>12s}" for i in a.impls.split(",")) +
-          "  moeforge / limit  max |moeforge - torch| / max |torch|")
+          "  moeforge / limit  moeforge err  router ties")
     for r in rows:
         cells = " ".join(f"{r.get(i + '_us', float('nan')):12.1f}" for i in a.impls.split(","))
         ratio = r.get("moeforge_us", float("nan")) / r["limit_us"]
         print(f"{r['shape']:9s} {r['tokens']:6d} {r['limit_us']:9.1f} {cells}  {ratio:16.2f}  "
-              f"{r.get('moeforge_err', float('nan')):.1e}")
+              f"{r.get('moeforge_err', float('nan')):11.1e}  {r['router_ties']:11.3f}")
     if a.out:
         with open(a.out, "w") as out:
             json.dump({"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

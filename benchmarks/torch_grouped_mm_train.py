@@ -151,8 +151,12 @@ def check_grouped_mm(dev, backward_modes):
 
 # ---------------------------------------------------------------- the layer
 
-def routing(x, wr, bias, k, swiglu):
-    logits = (x @ wr).float() + bias
+def routing(x, wr, bias, k, swiglu, router_f32=False):
+    # A bf16 product (nn.Linear's, what PyTorch layers and SonicMoE run)
+    # rounds the logits to bf16, which ties experts a float32 router tells
+    # apart; router_f32: the logits in float32, as moeforge's router and its
+    # reference compute them.
+    logits = (x.float() @ wr.float() if router_f32 else (x @ wr).float()) + bias
     probs = torch.softmax(logits, dim=-1)
     gate, expert = torch.topk(probs, k, dim=-1)
     if swiglu:
@@ -160,10 +164,10 @@ def routing(x, wr, bias, k, swiglu):
     return gate, expert
 
 
-def forward(x, wr, bias, w1, w3, w2, k, swiglu, mm):
+def forward(x, wr, bias, w1, w3, w2, k, swiglu, mm, router_f32=False):
     """torch_grouped_mm.py's forward, differentiable (mm: the grouped GEMM)."""
     T = x.shape[0]
-    gate, expert = routing(x, wr, bias, k, swiglu)
+    gate, expert = routing(x, wr, bias, k, swiglu, router_f32)
     flat = expert.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w1.shape[0])

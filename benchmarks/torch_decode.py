@@ -6,7 +6,10 @@ and inputs, beside the memory-bandwidth limit (issue #53).
 Per shape (mixtral, qwen3moe, gptoss: SwiGLU experts, softmax router) and
 token count T (decode: 1, 2, 4, ..., 256; prefill: 4096, 16384): the median
 of --reps forwards, CUDA events around each, after a warm-up of its own and
-a pause; moeforge through moeforge.torch under torch.inference_mode() (the
+a pause, each forward the replay of a CUDA graph of it where the
+implementation can be captured (a server captures its decoding step per
+batch size: the host's launches are not the forward's time), else eager
+(the row's `<impl>_mode` says which); moeforge through moeforge.torch under torch.inference_mode() (the
 forward alone on caller memory, replayed as one CUDA graph at steady
 addresses), torch._grouped_mm's layer (torch_grouped_mm_train.py's
 forward) under inference_mode, SonicMoE's MoE module in inference mode
@@ -25,10 +28,11 @@ two routers choose differently.
 
 usage: python3 benchmarks/torch_decode.py [--shapes mixtral,qwen3moe,gptoss]
        [--tokens 1,2,4,...,256,4096,16384] [--impls moeforge,torch,sonicmoe]
-       [--reps 50] [--out results.json] [--device cuda|cpu]
+       [--reps 50] [--out results.json] [--device cuda|cpu] [--profile N]
        [--tiny] [--device cpu]   (d, f / 16 and the CPU backend: a logic test)
 """
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -120,6 +124,10 @@ def limit_us(T, d, f, E, k, bandwidth, roof_tflops):
 
 
 def time_us(fn, x, reps, dev):
+    """The median of `reps` forwards, µs: eager on the CPU; on the GPU from
+    a CUDA graph of one forward where the implementation can be captured
+    (as a server captures its decoding step per batch size, so the time is
+    the forward's, not the host's launches), else eager. Returns (µs, mode)."""
     with torch.inference_mode():
         for _ in range(5):
             fn(x)
@@ -129,18 +137,54 @@ def time_us(fn, x, reps, dev):
                 t0 = time.perf_counter()
                 fn(x)
                 times.append(1e6 * (time.perf_counter() - t0))
-            return statistics.median(times)
+            return statistics.median(times), "eager", lambda: fn(x)
+        torch.cuda.synchronize()
+        run, mode = (lambda: fn(x)), "eager"
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn(x)  # the warm-up torch's capture asks for, on a side stream
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            run, mode = graph.replay, "graph"
+        except Exception as e:  # a host synchronisation or a host-sized tensor: not capturable
+            print(f"  not captured ({type(e).__name__}: {str(e).splitlines()[0][:120]}): timed eagerly",
+                  file=sys.stderr, flush=True)
+            torch.cuda.synchronize()
+        for _ in range(5):
+            run()
         torch.cuda.synchronize()
         time.sleep(0.2)
         times = []
         for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn(x)
+            run()
             b.record()
             b.synchronize()
             times.append(1e3 * a.elapsed_time(b))
-        return statistics.median(times)
+        return statistics.median(times), mode, run
+
+
+def kernels_us(run, reps):
+    """torch.profiler's kernel records over `reps` forwards: [(µs per
+    forward, launches per forward, name)], longest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    by = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            by[ev.name][0] += ev.device_time / reps
+            by[ev.name][1] += 1
+    return sorted(((us, n / reps, name) for name, (us, n) in by.items()), reverse=True)
 
 
 def main():
@@ -152,6 +196,9 @@ def main():
     ap.add_argument("--roof", type=float, default=989.0, help="dense bf16 TFLOP/s for the limit's compute side")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="d and f / 16 (at least 64): a logic test")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="N > 0: each implementation's kernels over N forwards (torch.profiler), per row")
+    ap.add_argument("--width", type=int, default=90, help="kernel names shortened to this")
     ap.add_argument("--out")
     a = ap.parse_args()
     dev = torch.device(a.device)
@@ -175,7 +222,14 @@ def main():
                  .bfloat16())
             row = {"shape": shape, "tokens": T, "limit_us": limit_us(T, d, f, E, k, bandwidth, a.roof)}
             for impl, fn in impls.items():
-                row[f"{impl}_us"] = time_us(fn, x, a.reps, dev)
+                row[f"{impl}_us"], row[f"{impl}_mode"], run = time_us(fn, x, a.reps, dev)
+                if a.profile and dev.type == "cuda":
+                    ks = kernels_us(run, a.profile)
+                    row[f"{impl}_kernels"] = [[round(us, 2), n, name[:120]] for us, n, name in ks]
+                    print(f"  {shape} T={T} {impl}: kernels {sum(k[0] for k in ks):.1f} us of "
+                          f"{row[impl + '_us']:.1f}", file=sys.stderr)
+                    for us, n, name in ks[:12]:
+                        print(f"    {us:8.2f} us  x{n:g}  {name[:a.width]}", file=sys.stderr)
             # What each computed, against torch's layer on the same weights
             # with the implementation's router precision: a fast row of a
             # wrong output would otherwise read as a win.
@@ -192,7 +246,9 @@ def main():
     print(f"\n{'shape':9s} {'T':>6s} {'limit us':>9s} " + " ".join(f"{i + ' us':>12s}" for i in a.impls.split(",")) +
           "  moeforge / limit  moeforge err  router ties")
     for r in rows:
-        cells = " ".join(f"{r.get(i + '_us', float('nan')):12.1f}" for i in a.impls.split(","))
+        # g: timed from a CUDA graph, e: eagerly (host launches included)
+        cells = " ".join(f"{r.get(i + '_us', float('nan')):11.1f}{r.get(i + '_mode', '?')[0]}"
+                         for i in a.impls.split(","))
         ratio = r.get("moeforge_us", float("nan")) / r["limit_us"]
         print(f"{r['shape']:9s} {r['tokens']:6d} {r['limit_us']:9.1f} {cells}  {ratio:16.2f}  "
               f"{r.get('moeforge_err', float('nan')):11.1e}  {r['router_ties']:11.3f}")

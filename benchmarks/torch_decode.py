@@ -29,6 +29,7 @@ two routers choose differently.
 usage: python3 benchmarks/torch_decode.py [--shapes mixtral,qwen3moe,gptoss]
        [--tokens 1,2,4,...,256,4096,16384] [--impls moeforge,torch,sonicmoe]
        [--reps 50] [--out results.json] [--device cuda|cpu] [--profile N]
+       [--schedules a.sched,b.sched]
        [--tiny] [--device cpu]   (d, f / 16 and the CPU backend: a logic test)
 """
 import argparse
@@ -77,10 +78,10 @@ class TorchLayer:
         return e.sort(dim=-1).values
 
 
-def moeforge_layer(w1, w3, w2, wr, k):
+def moeforge_layer(w1, w3, w2, wr, k, schedule="auto"):
     import moeforge.torch as mft
     E, d, f = w1.shape
-    m = mft.example("swiglu_moe", experts=E, topk=k, d=d, f=f, device=w1.device.type)
+    m = mft.example("swiglu_moe", experts=E, topk=k, d=d, f=f, device=w1.device.type, schedule=schedule)
     with torch.no_grad():
         for name, w in (("w1", w1), ("w3", w3), ("w2", w2), ("wr", wr)):
             getattr(m, name).copy_(w)
@@ -196,11 +197,16 @@ def main():
     ap.add_argument("--roof", type=float, default=989.0, help="dense bf16 TFLOP/s for the limit's compute side")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="d and f / 16 (at least 64): a logic test")
+    ap.add_argument("--schedules", default="",
+                    help="schedule files, comma-separated: moeforge's forward with each too (moeforge_<stem>)")
     ap.add_argument("--profile", type=int, default=0,
                     help="N > 0: each implementation's kernels over N forwards (torch.profiler), per row")
     ap.add_argument("--width", type=int, default=90, help="kernel names shortened to this")
     ap.add_argument("--out")
     a = ap.parse_args()
+    # Each schedule file: one more moeforge column, "moeforge_<file's stem>".
+    schedules = [("moeforge_" + os.path.splitext(os.path.basename(p))[0], p) for p in a.schedules.split(",") if p]
+    columns = a.impls.split(",") + [name for name, _ in schedules]
     dev = torch.device(a.device)
     bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else 4.8e12
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -217,6 +223,10 @@ def main():
                 impls[impl] = {"moeforge": moeforge_layer, "torch": TorchLayer, "sonicmoe": sonic_layer}[impl](*w, k)
             except ImportError as e:
                 print(f"  {impl}: not installed ({e})", file=sys.stderr)
+        for name, path in schedules:
+            import moeforge as mf
+            with open(path) as fh:
+                impls[name] = moeforge_layer(*w, k, schedule=mf.Schedule.from_text(fh.read()))
         for T in (int(t) for t in a.tokens.split(",")):
             x = ((torch.rand(T, d, device=dev, generator=torch.Generator(device=dev).manual_seed(T)) * 2 - 1)
                  .bfloat16())
@@ -238,20 +248,20 @@ def main():
                 row["router_ties"] = (bf16_router.experts(x) != f32_router.experts(x)).any(-1).float().mean().item()
                 for impl, fn in impls.items():
                     if impl != "torch":
-                        want = (f32_router if impl == "moeforge" else bf16_router)(x).float()
+                        want = (f32_router if impl.startswith("moeforge") else bf16_router)(x).float()
                         scale = max(want.abs().max().item(), 1e-30)
                         row[f"{impl}_err"] = (fn(x).float() - want).abs().max().item() / scale
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'shape':9s} {'T':>6s} {'limit us':>9s} " + " ".join(f"{i + ' us':>12s}" for i in a.impls.split(",")) +
-          "  moeforge / limit  moeforge err  router ties")
+    print(f"\n{'shape':9s} {'T':>6s} {'limit us':>9s} " + " ".join(f"{i.replace('moeforge_decode_', 'dec_').replace('moeforge_', '')[:9] + ' us':>12s}" for i in columns) +
+          "  moeforge / limit  worst err  router ties")
     for r in rows:
         # g: timed from a CUDA graph, e: eagerly (host launches included)
-        cells = " ".join(f"{r.get(i + '_us', float('nan')):11.1f}{r.get(i + '_mode', '?')[0]}"
-                         for i in a.impls.split(","))
+        cells = " ".join(f"{r.get(i + '_us', float('nan')):11.1f}{r.get(i + '_mode', '?')[0]}" for i in columns)
         ratio = r.get("moeforge_us", float("nan")) / r["limit_us"]
         print(f"{r['shape']:9s} {r['tokens']:6d} {r['limit_us']:9.1f} {cells}  {ratio:16.2f}  "
-              f"{r.get('moeforge_err', float('nan')):11.1e}  {r['router_ties']:11.3f}")
+              f"{max((v for c, v in r.items() if c.startswith('moeforge') and c.endswith('_err')), default=float('nan')):9.1e}"
+              f"  {r['router_ties']:11.3f}")
     if a.out:
         with open(a.out, "w") as out:
             json.dump({"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

@@ -34,7 +34,9 @@
 #           cut by its timeout keeps the rows it printed); DECODE_SHAPES
 #           (default mixtral,qwen3moe,gptoss), DECODE_TOKENS (default the
 #           script's sweep), DECODE_PROFILE (N: moeforge's and torch's
-#           kernels over N forwards per row)
+#           kernels over N forwards per row), DECODE_SCHEDULES (schedule
+#           files, comma-separated: more moeforge columns), DECODE_PEERS=0
+#           (no SonicMoE process)
 # SonicMoE's first step at a shape is its autotuner compiling and timing
 # every GEMM config (more than 8 minutes at qwen3moe): its caches (QuACK's
 # and Triton's autotune choices and compiled kernels, about 1 MB packed)
@@ -133,9 +135,9 @@ fi
 if has decode; then
   tokens=${DECODE_TOKENS:+--tokens $DECODE_TOKENS}
   for impls in moeforge,torch torch,sonicmoe; do
-    [ "$impls" = torch,sonicmoe ] && [ ! -d .peers/sonicmoe ] && continue
+    [ "$impls" = torch,sonicmoe ] && { [ ! -d .peers/sonicmoe ] || [ "${DECODE_PEERS:-1}" = 0 ]; } && continue
     prof=
-    [ "$impls" = moeforge,torch ] && prof=${DECODE_PROFILE:+--profile $DECODE_PROFILE}
+    [ "$impls" = moeforge,torch ] && prof="${DECODE_PROFILE:+--profile $DECODE_PROFILE} ${DECODE_SCHEDULES:+--schedules $DECODE_SCHEDULES}"
     PYTHONUNBUFFERED=1 timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/torch_decode.py \
       --shapes "${DECODE_SHAPES:-mixtral,qwen3moe,gptoss}" $tokens --impls "$impls" $prof \
       --out "$R/decode_${impls/,/_}.json" >"$R/decode_${impls/,/_}.log" 2>&1 || status=1

@@ -4,17 +4,18 @@ counts, moeforge against torch._grouped_mm and SonicMoE, on the same weights
 and inputs, beside the memory-bandwidth limit (issue #53).
 
 Per shape (mixtral, qwen3moe, gptoss: SwiGLU experts, softmax router) and
-token count T (decode: 1, 2, 4, ..., 256; prefill: 4096, 16384): the median
+token count T (decode: 1, 2, 4, ..., 256; prefill: 4096, 16384): the mean
 of --reps forwards, CUDA events around each, after a warm-up of its own and
-a pause, each forward the replay of a CUDA graph of it where the
-implementation can be captured (a server captures its decoding step per
-batch size: the host's launches are not the forward's time), else eager
-(the row's `<impl>_mode` says which); moeforge through moeforge.torch under torch.inference_mode() (the
-forward alone on caller memory, replayed as one CUDA graph at steady
-addresses), torch._grouped_mm's layer (torch_grouped_mm_train.py's
-forward) under inference_mode, SonicMoE's MoE module in inference mode
-where it is installed. The limit is the bytes of the experts the T tokens
-hit on average, E (1 - (1 - k / E)^T) experts of 3 d f bf16 values, read at
+a pause, over --inputs random inputs in turn (the experts hit vary, and
+the limit is their mean count), each forward the replay of a CUDA graph of
+it where the implementation can be captured (a server captures its
+decoding step per batch size: the host's launches are not the forward's
+time), else eager (the row's `<impl>_mode` says which); moeforge through
+moeforge.torch under torch.inference_mode() (the forward alone on caller
+memory), torch._grouped_mm's layer (torch_grouped_mm_train.py's forward)
+under inference_mode, SonicMoE's MoE module in inference mode where it
+is installed. The limit is the bytes of the experts the T tokens hit on
+average, E (1 - (1 - k / E)^T) experts of 3 d f bf16 values, read at
 the card's copy bandwidth (a device-to-device copy of 2 GiB timed in the
 same run), or the dense roof's time for the forward's FLOPs (--roof
 TFLOP/s, 989 for an H200's bf16 by default) where that is longer. Each
@@ -124,32 +125,36 @@ def limit_us(T, d, f, E, k, bandwidth, roof_tflops):
     return 1e6 * max(read, compute)
 
 
-def time_us(fn, x, reps, dev):
-    """The median of `reps` forwards, µs: eager on the CPU; on the GPU from
-    a CUDA graph of one forward where the implementation can be captured
-    (as a server captures its decoding step per batch size, so the time is
-    the forward's, not the host's launches), else eager. Returns (µs, mode)."""
+def time_us(fn, xs, reps, dev):
+    """The mean of `reps` forwards, µs, over the inputs `xs` in turn: the
+    experts the tokens hit vary from input to input, and the limit is their
+    mean count. Eager on the CPU; on the GPU from a CUDA graph of one
+    forward where the implementation can be captured (as a server captures
+    its decoding step per batch size, so the time is the forward's, not the
+    host's launches), its input copied in before each replay, outside the
+    timed span; else eager. Returns (µs, mode, a forward to profile)."""
     with torch.inference_mode():
-        for _ in range(5):
+        for x in xs:
             fn(x)
         if dev.type != "cuda":
             times = []
-            for _ in range(reps):
+            for i in range(reps):
                 t0 = time.perf_counter()
-                fn(x)
+                fn(xs[i % len(xs)])
                 times.append(1e6 * (time.perf_counter() - t0))
-            return statistics.median(times), "eager", lambda: fn(x)
+            return statistics.fmean(times), "eager", lambda: fn(xs[0])
         torch.cuda.synchronize()
-        run, mode = (lambda: fn(x)), "eager"
+        static = xs[0].clone()
+        run, mode = (lambda: fn(static)), "eager"
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                fn(x)  # the warm-up torch's capture asks for, on a side stream
+                fn(static)  # the warm-up torch's capture asks for, on a side stream
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                fn(x)
+                fn(static)
             graph.replay()
             torch.cuda.synchronize()
             run, mode = graph.replay, "graph"
@@ -162,14 +167,15 @@ def time_us(fn, x, reps, dev):
         torch.cuda.synchronize()
         time.sleep(0.2)
         times = []
-        for _ in range(reps):
+        for i in range(reps):
+            static.copy_(xs[i % len(xs)])
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             run()
             b.record()
             b.synchronize()
             times.append(1e3 * a.elapsed_time(b))
-        return statistics.median(times), mode, run
+        return statistics.fmean(times), mode, run
 
 
 def kernels_us(run, reps):
@@ -193,7 +199,9 @@ def main():
     ap.add_argument("--shapes", default="mixtral,qwen3moe,gptoss")
     ap.add_argument("--tokens", default=",".join(str(t) for t in DECODE + PREFILL))
     ap.add_argument("--impls", default="moeforge,torch,sonicmoe")
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=48)
+    ap.add_argument("--inputs", type=int, default=8,
+                    help="random inputs per row, timed in turn (the experts hit vary; the limit is their mean)")
     ap.add_argument("--roof", type=float, default=989.0, help="dense bf16 TFLOP/s for the limit's compute side")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="d and f / 16 (at least 64): a logic test")
@@ -228,11 +236,12 @@ def main():
             with open(path) as fh:
                 impls[name] = moeforge_layer(*w, k, schedule=mf.Schedule.from_text(fh.read()))
         for T in (int(t) for t in a.tokens.split(",")):
-            x = ((torch.rand(T, d, device=dev, generator=torch.Generator(device=dev).manual_seed(T)) * 2 - 1)
-                 .bfloat16())
+            gen = torch.Generator(device=dev).manual_seed(T)
+            xs = [((torch.rand(T, d, device=dev, generator=gen) * 2 - 1).bfloat16()) for _ in range(a.inputs)]
+            x = xs[0]  # the one the outputs are checked on
             row = {"shape": shape, "tokens": T, "limit_us": limit_us(T, d, f, E, k, bandwidth, a.roof)}
             for impl, fn in impls.items():
-                row[f"{impl}_us"], row[f"{impl}_mode"], run = time_us(fn, x, a.reps, dev)
+                row[f"{impl}_us"], row[f"{impl}_mode"], run = time_us(fn, xs, a.reps, dev)
                 if a.profile and dev.type == "cuda":
                     ks = kernels_us(run, a.profile)
                     row[f"{impl}_kernels"] = [[round(us, 2), n, name[:120]] for us, n, name in ks]

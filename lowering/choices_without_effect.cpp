@@ -69,7 +69,7 @@ std::vector<std::string> choices_without_effect(const Schedule &s, const std::st
       {"bf16_boundary(true)", s.bf16_boundary(), [](Schedule &x) { x.bf16_boundary(false); },
        "the layer's outputs, their upstream gradients and its inputs' gradients are scalars, bf16 already or summed "
        "by atomic adds (atomic_combine)",
-       ReadBy::training},
+       ReadBy::both},
       {"split_pointwise_for_memory(true)", s.split_pointwise_for_memory(),
        [](Schedule &x) { x.split_pointwise_for_memory(false); },
        "no element-wise output of the backward lowers its peak as a kernel of its own", ReadBy::training},

@@ -179,6 +179,15 @@ long step_writing(const KernelProgram &p, const std::string &name) {
   return -1;
 }
 
+void store_in_bf16(KernelProgram &p, std::set<std::string> names) {
+  for (const Step &s : p.steps)
+    if (const auto *g = std::get_if<GemmStep>(&s); g && g->out_add)
+      names.erase(g->output);
+  for (const std::string &n : names)
+    if (TensorDecl *d = p.find(n); d && !d->dims.empty() && d->dtype == DType::f32)
+      d->dtype = DType::bf16;
+}
+
 namespace {
 // Moves the steps of [begin, end) with first[i - begin] ahead of the others,
 // each group in its own order; returns where the others start.

@@ -28,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <ostream>
+#include <set>
 #include <string>
 #include <utility>
 #include <variant>
@@ -320,6 +321,12 @@ std::string step_output(const Step &s);
 std::vector<std::string> step_outputs(const Step &s);
 // The index of the step that writes `name` (step_outputs'); -1 for an input.
 long step_writing(const KernelProgram &p, const std::string &name);
+// Schedule::bf16_boundary: the tensors `names` (a layer's outputs, its
+// Inputs' gradients) stored in bf16 where they are f32 matrices, so that a
+// bf16 model reads them without a conversion of its own; not where a GEMM
+// adds into one (atomic_combine: its f32 sum is the output, and bf16
+// atomics would round every pair's share).
+void store_in_bf16(KernelProgram &p, std::set<std::string> names);
 
 // Moves the steps of [begin, end) that read any of `late` (or what such a
 // step writes) after the others, each group in its own order, and returns

@@ -1374,6 +1374,11 @@ KernelProgram lower(const Pipeline &pipeline, const Schedule &schedule, const Pa
   dump("softmax_into_routing", p, observe);
   p = fuse_attention(std::move(p), schedule);
   dump("fuse_attention", p, observe);
+  // The outputs in bf16 as the training step's forward stores them: a bf16
+  // model converted the f32 y with a kernel of its own after every forward
+  // (at decoding sizes a launch is a tenth of the layer's time).
+  if (schedule.bf16_boundary())
+    store_in_bf16(p, {p.outputs.begin(), p.outputs.end()});
   pad_dynamic_rows(p); // the tensors the passes above added
   plan_gemms(p);       // last: of the steps as they are
   dump("plan_gemms", p, observe);

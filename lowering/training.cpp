@@ -269,12 +269,7 @@ void boundary_in_bf16(KernelProgram &p, const TrainingProgram &t, const Pipeline
     for (const BufferPtr &b : forward.buffers())
       if (b->name == t.of[i] && b->kind == BufferKind::input)
         names.insert(t.gradients[i]);
-  for (const Step &s : p.steps)
-    if (auto *g = std::get_if<GemmStep>(&s); g && g->out_add)
-      names.erase(g->output);
-  for (const std::string &n : names)
-    if (TensorDecl *d = p.find(n); d && !d->dims.empty() && d->dtype == DType::f32)
-      d->dtype = DType::bf16;
+  store_in_bf16(p, names);
   // An Input gradient made in bf16 as the experts' sum over its token's
   // pairs plus a dense GEMM's share (the router's, d_logits wr^T): that
   // share lives beside the pairs' rows at the backward's fullest step (128

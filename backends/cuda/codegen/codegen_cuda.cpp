@@ -29,6 +29,11 @@ std::string c_name(const std::string &s) {
   return out;
 }
 
+// Every kernel's first statement: the runtime launches generated kernels
+// early (programmatic dependent launch, tiles/grid_dependency.cuh), so each
+// waits here for the kernel before it to finish.
+constexpr const char *kEntry = "  mf::wait_for_previous_grid();\n";
+
 std::string c_type(DType t) { return t == DType::f32 ? "float" : (t == DType::bf16 ? "mf::bf16" : "__half"); }
 
 std::string float_literal(double v) {
@@ -1134,7 +1139,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   k.grid.cluster_m = cluster ? 2 : 1;
   src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ", " << min_blocks << ") "
       << (cluster ? "__cluster_dims__(2, 1, 1) " : "") << k.name << "(\n    " << kb.signature() << ") {\n"
-      << body.str() << "}\n\n";
+      << kEntry << body.str() << "}\n\n";
 }
 
 // ------------------------------------------------------------ element-wise kernels
@@ -1372,7 +1377,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
   // and spilled; it needs about 70.
   src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ", 1) " << k.name << "(\n    "
       << kb.signature() << ") {\n"
-      << body.str() << "}\n\n";
+      << kEntry << body.str() << "}\n\n";
 }
 
 void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostringstream &src, GeneratedKernel &k) {
@@ -1528,7 +1533,7 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
   describe(src, s, outs);
   src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ") " << k.name << "(\n    " << kb.signature()
       << ") {\n"
-      << body.str() << "}\n\n";
+      << kEntry << body.str() << "}\n\n";
 }
 
 // ------------------------------------------------------------ the padded copy (blocked)
@@ -1575,7 +1580,8 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   };
   src << "// " << s.name << ": " << s.dst << "[p, :] = " << s.src << "[" << row
       << "] (r = sorted_pair[p]), zero on padding\n";
-  src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n";
+  src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n"
+      << kEntry;
   src << "  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
   src << "  const long long p = idx / " << span << ", c = idx % " << span << ";\n";
   src << "  uint4 v[" << U << "];\n";
@@ -1691,7 +1697,7 @@ void emit_transpose(const KernelProgram &prog, const TransposeStep &s, std::ostr
   src << "// " << s.name << ": " << s.dst << " = " << s.src << "^T"
       << (s.route ? " over the padded rows of " + s.route->name : "") << "\n";
   src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n"
-      << body.str() << "}\n\n";
+      << kEntry << body.str() << "}\n\n";
 }
 
 // ------------------------------------------------------------ attention
@@ -1745,7 +1751,7 @@ void emit_attention(const KernelProgram &prog, const AttentionStep &s, std::ostr
       << ", the softmax online" << (mma ? " (tensor cores)" : "") << "\n";
   src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ") " << k.name << "(\n    " << kb.signature()
       << ") {\n"
-      << body.str() << "}\n\n";
+      << kEntry << body.str() << "}\n\n";
 }
 
 } // namespace

@@ -6,6 +6,7 @@
 #include "backends/cuda/device/tiles/cluster_cuh.h"
 #include "backends/cuda/device/tiles/copies_cuh.h"
 #include "backends/cuda/device/tiles/elementwise_cuh.h"
+#include "backends/cuda/device/tiles/grid_dependency_cuh.h"
 #include "backends/cuda/device/tiles/mma_sync_cuh.h"
 #include "backends/cuda/device/tiles/timeline_cuh.h"
 #include "backends/cuda/device/tiles/tma_cuh.h"
@@ -59,6 +60,7 @@ const std::vector<cuda::NamedHeader> &tile_library_headers() {
     // In the order tiles.cuh includes them.
     return std::vector<cuda::NamedHeader>{
         {kTileLibraryName, kTileLibrarySource},
+        {"moeforge_tiles_grid_dependency.cuh", tile_parts::grid_dependency::kSource},
         {"moeforge_tiles_timeline.cuh", tile_parts::timeline::kSource},
         {"moeforge_tiles_elementwise.cuh", tile_parts::elementwise::kSource},
         {"moeforge_tiles_copies.cuh", tile_parts::copies::kSource},

@@ -3,6 +3,8 @@
 // passes MF_THREADS, MF_TOPK_THREADS, MF_MAX_EXPERTS and MF_CAPACITY_THREADS
 // with -D, so host and device agree on them, and appends the top-k kernels'
 // instantiations.
+// Every kernel starts with mf::wait_for_previous_grid() (the source starts
+// with tiles/grid_dependency.cuh): the runtime launches them early.
 // The format it produces is described in routing_host.h; route_on_host()
 // there is its oracle.
 //
@@ -374,6 +376,7 @@ topk_chunk(const float *__restrict__ scores, int tokens, int experts, int k, int
            int renormalize, int chunk, int *__restrict__ expert, /* (T*k) */ float *__restrict__ gate, /* (T*k) */     \
            int *__restrict__ chunk_counts, /* (chunks, count_stride) */                                                \
            unsigned long long *first_bad, unsigned *seen, unsigned long long route_tag) {                              \
+    mf::wait_for_previous_grid();                                                                                      \
     topk_chunk<group, cols>(scores, tokens, experts, k, softmax, renormalize, chunk, expert, gate, chunk_counts,       \
                             first_bad, seen, route_tag);                                                               \
   }
@@ -391,6 +394,7 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS)
                      int tokens, int experts, int k, int groups, int top_groups, int *__restrict__ expert,
                      float *__restrict__ gate, // (P)
                      unsigned long long *first_bad, unsigned *seen, unsigned long long route_tag) {
+  mf::wait_for_previous_grid();
   const int t = blockIdx.x * MF_THREADS + threadIdx.x;
   if (t >= tokens)
     return;
@@ -444,6 +448,7 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS)
     moe_chunk_histogram(const int *__restrict__ expert, // (P)
                         int pairs, int experts, int chunk,
                         int *__restrict__ chunk_counts) { // (chunks, count_stride)
+  mf::wait_for_previous_grid();
   __shared__ int sCount[MF_MAX_EXPERTS];
   zero_counts<MF_THREADS>(sCount, experts);
   const Chunk c = this_chunk(pairs, chunk);
@@ -765,6 +770,7 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
                      int *__restrict__ tile_rows,        // (max_tiles)
                      int *__restrict__ pair_pos,         // (P)
                      int *__restrict__ sorted_pair) {    // (max_padded_rows)
+  mf::wait_for_previous_grid();
   __shared__ int sWarpCount[kWarps][MF_MAX_EXPERTS];
   __shared__ int sCount[MF_MAX_EXPERTS], sBefore[MF_MAX_EXPERTS], sPadded[MF_MAX_EXPERTS];
   __shared__ int sOffsets[MF_MAX_EXPERTS + 1];
@@ -857,6 +863,7 @@ extern "C" __global__ void __launch_bounds__(kCapacityThreads)
                       const float *__restrict__ score, // (P), read when by_score
                       int tokens, int k, int capacity, int by_score,
                       int *__restrict__ placed) { // (P)
+  mf::wait_for_previous_grid();
   __shared__ int sHist[256], sWarp[kCapacityWarps];
   __shared__ unsigned sPrefix;
   __shared__ int sWant;

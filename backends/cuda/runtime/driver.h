@@ -62,6 +62,7 @@ namespace moeforge::cuda {
   X(cuFuncSetAttribute)                                                                                                \
   X(cuFuncGetAttribute)                                                                                                \
   X(cuLaunchKernel)                                                                                                    \
+  X(cuLaunchKernelEx)                                                                                                  \
   X(cuStreamCreate)                                                                                                    \
   X(cuStreamCreateWithPriority)                                                                                        \
   X(cuCtxGetStreamPriorityRange)                                                                                       \

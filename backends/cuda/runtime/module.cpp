@@ -43,12 +43,33 @@ void Kernel::launch(Dim3 grid, Dim3 block, unsigned shared_bytes, const Stream &
   internal_check(grid.x && grid.y && grid.z && block.x && block.y && block.z)
       << "kernel '" << name_ << "' launched with an empty grid or block (" << grid.x << "x" << grid.y << "x" << grid.z
       << ", " << block.x << "x" << block.y << "x" << block.z << ")";
-  check_about(driver().cuLaunchKernel(function_, grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes,
-                                      stream.handle(), args, nullptr),
-              "cuLaunchKernel",
-              "kernel '" + name_ + "', grid " + std::to_string(grid.x) + "x" + std::to_string(grid.y) + "x" +
-                  std::to_string(grid.z) + ", block " + std::to_string(block.x) + "x" + std::to_string(block.y) + "x" +
-                  std::to_string(block.z) + ", " + std::to_string(shared_bytes) + " bytes dynamic shared memory");
+  auto about = [&] {
+    return "kernel '" + name_ + "', grid " + std::to_string(grid.x) + "x" + std::to_string(grid.y) + "x" +
+           std::to_string(grid.z) + ", block " + std::to_string(block.x) + "x" + std::to_string(block.y) + "x" +
+           std::to_string(block.z) + ", " + std::to_string(shared_bytes) + " bytes dynamic shared memory";
+  };
+  if (!early_) {
+    check_about(driver().cuLaunchKernel(function_, grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes,
+                                        stream.handle(), args, nullptr),
+                "cuLaunchKernel", about());
+    return;
+  }
+  CUlaunchAttribute early{};
+  early.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  early.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = grid.x;
+  config.gridDimY = grid.y;
+  config.gridDimZ = grid.z;
+  config.blockDimX = block.x;
+  config.blockDimY = block.y;
+  config.blockDimZ = block.z;
+  config.sharedMemBytes = shared_bytes;
+  config.hStream = stream.handle();
+  config.attrs = &early;
+  config.numAttrs = 1;
+  check_about(driver().cuLaunchKernelEx(&config, function_, args, nullptr), "cuLaunchKernelEx",
+              about() + ", launched early (programmatic stream serialisation)");
 }
 
 Module::Module(const std::vector<char> &cubin, std::string name) : name_(std::move(name)) {

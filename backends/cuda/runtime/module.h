@@ -44,9 +44,19 @@ public:
   // host copy of its value (for a device pointer: DeviceBuffer::arg()).
   void launch(Dim3 grid, Dim3 block, unsigned shared_bytes, const Stream &stream, void **args) const;
 
+  // Launches from now on with programmatic stream serialisation: the GPU
+  // may schedule this kernel while the one before it in the stream runs.
+  // Only for a kernel whose first statement is mf::wait_for_previous_grid()
+  // (tiles/grid_dependency.cuh); any other would race its predecessor.
+  Kernel &launch_early() {
+    early_ = true;
+    return *this;
+  }
+
 private:
   CUfunction function_ = nullptr;
   std::string name_;
+  bool early_ = false;
 };
 
 class Module {

@@ -1,6 +1,7 @@
 #include "backends/cuda/runtime/routing_kernels.h"
 
 #include "backends/cuda/device/routing_kernels_cuh.h"
+#include "backends/cuda/device/tiles/grid_dependency_cuh.h"
 #include "dsl/error.h"
 
 #include <algorithm>
@@ -69,7 +70,10 @@ bool routing_fuses_counts(const RoutingShape &shape) {
 
 const char *routing_kernels_source() {
   static const std::string source = [] {
-    std::string s = kRoutingKernelsSource;
+    // The tile library's grid_dependency part first: every kernel's first
+    // statement is its wait (the runtime launches these early, as the
+    // generated kernels).
+    std::string s = std::string(tile_parts::grid_dependency::kSource) + kRoutingKernelsSource;
     for (const TopkKernel &k : kTopkKernels)
       s += "MF_TOPK_KERNEL(" + std::string(k.name) + ", " + std::to_string(k.group) + ", " + std::to_string(k.cols) +
            ")\n";
@@ -207,12 +211,13 @@ std::vector<float> RoutingPlan::download_gate() const { return gate.download<flo
 
 DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routing_kernels(arch)) {
   module_ = Module(compiled_.cubin, "routing_kernels");
+  // Every routing kernel starts with its wait (device/routing_kernels.cuh).
   for (int i = 0; i < kTopkKernelCount; ++i)
-    topk_[i] = module_.kernel(kTopkKernels[i].name);
-  histogram_ = module_.kernel("moe_chunk_histogram");
-  grouped_ = module_.kernel("moe_topk_grouped");
-  scan_scatter_ = module_.kernel("moe_scan_scatter");
-  capacity_keep_ = module_.kernel("moe_capacity_keep");
+    topk_[i] = module_.kernel(kTopkKernels[i].name).launch_early();
+  histogram_ = module_.kernel("moe_chunk_histogram").launch_early();
+  grouped_ = module_.kernel("moe_topk_grouped").launch_early();
+  scan_scatter_ = module_.kernel("moe_scan_scatter").launch_early();
+  capacity_keep_ = module_.kernel("moe_capacity_keep").launch_early();
 }
 
 // Each args[] lists the kernel's parameters in the order of its signature in

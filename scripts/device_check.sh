@@ -3,7 +3,8 @@
 # scripts/device_pack.sh), from the repository root: what a session checks
 # on its last code, in stages that each fit one device call.
 #   tests   the GPU suite in four shards side by side (42 test cases took
-#           ~420 s one after another on an H100; ~140 s in shards), the
+#           ~420 s one after another on an H100; ~140 s in shards;
+#           SHARD_TIMEOUT, default 400 s each), the
 #           other test cases (their GPU branches: ~90 s on an H200), then
 #           compute-sanitizer memcheck on a few of them
 #   sanitize  compute-sanitizer racecheck, synccheck and initcheck on small
@@ -73,7 +74,7 @@ if has tests; then
   q=$(( (n + 3) / 4 ))
   # Line-buffered, so a shard cut by its timeout still shows where it was.
   for i in 0 1 2 3; do
-    timeout 400 stdbuf -oL .gpu/moeforge_tests --test-suite=gpu --duration=true --first=$(( i * q + 1 )) \
+    timeout "${SHARD_TIMEOUT:-400}" stdbuf -oL .gpu/moeforge_tests --test-suite=gpu --duration=true --first=$(( i * q + 1 )) \
       --last=$(( (i + 1) * q )) >"$R/tests_$i.log" 2>&1 &
   done
   wait
@@ -91,14 +92,14 @@ if has tests; then
     grep -E "ERROR|CRASHED|test cases|Status" "$R/tests_rest.log" | head -8
     echo "the other test cases done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
   fi
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
+  timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
     -tc="cuda bind*,cuda gpu: group-limited*,cuda layer: the dense MLP*,cuda training: the RMSNorm*,cuda capacity*,cuda gpu: a NaN*,cuda gpu: a layer raises*,cuda gpu: moa and attention forward*" \
     >"$R/memcheck.log" 2>&1
   echo "memcheck exit code: $?" | tee -a "$R/device.txt"
   tail -3 "$R/memcheck.log"
   # The fused attention's kernel on its own (its 4096-token rows are slow
-  # under the checker, so they get their own limit).
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
+  # under the checker, so they get their own limit; ATTENTION_MEMCHECK=0: not).
+  [ "${ATTENTION_MEMCHECK:-1}" = 0 ] || timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
     -tc="cuda gpu: fused attention*" >"$R/memcheck_attention.log" 2>&1
   echo "memcheck (fused attention) exit code: $?" | tee -a "$R/device.txt"
   tail -3 "$R/memcheck_attention.log"

@@ -2,6 +2,7 @@
 
 #include "dsl/error.h"
 
+#include <cstdlib>
 #include <utility>
 
 namespace moeforge::cuda {
@@ -38,6 +39,11 @@ KernelAttributes Kernel::attributes() const {
   return a;
 }
 
+bool early_launches_enabled() {
+  static const bool on = std::getenv("MOEFORGE_NO_EARLY_LAUNCH") == nullptr;
+  return on;
+}
+
 void Kernel::launch(Dim3 grid, Dim3 block, unsigned shared_bytes, const Stream &stream, void **args) const {
   // An empty grid is a caller's bug the driver would only call "invalid value".
   internal_check(grid.x && grid.y && grid.z && block.x && block.y && block.z)
@@ -48,7 +54,7 @@ void Kernel::launch(Dim3 grid, Dim3 block, unsigned shared_bytes, const Stream &
            std::to_string(grid.z) + ", block " + std::to_string(block.x) + "x" + std::to_string(block.y) + "x" +
            std::to_string(block.z) + ", " + std::to_string(shared_bytes) + " bytes dynamic shared memory";
   };
-  if (!early_) {
+  if (!early_ || !early_launches_enabled()) {
     check_about(driver().cuLaunchKernel(function_, grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes,
                                         stream.handle(), args, nullptr),
                 "cuLaunchKernel", about());

@@ -27,6 +27,11 @@ struct KernelAttributes {
 };
 
 // A kernel of a Module; valid while the Module lives.
+// Whether kernels marked launch_early() are launched so: yes, unless the
+// environment sets MOEFORGE_NO_EARLY_LAUNCH (to time the difference, or to
+// rule early launches out when hunting a race).
+bool early_launches_enabled();
+
 class Kernel {
 public:
   Kernel() = default;

@@ -13,7 +13,9 @@ CUDA events beside the kernel sum (the gap is launch and host time; with
 --layers L, a residual stack's step, where that gap is the GPU left idle).
 A name launched several times a step gets each launch's time too. Names
 are shortened to their first --width characters; `--json` writes the full
-rows.
+rows. moeforge launches its kernels early (each waits for the one before
+it on the GPU), so a kernel's recorded time includes that wait: run with
+MOEFORGE_NO_EARLY_LAUNCH=1 for each kernel's own time.
 
 usage: python3 benchmarks/kernel_profile.py [--shape fine64] [--impls moeforge,sonicmoe,torch]
        [--layers 1] [--steps 5] [--width 70] [--json out.json]

@@ -208,7 +208,9 @@ def main():
     ap.add_argument("--schedules", default="",
                     help="schedule files, comma-separated: moeforge's forward with each too (moeforge_<stem>)")
     ap.add_argument("--profile", type=int, default=0,
-                    help="N > 0: each implementation's kernels over N forwards (torch.profiler), per row")
+                    help="N > 0: each implementation's kernels over N forwards (torch.profiler), per row; with "
+                         "moeforge's early launches a kernel's time includes its wait for the one before "
+                         "(MOEFORGE_NO_EARLY_LAUNCH=1: each kernel's own)")
     ap.add_argument("--width", type=int, default=90, help="kernel names shortened to this")
     ap.add_argument("--out")
     a = ap.parse_args()

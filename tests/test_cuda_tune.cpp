@@ -38,21 +38,30 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
   const std::vector<std::string> funcs = tunable_funcs(ex.pipeline, ex.output, base, false);
   CHECK(funcs == std::vector<std::string>{"logits", "h", "o"});
   const size_t all = func_choices().size();
-  CHECK(all == 48); // 3 tiles x 2 stage counts x persistent x TMA store x cluster
+  // (3 tiles x 2 stage counts + the 64-column tile's 2 deeper rings) x persistent x TMA store x cluster
+  CHECK(all == 64);
   // SwiGLU's h has two B operands: 256 columns each need 256 accumulator
   // registers a thread, which the plan rejects; its 256 columns (f) are too
   // many for 64-column tiles, which the cheap model drops.
   FuncCandidates h = candidates_for(ex.pipeline, ex.output, base, "h", false);
   CHECK(h.kept.size() + h.pruned.size() == all);
-  int registers = 0, traffic = 0;
+  int registers = 0, traffic = 0, deep = 0;
   for (const PrunedChoice &p : h.pruned) {
     INFO(p.choice.text() << ": " << p.why);
     registers += has(p.why, "need 256 accumulator registers per thread");
     traffic += has(p.why, "a 64-column tile over 256 columns reads each A tile once per 64 columns, twice the A "
                           "traffic of a 128-column tile");
+    deep += has(p.why, "stages: a ring deeper than 4 is for streaming weights");
   }
   CHECK(registers == 16); // every 256-wide choice
-  CHECK(traffic == 16);   // every 64-wide choice
+  CHECK(traffic == 16);   // every 64-wide choice of 3 or 4 stages
+  CHECK(deep == 16);      // the 6- and 8-stage ones: full tiles here
+  // Decoding keeps the 6-stage ones; the 8-stage ring of two B operands
+  // (8 x 32 KiB) does not fit the SM.
+  int ring = 0;
+  for (const PrunedChoice &p : candidates_for(ex.pipeline, ex.output, base, "h", false, 1).pruned)
+    ring += p.choice.stages == 8 && has(p.why, "bytes of shared memory");
+  CHECK(ring == 8);
   // The router's logits have E = 8 columns: the model keeps the 64-column
   // tiles only. They are f32, which a TMA store does not take: asking for
   // one gives the same plans as not asking, one candidate instead of two.
@@ -89,6 +98,14 @@ TEST_CASE("tune space: every Func's choices, pruned by the plans' legality and b
   CHECK(has(model_prune(forward, "o", FuncChoice{128, 64}, 0), "twice the A traffic")); // 0: every tile full
   FuncCandidates decode = candidates_for(ex.pipeline, ex.output, base, "o", false, 1);
   CHECK(std::any_of(decode.kept.begin(), decode.kept.end(), [](const FuncChoice &c) { return c.tile_n == 64; }));
+  // Deeper rings too, there and only there.
+  CHECK(std::any_of(decode.kept.begin(), decode.kept.end(),
+                    [](const FuncChoice &c) { return c.tile_n == 64 && c.stages == 8; }));
+  CHECK(model_prune(forward, "o", FuncChoice{128, 64, 8}, 1).empty());
+  CHECK(has(model_prune(forward, "o", FuncChoice{128, 64, 6}, 0), "6 stages: a ring deeper than 4 is for streaming"));
+  CHECK(has(model_prune(forward, "logits", FuncChoice{128, 64, 8}, 0), "a ring deeper than 4"));
+  for (const FuncChoice &c : candidates_for(ex.pipeline, ex.output, base, "o", false).kept)
+    CHECK(c.stages <= 4);
   for (const FuncChoice &c : h.kept)
     CHECK(c.tile_n == 128);
   // Every kept candidate lowers and plans: what the tuner times compiles.

@@ -31,13 +31,18 @@ std::string FuncChoice::text() const {
 std::vector<FuncChoice> func_choices() {
   // The knobs' ranges: the tiles the wgmma loops take (64-row tiles lose to
   // 128 on every shape measured; 64-column ones are for narrow GEMMs, the
-  // router's logits over E columns), 3 or 4 stages (a 128 x 256 tile has
-  // room for 4 and nothing past it), the two walk and store choices, and
+  // router's logits over E columns, and decoding), 3 or 4 stages (a 128 x 256
+  // tile has room for 4 and nothing past it), the two walk and store choices, and
   // clusters of two row tiles sharing B (persistent ones walk pairs of
   // tiles: the hand-written best forward of mbpaper's down-projection).
+  // 64-column tiles also take 6 and 8 stages: a decoding step's GEMM has a
+  // row or so a tile and streams the weights, and a deeper ring keeps more
+  // of them in flight per SM (s54, H100: mixtral's down-projection at one
+  // token 128 -> 80 us with 64-column tiles and 8 stages); the model drops
+  // them where tiles have rows to compute (kDeepRingRows).
   std::vector<FuncChoice> out;
   for (int n : {128, 256, 64})
-    for (int stages : {4, 3})
+    for (int stages : n == 64 ? std::vector<int>{4, 3, 6, 8} : std::vector<int>{4, 3})
       for (bool persistent : {false, true})
         for (bool tma_store : {false, true})
           for (int cluster : {1, 2})
@@ -67,6 +72,10 @@ double rows_per_tile(const GemmStep &g, int64_t tokens, int tile_m) {
 // 64 columns costs little, and the narrow tile gives the grid twice the
 // blocks to stream the weights with.
 constexpr double kFewRows = 32;
+// The deepest ring a tile with rows to compute needs (training's and
+// prefill's GEMMs: 4 stages hide the loads, and deeper ones took shared
+// memory from nothing that gained).
+constexpr int kDeepestFullRing = 4;
 
 std::string model_prune(const KernelProgram &program, const std::string &func, const FuncChoice &c, int64_t tokens) {
   for (const Step &st : program.steps) {
@@ -80,6 +89,12 @@ std::string model_prune(const KernelProgram &program, const std::string &func, c
     if (c.tile_n > kNarrowestTile && c.tile_n / 2 >= n) {
       why << "a " << c.tile_n << "-column tile over " << n << " columns: the " << c.tile_n / 2
           << "-column tile covers them with half the padded columns";
+      return why.str();
+    }
+    if (c.stages > kDeepestFullRing && rows_per_tile(*g, tokens, c.tile_m) > kFewRows) {
+      why << c.stages << " stages: a ring deeper than " << kDeepestFullRing << " is for streaming weights at "
+          << kFewRows << " rows a tile or fewer (decoding); tiles with rows to compute hide their loads with "
+          << kDeepestFullRing;
       return why.str();
     }
     if (c.tile_n == kNarrowestTile && n >= 256 && rows_per_tile(*g, tokens, c.tile_m) > kFewRows) {

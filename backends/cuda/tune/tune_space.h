@@ -67,8 +67,9 @@ std::vector<FuncChoice> func_choices();
 // 128-column tile; narrow tiles are for narrow GEMMs), unless its row tiles
 // average 32 rows or fewer at `tokens` tokens (a routed GEMM's T k / E: a
 // decoding step's), where A's bytes are at most half of B's and the narrow
-// tile gives the grid twice the blocks to stream the weights with. tokens 0:
-// count every row tile full.
+// tile gives the grid twice the blocks to stream the weights with; likewise
+// a ring of more than 4 stages (64-column tiles take 6 and 8) only there.
+// tokens 0: count every row tile full.
 std::string model_prune(const KernelProgram &program, const std::string &func, const FuncChoice &choice,
                         int64_t tokens = 0);
 

@@ -43,3 +43,22 @@ def test_a_bf16_router_ties_experts_that_a_float32_one_tells_apart():
         f32 = torch_decode.TorchLayer(*w, K, router_f32=True).experts(x)
     differs = (bf16 != f32).any(-1)
     assert 0 < differs.sum().item() < 300  # some tokens, not all: the routers agree elsewhere
+
+
+def test_the_sweep_writes_a_column_per_schedule_file(tmp_path):
+    """--schedules: each file is one more moeforge column (moeforge_<stem>),
+    checked like the default's; the JSON holds every row's times, modes and
+    errors."""
+    import json
+    import subprocess
+    out = tmp_path / "sweep.json"
+    sched = ROOT / "benchmarks" / "schedules" / "decode" / "decode_n64.sched"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "torch_decode.py"), "--tiny", "--device", "cpu",
+                    "--impls", "moeforge,torch", "--shapes", "qwen3moe", "--tokens", "1,5", "--reps", "2",
+                    "--inputs", "2", "--schedules", str(sched), "--out", str(out)], check=True, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 5]
+    for r in rows:
+        for impl in ("moeforge", "moeforge_decode_n64"):
+            assert r[f"{impl}_us"] > 0 and r[f"{impl}_mode"] == "eager"
+            assert r[f"{impl}_err"] < 2e-2

@@ -15,6 +15,7 @@
 #include "lowering/dynamic_rows.h"
 #include "lowering/fuse_attention.h"
 #include "lowering/gemm_plan.h"
+#include "lowering/pointwise_plan.h"
 #include "lowering/rename_indices.h"
 
 namespace moeforge {
@@ -432,6 +433,17 @@ KernelProgram insert_permutation(KernelProgram p, const Schedule &schedule) {
 }
 
 namespace {
+// Whether an element-wise [pairs, n] result can be made in the padded order,
+// a thread per element walking its row slots: a value over a static row
+// length, not a softmax or a reduction over the tokens (Mixture-of-
+// Attention's query gradient, a sum over every token's score gradient),
+// whose warps walk the pairs. Those stay in pair order, and the GEMM reading
+// one gathers its rows, so padded_elementwise (the default's) does not make
+// the layer's training program one the CUDA target refuses.
+bool padded_order_serves(const PointwiseStep &pw) {
+  return !pw.body.as<Softmax>() && !has_long_reduction(pw.body) && !pw.vars[1].dim().is_dynamic();
+}
+
 // Whether a GEMM (an expert reduction included) reads `name` as an operand.
 bool read_by_gemm(const KernelProgram &p, const std::string &name) {
   for (const Step &s : p.steps)
@@ -486,8 +498,8 @@ KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
     // reads, in the padded order too, its padding zeroed by its kernel.
     if (padded_pairs && !producer && t.dims.size() == 2 && read_by_gemm(p, t.name))
       for (const Step &s : p.steps)
-        if (auto *pw = std::get_if<PointwiseStep>(&s);
-            pw && pw->output == t.name && pw->vars.size() == 2 && pw->vars[0].same_as(t.route->pair)) {
+        if (auto *pw = std::get_if<PointwiseStep>(&s); pw && pw->output == t.name && pw->vars.size() == 2 &&
+                                                       pw->vars[0].same_as(t.route->pair) && padded_order_serves(*pw)) {
           t.layout = RowLayout::padded;
           t.zero_padding = true;
         }

@@ -88,11 +88,8 @@ TEST_CASE("grid dependency: every generated kernel waits for the kernel before i
     for (const Case &c : cases) {
       const std::string what = std::string(name) + " / " + c.schedule;
       check_every_kernel_waits(generate_cuda(lower(ex.pipeline, c.forward)).source, what + " forward");
-      // (moa's training by the default stores the attention's reductions padded, which the CUDA
-      // backend refuses: its megablocks case covers the attention's backward.)
-      if (name != std::string("moa") || c.schedule != "default")
-        check_every_kernel_waits(generate_cuda(lower_training(ex.pipeline, out, c.training).program).source,
-                                 what + " training");
+      check_every_kernel_waits(generate_cuda(lower_training(ex.pipeline, out, c.training).program).source,
+                               what + " training");
     }
     if (name == std::string("moa"))
       check_every_kernel_waits(

@@ -21,6 +21,7 @@
 #include "cuda_training_step.h"
 #include "examples/examples.h"
 #include "layer_compare.h"
+#include "lowering/default_schedule.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
@@ -35,6 +36,14 @@ using testing::gemm_writing;
 namespace {
 
 ExampleShape attention_shape(int64_t tokens) { return testing::shape(tokens, 64, 32, 8, 2); }
+
+// A training schedule by name: a preset as training_preset makes it, or
+// "default", the layer's default training schedule (what `moeforge train`
+// and MoELayer run without one).
+Schedule training_schedule(const Example &ex, const std::string &name) {
+  return name == "default" ? default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)})
+                           : testing::training_preset(name, false);
+}
 
 } // namespace
 
@@ -76,10 +85,10 @@ TEST_CASE("cuda attention: moa and attention compile for sm_90a without spills, 
     }
   // The training schedules the GPU case below runs.
   for (const char *name : {"moa", "attention"})
-    for (const char *p : {"megablocks", "scattermoe+lean"}) {
+    for (const char *p : {"megablocks", "scattermoe+lean", "default"}) {
       Example ex = make_example(name, attention_shape(37));
       testing::check_resources(
-          cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), testing::training_preset(p, false)).layer,
+          cuda::compile_training(ex.pipeline, ex.pipeline.func(ex.output), training_schedule(ex, p)).layer,
           std::string(name) + " / " + p + " training");
     }
 }
@@ -104,14 +113,15 @@ TEST_SUITE("gpu") {
     MOEFORGE_REQUIRE_GPU();
     for (const char *name : {"moa", "attention"})
       for (int64_t tokens : {1, 37, 300})
-        // Not padded_elementwise: the scores' rows have a run-time length,
-        // which the padded order's element-wise kernels do not take.
-        for (const char *p : {"megablocks", "scattermoe+lean"}) {
+        // The default's padded_elementwise leaves the scores' and the
+        // query's gradients in pair order (rows of a run-time length, sums
+        // over the tokens), which the padded order's kernels do not take.
+        for (const char *p : {"megablocks", "scattermoe+lean", "default"}) {
           ExampleShape s = attention_shape(tokens);
           Example ex = make_example(name, s);
           INFO(std::string(name) << " / T " << tokens << " / " << std::string(p));
-          testing::Outcome o = testing::cuda_train_and_compare(ex, ex.random_inputs(s, 29), s.tokens,
-                                                               testing::training_preset(p, false));
+          testing::Outcome o =
+              testing::cuda_train_and_compare(ex, ex.random_inputs(s, 29), s.tokens, training_schedule(ex, p));
           CHECK(o.routing_mismatches == 0);
           CHECK(o.worst_error <= 2e-2);
         }

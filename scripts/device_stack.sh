@@ -37,6 +37,10 @@
 #           kernels over N forwards per row), DECODE_SCHEDULES (schedule
 #           files, comma-separated: more moeforge columns), DECODE_PEERS=0
 #           (no SonicMoE process)
+#   moa     benchmarks/torch_moa.py (issue 54): Mixture-of-Attention,
+#           moeforge (default, and fused_attention for the forward) beside a
+#           PyTorch MoA (grouped projections around one SDPA call), forward
+#           and training step with their memory; MOA_SHAPES (T:E:k,...)
 # SonicMoE's first step at a shape is its autotuner compiling and timing
 # every GEMM config (more than 8 minutes at qwen3moe): its caches (QuACK's
 # and Triton's autotune choices and compiled kernels, about 1 MB packed)
@@ -86,7 +90,7 @@ save_peer_cache() {
 }
 # The package only where it runs: a SonicMoE-only stack (IMPLS=sonicmoe, its
 # autotuner's first call at a shape) spends no time building moeforge.
-if has pytest || has decode || { { has stack || has probe || has profile; } && [[ ",${IMPLS:-moeforge}," == *",moeforge"* ]]; }; then
+if has pytest || has decode || has moa || { { has stack || has probe || has profile; } && [[ ",${IMPLS:-moeforge}," == *",moeforge"* ]]; }; then
   python3 -m pip install -q --no-build-isolation . -Ccmake.define.MOEFORGE_WITH_LLVM=OFF -Cbuild-dir=/tmp/pybuild \
     >"$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
   echo "pip install done at $(( $(date +%s) - T0 )) s"
@@ -145,6 +149,12 @@ if has decode; then
   done
   save_peer_cache
   echo "decode done at $(( $(date +%s) - T0 )) s"
+fi
+if has moa; then
+  PYTHONUNBUFFERED=1 timeout "${MOA_TIMEOUT:-400}" python3 benchmarks/torch_moa.py ${MOA_SHAPES:+--shapes $MOA_SHAPES} \
+    --out "$R/moa.json" >"$R/moa.log" 2>&1 || status=1
+  grep -v '^{' "$R/moa.log" | tail -12
+  echo "moa done at $(( $(date +%s) - T0 )) s"
 fi
 # One file per stage folder: the device tool brings back a few files per call
 # and leaves the rest out (a call's stack.json and stack.log were lost so).

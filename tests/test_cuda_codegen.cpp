@@ -21,6 +21,7 @@
 #include "examples/biased_moe.h"
 #include "examples/gradient_nodes.h"
 #include "examples/norm_layers.h"
+#include "lowering/default_schedule.h"
 #include "lowering/lower.h"
 #include "schedules/presets.h"
 
@@ -944,4 +945,19 @@ TEST_CASE("codegen: outputs of wgmma tiles are stored two column groups at a tim
   Example k1 = make_example("moe_mlp", one);
   CHECK(cuda::compile_layer(k1.pipeline, preset("scattermoe")).source.source.find("mf::store2x2(g_y + out_row * N") !=
         std::string::npos);
+}
+
+TEST_CASE("codegen: every example compiles under its default schedule, forward and training, without spills") {
+  // What `moeforge run` / `train` and MoELayer run on a GPU with no schedule
+  // named (nothing tuned): a layer the CUDA target refused or spilled under
+  // it (moa's training did, until padded_elementwise left its reductions
+  // over the tokens in pair order) would fail a user at the first step.
+  for (const std::string &name : example_names()) {
+    Example ex = make_example(name, testing::shape(64, 128, 256, 8, 2));
+    const Func out = ex.pipeline.func(ex.output);
+    testing::check_resources(cuda::compile_layer(ex.pipeline, default_schedule(ex.pipeline, {})),
+                             name + " forward, default");
+    testing::check_resources(cuda::compile_training(ex.pipeline, out, default_schedule(ex.pipeline, {out})).layer,
+                             name + " training, default");
+  }
 }

@@ -30,7 +30,7 @@ two routers choose differently.
 usage: python3 benchmarks/torch_decode.py [--shapes mixtral,qwen3moe,gptoss]
        [--tokens 1,2,4,...,256,4096,16384] [--impls moeforge,torch,sonicmoe]
        [--reps 50] [--out results.json] [--device cuda|cpu] [--profile N]
-       [--schedules a.sched,b.sched]
+       [--schedules a.sched,b.sched] [--tune SECONDS]
        [--tiny] [--device cpu]   (d, f / 16 and the CPU backend: a logic test)
 """
 import argparse
@@ -101,6 +101,27 @@ def sonic_layer(w1, w3, w2, wr, k):
         m.c_proj.weight.copy_(w2.transpose(1, 2))
     m.eval()
     return lambda x: m(x, kernel_backend_moe=KernelBackendMoE.sonicmoe, is_inference_mode=True)[0]
+
+
+def tune_buckets(d, f, E, k, counts, seconds):
+    """`moeforge tune` of the forward (moeforge.tune, training=False) for
+    each power-of-two bucket of `counts`, `seconds` each, before the
+    module's first forward there: under "auto" its forward then runs the
+    schedule found for the bucket (#53: decoding's schedules found by the
+    tuner). Returns {count: the tuner's base_ms, best_ms and schedule}."""
+    import moeforge as mf
+    ex, _ = mf.make_example("swiglu_moe", tokens=1, experts=E, topk=k, d=d, f=f)
+    out, done = {}, {}
+    for T in counts:
+        bucket = 1 << (T - 1).bit_length()
+        if bucket not in done:
+            s, info = mf.tune(ex.pipeline, bucket, training=False, budget_seconds=seconds)
+            done[bucket] = {"bucket": bucket, "base_ms": info["base_ms"], "best_ms": info["best_ms"],
+                            "schedule": s.to_text()}
+            print(f"  tuned {bucket} tokens: {info['base_ms']:.4f} -> {info['best_ms']:.4f} ms", file=sys.stderr,
+                  flush=True)
+        out[T] = done[bucket]
+    return out
 
 
 def copy_bandwidth(dev):
@@ -205,6 +226,8 @@ def main():
     ap.add_argument("--roof", type=float, default=989.0, help="dense bf16 TFLOP/s for the limit's compute side")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="d and f / 16 (at least 64): a logic test")
+    ap.add_argument("--tune", type=float, default=0,
+                    help="seconds: tune moeforge's forward for each token count's bucket first (GPU only)")
     ap.add_argument("--schedules", default="",
                     help="schedule files, comma-separated: moeforge's forward with each too (moeforge_<stem>)")
     ap.add_argument("--profile", type=int, default=0,
@@ -218,6 +241,8 @@ def main():
     schedules = [("moeforge_" + os.path.splitext(os.path.basename(p))[0], p) for p in a.schedules.split(",") if p]
     columns = a.impls.split(",") + [name for name, _ in schedules]
     dev = torch.device(a.device)
+    if a.tune and dev.type != "cuda":
+        raise SystemExit("--tune times schedules on the GPU: drop it, or run with --device cuda")
     bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else 4.8e12
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"{name}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -227,6 +252,7 @@ def main():
         if a.tiny:
             d, f = max(d // 16 // 8 * 8, 64), max(f // 16 // 8 * 8, 64)
         w = weights(d, f, E, dev)
+        tuned = tune_buckets(d, f, E, k, [int(t) for t in a.tokens.split(",")], a.tune) if a.tune else {}
         impls = {}
         for impl in a.impls.split(","):
             try:
@@ -242,6 +268,8 @@ def main():
             xs = [((torch.rand(T, d, device=dev, generator=gen) * 2 - 1).bfloat16()) for _ in range(a.inputs)]
             x = xs[0]  # the one the outputs are checked on
             row = {"shape": shape, "tokens": T, "limit_us": limit_us(T, d, f, E, k, bandwidth, a.roof)}
+            if T in tuned:
+                row["tuned"] = tuned[T]
             for impl, fn in impls.items():
                 row[f"{impl}_us"], row[f"{impl}_mode"], run = time_us(fn, xs, a.reps, dev)
                 if a.profile and dev.type == "cuda":

@@ -36,7 +36,8 @@
 #           script's sweep), DECODE_PROFILE (N: moeforge's and torch's
 #           kernels over N forwards per row), DECODE_SCHEDULES (schedule
 #           files, comma-separated: more moeforge columns), DECODE_PEERS=0
-#           (no SonicMoE process)
+#           (no SonicMoE process), DECODE_TUNE (seconds: moeforge's forward
+#           tuned per token bucket first, the tuned schedules then run)
 #   moa     benchmarks/torch_moa.py (issue 54): Mixture-of-Attention,
 #           moeforge (default, and fused_attention for the forward) beside a
 #           PyTorch MoA (grouped projections around one SDPA call), forward
@@ -141,7 +142,8 @@ if has decode; then
   for impls in moeforge,torch torch,sonicmoe; do
     [ "$impls" = torch,sonicmoe ] && { [ ! -d .peers/sonicmoe ] || [ "${DECODE_PEERS:-1}" = 0 ]; } && continue
     prof=
-    [ "$impls" = moeforge,torch ] && prof="${DECODE_PROFILE:+--profile $DECODE_PROFILE} ${DECODE_SCHEDULES:+--schedules $DECODE_SCHEDULES}"
+    [ "$impls" = moeforge,torch ] &&
+      prof="${DECODE_PROFILE:+--profile $DECODE_PROFILE} ${DECODE_SCHEDULES:+--schedules $DECODE_SCHEDULES} ${DECODE_TUNE:+--tune $DECODE_TUNE}"
     PYTHONUNBUFFERED=1 timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/torch_decode.py \
       --shapes "${DECODE_SHAPES:-mixtral,qwen3moe,gptoss}" $tokens --impls "$impls" $prof \
       --out "$R/decode_${impls/,/_}.json" >"$R/decode_${impls/,/_}.log" 2>&1 || status=1

@@ -39,7 +39,7 @@ std::vector<FuncChoice> func_choices() {
   // row or so a tile and streams the weights, and a deeper ring keeps more
   // of them in flight per SM (s54, H100: mixtral's down-projection at one
   // token 128 -> 80 us with 64-column tiles and 8 stages); the model drops
-  // them where tiles have rows to compute (kDeepRingRows).
+  // them where tiles have more rows than kFewRows to compute.
   std::vector<FuncChoice> out;
   for (int n : {128, 256, 64})
     for (int stages : n == 64 ? std::vector<int>{4, 3, 6, 8} : std::vector<int>{4, 3})

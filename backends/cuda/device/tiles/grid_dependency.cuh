@@ -4,9 +4,10 @@
 // Programmatic dependent launch (sm_90): the runtime launches moeforge's kernels with
 // programmatic stream serialisation (Kernel::launch_early), so the GPU may schedule a
 // kernel's blocks while the kernel before it in the stream is still running, instead of
-// after it has finished and its memory is flushed. At decoding sizes a layer is a chain of
-// kernels of a few microseconds each, and the gap between two of them (launch, block
-// dispatch) was a sixth of the chain's time.
+// after it has finished and its memory is flushed: the next kernel's launch and block
+// dispatch overlap the one before. At decoding sizes a layer is a chain of kernels of a
+// few microseconds each, with ~2 us between two of them (a fifth of qwen3moe's forward at
+// one token on an H100).
 #pragma once
 
 namespace mf {

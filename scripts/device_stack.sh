@@ -37,7 +37,10 @@
 #           kernels over N forwards per row), DECODE_SCHEDULES (schedule
 #           files, comma-separated: more moeforge columns), DECODE_PEERS=0
 #           (no SonicMoE process), DECODE_TUNE (seconds: moeforge's forward
-#           tuned per token bucket first, the tuned schedules then run)
+#           tuned per token bucket first, the tuned schedules then run),
+#           DECODE_AB=1 (moeforge alone twice more, launched the ordinary
+#           way (MOEFORGE_NO_EARLY_LAUNCH=1), then early again: an A/B/A of
+#           the early launches)
 #   moa     benchmarks/torch_moa.py (issue 54): Mixture-of-Attention,
 #           moeforge (default, and fused_attention for the forward) beside a
 #           PyTorch MoA (grouped projections around one SDPA call), forward
@@ -149,6 +152,15 @@ if has decode; then
       --out "$R/decode_${impls/,/_}.json" >"$R/decode_${impls/,/_}.log" 2>&1 || status=1
     grep -v '^{' "$R/decode_${impls/,/_}.log" | tail -40
   done
+  if [ "${DECODE_AB:-0}" = 1 ]; then
+    for run in late early2; do
+      (if [ $run = late ]; then export MOEFORGE_NO_EARLY_LAUNCH=1; fi
+       PYTHONUNBUFFERED=1 timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/torch_decode.py \
+         --shapes "${DECODE_SHAPES:-mixtral,qwen3moe,gptoss}" $tokens --impls moeforge \
+         --out "$R/decode_moeforge_$run.json" >"$R/decode_moeforge_$run.log" 2>&1) || status=1
+      grep -v '^{' "$R/decode_moeforge_$run.log" | tail -30 | sed "s/^/$run /"
+    done
+  fi
   save_peer_cache
   echo "decode done at $(( $(date +%s) - T0 )) s"
 fi

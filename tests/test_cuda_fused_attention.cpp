@@ -13,6 +13,7 @@
 #include "cuda_forward_compare.h"
 #include "cuda_resources.h"
 #include "examples/examples.h"
+#include "layer_compare.h"
 #include "lowering/default_schedule.h"
 #include "tests/gpu_test.h"
 
@@ -20,15 +21,7 @@ using namespace moeforge;
 
 namespace {
 
-ExampleShape attention_shape(int64_t tokens, int64_t d = 64) {
-  ExampleShape s;
-  s.tokens = tokens;
-  s.d = d;
-  s.f = 32;
-  s.experts = 8;
-  s.topk = 2;
-  return s;
-}
+ExampleShape attention_shape(int64_t tokens, int64_t d = 64) { return testing::shape(tokens, d, 32, 8, 2); }
 
 Schedule fused(const Example &ex) { return default_schedule(ex.pipeline, {}).fused_attention(true); }
 

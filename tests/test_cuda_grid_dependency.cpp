@@ -15,6 +15,7 @@
 #include "backends/cuda/codegen/codegen_cuda.h"
 #include "backends/cuda/runtime/routing_kernels.h"
 #include "examples/examples.h"
+#include "layer_compare.h"
 #include "lowering/default_schedule.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
@@ -55,16 +56,6 @@ void check_every_kernel_waits(const std::string &source, const std::string &what
                   what << ": kernel '" << name << "' starts with '" << first << "'");
 }
 
-ExampleShape shape(int64_t d = 128) {
-  ExampleShape s;
-  s.tokens = 64;
-  s.d = d;
-  s.f = 256;
-  s.experts = 8;
-  s.topk = 2;
-  return s;
-}
-
 } // namespace
 
 TEST_CASE("grid dependency: every routing kernel waits for the kernel before it first") {
@@ -76,7 +67,7 @@ TEST_CASE("grid dependency: every routing kernel waits for the kernel before it 
 
 TEST_CASE("grid dependency: every generated kernel waits for the kernel before it first") {
   for (const char *name : {"swiglu_moe", "moe_mlp", "dense_mlp", "deepseek_moe", "moa"}) {
-    const Example ex = make_example(name, shape(name == std::string("moa") ? 64 : 128));
+    const Example ex = make_example(name, testing::shape(64, name == std::string("moa") ? 64 : 128, 256, 8, 2));
     const Func out = ex.pipeline.func(ex.output);
     // The forward alone and the training step each by their own default, and the blocked permutation.
     struct Case {

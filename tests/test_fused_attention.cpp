@@ -11,6 +11,7 @@
 #include <string>
 
 #include "examples/examples.h"
+#include "layer_compare.h"
 #include "lowering/default_schedule.h"
 #include "lowering/fuse_attention.h"
 #include "lowering/lower.h"
@@ -23,15 +24,7 @@ using namespace moeforge;
 
 namespace {
 
-ExampleShape attention_shape(int64_t tokens) {
-  ExampleShape s;
-  s.tokens = tokens;
-  s.d = 64;
-  s.f = 32;
-  s.experts = 8;
-  s.topk = 2;
-  return s;
-}
+ExampleShape attention_shape(int64_t tokens) { return testing::shape(tokens, 64, 32, 8, 2); }
 
 Schedule fused(const Example &ex) { return default_schedule(ex.pipeline, {}).fused_attention(true); }
 

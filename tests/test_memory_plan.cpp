@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "examples/examples.h"
+#include "layer_compare.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "runtime/memory_plan.h"
@@ -14,15 +15,7 @@ using namespace moeforge;
 
 namespace {
 
-ExampleShape shape_of(int64_t tokens) {
-  ExampleShape s;
-  s.tokens = tokens;
-  s.d = 64;
-  s.f = 128;
-  s.experts = 8;
-  s.topk = 2;
-  return s;
-}
+ExampleShape shape_of(int64_t tokens) { return testing::shape(tokens, 64, 128, 8, 2); }
 
 // Whether b is written over a's bytes at the step where a's life ends
 // (PointwiseStep::in_place), or a over b's.

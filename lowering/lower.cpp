@@ -433,17 +433,6 @@ KernelProgram insert_permutation(KernelProgram p, const Schedule &schedule) {
 }
 
 namespace {
-// Whether an element-wise [pairs, n] result can be made in the padded order,
-// a thread per element walking its row slots: a value over a static row
-// length, not a softmax or a reduction over the tokens (Mixture-of-
-// Attention's query gradient, a sum over every token's score gradient),
-// whose warps walk the pairs. Those stay in pair order, and the GEMM reading
-// one gathers its rows, so padded_elementwise (the default's) does not make
-// the layer's training program one the CUDA target refuses.
-bool padded_order_serves(const PointwiseStep &pw) {
-  return !pw.body.as<Softmax>() && !has_long_reduction(pw.body) && !pw.vars[1].dim().is_dynamic();
-}
-
 // Whether a GEMM (an expert reduction included) reads `name` as an operand.
 bool read_by_gemm(const KernelProgram &p, const std::string &name) {
   for (const Step &s : p.steps)
@@ -495,7 +484,12 @@ KernelProgram assign_row_layouts(KernelProgram p, const Schedule &schedule) {
     if (producer && producer->route && (schedule.permutation() == Permutation::blocked || only_gemm_a || padded_pairs))
       t.layout = RowLayout::padded;
     // padded_elementwise: an element-wise [pairs, n] result that a GEMM
-    // reads, in the padded order too, its padding zeroed by its kernel.
+    // reads, in the padded order too, its padding zeroed by its kernel,
+    // where a kernel can make it so (padded_order_serves: not a reduction
+    // over the tokens, such as Mixture-of-Attention's query gradient; that
+    // stays in pair order, and the GEMM reading it gathers its rows, so
+    // padded_elementwise, the default's, does not make a training program
+    // the CUDA target refuses).
     if (padded_pairs && !producer && t.dims.size() == 2 && read_by_gemm(p, t.name))
       for (const Step &s : p.steps)
         if (auto *pw = std::get_if<PointwiseStep>(&s); pw && pw->output == t.name && pw->vars.size() == 2 &&

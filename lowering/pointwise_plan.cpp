@@ -77,6 +77,10 @@ PointwisePlan plan_row_sums(const KernelProgram &prog, const PointwiseStep &s) {
 
 } // namespace
 
+bool padded_order_serves(const PointwiseStep &s) {
+  return !s.body.as<Softmax>() && !has_long_reduction(s.body) && !s.vars[1].dim().is_dynamic();
+}
+
 PointwisePlan plan_pointwise(const KernelProgram &prog, const PointwiseStep &s) {
   if (std::any_of(s.extra.begin(), s.extra.end(), [](const ExtraOutput &e) { return e.row_sum; }))
     return plan_row_sums(prog, s);
@@ -101,7 +105,7 @@ PointwisePlan plan_pointwise(const KernelProgram &prog, const PointwiseStep &s) 
   p.walk = warp_split && elements <= 4096 ? ElementWalk::block
            : softmax || warp_split        ? ElementWalk::warp
                                           : ElementWalk::thread;
-  user_check(!p.padded_rows || (p.walk == ElementWalk::thread && !s.vars[1].dim().is_dynamic()))
+  user_check(!p.padded_rows || padded_order_serves(s))
       << "definition '" << s.output << "': padded_elementwise stores it in the padded row order, which the CUDA "
       << "backend does for element-wise values over a static row length only (not reductions): drop "
       << "padded_elementwise";

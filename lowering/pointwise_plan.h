@@ -35,6 +35,12 @@ struct PointwisePlan {
 // a run-time row length).
 PointwisePlan plan_pointwise(const KernelProgram &prog, const PointwiseStep &s);
 
+// Whether s's [pairs, n] result can be made in the padded order: a thread
+// per element walking its row slots, so a value over a static row length,
+// not a softmax or a long reduction (whose warps walk the pairs). Lowering
+// leaves the others in pair order; plan_pointwise refuses them padded.
+bool padded_order_serves(const PointwiseStep &s);
+
 // Whether e holds a reduction long enough to split over a warp's lanes (a
 // sum over a run-time extent, or over 64 or more).
 bool has_long_reduction(const Expr &e);

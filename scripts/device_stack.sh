@@ -38,9 +38,11 @@
 #           files, comma-separated: more moeforge columns), DECODE_PEERS=0
 #           (no SonicMoE process), DECODE_TUNE (seconds: moeforge's forward
 #           tuned per token bucket first, the tuned schedules then run),
-#           DECODE_AB=1 (moeforge alone twice more, launched the ordinary
-#           way (MOEFORGE_NO_EARLY_LAUNCH=1), then early again: an A/B/A of
-#           the early launches)
+#           DECODE_AB=1 (moeforge alone twice more, with the switch
+#           DECODE_AB_OFF names set to 1, then without again: an A/B/A;
+#           default MOEFORGE_NO_EARLY_LAUNCH, the early launches;
+#           MOEFORGE_NO_ONE_BLOCK_ROUTING: the routing of a few tokens in
+#           one block)
 #   moa     benchmarks/torch_moa.py (issue 54): Mixture-of-Attention,
 #           moeforge (default, and fused_attention for the forward) beside a
 #           PyTorch MoA (grouped projections around one SDPA call), forward
@@ -153,8 +155,9 @@ if has decode; then
     grep -v '^{' "$R/decode_${impls/,/_}.log" | tail -40
   done
   if [ "${DECODE_AB:-0}" = 1 ]; then
-    for run in late early2; do
-      (if [ $run = late ]; then export MOEFORGE_NO_EARLY_LAUNCH=1; fi
+    # B: the switch DECODE_AB_OFF names set to 1 (default: the early launches).
+    for run in off on2; do
+      (if [ $run = off ]; then export "${DECODE_AB_OFF:-MOEFORGE_NO_EARLY_LAUNCH}=1"; fi
        PYTHONUNBUFFERED=1 timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/torch_decode.py \
          --shapes "${DECODE_SHAPES:-mixtral,qwen3moe,gptoss}" $tokens --impls moeforge \
          --out "$R/decode_moeforge_$run.json" >"$R/decode_moeforge_$run.log" 2>&1) || status=1

@@ -80,13 +80,19 @@ void check_device_routing(const DeviceRouting &routing, const Stream &stream, co
   REQUIRE(verify_routing_tables(s, want).empty());
   DeviceBuffer d_probs = DeviceBuffer::from(probs);
   RoutingPlan plan(s);
-  for (uint32_t poison : {kPoisonOnes, kPoisonNaN}) {
-    plan.poison(poison);
-    routing.run(d_probs.ptr(), plan, stream);
-    stream.synchronize();
-    check_tables_equal(plan.download(), want, s);
-    check_equal(plan.download_gate(), top.gate, "gate", s);
-  }
+  // A few tokens route in one block; the top-k and scatter kernels must
+  // give them the same tables.
+  const std::vector<bool> one_block = plan.one_block ? std::vector<bool>{true, false} : std::vector<bool>{false};
+  for (bool one : one_block)
+    for (uint32_t poison : {kPoisonOnes, kPoisonNaN}) {
+      CAPTURE(one);
+      plan.one_block = one;
+      plan.poison(poison);
+      routing.run(d_probs.ptr(), plan, stream);
+      stream.synchronize();
+      check_tables_equal(plan.download(), want, s);
+      check_equal(plan.download_gate(), top.gate, "gate", s);
+    }
 }
 
 } // namespace
@@ -182,6 +188,14 @@ extern "C" __global__ void add_one(int *x, int n) {
         {{1, 1, 1, 64}, 0.0f},        // one pair
         {{100000, 16, 4, 128}, 0.0f}, // chunks of 3200 pairs: many steps per warp
         {{0, 8, 2, 64}, 0.0f},        // no tokens: offsets, empty tiles and padding still written
+        // Decoding: one block routes them (routing_in_one_block).
+        {{1, 128, 8, 128}, 0.0f},   // qwen3moe, one token
+        {{64, 128, 8, 128}, 2.0f},  // a whole pass of moe_topk_e128, skewed
+        {{37, 64, 8, 128}, 0.0f},   // fine64's experts
+        {{128, 8, 2, 128}, 0.0f},   // mixtral: a whole pass of moe_topk_e32
+        {{16, 256, 16, 64}, 0.0f},  // a warp per token
+        {{5, 33, 33, 128}, 0.0f},   // k = E, E not a multiple of 32
+        {{100, 16, 16, 64}, 50.0f}, // 1600 pairs, most on one expert
     };
     for (const Case &c : cases) {
       const RoutingShape &s = c.shape;

@@ -82,8 +82,8 @@ TEST_CASE("cuda: NVRTC compiles the routing kernels for sm_90a without spills") 
     CHECK(rep->spill_load_bytes == 0);
     CHECK(rep->stack_frame_bytes == 0);
     CHECK(rep->registers > 0);
-    // A block's threads (512 for the top-k kernels) must fit the 64K-register file.
-    const bool topk = name.rfind("moe_topk_e", 0) == 0;
+    // A block's threads (512 for the top-k and one-block kernels) must fit the 64K-register file.
+    const bool topk = name.rfind("moe_topk_e", 0) == 0 || name.rfind("moe_one_block_e", 0) == 0;
     CHECK(rep->registers * (topk ? kRoutingTopkThreads : kRoutingThreads) <= 65536);
   }
   // The per-expert counters live in shared memory, as designed: one row per
@@ -92,6 +92,42 @@ TEST_CASE("cuda: NVRTC compiles the routing kernels for sm_90a without spills") 
     CHECK(r.resources_of(routing_topk_kernel(experts))->shared_bytes >= kMaxRoutingExperts * 4);
   CHECK(r.resources_of("moe_chunk_histogram")->shared_bytes >= kMaxRoutingExperts * 4);
   CHECK(r.resources_of("moe_scan_scatter")->shared_bytes >= kRoutingThreads / 32 * kMaxRoutingExperts * 4);
+  // The one-block kernels keep the scatter's tables and every pair's expert
+  // in shared memory, within the 48 KiB a block has without opting in.
+  for (const char *name : {"moe_one_block_e32", "moe_one_block_e256"}) {
+    CAPTURE(name);
+    const int shared = r.resources_of(name)->shared_bytes;
+    CHECK(shared >= kRoutingThreads / 32 * kMaxRoutingExperts * 4 + kRoutingOneBlockPairs * 4);
+    CHECK(shared <= 48 * 1024);
+  }
+}
+
+TEST_CASE("cuda: a few tokens route in one block, more in the top-k and scatter kernels") {
+  struct Case {
+    RoutingShape shape;
+    bool one_block;
+  };
+  for (const Case &c : {
+           Case{{1, 128, 8, 128}, true},    // qwen3moe decoding one token
+           Case{{64, 128, 8, 128}, true},   // one pass of moe_topk_e128's 64 tokens
+           Case{{65, 128, 8, 128}, false},  // a second pass
+           Case{{128, 8, 2, 128}, true},    // mixtral: 128 tokens a pass
+           Case{{16, 256, 8, 64}, true},    // a warp per token: 16 a pass
+           Case{{17, 256, 8, 64}, false},   //
+           Case{{128, 32, 32, 128}, false}, // 4096 pairs: more than the shared experts hold
+           Case{{0, 8, 2, 64}, true},       // no tokens: the tables are still written
+           Case{{8192, 8, 2, 128}, false},  // training sizes
+       }) {
+    CAPTURE(c.shape.to_string());
+    CHECK(routing_in_one_block(c.shape) == c.one_block);
+  }
+  RoutingShape capped{4, 8, 2, 64};
+  capped.capacity = 1;
+  CHECK_FALSE(routing_in_one_block(capped));
+  RoutingShape grouped{4, 64, 4, 64};
+  grouped.groups = 8;
+  grouped.top_groups = 2;
+  CHECK_FALSE(routing_in_one_block(grouped));
 }
 
 TEST_CASE("cuda: the tile library (device/tiles.cuh and its parts) compiles on its own for sm_90a") {

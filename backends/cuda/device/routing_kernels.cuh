@@ -1,8 +1,8 @@
 // The device routing, compiled at run time with NVRTC: embedded into the
 // binary at build time (backends/cuda/CMakeLists.txt); routing_kernels.cpp
-// passes MF_THREADS, MF_TOPK_THREADS, MF_MAX_EXPERTS and MF_CAPACITY_THREADS
-// with -D, so host and device agree on them, and appends the top-k kernels'
-// instantiations.
+// passes MF_THREADS, MF_TOPK_THREADS, MF_MAX_EXPERTS, MF_CAPACITY_THREADS and
+// MF_ONE_BLOCK_PAIRS with -D, so host and device agree on them, and appends
+// the top-k and one-block kernels' instantiations.
 // Every kernel starts with mf::wait_for_previous_grid() (the source starts
 // with tiles/grid_dependency.cuh): the runtime launches them early.
 // The format it produces is described in routing_host.h; route_on_host()
@@ -32,12 +32,19 @@
 //                        a block per expert keeps its pairs of highest
 //                        priority (placed[r] = e or -1), and the counting
 //                        and placing read `placed`
-// So a routing is two launches (three when not fused), from given experts two.
+//   moe_one_block_e*     a few tokens (decoding): the top-k and the placing
+//                        in one block, the counts and experts kept in shared
+//                        memory between them
+// So a routing is two launches (three when not fused, one for a few
+// tokens), from given experts two.
 #ifndef MF_THREADS
 #error "compile with -DMF_THREADS=<threads per block>"
 #endif
 #ifndef MF_TOPK_THREADS
 #error "compile with -DMF_TOPK_THREADS=<threads per top-k block>"
+#endif
+#ifndef MF_ONE_BLOCK_PAIRS
+#error "compile with -DMF_ONE_BLOCK_PAIRS=<the most pairs moe_one_block_e* routes>"
 #endif
 
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -52,6 +59,7 @@ constexpr int kMinBlocksPerSm = 1;
 static_assert(MF_THREADS % 32 == 0, "whole warps");
 static_assert(MF_TOPK_THREADS % 32 == 0, "whole warps");
 static_assert(MF_MAX_EXPERTS % 32 == 0 && MF_MAX_EXPERTS <= MF_THREADS, "one thread per expert in a block");
+static_assert(MF_TOPK_THREADS >= MF_THREADS, "moe_one_block_e*'s placing runs on its first MF_THREADS threads");
 
 // The pairs [begin, end) of this block's chunk (empty for the one block of
 // moe_scan_scatter when there are no pairs).
@@ -291,6 +299,49 @@ __device__ __forceinline__ void report_non_finite(unsigned long long *first_bad,
   *reinterpret_cast<volatile unsigned *>(seen) = 1u;
 }
 
+// Routes token t (of the tokens below end_token; lanes past it hold no
+// columns and write nothing) from its row, held by this lane's group: the
+// softmax when asked, the report of a score that is not finite, k rounds of
+// the argmax. Lane 0 of the group writes the pairs of chunk c: expert[r],
+// gate[r] (divided by the chosen ones' sum when `renormalize`), a count per
+// expert into sCount and the expert into sExpert[r - c.begin] when those
+// (shared) arrays are given.
+template <int kGroup, int kCols>
+__device__ __forceinline__ void route_row(Row<kGroup, kCols> &row, int t, int end_token, int k, int softmax,
+                                          int renormalize, Chunk c, int *__restrict__ expert, float *__restrict__ gate,
+                                          int *sCount, int *sExpert, unsigned long long *first_bad, unsigned *seen,
+                                          unsigned long long route_tag) {
+  const int q = threadIdx.x % kGroup;
+  if (softmax) // uniform over the grid
+    row.softmax();
+  const int bad = row.first_non_finite(q);
+  if (bad != kNoExpert && q == 0 && t < end_token)
+    report_non_finite(first_bad, seen, route_tag, t, bad);
+  // The chosen probabilities' sum from 0 in slot order, the order of the
+  // generated route_sum step this replaces, so the division matches it.
+  float total = 0.0f;
+  for (int s = 0; s < k; ++s) {
+    float prob;
+    const int best_e = row.take_best(q, softmax, prob);
+    total += prob;
+    const int r = t * k + s;
+    if (t < end_token && q == 0 && r >= c.begin && r < c.end) {
+      expert[r] = best_e;
+      gate[r] = bad != kNoExpert ? __int_as_float(0x7fc00000) : prob;
+      if (sCount)
+        atomicAdd(&sCount[best_e], 1);
+      if (sExpert)
+        sExpert[r - c.begin] = best_e;
+    }
+  }
+  if (renormalize) // uniform over the grid; this thread reads back what it wrote
+    for (int s = 0; s < k; ++s) {
+      const int r = t * k + s;
+      if (t < end_token && q == 0 && r >= c.begin && r < c.end)
+        gate[r] = gate[r] / total;
+    }
+}
+
 // expert[t*k + s], gate[t*k + s] for this block's chunk of pairs: the s-th
 // largest probability of row t, where the probabilities are `scores`, or
 // their row softmax when `softmax` is set (scores are then logits), divided
@@ -317,33 +368,8 @@ topk_chunk(const float *__restrict__ scores, int tokens, int experts, int k, int
     row.load(scores + (long long)t * experts, experts, q, t < end_token);
   };
   auto route = [&](Row<kGroup, kCols> &row, int pass) {
-    const int t = pass + threadIdx.x / kGroup;
-    if (softmax) // uniform over the grid
-      row.softmax();
-    const int bad = row.first_non_finite(q);
-    if (bad != kNoExpert && q == 0 && t < end_token)
-      report_non_finite(first_bad, seen, route_tag, t, bad);
-    // The chosen probabilities' sum from 0 in slot order, the order of the
-    // generated route_sum step this replaces, so the division matches it.
-    float total = 0.0f;
-    for (int s = 0; s < k; ++s) {
-      float prob;
-      const int best_e = row.take_best(q, softmax, prob);
-      total += prob;
-      const int r = t * k + s;
-      if (t < end_token && q == 0 && r >= c.begin && r < c.end) {
-        expert[r] = best_e;
-        gate[r] = bad != kNoExpert ? __int_as_float(0x7fc00000) : prob;
-        if (counts)
-          atomicAdd(&sCount[best_e], 1);
-      }
-    }
-    if (renormalize) // uniform over the grid; this thread reads back what it wrote
-      for (int s = 0; s < k; ++s) {
-        const int r = t * k + s;
-        if (t < end_token && q == 0 && r >= c.begin && r < c.end)
-          gate[r] = gate[r] / total;
-      }
+    route_row(row, pass + threadIdx.x / kGroup, end_token, k, softmax, renormalize, c, expert, gate,
+              counts ? sCount : nullptr, nullptr, first_bad, seen, route_tag);
   };
   // A warp's passes run while it has tokens, so the shuffles see full warps;
   // groups past the last token hold no columns and write nothing. Each pass
@@ -578,7 +604,7 @@ constexpr int kIdSteps = 4;
 struct StepIds {
   int e[kIdSteps];
 };
-__device__ __forceinline__ StepIds load_ids(const int *__restrict__ expert, WarpPairs wp, int first) {
+__device__ __forceinline__ StepIds load_ids(const int *expert, WarpPairs wp, int first) {
   StepIds ids;
 #pragma unroll
   for (int u = 0; u < kIdSteps; ++u) {
@@ -590,8 +616,7 @@ __device__ __forceinline__ StepIds load_ids(const int *__restrict__ expert, Warp
 
 // sWarpCount[w][e] = pairs of expert e in warp w's share, given the experts
 // of its first steps. Only warp w touches row w, so __syncwarp orders it.
-__device__ void count_warp_pairs(const int *__restrict__ expert, int experts, WarpPairs wp, StepIds first_ids,
-                                 int *row) {
+__device__ void count_warp_pairs(const int *expert, int experts, WarpPairs wp, StepIds first_ids, int *row) {
   const int lane = threadIdx.x & 31;
   for (int e = lane; e < experts; e += 32)
     row[e] = 0;
@@ -614,8 +639,8 @@ __device__ void count_warp_pairs(const int *__restrict__ expert, int experts, Wa
 // e's pairs before this warp's share, so the order of r is kept. A pair
 // with expert -1 (dropped at capacity) gets the drop row. The
 // experts of the first steps are count_warp_pairs', still in registers.
-__device__ void place_warp_pairs(const int *__restrict__ expert, WarpPairs wp, StepIds first_ids, const int *sOffsets,
-                                 int *row, int drop_row, int *__restrict__ pair_pos, int *__restrict__ sorted_pair) {
+__device__ void place_warp_pairs(const int *expert, WarpPairs wp, StepIds first_ids, const int *sOffsets, int *row,
+                                 int drop_row, int *__restrict__ pair_pos, int *__restrict__ sorted_pair) {
   const int lane = threadIdx.x & 31;
   for (int first = wp.begin; first < wp.end; first += 32 * kIdSteps) { // uniform per warp
     const StepIds ids = first == wp.begin ? first_ids : load_ids(expert, wp, first);
@@ -752,25 +777,25 @@ __device__ void write_tiles_and_padding(int experts, int block, int max_tiles, i
     sorted_pair[r] = -1;
 }
 
+// The barrier of the placing's threads (the first MF_THREADS of the block):
+// a named one, so that moe_route_one_block's other warps may have left.
+__device__ __forceinline__ void placing_sync() { asm volatile("bar.sync 1, %0;" ::"r"(MF_THREADS) : "memory"); }
+
 // Block b (at least one, also for no pairs) places chunk b's pairs:
 // pair_pos[r] = offsets[e] + (pairs r' < r with expert e), e = expert[r];
 // sorted_pair[pair_pos[r]] = r. A pair's rank among earlier pairs of its
 // expert is: earlier chunks (sBefore) + earlier warps' shares of this chunk
 // (a scan of sWarpCount over warps) + earlier steps and lanes of its warp.
-extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
-    moe_scan_scatter(const int *__restrict__ expert,       // (P)
-                     const int *__restrict__ chunk_counts, // (chunks, count_stride)
-                     int pairs, int experts, int chunk, int chunks, int block, int max_tiles, int max_padded_rows,
-                     int *__restrict__ counts,           // (E)
-                     int *__restrict__ offsets,          // (E+1), padded
-                     int *__restrict__ offsets_unpadded, // (E+1)
-                     int *__restrict__ num_tiles,        // (1)
-                     int *__restrict__ tile_expert,      // (max_tiles)
-                     int *__restrict__ tile_row_start,   // (max_tiles)
-                     int *__restrict__ tile_rows,        // (max_tiles)
-                     int *__restrict__ pair_pos,         // (P)
-                     int *__restrict__ sorted_pair) {    // (max_padded_rows)
-  mf::wait_for_previous_grid();
+// The counts per expert come from chunk_counts (every chunk's), or, for a
+// block that is the only chunk and counted its pairs itself, from
+// own_counts (shared; chunk_counts then null). Run by the block's first
+// MF_THREADS threads.
+__device__ __forceinline__ void
+scan_scatter_block(const int *expert, const int *__restrict__ chunk_counts, const int *own_counts, int pairs,
+                   int experts, int chunk, int chunks, int block, int max_tiles, int max_padded_rows,
+                   int *__restrict__ counts, int *__restrict__ offsets, int *__restrict__ offsets_unpadded,
+                   int *__restrict__ num_tiles, int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
+                   int *__restrict__ tile_rows, int *__restrict__ pair_pos, int *__restrict__ sorted_pair) {
   __shared__ int sWarpCount[kWarps][MF_MAX_EXPERTS];
   __shared__ int sCount[MF_MAX_EXPERTS], sBefore[MF_MAX_EXPERTS], sPadded[MF_MAX_EXPERTS];
   __shared__ int sOffsets[MF_MAX_EXPERTS + 1];
@@ -779,9 +804,17 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
   const int warp = threadIdx.x >> 5;
   const WarpPairs wp = warp_pairs(this_chunk(pairs, chunk), chunk, warp);
   const StepIds first_ids = load_ids(expert, wp, wp.begin); // in flight with the count table's loads
-  sum_chunk_counts(chunk_counts, chunks, experts, block, sCount, sBefore, sPadded);
+  if (own_counts != nullptr) {
+    for (int e = threadIdx.x; e < experts; e += MF_THREADS) {
+      sCount[e] = own_counts[e];
+      sBefore[e] = 0;
+      sPadded[e] = (own_counts[e] + block - 1) / block * block;
+    }
+  } else {
+    sum_chunk_counts(chunk_counts, chunks, experts, block, sCount, sBefore, sPadded);
+  }
   count_warp_pairs(expert, experts, wp, first_ids, sWarpCount[warp]);
-  __syncthreads();
+  placing_sync();
   if (warp == 0)
     scan_experts(experts, block, sCount, sPadded, sOffsets, counts, offsets, offsets_unpadded, num_tiles);
   else if (warp == 1)
@@ -797,11 +830,83 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
       running += n;
     }
   }
-  __syncthreads();
+  placing_sync();
   place_warp_pairs(expert, wp, first_ids, sOffsets, sWarpCount[warp], max_padded_rows - 1, pair_pos, sorted_pair);
   write_tiles_and_padding(experts, block, max_tiles, max_padded_rows, sCount, sPadded, sOffsets, tp, tile_expert,
                           tile_row_start, tile_rows, sorted_pair);
 }
+
+extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
+    moe_scan_scatter(const int *__restrict__ expert,       // (P)
+                     const int *__restrict__ chunk_counts, // (chunks, count_stride)
+                     int pairs, int experts, int chunk, int chunks, int block, int max_tiles, int max_padded_rows,
+                     int *__restrict__ counts,           // (E)
+                     int *__restrict__ offsets,          // (E+1), padded
+                     int *__restrict__ offsets_unpadded, // (E+1)
+                     int *__restrict__ num_tiles,        // (1)
+                     int *__restrict__ tile_expert,      // (max_tiles)
+                     int *__restrict__ tile_row_start,   // (max_tiles)
+                     int *__restrict__ tile_rows,        // (max_tiles)
+                     int *__restrict__ pair_pos,         // (P)
+                     int *__restrict__ sorted_pair) {    // (max_padded_rows)
+  mf::wait_for_previous_grid();
+  scan_scatter_block(expert, chunk_counts, nullptr, pairs, experts, chunk, chunks, block, max_tiles, max_padded_rows,
+                     counts, offsets, offsets_unpadded, num_tiles, tile_expert, tile_row_start, tile_rows, pair_pos,
+                     sorted_pair);
+}
+
+// The whole routing of a few tokens in one block (routing_in_one_block on
+// the host): at decoding sizes each launch of the top-k / scan-and-scatter
+// pair costs several microseconds of latency for a handful of pairs, and
+// the counts and the experts pass through global memory between them.
+// Here one pass of the top-k routes every token (tokens <= MF_TOPK_THREADS
+// / kGroup) and counts into shared memory, keeping each pair's expert in
+// shared memory too (pairs <= MF_ONE_BLOCK_PAIRS); then the first
+// MF_THREADS threads place the pairs as moe_scan_scatter's only block
+// would, from those. Same tables, bit for bit, as the two kernels.
+template <int kGroup, int kCols>
+__device__ __forceinline__ void
+route_one_block(const float *__restrict__ scores, int tokens, int experts, int k, int softmax, int renormalize,
+                int block, int max_tiles, int max_padded_rows, int *__restrict__ expert, float *__restrict__ gate,
+                int *__restrict__ counts, int *__restrict__ offsets, int *__restrict__ offsets_unpadded,
+                int *__restrict__ num_tiles, int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
+                int *__restrict__ tile_rows, int *__restrict__ pair_pos, int *__restrict__ sorted_pair,
+                unsigned long long *first_bad, unsigned *seen, unsigned long long route_tag) {
+  __shared__ int sTopkCount[MF_MAX_EXPERTS];
+  __shared__ int sExpert[MF_ONE_BLOCK_PAIRS];
+  zero_counts<MF_TOPK_THREADS>(sTopkCount, experts);
+  const int pairs = tokens * k;
+  const Chunk all{0, pairs};
+  if ((threadIdx.x >> 5) * (32 / kGroup) < tokens) { // a warp holding a token (uniform per warp)
+    const int t = threadIdx.x / kGroup;
+    Row<kGroup, kCols> row;
+    row.load(scores + (long long)t * experts, experts, threadIdx.x % kGroup, t < tokens);
+    route_row(row, t, tokens, k, softmax, renormalize, all, expert, gate, sTopkCount, sExpert, first_bad, seen,
+              route_tag);
+  }
+  __syncthreads();
+  if (threadIdx.x >= MF_THREADS)
+    return;
+  // One chunk of whole 32-pair steps per warp, as warp_pairs cuts it.
+  const int chunk = (pairs + 32 * kWarps - 1) / (32 * kWarps) * (32 * kWarps);
+  scan_scatter_block(sExpert, nullptr, sTopkCount, pairs, experts, chunk, 1, block, max_tiles, max_padded_rows, counts,
+                     offsets, offsets_unpadded, num_tiles, tile_expert, tile_row_start, tile_rows, pair_pos,
+                     sorted_pair);
+}
+
+#define MF_ONE_BLOCK_KERNEL(name, group, cols)                                                                         \
+  extern "C" __global__ void __launch_bounds__(MF_TOPK_THREADS, 1)                                                     \
+      name(const float *__restrict__ scores, int tokens, int experts, int k, int softmax, int renormalize, int block,  \
+           int max_tiles, int max_padded_rows, int *__restrict__ expert, float *__restrict__ gate,                     \
+           int *__restrict__ counts, int *__restrict__ offsets, int *__restrict__ offsets_unpadded,                    \
+           int *__restrict__ num_tiles, int *__restrict__ tile_expert, int *__restrict__ tile_row_start,               \
+           int *__restrict__ tile_rows, int *__restrict__ pair_pos, int *__restrict__ sorted_pair,                     \
+           unsigned long long *first_bad, unsigned *seen, unsigned long long route_tag) {                              \
+    mf::wait_for_previous_grid();                                                                                      \
+    route_one_block<group, cols>(scores, tokens, experts, k, softmax, renormalize, block, max_tiles, max_padded_rows,  \
+                                 expert, gate, counts, offsets, offsets_unpadded, num_tiles, tile_expert,              \
+                                 tile_row_start, tile_rows, pair_pos, sorted_pair, first_bad, seen, route_tag);        \
+  }
 
 // ---------------------------------------------------------------- capacity
 

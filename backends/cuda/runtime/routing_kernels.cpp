@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
+#include <string>
 
 namespace moeforge::cuda {
 
@@ -32,6 +34,19 @@ int topk_index(int experts) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The one-block kernel of the same bound on E: moe_one_block_e128 for moe_topk_e128.
+std::string one_block_name(const TopkKernel &k) {
+  return "moe_one_block_" + std::string(k.name).substr(std::string("moe_topk_").size());
+}
+
+bool one_block_routing_off() {
+  static const bool off = [] {
+    const char *v = std::getenv("MOEFORGE_NO_ONE_BLOCK_ROUTING");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return off;
+}
 } // namespace
 
 const std::vector<std::string> &routing_kernel_names() {
@@ -42,6 +57,8 @@ const std::vector<std::string> &routing_kernel_names() {
     n.push_back("moe_chunk_histogram");
     n.push_back("moe_scan_scatter");
     n.push_back("moe_capacity_keep");
+    for (const TopkKernel &k : kTopkKernels)
+      n.push_back(one_block_name(k));
     return n;
   }();
   return names;
@@ -68,15 +85,26 @@ bool routing_fuses_counts(const RoutingShape &shape) {
   return passes == 1 || passes * k <= kRoutingFusedRounds;
 }
 
+namespace {
+bool fits_one_block(const RoutingShape &shape) {
+  return !shape.drops() && shape.groups <= 1 && shape.tokens <= routing_topk_tokens_per_pass(shape.experts) &&
+         shape.pairs() <= kRoutingOneBlockPairs;
+}
+} // namespace
+
+bool routing_in_one_block(const RoutingShape &shape) { return fits_one_block(shape) && !one_block_routing_off(); }
+
 const char *routing_kernels_source() {
   static const std::string source = [] {
     // The tile library's grid_dependency part first: every kernel's first
     // statement is its wait (the runtime launches these early, as the
     // generated kernels).
     std::string s = std::string(tile_parts::grid_dependency::kSource) + kRoutingKernelsSource;
-    for (const TopkKernel &k : kTopkKernels)
-      s += "MF_TOPK_KERNEL(" + std::string(k.name) + ", " + std::to_string(k.group) + ", " + std::to_string(k.cols) +
-           ")\n";
+    for (const TopkKernel &k : kTopkKernels) {
+      const std::string params = ", " + std::to_string(k.group) + ", " + std::to_string(k.cols) + ")\n";
+      s += "MF_TOPK_KERNEL(" + std::string(k.name) + params;
+      s += "MF_ONE_BLOCK_KERNEL(" + one_block_name(k) + params;
+    }
     return s;
   }();
   return source.c_str();
@@ -88,7 +116,8 @@ CompileOptions routing_compile_options(const std::string &arch) {
   o.extra_options = {"-DMF_THREADS=" + std::to_string(kRoutingThreads),
                      "-DMF_TOPK_THREADS=" + std::to_string(kRoutingTopkThreads),
                      "-DMF_MAX_EXPERTS=" + std::to_string(kMaxRoutingExperts),
-                     "-DMF_CAPACITY_THREADS=" + std::to_string(kCapacityThreads)};
+                     "-DMF_CAPACITY_THREADS=" + std::to_string(kCapacityThreads),
+                     "-DMF_ONE_BLOCK_PAIRS=" + std::to_string(kRoutingOneBlockPairs)};
   return o;
 }
 
@@ -114,6 +143,7 @@ void RoutingPlan::set_shape(const RoutingShape &s) {
   chunks = ceil_div(s.pairs(), chunk);
   fused = routing_fuses_counts(s) && !s.drops();
   topk_chunk = fused ? chunk : routing_topk_tokens_per_pass(s.experts) * s.k;
+  one_block = routing_in_one_block(s);
 }
 
 std::vector<std::pair<DeviceBuffer *, size_t>> RoutingPlan::arrays() {
@@ -212,8 +242,10 @@ std::vector<float> RoutingPlan::download_gate() const { return gate.download<flo
 DeviceRouting::DeviceRouting(const std::string &arch) : compiled_(compile_routing_kernels(arch)) {
   module_ = Module(compiled_.cubin, "routing_kernels");
   // Every routing kernel starts with its wait (device/routing_kernels.cuh).
-  for (int i = 0; i < kTopkKernelCount; ++i)
+  for (int i = 0; i < kTopkKernelCount; ++i) {
     topk_[i] = module_.kernel(kTopkKernels[i].name).launch_early();
+    one_block_[i] = module_.kernel(one_block_name(kTopkKernels[i])).launch_early();
+  }
   histogram_ = module_.kernel("moe_chunk_histogram").launch_early();
   grouped_ = module_.kernel("moe_topk_grouped").launch_early();
   scan_scatter_ = module_.kernel("moe_scan_scatter").launch_early();
@@ -243,6 +275,10 @@ void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stre
     place(plan, stream, gate);
     return;
   }
+  if (plan.one_block) {
+    one_block(probs, plan, stream, softmax, gate, renormalize, sink);
+    return;
+  }
   if (s.pairs() > 0) {
     int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, apply_softmax = softmax ? 1 : 0;
     int divide = renormalize ? 1 : 0, chunk = static_cast<int>(plan.topk_chunk);
@@ -260,6 +296,41 @@ void DeviceRouting::run(CUdeviceptr probs, RoutingPlan &plan, const Stream &stre
     return;
   }
   place(plan, stream, gate);
+}
+
+void DeviceRouting::one_block(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax,
+                              CUdeviceptr gate, bool renormalize, NonFiniteSink sink) const {
+  const RoutingShape &s = plan.shape;
+  internal_check(fits_one_block(s)) << "routing " << s.to_string() << " does not fit one block";
+  int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, apply_softmax = softmax ? 1 : 0;
+  int divide = renormalize ? 1 : 0, block = s.block;
+  int max_tiles = static_cast<int>(s.max_tiles()), max_padded_rows = static_cast<int>(s.max_padded_rows());
+  unsigned long long route_tag = sink.route_tag;
+  void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
+  void *args[] = {&probs,
+                  &tokens,
+                  &experts,
+                  &k,
+                  &apply_softmax,
+                  &divide,
+                  &block,
+                  &max_tiles,
+                  &max_padded_rows,
+                  plan.expert.arg(),
+                  gate_arg,
+                  plan.counts.arg(),
+                  plan.offsets.arg(),
+                  plan.offsets_unpadded.arg(),
+                  plan.num_tiles.arg(),
+                  plan.tile_expert.arg(),
+                  plan.tile_row_start.arg(),
+                  plan.tile_rows.arg(),
+                  plan.pair_pos.arg(),
+                  plan.sorted_pair.arg(),
+                  &sink.first_bad,
+                  &sink.seen,
+                  &route_tag};
+  one_block_[topk_index(s.experts)].launch({1}, {kRoutingTopkThreads}, 0, stream, args);
 }
 
 void DeviceRouting::run_from_experts(RoutingPlan &plan, const Stream &stream) const { place(plan, stream, 0); }

@@ -40,7 +40,8 @@ inline constexpr int64_t kRoutingChunkQuantum = 128;
 int64_t routing_chunk_pairs(const RoutingShape &shape);
 
 // Every kernel of the routing module. One top-k kernel per bound on E (see
-// routing_topk_kernel), then moe_chunk_histogram and moe_scan_scatter.
+// routing_topk_kernel), then moe_chunk_histogram, moe_scan_scatter,
+// moe_capacity_keep and one moe_one_block_e* per bound on E.
 const std::vector<std::string> &routing_kernel_names();
 // The top-k kernel that routes `experts` experts: moe_topk_e32 .. _e256,
 // and how many tokens a block of it routes at a time (a pass).
@@ -55,6 +56,18 @@ int64_t routing_topk_tokens_per_pass(int experts);
 // of tokens and moe_chunk_histogram counts.
 inline constexpr int64_t kRoutingFusedRounds = 4;
 bool routing_fuses_counts(const RoutingShape &shape);
+
+// The most pairs moe_one_block_e* routes (their experts stay in its shared
+// memory: 8 KiB).
+inline constexpr int64_t kRoutingOneBlockPairs = 2048;
+// Whether a routing of `shape` runs as one block (moe_one_block_e*, the
+// top-k and the placing in one launch): one pass of the top-k holds every
+// token, at most kRoutingOneBlockPairs pairs, one expert group and no
+// capacity. That is decoding: at one token on qwen3moe's shape the top-k
+// and the scan-and-scatter kernels took 8 us each for 8 pairs, mostly
+// latency between their steps and through global memory. The environment
+// variable MOEFORGE_NO_ONE_BLOCK_ROUTING=1 turns it off (for A/B timing).
+bool routing_in_one_block(const RoutingShape &shape);
 
 // NVRTC input for the routing kernels, its top-k kernels instantiated (the
 // -D constants above added to `options`).
@@ -79,6 +92,7 @@ struct RoutingPlan {
   int64_t chunk = 0;                      // routing_chunk_pairs(shape)
   int64_t chunks = 0;                     // ceil(P / chunk)
   bool fused = false;                     // routing_fuses_counts(shape)
+  bool one_block = false;                 // routing_in_one_block(shape); run() takes it (tests may clear it)
   int64_t topk_chunk = 0;                 // pairs per top-k block: chunk when fused, else one pass of tokens
   DeviceBuffer expert, gate;              // int32, f32 [P]
   DeviceBuffer counts;                    // int32 [E]
@@ -158,6 +172,9 @@ public:
   const CompileResult &compiled() const { return compiled_; }
 
 private:
+  // run() of a routing in one block (plan.one_block): moe_one_block_e*.
+  void one_block(CUdeviceptr probs, RoutingPlan &plan, const Stream &stream, bool softmax, CUdeviceptr gate,
+                 bool renormalize, NonFiniteSink sink) const;
   // From plan.expert (and the gates, `gate` or plan.gate): the capacity's
   // choice if any, then the counts and the placement.
   void place(RoutingPlan &plan, const Stream &stream, CUdeviceptr gate) const;
@@ -169,7 +186,8 @@ private:
 
   CompileResult compiled_;
   Module module_;
-  std::array<Kernel, 4> topk_; // by bound on E: 32, 64, 128, 256
+  std::array<Kernel, 4> topk_;      // by bound on E: 32, 64, 128, 256
+  std::array<Kernel, 4> one_block_; // likewise: moe_one_block_e32 .. _e256
   Kernel histogram_, scan_scatter_, grouped_, capacity_keep_;
 };
 

@@ -188,20 +188,42 @@ extern "C" __global__ void add_one(int *x, int n) {
         {{1, 1, 1, 64}, 0.0f},        // one pair
         {{100000, 16, 4, 128}, 0.0f}, // chunks of 3200 pairs: many steps per warp
         {{0, 8, 2, 64}, 0.0f},        // no tokens: offsets, empty tiles and padding still written
-        // Decoding: one block routes them (routing_in_one_block).
-        {{1, 128, 8, 128}, 0.0f},   // qwen3moe, one token
-        {{64, 128, 8, 128}, 2.0f},  // a whole pass of moe_topk_e128, skewed
-        {{37, 64, 8, 128}, 0.0f},   // fine64's experts
-        {{128, 8, 2, 128}, 0.0f},   // mixtral: a whole pass of moe_topk_e32
-        {{16, 256, 16, 64}, 0.0f},  // a warp per token
-        {{5, 33, 33, 128}, 0.0f},   // k = E, E not a multiple of 32
-        {{100, 16, 16, 64}, 50.0f}, // 1600 pairs, most on one expert
     };
     for (const Case &c : cases) {
       const RoutingShape &s = c.shape;
       CAPTURE(s.to_string());
       std::vector<float> probs = random_probs(s, rng, c.skew);
       check_device_routing(routing, stream, s, probs);
+    }
+  }
+
+  // Small on purpose: the sanitizers' racecheck and synccheck run it
+  // (scripts/device_check.sh), for the shared memory and the named barrier
+  // the one-block kernels share between their top-k and their placing.
+  TEST_CASE("cuda gpu: a few tokens routed in one block match the host oracle and the two-kernel routing") {
+    MOEFORGE_REQUIRE_GPU();
+    Device device;
+    DeviceRouting routing(device);
+    Stream stream;
+    std::mt19937 rng(9);
+    struct Case {
+      RoutingShape shape;
+      float skew;
+    };
+    for (const Case &c : std::vector<Case>{
+             {{1, 128, 8, 128}, 0.0f},   // qwen3moe, one token
+             {{64, 128, 8, 128}, 2.0f},  // a whole pass of moe_topk_e128, skewed
+             {{37, 64, 8, 128}, 0.0f},   // fine64's experts
+             {{128, 8, 2, 128}, 0.0f},   // mixtral: a whole pass of moe_topk_e32
+             {{16, 256, 16, 64}, 0.0f},  // a warp per token
+             {{5, 33, 33, 128}, 0.0f},   // k = E, E not a multiple of 32
+             {{100, 16, 16, 64}, 50.0f}, // 1600 pairs, most on one expert
+             {{1, 1, 1, 64}, 0.0f},      // one pair
+             {{0, 8, 2, 64}, 0.0f},      // no tokens
+         }) {
+      CAPTURE(c.shape.to_string());
+      REQUIRE(routing_in_one_block(c.shape));
+      check_device_routing(routing, stream, c.shape, random_probs(c.shape, rng, c.skew));
     }
   }
 

@@ -37,6 +37,15 @@
 //                        memory between them
 // So a routing is two launches (three when not fused, one for a few
 // tokens), from given experts two.
+//
+// Code size. At decoding sizes these kernels do a few hundred instructions'
+// work on a handful of pairs, mostly straight-line code run once per launch,
+// so their time follows the instructions they fetch more than the work: at
+// one token of qwen3moe's shape (H100) the top-k and the scan-and-scatter
+// kernels took 8.2 and 8.1 us with 51 KB of code each, the first one-block
+// kernel 14.7 us with 78 KB. Loops over the experts a lane owns therefore
+// stay rolled (#pragma unroll 1) where they touch shared memory only, and a
+// division by a run-time value is made once per expert.
 #ifndef MF_THREADS
 #error "compile with -DMF_THREADS=<threads per block>"
 #endif
@@ -485,12 +494,16 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS)
 
 // For the experts of this warp's slice (count_stride / kWarps of them from
 // warp * that): sCount[e] = e's pairs in every chunk, sBefore[e] = those in
-// chunks before this block's, sPadded[e] = sCount[e] rounded up to `block`.
+// chunks before this block's, sTiles[e] = its tiles of `block` rows. This
+// is the one division by `block`: a division by a run-time value is some
+// twenty instructions, and repeated wherever a tile count was needed,
+// unrolled over the experts a lane owns, it made a sixth of the placing's
+// code (see the code size note at the top).
 // The slice is `vectors` int4 columns; lane (g, v) sums column v of chunks
 // g, g + groups, ..., kBatch loads in flight at once, then butterflies over
 // g add the lanes of each column.
 __device__ void sum_chunk_counts(const int *__restrict__ chunk_counts, int chunks, int experts, int block, int *sCount,
-                                 int *sBefore, int *sPadded) {
+                                 int *sBefore, int *sTiles) {
   const int stride = count_stride(experts), vectors = stride / 32, groups = 32 / vectors;
   const int lane = threadIdx.x & 31, v = lane % vectors, g = lane / vectors;
   const int first = (threadIdx.x >> 5) * (stride / kWarps) + 4 * v; // this lane's column's first expert
@@ -527,7 +540,7 @@ __device__ void sum_chunk_counts(const int *__restrict__ chunk_counts, int chunk
       if (first + i < experts) {
         sCount[first + i] = total[i];
         sBefore[first + i] = before[i];
-        sPadded[first + i] = (total[i] + block - 1) / block * block;
+        sTiles[first + i] = (total[i] + block - 1) / block;
       }
 }
 
@@ -547,23 +560,23 @@ __device__ __forceinline__ int warp_inclusive_sum(int v) {
 // l*kExpertsPerLane ...: sum them, scan the lane sums across the warp, then
 // walk the owned experts again. Block 0 also writes counts, offsets,
 // offsets_unpadded and num_tiles (every block computes the same).
-__device__ void scan_experts(int experts, int block, const int *sCount, const int *sPadded, int *sOffsets,
+__device__ void scan_experts(int experts, int block, const int *sCount, const int *sTiles, int *sOffsets,
                              int *__restrict__ counts, int *__restrict__ offsets, int *__restrict__ offsets_unpadded,
                              int *__restrict__ num_tiles) {
   const int lane = threadIdx.x;
   const bool writes = blockIdx.x == 0;
   int sum_p = 0, sum_u = 0;
-#pragma unroll
+#pragma unroll 1
   for (int j = 0; j < kExpertsPerLane; ++j) {
     const int e = lane * kExpertsPerLane + j;
     if (e < experts) {
-      sum_p += sPadded[e];
+      sum_p += sTiles[e] * block;
       sum_u += sCount[e];
     }
   }
   const int incl_p = warp_inclusive_sum(sum_p), incl_u = warp_inclusive_sum(sum_u);
   int run_p = incl_p - sum_p, run_u = incl_u - sum_u;
-#pragma unroll
+#pragma unroll 1
   for (int j = 0; j < kExpertsPerLane; ++j) {
     const int e = lane * kExpertsPerLane + j;
     if (e < experts) {
@@ -573,7 +586,7 @@ __device__ void scan_experts(int experts, int block, const int *sCount, const in
         offsets[e] = run_p;
         offsets_unpadded[e] = run_u;
       }
-      run_p += sPadded[e];
+      run_p += sTiles[e] * block;
       run_u += sCount[e];
     }
   }
@@ -666,7 +679,7 @@ __device__ void place_warp_pairs(const int *expert, WarpPairs wp, StepIds first_
 }
 
 // The pair-aligned tile order (routing_host.h): expert e's tiles are n =
-// sPadded[e] / block; its first n & ~1 follow one another from sPairBase[e],
+// sTiles[e]; its first n & ~1 follow one another from sPairBase[e],
 // and the tails (the last tile of an odd n) pair up in expert order: the
 // j-th odd expert for odd j puts the (j-1)-th's tail and its own after its
 // pairs; an unpaired last tail goes at sPairBase[E]. Warp 1 (as warp 0 scans
@@ -676,22 +689,22 @@ __device__ void place_warp_pairs(const int *expert, WarpPairs wp, StepIds first_
 struct TilePairs {
   int *base, *odd_rank, *odd_expert, *num_odd;
 };
-__device__ void scan_tile_pairs(int experts, int block, const int *sPadded, TilePairs tp) {
+__device__ void scan_tile_pairs(int experts, const int *sTiles, TilePairs tp) {
   const int lane = threadIdx.x & 31;
   int odd = 0;
-#pragma unroll
+#pragma unroll 1
   for (int j = 0; j < kExpertsPerLane; ++j) {
     const int e = lane * kExpertsPerLane + j;
     if (e < experts)
-      odd += (sPadded[e] / block) & 1;
+      odd += sTiles[e] & 1;
   }
   const int incl_o = warp_inclusive_sum(odd);
   int rank = incl_o - odd, slots = 0;
-#pragma unroll
+#pragma unroll 1
   for (int j = 0; j < kExpertsPerLane; ++j) {
     const int e = lane * kExpertsPerLane + j;
     if (e < experts) {
-      const int n = sPadded[e] / block;
+      const int n = sTiles[e];
       slots += (n & ~1) + ((n & 1) && (rank & 1) ? 2 : 0);
       if (n & 1) {
         tp.odd_rank[e] = rank;
@@ -702,11 +715,11 @@ __device__ void scan_tile_pairs(int experts, int block, const int *sPadded, Tile
   const int incl_s = warp_inclusive_sum(slots);
   int run = incl_s - slots;
   rank = incl_o - odd;
-#pragma unroll
+#pragma unroll 1
   for (int j = 0; j < kExpertsPerLane; ++j) {
     const int e = lane * kExpertsPerLane + j;
     if (e < experts) {
-      const int n = sPadded[e] / block;
+      const int n = sTiles[e];
       tp.base[e] = run;
       run += (n & ~1) + ((n & 1) && (rank & 1) ? 2 : 0);
       rank += n & 1;
@@ -721,7 +734,7 @@ __device__ void scan_tile_pairs(int experts, int block, const int *sPadded, Tile
 // Tile i of the pair-aligned order: the largest e with base[e] <= i holds
 // position i (experts taking no slots have empty ranges), either as one of
 // its pairs' tiles or in its tail pair; past base[E], the unpaired tail.
-__device__ void write_tile(int i, int experts, int block, const int *sCount, const int *sPadded, const int *sOffsets,
+__device__ void write_tile(int i, int experts, int block, const int *sCount, const int *sTiles, const int *sOffsets,
                            TilePairs tp, int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
                            int *__restrict__ tile_rows) {
   if ((long long)i * block >= sOffsets[experts]) {
@@ -742,7 +755,7 @@ __device__ void write_tile(int i, int experts, int block, const int *sCount, con
       else
         hi = mid - 1;
     }
-    const int j = i - tp.base[lo], whole = (sPadded[lo] / block) & ~1;
+    const int j = i - tp.base[lo], whole = sTiles[lo] & ~1;
     e = lo;
     if (j < whole) {
       tile_expert[i] = e;
@@ -753,7 +766,7 @@ __device__ void write_tile(int i, int experts, int block, const int *sCount, con
     if (j == whole) // the first of the tail pair: the previous odd expert's
       e = tp.odd_expert[tp.odd_rank[lo] - 1];
   }
-  const int k = sPadded[e] / block - 1; // the expert's last tile
+  const int k = sTiles[e] - 1; // the expert's last tile
   tile_expert[i] = e;
   tile_row_start[i] = sOffsets[e] + k * block;
   tile_rows[i] = sCount[e] - k * block;
@@ -763,12 +776,12 @@ __device__ void write_tile(int i, int experts, int block, const int *sCount, con
 // table and of sorted_pair's padding rows (-1): each expert's segment past
 // its pairs (a warp per expert), then everything past the last segment.
 __device__ void write_tiles_and_padding(int experts, int block, int max_tiles, int max_padded_rows, const int *sCount,
-                                        const int *sPadded, const int *sOffsets, TilePairs tp,
+                                        const int *sTiles, const int *sOffsets, TilePairs tp,
                                         int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
                                         int *__restrict__ tile_rows, int *__restrict__ sorted_pair) {
   const int thread = blockIdx.x * MF_THREADS + threadIdx.x, threads = gridDim.x * MF_THREADS;
   for (int i = thread; i < max_tiles; i += threads)
-    write_tile(i, experts, block, sCount, sPadded, sOffsets, tp, tile_expert, tile_row_start, tile_rows);
+    write_tile(i, experts, block, sCount, sTiles, sOffsets, tp, tile_expert, tile_row_start, tile_rows);
   const int lane = threadIdx.x & 31;
   for (int e = thread >> 5; e < experts; e += threads >> 5)
     for (int r = sOffsets[e] + sCount[e] + lane; r < sOffsets[e + 1]; r += 32)
@@ -787,9 +800,10 @@ __device__ __forceinline__ void placing_sync() { asm volatile("bar.sync 1, %0;" 
 // expert is: earlier chunks (sBefore) + earlier warps' shares of this chunk
 // (a scan of sWarpCount over warps) + earlier steps and lanes of its warp.
 // The counts per expert come from chunk_counts (every chunk's), or, for a
-// block that is the only chunk and counted its pairs itself, from
-// own_counts (shared; chunk_counts then null). Run by the block's first
+// block that is the only chunk and counted its pairs itself (kOwnCounts),
+// from own_counts (shared; chunk_counts then null). Run by the block's first
 // MF_THREADS threads.
+template <bool kOwnCounts>
 __device__ __forceinline__ void
 scan_scatter_block(const int *expert, const int *__restrict__ chunk_counts, const int *own_counts, int pairs,
                    int experts, int chunk, int chunks, int block, int max_tiles, int max_padded_rows,
@@ -797,28 +811,28 @@ scan_scatter_block(const int *expert, const int *__restrict__ chunk_counts, cons
                    int *__restrict__ num_tiles, int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
                    int *__restrict__ tile_rows, int *__restrict__ pair_pos, int *__restrict__ sorted_pair) {
   __shared__ int sWarpCount[kWarps][MF_MAX_EXPERTS];
-  __shared__ int sCount[MF_MAX_EXPERTS], sBefore[MF_MAX_EXPERTS], sPadded[MF_MAX_EXPERTS];
+  __shared__ int sCount[MF_MAX_EXPERTS], sBefore[MF_MAX_EXPERTS], sTiles[MF_MAX_EXPERTS];
   __shared__ int sOffsets[MF_MAX_EXPERTS + 1];
   __shared__ int sPairBase[MF_MAX_EXPERTS + 1], sOddRank[MF_MAX_EXPERTS], sOddExpert[MF_MAX_EXPERTS], sNumOdd;
   const TilePairs tp{sPairBase, sOddRank, sOddExpert, &sNumOdd};
   const int warp = threadIdx.x >> 5;
   const WarpPairs wp = warp_pairs(this_chunk(pairs, chunk), chunk, warp);
   const StepIds first_ids = load_ids(expert, wp, wp.begin); // in flight with the count table's loads
-  if (own_counts != nullptr) {
+  if (kOwnCounts) {
     for (int e = threadIdx.x; e < experts; e += MF_THREADS) {
       sCount[e] = own_counts[e];
       sBefore[e] = 0;
-      sPadded[e] = (own_counts[e] + block - 1) / block * block;
+      sTiles[e] = (own_counts[e] + block - 1) / block;
     }
   } else {
-    sum_chunk_counts(chunk_counts, chunks, experts, block, sCount, sBefore, sPadded);
+    sum_chunk_counts(chunk_counts, chunks, experts, block, sCount, sBefore, sTiles);
   }
   count_warp_pairs(expert, experts, wp, first_ids, sWarpCount[warp]);
   placing_sync();
   if (warp == 0)
-    scan_experts(experts, block, sCount, sPadded, sOffsets, counts, offsets, offsets_unpadded, num_tiles);
+    scan_experts(experts, block, sCount, sTiles, sOffsets, counts, offsets, offsets_unpadded, num_tiles);
   else if (warp == 1)
-    scan_tile_pairs(experts, block, sPadded, tp);
+    scan_tile_pairs(experts, sTiles, tp);
   // Meanwhile: each warp's share of each expert starts after the earlier
   // chunks' and warps' pairs of it.
   for (int e = threadIdx.x; e < experts; e += MF_THREADS) {
@@ -832,7 +846,7 @@ scan_scatter_block(const int *expert, const int *__restrict__ chunk_counts, cons
   }
   placing_sync();
   place_warp_pairs(expert, wp, first_ids, sOffsets, sWarpCount[warp], max_padded_rows - 1, pair_pos, sorted_pair);
-  write_tiles_and_padding(experts, block, max_tiles, max_padded_rows, sCount, sPadded, sOffsets, tp, tile_expert,
+  write_tiles_and_padding(experts, block, max_tiles, max_padded_rows, sCount, sTiles, sOffsets, tp, tile_expert,
                           tile_row_start, tile_rows, sorted_pair);
 }
 
@@ -850,9 +864,9 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
                      int *__restrict__ pair_pos,         // (P)
                      int *__restrict__ sorted_pair) {    // (max_padded_rows)
   mf::wait_for_previous_grid();
-  scan_scatter_block(expert, chunk_counts, nullptr, pairs, experts, chunk, chunks, block, max_tiles, max_padded_rows,
-                     counts, offsets, offsets_unpadded, num_tiles, tile_expert, tile_row_start, tile_rows, pair_pos,
-                     sorted_pair);
+  scan_scatter_block<false>(expert, chunk_counts, nullptr, pairs, experts, chunk, chunks, block, max_tiles,
+                            max_padded_rows, counts, offsets, offsets_unpadded, num_tiles, tile_expert, tile_row_start,
+                            tile_rows, pair_pos, sorted_pair);
 }
 
 // The whole routing of a few tokens in one block (routing_in_one_block on
@@ -889,9 +903,9 @@ route_one_block(const float *__restrict__ scores, int tokens, int experts, int k
     return;
   // One chunk of whole 32-pair steps per warp, as warp_pairs cuts it.
   const int chunk = (pairs + 32 * kWarps - 1) / (32 * kWarps) * (32 * kWarps);
-  scan_scatter_block(sExpert, nullptr, sTopkCount, pairs, experts, chunk, 1, block, max_tiles, max_padded_rows, counts,
-                     offsets, offsets_unpadded, num_tiles, tile_expert, tile_row_start, tile_rows, pair_pos,
-                     sorted_pair);
+  scan_scatter_block<true>(sExpert, nullptr, sTopkCount, pairs, experts, chunk, 1, block, max_tiles, max_padded_rows,
+                           counts, offsets, offsets_unpadded, num_tiles, tile_expert, tile_row_start, tile_rows,
+                           pair_pos, sorted_pair);
 }
 
 #define MF_ONE_BLOCK_KERNEL(name, group, cols)                                                                         \

@@ -211,15 +211,16 @@ extern "C" __global__ void add_one(int *x, int n) {
       float skew;
     };
     for (const Case &c : std::vector<Case>{
-             {{1, 128, 8, 128}, 0.0f},   // qwen3moe, one token
-             {{64, 128, 8, 128}, 2.0f},  // a whole pass of moe_topk_e128, skewed
-             {{37, 64, 8, 128}, 0.0f},   // fine64's experts
-             {{128, 8, 2, 128}, 0.0f},   // mixtral: a whole pass of moe_topk_e32
-             {{16, 256, 16, 64}, 0.0f},  // a warp per token
-             {{5, 33, 33, 128}, 0.0f},   // k = E, E not a multiple of 32
-             {{100, 16, 16, 64}, 50.0f}, // 1600 pairs, most on one expert
-             {{1, 1, 1, 64}, 0.0f},      // one pair
-             {{0, 8, 2, 64}, 0.0f},      // no tokens
+             {{1, 128, 8, 128}, 0.0f},    // qwen3moe, one token
+             {{16, 128, 8, 128}, 2.0f},   // a warp for each of 16 tokens, skewed
+             {{7, 64, 8, 128}, 0.0f},     // fine64's experts
+             {{16, 8, 2, 128}, 0.0f},     // mixtral
+             {{16, 256, 16, 64}, 0.0f},   // the most experts
+             {{5, 33, 33, 128}, 0.0f},    // k = E, E not a multiple of 32
+             {{16, 128, 128, 64}, 50.0f}, // 2048 pairs, most on one expert
+             {{3, 8, 2, 100}, 0.0f},      // a block that is no multiple of 4: the padding one row a store
+             {{1, 1, 1, 64}, 0.0f},       // one pair
+             {{0, 8, 2, 64}, 0.0f},       // no tokens
          }) {
       CAPTURE(c.shape.to_string());
       REQUIRE(routing_in_one_block(c.shape));

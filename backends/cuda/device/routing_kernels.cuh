@@ -314,12 +314,14 @@ __device__ __forceinline__ void report_non_finite(unsigned long long *first_bad,
 // the argmax. Lane 0 of the group writes the pairs of chunk c: expert[r],
 // gate[r] (divided by the chosen ones' sum when `renormalize`), a count per
 // expert into sCount and the expert into sExpert[r - c.begin] when those
-// (shared) arrays are given.
+// (shared) arrays are given. With sGate (shared) the gates are kept there
+// too, so that the division by their sum reads them back from shared memory
+// rather than from global memory, a round trip per chosen expert.
 template <int kGroup, int kCols>
 __device__ __forceinline__ void route_row(Row<kGroup, kCols> &row, int t, int end_token, int k, int softmax,
                                           int renormalize, Chunk c, int *__restrict__ expert, float *__restrict__ gate,
-                                          int *sCount, int *sExpert, unsigned long long *first_bad, unsigned *seen,
-                                          unsigned long long route_tag) {
+                                          int *sCount, int *sExpert, float *sGate, unsigned long long *first_bad,
+                                          unsigned *seen, unsigned long long route_tag) {
   const int q = threadIdx.x % kGroup;
   if (softmax) // uniform over the grid
     row.softmax();
@@ -336,7 +338,10 @@ __device__ __forceinline__ void route_row(Row<kGroup, kCols> &row, int t, int en
     const int r = t * k + s;
     if (t < end_token && q == 0 && r >= c.begin && r < c.end) {
       expert[r] = best_e;
-      gate[r] = bad != kNoExpert ? __int_as_float(0x7fc00000) : prob;
+      const float g = bad != kNoExpert ? __int_as_float(0x7fc00000) : prob;
+      gate[r] = g;
+      if (sGate)
+        sGate[r - c.begin] = g;
       if (sCount)
         atomicAdd(&sCount[best_e], 1);
       if (sExpert)
@@ -347,7 +352,7 @@ __device__ __forceinline__ void route_row(Row<kGroup, kCols> &row, int t, int en
     for (int s = 0; s < k; ++s) {
       const int r = t * k + s;
       if (t < end_token && q == 0 && r >= c.begin && r < c.end)
-        gate[r] = gate[r] / total;
+        gate[r] = (sGate ? sGate[r - c.begin] : gate[r]) / total;
     }
 }
 
@@ -378,7 +383,7 @@ topk_chunk(const float *__restrict__ scores, int tokens, int experts, int k, int
   };
   auto route = [&](Row<kGroup, kCols> &row, int pass) {
     route_row(row, pass + threadIdx.x / kGroup, end_token, k, softmax, renormalize, c, expert, gate,
-              counts ? sCount : nullptr, nullptr, first_bad, seen, route_tag);
+              counts ? sCount : nullptr, nullptr, nullptr, first_bad, seen, route_tag);
   };
   // A warp's passes run while it has tokens, so the shuffles see full warps;
   // groups past the last token hold no columns and write nothing. Each pass
@@ -786,7 +791,15 @@ __device__ void write_tiles_and_padding(int experts, int block, int max_tiles, i
   for (int e = thread >> 5; e < experts; e += threads >> 5)
     for (int r = sOffsets[e] + sCount[e] + lane; r < sOffsets[e + 1]; r += 32)
       sorted_pair[r] = -1;
-  for (int r = sOffsets[experts] + thread; r < max_padded_rows; r += threads)
+  // The rows past the last segment (most of them at decoding sizes: room
+  // for every expert's last tile), four a store where they line up.
+  int r = sOffsets[experts];
+  if (r % 4 == 0 && max_padded_rows % 4 == 0 && reinterpret_cast<unsigned long long>(sorted_pair + r) % 16 == 0) {
+    for (int v = r / 4 + thread; v < max_padded_rows / 4; v += threads)
+      reinterpret_cast<int4 *>(sorted_pair)[v] = make_int4(-1, -1, -1, -1);
+    return;
+  }
+  for (r += thread; r < max_padded_rows; r += threads)
     sorted_pair[r] = -1;
 }
 
@@ -873,11 +886,16 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
 // the host): at decoding sizes each launch of the top-k / scan-and-scatter
 // pair costs several microseconds of latency for a handful of pairs, and
 // the counts and the experts pass through global memory between them.
-// Here one pass of the top-k routes every token (tokens <= MF_TOPK_THREADS
-// / kGroup) and counts into shared memory, keeping each pair's expert in
-// shared memory too (pairs <= MF_ONE_BLOCK_PAIRS); then the first
-// MF_THREADS threads place the pairs as moe_scan_scatter's only block
-// would, from those. Same tables, bit for bit, as the two kernels.
+// Here a warp per token (kGroup = 32: tokens <= MF_TOPK_THREADS / 32) routes
+// every token at once and counts into shared memory, keeping each pair's
+// expert and gate in shared memory too (pairs <= MF_ONE_BLOCK_PAIRS); then
+// the first MF_THREADS threads place the pairs as moe_scan_scatter's only
+// block would, from those. Same tables, bit for bit, as the two kernels.
+// Its time is one warp's chain of dependent instructions, the other warps
+// waiting at the barriers (ncu, one token of 128 experts: 70 % of warp
+// cycles at a barrier), so the top-k takes a row over a whole warp, four
+// scores a lane for 128 experts, rather than over a group of 8 lanes with
+// 16 each, which had been ~1000 of the ~2700 instructions in that chain.
 template <int kGroup, int kCols>
 __device__ __forceinline__ void
 route_one_block(const float *__restrict__ scores, int tokens, int experts, int k, int softmax, int renormalize,
@@ -888,14 +906,16 @@ route_one_block(const float *__restrict__ scores, int tokens, int experts, int k
                 unsigned long long *first_bad, unsigned *seen, unsigned long long route_tag) {
   __shared__ int sTopkCount[MF_MAX_EXPERTS];
   __shared__ int sExpert[MF_ONE_BLOCK_PAIRS];
+  __shared__ float sGate[MF_ONE_BLOCK_PAIRS];
+  static_assert(kGroup == 32, "a warp per token");
   zero_counts<MF_TOPK_THREADS>(sTopkCount, experts);
   const int pairs = tokens * k;
   const Chunk all{0, pairs};
-  if ((threadIdx.x >> 5) * (32 / kGroup) < tokens) { // a warp holding a token (uniform per warp)
-    const int t = threadIdx.x / kGroup;
+  const int t = threadIdx.x >> 5; // this warp's token
+  if (t < tokens) {
     Row<kGroup, kCols> row;
-    row.load(scores + (long long)t * experts, experts, threadIdx.x % kGroup, t < tokens);
-    route_row(row, t, tokens, k, softmax, renormalize, all, expert, gate, sTopkCount, sExpert, first_bad, seen,
+    row.load(scores + (long long)t * experts, experts, threadIdx.x & 31, true);
+    route_row(row, t, tokens, k, softmax, renormalize, all, expert, gate, sTopkCount, sExpert, sGate, first_bad, seen,
               route_tag);
   }
   __syncthreads();

@@ -87,7 +87,7 @@ bool routing_fuses_counts(const RoutingShape &shape) {
 
 namespace {
 bool fits_one_block(const RoutingShape &shape) {
-  return !shape.drops() && shape.groups <= 1 && shape.tokens <= routing_topk_tokens_per_pass(shape.experts) &&
+  return !shape.drops() && shape.groups <= 1 && shape.tokens <= kRoutingOneBlockTokens &&
          shape.pairs() <= kRoutingOneBlockPairs;
 }
 } // namespace
@@ -103,7 +103,8 @@ const char *routing_kernels_source() {
     for (const TopkKernel &k : kTopkKernels) {
       const std::string params = ", " + std::to_string(k.group) + ", " + std::to_string(k.cols) + ")\n";
       s += "MF_TOPK_KERNEL(" + std::string(k.name) + params;
-      s += "MF_ONE_BLOCK_KERNEL(" + one_block_name(k) + params;
+      // A warp per token (route_one_block): 32 lanes, E / 32 scores a lane.
+      s += "MF_ONE_BLOCK_KERNEL(" + one_block_name(k) + ", 32, " + std::to_string(k.cols) + ")\n";
     }
     return s;
   }();

@@ -57,12 +57,13 @@ int64_t routing_topk_tokens_per_pass(int experts);
 inline constexpr int64_t kRoutingFusedRounds = 4;
 bool routing_fuses_counts(const RoutingShape &shape);
 
-// The most pairs moe_one_block_e* routes (their experts stay in its shared
-// memory: 8 KiB).
+// The most pairs moe_one_block_e* routes (their experts and gates stay in
+// its shared memory: 16 KiB), and the most tokens: a warp each.
 inline constexpr int64_t kRoutingOneBlockPairs = 2048;
+inline constexpr int64_t kRoutingOneBlockTokens = kRoutingTopkThreads / 32;
 // Whether a routing of `shape` runs as one block (moe_one_block_e*, the
-// top-k and the placing in one launch): one pass of the top-k holds every
-// token, at most kRoutingOneBlockPairs pairs, one expert group and no
+// top-k and the placing in one launch): at most kRoutingOneBlockTokens
+// tokens and kRoutingOneBlockPairs pairs, one expert group and no
 // capacity. That is decoding: at one token on qwen3moe's shape the top-k
 // and the scan-and-scatter kernels took 8 us each for 8 pairs, mostly
 // latency between their steps and through global memory. The environment

@@ -44,11 +44,10 @@
 // experts on an H100: 25 k cycles for 9.7 k warp instructions, 69 % of the
 // warps' cycles at a barrier, each issue of the working warp ~2 cycles of
 // fixed-latency waits, 1.4 of instruction fetch, 1.1 of shared memory). So
-// what shortens them is fewer dependent steps in that chain: a division by
-// a run-time value (some twenty instructions) made once per expert rather
-// than wherever a tile count is needed, and loops over the experts a lane
-// owns kept rolled (#pragma unroll 1) where they touch shared memory only,
-// which also keeps the code small (the one-block kernel 78 -> 54 KB).
+// what shortens them is fewer dependent steps in that chain: the scans over
+// the experts by a thread per expert (block-wide scans) rather than a lane
+// per eight, and a division by a run-time value (some twenty instructions)
+// made once per expert rather than wherever a tile count is needed.
 #ifndef MF_THREADS
 #error "compile with -DMF_THREADS=<threads per block>"
 #endif
@@ -62,7 +61,6 @@
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kNoExpert = 0x7fffffff;
 constexpr int kWarps = MF_THREADS / 32;
-constexpr int kExpertsPerLane = MF_MAX_EXPERTS / 32;
 // The top-k and scatter grids are about a block per SM (a chunk each; the
 // top-k's are larger when it does not count), so ptxas may spend registers
 // on keeping loads in flight rather than on fitting more blocks: their
@@ -564,50 +562,6 @@ __device__ __forceinline__ int warp_inclusive_sum(int v) {
   return v;
 }
 
-// Warp 0: sOffsets[e] (e <= E), the padded offsets. Lane l owns experts
-// l*kExpertsPerLane ...: sum them, scan the lane sums across the warp, then
-// walk the owned experts again. Block 0 also writes counts, offsets,
-// offsets_unpadded and num_tiles (every block computes the same).
-__device__ void scan_experts(int experts, int block, const int *sCount, const int *sTiles, int *sOffsets,
-                             int *__restrict__ counts, int *__restrict__ offsets, int *__restrict__ offsets_unpadded,
-                             int *__restrict__ num_tiles) {
-  const int lane = threadIdx.x;
-  const bool writes = blockIdx.x == 0;
-  int sum_p = 0, sum_u = 0;
-#pragma unroll 1
-  for (int j = 0; j < kExpertsPerLane; ++j) {
-    const int e = lane * kExpertsPerLane + j;
-    if (e < experts) {
-      sum_p += sTiles[e] * block;
-      sum_u += sCount[e];
-    }
-  }
-  const int incl_p = warp_inclusive_sum(sum_p), incl_u = warp_inclusive_sum(sum_u);
-  int run_p = incl_p - sum_p, run_u = incl_u - sum_u;
-#pragma unroll 1
-  for (int j = 0; j < kExpertsPerLane; ++j) {
-    const int e = lane * kExpertsPerLane + j;
-    if (e < experts) {
-      sOffsets[e] = run_p;
-      if (writes) {
-        counts[e] = sCount[e];
-        offsets[e] = run_p;
-        offsets_unpadded[e] = run_u;
-      }
-      run_p += sTiles[e] * block;
-      run_u += sCount[e];
-    }
-  }
-  if (lane == 31) {
-    sOffsets[experts] = incl_p;
-    if (writes) {
-      offsets[experts] = incl_p;
-      offsets_unpadded[experts] = incl_u;
-      *num_tiles = incl_p / block;
-    }
-  }
-}
-
 // Warp `warp`'s share of the chunk: pairs [begin, end), in steps of 32.
 struct WarpPairs {
   int begin, end;
@@ -687,55 +641,96 @@ __device__ void place_warp_pairs(const int *expert, WarpPairs wp, StepIds first_
 }
 
 // The pair-aligned tile order (routing_host.h): expert e's tiles are n =
-// sTiles[e]; its first n & ~1 follow one another from sPairBase[e],
-// and the tails (the last tile of an odd n) pair up in expert order: the
-// j-th odd expert for odd j puts the (j-1)-th's tail and its own after its
-// pairs; an unpaired last tail goes at sPairBase[E]. Warp 1 (as warp 0 scans
-// the offsets): lane l owns experts l*kExpertsPerLane ..., scanning first the
-// odd experts (their ranks, sOddRank, and the experts by rank, sOddExpert),
-// then the slots each expert takes.
+// sTiles[e]; its first n & ~1 follow one another from base[e], and the
+// tails (the last tile of an odd n) pair up in expert order: the j-th odd
+// expert for odd j puts the (j-1)-th's tail and its own after its pairs; an
+// unpaired last tail goes at base[E]. odd_rank[e]: e's rank among the odd
+// experts; odd_expert[j]: the j-th odd expert.
 struct TilePairs {
   int *base, *odd_rank, *odd_expert, *num_odd;
 };
-__device__ void scan_tile_pairs(int experts, const int *sTiles, TilePairs tp) {
-  const int lane = threadIdx.x & 31;
-  int odd = 0;
-#pragma unroll 1
-  for (int j = 0; j < kExpertsPerLane; ++j) {
-    const int e = lane * kExpertsPerLane + j;
-    if (e < experts)
-      odd += sTiles[e] & 1;
-  }
-  const int incl_o = warp_inclusive_sum(odd);
-  int rank = incl_o - odd, slots = 0;
-#pragma unroll 1
-  for (int j = 0; j < kExpertsPerLane; ++j) {
-    const int e = lane * kExpertsPerLane + j;
-    if (e < experts) {
-      const int n = sTiles[e];
-      slots += (n & ~1) + ((n & 1) && (rank & 1) ? 2 : 0);
-      if (n & 1) {
-        tp.odd_rank[e] = rank;
-        tp.odd_expert[rank++] = e;
-      }
+
+// The barrier of the placing's threads (the first MF_THREADS of the block):
+// a named one, so that moe_route_one_block's other warps may have left.
+__device__ __forceinline__ void placing_sync() { asm volatile("bar.sync 1, %0;" ::"r"(MF_THREADS) : "memory"); }
+
+// The sums over the threads below this one of each of v's four values, and
+// in `total` over all, for the block's first MF_THREADS threads (a warp's
+// scan by shuffles, then the warps' totals through sWarp, kWarps int4s).
+__device__ __forceinline__ int4 block_exclusive_scan(int4 v, int4 &total, int4 *sWarp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int4 incl = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int x = __shfl_up_sync(kFullMask, incl.x, d), y = __shfl_up_sync(kFullMask, incl.y, d);
+    const int z = __shfl_up_sync(kFullMask, incl.z, d), w = __shfl_up_sync(kFullMask, incl.w, d);
+    if (lane >= d) {
+      incl.x += x;
+      incl.y += y;
+      incl.z += z;
+      incl.w += w;
     }
   }
-  const int incl_s = warp_inclusive_sum(slots);
-  int run = incl_s - slots;
-  rank = incl_o - odd;
-#pragma unroll 1
-  for (int j = 0; j < kExpertsPerLane; ++j) {
-    const int e = lane * kExpertsPerLane + j;
-    if (e < experts) {
-      const int n = sTiles[e];
-      tp.base[e] = run;
-      run += (n & ~1) + ((n & 1) && (rank & 1) ? 2 : 0);
-      rank += n & 1;
+  if (lane == 31)
+    sWarp[warp] = incl;
+  placing_sync();
+  int4 before = make_int4(0, 0, 0, 0), all = make_int4(0, 0, 0, 0);
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int4 t = sWarp[w];
+    const int earlier = w < warp ? 1 : 0;
+    all = make_int4(all.x + t.x, all.y + t.y, all.z + t.z, all.w + t.w);
+    before = make_int4(before.x + earlier * t.x, before.y + earlier * t.y, before.z + earlier * t.z,
+                       before.w + earlier * t.w);
+  }
+  placing_sync(); // sWarp is free again
+  total = all;
+  return make_int4(before.x + incl.x - v.x, before.y + incl.y - v.y, before.z + incl.z - v.z, before.w + incl.w - v.w);
+}
+
+// Thread e of the block's first MF_THREADS (one per expert, MF_MAX_EXPERTS
+// <= MF_THREADS): sOffsets[e] (e <= E), the padded offsets, and the
+// pair-aligned tile order's tables, by two block-wide scans (the padded
+// rows, the pairs, the odd experts and the tiles; then each expert's tile
+// slots, which follow from its odd rank). Block 0 also writes counts,
+// offsets, offsets_unpadded and num_tiles (every block computes the same).
+// As a thread per expert rather than a lane per eight: at decoding sizes
+// these scans were a chain of dependent steps that the whole block waited
+// for.
+__device__ void scan_experts_and_tiles(int experts, int block, const int *sCount, const int *sTiles, int *sOffsets,
+                                       TilePairs tp, int4 *sScan, int *__restrict__ counts, int *__restrict__ offsets,
+                                       int *__restrict__ offsets_unpadded, int *__restrict__ num_tiles) {
+  const int e = threadIdx.x;
+  const bool mine = e < experts, writes = blockIdx.x == 0;
+  const int n = mine ? sTiles[e] : 0, count = mine ? sCount[e] : 0;
+  int4 total;
+  const int4 first = block_exclusive_scan(make_int4(n * block, count, n & 1, n), total, sScan);
+  const int rank = first.z; // among the odd experts
+  const int slots = (n & ~1) + ((n & 1) && (rank & 1) ? 2 : 0);
+  int4 all_slots;
+  const int base = block_exclusive_scan(make_int4(slots, 0, 0, 0), all_slots, sScan).x;
+  if (mine) {
+    sOffsets[e] = first.x;
+    tp.base[e] = base;
+    if (n & 1) {
+      tp.odd_rank[e] = rank;
+      tp.odd_expert[rank] = e;
+    }
+    if (writes) {
+      counts[e] = count;
+      offsets[e] = first.x;
+      offsets_unpadded[e] = first.y;
     }
   }
-  if (lane == 31) {
-    tp.base[experts] = incl_s;
-    *tp.num_odd = incl_o;
+  if (e == 0) {
+    sOffsets[experts] = total.x;
+    tp.base[experts] = all_slots.x;
+    *tp.num_odd = total.z;
+    if (writes) {
+      offsets[experts] = total.x;
+      offsets_unpadded[experts] = total.y;
+      *num_tiles = total.w;
+    }
   }
 }
 
@@ -782,7 +777,7 @@ __device__ void write_tile(int i, int experts, int block, const int *sCount, con
 
 // This block's share (block b takes every gridDim.x-th item) of the tile
 // table and of sorted_pair's padding rows (-1): each expert's segment past
-// its pairs (a warp per expert), then everything past the last segment.
+// its pairs, then everything past the last segment.
 __device__ void write_tiles_and_padding(int experts, int block, int max_tiles, int max_padded_rows, const int *sCount,
                                         const int *sTiles, const int *sOffsets, TilePairs tp,
                                         int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
@@ -790,10 +785,21 @@ __device__ void write_tiles_and_padding(int experts, int block, int max_tiles, i
   const int thread = blockIdx.x * MF_THREADS + threadIdx.x, threads = gridDim.x * MF_THREADS;
   for (int i = thread; i < max_tiles; i += threads)
     write_tile(i, experts, block, sCount, sTiles, sOffsets, tp, tile_expert, tile_row_start, tile_rows);
+  // Each expert's segment past its pairs: a warp per 32 experts finds those
+  // with such rows in one ballot and writes each one's rows with all its
+  // lanes (a warp per expert walked every expert, most with none, one after
+  // another: at decoding sizes a chain of 16 steps a warp for 128 experts).
   const int lane = threadIdx.x & 31;
-  for (int e = thread >> 5; e < experts; e += threads >> 5)
-    for (int r = sOffsets[e] + sCount[e] + lane; r < sOffsets[e + 1]; r += 32)
-      sorted_pair[r] = -1;
+  for (int e0 = (thread >> 5) * 32; e0 < experts; e0 += threads) { // uniform per warp
+    const int e = e0 + lane;
+    const int from = e < experts ? sOffsets[e] + sCount[e] : 0, to = e < experts ? sOffsets[e + 1] : 0;
+    for (unsigned todo = __ballot_sync(kFullMask, from < to); todo != 0; todo &= todo - 1) {
+      const int src = __ffs(todo) - 1;
+      const int first = __shfl_sync(kFullMask, from, src), end = __shfl_sync(kFullMask, to, src);
+      for (int r = first + lane; r < end; r += 32)
+        sorted_pair[r] = -1;
+    }
+  }
   // The rows past the last segment (most of them at decoding sizes: room
   // for every expert's last tile), four a store where they line up.
   int r = sOffsets[experts];
@@ -805,10 +811,6 @@ __device__ void write_tiles_and_padding(int experts, int block, int max_tiles, i
   for (r += thread; r < max_padded_rows; r += threads)
     sorted_pair[r] = -1;
 }
-
-// The barrier of the placing's threads (the first MF_THREADS of the block):
-// a named one, so that moe_route_one_block's other warps may have left.
-__device__ __forceinline__ void placing_sync() { asm volatile("bar.sync 1, %0;" ::"r"(MF_THREADS) : "memory"); }
 
 // Block b (at least one, also for no pairs) places chunk b's pairs:
 // pair_pos[r] = offsets[e] + (pairs r' < r with expert e), e = expert[r];
@@ -830,6 +832,7 @@ scan_scatter_block(const int *expert, const int *__restrict__ chunk_counts, cons
   __shared__ int sCount[MF_MAX_EXPERTS], sBefore[MF_MAX_EXPERTS], sTiles[MF_MAX_EXPERTS];
   __shared__ int sOffsets[MF_MAX_EXPERTS + 1];
   __shared__ int sPairBase[MF_MAX_EXPERTS + 1], sOddRank[MF_MAX_EXPERTS], sOddExpert[MF_MAX_EXPERTS], sNumOdd;
+  __shared__ int4 sScan[kWarps];
   const TilePairs tp{sPairBase, sOddRank, sOddExpert, &sNumOdd};
   const int warp = threadIdx.x >> 5;
   const WarpPairs wp = warp_pairs(this_chunk(pairs, chunk), chunk, warp);
@@ -845,12 +848,10 @@ scan_scatter_block(const int *expert, const int *__restrict__ chunk_counts, cons
   }
   count_warp_pairs(expert, experts, wp, first_ids, sWarpCount[warp]);
   placing_sync();
-  if (warp == 0)
-    scan_experts(experts, block, sCount, sTiles, sOffsets, counts, offsets, offsets_unpadded, num_tiles);
-  else if (warp == 1)
-    scan_tile_pairs(experts, sTiles, tp);
-  // Meanwhile: each warp's share of each expert starts after the earlier
-  // chunks' and warps' pairs of it.
+  scan_experts_and_tiles(experts, block, sCount, sTiles, sOffsets, tp, sScan, counts, offsets, offsets_unpadded,
+                         num_tiles);
+  // Each warp's share of each expert starts after the earlier chunks' and
+  // warps' pairs of it.
   for (int e = threadIdx.x; e < experts; e += MF_THREADS) {
     int running = sBefore[e];
 #pragma unroll

@@ -227,7 +227,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="d and f / 16 (at least 64): a logic test")
     ap.add_argument("--tune", type=float, default=0,
-                    help="seconds: tune moeforge's forward for each token count's bucket first (GPU only)")
+                    help="seconds: tune moeforge's forward for each token count's bucket first (GPU only; "
+                         "ten seconds a bucket left the tuner no candidate past its base on an H100: give it minutes)")
     ap.add_argument("--schedules", default="",
                     help="schedule files, comma-separated: moeforge's forward with each too (moeforge_<stem>)")
     ap.add_argument("--profile", type=int, default=0,

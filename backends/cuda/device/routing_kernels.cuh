@@ -500,11 +500,9 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS)
 
 // For the experts of this warp's slice (count_stride / kWarps of them from
 // warp * that): sCount[e] = e's pairs in every chunk, sBefore[e] = those in
-// chunks before this block's, sTiles[e] = its tiles of `block` rows. This
-// is the one division by `block`: a division by a run-time value is some
-// twenty instructions, and repeated wherever a tile count was needed,
-// unrolled over the experts a lane owns, it made a sixth of the placing's
-// code and steps (see the latency note at the top).
+// chunks before this block's, sTiles[e] = its tiles of `block` rows: the
+// one division by `block` (a run-time divisor costs some twenty
+// instructions), so the scans and the tile order that follow multiply.
 // The slice is `vectors` int4 columns; lane (g, v) sums column v of chunks
 // g, g + groups, ..., kBatch loads in flight at once, then butterflies over
 // g add the lanes of each column.
@@ -651,7 +649,7 @@ struct TilePairs {
 };
 
 // The barrier of the placing's threads (the first MF_THREADS of the block):
-// a named one, so that moe_route_one_block's other warps may have left.
+// a named one, so that route_one_block's other warps may have left.
 __device__ __forceinline__ void placing_sync() { asm volatile("bar.sync 1, %0;" ::"r"(MF_THREADS) : "memory"); }
 
 // The sums over the threads below this one of each of v's four values, and

@@ -638,6 +638,25 @@ __device__ void place_warp_pairs(const int *expert, WarpPairs wp, StepIds first_
   }
 }
 
+// What the placing writes (moe_scan_scatter and moe_one_block_e*, one
+// kernel argument): the tables the GEMMs and the element-wise steps read,
+// for `block`-row tiles, at most max_tiles of them and max_padded_rows rows.
+// The host's PlacedTablesArg (runtime/routing_kernels.cpp) has the same
+// layout.
+struct PlacedTables {
+  int block, max_tiles, max_padded_rows;
+  int *counts;           // (E)
+  int *offsets;          // (E+1), padded
+  int *offsets_unpadded; // (E+1)
+  int *num_tiles;        // (1)
+  int *tile_expert;      // (max_tiles)
+  int *tile_row_start;   // (max_tiles)
+  int *tile_rows;        // (max_tiles)
+  int *pair_pos;         // (P)
+  int *sorted_pair;      // (max_padded_rows)
+};
+static_assert(sizeof(PlacedTables) == 16 + 9 * 8, "PlacedTablesArg's layout on the host");
+
 // The pair-aligned tile order (routing_host.h): expert e's tiles are n =
 // sTiles[e]; its first n & ~1 follow one another from base[e], and the
 // tails (the last tile of an odd n) pair up in expert order: the j-th odd
@@ -695,10 +714,9 @@ __device__ __forceinline__ int4 block_exclusive_scan(int4 v, int4 &total, int4 *
 // As a thread per expert rather than a lane per eight: at decoding sizes
 // these scans were a chain of dependent steps that the whole block waited
 // for.
-__device__ void scan_experts_and_tiles(int experts, int block, const int *sCount, const int *sTiles, int *sOffsets,
-                                       TilePairs tp, int4 *sScan, int *__restrict__ counts, int *__restrict__ offsets,
-                                       int *__restrict__ offsets_unpadded, int *__restrict__ num_tiles) {
-  const int e = threadIdx.x;
+__device__ void scan_experts_and_tiles(int experts, const int *sCount, const int *sTiles, int *sOffsets, TilePairs tp,
+                                       int4 *sScan, const PlacedTables &out) {
+  const int e = threadIdx.x, block = out.block;
   const bool mine = e < experts, writes = blockIdx.x == 0;
   const int n = mine ? sTiles[e] : 0, count = mine ? sCount[e] : 0;
   int4 total;
@@ -715,9 +733,9 @@ __device__ void scan_experts_and_tiles(int experts, int block, const int *sCount
       tp.odd_expert[rank] = e;
     }
     if (writes) {
-      counts[e] = count;
-      offsets[e] = first.x;
-      offsets_unpadded[e] = first.y;
+      out.counts[e] = count;
+      out.offsets[e] = first.x;
+      out.offsets_unpadded[e] = first.y;
     }
   }
   if (e == 0) {
@@ -725,9 +743,9 @@ __device__ void scan_experts_and_tiles(int experts, int block, const int *sCount
     tp.base[experts] = all_slots.x;
     *tp.num_odd = total.z;
     if (writes) {
-      offsets[experts] = total.x;
-      offsets_unpadded[experts] = total.y;
-      *num_tiles = total.w;
+      out.offsets[experts] = total.x;
+      out.offsets_unpadded[experts] = total.y;
+      *out.num_tiles = total.w;
     }
   }
 }
@@ -776,13 +794,13 @@ __device__ void write_tile(int i, int experts, int block, const int *sCount, con
 // This block's share (block b takes every gridDim.x-th item) of the tile
 // table and of sorted_pair's padding rows (-1): each expert's segment past
 // its pairs, then everything past the last segment.
-__device__ void write_tiles_and_padding(int experts, int block, int max_tiles, int max_padded_rows, const int *sCount,
-                                        const int *sTiles, const int *sOffsets, TilePairs tp,
-                                        int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
-                                        int *__restrict__ tile_rows, int *__restrict__ sorted_pair) {
+__device__ void write_tiles_and_padding(int experts, const int *sCount, const int *sTiles, const int *sOffsets,
+                                        TilePairs tp, const PlacedTables &out) {
   const int thread = blockIdx.x * MF_THREADS + threadIdx.x, threads = gridDim.x * MF_THREADS;
-  for (int i = thread; i < max_tiles; i += threads)
-    write_tile(i, experts, block, sCount, sTiles, sOffsets, tp, tile_expert, tile_row_start, tile_rows);
+  const int max_padded_rows = out.max_padded_rows;
+  int *__restrict__ sorted_pair = out.sorted_pair;
+  for (int i = thread; i < out.max_tiles; i += threads)
+    write_tile(i, experts, out.block, sCount, sTiles, sOffsets, tp, out.tile_expert, out.tile_row_start, out.tile_rows);
   // Each expert's segment past its pairs: a warp per 32 experts finds those
   // with such rows in one ballot and writes each one's rows with all its
   // lanes (a warp per expert walked every expert, most with none, one after
@@ -820,12 +838,10 @@ __device__ void write_tiles_and_padding(int experts, int block, int max_tiles, i
 // from own_counts (shared; chunk_counts then null). Run by the block's first
 // MF_THREADS threads.
 template <bool kOwnCounts>
-__device__ __forceinline__ void
-scan_scatter_block(const int *expert, const int *__restrict__ chunk_counts, const int *own_counts, int pairs,
-                   int experts, int chunk, int chunks, int block, int max_tiles, int max_padded_rows,
-                   int *__restrict__ counts, int *__restrict__ offsets, int *__restrict__ offsets_unpadded,
-                   int *__restrict__ num_tiles, int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
-                   int *__restrict__ tile_rows, int *__restrict__ pair_pos, int *__restrict__ sorted_pair) {
+__device__ __forceinline__ void scan_scatter_block(const int *expert, const int *__restrict__ chunk_counts,
+                                                   const int *own_counts, int pairs, int experts, int chunk, int chunks,
+                                                   const PlacedTables &out) {
+  const int block = out.block;
   __shared__ int sWarpCount[kWarps][MF_MAX_EXPERTS];
   __shared__ int sCount[MF_MAX_EXPERTS], sBefore[MF_MAX_EXPERTS], sTiles[MF_MAX_EXPERTS];
   __shared__ int sOffsets[MF_MAX_EXPERTS + 1];
@@ -846,8 +862,7 @@ scan_scatter_block(const int *expert, const int *__restrict__ chunk_counts, cons
   }
   count_warp_pairs(expert, experts, wp, first_ids, sWarpCount[warp]);
   placing_sync();
-  scan_experts_and_tiles(experts, block, sCount, sTiles, sOffsets, tp, sScan, counts, offsets, offsets_unpadded,
-                         num_tiles);
+  scan_experts_and_tiles(experts, sCount, sTiles, sOffsets, tp, sScan, out);
   // Each warp's share of each expert starts after the earlier chunks' and
   // warps' pairs of it.
   for (int e = threadIdx.x; e < experts; e += MF_THREADS) {
@@ -860,28 +875,17 @@ scan_scatter_block(const int *expert, const int *__restrict__ chunk_counts, cons
     }
   }
   placing_sync();
-  place_warp_pairs(expert, wp, first_ids, sOffsets, sWarpCount[warp], max_padded_rows - 1, pair_pos, sorted_pair);
-  write_tiles_and_padding(experts, block, max_tiles, max_padded_rows, sCount, sTiles, sOffsets, tp, tile_expert,
-                          tile_row_start, tile_rows, sorted_pair);
+  place_warp_pairs(expert, wp, first_ids, sOffsets, sWarpCount[warp], out.max_padded_rows - 1, out.pair_pos,
+                   out.sorted_pair);
+  write_tiles_and_padding(experts, sCount, sTiles, sOffsets, tp, out);
 }
 
 extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
     moe_scan_scatter(const int *__restrict__ expert,       // (P)
                      const int *__restrict__ chunk_counts, // (chunks, count_stride)
-                     int pairs, int experts, int chunk, int chunks, int block, int max_tiles, int max_padded_rows,
-                     int *__restrict__ counts,           // (E)
-                     int *__restrict__ offsets,          // (E+1), padded
-                     int *__restrict__ offsets_unpadded, // (E+1)
-                     int *__restrict__ num_tiles,        // (1)
-                     int *__restrict__ tile_expert,      // (max_tiles)
-                     int *__restrict__ tile_row_start,   // (max_tiles)
-                     int *__restrict__ tile_rows,        // (max_tiles)
-                     int *__restrict__ pair_pos,         // (P)
-                     int *__restrict__ sorted_pair) {    // (max_padded_rows)
+                     int pairs, int experts, int chunk, int chunks, PlacedTables out) {
   mf::wait_for_previous_grid();
-  scan_scatter_block<false>(expert, chunk_counts, nullptr, pairs, experts, chunk, chunks, block, max_tiles,
-                            max_padded_rows, counts, offsets, offsets_unpadded, num_tiles, tile_expert, tile_row_start,
-                            tile_rows, pair_pos, sorted_pair);
+  scan_scatter_block<false>(expert, chunk_counts, nullptr, pairs, experts, chunk, chunks, out);
 }
 
 // The whole routing of a few tokens in one block (routing_in_one_block on
@@ -902,10 +906,7 @@ extern "C" __global__ void __launch_bounds__(MF_THREADS, kMinBlocksPerSm)
 template <int kGroup, int kCols>
 __device__ __forceinline__ void
 route_one_block(const float *__restrict__ scores, int tokens, int experts, int k, int softmax, int renormalize,
-                int block, int max_tiles, int max_padded_rows, int *__restrict__ expert, float *__restrict__ gate,
-                int *__restrict__ counts, int *__restrict__ offsets, int *__restrict__ offsets_unpadded,
-                int *__restrict__ num_tiles, int *__restrict__ tile_expert, int *__restrict__ tile_row_start,
-                int *__restrict__ tile_rows, int *__restrict__ pair_pos, int *__restrict__ sorted_pair,
+                int *__restrict__ expert, float *__restrict__ gate, const PlacedTables &out,
                 unsigned long long *first_bad, unsigned *seen, unsigned long long route_tag) {
   __shared__ int sTopkCount[MF_MAX_EXPERTS];
   __shared__ int sExpert[MF_ONE_BLOCK_PAIRS];
@@ -926,23 +927,17 @@ route_one_block(const float *__restrict__ scores, int tokens, int experts, int k
     return;
   // One chunk of whole 32-pair steps per warp, as warp_pairs cuts it.
   const int chunk = (pairs + 32 * kWarps - 1) / (32 * kWarps) * (32 * kWarps);
-  scan_scatter_block<true>(sExpert, nullptr, sTopkCount, pairs, experts, chunk, 1, block, max_tiles, max_padded_rows,
-                           counts, offsets, offsets_unpadded, num_tiles, tile_expert, tile_row_start, tile_rows,
-                           pair_pos, sorted_pair);
+  scan_scatter_block<true>(sExpert, nullptr, sTopkCount, pairs, experts, chunk, 1, out);
 }
 
 #define MF_ONE_BLOCK_KERNEL(name, group, cols)                                                                         \
   extern "C" __global__ void __launch_bounds__(MF_TOPK_THREADS, 1)                                                     \
-      name(const float *__restrict__ scores, int tokens, int experts, int k, int softmax, int renormalize, int block,  \
-           int max_tiles, int max_padded_rows, int *__restrict__ expert, float *__restrict__ gate,                     \
-           int *__restrict__ counts, int *__restrict__ offsets, int *__restrict__ offsets_unpadded,                    \
-           int *__restrict__ num_tiles, int *__restrict__ tile_expert, int *__restrict__ tile_row_start,               \
-           int *__restrict__ tile_rows, int *__restrict__ pair_pos, int *__restrict__ sorted_pair,                     \
-           unsigned long long *first_bad, unsigned *seen, unsigned long long route_tag) {                              \
+      name(const float *__restrict__ scores, int tokens, int experts, int k, int softmax, int renormalize,             \
+           int *__restrict__ expert, float *__restrict__ gate, PlacedTables out, unsigned long long *first_bad,        \
+           unsigned *seen, unsigned long long route_tag) {                                                             \
     mf::wait_for_previous_grid();                                                                                      \
-    route_one_block<group, cols>(scores, tokens, experts, k, softmax, renormalize, block, max_tiles, max_padded_rows,  \
-                                 expert, gate, counts, offsets, offsets_unpadded, num_tiles, tile_expert,              \
-                                 tile_row_start, tile_rows, pair_pos, sorted_pair, first_bad, seen, route_tag);        \
+    route_one_block<group, cols>(scores, tokens, experts, k, softmax, renormalize, expert, gate, out, first_bad, seen, \
+                                 route_tag);                                                                           \
   }
 
 // ---------------------------------------------------------------- capacity

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstddef>
 #include <cstdlib>
 #include <string>
 
@@ -34,6 +35,33 @@ int topk_index(int experts) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// What the placing kernels write, one argument of both (mf::PlacedTables in
+// device/routing_kernels.cuh, the same layout: three ints, then the nine
+// tables' addresses from byte 16).
+struct PlacedTablesArg {
+  int block, max_tiles, max_padded_rows;
+  CUdeviceptr counts, offsets, offsets_unpadded, num_tiles, tile_expert, tile_row_start, tile_rows, pair_pos,
+      sorted_pair;
+};
+static_assert(sizeof(PlacedTablesArg) == 16 + 9 * 8 && offsetof(PlacedTablesArg, counts) == 16,
+              "mf::PlacedTables' layout on the device");
+
+PlacedTablesArg placed_tables(const RoutingPlan &plan) {
+  const RoutingShape &s = plan.shape;
+  return {s.block,
+          static_cast<int>(s.max_tiles()),
+          static_cast<int>(s.max_padded_rows()),
+          plan.counts.ptr(),
+          plan.offsets.ptr(),
+          plan.offsets_unpadded.ptr(),
+          plan.num_tiles.ptr(),
+          plan.tile_expert.ptr(),
+          plan.tile_row_start.ptr(),
+          plan.tile_rows.ptr(),
+          plan.pair_pos.ptr(),
+          plan.sorted_pair.ptr()};
+}
 
 // The one-block kernel of the same bound on E: moe_one_block_e128 for moe_topk_e128.
 std::string one_block_name(const TopkKernel &k) {
@@ -304,33 +332,12 @@ void DeviceRouting::one_block(CUdeviceptr probs, RoutingPlan &plan, const Stream
   const RoutingShape &s = plan.shape;
   internal_check(fits_one_block(s)) << "routing " << s.to_string() << " does not fit one block";
   int tokens = static_cast<int>(s.tokens), experts = s.experts, k = s.k, apply_softmax = softmax ? 1 : 0;
-  int divide = renormalize ? 1 : 0, block = s.block;
-  int max_tiles = static_cast<int>(s.max_tiles()), max_padded_rows = static_cast<int>(s.max_padded_rows());
+  int divide = renormalize ? 1 : 0;
   unsigned long long route_tag = sink.route_tag;
   void *gate_arg = gate ? static_cast<void *>(&gate) : plan.gate.arg();
-  void *args[] = {&probs,
-                  &tokens,
-                  &experts,
-                  &k,
-                  &apply_softmax,
-                  &divide,
-                  &block,
-                  &max_tiles,
-                  &max_padded_rows,
-                  plan.expert.arg(),
-                  gate_arg,
-                  plan.counts.arg(),
-                  plan.offsets.arg(),
-                  plan.offsets_unpadded.arg(),
-                  plan.num_tiles.arg(),
-                  plan.tile_expert.arg(),
-                  plan.tile_row_start.arg(),
-                  plan.tile_rows.arg(),
-                  plan.pair_pos.arg(),
-                  plan.sorted_pair.arg(),
-                  &sink.first_bad,
-                  &sink.seen,
-                  &route_tag};
+  PlacedTablesArg out = placed_tables(plan);
+  void *args[] = {&probs,   &tokens, &experts,        &k,         &apply_softmax, &divide, plan.expert.arg(),
+                  gate_arg, &out,    &sink.first_bad, &sink.seen, &route_tag};
   one_block_[topk_index(s.experts)].launch({1}, {kRoutingTopkThreads}, 0, stream, args);
 }
 
@@ -362,27 +369,16 @@ void DeviceRouting::histogram(RoutingPlan &plan, const Stream &stream) const {
 
 void DeviceRouting::scan_scatter(RoutingPlan &plan, const Stream &stream) const {
   const RoutingShape &s = plan.shape;
-  int pairs = static_cast<int>(s.pairs()), experts = s.experts, block = s.block;
+  int pairs = static_cast<int>(s.pairs()), experts = s.experts;
   int chunk = static_cast<int>(plan.chunk), chunks = static_cast<int>(plan.chunks);
-  int max_tiles = static_cast<int>(s.max_tiles()), max_padded_rows = static_cast<int>(s.max_padded_rows());
+  PlacedTablesArg out = placed_tables(plan);
   void *args[] = {plan.shape.drops() ? plan.placed.arg() : plan.expert.arg(),
                   plan.chunk_counts.arg(),
                   &pairs,
                   &experts,
                   &chunk,
                   &chunks,
-                  &block,
-                  &max_tiles,
-                  &max_padded_rows,
-                  plan.counts.arg(),
-                  plan.offsets.arg(),
-                  plan.offsets_unpadded.arg(),
-                  plan.num_tiles.arg(),
-                  plan.tile_expert.arg(),
-                  plan.tile_row_start.arg(),
-                  plan.tile_rows.arg(),
-                  plan.pair_pos.arg(),
-                  plan.sorted_pair.arg()};
+                  &out};
   // At least one block: with no pairs it still writes the offsets, the
   // empty tile table and the padding rows.
   const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, plan.chunks));

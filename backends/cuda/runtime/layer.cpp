@@ -574,10 +574,22 @@ CudaLayer::TensorInfo CudaLayer::info(const std::string &name) const {
 }
 
 namespace {
-void check_copy(const CudaLayer::TensorInfo &info, const std::string &name, size_t bytes, const char *what) {
-  user_check(info.contiguous) << "'" << name << "' is stored padded (routed rows grouped by expert) on the device, "
-                              << "not as a row-major tensor: " << what
-                              << " needs a contiguous tensor; use download() for it";
+// A copy moves the tensor's own elements as one row-major block. bind
+// (`span`) points the layer at memory laid out as it stores the tensor,
+// which for a Param inside a larger tensor (outer_stride: transformers'
+// gate_up_proj halves) is the span from its first element to its last, the
+// other tensor's elements between; routed rows stored padded fit neither.
+void check_copy(const CudaLayer::TensorInfo &info, const TensorDecl &t, size_t bytes, const char *what,
+                bool span = false) {
+  const std::string &name = t.name;
+  user_check(info.contiguous || (span && t.outer_stride > 0))
+      << "'" << name << "' is "
+      << (t.outer_stride > 0 ? "stored inside a larger tensor (its first index " + std::to_string(t.outer_stride) +
+                                   " elements apart), not as a row-major tensor: "
+                             : "stored padded (routed rows grouped by expert) on the device, not as a row-major "
+                               "tensor: ")
+      << what << " needs a contiguous tensor; "
+      << (t.outer_stride > 0 ? "bind() it inside the larger tensor instead" : "use download() for it");
   user_check(bytes == info.bytes) << what << " of '" << name << "': " << bytes << " bytes given, the layer holds "
                                   << info.bytes << " (" << dtype_name(info.dtype)
                                   << " values of its shape): convert the tensor to " << dtype_name(info.dtype)
@@ -588,7 +600,7 @@ void check_copy(const CudaLayer::TensorInfo &info, const std::string &name, size
 void CudaLayer::copy_in(const std::string &name, CUdeviceptr src, size_t bytes, const Stream &stream) {
   const TensorDecl *t = layer_.program.find(name);
   user_check(t && t->is_input) << "copy_in: '" << name << "' is not an Input or Param of the layer";
-  check_copy(info(name), name, bytes, "copy_in");
+  check_copy(info(name), *t, bytes, "copy_in");
   check_writable_input(name, "copy_in");
   MOEFORGE_CU(cuMemcpyDtoDAsync, tensors_.at(name).ptr(), src, bytes, stream.handle());
   uploaded_.insert(name);
@@ -596,7 +608,7 @@ void CudaLayer::copy_in(const std::string &name, CUdeviceptr src, size_t bytes, 
 
 void CudaLayer::copy_out(const std::string &name, CUdeviceptr dst, size_t bytes, const Stream &stream) const {
   check_readable(name, "copy_out");
-  check_copy(info(name), name, bytes, "copy_out");
+  check_copy(info(name), *layer_.program.find(name), bytes, "copy_out");
   MOEFORGE_CU(cuMemcpyDtoDAsync, dst, tensors_.at(name).ptr(), bytes, stream.handle());
 }
 
@@ -610,7 +622,7 @@ void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
           : memory_ == LayerMemory::caller ? "is an intermediate, which place() gives memory"
                                            : "shares its memory with other tensors under reuse_memory(true)")
       << "; bind Inputs, Params, outputs and gradients";
-  check_copy(info(name), name, bytes, "bind");
+  check_copy(info(name), *t, bytes, "bind", /*span=*/true);
   user_check(ptr % 16 == 0) << "bind: the memory for '" << name << "' is not 16-byte aligned (the kernels load 16 "
                             << "bytes at a time): give a tensor that starts at an aligned address";
   if (t->is_input)

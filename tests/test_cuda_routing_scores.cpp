@@ -6,6 +6,7 @@
 // the message are checked everywhere; the kernels and layers on a GPU.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -61,16 +62,17 @@ TEST_SUITE("gpu") {
     std::mt19937 rng(7);
     std::normal_distribution<float> normal;
     const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
-    // One shape per top-k kernel (E <= 32, 64, 128, 256), one group-limited.
+    // One shape per top-k kernel (E <= 32, 64, 128, 256), one group-limited,
+    // and two of a few tokens, routed in one block (a warp per token: with
+    // 8 or 64 experts a lane holds 1 or 2 columns, fewer than k = 2 or 8).
     struct Case {
       RoutingShape shape;
       bool softmax;
     };
-    const std::vector<Case> cases = {{{300, 8, 2, 64}, true},
-                                     {{300, 64, 8, 128}, false},
-                                     {{1000, 128, 8, 128}, true},
-                                     {{257, 256, 4, 128}, false},
-                                     {{200, 16, 4, 64, 4, 2}, false}};
+    const std::vector<Case> cases = {{{300, 8, 2, 64}, true},         {{300, 64, 8, 128}, false},
+                                     {{1000, 128, 8, 128}, true},     {{257, 256, 4, 128}, false},
+                                     {{200, 16, 4, 64, 4, 2}, false}, {{16, 8, 2, 64}, true},
+                                     {{16, 64, 8, 128}, false}};
     for (const Case &c : cases) {
       const RoutingShape &s = c.shape;
       CAPTURE(s.to_string());
@@ -79,15 +81,20 @@ TEST_SUITE("gpu") {
       for (float &v : scores)
         v = normal(rng);
       // Token 37's expert E-1 is NaN; token 11's expert 3 is +inf (its
-      // softmax is NaN there); the lower token is the one reported.
-      const int64_t first_token = 11, second_token = 37;
+      // softmax is NaN there); the lower token is the one reported. Every
+      // score of a third token is NaN (a NaN in the router's input).
+      const int64_t first_token = std::min<int64_t>(11, s.tokens / 4);
+      const int64_t second_token = std::min<int64_t>(37, s.tokens / 2), all_nan_token = s.tokens * 3 / 4;
       scores[static_cast<size_t>(second_token * s.experts + s.experts - 1)] = nan;
       scores[static_cast<size_t>(first_token * s.experts + 3)] = inf;
+      for (int e = 0; e < s.experts; ++e)
+        scores[static_cast<size_t>(all_nan_token * s.experts + e)] = nan;
       if (!c.softmax) // a raw score of -inf chooses nothing either (a softmax makes it a probability of 0)
         scores[static_cast<size_t>((s.tokens - 1) * s.experts)] = -inf;
       cuda::DeviceBuffer d_scores = cuda::DeviceBuffer::from(scores);
       cuda::DeviceBuffer d_gate(static_cast<size_t>(s.pairs()) * sizeof(float));
       cuda::RoutingPlan plan(s);
+      CHECK(plan.one_block == (s.tokens <= 16));
       plan.poison(cuda::kPoisonNaN);
       d_gate.fill32(cuda::kPoisonNaN);
       CHECK_FALSE(check.raised());
@@ -102,7 +109,7 @@ TEST_SUITE("gpu") {
       // does (its own row is finite) with its gates.
       std::vector<float> clean = scores;
       std::vector<bool> bad(static_cast<size_t>(s.tokens), false);
-      bad[first_token] = bad[second_token] = true;
+      bad[first_token] = bad[second_token] = bad[all_nan_token] = true;
       if (!c.softmax)
         bad[static_cast<size_t>(s.tokens - 1)] = true;
       for (int64_t t = 0; t < s.tokens; ++t)
@@ -124,7 +131,9 @@ TEST_SUITE("gpu") {
       // Reported: the lowest key, then cleared.
       REQUIRE(check.raised());
       const std::string m = user_error_of([&] { check.throw_if_raised(stream, {"r0", "router"}, "a test"); });
-      CHECK_MESSAGE(contains(m, "(route router): the routing score of token 11, expert 3 is NaN or infinite"), m);
+      CHECK_MESSAGE(contains(m, "(route router): the routing score of token " + std::to_string(first_token) +
+                                    ", expert 3 is NaN or infinite"),
+                    m);
       CHECK_FALSE(check.raised());
       // A finite routing reports nothing.
       for (int64_t t = 0; t < s.tokens; ++t)

@@ -12,10 +12,12 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("moeforge.torch")
+import moeforge as mf  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.skipif(not mf.has_cpu_backend, reason="no CPU backend")
 def test_moeforge_and_the_pytorch_moa_agree(tmp_path):
     out = tmp_path / "moa.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "torch_moa.py"), "--tiny", "--device", "cpu",

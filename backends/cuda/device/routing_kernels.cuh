@@ -164,6 +164,18 @@ template <int kGroup, int kCols> struct Row {
     return bad;
   }
 
+  // A row holding a NaN or an infinity (first_non_finite) has no order: a
+  // NaN compares false with everything, so each lane of the group would
+  // keep its own candidate through the argmax's butterflies, and a lane
+  // holding fewer columns than k would find none in a later round (an
+  // expert id out of range). Such a row's scores become minus their column:
+  // experts 0, 1, ... in order, every choice in range (its gates are NaN).
+  __device__ void order_by_column(int q) {
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+      p[s] = has(s) ? -static_cast<float>(column(q, s)) : p[s];
+  }
+
   // The numerators and the denominator of p = expf(x - max) / sum of
   // expf(x - max), with the order of every operation of the generated softmax
   // (see above). The division waits for take_best: only the chosen
@@ -329,6 +341,8 @@ __device__ __forceinline__ void route_row(Row<kGroup, kCols> &row, int t, int en
   const int bad = row.first_non_finite(q);
   if (bad != kNoExpert && q == 0 && t < end_token)
     report_non_finite(first_bad, seen, route_tag, t, bad);
+  if (bad != kNoExpert) // uniform over the group
+    row.order_by_column(q);
   // The chosen probabilities' sum from 0 in slot order, the order of the
   // generated route_sum step this replaces, so the division matches it.
   float total = 0.0f;

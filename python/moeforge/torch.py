@@ -47,7 +47,10 @@ moeforge::layer_inference) with fake kernels, so
 torch.compile(model, fullgraph=True) traces a model holding the module with
 no graph break, at any token count (dynamic shapes), and the ops pass
 torch.library.opcheck (with zero_saved = True: it compares the saved region
-bit for bit).
+bit for bit). mode="reduce-overhead" records and replays the step in CUDA
+graphs at a static token count; at a symbolic one (dynamic=True, or a count
+that varied in an earlier compile) inductor's CUDA-graph trees refuse the
+ops' outputs (an open issue).
 """
 
 import itertools

@@ -242,4 +242,31 @@ CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramSha
   return l;
 }
 
+std::optional<SizeTerms>
+caller_saved_terms(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
+                   const std::function<std::optional<SizeTerms>(const RoutingShape &)> &table_terms) {
+  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype); };
+  const StepMemoryPlan plan = plan_step_memory(p, bytes, boundary, kRegionAlignment);
+  SizeTerms terms;
+  // The saved tensors one after another, each aligned (plan_step_memory);
+  // those written over one take its bytes.
+  for (const TensorDecl &t : p.tensors) {
+    if (!plan.saved.offset.count(t.name) || plan.saved.written_over.count(t.name))
+      continue;
+    std::optional<SizeProduct> b = shapes.bytes_over_tokens(t);
+    if (!b)
+      return std::nullopt;
+    terms.push_back({{*b}, static_cast<int64_t>(kRegionAlignment)});
+  }
+  for (const auto &[r, shape] : shapes.routings()) {
+    std::optional<SizeTerms> tables = table_terms(shape);
+    if (!tables)
+      return std::nullopt;
+    for (const SizeTerm &t : *tables) // so their sum is the aligned table bytes caller_memory_layout adds
+      internal_check(t.align % static_cast<int64_t>(kRegionAlignment) == 0) << "a routing table term's alignment";
+    terms.insert(terms.end(), tables->begin(), tables->end());
+  }
+  return terms;
+}
+
 } // namespace moeforge

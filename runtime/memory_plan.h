@@ -13,12 +13,14 @@
 #include <cstddef>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "lowering/kernel_program.h"
 #include "runtime/layer_memory.h"
 #include "runtime/program_shapes.h"
+#include "runtime/size_terms.h"
 
 namespace moeforge {
 
@@ -96,5 +98,13 @@ struct CallerMemoryLayout {
 };
 CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
                                         const std::function<size_t(const RoutingShape &)> &table_bytes);
+
+// caller_memory_layout's saved bytes (StepMemory::saved) over any token
+// count, as size_terms.h writes them (`table_terms`: the backend's tables of
+// one route, each term aligned to a multiple of kRegionAlignment); none
+// where a tensor's or a route's size is not of that form.
+std::optional<SizeTerms>
+caller_saved_terms(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
+                   const std::function<std::optional<SizeTerms>(const RoutingShape &)> &table_terms);
 
 } // namespace moeforge

@@ -103,6 +103,50 @@ int64_t ProgramShapes::elements(const TensorDecl &t) const {
   return std::max<int64_t>(n, 1);
 }
 
+std::optional<SizeProduct> ProgramShapes::bytes_over_tokens(const TensorDecl &t) const {
+  if (t.outer_stride > 0)
+    return std::nullopt;
+  SizeProduct p{dtype_bytes(t.dtype), {}};
+  const size_t n = t.dims.size();
+  for (size_t i = 0; i < n; ++i) {
+    SizeFactor f;
+    if ((t.layout == RowLayout::padded && i == 0) || (t.layout == RowLayout::padded_t && i + 1 == n)) {
+      const RoutingShape &r = routing(t.route);
+      if (r.drops())
+        return std::nullopt;
+      f = SizeFactor::padded_rows(r.k, r.block, r.experts);
+    } else {
+      const DimNode *node = t.dims[i].get();
+      int64_t factor = 1;
+      for (; node->base; node = node->base.get())
+        factor *= node->factor;
+      if (node->extent >= 0) {
+        f = SizeFactor::constant(factor * node->extent);
+      } else {
+        for (const auto &[r, shape] : routings_) // a dropping route's row bound is not the token count
+          if (shape.drops() && node->name == max_padded_rows_extent(r))
+            return std::nullopt;
+        f = SizeFactor::tokens(factor);
+      }
+    }
+    if (t.stride8 && i + 1 == n) { // the last extent rounded up to 8, as elements() does
+      if (f.a == 0)
+        f = SizeFactor::constant((f.c + 7) / 8 * 8);
+      else if (f.b == 0 && f.d == 1 && f.m == 1 && f.c == 0)
+        f = {f.a, 7, 8, 8, 0};
+      else if (f.m % 8 != 0 || f.c % 8 != 0) // padded rows: whole blocks
+        return std::nullopt;
+    }
+    if (f.a == 0)
+      p.bytes *= f.c;
+    else
+      p.factors.push_back(f);
+  }
+  if (p.bytes == 0) // elements() counts at least one
+    return std::nullopt;
+  return p;
+}
+
 long long *ProgramShapes::dynamic_extent(const std::string &dim) { return &dynamic_.at(dim); }
 
 std::vector<uint8_t> ProgramShapes::encode_input(const TensorDecl &t, const TensorMap &inputs) const {

@@ -8,12 +8,14 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "lowering/kernel_program.h"
 #include "lowering/training.h"
 #include "runtime/routing_host.h"
+#include "runtime/size_terms.h"
 #include "runtime/tensor.h"
 
 namespace moeforge {
@@ -37,6 +39,11 @@ public:
   const std::map<const RoutingNode *, RoutingShape> &routings() const { return routings_; }
   // Stored elements of t (padded layouts hold max_padded_rows rows); at least 1.
   int64_t elements(const TensorDecl &t) const;
+  // t's stored bytes (elements() times its dtype's) over any token count,
+  // as size_terms.h writes them; none for a size not of that form (a
+  // dropping route's rows, which follow its capacity, or a Param inside a
+  // larger tensor).
+  std::optional<SizeProduct> bytes_over_tokens(const TensorDecl &t) const;
   // t's shape as the user and the reference see it (routed rows: T * k).
   std::vector<int64_t> shape(const TensorDecl &t) const;
   // Where a dynamic Dim's extent lives, for kernel arguments (stable address).

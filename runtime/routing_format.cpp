@@ -68,4 +68,31 @@ size_t routing_table_bytes(const RoutingShape &shape) {
   return routing_table_offset(RoutingArray::padded_rows, shape) + sizeof(int32_t);
 }
 
+std::optional<SizeTerms> routing_table_terms(const RoutingShape &s, int64_t align) {
+  if (s.drops())
+    return std::nullopt;
+  SizeTerm t{{}, align};
+  for (int i = 0; i <= static_cast<int>(RoutingArray::padded_rows); ++i) {
+    SizeFactor f;
+    switch (static_cast<RoutingArray>(i)) {
+    case RoutingArray::expert:
+    case RoutingArray::pair_pos:
+      f = SizeFactor::tokens(s.k);
+      break;
+    case RoutingArray::sorted_pair:
+      f = SizeFactor::padded_rows(s.k, s.block, s.experts);
+      break;
+    case RoutingArray::tile_expert:
+    case RoutingArray::tile_row_start:
+    case RoutingArray::tile_rows:
+      f = SizeFactor::tiles(s.k, s.block, s.experts);
+      break;
+    default: // no token count in it
+      f = SizeFactor::constant(routing_array_elements(static_cast<RoutingArray>(i), s));
+    }
+    t.sum.push_back({static_cast<int64_t>(sizeof(int32_t)), {f}});
+  }
+  return SizeTerms{t};
+}
+
 } // namespace moeforge

@@ -46,9 +46,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "dsl/capacity.h"
+#include "runtime/size_terms.h"
 
 namespace moeforge {
 
@@ -108,6 +110,9 @@ int64_t routing_array_elements(RoutingArray a, const RoutingShape &shape);
 // Byte offset of array `a` (not `window`) and the block's bytes.
 size_t routing_table_offset(RoutingArray a, const RoutingShape &shape);
 size_t routing_table_bytes(const RoutingShape &shape);
+// routing_table_bytes over any token count (its k, E and block), aligned to
+// `align` as one term (size_terms.h); none for a dropping route.
+std::optional<SizeTerms> routing_table_terms(const RoutingShape &shape, int64_t align);
 
 // Array `a` of a set of routing tables: the host's RoutingTables
 // (routing_host.h) or a device RoutingPlan, which share the member names;

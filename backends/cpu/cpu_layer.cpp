@@ -102,6 +102,14 @@ void CpuLayer::plan_caller_memory() {
   table_offset_ = std::move(l.table_offset);
 }
 
+std::optional<SizeTerms> CpuLayer::saved_terms() const {
+  user_check(memory_ == LayerMemory::caller) << "saved_terms(): this layer holds memory of its own "
+                                             << "(LayerMemory::owned); make it with LayerMemory::caller";
+  return caller_saved_terms(layer_.program, shapes_, keep_across_, [](const RoutingShape &s) {
+    return routing_table_terms(s, static_cast<int64_t>(kRegionAlignment));
+  });
+}
+
 StepMemory CpuLayer::step_memory(int64_t tokens) const {
   user_check(memory_ == LayerMemory::caller) << "step_memory(): this layer holds memory of its own "
                                              << "(LayerMemory::owned); make it with LayerMemory::caller";

@@ -8,6 +8,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -117,6 +118,9 @@ public:
   LayerMemory memory() const { return memory_; }
   // LayerMemory::caller: what a step at `tokens` tokens needs.
   StepMemory step_memory(int64_t tokens) const;
+  // LayerMemory::caller: step_memory().saved over any token count
+  // (size_terms.h), or none where a size is not of that form.
+  std::optional<SizeTerms> saved_terms() const;
   // LayerMemory::caller: every intermediate and route table at the caller's
   // memory for the current token count: `saved` (step_memory().saved
   // bytes, never null) and `workspace` (what the steps about to run need,

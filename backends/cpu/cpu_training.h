@@ -63,6 +63,7 @@ public:
   // LayerMemory::caller (cuda::TrainingLayer's calls). What a step at
   // `tokens` needs; the token count of the next forward or backward.
   StepMemory step_memory(int64_t tokens) const { return layer_.step_memory(tokens); }
+  std::optional<SizeTerms> saved_terms() const { return layer_.saved_terms(); }
   void set_tokens(int64_t tokens) { layer_.set_tokens(tokens); }
   // Host memory the caller owns for an Input, Param, upstream gradient (by
   // its seed's name, "d_y") or output; for the gradient of Input or Param

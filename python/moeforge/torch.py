@@ -186,6 +186,12 @@ class _Runtime(_BoundLayer):
         self.bound = {}
         self.memory = {}  # tokens -> (saved, forward workspace, backward workspace) bytes
         self.backward_reads = set(self.layer.backward_reads)
+        self._saved_terms = False  # not asked yet
+
+    def saved_terms(self):
+        if self._saved_terms is False:
+            self._saved_terms = self.layer.saved_terms()
+        return self._saved_terms
 
     def use_tokens(self, tokens):
         if tokens != self.tokens:
@@ -348,9 +354,30 @@ def _(handle, xs, params, consts):
             for f, dtype in zip(module.outputs, module._output_dtypes)]
     if isinstance(tokens, int):  # the saved region's bytes follow from the count
         nbytes = module.saved_bytes(tokens)
-    else:  # a symbolic count: the size is known when the op runs
-        nbytes = torch.library.get_ctx().new_dynamic_size()
+    else:  # a symbolic count: the layer's size over the count, evaluated at it
+        terms = module._saved_terms(tokens)
+        # Else a size known only when the op runs (an unbacked size), around
+        # which inductor splits the graph, and its CUDA graphs with it.
+        nbytes = _size_at(terms, tokens) if terms is not None else torch.library.get_ctx().new_dynamic_size()
     return [*outs, x.new_empty(nbytes, dtype=torch.uint8)]
+
+
+def _size_at(terms, tokens):
+    """A layer's size over the token count (the layer's saved_terms():
+    terms (align, [(bytes, [(a, b, d, m, c), ...]), ...])) at `tokens`, an
+    int or torch.compile's symbolic count, with the same integer arithmetic
+    as the layer's own size: the sum over terms of round_up(sum of bytes *
+    prod((a T + b) // d * m + c), align)."""
+    total = 0
+    for align, products in terms:
+        term = 0
+        for nbytes, factors in products:
+            product = nbytes
+            for a, b, d, m, c in factors:
+                product = product * ((a * tokens + b) // d * m + c)
+            term = term + product
+        total = total + (term + align - 1) // align * align
+    return total
 
 
 @torch.library.custom_op("moeforge::layer_backward", mutates_args=())
@@ -878,6 +905,17 @@ class MoELayer(torch.nn.Module):
         for rt in (self._caller, *self._forward_runtimes.values()):
             if rt is not None:
                 rt.layer.check_routing_scores(_stream(self.device))
+
+    def _saved_terms(self, tokens):
+        """saved_bytes over any token count (_size_at's terms), for a
+        symbolic count `tokens`; None where the layer has no such form, or
+        no runtime yet and the count no hint to make it at."""
+        if self._caller is None:
+            hint = getattr(getattr(tokens, "node", None), "hint", None)
+            if hint is None:
+                return None
+            self._runtime(int(hint))
+        return self._caller.saved_terms()
 
     def saved_bytes(self, tokens):
         """What a forward over `tokens` tokens keeps for its backward

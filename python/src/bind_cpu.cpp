@@ -151,6 +151,10 @@ void bind_cpu(nb::module_ &m) {
           },
           "tokens"_a, "(saved, forward workspace, backward workspace) bytes of a step at `tokens` tokens.")
       .def(
+          "saved_terms", [](const PyCpuCallerTraining &l) { return size_terms_object(l.layer->saved_terms()); },
+          "step_memory()'s saved bytes over any token count T: None, or terms (align, [(bytes, [(a, b, d, m, c), "
+          "...]), ...]), the sum over terms of round_up(sum of bytes * prod((a T + b) // d * m + c), align).")
+      .def(
           "info", [](const PyCpuCallerTraining &l, const std::string &name) { return info_tuple(l.layer->info(name)); },
           "name"_a, "(dtype, shape, contiguous, bytes) of a tensor the layer reads or writes.")
       .def(

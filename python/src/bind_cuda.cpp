@@ -310,6 +310,10 @@ void bind_cuda(nb::module_ &m) {
           "tokens"_a,
           "(saved, forward workspace, backward workspace) bytes of a step at `tokens` tokens on caller memory.")
       .def(
+          "saved_terms", [](const PyCudaTraining &l) { return size_terms_object(l.layer->saved_terms()); },
+          "step_memory()'s saved bytes over any token count T: None, or terms (align, [(bytes, [(a, b, d, m, c), "
+          "...]), ...]), the sum over terms of round_up(sum of bytes * prod((a T + b) // d * m + c), align).")
+      .def(
           "pairs",
           [](const PyCudaTraining &l, const std::string &route) {
             return l.layer->layer().routing_plan(route).shape.pairs();

@@ -186,6 +186,23 @@ nb::dict to_dict(TensorMap tensors) {
   return out;
 }
 
+nb::object size_terms_object(const std::optional<SizeTerms> &terms) {
+  if (!terms)
+    return nb::none();
+  nb::list out;
+  for (const SizeTerm &t : *terms) {
+    nb::list sum;
+    for (const SizeProduct &p : t.sum) {
+      nb::list factors;
+      for (const SizeFactor &f : p.factors)
+        factors.append(nb::make_tuple(f.a, f.b, f.d, f.m, f.c));
+      sum.append(nb::make_tuple(p.bytes, factors));
+    }
+    out.append(nb::make_tuple(t.align, sum));
+  }
+  return out;
+}
+
 nb::tuple info_tuple(const TensorInfo &info) {
   return nb::make_tuple(std::string(dtype_name(info.dtype)), nb::tuple(nb::cast(info.shape)), info.contiguous,
                         info.bytes);

@@ -10,10 +10,12 @@
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "runtime/layer_checks.h"
+#include "runtime/size_terms.h"
 #include "runtime/tensor.h"
 
 namespace moeforge::python {
@@ -44,6 +46,11 @@ HostTensor to_host_tensor(nb::handle value, const std::string &what);
 // A tensor as a layer stores it (runtime/layer_checks.h), as Python sees
 // it: (dtype name, shape, contiguous, bytes).
 nb::tuple info_tuple(const TensorInfo &info);
+
+// A size over the token count (runtime/size_terms.h) as Python evaluates it
+// at a symbolic count: None where there is none, else a list of terms
+// (align, [(bytes, [(a, b, d, m, c), ...]), ...]).
+nb::object size_terms_object(const std::optional<SizeTerms> &terms);
 
 // A dict {name: array} as a TensorMap ("input 'name'" in errors).
 TensorMap to_tensor_map(const nb::dict &arrays, const std::string &what);

@@ -125,6 +125,12 @@ CudaLayer::StepMemory CudaLayer::step_memory(int64_t tokens) const {
       .memory;
 }
 
+std::optional<SizeTerms> CudaLayer::saved_terms() const {
+  user_check(memory_ == LayerMemory::caller) << "saved_terms(): this layer holds memory of its own "
+                                             << "(LayerMemory::owned); make it with LayerMemory::caller";
+  return caller_saved_terms(layer_.program, shapes_, keep_across_, RoutingPlan::table_terms);
+}
+
 void CudaLayer::place(CUdeviceptr saved, CUdeviceptr workspace) {
   user_check(memory_ == LayerMemory::caller) << "place(): this layer holds memory of its own (LayerMemory::owned)";
   user_check(saved != 0) << "place(): no saved memory given (it holds every route's tables, so it is never empty)";

@@ -7,6 +7,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -67,6 +68,9 @@ public:
   // LayerMemory::caller: the memory a step at `tokens` tokens needs.
   using StepMemory = moeforge::StepMemory;
   StepMemory step_memory(int64_t tokens) const;
+  // LayerMemory::caller: step_memory().saved over any token count
+  // (size_terms.h), or none where a size is not of that form.
+  std::optional<SizeTerms> saved_terms() const;
   // LayerMemory::caller: points every intermediate at the caller's memory
   // for the current token count: `saved` (step_memory().saved bytes) and
   // `workspace` (the part about to run needs, or 0 where it needs none),

@@ -94,9 +94,13 @@ const std::vector<std::string> &routing_kernel_names() {
 
 const std::string &routing_topk_kernel(int experts) { return routing_kernel_names().at(topk_index(experts)); }
 
+int64_t routing_max_chunks(int experts) {
+  return std::clamp<int64_t>(kRoutingMaxChunkCounts / experts, 1, kRoutingTargetChunks);
+}
+
 int64_t routing_chunk_pairs(const RoutingShape &shape) {
   shape.check();
-  const int64_t target = std::clamp<int64_t>(kRoutingMaxChunkCounts / shape.experts, 1, kRoutingTargetChunks);
+  const int64_t target = routing_max_chunks(shape.experts);
   return std::max<int64_t>(1, ceil_div(ceil_div(shape.pairs(), target), kRoutingChunkQuantum)) * kRoutingChunkQuantum;
 }
 
@@ -170,6 +174,7 @@ void RoutingPlan::set_shape(const RoutingShape &s) {
   shape = s;
   chunk = routing_chunk_pairs(s);
   chunks = ceil_div(s.pairs(), chunk);
+  internal_check(chunks <= routing_max_chunks(s.experts)) << "routing " << s.to_string() << ": " << chunks << " chunks";
   fused = routing_fuses_counts(s) && !s.drops();
   topk_chunk = fused ? chunk : routing_topk_tokens_per_pass(s.experts) * s.k;
   one_block = routing_in_one_block(s);
@@ -188,7 +193,7 @@ std::vector<std::pair<DeviceBuffer *, size_t>> RoutingPlan::arrays() {
           {&tile_row_start, i32(s.max_tiles())},
           {&tile_rows, i32(s.max_tiles())},
           {&num_tiles, i32(1)},
-          {&chunk_counts, i32(chunks * count_stride(s.experts))},
+          {&chunk_counts, i32(routing_max_chunks(s.experts) * count_stride(s.experts))},
           {&placed, i32(s.drops() ? s.pairs() : 0)}};
 }
 
@@ -218,6 +223,31 @@ size_t RoutingPlan::table_bytes(const RoutingShape &s) {
   return total;
 }
 
+std::optional<SizeTerms> RoutingPlan::table_terms(const RoutingShape &s) {
+  if (s.drops())
+    return std::nullopt;
+  // arrays()' order and counts, each array aligned as place() puts them.
+  const SizeFactor pairs = SizeFactor::tokens(s.k), padded = SizeFactor::padded_rows(s.k, s.block, s.experts);
+  const SizeFactor tiles = SizeFactor::tiles(s.k, s.block, s.experts);
+  const std::vector<SizeFactor> counts = {pairs,
+                                          pairs,
+                                          SizeFactor::constant(s.experts),
+                                          SizeFactor::constant(s.experts + 1),
+                                          SizeFactor::constant(s.experts + 1),
+                                          pairs,
+                                          padded,
+                                          tiles,
+                                          tiles,
+                                          tiles,
+                                          SizeFactor::constant(1),
+                                          SizeFactor::constant(routing_max_chunks(s.experts) * count_stride(s.experts)),
+                                          SizeFactor::constant(0)};
+  SizeTerms terms;
+  for (const SizeFactor &n : counts)
+    terms.push_back({{{static_cast<int64_t>(sizeof(int32_t)), {n}}}, static_cast<int64_t>(kTableAlignment)});
+  return terms;
+}
+
 void RoutingPlan::resize(const RoutingShape &s) {
   set_shape(s);
   place(0);
@@ -239,8 +269,8 @@ void RoutingPlan::reshape(const RoutingShape &s) {
   internal_check(fits(expert, s.pairs()) && fits(sorted_pair, s.max_padded_rows()) && fits(tile_expert, s.max_tiles()))
       << "a routing plan reshaped to more pairs than it holds";
   set_shape(s);
-  if (!fits(chunk_counts, chunks * count_stride(s.experts)))
-    chunk_counts = DeviceBuffer(i32(chunks * count_stride(s.experts)));
+  if (!fits(chunk_counts, routing_max_chunks(s.experts) * count_stride(s.experts)))
+    chunk_counts = DeviceBuffer(i32(routing_max_chunks(s.experts) * count_stride(s.experts)));
 }
 
 void RoutingPlan::poison(uint32_t pattern, bool including_expert) {

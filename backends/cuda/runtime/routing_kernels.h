@@ -8,8 +8,10 @@
 #include "backends/cuda/runtime/module.h"
 #include "backends/cuda/runtime/stream.h"
 #include "runtime/routing_host.h"
+#include "runtime/size_terms.h"
 
 #include <array>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,10 @@ inline constexpr int64_t kRoutingTargetChunks = 128;
 inline constexpr int64_t kRoutingMaxChunkCounts = 16384;
 inline constexpr int64_t kRoutingChunkQuantum = 128;
 int64_t routing_chunk_pairs(const RoutingShape &shape);
+// The most chunks any token count gives (the target, which a chunk of at
+// least P / target pairs never exceeds): chunk_counts is sized by it, so the
+// tables' bytes follow the token count in size_terms.h's forms.
+int64_t routing_max_chunks(int experts);
 
 // Every kernel of the routing module. One top-k kernel per bound on E (see
 // routing_topk_kernel), then moe_chunk_histogram, moe_scan_scatter,
@@ -90,6 +96,8 @@ struct RoutingPlan {
   static RoutingPlan unplaced(const RoutingShape &shape);
   // The bytes place() needs for `shape`'s tables (each array 256-aligned).
   static size_t table_bytes(const RoutingShape &shape);
+  // table_bytes over any token count (size_terms.h); none for a dropping route.
+  static std::optional<SizeTerms> table_terms(const RoutingShape &shape);
 
   RoutingShape shape;
   int64_t chunk = 0;                      // routing_chunk_pairs(shape)
@@ -104,7 +112,7 @@ struct RoutingPlan {
   DeviceBuffer sorted_pair;               // int32 [max_padded_rows]
   DeviceBuffer tile_expert, tile_row_start, tile_rows; // int32 [max_tiles]
   DeviceBuffer num_tiles;                              // int32 [1]
-  DeviceBuffer chunk_counts;                           // int32 [chunks, 32 * 2^n >= E]
+  DeviceBuffer chunk_counts;                           // int32 [routing_max_chunks(E) >= chunks, 32 * 2^n >= E]
   // With a capacity (shape.drops()): expert[r], or -1 where dropped
   // (moe_capacity_keep); what the counting and placing read. Else empty.
   DeviceBuffer placed; // int32 [P]

@@ -93,6 +93,7 @@ public:
   // only while each runs).
   void set_tokens(int64_t tokens) { layer_.set_tokens(tokens); }
   CudaLayer::StepMemory step_memory(int64_t tokens) const { return layer_.step_memory(tokens); }
+  std::optional<SizeTerms> saved_terms() const { return layer_.saved_terms(); }
   // A forward whose activations go to `saved`, and a backward that reads
   // them there: the same saved memory, the same token count, and this
   // layer's inputs and parameters as they were then (bound again, with

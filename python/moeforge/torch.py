@@ -47,10 +47,10 @@ moeforge::layer_inference) with fake kernels, so
 torch.compile(model, fullgraph=True) traces a model holding the module with
 no graph break, at any token count (dynamic shapes), and the ops pass
 torch.library.opcheck (with zero_saved = True: it compares the saved region
-bit for bit). mode="reduce-overhead" records and replays the step in CUDA
-graphs at a static token count; at a symbolic one (dynamic=True, or a count
-that varied in an earlier compile) inductor's CUDA-graph trees refuse the
-ops' outputs (an open issue).
+bit for bit). At a symbolic count the forward's fake kernel sizes the saved
+region from the layer's terms over the count (saved_terms(): the bytes the
+layer lays out, as an expression of it), so mode="reduce-overhead" records
+and replays the step in CUDA graphs at static and symbolic counts alike.
 """
 
 import itertools

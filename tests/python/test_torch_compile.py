@@ -98,7 +98,7 @@ def test_reduce_overhead_replays_the_step_in_cuda_graphs():
     replay it, at a static token count."""
     # Dynamo remembers, per function, the sizes that varied in earlier
     # compiles (another test's Block.forward at three counts) and would trace
-    # this one with a symbolic count: the case below.
+    # this one with a symbolic count: the next test's case.
     torch._dynamo.reset()
     torch.manual_seed(5)
     model = Block("cuda")
@@ -112,12 +112,12 @@ def test_reduce_overhead_replays_the_step_in_cuda_graphs():
 
 
 @needs_gpu
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="on an H100 with torch 2.11 (2026-12-06): with a symbolic token count inductor's "
-                          "CUDA-graph trees find the ops' outputs outside their pool ('These storage data ptrs are "
-                          "not allocated in pool'); the suspect is the forward op's saved region, whose size is "
-                          "then known only when the op runs (new_dynamic_size); open")
 def test_reduce_overhead_at_a_symbolic_token_count():
+    """dynamic=True: the token count symbolic. With the saved region sized
+    only when the op ran (an unbacked size), inductor split the graph around
+    the op and its CUDA-graph trees refused the partitions' outputs ('These
+    storage data ptrs are not allocated in pool'); sized by the layer's
+    terms over the count, the step records and replays at each count."""
     torch._dynamo.reset()
     torch.manual_seed(5)
     model = Block("cuda")

@@ -32,28 +32,35 @@ const char *routing_array_name(RoutingArray a) {
   return "?";
 }
 
-int64_t routing_array_elements(RoutingArray a, const RoutingShape &shape) {
+SizeFactor routing_array_count(RoutingArray a, const RoutingShape &shape) {
+  // A dropping route's rows follow its capacity: their counts at its T.
+  const bool by_tokens = !shape.drops();
   switch (a) {
   case RoutingArray::expert:
   case RoutingArray::pair_pos:
-    return shape.pairs();
+    return SizeFactor::tokens(shape.k);
   case RoutingArray::counts:
-    return shape.experts;
+    return SizeFactor::constant(shape.experts);
   case RoutingArray::offsets:
-    return shape.experts + 1;
+    return SizeFactor::constant(shape.experts + 1);
   case RoutingArray::sorted_pair:
-    return shape.max_padded_rows();
+    return by_tokens ? SizeFactor::padded_rows(shape.k, shape.block, shape.experts)
+                     : SizeFactor::constant(shape.max_padded_rows());
   case RoutingArray::tile_expert:
   case RoutingArray::tile_row_start:
   case RoutingArray::tile_rows:
-    return shape.max_tiles();
+    return by_tokens ? SizeFactor::tiles(shape.k, shape.block, shape.experts) : SizeFactor::constant(shape.max_tiles());
   case RoutingArray::num_tiles:
   case RoutingArray::padded_rows:
-    return 1;
+    return SizeFactor::constant(1);
   case RoutingArray::window:
-    return shape.max_tiles() + 1;
+    return SizeFactor::constant(shape.max_tiles() + 1);
   }
-  return 0;
+  return SizeFactor::constant(0);
+}
+
+int64_t routing_array_elements(RoutingArray a, const RoutingShape &shape) {
+  return routing_array_count(a, shape).at(shape.tokens);
 }
 
 size_t routing_table_offset(RoutingArray a, const RoutingShape &shape) {
@@ -72,26 +79,8 @@ std::optional<SizeTerms> routing_table_terms(const RoutingShape &s, int64_t alig
   if (s.drops())
     return std::nullopt;
   SizeTerm t{{}, align};
-  for (int i = 0; i <= static_cast<int>(RoutingArray::padded_rows); ++i) {
-    SizeFactor f;
-    switch (static_cast<RoutingArray>(i)) {
-    case RoutingArray::expert:
-    case RoutingArray::pair_pos:
-      f = SizeFactor::tokens(s.k);
-      break;
-    case RoutingArray::sorted_pair:
-      f = SizeFactor::padded_rows(s.k, s.block, s.experts);
-      break;
-    case RoutingArray::tile_expert:
-    case RoutingArray::tile_row_start:
-    case RoutingArray::tile_rows:
-      f = SizeFactor::tiles(s.k, s.block, s.experts);
-      break;
-    default: // no token count in it
-      f = SizeFactor::constant(routing_array_elements(static_cast<RoutingArray>(i), s));
-    }
-    t.sum.push_back({static_cast<int64_t>(sizeof(int32_t)), {f}});
-  }
+  for (int i = 0; i <= static_cast<int>(RoutingArray::padded_rows); ++i)
+    t.sum.push_back({static_cast<int64_t>(sizeof(int32_t)), {routing_array_count(static_cast<RoutingArray>(i), s)}});
   return SizeTerms{t};
 }
 

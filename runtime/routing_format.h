@@ -101,7 +101,9 @@ enum class RoutingArray {
 
 // Its name in generated code ("sorted_pair": kernels' rt_<route>_sorted_pair).
 const char *routing_array_name(RoutingArray a);
-// Its int32 elements for `shape`.
+// Its int32 elements for `shape`: over the token count (size_terms.h), with
+// a dropping route's capacity-bound counts as constants at its T; and at T.
+SizeFactor routing_array_count(RoutingArray a, const RoutingShape &shape);
 int64_t routing_array_elements(RoutingArray a, const RoutingShape &shape);
 
 // The tables as one block of memory (where a runtime keeps them with a

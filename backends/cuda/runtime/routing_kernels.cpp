@@ -180,29 +180,21 @@ void RoutingPlan::set_shape(const RoutingShape &s) {
   one_block = routing_in_one_block(s);
 }
 
-std::vector<std::pair<DeviceBuffer *, SizeFactor>> RoutingPlan::array_counts() {
-  const RoutingShape &s = shape;
-  auto of = [&](RoutingArray a) { return routing_array_count(a, s); };
-  return {{&expert, of(RoutingArray::expert)},
-          {&gate, of(RoutingArray::expert)}, // a gate per pair
-          {&counts, of(RoutingArray::counts)},
-          {&offsets, of(RoutingArray::offsets)},
-          {&offsets_unpadded, of(RoutingArray::offsets)},
-          {&pair_pos, of(RoutingArray::pair_pos)},
-          {&sorted_pair, of(RoutingArray::sorted_pair)},
-          {&tile_expert, of(RoutingArray::tile_expert)},
-          {&tile_row_start, of(RoutingArray::tile_row_start)},
-          {&tile_rows, of(RoutingArray::tile_rows)},
-          {&num_tiles, of(RoutingArray::num_tiles)},
-          {&chunk_counts, SizeFactor::constant(routing_max_chunks(s.experts) * count_stride(s.experts))},
-          {&placed, s.drops() ? SizeFactor::tokens(s.k) : SizeFactor::constant(0)}};
-}
-
 std::vector<std::pair<DeviceBuffer *, size_t>> RoutingPlan::arrays() {
-  std::vector<std::pair<DeviceBuffer *, size_t>> out;
-  for (auto [buffer, count] : array_counts())
-    out.emplace_back(buffer, i32(count.at(shape.tokens)));
-  return out;
+  const RoutingShape &s = shape;
+  return {{&expert, i32(s.pairs())},
+          {&gate, i32(s.pairs())},
+          {&counts, i32(s.experts)},
+          {&offsets, i32(s.experts + 1)},
+          {&offsets_unpadded, i32(s.experts + 1)},
+          {&pair_pos, i32(s.pairs())},
+          {&sorted_pair, i32(s.max_padded_rows())},
+          {&tile_expert, i32(s.max_tiles())},
+          {&tile_row_start, i32(s.max_tiles())},
+          {&tile_rows, i32(s.max_tiles())},
+          {&num_tiles, i32(1)},
+          {&chunk_counts, i32(routing_max_chunks(s.experts) * count_stride(s.experts))},
+          {&placed, i32(s.drops() ? s.pairs() : 0)}};
 }
 
 RoutingPlan::RoutingPlan(const RoutingShape &s) {
@@ -234,11 +226,25 @@ size_t RoutingPlan::table_bytes(const RoutingShape &s) {
 std::optional<SizeTerms> RoutingPlan::table_terms(const RoutingShape &s) {
   if (s.drops())
     return std::nullopt;
-  RoutingPlan sizes;
-  sizes.set_shape(s);
-  SizeTerms terms; // each array aligned, as place() puts them
-  for (auto [buffer, count] : sizes.array_counts())
-    terms.push_back({{{static_cast<int64_t>(sizeof(int32_t)), {count}}}, static_cast<int64_t>(kTableAlignment)});
+  // arrays()' order and counts, each array aligned as place() puts them.
+  const SizeFactor pairs = SizeFactor::tokens(s.k), padded = SizeFactor::padded_rows(s.k, s.block, s.experts);
+  const SizeFactor tiles = SizeFactor::tiles(s.k, s.block, s.experts);
+  const std::vector<SizeFactor> counts = {pairs,
+                                          pairs,
+                                          SizeFactor::constant(s.experts),
+                                          SizeFactor::constant(s.experts + 1),
+                                          SizeFactor::constant(s.experts + 1),
+                                          pairs,
+                                          padded,
+                                          tiles,
+                                          tiles,
+                                          tiles,
+                                          SizeFactor::constant(1),
+                                          SizeFactor::constant(routing_max_chunks(s.experts) * count_stride(s.experts)),
+                                          SizeFactor::constant(0)};
+  SizeTerms terms;
+  for (const SizeFactor &n : counts)
+    terms.push_back({{{static_cast<int64_t>(sizeof(int32_t)), {n}}}, static_cast<int64_t>(kTableAlignment)});
   return terms;
 }
 

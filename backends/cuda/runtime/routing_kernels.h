@@ -142,10 +142,7 @@ private:
   RoutingPlan() = default;
   // shape and the chunking that follows from it.
   void set_shape(const RoutingShape &shape);
-  // Every array and its int32 count over the token count (a dropping
-  // route's capacity-bound ones as constants at its T), in placement order;
-  // and its bytes for the current shape.
-  std::vector<std::pair<DeviceBuffer *, SizeFactor>> array_counts();
+  // Every array and its bytes for the current shape, in placement order.
   std::vector<std::pair<DeviceBuffer *, size_t>> arrays();
 };
 

@@ -9,13 +9,12 @@ segment belongs to, and the Python frames that made it (which of the
 module's tensors it is). Prints "no error" where the steps run.
 
 With --dynamic the block is compiled with dynamic=True (the token count
-symbolic), where the forward op's fake kernel sizes the saved region with
-new_dynamic_size(); --fixed-saved-size replaces that size, for this run
-only, by the one the first count needs (a constant, so no unbacked size
-reaches inductor; right only while the count stays the same): whether the
-unbacked size is what inductor's CUDA-graph trees trip on.
+symbolic): where the forward op's fake kernel sized the saved region with
+new_dynamic_size() (an unbacked size), inductor split the graph around the
+op and its CUDA-graph trees raised as above; it now evaluates the layer's
+saved_terms() at the symbolic count.
 
-usage: python3 benchmarks/reduce_overhead_probe.py [--steps 4] [--compiled-only] [--dynamic [--fixed-saved-size]]
+usage: python3 benchmarks/reduce_overhead_probe.py [--steps 4] [--compiled-only] [--dynamic]
 """
 import argparse
 import os
@@ -39,23 +38,9 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--compiled-only", action="store_true", help="no eager step before the compiled ones")
     ap.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (a symbolic token count)")
-    ap.add_argument("--fixed-saved-size", action="store_true",
-                    help="with --dynamic: the saved region's fake size is the first count's, a constant")
     a = ap.parse_args()
     torch.manual_seed(5)
     model = Block("cuda")
-    if a.fixed_saved_size:
-        import moeforge.torch as mft
-        fixed = model.moe.saved_bytes(4 * 64)
-
-        def fake(handle, xs, params, consts):
-            module = mft._module(handle)
-            x = xs[0]
-            outs = [x.new_empty(module._output_shape(f, x.shape[0]), dtype=dtype)
-                    for f, dtype in zip(module.outputs, module._output_dtypes)]
-            return [*outs, x.new_empty(fixed, dtype=torch.uint8)]
-
-        mft._layer_forward.register_fake(fake)  # replaces the module's fake kernel
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=True if a.dynamic else None)
     x = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)

@@ -225,12 +225,21 @@ StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size
   return plan;
 }
 
+namespace {
+// The step plan of a layer on caller memory: each tensor's stored bytes at
+// `shapes`' count, regions aligned to kRegionAlignment. What
+// caller_memory_layout lays out and caller_saved_terms writes over the count.
+StepMemoryPlan caller_step_plan(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary) {
+  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype); };
+  return plan_step_memory(p, bytes, boundary, kRegionAlignment);
+}
+} // namespace
+
 CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
                                         const std::function<size_t(const RoutingShape &)> &table_bytes) {
   auto align = [](size_t n) { return (n + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; };
-  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype); };
   CallerMemoryLayout l;
-  l.plan = plan_step_memory(p, bytes, boundary, kRegionAlignment);
+  l.plan = caller_step_plan(p, shapes, boundary);
   size_t at = align(l.plan.saved.arena_bytes);
   for (const auto &[r, shape] : shapes.routings()) {
     l.table_offset[r] = at;
@@ -245,8 +254,7 @@ CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramSha
 std::optional<SizeTerms>
 caller_saved_terms(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
                    const std::function<std::optional<SizeTerms>(const RoutingShape &)> &table_terms) {
-  auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype); };
-  const StepMemoryPlan plan = plan_step_memory(p, bytes, boundary, kRegionAlignment);
+  const StepMemoryPlan plan = caller_step_plan(p, shapes, boundary);
   SizeTerms terms;
   // The saved tensors one after another, each aligned (plan_step_memory);
   // those written over one take its bytes.

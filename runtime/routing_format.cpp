@@ -53,8 +53,9 @@ SizeFactor routing_array_count(RoutingArray a, const RoutingShape &shape) {
   case RoutingArray::num_tiles:
   case RoutingArray::padded_rows:
     return SizeFactor::constant(1);
-  case RoutingArray::window:
-    return SizeFactor::constant(shape.max_tiles() + 1);
+  case RoutingArray::window: // a count, then the tiles
+    return by_tokens ? SizeFactor{shape.k, shape.block - 1, shape.block, 1, shape.experts + int64_t{1}}
+                     : SizeFactor::constant(shape.max_tiles() + 1);
   }
   return SizeFactor::constant(0);
 }

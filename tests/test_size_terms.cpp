@@ -59,6 +59,14 @@ TEST_CASE("size terms: a routing's tables over any token count, as routing_table
           s.tokens = t;
           INFO(s.to_string());
           CHECK(size_at(*terms, t) == static_cast<int64_t>(routing_table_bytes(s)));
+          // Every array over the count against the shape's own counts at
+          // t, the window (not in the tables' block) too.
+          const RoutingShape one{1, experts, k, block};
+          auto count = [&](RoutingArray a) { return routing_array_count(a, one).at(t); };
+          CHECK(count(RoutingArray::pair_pos) == s.pairs());
+          CHECK(count(RoutingArray::sorted_pair) == s.max_padded_rows());
+          CHECK(count(RoutingArray::tile_expert) == s.max_tiles());
+          CHECK(count(RoutingArray::window) == s.max_tiles() + 1);
         }
       }
   // A capacity makes the rows follow cf T k / E, not a form of the terms.

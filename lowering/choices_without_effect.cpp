@@ -76,6 +76,11 @@ std::vector<std::string> choices_without_effect(const Schedule &s, const std::st
       {"gradients_over_saved(true)", s.gradients_over_saved(), [](Schedule &x) { x.gradients_over_saved(false); },
        "no element-wise step of the backward is the last reader of a saved tensor shaped like its output",
        ReadBy::training},
+      {"sorted_saved(true)", s.sorted_saved(), [](Schedule &x) { x.sorted_saved(false); },
+       s.gradients_over_saved() ? "no saved tensor that a gradient is written over is read only as sorted rows may be "
+                                  "(lowering/sorted_rows.h), or none is padded"
+                                : "without gradients_over_saved(true) the saved tensors are in pair order already",
+       ReadBy::training},
       {"recompute_elementwise(true)", s.recompute_elementwise(), [](Schedule &x) { x.recompute_elementwise(false); },
        s.recompute() ? "recompute(true) recomputes the whole forward already"
                      : "the forward saves no element-wise result that the backward could make again",

@@ -32,6 +32,7 @@ Schedule layer_wide() {
       .chain_summed_gemms(true)
       .split_pointwise_for_memory(true)
       .gradients_over_saved(true)
+      .sorted_saved(true)
       .gather_upstream_in_gemms(true)
       .bf16_boundary(true);
   return s;
@@ -69,6 +70,8 @@ void drop_choices_not_taken(Schedule &s, const Pipeline &pipeline, const std::ve
       s.split_pointwise_for_memory(false);
     else if (names("gradients_over_saved("))
       s.gradients_over_saved(false);
+    else if (names("sorted_saved("))
+      s.sorted_saved(false);
     else if (names("atomic_input_gradient("))
       s.atomic_input_gradient(false);
     else if (names("gather_upstream_in_gemms("))

@@ -81,7 +81,14 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
     return rows == RowMap::direct && prog.tensor(name).zero_padding && prog.tensor(name).dtype == DType::bf16;
   };
   const bool rows_by_tma = in_place && ws && t.tma && p.nb == 1;
-  b_tma_rows = rows_by_tma && zero_padded(g.b[0], g.b_rows);
+  // A B stored sorted (lowering/sorted_rows.h) runs past its expert's rows
+  // into the next one's, where A's rows are zero.
+  auto sorted = [&](const std::string &name) { return prog.tensor(name).layout == RowLayout::sorted; };
+  b_tma_rows = rows_by_tma && (zero_padded(g.b[0], g.b_rows) || (sorted(g.b[0]) && g.b_rows == RowMap::direct));
+  p.a_sorted = sorted(g.a);
+  p.b_sorted = sorted(g.b[0]);
+  internal_check(!g.expert_k || !sorted(g.b[0]) || b_tma_rows)
+      << g.name << ": an expert reduction reads '" << g.b[0] << "', stored sorted, by TMA only (sorted_rows.h)";
   // A when each expert's segment is whole boxes of 64 rows too (nothing
   // else zeroes rows of the next segment that a box would read).
   a_tma_rows = rows_by_tma && zero_padded(g.a, g.a_rows) && g.block % 64 == 0;
@@ -155,8 +162,11 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // that stores in tile order and never reads the pair index (h = gelu(acc),
   // say) needs no sorted_pair lookup: it was a dependent load per tile.
   p.pair_rows = g.out_rows != RowMap::direct || p.reads_row;
-  for (const GemmStep::Extra &e : g.extra)
-    p.pair_rows |= prog.tensor(e.output).layout != RowLayout::padded;
+  bool sorted_output = sorted(g.output);
+  for (const GemmStep::Extra &e : g.extra) {
+    p.pair_rows |= prog.tensor(e.output).layout != RowLayout::padded && !sorted(e.output);
+    sorted_output |= sorted(e.output);
+  }
   p.prefetch_rows = g.route && !g.expert_k && !in_place && p.roomy && p.pair_rows;
   // The output tile through TMA (GemmTiling::tma_store): a bf16 output in
   // tile order with no pair lookups, staged in the ring, which a block per
@@ -190,7 +200,8 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   out_tma = t.tma_store && !g.out_add && (tma || (g.expert_k && persistent)) && (!cluster || pair_items) &&
             outputs_bf16 && (g.extra.empty() || !g.expert_k) && staging_fits &&
             (!p.zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
-            (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !p.pair_rows));
+            (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !p.pair_rows)) &&
+            !sorted_output; // a tile's box would store its padding rows over the next expert's
   // A persistent block stages its output tile past the ring: whole if that
   // fits beside the stages, else in halves (TmaStoreTile's W), so that the
   // ring keeps its depth (3 stages instead of 4 slowed mixtral's weight
@@ -328,12 +339,14 @@ std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
     if (p.in_place())
       return p.a_tma_rows() ? "padded rows by TMA" : "rows in place by cp.async";
     if (p.a_tma())
-      return "rows in tile order by TMA";
+      return p.a_sorted ? "rows in tile order by TMA, stored sorted (no padding)" : "rows in tile order by TMA";
     return g.a_rows == RowMap::direct ? "rows by cp.async" : "rows gathered through sorted_pair by cp.async";
   };
   auto b_how = [&] {
     if (p.in_place())
-      return p.b_tma_rows() ? "padded rows by TMA" : "rows in place by cp.async";
+      return !p.b_tma_rows() ? "rows in place by cp.async"
+             : p.b_sorted    ? "sorted rows (no padding) by TMA"
+                             : "padded rows by TMA";
     return p.tma() ? (g.b_trans ? "B^T [N, K] in place by TMA" : "by TMA") : "by cp.async";
   };
   o << "  A " << g.a << ": " << a_how() << "; B " << g.b[0];

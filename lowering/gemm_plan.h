@@ -56,6 +56,9 @@ struct GemmPlan {
   bool b_tma_rows() const { return b_load == OperandLoad::rows_tma; }
   bool a_tma_rows() const { return a_load == OperandLoad::rows_tma; }
   bool chained = false; // a second product into the same accumulator (GemmStep::chained)
+  // A (the first product's) or B stored sorted (lowering/sorted_rows.h):
+  // loaded from the tile's, or the expert's, unpadded first row.
+  bool a_sorted = false, b_sorted = false;
   // The narrow tail (GemmTiling::narrow_tail): the last column tile holds
   // N % tile_n <= tile_n / 2 columns, and its wgmmas are narrower
   // (narrow_width).

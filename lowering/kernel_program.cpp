@@ -21,6 +21,8 @@ const char *row_layout_name(RowLayout l) {
     return "padded";
   case RowLayout::padded_t:
     return "padded_t";
+  case RowLayout::sorted:
+    return "sorted";
   }
   return "?";
 }

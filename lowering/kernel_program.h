@@ -40,7 +40,15 @@
 
 namespace moeforge {
 
-enum class RowLayout { dense, pair, padded, padded_t };
+// How a routed tensor's rows are stored (dense: not routed). pair: row r for
+// pair r = t k + s (T k rows). padded: grouped by expert, each expert's
+// segment padded to whole tiles (routing_format.h; max_padded_rows rows),
+// pair r at pair_pos[r]. sorted: grouped by expert without the padding
+// (T k rows), pair r at offsets_unpadded[e] + pair_pos[r] - offsets[e]
+// (e = expert[r]): a tile's rows are still consecutive, so a GEMM loads
+// them by TMA from the tile's sorted start, and the padding's E (block - 1)
+// rows a tensor are not allocated. padded_t: a padded tensor transposed.
+enum class RowLayout { dense, pair, padded, padded_t, sorted };
 enum class RowMap { direct, gather_pair, gather_token };
 const char *row_layout_name(RowLayout l);
 const char *row_map_name(RowMap m);
@@ -54,7 +62,7 @@ struct TensorDecl {
   // Of the first dim, for routed tensors; padded_t: the *last* dim holds the
   // padded rows (an expert reduction's transposed A operand).
   RowLayout layout = RowLayout::dense;
-  const RoutingNode *route = nullptr; // set for pair / padded layouts
+  const RoutingNode *route = nullptr; // set for pair / padded / sorted layouts
   bool is_input = false;              // an Input or Param, uploaded by the caller
   // The last dim is stored with a row stride rounded up to 8: an
   // intermediate whose last dim is dynamic (lowering/dynamic_rows.h), so

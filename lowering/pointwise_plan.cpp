@@ -52,8 +52,16 @@ std::vector<Output> outputs_of(const KernelProgram &prog, const PointwiseStep &s
 // inputs (d_y, say) are read from cache after the first; in sorted order each
 // came from DRAM again (fine64's d_o: 0.27 -> 0.43 ms): a padded-order result
 // walks the pairs by slot, not the padded rows.
-bool over_padded_rows(const TensorDecl &out, const PointwiseStep &s) {
-  return out.layout == RowLayout::padded && s.vars.size() == 2 && out.route && s.vars[0].same_as(out.route->pair);
+// Where some outputs are stored sorted (lowering/sorted_rows.h) beside a
+// padded one, the walk is still the padded one's, whose padding rows it
+// zeroes; the sorted outputs have none.
+bool over_padded_rows(const std::vector<Output> &outs, const PointwiseStep &s) {
+  const TensorDecl &out = *outs[0].t;
+  const bool padded = std::any_of(outs.begin(), outs.end(), [&](const Output &o) {
+    return !o.row_sum && o.t->layout == RowLayout::padded && o.t->route == out.route;
+  });
+  return padded && (out.layout == RowLayout::padded || out.layout == RowLayout::sorted) && s.vars.size() == 2 &&
+         out.route && s.vars[0].same_as(out.route->pair);
 }
 
 // Row sums ride along element-wise values: a warp per row, its lanes along
@@ -71,7 +79,7 @@ PointwisePlan plan_row_sums(const KernelProgram &prog, const PointwiseStep &s) {
                            return o.row_sum || (o.t->dtype != DType::f16 && !o.t->stride8);
                          });
   p.per_thread = vectorize ? 8 : 1;
-  p.padded_rows = over_padded_rows(*outs[0].t, s);
+  p.padded_rows = over_padded_rows(outs, s);
   return p;
 }
 
@@ -90,7 +98,7 @@ PointwisePlan plan_pointwise(const KernelProgram &prog, const PointwiseStep &s) 
   internal_check(s.extra.empty() || (!softmax && !has_long_reduction(s.body)))
       << s.name << ": merged element-wise steps are plain element-wise values";
   PointwisePlan p;
-  p.padded_rows = over_padded_rows(out, s) && !softmax;
+  p.padded_rows = over_padded_rows(outs, s) && !softmax;
   // Dot products and sums over the tokens: a warp per element (coalesced
   // reads along the reduced index, and 32x the parallelism of a thread each).
   // A softmax splits its row over the lanes itself.
@@ -121,7 +129,7 @@ PointwisePlan plan_pointwise(const KernelProgram &prog, const PointwiseStep &s) 
                   [&](const Output &o) {
                     return o.t->dtype != DType::f16 && !o.t->stride8 && !sums_over_routes_of(*o.value, s.vars.back());
                   }) &&
-      !(s.vars.size() == 1 && out.layout == RowLayout::padded);
+      !(s.vars.size() == 1 && (out.layout == RowLayout::padded || out.layout == RowLayout::sorted));
   p.per_thread = vectorize ? 8 : 1;
   return p;
 }

@@ -15,6 +15,7 @@
 #include "lowering/order_for_memory.h"
 #include "lowering/pair_order.h"
 #include "lowering/rename_indices.h"
+#include "lowering/sorted_rows.h"
 #include "lowering/split_for_memory.h"
 #include "lowering/summed_gemms.h"
 
@@ -509,6 +510,8 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     for (const auto &[out, in] : t.written_over_saved)
       taken.insert(in);
     save_in_pair_order(p, t.forward_steps, [&](const std::string &name) { return !taken.count(name); });
+    if (schedule.sorted_saved())
+      store_saved_sorted(p, t.forward_steps, t.written_over_saved);
   }
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))

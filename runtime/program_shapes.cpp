@@ -171,7 +171,7 @@ std::vector<uint8_t> ProgramShapes::encode_input(const TensorDecl &t, const Tens
 }
 
 HostTensor ProgramShapes::decode(const TensorDecl &t, const std::vector<uint8_t> &bytes,
-                                 const std::vector<int32_t> *pair_pos) const {
+                                 const std::vector<int32_t> *pair_rows) const {
   HostTensor out = HostTensor::uninitialized(shape(t)); // every element written below
   int64_t row = 1;
   for (size_t i = 1; i < out.shape.size(); ++i)
@@ -186,16 +186,17 @@ HostTensor ProgramShapes::decode(const TensorDecl &t, const std::vector<uint8_t>
     std::memcpy(&b, &bytes[i * 2], 2);
     return bf16_value(b);
   };
-  // Routed rows stored in the padded order come back in pair order.
-  const bool padded = t.layout == RowLayout::padded;
-  internal_check(!padded || pair_pos) << "decoding padded '" << t.name << "' needs its route's pair_pos";
+  // Routed rows stored grouped by expert (padded or sorted) come back in
+  // pair order.
+  const bool padded = t.layout == RowLayout::padded || t.layout == RowLayout::sorted;
+  internal_check(!padded || pair_rows) << "decoding '" << t.name << "' needs the row each of its pairs is stored at";
   internal_check(t.layout != RowLayout::padded_t) << "'" << t.name << "' is a transposed internal copy";
   const int64_t stride = t.outer_stride > 0 ? t.outer_stride : row; // where each row is stored
   parallel_chunks(
       out.shape.empty() ? 1 : out.shape[0],
       [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-          int64_t from = padded ? (*pair_pos)[r] : r;
+          int64_t from = padded ? (*pair_rows)[r] : r;
           for (int64_t i = 0; i < row; ++i)
             out.data[r * row + i] = value(from * stride + i);
         }

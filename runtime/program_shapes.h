@@ -52,10 +52,11 @@ public:
   // The bytes of input t from `inputs` (shape checked, values rounded to t's
   // dtype); UserError naming the tensor otherwise.
   std::vector<uint8_t> encode_input(const TensorDecl &t, const TensorMap &inputs) const;
-  // t's stored bytes back in the reference's layout; a padded tensor needs the
-  // route's pair_pos (where each pair's row is stored).
+  // t's stored bytes back in the reference's layout; a padded or sorted
+  // tensor needs the row each pair is stored at (padded: the route's
+  // pair_pos; sorted: sorted_rows() of its tables).
   HostTensor decode(const TensorDecl &t, const std::vector<uint8_t> &bytes,
-                    const std::vector<int32_t> *pair_pos = nullptr) const;
+                    const std::vector<int32_t> *pair_rows = nullptr) const;
   // A stride8 tensor's bytes as a backend that pads its rows stores them
   // (each row's last extent rounded up to 8 elements: the CUDA backend) with
   // the padding dropped, as decode() reads them; others unchanged. The CPU

@@ -12,6 +12,8 @@ const char *routing_array_name(RoutingArray a) {
     return "counts";
   case RoutingArray::offsets:
     return "offsets";
+  case RoutingArray::offsets_unpadded:
+    return "offsets_unpadded";
   case RoutingArray::pair_pos:
     return "pair_pos";
   case RoutingArray::sorted_pair:
@@ -42,6 +44,7 @@ SizeFactor routing_array_count(RoutingArray a, const RoutingShape &shape) {
   case RoutingArray::counts:
     return SizeFactor::constant(shape.experts);
   case RoutingArray::offsets:
+  case RoutingArray::offsets_unpadded:
     return SizeFactor::constant(shape.experts + 1);
   case RoutingArray::sorted_pair:
     return by_tokens ? SizeFactor::padded_rows(shape.k, shape.block, shape.experts)
@@ -62,6 +65,19 @@ SizeFactor routing_array_count(RoutingArray a, const RoutingShape &shape) {
 
 int64_t routing_array_elements(RoutingArray a, const RoutingShape &shape) {
   return routing_array_count(a, shape).at(shape.tokens);
+}
+
+std::vector<int32_t> sorted_rows(const std::vector<int32_t> &expert, const std::vector<int32_t> &pair_pos,
+                                 const std::vector<int32_t> &offsets, const std::vector<int32_t> &offsets_unpadded) {
+  internal_check(expert.size() == pair_pos.size())
+      << "sorted_rows: " << expert.size() << " experts for " << pair_pos.size() << " pairs";
+  std::vector<int32_t> rows(pair_pos.size());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const size_t e = static_cast<size_t>(expert[r]);
+    internal_check(e + 1 < offsets.size() && e + 1 < offsets_unpadded.size()) << "sorted_rows: expert " << e;
+    rows[r] = offsets_unpadded[e] + pair_pos[r] - offsets[e];
+  }
+  return rows;
 }
 
 size_t routing_table_offset(RoutingArray a, const RoutingShape &shape) {

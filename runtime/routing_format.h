@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "dsl/capacity.h"
 #include "runtime/size_terms.h"
@@ -83,9 +84,12 @@ inline constexpr int kMaxRoutingExperts = 256;
 
 // The format's arrays (all int32), as kernels take them: one argument each.
 enum class RoutingArray {
-  expert,         // [P] the expert of each pair (the top-k's output)
-  counts,         // [E]
-  offsets,        // [E + 1]
+  expert,  // [P] the expert of each pair (the top-k's output)
+  counts,  // [E]
+  offsets, // [E + 1]
+  // [E + 1] the same without padding: where an expert's rows start in a
+  // tensor stored in the expert-sorted order (RowLayout::sorted)
+  offsets_unpadded,
   pair_pos,       // [P]
   sorted_pair,    // [max_padded_rows]
   tile_expert,    // [max_tiles]
@@ -116,6 +120,12 @@ size_t routing_table_bytes(const RoutingShape &shape);
 // `align` as one term (size_terms.h); none for a dropping route.
 std::optional<SizeTerms> routing_table_terms(const RoutingShape &shape, int64_t align);
 
+// The row pair r is stored at in a tensor stored sorted (RowLayout::sorted:
+// grouped by expert without padding), offsets_unpadded[e] + pair_pos[r] -
+// offsets[e] with e = expert[r], from the tables' arrays.
+std::vector<int32_t> sorted_rows(const std::vector<int32_t> &expert, const std::vector<int32_t> &pair_pos,
+                                 const std::vector<int32_t> &offsets, const std::vector<int32_t> &offsets_unpadded);
+
 // Array `a` of a set of routing tables: the host's RoutingTables
 // (routing_host.h) or a device RoutingPlan, which share the member names;
 // null for those the tables do not hold as an array (num_tiles,
@@ -129,6 +139,8 @@ template <typename Tables> auto *routing_array(Tables &t, RoutingArray a) {
     return &t.counts;
   case RoutingArray::offsets:
     return &t.offsets;
+  case RoutingArray::offsets_unpadded:
+    return &t.offsets_unpadded;
   case RoutingArray::pair_pos:
     return &t.pair_pos;
   case RoutingArray::sorted_pair:

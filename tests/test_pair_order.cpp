@@ -100,8 +100,9 @@ TEST_CASE("pair order: the backward's per-pair input-gradient rows are stored in
         CHECK_FALSE(g->tiling.tma_store);
       }
     CHECK(writers == 1);
-    // The GEMMs' operands stay in tile order.
-    CHECK(t.program.tensor("d_x_s_a").layout == RowLayout::padded);
+    // The GEMMs' operands keep each tile's rows consecutive: grouped by
+    // expert, without padding (sorted_saved, on in the default).
+    CHECK(t.program.tensor("d_x_s_a").layout == RowLayout::sorted);
     const std::string report = memory_report(t.program, t.forward_steps, s.tokens);
     const std::string backward = report.substr(report.find("backward workspace"));
     if (gather) {

@@ -255,10 +255,10 @@ TEST_CASE("routing format: every array's extent is what the host tables hold, na
     for (int32_t &e : expert)
       e = static_cast<int32_t>(rng() % 8);
     RoutingTables t = route_on_host(s, expert);
-    const RoutingArray all[] = {RoutingArray::expert,         RoutingArray::counts,      RoutingArray::offsets,
-                                RoutingArray::pair_pos,       RoutingArray::sorted_pair, RoutingArray::tile_expert,
-                                RoutingArray::tile_row_start, RoutingArray::tile_rows,   RoutingArray::num_tiles,
-                                RoutingArray::padded_rows,    RoutingArray::window};
+    const RoutingArray all[] = {RoutingArray::expert,           RoutingArray::counts,         RoutingArray::offsets,
+                                RoutingArray::offsets_unpadded, RoutingArray::pair_pos,       RoutingArray::sorted_pair,
+                                RoutingArray::tile_expert,      RoutingArray::tile_row_start, RoutingArray::tile_rows,
+                                RoutingArray::num_tiles,        RoutingArray::padded_rows,    RoutingArray::window};
     std::vector<std::string> names;
     for (RoutingArray a : all) {
       INFO(routing_array_name(a) << ", capacity " << capacity);

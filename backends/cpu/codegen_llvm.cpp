@@ -196,7 +196,9 @@ public:
   }
 
   // Row-major offset of t at `idx`; a padded tensor's first index is a pair
-  // r, found at its padded row pair_pos[r].
+  // r, found at its padded row pair_pos[r]; a sorted one's at that row less
+  // the padding before its expert, pair_pos[r] - offsets[e] +
+  // offsets_unpadded[e] (e = expert[r]).
   Value *offset(const TensorDecl &t, const std::vector<Value *> &idx) {
     internal_check(idx.size() == t.dims.size())
         << "tensor '" << t.name << "' indexed with " << idx.size() << " indices";
@@ -207,6 +209,12 @@ public:
       Value *v = idx[i];
       if (i == 0 && t.layout == RowLayout::padded)
         v = route_at(t.route, RoutingArray::pair_pos, v);
+      if (i == 0 && t.layout == RowLayout::sorted) {
+        Value *e = route_at(t.route, RoutingArray::expert, v);
+        v = b.CreateAdd(
+            b.CreateSub(route_at(t.route, RoutingArray::pair_pos, v), route_at(t.route, RoutingArray::offsets, e)),
+            route_at(t.route, RoutingArray::offsets_unpadded, e));
+      }
       off = i == 0 ? v : b.CreateAdd(b.CreateMul(off, extent(t.dims[i])), v);
     }
     return off;
@@ -477,8 +485,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
   // update(i, b_row, a) once per k: acc_i[j] += a * B_i[b_row + j].
   using Update = std::function<void(int i, Value *b_row, Value *a)>;
   // p_row: the row in tile order, where a fused output in the padded layout
-  // goes (a pair-order one goes to row_index).
-  auto columns = [&](Value *out_row, Value *row_index, Value *p_row,
+  // goes (a pair-order one goes to row_index, a sorted one to s_row: p_row
+  // less the padding before the tile's expert; null where none is sorted).
+  auto columns = [&](Value *out_row, Value *row_index, Value *p_row, Value *s_row,
                      const std::function<void(Value * n0, Value * width, const Update &)> &accumulate) {
     fb.for_loop(
         fb.c64(0), N, "n0",
@@ -513,7 +522,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
             fb.store(C, at, g.out_add ? b.CreateFAdd(fb.load(C, at), v) : v);
             for (const GemmStep::Extra &x : g.extra) { // fused element-wise outputs
               const TensorDecl &t = prog.tensor(x.output);
-              Value *at = !g.route || t.layout == RowLayout::padded ? p_row : row_index;
+              internal_check(t.layout != RowLayout::sorted || s_row) << g.name << ": '" << t.name << "' is sorted";
+              Value *at = !g.route || t.layout == RowLayout::padded ? p_row
+                          : t.layout == RowLayout::sorted           ? s_row
+                                                                    : row_index;
               fb.store(t, b.CreateAdd(b.CreateMul(at, N), col), em.emit(x.value));
             }
           });
@@ -533,17 +545,23 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
       auto row_of = [&](RowMap m, Value *p, Value *r) -> Value * {
         return m == RowMap::direct ? p : m == RowMap::gather_pair ? r : b.CreateSDiv(r, fb.c64(rt->k));
       };
+      // B stored sorted (lowering/sorted_rows.h): its rows without the
+      // padding before expert e.
+      const bool b_sorted = B[0]->layout == RowLayout::sorted;
+      internal_check(!b_sorted || g.b_rows == RowMap::direct) << g.name << ": a sorted B is read in tile order";
       // Experts in parallel: each writes its own C[e].
       fb.parallel_for(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
         Value *p0 = fb.route_at(rt, RoutingArray::offsets, e);
         Value *p1 = fb.route_at(rt, RoutingArray::offsets, b.CreateAdd(e, fb.c64(1)));
+        Value *b_shift = b_sorted ? b.CreateSub(p0, fb.route_at(rt, RoutingArray::offsets_unpadded, e)) : nullptr;
         fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
-          columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, Value *, const Update &update) {
+          columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, nullptr, [&](Value *n0, Value *, const Update &update) {
             fb.for_loop(p0, p1, "p", [&](Value *p) {
               Value *r = fb.route_at(rt, RoutingArray::sorted_pair, p);
               fb.if_then(b.CreateICmpSGE(r, fb.c64(0)), [&] {
                 Value *a = fb.load(A, b.CreateAdd(b.CreateMul(row_of(g.a_rows, p, r), M), m));
-                update(0, b.CreateAdd(b.CreateMul(row_of(g.b_rows, p, r), N), n0), a);
+                Value *b_row = b_sorted ? b.CreateSub(p, b_shift) : row_of(g.b_rows, p, r);
+                update(0, b.CreateAdd(b.CreateMul(b_row, N), n0), a);
               });
             });
           });
@@ -559,7 +577,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
       Value *p1 = fb.route_at(rt, RoutingArray::offsets, b.CreateAdd(e, fb.c64(1)));
       fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
         Value *a_base = b.CreateMul(m, stride);
-        columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, [&](Value *n0, Value *, const Update &update) {
+        columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, nullptr, [&](Value *n0, Value *, const Update &update) {
           fb.for_loop(p0, p1, "p", [&](Value *p) {
             Value *a = fb.load(A, b.CreateAdd(a_base, p));
             update(0, b.CreateAdd(b.CreateMul(p, N), n0), a);
@@ -581,6 +599,17 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
     products.push_back({&prog.tensor(g.chained->a), {&prog.tensor(g.chained->b)}, fb.extent(g.chained->k)});
   // One output row: p is the row in tile order (padded position, or m when
   // dense), r the pair (or m), expert the B slice.
+  // Tensors stored sorted (lowering/sorted_rows.h) that the GEMM reads as A
+  // (or A2) or writes as a further output: row p of the tile order is row
+  // p - offsets[e] + offsets_unpadded[e] there.
+  bool any_sorted = A.layout == RowLayout::sorted || C.layout == RowLayout::sorted ||
+                    (g.chained && prog.tensor(g.chained->a).layout == RowLayout::sorted);
+  for (const GemmStep::Extra &x : g.extra)
+    any_sorted |= prog.tensor(x.output).layout == RowLayout::sorted;
+  internal_check(!any_sorted ||
+                 (g.route && !g.expert_k && (A.layout != RowLayout::sorted || g.a_rows == RowMap::direct) &&
+                  (C.layout != RowLayout::sorted || g.out_rows == RowMap::direct)))
+      << g.name << ": tensors stored sorted are a routed GEMM's A in tile order or its outputs in tile order";
   auto row = [&](Value *p, Value *r, Value *expert) {
     Value *a_row = g.a_rows == RowMap::direct        ? p
                    : g.a_rows == RowMap::gather_pair ? r
@@ -588,10 +617,15 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
     Value *out_row = g.out_rows == RowMap::direct         ? p
                      : g.out_rows == RowMap::gather_token ? b.CreateSDiv(r, fb.c64(g.route->k))
                                                           : r;
-    columns(out_row, r, p, [&](Value *n0, Value *width, const Update &update) {
+    Value *s_row = any_sorted ? b.CreateAdd(b.CreateSub(p, fb.route_at(g.route, RoutingArray::offsets, expert)),
+                                            fb.route_at(g.route, RoutingArray::offsets_unpadded, expert))
+                              : nullptr;
+    if (C.layout == RowLayout::sorted)
+      out_row = s_row;
+    columns(out_row, r, p, s_row, [&](Value *n0, Value *width, const Update &update) {
       for (const Product &pr : products) {
         Value *K = pr.k;
-        Value *a_base = b.CreateMul(a_row, K);
+        Value *a_base = b.CreateMul(pr.a->layout == RowLayout::sorted ? s_row : a_row, K);
         Value *b_base = g.b_per_expert ? b.CreateMul(expert, b.CreateMul(K, N)) : fb.c64(0);
         B = pr.b;
         if (g.b_trans) {

@@ -512,13 +512,18 @@ HostTensor CpuLayer::download(const std::string &func) const {
   user_check(b.at != nullptr) << "download(\"" << func << "\"): it has no memory yet: bind() it (an output) or "
                               << "place() the layer's memory (what a forward saves) first";
   const std::vector<uint8_t> bytes(b.at, b.at + b.bytes);
-  if (t.layout != RowLayout::padded)
+  if (t.layout != RowLayout::padded && t.layout != RowLayout::sorted)
     return shapes_.decode(t, bytes);
   auto route = routes_.find(t.route);
   user_check(route != routes_.end() && route->second.routed)
       << "download(\"" << func << "\") before run(): its rows are in the routing's order, which run() makes";
-  const std::vector<int32_t> pair_pos = route->second.copy(RoutingArray::pair_pos);
-  return shapes_.decode(t, bytes, &pair_pos);
+  const RouteState &st = route->second;
+  const std::vector<int32_t> pair_pos = st.copy(RoutingArray::pair_pos);
+  if (t.layout == RowLayout::padded)
+    return shapes_.decode(t, bytes, &pair_pos);
+  const std::vector<int32_t> rows = sorted_rows(st.copy(RoutingArray::expert), pair_pos, st.copy(RoutingArray::offsets),
+                                                st.copy(RoutingArray::offsets_unpadded));
+  return shapes_.decode(t, bytes, &rows);
 }
 
 const CpuLayer::RouteState &CpuLayer::routed(const std::string &route, const char *call) const {

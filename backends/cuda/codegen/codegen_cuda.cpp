@@ -250,7 +250,8 @@ public:
   }
 
   // Row-major offset of `t` at the given index expressions; a padded tensor's
-  // first index is a pair r, found at its padded position pair_pos[r]; a
+  // first index is a pair r, found at its padded position pair_pos[r] (a
+  // sorted one's at that position less its expert's padding before it); a
   // stride8 tensor's rows are its last extent rounded up to 8; a tensor with
   // an outer stride has its first index that many elements apart.
   std::string offset(const TensorDecl &t, const std::vector<std::string> &idx) {
@@ -265,6 +266,12 @@ public:
       std::string v = idx[i];
       if (i == 0 && t.layout == RowLayout::padded)
         v = "(long long)" + kb_.route(t.route, RoutingArray::pair_pos) + "[" + v + "]";
+      if (i == 0 && t.layout == RowLayout::sorted) {
+        const std::string e = kb_.route(t.route, RoutingArray::expert) + "[" + v + "]";
+        v = "((long long)" + kb_.route(t.route, RoutingArray::pair_pos) + "[" + v + "] - " +
+            kb_.route(t.route, RoutingArray::offsets) + "[" + e + "] + " +
+            kb_.route(t.route, RoutingArray::offsets_unpadded) + "[" + e + "])";
+      }
       std::string extent = kb_.extent(t.dims[i]);
       if (t.stride8 && i + 1 == t.dims.size())
         extent = "((" + extent + " + 7) / 8 * 8)";
@@ -301,7 +308,7 @@ private:
       return "";
     const Index &last = a.args.back();
     if (last.var.get() != vec_var || last.field != RouteField::none ||
-        (a.args.size() == 1 && t.layout == RowLayout::padded))
+        (a.args.size() == 1 && (t.layout == RowLayout::padded || t.layout == RowLayout::sorted)))
       return "";
     for (size_t i = 0; i + 1 < a.args.size(); ++i)
       if (a.args[i].var.get() == vec_var)
@@ -499,10 +506,13 @@ bool mentions(const std::string &code, const std::string &name) {
 // producer_only: a warp-specialised loop, where the consumers never load A
 // and need not wait for these lookups (a persistent block's consumers would
 // wait for them at every tile).
+// `row0`: A's row of the tile's first row in tile order ("p0"; "sbase" for
+// an A stored sorted).
 void emit_a_operand(const GemmStep &g, KernelBuilder &kb, const std::string &gA, const std::string &sorted_pair,
-                    bool tma, bool a_tma, bool producer_only, bool split_k, std::ostringstream &body) {
+                    const std::string &row0, bool tma, bool a_tma, bool producer_only, bool split_k,
+                    std::ostringstream &body) {
   if (a_tma) {
-    body << "  const Cfg::ATma a_load{&" << kb.tma(g.a, 0, g.k.extent()) << ", (int)p0, rows};  // " << g.a
+    body << "  const Cfg::ATma a_load{&" << kb.tma(g.a, 0, g.k.extent()) << ", (int)" << row0 << ", rows};  // " << g.a
          << " rows in tile order, by TMA\n";
   } else {
     // A rows: resolved once per tile, not per k step.
@@ -513,7 +523,8 @@ void emit_a_operand(const GemmStep &g, KernelBuilder &kb, const std::string &gA,
     body << "    const int lr = Cfg::a_load_row(tid, i);\n";
     switch (g.a_rows) {
     case RowMap::direct:
-      body << "    const long long row = lr < rows ? p0 + lr : 0;  // " << g.a << " rows are in tile order\n";
+      body << "    const long long row = lr < rows ? " << row0 << " + lr : 0;  // " << g.a
+           << " rows are in tile order\n";
       body << "    a_ok[i] = lr < rows;\n";
       break;
     case RowMap::gather_pair:
@@ -601,10 +612,12 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
     else
       body << "    const int r = -1;  // unread: rows below `rows` are real pairs, stored in tile order\n";
     body << "    const long long " << vr << " = r;\n";
+    const bool sorted_out = prog.tensor(g.output).layout == RowLayout::sorted;
     body << "    const long long out_row = "
          << (g.out_add ? "r / " + std::to_string(g.route->k) + ";  // the pair's token, whose row it adds into"
-             : g.out_rows == RowMap::direct ? std::string("p0 + lr;  // tile order")
-                                            : std::string("r;  // scattered back to pair order"))
+             : g.out_rows == RowMap::direct
+                 ? std::string(sorted_out ? "sbase + lr;  // tile order, stored sorted" : "p0 + lr;  // tile order")
+                 : std::string("r;  // scattered back to pair order"))
          << "\n";
   } else {
     body << "    const long long " << vr << " = p0 + lr, out_row = " << vr << ";\n";
@@ -628,10 +641,12 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
     body << "      mf::store2x2" << (g.out_add ? "<true>(" : "(") << gC << " + out_row * " << ldc
          << ", col, v0, v1, w0, w1, N);" << (g.out_add ? "  // added into the token's row" : "") << "\n";
     for (size_t o = 1; o < outputs.size(); ++o) {
-      // A fused output, in its own layout: padded (tile order) or pair.
+      // A fused output, in its own layout: padded (tile order), sorted or pair.
       const TensorDecl &t = prog.tensor(outputs[o].first);
       const std::string fn = "epilogue" + std::to_string(o);
-      std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)" : "(long long)r";
+      std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)"
+                        : t.layout == RowLayout::sorted           ? "(sbase + lr)"
+                                                                  : "(long long)r";
       body << "      {\n";
       for (int e = 0; e < 2; ++e)
         body << "        const float x" << e << " = " << epilogue_call(fn, nb, vr, e) << ";\n";
@@ -657,9 +672,11 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
                        : "")
        << "\n";
   for (size_t o = 1; o < outputs.size(); ++o) {
-    // A fused output is stored in its own layout: padded (tile order) or pair.
+    // A fused output is stored in its own layout: padded (tile order), sorted or pair.
     const TensorDecl &t = prog.tensor(outputs[o].first);
-    std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)" : "(long long)r";
+    std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)"
+                      : t.layout == RowLayout::sorted           ? "(sbase + lr)"
+                                                                : "(long long)r";
     body << "      {\n";
     for (int e = 0; e < 2; ++e)
       body << "        const float w" << e << " = " << epilogue_call("epilogue" + std::to_string(o), nb, vr, e)
@@ -769,6 +786,18 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   std::vector<std::string> gB;
   for (const std::string &b : g.b)
     gB.push_back(tma ? "" : b_tma_rows ? "&" + kb.tma(b, 0, g.n.extent()) : kb.tensor(b));
+  // Tensors stored sorted (lowering/sorted_rows.h): a tile's rows start at
+  // `sbase` in them, an expert reduction's B rows b_shift before k_begin.
+  auto sorted = [&](const std::string &name) { return prog.tensor(name).layout == RowLayout::sorted; };
+  bool reads_or_writes_sorted = sorted(g.a) || (g.chained && sorted(g.chained->a)) || sorted(g.output);
+  for (const GemmStep::Extra &e : g.extra)
+    reads_or_writes_sorted |= sorted(e.output);
+  const bool b_sorted = g.expert_k && sorted(g.b[0]);
+  internal_check(!reads_or_writes_sorted ||
+                 (g.route && !g.expert_k && (!sorted(g.output) || g.out_rows == RowMap::direct)))
+      << g.name << ": a tensor stored sorted is read as A or stored in tile order by a routed GEMM";
+  internal_check(!b_sorted || (in_place && b_tma_rows && !sorted(g.a)))
+      << g.name << ": an expert reduction reads a B stored sorted by TMA, in place";
 
   std::ostringstream body;
   internal_check(!in_place || (wgmma && g.expert_k && nb == 1)) << "in-place operands are for wgmma expert reductions";
@@ -979,6 +1008,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       body << "  if (rows <= 0) " << skip << ";\n";
     }
     body << "  const long long expert = " << kb.route(r, RoutingArray::tile_expert) << "[tile];\n";
+    if (reads_or_writes_sorted)
+      body << "  const long long sbase = p0 - " << kb.route(r, RoutingArray::offsets) << "[expert] + "
+           << kb.route(r, RoutingArray::offsets_unpadded)
+           << "[expert];  // the tile's first row in the tensors stored sorted (no padding)\n";
   } else {
     body << "  const long long M = " << kb.extent(g.m) << ";\n";
     body << "  const long long p0 = (long long)m_tile * Cfg::BM;\n";
@@ -995,6 +1028,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // narrower wgmmas where the tile is half full or less.
   const std::string half = plan.narrow_tail ? ", N - n0" : "";
   if (in_place) {
+    if (b_sorted)
+      body << "  const int b_shift = " << kb.route(g.route, RoutingArray::offsets) << "[expert] - "
+           << kb.route(g.route, RoutingArray::offsets_unpadded) << "[expert];  // " << g.b[0]
+           << "'s rows: sorted, without the padding before this expert\n";
     // Row maps of the reduced index p: 0 = row p (padded), d = sorted_pair[p] / d.
     auto div = [&](RowMap m) { return m == RowMap::direct ? 0 : m == RowMap::gather_pair ? 1 : g.route->k; };
     body << "  Cfg::Acc acc = {};\n";
@@ -1003,9 +1040,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     auto operand = [](bool by_tma, const std::string &g_x) { return by_tma ? "nullptr, " + g_x : g_x + ", nullptr"; };
     if (a_tma_rows || b_tma_rows || persistent)
       body << "  if (!Cfg::" << (persistent ? "tile<" : "mainloop<") << (a_tma_rows ? "true" : "false") << ", "
-           << (b_tma_rows ? "true" : "false") << ">(" << (persistent ? "ring, " : "smem, ") << operand(a_tma_rows, gA)
-           << ", " << div(g.a_rows) << ", (int)M, (int)p0, " << operand(b_tma_rows, gB[0]) << ", " << div(g.b_rows)
-           << ", N, n0, " << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc" << half << "))\n"
+           << (b_tma_rows ? "true" : "false") << (b_sorted ? ", true" : "") << ">("
+           << (persistent ? "ring, " : "smem, ") << operand(a_tma_rows, gA) << ", " << div(g.a_rows)
+           << ", (int)M, (int)p0, " << operand(b_tma_rows, gB[0]) << ", " << div(g.b_rows) << ", N, n0, "
+           << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc"
+           << (b_sorted ? (half.empty() ? ", Cfg::BN" : half) + ", b_shift" : half) << "))\n"
            << (persistent ? "    continue;  // the producer: on to the next tile\n\n"
                           : "    return;  // a loading-only warpgroup\n\n");
     else
@@ -1013,7 +1052,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
            << div(g.b_rows) << ", N, n0, " << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc))\n"
            << "    return;  // a loading-only warpgroup\n\n";
   } else {
-    emit_a_operand(g, kb, gA, sorted_pair, tma, a_tma, ws && persistent && plan.roomy, split_k, body);
+    emit_a_operand(g, kb, gA, sorted_pair, sorted(g.a) ? "sbase" : "p0", tma, a_tma, ws && persistent && plan.roomy,
+                   split_k, body);
     if (tma) {
       body << "  const mf::TmaDesc *tB[" << nb << "] = {";
       for (int b = 0; b < nb; ++b)
@@ -1025,7 +1065,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
         body << "  // The chained product, after A B's k-tiles: " << c.a << " x " << c.b << (g.b_trans ? "^T" : "")
              << "\n";
         body << "  constexpr int K2 = " << c.k.extent() << ";\n";
-        body << "  const Cfg::ATma a_load2{&" << kb.tma(c.a, 0, c.k.extent()) << ", (int)p0, rows};\n";
+        body << "  const Cfg::ATma a_load2{&" << kb.tma(c.a, 0, c.k.extent()) << ", (int)"
+             << (sorted(c.a) ? "sbase" : "p0") << ", rows};\n";
         body << "  const mf::TmaDesc *tB2[1] = {&"
              << (g.b_trans ? kb.tma(c.b, g.n.extent(), c.k.extent()) : kb.tma(c.b, c.k.extent(), g.n.extent()))
              << "};\n";
@@ -1289,7 +1330,7 @@ void emit_pointwise_row_sums(const KernelProgram &prog, const PointwiseStep &s, 
     if (vectorize)
       body << "      const float zeros[8] = {};\n";
     for (const Written &w : outs) {
-      if (w.row_sum)
+      if (w.row_sum || w.t->layout != RowLayout::padded) // a sorted output has no padding rows
         continue;
       const std::string at = "(p_row * " + std::to_string(n) + " + " + cv + ")";
       if (vectorize)
@@ -1463,6 +1504,8 @@ void emit_pointwise(const KernelProgram &prog, const PointwiseStep &s, std::ostr
     if (vectorize)
       body << "    const float zeros[8] = {};\n";
     for (const Written &w : outs) {
+      if (w.t->layout != RowLayout::padded) // a sorted output has no padding rows
+        continue;
       if (vectorize)
         body << "    mf::store8(" << w.ptr << " + " << padded_offset(col) << ", zeros);\n";
       else

@@ -264,7 +264,9 @@ void ExpertParallelLayer::launch_rows(const Kernel &kernel, CUdeviceptr from, CU
 size_t ExpertParallelLayer::pack_rows(const std::string &token_tensor, const std::string &expert_tensor, int64_t width,
                                       CUdeviceptr to, const Stream &stream) {
   const size_t bytes = crossing_bytes(token_tensor, expert_tensor, width);
-  const bool padded = compiled_.token.training.program.tensor(token_tensor).layout == RowLayout::padded;
+  const RowLayout layout = compiled_.token.training.program.tensor(token_tensor).layout;
+  internal_check(layout != RowLayout::sorted) << "'" << token_tensor << "' crosses the exchange stored sorted";
+  const bool padded = layout == RowLayout::padded;
   launch_rows(pack_, token_.address(token_tensor), to, bytes, padded, stream);
   return bytes;
 }

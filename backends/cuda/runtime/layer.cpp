@@ -565,9 +565,14 @@ HostTensor CudaLayer::download(const std::string &func) const {
   const TensorDecl &t = downloadable(layer_.program, func);
   check_readable(func, "download");
   std::vector<uint8_t> bytes = shapes_.drop_row_padding(t, tensors_.at(func).download<uint8_t>());
-  if (t.layout != RowLayout::padded)
+  if (t.layout != RowLayout::padded && t.layout != RowLayout::sorted)
     return shapes_.decode(t, bytes);
-  std::vector<int32_t> pos = plans_.at(t.route)->pair_pos.download<int32_t>();
+  const RoutingPlan &plan = *plans_.at(t.route);
+  std::vector<int32_t> pos = plan.pair_pos.download<int32_t>();
+  if (t.layout == RowLayout::sorted)
+    pos = sorted_rows(plan.expert.download<int32_t>(pos.size()), pos,
+                      plan.offsets.download<int32_t>(plan.shape.experts + 1),
+                      plan.offsets_unpadded.download<int32_t>(plan.shape.experts + 1));
   return shapes_.decode(t, bytes, &pos);
 }
 

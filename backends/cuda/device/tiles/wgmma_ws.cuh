@@ -525,19 +525,27 @@ struct WgmmaRowsWsConfig
   // segment's rows a box would run into; B by TMA may run past the segment,
   // where A's rows are zero. Every byte a TMA box moves needs no producer
   // instruction: the cp.async issue rate is what bounded this loop (two
-  // thirds of a 128 x 256 stage is B).
-  template <bool A_TMA, bool B_TMA>
+  // thirds of a 128 x 256 stage is B). A B by TMA stored sorted (without
+  // the padding: lowering/sorted_rows.h) has its rows b_shift before the
+  // padded ones; its boxes run past the expert's rows where A's are zero.
+  // (B_SHIFTED: b_shift is read; otherwise it is not even captured, so the
+  // loops without it keep their registers: the persistent dW2 spilled when
+  // every loop carried it.)
+  template <bool A_TMA, bool B_TMA, bool B_SHIFTED = false>
   __device__ static bool mainloop(unsigned char *smem, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0,
                                   const bf16 *B, const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair,
-                                  long long p_begin, int K, Acc &acc, int cols = Base::BN) {
+                                  long long p_begin, int K, Acc &acc, int cols = Base::BN, int b_shift = 0) {
     const int wg = threadIdx.x >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * Base::STAGE_BYTES;
     typename Base::template Rows<128> rows;
     return ws_pipeline<STAGES, CONSUMERS>(
         full, (K + Base::BK - 1) / Base::BK,
         [&](int slot, int kt, int t) {
+          int shift = 0;
+          if constexpr (B_SHIFTED)
+            shift = b_shift;
           load_tma_rows<A_TMA, B_TMA>(s0, full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
-                                      sorted_pair, p_begin, K);
+                                      sorted_pair, p_begin, K, shift);
         },
         [&](int slot) { mma_stage_cols<Base>(s0, slot, wg, cols, acc); });
   }
@@ -548,17 +556,20 @@ struct WgmmaRowsWsConfig
   // Expert reductions are short in K (an expert's rows: 32 k-tiles for
   // mixtral), so a block per tile spent a tenth of each tile filling its
   // pipeline and storing its output with the tensor cores idle.
-  template <bool A_TMA, bool B_TMA>
+  template <bool A_TMA, bool B_TMA, bool B_SHIFTED = false>
   __device__ static bool tile(Ring &r, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0, const bf16 *B,
                               const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair, long long p_begin,
-                              int K, Acc &acc, int cols = Base::BN) {
+                              int K, Acc &acc, int cols = Base::BN, int b_shift = 0) {
     const int wg = threadIdx.x >> 7;
     typename Base::template Rows<128> rows;
     return Tiles::ring_stages(
         r, (K + Base::BK - 1) / Base::BK,
         [&](int slot, int kt, int t) {
+          int shift = 0;
+          if constexpr (B_SHIFTED)
+            shift = b_shift;
           load_tma_rows<A_TMA, B_TMA>(r.s0, r.full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
-                                      sorted_pair, p_begin, K);
+                                      sorted_pair, p_begin, K, shift);
         },
         [&](int slot) { mma_stage_cols<Base>(r.s0, slot, wg, cols, acc); });
   }
@@ -569,7 +580,7 @@ struct WgmmaRowsWsConfig
   __device__ static __forceinline__ void
   load_tma_rows(unsigned s0, unsigned full, int slot, int kt, int t, typename Base::template Rows<128> &rows,
                 const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0, const bf16 *B, const TmaDesc *tB, int b_div,
-                int N, int n0, const int *sorted_pair, long long p_begin, int K) {
+                int N, int n0, const int *sorted_pair, long long p_begin, int K, int b_shift) {
     constexpr bool ALL_TMA = A_TMA && B_TMA;
     if (kt == 0 && !ALL_TMA)
       rows.start(t, sorted_pair, p_begin, K);
@@ -580,7 +591,7 @@ struct WgmmaRowsWsConfig
       if (B_TMA)
 #pragma unroll
         for (int s = 0; s < Base::BN / 64; ++s)
-          tma_load_3d(sB + s * (Base::BK * 128), tB, n0 + s * 64, k_row, 0, bar);
+          tma_load_3d(sB + s * (Base::BK * 128), tB, n0 + s * 64, k_row - b_shift, 0, bar);
       if (A_TMA)
 #pragma unroll
         for (int s = 0; s < Base::BM / 64; ++s)

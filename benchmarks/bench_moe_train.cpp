@@ -51,7 +51,8 @@ cuda::Device &device() {
 //              backward's peak holds one T k x f tensor fewer
 //              (split_pointwise_for_memory), and the activation gradients
 //              take the saved pre-activations' bytes on caller memory
-//              (gradients_over_saved); the backward's GEMMs gather dy's
+//              (gradients_over_saved), grouped by expert without padding
+//              (sorted_saved); the backward's GEMMs gather dy's
 //              rows themselves, with no per-pair copy
 //              (gather_upstream_in_gemms); y, dy and dx are bf16, as a bf16
 //              model passes them (bf16_boundary): the default schedule's
@@ -96,6 +97,7 @@ Schedule schedule_of(const Shape &shape, const Example &ex, const std::string &n
         .gate_gradient_from_dh(true)
         .split_pointwise_for_memory(true)
         .gradients_over_saved(true)
+        .sorted_saved(true)
         .gather_upstream_in_gemms(true)
         .bf16_boundary(true);
   s.recompute(memory == Memory::recompute);

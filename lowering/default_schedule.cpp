@@ -148,6 +148,15 @@ Schedule default_schedule(const Pipeline &pipeline, const std::vector<Func> &out
       s.persistent(g->func, true).tma_store(g->func, true);
   }
   drop_func_choices_not_taken(s, pipeline, outputs);
+  // sorted_saved needs the saved tensors' GEMM to store them row by row,
+  // which the per-Func choices above decide (GeLU's pre-activation leaves
+  // with h by TMA): kept where the program then has a sorted tensor.
+  if (s.sorted_saved() && !outputs.empty()) {
+    const TrainingProgram t = lower_training(pipeline, outputs, s);
+    const auto &ts = t.program.tensors;
+    if (std::none_of(ts.begin(), ts.end(), [](const TensorDecl &d) { return d.layout == RowLayout::sorted; }))
+      s.sorted_saved(false);
+  }
   return s;
 }
 

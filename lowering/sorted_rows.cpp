@@ -49,7 +49,7 @@ bool readers_allow(const KernelProgram &p, const std::string &name, bool as_oper
       if (as_a || !b_by_tma || g->b_rows != RowMap::direct || p.tensor(name).dtype != DType::bf16 ||
           !zero_past_pairs(p, *g))
         return false;
-    } else if (as_b || g->a_rows != RowMap::direct || g->out_add) {
+    } else if (as_b || g->a_rows != RowMap::direct) {
       return false;
     }
   }

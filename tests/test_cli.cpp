@@ -543,9 +543,9 @@ TEST_CASE("cli: emit --ir prints the lowered kernel program of a schedule") {
 
 TEST_CASE("cli: emit --memory --train says what a forward keeps and what each entry point's workspace holds") {
   // qwen3moe under the default schedule: the two pre-activations are kept,
-  // T k x f in bf16 each in the padded order (131072 + 128 * 127 rows of
-  // 768: 216 MiB), and the activation gradients take their bytes
-  // (gradients_over_saved); dy's rows are gathered by the GEMMs
+  // T k x f in bf16 each, grouped by expert without padding (sorted_saved:
+  // 131072 rows of 768, 192 MiB; padded, 216), and the activation gradients
+  // take their bytes (gradients_over_saved); dy's rows are gathered by the GEMMs
   // (gather_upstream_in_gemms), so the backward's fullest step holds x's
   // padded copy for the weight gradients (the input gradient's per-pair
   // rows, as large when padded, are in pair order: 512 MiB); the router's
@@ -555,9 +555,9 @@ TEST_CASE("cli: emit --memory --train says what a forward keeps and what each en
   INFO(r.err);
   REQUIRE(r.code == 0);
   CHECK(has(r.out, "memory at 16384 tokens"));
-  CHECK(has(line_from(r.out, "  h_silu_in "), "216.0 MiB, then d_x_s_a2"));
-  CHECK(has(line_from(r.out, "  h_rhs "), "216.0 MiB, then d_x_s_a"));
-  CHECK(has(line_from(r.out, "saved      "), "440.1 MiB"));
+  CHECK(has(line_from(r.out, "  h_silu_in "), "192.0 MiB, then d_x_s_a2"));
+  CHECK(has(line_from(r.out, "  h_rhs "), "192.0 MiB, then d_x_s_a"));
+  CHECK(has(line_from(r.out, "saved      "), "392.1 MiB"));
   const std::string backward = r.out.substr(r.out.find("backward workspace"));
   CHECK(has(backward, "backward workspace  576.0 MiB"));
   CHECK(has(backward, "(gather_x_rows_route): x_rows_route 576.0 MiB\n"));
@@ -565,7 +565,7 @@ TEST_CASE("cli: emit --memory --train says what a forward keeps and what each en
   // The saved tensors scale with the tokens; a forward alone saves nothing.
   Run small = cli({"emit", "swiglu_moe", "--tokens", "8192", "--d", "2048", "--f", "768", "--experts", "128", "--topk",
                    "8", "--schedule", "default", "--memory", "--train"});
-  CHECK(has(line_from(small.out, "  h_rhs "), "120.0 MiB")); // 65536 + 128 * 127 rows
+  CHECK(has(line_from(small.out, "  h_rhs "), "96.0 MiB")); // 65536 rows
   Run fwd = cli({"emit", "swiglu_moe", "--schedule", "default", "--memory"});
   CHECK(fwd.code == 0);
   CHECK_FALSE(has(fwd.out, "\nsaved "));

@@ -18,14 +18,14 @@ bool relayable(const KernelProgram &p, const TensorDecl &t) {
          t.outer_stride == 0 && !t.dims.back().is_dynamic() && !is_output(p, t.name);
 }
 
-// An expert reduction's A whose rows past an expert's pairs are zero: a
-// padded tensor holding zeros there, or rows gathered through sorted_pair
-// (a padding row loads as zeros).
+// An expert reduction's A whose rows past an expert's pairs are zero, by
+// TMA too: a padded tensor holding zeros there, in whole 64-row boxes.
+// (Rows gathered through sorted_pair load as zeros there too, but that loop
+// with a shifted B by TMA spilled registers: gather_in_gemms keeps the
+// padded order.)
 bool zero_past_pairs(const KernelProgram &p, const GemmStep &g) {
   const TensorDecl &a = p.tensor(g.a);
-  if (g.a_rows != RowMap::direct)
-    return true;
-  return a.layout == RowLayout::padded && a.zero_padding;
+  return g.a_rows == RowMap::direct && a.layout == RowLayout::padded && a.zero_padding && g.block % 64 == 0;
 }
 
 // Whether every step that reads `name` reads it as a sorted tensor may be:

@@ -17,8 +17,8 @@
 // reading the tensor as A (rows are the output's rows) stores only the
 // tile's own rows; an expert reduction reading it as B (rows are the sum's
 // K) multiplies those rows by A's, which are zero there (a padded A with
-// zero padding rows, or A gathered row by row, whose padding rows load as
-// zeros), and a box past the last expert's rows reads past the tensor,
+// zero padding rows, loaded by TMA), and a box past the last expert's rows
+// reads past the tensor,
 // which TMA fills with zeros. (A row past an expert's own holds the next
 // expert's finite values; a non-finite one there would make 0 x inf a
 // NaN in this expert's weight gradient, where the step's gradients are
@@ -43,7 +43,7 @@ namespace moeforge {
 // into the next expert's), and read by element-wise steps only; the gradient is written
 // by an element-wise step and read by element-wise steps, as A (or the
 // chained A2) of a routed GEMM, and as B of an expert reduction whose A is
-// zero on padding rows. Returns the saved tensors it stored so.
+// a padded tensor zero on its padding rows. Returns the saved tensors it stored so.
 std::vector<std::string> store_saved_sorted(KernelProgram &p, size_t forward_steps,
                                             const std::map<std::string, std::string> &over_saved);
 

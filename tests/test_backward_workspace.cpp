@@ -56,6 +56,8 @@ TEST_CASE("backward workspace: with both memory choices qwen3moe's holds no T k 
   // The forward's workspace: h alone once the combine adds into y.
   CHECK(lean.plan.workspace_before <= tk_f + (size_t(8) << 20));
   CHECK(plain.plan.workspace_before > lean.plan.workspace_before);
-  // What the forward keeps is the same either way.
-  CHECK(lean.plan.saved.arena_bytes == plain.plan.saved.arena_bytes);
+  // What the forward keeps: the same tensors, padded with x gathered by the
+  // weight gradients' GEMMs (sorted_saved needs x's padded copy there).
+  CHECK(lean.plan.saved.arena_bytes >= plain.plan.saved.arena_bytes);
+  CHECK(lean.plan.saved.arena_bytes <= plain.plan.saved.arena_bytes + 2 * 128 * 127 * 768 * 2 + (size_t(1) << 20));
 }

@@ -54,6 +54,7 @@ and replays the step in CUDA graphs at static and symbolic counts alike.
 """
 
 import itertools
+import os
 import math
 import warnings
 import weakref
@@ -327,7 +328,22 @@ def _step_backward(module, xs, params, consts, saved, read_outputs, grads):
 # each op's fake kernel says what it returns from shapes alone, and an op
 # finds its module by a handle (an op's arguments are tensors and numbers).
 _MODULES = {}  # handle -> weakref to the MoELayer
-_HANDLES = itertools.count(1)
+
+
+def _build_stamp():
+    """The extension's file time, 40 bits of it: handles start there.
+    A handle is a constant in a traced graph, so it is part of the key under
+    which inductor caches the compiled graph on disk; the fake kernels' sizes
+    (the saved region's) are not. A graph compiled by an earlier build whose
+    layer laid out its memory differently would otherwise be reused and fail
+    its size asserts."""
+    try:
+        return os.stat(mf._core.__file__).st_mtime_ns % (1 << 40)
+    except (AttributeError, OSError):
+        return 0
+
+
+_HANDLES = itertools.count((_build_stamp() << 20) + 1)
 
 
 def _module(handle):

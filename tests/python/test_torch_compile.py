@@ -62,6 +62,22 @@ def test_a_model_compiles_whole_and_matches_eager(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_handle_carries_the_build_it_was_made_by(device):
+    """The ops' handle is a constant of the traced graph, and with it of
+    the key inductor caches the compiled graph under on disk: a graph that
+    an earlier build traced (its saved region sized as that build laid it
+    out) is not reused by a later one, whose sizes it would assert."""
+    import os
+    import moeforge as mf
+
+    moe = mft.example("swiglu_moe", experts=8, topk=2, d=D, f=128, device=device)
+    twin = mft.example("swiglu_moe", experts=8, topk=2, d=D, f=128, device=device)
+    stamp = os.stat(mf._core.__file__).st_mtime_ns % (1 << 40)
+    assert moe._handle >> 20 == stamp and twin._handle >> 20 == stamp
+    assert twin._handle != moe._handle
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["moe_mlp", "deepseek_moe"])  # deepseek_moe: a constant input (its expert bias)
 def test_the_ops_pass_opcheck(device, name, monkeypatch):
     torch.manual_seed(4)

@@ -101,8 +101,10 @@ TEST_CASE("pair order: the backward's per-pair input-gradient rows are stored in
       }
     CHECK(writers == 1);
     // The GEMMs' operands keep each tile's rows consecutive: grouped by
-    // expert, without padding (sorted_saved, on in the default).
-    CHECK(t.program.tensor("d_x_s_a").layout == RowLayout::sorted);
+    // expert, without padding (sorted_saved, on in the default), where the
+    // weight gradients read x's padded copy by TMA; padded beside x
+    // gathered (lowering/sorted_rows.h).
+    CHECK(t.program.tensor("d_x_s_a").layout == (gather ? RowLayout::padded : RowLayout::sorted));
     const std::string report = memory_report(t.program, t.forward_steps, s.tokens);
     const std::string backward = report.substr(report.find("backward workspace"));
     if (gather) {

@@ -49,8 +49,10 @@ TEST_SUITE("gpu") {
         const Func out = ex.pipeline.func(ex.output);
         const Schedule sorted = default_schedule(ex.pipeline, {out});
         REQUIRE(sorted.sorted_saved());
+        // The router's weight gradient is summed by split-K slices adding
+        // atomically (their order varies from run to run, at 4096 tokens).
         testing::check_same_step(*backend, ex, ex.random_inputs(s, 41), s.tokens, sorted,
-                                 Schedule(sorted).sorted_saved(false));
+                                 Schedule(sorted).sorted_saved(false), {"wr"});
       }
   }
 

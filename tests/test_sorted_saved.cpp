@@ -14,31 +14,22 @@
 #include "lowering/default_schedule.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/training.h"
+#include "planned_step.h"
 #include "program_order.h"
-#include "runtime/memory_plan.h"
-#include "runtime/program_shapes.h"
 
 using namespace moeforge;
 
 namespace {
 
-struct Lowered {
-  TrainingProgram t;
-  StepMemoryPlan plan;
-};
+using Lowered = testing::PlannedStep;
 
 Lowered lowered(const std::string &example, const ExampleShape &s, bool sorted) {
   Example ex = make_example(example, s);
-  const Func out = ex.pipeline.func(ex.output);
-  Schedule sch = default_schedule(ex.pipeline, {out});
+  Schedule sch = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)});
   // On in the default where it applies: not for GeLU, whose pre-activation
   // leaves with h by TMA.
   CHECK(sch.sorted_saved() == (example == "swiglu_moe"));
-  Lowered l{lower_training(ex.pipeline, out, sch.sorted_saved(sorted)), {}};
-  ProgramShapes shapes(l.t.program, s.tokens);
-  auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };
-  l.plan = plan_step_memory(l.t.program, bytes, l.t.forward_steps);
-  return l;
+  return testing::planned_step(ex, s.tokens, sch.sorted_saved(sorted));
 }
 
 const GemmStep &gemm_writing(const KernelProgram &p, const std::string &output) {

@@ -789,14 +789,14 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // Tensors stored sorted (lowering/sorted_rows.h): a tile's rows start at
   // `sbase` in them, an expert reduction's B rows b_shift before k_begin.
   auto sorted = [&](const std::string &name) { return prog.tensor(name).layout == RowLayout::sorted; };
-  bool reads_or_writes_sorted = sorted(g.a) || (g.chained && sorted(g.chained->a)) || sorted(g.output);
+  bool reads_or_writes_sorted = plan.a_sorted || (g.chained && sorted(g.chained->a)) || sorted(g.output);
   for (const GemmStep::Extra &e : g.extra)
     reads_or_writes_sorted |= sorted(e.output);
-  const bool b_sorted = g.expert_k && sorted(g.b[0]);
+  const bool b_sorted = g.expert_k && plan.b_sorted;
   internal_check(!reads_or_writes_sorted ||
                  (g.route && !g.expert_k && (!sorted(g.output) || g.out_rows == RowMap::direct)))
       << g.name << ": a tensor stored sorted is read as A or stored in tile order by a routed GEMM";
-  internal_check(!b_sorted || (in_place && b_tma_rows && !sorted(g.a)))
+  internal_check(!b_sorted || (in_place && b_tma_rows && !plan.a_sorted))
       << g.name << ": an expert reduction reads a B stored sorted by TMA, in place";
 
   std::ostringstream body;
@@ -1052,7 +1052,7 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
            << div(g.b_rows) << ", N, n0, " << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc))\n"
            << "    return;  // a loading-only warpgroup\n\n";
   } else {
-    emit_a_operand(g, kb, gA, sorted_pair, sorted(g.a) ? "sbase" : "p0", tma, a_tma, ws && persistent && plan.roomy,
+    emit_a_operand(g, kb, gA, sorted_pair, plan.a_sorted ? "sbase" : "p0", tma, a_tma, ws && persistent && plan.roomy,
                    split_k, body);
     if (tma) {
       body << "  const mf::TmaDesc *tB[" << nb << "] = {";

@@ -15,30 +15,21 @@
 #include "lowering/default_schedule.h"
 #include "lowering/in_place.h"
 #include "lowering/training.h"
+#include "planned_step.h"
 #include "program_order.h"
-#include "runtime/memory_plan.h"
 #include "runtime/memory_report.h"
-#include "runtime/program_shapes.h"
 
 using namespace moeforge;
 
 namespace {
 
-struct Lowered {
-  TrainingProgram t;
-  StepMemoryPlan plan;
-};
+using Lowered = testing::PlannedStep;
 
 Lowered lowered(const std::string &example, const ExampleShape &s, bool over_saved) {
   Example ex = make_example(example, s);
-  const Func out = ex.pipeline.func(ex.output);
-  Schedule sch = default_schedule(ex.pipeline, {out});
+  Schedule sch = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)});
   REQUIRE(sch.gradients_over_saved()); // on in the default
-  Lowered l{lower_training(ex.pipeline, out, sch.gradients_over_saved(over_saved)), {}};
-  ProgramShapes shapes(l.t.program, s.tokens);
-  auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };
-  l.plan = plan_step_memory(l.t.program, bytes, l.t.forward_steps);
-  return l;
+  return testing::planned_step(ex, s.tokens, sch.gradients_over_saved(over_saved));
 }
 
 constexpr size_t kMiB = size_t(1) << 20;

@@ -559,6 +559,15 @@ std::string epilogue_call(const std::string &fn, int nb, const std::string &vr, 
   return call + vr + ", " + col + " + " + std::to_string(e) + ")";
 }
 
+// The row a fused output of `g` is stored at, in its own layout: the tile's
+// row (padded, or a dense GEMM's), from the tile's unpadded first row
+// (sorted), or the pair's (pair order).
+std::string fused_output_row(const GemmStep &g, const TensorDecl &t) {
+  if (!g.route || t.layout == RowLayout::padded)
+    return "(p0 + lr)";
+  return t.layout == RowLayout::sorted ? "(sbase + lr)" : "(long long)r";
+}
+
 // The epilogue with plain stores: each thread stores its accumulator
 // fragments (two columns at a time) of every row below `rows`, the GEMM's
 // output and each fused one in its own layout.
@@ -644,9 +653,7 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
       // A fused output, in its own layout: padded (tile order), sorted or pair.
       const TensorDecl &t = prog.tensor(outputs[o].first);
       const std::string fn = "epilogue" + std::to_string(o);
-      std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)"
-                        : t.layout == RowLayout::sorted           ? "(sbase + lr)"
-                                                                  : "(long long)r";
+      const std::string row = fused_output_row(g, t);
       body << "      {\n";
       for (int e = 0; e < 2; ++e)
         body << "        const float x" << e << " = " << epilogue_call(fn, nb, vr, e) << ";\n";
@@ -674,9 +681,7 @@ void emit_store_epilogue(const KernelProgram &prog, const GemmStep &g, KernelBui
   for (size_t o = 1; o < outputs.size(); ++o) {
     // A fused output is stored in its own layout: padded (tile order), sorted or pair.
     const TensorDecl &t = prog.tensor(outputs[o].first);
-    std::string row = !g.route || t.layout == RowLayout::padded ? "(p0 + lr)"
-                      : t.layout == RowLayout::sorted           ? "(sbase + lr)"
-                                                                : "(long long)r";
+    const std::string row = fused_output_row(g, t);
     body << "      {\n";
     for (int e = 0; e < 2; ++e)
       body << "        const float w" << e << " = " << epilogue_call("epilogue" + std::to_string(o), nb, vr, e)

@@ -83,6 +83,11 @@ TEST_CASE("host memory: under an address-space limit, what is left of it counts"
     m = e.what();
   }
   REQUIRE(setrlimit(RLIMIT_AS, &before) == 0);
-  CHECK(have <= (size_t(256) << 20));
+  // What is left is read after the limit is set, and the process may have
+  // unmapped a few pages since `mapped` was read (a finished thread's stack,
+  // a freed arena): a little more than 256 MiB can be left. Without the
+  // limit counted it would be the machine's whole memory.
+  CHECK(have <= (size_t(256) << 20) + (size_t(16) << 20));
+  CHECK(have < (size_t(1) << 30));
   CHECK(m.find("a 1 GiB buffer needs 1.00 GiB of host memory") != std::string::npos);
 }

@@ -305,6 +305,15 @@ Schedule &Schedule::cluster(const std::string &func, int row_tiles) {
   return *this;
 }
 
+Schedule &Schedule::fp8(const std::string &func, std::optional<Fp8Format> format) {
+  std::string call = "fp8(" + quoted(func) + ", " + quoted(format ? fp8_format_name(*format) : "off") + ")";
+  check_func_name(call, func);
+  Overrides patch;
+  patch.fp8 = format;
+  commit(call, "fp8", func, patch);
+  return *this;
+}
+
 FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   GemmTiling &t = base.tiling;
   t.tile_m = o.tile_m.value_or(t.tile_m);
@@ -321,6 +330,8 @@ FuncSchedule Schedule::apply(FuncSchedule base, const Overrides &o) {
   t.cluster_m = o.cluster_m.value_or(t.cluster_m);
   t.narrow_tail = o.narrow_tail.value_or(t.narrow_tail);
   base.fuse_epilogue = o.fuse_epilogue.value_or(base.fuse_epilogue);
+  if (o.fp8)
+    base.fp8 = *o.fp8;
   return base;
 }
 
@@ -366,6 +377,7 @@ void Schedule::commit(const std::string &call, const std::string &primitive, con
     merge(o.tma_store, patch.tma_store);
     merge(o.cluster_m, patch.cluster_m);
     merge(o.narrow_tail, patch.narrow_tail);
+    merge(o.fp8, patch.fp8);
     if (next.named_by_.emplace(func, primitive).second)
       next.funcs_.push_back(func);
   }

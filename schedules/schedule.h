@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "dsl/fp8.h"
 #include "dsl/pipeline.h"
 
 namespace moeforge {
@@ -127,6 +128,11 @@ struct FuncSchedule {
   // The element-wise ops around the contraction (activation, the SwiGLU
   // product) run in the GEMM's epilogue; false: a separate element-wise kernel.
   bool fuse_epilogue = true;
+  // The contraction's operands rounded to this FP8 format in blocks with
+  // power-of-two scales (dsl/fp8.h: 128 along the contracted index; across
+  // it one row of an operand over the tokens or pairs, 128 of a weight), the
+  // sum taken in f32 or wider. Unset: the operands as stored (bf16 or f32).
+  std::optional<Fp8Format> fp8;
   bool operator==(const FuncSchedule &) const = default;
 };
 
@@ -349,6 +355,13 @@ public:
   Schedule &narrow_tail(const std::string &func, bool on);
   // Row tiles per thread-block cluster (GemmTiling::cluster_m): 1 or 2.
   Schedule &cluster(const std::string &func, int row_tiles);
+  // The contraction's operands in FP8 (FuncSchedule::fp8); nullopt: as
+  // stored ("off" in text). "*" reaches every contraction, the router's
+  // product included: name it with nullopt to keep it as it is.
+  Schedule &fp8(const std::string &func, std::optional<Fp8Format> format);
+  // The contractions whose operands are FP8, by Func name: what the
+  // reference takes (EvalOptions::fp8) to round as the backends do.
+  std::map<std::string, Fp8Format> fp8_funcs(const Pipeline &pipeline) const;
 
   // ---- accessors
   const std::string &name() const { return name_; }
@@ -426,6 +439,7 @@ private:
     std::optional<bool> tma_store;
     std::optional<int> cluster_m;
     std::optional<bool> narrow_tail;
+    std::optional<std::optional<Fp8Format>> fp8;
   };
   static FuncSchedule apply(FuncSchedule base, const Overrides &o);
   // A whole-layer on/off primitive: sets `field` and records the call.

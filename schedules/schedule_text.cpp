@@ -53,6 +53,7 @@ const std::vector<Signature> &signatures() {
       {"tma_store", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
       {"cluster", {{"func", ArgType::text}, {"row_tiles", ArgType::integer}}},
       {"narrow_tail", {{"func", ArgType::text}, {"on", ArgType::boolean}}},
+      {"fp8", {{"func", ArgType::text}, {"format", ArgType::text}}},
       {"bf16_activations", {{"on", ArgType::boolean}}},
       {"reuse_memory", {{"on", ArgType::boolean}}},
       {"bf16_weight_gradients", {{"on", ArgType::boolean}}},
@@ -370,6 +371,9 @@ Schedule Schedule::from_text(const std::string &text, const std::string &source_
         s.cluster(func, i(1));
       } else if (st.primitive == "narrow_tail") {
         s.narrow_tail(func, bools[1]);
+      } else if (st.primitive == "fp8") {
+        const std::string &format = st.args[1].text;
+        s.fp8(func, format == "off" ? std::nullopt : std::optional<Fp8Format>(parse_fp8_format(format)));
       } else {
         internal_check(false) << "no replay for primitive " << st.primitive;
       }

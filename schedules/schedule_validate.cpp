@@ -114,6 +114,15 @@ void Schedule::check_names(const Pipeline &pipeline) const {
   }
 }
 
+std::map<std::string, Fp8Format> Schedule::fp8_funcs(const Pipeline &pipeline) const {
+  std::map<std::string, Fp8Format> out;
+  for (const Func &f : pipeline.funcs())
+    if (is_contraction(f))
+      if (std::optional<Fp8Format> format = for_func(f.name()).fp8)
+        out.emplace(f.name(), *format);
+  return out;
+}
+
 void Schedule::validate(const Pipeline &pipeline) const {
   check_names(pipeline);
   for (const Func &f : pipeline.funcs()) {

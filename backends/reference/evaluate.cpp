@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <type_traits>
 
@@ -187,7 +188,7 @@ bool reads_expert(const Expr &e, const RoutingNode *route) {
 template <typename S> class Evaluator {
 public:
   Evaluator(const Pipeline &p, const TensorViews &inputs, const EvalOptions &options)
-      : pipeline_(p), given_(options.given), capacity_factor_(options.capacity_factor) {
+      : pipeline_(p), given_(options.given), capacity_factor_(options.capacity_factor), fp8_(options.fp8) {
     bind_inputs(inputs);
     for (const auto &[name, experts] : given_) {
       user_check(
@@ -318,6 +319,8 @@ private:
   void eval_func(const FuncNode &f) {
     restricted_.clear();
     fixed_expert_.clear();
+    auto format = fp8_.find(f.name);
+    fp8_now_ = format != fp8_.end() ? std::optional<Fp8Format>(format->second) : std::nullopt;
     std::vector<VarKey> out_axes;
     for (const Var &v : f.args)
       out_axes.push_back(v.get());
@@ -671,6 +674,18 @@ private:
     };
     int64_t nb = extent_of(pa, batch), mm = extent_of(pa, m), nn = extent_of(pb, n);
     int64_t kk = pa.shape[pa.axis_of(k)];
+    if (fp8_now_) {
+      // Blocks of fp8_block along k; across it, one row of an operand over
+      // the tokens or pairs (a dynamic Dim), fp8_block of a weight.
+      auto over_tokens = [](const Value<S> &v) {
+        return std::any_of(v.axes.begin(), v.axes.end(), [](VarKey x) { return x->dim.is_dynamic(); });
+      };
+      const int64_t across_a = over_tokens(pa) ? 1 : fp8_block, across_b = over_tokens(pb) ? 1 : fp8_block;
+      for (int64_t bi = 0; bi < nb; ++bi) {
+        fp8_round_blocks(pa.data.data() + bi * mm * kk, mm, kk, kk, across_a, fp8_block, *fp8_now_);
+        fp8_round_blocks(pb.data.data() + bi * kk * nn, kk, nn, nn, fp8_block, across_b, *fp8_now_);
+      }
+    }
     Value<S> out;
     out.axes = join(join(batch, m), n);
     for (VarKey x : out.axes)
@@ -822,6 +837,8 @@ private:
   std::map<const BufferNode *, Source> buffers_;
   const std::map<std::string, std::vector<int32_t>> &given_;
   double capacity_factor_;
+  std::map<std::string, Fp8Format> fp8_;
+  std::optional<Fp8Format> fp8_now_; // the Func being evaluated takes FP8 operands
   std::map<const FuncNode *, Value<S>> funcs_;
   std::map<const RoutingNode *, RoutingResult> routes_;
   std::map<VarKey, std::vector<int64_t>> restricted_;

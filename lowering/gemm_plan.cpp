@@ -30,6 +30,10 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   p.step = g.name;
   p.tiling = t;
   p.nb = static_cast<int>(g.b.size());
+  user_check(!g.fp8) << "definition '" << (g.func.empty() ? g.output : g.func) << "': FP8 operands ("
+                     << "fp8(\"" << (g.func.empty() ? g.output : g.func) << "\", \"" << fp8_format_name(*g.fp8)
+                     << "\")) are not built for the CUDA backend yet; the CPU backend and the reference run "
+                     << "them. Drop fp8 from the schedule to run on a GPU";
   // The choices as flags while they are made; the plan keeps each as one
   // enum (GemmPlan::a_load, b_load, walk, store) once all are.
   bool wgmma = false, ws = false, in_place = false, tma = false, a_tma = false, b_tma_rows = false, a_tma_rows = false,

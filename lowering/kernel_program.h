@@ -179,6 +179,9 @@ struct GemmStep {
   // its code generator raises; the CPU backend reads neither).
   std::shared_ptr<const GemmPlan> plan;
   std::string plan_refusal;
+  // Schedule::fp8 of `func`: every product's operands rounded to this format
+  // by dsl/fp8.h's block rule (A, each B, a chained A2 and B2).
+  std::optional<Fp8Format> fp8;
 };
 
 // out(vars) = body, one thread per element; sums over the pairs of a token

@@ -160,6 +160,7 @@ std::optional<GemmStep> match_gemm(const Pipeline &p, const FuncNode &f, const S
   g.col_var = col;
   g.tiling = tiling_of(f, schedule);
   g.func = scheduled_as(f, schedule);
+  g.fp8 = schedule.for_func(g.func).fp8;
   g.block = schedule.block();
   ReplaceSums rs;
   rs.row = row;
@@ -232,6 +233,7 @@ std::optional<GemmStep> match_expert_gemm(const FuncNode &f, const Schedule &sch
   g.epilogue = Access::make(g.accumulators[0], {g.row_var, g.col_var});
   g.tiling = tiling_of(f, schedule);
   g.func = scheduled_as(f, schedule);
+  g.fp8 = schedule.for_func(g.func).fp8;
   g.block = schedule.block();
   return g;
 }

@@ -45,7 +45,7 @@ bool alike(const KernelProgram &p, const GemmStep &x, const GemmStep &y) {
          x.a_rows == y.a_rows && x.b_per_expert == y.b_per_expert && x.b_trans == y.b_trans && x.block == y.block &&
          p.tensor(x.a).dtype == p.tensor(y.a).dtype && p.tensor(x.b[0]).dtype == p.tensor(y.b[0]).dtype &&
          p.tensor(x.a).layout == p.tensor(y.a).layout && p.tensor(x.output).dtype == p.tensor(y.output).dtype &&
-         p.tensor(x.output).layout == p.tensor(y.output).layout;
+         p.tensor(x.output).layout == p.tensor(y.output).layout && x.fp8 == y.fp8;
 }
 
 std::optional<size_t> gemm_writing(const KernelProgram &p, const std::string &name) {

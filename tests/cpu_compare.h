@@ -39,7 +39,7 @@ inline Outcome run_and_compare(const Example &ex, const TensorMap &inputs, int64
   layer->poison();
   layer->run();
   return testing::compare_with_reference(ex, inputs, layer->program(), *layer, schedule.to_text(), tolerance,
-                                         /*floor_fraction=*/0, schedule.capacity());
+                                         /*floor_fraction=*/0, schedule.capacity(), schedule.fp8_funcs(ex.pipeline));
 }
 
 // One training step (forward, then backward) on the CPU backend, checked as

@@ -105,9 +105,11 @@ inline HostTensor without_dropped(const Example &ex, const EvalResult &ref, cons
 template <typename Layer>
 Outcome compare_with_reference(const Example &ex, const TensorMap &inputs, const KernelProgram &program,
                                const Layer &layer, const std::string &schedule_text, double tolerance,
-                               double floor_fraction = 0, double capacity_factor = 0) {
-  EvalOptions options; // the schedule's capacity, as the layer drops
+                               double floor_fraction = 0, double capacity_factor = 0,
+                               const std::map<std::string, Fp8Format> &fp8 = {}) {
+  EvalOptions options; // the schedule's capacity, as the layer drops; its FP8 operands, as the layer rounds
   options.capacity_factor = capacity_factor;
+  options.fp8 = fp8;
   EvalResult ref = evaluate(ex.pipeline, inputs, Precision::f64, options);
   // A Func whose exact value is zero (a gradient the algebra cancels, such as
   // the router's when renormalised gates make the output independent of it)

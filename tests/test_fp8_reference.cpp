@@ -69,10 +69,12 @@ TEST_CASE("fp8 reference: a routed product rounds the tokens' rows and each expe
     // The router's product is not named, so it reads x as it is.
     CHECK(max_abs_diff(got["logits"], evaluate(ex.pipeline, in)["logits"]) == 0.0);
 
-    // o by hand: each pair's h row rounded in blocks along F, its expert's
-    // w2 in 128 x 128 blocks.
+    // o by hand: each pair's h row, as stored (bf16), rounded in blocks
+    // along F, its expert's w2 in 128 x 128 blocks.
     const HostTensor w2 = weight_rounded(in.at("w2"), f);
     HostTensor h = got["h"];
+    for (double &v : h.data)
+      v = bf16_value(bf16_bits(static_cast<float>(v)));
     fp8_round_blocks(h.data.data(), h.shape[0], h.shape[1], h.shape[1], 1, fp8_block, f);
     const RoutingResult &route = got.routes.at("route");
     double worst = 0;
@@ -122,27 +124,33 @@ TEST_CASE("fp8 reference: each product stays within the bound the rounding impli
     const HostTensor got = evaluate(p, in, Precision::f64, o)["out"];
     const double u = std::ldexp(1.0, f == Fp8Format::e4m3 ? -4 : -3);
     const int sub = f == Fp8Format::e4m3 ? -10 : -17; // half the smallest subnormal
-    // Each block's half subnormal step, from its scale.
-    auto half_step_x = [&](int64_t a, int64_t b) {
-      double amax = 0;
-      for (int64_t c = b / 128 * 128; c < std::min(D, b / 128 * 128 + 128); ++c)
-        amax = std::max(amax, std::fabs(in["x"].at({a, c})));
-      return std::ldexp(fp8_block_scale(amax, f), sub);
-    };
-    auto half_step_w = [&](int64_t a, int64_t b) {
-      double amax = 0;
-      for (int64_t r = a / 128 * 128; r < std::min(D, a / 128 * 128 + 128); ++r)
-        for (int64_t c = b / 128 * 128; c < std::min(N, b / 128 * 128 + 128); ++c)
-          amax = std::max(amax, std::fabs(in["w"].at({r, c})));
-      return std::ldexp(fp8_block_scale(amax, f), sub);
-    };
+    // Each element's half subnormal step, from its block's scale.
+    HostTensor dx_of({T, D}), dw_of({D, N});
+    for (int64_t a = 0; a < T; ++a)
+      for (int64_t b0 = 0; b0 < D; b0 += 128) {
+        double amax = 0;
+        for (int64_t c = b0; c < std::min(D, b0 + 128); ++c)
+          amax = std::max(amax, std::fabs(in["x"].at({a, c})));
+        for (int64_t c = b0; c < std::min(D, b0 + 128); ++c)
+          dx_of.at({a, c}) = std::ldexp(fp8_block_scale(amax, f), sub);
+      }
+    for (int64_t a0 = 0; a0 < D; a0 += 128)
+      for (int64_t b0 = 0; b0 < N; b0 += 128) {
+        double amax = 0;
+        for (int64_t r = a0; r < std::min(D, a0 + 128); ++r)
+          for (int64_t c = b0; c < std::min(N, b0 + 128); ++c)
+            amax = std::max(amax, std::fabs(in["w"].at({r, c})));
+        for (int64_t r = a0; r < std::min(D, a0 + 128); ++r)
+          for (int64_t c = b0; c < std::min(N, b0 + 128); ++c)
+            dw_of.at({r, c}) = std::ldexp(fp8_block_scale(amax, f), sub);
+      }
     double moved = 0, norm = 0;
     for (int64_t a = 0; a < T; ++a)
       for (int64_t b = 0; b < N; ++b) {
         double bound = 0;
         for (int64_t c = 0; c < D; ++c) {
           const double xv = std::fabs(in["x"].at({a, c})), wv = std::fabs(in["w"].at({c, b}));
-          const double dx = half_step_x(a, c), dw = half_step_w(c, b);
+          const double dx = dx_of.at({a, c}), dw = dw_of.at({c, b});
           bound += (2 * u + u * u) * xv * wv + (1 + u) * (xv * dw + wv * dx) + dx * dw;
         }
         const double err = std::fabs(got.at({a, b}) - exact.at({a, b}));

@@ -6,8 +6,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <thread>
 
+#include "backends/cpu/fp8_operands.h"
 #include "dsl/error.h"
 #include "lowering/lower.h"
 #include "runtime/host_memory.h"
@@ -16,6 +18,7 @@
 namespace moeforge::cpu {
 
 CompiledCpuLayer compile_cpu_program(KernelProgram program, const std::string &what) {
+  check_fp8_gemms(program);
   CompiledCpuLayer c;
   c.program = std::move(program);
   LlvmModule module = generate_llvm(c.program);
@@ -458,9 +461,20 @@ void CpuLayer::run(size_t begin, size_t end, const char *entry) {
     internal_check(k < kernels.size() && kernels[k].step == step_name(s) && k < jit.functions.size())
         << "compiled steps do not match the program at " << step_name(s);
     // Arguments are bound per call: memory moves with place() and bind().
+    // An FP8 GEMM reads its operands' rounded copies, made now from their
+    // current values.
+    std::map<std::string, std::vector<uint8_t>> rounded;
+    if (const auto *g = std::get_if<GemmStep>(&s); g && g->fp8)
+      for (const Fp8Operand &o : fp8_operands(*g)) {
+        const Buffer &b = tensors_.at(o.tensor);
+        rounded[o.tensor] = fp8_rounded_copy(layer_.program.tensor(o.tensor), info(o.tensor).shape, placed(o.tensor),
+                                             b.bytes, o.k_last, *g->fp8);
+      }
     args.clear();
-    for (const CpuArg &a : kernels[k].args)
-      args.push_back(arg(a));
+    for (const CpuArg &a : kernels[k].args) {
+      auto copy = a.kind == CpuArg::Kind::tensor ? rounded.find(a.name) : rounded.end();
+      args.push_back(copy != rounded.end() ? copy->second.data() : arg(a));
+    }
     call(kernels[k], jit.functions[k], args);
     for (const std::string &w : step_outputs(s))
       computed_.insert(w);

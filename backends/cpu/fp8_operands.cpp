@@ -1,0 +1,110 @@
+#include "backends/cpu/fp8_operands.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "dsl/error.h"
+#include "runtime/tensor.h"
+
+namespace moeforge::cpu {
+
+namespace {
+
+bool over_tokens(const TensorDecl &t) {
+  return std::any_of(t.dims.begin(), t.dims.end(), [](const Dim &d) { return d.is_dynamic(); });
+}
+
+std::string func_of(const GemmStep &g) { return g.func.empty() ? g.output : g.func; }
+
+} // namespace
+
+std::vector<Fp8Operand> fp8_operands(const GemmStep &g) {
+  std::vector<Fp8Operand> out;
+  auto add = [&](const std::string &name, bool k_last) {
+    auto same = [&](const Fp8Operand &o) { return o.tensor == name; };
+    if (std::none_of(out.begin(), out.end(), same))
+      out.push_back({name, k_last});
+    else
+      internal_check(std::find_if(out.begin(), out.end(), same)->k_last == k_last)
+          << "GEMM " << g.name << " reads '" << name << "' along two axes";
+  };
+  add(g.a, !g.a_trans);
+  for (const std::string &b : g.b)
+    add(b, g.b_trans);
+  if (g.chained) {
+    add(g.chained->a, !g.a_trans);
+    add(g.chained->b, g.b_trans);
+  }
+  return out;
+}
+
+void check_fp8_gemms(const KernelProgram &program) {
+  for (const Step &s : program.steps) {
+    const auto *g = std::get_if<GemmStep>(&s);
+    if (!g || !g->fp8)
+      continue;
+    user_check(!g->expert_k) << "definition '" << func_of(*g) << "': fp8 operands of a weight gradient (a sum over "
+                             << "each expert's pairs) are not built yet: drop fp8(\"" << func_of(*g)
+                             << "\", ...) from the schedule, or name the forward's and the input gradient's "
+                             << "contractions only";
+    const std::vector<std::string> reads = step_reads(s);
+    for (const Fp8Operand &o : fp8_operands(*g)) {
+      user_check(std::count(reads.begin(), reads.end(), o.tensor) == 1)
+          << "definition '" << func_of(*g) << "': its GEMM reads '" << o.tensor << "' beside the product (in its "
+          << "epilogue), which FP8 operands do not support yet: drop fp8(\"" << func_of(*g) << "\", ...) or "
+          << "fuse_epilogue(\"" << func_of(*g) << "\", false)";
+      const TensorDecl &t = program.tensor(o.tensor);
+      user_check(!over_tokens(t) || t.dims.size() == 2)
+          << "definition '" << func_of(*g) << "': FP8 operand '" << o.tensor << "' has " << t.dims.size()
+          << " dimensions; an operand over the tokens is rounded as a matrix (rows, k)";
+    }
+  }
+}
+
+std::vector<uint8_t> fp8_rounded_copy(const TensorDecl &t, const std::vector<int64_t> &shape, const uint8_t *bytes,
+                                      size_t size, bool k_last, Fp8Format format) {
+  internal_check(t.dtype == DType::f32 || t.dtype == DType::bf16)
+      << "FP8 operand '" << t.name << "' is " << dtype_name(t.dtype);
+  internal_check(shape.size() >= 2 && shape.size() <= 3) << "FP8 operand '" << t.name << "' of rank " << shape.size();
+  const int64_t n = static_cast<int64_t>(size) / dtype_bytes(t.dtype);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    if (t.dtype == DType::f32) {
+      std::memcpy(&v[static_cast<size_t>(i)], bytes + i * 4, 4);
+    } else {
+      uint16_t b;
+      std::memcpy(&b, bytes + i * 2, 2);
+      v[static_cast<size_t>(i)] = bf16_value(b);
+    }
+  }
+  const int64_t rows = shape[shape.size() - 2], cols = shape.back();
+  if (over_tokens(t)) {
+    // Rows past the current count (a padded tensor's bound) round on their
+    // own too: a block never spans two rows, or two columns of a transpose.
+    const int64_t stored_rows = n / cols;
+    fp8_round_blocks(v.data(), stored_rows, cols, cols, k_last ? 1 : fp8_block, k_last ? fp8_block : 1, format);
+  } else {
+    // Each expert's matrix at its stride (a Param inside a larger tensor
+    // keeps the other half's bytes between them, which stay as they are).
+    if (shape.size() == 2) {
+      fp8_round_blocks(v.data(), rows, cols, t.outer_stride ? t.outer_stride : cols, fp8_block, fp8_block, format);
+    } else {
+      const int64_t stride = t.outer_stride ? t.outer_stride : rows * cols;
+      for (int64_t e = 0; e < shape[0]; ++e)
+        fp8_round_blocks(v.data() + e * stride, rows, cols, cols, fp8_block, fp8_block, format);
+    }
+  }
+  std::vector<uint8_t> out(size);
+  for (int64_t i = 0; i < n; ++i) {
+    if (t.dtype == DType::f32) {
+      std::memcpy(out.data() + i * 4, &v[static_cast<size_t>(i)], 4);
+    } else {
+      // Exact: a rounded value has at most 4 significant bits.
+      const uint16_t b = bf16_bits(v[static_cast<size_t>(i)]);
+      std::memcpy(out.data() + i * 2, &b, 2);
+    }
+  }
+  return out;
+}
+
+} // namespace moeforge::cpu

@@ -3,7 +3,12 @@
 // oracles), so that a backend's FP8 product and the reference's are the same
 // numbers before any summing starts.
 //
-// An operand is split into blocks; each block is divided by a scale, rounded
+// An operand is its bf16 value (what the compiled GEMMs multiply, whatever
+// the algebra declares): a value near the middle of two FP8 values rounds to
+// either, and a bf16 rounding moves it by up to 2^-9 of itself, so FP8 of the
+// exact value and FP8 of the stored one differ by a whole FP8 step (2^-4) on
+// about one element in sixteen; from the bf16 value every evaluator agrees.
+// It is split into blocks; each block is divided by a scale, rounded
 // to the format (round to nearest, ties to even, saturating at the largest
 // finite value: an overflow must not become an infinity that poisons every
 // sum it enters), and multiplied back. The blocks follow DeepSeek-V3's recipe:

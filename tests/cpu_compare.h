@@ -45,14 +45,17 @@ inline Outcome run_and_compare(const Example &ex, const TensorMap &inputs, int64
 // One training step (forward, then backward) on the CPU backend, checked as
 // the GPU's training tests check theirs (training_compare.h).
 inline Outcome cpu_train_and_compare(const Example &ex, const TensorMap &inputs, int64_t tokens,
-                                     const Schedule &schedule) {
+                                     const Schedule &schedule, double tolerance = 2e-2) {
   const std::unique_ptr<TrainingLayer> layer =
       cpu::make_backend()->training_layer(ex.pipeline, {ex.pipeline.func(ex.output)}, schedule, tokens);
   const TrainingProgram &t = layer->training();
-  return testing::step_and_compare(ex, inputs, t.program, t.seed, *layer, schedule, [](TrainingLayer &l) {
-    l.forward();
-    l.backward();
-  });
+  return testing::step_and_compare(
+      ex, inputs, t.program, t.seed, *layer, schedule,
+      [](TrainingLayer &l) {
+        l.forward();
+        l.backward();
+      },
+      tolerance);
 }
 
 } // namespace moeforge::cpu_test

@@ -59,6 +59,25 @@ TEST_SUITE("cpu") {
     const Example ex = make_example("swiglu_moe", s);
     const Func out = ex.pipeline.func(ex.output);
     const Schedule base = default_schedule(ex.pipeline, {out});
+    // The forward's products and the input gradient's (dH = dy W2^T, then
+    // dX over dH1 W1^T + dH3 W3^T and the router's share), against the
+    // reference that rounds its own operands. The forward's output is like
+    // for like. The backward is not quite: the schedule's exact rewrites
+    // move where an FP8 rounding falls (the gate's gradient <dy, o> taken
+    // as <h, dy W2^T>, the gate applied after dy W2^T instead of to dy), so
+    // the two round different operands of equal exact value and the
+    // gradients agree to FP8's error (2^-4 of a value), not bf16's.
+    Schedule some = base;
+    for (const char *f : {"h", "o", "d_h", "d_x"})
+      some.fp8(f, Fp8Format::e4m3);
+    for (int64_t tokens : {1, 37, 130}) {
+      CAPTURE(tokens);
+      const ExampleShape st = shape(tokens, 320, 200, 8, 2);
+      const Example e = make_example("swiglu_moe", st);
+      const Outcome o = cpu_train_and_compare(e, e.random_inputs(st, 23), tokens, some, 8e-2);
+      CHECK(o.routing_mismatches == 0);
+      CHECK(o.y_error < 1e-2);
+    }
     // Every contraction: the weight gradients are among them.
     const std::string all = testing::user_error_of([&] {
       cpu::make_backend()->training_layer(ex.pipeline, {out}, Schedule(base).fp8("*", Fp8Format::e4m3), 37);

@@ -33,6 +33,10 @@ HostTensor rows_rounded(HostTensor x, Fp8Format f) {
   return x;
 }
 
+// FP8 operands are rounded from their bf16 values: inputs that bf16 holds
+// exactly keep the bound below FP8's own.
+double bf16_exact(double v) { return bf16_value(bf16_bits(static_cast<float>(v))); }
+
 double max_abs_diff(const HostTensor &a, const HostTensor &b) {
   REQUIRE(a.shape == b.shape);
   double m = 0;
@@ -69,7 +73,7 @@ TEST_CASE("fp8 reference: a routed product rounds the tokens' rows and each expe
     // The router's product is not named, so it reads x as it is.
     CHECK(max_abs_diff(got["logits"], evaluate(ex.pipeline, in)["logits"]) == 0.0);
 
-    // o by hand: each pair's h row, as stored (bf16), rounded in blocks
+    // o by hand: each pair's h row, as a GEMM reads it (bf16), rounded in blocks
     // along F, its expert's w2 in 128 x 128 blocks.
     const HostTensor w2 = weight_rounded(in.at("w2"), f);
     HostTensor h = got["h"];
@@ -112,10 +116,10 @@ TEST_CASE("fp8 reference: each product stays within the bound the rounding impli
   // ones: the subnormal terms of the bound are exercised too.
   for (int64_t a = 0; a < T; ++a)
     for (int64_t b = 0; b < D; ++b)
-      in["x"].at({a, b}) = normal(rng) * std::ldexp(1.0, static_cast<int>((a * 7 + b) % 29) - 14);
+      in["x"].at({a, b}) = bf16_exact(normal(rng) * std::ldexp(1.0, static_cast<int>((a * 7 + b) % 29) - 14));
   for (int64_t a = 0; a < D; ++a)
     for (int64_t b = 0; b < N; ++b)
-      in["w"].at({a, b}) = normal(rng) * std::ldexp(1.0, static_cast<int>(b % 5) - 2);
+      in["w"].at({a, b}) = bf16_exact(normal(rng) * std::ldexp(1.0, static_cast<int>(b % 5) - 2));
   const HostTensor exact = evaluate(p, in)["out"];
   for (Fp8Format f : {Fp8Format::e4m3, Fp8Format::e5m2}) {
     CAPTURE(fp8_format_name(f));

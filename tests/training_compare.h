@@ -84,15 +84,16 @@ inline HostTensor upstream_gradient(const Example &ex, const TensorMap &inputs, 
 // output).
 template <typename Layer, typename Step>
 Outcome step_and_compare(const Example &ex, TensorMap inputs, const KernelProgram &program, const std::string &seed,
-                         Layer &layer, const Schedule &schedule, Step step) {
+                         Layer &layer, const Schedule &schedule, Step step, double tolerance = 2e-2) {
   HostTensor dy = upstream_gradient(ex, inputs, 11);
   layer.upload(inputs);
   layer.poison();
   layer.upload_upstream_gradient(dy);
   step(layer);
   inputs[seed] = dy;
-  return compare_with_reference(training_example(ex), inputs, program, layer, schedule.to_text(), 2e-2,
-                                /*floor_fraction=*/1e-3, schedule.capacity());
+  const Example t = training_example(ex);
+  return compare_with_reference(t, inputs, program, layer, schedule.to_text(), tolerance,
+                                /*floor_fraction=*/1e-3, schedule.capacity(), schedule.fp8_funcs(t.pipeline));
 }
 
 } // namespace moeforge::testing

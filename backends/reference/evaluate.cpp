@@ -651,18 +651,8 @@ private:
     return out;
   }
 
-  // Whether e reads a tensor stored in bf16 (an Input, Param or Func so
-  // declared): what a backend's GEMM multiplies is that storage's value.
-  static bool stored_bf16(const Expr &e) {
-    const Access *a = e.as<Access>();
-    return a && (a->func ? a->func->dtype : a->buffer->dtype) == DType::bf16;
-  }
-
   // sum over k of a * b as batched GEMMs: [batch, M, k] x [batch, k, N].
-  // a_bf16 / b_bf16: the operand is a bf16 tensor's read, which FP8 operands
-  // round from its stored (bf16) value, as a backend does; otherwise the
-  // reference's exact values are the operands.
-  Value<S> contract(const Value<S> &a, const Value<S> &b, VarKey k, bool a_bf16 = false, bool b_bf16 = false) {
+  Value<S> contract(const Value<S> &a, const Value<S> &b, VarKey k) {
     std::vector<VarKey> batch, m, n;
     for (VarKey x : a.axes)
       if (x != k)
@@ -691,16 +681,13 @@ private:
         return std::any_of(v.axes.begin(), v.axes.end(), [](VarKey x) { return x->dim.is_dynamic(); });
       };
       const int64_t across_a = over_tokens(pa) ? 1 : fp8_block, across_b = over_tokens(pb) ? 1 : fp8_block;
-      // A value near the middle of two FP8 values rounds to either, and
-      // bf16 storage moves it by up to 2^-9: which one decides a 2^-4 error.
+      // From the operand's bf16 value, as the GEMMs read it (dsl/fp8.h).
       auto to_bf16 = [](std::vector<S> &v) {
         for (S &x : v)
           x = static_cast<S>(bf16_value(bf16_bits(static_cast<float>(x))));
       };
-      if (a_bf16)
-        to_bf16(pa.data);
-      if (b_bf16)
-        to_bf16(pb.data);
+      to_bf16(pa.data);
+      to_bf16(pb.data);
       for (int64_t bi = 0; bi < nb; ++bi) {
         fp8_round_blocks(pa.data.data() + bi * mm * kk, mm, kk, kk, across_a, fp8_block, *fp8_now_);
         fp8_round_blocks(pb.data.data() + bi * kk * nn, kk, nn, nn, fp8_block, across_b, *fp8_now_);
@@ -727,7 +714,7 @@ private:
       Value<S> a = eval(mul->a), b = eval(mul->b);
       bool in_a = a.axis_of(k) >= 0, in_b = b.axis_of(k) >= 0;
       if (in_a && in_b)
-        return contract(a, b, k, stored_bf16(mul->a), stored_bf16(mul->b));
+        return contract(a, b, k);
       if (in_a)
         return elementwise(BinaryOp::mul, reduce(a, k), b);
       return elementwise(BinaryOp::mul, a, reduce(b, k));

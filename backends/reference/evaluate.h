@@ -48,8 +48,9 @@ struct EvalOptions {
   // drops past it, as the compiled layer does. 0: dropless.
   double capacity_factor = 0;
   // Funcs whose contractions take FP8 operands (Schedule::fp8_funcs): each
-  // operand is rounded in blocks by dsl/fp8.h's rule before the product, as
-  // the compiled layer rounds them, and the product is then exact. Blocks
+  // operand is rounded to bf16, then in blocks by dsl/fp8.h's rule, before
+  // the product, as the compiled layer rounds them, and the product is then
+  // exact. Blocks
   // along a sum over an expert's pairs (a weight gradient) run over that
   // expert's pairs in pair order from its first.
   std::map<std::string, Fp8Format> fp8;

@@ -8,9 +8,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <optional>
+
 #include "backends/reference/evaluate.h"
 #include "dsl/error.h"
 #include "examples/examples.h"
+#include "schedules/schedule.h"
 #include "tensors.h"
 
 namespace moeforge::python {
@@ -52,14 +55,21 @@ void bind_layers(nb::module_ &m) {
       .def_ro("extents", &EvalResult::extents);
   m.def(
       "evaluate",
-      [](const Pipeline &p, const nb::dict &inputs, const std::string &precision) {
+      [](const Pipeline &p, const nb::dict &inputs, const std::string &precision, std::optional<Schedule> schedule) {
         TensorMap map = to_tensor_map(inputs, "input");
         Precision prec = parse_precision(precision);
+        EvalOptions options;
+        if (schedule) {
+          schedule->check_names(p);
+          options.capacity_factor = schedule->capacity();
+          options.fp8 = schedule->fp8_funcs(p);
+        }
         nb::gil_scoped_release release;
-        return evaluate(p, map, prec);
+        return evaluate(p, map, prec, options);
       },
-      "pipeline"_a, "inputs"_a, "precision"_a = "f64",
-      "The Eigen reference: every Func of the pipeline from {name: array} for each Input and Param.");
+      "pipeline"_a, "inputs"_a, "precision"_a = "f64", "schedule"_a = nb::none(),
+      "The Eigen reference: every Func of the pipeline from {name: array} for each Input and Param. With a "
+      "schedule, the numbers its layer computes: pairs dropped at its capacity, its FP8 operands rounded.");
 
   nb::class_<ExampleShape>(m, "ExampleShape")
       .def(nb::init<>())

@@ -131,6 +131,16 @@ void bind_schedule(nb::module_ &m) {
       .def("tma_store", nb::overload_cast<const std::string &, bool>(&Schedule::tma_store), "func"_a, "on"_a = true,
            chain)
       .def(
+          "fp8",
+          [](Schedule &s, const std::string &f, std::optional<std::string> format) -> Schedule & {
+            return s.fp8(f, format && *format != "off" ? std::optional<Fp8Format>(parse_fp8_format(*format))
+                                                       : std::nullopt);
+          },
+          "func"_a, "format"_a = "e4m3",
+          "The contraction's operands rounded to FP8 (\"e4m3\" or \"e5m2\") in blocks with power-of-two scales "
+          "(128 along the sum; one row of a token operand, 128 of a weight); None or \"off\": as stored.",
+          chain)
+      .def(
           "cluster",
           [](Schedule &s, const std::string &f, nb::handle n) -> Schedule & {
             return s.cluster(f, as_int(n, "cluster(\"" + f + "\", ...)", "row_tiles"));

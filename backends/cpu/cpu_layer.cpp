@@ -466,15 +466,27 @@ void CpuLayer::run(size_t begin, size_t end, const char *entry) {
     std::map<std::string, std::vector<uint8_t>> rounded;
     if (const auto *g = std::get_if<GemmStep>(&s); g && g->fp8)
       for (const Fp8Operand &o : fp8_operands(*g)) {
-        const Buffer &b = tensors_.at(o.tensor);
-        rounded[o.tensor] = fp8_rounded_copy(layer_.program.tensor(o.tensor), info(o.tensor).shape, placed(o.tensor),
-                                             b.bytes, o.k_last, *g->fp8);
+        const TensorDecl &t = layer_.program.tensor(o.tensor);
+        const size_t bytes = tensors_.at(o.tensor).bytes;
+        if (!g->expert_k) {
+          rounded[o.tensor] = fp8_rounded_copy(t, info(o.tensor).shape, placed(o.tensor), bytes, o.k_last, *g->fp8);
+          continue;
+        }
+        const RouteState &st = routes_.at(g->route);
+        const ExpertRows route{st.shape.experts, st.array(RoutingArray::counts), st.array(RoutingArray::offsets),
+                               st.array(RoutingArray::offsets_unpadded), st.array(RoutingArray::sorted_pair)};
+        rounded[o.tensor] = fp8_rounded_expert_copy(t, info(o.tensor).shape, placed(o.tensor), bytes,
+                                                    o.tensor == g->a ? g->a_rows : g->b_rows, route, *g->fp8);
       }
     args.clear();
+    size_t read_rounded = 0;
     for (const CpuArg &a : kernels[k].args) {
       auto copy = a.kind == CpuArg::Kind::tensor ? rounded.find(a.name) : rounded.end();
+      read_rounded += copy != rounded.end();
       args.push_back(copy != rounded.end() ? copy->second.data() : arg(a));
     }
+    internal_check(read_rounded == rounded.size())
+        << step_name(s) << " reads " << read_rounded << " of its " << rounded.size() << " FP8 operands' copies";
     call(kernels[k], jit.functions[k], args);
     for (const std::string &w : step_outputs(s))
       computed_.insert(w);

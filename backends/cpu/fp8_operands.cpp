@@ -1,7 +1,9 @@
 #include "backends/cpu/fp8_operands.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "dsl/error.h"
 #include "runtime/tensor.h"
@@ -43,10 +45,19 @@ void check_fp8_gemms(const KernelProgram &program) {
     const auto *g = std::get_if<GemmStep>(&s);
     if (!g || !g->fp8)
       continue;
-    user_check(!g->expert_k) << "definition '" << func_of(*g) << "': fp8 operands of a weight gradient (a sum over "
-                             << "each expert's pairs) are not built yet: drop fp8(\"" << func_of(*g)
-                             << "\", ...) from the schedule, or name the forward's and the input gradient's "
-                             << "contractions only";
+    if (g->expert_k)
+      for (const auto &[name, map] : {std::pair{g->a, g->a_rows}, std::pair{g->b[0], g->b_rows}}) {
+        const RowLayout l = program.tensor(name).layout;
+        const bool per_pair =
+            (map == RowMap::direct && (l == RowLayout::padded || l == RowLayout::padded_t || l == RowLayout::sorted)) ||
+            (map == RowMap::gather_pair && l == RowLayout::pair);
+        user_check(per_pair) << "definition '" << func_of(*g) << "': its weight gradient reads '" << name
+                             << "' by each pair's token row; FP8 blocks of a weight gradient run over each "
+                             << "expert's pairs, so a token's row would round differently in each expert. "
+                             << "Schedule padded_elementwise(true), gather_in_gemms(false) and "
+                             << "gather_upstream_in_gemms(false) (the GEMM then reads a per-pair copy), or drop "
+                             << "fp8(\"" << func_of(*g) << "\", ...)";
+      }
     const std::vector<std::string> reads = step_reads(s);
     for (const Fp8Operand &o : fp8_operands(*g)) {
       user_check(std::count(reads.begin(), reads.end(), o.tensor) == 1)
@@ -61,8 +72,11 @@ void check_fp8_gemms(const KernelProgram &program) {
   }
 }
 
-std::vector<uint8_t> fp8_rounded_copy(const TensorDecl &t, const std::vector<int64_t> &shape, const uint8_t *bytes,
-                                      size_t size, bool k_last, Fp8Format format) {
+namespace {
+
+// A tensor's values as floats, and back into its dtype's bytes.
+std::vector<float> values_of(const TensorDecl &t, const std::vector<int64_t> &shape, const uint8_t *bytes,
+                             size_t size) {
   internal_check(t.dtype == DType::f32 || t.dtype == DType::bf16)
       << "FP8 operand '" << t.name << "' is " << dtype_name(t.dtype);
   internal_check(shape.size() >= 2 && shape.size() <= 3) << "FP8 operand '" << t.name << "' of rank " << shape.size();
@@ -77,6 +91,29 @@ std::vector<uint8_t> fp8_rounded_copy(const TensorDecl &t, const std::vector<int
       v[static_cast<size_t>(i)] = bf16_value(b);
     }
   }
+  return v;
+}
+
+std::vector<uint8_t> bytes_of(const TensorDecl &t, const std::vector<float> &v) {
+  std::vector<uint8_t> out(v.size() * static_cast<size_t>(dtype_bytes(t.dtype)));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (t.dtype == DType::f32) {
+      std::memcpy(out.data() + i * 4, &v[i], 4);
+    } else {
+      // Exact: a rounded value has at most 4 significant bits.
+      const uint16_t b = bf16_bits(v[i]);
+      std::memcpy(out.data() + i * 2, &b, 2);
+    }
+  }
+  return out;
+}
+
+} // namespace
+
+std::vector<uint8_t> fp8_rounded_copy(const TensorDecl &t, const std::vector<int64_t> &shape, const uint8_t *bytes,
+                                      size_t size, bool k_last, Fp8Format format) {
+  std::vector<float> v = values_of(t, shape, bytes, size);
+  const int64_t n = static_cast<int64_t>(v.size());
   const int64_t rows = shape[shape.size() - 2], cols = shape.back();
   if (over_tokens(t)) {
     // Rows past the current count (a padded tensor's bound) round on their
@@ -94,17 +131,43 @@ std::vector<uint8_t> fp8_rounded_copy(const TensorDecl &t, const std::vector<int
         fp8_round_blocks(v.data() + e * stride, rows, cols, cols, fp8_block, fp8_block, format);
     }
   }
-  std::vector<uint8_t> out(size);
-  for (int64_t i = 0; i < n; ++i) {
-    if (t.dtype == DType::f32) {
-      std::memcpy(out.data() + i * 4, &v[static_cast<size_t>(i)], 4);
-    } else {
-      // Exact: a rounded value has at most 4 significant bits.
-      const uint16_t b = bf16_bits(v[static_cast<size_t>(i)]);
-      std::memcpy(out.data() + i * 2, &b, 2);
+  return bytes_of(t, v);
+}
+
+std::vector<uint8_t> fp8_rounded_expert_copy(const TensorDecl &t, const std::vector<int64_t> &shape,
+                                             const uint8_t *bytes, size_t size, RowMap rows, const ExpertRows &route,
+                                             Fp8Format format) {
+  std::vector<float> v = values_of(t, shape, bytes, size);
+  internal_check(shape.size() == 2) << "weight-gradient operand '" << t.name << "' of rank " << shape.size();
+  // Stored [pairs, cols], or transposed [cols, pairs] (padded_t).
+  const bool transposed = t.layout == RowLayout::padded_t;
+  const int64_t cols = transposed ? shape[0] : shape[1], stride = shape[1];
+  auto row_of = [&](int64_t e, int64_t rank) -> int64_t {
+    if (t.layout == RowLayout::sorted)
+      return route.offsets_unpadded[e] + rank;
+    if (rows == RowMap::gather_pair)
+      return route.sorted_pair[route.offsets[e] + rank];
+    return route.offsets[e] + rank; // padded, padded_t
+  };
+  std::vector<int64_t> block_rows;
+  for (int64_t e = 0; e < route.experts; ++e)
+    for (int64_t r0 = 0; r0 < route.counts[e]; r0 += fp8_block) {
+      block_rows.clear();
+      for (int64_t r = r0; r < std::min<int64_t>(route.counts[e], r0 + fp8_block); ++r)
+        block_rows.push_back(row_of(e, r));
+      for (int64_t c = 0; c < cols; ++c) {
+        auto at = [&](int64_t row) -> float & {
+          return v[static_cast<size_t>(transposed ? c * stride + row : row * stride + c)];
+        };
+        double amax = 0;
+        for (int64_t row : block_rows)
+          amax = std::max(amax, std::fabs(static_cast<double>(at(row))));
+        const double s = fp8_block_scale(amax, format);
+        for (int64_t row : block_rows)
+          at(row) = static_cast<float>(round_to_fp8(static_cast<double>(at(row)) / s, format) * s);
+      }
     }
-  }
-  return out;
+  return bytes_of(t, v);
 }
 
 } // namespace moeforge::cpu

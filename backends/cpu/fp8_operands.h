@@ -28,9 +28,10 @@ struct Fp8Operand {
 // The operands g multiplies (A, each B, a chained A2 and B2), each once.
 std::vector<Fp8Operand> fp8_operands(const GemmStep &g);
 
-// A UserError, naming the Func, for an FP8 GEMM the CPU backend does not
-// round yet: a weight gradient (an expert reduction, whose blocks would run
-// over each expert's rows in the routing's order), or an epilogue that reads
+// A UserError, naming the Func and the fix, for an FP8 GEMM the CPU backend
+// cannot round: a weight gradient (an expert reduction) that reads an
+// operand by each pair's token row (x or dy gathered: a token's row would
+// need another rounding in each expert's blocks), or an epilogue that reads
 // an operand as well (it would read the rounded copy).
 void check_fp8_gemms(const KernelProgram &program);
 
@@ -40,5 +41,21 @@ void check_fp8_gemms(const KernelProgram &program);
 // and one element across it.
 std::vector<uint8_t> fp8_rounded_copy(const TensorDecl &t, const std::vector<int64_t> &shape, const uint8_t *bytes,
                                       size_t size, bool k_last, Fp8Format format);
+
+// The routing tables a weight gradient's operand rows follow (the host's
+// copies of the route's arrays, runtime/routing_format.h).
+struct ExpertRows {
+  int64_t experts = 0;
+  const int32_t *counts = nullptr, *offsets = nullptr, *offsets_unpadded = nullptr, *sorted_pair = nullptr;
+};
+
+// The same for an operand of a weight gradient (a sum over each expert's
+// pairs, read through `rows`): blocks of 128 of each expert's pairs, in the
+// routing's order from the expert's first, times one column; the rows (or,
+// stored transposed, the columns) that are no pair's (padding, dropped
+// pairs) are left as they are and count in no block.
+std::vector<uint8_t> fp8_rounded_expert_copy(const TensorDecl &t, const std::vector<int64_t> &shape,
+                                             const uint8_t *bytes, size_t size, RowMap rows, const ExpertRows &route,
+                                             Fp8Format format);
 
 } // namespace moeforge::cpu

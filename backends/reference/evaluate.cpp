@@ -8,6 +8,7 @@
 #include <optional>
 #include <sstream>
 #include <type_traits>
+#include <utility>
 
 #include <Eigen/Dense>
 
@@ -709,7 +710,62 @@ private:
     return out;
   }
 
+  // Flattens a product a * b * c ... into its factors.
+  static void factors_of(const Expr &e, std::vector<Expr> &out) {
+    if (auto *mul = e.as<Binary>(); mul && mul->op == BinaryOp::mul) {
+      factors_of(mul->a, out);
+      factors_of(mul->b, out);
+    } else {
+      out.push_back(e);
+    }
+  }
+
+  // Under FP8 the grouping of a product into the contraction's two operands
+  // decides what is rounded, so it must be the compiled GEMM's: the factors
+  // that share an index besides k (the rows' side, the columns' side) are
+  // one operand each, whatever order the algebra wrote them in (autodiff
+  // writes d_w1's as x * d_h * h_rhs * silu'(...), which the backend's GEMM
+  // multiplies as x times the rest). Factors over k alone join the first
+  // side. Nullopt where the factors do not form exactly two sides.
+  std::optional<std::pair<Value<S>, Value<S>>> fp8_operands(const Expr &body, VarKey k) {
+    std::vector<Expr> factors;
+    factors_of(body, factors);
+    std::vector<Value<S>> values;
+    for (const Expr &f : factors)
+      values.push_back(eval(f));
+    // side[i]: the operand factor i belongs to (-1: none yet).
+    std::vector<int> side(values.size(), -1);
+    int sides = 0;
+    for (size_t i = 0; i < values.size(); ++i) {
+      auto shares = [&](size_t j) {
+        for (VarKey x : values[i].axes)
+          if (x != k && values[j].axis_of(x) >= 0)
+            return true;
+        return false;
+      };
+      for (size_t j = 0; j < i && side[i] < 0; ++j)
+        if (shares(j))
+          side[i] = side[j];
+      bool own = std::any_of(values[i].axes.begin(), values[i].axes.end(), [&](VarKey x) { return x != k; });
+      if (side[i] < 0 && own)
+        side[i] = sides++;
+    }
+    if (sides != 2)
+      return std::nullopt;
+    std::optional<Value<S>> a, b;
+    for (size_t i = 0; i < values.size(); ++i) {
+      std::optional<Value<S>> &to = side[i] == 1 ? b : a;
+      to = to ? elementwise(BinaryOp::mul, *to, values[i]) : values[i];
+    }
+    if (a->axis_of(k) < 0 || b->axis_of(k) < 0)
+      return std::nullopt;
+    return std::pair{std::move(*a), std::move(*b)};
+  }
+
   Value<S> eval_sum(VarKey k, const Expr &body) {
+    if (fp8_now_)
+      if (auto ab = fp8_operands(body, k))
+        return contract(ab->first, ab->second, k);
     if (auto *mul = body.as<Binary>(); mul && mul->op == BinaryOp::mul) {
       Value<S> a = eval(mul->a), b = eval(mul->b);
       bool in_a = a.axis_of(k) >= 0, in_b = b.axis_of(k) >= 0;

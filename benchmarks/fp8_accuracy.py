@@ -13,8 +13,8 @@ faster. Each layer's weight gradients need per-pair operands there, hence
 gather_upstream_in_gemms(False) in both runs.
 
 usage: python3 benchmarks/fp8_accuracy.py [--steps 500] [--tokens 256] [--d 128] [--f 256]
-       [--experts 8] [--topk 2] [--layers 2] [--lr 2e-3] [--format e4m3] [--device cpu|cuda]
-       [--out results.json]
+       [--experts 8] [--topk 2] [--layers 2] [--lr 2e-3] [--format e4m3] [--funcs *|h,o,...]
+       [--device cpu|cuda] [--out results.json]
 """
 import argparse
 import datetime
@@ -27,10 +27,13 @@ import moeforge as mf
 import moeforge.torch as mft
 
 
-def schedule_for(pipeline, outputs, fp8_format):
+def schedule_for(pipeline, outputs, fp8_format, funcs):
     s = mf.default_schedule(pipeline, outputs).gather_upstream_in_gemms(False)
-    if fp8_format:
+    if fp8_format and funcs == "*":
         s.fp8("*", fp8_format).fp8("logits", None).fp8("d_wr", None)
+    elif fp8_format:
+        for f in funcs.split(","):
+            s.fp8(f, fp8_format)
     return s
 
 
@@ -41,7 +44,7 @@ class Stack(torch.nn.Module):
         outputs = list(ex.pipeline.outputs)
         torch.manual_seed(seed)  # the same initial weights for both runs
         self.layers = torch.nn.ModuleList(
-            mft.MoELayer(ex.pipeline, schedule=schedule_for(ex.pipeline, outputs, fp8_format),
+            mft.MoELayer(ex.pipeline, schedule=schedule_for(ex.pipeline, outputs, fp8_format, args.funcs),
                          init_scale=dict(ex.init_scale), device=args.device) for _ in range(args.layers))
 
     def forward(self, x):
@@ -88,6 +91,9 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--format", default="e4m3", choices=["e4m3", "e5m2"])
+    p.add_argument("--funcs", default="*",
+                   help="the Funcs whose products take FP8 operands, comma-separated (default: every expert "
+                        "product, forward and backward; e.g. h,o,d_h,d_x for the weight gradients in bf16)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default=None)
     args = p.parse_args()

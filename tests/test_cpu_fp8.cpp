@@ -23,6 +23,24 @@
 using namespace moeforge;
 using namespace moeforge::cpu_test;
 
+namespace {
+
+// `func` by the float64 reference under the layer's routing, with the
+// schedule's FP8 operands rounded and without.
+struct References {
+  HostTensor rounded, exact;
+};
+References references(const Pipeline &p, const TensorMap &in, const Schedule &s, std::vector<int32_t> experts,
+                      const std::string &func) {
+  EvalOptions exact;
+  exact.given["route"] = std::move(experts);
+  EvalOptions rounded = exact;
+  rounded.fp8 = s.fp8_funcs(p);
+  return {evaluate(p, in, Precision::f64, rounded)[func], evaluate(p, in, Precision::f64, exact)[func]};
+}
+
+} // namespace
+
 TEST_SUITE("cpu") {
   TEST_CASE("cpu fp8: the forward's products round their operands as the reference does") {
     const std::unique_ptr<Backend> backend = cpu::make_backend();
@@ -50,14 +68,10 @@ TEST_SUITE("cpu") {
         layer->upload(in);
         layer->poison();
         layer->run();
-        EvalOptions rounded;
-        rounded.fp8 = schedule.fp8_funcs(ex.pipeline);
-        rounded.given["route"] = layer->routed_experts("route");
-        EvalOptions exact;
-        exact.given = rounded.given;
+        const References ref = references(ex.pipeline, in, schedule, layer->routed_experts("route"), "y");
         const HostTensor y = layer->download("y");
-        const double to_fp8 = normalized_error(y, evaluate(ex.pipeline, in, Precision::f64, rounded)["y"]);
-        const double to_exact = normalized_error(y, evaluate(ex.pipeline, in, Precision::f64, exact)["y"]);
+        const double to_fp8 = normalized_error(y, ref.rounded);
+        const double to_exact = normalized_error(y, ref.exact);
         CHECK(to_fp8 < 1e-2);
         CHECK(to_exact > 3 * to_fp8);
       }
@@ -120,14 +134,10 @@ TEST_SUITE("cpu") {
       layer->backward();
       const Example t = testing::training_example(e);
       in[layer->training().seed] = dy;
-      EvalOptions rounded;
-      rounded.fp8 = s.fp8_funcs(t.pipeline);
-      rounded.given["route"] = layer->routed_experts("route");
-      EvalOptions exact;
-      exact.given = rounded.given;
+      const References ref = references(t.pipeline, in, s, layer->routed_experts("route"), "d_w2");
       const HostTensor got = layer->gradient("w2");
-      CHECK(normalized_error(got, evaluate(t.pipeline, in, Precision::f64, rounded)["d_w2"]) < 1e-5);
-      CHECK(normalized_error(got, evaluate(t.pipeline, in, Precision::f64, exact)["d_w2"]) > 1e-3);
+      CHECK(normalized_error(got, ref.rounded) < 1e-5);
+      CHECK(normalized_error(got, ref.exact) > 1e-3);
     }
   }
 

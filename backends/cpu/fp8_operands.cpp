@@ -18,6 +18,40 @@ bool over_tokens(const TensorDecl &t) {
 
 std::string func_of(const GemmStep &g) { return g.func.empty() ? g.output : g.func; }
 
+// A tensor's values as floats, and back into its dtype's bytes.
+std::vector<float> values_of(const TensorDecl &t, const std::vector<int64_t> &shape, const uint8_t *bytes,
+                             size_t size) {
+  internal_check(t.dtype == DType::f32 || t.dtype == DType::bf16)
+      << "FP8 operand '" << t.name << "' is " << dtype_name(t.dtype);
+  internal_check(shape.size() >= 2 && shape.size() <= 3) << "FP8 operand '" << t.name << "' of rank " << shape.size();
+  const int64_t n = static_cast<int64_t>(size) / dtype_bytes(t.dtype);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    if (t.dtype == DType::f32) {
+      std::memcpy(&v[static_cast<size_t>(i)], bytes + i * 4, 4);
+    } else {
+      uint16_t b;
+      std::memcpy(&b, bytes + i * 2, 2);
+      v[static_cast<size_t>(i)] = bf16_value(b);
+    }
+  }
+  return v;
+}
+
+std::vector<uint8_t> bytes_of(const TensorDecl &t, const std::vector<float> &v) {
+  std::vector<uint8_t> out(v.size() * static_cast<size_t>(dtype_bytes(t.dtype)));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (t.dtype == DType::f32) {
+      std::memcpy(out.data() + i * 4, &v[i], 4);
+    } else {
+      // Exact: a rounded value has at most 4 significant bits.
+      const uint16_t b = bf16_bits(v[i]);
+      std::memcpy(out.data() + i * 2, &b, 2);
+    }
+  }
+  return out;
+}
+
 } // namespace
 
 std::vector<Fp8Operand> fp8_operands(const GemmStep &g) {
@@ -71,44 +105,6 @@ void check_fp8_gemms(const KernelProgram &program) {
     }
   }
 }
-
-namespace {
-
-// A tensor's values as floats, and back into its dtype's bytes.
-std::vector<float> values_of(const TensorDecl &t, const std::vector<int64_t> &shape, const uint8_t *bytes,
-                             size_t size) {
-  internal_check(t.dtype == DType::f32 || t.dtype == DType::bf16)
-      << "FP8 operand '" << t.name << "' is " << dtype_name(t.dtype);
-  internal_check(shape.size() >= 2 && shape.size() <= 3) << "FP8 operand '" << t.name << "' of rank " << shape.size();
-  const int64_t n = static_cast<int64_t>(size) / dtype_bytes(t.dtype);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    if (t.dtype == DType::f32) {
-      std::memcpy(&v[static_cast<size_t>(i)], bytes + i * 4, 4);
-    } else {
-      uint16_t b;
-      std::memcpy(&b, bytes + i * 2, 2);
-      v[static_cast<size_t>(i)] = bf16_value(b);
-    }
-  }
-  return v;
-}
-
-std::vector<uint8_t> bytes_of(const TensorDecl &t, const std::vector<float> &v) {
-  std::vector<uint8_t> out(v.size() * static_cast<size_t>(dtype_bytes(t.dtype)));
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (t.dtype == DType::f32) {
-      std::memcpy(out.data() + i * 4, &v[i], 4);
-    } else {
-      // Exact: a rounded value has at most 4 significant bits.
-      const uint16_t b = bf16_bits(v[i]);
-      std::memcpy(out.data() + i * 2, &b, 2);
-    }
-  }
-  return out;
-}
-
-} // namespace
 
 std::vector<uint8_t> fp8_rounded_copy(const TensorDecl &t, const std::vector<int64_t> &shape, const uint8_t *bytes,
                                       size_t size, bool k_last, Fp8Format format) {

@@ -30,8 +30,8 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   p.step = g.name;
   p.tiling = t;
   p.nb = static_cast<int>(g.b.size());
-  user_check(!g.fp8) << "definition '" << (g.func.empty() ? g.output : g.func) << "': FP8 operands ("
-                     << "fp8(\"" << (g.func.empty() ? g.output : g.func) << "\", \"" << fp8_format_name(*g.fp8)
+  user_check(!g.fp8) << "definition '" << func_of(g) << "': FP8 operands ("
+                     << "fp8(\"" << func_of(g) << "\", \"" << fp8_format_name(*g.fp8)
                      << "\")) are not built for the CUDA backend yet; the CPU backend and the reference run "
                      << "them. Drop fp8 from the schedule to run on a GPU";
   // The choices as flags while they are made; the plan keeps each as one
@@ -408,7 +408,7 @@ std::vector<std::string> not_applied_choices(const KernelProgram &prog) {
     if (!g || !g->plan)
       continue; // refused by the CUDA target (the CPU backend may run it): the CUDA backend says why
     for (const std::string &n : g->plan->not_applied) {
-      const std::string line = "definition '" + (g->func.empty() ? g->output : g->func) + "': " + n;
+      const std::string line = "definition '" + func_of(*g) + "': " + n;
       if (std::find(out.begin(), out.end(), line) == out.end())
         out.push_back(line);
     }

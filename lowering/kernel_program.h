@@ -312,6 +312,10 @@ Expr tensor_read(const std::string &name, DType dtype, std::vector<Index> args);
 // (a GEMM's accumulators, which are not loads) do not count.
 bool uses_var(const Expr &e, const Var &v, const std::vector<FuncPtr> &registers = {});
 
+// The Func whose schedule settings a GEMM takes and whose name its messages
+// give: GemmStep::func, or its output where lowering made the step.
+inline const std::string &func_of(const GemmStep &g) { return g.func.empty() ? g.output : g.func; }
+
 // Whether a GEMM's primary output is its one accumulator as it is
 // (acc0(row, col)): no epilogue around the sum.
 bool stores_plain_accumulator(const GemmStep &g);

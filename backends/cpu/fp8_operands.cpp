@@ -16,8 +16,6 @@ bool over_tokens(const TensorDecl &t) {
   return std::any_of(t.dims.begin(), t.dims.end(), [](const Dim &d) { return d.is_dynamic(); });
 }
 
-std::string func_of(const GemmStep &g) { return g.func.empty() ? g.output : g.func; }
-
 // A tensor's values as floats, and back into its dtype's bytes.
 std::vector<float> values_of(const TensorDecl &t, const std::vector<int64_t> &shape, const uint8_t *bytes,
                              size_t size) {

@@ -249,6 +249,15 @@ def run(impl, name, layers, reps, schedule, pause, grads, steady, fresh_pool):
     return row
 
 
+def write_json(path, alloc_conf, rows):
+    if not path:
+        return
+    doc = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+           "torch": torch.__version__, "alloc_conf": alloc_conf, "rows": rows}
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="mixtral,fine64,qwen3moe,gptoss")
@@ -282,6 +291,12 @@ def main():
     for g in grads_modes:
         if g not in ("kept", "none"):
             ap.error(f"--grads: '{g}' is neither 'kept' nor 'none'")
+    # torch's caching allocator as the environment set it up (torchtitan,
+    # for one, trains with expandable_segments:True, which maps freed pages
+    # into a segment that grows instead of cutting new segments, so the
+    # pool's fragmentation, part of the reserved peak, differs).
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    print(f"torch allocator: {alloc_conf or 'default settings'}", flush=True)
     rows = []
     for name in args.shapes.split(","):
         for layers in [int(n) for n in args.layers.split(",")]:
@@ -295,6 +310,7 @@ def main():
                     torch.cuda.empty_cache()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                write_json(args.out, alloc_conf, rows)  # after every row: a call cut short keeps what ran
     # "x L=1": the step over L times the same implementation's one-layer
     # step in this run (what a stack adds beyond its layers).
     single = {(r["impl"], r["shape"], r["grads"]): r["step_ms"] for r in rows if r["layers"] == 1 and "error" not in r}
@@ -310,11 +326,6 @@ def main():
         clock = f"{r['sm_clock_MHz']:5.0f}" if "sm_clock_MHz" in r else f"{'':5}"
         print(f"{head} {r['step_ms']:8.2f} {over} {r['peak_GiB']:9.2f} "
               f"{r['outside_GiB']:8.3f} {r['peak_allocated_GiB']:9.2f} {r['reserved_after_warmup_GiB']:8.2f} {clock}")
-    if args.out:
-        doc = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-               "torch": torch.__version__, "rows": rows}
-        with open(args.out, "w") as fh:
-            json.dump(doc, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,19 @@ GiB from run to run with what the pool held before.
 Every layer's weights are drawn from its own seed on the GPU, so the three
 implementations get identical values without a host copy: W1, W3 [E, d, f],
 W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
+--routing skewed tilts every router towards its low experts (see
+layer_weights; the first layer's max / mean load is reported). --rounds N
+runs every row N times, the implementations alternating; the table gives
+the median step and the highest peak over the rounds, each step over the
+same implementation's one-layer step ("x L=1", with --layers 1,...) and
+over SonicMoE's ("/ sonic"). L = 1 is issue 50's one-layer comparison.
+The JSON names the device, the date, the commit (git's, or MOEFORGE_COMMIT
+on a machine given the files alone) and torch's allocator settings.
 
 usage: python3 benchmarks/torch_stack_train.py [--shapes qwen3moe,fine64]
        [--layers 8,24] [--impls moeforge,moeforge:FILE,moeforge+CHOICE-CHOICE,torch,sonicmoe] [--schedule auto|PRESET|FILE]
-       [--grads kept,none] [--reps N] [--steady SECONDS] [--fresh-pool 1|0] [--out results.json]
+       [--grads kept,none] [--routing uniform,skewed] [--rounds N] [--reps N] [--steady SECONDS]
+       [--fresh-pool 1|0] [--out results.json]
 """
 import argparse
 import datetime
@@ -40,16 +49,37 @@ import torch_grouped_mm_train as tgm  # noqa: E402
 
 SHAPES = {name: (T, d, f, E, k) for name, T, d, f, E, k, swiglu, _ in tgm.SHAPES if swiglu}
 GiB = float(1 << 30)
+# --routing skewed: how strongly every router prefers its low experts (see
+# layer_weights). At 0.25 the busiest expert of the first layer takes 2-3.2x
+# the mean load on the four shapes and none is empty (design.md's skewed
+# routing: 2-4x).
+SKEW = 0.25
 
 
-def layer_weights(seed, d, f, E, dev):
-    """W1, W3 [E, d, f], W2 [E, f, d], wr [d, E] in bf16, from `seed`."""
+def skew_direction(d, dev):
+    """The unit vector along which --routing skewed tilts every router and
+    shifts the input (one for the whole stack, from a fixed seed)."""
+    g = torch.Generator(device=dev).manual_seed(11)
+    u = torch.randn(d, device=dev, generator=g)
+    return u / u.norm()
+
+
+def layer_weights(seed, d, f, E, dev, routing="uniform"):
+    """W1, W3 [E, d, f], W2 [E, f, d], wr [d, E] in bf16, from `seed`.
+    routing "skewed": wr[:, e] gains SKEW * (1 - 2 e / (E - 1)) along
+    skew_direction, so a row with a component c along it adds c times that
+    ramp to expert e's logits: low experts draw more tokens (the input
+    carries c ~ 1, see run())."""
     g = torch.Generator(device=dev).manual_seed(seed)
 
     def u(*shape, fan_in):
-        return ((torch.rand(*shape, device=dev, generator=g) * 2 - 1) / fan_in ** 0.5).bfloat16()
+        return (torch.rand(*shape, device=dev, generator=g) * 2 - 1) / fan_in ** 0.5
 
-    return u(E, d, f, fan_in=d), u(E, d, f, fan_in=d), u(E, f, d, fan_in=f), u(d, E, fan_in=d)
+    w1, w3, w2, wr = u(E, d, f, fan_in=d), u(E, d, f, fan_in=d), u(E, f, d, fan_in=f), u(d, E, fan_in=d)
+    if routing == "skewed":
+        tilt = SKEW * torch.linspace(1, -1, E, device=dev)
+        wr = wr + skew_direction(d, dev)[:, None] * tilt[None, :]
+    return tuple(w.bfloat16() for w in (w1, w3, w2, wr))
 
 
 class TorchLayer(torch.nn.Module):
@@ -99,9 +129,9 @@ class SonicLayer(torch.nn.Module):
         return self.m(x, kernel_backend_moe=self.backend)[0]
 
 
-def make_layer(impl, seed, shape, dev, schedule):
+def make_layer(impl, seed, shape, dev, schedule, routing):
     T, d, f, E, k = shape
-    w = layer_weights(seed, d, f, E, dev)
+    w = layer_weights(seed, d, f, E, dev, routing)
     if impl.startswith("moeforge"):
         return moeforge_layer(*w, k, impl_schedule(impl, schedule, shape))
     if impl == "torch":
@@ -163,7 +193,18 @@ def sm_clock_mhz():
         return None
 
 
-def run(impl, name, layers, reps, schedule, pause, grads, steady, fresh_pool):
+def expert_loads(model, x, k):
+    """The first layer's tokens per expert on x (its router's top-k of the
+    f32 logits), as max / mean: how skewed the timed routing is."""
+    wr = getattr(model[0], "wr", None)
+    if wr is None:  # SonicLayer: the router is nn.Linear [E, d]
+        wr = model[0].m.router.weight.t()
+    top = (x.float() @ wr.float()).topk(k, dim=1).indices
+    counts = torch.bincount(top.flatten(), minlength=wr.shape[1]).float()
+    return (counts.max() / counts.mean()).item()
+
+
+def run(impl, name, layers, reps, schedule, pause, grads, steady, fresh_pool, routing="uniform"):
     T, d, f, E, k = SHAPES[name]
     dev = torch.device("cuda")
     gc.collect()
@@ -172,9 +213,13 @@ def run(impl, name, layers, reps, schedule, pause, grads, steady, fresh_pool):
     free0, _ = torch.cuda.mem_get_info()
     reserved0 = torch.cuda.memory_reserved()
     allocated0 = torch.cuda.memory_allocated()
-    model = torch.nn.ModuleList(make_layer(impl, 100 + i, (T, d, f, E, k), dev, schedule) for i in range(layers))
+    model = torch.nn.ModuleList(
+        make_layer(impl, 100 + i, (T, d, f, E, k), dev, schedule, routing) for i in range(layers))
     g = torch.Generator(device=dev).manual_seed(7)
-    x = (torch.rand(T, d, device=dev, generator=g) * 2 - 1).bfloat16()
+    x = torch.rand(T, d, device=dev, generator=g) * 2 - 1
+    if routing == "skewed":  # every row one unit along the routers' tilt
+        x = x + skew_direction(d, dev)[None, :]
+    x = x.bfloat16()
     dy = (torch.rand(T, d, device=dev, generator=g) * 2 - 1).bfloat16()
 
     def step():
@@ -236,7 +281,8 @@ def run(impl, name, layers, reps, schedule, pause, grads, steady, fresh_pool):
            "step_ms_min": min(times), "peak_GiB": (peak_reserved + outside) / GiB, "outside_GiB": outside / GiB,
            "peak_allocated_GiB": peak_allocated / GiB, "grads": grads, "fresh_pool": fresh_pool,
            "reserved_after_warmup_GiB": warm_reserved / GiB,
-           "weights_and_grads_GiB": 2 * weights / GiB, "first_step_s": first_s}
+           "weights_and_grads_GiB": 2 * weights / GiB, "first_step_s": first_s, "routing": routing,
+           "first_layer_max_over_mean_load": expert_loads(model, x, k)}
     if all(c is not None for c in clocks):
         row["sm_clock_MHz"] = statistics.median(clocks)
     if steady:
@@ -249,10 +295,10 @@ def run(impl, name, layers, reps, schedule, pause, grads, steady, fresh_pool):
     return row
 
 
-def write_json(path, alloc_conf, rows):
+def write_json(path, alloc_conf, commit, rows):
     if not path:
         return
-    doc = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+    doc = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
            "torch": torch.__version__, "alloc_conf": alloc_conf, "rows": rows}
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
@@ -274,8 +320,15 @@ def main():
     ap.add_argument("--fresh-pool", type=int, default=1,
                     help="1: empty torch's cache of free blocks before the timed steps, so their peak reserved is "
                          "their own (0: as the warm-up left the pool)")
+    ap.add_argument("--routing", default="uniform",
+                    help="comma-separated: uniform (random routers), skewed (every router tilted towards its low "
+                         "experts, see layer_weights)")
+    ap.add_argument("--rounds", type=int, default=1, help="times each row runs, the implementations alternating")
     ap.add_argument("--out")
     args = ap.parse_args()
+    for r in args.routing.split(","):
+        if r not in ("uniform", "skewed"):
+            ap.error(f"--routing: '{r}' is neither 'uniform' nor 'skewed'")
     impls = args.impls.split(",")
     if "sonicmoe" in impls:
         try:
@@ -297,36 +350,90 @@ def main():
     # pool's fragmentation, part of the reserved peak, differs).
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     print(f"torch allocator: {alloc_conf or 'default settings'}", flush=True)
+    commit = source_commit()
     rows = []
     for name in args.shapes.split(","):
         for layers in [int(n) for n in args.layers.split(",")]:
-            for impl, grads in [(i, g) for g in grads_modes for i in impls]:
-                try:
-                    row = run(impl, name, layers, args.reps, schedule, args.pause, grads, args.steady, args.fresh_pool)
-                except torch.OutOfMemoryError as e:
-                    row = {"impl": impl_label(impl), "shape": name, "layers": layers, "grads": grads,
-                           "error": "out of memory: " + str(e)[:120]}
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                write_json(args.out, alloc_conf, rows)  # after every row: a call cut short keeps what ran
-    # "x L=1": the step over L times the same implementation's one-layer
-    # step in this run (what a stack adds beyond its layers).
-    single = {(r["impl"], r["shape"], r["grads"]): r["step_ms"] for r in rows if r["layers"] == 1 and "error" not in r}
-    print(f"\n{'shape':9} {'L':>3} {'grads':5} {'impl':30} {'step ms':>8} {'x L=1':>6} {'peak GiB':>9} "
-          f"{'outside':>8} {'allocated':>9} {'warm res':>8} {'MHz':>5}")
-    for r in rows:
-        head = f"{r['shape']:9} {r['layers']:>3} {r['grads']:5} {r['impl']:30}"
-        if "error" in r:
-            print(f"{head} {r['error'][:40]}")
-            continue
-        one = single.get((r["impl"], r["shape"], r["grads"]))
-        over = f"{r['step_ms'] / (r['layers'] * one):6.3f}" if one else f"{'':6}"
-        clock = f"{r['sm_clock_MHz']:5.0f}" if "sm_clock_MHz" in r else f"{'':5}"
-        print(f"{head} {r['step_ms']:8.2f} {over} {r['peak_GiB']:9.2f} "
-              f"{r['outside_GiB']:8.3f} {r['peak_allocated_GiB']:9.2f} {r['reserved_after_warmup_GiB']:8.2f} {clock}")
+            for routing in args.routing.split(","):
+                # Rounds alternate the implementations (each after its own
+                # pause and warm-up), so a drift of the card's clock over the
+                # run reaches them all alike.
+                for rnd in range(args.rounds):
+                    for impl, grads in [(i, g) for g in grads_modes for i in impls]:
+                        try:
+                            row = run(impl, name, layers, args.reps, schedule, args.pause, grads, args.steady,
+                                      args.fresh_pool, routing)
+                        except torch.OutOfMemoryError as e:
+                            row = {"impl": impl_label(impl), "shape": name, "layers": layers, "grads": grads,
+                                   "routing": routing, "error": "out of memory: " + str(e)[:120]}
+                            gc.collect()
+                            torch.cuda.empty_cache()
+                        row["round"] = rnd
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                        write_json(args.out, alloc_conf, commit, rows)  # after every row: a call cut short keeps what ran
+    print_table(rows)
 
+
+def aggregate(rows):
+    """One row per (shape, L, routing, grads, impl): the median step over
+    the rounds, the highest peak and allocated figures of any round."""
+    groups = {}
+    for r in rows:
+        key = (r["shape"], r["layers"], r.get("routing", "uniform"), r["grads"], r["impl"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for key, rs in groups.items():
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            out.append((key, {"error": rs[0]["error"]}))
+            continue
+        a = {"step_ms": statistics.median(r["step_ms"] for r in ok), "rounds": len(ok)}
+        for f in ("peak_GiB", "outside_GiB", "peak_allocated_GiB", "reserved_after_warmup_GiB"):
+            a[f] = max(r[f] for r in ok)
+        clocks = [r["sm_clock_MHz"] for r in ok if "sm_clock_MHz" in r]
+        if clocks:
+            a["sm_clock_MHz"] = statistics.median(clocks)
+        a["load"] = ok[0].get("first_layer_max_over_mean_load")
+        out.append((key, a))
+    return out
+
+
+def print_table(rows):
+    """The rows aggregated over rounds. "x L=1": the step over L times the
+    same implementation's one-layer step in this run (what a stack adds
+    beyond its layers); "/ sonic": the step over SonicMoE's for the same
+    shape, L, routing and grads."""
+    agg = aggregate(rows)
+    by = {key: a for key, a in agg}
+    print(f"\n{'shape':9} {'L':>3} {'routing':7} {'grads':5} {'impl':30} {'step ms':>8} {'x L=1':>6} {'/ sonic':>7} "
+          f"{'peak GiB':>9} {'outside':>8} {'allocated':>9} {'warm res':>8} {'load':>5} {'MHz':>5}")
+    for key, a in agg:
+        shape, layers, routing, grads, impl = key
+        head = f"{shape:9} {layers:>3} {routing:7} {grads:5} {impl:30}"
+        if "error" in a:
+            print(f"{head} {a['error'][:40]}")
+            continue
+        one = by.get((shape, 1, routing, grads, impl), {}).get("step_ms")
+        over = f"{a['step_ms'] / (layers * one):6.3f}" if one else f"{'':6}"
+        sonic = by.get((shape, layers, routing, grads, "sonicmoe"), {}).get("step_ms")
+        ratio = f"{a['step_ms'] / sonic:7.3f}" if sonic else f"{'':7}"
+        clock = f"{a['sm_clock_MHz']:5.0f}" if "sm_clock_MHz" in a else f"{'':5}"
+        load = f"{a['load']:5.2f}" if a.get("load") else f"{'':5}"
+        print(f"{head} {a['step_ms']:8.2f} {over} {ratio} {a['peak_GiB']:9.2f} {a['outside_GiB']:8.3f} "
+              f"{a['peak_allocated_GiB']:9.2f} {a['reserved_after_warmup_GiB']:8.2f} {load} {clock}")
+
+
+def source_commit():
+    """The commit measured: git's HEAD where the tree is a checkout, else
+    MOEFORGE_COMMIT (the device machine gets the files without .git)."""
+    try:
+        import subprocess
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return os.environ.get("MOEFORGE_COMMIT", "unknown")
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,9 @@
 #           default zero_grad), STEADY (seconds of each row's own steps
 #           before its timed ones; default 0), REPS (timed steps, default 5),
 #           FRESH_POOL (1, the default: torch's free cached blocks emptied
-#           before the timed steps; 0: not)
+#           before the timed steps; 0: not), ROUTING (uniform, the default,
+#           and/or skewed), ROUNDS (default 1: rows alternating that often);
+#           PYTORCH_CUDA_ALLOC_CONF passes through (the JSON records it)
 #   probe   benchmarks/stack_memory_probe.py (what is alive at the step's
 #           peak, with the frames that made it, each block of 32 MiB or
 #           more listed) for each of IMPLS but torch on each of SHAPES
@@ -112,7 +114,8 @@ if has stack; then
   PYTHONUNBUFFERED=1 timeout "${STACK_TIMEOUT:-450}" python3 benchmarks/torch_stack_train.py \
     --shapes "${SHAPES:-qwen3moe,fine64}" --layers "${LAYERS:-8}" --impls "${IMPLS:-moeforge,torch,sonicmoe}" \
     --schedule "$sched" --grads "${GRADS:-kept}" \
-    --steady "${STEADY:-0}" --reps "${REPS:-5}" --fresh-pool "${FRESH_POOL:-1}" --out "$R/stack.json" >"$R/stack.log" 2>&1 || status=1
+    --steady "${STEADY:-0}" --reps "${REPS:-5}" --fresh-pool "${FRESH_POOL:-1}" --routing "${ROUTING:-uniform}" \
+    --rounds "${ROUNDS:-1}" --out "$R/stack.json" >"$R/stack.log" 2>&1 || status=1
   save_peer_cache
   tail -20 "$R/stack.log"
   echo "stack done at $(( $(date +%s) - T0 )) s"

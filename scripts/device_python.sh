@@ -8,7 +8,9 @@
 # schedules bench_moe_train writes. Logs and JSON go to $OUT/python, packed
 # into $OUT/python.tgz at the end (the device tool brings back a few files).
 # SHAPES: the shapes to time (default all five); ROUNDS: alternating rounds
-# (default 5); PYTEST=0 skips the tests (a timing-only call); MODULE=0 skips
+# (default 5); PYTEST=0 skips the tests (a timing-only call), PYTEST_FILES
+# names the test files to run (default all of tests/python) and
+# PYTEST_TIMEOUT their time (default 600 s); MODULE=0 skips
 # the module's timing; TRANSFORMERS_TABLE=1 trains transformers' small models
 # with each experts implementation (benchmarks/transformers_train.py, needs
 # .peers/transformers from scripts/prep_transformers.sh); PROBE=1 runs
@@ -30,7 +32,8 @@ if [ -d .peers/transformers ]; then # scripts/prep_transformers.sh: moeforge.tra
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 if [ "${PYTEST:-1}" != 0 ]; then
-  timeout 600 python3 -m pytest -q -rs tests/python >"$R/pytest.log" 2>&1 || status=1
+  timeout "${PYTEST_TIMEOUT:-600}" python3 -m pytest -q -rs ${PYTEST_FILES:-tests/python} >"$R/pytest.log" 2>&1 ||
+    status=1
   tail -15 "$R/pytest.log"
 fi
 if [ "${PROBE:-0}" = 1 ]; then
@@ -43,7 +46,7 @@ if [ "${DECODE:-0}" = 1 ]; then
   tail -40 "$R/decode.log"
 fi
 if [ "${TRANSFORMERS_TABLE:-0}" = 1 ]; then
-  PYTHONUNBUFFERED=1 timeout 500 python3 benchmarks/transformers_train.py --out "$R/transformers.json" \
+  PYTHONUNBUFFERED=1 timeout "${TRANSFORMERS_TIMEOUT:-500}" python3 benchmarks/transformers_train.py --out "$R/transformers.json" \
     >"$R/transformers_train.log" 2>&1 || status=1
   tail -16 "$R/transformers_train.log"
 fi

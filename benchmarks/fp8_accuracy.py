@@ -14,7 +14,7 @@ gather_upstream_in_gemms(False) in both runs.
 
 usage: python3 benchmarks/fp8_accuracy.py [--steps 500] [--tokens 256] [--d 128] [--f 256]
        [--experts 8] [--topk 2] [--layers 2] [--lr 2e-3] [--format e4m3] [--funcs *|h,o,...]
-       [--device cpu|cuda] [--out results.json]
+       [--device cpu|cuda] [--seeds N] [--perturbed] [--out results.json]
 """
 import argparse
 import datetime
@@ -38,7 +38,7 @@ def schedule_for(pipeline, outputs, fp8_format, funcs):
 
 
 class Stack(torch.nn.Module):
-    def __init__(self, args, fp8_format, seed):
+    def __init__(self, args, fp8_format, seed, perturb=False):
         super().__init__()
         ex, _ = mf.make_example("swiglu_moe", tokens=1, experts=args.experts, topk=args.topk, d=args.d, f=args.f)
         outputs = list(ex.pipeline.outputs)
@@ -46,6 +46,18 @@ class Stack(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             mft.MoELayer(ex.pipeline, schedule=schedule_for(ex.pipeline, outputs, fp8_format, args.funcs),
                          init_scale=dict(ex.init_scale), device=args.device) for _ in range(args.layers))
+        if perturb:
+            # Every nonzero initial weight moved to its bf16 neighbour, up
+            # or down at random (one unit of its bit pattern): a run that
+            # differs from the bf16 one by one rounding, to show how far two
+            # such trajectories part by the end (chaos, not bias).
+            g = torch.Generator().manual_seed(seed + 1000)
+            with torch.no_grad():
+                for w in self.parameters():
+                    assert w.dtype == torch.bfloat16, "the perturbation moves bf16 bit patterns"
+                    bits = w.view(torch.int16)
+                    step = (torch.randint(0, 2, w.shape, generator=g) * 2 - 1).to(torch.int16).to(w.device)
+                    bits.add_(torch.where(w != 0, step, torch.zeros_like(step)))
 
     def forward(self, x):
         for layer in self.layers:
@@ -61,11 +73,11 @@ def teacher(args, device):
     return a.to(device), b.to(device)
 
 
-def run(args, fp8_format):
-    model = Stack(args, fp8_format, seed=1)
+def run(args, fp8_format, seed=1, perturb=False):
+    model = Stack(args, fp8_format, seed=seed, perturb=perturb)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     a, b = teacher(args, args.device)
-    data = torch.Generator().manual_seed(7)  # the same batches for both runs
+    data = torch.Generator().manual_seed(6 + seed)  # the same batches for both runs of a seed
     losses = []
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -95,9 +107,14 @@ def main():
                    help="the Funcs whose products take FP8 operands, comma-separated (default: every expert "
                         "product, forward and backward; e.g. h,o,d_h,d_x for the weight gradients in bf16)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--seeds", type=int, default=1, help="seeds (initial weights and batches) to average over")
+    p.add_argument("--perturbed", action="store_true",
+                   help="per seed, bf16 again from weights moved by one bf16 rounding: the yardstick for the gap")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
+    if args.seeds > 1 or args.perturbed:
+        return several_seeds(args)
     bf16, t_bf16 = run(args, None)
     fp8, t_fp8 = run(args, args.format)
     tail = max(1, args.steps // 10)
@@ -117,6 +134,39 @@ def main():
                        "loss_bf16": bf16, "loss_fp8": fp8, "tail_steps": tail, "tail_bf16": last_bf16,
                        "tail_fp8": last_fp8, "gap": gap}, f, indent=1)
 
+
+def several_seeds(args):
+    """Per seed (initial weights and batches): bf16, the FP8 run and, with
+    --perturbed, bf16 again from weights moved by one rounding. The FP8 gap
+    means something only beside the perturbed run's: both runs part from
+    bf16's trajectory, and a gap no larger than rounding's own is no bias."""
+    tail = max(1, args.steps // 10)
+    mean = lambda xs: sum(xs) / len(xs)
+    per_seed = []
+    for seed in range(1, args.seeds + 1):
+        runs = {"bf16": run(args, None, seed)[0], args.format: run(args, args.format, seed)[0]}
+        if args.perturbed:
+            runs["bf16_perturbed"] = run(args, None, seed, perturb=True)[0]
+        tails = {name: mean(losses[-tail:]) for name, losses in runs.items()}
+        gaps = {name: (t - tails["bf16"]) / tails["bf16"] for name, t in tails.items() if name != "bf16"}
+        per_seed.append({"seed": seed, "tails": tails, "gaps": gaps, "losses": runs})
+        print(f"seed {seed}: mean loss over the last {tail} steps " +
+              ", ".join(f"{n} {t:.5f}" for n, t in tails.items()) + "; gaps to bf16 " +
+              ", ".join(f"{n} {100 * g:+.2f} %" for n, g in gaps.items()), flush=True)
+    names = list(per_seed[0]["gaps"])
+    summary = {}
+    for n in names:
+        gs = [s["gaps"][n] for s in per_seed]
+        # The gap of the seeds' mean tails: one seed's swing averages out.
+        pooled = mean([s["tails"][n] for s in per_seed]) / mean([s["tails"]["bf16"] for s in per_seed]) - 1
+        summary[n] = {"mean_gap": mean(gs), "max_abs_gap": max(abs(g) for g in gs), "pooled_gap": pooled}
+        print(f"{n}: gap over {len(gs)} seeds mean {100 * mean(gs):+.2f} %, largest {100 * max(abs(g) for g in gs):.2f} %"
+              f", of the mean tails {100 * pooled:+.2f} %")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "device": args.device, "args": vars(args), "format": args.format, "tail_steps": tail,
+                       "seeds": per_seed, "summary": summary}, f, indent=1)
 
 if __name__ == "__main__":
     main()

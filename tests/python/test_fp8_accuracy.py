@@ -29,3 +29,22 @@ def test_both_runs_start_alike_and_learn(tmp_path):
     assert abs(fp8[0] - bf16[0]) < 0.05 * bf16[0]
     assert bf16 != fp8
     assert bf16[-1] < bf16[0] and fp8[-1] < fp8[0]
+
+
+@pytest.mark.skipif(not mf.has_cpu_backend, reason="no CPU backend")
+def test_several_seeds_with_a_perturbed_bf16_run(tmp_path):
+    # Per seed three runs; the perturbed one starts from weights one bf16
+    # rounding away, so its losses differ from bf16's but barely at first.
+    out = tmp_path / "seeds.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_accuracy.py"), "--steps", "4", "--tokens", "32",
+                    "--d", "32", "--f", "64", "--layers", "1", "--seeds", "2", "--perturbed", "--out", str(out)],
+                   check=True, capture_output=True)
+    r = json.loads(out.read_text())
+    assert [s["seed"] for s in r["seeds"]] == [1, 2]
+    for s in r["seeds"]:
+        bf16, moved = s["losses"]["bf16"], s["losses"]["bf16_perturbed"]
+        assert bf16 != moved
+        assert abs(moved[0] - bf16[0]) < 0.01 * bf16[0]
+    # Different seeds draw different weights and batches.
+    assert r["seeds"][0]["losses"]["bf16"][0] != r["seeds"][1]["losses"]["bf16"][0]
+    assert set(r["summary"]) == {"e4m3", "bf16_perturbed"}

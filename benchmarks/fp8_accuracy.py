@@ -14,7 +14,8 @@ gather_upstream_in_gemms(False) in both runs.
 
 usage: python3 benchmarks/fp8_accuracy.py [--steps 500] [--tokens 256] [--d 128] [--f 256]
        [--experts 8] [--topk 2] [--layers 2] [--lr 2e-3] [--format e4m3] [--funcs *|h,o,...]
-       [--device cpu|cuda] [--seeds N] [--perturbed] [--out results.json]
+       [--device cpu|cuda] [--task regress|classify] [--classes C] [--seeds N] [--perturbed]
+       [--out results.json]
 """
 import argparse
 import datetime
@@ -66,29 +67,55 @@ class Stack(torch.nn.Module):
 
 
 def teacher(args, device):
-    """A fixed random two-layer MLP the stack learns (f32)."""
+    """A fixed random two-layer MLP the stack learns (f32): d outputs
+    (regress), or --classes logits scaled by TEACHER_SCALE (classify)."""
     g = torch.Generator().manual_seed(99)
+    outputs = args.classes if args.task == "classify" else args.d
     a = torch.randn(args.d, 4 * args.d, generator=g) / args.d**0.5
-    b = torch.randn(4 * args.d, args.d, generator=g) / (4 * args.d)**0.5
+    b = torch.randn(4 * args.d, outputs, generator=g) / (4 * args.d)**0.5
+    if args.task == "classify":
+        b *= TEACHER_SCALE
     return a.to(device), b.to(device)
+
+
+# classify: the teacher's logits have a spread of about this many nats, so
+# its labels carry about 2.2 nats of entropy a token out of ln 64 = 4.16:
+# the loss has a floor, as a language model's does, and FP8's noise in the
+# student's output adds to it rather than to a residual shrinking to 0.
+TEACHER_SCALE = 3.0
 
 
 def run(args, fp8_format, seed=1, perturb=False):
     model = Stack(args, fp8_format, seed=seed, perturb=perturb)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    params = list(model.parameters())
+    head = None
+    if args.task == "classify":  # an f32 read-out from the stack to the classes, trained with it
+        torch.manual_seed(seed + 2000)
+        head = torch.nn.Linear(args.d, args.classes).to(args.device)
+        params += list(head.parameters())
+    opt = torch.optim.Adam(params, lr=args.lr)
     a, b = teacher(args, args.device)
     data = torch.Generator().manual_seed(6 + seed)  # the same batches for both runs of a seed
-    losses = []
+    losses, floors = [], []
     start = time.perf_counter()
     for _ in range(args.steps):
         x = torch.randn(args.tokens, args.d, generator=data).to(args.device)
         target = torch.tanh(x @ a) @ b
         y = model(x.to(torch.bfloat16))
-        loss = torch.nn.functional.mse_loss(y.float(), target)
+        if head is None:
+            loss = torch.nn.functional.mse_loss(y.float(), target)
+        else:
+            # Labels drawn from the teacher's distribution (the same draws
+            # for every run of a seed); the floor is its entropy.
+            probs = torch.softmax(target, dim=1)
+            labels = torch.multinomial(probs.cpu(), 1, generator=data).squeeze(1).to(args.device)
+            loss = torch.nn.functional.cross_entropy(head(y.float()), labels)
+            floors.append(-(probs * torch.log_softmax(target, dim=1)).sum(1).mean().item())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    run.floor = sum(floors) / len(floors) if floors else None
     return losses, time.perf_counter() - start
 
 
@@ -107,6 +134,10 @@ def main():
                    help="the Funcs whose products take FP8 operands, comma-separated (default: every expert "
                         "product, forward and backward; e.g. h,o,d_h,d_x for the weight gradients in bf16)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--task", default="regress", choices=["regress", "classify"],
+                   help="regress: MSE to the teacher's outputs (the loss falls towards 0); classify: cross-entropy "
+                        "on labels drawn from the teacher's softmax (a floor at its entropy, as a language model's)")
+    p.add_argument("--classes", type=int, default=64)
     p.add_argument("--seeds", type=int, default=1, help="seeds (initial weights and batches) to average over")
     p.add_argument("--perturbed", action="store_true",
                    help="per seed, bf16 again from weights moved by one bf16 rounding: the yardstick for the gap")
@@ -153,6 +184,8 @@ def several_seeds(args):
         print(f"seed {seed}: mean loss over the last {tail} steps " +
               ", ".join(f"{n} {t:.5f}" for n, t in tails.items()) + "; gaps to bf16 " +
               ", ".join(f"{n} {100 * g:+.2f} %" for n, g in gaps.items()), flush=True)
+    if run.floor is not None:
+        print(f"the labels' entropy (the loss's floor): {run.floor:.4f} nats a token")
     names = list(per_seed[0]["gaps"])
     summary = {}
     for n in names:
@@ -166,7 +199,7 @@ def several_seeds(args):
         with open(args.out, "w") as f:
             json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "device": args.device, "args": vars(args), "format": args.format, "tail_steps": tail,
-                       "seeds": per_seed, "summary": summary}, f, indent=1)
+                       "seeds": per_seed, "summary": summary, "label_entropy": run.floor}, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@ and the FP8 run really rounds (its losses are not the bf16 run's), on the
 CPU backend at a tiny size."""
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -48,3 +49,21 @@ def test_several_seeds_with_a_perturbed_bf16_run(tmp_path):
     # Different seeds draw different weights and batches.
     assert r["seeds"][0]["losses"]["bf16"][0] != r["seeds"][1]["losses"]["bf16"][0]
     assert set(r["summary"]) == {"e4m3", "bf16_perturbed"}
+
+
+@pytest.mark.skipif(not mf.has_cpu_backend, reason="no CPU backend")
+def test_the_classification_task_has_a_floor_and_learns_towards_it(tmp_path):
+    # Labels drawn from the teacher's softmax: the loss starts near ln C and
+    # stays above the labels' entropy, which the JSON reports.
+    out = tmp_path / "classify.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_accuracy.py"), "--task", "classify", "--classes",
+                    "16", "--steps", "20", "--tokens", "64", "--d", "32", "--f", "64", "--layers", "1", "--lr", "1e-2",
+                    "--seeds", "2", "--out", str(out)], check=True, capture_output=True)
+    r = json.loads(out.read_text())
+    floor = r["label_entropy"]
+    assert 0 < floor < math.log(16)
+    for s in r["seeds"]:
+        bf16 = s["losses"]["bf16"]
+        assert abs(bf16[0] - math.log(16)) < 0.5
+        assert min(bf16) > 0.5 * floor
+        assert sum(bf16[-5:]) / 5 < sum(bf16[:5]) / 5

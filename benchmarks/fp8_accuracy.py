@@ -79,7 +79,7 @@ def teacher(args, device):
 
 
 # classify: the teacher's logits have a spread of about this many nats, so
-# its labels carry about 2.2 nats of entropy a token out of ln 64 = 4.16:
+# its labels carry about 2.76 nats of entropy a token out of ln 64 = 4.16:
 # the loss has a floor, as a language model's does, and FP8's noise in the
 # student's output adds to it rather than to a residual shrinking to 0.
 TEACHER_SCALE = 3.0

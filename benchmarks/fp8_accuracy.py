@@ -115,8 +115,8 @@ def run(args, fp8_format, seed=1, perturb=False):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    run.floor = sum(floors) / len(floors) if floors else None
-    return losses, time.perf_counter() - start
+    floor = sum(floors) / len(floors) if floors else None  # classify: the labels' mean entropy
+    return losses, time.perf_counter() - start, floor
 
 
 def main():
@@ -146,8 +146,8 @@ def main():
 
     if args.seeds > 1 or args.perturbed:
         return several_seeds(args)
-    bf16, t_bf16 = run(args, None)
-    fp8, t_fp8 = run(args, args.format)
+    bf16, t_bf16, _ = run(args, None)
+    fp8, t_fp8, _ = run(args, args.format)
     tail = max(1, args.steps // 10)
     last_bf16 = sum(bf16[-tail:]) / tail
     last_fp8 = sum(fp8[-tail:]) / tail
@@ -173,9 +173,11 @@ def several_seeds(args):
     bf16's trajectory, and a gap no larger than rounding's own is no bias."""
     tail = max(1, args.steps // 10)
     mean = lambda xs: sum(xs) / len(xs)
-    per_seed = []
+    per_seed, floors = [], []
     for seed in range(1, args.seeds + 1):
-        runs = {"bf16": run(args, None, seed)[0], args.format: run(args, args.format, seed)[0]}
+        bf16, _, floor = run(args, None, seed)
+        floors.append(floor)
+        runs = {"bf16": bf16, args.format: run(args, args.format, seed)[0]}
         if args.perturbed:
             runs["bf16_perturbed"] = run(args, None, seed, perturb=True)[0]
         tails = {name: mean(losses[-tail:]) for name, losses in runs.items()}
@@ -184,8 +186,9 @@ def several_seeds(args):
         print(f"seed {seed}: mean loss over the last {tail} steps " +
               ", ".join(f"{n} {t:.5f}" for n, t in tails.items()) + "; gaps to bf16 " +
               ", ".join(f"{n} {100 * g:+.2f} %" for n, g in gaps.items()), flush=True)
-    if run.floor is not None:
-        print(f"the labels' entropy (the loss's floor): {run.floor:.4f} nats a token")
+    floor = mean(floors) if floors[0] is not None else None  # the seeds' batches differ a little
+    if floor is not None:
+        print(f"the labels' entropy (the loss's floor): {floor:.4f} nats a token")
     names = list(per_seed[0]["gaps"])
     summary = {}
     for n in names:
@@ -199,7 +202,7 @@ def several_seeds(args):
         with open(args.out, "w") as f:
             json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "device": args.device, "args": vars(args), "format": args.format, "tail_steps": tail,
-                       "seeds": per_seed, "summary": summary, "label_entropy": run.floor}, f, indent=1)
+                       "seeds": per_seed, "summary": summary, "label_entropy": floor}, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -5,8 +5,9 @@
 # backend is off), runs the Python tests (moeforge.torch against plain
 # PyTorch, a training loop, CUDA graph capture) and times the torch module
 # against the same compiled layer (benchmarks/torch_module_train.py) on the
-# schedules bench_moe_train writes. Logs and JSON go to $OUT/python, packed
-# into $OUT/python.tgz at the end (the device tool brings back a few files).
+# schedules bench_moe_train writes. Logs and JSON go to $OUT/python (or
+# $OUT/$PYTHON_DIR), packed into a .tgz of that name at the end (the device
+# tool brings back a few files), so one call can run this twice.
 # SHAPES: the shapes to time (default all five); ROUNDS: alternating rounds
 # (default 5); PYTEST=0 skips the tests (a timing-only call), PYTEST_FILES
 # names the test files to run (default all of tests/python) and
@@ -19,7 +20,7 @@
 # #53; DECODE_IMPLS, default moeforge,torch).
 set -uo pipefail
 . scripts/device_env.sh
-R=$OUT/python
+R=$OUT/${PYTHON_DIR:-python}
 mkdir -p "$R/sched"
 SHAPES=${SHAPES:-mixtral,fine64,mbpaper,qwen3moe,gptoss}
 status=0
@@ -51,7 +52,7 @@ if [ "${TRANSFORMERS_TABLE:-0}" = 1 ]; then
   tail -16 "$R/transformers_train.log"
 fi
 if [ "${MODULE:-1}" = 0 ]; then
-  (cd "$OUT" && tar czf python.tgz python && rm -rf python)
+  (cd "$OUT" && tar czf "${PYTHON_DIR:-python}.tgz" "${PYTHON_DIR:-python}" && rm -rf "${PYTHON_DIR:-python}")
   exit $status
 fi
 MOEFORGE_WRITE_SCHEDULES=$R/sched timeout 400 .gpu/bench_moe_train \
@@ -61,5 +62,5 @@ grep -E "^train" "$R/train.log" | cut -c1-160
 PYTHONUNBUFFERED=1 timeout 540 python3 benchmarks/torch_module_train.py --schedules "$R/sched" --variant tuned_wide_store \
   --shapes "$SHAPES" --bench .gpu/bench_moe_train --rounds "${ROUNDS:-5}" --out "$R/module.json" 2>&1 | tee "$R/module.log" ||
   status=1
-(cd "$OUT" && tar czf python.tgz python && rm -rf python)
+(cd "$OUT" && tar czf "${PYTHON_DIR:-python}.tgz" "${PYTHON_DIR:-python}" && rm -rf "${PYTHON_DIR:-python}")
 exit $status

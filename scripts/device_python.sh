@@ -20,7 +20,8 @@
 # #53; DECODE_IMPLS, default moeforge,torch).
 set -uo pipefail
 . scripts/device_env.sh
-R=$OUT/${PYTHON_DIR:-python}
+D=${PYTHON_DIR:-python}
+R=$OUT/$D
 mkdir -p "$R/sched"
 SHAPES=${SHAPES:-mixtral,fine64,mbpaper,qwen3moe,gptoss}
 status=0
@@ -52,7 +53,7 @@ if [ "${TRANSFORMERS_TABLE:-0}" = 1 ]; then
   tail -16 "$R/transformers_train.log"
 fi
 if [ "${MODULE:-1}" = 0 ]; then
-  (cd "$OUT" && tar czf "${PYTHON_DIR:-python}.tgz" "${PYTHON_DIR:-python}" && rm -rf "${PYTHON_DIR:-python}")
+  (cd "$OUT" && tar czf "$D.tgz" "$D" && rm -rf "$D")
   exit $status
 fi
 MOEFORGE_WRITE_SCHEDULES=$R/sched timeout 400 .gpu/bench_moe_train \
@@ -62,5 +63,5 @@ grep -E "^train" "$R/train.log" | cut -c1-160
 PYTHONUNBUFFERED=1 timeout 540 python3 benchmarks/torch_module_train.py --schedules "$R/sched" --variant tuned_wide_store \
   --shapes "$SHAPES" --bench .gpu/bench_moe_train --rounds "${ROUNDS:-5}" --out "$R/module.json" 2>&1 | tee "$R/module.log" ||
   status=1
-(cd "$OUT" && tar czf "${PYTHON_DIR:-python}.tgz" "${PYTHON_DIR:-python}" && rm -rf "${PYTHON_DIR:-python}")
+(cd "$OUT" && tar czf "$D.tgz" "$D" && rm -rf "$D")
 exit $status

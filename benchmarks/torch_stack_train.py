@@ -19,7 +19,7 @@ GiB from run to run with what the pool held before.
 Every layer's weights are drawn from its own seed on the GPU, so the three
 implementations get identical values without a host copy: W1, W3 [E, d, f],
 W2 [E, f, d] U(-1, 1) / sqrt(fan-in), the router [d, E] likewise; x U(-1, 1).
---routing skewed tilts every router towards its low experts (see
+--routing skewed tilts every router by the other benchmarks' logit ramp (see
 layer_weights; the first layer's max / mean load is reported). --rounds N
 runs every row N times, the implementations alternating; the table gives
 the median step and the highest peak over the rounds, each step over the
@@ -48,12 +48,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_grouped_mm_train as tgm  # noqa: E402
 
 SHAPES = {name: (T, d, f, E, k) for name, T, d, f, E, k, swiglu, _ in tgm.SHAPES if swiglu}
+# --routing skewed: the shape's router-logit ramp, as bench_moe_train and
+# torch_grouped_mm_train.py skew it (benchmarks/moe_shapes.h: the busiest
+# expert about 3x the mean).
+SKEW_RAMP = {name: ramp for name, *_, swiglu, ramp in tgm.SHAPES if swiglu}
 GiB = float(1 << 30)
-# --routing skewed: how strongly every router prefers its low experts (see
-# layer_weights). At 0.25 the busiest expert of the first layer takes 2-3.2x
-# the mean load on the four shapes and none is empty (design.md's skewed
-# routing: 2-4x).
-SKEW = 0.25
 
 
 def skew_direction(d, dev):
@@ -64,20 +63,21 @@ def skew_direction(d, dev):
     return u / u.norm()
 
 
-def layer_weights(seed, d, f, E, dev, routing="uniform"):
+def layer_weights(seed, d, f, E, dev, ramp=0.0):
     """W1, W3 [E, d, f], W2 [E, f, d], wr [d, E] in bf16, from `seed`.
-    routing "skewed": wr[:, e] gains SKEW * (1 - 2 e / (E - 1)) along
-    skew_direction, so a row with a component c along it adds c times that
-    ramp to expert e's logits: low experts draw more tokens (the input
-    carries c ~ 1, see run())."""
+    A ramp (--routing skewed) adds ramp * e / E along skew_direction to
+    wr[:, e], so a row with a component c along it adds c times the other
+    benchmarks' logit ramp to expert e's logit (the input carries c ~ 1, see
+    run()). The routers here have no bias, which SonicMoE's and moeforge's
+    layers would not take, so the ramp rides on the weights."""
     g = torch.Generator(device=dev).manual_seed(seed)
 
     def u(*shape, fan_in):
         return (torch.rand(*shape, device=dev, generator=g) * 2 - 1) / fan_in ** 0.5
 
     w1, w3, w2, wr = u(E, d, f, fan_in=d), u(E, d, f, fan_in=d), u(E, f, d, fan_in=f), u(d, E, fan_in=d)
-    if routing == "skewed":
-        tilt = SKEW * torch.linspace(1, -1, E, device=dev)
+    if ramp:
+        tilt = ramp * torch.arange(E, device=dev, dtype=torch.float32) / E
         wr = wr + skew_direction(d, dev)[:, None] * tilt[None, :]
     return tuple(w.bfloat16() for w in (w1, w3, w2, wr))
 
@@ -129,9 +129,9 @@ class SonicLayer(torch.nn.Module):
         return self.m(x, kernel_backend_moe=self.backend)[0]
 
 
-def make_layer(impl, seed, shape, dev, schedule, routing):
+def make_layer(impl, seed, shape, dev, schedule, ramp):
     T, d, f, E, k = shape
-    w = layer_weights(seed, d, f, E, dev, routing)
+    w = layer_weights(seed, d, f, E, dev, ramp)
     if impl.startswith("moeforge"):
         return moeforge_layer(*w, k, impl_schedule(impl, schedule, shape))
     if impl == "torch":
@@ -214,7 +214,8 @@ def run(impl, name, layers, reps, schedule, pause, grads, steady, fresh_pool, ro
     reserved0 = torch.cuda.memory_reserved()
     allocated0 = torch.cuda.memory_allocated()
     model = torch.nn.ModuleList(
-        make_layer(impl, 100 + i, (T, d, f, E, k), dev, schedule, routing) for i in range(layers))
+        make_layer(impl, 100 + i, (T, d, f, E, k), dev, schedule, SKEW_RAMP[name] if routing == "skewed" else 0.0)
+        for i in range(layers))
     g = torch.Generator(device=dev).manual_seed(7)
     x = torch.rand(T, d, device=dev, generator=g) * 2 - 1
     if routing == "skewed":  # every row one unit along the routers' tilt
@@ -321,8 +322,8 @@ def main():
                     help="1: empty torch's cache of free blocks before the timed steps, so their peak reserved is "
                          "their own (0: as the warm-up left the pool)")
     ap.add_argument("--routing", default="uniform",
-                    help="comma-separated: uniform (random routers), skewed (every router tilted towards its low "
-                         "experts, see layer_weights)")
+                    help="comma-separated: uniform (random routers), skewed (every router tilted by the shape's "
+                         "logit ramp, as bench_moe_train skews it; see layer_weights)")
     ap.add_argument("--rounds", type=int, default=1, help="times each row runs, the implementations alternating")
     ap.add_argument("--out")
     args = ap.parse_args()

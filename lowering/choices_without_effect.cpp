@@ -81,6 +81,11 @@ std::vector<std::string> choices_without_effect(const Schedule &s, const std::st
                                   "(lowering/sorted_rows.h), or none is padded"
                                 : "without gradients_over_saved(true) the saved tensors are in pair order already",
        ReadBy::training},
+      {"sorted_gathers(true)", s.sorted_gathers(), [](Schedule &x) { x.sorted_gathers(false); },
+       s.sorted_saved() ? "no gathered copy is read only by weight gradients whose other operand is stored sorted "
+                          "(lowering/sorted_rows.h)"
+                        : "without sorted_saved(true) no weight gradient's other operand is stored sorted",
+       ReadBy::training},
       {"recompute_elementwise(true)", s.recompute_elementwise(), [](Schedule &x) { x.recompute_elementwise(false); },
        s.recompute() ? "recompute(true) recomputes the whole forward already"
                      : "the forward saves no element-wise result that the backward could make again",

@@ -93,9 +93,14 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   p.b_sorted = sorted(g.b[0]);
   internal_check(!g.expert_k || !sorted(g.b[0]) || b_tma_rows)
       << g.name << ": an expert reduction reads '" << g.b[0] << "', stored sorted, by TMA only (sorted_rows.h)";
+  p.k_unpadded = g.expert_k && p.a_sorted;
+  internal_check(!p.k_unpadded || (b_tma_rows && p.b_sorted && g.a_rows == RowMap::direct))
+      << g.name << ": an expert reduction reads '" << g.a << "', stored sorted, by TMA over a B stored sorted only "
+      << "(sorted_rows.h)";
   // A when each expert's segment is whole boxes of 64 rows too (nothing
-  // else zeroes rows of the next segment that a box would read).
-  a_tma_rows = rows_by_tma && zero_padded(g.a, g.a_rows) && g.block % 64 == 0;
+  // else zeroes rows of the next segment that a box would read), or when
+  // both operands are sorted (the loop zeroes A's rows past the expert).
+  a_tma_rows = rows_by_tma && ((zero_padded(g.a, g.a_rows) && g.block % 64 == 0) || p.k_unpadded);
   // A by TMA too when its rows are consecutive (tile order, or a dense A).
   a_tma = tma && g.a_rows == RowMap::direct;
   internal_check(!tma || (prog.tensor(g.a).dtype == DType::bf16 && prog.tensor(g.b[0]).dtype == DType::bf16))
@@ -341,7 +346,9 @@ std::string describe(const GemmPlan &p, const GemmStep &g, bool notes) {
     << "\n";
   auto a_how = [&] {
     if (p.in_place())
-      return p.a_tma_rows() ? "padded rows by TMA" : "rows in place by cp.async";
+      return !p.a_tma_rows() ? "rows in place by cp.async"
+             : p.k_unpadded  ? "sorted rows (no padding) by TMA, zeroed past the expert's in the last k-tile"
+                             : "padded rows by TMA";
     if (p.a_tma())
       return p.a_sorted ? "rows in tile order by TMA, stored sorted (no padding)" : "rows in tile order by TMA";
     return g.a_rows == RowMap::direct ? "rows by cp.async" : "rows gathered through sorted_pair by cp.async";

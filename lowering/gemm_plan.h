@@ -59,6 +59,11 @@ struct GemmPlan {
   // A (the first product's) or B stored sorted (lowering/sorted_rows.h):
   // loaded from the tile's, or the expert's, unpadded first row.
   bool a_sorted = false, b_sorted = false;
+  // An expert reduction over A and B both stored sorted
+  // (store_gathers_sorted): K runs over each expert's pairs from its
+  // unpadded first row, and the last k-tile's A rows past them (the next
+  // expert's) are zeroed in shared memory before the tensor cores read it.
+  bool k_unpadded = false;
   // The narrow tail (GemmTiling::narrow_tail): the last column tile holds
   // N % tile_n <= tile_n / 2 columns, and its wgmmas are narrower
   // (narrow_width).

@@ -77,7 +77,43 @@ bool written_element_wise(const KernelProgram &p, const std::string &name) {
   return i >= 0 && std::holds_alternative<PointwiseStep>(p.steps[static_cast<size_t>(i)]);
 }
 
+// An expert reduction that may read `name`, stored sorted, as its A: in
+// place by TMA in the warp-specialised loop over a B stored sorted, so
+// both operands' rows start at the expert's unpadded row.
+bool sorted_a_reduction(const KernelProgram &p, const Step &s, const std::string &name) {
+  const auto *g = std::get_if<GemmStep>(&s);
+  return g && g->expert_k && g->a == name && g->a_rows == RowMap::direct && g->operands_in_place &&
+         g->tiling.mma == MmaKind::wgmma_ws && g->tiling.tma && g->b.size() == 1 && !g->chained &&
+         g->b_rows == RowMap::direct && g->route == p.tensor(name).route &&
+         p.tensor(g->b[0]).layout == RowLayout::sorted && p.tensor(g->b[0]).route == g->route;
+}
+
 } // namespace
+
+std::vector<std::string> store_gathers_sorted(KernelProgram &p) {
+  std::vector<std::string> stored;
+  for (const Step &s : p.steps) {
+    const auto *gather = std::get_if<GatherStep>(&s);
+    if (!gather)
+      continue;
+    TensorDecl *t = p.find(gather->dst);
+    if (!t || !relayable(p, *t) || t->dtype != DType::bf16 || t->route != gather->route)
+      continue;
+    int readers = 0;
+    bool all = true;
+    for (const Step &r : p.steps)
+      if (&r != &s && reads(r, gather->dst)) {
+        ++readers;
+        all &= sorted_a_reduction(p, r, gather->dst);
+      }
+    if (readers == 0 || !all)
+      continue;
+    t->layout = RowLayout::sorted;
+    t->zero_padding = false;
+    stored.push_back(t->name);
+  }
+  return stored;
+}
 
 std::vector<std::string> store_saved_sorted(KernelProgram &p, size_t forward_steps,
                                             const std::map<std::string, std::string> &over_saved) {

@@ -17,12 +17,12 @@
 // reading the tensor as A (rows are the output's rows) stores only the
 // tile's own rows; an expert reduction reading it as B (rows are the sum's
 // K) multiplies those rows by A's, which are zero there (a padded A with
-// zero padding rows, loaded by TMA), and a box past the last expert's rows
-// reads past the tensor,
-// which TMA fills with zeros. (A row past an expert's own holds the next
-// expert's finite values; a non-finite one there would make 0 x inf a
-// NaN in this expert's weight gradient, where the step's gradients are
-// already not finite.)
+// zero padding rows, loaded by TMA, or a sorted A whose rows there the
+// loop zeroes: store_gathers_sorted below), and a box past the last
+// expert's rows reads past the tensor, which TMA fills with zeros. (A row
+// past an expert's own holds the next expert's finite values; a
+// non-finite one there would make 0 x inf a NaN in this expert's weight
+// gradient, where the step's gradients are already not finite.)
 #pragma once
 
 #include <cstddef>
@@ -46,5 +46,18 @@ namespace moeforge {
 // a padded tensor zero on its padding rows. Returns the saved tensors it stored so.
 std::vector<std::string> store_saved_sorted(KernelProgram &p, size_t forward_steps,
                                             const std::map<std::string, std::string> &over_saved);
+
+// After store_saved_sorted: stores in RowLayout::sorted each gathered copy
+// (a GatherStep's padded output, x's rows for dW1 and dW3) that only expert
+// reductions read, each as its A, in place by TMA, over a B stored sorted.
+// Both operands then start at the expert's unpadded first row and K is the
+// expert's pair count, so the last k-tile's box reads the next expert's
+// rows in both; the CUDA loop zeroes A's there in shared memory before the
+// tensor cores read the stage (GemmPlan::k_unpadded), and the CPU backend
+// reads an expert's own rows only. The gather writes each pair's row at
+// its sorted row and nothing on padding. The copy loses E (block - 1) rows
+// (fine64: 544.5 -> 512 MiB, the backward's fullest tensor). Returns the
+// copies it stored so.
+std::vector<std::string> store_gathers_sorted(KernelProgram &p);
 
 } // namespace moeforge

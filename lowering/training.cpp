@@ -510,8 +510,11 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
     for (const auto &[out, in] : t.written_over_saved)
       taken.insert(in);
     save_in_pair_order(p, t.forward_steps, [&](const std::string &name) { return !taken.count(name); });
-    if (schedule.sorted_saved())
+    if (schedule.sorted_saved()) {
       store_saved_sorted(p, t.forward_steps, t.written_over_saved);
+      if (schedule.sorted_gathers())
+        store_gathers_sorted(p);
+    }
   }
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))

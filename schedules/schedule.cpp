@@ -187,6 +187,7 @@ Schedule &Schedule::split_pointwise_for_memory(bool on) {
 }
 Schedule &Schedule::gradients_over_saved(bool on) { return flag(gradients_over_saved_, "gradients_over_saved", on); }
 Schedule &Schedule::sorted_saved(bool on) { return flag(sorted_saved_, "sorted_saved", on); }
+Schedule &Schedule::sorted_gathers(bool on) { return flag(sorted_gathers_, "sorted_gathers", on); }
 Schedule &Schedule::gather_upstream_in_gemms(bool on) {
   return flag(gather_upstream_in_gemms_, "gather_upstream_in_gemms", on);
 }

@@ -255,6 +255,16 @@ public:
   // forward and its backward shrinks by the padding: 44 MiB at fine64, 180
   // at gpt-oss's 128 experts of f = 2880.
   Schedule &sorted_saved(bool on);
+  // Training, with sorted_saved: a gathered copy of a token tensor that
+  // only weight gradients read (x's rows for dW1 and dW3), stored grouped by
+  // expert without the padding too, where each of those reductions' other
+  // operand is stored so (lowering/sorted_rows.h). The reductions then run
+  // over each expert's own rows, the rows of the next expert that the last
+  // k-tile's box reads zeroed in shared memory before the tensor cores
+  // read them. The backward's workspace loses the copy's padding: fine64
+  // 544.5 -> 512 MiB, qwen3moe 576 -> 512 (then the input gradient's
+  // per-pair rows are as large).
+  Schedule &sorted_gathers(bool on);
   // Training: the layer's outputs that are not scalars (y), their upstream
   // gradients (dy) and the gradients of its Inputs (dx) are stored in bf16,
   // the dtype a bf16 model passes between its layers, instead of f32: the
@@ -388,6 +398,7 @@ public:
   bool split_pointwise_for_memory() const { return split_pointwise_for_memory_; }
   bool gradients_over_saved() const { return gradients_over_saved_; }
   bool sorted_saved() const { return sorted_saved_; }
+  bool sorted_gathers() const { return sorted_gathers_; }
   bool gather_upstream_in_gemms() const { return gather_upstream_in_gemms_; }
   bool bf16_boundary() const { return bf16_boundary_; }
   bool fused_attention() const { return fused_attention_; }
@@ -474,6 +485,7 @@ private:
   bool split_pointwise_for_memory_ = false;
   bool gradients_over_saved_ = false;
   bool sorted_saved_ = false;
+  bool sorted_gathers_ = false;
   bool gather_upstream_in_gemms_ = false;
   bool bf16_boundary_ = false;
   bool fused_attention_ = false;

@@ -46,4 +46,33 @@ TEST_SUITE("cpu") {
                               });
     CHECK(sorted_cases >= 4);
   }
+
+  TEST_CASE("cpu sorted gathers: x's rows without padding give the padded copy's step, bit for bit") {
+    const std::unique_ptr<Backend> backend = cpu::make_backend();
+    for (int64_t tokens : {1, 37, 200})
+      for (const ExampleShape &s : {shape(tokens, 64, 128, 8, 2), shape(tokens, 64, 96, 16, 4)}) {
+        INFO("T " << s.tokens << " E " << s.experts << " k " << s.topk);
+        Example ex = make_example("swiglu_moe", s);
+        const Func out = ex.pipeline.func(ex.output);
+        const Schedule base = default_schedule(ex.pipeline, {out});
+        const Schedule sorted = Schedule(base).sorted_gathers(true);
+        const TrainingProgram t = lower_training(ex.pipeline, out, sorted);
+        int copies = 0;
+        for (const Step &st : t.program.steps)
+          if (const auto *g = std::get_if<GatherStep>(&st))
+            copies += t.program.tensor(g->dst).layout == RowLayout::sorted;
+        REQUIRE(copies == 1);
+        testing::check_same_step(*backend, ex, ex.random_inputs(s, 43), s.tokens, sorted,
+                                 Schedule(base).sorted_gathers(false));
+      }
+  }
+
+  TEST_CASE("cpu sorted gathers: the MoE edge cases against the float64 reference") {
+    testing::check_edge_cases(64, 128, {"default"},
+                              [&](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
+                                const Func out = ex.pipeline.func(ex.output);
+                                const Schedule s = default_schedule(ex.pipeline, {out}).sorted_gathers(true);
+                                return cpu_train_and_compare(ex, in, tokens, s);
+                              });
+  }
 }

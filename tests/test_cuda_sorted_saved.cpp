@@ -38,6 +38,23 @@ TEST_CASE("cuda sorted saved: the default at the bench shapes compiles for sm_90
   }
 }
 
+TEST_CASE("cuda sorted gathers: x's rows stored sorted compile for sm_90a without spills at the bench shapes") {
+  for (const ExampleShape &s : {shape(16384, 2048, 1408, 64, 8), shape(8192, 2880, 2880, 128, 4),
+                                shape(8192, 4096, 14336, 8, 2), shape(16384, 2048, 768, 128, 8)}) {
+    INFO("d " << s.d << " f " << s.f << " E " << s.experts);
+    Example ex = make_example("swiglu_moe", s);
+    const Func out = ex.pipeline.func(ex.output);
+    const Schedule sch = default_schedule(ex.pipeline, {out}).sorted_gathers(true);
+    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, out, sch);
+    REQUIRE(c.training.program.tensor("x_rows_route").layout == RowLayout::sorted);
+    testing::check_resources(c.layer, "swiglu_moe / default + sorted_gathers");
+    const std::string &src = c.layer.source.source;
+    CHECK(src.find("its row stored sorted") != std::string::npos);      // the gather
+    CHECK(src.find("<true, true, false, true>(") != std::string::npos); // dW1's and dW3's masked A
+    CHECK(src.find("const int b_shift = ") == std::string::npos);       // both operands start unpadded
+  }
+}
+
 TEST_SUITE("gpu") {
   TEST_CASE("cuda sorted saved: the default's step equals the padded layout's, bit for bit, at odd token counts") {
     MOEFORGE_REQUIRE_GPU();
@@ -65,5 +82,31 @@ TEST_SUITE("gpu") {
           const Func out = ex.pipeline.func(ex.output);
           return testing::cuda_train_and_compare(ex, in, tokens, default_schedule(ex.pipeline, {out}));
         });
+  }
+
+  TEST_CASE("cuda sorted gathers: x's rows without padding give the padded copy's step, bit for bit") {
+    MOEFORGE_REQUIRE_GPU();
+    const std::unique_ptr<Backend> backend = cuda::make_backend();
+    // 4096 tokens of 16 experts: experts of ~1000 pairs, several k-tiles
+    // each, the last one partial.
+    for (int64_t tokens : {1, 37, 200, 4096})
+      for (const ExampleShape &s : {shape(tokens, 64, 128, 8, 2), shape(tokens, 128, 192, 16, 4)}) {
+        INFO("T " << s.tokens << " E " << s.experts << " k " << s.topk);
+        Example ex = make_example("swiglu_moe", s);
+        const Func out = ex.pipeline.func(ex.output);
+        const Schedule base = default_schedule(ex.pipeline, {out});
+        testing::check_same_step(*backend, ex, ex.random_inputs(s, 43), s.tokens, Schedule(base).sorted_gathers(true),
+                                 Schedule(base).sorted_gathers(false), {"wr"});
+      }
+  }
+
+  TEST_CASE("cuda sorted gathers: the MoE edge cases against the float64 reference") {
+    MOEFORGE_REQUIRE_GPU();
+    testing::check_edge_cases(64, 128, {"default"},
+                              [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
+                                const Func out = ex.pipeline.func(ex.output);
+                                return testing::cuda_train_and_compare(
+                                    ex, in, tokens, default_schedule(ex.pipeline, {out}).sorted_gathers(true));
+                              });
   }
 }

@@ -131,3 +131,60 @@ TEST_CASE("sorted saved: the schedule text round-trips") {
   CHECK(Schedule::from_text(s.to_text()).sorted_saved());
   CHECK_FALSE(Schedule::from_text(Schedule(s).sorted_saved(false).to_text()).sorted_saved());
 }
+
+TEST_CASE("sorted gathers: x's rows for dW1 and dW3 lose the padding, and the backward's workspace with them") {
+  // fine64 and qwen3moe: the copy is the backward's fullest tensor.
+  for (const ExampleShape &s : {testing::shape(16384, 2048, 1408, 64, 8), testing::shape(16384, 2048, 768, 128, 8)}) {
+    INFO("f " << s.f << " E " << s.experts);
+    Example ex = make_example("swiglu_moe", s);
+    const Schedule base = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)});
+    const Lowered on = testing::planned_step(ex, s.tokens, Schedule(base).sorted_gathers(true));
+    const Lowered off = testing::planned_step(ex, s.tokens, Schedule(base).sorted_gathers(false));
+    CHECK(testing::reads_follow_writes(on.t.program));
+    const GemmStep &w1 = gemm_writing(on.t.program, "d_w1"), &w3 = gemm_writing(on.t.program, "d_w3");
+    REQUIRE(w1.a == w3.a);
+    const TensorDecl &rows = on.t.program.tensor(w1.a);
+    CHECK(rows.layout == RowLayout::sorted);
+    CHECK_FALSE(rows.zero_padding);
+    CHECK(off.t.program.tensor(w1.a).layout == RowLayout::padded);
+    for (const GemmStep *g : {&w1, &w3}) {
+      INFO(g->name);
+      CHECK(planned(*g).k_unpadded);
+      CHECK(planned(*g).a_tma_rows());
+      CHECK(planned(*g).b_tma_rows());
+      CHECK(planned(gemm_writing(off.t.program, g->output)).k_unpadded == false);
+    }
+    // The copy is T k rows of d: the workspace is the larger of it and the
+    // input gradient's per-pair rows, both T k x d bf16.
+    const size_t rows_bytes = size_t(s.tokens) * s.topk * s.d * 2;
+    CHECK(on.plan.workspace_after >= rows_bytes);
+    CHECK(on.plan.workspace_after < rows_bytes + 8 * kMiB); // beside it the router's gradients (fine64: 6 MiB)
+    CHECK(off.plan.workspace_after >= on.plan.workspace_after + size_t(s.experts) * 32 * s.d * 2);
+    // Nothing else moves: the forward and the saved region are the same.
+    CHECK(on.plan.saved.arena_bytes == off.plan.saved.arena_bytes);
+    CHECK(on.plan.workspace_before == off.plan.workspace_before);
+  }
+}
+
+TEST_CASE("sorted gathers: without sorted B operands the choice does nothing, and says so") {
+  const ExampleShape s = testing::shape(200, 64, 128, 8, 2);
+  Example ex = make_example("swiglu_moe", s);
+  const Func out = ex.pipeline.func(ex.output);
+  Schedule sch = default_schedule(ex.pipeline, {out});
+  sch.sorted_saved(false).sorted_gathers(true);
+  const TrainingProgram t = lower_training(ex.pipeline, out, sch);
+  for (const TensorDecl &d : t.program.tensors)
+    CHECK(d.layout != RowLayout::sorted);
+  bool noted = false;
+  for (const std::string &n : choices_not_taken(ex.pipeline, sch, {out}))
+    noted |= n.rfind("sorted_gathers(true) is not applied", 0) == 0;
+  CHECK(noted);
+}
+
+TEST_CASE("sorted gathers: the schedule text round-trips") {
+  Schedule s("x");
+  s.sorted_gathers(true);
+  CHECK(s.to_text().find("sorted_gathers(true)") != std::string::npos);
+  CHECK(Schedule::from_text(s.to_text()).sorted_gathers());
+  CHECK_FALSE(Schedule::from_text(Schedule(s).sorted_gathers(false).to_text()).sorted_gathers());
+}

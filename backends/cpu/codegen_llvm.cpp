@@ -545,22 +545,25 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
       auto row_of = [&](RowMap m, Value *p, Value *r) -> Value * {
         return m == RowMap::direct ? p : m == RowMap::gather_pair ? r : b.CreateSDiv(r, fb.c64(rt->k));
       };
-      // B stored sorted (lowering/sorted_rows.h): its rows without the
+      // A or B stored sorted (lowering/sorted_rows.h): its rows without the
       // padding before expert e.
-      const bool b_sorted = B[0]->layout == RowLayout::sorted;
+      const bool a_sorted = A.layout == RowLayout::sorted, b_sorted = B[0]->layout == RowLayout::sorted;
       internal_check(!b_sorted || g.b_rows == RowMap::direct) << g.name << ": a sorted B is read in tile order";
+      internal_check(!a_sorted || g.a_rows == RowMap::direct) << g.name << ": a sorted A is read in tile order";
       // Experts in parallel: each writes its own C[e].
       fb.parallel_for(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
         Value *p0 = fb.route_at(rt, RoutingArray::offsets, e);
         Value *p1 = fb.route_at(rt, RoutingArray::offsets, b.CreateAdd(e, fb.c64(1)));
-        Value *b_shift = b_sorted ? b.CreateSub(p0, fb.route_at(rt, RoutingArray::offsets_unpadded, e)) : nullptr;
+        Value *shift =
+            a_sorted || b_sorted ? b.CreateSub(p0, fb.route_at(rt, RoutingArray::offsets_unpadded, e)) : nullptr;
         fb.for_loop(fb.c64(0), M, "m", [&](Value *m) {
           columns(b.CreateAdd(b.CreateMul(e, M), m), m, m, nullptr, [&](Value *n0, Value *, const Update &update) {
             fb.for_loop(p0, p1, "p", [&](Value *p) {
               Value *r = fb.route_at(rt, RoutingArray::sorted_pair, p);
               fb.if_then(b.CreateICmpSGE(r, fb.c64(0)), [&] {
-                Value *a = fb.load(A, b.CreateAdd(b.CreateMul(row_of(g.a_rows, p, r), M), m));
-                Value *b_row = b_sorted ? b.CreateSub(p, b_shift) : row_of(g.b_rows, p, r);
+                Value *a_row = a_sorted ? b.CreateSub(p, shift) : row_of(g.a_rows, p, r);
+                Value *a = fb.load(A, b.CreateAdd(b.CreateMul(a_row, M), m));
+                Value *b_row = b_sorted ? b.CreateSub(p, shift) : row_of(g.b_rows, p, r);
                 update(0, b.CreateAdd(b.CreateMul(b_row, N), n0), a);
               });
             });
@@ -831,7 +834,8 @@ Value *source_row(FunctionBuilder &fb, const RoutingNode *route, RowMap rows, Va
   return nullptr;
 }
 
-// dst[p, :] = src[row(p), :] for p < padded_rows, zero on padding rows.
+// dst[p, :] = src[row(p), :] for p < padded_rows, zero on padding rows (a
+// dst stored sorted: at the pair's sorted row, no padding rows).
 void emit_gather(const KernelProgram &prog, const GatherStep &s, FunctionBuilder &fb) {
   auto &b = fb.b;
   const TensorDecl &src = prog.tensor(s.src), &dst = prog.tensor(s.dst);
@@ -842,12 +846,22 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, FunctionBuilder
   const bool same = src.dtype == dst.dtype;
   internal_check(src.outer_stride == 0 && dst.outer_stride == 0)
       << "step " << s.name << ": a gather copies whole rows of dense tensors";
+  // A copy stored sorted (lowering/sorted_rows.h) has no padding rows: pair
+  // r's row goes to p less the padding before its expert.
+  const bool sorted = dst.layout == RowLayout::sorted;
   Value *gsrc = fb.tensor(s.src), *gdst = fb.tensor(s.dst);
   fb.parallel_for(fb.c64(0), fb.route_scalar(s.route, RoutingArray::padded_rows), "p", [&](Value *p) { // a row each
     Value *r = fb.route_at(s.route, RoutingArray::sorted_pair, p);
-    Value *to = b.CreateGEP(b.getInt8Ty(), gdst, b.CreateMul(p, fb.c64(row_bytes)));
     Value *is_pad = b.CreateICmpSLT(r, fb.c64(0));
-    fb.if_then(is_pad, [&] { b.CreateMemSet(to, b.getInt8(0), row_bytes, llvm::MaybeAlign(2)); });
+    Value *dst_row = p;
+    if (sorted) {
+      Value *e = fb.route_at(s.route, RoutingArray::expert, b.CreateSelect(is_pad, fb.c64(0), r));
+      dst_row = b.CreateAdd(b.CreateSub(p, fb.route_at(s.route, RoutingArray::offsets, e)),
+                            fb.route_at(s.route, RoutingArray::offsets_unpadded, e));
+    }
+    Value *to = b.CreateGEP(b.getInt8Ty(), gdst, b.CreateMul(dst_row, fb.c64(row_bytes)));
+    if (!sorted)
+      fb.if_then(is_pad, [&] { b.CreateMemSet(to, b.getInt8(0), row_bytes, llvm::MaybeAlign(2)); });
     fb.if_then(b.CreateNot(is_pad), [&] {
       Value *row = source_row(fb, s.route, s.rows, p, r);
       if (same) {
@@ -857,7 +871,7 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, FunctionBuilder
       }
       // An operand copy that changes the storage type (f32 -> bf16).
       fb.for_loop(fb.c64(0), fb.c64(n), "c", [&](Value *c) {
-        fb.store(dst, b.CreateAdd(b.CreateMul(p, fb.c64(n)), c),
+        fb.store(dst, b.CreateAdd(b.CreateMul(dst_row, fb.c64(n)), c),
                  fb.load(src, b.CreateAdd(b.CreateMul(row, fb.c64(n)), c)));
       });
     });

@@ -756,9 +756,10 @@ void emit_tma_store_epilogue(const GemmStep &g, KernelBuilder &kb, int nb, const
 // An expert reduction's tile `id` (a block's index, or a persistent
 // block's tile id): its expert, its row and column tile within the expert
 // (rasterised), and the expert's padded segment of sorted rows, which is
-// the reduction (K) range, empty for an expert with no pairs.
+// the reduction (K) range, empty for an expert with no pairs; with both
+// operands stored sorted (GemmPlan::k_unpadded), its pairs' rows there.
 void emit_expert_tile(KernelBuilder &kb, const GemmStep &g, const std::string &id, std::ostringstream &body) {
-  std::string off = kb.route(g.route, RoutingArray::offsets);
+  std::string off = kb.route(g.route, planned(g).k_unpadded ? RoutingArray::offsets_unpadded : RoutingArray::offsets);
   body << "  const long long expert = " << id << " / (NUM_M * NUM_N);\n";
   body << "  const int pid = (int)(" << id << " % (NUM_M * NUM_N));\n";
   body << "  mf::raster_mn(pid, NUM_M, NUM_N, " << planned(g).tiling.raster
@@ -794,15 +795,20 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
   // Tensors stored sorted (lowering/sorted_rows.h): a tile's rows start at
   // `sbase` in them, an expert reduction's B rows b_shift before k_begin.
   auto sorted = [&](const std::string &name) { return prog.tensor(name).layout == RowLayout::sorted; };
-  bool reads_or_writes_sorted = plan.a_sorted || (g.chained && sorted(g.chained->a)) || sorted(g.output);
+  bool reads_or_writes_sorted =
+      (plan.a_sorted && !g.expert_k) || (g.chained && sorted(g.chained->a)) || sorted(g.output);
   for (const GemmStep::Extra &e : g.extra)
     reads_or_writes_sorted |= sorted(e.output);
-  const bool b_sorted = g.expert_k && plan.b_sorted;
+  // A sorted B under a padded A starts b_shift rows before A's; under a
+  // sorted A (k_unpadded) both start at the expert's unpadded row.
+  const bool b_sorted = g.expert_k && plan.b_sorted && !plan.k_unpadded;
   internal_check(!reads_or_writes_sorted ||
                  (g.route && !g.expert_k && (!sorted(g.output) || g.out_rows == RowMap::direct)))
       << g.name << ": a tensor stored sorted is read as A or stored in tile order by a routed GEMM";
   internal_check(!b_sorted || (in_place && b_tma_rows && !plan.a_sorted))
       << g.name << ": an expert reduction reads a B stored sorted by TMA, in place";
+  internal_check(!plan.k_unpadded || (in_place && a_tma_rows && b_tma_rows))
+      << g.name << ": an expert reduction reads A and B stored sorted by TMA, in place";
 
   std::ostringstream body;
   internal_check(!in_place || (wgmma && g.expert_k && nb == 1)) << "in-place operands are for wgmma expert reductions";
@@ -1045,8 +1051,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
     auto operand = [](bool by_tma, const std::string &g_x) { return by_tma ? "nullptr, " + g_x : g_x + ", nullptr"; };
     if (a_tma_rows || b_tma_rows || persistent)
       body << "  if (!Cfg::" << (persistent ? "tile<" : "mainloop<") << (a_tma_rows ? "true" : "false") << ", "
-           << (b_tma_rows ? "true" : "false") << (b_sorted ? ", true" : "") << ">("
-           << (persistent ? "ring, " : "smem, ") << operand(a_tma_rows, gA) << ", " << div(g.a_rows)
+           << (b_tma_rows ? "true" : "false")
+           << (b_sorted          ? ", true"
+               : plan.k_unpadded ? ", false, true"
+                                 : "")
+           << ">(" << (persistent ? "ring, " : "smem, ") << operand(a_tma_rows, gA) << ", " << div(g.a_rows)
            << ", (int)M, (int)p0, " << operand(b_tma_rows, gB[0]) << ", " << div(g.b_rows) << ", N, n0, "
            << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc"
            << (b_sorted ? (half.empty() ? ", Cfg::BN" : half) + ", b_shift" : half) << "))\n"
@@ -1599,10 +1608,19 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   std::string gSrc = kb.tensor(s.src), gDst = kb.tensor(s.dst, true), sp = kb.route(s.route, RoutingArray::sorted_pair);
   std::string padded = kb.route(s.route, RoutingArray::padded_rows);
   // Pair order (below) for gathers; before the signature, which lists what is used.
-  std::string pairs, pair_pos;
+  // A copy stored sorted (lowering/sorted_rows.h) has no padding rows: pair
+  // r goes to its padded row less the padding before its expert.
+  const bool sorted = prog.tensor(s.dst).layout == RowLayout::sorted;
+  internal_check(!sorted || s.rows != RowMap::direct) << s.name << ": a copy stored sorted is gathered in pair order";
+  std::string pairs, pair_pos, expert, offsets, offsets_unpadded;
   if (s.rows != RowMap::direct) {
     pairs = kb.extent(s.route->pairs);
     pair_pos = kb.route(s.route, RoutingArray::pair_pos);
+  }
+  if (sorted) {
+    expert = kb.route(s.route, RoutingArray::expert);
+    offsets = kb.route(s.route, RoutingArray::offsets);
+    offsets_unpadded = kb.route(s.route, RoutingArray::offsets_unpadded);
   }
   // Each thread copies U 16-byte chunks of a row, chunks / U apart so a
   // warp's accesses stay consecutive: it issues all U loads before its
@@ -1626,8 +1644,8 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   auto dst_row = [&](const std::string &r) {
     return "reinterpret_cast<uint4 *>(" + gDst + " + (long long)(" + r + ") * " + std::to_string(cols.extent()) + ")";
   };
-  src << "// " << s.name << ": " << s.dst << "[p, :] = " << s.src << "[" << row
-      << "] (r = sorted_pair[p]), zero on padding\n";
+  src << "// " << s.name << ": " << s.dst << "[p, :] = " << s.src << "[" << row << "] (r = sorted_pair[p]), "
+      << (sorted ? "stored sorted (no padding rows)" : "zero on padding") << "\n";
   src << "extern \"C\" __global__ void __launch_bounds__(256) " << k.name << "(\n    " << kb.signature() << ") {\n"
       << kEntry;
   src << "  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n";
@@ -1647,6 +1665,16 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   // 64 MB, read 8 times).
   // Slots past the padded rows still copy their pair: a route that drops
   // pairs at capacity can have fewer padded rows than pairs.
+  if (sorted) {
+    src << "  if (p >= " << pairs << ") return;\n";
+    src << "  const long long r = p;  // pair order\n";
+    src << "  " << each << "v[j] = " << src_row() << "[" << at << "];\n";
+    src << "  const int e = " << expert << "[r];\n";
+    src << "  const long long to = " << pair_pos << "[r] - " << offsets << "[e] + " << offsets_unpadded
+        << "[e];  // its row stored sorted\n";
+    src << "  " << each << dst_row("to") << "[" << at << "] = v[j];\n}\n\n";
+    return;
+  }
   src << "  if (p >= *" << padded << " && p >= " << pairs << ") return;\n";
   src << "  if (p < *" << padded << " && " << sp << "[p] < 0) {\n";
   src << "  " << each << dst_row("p") << "[" << at << "] = make_uint4(0, 0, 0, 0);  // padding\n  }\n";

@@ -530,16 +530,21 @@ struct WgmmaRowsWsConfig
   // padded ones; its boxes run past the expert's rows where A's are zero.
   // (B_SHIFTED: b_shift is read; otherwise it is not even captured, so the
   // loops without it keep their registers: the persistent dW2 spilled when
-  // every loop carried it.)
-  template <bool A_TMA, bool B_TMA, bool B_SHIFTED = false>
+  // every loop carried it.) A_MASKED: A and B both stored sorted, p_begin
+  // the expert's unpadded first row and K its pairs, so the last k-tile's
+  // boxes run into the next expert's rows in both; the consumers zero A's
+  // there (zero_a_rows) before their wgmmas read the stage.
+  template <bool A_TMA, bool B_TMA, bool B_SHIFTED = false, bool A_MASKED = false>
   __device__ static bool mainloop(unsigned char *smem, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0,
                                   const bf16 *B, const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair,
                                   long long p_begin, int K, Acc &acc, int cols = Base::BN, int b_shift = 0) {
-    const int wg = threadIdx.x >> 7;
+    static_assert(!A_MASKED || (A_TMA && B_TMA && !B_SHIFTED), "a masked A: both operands sorted, by TMA");
+    const int wg = threadIdx.x >> 7, KT = (K + Base::BK - 1) / Base::BK;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * Base::STAGE_BYTES;
     typename Base::template Rows<128> rows;
+    int seen = 0; // the consumers' stages of this tile so far
     return ws_pipeline<STAGES, CONSUMERS>(
-        full, (K + Base::BK - 1) / Base::BK,
+        full, KT,
         [&](int slot, int kt, int t) {
           int shift = 0;
           if constexpr (B_SHIFTED)
@@ -547,7 +552,12 @@ struct WgmmaRowsWsConfig
           load_tma_rows<A_TMA, B_TMA>(s0, full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
                                       sorted_pair, p_begin, K, shift);
         },
-        [&](int slot) { mma_stage_cols<Base>(s0, slot, wg, cols, acc); });
+        [&](int slot) {
+          if constexpr (A_MASKED)
+            if (++seen == KT && K % Base::BK != 0)
+              zero_a_rows(s0, slot, wg, K % Base::BK);
+          mma_stage_cols<Base>(s0, slot, wg, cols, acc);
+        });
   }
   // One output tile of a persistent block (codegen: persistent expert
   // reductions): the producer issues its stages on the ring and returns
@@ -556,14 +566,16 @@ struct WgmmaRowsWsConfig
   // Expert reductions are short in K (an expert's rows: 32 k-tiles for
   // mixtral), so a block per tile spent a tenth of each tile filling its
   // pipeline and storing its output with the tensor cores idle.
-  template <bool A_TMA, bool B_TMA, bool B_SHIFTED = false>
+  template <bool A_TMA, bool B_TMA, bool B_SHIFTED = false, bool A_MASKED = false>
   __device__ static bool tile(Ring &r, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0, const bf16 *B,
                               const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair, long long p_begin,
                               int K, Acc &acc, int cols = Base::BN, int b_shift = 0) {
-    const int wg = threadIdx.x >> 7;
+    static_assert(!A_MASKED || (A_TMA && B_TMA && !B_SHIFTED), "a masked A: both operands sorted, by TMA");
+    const int wg = threadIdx.x >> 7, KT = (K + Base::BK - 1) / Base::BK;
     typename Base::template Rows<128> rows;
+    int seen = 0; // the consumers' stages of this tile so far
     return Tiles::ring_stages(
-        r, (K + Base::BK - 1) / Base::BK,
+        r, KT,
         [&](int slot, int kt, int t) {
           int shift = 0;
           if constexpr (B_SHIFTED)
@@ -571,7 +583,24 @@ struct WgmmaRowsWsConfig
           load_tma_rows<A_TMA, B_TMA>(r.s0, r.full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
                                       sorted_pair, p_begin, K, shift);
         },
-        [&](int slot) { mma_stage_cols<Base>(r.s0, slot, wg, cols, acc); });
+        [&](int slot) {
+          if constexpr (A_MASKED)
+            if (++seen == KT && K % Base::BK != 0)
+              zero_a_rows(r.s0, slot, wg, K % Base::BK);
+          mma_stage_cols<Base>(r.s0, slot, wg, cols, acc);
+        });
+  }
+  // Zeroes k-rows from .. BK - 1 of warpgroup wg's 64 columns of A in stage
+  // `slot` (a masked A's last k-tile), whole 128-byte rows, which the
+  // swizzle only permutes within, then makes every thread's stores visible
+  // to the warpgroup's wgmmas (the async proxy). No wgmma in flight reads
+  // this stage, and the producer refills it only once it is released.
+  __device__ static __forceinline__ void zero_a_rows(unsigned s0, int slot, int wg, int from) {
+    const unsigned sA = s0 + slot * Base::STAGE_BYTES + wg * (Base::BK * 128); // (BK, 64) MN-major
+    for (int i = from * 8 + (threadIdx.x & 127); i < Base::BK * 8; i += 128)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sA + i * 16), "r"(0) : "memory");
+    fence_proxy_async();
+    named_barrier(2 + wg, 128);
   }
   // Stage kt of the loops above into `slot`: the TMA operands' boxes from
   // thread t 0, the others' rows through cp.async from every producer

@@ -56,7 +56,7 @@ std::vector<std::string> store_saved_sorted(KernelProgram &p, size_t forward_ste
 // tensor cores read the stage (GemmPlan::k_unpadded), and the CPU backend
 // reads an expert's own rows only. The gather writes each pair's row at
 // its sorted row and nothing on padding. The copy loses E (block - 1) rows
-// (fine64: 544.5 -> 512 MiB, the backward's fullest tensor). Returns the
+// (fine64: 544.5 -> 512 MiB, what was the backward's fullest tensor). Returns the
 // copies it stored so.
 std::vector<std::string> store_gathers_sorted(KernelProgram &p);
 

@@ -262,7 +262,7 @@ public:
   // over each expert's own rows, the rows of the next expert that the last
   // k-tile's box reads zeroed in shared memory before the tensor cores
   // read them. The backward's workspace loses the copy's padding: fine64
-  // 544.5 -> 512 MiB, qwen3moe 576 -> 512 (then the input gradient's
+  // 544.5 -> 518 MiB, qwen3moe 576 -> 512 (then the input gradient's
   // per-pair rows are as large).
   Schedule &sorted_gathers(bool on);
   // Training: the layer's outputs that are not scalars (y), their upstream

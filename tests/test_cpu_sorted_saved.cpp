@@ -20,7 +20,7 @@ TEST_SUITE("cpu") {
         INFO("T " << s.tokens << " E " << s.experts << " k " << s.topk);
         Example ex = make_example("swiglu_moe", s);
         const Func out = ex.pipeline.func(ex.output);
-        const Schedule sorted = default_schedule(ex.pipeline, {out});
+        const Schedule sorted = default_schedule(ex.pipeline, {out}).sorted_gathers(false);
         REQUIRE(sorted.sorted_saved());
         const TrainingProgram t = lower_training(ex.pipeline, out, sorted);
         REQUIRE(t.program.tensor("d_x_s_a").layout == RowLayout::sorted);
@@ -36,7 +36,7 @@ TEST_SUITE("cpu") {
     testing::check_edge_cases(64, 128, {"default"},
                               [&](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
                                 const Func out = ex.pipeline.func(ex.output);
-                                const Schedule s = default_schedule(ex.pipeline, {out});
+                                const Schedule s = default_schedule(ex.pipeline, {out}).sorted_gathers(false);
                                 for (const TensorDecl &t : lower_training(ex.pipeline, out, s).program.tensors)
                                   if (t.layout == RowLayout::sorted) {
                                     ++sorted_cases;

@@ -26,7 +26,7 @@ TEST_CASE("cuda sorted saved: the default at the bench shapes compiles for sm_90
     INFO("d " << s.d << " f " << s.f << " E " << s.experts);
     Example ex = make_example("swiglu_moe", s);
     const Func out = ex.pipeline.func(ex.output);
-    const Schedule sch = default_schedule(ex.pipeline, {out});
+    const Schedule sch = default_schedule(ex.pipeline, {out}).sorted_gathers(false); // B shifted under a padded A
     REQUIRE(sch.sorted_saved());
     cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, out, sch);
     REQUIRE(c.training.program.tensor("h_rhs").layout == RowLayout::sorted);
@@ -64,7 +64,7 @@ TEST_SUITE("gpu") {
         INFO("T " << s.tokens << " E " << s.experts << " k " << s.topk);
         Example ex = make_example("swiglu_moe", s);
         const Func out = ex.pipeline.func(ex.output);
-        const Schedule sorted = default_schedule(ex.pipeline, {out});
+        const Schedule sorted = default_schedule(ex.pipeline, {out}).sorted_gathers(false);
         REQUIRE(sorted.sorted_saved());
         // The router's weight gradient is summed by split-K slices adding
         // atomically (their order varies from run to run, at 4096 tokens).
@@ -77,11 +77,12 @@ TEST_SUITE("gpu") {
     MOEFORGE_REQUIRE_GPU();
     // The layer's own default, where the pass applies (bf16 activations,
     // the gradients over the saved pre-activations, dW by TMA).
-    testing::check_edge_cases(
-        64, 128, {"default"}, [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
-          const Func out = ex.pipeline.func(ex.output);
-          return testing::cuda_train_and_compare(ex, in, tokens, default_schedule(ex.pipeline, {out}));
-        });
+    testing::check_edge_cases(64, 128, {"default"},
+                              [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
+                                const Func out = ex.pipeline.func(ex.output);
+                                return testing::cuda_train_and_compare(
+                                    ex, in, tokens, default_schedule(ex.pipeline, {out}).sorted_gathers(false));
+                              });
   }
 
   TEST_CASE("cuda sorted gathers: x's rows without padding give the padded copy's step, bit for bit") {

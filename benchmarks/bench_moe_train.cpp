@@ -98,6 +98,7 @@ Schedule schedule_of(const Shape &shape, const Example &ex, const std::string &n
         .split_pointwise_for_memory(true)
         .gradients_over_saved(true)
         .sorted_saved(true)
+        .sorted_gathers(true)
         .gather_upstream_in_gemms(true)
         .bf16_boundary(true);
   s.recompute(memory == Memory::recompute);

@@ -33,6 +33,7 @@ Schedule layer_wide() {
       .split_pointwise_for_memory(true)
       .gradients_over_saved(true)
       .sorted_saved(true)
+      .sorted_gathers(true)
       .gather_upstream_in_gemms(true)
       .bf16_boundary(true);
   return s;
@@ -72,6 +73,8 @@ void drop_choices_not_taken(Schedule &s, const Pipeline &pipeline, const std::ve
       s.gradients_over_saved(false);
     else if (names("sorted_saved("))
       s.sorted_saved(false);
+    else if (names("sorted_gathers("))
+      s.sorted_gathers(false);
     else if (names("atomic_input_gradient("))
       s.atomic_input_gradient(false);
     else if (names("gather_upstream_in_gemms("))
@@ -155,7 +158,7 @@ Schedule default_schedule(const Pipeline &pipeline, const std::vector<Func> &out
     const TrainingProgram t = lower_training(pipeline, outputs, s);
     const auto &ts = t.program.tensors;
     if (std::none_of(ts.begin(), ts.end(), [](const TensorDecl &d) { return d.layout == RowLayout::sorted; }))
-      s.sorted_saved(false);
+      s.sorted_saved(false).sorted_gathers(false); // sorted_gathers sorts only beside sorted_saved's tensors
   }
   return s;
 }

@@ -263,7 +263,9 @@ public:
   // k-tile's box reads zeroed in shared memory before the tensor cores
   // read them. The backward's workspace loses the copy's padding: fine64
   // 544.5 -> 518 MiB, qwen3moe 576 -> 512 (then the input gradient's
-  // per-pair rows are as large).
+  // per-pair rows are as large). On in the default: on an H100 (s60, 8
+  // layers) it left the step's time unchanged (-0.2 / -0.1 %, fine64 /
+  // qwen3moe) and fine64's reserved peak 0.7 GiB lower.
   Schedule &sorted_gathers(bool on);
   // Training: the layer's outputs that are not scalars (y), their upstream
   // gradients (dy) and the gradients of its Inputs (dx) are stored in bf16,

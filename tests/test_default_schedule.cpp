@@ -47,6 +47,7 @@ TEST_CASE("default schedule: the benchmark's layers compile to tuned_wide's lean
         .split_pointwise_for_memory(true)
         .gradients_over_saved(true)
         .sorted_saved(true)
+        .sorted_gathers(true)
         .gather_upstream_in_gemms(true)
         .bf16_boundary(true); // bench_moe_train's lean mode
     const Schedule def = default_schedule(ex.pipeline, {out});

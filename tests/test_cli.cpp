@@ -546,10 +546,11 @@ TEST_CASE("cli: emit --memory --train says what a forward keeps and what each en
   // T k x f in bf16 each, grouped by expert without padding (sorted_saved:
   // 131072 rows of 768, 192 MiB; padded, 216), and the activation gradients
   // take their bytes (gradients_over_saved); dy's rows are gathered by the GEMMs
-  // (gather_upstream_in_gemms), so the backward's fullest step holds x's
-  // padded copy for the weight gradients (the input gradient's per-pair
-  // rows, as large when padded, are in pair order: 512 MiB); the router's
-  // share of the input gradient lives in the input gradient's own memory.
+  // (gather_upstream_in_gemms), so the backward's fullest step holds the
+  // input gradient's per-pair rows (pair order, 512 MiB) or x's copy for the
+  // weight gradients (as large: grouped by expert without padding,
+  // sorted_gathers); the router's share of the input gradient lives in the
+  // input gradient's own memory.
   Run r = cli({"emit", "swiglu_moe", "--tokens", "16384", "--d", "2048", "--f", "768", "--experts", "128", "--topk",
                "8", "--schedule", "default", "--memory", "--train"});
   INFO(r.err);
@@ -559,8 +560,8 @@ TEST_CASE("cli: emit --memory --train says what a forward keeps and what each en
   CHECK(has(line_from(r.out, "  h_rhs "), "192.0 MiB, then d_x_s_a"));
   CHECK(has(line_from(r.out, "saved      "), "392.1 MiB"));
   const std::string backward = r.out.substr(r.out.find("backward workspace"));
-  CHECK(has(backward, "backward workspace  576.0 MiB"));
-  CHECK(has(backward, "(gather_x_rows_route): x_rows_route 576.0 MiB\n"));
+  CHECK(has(backward, "backward workspace  512.0 MiB"));
+  CHECK(has(backward, "(gemm_d_x_s2_d_x_s): d_x_s2 512.0 MiB\n"));
   CHECK(has(backward, "in an output's memory: d_x_s3 64.0 MiB (in d_x's, until d_x is written over it)"));
   // The saved tensors scale with the tokens; a forward alone saves nothing.
   Run small = cli({"emit", "swiglu_moe", "--tokens", "8192", "--d", "2048", "--f", "768", "--experts", "128", "--topk",

@@ -7,6 +7,8 @@
 // the float64 reference within tolerance.
 #include <doctest/doctest.h>
 
+#include <functional>
+
 #include "backends/cuda/runtime/cuda_backend.h"
 #include "backends/cuda/runtime/training_layer.h"
 #include "cuda_resources.h"
@@ -55,59 +57,64 @@ TEST_CASE("cuda sorted gathers: x's rows stored sorted compile for sm_90a withou
   }
 }
 
+namespace {
+
+// On the GPU: the step under `sorted` (from the layer's default) equals the
+// step under `padded` bit for bit, at odd token counts and at 4096 (16
+// experts of ~1000 pairs: several k-tiles each, the last one partial). The
+// router's weight gradient is left out: split-K slices add it atomically,
+// in an order that varies from run to run at 4096 tokens.
+void check_same_as_padded(uint64_t seed, const std::function<Schedule(const Schedule &)> &sorted,
+                          const std::function<Schedule(const Schedule &)> &padded) {
+  const std::unique_ptr<Backend> backend = cuda::make_backend();
+  for (int64_t tokens : {1, 37, 200, 4096})
+    for (const ExampleShape &s : {shape(tokens, 64, 128, 8, 2), shape(tokens, 128, 192, 16, 4)}) {
+      INFO("T " << s.tokens << " E " << s.experts << " k " << s.topk);
+      Example ex = make_example("swiglu_moe", s);
+      const Schedule def = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)});
+      REQUIRE(def.sorted_saved());
+      testing::check_same_step(*backend, ex, ex.random_inputs(s, seed), s.tokens, sorted(def), padded(def), {"wr"});
+    }
+}
+
+// The MoE edge cases against the float64 reference under the layer's
+// default with sorted_gathers as given.
+void check_edge_cases_with_gathers(bool gathers) {
+  testing::check_edge_cases(64, 128, {"default"},
+                            [gathers](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
+                              const Func out = ex.pipeline.func(ex.output);
+                              return testing::cuda_train_and_compare(
+                                  ex, in, tokens, default_schedule(ex.pipeline, {out}).sorted_gathers(gathers));
+                            });
+}
+
+} // namespace
+
 TEST_SUITE("gpu") {
   TEST_CASE("cuda sorted saved: the default's step equals the padded layout's, bit for bit, at odd token counts") {
     MOEFORGE_REQUIRE_GPU();
-    const std::unique_ptr<Backend> backend = cuda::make_backend();
-    for (int64_t tokens : {1, 37, 200, 4096})
-      for (const ExampleShape &s : {shape(tokens, 64, 128, 8, 2), shape(tokens, 128, 192, 16, 4)}) {
-        INFO("T " << s.tokens << " E " << s.experts << " k " << s.topk);
-        Example ex = make_example("swiglu_moe", s);
-        const Func out = ex.pipeline.func(ex.output);
-        const Schedule sorted = default_schedule(ex.pipeline, {out}).sorted_gathers(false);
-        REQUIRE(sorted.sorted_saved());
-        // The router's weight gradient is summed by split-K slices adding
-        // atomically (their order varies from run to run, at 4096 tokens).
-        testing::check_same_step(*backend, ex, ex.random_inputs(s, 41), s.tokens, sorted,
-                                 Schedule(sorted).sorted_saved(false), {"wr"});
-      }
+    // B shifted under a padded A: x's copy padded (sorted_gathers off).
+    check_same_as_padded(
+        41, [](const Schedule &d) { return Schedule(d).sorted_gathers(false); },
+        [](const Schedule &d) { return Schedule(d).sorted_gathers(false).sorted_saved(false); });
   }
 
   TEST_CASE("cuda sorted saved: the MoE edge cases against the float64 reference") {
     MOEFORGE_REQUIRE_GPU();
     // The layer's own default, where the pass applies (bf16 activations,
     // the gradients over the saved pre-activations, dW by TMA).
-    testing::check_edge_cases(64, 128, {"default"},
-                              [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
-                                const Func out = ex.pipeline.func(ex.output);
-                                return testing::cuda_train_and_compare(
-                                    ex, in, tokens, default_schedule(ex.pipeline, {out}).sorted_gathers(false));
-                              });
+    check_edge_cases_with_gathers(false);
   }
 
   TEST_CASE("cuda sorted gathers: x's rows without padding give the padded copy's step, bit for bit") {
     MOEFORGE_REQUIRE_GPU();
-    const std::unique_ptr<Backend> backend = cuda::make_backend();
-    // 4096 tokens of 16 experts: experts of ~1000 pairs, several k-tiles
-    // each, the last one partial.
-    for (int64_t tokens : {1, 37, 200, 4096})
-      for (const ExampleShape &s : {shape(tokens, 64, 128, 8, 2), shape(tokens, 128, 192, 16, 4)}) {
-        INFO("T " << s.tokens << " E " << s.experts << " k " << s.topk);
-        Example ex = make_example("swiglu_moe", s);
-        const Func out = ex.pipeline.func(ex.output);
-        const Schedule base = default_schedule(ex.pipeline, {out});
-        testing::check_same_step(*backend, ex, ex.random_inputs(s, 43), s.tokens, Schedule(base).sorted_gathers(true),
-                                 Schedule(base).sorted_gathers(false), {"wr"});
-      }
+    check_same_as_padded(
+        43, [](const Schedule &d) { return Schedule(d).sorted_gathers(true); },
+        [](const Schedule &d) { return Schedule(d).sorted_gathers(false); });
   }
 
   TEST_CASE("cuda sorted gathers: the MoE edge cases against the float64 reference") {
     MOEFORGE_REQUIRE_GPU();
-    testing::check_edge_cases(64, 128, {"default"},
-                              [](const Example &ex, const TensorMap &in, int64_t tokens, const std::string &) {
-                                const Func out = ex.pipeline.func(ex.output);
-                                return testing::cuda_train_and_compare(
-                                    ex, in, tokens, default_schedule(ex.pipeline, {out}).sorted_gathers(true));
-                              });
+    check_edge_cases_with_gathers(true);
   }
 }

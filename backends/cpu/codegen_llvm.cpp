@@ -846,23 +846,21 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, FunctionBuilder
   const bool same = src.dtype == dst.dtype;
   internal_check(src.outer_stride == 0 && dst.outer_stride == 0)
       << "step " << s.name << ": a gather copies whole rows of dense tensors";
-  // A copy stored sorted (lowering/sorted_rows.h) has no padding rows: pair
-  // r's row goes to p less the padding before its expert.
+  // A copy stored sorted (lowering/sorted_rows.h) has no padding rows.
   const bool sorted = dst.layout == RowLayout::sorted;
   Value *gsrc = fb.tensor(s.src), *gdst = fb.tensor(s.dst);
   fb.parallel_for(fb.c64(0), fb.route_scalar(s.route, RoutingArray::padded_rows), "p", [&](Value *p) { // a row each
     Value *r = fb.route_at(s.route, RoutingArray::sorted_pair, p);
     Value *is_pad = b.CreateICmpSLT(r, fb.c64(0));
-    Value *dst_row = p;
-    if (sorted) {
-      Value *e = fb.route_at(s.route, RoutingArray::expert, b.CreateSelect(is_pad, fb.c64(0), r));
-      dst_row = b.CreateAdd(b.CreateSub(p, fb.route_at(s.route, RoutingArray::offsets, e)),
-                            fb.route_at(s.route, RoutingArray::offsets_unpadded, e));
-    }
-    Value *to = b.CreateGEP(b.getInt8Ty(), gdst, b.CreateMul(dst_row, fb.c64(row_bytes)));
     if (!sorted)
-      fb.if_then(is_pad, [&] { b.CreateMemSet(to, b.getInt8(0), row_bytes, llvm::MaybeAlign(2)); });
+      fb.if_then(is_pad, [&] {
+        Value *to = b.CreateGEP(b.getInt8Ty(), gdst, b.CreateMul(p, fb.c64(row_bytes)));
+        b.CreateMemSet(to, b.getInt8(0), row_bytes, llvm::MaybeAlign(2));
+      });
     fb.if_then(b.CreateNot(is_pad), [&] {
+      // Pair r's row in dst's layout: p in the padded order, its sorted row.
+      Value *first = fb.offset(dst, {r, fb.c64(0)});
+      Value *to = b.CreateGEP(b.getInt8Ty(), gdst, b.CreateMul(first, fb.c64(dtype_bytes(dst.dtype))));
       Value *row = source_row(fb, s.route, s.rows, p, r);
       if (same) {
         Value *from = b.CreateGEP(b.getInt8Ty(), gsrc, b.CreateMul(row, fb.c64(row_bytes)));
@@ -871,8 +869,7 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, FunctionBuilder
       }
       // An operand copy that changes the storage type (f32 -> bf16).
       fb.for_loop(fb.c64(0), fb.c64(n), "c", [&](Value *c) {
-        fb.store(dst, b.CreateAdd(b.CreateMul(dst_row, fb.c64(n)), c),
-                 fb.load(src, b.CreateAdd(b.CreateMul(row, fb.c64(n)), c)));
+        fb.store(dst, b.CreateAdd(first, c), fb.load(src, b.CreateAdd(b.CreateMul(row, fb.c64(n)), c)));
       });
     });
   });

@@ -157,6 +157,7 @@ private:
 // Emits an expression as C: statements (loops for sums over a token's pairs)
 // go to `out`; emit() returns the value's expression, valid after them.
 std::string max_padded_rows(const KernelProgram &prog, KernelBuilder &kb, const RoutingNode *r);
+std::string sorted_row(KernelBuilder &kb, const RoutingNode *route, const std::string &r);
 
 class ExprEmitter {
 public:
@@ -266,12 +267,8 @@ public:
       std::string v = idx[i];
       if (i == 0 && t.layout == RowLayout::padded)
         v = "(long long)" + kb_.route(t.route, RoutingArray::pair_pos) + "[" + v + "]";
-      if (i == 0 && t.layout == RowLayout::sorted) {
-        const std::string e = kb_.route(t.route, RoutingArray::expert) + "[" + v + "]";
-        v = "((long long)" + kb_.route(t.route, RoutingArray::pair_pos) + "[" + v + "] - " +
-            kb_.route(t.route, RoutingArray::offsets) + "[" + e + "] + " +
-            kb_.route(t.route, RoutingArray::offsets_unpadded) + "[" + e + "])";
-      }
+      if (i == 0 && t.layout == RowLayout::sorted)
+        v = sorted_row(kb_, t.route, v);
       std::string extent = kb_.extent(t.dims[i]);
       if (t.stride8 && i + 1 == t.dims.size())
         extent = "((" + extent + " + 7) / 8 * 8)";
@@ -436,6 +433,15 @@ int route_block(const KernelProgram &prog, const RoutingNode *r) {
 // row stride of its padded_t tensors (runtime/routing_host.h); for a route
 // that drops pairs at capacity, bounded by the kept pairs instead, which
 // the host computes (an argument).
+// The row pair r is stored at in a tensor stored sorted (RowLayout::sorted):
+// its padded row less the padding before its expert e = expert[r].
+std::string sorted_row(KernelBuilder &kb, const RoutingNode *route, const std::string &r) {
+  const std::string e = kb.route(route, RoutingArray::expert) + "[" + r + "]";
+  return "((long long)" + kb.route(route, RoutingArray::pair_pos) + "[" + r + "] - " +
+         kb.route(route, RoutingArray::offsets) + "[" + e + "] + " + kb.route(route, RoutingArray::offsets_unpadded) +
+         "[" + e + "])";
+}
+
 std::string max_padded_rows(const KernelProgram &prog, KernelBuilder &kb, const RoutingNode *r) {
   if (prog.routing(r).drops())
     return kb.named_extent(max_padded_rows_extent(r));
@@ -1612,16 +1618,13 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
   // r goes to its padded row less the padding before its expert.
   const bool sorted = prog.tensor(s.dst).layout == RowLayout::sorted;
   internal_check(!sorted || s.rows != RowMap::direct) << s.name << ": a copy stored sorted is gathered in pair order";
-  std::string pairs, pair_pos, expert, offsets, offsets_unpadded;
+  std::string pairs, pair_pos, to_sorted;
   if (s.rows != RowMap::direct) {
     pairs = kb.extent(s.route->pairs);
     pair_pos = kb.route(s.route, RoutingArray::pair_pos);
   }
-  if (sorted) {
-    expert = kb.route(s.route, RoutingArray::expert);
-    offsets = kb.route(s.route, RoutingArray::offsets);
-    offsets_unpadded = kb.route(s.route, RoutingArray::offsets_unpadded);
-  }
+  if (sorted)
+    to_sorted = sorted_row(kb, s.route, "r");
   // Each thread copies U 16-byte chunks of a row, chunks / U apart so a
   // warp's accesses stay consecutive: it issues all U loads before its
   // stores. One chunk a thread left too few bytes in flight to cover DRAM's
@@ -1669,9 +1672,7 @@ void emit_gather(const KernelProgram &prog, const GatherStep &s, std::ostringstr
     src << "  if (p >= " << pairs << ") return;\n";
     src << "  const long long r = p;  // pair order\n";
     src << "  " << each << "v[j] = " << src_row() << "[" << at << "];\n";
-    src << "  const int e = " << expert << "[r];\n";
-    src << "  const long long to = " << pair_pos << "[r] - " << offsets << "[e] + " << offsets_unpadded
-        << "[e];  // its row stored sorted\n";
+    src << "  const long long to = " << to_sorted << ";  // its row stored sorted\n";
     src << "  " << each << dst_row("to") << "[" << at << "] = v[j];\n}\n\n";
     return;
   }

@@ -86,6 +86,10 @@ std::vector<std::string> choices_without_effect(const Schedule &s, const std::st
                           "(lowering/sorted_rows.h)"
                         : "without sorted_saved(true) no weight gradient's other operand is stored sorted",
        ReadBy::training},
+      {"merge_weight_gradients(true)", s.merge_weight_gradients(), [](Schedule &x) { x.merge_weight_gradients(false); },
+       "no two weight gradients reduce the same A over the same rows with B operands stored alike, in the "
+       "warp-specialised loop with TMA loads",
+       ReadBy::training},
       {"recompute_elementwise(true)", s.recompute_elementwise(), [](Schedule &x) { x.recompute_elementwise(false); },
        s.recompute() ? "recompute(true) recomputes the whole forward already"
                      : "the forward saves no element-wise result that the backward could make again",

@@ -75,6 +75,8 @@ void drop_choices_not_taken(Schedule &s, const Pipeline &pipeline, const std::ve
       s.sorted_saved(false);
     else if (names("sorted_gathers("))
       s.sorted_gathers(false);
+    else if (names("merge_weight_gradients("))
+      s.merge_weight_gradients(false);
     else if (names("atomic_input_gradient("))
       s.atomic_input_gradient(false);
     else if (names("gather_upstream_in_gemms("))

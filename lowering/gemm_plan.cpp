@@ -65,8 +65,8 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   in_place = g.operands_in_place;
   ws = t.mma == MmaKind::wgmma_ws;
   wgmma = t.mma == MmaKind::wgmma || ws;
-  internal_check(!in_place || (wgmma && g.expert_k && p.nb == 1))
-      << "in-place operands are for wgmma expert reductions";
+  internal_check(!in_place || (wgmma && g.expert_k && p.nb <= 2))
+      << "in-place operands are for wgmma expert reductions of one or two B operands";
   if (wgmma && !in_place) {
     user_check(p.nb * t.tile_n / 2 <= 128)
         << "definition '" << g.output << "': " << p.nb << " B operands with tile_n " << t.tile_n << " need "
@@ -84,13 +84,24 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   auto zero_padded = [&](const std::string &name, RowMap rows) {
     return rows == RowMap::direct && prog.tensor(name).zero_padding && prog.tensor(name).dtype == DType::bf16;
   };
-  const bool rows_by_tma = in_place && ws && t.tma && p.nb == 1;
+  const bool rows_by_tma = in_place && ws && t.tma;
   // A B stored sorted (lowering/sorted_rows.h) runs past its expert's rows
   // into the next one's, where A's rows are zero.
   auto sorted = [&](const std::string &name) { return prog.tensor(name).layout == RowLayout::sorted; };
-  b_tma_rows = rows_by_tma && (zero_padded(g.b[0], g.b_rows) || (sorted(g.b[0]) && g.b_rows == RowMap::direct));
+  // Two B operands (merge_weight_gradients): both by TMA, stored alike.
+  b_tma_rows = rows_by_tma;
+  for (const std::string &b : g.b)
+    b_tma_rows = b_tma_rows && (zero_padded(b, g.b_rows) || (sorted(b) && g.b_rows == RowMap::direct));
   p.a_sorted = sorted(g.a);
   p.b_sorted = sorted(g.b[0]);
+  for (const std::string &b : g.b)
+    internal_check(sorted(b) == p.b_sorted)
+        << g.name << ": B operands '" << g.b[0] << "' and '" << b << "' stored in different row layouts";
+  user_check(!in_place || p.nb == 1 || b_tma_rows)
+      << "definition '" << g.output << "': an expert reduction with " << p.nb << " B operands "
+      << "(merge_weight_gradients) reads them by TMA in the warp-specialised loop: add mma(\"" << g.func
+      << "\", wgmma_ws) and tma(\"" << g.func << "\", true) with padded_elementwise(true), or drop "
+      << "merge_weight_gradients";
   internal_check(!g.expert_k || !sorted(g.b[0]) || b_tma_rows)
       << g.name << ": an expert reduction reads '" << g.b[0] << "', stored sorted, by TMA only (sorted_rows.h)";
   p.k_unpadded = g.expert_k && p.a_sorted;
@@ -207,7 +218,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
   // A block per tile stages every output at once in its idle ring.
   const bool staging_fits = persistent || static_cast<int>(outputs.size()) * t.tile_m * t.tile_n * 2 <= p.stage_bytes;
   out_tma = t.tma_store && !g.out_add && (tma || (g.expert_k && persistent)) && (!cluster || pair_items) &&
-            outputs_bf16 && (g.extra.empty() || !g.expert_k) && staging_fits &&
+            outputs_bf16 && (g.extra.empty() || !g.expert_k || p.nb > 1) && staging_fits &&
             (!p.zero_rows || (g.block == t.tile_m && t.cluster_m == 1)) &&
             (!g.route || g.expert_k || (g.out_rows == RowMap::direct && !p.pair_rows)) &&
             !sorted_output; // a tile's box would store its padding rows over the next expert's
@@ -278,7 +289,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
                 "its reduction runs over a run-time extent, which the TMA boxes are not made for"},
                {g.expert_k && !in_place, "an expert reduction reads its operands by TMA only in place"},
                {g.expert_k && !ws, "an expert reduction's TMA loads come from the warp-specialised loop (wgmma_ws)"},
-               {g.expert_k && p.nb != 1, "an expert reduction's TMA loads take one B operand"},
+               {g.expert_k && p.nb > 2, "an expert reduction's TMA loads take one or two B operands"},
                {g.expert_k,
                 "an expert reduction reads an operand by TMA where it is zero-padded bf16 rows in the padded order "
                 "(A's segments whole 64-row boxes too), which neither '" +
@@ -320,7 +331,7 @@ GemmPlan plan_gemm(const KernelProgram &prog, const GemmStep &g) {
              {cluster && !pair_items, "in clusters, TMA stores come with persistent blocks (persistent(" + f +
                                           ", true)); a cluster per pair of row tiles keeps plain stores"},
              {!outputs_bf16, "an output is not bf16"},
-             {!g.extra.empty() && g.expert_k, "an expert reduction with fused outputs keeps plain stores"},
+             {!g.extra.empty() && g.expert_k && p.nb == 1, "an expert reduction with fused outputs keeps plain stores"},
              {!staging_fits, "its outputs' tiles do not fit the idle ring of stages, where a block per tile "
                              "stages them"},
              {p.zero_rows && !(g.block == t.tile_m && t.cluster_m == 1),

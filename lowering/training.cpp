@@ -12,6 +12,7 @@
 #include "lowering/gemm_plan.h"
 #include "lowering/in_place.h"
 #include "lowering/lower.h"
+#include "lowering/merge_reductions.h"
 #include "lowering/order_for_memory.h"
 #include "lowering/pair_order.h"
 #include "lowering/rename_indices.h"
@@ -516,6 +517,10 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
         store_gathers_sorted(p);
     }
   }
+  // After the row layouts: the merged reductions' B operands must be
+  // stored alike, and store_gathers_sorted reads single-B reductions.
+  if (schedule.merge_weight_gradients())
+    merge_weight_gradients(p, t.forward_steps, p.steps.size());
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))
       if (producer.count(r) && !contains(t.saved, r))

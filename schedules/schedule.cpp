@@ -188,6 +188,9 @@ Schedule &Schedule::split_pointwise_for_memory(bool on) {
 Schedule &Schedule::gradients_over_saved(bool on) { return flag(gradients_over_saved_, "gradients_over_saved", on); }
 Schedule &Schedule::sorted_saved(bool on) { return flag(sorted_saved_, "sorted_saved", on); }
 Schedule &Schedule::sorted_gathers(bool on) { return flag(sorted_gathers_, "sorted_gathers", on); }
+Schedule &Schedule::merge_weight_gradients(bool on) {
+  return flag(merge_weight_gradients_, "merge_weight_gradients", on);
+}
 Schedule &Schedule::gather_upstream_in_gemms(bool on) {
   return flag(gather_upstream_in_gemms_, "gather_upstream_in_gemms", on);
 }

@@ -267,6 +267,16 @@ public:
   // layers) it left the step's time unchanged (-0.2 / -0.1 %, fine64 /
   // qwen3moe) and fine64's reserved peak 0.7 GiB lower.
   Schedule &sorted_gathers(bool on);
+  // Training: two weight gradients that reduce the same A over the same
+  // rows with B operands stored alike (SwiGLU's dW1 = X^T dH1 and dW3 =
+  // X^T dH3) as one expert reduction with two B operands: each tile holds
+  // tile_n / 2 columns of each gradient, computed by one wgmma, so A's
+  // stages are loaded once for both, there is one launch, and a width that
+  // is an odd multiple of tile_n / 2 (fine64's f = 1408 under 256-wide
+  // tiles) leaves no half-empty tile (lowering/merge_reductions.h). CUDA:
+  // the warp-specialised loop with both B by TMA; the CPU backend runs the
+  // same program.
+  Schedule &merge_weight_gradients(bool on);
   // Training: the layer's outputs that are not scalars (y), their upstream
   // gradients (dy) and the gradients of its Inputs (dx) are stored in bf16,
   // the dtype a bf16 model passes between its layers, instead of f32: the
@@ -401,6 +411,7 @@ public:
   bool gradients_over_saved() const { return gradients_over_saved_; }
   bool sorted_saved() const { return sorted_saved_; }
   bool sorted_gathers() const { return sorted_gathers_; }
+  bool merge_weight_gradients() const { return merge_weight_gradients_; }
   bool gather_upstream_in_gemms() const { return gather_upstream_in_gemms_; }
   bool bf16_boundary() const { return bf16_boundary_; }
   bool fused_attention() const { return fused_attention_; }
@@ -488,6 +499,7 @@ private:
   bool gradients_over_saved_ = false;
   bool sorted_saved_ = false;
   bool sorted_gathers_ = false;
+  bool merge_weight_gradients_ = false;
   bool gather_upstream_in_gemms_ = false;
   bool bf16_boundary_ = false;
   bool fused_attention_ = false;

@@ -523,9 +523,12 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
             for (const GemmStep::Extra &x : g.extra) { // fused element-wise outputs
               const TensorDecl &t = prog.tensor(x.output);
               internal_check(t.layout != RowLayout::sorted || s_row) << g.name << ": '" << t.name << "' is sorted";
-              Value *at = !g.route || t.layout == RowLayout::padded ? p_row
-                          : t.layout == RowLayout::sorted           ? s_row
-                                                                    : row_index;
+              // An expert reduction's further output (a second B's weight
+              // gradient) is a matrix per expert, as its own output is.
+              Value *at = g.expert_k                                  ? out_row
+                          : !g.route || t.layout == RowLayout::padded ? p_row
+                          : t.layout == RowLayout::sorted             ? s_row
+                                                                      : row_index;
               fb.store(t, b.CreateAdd(b.CreateMul(at, N), col), em.emit(x.value));
             }
           });
@@ -549,6 +552,9 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
       // padding before expert e.
       const bool a_sorted = A.layout == RowLayout::sorted, b_sorted = B[0]->layout == RowLayout::sorted;
       internal_check(!b_sorted || g.b_rows == RowMap::direct) << g.name << ": a sorted B is read in tile order";
+      for (const TensorDecl *bi : B) // two B operands (merge_weight_gradients) are stored alike
+        internal_check((bi->layout == RowLayout::sorted) == b_sorted)
+            << g.name << ": B operands '" << B[0]->name << "' and '" << bi->name << "' in different row layouts";
       internal_check(!a_sorted || g.a_rows == RowMap::direct) << g.name << ": a sorted A is read in tile order";
       // Experts in parallel: each writes its own C[e].
       fb.parallel_for(fb.c64(0), fb.c64(rt->expert_dim().extent()), "e", [&](Value *e) {
@@ -564,7 +570,8 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, FunctionBuilder &fb
                 Value *a_row = a_sorted ? b.CreateSub(p, shift) : row_of(g.a_rows, p, r);
                 Value *a = fb.load(A, b.CreateAdd(b.CreateMul(a_row, M), m));
                 Value *b_row = b_sorted ? b.CreateSub(p, shift) : row_of(g.b_rows, p, r);
-                update(0, b.CreateAdd(b.CreateMul(b_row, N), n0), a);
+                for (int i = 0; i < nb; ++i)
+                  update(i, b.CreateAdd(b.CreateMul(b_row, N), n0), a);
               });
             });
           });

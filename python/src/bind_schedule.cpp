@@ -92,6 +92,7 @@ void bind_schedule(nb::module_ &m) {
       .def("gradients_over_saved", nb::overload_cast<bool>(&Schedule::gradients_over_saved), "on"_a = true, chain)
       .def("sorted_saved", nb::overload_cast<bool>(&Schedule::sorted_saved), "on"_a = true, chain)
       .def("sorted_gathers", nb::overload_cast<bool>(&Schedule::sorted_gathers), "on"_a = true, chain)
+      .def("merge_weight_gradients", nb::overload_cast<bool>(&Schedule::merge_weight_gradients), "on"_a = true, chain)
       .def("gather_upstream_in_gemms", nb::overload_cast<bool>(&Schedule::gather_upstream_in_gemms), "on"_a = true,
            chain)
       .def("bf16_boundary", nb::overload_cast<bool>(&Schedule::bf16_boundary), "on"_a = true, chain)

@@ -569,6 +569,10 @@ std::string epilogue_call(const std::string &fn, int nb, const std::string &vr, 
 // row (padded, or a dense GEMM's), from the tile's unpadded first row
 // (sorted), or the pair's (pair order).
 std::string fused_output_row(const GemmStep &g, const TensorDecl &t) {
+  if (g.expert_k) // a further weight gradient (two B operands): expert's [M, N] matrix, maybe inside a larger one
+    return "(expert * " +
+           (t.outer_stride > 0 ? std::to_string(t.outer_stride / g.n.extent()) + "LL" : std::string("M")) +
+           " + p0 + lr)";
   if (!g.route || t.layout == RowLayout::padded)
     return "(p0 + lr)";
   return t.layout == RowLayout::sorted ? "(sbase + lr)" : "(long long)r";
@@ -817,10 +821,11 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
       << g.name << ": an expert reduction reads A and B stored sorted by TMA, in place";
 
   std::ostringstream body;
-  internal_check(!in_place || (wgmma && g.expert_k && nb == 1)) << "in-place operands are for wgmma expert reductions";
+  internal_check(!in_place || (wgmma && g.expert_k && (nb == 1 || (ws && b_tma_rows))))
+      << "in-place operands are for wgmma expert reductions, two B operands by TMA";
   if (in_place) {
     body << "  using Cfg = mf::" << (ws ? "WgmmaRowsWsConfig<" : "WgmmaRowsConfig<") << t.tile_m << ", " << t.tile_n
-         << ", " << t.stages << ">;  // Hopper warpgroup MMA, "
+         << ", " << t.stages << (nb > 1 ? ", " + std::to_string(nb) : "") << ">;  // Hopper warpgroup MMA, "
          << (a_tma_rows && b_tma_rows ? "A and B by TMA"
              : b_tma_rows             ? "A by rows, B by TMA"
              : a_tma_rows             ? "A by TMA, B by rows"
@@ -1064,7 +1069,10 @@ void emit_gemm(const KernelProgram &prog, const GemmStep &g, std::ostringstream 
            << ">(" << (persistent ? "ring, " : "smem, ") << operand(a_tma_rows, gA) << ", " << div(g.a_rows)
            << ", (int)M, (int)p0, " << operand(b_tma_rows, gB[0]) << ", " << div(g.b_rows) << ", N, n0, "
            << kb.route(g.route, RoutingArray::sorted_pair) << ", k_begin, K, acc"
-           << (b_sorted ? (half.empty() ? ", Cfg::BN" : half) + ", b_shift" : half) << "))\n"
+           << (nb > 1     ? ", Cfg::BN, " + std::string(b_sorted ? "b_shift" : "0") + ", " + gB[1]
+               : b_sorted ? (half.empty() ? ", Cfg::BN" : half) + ", b_shift"
+                          : half)
+           << "))\n"
            << (persistent ? "    continue;  // the producer: on to the next tile\n\n"
                           : "    return;  // a loading-only warpgroup\n\n");
     else

@@ -17,18 +17,25 @@ namespace mf {
 // transposed (trans-a), so no transposed copy of A is ever written.
 // Row maps: div 0 reads row p itself (a padded tensor), div d reads row
 // sorted_pair[p] / d (d = 1: pair order; d = k: the token's row).
-template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig : TmaStoreTile<BN_> {
-  static constexpr int BM = BM_, BN = BN_, BK = 64, STAGES = STAGES_, NB = 1;
+// NB = 2: two reductions over the same A and rows (SwiGLU's dW1 and dW3,
+// X^T dH1 and X^T dH3), each B's BN columns side by side in a stage, so
+// one m64n(2 BN) wgmma computes both and A is loaded once for both; its
+// accumulators are acc[b] (the wgmma's first BN / 2 registers per thread
+// are B 0's columns). With BN = 128, f = 1408 takes 11 such tiles where
+// two single-B reductions of 256 columns took 2 x 6, the last half empty.
+template <int BM_, int BN_, int STAGES_, int NB_ = 1> struct WgmmaRowsConfig : TmaStoreTile<BN_> {
+  static constexpr int BM = BM_, BN = BN_, BK = 64, STAGES = STAGES_, NB = NB_;
   static constexpr int WG = BM / 64, THREADS = WG * 128;
   static constexpr int MI = 1, NI = BN / 8;
-  static constexpr int A_STAGE_BYTES = BK * BM * 2, B_STAGE_BYTES = BK * BN * 2;
+  static constexpr int A_STAGE_BYTES = BK * BM * 2, B_STAGE_BYTES = NB * BK * BN * 2; // every B's columns
   static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;
   static_assert(BM == 64 || BM == 128, "wgmma tiles are 64 or 128 rows");
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma tiles are 64, 128 or 256 columns");
+  static_assert(NB == 1 || (NB == 2 && BN <= 128), "two B operands: one wgmma of at most 256 columns");
   static_assert(STAGES >= 3, "wgmma overlaps one group in flight: at least three stages");
 
-  typedef float Acc[1][BN / 2];
+  typedef float Acc[NB][BN / 2];
   __device__ static __forceinline__ float get(const Acc &acc, int b, int, int ni, int e) { return acc[b][ni * 4 + e]; }
   __device__ static __forceinline__ int acc_row(int warp, int lane, int, int e) {
     return (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2) + (e >> 1) * 8;
@@ -121,6 +128,7 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig : TmaStoreTile<B
   __device__ static __forceinline__ void load_stage(unsigned s0, int slot, int kt, int t, Rows<LOADERS> &rows,
                                                     const bf16 *A, int a_div, int M, int m0, const bf16 *B, int b_div,
                                                     int N, int n0) {
+    static_assert(NB == 1, "two B operands come by TMA (WgmmaRowsWsConfig::load_tma_rows)");
     const unsigned sA = s0 + slot * STAGE_BYTES;
     const int r = rows.next(kt);
     copy_rows<BM, LOADERS>(sA, t, rows.source(kt, r, a_div), A, M, m0);
@@ -130,7 +138,7 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig : TmaStoreTile<B
   // W < BN: the tile's first W columns only (the narrow tail, as
   // WgmmaConfig::mma_stage).
   template <int W = BN> __device__ static __forceinline__ void mma_stage(unsigned s0, int slot, int wg, Acc &acc) {
-    static_assert(W == BN || (W >= 64 && BN % W == 0), "a stage is the whole tile or its first W columns");
+    static_assert(W == BN || (W >= 64 && BN % W == 0 && NB == 1), "a stage is the whole tile or its first W columns");
     const unsigned sA = s0 + slot * STAGE_BYTES + wg * (BK * 128); // this warpgroup's 64 columns of A
     const unsigned sB = s0 + slot * STAGE_BYTES + A_STAGE_BYTES;
     wgmma_fence();
@@ -139,7 +147,7 @@ template <int BM_, int BN_, int STAGES_> struct WgmmaRowsConfig : TmaStoreTile<B
       // M-/N-major: 16 k-rows are two 8-row groups (2 KiB); slabs BK * 128 bytes apart.
       const unsigned long long da = wgmma_desc(sA + ks * 2048, BK * 128, 1024);
       const unsigned long long db = wgmma_desc(sB + ks * 2048, BK * 128, 1024);
-      Wgmma<W, 1, 1>::mma(reinterpret_cast<float(&)[W / 2]>(acc[0]), da, db);
+      Wgmma<NB * W, 1, 1>::mma(reinterpret_cast<float(&)[NB * W / 2]>(acc[0]), da, db);
     }
     wgmma_commit();
   }

@@ -487,11 +487,11 @@ struct WgmmaWsConfig : WgmmaConfig<BM_, BN_, STAGES_, NB_, BT>,
 // WgmmaRowsConfig with a producer warpgroup (ws_pipeline): the consumers
 // never wait on a block barrier, and the row lookups through sorted_pair are
 // off their path.
-template <int BM_, int BN_, int STAGES_>
-struct WgmmaRowsWsConfig
-    : WgmmaRowsConfig<BM_, BN_, STAGES_>,
-      TileRing<STAGES_, WgmmaRowsConfig<BM_, BN_, STAGES_>::STAGE_BYTES, WgmmaRowsConfig<BM_, BN_, STAGES_>::WG * 128> {
-  typedef WgmmaRowsConfig<BM_, BN_, STAGES_> Base;
+template <int BM_, int BN_, int STAGES_, int NB_ = 1>
+struct WgmmaRowsWsConfig : WgmmaRowsConfig<BM_, BN_, STAGES_, NB_>,
+                           TileRing<STAGES_, WgmmaRowsConfig<BM_, BN_, STAGES_, NB_>::STAGE_BYTES,
+                                    WgmmaRowsConfig<BM_, BN_, STAGES_, NB_>::WG * 128> {
+  typedef WgmmaRowsConfig<BM_, BN_, STAGES_, NB_> Base;
   typedef TileRing<STAGES_, Base::STAGE_BYTES, Base::WG * 128> Tiles;
   using typename Base::Acc;
   using typename Tiles::Ring;
@@ -533,11 +533,13 @@ struct WgmmaRowsWsConfig
   // every loop carried it.) A_MASKED: A and B both stored sorted, p_begin
   // the expert's unpadded first row and K its pairs, so the last k-tile's
   // boxes run into the next expert's rows in both; the consumers zero A's
-  // there (zero_a_rows) before their wgmmas read the stage.
+  // there (zero_a_rows) before their wgmmas read the stage. tB2: the
+  // second B's map (NB = 2; both B by TMA, alike in rows and layout).
   template <bool A_TMA, bool B_TMA, bool B_SHIFTED = false, bool A_MASKED = false>
   __device__ static bool mainloop(unsigned char *smem, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0,
                                   const bf16 *B, const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair,
-                                  long long p_begin, int K, Acc &acc, int cols = Base::BN, int b_shift = 0) {
+                                  long long p_begin, int K, Acc &acc, int cols = Base::BN, int b_shift = 0,
+                                  const TmaDesc *tB2 = nullptr) {
     static_assert(!A_MASKED || (A_TMA && B_TMA && !B_SHIFTED), "a masked A: both operands sorted, by TMA");
     const int wg = threadIdx.x >> 7, KT = (K + Base::BK - 1) / Base::BK;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u, full = s0 + STAGES * Base::STAGE_BYTES;
@@ -549,8 +551,11 @@ struct WgmmaRowsWsConfig
           int shift = 0;
           if constexpr (B_SHIFTED)
             shift = b_shift;
+          const TmaDesc *second = nullptr; // captured only by the two-B loops
+          if constexpr (Base::NB == 2)
+            second = tB2;
           load_tma_rows<A_TMA, B_TMA>(s0, full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
-                                      sorted_pair, p_begin, K, shift);
+                                      sorted_pair, p_begin, K, shift, second);
         },
         [&](int slot) {
           if constexpr (A_MASKED)
@@ -569,7 +574,7 @@ struct WgmmaRowsWsConfig
   template <bool A_TMA, bool B_TMA, bool B_SHIFTED = false, bool A_MASKED = false>
   __device__ static bool tile(Ring &r, const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0, const bf16 *B,
                               const TmaDesc *tB, int b_div, int N, int n0, const int *sorted_pair, long long p_begin,
-                              int K, Acc &acc, int cols = Base::BN, int b_shift = 0) {
+                              int K, Acc &acc, int cols = Base::BN, int b_shift = 0, const TmaDesc *tB2 = nullptr) {
     static_assert(!A_MASKED || (A_TMA && B_TMA && !B_SHIFTED), "a masked A: both operands sorted, by TMA");
     const int wg = threadIdx.x >> 7, KT = (K + Base::BK - 1) / Base::BK;
     typename Base::template Rows<128> rows;
@@ -580,8 +585,11 @@ struct WgmmaRowsWsConfig
           int shift = 0;
           if constexpr (B_SHIFTED)
             shift = b_shift;
+          const TmaDesc *second = nullptr; // captured only by the two-B loops
+          if constexpr (Base::NB == 2)
+            second = tB2;
           load_tma_rows<A_TMA, B_TMA>(r.s0, r.full, slot, kt, t, rows, A, tA, a_div, M, m0, B, tB, b_div, N, n0,
-                                      sorted_pair, p_begin, K, shift);
+                                      sorted_pair, p_begin, K, shift, second);
         },
         [&](int slot) {
           if constexpr (A_MASKED)
@@ -609,8 +617,9 @@ struct WgmmaRowsWsConfig
   __device__ static __forceinline__ void
   load_tma_rows(unsigned s0, unsigned full, int slot, int kt, int t, typename Base::template Rows<128> &rows,
                 const bf16 *A, const TmaDesc *tA, int a_div, int M, int m0, const bf16 *B, const TmaDesc *tB, int b_div,
-                int N, int n0, const int *sorted_pair, long long p_begin, int K, int b_shift) {
+                int N, int n0, const int *sorted_pair, long long p_begin, int K, int b_shift, const TmaDesc *tB2) {
     constexpr bool ALL_TMA = A_TMA && B_TMA;
+    static_assert(Base::NB == 1 || B_TMA, "two B operands come by TMA");
     if (kt == 0 && !ALL_TMA)
       rows.start(t, sorted_pair, p_begin, K);
     const unsigned sA = s0 + slot * Base::STAGE_BYTES, sB = sA + Base::A_STAGE_BYTES, bar = full + 8 * slot;
@@ -619,8 +628,11 @@ struct WgmmaRowsWsConfig
       mbar_expect_tx(bar, (B_TMA ? Base::B_STAGE_BYTES : 0) + (A_TMA ? Base::A_STAGE_BYTES : 0));
       if (B_TMA)
 #pragma unroll
-        for (int s = 0; s < Base::BN / 64; ++s)
+        for (int s = 0; s < Base::BN / 64; ++s) {
           tma_load_3d(sB + s * (Base::BK * 128), tB, n0 + s * 64, k_row - b_shift, 0, bar);
+          if constexpr (Base::NB == 2) // the second B's slabs after the first's, as one wgmma reads them
+            tma_load_3d(sB + (Base::BN / 64 + s) * (Base::BK * 128), tB2, n0 + s * 64, k_row - b_shift, 0, bar);
+        }
       if (A_TMA)
 #pragma unroll
         for (int s = 0; s < Base::BM / 64; ++s)

@@ -243,10 +243,17 @@ void register_all() {
     return out;
   }();
   for (round = 1; round <= rounds; ++round) {
-    for (const Shape &s : bench::kMoeShapes)
+    // Every training shape, the extra ones too (qwen3moe, gptoss): a
+    // variant is timed where the default is.
+    auto add_variants = [&](const Shape &s) {
       for (const std::string &v : variants)
         for (bool skewed : {false, true})
           add(s, v.c_str(), Memory::store, skewed);
+    };
+    for (const Shape &s : bench::kMoeShapes)
+      add_variants(s);
+    for (const Shape &s : bench::kExtraTrainShapes)
+      add_variants(s);
     for (const Shape &s : bench::kMoeShapes)
       for (const std::string &f : files)
         for (bool skewed : {false, true})

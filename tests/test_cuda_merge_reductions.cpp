@@ -8,7 +8,7 @@
 
 #include "backends/cuda/runtime/cuda_backend.h"
 #include "backends/cuda/runtime/training_layer.h"
-#include "cuda_resources.h"
+#include "cuda_bench_shapes.h"
 #include "cuda_training_step.h"
 #include "gpu_test.h"
 #include "layer_compare.h"
@@ -20,19 +20,15 @@ using namespace moeforge;
 using testing::shape;
 
 TEST_CASE("cuda merge weight gradients: the default with the choice compiles for sm_90a without spills") {
-  for (const ExampleShape &s : {shape(16384, 2048, 1408, 64, 8), shape(8192, 2880, 2880, 128, 4),
-                                shape(8192, 4096, 14336, 8, 2), shape(16384, 2048, 768, 128, 8)}) {
-    INFO("d " << s.d << " f " << s.f << " E " << s.experts);
-    Example ex = make_example("swiglu_moe", s);
-    const Func out = ex.pipeline.func(ex.output);
-    const Schedule sch = default_schedule(ex.pipeline, {out}).merge_weight_gradients(true);
-    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, out, sch);
-    testing::check_resources(c.layer, "swiglu_moe / default + merge_weight_gradients");
-    const std::string &src = c.layer.source.source;
-    CHECK(src.find("mf::WgmmaRowsWsConfig<128, 128, 4, 2>") != std::string::npos);
-    CHECK(src.find("gemm_d_w1_d_w3") != std::string::npos);
-    CHECK(src.find("gemm_d_w3(") == std::string::npos); // no kernel of its own
-  }
+  testing::check_bench_shapes(
+      "default + merge_weight_gradients",
+      [](const Schedule &def) { return Schedule(def).merge_weight_gradients(true); },
+      [](const cuda::CompiledTraining &c) {
+        const std::string &src = c.layer.source.source;
+        CHECK(src.find("mf::WgmmaRowsWsConfig<128, 128, 4, 2>") != std::string::npos);
+        CHECK(src.find("gemm_d_w1_d_w3") != std::string::npos);
+        CHECK(src.find("gemm_d_w3(") == std::string::npos); // no kernel of its own
+      });
 }
 
 TEST_SUITE("gpu") {

@@ -11,7 +11,7 @@
 
 #include "backends/cuda/runtime/cuda_backend.h"
 #include "backends/cuda/runtime/training_layer.h"
-#include "cuda_resources.h"
+#include "cuda_bench_shapes.h"
 #include "cuda_training_step.h"
 #include "gpu_test.h"
 #include "layer_compare.h"
@@ -23,38 +23,31 @@ using namespace moeforge;
 using testing::shape;
 
 TEST_CASE("cuda sorted saved: the default at the bench shapes compiles for sm_90a without spills") {
-  for (const ExampleShape &s : {shape(16384, 2048, 1408, 64, 8), shape(8192, 2880, 2880, 128, 4),
-                                shape(8192, 4096, 14336, 8, 2), shape(16384, 2048, 768, 128, 8)}) {
-    INFO("d " << s.d << " f " << s.f << " E " << s.experts);
-    Example ex = make_example("swiglu_moe", s);
-    const Func out = ex.pipeline.func(ex.output);
-    const Schedule sch = default_schedule(ex.pipeline, {out}).sorted_gathers(false); // B shifted under a padded A
-    REQUIRE(sch.sorted_saved());
-    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, out, sch);
-    REQUIRE(c.training.program.tensor("h_rhs").layout == RowLayout::sorted);
-    testing::check_resources(c.layer, "swiglu_moe / default");
-    const std::string &src = c.layer.source.source;
-    CHECK(src.find("const long long sbase = p0 - ") != std::string::npos); // gemm_h's stores, dX's A
-    CHECK(src.find("const int b_shift = ") != std::string::npos);          // dW1's and dW3's B
-    CHECK(src.find("offsets_unpadded") != std::string::npos);
-  }
+  testing::check_bench_shapes(
+      "default",
+      [](const Schedule &def) {
+        REQUIRE(def.sorted_saved());
+        return Schedule(def).sorted_gathers(false); // B shifted under a padded A
+      },
+      [](const cuda::CompiledTraining &c) {
+        REQUIRE(c.training.program.tensor("h_rhs").layout == RowLayout::sorted);
+        const std::string &src = c.layer.source.source;
+        CHECK(src.find("const long long sbase = p0 - ") != std::string::npos); // gemm_h's stores, dX's A
+        CHECK(src.find("const int b_shift = ") != std::string::npos);          // dW1's and dW3's B
+        CHECK(src.find("offsets_unpadded") != std::string::npos);
+      });
 }
 
 TEST_CASE("cuda sorted gathers: x's rows stored sorted compile for sm_90a without spills at the bench shapes") {
-  for (const ExampleShape &s : {shape(16384, 2048, 1408, 64, 8), shape(8192, 2880, 2880, 128, 4),
-                                shape(8192, 4096, 14336, 8, 2), shape(16384, 2048, 768, 128, 8)}) {
-    INFO("d " << s.d << " f " << s.f << " E " << s.experts);
-    Example ex = make_example("swiglu_moe", s);
-    const Func out = ex.pipeline.func(ex.output);
-    const Schedule sch = default_schedule(ex.pipeline, {out}).sorted_gathers(true);
-    cuda::CompiledTraining c = cuda::compile_training(ex.pipeline, out, sch);
-    REQUIRE(c.training.program.tensor("x_rows_route").layout == RowLayout::sorted);
-    testing::check_resources(c.layer, "swiglu_moe / default + sorted_gathers");
-    const std::string &src = c.layer.source.source;
-    CHECK(src.find("its row stored sorted") != std::string::npos);      // the gather
-    CHECK(src.find("<true, true, false, true>(") != std::string::npos); // dW1's and dW3's masked A
-    CHECK(src.find("const int b_shift = ") == std::string::npos);       // both operands start unpadded
-  }
+  testing::check_bench_shapes(
+      "default + sorted_gathers", [](const Schedule &def) { return Schedule(def).sorted_gathers(true); },
+      [](const cuda::CompiledTraining &c) {
+        REQUIRE(c.training.program.tensor("x_rows_route").layout == RowLayout::sorted);
+        const std::string &src = c.layer.source.source;
+        CHECK(src.find("its row stored sorted") != std::string::npos);      // the gather
+        CHECK(src.find("<true, true, false, true>(") != std::string::npos); // dW1's and dW3's masked A
+        CHECK(src.find("const int b_shift = ") == std::string::npos);       // both operands start unpadded
+      });
 }
 
 namespace {

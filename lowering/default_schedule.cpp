@@ -34,6 +34,7 @@ Schedule layer_wide() {
       .gradients_over_saved(true)
       .sorted_saved(true)
       .sorted_gathers(true)
+      .merge_weight_gradients(true)
       .gather_upstream_in_gemms(true)
       .bf16_boundary(true);
   return s;
@@ -121,8 +122,11 @@ Schedule default_schedule(const Pipeline &pipeline, const std::vector<Func> &out
   // What each GEMM is, read off the program under the anchors' 128 x 128
   // tiles: lowering makes two GEMMs over the same rows one GEMM of two B
   // operands only where their tiles fit that, as 128 x 256 would not.
+  // Weight gradients unmerged, so that each Func's GEMM is its own step
+  // (the merged dW1 + dW3 would read as one GEMM of two B operands, named
+  // by d_w1 alone).
   Schedule probe = s;
-  probe.tile(Schedule::all_funcs, 128, 128, 64);
+  probe.tile(Schedule::all_funcs, 128, 128, 64).merge_weight_gradients(false);
   KernelProgram p;
   size_t forward_steps = 0;
   if (outputs.empty()) {

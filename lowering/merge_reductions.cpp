@@ -1,5 +1,6 @@
 #include "lowering/merge_reductions.h"
 
+#include "lowering/gemm_plan.h"
 #include "lowering/rename_indices.h"
 
 namespace moeforge {
@@ -15,11 +16,17 @@ struct RenameAccumulator : IRMutator {
 };
 
 // A reduction this pass may merge: one B, read in place by the
-// warp-specialised loop with TMA loads, nothing fused or added.
-bool mergeable(const GemmStep &g) {
-  return g.expert_k && g.operands_in_place && g.b.size() == 1 && g.accumulators.size() == 1 && g.extra.empty() &&
-         !g.chained && !g.out_add && !g.windowed && !g.fp8 && !g.unfused && g.tiling.mma == MmaKind::wgmma_ws &&
-         g.tiling.tma && g.tiling.tile_n >= 128 && g.tiling.tile_n % 128 == 0 && !g.tiling.narrow_tail;
+// warp-specialised loop, nothing fused or added, and both operands loaded
+// by TMA as its plan has it (gemm_plan.cpp): the merged loop reads its
+// second B by TMA only, and with A gathered by cp.async beside two B the
+// consumers' registers run out (8 bytes spilled at d = 64).
+bool mergeable(const KernelProgram &p, const GemmStep &g) {
+  if (!(g.expert_k && g.operands_in_place && g.b.size() == 1 && g.accumulators.size() == 1 && g.extra.empty() &&
+        !g.chained && !g.out_add && !g.windowed && !g.fp8 && !g.unfused && g.tiling.mma == MmaKind::wgmma_ws &&
+        g.tiling.tma && g.tiling.tile_n >= 128 && g.tiling.tile_n % 128 == 0 && !g.tiling.narrow_tail))
+    return false;
+  const GemmPlan plan = plan_gemm(p, g);
+  return plan.a_tma_rows() && plan.b_tma_rows();
 }
 
 bool same_shape(const TensorDecl &x, const TensorDecl &y) {
@@ -45,11 +52,11 @@ size_t merge_weight_gradients(KernelProgram &p, size_t begin, size_t end) {
   size_t merged = 0;
   for (size_t i = begin; i < end; ++i) {
     auto *g = std::get_if<GemmStep>(&p.steps[i]);
-    if (!g || !mergeable(*g))
+    if (!g || !mergeable(p, *g))
       continue;
     for (size_t j = i + 1; j < end; ++j) {
       auto *h = std::get_if<GemmStep>(&p.steps[j]);
-      if (!h || !mergeable(*h) || !siblings(p, *g, *h) || step_writing(p, h->b[0]) >= static_cast<long>(i))
+      if (!h || !mergeable(p, *h) || !siblings(p, *g, *h) || step_writing(p, h->b[0]) >= static_cast<long>(i))
         continue;
       RenameIndices vars;
       vars.plain_only = true;

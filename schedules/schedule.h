@@ -274,9 +274,10 @@ public:
   // stages are loaded once for both, there is one launch, and a width that
   // is an odd multiple of tile_n / 2 (fine64's f = 1408 under 256-wide
   // tiles) leaves no half-empty tile (lowering/merge_reductions.h). CUDA:
-  // the warp-specialised loop with both B by TMA; the CPU backend runs the
-  // same program. Opt-in while measured on two shapes only (H100, s61,
-  // steady): fine64's step 5 % faster, mixtral's level.
+  // the warp-specialised loop with A and both B by TMA (elsewhere the
+  // choice is reported without effect); the CPU backend runs the same
+  // program. On in the default: fine64's step 5 % faster on an H100,
+  // mixtral's level.
   Schedule &merge_weight_gradients(bool on);
   // Training: the layer's outputs that are not scalars (y), their upstream
   // gradients (dy) and the gradients of its Inputs (dx) are stored in bf16,

@@ -70,13 +70,14 @@ TEST_CASE("gemm plan: tuned_wide's choices, as emit --plan prints them") {
   CHECK_FALSE(h.a_tma()); // x gathered by the producer (scattermoe)
   CHECK_FALSE(h.persistent());
   CHECK_FALSE(h.out_tma());
-  const GemmPlan dw = plan_gemm(p, gemm_named(p, "gemm_d_w1"));
+  const GemmPlan dw = plan_gemm(p, gemm_named(p, "gemm_d_w1_d_w3")); // merge_weight_gradients
+  CHECK(dw.nb == 2);
   CHECK(dw.in_place());
   CHECK(dw.b_tma_rows());
   CHECK(dw.a_tma_rows());
   CHECK(dw.persistent());
   CHECK(dw.out_tma());
-  CHECK(dw.staged_cols == 128); // 4 stages of 128 x 256 leave room for half a tile's staging
+  CHECK(dw.staged_cols == 128); // 4 stages of 128 x (128 + 128) leave room for one B's tile of staging
   const GemmPlan dx = plan_gemm(p, gemm_named(p, "gemm_d_x_s2_d_x_s"));
   CHECK(dx.chained);
   CHECK(dx.a_tma());

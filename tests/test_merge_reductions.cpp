@@ -40,9 +40,9 @@ TEST_CASE("merge weight gradients: fine64's dW1 and dW3 become one reduction of 
   const ExampleShape s = testing::shape(16384, 2048, 1408, 64, 8); // fine64
   Example ex = make_example("swiglu_moe", s);
   const Schedule def = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)});
-  CHECK_FALSE(def.merge_weight_gradients()); // opt-in until measured
-  const testing::PlannedStep on = testing::planned_step(ex, s.tokens, Schedule(def).merge_weight_gradients(true));
-  const testing::PlannedStep off = testing::planned_step(ex, s.tokens, def);
+  CHECK(def.merge_weight_gradients()); // the default's, where SwiGLU has two weight gradients
+  const testing::PlannedStep on = testing::planned_step(ex, s.tokens, def);
+  const testing::PlannedStep off = testing::planned_step(ex, s.tokens, Schedule(def).merge_weight_gradients(false));
   CHECK(testing::reads_follow_writes(on.t.program));
   CHECK(expert_reductions(on.t.program) + 1 == expert_reductions(off.t.program));
   const GemmStep *g = gemm_writing(on.t.program, "d_w1");
@@ -74,7 +74,8 @@ TEST_CASE("merge weight gradients: fine64's dW1 and dW3 become one reduction of 
 }
 
 TEST_CASE("merge weight gradients: where no two reductions qualify, the choice is reported without effect") {
-  // GeLU's experts have one gradient per weight, each with its own A.
+  // GeLU's experts have one gradient per weight, each with its own A; the
+  // default leaves the choice out there.
   Example ex = make_example("moe_mlp", testing::shape(256, 64, 128, 8, 2));
   const Func out = ex.pipeline.func(ex.output);
   const Schedule s = default_schedule(ex.pipeline, {out}).merge_weight_gradients(true);
@@ -83,6 +84,17 @@ TEST_CASE("merge weight gradients: where no two reductions qualify, the choice i
     reported |= n.rfind("merge_weight_gradients(true)", 0) == 0;
   CHECK(reported);
   CHECK_FALSE(default_schedule(ex.pipeline, {out}).merge_weight_gradients());
+  // Nor where x's rows are gathered by cp.async (gather_in_gemms): two B
+  // beside a gathered A leave the consumers short of registers, so the
+  // reductions stay apart and the choice is reported.
+  Example sw = make_example("swiglu_moe", testing::shape(256, 64, 128, 8, 2));
+  const Func sw_out = sw.pipeline.func(sw.output);
+  const Schedule gathered = default_schedule(sw.pipeline, {sw_out}).gather_in_gemms(true);
+  CHECK(gathered.merge_weight_gradients());
+  bool gathered_reported = false;
+  for (const std::string &n : choices_not_taken(sw.pipeline, gathered, {sw_out}))
+    gathered_reported |= n.rfind("merge_weight_gradients(true)", 0) == 0;
+  CHECK(gathered_reported);
 }
 
 TEST_CASE("merge weight gradients: a schedule file names the choice, and it survives a round trip") {

@@ -29,7 +29,9 @@ Lowered lowered(const std::string &example, const ExampleShape &s, bool sorted) 
   // On in the default where it applies: not for GeLU, whose pre-activation
   // leaves with h by TMA.
   CHECK(sch.sorted_saved() == (example == "swiglu_moe"));
-  return testing::planned_step(ex, s.tokens, sch.sorted_saved(sorted));
+  // dW1 and dW3 apart, each its own step to look at (the merged one's
+  // sorted operands: test_merge_reductions.cpp).
+  return testing::planned_step(ex, s.tokens, sch.sorted_saved(sorted).merge_weight_gradients(false));
 }
 
 const GemmStep &gemm_writing(const KernelProgram &p, const std::string &output) {
@@ -137,7 +139,8 @@ TEST_CASE("sorted gathers: x's rows for dW1 and dW3 lose the padding, and the ba
   for (const ExampleShape &s : {testing::shape(16384, 2048, 1408, 64, 8), testing::shape(16384, 2048, 768, 128, 8)}) {
     INFO("f " << s.f << " E " << s.experts);
     Example ex = make_example("swiglu_moe", s);
-    const Schedule base = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)});
+    // dW1 and dW3 apart (merged, they are one step with these operands).
+    const Schedule base = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)}).merge_weight_gradients(false);
     const Lowered on = testing::planned_step(ex, s.tokens, Schedule(base).sorted_gathers(true));
     const Lowered off = testing::planned_step(ex, s.tokens, Schedule(base).sorted_gathers(false));
     CHECK(testing::reads_follow_writes(on.t.program));

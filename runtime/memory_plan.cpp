@@ -1,6 +1,7 @@
 #include "runtime/memory_plan.h"
 
 #include <algorithm>
+#include <memory>
 
 #include "dsl/error.h"
 #include "lowering/in_place.h"
@@ -136,6 +137,73 @@ std::vector<Item> join_in_place(const KernelProgram &p, size_t boundary, const s
   return out;
 }
 
+// Scratch in the caller's outputs before they are written (InOutput): an
+// output is the caller's memory for the whole entry point that first
+// touches it (steps from `boundary` on for a backward's, from the first for
+// a forward's) and holds nothing anyone reads until then, so an item whose
+// whole lifetime lies in that entry point, before the output's first touch
+// (or the first touch of an intermediate that lives in it element by
+// element), may take its bytes: largest first, each at the lowest offset
+// clear of the items placed there whose lifetimes meet its own, where it
+// fits. An output stored inside a larger tensor (outer_stride) is left
+// alone: the bytes between its rows are another tensor's. Returns the items
+// left for the workspace.
+std::vector<Item> place_in_outputs(const KernelProgram &p, const Touches &touched, size_t boundary,
+                                   const std::function<size_t(const TensorDecl &)> &bytes, std::vector<Item> items,
+                                   StepMemoryPlan &plan) {
+  struct Region {
+    std::string output;
+    size_t start, busy_from, capacity;
+    std::vector<std::pair<const Item *, size_t>> placed; // with its offset
+  };
+  std::vector<Region> regions;
+  for (const TensorDecl &t : p.tensors) {
+    if (t.is_input || !is_output(p, t.name) || t.outer_stride != 0 || !touched.first.count(t.name))
+      continue;
+    size_t busy_from = touched.first.at(t.name);
+    for (const auto &[in, where] : plan.in_output)
+      if (where.output == t.name && touched.first.count(in))
+        busy_from = std::min(busy_from, touched.first.at(in));
+    regions.push_back({t.name, busy_from >= boundary ? boundary : 0, busy_from, bytes(t), {}});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.size > b.size; });
+  std::vector<Item> rest;
+  std::vector<std::unique_ptr<Item>> kept; // the placed items, at fixed addresses for the regions' lists
+  for (Item &it : items) {
+    Region *into = nullptr;
+    size_t at = 0;
+    for (Region &r : regions) {
+      if (it.size == 0 || it.from < r.start || it.to >= r.busy_from)
+        continue;
+      std::vector<std::pair<size_t, size_t>> busy; // [offset, offset + size) of overlapping lifetimes
+      for (const auto &[q, q_at] : r.placed)
+        if (q->from <= it.to && it.from <= q->to)
+          busy.emplace_back(q_at, q_at + q->size);
+      std::sort(busy.begin(), busy.end());
+      size_t lowest = 0;
+      for (const auto &[b, e] : busy) {
+        if (lowest + it.size <= b)
+          break;
+        lowest = std::max(lowest, e);
+      }
+      if (lowest + it.size <= r.capacity) {
+        into = &r;
+        at = lowest;
+        break;
+      }
+    }
+    if (!into) {
+      rest.push_back(std::move(it));
+      continue;
+    }
+    kept.push_back(std::make_unique<Item>(std::move(it)));
+    into->placed.emplace_back(kept.back().get(), at);
+    for (const Member &m : kept.back()->members)
+      plan.in_output[m.name] = {into->output, at, true};
+  }
+  return rest;
+}
+
 } // namespace
 
 MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes, size_t boundary,
@@ -159,7 +227,7 @@ MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const 
 }
 
 StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes,
-                                size_t boundary, size_t alignment) {
+                                size_t boundary, size_t alignment, OutputScratch scratch) {
   StepMemoryPlan plan;
   const size_t end = p.steps.empty() ? 0 : p.steps.size() - 1;
   plan.saved.last_step = plan.workspace.last_step = end;
@@ -210,12 +278,17 @@ StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size
     if (const auto *pw = std::get_if<PointwiseStep>(&p.steps[s]))
       for (const auto &[out, in] : pw->in_place)
         if (may_live_in_output(p, s, out, in, boundary))
-          plan.in_output[in] = out;
+          plan.in_output[in] = {out, 0, false};
   transient.erase(std::remove_if(transient.begin(), transient.end(),
                                  [&](const Member &m) { return plan.in_output.count(m.name) > 0; }),
                   transient.end());
-  place_by_lifetime(join_in_place(p, boundary, transient, plan.workspace), plan.workspace);
+  std::vector<Item> items = join_in_place(p, boundary, transient, plan.workspace);
+  if (scratch == OutputScratch::on)
+    items = place_in_outputs(p, touched, boundary, bytes, std::move(items), plan);
+  place_by_lifetime(std::move(items), plan.workspace);
   for (const Member &it : transient) {
+    if (plan.in_output.count(it.name))
+      continue; // scratch in an output (place_in_outputs)
     const size_t top = plan.workspace.offset.at(it.name) + it.size;
     size_t &part = it.from < boundary ? plan.workspace_before : plan.workspace_after;
     internal_check(it.from >= boundary || it.to < boundary)

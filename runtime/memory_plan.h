@@ -66,16 +66,30 @@ MemoryPlan plan_memory(const KernelProgram &p, const std::function<size_t(const 
 //              steps before `boundary` and the steps from it different
 //              memory, each just for the call.
 // Inputs and the program's outputs (the layer's output, the gradients) are
-// the caller's tensors and are not planned.
+// the caller's tensors and are not planned; some intermediates live in
+// their memory (in_output).
+//
+// Where an intermediate lives in one of the caller's outputs: that
+// output's bytes from `offset` on. Either an element-wise step's input that
+// the step writes the output over, element by element (scratch false,
+// offset 0: lowering/in_place.h, may_live_in_output), or scratch: a tensor
+// whose whole lifetime ends before any step touches the output, in the
+// entry point the output belongs to (a training backward's dH, before the
+// weight gradients are written), which needs no workspace then.
+struct InOutput {
+  std::string output;
+  size_t offset = 0;
+  bool scratch = false;
+  bool operator==(const InOutput &o) const { return output == o.output && offset == o.offset && scratch == o.scratch; }
+};
 struct StepMemoryPlan {
   MemoryPlan saved, workspace;
   // The bytes of the workspace the steps before `boundary`, and those from
   // it, touch (each <= workspace.arena_bytes).
   size_t workspace_before = 0, workspace_after = 0;
-  // Intermediates that live in an output's memory (lowering/in_place.h,
-  // may_live_in_output): intermediate -> the output, wherever the caller
-  // binds it; in neither region.
-  std::map<std::string, std::string> in_output;
+  // Intermediates that live in an output's memory, wherever the caller
+  // binds it: intermediate -> where; in neither region.
+  std::map<std::string, InOutput> in_output;
   // Whether the plan gives `name` its memory (a region, or an output's):
   // an intermediate, which the caller never binds.
   bool places(const std::string &name) const {
@@ -83,8 +97,11 @@ struct StepMemoryPlan {
   }
 };
 
+// Whether plan_step_memory places scratch in the outputs (InOutput::
+// scratch); `off` isolates another choice's effect on the workspace.
+enum class OutputScratch { on, off };
 StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size_t(const TensorDecl &)> &bytes,
-                                size_t boundary, size_t alignment = 256);
+                                size_t boundary, size_t alignment = 256, OutputScratch scratch = OutputScratch::on);
 
 // A layer on caller memory at one token count, as both backends lay it out:
 // the plan of its tensors, then each route's tables in the saved region

@@ -93,9 +93,13 @@ std::string memory_report(const KernelProgram &p, size_t boundary, int64_t token
   print_part(os, p, plan.workspace, "forward ", plan.workspace_before, 0, std::min(boundary, p.steps.size()));
   if (boundary < p.steps.size())
     print_part(os, p, plan.workspace, "backward", plan.workspace_after, boundary, p.steps.size());
-  for (const auto &[in, out] : plan.in_output)
-    os << "in an output's memory: " << in << " " << mib(bytes(p.tensor(in))) << " (in " << out << "'s, until " << out
-       << " is written over it)\n";
+  for (const auto &[in, where] : plan.in_output) {
+    os << "in an output's memory: " << in << " " << mib(bytes(p.tensor(in))) << " (in " << where.output << "'s";
+    if (where.scratch)
+      os << " at " << mib(where.offset) << ", before " << where.output << " is written)\n";
+    else
+      os << ", until " << where.output << " is written over it)\n";
+  }
   return os.str();
 }
 

@@ -16,11 +16,14 @@ struct PlannedStep {
   StepMemoryPlan plan;
 };
 
-inline PlannedStep planned_step(const Example &ex, int64_t tokens, const Schedule &sch) {
+// `scratch` off: the workspace without scratch in the outputs, so that a
+// memory choice's own effect shows.
+inline PlannedStep planned_step(const Example &ex, int64_t tokens, const Schedule &sch,
+                                OutputScratch scratch = OutputScratch::on) {
   PlannedStep l{lower_training(ex.pipeline, ex.pipeline.func(ex.output), sch), {}};
   ProgramShapes shapes(l.t.program, tokens);
   auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };
-  l.plan = plan_step_memory(l.t.program, bytes, l.t.forward_steps);
+  l.plan = plan_step_memory(l.t.program, bytes, l.t.forward_steps, 256, scratch);
   return l;
 }
 

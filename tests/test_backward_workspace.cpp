@@ -32,7 +32,8 @@ Planned planned(const ExampleShape &s, bool memory_choices) {
   Planned p{lower_training(ex.pipeline, out, sch), {}};
   ProgramShapes shapes(p.t.program, s.tokens);
   auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };
-  p.plan = plan_step_memory(p.t.program, bytes, p.t.forward_steps);
+  // Without scratch in the outputs, so that the choices' own effect shows.
+  p.plan = plan_step_memory(p.t.program, bytes, p.t.forward_steps, 256, OutputScratch::off);
   return p;
 }
 

@@ -10,6 +10,7 @@
 // routing tables.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -233,6 +234,18 @@ TEST_CASE("cpu caller memory: the same step as on the layer's own memory, bit fo
       for (const std::string &n : compiled.training.program.outputs) { // the outputs and every gradient
         INFO(n);
         CHECK(got.values.at(n).data == owned.download(n).data);
+      }
+      // Some intermediates were scratch in the outputs' memory before those
+      // were written (runtime/memory_plan.h, InOutput::scratch): they too
+      // gave these values.
+      {
+        ProgramShapes at(compiled.training.program, s.tokens);
+        const StepMemoryPlan plan = plan_step_memory(
+            compiled.training.program,
+            [&](const TensorDecl &t) { return static_cast<size_t>(at.elements(t)) * dtype_bytes(t.dtype); },
+            compiled.training.forward_steps);
+        CHECK(std::any_of(plan.in_output.begin(), plan.in_output.end(),
+                          [](const auto &entry) { return entry.second.scratch; }));
       }
       // What a step needs: the saved region is what the forward keeps and
       // the routing tables; saved and workspace together less than every

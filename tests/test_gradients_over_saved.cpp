@@ -29,7 +29,8 @@ Lowered lowered(const std::string &example, const ExampleShape &s, bool over_sav
   Example ex = make_example(example, s);
   Schedule sch = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)});
   REQUIRE(sch.gradients_over_saved()); // on in the default
-  return testing::planned_step(ex, s.tokens, sch.gradients_over_saved(over_saved));
+  // Without scratch in the outputs, so that the choice's own effect shows.
+  return testing::planned_step(ex, s.tokens, sch.gradients_over_saved(over_saved), OutputScratch::off);
 }
 
 constexpr size_t kMiB = size_t(1) << 20;

@@ -441,8 +441,10 @@ void CpuLayer::run(size_t begin, size_t end, const char *entry) {
   const JitProgram &jit = *layer_.jit;
   const std::vector<CpuKernel> &kernels = layer_.kernels;
   if (step_plan_) // intermediates that live in an output's memory, wherever it is now
-    for (const auto &[in, output] : step_plan_->in_output)
-      tensors_.at(in).at = tensors_.at(output).at;
+    for (const auto &[in, where] : step_plan_->in_output) {
+      uint8_t *output = tensors_.at(where.output).at;
+      tensors_.at(in).at = output ? output + where.offset : nullptr;
+    }
   std::vector<void *> args;
   for (size_t i = begin; i < end; ++i) {
     const Step &s = steps[i];

@@ -143,8 +143,8 @@ void CudaLayer::place(CUdeviceptr saved, CUdeviceptr workspace) {
     tensors_.at(name) = DeviceBuffer::view(saved + at, tensors_.at(name).bytes());
   for (const auto &[name, at] : step_plan_->workspace.offset)
     tensors_.at(name) = DeviceBuffer::view(workspace ? workspace + at : 0, tensors_.at(name).bytes());
-  for (const auto &[name, output] : step_plan_->in_output)
-    tensors_.at(name) = DeviceBuffer::view(tensors_.at(output).ptr(), tensors_.at(name).bytes());
+  for (const auto &[name, where] : step_plan_->in_output)
+    tensors_.at(name) = DeviceBuffer::view(in_output_address(where), tensors_.at(name).bytes());
   for (auto &[r, plan] : plans_) {
     plan->place(saved + table_offset_.at(r));
     padded_rows_[r] = plan->offsets.ptr() + sizeof(int32_t) * plan->shape.experts;
@@ -155,6 +155,11 @@ void CudaLayer::place(CUdeviceptr saved, CUdeviceptr workspace) {
   ++bind_epoch_;
   if (!launches_stale_)
     refresh_addresses();
+}
+
+CUdeviceptr CudaLayer::in_output_address(const InOutput &where) const {
+  const CUdeviceptr output = tensors_.at(where.output).ptr();
+  return output ? output + where.offset : 0; // an output not bound yet: none until bind()
 }
 
 void CudaLayer::refresh_addresses() {
@@ -410,8 +415,9 @@ void CudaLayer::check_readable(const std::string &name, const char *what) const 
     return;
   user_check(!step_plan_->workspace.offset.count(name) && !step_plan_->in_output.count(name))
       << "'" << name << "' lives in the workspace the caller gives each step"
-      << (step_plan_->in_output.count(name) ? " (in the memory of output '" + step_plan_->in_output.at(name) + "')"
-                                            : std::string())
+      << (step_plan_->in_output.count(name)
+              ? " (in the memory of output '" + step_plan_->in_output.at(name).output + "')"
+              : std::string())
       << ": its value is gone once the steps that read it have run; " << what
       << " outputs, gradients and what a forward saves";
   user_check(tensors_.at(name).ptr() != 0) << "'" << name << "' has no memory yet: bind() it (an output) or "
@@ -646,9 +652,9 @@ void CudaLayer::bind(const std::string &name, CUdeviceptr ptr, size_t bytes) {
   std::vector<std::string> moved{name};
   tensors_.at(name) = DeviceBuffer::view(ptr, bytes);
   if (step_plan_) // intermediates that live in this output's memory follow it
-    for (const auto &[in, output] : step_plan_->in_output)
-      if (output == name) {
-        tensors_.at(in) = DeviceBuffer::view(ptr, tensors_.at(in).bytes());
+    for (const auto &[in, where] : step_plan_->in_output)
+      if (where.output == name) {
+        tensors_.at(in) = DeviceBuffer::view(in_output_address(where), tensors_.at(in).bytes());
         moved.push_back(in);
       }
   if (launches_stale_)

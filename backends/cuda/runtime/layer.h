@@ -230,6 +230,9 @@ private:
   // What holds an address by value (TMA descriptors, the zeroed outputs),
   // encoded again from the tensors' current memory.
   void refresh_addresses();
+  // Where an intermediate that lives in an output's memory is now
+  // (StepMemoryPlan::in_output), from the output's address.
+  CUdeviceptr in_output_address(const InOutput &where) const;
   // Before steps [begin, end) run: every Input they read given, and with
   // caller memory every output they write bound, the memory placed, and
   // the launches built for the current count. `call` names the caller.

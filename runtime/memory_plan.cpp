@@ -69,23 +69,33 @@ Item single(Member m) { return {{m}, m.size, m.from, m.to}; }
 
 size_t aligned(size_t bytes, size_t alignment) { return (bytes + alignment - 1) / alignment * alignment; }
 
+// Items placed in one memory, each with its offset.
+using Placed = std::vector<std::pair<const Item *, size_t>>;
+
+// The lowest offset where `it` is clear of every placed item whose lifetime
+// meets its own.
+size_t lowest_clear_offset(const Placed &placed, const Item &it) {
+  std::vector<std::pair<size_t, size_t>> busy; // [offset, offset + size) of overlapping lifetimes
+  for (const auto &[q, q_at] : placed)
+    if (q->from <= it.to && it.from <= q->to)
+      busy.emplace_back(q_at, q_at + q->size);
+  std::sort(busy.begin(), busy.end());
+  size_t at = 0;
+  for (const auto &[b, e] : busy) {
+    if (at + it.size <= b)
+      break;
+    at = std::max(at, e);
+  }
+  return at;
+}
+
 // Largest first, each at the lowest offset clear of every placed item
 // whose lifetime meets its own.
 void place_by_lifetime(std::vector<Item> items, MemoryPlan &plan) {
   std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.size > b.size; });
-  std::vector<std::pair<const Item *, size_t>> placed; // with its offset
+  Placed placed;
   for (const Item &it : items) {
-    std::vector<std::pair<size_t, size_t>> busy; // [offset, offset + size) of overlapping lifetimes
-    for (const auto &[q, q_at] : placed)
-      if (q->from <= it.to && it.from <= q->to)
-        busy.emplace_back(q_at, q_at + q->size);
-    std::sort(busy.begin(), busy.end());
-    size_t at = 0;
-    for (const auto &[b, e] : busy) {
-      if (at + it.size <= b)
-        break;
-      at = std::max(at, e);
-    }
+    const size_t at = lowest_clear_offset(placed, it);
     for (const Member &m : it.members) {
       plan.offset[m.name] = at;
       plan.live[m.name] = {m.from, m.to};
@@ -154,7 +164,7 @@ std::vector<Item> place_in_outputs(const KernelProgram &p, const Touches &touche
   struct Region {
     std::string output;
     size_t start, busy_from, capacity;
-    std::vector<std::pair<const Item *, size_t>> placed; // with its offset
+    Placed placed;
   };
   std::vector<Region> regions;
   for (const TensorDecl &t : p.tensors) {
@@ -175,17 +185,7 @@ std::vector<Item> place_in_outputs(const KernelProgram &p, const Touches &touche
     for (Region &r : regions) {
       if (it.size == 0 || it.from < r.start || it.to >= r.busy_from)
         continue;
-      std::vector<std::pair<size_t, size_t>> busy; // [offset, offset + size) of overlapping lifetimes
-      for (const auto &[q, q_at] : r.placed)
-        if (q->from <= it.to && it.from <= q->to)
-          busy.emplace_back(q_at, q_at + q->size);
-      std::sort(busy.begin(), busy.end());
-      size_t lowest = 0;
-      for (const auto &[b, e] : busy) {
-        if (lowest + it.size <= b)
-          break;
-        lowest = std::max(lowest, e);
-      }
+      const size_t lowest = lowest_clear_offset(r.placed, it);
       if (lowest + it.size <= r.capacity) {
         into = &r;
         at = lowest;

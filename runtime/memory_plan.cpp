@@ -1,7 +1,6 @@
 #include "runtime/memory_plan.h"
 
 #include <algorithm>
-#include <memory>
 
 #include "dsl/error.h"
 #include "lowering/in_place.h"
@@ -177,30 +176,27 @@ std::vector<Item> place_in_outputs(const KernelProgram &p, const Touches &touche
     regions.push_back({t.name, busy_from >= boundary ? boundary : 0, busy_from, bytes(t), {}});
   }
   std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.size > b.size; });
-  std::vector<Item> rest;
-  std::vector<std::unique_ptr<Item>> kept; // the placed items, at fixed addresses for the regions' lists
-  for (Item &it : items) {
-    Region *into = nullptr;
-    size_t at = 0;
+  // `items` keeps its order and size from here, so the regions point into it.
+  std::vector<bool> taken(items.size(), false);
+  for (size_t k = 0; k < items.size(); ++k) {
+    const Item &it = items[k];
     for (Region &r : regions) {
       if (it.size == 0 || it.from < r.start || it.to >= r.busy_from)
         continue;
-      const size_t lowest = lowest_clear_offset(r.placed, it);
-      if (lowest + it.size <= r.capacity) {
-        into = &r;
-        at = lowest;
-        break;
-      }
+      const size_t at = lowest_clear_offset(r.placed, it);
+      if (at + it.size > r.capacity)
+        continue;
+      r.placed.emplace_back(&it, at);
+      for (const Member &m : it.members)
+        plan.in_output[m.name] = {r.output, at, true};
+      taken[k] = true;
+      break;
     }
-    if (!into) {
-      rest.push_back(std::move(it));
-      continue;
-    }
-    kept.push_back(std::make_unique<Item>(std::move(it)));
-    into->placed.emplace_back(kept.back().get(), at);
-    for (const Member &m : kept.back()->members)
-      plan.in_output[m.name] = {into->output, at, true};
   }
+  std::vector<Item> rest;
+  for (size_t k = 0; k < items.size(); ++k)
+    if (!taken[k])
+      rest.push_back(std::move(items[k]));
   return rest;
 }
 

@@ -180,21 +180,22 @@ void CudaLayer::prepare(size_t begin, size_t end, const std::string &call) {
   user_check(placed_) << call << ": this layer runs on caller memory: give it its memory with place(saved, "
                       << "workspace) first (again after set_tokens)";
   const auto &outs = layer_.program.outputs;
-  for (size_t i = begin; i < end; ++i)
-    for (const std::string &w : step_outputs(layer_.program.steps[i]))
+  for (size_t i = begin; i < end; ++i) {
+    const std::vector<std::string> reads = step_reads(layer_.program.steps[i]),
+                                   writes = step_outputs(layer_.program.steps[i]);
+    for (const std::string &w : writes)
       user_check(std::find(outs.begin(), outs.end(), w) == outs.end() || tensors_.at(w).ptr() != 0)
           << call << ": output '" << w << "' has no memory: a layer on caller memory writes its outputs where "
           << "bind() points them; bind it first (again after set_tokens changed its size)";
-  // An intermediate living in an output's memory needs that output bound
-  // even where these steps do not write it (scratch before its first write).
-  for (size_t i = begin; i < end; ++i)
-    for (const std::vector<std::string> &names :
-         {step_reads(layer_.program.steps[i]), step_outputs(layer_.program.steps[i])})
-      for (const std::string &t : names)
+    // An intermediate living in an output's memory needs that output bound
+    // even where these steps do not write it (scratch before its first write).
+    for (const std::vector<std::string> *names : {&reads, &writes})
+      for (const std::string &t : *names)
         if (auto it = step_plan_->in_output.find(t); it != step_plan_->in_output.end())
           user_check(tensors_.at(it->second.output).ptr() != 0)
               << call << ": '" << t << "' lives in the memory of output '" << it->second.output
               << "' until that is written, and '" << it->second.output << "' has no memory: bind it first";
+  }
   const bool before = begin<keep_across_, after = end> keep_across_;
   const size_t need = std::max(before ? step_plan_->workspace_before : 0, after ? step_plan_->workspace_after : 0);
   user_check(need == 0 || workspace_at_ != 0)

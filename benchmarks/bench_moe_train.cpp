@@ -70,14 +70,20 @@ const char *memory_name(Memory m) { return m == Memory::store ? "store" : m == M
 // file.
 // "default+a-b" (MOEFORGE_BENCH_DEFAULT_CHOICES) is the default with
 // layer-wide choice a on and b off, to time a choice against the default in
-// one process.
+// one process; "+a:f" sets a per-Func choice for Func f (persistent:d_x is
+// `persistent("d_x", true)`).
 Schedule schedule_of(const Shape &shape, const Example &ex, const std::string &name, Memory memory) {
   const bool with_choices = name.rfind("default+", 0) == 0 || name.rfind("default-", 0) == 0;
   if (with_choices) {
     std::string text = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)}).to_text();
     for (size_t at = 7; at < name.size();) {
       const size_t next = name.find_first_of("+-", at + 1);
-      text += name.substr(at + 1, next - at - 1) + (name[at] == '+' ? "(true)\n" : "(false)\n");
+      const std::string choice = name.substr(at + 1, next - at - 1);
+      const size_t colon = choice.find(':');
+      const std::string on = name[at] == '+' ? "true" : "false";
+      text += colon == std::string::npos
+                  ? choice + "(" + on + ")\n"
+                  : choice.substr(0, colon) + "(\"" + choice.substr(colon + 1) + "\", " + on + ")\n";
       at = next == std::string::npos ? name.size() : next;
     }
     Schedule s = Schedule::from_text(text, name);
@@ -229,8 +235,9 @@ void register_all() {
         add(s, "default_narrow", Memory::store, skewed);
   };
   // MOEFORGE_BENCH_DEFAULT_CHOICES: ';'-separated variants of the default,
-  // each "+choice" / "-choice" layer-wide (e.g.
-  // "+gather_in_gemms;+atomic_input_gradient+gather_in_gemms").
+  // each "+choice" / "-choice" layer-wide or "+choice:func" for one Func
+  // (e.g. "+gather_in_gemms;+atomic_input_gradient+gather_in_gemms;
+  // +persistent:d_x").
   static const std::vector<std::string> variants = [] {
     std::vector<std::string> out;
     const char *env = std::getenv("MOEFORGE_BENCH_DEFAULT_CHOICES");

@@ -105,9 +105,7 @@ KernelProgram fuse_attention(KernelProgram p, const Schedule &schedule) {
     for (long at : {std::max(s_at, static_cast<long>(i)), std::min(s_at, static_cast<long>(i))})
       p.steps.erase(p.steps.begin() + at);
     for (const std::string &gone : {scores, probs})
-      p.tensors.erase(
-          std::remove_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &t) { return t.name == gone; }),
-          p.tensors.end());
+      erase_tensor(p, gone);
     fused = true;
     i = static_cast<size_t>(-1); // again from the start: the steps moved
   }

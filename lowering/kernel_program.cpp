@@ -144,6 +144,14 @@ int reads_of(const KernelProgram &p, const std::string &name) {
   return n;
 }
 
+bool unwanted(const KernelProgram &p, const std::string &name) { return !is_output(p, name) && reads_of(p, name) == 0; }
+
+void erase_tensor(KernelProgram &p, const std::string &name) {
+  p.tensors.erase(
+      std::remove_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &t) { return t.name == name; }),
+      p.tensors.end());
+}
+
 std::string step_output(const Step &s) {
   return std::visit(
       [](const auto &x) -> std::string {

@@ -330,6 +330,12 @@ std::vector<std::string> step_reads(const Step &s);
 bool is_output(const KernelProgram &p, const std::string &name);
 // How many times the program's steps read tensor `name` (step_reads').
 int reads_of(const KernelProgram &p, const std::string &name);
+// Whether no step reads tensor `name` and the caller does not ask for it
+// (a fused output nobody reads is then not stored).
+bool unwanted(const KernelProgram &p, const std::string &name);
+// Removes tensor `name`'s declaration, if the program has one (a pass that
+// took its step away).
+void erase_tensor(KernelProgram &p, const std::string &name);
 std::string step_output(const Step &s);
 // Every tensor a step writes: step_output's, then a GEMM's or an element-wise
 // step's extra outputs or a routing step's gate_output.

@@ -124,8 +124,7 @@ int chain_summed_gemms(KernelProgram &p, size_t begin) {
     for (size_t t = 1; t < terms.size(); ++t)
       body = Binary::make(BinaryOp::add, body, terms[t]);
     s->body = body;
-    p.tensors.erase(
-        std::find_if(p.tensors.begin(), p.tensors.end(), [&](const TensorDecl &d) { return d.name == first.output; }));
+    erase_tensor(p, first.output);
     p.steps.erase(p.steps.begin() + static_cast<long>(early));
     ++chained;
     at = begin - 1; // the indices moved: look again from the start

@@ -129,7 +129,7 @@ class SonicLayer(torch.nn.Module):
         return self.m(x, kernel_backend_moe=self.backend)[0]
 
 
-def make_layer(impl, seed, shape, dev, schedule, ramp):
+def make_layer(impl, seed, shape, dev, schedule, ramp=0.0):
     T, d, f, E, k = shape
     w = layer_weights(seed, d, f, E, dev, ramp)
     if impl.startswith("moeforge"):

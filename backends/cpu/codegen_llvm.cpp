@@ -1,12 +1,10 @@
 #include "backends/cpu/codegen_llvm.h"
 
-#include "backends/cpu/llvm_emit_steps.h"
-
 #include <llvm/IR/Verifier.h>
 #include <llvm/Support/raw_ostream.h>
 
+#include "backends/cpu/llvm_emit_steps.h"
 #include "dsl/error.h"
-#include "dsl/printer.h"
 
 namespace moeforge::cpu {
 

@@ -108,9 +108,10 @@ def run_shape(name, schedule, iters, rounds, bench=None, variant=None, cooldown=
     # each step, which torch frees after it).
     rt = moe._caller
     layer = rt.layer
-    saved_bytes, forward_ws, backward_ws = rt.use_tokens(tokens)
-    held = {"saved": torch.empty(saved_bytes, dtype=torch.uint8, device="cuda"),
-            "workspace": torch.empty(max(forward_ws, backward_ws, 1), dtype=torch.uint8, device="cuda")}
+    part_bytes, forward_ws, backward_ws = rt.use_tokens(tokens)
+    saved = [torch.empty(max(n, 1), dtype=torch.uint8, device="cuda") for n in part_bytes]
+    saved_at = [t.data_ptr() for t in saved]
+    held = {"workspace": torch.empty(max(forward_ws, backward_ws, 1), dtype=torch.uint8, device="cuda")}
     for name in layer.outputs + list(layer.seeds):
         dtype, shape, _, _ = layer.info(name)
         held[name] = torch.zeros(shape, dtype=mft._DTYPES[dtype], device="cuda")
@@ -122,8 +123,8 @@ def run_shape(name, schedule, iters, rounds, bench=None, variant=None, cooldown=
 
     def layer_step():  # on torch's current stream, as the module's steps run
         stream = torch.cuda.current_stream().cuda_stream
-        layer.forward(stream, held["saved"].data_ptr(), held["workspace"].data_ptr())
-        layer.backward(stream, held["saved"].data_ptr(), held["workspace"].data_ptr())
+        layer.forward(stream, saved_at, held["workspace"].data_ptr())
+        layer.backward(stream, saved_at, held["workspace"].data_ptr())
 
     # Alternating rounds, the median of each: the card's clock drifts over
     # seconds (a longer run is slower), so one block of module steps and one

@@ -12,7 +12,7 @@ template <typename Deque, typename Key> bool holds(const Deque &d, const Key &k)
 }
 } // namespace
 
-void ForwardsInFlight::forward_wrote(uint64_t saved, int64_t tokens) {
+void ForwardsInFlight::forward_wrote(const SavedParts &saved, int64_t tokens) {
   const Key mine{saved, tokens};
   forwards_.erase(std::remove(forwards_.begin(), forwards_.end(), mine), forwards_.end());
   spent_.erase(std::remove(spent_.begin(), spent_.end(), mine), spent_.end());
@@ -21,7 +21,7 @@ void ForwardsInFlight::forward_wrote(uint64_t saved, int64_t tokens) {
     forwards_.pop_front();
 }
 
-void ForwardsInFlight::check_backward(const TrainingProgram &t, uint64_t saved, int64_t tokens) const {
+void ForwardsInFlight::check_backward(const TrainingProgram &t, const SavedParts &saved, int64_t tokens) const {
   const Key theirs{saved, tokens};
   const bool wrote = holds(forwards_, theirs);
   user_check(wrote || !holds(spent_, theirs)) << t.one_backward_reason();
@@ -30,7 +30,7 @@ void ForwardsInFlight::check_backward(const TrainingProgram &t, uint64_t saved, 
                     << "(set_tokens)";
 }
 
-void ForwardsInFlight::backward_ran(const TrainingProgram &t, uint64_t saved, int64_t tokens) {
+void ForwardsInFlight::backward_ran(const TrainingProgram &t, const SavedParts &saved, int64_t tokens) {
   if (t.written_over_saved.empty()) // what the forward saved is still there for another backward
     return;
   const Key theirs{saved, tokens};
@@ -40,6 +40,8 @@ void ForwardsInFlight::backward_ran(const TrainingProgram &t, uint64_t saved, in
     spent_.pop_front();
 }
 
-bool ForwardsInFlight::spent(uint64_t saved, int64_t tokens) const { return holds(spent_, Key{saved, tokens}); }
+bool ForwardsInFlight::spent(const SavedParts &saved, int64_t tokens) const {
+  return holds(spent_, Key{saved, tokens});
+}
 
 } // namespace moeforge

@@ -2,6 +2,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <vector>
 
 namespace moeforge {
 
@@ -19,11 +22,23 @@ enum class LayerMemory { owned, caller };
 struct StepMemory {
   // What the forward leaves for the backward (a training forward's
   // activations) and every route's tables: kept by the caller from the one's
-  // start to the other's end, one per forward in flight.
-  size_t saved = 0;
+  // start to the other's end, one set per forward in flight. In parts the
+  // caller allocates one by one: each saved tensor its own (the program's
+  // order), then one for every route's tables (last, never empty). Apart
+  // because a framework's allocator then puts each where it fits, as it
+  // does the tensors autograd saves: one region of their sum needs one free
+  // block that large, and in a model the blocks free at a forward are the
+  // freed weight gradients, each of them just a little too small for it.
+  std::vector<size_t> saved;
   // What the forward, and the backward, use only while each runs: memory the
   // caller may reuse once the call's work is done.
   size_t workspace_before = 0, workspace_after = 0;
+
+  size_t saved_bytes() const { return std::accumulate(saved.begin(), saved.end(), size_t{0}); }
 };
+
+// LayerMemory::caller: where one forward's saved parts are (StepMemory::
+// saved, in its order), as addresses: device pointers or host ones.
+using SavedParts = std::vector<uint64_t>;
 
 } // namespace moeforge

@@ -302,6 +302,16 @@ StepMemoryPlan caller_step_plan(const KernelProgram &p, const ProgramShapes &sha
   auto bytes = [&](const TensorDecl &t) { return static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype); };
   return plan_step_memory(p, bytes, boundary, kRegionAlignment);
 }
+
+// The saved tensors with a part of their own, in the program's order (one
+// written over another shares that one's).
+std::vector<const TensorDecl *> own_parts(const KernelProgram &p, const StepMemoryPlan &plan) {
+  std::vector<const TensorDecl *> out;
+  for (const TensorDecl &t : p.tensors)
+    if (plan.saved.offset.count(t.name) && !plan.saved.written_over.count(t.name))
+      out.push_back(&t);
+  return out;
+}
 } // namespace
 
 CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
@@ -309,41 +319,58 @@ CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramSha
   auto align = [](size_t n) { return (n + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; };
   CallerMemoryLayout l;
   l.plan = caller_step_plan(p, shapes, boundary);
-  size_t at = align(l.plan.saved.arena_bytes);
+  for (const TensorDecl *t : own_parts(p, l.plan)) {
+    l.saved_part[t->name] = l.memory.saved.size();
+    l.memory.saved.push_back(l.plan.saved.size.at(t->name));
+  }
+  for (const auto &[over, under] : l.plan.saved.written_over)
+    l.saved_part[over] = l.saved_part.at(under);
+  size_t at = 0;
   for (const auto &[r, shape] : shapes.routings()) {
     l.table_offset[r] = at;
     at += align(table_bytes(shape));
   }
-  l.memory.saved = at;
+  l.memory.saved.push_back(at);
   l.memory.workspace_before = l.plan.workspace_before;
   l.memory.workspace_after = l.plan.workspace_after;
   return l;
 }
 
-std::optional<SizeTerms>
+void check_saved_parts(const std::string &call, const SavedParts &given, const std::vector<size_t> &bytes,
+                       size_t alignment) {
+  user_check(given.size() == bytes.size())
+      << call << ": " << given.size() << " saved parts given; this layer's forward saves " << bytes.size()
+      << " at this token count (step_memory().saved: each saved tensor, then the routing tables), each its own memory";
+  for (size_t i = 0; i < given.size(); ++i) {
+    user_check(given[i] != 0 || bytes[i] == 0)
+        << call << ": saved part " << i << " (" << bytes[i] << " bytes) has no memory (address 0)";
+    user_check(given[i] % alignment == 0) << call << ": saved part " << i << " must start at a " << alignment
+                                          << "-byte aligned address (got 0x" << std::hex << given[i] << std::dec << ")";
+  }
+}
+
+std::optional<std::vector<SizeTerms>>
 caller_saved_terms(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
                    const std::function<std::optional<SizeTerms>(const RoutingShape &)> &table_terms) {
   const StepMemoryPlan plan = caller_step_plan(p, shapes, boundary);
-  SizeTerms terms;
-  // The saved tensors one after another, each aligned (plan_step_memory);
-  // those written over one take its bytes.
-  for (const TensorDecl &t : p.tensors) {
-    if (!plan.saved.offset.count(t.name) || plan.saved.written_over.count(t.name))
-      continue;
-    std::optional<SizeProduct> b = shapes.bytes_over_tokens(t);
+  std::vector<SizeTerms> parts;
+  for (const TensorDecl *t : own_parts(p, plan)) { // each aligned, as plan_step_memory sizes it
+    std::optional<SizeProduct> b = shapes.bytes_over_tokens(*t);
     if (!b)
       return std::nullopt;
-    terms.push_back({{*b}, static_cast<int64_t>(kRegionAlignment)});
+    parts.push_back({{{*b}, static_cast<int64_t>(kRegionAlignment)}});
   }
+  SizeTerms tables;
   for (const auto &[r, shape] : shapes.routings()) {
-    std::optional<SizeTerms> tables = table_terms(shape);
-    if (!tables)
+    std::optional<SizeTerms> one = table_terms(shape);
+    if (!one)
       return std::nullopt;
-    for (const SizeTerm &t : *tables) // so their sum is the aligned table bytes caller_memory_layout adds
+    for (const SizeTerm &t : *one) // so their sum is the aligned table bytes caller_memory_layout adds
       internal_check(t.align % static_cast<int64_t>(kRegionAlignment) == 0) << "a routing table term's alignment";
-    terms.insert(terms.end(), tables->begin(), tables->end());
+    tables.insert(tables.end(), one->begin(), one->end());
   }
-  return terms;
+  parts.push_back(std::move(tables));
+  return parts;
 }
 
 } // namespace moeforge

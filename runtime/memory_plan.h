@@ -104,23 +104,32 @@ StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size
                                 size_t boundary, size_t alignment = 256, OutputScratch scratch = OutputScratch::on);
 
 // A layer on caller memory at one token count, as both backends lay it out:
-// the plan of its tensors, then each route's tables in the saved region
-// after them (`table_bytes`: the backend's size of one route's tables), and
-// what a step needs. Region offsets are multiples of kRegionAlignment.
+// the plan of its tensors, each saved tensor in a part of its own (a tensor
+// written over one in that one's), every route's tables in the last part,
+// and what a step needs (StepMemory::saved: each part's bytes). Offsets and
+// part sizes are multiples of kRegionAlignment.
 inline constexpr size_t kRegionAlignment = 256;
 struct CallerMemoryLayout {
   StepMemoryPlan plan;
-  std::map<const RoutingNode *, size_t> table_offset; // bytes into the saved region
+  std::map<std::string, size_t> saved_part;           // saved tensor -> its part
+  std::map<const RoutingNode *, size_t> table_offset; // bytes into the last part
   StepMemory memory;
 };
 CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
                                         const std::function<size_t(const RoutingShape &)> &table_bytes);
 
-// caller_memory_layout's saved bytes (StepMemory::saved) over any token
-// count, as size_terms.h writes them (`table_terms`: the backend's tables of
-// one route, each term aligned to a multiple of kRegionAlignment); none
-// where a tensor's or a route's size is not of that form.
-std::optional<SizeTerms>
+// A UserError from `call` (a layer's place()) unless `given` holds one
+// address per saved part of `bytes` (StepMemory::saved), each aligned to
+// `alignment` and none null where its part holds bytes.
+void check_saved_parts(const std::string &call, const SavedParts &given, const std::vector<size_t> &bytes,
+                       size_t alignment);
+
+// caller_memory_layout's saved parts' bytes (StepMemory::saved) over any
+// token count, one SizeTerms a part, as size_terms.h writes them
+// (`table_terms`: the backend's tables of one route, each term aligned to a
+// multiple of kRegionAlignment); none where a tensor's or a route's size is
+// not of that form.
+std::optional<std::vector<SizeTerms>>
 caller_saved_terms(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
                    const std::function<std::optional<SizeTerms>(const RoutingShape &)> &table_terms);
 

@@ -1,7 +1,7 @@
 // A byte count of a layer's memory as a function of the token count T, in
 // the few forms a layer's sizes take, so that a framework can evaluate it at
-// a symbolic T: torch.compile's fake kernels must give the saved region's
-// size (an output of the forward op) before the layer runs, and a size known
+// a symbolic T: torch.compile's fake kernels must give the saved parts'
+// sizes (an output of the forward op) before the layer runs, and a size known
 // only when the op runs (an unbacked size) splits inductor's graph and its
 // CUDA graphs around the op.
 //   bytes(T) = sum over terms of round_up(sum over products of

@@ -59,6 +59,26 @@ private:
   size_t bytes_ = 0;
 };
 
+// One forward's saved parts (StepMemory::saved), each a Region of its own,
+// as a framework allocates them.
+class Saved {
+public:
+  Saved() = default;
+  explicit Saved(const std::vector<size_t> &bytes) {
+    for (size_t b : bytes)
+      regions_.push_back(std::make_unique<Region>(b));
+  }
+  SavedParts parts() const {
+    SavedParts out;
+    for (const auto &r : regions_)
+      out.push_back(reinterpret_cast<uintptr_t>(r->get()));
+    return out;
+  }
+
+private:
+  std::vector<std::unique_ptr<Region>> regions_;
+};
+
 // What compare_with_reference reads of a layer, taken right after its step.
 struct Downloaded {
   std::map<std::string, HostTensor> values;
@@ -80,7 +100,7 @@ struct InFlight {
   TensorMap inputs;
   HostTensor dy;
   std::map<std::string, std::vector<uint8_t>> bound; // x, the upstream gradient, every output and gradient
-  std::unique_ptr<Region> saved;
+  Saved saved;
   std::vector<int32_t> experts;
   std::map<std::string, HostTensor> outputs; // the forward's, taken as it returns
 };
@@ -118,9 +138,9 @@ public:
   void forward(InFlight &f, const std::string &route) {
     bind(f);
     const StepMemory m = layer_.step_memory(f.tokens);
-    f.saved = std::make_unique<Region>(m.saved);
+    f.saved = Saved(m.saved);
     Region workspace(m.workspace_before);
-    layer_.forward(f.saved->get(), workspace.get());
+    layer_.forward(f.saved.parts(), workspace.get());
     f.experts = layer_.routed_experts(route);
     for (const std::string &name : compiled_.training.outputs)
       f.outputs[name] = layer_.download(name);
@@ -129,7 +149,7 @@ public:
   Downloaded backward(InFlight &f) {
     bind(f);
     Region workspace(layer_.step_memory(f.tokens).workspace_after);
-    layer_.backward(f.saved->get(), workspace.get());
+    layer_.backward(f.saved.parts(), workspace.get());
     Downloaded d;
     d.values = f.outputs;
     for (const std::string &name : compiled_.training.gradients)
@@ -247,18 +267,26 @@ TEST_CASE("cpu caller memory: the same step as on the layer's own memory, bit fo
         CHECK(std::any_of(plan.in_output.begin(), plan.in_output.end(),
                           [](const auto &entry) { return entry.second.scratch; }));
       }
-      // What a step needs: the saved region is what the forward keeps and
-      // the routing tables; saved and workspace together less than every
-      // intermediate one buffer each.
+      // What a step needs: the saved parts are what the forward keeps, one
+      // part a tensor, and the routing tables; saved and workspace together
+      // less than every intermediate one buffer each.
       const StepMemory m = caller.layer().step_memory(s.tokens);
-      CHECK(m.saved >= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)));
-      CHECK(m.saved <= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)) + 64 * 1024);
+      CHECK(m.saved_bytes() >= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)));
+      CHECK(m.saved_bytes() <= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)) + 64 * 1024);
+      const CallerMemoryLayout layout =
+          caller_memory_layout(compiled.training.program, ProgramShapes(compiled.training.program, s.tokens),
+                               compiled.training.forward_steps, routing_table_bytes);
+      REQUIRE(m.saved.size() == layout.plan.saved.offset.size() - layout.plan.saved.written_over.size() + 1);
+      for (const auto &[name, part] : layout.saved_part) {
+        CHECK(part + 1 < m.saved.size()); // the last part holds the tables alone
+        CHECK(m.saved[part] == layout.plan.saved.size.at(name));
+      }
       size_t separate = 0;
       ProgramShapes shapes(compiled.training.program, s.tokens);
       for (const TensorDecl &t : compiled.training.program.tensors)
         if (!t.is_input)
           separate += static_cast<size_t>(shapes.elements(t)) * dtype_bytes(t.dtype);
-      CHECK(m.saved + std::max(m.workspace_before, m.workspace_after) < separate);
+      CHECK(m.saved_bytes() + std::max(m.workspace_before, m.workspace_after) < separate);
     }
 }
 
@@ -276,11 +304,22 @@ TEST_CASE("cpu caller memory: misuse is a user error that says what to call") {
   CHECK_THROWS_WITH_AS(l.set_tokens(0), doctest::Contains("at least one token"), UserError);
   l.set_tokens(64);
   const StepMemory m = l.step_memory(64);
-  Region saved(m.saved + 64), workspace(m.workspace_before + m.workspace_after);
-  CHECK_THROWS_WITH_AS(l.forward(saved.get() + 16, workspace.get()), doctest::Contains("64-byte aligned"), UserError);
-  CHECK_THROWS_WITH_AS(l.forward(nullptr, workspace.get()), doctest::Contains("no saved memory given"), UserError);
+  const Saved saved_memory(m.saved);
+  const SavedParts saved = saved_memory.parts();
+  Region workspace(m.workspace_before + m.workspace_after);
+  SavedParts misaligned = saved, missing = saved, one_short(saved.begin(), saved.end() - 1);
+  misaligned[0] += 16;
+  missing[0] = 0;
+  CHECK_THROWS_WITH_AS(l.forward(misaligned, workspace.get()),
+                       doctest::Contains("saved part 0 must start at a 64-byte"), UserError);
+  CHECK_THROWS_WITH_AS(l.forward(missing, workspace.get()), doctest::Contains("has no memory (address 0)"), UserError);
+  const std::string count_words = std::to_string(saved.size() - 1) + " saved parts given; this layer's forward saves " +
+                                  std::to_string(saved.size());
+  CHECK_THROWS_WITH_AS(l.forward(one_short, workspace.get()), doctest::Contains(count_words.c_str()), UserError);
+  CHECK_THROWS_WITH_AS(l.forward(saved, workspace.get() + 16), doctest::Contains("workspace must start at a 64-byte"),
+                       UserError);
   // x is not bound or uploaded at this count yet.
-  CHECK_THROWS_WITH_AS(l.forward(saved.get(), workspace.get()), doctest::Contains("'x'"), UserError);
+  CHECK_THROWS_WITH_AS(l.forward(saved, workspace.get()), doctest::Contains("'x'"), UserError);
   InFlight f;
   f.tokens = 64;
   f.inputs = ex.random_inputs(s, 61);
@@ -288,15 +327,15 @@ TEST_CASE("cpu caller memory: misuse is a user error that says what to call") {
     f.inputs[n] = v;
   f.dy = upstream_gradient(ex, f.inputs, 62);
   caller.bind(f);
-  CHECK_THROWS_WITH_AS(l.backward(saved.get(), workspace.get()),
+  CHECK_THROWS_WITH_AS(l.backward(saved, workspace.get()),
                        doctest::Contains("no forward at 64 tokens wrote its activations"), UserError);
-  l.forward(saved.get(), workspace.get());
+  l.forward(saved, workspace.get());
   REQUIRE(!compiled.training.written_over_saved.empty());
   const std::string over = compiled.training.written_over_saved.begin()->second;
   CHECK_NOTHROW(l.download(over)); // what the forward saved, until the backward writes over it
   // Another count's backward on this forward's memory.
   l.set_tokens(65);
-  CHECK_THROWS_WITH_AS(l.backward(saved.get(), workspace.get()),
+  CHECK_THROWS_WITH_AS(l.backward(saved, workspace.get()),
                        doctest::Contains("no forward at 65 tokens wrote its activations"), UserError);
   l.set_tokens(64);
   // A workspace intermediate has no value after its call; a saved one the
@@ -309,7 +348,7 @@ TEST_CASE("cpu caller memory: misuse is a user error that says what to call") {
   CHECK_THROWS_WITH_AS(l.download(plan.workspace.offset.begin()->first), doctest::Contains("lives in the workspace"),
                        UserError);
   caller.bind(f);
-  l.backward(saved.get(), workspace.get());
+  l.backward(saved, workspace.get());
   CHECK_THROWS_WITH_AS(l.download(over), doctest::Contains("the backward wrote a gradient over it"), UserError);
   // An intermediate is placed, never bound; a bind of the wrong size says both.
   CHECK_THROWS_WITH_AS(l.bind(plan.workspace.offset.begin()->first, workspace.get(), 4),
@@ -318,8 +357,7 @@ TEST_CASE("cpu caller memory: misuse is a user error that says what to call") {
   CHECK_THROWS_WITH_AS(l.bind("x", small.data(), small.size()), doctest::Contains("8 bytes at"), UserError);
   // The layer's own memory takes the other calls.
   cpu::CpuTrainingLayer owned(compiled, 64);
-  CHECK_THROWS_WITH_AS(owned.forward(saved.get(), workspace.get()), doctest::Contains("holds memory of its own"),
-                       UserError);
+  CHECK_THROWS_WITH_AS(owned.forward(saved, workspace.get()), doctest::Contains("holds memory of its own"), UserError);
   CHECK_THROWS_WITH_AS(owned.step_memory(64), doctest::Contains("holds memory of its own"), UserError);
   CHECK_THROWS_WITH_AS(owned.set_tokens(32), doctest::Contains("make a layer for another count"), UserError);
 }
@@ -361,10 +399,11 @@ TEST_CASE("cpu caller memory: the forward alone at any token count through one p
       const ProgramShapes shapes(p, tokens);
       for (const auto &[r, shape] : shapes.routings())
         tables += (routing_table_bytes(shape) + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
-      CHECK(m.saved == tables);
+      CHECK(m.saved == std::vector<size_t>{tables});
       CHECK(m.workspace_before == 0);
-      Region saved(m.saved), workspace(m.workspace_after);
-      layer.place(saved.get(), workspace.get());
+      const Saved saved(m.saved);
+      Region workspace(m.workspace_after);
+      layer.place(saved.parts(), workspace.get());
       layer.run();
       Downloaded got;
       for (const std::string &o : p.outputs)

@@ -33,6 +33,23 @@ cuda::DeviceBuffer poisoned(size_t bytes) {
   return b;
 }
 
+// One forward's saved parts (StepMemory::saved), each a buffer of its own
+// (poisoned), as a framework allocates them.
+struct Saved {
+  std::vector<cuda::DeviceBuffer> buffers;
+  Saved() = default;
+  explicit Saved(const std::vector<size_t> &bytes) {
+    for (size_t b : bytes)
+      buffers.push_back(poisoned(b));
+  }
+  SavedParts parts() const {
+    SavedParts out;
+    for (const cuda::DeviceBuffer &b : buffers)
+      out.push_back(b.ptr());
+    return out;
+  }
+};
+
 // What compare_with_reference reads of a layer, downloaded right after its
 // step: the outputs and gradients, and the experts the forward chose.
 struct Downloaded {
@@ -48,7 +65,7 @@ struct InFlight {
   TensorMap inputs;
   HostTensor dy;
   std::map<std::string, cuda::DeviceBuffer> bound; // x, the upstream gradient, every output and gradient
-  cuda::DeviceBuffer saved;
+  Saved saved;
   std::vector<int32_t> experts;
 };
 
@@ -85,9 +102,9 @@ public:
   void forward(InFlight &f, const std::string &route, const cuda::Stream &stream) {
     bind(f);
     const cuda::CudaLayer::StepMemory m = layer_.step_memory(f.tokens);
-    f.saved = poisoned(m.saved);
+    f.saved = Saved(m.saved);
     cuda::DeviceBuffer workspace = poisoned(m.workspace_before);
-    layer_.forward(stream, f.saved.ptr(), workspace.ptr());
+    layer_.forward(stream, f.saved.parts(), workspace.ptr());
     stream.synchronize(); // before the workspace is freed
     f.experts = layer_.routed_experts(route);
   }
@@ -95,7 +112,7 @@ public:
   Downloaded backward(InFlight &f, const cuda::Stream &stream) {
     bind(f);
     cuda::DeviceBuffer workspace = poisoned(layer_.step_memory(f.tokens).workspace_after);
-    layer_.backward(stream, f.saved.ptr(), workspace.ptr());
+    layer_.backward(stream, f.saved.parts(), workspace.ptr());
     stream.synchronize();
     Downloaded d;
     for (const std::string &name : compiled_.training.program.outputs)
@@ -217,9 +234,9 @@ TEST_SUITE("gpu") {
       // What a step needs: the saved region is what the forward keeps (and the
       // routing tables, a little larger for their alignment and scratch).
       const cuda::CudaLayer::StepMemory m = caller.layer().step_memory(s.tokens);
-      CHECK(m.saved >= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)));
-      CHECK(m.saved <= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)) + 64 * 1024);
-      CHECK(m.saved + std::max(m.workspace_before, m.workspace_after) < owned.layer().activation_bytes());
+      CHECK(m.saved_bytes() >= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)));
+      CHECK(m.saved_bytes() <= static_cast<size_t>(saved_bytes(compiled.training, s.tokens)) + 64 * 1024);
+      CHECK(m.saved_bytes() + std::max(m.workspace_before, m.workspace_after) < owned.layer().activation_bytes());
     }
   }
 
@@ -240,17 +257,23 @@ TEST_SUITE("gpu") {
     CHECK_THROWS_WITH_AS(l.set_tokens(0), doctest::Contains("at least one token"), UserError);
     l.set_tokens(64);
     const cuda::CudaLayer::StepMemory m = l.step_memory(64);
-    cuda::DeviceBuffer saved(m.saved), workspace(m.workspace_before + m.workspace_after);
-    CHECK_THROWS_WITH_AS(l.forward(stream, saved.ptr() + 16, workspace.ptr()), doctest::Contains("256-byte aligned"),
+    const Saved saved_memory(m.saved);
+    const SavedParts saved = saved_memory.parts();
+    cuda::DeviceBuffer workspace(m.workspace_before + m.workspace_after);
+    SavedParts misaligned = saved;
+    misaligned.back() += 16;
+    CHECK_THROWS_WITH_AS(l.forward(stream, misaligned, workspace.ptr()), doctest::Contains("256-byte aligned"),
                          UserError);
+    CHECK_THROWS_WITH_AS(l.forward(stream, SavedParts(saved.begin() + 1, saved.end()), workspace.ptr()),
+                         doctest::Contains("saved parts given"), UserError);
     // x and y are not bound at this count yet.
-    CHECK_THROWS_WITH_AS(l.forward(stream, saved.ptr(), workspace.ptr()), doctest::Contains("'x'"), UserError);
+    CHECK_THROWS_WITH_AS(l.forward(stream, saved, workspace.ptr()), doctest::Contains("'x'"), UserError);
     InFlight f;
     f.tokens = 64;
     f.inputs = ex.random_inputs(s, 61);
     f.dy = upstream_gradient(ex, f.inputs, 62);
     caller.bind(f);
-    CHECK_THROWS_WITH_AS(l.backward(stream, saved.ptr(), workspace.ptr()),
+    CHECK_THROWS_WITH_AS(l.backward(stream, saved, workspace.ptr()),
                          doctest::Contains("no forward at 64 tokens wrote its activations"), UserError);
     // An intermediate of the workspace (as the plan places them) has no value
     // to read after its step.
@@ -263,8 +286,8 @@ TEST_SUITE("gpu") {
     CHECK_THROWS_WITH_AS(l.layer().download(plan.workspace.offset.begin()->first),
                          doctest::Contains("lives in the workspace"), UserError);
     cuda::TrainingLayer owned(device, compiled, 64);
-    CHECK_THROWS_WITH_AS(owned.forward(stream, saved.ptr(), workspace.ptr()),
-                         doctest::Contains("holds memory of its own"), UserError);
+    CHECK_THROWS_WITH_AS(owned.forward(stream, saved, workspace.ptr()), doctest::Contains("holds memory of its own"),
+                         UserError);
   }
 
   TEST_CASE("cuda caller memory: the forward alone at any token count through one program, replayed from a graph") {
@@ -303,8 +326,10 @@ TEST_SUITE("gpu") {
         }
         const cuda::CudaLayer::StepMemory m = layer.step_memory(tokens);
         CHECK(m.workspace_before == 0); // a forward alone runs every step from its boundary, 0
-        cuda::DeviceBuffer saved = poisoned(m.saved), workspace = poisoned(m.workspace_after);
-        layer.place(saved.ptr(), workspace.ptr());
+        CHECK(m.saved.size() == 1);     // the routing tables alone
+        const Saved saved(m.saved);
+        cuda::DeviceBuffer workspace = poisoned(m.workspace_after);
+        layer.place(saved.parts(), workspace.ptr());
         layer.enqueue(stream);
         stream.synchronize();
         Downloaded got;

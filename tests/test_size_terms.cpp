@@ -95,14 +95,16 @@ TEST_CASE("size terms: a training layer's saved region over any token count, as 
   for (const Case &c : cases) {
     INFO(c.ex.name << " / " << c.schedule.to_text());
     const TrainingProgram t = lower_training(c.ex.pipeline, c.ex.pipeline.func(c.ex.output), c.schedule);
-    const std::optional<SizeTerms> terms =
+    const std::optional<std::vector<SizeTerms>> terms =
         caller_saved_terms(t.program, ProgramShapes(t.program, s.tokens), t.forward_steps, cpu_table_terms);
     REQUIRE(terms);
     for (int64_t n : counts()) {
       INFO(n << " tokens");
       const CallerMemoryLayout l =
           caller_memory_layout(t.program, ProgramShapes(t.program, n), t.forward_steps, cpu_tables);
-      CHECK(size_at(*terms, n) == static_cast<int64_t>(l.memory.saved));
+      REQUIRE(l.memory.saved.size() == terms->size());
+      for (size_t i = 0; i < terms->size(); ++i)
+        CHECK(size_at((*terms)[i], n) == static_cast<int64_t>(l.memory.saved[i]));
     }
   }
 }

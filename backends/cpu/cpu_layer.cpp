@@ -102,10 +102,12 @@ CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens, size_t keep_ac
 void CpuLayer::plan_caller_memory() {
   CallerMemoryLayout l = caller_memory_layout(layer_.program, shapes_, keep_across_, routing_table_bytes);
   step_plan_ = std::make_unique<StepMemoryPlan>(std::move(l.plan));
+  saved_part_ = std::move(l.saved_part);
   table_offset_ = std::move(l.table_offset);
+  saved_bytes_ = std::move(l.memory.saved);
 }
 
-std::optional<SizeTerms> CpuLayer::saved_terms() const {
+std::optional<std::vector<SizeTerms>> CpuLayer::saved_terms() const {
   user_check(memory_ == LayerMemory::caller) << "saved_terms(): this layer holds memory of its own "
                                              << "(LayerMemory::owned); make it with LayerMemory::caller";
   return caller_saved_terms(layer_.program, shapes_, keep_across_, [](const RoutingShape &s) {
@@ -121,23 +123,22 @@ StepMemory CpuLayer::step_memory(int64_t tokens) const {
       .memory;
 }
 
-void CpuLayer::place(uint8_t *saved, uint8_t *workspace) {
+void CpuLayer::place(const SavedParts &saved, uint8_t *workspace) {
   user_check(memory_ == LayerMemory::caller) << "place(): this layer holds memory of its own (LayerMemory::owned)";
-  user_check(saved != nullptr) << "place(): no saved memory given (it holds every route's tables, so it is never "
-                               << "empty)";
-  user_check(reinterpret_cast<uintptr_t>(saved) % kBaseAlignment == 0 &&
-             reinterpret_cast<uintptr_t>(workspace) % kBaseAlignment == 0)
-      << "place(): the saved and workspace memory must start at 64-byte aligned addresses (got "
-      << static_cast<const void *>(saved) << " and " << static_cast<const void *>(workspace) << ")";
-  for (const auto &[name, at] : step_plan_->saved.offset)
-    tensors_.at(name).at = saved + at;
+  check_saved_parts("place()", saved, saved_bytes_, kBaseAlignment);
+  user_check(reinterpret_cast<uintptr_t>(workspace) % kBaseAlignment == 0)
+      << "place(): the workspace must start at a 64-byte aligned address (got " << static_cast<const void *>(workspace)
+      << ")";
+  auto host = [](uint64_t address) { return reinterpret_cast<uint8_t *>(static_cast<uintptr_t>(address)); };
+  for (const auto &[name, part] : saved_part_)
+    tensors_.at(name).at = host(saved[part]);
   for (const auto &[name, at] : step_plan_->workspace.offset)
     tensors_.at(name).at = workspace ? workspace + at : nullptr;
   // The tables there are the ones the forward that wrote this memory made:
   // a forward routes before any step reads them, and a training layer runs
   // a backward only on memory a recent forward wrote (forwards_in_flight.h).
   for (auto &[r, st] : routes_) {
-    st.block = saved + table_offset_.at(r);
+    st.block = host(saved.back()) + table_offset_.at(r);
     st.routed = true;
   }
   saved_at_ = saved;
@@ -175,7 +176,7 @@ void CpuLayer::set_tokens(int64_t tokens) {
     uploaded_.erase(t.name);
   }
   computed_.clear();
-  saved_at_ = nullptr;
+  saved_at_.clear();
 }
 
 void CpuLayer::bind(const std::string &name, void *ptr, size_t bytes) {

@@ -118,16 +118,18 @@ public:
   LayerMemory memory() const { return memory_; }
   // LayerMemory::caller: what a step at `tokens` tokens needs.
   StepMemory step_memory(int64_t tokens) const;
-  // LayerMemory::caller: step_memory().saved over any token count
-  // (size_terms.h), or none where a size is not of that form.
-  std::optional<SizeTerms> saved_terms() const;
+  // LayerMemory::caller: step_memory().saved over any token count, one
+  // SizeTerms a part (size_terms.h), or none where a size is not of that
+  // form.
+  std::optional<std::vector<SizeTerms>> saved_terms() const;
   // LayerMemory::caller: every intermediate and route table at the caller's
-  // memory for the current token count: `saved` (step_memory().saved
-  // bytes, never null) and `workspace` (what the steps about to run need,
-  // or null where they need none), both 64-byte aligned.
-  void place(uint8_t *saved, uint8_t *workspace);
-  // LayerMemory::caller: the saved memory place() was last given (null before).
-  const uint8_t *saved_at() const { return saved_at_; }
+  // memory for the current token count: `saved` (the host addresses of
+  // step_memory().saved's parts, in its order) and `workspace` (what the
+  // steps about to run need, or null where they need none), all 64-byte
+  // aligned.
+  void place(const SavedParts &saved, uint8_t *workspace);
+  // LayerMemory::caller: the saved parts place() was last given (none before).
+  const SavedParts &saved_at() const { return saved_at_; }
   // LayerMemory::caller: runs the layer for `tokens` tokens from now on, with
   // no compiling; place() again, and bind or upload again every tensor whose
   // size changed (the others keep their values).
@@ -188,12 +190,14 @@ private:
   LayerMemory memory_;
   std::map<std::string, Buffer> tensors_;
   std::map<const RoutingNode *, RouteState> routes_;
-  // LayerMemory::caller: the current count's plan, each route's tables'
-  // offset in the saved region (after its tensors), and where place() put
-  // them last.
+  // LayerMemory::caller: the current count's plan, each saved tensor's
+  // part, each route's tables' offset in the last part, each part's bytes,
+  // and where place() put them last.
   std::unique_ptr<StepMemoryPlan> step_plan_;
+  std::map<std::string, size_t> saved_part_;
   std::map<const RoutingNode *, size_t> table_offset_;
-  uint8_t *saved_at_ = nullptr;
+  std::vector<size_t> saved_bytes_;
+  SavedParts saved_at_;
   std::set<std::string> uploaded_; // the Inputs and Params given so far
   // The results a run computed from the inputs as they are now: an upload
   // takes back those made from the input it changed, poison() all.

@@ -46,28 +46,28 @@ void CpuTrainingLayer::bind_gradient(const std::string &of, void *ptr, size_t by
   layer_.bind(compiled_.training.gradient_of(of), ptr, bytes);
 }
 
-void CpuTrainingLayer::forward(uint8_t *saved, uint8_t *workspace) {
+void CpuTrainingLayer::forward(const SavedParts &saved, uint8_t *workspace) {
   check_memory(true, "forward");
   layer_.place(saved, workspace);
   layer_.run(0, compiled_.training.forward_steps, "forward()");
-  forwards_.forward_wrote(reinterpret_cast<uintptr_t>(saved), layer_.tokens());
+  forwards_.forward_wrote(saved, layer_.tokens());
 }
 
-void CpuTrainingLayer::backward(uint8_t *saved, uint8_t *workspace) {
+void CpuTrainingLayer::backward(const SavedParts &saved, uint8_t *workspace) {
   check_memory(true, "backward");
-  forwards_.check_backward(compiled_.training, reinterpret_cast<uintptr_t>(saved), layer_.tokens());
+  forwards_.check_backward(compiled_.training, saved, layer_.tokens());
   // The saved memory is that forward's, whatever was bound since.
   state_.forward_ran();
   state_.check_ready_for_backward();
   layer_.place(saved, workspace);
   layer_.run(compiled_.training.forward_steps, compiled_.training.program.steps.size(), "backward()");
-  forwards_.backward_ran(compiled_.training, reinterpret_cast<uintptr_t>(saved), layer_.tokens());
+  forwards_.backward_ran(compiled_.training, saved, layer_.tokens());
 }
 
 HostTensor CpuTrainingLayer::download(const std::string &func) const {
   const auto &over = compiled_.training.written_over_saved;
   const bool overwritten = std::any_of(over.begin(), over.end(), [&](const auto &o) { return o.second == func; });
-  user_check(!overwritten || !forwards_.spent(reinterpret_cast<uintptr_t>(layer_.saved_at()), layer_.tokens()))
+  user_check(!overwritten || !forwards_.spent(layer_.saved_at(), layer_.tokens()))
       << "download('" << func << "'): the backward wrote a gradient over it (gradients_over_saved(true)); "
       << "download it between the forward and the backward";
   return layer_.download(func);

@@ -63,7 +63,7 @@ public:
   // LayerMemory::caller (cuda::TrainingLayer's calls). What a step at
   // `tokens` needs; the token count of the next forward or backward.
   StepMemory step_memory(int64_t tokens) const { return layer_.step_memory(tokens); }
-  std::optional<SizeTerms> saved_terms() const { return layer_.saved_terms(); }
+  std::optional<std::vector<SizeTerms>> saved_terms() const { return layer_.saved_terms(); }
   void set_tokens(int64_t tokens) { layer_.set_tokens(tokens); }
   // Host memory the caller owns for an Input, Param, upstream gradient (by
   // its seed's name, "d_y") or output; for the gradient of Input or Param
@@ -77,8 +77,9 @@ public:
   // by the caller). A backward is refused for saved memory no recent forward
   // of this count wrote, and for a second backward of one forward where the
   // first wrote over what it saved (runtime/forwards_in_flight.h).
-  void forward(uint8_t *saved, uint8_t *workspace);
-  void backward(uint8_t *saved, uint8_t *workspace);
+  // `saved`: the host addresses of step_memory().saved's parts.
+  void forward(const SavedParts &saved, uint8_t *workspace);
+  void backward(const SavedParts &saved, uint8_t *workspace);
 
   // forward() / backward() with each step timed: name and milliseconds, in
   // program order (cuda::TrainingLayer's profile_forward / profile_backward).

@@ -46,9 +46,9 @@ torch.library custom ops (moeforge::layer_forward, moeforge::layer_backward,
 moeforge::layer_inference) with fake kernels, so
 torch.compile(model, fullgraph=True) traces a model holding the module with
 no graph break, at any token count (dynamic shapes), and the ops pass
-torch.library.opcheck (with zero_saved = True: it compares the saved region
+torch.library.opcheck (with zero_saved = True: it compares the saved parts
 bit for bit). At a symbolic count the forward's fake kernel sizes the saved
-region from the layer's terms over the count (saved_terms(): the bytes the
+parts from the layer's terms over the count (saved_terms(): the bytes the
 layer lays out, as an expression of it), so mode="reduce-overhead" records
 and replays the step in CUDA graphs at static and symbolic counts alike.
 """
@@ -65,12 +65,12 @@ import moeforge as mf
 
 _DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
 
-# Zero each forward's saved region before the forward writes it. Its bytes
-# between the tensors it holds (alignment, padding rows no step reads) are
-# otherwise what torch's allocator handed over, so two runs of one forward
-# return saved regions that differ there though every value the backward
-# reads is the same: tools that compare an op's outputs bit for bit
-# (torch.library.opcheck) need this on. It costs a memset of the region.
+# Zero each forward's saved parts before the forward writes them. Their
+# bytes beside the values they hold (alignment, padding rows no step reads)
+# are otherwise what torch's allocator handed over, so two runs of one
+# forward return saved parts that differ there though every value the
+# backward reads is the same: tools that compare an op's outputs bit for bit
+# (torch.library.opcheck) need this on. It costs a memset of each part.
 zero_saved = False
 
 
@@ -185,7 +185,7 @@ class _Runtime(_BoundLayer):
             self.layer = mf.CpuCallerTrainingLayer(module.pipeline, module.outputs, module.schedule, tokens)
         self.tokens = None
         self.bound = {}
-        self.memory = {}  # tokens -> (saved, forward workspace, backward workspace) bytes
+        self.memory = {}  # tokens -> ([saved parts], forward workspace, backward workspace) bytes
         self.backward_reads = set(self.layer.backward_reads)
         self._saved_terms = False  # not asked yet
 
@@ -219,35 +219,40 @@ class _Runtime(_BoundLayer):
 
 
 def _step_forward(module, xs, params, consts):
-    """One forward on caller memory: the outputs and the saved region its
-    backward reads (a uint8 tensor of torch's)."""
+    """One forward on caller memory: the outputs and the saved parts its
+    backward reads (uint8 tensors of torch's: each saved tensor's, then the
+    routing tables'; one empty one at no tokens)."""
     x = xs[0]
     tokens = x.shape[0]
     module._routing_tokens = tokens
     if tokens == 0:
         module._routing = {}
         outs = [module._no_token_output(f, dtype, x.device) for f, dtype in zip(module.outputs, module._output_dtypes)]
-        return outs, torch.empty(0, dtype=torch.uint8, device=x.device)
+        return outs, [torch.empty(0, dtype=torch.uint8, device=x.device)]
     rt = module._runtime(tokens)
     layer = rt.layer
-    saved_bytes, workspace_bytes, _ = rt.use_tokens(tokens)
+    part_bytes, workspace_bytes, _ = rt.use_tokens(tokens)
     # The input and weights and fresh output tensors, all bound in place
     # (a converted copy held here until the forward has run).
     inputs = _layer_inputs(module, layer, xs, params, consts)
     for binding in inputs:
         rt.bind(*binding)
     # The workspace is taken first: it then gets the block the last call's
-    # workspace left in torch's pool, the same size, and the saved region a
-    # block of its own, instead of a split of it (splits of layer after
-    # layer fragmented an 8-layer stack's pool by 3 GiB).
+    # workspace left in torch's pool, the same size, and the saved parts
+    # blocks of their own, instead of a split of it (splits of layer after
+    # layer fragmented an 8-layer stack's pool by 3 GiB). Each part is a
+    # tensor of its own, as autograd's saved tensors are, so the allocator
+    # fits each where it fits (in a stack, the blocks the weight gradients
+    # left; one block of their sum fits none of those and takes new memory).
     workspace = _memory(workspace_bytes, x.device)
-    saved = _memory(saved_bytes, x.device)
-    if zero_saved and saved is not None:
-        saved.zero_()
+    saved = [_memory(n, x.device) if n else torch.empty(0, dtype=torch.uint8, device=x.device) for n in part_bytes]
+    if zero_saved:
+        for part in saved:
+            part.zero_()
     outs = [_empty_like_layer(layer, name, x.device) for name in layer.outputs]
     for name, t in zip(layer.outputs, outs):
         rt.bind(name, t)
-    rt.forward(x.device, saved.data_ptr(), _address(workspace))
+    rt.forward(x.device, [part.data_ptr() for part in saved], _address(workspace))
     del workspace  # back to torch's pool; work queued later on this stream reuses it after ours
     module._record_routing(rt, x.device)
     return outs, saved
@@ -272,7 +277,7 @@ def _layer_inputs(module, layer, xs, params, consts):
 
 
 def _step_backward(module, xs, params, consts, saved, read_outputs, grads):
-    """The backward of the forward whose saved region `saved` is: every
+    """The backward of the forward whose saved parts `saved` are: every
     token input's and Param's gradient, in the layer's storage types."""
     x = xs[0]
     tokens = x.shape[0]
@@ -316,10 +321,10 @@ def _step_backward(module, xs, params, consts, saved, read_outputs, grads):
             layer.bind_gradient(p, out[-1].data_ptr() + offset * out[-1].element_size(),
                                 layer.info(layer.gradients[p])[3])
     stream = torch.cuda.current_stream(device) if rt.cuda else None
-    rt.backward(stream, saved.data_ptr(), _address(workspace))
+    rt.backward(stream, [part.data_ptr() for part in saved], _address(workspace))
     # The workspace and the seeds go back to torch's pool now (a block freed
     # on this stream is handed only to work queued on it after the kernels
-    # above); the saved region when autograd drops it.
+    # above); the saved parts when autograd drops them.
     return out
 
 
@@ -334,7 +339,7 @@ def _build_stamp():
     """The extension's file time, 40 bits of it: handles start there.
     A handle is a constant in a traced graph, so it is part of the key under
     which inductor caches the compiled graph on disk; the fake kernels' sizes
-    (the saved region's) are not. A graph compiled by an earlier build whose
+    (the saved parts') are not. A graph compiled by an earlier build whose
     layer laid out its memory differently would otherwise be reused and fail
     its size asserts."""
     try:
@@ -358,7 +363,7 @@ def _module(handle):
 def _layer_forward(handle: int, xs: list[torch.Tensor], params: list[torch.Tensor],
                    consts: list[torch.Tensor]) -> list[torch.Tensor]:
     outs, saved = _step_forward(_module(handle), xs, params, consts)
-    return [*outs, saved]
+    return [*outs, *saved]
 
 
 @_layer_forward.register_fake
@@ -368,14 +373,15 @@ def _(handle, xs, params, consts):
     tokens = x.shape[0]
     outs = [x.new_empty(module._output_shape(f, tokens), dtype=dtype)
             for f, dtype in zip(module.outputs, module._output_dtypes)]
-    if isinstance(tokens, int):  # the saved region's bytes follow from the count
-        nbytes = module.saved_bytes(tokens)
-    else:  # a symbolic count: the layer's size over the count, evaluated at it
+    if isinstance(tokens, int):  # the saved parts' bytes follow from the count
+        part_bytes = module.saved_part_bytes(tokens) if tokens else [0]
+    else:  # a symbolic count: the layer's sizes over the count, evaluated at it
         terms = module._saved_terms(tokens)
-        # Else a size known only when the op runs (an unbacked size), around
+        # Else sizes known only when the op runs (unbacked sizes), around
         # which inductor splits the graph, and its CUDA graphs with it.
-        nbytes = _size_at(terms, tokens) if terms is not None else torch.library.get_ctx().new_dynamic_size()
-    return [*outs, x.new_empty(nbytes, dtype=torch.uint8)]
+        part_bytes = ([_size_at(t, tokens) for t in terms] if terms is not None else
+                      [torch.library.get_ctx().new_dynamic_size() for _ in range(module._saved_part_count())])
+    return [*outs, *[x.new_empty(n, dtype=torch.uint8) for n in part_bytes]]
 
 
 def _size_at(terms, tokens):
@@ -398,7 +404,7 @@ def _size_at(terms, tokens):
 
 @torch.library.custom_op("moeforge::layer_backward", mutates_args=())
 def _layer_backward(handle: int, xs: list[torch.Tensor], params: list[torch.Tensor], consts: list[torch.Tensor],
-                    saved: torch.Tensor, read_outputs: list[torch.Tensor],
+                    saved: list[torch.Tensor], read_outputs: list[torch.Tensor],
                     grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return _step_backward(_module(handle), xs, params, consts, saved, read_outputs, grads)
 
@@ -412,36 +418,38 @@ def _(handle, xs, params, consts, saved, read_outputs, grads):
 def _setup_context(ctx, inputs, output):
     handle, xs, params, consts = inputs
     module = _module(handle)
-    outs = output[:-1]
+    outs = output[:len(module.outputs)]
+    saved = output[len(module.outputs):]
     x = xs[0]
     ctx.handle, ctx.input_count, ctx.param_count, ctx.const_count = handle, len(xs), len(params), len(consts)
+    ctx.saved_count = len(saved)
     # An output without a gradient comes to the backward as None, not as
     # zeros: autograd would otherwise make a zero "gradient" of the saved
-    # region (a uint8 tensor as large as the activations) in every backward,
+    # parts (uint8 tensors as large as the activations) in every backward,
     # beside the live one at the stack's peak, and write it (H100, fine64,
     # 8 layers: 754 MiB).
     ctx.set_materialize_grads(False)
     ctx.output_meta = [(o.shape, o.dtype) for o in outs]
     reads = module._backward_reads(x.shape[0])
     # Through save_for_backward, not ctx attributes: autograd frees the
-    # saved region when this node's backward ends (as attributes, every
+    # saved parts when this node's backward ends (as attributes, every
     # layer's activations lived until the whole graph was dropped) and hands
     # it to saved-tensor hooks (torch.utils.checkpoint drops it and runs the
     # forward again). Of the outputs, only those the backward reads.
-    ctx.save_for_backward(output[-1], *xs, *params, *consts,
+    ctx.save_for_backward(*saved, *xs, *params, *consts,
                           *[t for f, t in zip(module.outputs, outs) if f.name in reads])
 
 
 def _backward(ctx, grads):
     tensors = ctx.saved_tensors
-    saved, rest = tensors[0], list(tensors[1:])
+    saved, rest = list(tensors[:ctx.saved_count]), list(tensors[ctx.saved_count:])
     counts = (ctx.input_count, ctx.param_count, ctx.const_count)
     xs, params, consts = (rest[sum(counts[:i]):sum(counts[:i + 1])] for i in range(3))
     read = rest[sum(counts):]
     x = xs[0]
     # An output nothing used has no gradient: zeros of its shape.
     seeds = [g if g is not None else torch.zeros(shape, dtype=dtype, device=x.device)
-             for g, (shape, dtype) in zip(grads[:-1], ctx.output_meta)]
+             for g, (shape, dtype) in zip(grads, ctx.output_meta)]
     got = torch.ops.moeforge.layer_backward(ctx.handle, xs, params, consts, saved, read, seeds)
     cast = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(got, [*xs, *params])]
     n = ctx.input_count
@@ -860,7 +868,7 @@ class MoELayer(torch.nn.Module):
             _check_tensor(f"the constant input '{name}'", c, self.device)
         needs_grad = any(x.requires_grad for x in xs) or any(p.requires_grad for p in params)
         if torch.is_grad_enabled() and needs_grad:
-            outs = torch.ops.moeforge.layer_forward(self._handle, flat, params, consts)[:-1]
+            outs = torch.ops.moeforge.layer_forward(self._handle, flat, params, consts)[:len(self.outputs)]
         else:  # no backward will run: the forward alone, keeping nothing
             outs = torch.ops.moeforge.layer_inference(self._handle, flat, params, consts)
         if len(lead) > 1:
@@ -923,9 +931,9 @@ class MoELayer(torch.nn.Module):
                 rt.layer.check_routing_scores(_stream(self.device))
 
     def _saved_terms(self, tokens):
-        """saved_bytes over any token count (_size_at's terms), for a
-        symbolic count `tokens`; None where the layer has no such form, or
-        no runtime yet and the count no hint to make it at."""
+        """saved_part_bytes over any token count (_size_at's terms, one
+        list a part), for a symbolic count `tokens`; None where the layer has
+        no such form, or no runtime yet and the count no hint to make it at."""
         if self._caller is None:
             hint = getattr(getattr(tokens, "node", None), "hint", None)
             if hint is None:
@@ -933,10 +941,19 @@ class MoELayer(torch.nn.Module):
             self._runtime(int(hint))
         return self._caller.saved_terms()
 
+    def saved_part_bytes(self, tokens):
+        """What a forward over `tokens` tokens (at least 1) keeps for its
+        backward, in bytes, as the tensors that hold it: each saved
+        activation's, then the routing tables'."""
+        return self._runtime(tokens).layer.step_memory(tokens)[0]
+
+    def _saved_part_count(self):
+        return len(self.saved_part_bytes(1))  # the same at every count
+
     def saved_bytes(self, tokens):
         """What a forward over `tokens` tokens keeps for its backward
         (activations and routing tables), in bytes."""
-        return self._runtime(max(tokens, 1)).layer.step_memory(tokens)[0] if tokens else 0
+        return sum(self.saved_part_bytes(tokens)) if tokens else 0
 
 
 def example(name, experts=8, topk=2, d=64, f=128, schedule="auto", device="cuda", **kwargs):

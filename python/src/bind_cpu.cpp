@@ -95,7 +95,7 @@ void bind_cpu(nb::module_ &m) {
                 l.layer->step_memory(checked_integer(tokens, INT64_MIN, INT64_MAX, "step_memory", "tokens"));
             // A forward alone runs every step from the boundary (0): all of
             // its workspace is the part after it.
-            return nb::make_tuple(m.saved, std::max(m.workspace_before, m.workspace_after));
+            return nb::make_tuple(m.saved_bytes(), std::max(m.workspace_before, m.workspace_after));
           },
           "tokens"_a, "(tables, workspace) bytes of a forward at `tokens` tokens.")
       .def(
@@ -111,7 +111,7 @@ void bind_cpu(nb::module_ &m) {
           "forward",
           [](PyCpuCallerForward &l, uintptr_t saved, uintptr_t workspace) {
             nb::gil_scoped_release release;
-            l.layer->place(host(saved), host(workspace));
+            l.layer->place({saved}, host(workspace));
             l.layer->run(0, l.compiled->program.steps.size(), "forward()");
           },
           "saved"_a, "workspace"_a = 0,
@@ -149,11 +149,14 @@ void bind_cpu(nb::module_ &m) {
                 l.layer->step_memory(checked_integer(tokens, INT64_MIN, INT64_MAX, "step_memory", "tokens"));
             return nb::make_tuple(m.saved, m.workspace_before, m.workspace_after);
           },
-          "tokens"_a, "(saved, forward workspace, backward workspace) bytes of a step at `tokens` tokens.")
+          "tokens"_a,
+          "(saved parts, forward workspace, backward workspace) bytes of a step at `tokens` tokens: a list of the "
+          "saved parts' (each saved tensor's, then the routing tables'), each the caller's memory of its own.")
       .def(
           "saved_terms", [](const PyCpuCallerTraining &l) { return size_terms_object(l.layer->saved_terms()); },
-          "step_memory()'s saved bytes over any token count T: None, or terms (align, [(bytes, [(a, b, d, m, c), "
-          "...]), ...]), the sum over terms of round_up(sum of bytes * prod((a T + b) // d * m + c), align).")
+          "step_memory()'s saved parts over any token count T: None, or for each part its terms (align, [(bytes, "
+          "[(a, b, d, m, c), ...]), ...]): the sum over terms of round_up(sum of bytes * prod((a T + b) // d * m + c), "
+          "align).")
       .def(
           "info", [](const PyCpuCallerTraining &l, const std::string &name) { return info_tuple(l.layer->info(name)); },
           "name"_a, "(dtype, shape, contiguous, bytes) of a tensor the layer reads or writes.")
@@ -173,18 +176,18 @@ void bind_cpu(nb::module_ &m) {
           "of"_a, "ptr"_a, "bytes"_a, "Writes the gradient of Input or Param `of` at host memory the caller owns.")
       .def(
           "forward",
-          [](PyCpuCallerTraining &l, uintptr_t saved, uintptr_t workspace) {
+          [](PyCpuCallerTraining &l, const SavedParts &saved, uintptr_t workspace) {
             nb::gil_scoped_release release;
-            l.layer->forward(host(saved), host(workspace));
+            l.layer->forward(saved, host(workspace));
           },
           "saved"_a, "workspace"_a = 0,
-          "Routing and the forward: its activations and routing to `saved` (step_memory()'s bytes, 64-byte "
-          "aligned), its temporaries to `workspace` (0 where it needs none).")
+          "Routing and the forward: its activations and routing to `saved` (a list: each saved part's address, "
+          "step_memory()'s bytes, 64-byte aligned), its temporaries to `workspace` (0 where it needs none).")
       .def(
           "backward",
-          [](PyCpuCallerTraining &l, uintptr_t saved, uintptr_t workspace) {
+          [](PyCpuCallerTraining &l, const SavedParts &saved, uintptr_t workspace) {
             nb::gil_scoped_release release;
-            l.layer->backward(host(saved), host(workspace));
+            l.layer->backward(saved, host(workspace));
           },
           "saved"_a, "workspace"_a = 0,
           "Every Input's and Param's gradient, reading its forward's `saved` memory (at that forward's token count).")

@@ -220,7 +220,7 @@ void bind_cuda(nb::module_ &m) {
             const StepMemory m = l.layer->step_memory(tokens);
             // A forward alone runs every step from the boundary (0): all of
             // its workspace is the part after it.
-            return nb::make_tuple(m.saved, std::max(m.workspace_before, m.workspace_after));
+            return nb::make_tuple(m.saved_bytes(), std::max(m.workspace_before, m.workspace_after));
           },
           "tokens"_a, "(tables, workspace) bytes of a forward at `tokens` tokens.")
       .def(
@@ -238,7 +238,7 @@ void bind_cuda(nb::module_ &m) {
           "forward",
           [](PyCudaCallerForward &l, uintptr_t stream, uintptr_t saved, uintptr_t workspace) {
             l.dev->make_current();
-            l.layer->place(static_cast<CUdeviceptr>(saved), static_cast<CUdeviceptr>(workspace));
+            l.layer->place({saved}, static_cast<CUdeviceptr>(workspace));
             l.replay.run(*l.layer, 0, l.compiled->program.steps.size(), stream_of(stream), "enqueue()", l.replay_on);
           },
           "stream"_a, "saved"_a, "workspace"_a = 0,
@@ -308,11 +308,14 @@ void bind_cuda(nb::module_ &m) {
             return nb::make_tuple(m.saved, m.workspace_before, m.workspace_after);
           },
           "tokens"_a,
-          "(saved, forward workspace, backward workspace) bytes of a step at `tokens` tokens on caller memory.")
+          "(saved parts, forward workspace, backward workspace) bytes of a step at `tokens` tokens on caller "
+          "memory: a list of the saved parts' (each saved tensor's, then the routing tables'), each the caller's "
+          "memory of its own.")
       .def(
           "saved_terms", [](const PyCudaTraining &l) { return size_terms_object(l.layer->saved_terms()); },
-          "step_memory()'s saved bytes over any token count T: None, or terms (align, [(bytes, [(a, b, d, m, c), "
-          "...]), ...]), the sum over terms of round_up(sum of bytes * prod((a T + b) // d * m + c), align).")
+          "step_memory()'s saved parts over any token count T: None, or for each part its terms (align, [(bytes, "
+          "[(a, b, d, m, c), ...]), ...]): the sum over terms of round_up(sum of bytes * prod((a T + b) // d * m + c), "
+          "align).")
       .def(
           "pairs",
           [](const PyCudaTraining &l, const std::string &route) {
@@ -349,7 +352,7 @@ void bind_cuda(nb::module_ &m) {
            })
       .def(
           "forward",
-          [](PyCudaTraining &l, uintptr_t stream, std::optional<uintptr_t> saved, std::optional<uintptr_t> workspace) {
+          [](PyCudaTraining &l, uintptr_t stream, std::optional<SavedParts> saved, std::optional<uintptr_t> workspace) {
             l.dev->make_current();
             if (saved)
               l.layer->forward(stream_of(stream), *saved, workspace.value_or(0));
@@ -358,7 +361,8 @@ void bind_cuda(nb::module_ &m) {
           },
           "stream"_a = 0, "saved"_a = nb::none(), "workspace"_a = nb::none(),
           "Enqueues routing and the forward on the stream (a CUstream handle; 0: the legacy one); on caller "
-          "memory, its activations go to `saved` and its temporaries to `workspace` (device addresses).")
+          "memory, its activations go to `saved` (a list: each saved part's address) and its temporaries to "
+          "`workspace` (device addresses).")
       .def(
           "check_routing_scores",
           [](PyCudaTraining &l, uintptr_t stream) {
@@ -387,7 +391,7 @@ void bind_cuda(nb::module_ &m) {
           "(a training loop at steady addresses replays).")
       .def(
           "backward",
-          [](PyCudaTraining &l, uintptr_t stream, std::optional<uintptr_t> saved, std::optional<uintptr_t> workspace) {
+          [](PyCudaTraining &l, uintptr_t stream, std::optional<SavedParts> saved, std::optional<uintptr_t> workspace) {
             l.dev->make_current();
             if (saved)
               l.layer->backward(stream_of(stream), *saved, workspace.value_or(0));

@@ -186,19 +186,23 @@ nb::dict to_dict(TensorMap tensors) {
   return out;
 }
 
-nb::object size_terms_object(const std::optional<SizeTerms> &terms) {
-  if (!terms)
+nb::object size_terms_object(const std::optional<std::vector<SizeTerms>> &parts) {
+  if (!parts)
     return nb::none();
   nb::list out;
-  for (const SizeTerm &t : *terms) {
-    nb::list sum;
-    for (const SizeProduct &p : t.sum) {
-      nb::list factors;
-      for (const SizeFactor &f : p.factors)
-        factors.append(nb::make_tuple(f.a, f.b, f.d, f.m, f.c));
-      sum.append(nb::make_tuple(p.bytes, factors));
+  for (const SizeTerms &terms : *parts) {
+    nb::list part;
+    for (const SizeTerm &t : terms) {
+      nb::list sum;
+      for (const SizeProduct &p : t.sum) {
+        nb::list factors;
+        for (const SizeFactor &f : p.factors)
+          factors.append(nb::make_tuple(f.a, f.b, f.d, f.m, f.c));
+        sum.append(nb::make_tuple(p.bytes, factors));
+      }
+      part.append(nb::make_tuple(t.align, sum));
     }
-    out.append(nb::make_tuple(t.align, sum));
+    out.append(part);
   }
   return out;
 }

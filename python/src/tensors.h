@@ -47,10 +47,11 @@ HostTensor to_host_tensor(nb::handle value, const std::string &what);
 // it: (dtype name, shape, contiguous, bytes).
 nb::tuple info_tuple(const TensorInfo &info);
 
-// A size over the token count (runtime/size_terms.h) as Python evaluates it
-// at a symbolic count: None where there is none, else a list of terms
+// Sizes over the token count (runtime/size_terms.h; a layer's saved parts)
+// as Python evaluates them at a symbolic count: None where there are none,
+// else a list, for each size, of its terms
 // (align, [(bytes, [(a, b, d, m, c), ...]), ...]).
-nb::object size_terms_object(const std::optional<SizeTerms> &terms);
+nb::object size_terms_object(const std::optional<std::vector<SizeTerms>> &parts);
 
 // A dict {name: array} as a TensorMap ("input 'name'" in errors).
 TensorMap to_tensor_map(const nb::dict &arrays, const std::string &what);

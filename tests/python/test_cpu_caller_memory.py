@@ -22,6 +22,12 @@ def region(nbytes):
     return raw, raw.ctypes.data + start
 
 
+def parts(part_bytes):
+    """A region for each saved part: (the arrays, their addresses)."""
+    made = [region(n) for n in part_bytes]
+    return [raw for raw, _ in made], [at for _, at in made]
+
+
 def owned_step(layer, y, schedule, inputs, dy):
     train = mf.CpuTrainingLayer(layer, [y], schedule, inputs["x"].shape[0])
     train.upload(inputs)
@@ -42,8 +48,8 @@ def test_forwards_in_flight_each_backward_on_its_own_memory(schedule_name):
         dy = np.random.default_rng(seed + 10).uniform(-1, 1, (tokens, 64))
         caller.set_tokens(tokens)
         caller.upload(inputs)
-        saved_bytes, forward_ws, _ = caller.step_memory(tokens)
-        saved, saved_at = region(saved_bytes)
+        part_bytes, forward_ws, _ = caller.step_memory(tokens)
+        saved, saved_at = parts(part_bytes)
         ws, ws_at = region(forward_ws)
         caller.forward(saved_at, ws_at)
         steps.append((tokens, inputs, dy, saved, saved_at, caller.output()))
@@ -68,15 +74,19 @@ def test_misuse_says_what_to_call():
     inputs = random_inputs(64, seed=5)
     caller.upload(inputs)
     caller.upload_upstream_gradient(np.ones((64, 64)))
-    saved_bytes, forward_ws, backward_ws = caller.step_memory(64)
-    saved, saved_at = region(saved_bytes)
+    part_bytes, forward_ws, backward_ws = caller.step_memory(64)
+    assert len(part_bytes) >= 2, "each saved tensor a part of its own, then the routing tables"
+    saved, saved_at = parts(part_bytes)
     ws, ws_at = region(max(forward_ws, backward_ws))
     with pytest.raises(mf.UserError, match="no forward at 64 tokens wrote its activations"):
         caller.backward(saved_at, ws_at)
-    with pytest.raises(mf.UserError, match="64-byte aligned"):
-        caller.forward(saved_at + 8, ws_at)
-    with pytest.raises(mf.UserError, match="no saved memory given"):
-        caller.forward(0, ws_at)
+    with pytest.raises(mf.UserError, match="saved part 0 must start at a 64-byte aligned"):
+        caller.forward([saved_at[0] + 8, *saved_at[1:]], ws_at)
+    with pytest.raises(mf.UserError, match="saved part 0 .* has no memory"):
+        caller.forward([0, *saved_at[1:]], ws_at)
+    with pytest.raises(mf.UserError, match=f"{len(saved_at) - 1} saved parts given; this layer's forward saves "
+                                           f"{len(saved_at)}"):
+        caller.forward(saved_at[1:], ws_at)
     caller.forward(saved_at, ws_at)
     caller.backward(saved_at, ws_at)
     with pytest.raises(mf.UserError, match="run the forward again"):

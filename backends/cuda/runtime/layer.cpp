@@ -114,7 +114,9 @@ CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t t
 void CudaLayer::plan_caller_memory() {
   CallerMemoryLayout l = caller_memory_layout(layer_.program, shapes_, keep_across_, RoutingPlan::table_bytes);
   step_plan_ = std::make_unique<StepMemoryPlan>(std::move(l.plan));
+  saved_part_ = std::move(l.saved_part);
   table_offset_ = std::move(l.table_offset);
+  saved_bytes_ = std::move(l.memory.saved);
 }
 
 CudaLayer::StepMemory CudaLayer::step_memory(int64_t tokens) const {
@@ -125,28 +127,28 @@ CudaLayer::StepMemory CudaLayer::step_memory(int64_t tokens) const {
       .memory;
 }
 
-std::optional<SizeTerms> CudaLayer::saved_terms() const {
+std::optional<std::vector<SizeTerms>> CudaLayer::saved_terms() const {
   user_check(memory_ == LayerMemory::caller) << "saved_terms(): this layer holds memory of its own "
                                              << "(LayerMemory::owned); make it with LayerMemory::caller";
   return caller_saved_terms(layer_.program, shapes_, keep_across_, RoutingPlan::table_terms);
 }
 
-void CudaLayer::place(CUdeviceptr saved, CUdeviceptr workspace) {
+void CudaLayer::place(const SavedParts &saved, CUdeviceptr workspace) {
   user_check(memory_ == LayerMemory::caller) << "place(): this layer holds memory of its own (LayerMemory::owned)";
-  user_check(saved != 0) << "place(): no saved memory given (it holds every route's tables, so it is never empty)";
-  user_check(saved % kRegionAlignment == 0 && workspace % kRegionAlignment == 0)
-      << "place(): the saved and workspace memory must start at 256-byte aligned addresses (got 0x" << std::hex << saved
-      << " and 0x" << workspace << std::dec << ")";
+  check_saved_parts("place()", saved, saved_bytes_, kRegionAlignment);
+  user_check(workspace % kRegionAlignment == 0)
+      << "place(): the workspace must start at a 256-byte aligned address (got 0x" << std::hex << workspace << std::dec
+      << ")";
   if (placed_ && saved == saved_at_ && workspace == workspace_at_)
     return;
-  for (const auto &[name, at] : step_plan_->saved.offset)
-    tensors_.at(name) = DeviceBuffer::view(saved + at, tensors_.at(name).bytes());
+  for (const auto &[name, part] : saved_part_)
+    tensors_.at(name) = DeviceBuffer::view(saved[part], tensors_.at(name).bytes());
   for (const auto &[name, at] : step_plan_->workspace.offset)
     tensors_.at(name) = DeviceBuffer::view(workspace ? workspace + at : 0, tensors_.at(name).bytes());
   for (const auto &[name, where] : step_plan_->in_output)
     tensors_.at(name) = DeviceBuffer::view(in_output_address(where), tensors_.at(name).bytes());
   for (auto &[r, plan] : plans_) {
-    plan->place(saved + table_offset_.at(r));
+    plan->place(saved.back() + table_offset_.at(r));
     padded_rows_[r] = plan->offsets.ptr() + sizeof(int32_t) * plan->shape.experts;
   }
   saved_at_ = saved;
@@ -191,10 +193,11 @@ void CudaLayer::prepare(size_t begin, size_t end, const std::string &call) {
     // even where these steps do not write it (scratch before its first write).
     for (const std::vector<std::string> *names : {&reads, &writes})
       for (const std::string &t : *names)
-        if (auto it = step_plan_->in_output.find(t); it != step_plan_->in_output.end())
+        if (auto it = step_plan_->in_output.find(t); it != step_plan_->in_output.end()) {
           user_check(tensors_.at(it->second.output).ptr() != 0)
               << call << ": '" << t << "' lives in the memory of output '" << it->second.output
               << "' until that is written, and '" << it->second.output << "' has no memory: bind it first";
+        }
   }
   const bool before = begin<keep_across_, after = end> keep_across_;
   const size_t need = std::max(before ? step_plan_->workspace_before : 0, after ? step_plan_->workspace_after : 0);
@@ -752,7 +755,7 @@ size_t CudaLayer::activation_bytes() const {
     return plan_->arena_bytes;
   if (memory_ == LayerMemory::caller) {
     const StepMemory m = step_memory(tokens_);
-    return m.saved + std::max(m.workspace_before, m.workspace_after);
+    return m.saved_bytes() + std::max(m.workspace_before, m.workspace_after);
   }
   size_t n = 0;
   for (const TensorDecl &t : layer_.program.tensors)

@@ -68,15 +68,17 @@ public:
   // LayerMemory::caller: the memory a step at `tokens` tokens needs.
   using StepMemory = moeforge::StepMemory;
   StepMemory step_memory(int64_t tokens) const;
-  // LayerMemory::caller: step_memory().saved over any token count
-  // (size_terms.h), or none where a size is not of that form.
-  std::optional<SizeTerms> saved_terms() const;
+  // LayerMemory::caller: step_memory().saved over any token count, one
+  // SizeTerms a part (size_terms.h), or none where a size is not of that
+  // form.
+  std::optional<std::vector<SizeTerms>> saved_terms() const;
   // LayerMemory::caller: points every intermediate at the caller's memory
-  // for the current token count: `saved` (step_memory().saved bytes) and
-  // `workspace` (the part about to run needs, or 0 where it needs none),
-  // both 256-byte aligned. Cheap when the addresses are the ones placed
-  // last. Work already queued keeps the addresses it was queued with.
-  void place(CUdeviceptr saved, CUdeviceptr workspace);
+  // for the current token count: `saved` (each of step_memory().saved's
+  // parts, in its order) and `workspace` (the part about to run needs, or 0
+  // where it needs none), all 256-byte aligned. Cheap when the addresses
+  // are the ones placed last. Work already queued keeps the addresses it
+  // was queued with.
+  void place(const SavedParts &saved, CUdeviceptr workspace);
   LayerMemory memory() const { return memory_; }
 
   // Uploads every Input and Param (rounded to its dtype). Shapes must match
@@ -204,8 +206,8 @@ public:
 
   const CompiledLayer &compiled() const { return layer_; }
   int64_t tokens() const { return tokens_; }
-  // LayerMemory::caller: the saved memory place() was last given (0 before).
-  CUdeviceptr saved_at() const { return saved_at_; }
+  // LayerMemory::caller: the saved parts place() was last given (none before).
+  const SavedParts &saved_at() const { return saved_at_; }
   // Bytes of device memory held for intermediates and outputs (not inputs):
   // under reuse_memory, the shared arena's.
   size_t activation_bytes() const;
@@ -290,13 +292,16 @@ private:
 
   LayerMemory memory_;
   size_t keep_across_;
-  // LayerMemory::caller: where each intermediate sits in the two regions,
-  // and each route's tables in the saved one (after its tensors).
+  // LayerMemory::caller: where each intermediate sits (the workspace, or
+  // its saved part), and each route's tables in the last saved part.
   std::unique_ptr<StepMemoryPlan> step_plan_;
+  std::map<std::string, size_t> saved_part_;
   std::map<const RoutingNode *, size_t> table_offset_;
-  bool placed_ = false;        // place() since the count last changed
-  bool launches_stale_ = true; // the count changed since the launches were built
-  CUdeviceptr saved_at_ = 0, workspace_at_ = 0;
+  std::vector<size_t> saved_bytes_; // each part's, at the current count
+  bool placed_ = false;             // place() since the count last changed
+  bool launches_stale_ = true;      // the count changed since the launches were built
+  SavedParts saved_at_;
+  CUdeviceptr workspace_at_ = 0;
 };
 
 } // namespace moeforge::cuda

@@ -88,14 +88,14 @@ void TrainingLayer::backward(const Stream &stream) {
               replay_on_);
 }
 
-void TrainingLayer::forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace) {
+void TrainingLayer::forward(const Stream &stream, const SavedParts &saved, CUdeviceptr workspace) {
   check_memory(true, "forward");
   layer_.place(saved, workspace);
   replay_.run(layer_, 0, compiled_.training.forward_steps, stream, "forward()", replay_on_);
   forwards_.forward_wrote(saved, layer_.tokens());
 }
 
-void TrainingLayer::backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace) {
+void TrainingLayer::backward(const Stream &stream, const SavedParts &saved, CUdeviceptr workspace) {
   check_memory(true, "backward");
   forwards_.check_backward(compiled_.training, saved, layer_.tokens());
   // The saved memory is that forward's, whatever was bound since.

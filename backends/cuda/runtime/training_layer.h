@@ -93,17 +93,17 @@ public:
   // only while each runs).
   void set_tokens(int64_t tokens) { layer_.set_tokens(tokens); }
   CudaLayer::StepMemory step_memory(int64_t tokens) const { return layer_.step_memory(tokens); }
-  std::optional<SizeTerms> saved_terms() const { return layer_.saved_terms(); }
-  // A forward whose activations go to `saved`, and a backward that reads
-  // them there: the same saved memory, the same token count, and this
+  std::optional<std::vector<SizeTerms>> saved_terms() const { return layer_.saved_terms(); }
+  // A forward whose activations go to `saved` (step_memory().saved's parts),
+  // and a backward that reads them there: the same saved memory, the same token count, and this
   // layer's inputs and parameters as they were then (bound again, with
   // every output and gradient, by the caller). A backward is refused for
   // saved memory that no forward of this count wrote lately (one of the
   // last kRecentForwards), and for saved memory whose backward ran already
   // where that backward writes over it (TrainingProgram::
   // written_over_saved, the default schedule's gradients_over_saved).
-  void forward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace);
-  void backward(const Stream &stream, CUdeviceptr saved, CUdeviceptr workspace);
+  void forward(const Stream &stream, const SavedParts &saved, CUdeviceptr workspace);
+  void backward(const Stream &stream, const SavedParts &saved, CUdeviceptr workspace);
   // A routing score that was NaN or infinite in work queued before
   // (CudaLayer::check_routing_scores): forward() and backward() check
   // before they queue anything; a synchronous caller again after its wait.

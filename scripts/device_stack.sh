@@ -7,7 +7,7 @@
 #           .gpu/ carried from scripts/device_pack.sh; CPP_TESTS: another
 #           doctest filter), and compute-sanitizer memcheck on the
 #           caller-memory ones (MEMCHECK=0: not)
-#   pytest  tests/python/test_torch.py on the GPU (lifetimes, token counts,
+#   pytest  tests/python/test_torch.py (PYTEST_FILES: others) on the GPU (lifetimes, token counts,
 #           memory back to the weights after every step)
 #   stack   benchmarks/torch_stack_train.py: SHAPES (default
 #           qwen3moe,fine64) x LAYERS (default 8) for IMPLS (default
@@ -104,7 +104,7 @@ if has pytest || has decode || has moa || { { has stack || has probe || has prof
   echo "pip install done at $(( $(date +%s) - T0 )) s"
 fi
 if has pytest; then
-  timeout "${PYTEST_TIMEOUT:-400}" python3 -m pytest -q -rs tests/python/test_torch.py >"$R/pytest.log" 2>&1 || status=1
+  timeout "${PYTEST_TIMEOUT:-400}" python3 -m pytest -q -rs ${PYTEST_FILES:-tests/python/test_torch.py} >"$R/pytest.log" 2>&1 || status=1
   tail -15 "$R/pytest.log"
   echo "pytest done at $(( $(date +%s) - T0 )) s"
 fi

@@ -10,12 +10,13 @@ pool's segments before the step and the step's alloc / free events.
 It prints the peak reserved and allocated bytes the model reaches, to
 check the model against the device's figures, and with --resize
 OLD:NEW[,...] (MiB, matched to 0.1) the same step with those requests'
-sizes changed, to try a layout before building it; --steps N replays the
+sizes changed, to try a layout before building it (NEW as A+B+...: the
+request made as that many allocations, held and freed together); --steps N replays the
 step N times (the cache emptied before the last, as the device's timed
 step), so that the pool the last one starts from is the resized layout's
 own, not the recorded history's.
 
-usage: python3 benchmarks/pool_replay.py TRACE.json.gz [--resize 754.1:704,...] [--steps 4]
+usage: python3 benchmarks/pool_replay.py TRACE.json.gz [--resize 754.1:704,896.6:448+448+0.6] [--steps 4]
 """
 import argparse
 import bisect
@@ -149,18 +150,19 @@ def replay(doc, resize, steps=1):
         ours = {}  # the trace's address -> the model's
         for e in doc["events"]:
             if e["action"] == "alloc":
-                size = e["size"]
+                sizes = [e["size"]]
                 for old, new in resize:
-                    if abs(size / MiB - old) < 0.05:
-                        size = int(new * MiB)
-                ours[e["addr"]] = pool.malloc(size)
+                    if abs(e["size"] / MiB - old) < 0.05:
+                        sizes = [int(part * MiB) for part in new]
+                ours[e["addr"]] = [pool.malloc(n) for n in sizes]
             elif e["action"] == "free_completed":
                 if e["addr"] in ours:
-                    pool.release(ours.pop(e["addr"]))
+                    for block in ours.pop(e["addr"]):
+                        pool.release(block)
                 elif e["addr"] in stand_in:
                     pool.release(stand_in.pop(e["addr"]))  # a block from before the step
         # What this step leaves allocated stands for what it freed from before.
-        stand_in = dict(zip(carried, ours.values()))
+        stand_in = dict(zip(carried, (blocks[0] for blocks in ours.values())))
     return pool
 
 
@@ -174,7 +176,8 @@ def main():
     a = ap.parse_args()
     with gzip.open(a.trace, "rt") as fh:
         doc = json.load(fh)
-    resize = [tuple(float(x) for x in pair.split(":")) for pair in a.resize.split(",") if pair]
+    resize = [(float(old), [float(part) for part in new.split("+")])
+              for old, new in (pair.split(":") for pair in a.resize.split(",") if pair)]
     pool = replay(doc, resize, a.steps)
     print(f"{a.trace}: peak reserved {pool.peak_reserved / MiB:.0f} MiB, peak allocated "
           f"{pool.peak_allocated / MiB:.0f} MiB, reserved over allocated {(pool.peak_reserved - pool.peak_allocated) / MiB:.0f}"

@@ -23,12 +23,9 @@ struct StepMemory {
   // What the forward leaves for the backward (a training forward's
   // activations) and every route's tables: kept by the caller from the one's
   // start to the other's end, one set per forward in flight. In parts the
-  // caller allocates one by one: each saved tensor its own (the program's
-  // order), then one for every route's tables (last, never empty). Apart
-  // because a framework's allocator then puts each where it fits, as it
-  // does the tensors autograd saves: one region of their sum needs one free
-  // block that large, and in a model the blocks free at a forward are the
-  // freed weight gradients, each of them just a little too small for it.
+  // caller allocates one by one (runtime/memory_plan.h,
+  // caller_memory_layout): the activations, then the small values and the
+  // routing tables; a forward alone has the tables' part only.
   std::vector<size_t> saved;
   // What the forward, and the backward, use only while each runs: memory the
   // caller may reuse once the call's work is done.

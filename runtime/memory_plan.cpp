@@ -303,13 +303,37 @@ StepMemoryPlan caller_step_plan(const KernelProgram &p, const ProgramShapes &sha
   return plan_step_memory(p, bytes, boundary, kRegionAlignment);
 }
 
-// The saved tensors with a part of their own, in the program's order (one
-// written over another shares that one's).
-std::vector<const TensorDecl *> own_parts(const KernelProgram &p, const StepMemoryPlan &plan) {
-  std::vector<const TensorDecl *> out;
+// Whether a saved tensor goes with the activations (the first saved part)
+// rather than with the routing tables (the last): its static extents hold
+// at least kRegionAlignment bytes for each row or pair, a feature vector
+// (model widths are 128 values and more). The others hold a few values a
+// row (a pair's probability, a route's k choices of a token): a small tail
+// that a framework's allocator keeps with its small blocks, so that the
+// activations' part is their sum alone. In a model that sum can be just the
+// size of the blocks the freed weight gradients leave (2 T k f = E d f at
+// mixtral's shape): with the tail it would miss all of them and take new
+// memory; each activation apart, their halves split those blocks and the
+// backward's gradients then miss them.
+bool with_activations(const TensorDecl &t) {
+  int64_t bytes = dtype_bytes(t.dtype);
+  for (const Dim &d : t.dims)
+    if (!d.is_dynamic())
+      bytes *= d.extent();
+  return bytes >= static_cast<int64_t>(kRegionAlignment);
+}
+
+// The saved tensors that take bytes of their own (one written over another
+// shares that one's), in the program's order: the activations', and the
+// tail's.
+struct SavedByPart {
+  std::vector<const TensorDecl *> activations, tail;
+  bool any() const { return !activations.empty() || !tail.empty(); }
+};
+SavedByPart saved_by_part(const KernelProgram &p, const StepMemoryPlan &plan) {
+  SavedByPart out;
   for (const TensorDecl &t : p.tensors)
     if (plan.saved.offset.count(t.name) && !plan.saved.written_over.count(t.name))
-      out.push_back(&t);
+      (with_activations(t) ? out.activations : out.tail).push_back(&t);
   return out;
 }
 } // namespace
@@ -319,13 +343,23 @@ CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramSha
   auto align = [](size_t n) { return (n + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; };
   CallerMemoryLayout l;
   l.plan = caller_step_plan(p, shapes, boundary);
-  for (const TensorDecl *t : own_parts(p, l.plan)) {
-    l.saved_part[t->name] = l.memory.saved.size();
-    l.memory.saved.push_back(l.plan.saved.size.at(t->name));
-  }
-  for (const auto &[over, under] : l.plan.saved.written_over)
-    l.saved_part[over] = l.saved_part.at(under);
+  const SavedByPart saved = saved_by_part(p, l.plan);
+  // Each saved tensor at `at` in `part`, after the ones before it.
   size_t at = 0;
+  auto lay = [&](const std::vector<const TensorDecl *> &tensors, size_t part) {
+    for (const TensorDecl *t : tensors) {
+      l.saved_at[t->name] = {part, at};
+      at += l.plan.saved.size.at(t->name);
+    }
+  };
+  if (saved.any()) {
+    lay(saved.activations, 0);
+    l.memory.saved.push_back(at);
+    at = 0;
+  }
+  lay(saved.tail, l.memory.saved.size());
+  for (const auto &[over, under] : l.plan.saved.written_over)
+    l.saved_at[over] = l.saved_at.at(under);
   for (const auto &[r, shape] : shapes.routings()) {
     l.table_offset[r] = at;
     at += align(table_bytes(shape));
@@ -340,7 +374,7 @@ void check_saved_parts(const std::string &call, const SavedParts &given, const s
                        size_t alignment) {
   user_check(given.size() == bytes.size())
       << call << ": " << given.size() << " saved parts given; this layer's forward saves " << bytes.size()
-      << " at this token count (step_memory().saved: each saved tensor, then the routing tables), each its own memory";
+      << " (step_memory().saved: the activations, then the routing tables), each its own memory";
   for (size_t i = 0; i < given.size(); ++i) {
     user_check(given[i] != 0 || bytes[i] == 0)
         << call << ": saved part " << i << " (" << bytes[i] << " bytes) has no memory (address 0)";
@@ -352,24 +386,34 @@ void check_saved_parts(const std::string &call, const SavedParts &given, const s
 std::optional<std::vector<SizeTerms>>
 caller_saved_terms(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,
                    const std::function<std::optional<SizeTerms>(const RoutingShape &)> &table_terms) {
-  const StepMemoryPlan plan = caller_step_plan(p, shapes, boundary);
+  const SavedByPart saved = saved_by_part(p, caller_step_plan(p, shapes, boundary));
+  // Each tensor aligned, as plan_step_memory sizes it.
+  auto add = [&](const std::vector<const TensorDecl *> &tensors, SizeTerms &terms) {
+    for (const TensorDecl *t : tensors) {
+      std::optional<SizeProduct> b = shapes.bytes_over_tokens(*t);
+      if (!b)
+        return false;
+      terms.push_back({{*b}, static_cast<int64_t>(kRegionAlignment)});
+    }
+    return true;
+  };
   std::vector<SizeTerms> parts;
-  for (const TensorDecl *t : own_parts(p, plan)) { // each aligned, as plan_step_memory sizes it
-    std::optional<SizeProduct> b = shapes.bytes_over_tokens(*t);
-    if (!b)
+  if (saved.any()) {
+    parts.emplace_back();
+    if (!add(saved.activations, parts.back()))
       return std::nullopt;
-    parts.push_back({{{*b}, static_cast<int64_t>(kRegionAlignment)}});
   }
-  SizeTerms tables;
+  parts.emplace_back();
+  if (!add(saved.tail, parts.back()))
+    return std::nullopt;
   for (const auto &[r, shape] : shapes.routings()) {
     std::optional<SizeTerms> one = table_terms(shape);
     if (!one)
       return std::nullopt;
     for (const SizeTerm &t : *one) // so their sum is the aligned table bytes caller_memory_layout adds
       internal_check(t.align % static_cast<int64_t>(kRegionAlignment) == 0) << "a routing table term's alignment";
-    tables.insert(tables.end(), one->begin(), one->end());
+    parts.back().insert(parts.back().end(), one->begin(), one->end());
   }
-  parts.push_back(std::move(tables));
   return parts;
 }
 

@@ -104,15 +104,18 @@ StepMemoryPlan plan_step_memory(const KernelProgram &p, const std::function<size
                                 size_t boundary, size_t alignment = 256, OutputScratch scratch = OutputScratch::on);
 
 // A layer on caller memory at one token count, as both backends lay it out:
-// the plan of its tensors, each saved tensor in a part of its own (a tensor
-// written over one in that one's), every route's tables in the last part,
-// and what a step needs (StepMemory::saved: each part's bytes). Offsets and
-// part sizes are multiples of kRegionAlignment.
+// the plan of its tensors; the saved ones in two parts (StepMemory::saved),
+// the activations (rows of features) one after another in the first, the
+// few values a row or pair (probabilities, a route's choices) and every
+// route's tables in the last (a tensor written over a saved one takes its
+// place); and what a step needs. A forward alone, which saves nothing, has
+// the last part only. Offsets and part sizes are multiples of
+// kRegionAlignment.
 inline constexpr size_t kRegionAlignment = 256;
 struct CallerMemoryLayout {
   StepMemoryPlan plan;
-  std::map<std::string, size_t> saved_part;           // saved tensor -> its part
-  std::map<const RoutingNode *, size_t> table_offset; // bytes into the last part
+  std::map<std::string, std::pair<size_t, size_t>> saved_at; // saved tensor -> (part, byte offset in it)
+  std::map<const RoutingNode *, size_t> table_offset;        // bytes into the last part
   StepMemory memory;
 };
 CallerMemoryLayout caller_memory_layout(const KernelProgram &p, const ProgramShapes &shapes, size_t boundary,

@@ -73,7 +73,8 @@ std::string memory_report(const KernelProgram &p, size_t boundary, int64_t token
   const StepMemoryPlan plan = plan_step_memory(p, bytes, boundary);
   std::ostringstream os;
   os << "memory at " << tokens << " tokens, as the program places it (its inputs, outputs and gradients are the "
-     << "caller's tensors; each saved tensor is memory of its own, and each route's tables are in one more)\n";
+     << "caller's tensors; the caller keeps the saved activations in one part, the small saved values and each route's "
+     << "tables in another)\n";
   if (boundary < p.steps.size()) {
     os << "saved      " << mib(plan.saved.arena_bytes) << " (kept from a forward to the end of its backward)\n";
     std::vector<Live> saved;

@@ -2,9 +2,12 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <map>
+#include <vector>
 
 #include "examples/examples.h"
 #include "layer_compare.h"
+#include "lowering/default_schedule.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "runtime/memory_plan.h"
@@ -166,4 +169,46 @@ TEST_CASE("step memory plan: a forward-only program keeps nothing; its workspace
   CHECK(plan.workspace_after == plan.workspace.arena_bytes);
   CHECK(plan.workspace.offset.count("y") == 0);
   check_disjoint(plan.workspace);
+}
+
+TEST_CASE("caller memory layout: the activations in one saved part, the few values a row and the tables in another") {
+  // mixtral's shape at 8192 tokens: the two saved activations (h_rhs and
+  // h_silu_in, T k f each) add up to one expert weight's gradient (E d f),
+  // the blocks a model's freed gradients leave free at its next forward.
+  const ExampleShape s = testing::shape(8192, 4096, 14336, 8, 2);
+  const Example ex = make_example("swiglu_moe", s);
+  const Func out = ex.pipeline.func(ex.output);
+  const TrainingProgram t = lower_training(ex.pipeline, out, default_schedule(ex.pipeline, {out}));
+  const ProgramShapes shapes(t.program, s.tokens);
+  const CallerMemoryLayout l =
+      caller_memory_layout(t.program, shapes, t.forward_steps, [](const RoutingShape &) { return size_t{5000}; });
+  REQUIRE(l.memory.saved.size() == 2);
+  CHECK(l.memory.saved[0] == size_t{8} * 4096 * 14336 * 2);
+  CHECK(l.memory.saved[1] < (size_t{1} << 20)); // the allocator's small blocks
+  // Every saved tensor (and a gradient written over one) within its part;
+  // two tensors of one part overlap only where one is written over the other.
+  std::map<size_t, std::vector<std::pair<size_t, size_t>>> spans;
+  for (const auto &[name, at] : l.saved_at) {
+    REQUIRE(at.first < 2);
+    const size_t bytes = l.plan.saved.size.at(name);
+    CHECK(at.second + bytes <= l.memory.saved[at.first]);
+    CHECK((at.first == 0) == (bytes >= (size_t{1} << 20)));
+    if (!l.plan.saved.written_over.count(name))
+      spans[at.first].push_back({at.second, at.second + bytes});
+  }
+  for (auto &[part, list] : spans) {
+    std::sort(list.begin(), list.end());
+    for (size_t i = 1; i < list.size(); ++i)
+      CHECK(list[i - 1].second <= list[i].first);
+  }
+  for (const auto &[over, under] : l.plan.saved.written_over)
+    CHECK(l.saved_at.at(over) == l.saved_at.at(under));
+  // The tables after the tail's tensors, in the last part.
+  for (const auto &[r, offset] : l.table_offset)
+    CHECK(offset + 5000 <= l.memory.saved[1]);
+  // A forward alone saves nothing: the tables' part only.
+  const KernelProgram forward = lower(ex.pipeline, preset("scattermoe"));
+  const CallerMemoryLayout f = caller_memory_layout(forward, ProgramShapes(forward, s.tokens), 0,
+                                                    [](const RoutingShape &) { return size_t{5000}; });
+  CHECK(f.memory.saved == std::vector<size_t>{5120});
 }

@@ -102,7 +102,7 @@ CpuLayer::CpuLayer(const CompiledCpuLayer &layer, int64_t tokens, size_t keep_ac
 void CpuLayer::plan_caller_memory() {
   CallerMemoryLayout l = caller_memory_layout(layer_.program, shapes_, keep_across_, routing_table_bytes);
   step_plan_ = std::make_unique<StepMemoryPlan>(std::move(l.plan));
-  saved_part_ = std::move(l.saved_part);
+  saved_at_part_ = std::move(l.saved_at);
   table_offset_ = std::move(l.table_offset);
   saved_bytes_ = std::move(l.memory.saved);
 }
@@ -130,8 +130,8 @@ void CpuLayer::place(const SavedParts &saved, uint8_t *workspace) {
       << "place(): the workspace must start at a 64-byte aligned address (got " << static_cast<const void *>(workspace)
       << ")";
   auto host = [](uint64_t address) { return reinterpret_cast<uint8_t *>(static_cast<uintptr_t>(address)); };
-  for (const auto &[name, part] : saved_part_)
-    tensors_.at(name).at = host(saved[part]);
+  for (const auto &[name, at] : saved_at_part_)
+    tensors_.at(name).at = host(saved[at.first]) + at.second;
   for (const auto &[name, at] : step_plan_->workspace.offset)
     tensors_.at(name).at = workspace ? workspace + at : nullptr;
   // The tables there are the ones the forward that wrote this memory made:

@@ -191,10 +191,10 @@ private:
   std::map<std::string, Buffer> tensors_;
   std::map<const RoutingNode *, RouteState> routes_;
   // LayerMemory::caller: the current count's plan, each saved tensor's
-  // part, each route's tables' offset in the last part, each part's bytes,
-  // and where place() put them last.
+  // part and offset in it, each route's tables' offset in the last part,
+  // each part's bytes, and where place() put them last.
   std::unique_ptr<StepMemoryPlan> step_plan_;
-  std::map<std::string, size_t> saved_part_;
+  std::map<std::string, std::pair<size_t, size_t>> saved_at_part_; // (part, offset)
   std::map<const RoutingNode *, size_t> table_offset_;
   std::vector<size_t> saved_bytes_;
   SavedParts saved_at_;

@@ -220,8 +220,8 @@ class _Runtime(_BoundLayer):
 
 def _step_forward(module, xs, params, consts):
     """One forward on caller memory: the outputs and the saved parts its
-    backward reads (uint8 tensors of torch's: each saved tensor's, then the
-    routing tables'; one empty one at no tokens)."""
+    backward reads (uint8 tensors of torch's: the activations', then the
+    small values' and the routing tables'; one empty one at no tokens)."""
     x = xs[0]
     tokens = x.shape[0]
     module._routing_tokens = tokens

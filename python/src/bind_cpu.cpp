@@ -151,7 +151,8 @@ void bind_cpu(nb::module_ &m) {
           },
           "tokens"_a,
           "(saved parts, forward workspace, backward workspace) bytes of a step at `tokens` tokens: a list of the "
-          "saved parts' (each saved tensor's, then the routing tables'), each the caller's memory of its own.")
+          "saved parts' (the activations', then the small values' and the routing tables'), each the caller's memory "
+          "of its own.")
       .def(
           "saved_terms", [](const PyCpuCallerTraining &l) { return size_terms_object(l.layer->saved_terms()); },
           "step_memory()'s saved parts over any token count T: None, or for each part its terms (align, [(bytes, "

@@ -51,7 +51,17 @@ def test_best_fit_keeps_the_large_block_whole():
 def test_resizing_a_request_changes_the_replay():
     events = [("alloc", "a", 100), ("free", "a", 100), ("alloc", "b", 120)]
     assert replay(events).peak_reserved == 220 * MiB
-    assert replay(events, [(120.0, 100.0)]).peak_reserved == 100 * MiB
+    assert replay(events, [(120.0, [100.0])]).peak_reserved == 100 * MiB
+
+
+def test_a_request_split_in_parts_fits_blocks_the_whole_does_not():
+    # Two 60 MiB holes: a 120 MiB request needs a segment of its own; made
+    # as two requests of 60, it takes the holes, and both go when it is freed.
+    events = [("alloc", "a", 60), ("alloc", "b", 60), ("free", "a", 60), ("free", "b", 60),
+              ("alloc", "c", 120), ("free", "c", 120), ("alloc", "d", 60)]
+    assert replay(events).peak_reserved == 240 * MiB
+    parts = replay(events, [(120.0, [60.0, 60.0])])
+    assert parts.peak_reserved == 120 * MiB and parts.allocated == 60 * MiB
 
 
 def test_the_recorded_step_replays_to_the_devices_peak():
@@ -69,4 +79,4 @@ def test_a_step_replayed_to_its_own_steady_pool():
     assert pool_replay.replay(doc, [], steps=4).peak_reserved == 19646 * MiB
     # A resize judged from its own history differs from one judged from the
     # recorded pool (the forward's workspace, 918.5 MiB, made smaller).
-    assert pool_replay.replay(doc, [(918.5, 544.5)], steps=4).peak_reserved != 19646 * MiB
+    assert pool_replay.replay(doc, [(918.5, [544.5])], steps=4).peak_reserved != 19646 * MiB

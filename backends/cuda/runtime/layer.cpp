@@ -114,7 +114,7 @@ CudaLayer::CudaLayer(const Device &device, const CompiledLayer &layer, int64_t t
 void CudaLayer::plan_caller_memory() {
   CallerMemoryLayout l = caller_memory_layout(layer_.program, shapes_, keep_across_, RoutingPlan::table_bytes);
   step_plan_ = std::make_unique<StepMemoryPlan>(std::move(l.plan));
-  saved_part_ = std::move(l.saved_part);
+  saved_at_part_ = std::move(l.saved_at);
   table_offset_ = std::move(l.table_offset);
   saved_bytes_ = std::move(l.memory.saved);
 }
@@ -141,8 +141,8 @@ void CudaLayer::place(const SavedParts &saved, CUdeviceptr workspace) {
       << ")";
   if (placed_ && saved == saved_at_ && workspace == workspace_at_)
     return;
-  for (const auto &[name, part] : saved_part_)
-    tensors_.at(name) = DeviceBuffer::view(saved[part], tensors_.at(name).bytes());
+  for (const auto &[name, at] : saved_at_part_)
+    tensors_.at(name) = DeviceBuffer::view(saved[at.first] + at.second, tensors_.at(name).bytes());
   for (const auto &[name, at] : step_plan_->workspace.offset)
     tensors_.at(name) = DeviceBuffer::view(workspace ? workspace + at : 0, tensors_.at(name).bytes());
   for (const auto &[name, where] : step_plan_->in_output)

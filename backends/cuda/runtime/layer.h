@@ -293,9 +293,9 @@ private:
   LayerMemory memory_;
   size_t keep_across_;
   // LayerMemory::caller: where each intermediate sits (the workspace, or
-  // its saved part), and each route's tables in the last saved part.
+  // a saved part), and each route's tables in the last saved part.
   std::unique_ptr<StepMemoryPlan> step_plan_;
-  std::map<std::string, size_t> saved_part_;
+  std::map<std::string, std::pair<size_t, size_t>> saved_at_part_; // (part, offset)
   std::map<const RoutingNode *, size_t> table_offset_;
   std::vector<size_t> saved_bytes_; // each part's, at the current count
   bool placed_ = false;             // place() since the count last changed

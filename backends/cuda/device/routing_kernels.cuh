@@ -114,7 +114,7 @@ __device__ __forceinline__ bool beats(float p, int e, float q, int f) {
 }
 
 // A token's row as a group of kGroup lanes holds it. The generated pointwise
-// softmax (codegen_cuda.cpp, emit_softmax_row) spreads a row over a warp:
+// softmax (emit_pointwise.cpp, emit_softmax_row) spreads a row over a warp:
 // lane l holds columns l, l+32, ..., sums them in that order, then adds
 // across lanes with butterflies over d = 16, 8, 4, 2, 1. Here lane q of a
 // group plays that warp's lanes l = q + kGroup*i (i < kVirt): the butterflies

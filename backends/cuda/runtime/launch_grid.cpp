@@ -38,7 +38,7 @@ Dim3 launch_grid(const GridShape &gs, int threads, const GridInputs &in, const s
     gx = ceil_div(n / gs.elements_per_thread * gs.threads_per_element, threads);
     break;
   }
-  case GridShape::Kind::padded_rows: { // row slots: max(P, max_padded_rows) (codegen_cuda.cpp, padded_slots)
+  case GridShape::Kind::padded_rows: { // row slots: max(P, max_padded_rows) (emit_pointwise.cpp, padded_slots)
     const RoutingShape &rs = in.routing(gs.route);
     gx = ceil_div(std::max(rs.max_padded_rows(), rs.pairs()) * gs.chunks_per_row, threads);
     break;

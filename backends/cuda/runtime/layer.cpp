@@ -221,7 +221,7 @@ void CudaLayer::build_launches() {
     launch_of_.push_back(std::holds_alternative<RoutingStep>(s) ? -1 : next++);
   for (size_t k = 0; k < layer_.source.kernels.size(); ++k) {
     const GeneratedKernel &g = layer_.source.kernels[k];
-    // Every generated kernel starts with its wait (codegen_cuda.cpp's kEntry).
+    // Every generated kernel starts with its wait (emit_common.h's kEntry).
     Launch l{modules_.at(layer_.unit_of.at(k)).kernel(g.name).launch_early(), &g, {}, {}, {}, 0, 0};
     for (const KernelArg &a : g.args) {
       switch (a.kind) {

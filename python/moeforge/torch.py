@@ -948,7 +948,11 @@ class MoELayer(torch.nn.Module):
         return self._runtime(tokens).layer.step_memory(tokens)[0]
 
     def _saved_part_count(self):
-        return len(self.saved_part_bytes(1))  # the same at every count
+        # The same at every count. Asked where a fake kernel has neither
+        # sizes nor a count to make the runtime at (an unbacked count at the
+        # first trace): the runtime is then made at one token, and under
+        # "auto" takes what the tuned cache holds for that bucket.
+        return len(self.saved_part_bytes(1))
 
     def saved_bytes(self, tokens):
         """What a forward over `tokens` tokens keeps for its backward

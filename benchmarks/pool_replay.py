@@ -141,7 +141,7 @@ def replay(doc, resize, steps=1):
     # blocks the step before it left allocated stand for them, in order.
     carried = [e["addr"] for e in doc["events"] if e["action"] == "free_completed"
                and e["addr"] in pool.blocks and pool.blocks[e["addr"]][1]]
-    stand_in = {a: a for a in carried}
+    stand_in = {a: [a] for a in carried}
     for step in range(steps):
         if step == steps - 1 and steps > 1:
             # The device's protocol: the cache emptied before the timed step.
@@ -159,10 +159,12 @@ def replay(doc, resize, steps=1):
                 if e["addr"] in ours:
                     for block in ours.pop(e["addr"]):
                         pool.release(block)
-                elif e["addr"] in stand_in:
-                    pool.release(stand_in.pop(e["addr"]))  # a block from before the step
-        # What this step leaves allocated stands for what it freed from before.
-        stand_in = dict(zip(carried, (blocks[0] for blocks in ours.values())))
+                elif e["addr"] in stand_in:  # blocks from before the step
+                    for block in stand_in.pop(e["addr"]):
+                        pool.release(block)
+        # What this step leaves allocated stands for what it freed from before
+        # (every block of a request made in parts).
+        stand_in = dict(zip(carried, ours.values()))
     return pool
 
 

@@ -25,6 +25,10 @@ runs every row N times, the implementations alternating; the table gives
 the median step and the highest peak over the rounds, each step over the
 same implementation's one-layer step ("x L=1", with --layers 1,...) and
 over SonicMoE's ("/ sonic"). L = 1 is issue 50's one-layer comparison.
+Every row runs in a process of its own (--isolate 0: all in this one), so
+its peak counts from an empty pool: in one process a row's model found the
+blocks earlier rows left in segments torch could not release, and its
+reserved peak read under its own allocated peak.
 The JSON names the device, the date, the commit (git's, or MOEFORGE_COMMIT
 on a machine given the files alone) and torch's allocator settings.
 
@@ -296,6 +300,44 @@ def run(impl, name, layers, reps, schedule, pause, grads, steady, fresh_pool, ro
     return row
 
 
+def run_row(job):
+    """run() on a job's arguments; out of memory is a row with its error."""
+    job = dict(job)
+    if os.path.exists(job["schedule"]):
+        import moeforge as mf
+        job["schedule"] = mf.Schedule.load(job["schedule"])
+    try:
+        return run(**job)
+    except torch.OutOfMemoryError as e:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {"impl": impl_label(job["impl"]), "shape": job["name"], "layers": job["layers"],
+                "grads": job["grads"], "routing": job["routing"], "error": "out of memory: " + str(e)[:120]}
+
+
+ROW_TAG = "STACK_ROW "
+
+
+def run_one_row(job):
+    print(ROW_TAG + json.dumps(run_row(job)), flush=True)
+
+
+def run_in_child(job):
+    """The row in a fresh process (its CUDA context, torch's pool and
+    moeforge's caches its own); its progress goes to our stderr. A child
+    that dies leaves a row naming its exit status and last words."""
+    import subprocess
+    cmd = [sys.executable, os.path.abspath(__file__), "--one-row", json.dumps(job)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sys.stderr.write(proc.stderr)
+    tagged = [line for line in proc.stdout.splitlines() if line.startswith(ROW_TAG)]
+    if proc.returncode == 0 and tagged:
+        return json.loads(tagged[-1][len(ROW_TAG):])
+    tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-2:])
+    return {"impl": impl_label(job["impl"]), "shape": job["name"], "layers": job["layers"], "grads": job["grads"],
+            "routing": job["routing"], "error": f"row process exited {proc.returncode}: {tail[:160]}"}
+
+
 def write_json(path, alloc_conf, commit, rows):
     if not path:
         return
@@ -325,8 +367,16 @@ def main():
                     help="comma-separated: uniform (random routers), skewed (every router tilted by the shape's "
                          "logit ramp, as bench_moe_train skews it; see layer_weights)")
     ap.add_argument("--rounds", type=int, default=1, help="times each row runs, the implementations alternating")
+    ap.add_argument("--isolate", type=int, default=1,
+                    help="1: every row in a process of its own, so its peak counts from an empty pool (in one "
+                         "process a row's model finds the blocks earlier rows left in segments torch cannot "
+                         "release, and its reserved peak reads low); 0: every row in this process")
+    ap.add_argument("--one-row", help=argparse.SUPPRESS)  # a child of --isolate 1: run() on these JSON arguments
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.one_row:
+        run_one_row(json.loads(args.one_row))
+        return
     for r in args.routing.split(","):
         if r not in ("uniform", "skewed"):
             ap.error(f"--routing: '{r}' is neither 'uniform' nor 'skewed'")
@@ -338,9 +388,6 @@ def main():
             print(f"torch_stack_train: SonicMoE is not installed ({e}); skipping it", file=sys.stderr)
             impls.remove("sonicmoe")
     schedule = args.schedule or "auto"
-    if os.path.exists(schedule):
-        import moeforge as mf
-        schedule = mf.Schedule.load(schedule)
     grads_modes = args.grads.split(",")
     for g in grads_modes:
         if g not in ("kept", "none"):
@@ -361,14 +408,10 @@ def main():
                 # run reaches them all alike.
                 for rnd in range(args.rounds):
                     for impl, grads in [(i, g) for g in grads_modes for i in impls]:
-                        try:
-                            row = run(impl, name, layers, args.reps, schedule, args.pause, grads, args.steady,
-                                      args.fresh_pool, routing)
-                        except torch.OutOfMemoryError as e:
-                            row = {"impl": impl_label(impl), "shape": name, "layers": layers, "grads": grads,
-                                   "routing": routing, "error": "out of memory: " + str(e)[:120]}
-                            gc.collect()
-                            torch.cuda.empty_cache()
+                        job = {"impl": impl, "name": name, "layers": layers, "reps": args.reps,
+                               "schedule": schedule, "pause": args.pause, "grads": grads, "steady": args.steady,
+                               "fresh_pool": args.fresh_pool, "routing": routing}
+                        row = run_in_child(job) if args.isolate else run_row(job)
                         row["round"] = rnd
                         rows.append(row)
                         print(json.dumps(row), flush=True)

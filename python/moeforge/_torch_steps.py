@@ -97,6 +97,15 @@ class _BoundLayer:
             self.layer.bind(name, address, t.numel() * t.element_size() if nbytes is None else nbytes)
             self.bound[name] = address
 
+    def forward(self, device, saved, workspace):
+        """The layer's forward on torch's current stream: `saved` its saved
+        parts' addresses (the training program) or its tables' (the
+        forward alone)."""
+        if self.cuda:
+            self.layer.forward(_stream(device), saved, workspace)
+        else:
+            self.layer.forward(saved, workspace)
+
     def routed_experts(self, route, device):
         """A copy of the experts the forward just run chose: T * k int32,
         on the module's device (the tables live in that forward's memory)."""
@@ -145,12 +154,6 @@ class _Runtime(_BoundLayer):
                 self.memory.clear()
             self.memory[tokens] = self.layer.step_memory(tokens)
         return self.memory[tokens]
-
-    def forward(self, device, saved, workspace):
-        if self.cuda:
-            self.layer.forward(_stream(device), saved, workspace)
-        else:
-            self.layer.forward(saved, workspace)
 
     def backward(self, stream, saved, workspace):
         if self.cuda:
@@ -295,12 +298,6 @@ class _ForwardRuntime(_BoundLayer):
             self.tokens = tokens
             self.bound.clear()
         return self.layer.step_memory(tokens)
-
-    def forward(self, device, tables, workspace):
-        if self.cuda:
-            self.layer.forward(_stream(device), tables, workspace)
-        else:
-            self.layer.forward(tables, workspace)
 
 
 def _inference_forward(module, xs, params, consts):

@@ -300,6 +300,12 @@ def run(impl, name, layers, reps, schedule, pause, grads, steady, fresh_pool, ro
     return row
 
 
+def error_row(job, error):
+    """The row of a job that gave no figures, saying why."""
+    return {"impl": impl_label(job["impl"]), "shape": job["name"], "layers": job["layers"], "grads": job["grads"],
+            "routing": job["routing"], "error": error}
+
+
 def run_row(job):
     """run() on a job's arguments; out of memory is a row with its error."""
     job = dict(job)
@@ -311,8 +317,7 @@ def run_row(job):
     except torch.OutOfMemoryError as e:
         gc.collect()
         torch.cuda.empty_cache()
-        return {"impl": impl_label(job["impl"]), "shape": job["name"], "layers": job["layers"],
-                "grads": job["grads"], "routing": job["routing"], "error": "out of memory: " + str(e)[:120]}
+        return error_row(job, "out of memory: " + str(e)[:120])
 
 
 ROW_TAG = "STACK_ROW "
@@ -334,8 +339,7 @@ def run_in_child(job):
     if proc.returncode == 0 and tagged:
         return json.loads(tagged[-1][len(ROW_TAG):])
     tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-2:])
-    return {"impl": impl_label(job["impl"]), "shape": job["name"], "layers": job["layers"], "grads": job["grads"],
-            "routing": job["routing"], "error": f"row process exited {proc.returncode}: {tail[:160]}"}
+    return error_row(job, f"row process exited {proc.returncode}: {tail[:160]}")
 
 
 def write_json(path, alloc_conf, commit, rows):

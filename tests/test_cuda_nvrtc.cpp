@@ -152,8 +152,11 @@ TEST_CASE("cuda: the tile library (device/tiles.cuh and its parts) compiles on i
                                             "ELF");
     // The wrappers went in where tiles/wgmma.cuh marks their place.
     CHECK(h.content.find("// MOEFORGE_WGMMA_INSTANCES") == std::string::npos);
+    CHECK(h.content.find("// MOEFORGE_WGMMA_E4M3_INSTANCES") == std::string::npos);
     if (h.name == "moeforge_tiles_wgmma.cuh")
       CHECK(h.content.find("template <> struct Wgmma<256, 1, 0>") != std::string::npos);
+    if (h.name == "moeforge_tiles_fp8.cuh")
+      CHECK(h.content.find("template <> struct WgmmaE4m3<128>") != std::string::npos);
   }
   // The umbrella includes every part.
   for (const NamedHeader &h : options.headers)

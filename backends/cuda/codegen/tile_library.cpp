@@ -6,6 +6,7 @@
 #include "backends/cuda/device/tiles/cluster_cuh.h"
 #include "backends/cuda/device/tiles/copies_cuh.h"
 #include "backends/cuda/device/tiles/elementwise_cuh.h"
+#include "backends/cuda/device/tiles/fp8_cuh.h"
 #include "backends/cuda/device/tiles/grid_dependency_cuh.h"
 #include "backends/cuda/device/tiles/mma_sync_cuh.h"
 #include "backends/cuda/device/tiles/timeline_cuh.h"
@@ -45,6 +46,34 @@ std::string wgmma_instance(int n, int trans_b, int trans_a = 0) {
   return s.str();
 }
 
+// wgmma.mma_async m64nNk32 over e4m3 operands (both K-major: 8-bit wgmma
+// takes no transpose), N/2 fp32 accumulators per thread; `accumulate` 0
+// overwrites d (the first k32 step of a stage, tiles/fp8.cuh).
+std::string wgmma_e4m3_instance(int n) {
+  const int regs = n / 2;
+  std::ostringstream s;
+  s << "template <> struct WgmmaE4m3<" << n << "> {\n"
+    << "  __device__ static __forceinline__ void mma(float (&d)[" << regs
+    << "], unsigned long long da, unsigned long long db, int accumulate) {\n"
+    << "    asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 2 << ", 0;\\n\"\n"
+    << "                 \"wgmma.mma_async.sync.aligned.m64n" << n << "k32.f32.e4m3.e4m3 {";
+  for (int i = 0; i < regs; ++i)
+    s << (i ? ", " : "") << "%" << i;
+  s << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1;\\n}\\n\"\n                 : ";
+  for (int i = 0; i < regs; ++i)
+    s << (i ? ", " : "") << "\"+f\"(d[" << i << "])";
+  s << "\n                 : \"l\"(da), \"l\"(db), \"r\"(accumulate));\n  }\n};\n";
+  return s.str();
+}
+
+// Replaces the line `marker` of a part's source by `text`.
+std::string with_instances(std::string source, const std::string &marker, const std::string &text, const char *part) {
+  const size_t at = source.find(marker);
+  internal_check(at != std::string::npos) << "tiles/" << part << ".cuh has no line '" << marker << "'";
+  source.replace(at, marker.size(), text);
+  return source;
+}
+
 } // namespace
 
 const std::vector<cuda::NamedHeader> &tile_library_headers() {
@@ -52,11 +81,10 @@ const std::vector<cuda::NamedHeader> &tile_library_headers() {
     std::string instances;
     for (int n : {64, 128, 256})
       instances += wgmma_instance(n, 1) + wgmma_instance(n, 0) + wgmma_instance(n, 1, 1);
-    std::string wgmma = tile_parts::wgmma::kSource;
-    const std::string marker = "// MOEFORGE_WGMMA_INSTANCES\n";
-    const size_t at = wgmma.find(marker);
-    internal_check(at != std::string::npos) << "tiles/wgmma.cuh has no line '" << marker << "'";
-    wgmma.replace(at, marker.size(), instances);
+    const std::string wgmma =
+        with_instances(tile_parts::wgmma::kSource, "// MOEFORGE_WGMMA_INSTANCES\n", instances, "wgmma");
+    const std::string fp8 = with_instances(tile_parts::fp8::kSource, "// MOEFORGE_WGMMA_E4M3_INSTANCES\n",
+                                           wgmma_e4m3_instance(64) + wgmma_e4m3_instance(128), "fp8");
     // In the order tiles.cuh includes them.
     return std::vector<cuda::NamedHeader>{
         {kTileLibraryName, kTileLibrarySource},
@@ -72,6 +100,7 @@ const std::vector<cuda::NamedHeader> &tile_library_headers() {
         {"moeforge_tiles_wgmma.cuh", wgmma},
         {"moeforge_tiles_wgmma_rows.cuh", tile_parts::wgmma_rows::kSource},
         {"moeforge_tiles_wgmma_ws.cuh", tile_parts::wgmma_ws::kSource},
+        {"moeforge_tiles_fp8.cuh", fp8},
     };
   }();
   return headers;

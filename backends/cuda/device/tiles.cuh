@@ -15,6 +15,7 @@
 #include "moeforge_tiles_cluster.cuh"
 #include "moeforge_tiles_copies.cuh"
 #include "moeforge_tiles_elementwise.cuh"
+#include "moeforge_tiles_fp8.cuh"
 #include "moeforge_tiles_grid_dependency.cuh"
 #include "moeforge_tiles_mma_sync.cuh"
 #include "moeforge_tiles_timeline.cuh"

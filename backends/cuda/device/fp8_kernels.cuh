@@ -1,0 +1,174 @@
+// FP8 kernels (runtime/fp8_kernels.h launches them): the block rounding of
+// dsl/fp8.h into e4m3 bytes and float32 scales, and the batched e4m3 GEMM
+// over such operands (tiles/fp8.cuh). NVRTC input with the tile library.
+//
+// The e4m3 layout every kernel here shares: an operand is a row-major byte
+// matrix whose rows are K_pad = ceil(K / 128) * 128 bytes apart and zero
+// past K, with the contracted index along the row, so a GEMM reads it
+// K-major in whole 128-deep blocks.
+#include "moeforge_tiles.cuh"
+
+#ifndef MF_FP8_GEMM_BN
+#define MF_FP8_GEMM_BN 128
+#endif
+#ifndef MF_FP8_GEMM_STAGES
+#define MF_FP8_GEMM_STAGES 4
+#endif
+
+typedef mf::Fp8WgmmaConfig<MF_FP8_GEMM_BN, MF_FP8_GEMM_STAGES> Fp8Tile;
+
+// Rows of activations in 1 x 128 blocks: a warp per block, four values a
+// lane. x: rows x K bf16, ld_x apart (row_index, if given, names the row
+// of x that output row r rounds: a gathered operand). q: rows x K_pad bytes;
+// scales: rows x ceil(K / 128) floats.
+extern "C" __global__ void __launch_bounds__(256)
+    mf_fp8_quantize_rows(const mf::bf16 *__restrict__ x, long long ld_x, const int *__restrict__ row_index, int rows,
+                         int K, unsigned char *__restrict__ q, float *__restrict__ scales) {
+  const int KB = (K + 127) / 128, lane = threadIdx.x & 31;
+  const long long block = (long long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (block >= (long long)rows * KB)
+    return;
+  const int r = (int)(block / KB), kb = (int)(block % KB), k = kb * 128 + lane * 4;
+  const long long src = row_index ? row_index[r] : r;
+  float v[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    v[j] = k + j < K ? __bfloat162float(x[src * ld_x + k + j]) : 0.f;
+  const float amax = mf::warp_amax(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+  const int e = mf::fp8_e4m3_scale_exponent(amax);
+  const unsigned lo = mf::fp8_e4m3x2(ldexpf(v[0], -e), ldexpf(v[1], -e)),
+                 hi = mf::fp8_e4m3x2(ldexpf(v[2], -e), ldexpf(v[3], -e));
+  *reinterpret_cast<unsigned *>(q + (long long)r * (KB * 128) + k) = lo | (hi << 16);
+  if (lane == 0)
+    scales[(long long)r * KB + kb] = ldexpf(1.f, e);
+}
+
+// A weight W [R, C] (bf16, row-major, batch z at w + z * stride_w) in 128 x
+// 128 blocks, a block of 256 threads per block of W. One grid of scales
+// serves both products a weight enters (DeepSeek-V3's recipe): written in
+// its own layout to q (R x C_pad bytes: the K-major operand of a product
+// contracting C, G W^T) and transposed to q_t (C x R_pad bytes: of one
+// contracting R, X W); either may be null. scales: ceil(R / 128) x
+// ceil(C / 128) floats per batch.
+extern "C" __global__ void __launch_bounds__(256)
+    mf_fp8_quantize_weight(const mf::bf16 *__restrict__ w, long long stride_w, int R, int C,
+                           unsigned char *__restrict__ q, unsigned char *__restrict__ q_t, float *__restrict__ scales) {
+  __shared__ unsigned char s_q[128][132]; // padded rows: the transposed reads spread over the banks
+  __shared__ float s_amax[8];
+  const int RB = (R + 127) / 128, CB = (C + 127) / 128, z = blockIdx.z;
+  const int r0 = blockIdx.y * 128, c0 = blockIdx.x * 128, tid = threadIdx.x;
+  const long long R_pad = RB * 128LL, C_pad = CB * 128LL;
+  w += z * stride_w;
+  // 64 values a thread: row tid / 64 + 4 i, columns 2 (tid % 64) and the next.
+  const int c = (tid & 63) * 2;
+  float v[32][2];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int r = (tid >> 6) + 4 * i;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const bool in = r0 + r < R && c0 + c + j < C;
+      v[i][j] = in ? __bfloat162float(w[(long long)(r0 + r) * C + c0 + c + j]) : 0.f;
+      amax = fmaxf(amax, fabsf(v[i][j]));
+    }
+  }
+  amax = mf::warp_amax(amax);
+  if ((tid & 31) == 0)
+    s_amax[tid >> 5] = amax;
+  __syncthreads();
+  amax = s_amax[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i)
+    amax = fmaxf(amax, s_amax[i]);
+  const int e = mf::fp8_e4m3_scale_exponent(amax);
+  if (tid == 0)
+    scales[(long long)z * RB * CB + (long long)blockIdx.y * CB + blockIdx.x] = ldexpf(1.f, e);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int r = (tid >> 6) + 4 * i;
+    const unsigned short b = mf::fp8_e4m3x2(ldexpf(v[i][0], -e), ldexpf(v[i][1], -e));
+    s_q[r][c] = (unsigned char)(b & 0xff);
+    s_q[r][c + 1] = (unsigned char)(b >> 8);
+    if (q && r0 + r < R)
+      *reinterpret_cast<unsigned short *>(q + z * (R * C_pad) + (long long)(r0 + r) * C_pad + c0 + c) = b;
+  }
+  if (!q_t)
+    return;
+  __syncthreads();
+  // q_t's row c0 + cc holds column cc of the block: 128 bytes, a thread's two.
+#pragma unroll 4
+  for (int i = 0; i < 32; ++i) {
+    const int cc = (tid >> 6) + 4 * i, rr = (tid & 63) * 2;
+    if (c0 + cc < C) {
+      const unsigned short b = (unsigned short)(s_q[rr][cc] | (s_q[rr + 1][cc] << 8));
+      *reinterpret_cast<unsigned short *>(q_t + z * (C * R_pad) + (long long)(c0 + cc) * R_pad + r0 + rr) = b;
+    }
+  }
+}
+
+__device__ __forceinline__ void fp8_put(float *p, float v) { *p = v; }
+__device__ __forceinline__ void fp8_put(mf::bf16 *p, float v) { *p = __float2bfloat16(v); }
+
+// C[z] = A[z] B[z]^T over e4m3 operands (the layout above; A: M rows, B: N
+// rows, both K_pad bytes apart) with their scales: a_scales M x KB per
+// batch, b_scales (KB, NB) or (NB, KB) per batch (b_scale_k_major: 1 when
+// the K block is the grid's second index: a weight's q_t, whose block grid
+// is (R / 128, C / 128) with R = K). Output: C f32 or bf16 (OUT), M x N at
+// ld_c, batch z at c + z * stride_c. A block of 256 threads per 128 x BN
+// tile of one batch.
+template <typename OUT>
+__device__ __forceinline__ void fp8_gemm(const unsigned char *__restrict__ a, long long stride_a,
+                                         const float *__restrict__ a_scales, const unsigned char *__restrict__ b,
+                                         long long stride_b, const float *__restrict__ b_scales, int b_scale_k_major,
+                                         OUT *__restrict__ c, long long stride_c, int ld_c, int M, int N, int K) {
+  extern __shared__ unsigned char smem[];
+  const int KB = (K + 127) / 128, NB = (N + 127) / 128, z = blockIdx.z;
+  const long long ld = KB * 128LL;
+  const int n0 = blockIdx.x * Fp8Tile::BN, m0 = blockIdx.y * Fp8Tile::BM;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  a += z * stride_a;
+  b += z * stride_b;
+  a_scales += (long long)z * M * KB;
+  b_scales += (long long)z * KB * NB;
+  c += z * stride_c;
+  const unsigned char *gA[Fp8Tile::A_ITERS];
+  bool a_ok[Fp8Tile::A_ITERS];
+#pragma unroll
+  for (int i = 0; i < Fp8Tile::A_ITERS; ++i) {
+    const int row = m0 + ((tid + i * Fp8Tile::THREADS) >> 3);
+    a_ok[i] = row < M;
+    gA[i] = a + (a_ok[i] ? (long long)row * ld : 0);
+  }
+  // This thread's two accumulator rows (clamped into A: a row past M is never stored).
+  const float *sa_row[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    sa_row[h] = a_scales + (long long)min(m0 + Fp8Tile::acc_row(warp, lane, 2 * h), M - 1) * KB;
+  // A tile of BN <= 128 columns lies in one column block of 128.
+  const int nb = n0 / 128;
+  const float *sb = b_scales + (b_scale_k_major ? nb : (long long)nb * KB);
+  const long long sb_stride = b_scale_k_major ? NB : 1;
+  Fp8Tile::Acc acc;
+  Fp8Tile::mainloop(smem, KB, gA, a_ok, b, ld, N, n0, sa_row, sb, sb_stride, acc);
+#pragma unroll
+  for (int i = 0; i < Fp8Tile::BN / 2; ++i) {
+    const int ni = i >> 2, e = i & 3;
+    const int row = m0 + Fp8Tile::acc_row(warp, lane, e), col = n0 + Fp8Tile::acc_col(lane, ni, e);
+    if (row < M && col < N)
+      fp8_put(c + (long long)row * ld_c + col, acc[i]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(Fp8Tile::THREADS, 1)
+    mf_fp8_gemm_f32(const unsigned char *a, long long stride_a, const float *a_scales, const unsigned char *b,
+                    long long stride_b, const float *b_scales, int b_scale_k_major, float *c, long long stride_c,
+                    int ld_c, int M, int N, int K) {
+  fp8_gemm<float>(a, stride_a, a_scales, b, stride_b, b_scales, b_scale_k_major, c, stride_c, ld_c, M, N, K);
+}
+extern "C" __global__ void __launch_bounds__(Fp8Tile::THREADS, 1)
+    mf_fp8_gemm_bf16(const unsigned char *a, long long stride_a, const float *a_scales, const unsigned char *b,
+                     long long stride_b, const float *b_scales, int b_scale_k_major, mf::bf16 *c, long long stride_c,
+                     int ld_c, int M, int N, int K) {
+  fp8_gemm<mf::bf16>(a, stride_a, a_scales, b, stride_b, b_scales, b_scale_k_major, c, stride_c, ld_c, M, N, K);
+}

@@ -1,0 +1,86 @@
+// FP8 on the device: dsl/fp8.h's block rounding into e4m3 operands, and the
+// batched e4m3 GEMM over them with per-block scales (device/fp8_kernels.cuh,
+// tiles/fp8.cuh). The building blocks of Schedule::fp8 on the CUDA backend
+// (issue 55), tested against the CPU's rounding and products.
+//
+// An e4m3 operand is `rows` rows of ceil(K / 128) * 128 bytes (zero past K:
+// the GEMM reads whole 128-deep blocks), the contracted index along the row,
+// with float32 scales, each a power of two (dsl/fp8.h), by block.
+#pragma once
+
+#include "backends/cuda/codegen/nvrtc_compiler.h"
+#include "backends/cuda/runtime/driver.h"
+#include "backends/cuda/runtime/module.h"
+#include "backends/cuda/runtime/stream.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moeforge::cuda {
+
+// Bytes of an e4m3 operand of `rows` rows over a contracted extent K.
+int64_t fp8_row_bytes(int64_t K);
+inline int64_t fp8_operand_bytes(int64_t rows, int64_t K) { return rows * fp8_row_bytes(K); }
+// Blocks of 128 along n.
+inline int64_t fp8_blocks(int64_t n) { return (n + 127) / 128; }
+
+// The GEMM's column tile (128 or 64) and its stages, compiled in.
+struct Fp8GemmTile {
+  int columns = 128;
+  int stages = 4;
+};
+
+// NVRTC input and options for the FP8 kernels; compiles (or loads from the
+// cache) for `arch` with no GPU needed.
+const char *fp8_kernels_source();
+CompileOptions fp8_compile_options(const std::string &arch, Fp8GemmTile tile = {});
+CompileResult compile_fp8_kernels(const std::string &arch, Fp8GemmTile tile = {});
+const std::vector<std::string> &fp8_kernel_names();
+
+// One side of an FP8 product: the e4m3 bytes and their scales, batch z at
+// data + z * batch_stride bytes and scales + z * (the scales of a batch).
+struct Fp8Operand {
+  CUdeviceptr data = 0, scales = 0;
+  int64_t batch_stride = 0; // bytes
+};
+
+class Fp8Kernels {
+public:
+  // Compiles for `arch` (Device::arch_specific()) and loads the module.
+  explicit Fp8Kernels(const std::string &arch, Fp8GemmTile tile = {});
+
+  // Rows of an activation (bf16, `rows` x K, ld_x apart) rounded in 1 x 128
+  // blocks into q (rows x fp8_row_bytes(K)) and scales (rows x
+  // fp8_blocks(K)); row_index (int32 [rows], or 0): the row of x each
+  // output row rounds (a gathered operand).
+  void quantize_rows(CUdeviceptr x, int64_t ld_x, CUdeviceptr row_index, int64_t rows, int64_t K, CUdeviceptr q,
+                     CUdeviceptr scales, const Stream &stream) const;
+  // A weight (bf16 [batches][R][C], dense) in 128 x 128 blocks: q [R] rows
+  // of C (the operand of a product over C), q_t [C] rows of R (over R),
+  // either 0 for not wanted; scales [batches][fp8_blocks(R)][fp8_blocks(C)].
+  void quantize_weight(CUdeviceptr w, int64_t batches, int64_t R, int64_t C, CUdeviceptr q, CUdeviceptr q_t,
+                       CUdeviceptr scales, const Stream &stream) const;
+
+  // c[z] (M x N at ld_c, f32 or bf16) = a[z] b[z]^T over K, a with M rows
+  // and 1 x 128 scales (M x fp8_blocks(K) a batch), b with N rows and a
+  // weight's 128 x 128 scales; b_scales_by_k: the weight's scale grid is
+  // (K blocks, N blocks) (b is a weight's q_t), else (N blocks, K blocks)
+  // (its q).
+  enum class Out { f32, bf16 };
+  void gemm(const Fp8Operand &a, const Fp8Operand &b, bool b_scales_by_k, CUdeviceptr c, Out out,
+            int64_t c_batch_stride, int64_t ld_c, int64_t M, int64_t N, int64_t K, int64_t batches,
+            const Stream &stream) const;
+
+  const CompileResult &compiled() const { return compiled_; }
+  Fp8GemmTile tile() const { return tile_; }
+
+private:
+  Fp8GemmTile tile_;
+  CompileResult compiled_;
+  Module module_;
+  Kernel quantize_rows_, quantize_weight_, gemm_f32_, gemm_bf16_;
+  int gemm_shared_bytes_ = 0;
+};
+
+} // namespace moeforge::cuda

@@ -12,5 +12,6 @@ cp build-gpu/tests/moeforge_tests build-gpu/tools/moeforge .gpu/
 [ -f build-gpu/benchmarks/bench_moe_train ] && cp build-gpu/benchmarks/bench_moe_train .gpu/
 [ -f build-gpu/benchmarks/bench_expert_exchange ] && cp build-gpu/benchmarks/bench_expert_exchange .gpu/
 [ -f build-gpu/benchmarks/bench_expert_parallel ] && cp build-gpu/benchmarks/bench_expert_parallel .gpu/
+[ -f build-gpu/benchmarks/bench_fp8_gemm ] && cp build-gpu/benchmarks/bench_fp8_gemm .gpu/
 cp -L /usr/lib/x86_64-linux-gnu/libbenchmark.so.1debian .gpu/lib/
 du -sh .gpu

@@ -5,7 +5,9 @@
 // equals dsl/fp8.h's to the bit (activations by rows and gathered rows,
 // weights in both layouts), and the GEMM equals the float64 product of the
 // rounded operands to float32's accumulation error, at sizes that cut
-// every tile and block, in both scale orientations and both output types.
+// every tile and block, in both scale orientations and both output types,
+// dense batches and routed rows (each padded row's token gathered, its
+// expert's weight).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -18,6 +20,7 @@
 #include "backends/cuda/runtime/fp8_kernels.h"
 #include "dsl/fp8.h"
 #include "gpu_test.h"
+#include "runtime/routing_host.h"
 #include "runtime/tensor.h"
 #include "user_error.h"
 
@@ -318,5 +321,86 @@ TEST_SUITE("gpu") {
         CHECK(worst16 < 4e-3);
       }
     }
+  }
+
+  TEST_CASE("cuda gpu: the routed e4m3 GEMM gathers each padded row's token and takes its expert's weight") {
+    MOEFORGE_REQUIRE_GPU();
+    cuda::Device device;
+    cuda::Stream stream;
+    const cuda::Fp8Kernels fp8(device.arch_specific());
+    std::mt19937 rng(58);
+    // Experts' rows cut their last tiles (about 150 pairs each), K and N the blocks.
+    const RoutingShape shape{300, 4, 2, 128};
+    const int64_t T = shape.tokens, E = shape.experts, K = 200, N = 192, KB = cuda::fp8_blocks(K),
+                  NB = cuda::fp8_blocks(N);
+    std::vector<int32_t> expert;
+    std::uniform_int_distribution<int> pick(0, static_cast<int>(E) - 1);
+    for (int64_t t = 0; t < T; ++t) {
+      const int first = pick(rng);
+      expert.push_back(first);
+      expert.push_back((first + 1 + pick(rng) % (static_cast<int>(E) - 1)) % static_cast<int>(E));
+    }
+    const RoutingTables tables = route_on_host(shape, expert);
+    const Bf16Matrix x = random_bf16(T, K, 1, rng);
+    std::vector<Bf16Matrix> w;
+    std::vector<uint16_t> wb;
+    for (int64_t e = 0; e < E; ++e) {
+      w.push_back(random_bf16(K, N, 128, rng));
+      wb.insert(wb.end(), w.back().bits.begin(), w.back().bits.end());
+    }
+    cuda::DeviceBuffer d_x = cuda::DeviceBuffer::from(x.bits), d_w = cuda::DeviceBuffer::from(wb);
+    cuda::DeviceBuffer qx(static_cast<size_t>(cuda::fp8_operand_bytes(T, K))), sx(static_cast<size_t>(T * KB) * 4);
+    cuda::DeviceBuffer qw_t(static_cast<size_t>(E * cuda::fp8_operand_bytes(N, K))),
+        sw(static_cast<size_t>(E * KB * NB) * 4);
+    fp8.quantize_rows(d_x.ptr(), K, 0, T, K, qx.ptr(), sx.ptr(), stream);
+    fp8.quantize_weight(d_w.ptr(), E, K, N, 0, qw_t.ptr(), sw.ptr(), stream);
+    cuda::DeviceBuffer tile_expert = cuda::DeviceBuffer::from(tables.tile_expert),
+                       tile_row_start = cuda::DeviceBuffer::from(tables.tile_row_start),
+                       tile_rows = cuda::DeviceBuffer::from(tables.tile_rows),
+                       num_tiles = cuda::DeviceBuffer::from(std::vector<int32_t>{tables.num_tiles}),
+                       sorted_pair = cuda::DeviceBuffer::from(tables.sorted_pair);
+    const int64_t padded_rows = shape.max_padded_rows();
+    cuda::DeviceBuffer y(static_cast<size_t>(padded_rows * N) * sizeof(float));
+    y.fill32(cuda::kPoisonNaN);
+    cuda::Fp8Kernels::RouteTables route;
+    route.tile_expert = tile_expert.ptr();
+    route.tile_row_start = tile_row_start.ptr();
+    route.tile_rows = tile_rows.ptr();
+    route.num_tiles = num_tiles.ptr();
+    route.a_rows = sorted_pair.ptr();
+    route.a_row_div = shape.k;
+    route.max_tiles = shape.max_tiles();
+    fp8.gemm_routed({qx.ptr(), sx.ptr(), 0}, {qw_t.ptr(), sw.ptr(), cuda::fp8_operand_bytes(N, K)}, true, route,
+                    y.ptr(), cuda::Fp8Kernels::Out::f32, N, N, K, stream);
+    stream.synchronize();
+    const std::vector<float> hy = y.download<float>();
+    const std::vector<double> rx = rounded(x, T, K, 1, 128);
+    std::vector<std::vector<double>> rw;
+    for (int64_t e = 0; e < E; ++e)
+      rw.push_back(rounded(w[static_cast<size_t>(e)], K, N, 128, 128));
+    double worst = 0;
+    int64_t unwritten = 0, pairs_seen = 0;
+    for (int64_t p = 0; p < padded_rows; ++p) {
+      const int32_t r = tables.sorted_pair[static_cast<size_t>(p)];
+      if (r < 0)
+        continue;
+      ++pairs_seen;
+      const int64_t token = r / shape.k, e = expert[static_cast<size_t>(r)];
+      for (int64_t n = 0; n < N; ++n) {
+        double sum = 0, mag = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          const double v =
+              rx[static_cast<size_t>(token * K + k)] * rw[static_cast<size_t>(e)][static_cast<size_t>(k * N + n)];
+          sum += v;
+          mag += std::fabs(v);
+        }
+        const float got = hy[static_cast<size_t>(p * N + n)];
+        unwritten += !std::isfinite(got);
+        worst = std::max(worst, std::fabs(got - sum) / (mag + 1e-300));
+      }
+    }
+    CHECK(pairs_seen == shape.pairs());
+    CHECK(unwritten == 0);
+    CHECK(worst < 1e-5);
   }
 }

@@ -110,41 +110,79 @@ extern "C" __global__ void __launch_bounds__(256)
 __device__ __forceinline__ void fp8_put(float *p, float v) { *p = v; }
 __device__ __forceinline__ void fp8_put(mf::bf16 *p, float v) { *p = __float2bfloat16(v); }
 
-// C[z] = A[z] B[z]^T over e4m3 operands (the layout above; A: M rows, B: N
-// rows, both K_pad bytes apart) with their scales: a_scales M x KB per
-// batch, b_scales (KB, NB) or (NB, KB) per batch (b_scale_k_major: 1 when
-// the K block is the grid's second index: a weight's q_t, whose block grid
-// is (R / 128, C / 128) with R = K). Output: C f32 or bf16 (OUT), M x N at
-// ld_c, batch z at c + z * stride_c. A block of 256 threads per 128 x BN
-// tile of one batch.
+// A routed product's rows (runtime/routing_format.h): tile t of a block of
+// 128 rows holds rows tile_row_start[t] .. + tile_rows[t] of the padded
+// order, all of expert tile_expert[t]. A's row of padded row p is p itself,
+// or, with a_rows (sorted_pair: the pair of each padded row), a_rows[p] /
+// a_row_div (x's token row of pair r is r / k). Null tile_expert: a dense
+// batch (blockIdx.z) of M rows. The same layout as Fp8RouteArg in
+// runtime/fp8_kernels.cpp.
+struct Fp8Route {
+  const int *tile_expert, *tile_row_start, *tile_rows, *num_tiles, *a_rows;
+  int a_row_div;
+};
+
+// C = A B^T over e4m3 operands (the layout above; A: rows, B: N rows per
+// batch or expert, both K_pad bytes apart) with their scales: a_scales one
+// row of KB per A row, b_scales (KB, NB) or (NB, KB) per batch
+// (b_scale_k_major: 1 when the K block is the grid's first index: a
+// weight's q_t, whose block grid is (R / 128, C / 128) with R = K). Output
+// C f32 or bf16 (OUT), ld_c apart. Dense: batch z's A, scales and C at
+// a + z * stride_a, a_scales + z * M * KB and c + z * stride_c, M rows.
+// Routed: A's rows as Fp8Route says, C's rows in the padded order. A
+// block of 256 threads per 128 x BN tile.
 template <typename OUT>
 __device__ __forceinline__ void fp8_gemm(const unsigned char *__restrict__ a, long long stride_a,
                                          const float *__restrict__ a_scales, const unsigned char *__restrict__ b,
                                          long long stride_b, const float *__restrict__ b_scales, int b_scale_k_major,
-                                         OUT *__restrict__ c, long long stride_c, int ld_c, int M, int N, int K) {
+                                         OUT *__restrict__ c, long long stride_c, int ld_c, int M, int N, int K,
+                                         const Fp8Route &route) {
   extern __shared__ unsigned char smem[];
-  const int KB = (K + 127) / 128, NB = (N + 127) / 128, z = blockIdx.z;
+  const int KB = (K + 127) / 128, NB = (N + 127) / 128;
   const long long ld = KB * 128LL;
-  const int n0 = blockIdx.x * Fp8Tile::BN, m0 = blockIdx.y * Fp8Tile::BM;
+  const int n0 = blockIdx.x * Fp8Tile::BN;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  a += z * stride_a;
-  b += z * stride_b;
-  a_scales += (long long)z * M * KB;
-  b_scales += (long long)z * KB * NB;
-  c += z * stride_c;
+  // This tile: its B (batch or expert), first output row and rows.
+  int batch = blockIdx.z, row0 = blockIdx.y * Fp8Tile::BM, rows = M - row0;
+  if (route.tile_expert) {
+    const int t = blockIdx.y;
+    if (t >= *route.num_tiles)
+      return;
+    batch = route.tile_expert[t];
+    row0 = route.tile_row_start[t];
+    rows = route.tile_rows[t];
+  } else {
+    a += batch * stride_a;
+    a_scales += (long long)batch * M * KB;
+    c += batch * stride_c;
+  }
+  b += batch * stride_b;
+  b_scales += (long long)batch * KB * NB;
+  // A's row of the tile's row lr, or -1 past its rows.
+  auto a_row = [&](int lr) -> long long {
+    if (lr >= rows)
+      return -1;
+    if (!route.a_rows)
+      return row0 + lr;
+    const int pair = route.a_rows[row0 + lr]; // -1: a padding row
+    return pair < 0 ? -1 : pair / route.a_row_div;
+  };
   const unsigned char *gA[Fp8Tile::A_ITERS];
   bool a_ok[Fp8Tile::A_ITERS];
 #pragma unroll
   for (int i = 0; i < Fp8Tile::A_ITERS; ++i) {
-    const int row = m0 + ((tid + i * Fp8Tile::THREADS) >> 3);
-    a_ok[i] = row < M;
-    gA[i] = a + (a_ok[i] ? (long long)row * ld : 0);
+    const long long r = a_row((tid + i * Fp8Tile::THREADS) >> 3);
+    a_ok[i] = r >= 0;
+    gA[i] = a + (a_ok[i] ? r * ld : 0);
   }
-  // This thread's two accumulator rows (clamped into A: a row past M is never stored).
+  // This thread's two accumulator rows' scales (A's first row's where a row
+  // is past the tile: its sums are never stored).
   const float *sa_row[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
-    sa_row[h] = a_scales + (long long)min(m0 + Fp8Tile::acc_row(warp, lane, 2 * h), M - 1) * KB;
+  for (int h = 0; h < 2; ++h) {
+    const long long r = a_row(Fp8Tile::acc_row(warp, lane, 2 * h));
+    sa_row[h] = a_scales + (r >= 0 ? r : 0) * KB;
+  }
   // A tile of BN <= 128 columns lies in one column block of 128.
   const int nb = n0 / 128;
   const float *sb = b_scales + (b_scale_k_major ? nb : (long long)nb * KB);
@@ -154,21 +192,21 @@ __device__ __forceinline__ void fp8_gemm(const unsigned char *__restrict__ a, lo
 #pragma unroll
   for (int i = 0; i < Fp8Tile::BN / 2; ++i) {
     const int ni = i >> 2, e = i & 3;
-    const int row = m0 + Fp8Tile::acc_row(warp, lane, e), col = n0 + Fp8Tile::acc_col(lane, ni, e);
-    if (row < M && col < N)
-      fp8_put(c + (long long)row * ld_c + col, acc[i]);
+    const int lr = Fp8Tile::acc_row(warp, lane, e), col = n0 + Fp8Tile::acc_col(lane, ni, e);
+    if (lr < rows && col < N)
+      fp8_put(c + (long long)(row0 + lr) * ld_c + col, acc[i]);
   }
 }
 
 extern "C" __global__ void __launch_bounds__(Fp8Tile::THREADS, 1)
     mf_fp8_gemm_f32(const unsigned char *a, long long stride_a, const float *a_scales, const unsigned char *b,
                     long long stride_b, const float *b_scales, int b_scale_k_major, float *c, long long stride_c,
-                    int ld_c, int M, int N, int K) {
-  fp8_gemm<float>(a, stride_a, a_scales, b, stride_b, b_scales, b_scale_k_major, c, stride_c, ld_c, M, N, K);
+                    int ld_c, int M, int N, int K, Fp8Route route) {
+  fp8_gemm<float>(a, stride_a, a_scales, b, stride_b, b_scales, b_scale_k_major, c, stride_c, ld_c, M, N, K, route);
 }
 extern "C" __global__ void __launch_bounds__(Fp8Tile::THREADS, 1)
     mf_fp8_gemm_bf16(const unsigned char *a, long long stride_a, const float *a_scales, const unsigned char *b,
                      long long stride_b, const float *b_scales, int b_scale_k_major, mf::bf16 *c, long long stride_c,
-                     int ld_c, int M, int N, int K) {
-  fp8_gemm<mf::bf16>(a, stride_a, a_scales, b, stride_b, b_scales, b_scale_k_major, c, stride_c, ld_c, M, N, K);
+                     int ld_c, int M, int N, int K, Fp8Route route) {
+  fp8_gemm<mf::bf16>(a, stride_a, a_scales, b, stride_b, b_scales, b_scale_k_major, c, stride_c, ld_c, M, N, K, route);
 }

@@ -5,6 +5,7 @@
 #include "dsl/error.h"
 
 #include <climits>
+#include <cstddef>
 
 namespace moeforge::cuda {
 
@@ -17,6 +18,13 @@ unsigned grid_dim(int64_t n, const char *what) {
   internal_check(n > 0 && n <= INT_MAX) << "FP8 kernel grid of " << n << " " << what;
   return static_cast<unsigned>(n);
 }
+// Fp8Route in device/fp8_kernels.cuh, the same layout: five addresses, then an int.
+struct Fp8RouteArg {
+  CUdeviceptr tile_expert, tile_row_start, tile_rows, num_tiles, a_rows;
+  int a_row_div;
+};
+static_assert(sizeof(Fp8RouteArg) == 48 && offsetof(Fp8RouteArg, a_row_div) == 40, "mf's Fp8Route on the device");
+
 int int_arg(int64_t n, const char *what) {
   user_check(n >= 0 && n <= INT_MAX) << "FP8 " << what << " of " << n << ": at most " << INT_MAX;
   return static_cast<int>(n);
@@ -92,19 +100,43 @@ void Fp8Kernels::quantize_weight(CUdeviceptr w, int64_t batches, int64_t R, int6
 void Fp8Kernels::gemm(const Fp8Operand &a, const Fp8Operand &b, bool b_scales_by_k, CUdeviceptr c, Out out,
                       int64_t c_batch_stride, int64_t ld_c, int64_t M, int64_t N, int64_t K, int64_t batches,
                       const Stream &stream) const {
+  if (M == 0 || batches == 0)
+    return;
+  launch_gemm(a, b, b_scales_by_k, RouteTables{}, c, out, c_batch_stride, ld_c, M, N, K,
+              (M + kGemmRows - 1) / kGemmRows, batches, stream);
+}
+
+void Fp8Kernels::gemm_routed(const Fp8Operand &a, const Fp8Operand &b, bool b_scales_by_k, const RouteTables &route,
+                             CUdeviceptr c, Out out, int64_t ld_c, int64_t N, int64_t K, const Stream &stream) const {
+  user_check(route.block == kGemmRows) << "an FP8 routed product over routing blocks of " << route.block
+                                       << " rows: its row tiles are " << kGemmRows << " (route with block " << kGemmRows
+                                       << ")";
+  internal_check(route.tile_expert && route.tile_row_start && route.tile_rows && route.num_tiles)
+      << "an FP8 routed product without its tile tables";
+  user_check(route.a_row_div >= 1) << "FP8 gathered rows divided by " << route.a_row_div << ": at least 1";
+  if (route.max_tiles == 0)
+    return;
+  launch_gemm(a, b, b_scales_by_k, route, c, out, 0, ld_c, 0, N, K, route.max_tiles, 1, stream);
+}
+
+void Fp8Kernels::launch_gemm(const Fp8Operand &a, const Fp8Operand &b, bool b_scales_by_k, const RouteTables &route,
+                             CUdeviceptr c, Out out, int64_t c_batch_stride, int64_t ld_c, int64_t M, int64_t N,
+                             int64_t K, int64_t row_tiles, int64_t batches, const Stream &stream) const {
   user_check(K > 0) << "an FP8 product over " << K << " values: at least one";
   user_check(ld_c >= N) << "FP8 product rows " << ld_c << " apart, shorter than their " << N << " columns";
-  if (M == 0 || N == 0 || batches == 0)
+  if (N == 0)
     return;
   CUdeviceptr a_data = a.data, a_scales = a.scales, b_data = b.data, b_scales = b.scales;
   long long stride_a = a.batch_stride, stride_b = b.batch_stride, stride_c = c_batch_stride;
   int by_k = b_scales_by_k ? 1 : 0, n_ld = int_arg(ld_c, "output row stride"), n_m = int_arg(M, "rows"),
       n_n = int_arg(N, "columns"), n_k = int_arg(K, "contracted extent");
+  Fp8RouteArg r{route.tile_expert, route.tile_row_start, route.tile_rows,
+                route.num_tiles,   route.a_rows,         route.a_row_div};
   void *args[] = {&a_data, &stride_a, &a_scales, &b_data, &stride_b, &b_scales, &by_k,
-                  &c,      &stride_c, &n_ld,     &n_m,    &n_n,      &n_k};
+                  &c,      &stride_c, &n_ld,     &n_m,    &n_n,      &n_k,      &r};
   const Kernel &k = out == Out::f32 ? gemm_f32_ : gemm_bf16_;
-  k.launch({grid_dim((N + tile_.columns - 1) / tile_.columns, "column tiles"),
-            grid_dim((M + kGemmRows - 1) / kGemmRows, "row tiles"), grid_dim(batches, "batches")},
+  k.launch({grid_dim((N + tile_.columns - 1) / tile_.columns, "column tiles"), grid_dim(row_tiles, "row tiles"),
+            grid_dim(batches, "batches")},
            {kGemmThreads}, static_cast<unsigned>(gemm_shared_bytes_), stream, args);
 }
 

@@ -72,10 +72,31 @@ public:
             int64_t c_batch_stride, int64_t ld_c, int64_t M, int64_t N, int64_t K, int64_t batches,
             const Stream &stream) const;
 
+  // The routed product: c's rows in the routing's padded order (block 128,
+  // one GEMM row tile a routing tile), row p = a's row p, or with a_rows
+  // (int32, sorted_pair: each padded row's pair, -1 for padding) a's row
+  // a_rows[p] / a_row_div (x's token rows: k); b per expert (batch_stride
+  // bytes apart, its scales a weight's grid each). The tile tables (int32:
+  // tile_expert, tile_row_start, tile_rows; num_tiles, on the device) as
+  // runtime/routing_format.h has them; max_tiles bounds the grid.
+  struct RouteTables {
+    CUdeviceptr tile_expert = 0, tile_row_start = 0, tile_rows = 0, num_tiles = 0, a_rows = 0;
+    int a_row_div = 1;
+    int64_t max_tiles = 0;
+    int block = 128;
+  };
+  void gemm_routed(const Fp8Operand &a, const Fp8Operand &b, bool b_scales_by_k, const RouteTables &route,
+                   CUdeviceptr c, Out out, int64_t ld_c, int64_t N, int64_t K, const Stream &stream) const;
+
   const CompileResult &compiled() const { return compiled_; }
   Fp8GemmTile tile() const { return tile_; }
 
 private:
+  // One launch of either GEMM form (route.tile_expert 0: dense).
+  void launch_gemm(const Fp8Operand &a, const Fp8Operand &b, bool b_scales_by_k, const RouteTables &route,
+                   CUdeviceptr c, Out out, int64_t c_batch_stride, int64_t ld_c, int64_t M, int64_t N, int64_t K,
+                   int64_t row_tiles, int64_t batches, const Stream &stream) const;
+
   Fp8GemmTile tile_;
   CompileResult compiled_;
   Module module_;

@@ -7,7 +7,8 @@
 // rounded operands to float32's accumulation error, at sizes that cut
 // every tile and block, in both scale orientations and both output types,
 // dense batches and routed rows (each padded row's token gathered, its
-// expert's weight).
+// expert's weight), and a weight gradient summed by expert over blocks of
+// 128 of its pairs with a scale per column.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -401,6 +402,85 @@ TEST_SUITE("gpu") {
     }
     CHECK(pairs_seen == shape.pairs());
     CHECK(unwritten == 0);
+    CHECK(worst < 1e-5);
+  }
+
+  TEST_CASE("cuda gpu: an e4m3 weight gradient sums each expert's pairs in blocks of 128, one scale a column") {
+    MOEFORGE_REQUIRE_GPU();
+    cuda::Device device;
+    cuda::Stream stream;
+    const cuda::Fp8Kernels fp8(device.arch_specific());
+    std::mt19937 rng(59);
+    // Expert 4 gets no pair (its gradient is zero); the others about 200,
+    // so an expert's last block of 128 is ragged.
+    const RoutingShape shape{300, 5, 2, 128};
+    const int64_t T = shape.tokens, E = shape.experts, D = 200, F = 192;
+    std::vector<int32_t> expert;
+    std::uniform_int_distribution<int> pick(0, 3);
+    for (int64_t t = 0; t < T; ++t) {
+      const int first = pick(rng);
+      expert.push_back(first);
+      expert.push_back((first + 1 + pick(rng) % 3) % 4);
+    }
+    const RoutingTables tables = route_on_host(shape, expert);
+    const int64_t padded_rows = shape.max_padded_rows(), max_tiles = shape.max_tiles();
+    // x by tokens (gathered through sorted_pair); dh in the padded order,
+    // its padding rows holding values the rounding must leave out.
+    const Bf16Matrix x = random_bf16(T, D, 1, rng), dh = random_bf16(padded_rows, F, 1, rng);
+    cuda::DeviceBuffer d_x = cuda::DeviceBuffer::from(x.bits), d_dh = cuda::DeviceBuffer::from(dh.bits);
+    cuda::DeviceBuffer sorted_pair = cuda::DeviceBuffer::from(tables.sorted_pair),
+                       offsets = cuda::DeviceBuffer::from(tables.offsets),
+                       num_tiles = cuda::DeviceBuffer::from(std::vector<int32_t>{tables.num_tiles});
+    cuda::DeviceBuffer qa(static_cast<size_t>(D * max_tiles * 128)), sa(static_cast<size_t>(max_tiles * D) * 4);
+    cuda::DeviceBuffer qb(static_cast<size_t>(F * max_tiles * 128)), sb(static_cast<size_t>(max_tiles * F) * 4);
+    cuda::DeviceBuffer dw(static_cast<size_t>(E * D * F) * sizeof(float));
+    dw.fill32(cuda::kPoisonNaN);
+    fp8.quantize_tiles_t(d_x.ptr(), D, sorted_pair.ptr(), true, shape.k, num_tiles.ptr(), max_tiles, D, qa.ptr(),
+                         sa.ptr(), stream);
+    fp8.quantize_tiles_t(d_dh.ptr(), F, sorted_pair.ptr(), false, 1, num_tiles.ptr(), max_tiles, F, qb.ptr(), sb.ptr(),
+                         stream);
+    fp8.gemm_expert_k(qa.ptr(), sa.ptr(), qb.ptr(), sb.ptr(), offsets.ptr(), E, max_tiles, D, F, dw.ptr(),
+                      cuda::Fp8Kernels::Out::f32, stream);
+    stream.synchronize();
+    const std::vector<float> got = dw.download<float>();
+    double worst = 0;
+    int64_t unwritten = 0, nonzero_in_empty = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      CAPTURE(e);
+      // The expert's pairs in the routing's order, its rows of x and dh.
+      std::vector<double> xe, he;
+      for (int64_t p = tables.offsets[static_cast<size_t>(e)]; p < tables.offsets[static_cast<size_t>(e) + 1]; ++p) {
+        const int32_t r = tables.sorted_pair[static_cast<size_t>(p)];
+        if (r < 0)
+          continue;
+        for (int64_t m = 0; m < D; ++m)
+          xe.push_back(x.value[static_cast<size_t>((r / shape.k) * D + m)]);
+        for (int64_t n = 0; n < F; ++n)
+          he.push_back(dh.value[static_cast<size_t>(p * F + n)]);
+      }
+      const int64_t rows = static_cast<int64_t>(xe.size()) / D;
+      CHECK(rows == tables.counts[static_cast<size_t>(e)]);
+      fp8_round_blocks(xe.data(), rows, D, D, 128, 1, Fp8Format::e4m3);
+      fp8_round_blocks(he.data(), rows, F, F, 128, 1, Fp8Format::e4m3);
+      for (int64_t m = 0; m < D; ++m)
+        for (int64_t n = 0; n < F; ++n) {
+          double sum = 0, mag = 0;
+          for (int64_t i = 0; i < rows; ++i) {
+            const double v = xe[static_cast<size_t>(i * D + m)] * he[static_cast<size_t>(i * F + n)];
+            sum += v;
+            mag += std::fabs(v);
+          }
+          const float g = got[static_cast<size_t>((e * D + m) * F + n)];
+          unwritten += !std::isfinite(g);
+          if (rows == 0)
+            nonzero_in_empty += g != 0.f;
+          else
+            worst = std::max(worst, std::fabs(g - sum) / (mag + 1e-300));
+        }
+    }
+    CHECK(tables.counts[4] == 0);
+    CHECK(unwritten == 0);
+    CHECK(nonzero_in_empty == 0);
     CHECK(worst < 1e-5);
   }
 }

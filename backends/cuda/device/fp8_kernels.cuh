@@ -177,18 +177,19 @@ __device__ __forceinline__ void fp8_gemm(const unsigned char *__restrict__ a, lo
   }
   // This thread's two accumulator rows' scales (A's first row's where a row
   // is past the tile: its sums are never stored).
-  const float *sa_row[2];
+  Fp8Tile::RowBlockScales scales;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const long long r = a_row(Fp8Tile::acc_row(warp, lane, 2 * h));
-    sa_row[h] = a_scales + (r >= 0 ? r : 0) * KB;
+    scales.rows[h] = a_scales + (r >= 0 ? r : 0) * KB;
   }
+  scales.a_stride = 1;
   // A tile of BN <= 128 columns lies in one column block of 128.
   const int nb = n0 / 128;
-  const float *sb = b_scales + (b_scale_k_major ? nb : (long long)nb * KB);
-  const long long sb_stride = b_scale_k_major ? NB : 1;
+  scales.b = b_scales + (b_scale_k_major ? nb : (long long)nb * KB);
+  scales.b_stride = b_scale_k_major ? NB : 1;
   Fp8Tile::Acc acc;
-  Fp8Tile::mainloop(smem, KB, gA, a_ok, b, ld, N, n0, sa_row, sb, sb_stride, acc);
+  Fp8Tile::mainloop(smem, KB, gA, a_ok, b, ld, N, n0, scales, acc);
 #pragma unroll
   for (int i = 0; i < Fp8Tile::BN / 2; ++i) {
     const int ni = i >> 2, e = i & 3;
@@ -209,4 +210,106 @@ extern "C" __global__ void __launch_bounds__(Fp8Tile::THREADS, 1)
                      long long stride_b, const float *b_scales, int b_scale_k_major, mf::bf16 *c, long long stride_c,
                      int ld_c, int M, int N, int K, Fp8Route route) {
   fp8_gemm<mf::bf16>(a, stride_a, a_scales, b, stride_b, b_scales, b_scale_k_major, c, stride_c, ld_c, M, N, K, route);
+}
+
+// A weight gradient's operands: the rows of a routed tensor in the padded
+// order (gather: x's row a_rows[p] / a_row_div, a gathered operand; else
+// row p of x; either way zero where a_rows[p] < 0, a padding row), rounded in blocks of 128 rows (a routing tile, 128
+// of one expert's pairs: dsl/fp8.h's blocks of a weight gradient) by one column, stored transposed, the pairs along the
+// row: q_t, C rows of ld_q = 128 * max_tiles bytes; scales [max_tiles][C]. A block of 256 threads per routing tile and
+// 128 columns; tiles past *num_tiles are left as they are (no expert's K reaches them).
+extern "C" __global__ void __launch_bounds__(256)
+    mf_fp8_quantize_tiles_t(const mf::bf16 *__restrict__ x, long long ld_x, const int *__restrict__ a_rows, int gather,
+                            int a_row_div, const int *__restrict__ num_tiles, long long ld_q, int C,
+                            unsigned char *__restrict__ q_t, float *__restrict__ scales) {
+  __shared__ __align__(16) unsigned char s_q[128][144]; // [column][row]; 16-byte rows for the stores
+  __shared__ float s_amax[2][128];
+  const int t = blockIdx.y;
+  if (t >= *num_tiles)
+    return;
+  const int tid = threadIdx.x, cc = tid & 127, half = tid >> 7, c0 = blockIdx.x * 128, col = c0 + cc;
+  // This thread: column cc, rows 64 half .. 64 half + 63 of the tile.
+  float v[64];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const long long p = (long long)t * 128 + half * 64 + i;
+    const int pair = a_rows[p];
+    const long long src = pair < 0 ? -1 : gather ? pair / a_row_div : p;
+    v[i] = src >= 0 && col < C ? __bfloat162float(x[src * ld_x + col]) : 0.f;
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  s_amax[half][cc] = amax;
+  __syncthreads();
+  const int e = mf::fp8_e4m3_scale_exponent(fmaxf(s_amax[0][cc], s_amax[1][cc]));
+  if (half == 0 && col < C)
+    scales[(long long)t * C + col] = ldexpf(1.f, e);
+#pragma unroll
+  for (int i = 0; i < 64; i += 2)
+    *reinterpret_cast<unsigned short *>(&s_q[cc][half * 64 + i]) =
+        mf::fp8_e4m3x2(ldexpf(v[i], -e), ldexpf(v[i + 1], -e));
+  __syncthreads();
+  // Row c0 + r of q_t: this tile's 128 bytes of column r, eight 16-byte chunks.
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int idx = tid + j * 256, r = idx >> 3, ch = idx & 7;
+    if (c0 + r < C)
+      *reinterpret_cast<uint4 *>(q_t + (long long)(c0 + r) * ld_q + (long long)t * 128 + ch * 16) =
+          *reinterpret_cast<const uint4 *>(&s_q[r][ch * 16]);
+  }
+}
+
+// A weight gradient by expert: c[e] (M x N, f32 or bf16, dense, batch e at
+// c + e * M * N) = the sum over expert e's padded rows of a_t's and b_t's
+// columns' products (mf_fp8_quantize_tiles_t's operands: M and N rows of
+// ld_q bytes, scales [tiles][M] and [tiles][N]). offsets: the routing's
+// padded offsets (E + 1), multiples of 128: an expert's tiles are its
+// 128-deep blocks. An expert without pairs gets zeros.
+template <typename OUT>
+__device__ __forceinline__ void
+fp8_gemm_expert_k(const unsigned char *__restrict__ a_t, const float *__restrict__ a_scales,
+                  const unsigned char *__restrict__ b_t, const float *__restrict__ b_scales,
+                  const int *__restrict__ offsets, long long ld_q, OUT *__restrict__ c, int M, int N) {
+  extern __shared__ unsigned char smem[];
+  const int e = blockIdx.z, m0 = blockIdx.y * Fp8Tile::BM, n0 = blockIdx.x * Fp8Tile::BN;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int p0 = offsets[e], KT = (offsets[e + 1] - p0) / 128, t0 = p0 / 128;
+  const unsigned char *gA[Fp8Tile::A_ITERS];
+  bool a_ok[Fp8Tile::A_ITERS];
+#pragma unroll
+  for (int i = 0; i < Fp8Tile::A_ITERS; ++i) {
+    const int row = m0 + ((tid + i * Fp8Tile::THREADS) >> 3);
+    a_ok[i] = row < M;
+    gA[i] = a_t + (a_ok[i] ? (long long)row * ld_q + p0 : 0);
+  }
+  Fp8Tile::RowColumnScales scales;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    scales.rows[h] = a_scales + (long long)t0 * M + min(m0 + Fp8Tile::acc_row(warp, lane, 2 * h), M - 1);
+  scales.a_stride = M;
+  const int first = n0 + Fp8Tile::acc_col(lane, 0, 0);
+  scales.cols = b_scales + (long long)t0 * N + min(first, N - 1);
+  scales.cols_left = max(N - first, 1);
+  scales.b_stride = N;
+  Fp8Tile::Acc acc;
+  Fp8Tile::mainloop(smem, KT, gA, a_ok, b_t + p0, ld_q, N, n0, scales, acc);
+  c += (long long)e * M * N;
+#pragma unroll
+  for (int i = 0; i < Fp8Tile::BN / 2; ++i) {
+    const int ni = i >> 2, el = i & 3;
+    const int row = m0 + Fp8Tile::acc_row(warp, lane, el), col = n0 + Fp8Tile::acc_col(lane, ni, el);
+    if (row < M && col < N)
+      fp8_put(c + (long long)row * N + col, acc[i]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(Fp8Tile::THREADS, 1)
+    mf_fp8_gemm_expert_k_f32(const unsigned char *a_t, const float *a_scales, const unsigned char *b_t,
+                             const float *b_scales, const int *offsets, long long ld_q, float *c, int M, int N) {
+  fp8_gemm_expert_k<float>(a_t, a_scales, b_t, b_scales, offsets, ld_q, c, M, N);
+}
+extern "C" __global__ void __launch_bounds__(Fp8Tile::THREADS, 1)
+    mf_fp8_gemm_expert_k_bf16(const unsigned char *a_t, const float *a_scales, const unsigned char *b_t,
+                              const float *b_scales, const int *offsets, long long ld_q, mf::bf16 *c, int M, int N) {
+  fp8_gemm_expert_k<mf::bf16>(a_t, a_scales, b_t, b_scales, offsets, ld_q, c, M, N);
 }

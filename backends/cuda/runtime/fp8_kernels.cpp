@@ -52,8 +52,9 @@ CompileResult compile_fp8_kernels(const std::string &arch, Fp8GemmTile tile) {
 }
 
 const std::vector<std::string> &fp8_kernel_names() {
-  static const std::vector<std::string> names = {"mf_fp8_quantize_rows", "mf_fp8_quantize_weight", "mf_fp8_gemm_f32",
-                                                 "mf_fp8_gemm_bf16"};
+  static const std::vector<std::string> names = {
+      "mf_fp8_quantize_rows", "mf_fp8_quantize_weight",   "mf_fp8_quantize_tiles_t",  "mf_fp8_gemm_f32",
+      "mf_fp8_gemm_bf16",     "mf_fp8_gemm_expert_k_f32", "mf_fp8_gemm_expert_k_bf16"};
   return names;
 }
 
@@ -64,11 +65,16 @@ Fp8Kernels::Fp8Kernels(const std::string &arch, Fp8GemmTile tile)
   quantize_weight_ = module_.kernel("mf_fp8_quantize_weight");
   gemm_f32_ = module_.kernel("mf_fp8_gemm_f32");
   gemm_bf16_ = module_.kernel("mf_fp8_gemm_bf16");
+  quantize_tiles_t_ = module_.kernel("mf_fp8_quantize_tiles_t");
+  expert_k_f32_ = module_.kernel("mf_fp8_gemm_expert_k_f32");
+  expert_k_bf16_ = module_.kernel("mf_fp8_gemm_expert_k_bf16");
   // Fp8WgmmaConfig::SMEM_BYTES: the stages of A (128 rows) and B, 128 bytes
   // a row, and the slack that aligns them to the swizzle's 1024 bytes.
   gemm_shared_bytes_ = tile.stages * (kGemmRows + tile.columns) * 128 + 1024;
   gemm_f32_.set_max_dynamic_shared_memory(gemm_shared_bytes_);
   gemm_bf16_.set_max_dynamic_shared_memory(gemm_shared_bytes_);
+  expert_k_f32_.set_max_dynamic_shared_memory(gemm_shared_bytes_);
+  expert_k_bf16_.set_max_dynamic_shared_memory(gemm_shared_bytes_);
 }
 
 void Fp8Kernels::quantize_rows(CUdeviceptr x, int64_t ld_x, CUdeviceptr row_index, int64_t rows, int64_t K,
@@ -137,6 +143,36 @@ void Fp8Kernels::launch_gemm(const Fp8Operand &a, const Fp8Operand &b, bool b_sc
   const Kernel &k = out == Out::f32 ? gemm_f32_ : gemm_bf16_;
   k.launch({grid_dim((N + tile_.columns - 1) / tile_.columns, "column tiles"), grid_dim(row_tiles, "row tiles"),
             grid_dim(batches, "batches")},
+           {kGemmThreads}, static_cast<unsigned>(gemm_shared_bytes_), stream, args);
+}
+
+void Fp8Kernels::quantize_tiles_t(CUdeviceptr x, int64_t ld_x, CUdeviceptr a_rows, bool gather, int a_row_div,
+                                  CUdeviceptr num_tiles, int64_t max_tiles, int64_t C, CUdeviceptr q_t,
+                                  CUdeviceptr scales, const Stream &stream) const {
+  user_check(C > 0) << "FP8 rows of " << C << " columns: at least one";
+  user_check(ld_x >= C) << "FP8 rows " << ld_x << " apart, shorter than their " << C << " values";
+  user_check(a_row_div >= 1) << "FP8 gathered rows divided by " << a_row_div << ": at least 1";
+  internal_check(a_rows != 0) << "a weight gradient's FP8 operand without its route's sorted_pair";
+  if (max_tiles == 0)
+    return;
+  long long ld = ld_x, ld_q = max_tiles * 128;
+  int n_c = int_arg(C, "columns"), by_rows = gather ? 1 : 0;
+  void *args[] = {&x, &ld, &a_rows, &by_rows, &a_row_div, &num_tiles, &ld_q, &n_c, &q_t, &scales};
+  quantize_tiles_t_.launch({grid_dim(fp8_blocks(C), "column blocks"), grid_dim(max_tiles, "tiles")}, {kQuantizeThreads},
+                           0, stream, args);
+}
+
+void Fp8Kernels::gemm_expert_k(CUdeviceptr a_t, CUdeviceptr a_scales, CUdeviceptr b_t, CUdeviceptr b_scales,
+                               CUdeviceptr offsets, int64_t experts, int64_t max_tiles, int64_t M, int64_t N,
+                               CUdeviceptr c, Out out, const Stream &stream) const {
+  if (M == 0 || N == 0 || experts == 0)
+    return;
+  long long ld_q = max_tiles * 128;
+  int n_m = int_arg(M, "rows"), n_n = int_arg(N, "columns");
+  void *args[] = {&a_t, &a_scales, &b_t, &b_scales, &offsets, &ld_q, &c, &n_m, &n_n};
+  const Kernel &k = out == Out::f32 ? expert_k_f32_ : expert_k_bf16_;
+  k.launch({grid_dim((N + tile_.columns - 1) / tile_.columns, "column tiles"),
+            grid_dim((M + kGemmRows - 1) / kGemmRows, "row tiles"), grid_dim(experts, "experts")},
            {kGemmThreads}, static_cast<unsigned>(gemm_shared_bytes_), stream, args);
 }
 

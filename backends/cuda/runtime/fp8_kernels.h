@@ -88,6 +88,23 @@ public:
   void gemm_routed(const Fp8Operand &a, const Fp8Operand &b, bool b_scales_by_k, const RouteTables &route,
                    CUdeviceptr c, Out out, int64_t ld_c, int64_t N, int64_t K, const Stream &stream) const;
 
+  // A weight gradient's operand: rows p < 128 * num_tiles of the padded
+  // order (gather: x's row a_rows[p] / a_row_div, else row p of x; zero
+  // where a_rows[p] < 0: a_rows is the route's sorted_pair) rounded in blocks of 128 rows (a routing
+  // tile: 128 of one expert's pairs) by one column and stored transposed:
+  // q_t, C rows of 128 * max_tiles bytes; scales [max_tiles][C]. num_tiles
+  // on the device (int32), the routing's count.
+  void quantize_tiles_t(CUdeviceptr x, int64_t ld_x, CUdeviceptr a_rows, bool gather, int a_row_div,
+                        CUdeviceptr num_tiles, int64_t max_tiles, int64_t C, CUdeviceptr q_t, CUdeviceptr scales,
+                        const Stream &stream) const;
+  // The weight gradient c[e] (M x N, dense, e at c + e M N elements) = the
+  // sum over expert e's pairs of a's column times b's column: a and b from
+  // quantize_tiles_t over the same route (M and N columns), offsets its
+  // padded offsets (int32 [experts + 1], on the device, block 128).
+  void gemm_expert_k(CUdeviceptr a_t, CUdeviceptr a_scales, CUdeviceptr b_t, CUdeviceptr b_scales, CUdeviceptr offsets,
+                     int64_t experts, int64_t max_tiles, int64_t M, int64_t N, CUdeviceptr c, Out out,
+                     const Stream &stream) const;
+
   const CompileResult &compiled() const { return compiled_; }
   Fp8GemmTile tile() const { return tile_; }
 
@@ -100,7 +117,7 @@ private:
   Fp8GemmTile tile_;
   CompileResult compiled_;
   Module module_;
-  Kernel quantize_rows_, quantize_weight_, gemm_f32_, gemm_bf16_;
+  Kernel quantize_rows_, quantize_weight_, quantize_tiles_t_, gemm_f32_, gemm_bf16_, expert_k_f32_, expert_k_bf16_;
   int gemm_shared_bytes_ = 0;
 };
 

@@ -116,14 +116,14 @@ template <int BN_, int STAGES_> struct Fp8WgmmaConfig {
     wgmma_commit();
   }
 
-  // acc = sum over the KT stages of (A_kt B_kt) * sa[row][kt] * sb[kt]: sa
-  // points at this thread's two accumulator rows' scales (sa_row[0] for
-  // rows e < 2, [1] for e >= 2; a row past M may point anywhere valid: its
-  // sums are never stored), sb at the column block's scale of stage 0,
-  // sb_stride apart per stage.
+  // acc = sum over the KT stages of (A_kt B_kt) times the stage's scales,
+  // which `scales` gives (RowBlockScales, RowColumnScales below): its
+  // stage(kt) reads them before the stage's wait, so their latency hides
+  // under it, and Stage::factor(i) is accumulator i's product of the two.
+  template <typename Scales>
   __device__ static void mainloop(unsigned char *smem, int KT, const unsigned char *const (&gA)[A_ITERS],
                                   const bool (&a_ok)[A_ITERS], const unsigned char *gB, long long ldb, int N, int n0,
-                                  const float *const (&sa_row)[2], const float *sb, long long sb_stride, Acc &acc) {
+                                  const Scales &scales, Acc &acc) {
     const int tid = threadIdx.x, wg = tid >> 7;
     const unsigned s0 = (smem_u32(smem) + 1023u) & ~1023u; // swizzle atoms are 1024-byte aligned
 #pragma unroll
@@ -137,9 +137,7 @@ template <int BN_, int STAGES_> struct Fp8WgmmaConfig {
     }
     Acc part;
     for (int kt = 0; kt < KT; ++kt) {
-      // The stage's scales, read before the wait so their latency hides under it.
-      const float b_scale = sb[kt * sb_stride];
-      const float s_lo = sa_row[0][kt] * b_scale, s_hi = sa_row[1][kt] * b_scale;
+      const typename Scales::Stage st = scales.stage(kt);
       cp_async_wait<STAGES - 2>();
       fence_proxy_async();
       __syncthreads();
@@ -147,7 +145,7 @@ template <int BN_, int STAGES_> struct Fp8WgmmaConfig {
       wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i)
-        acc[i] += part[i] * ((i & 2) ? s_hi : s_lo);
+        acc[i] += part[i] * st.factor(i);
       // Every warpgroup is done with this slot before it is refilled.
       __syncthreads();
       const int next = kt + STAGES - 1;
@@ -157,6 +155,57 @@ template <int BN_, int STAGES_> struct Fp8WgmmaConfig {
     }
     cp_async_wait<0>();
   }
+
+  // A scale per row of A and 128-deep block (its 1 x 128 blocks), one per
+  // block of B's columns (a weight's 128 x 128 blocks): rows[h] points at
+  // this thread's accumulator rows' scales (rows[0] for e < 2, rows[1] for
+  // e >= 2; a row past the tile may point at any valid scale: its sums are
+  // never stored), a_stride apart per block; b at the column block's scale
+  // of block 0, b_stride apart.
+  struct RowBlockScales {
+    const float *rows[2];
+    long long a_stride;
+    const float *b;
+    long long b_stride;
+    struct Stage {
+      float lo, hi;
+      __device__ float factor(int i) const { return (i & 2) ? hi : lo; }
+    };
+    __device__ Stage stage(int kt) const {
+      const float sb = b[kt * b_stride];
+      return {rows[0][kt * a_stride] * sb, rows[1][kt * a_stride] * sb};
+    }
+  };
+
+  // A scale per row of A and per column of B in each 128-deep block (both
+  // operands by rows along K: a weight gradient's, whose K is an expert's
+  // pairs): rows as above; cols at this thread's first accumulator column's
+  // scale of block 0 (columns lane % 4 * 2 + 8 ni and the next, clamped
+  // below `last`, the columns before N), b_stride apart per block.
+  struct RowColumnScales {
+    const float *rows[2];
+    long long a_stride;
+    const float *cols;
+    int cols_left; // columns of the tile at and after this thread's first, before N
+    long long b_stride;
+    struct Stage {
+      float lo, hi;
+      float col[BN / 4];
+      __device__ float factor(int i) const { return ((i & 2) ? hi : lo) * col[(i >> 2) * 2 + (i & 1)]; }
+    };
+    __device__ Stage stage(int kt) const {
+      Stage st;
+      st.lo = rows[0][kt * a_stride];
+      st.hi = rows[1][kt * a_stride];
+      const float *c = cols + kt * b_stride;
+#pragma unroll
+      for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          st.col[ni * 2 + j] = c[min(ni * 8 + j, cols_left - 1)];
+      return st;
+    }
+  };
 };
 
 } // namespace mf

@@ -50,6 +50,10 @@
 #           (one rank, and two where the machine has two GPUs) under compute-sanitizer
 #           memcheck too, then bench_expert_exchange on every GPU count up
 #           to the machine's
+#   fp8     issue 55's building blocks: the FP8 tests (rounding and the
+#           three GEMM forms against the CPU rule and float64), under
+#           compute-sanitizer memcheck too, then bench_fp8_gemm (the e4m3
+#           GEMM and the roundings against cuBLAS bf16, same products)
 # Usage: bash scripts/device_check.sh tests|real|python|all, or stages joined
 # by commas (tests,real). Everything goes
 # to $OUT/check/ and is packed into $OUT/check.tgz (the device tool brings
@@ -164,6 +168,18 @@ if has forward; then
   echo "forward done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
 fi
 TUNE_SHAPES=${TUNE_SHAPES:-mbpaper,fine64,mixtral}
+if has fp8; then
+  timeout 240 .gpu/moeforge_tests -tc="*FP8*,*e4m3*" --duration=true >"$R/fp8_tests.log" 2>&1 || status=1
+  grep -E "SKIPPED|ERROR|FAILED|test cases|Status" "$R/fp8_tests.log" | head -12
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/moeforge_tests \
+    -tc="cuda gpu: *e4m3*,cuda gpu: a weight rounds*,cuda gpu: activation rows*" >"$R/fp8_memcheck.log" 2>&1
+  echo "fp8 memcheck exit code: $?" | tee -a "$R/device.txt"
+  tail -2 "$R/fp8_memcheck.log"
+  timeout 300 .gpu/bench_fp8_gemm --benchmark_out="$R/fp8_bench.json" --benchmark_out_format=json \
+    --benchmark_counters_tabular=true >"$R/fp8_bench.log" 2>&1 || status=1
+  grep -E "^fp8_gemm|ERROR|Benchmark" "$R/fp8_bench.log" | cut -c1-260
+  echo "fp8 done at $(( $(date +%s) - T0 )) s" | tee -a "$R/device.txt"
+fi
 if has tune; then
   # bench_moe_forward's shapes (benchmarks/moe_shapes.h) as the CLI's examples.
   declare -A layer=(

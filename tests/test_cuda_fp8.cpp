@@ -7,7 +7,8 @@
 // rounded operands to float32's accumulation error, at sizes that cut
 // every tile and block, in both scale orientations and both output types,
 // dense batches and routed rows (each padded row's token gathered, its
-// expert's weight), and a weight gradient summed by expert over blocks of
+// expert's weight), the product rounded to e4m3 in its epilogue (equal to
+// rounding its stored bf16 output), and a weight gradient summed by expert over blocks of
 // 128 of its pairs with a scale per column.
 #include <doctest/doctest.h>
 
@@ -107,7 +108,7 @@ TEST_CASE("cuda: the FP8 kernels compile for sm_90a without spills, their wgmmas
     CAPTURE(tile.columns);
     CAPTURE(tile.stages);
     const cuda::CompileResult r = cuda::compile_fp8_kernels("sm_90a", tile);
-    for (const std::string &name : cuda::fp8_kernel_names()) {
+    for (const std::string &name : cuda::fp8_kernel_names(tile)) {
       CAPTURE(name);
       const cuda::ResourceReport *rep = r.resources_of(name);
       REQUIRE(rep != nullptr);
@@ -274,6 +275,19 @@ TEST_SUITE("gpu") {
       fp8.gemm(ax, bw_t, true, y32.ptr(), cuda::Fp8Kernels::Out::f32, M * N, N, M, N, K, E, stream);
       fp8.gemm(ax, bw_t, true, y16.ptr(), cuda::Fp8Kernels::Out::bf16, M * N, N, M, N, K, E, stream);
       fp8.gemm(ag, bw, false, z32.ptr(), cuda::Fp8Kernels::Out::f32, M * K, K, M, K, N, E, stream);
+      // Rounded in the epilogue (128-column tiles): the operand of a next
+      // product, to the bit what rounding the stored bf16 output gives.
+      if (tile.columns == 128) {
+        cuda::DeviceBuffer qy(static_cast<size_t>(E * cuda::fp8_operand_bytes(M, N))),
+            sy(static_cast<size_t>(E * M * NB) * 4), qy_want(qy.bytes()), sy_want(sy.bytes());
+        qy.fill32(cuda::kPoisonNaN);
+        sy.fill32(cuda::kPoisonNaN);
+        fp8.gemm_to_e4m3(ax, bw_t, true, {}, qy.ptr(), sy.ptr(), M, N, K, E, stream);
+        fp8.quantize_rows(y16.ptr(), N, 0, E * M, N, qy_want.ptr(), sy_want.ptr(), stream);
+        stream.synchronize();
+        CHECK(qy.download<uint8_t>() == qy_want.download<uint8_t>());
+        CHECK(sy.download<float>() == sy_want.download<float>());
+      }
       stream.synchronize();
       const std::vector<float> hy32 = y32.download<float>(), hz32 = z32.download<float>();
       const std::vector<uint16_t> hy16 = y16.download<uint16_t>();

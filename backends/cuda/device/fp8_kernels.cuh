@@ -107,6 +107,18 @@ extern "C" __global__ void __launch_bounds__(256)
   }
 }
 
+// An e4m3 output: the product rounded in the epilogue into the operand of a
+// next product (rows of ld_q bytes) and its 1 x 128 scales (scale_stride a
+// row).
+struct Fp8Out {
+  unsigned char *q;
+  float *scales;
+  long long ld_q, scale_stride;
+};
+
+template <typename T> struct IsFp8Out { static constexpr bool value = false; };
+template <> struct IsFp8Out<Fp8Out> { static constexpr bool value = true; };
+
 __device__ __forceinline__ void fp8_put(float *p, float v) { *p = v; }
 __device__ __forceinline__ void fp8_put(mf::bf16 *p, float v) { *p = __float2bfloat16(v); }
 
@@ -154,7 +166,8 @@ __device__ __forceinline__ void fp8_gemm(const unsigned char *__restrict__ a, lo
   } else {
     a += batch * stride_a;
     a_scales += (long long)batch * M * KB;
-    c += batch * stride_c;
+    if constexpr (!IsFp8Out<OUT>::value)
+      c += batch * stride_c;
   }
   b += batch * stride_b;
   b_scales += (long long)batch * KB * NB;
@@ -190,12 +203,19 @@ __device__ __forceinline__ void fp8_gemm(const unsigned char *__restrict__ a, lo
   scales.b_stride = b_scale_k_major ? NB : 1;
   Fp8Tile::Acc acc;
   Fp8Tile::mainloop(smem, KB, gA, a_ok, b, ld, N, n0, scales, acc);
+  if constexpr (IsFp8Out<OUT>::value) {
+    // A dense batch's rows follow the batches before it (M each).
+    const long long first = route.tile_expert ? row0 : (long long)batch * M + row0;
+    Fp8Tile::store_e4m3_rows(
+        acc, warp, lane, n0, N, rows, [&](int lr) { return first + lr; }, c->q, c->ld_q, c->scales, c->scale_stride);
+  } else {
 #pragma unroll
-  for (int i = 0; i < Fp8Tile::BN / 2; ++i) {
-    const int ni = i >> 2, e = i & 3;
-    const int lr = Fp8Tile::acc_row(warp, lane, e), col = n0 + Fp8Tile::acc_col(lane, ni, e);
-    if (lr < rows && col < N)
-      fp8_put(c + (long long)(row0 + lr) * ld_c + col, acc[i]);
+    for (int i = 0; i < Fp8Tile::BN / 2; ++i) {
+      const int ni = i >> 2, e = i & 3;
+      const int lr = Fp8Tile::acc_row(warp, lane, e), col = n0 + Fp8Tile::acc_col(lane, ni, e);
+      if (lr < rows && col < N)
+        fp8_put(c + (long long)(row0 + lr) * ld_c + col, acc[i]);
+    }
   }
 }
 
@@ -211,6 +231,18 @@ extern "C" __global__ void __launch_bounds__(Fp8Tile::THREADS, 1)
                      int ld_c, int M, int N, int K, Fp8Route route) {
   fp8_gemm<mf::bf16>(a, stride_a, a_scales, b, stride_b, b_scales, b_scale_k_major, c, stride_c, ld_c, M, N, K, route);
 }
+// The product rounded to e4m3 in the epilogue (Fp8Out: rows of ld_q bytes,
+// a batch's rows after the batches before it), as the operand of a next
+// product: the output stored as that product's operand directly. The
+// 128-column tile only (Fp8WgmmaConfig::store_e4m3_rows).
+#if MF_FP8_GEMM_BN == 128
+extern "C" __global__ void __launch_bounds__(Fp8Tile::THREADS, 1)
+    mf_fp8_gemm_e4m3(const unsigned char *a, long long stride_a, const float *a_scales, const unsigned char *b,
+                     long long stride_b, const float *b_scales, int b_scale_k_major, Fp8Out out, int M, int N, int K,
+                     Fp8Route route) {
+  fp8_gemm<Fp8Out>(a, stride_a, a_scales, b, stride_b, b_scales, b_scale_k_major, &out, 0, 0, M, N, K, route);
+}
+#endif
 
 // A weight gradient's operands: the rows of a routed tensor in the padded
 // order (gather: x's row a_rows[p] / a_row_div, a gathered operand; else

@@ -51,10 +51,12 @@ CompileResult compile_fp8_kernels(const std::string &arch, Fp8GemmTile tile) {
   return compile_cuda(fp8_kernels_source(), "fp8_kernels.cu", fp8_compile_options(arch, tile));
 }
 
-const std::vector<std::string> &fp8_kernel_names() {
-  static const std::vector<std::string> names = {
-      "mf_fp8_quantize_rows", "mf_fp8_quantize_weight",   "mf_fp8_quantize_tiles_t",  "mf_fp8_gemm_f32",
-      "mf_fp8_gemm_bf16",     "mf_fp8_gemm_expert_k_f32", "mf_fp8_gemm_expert_k_bf16"};
+std::vector<std::string> fp8_kernel_names(Fp8GemmTile tile) {
+  std::vector<std::string> names = {"mf_fp8_quantize_rows",     "mf_fp8_quantize_weight", "mf_fp8_quantize_tiles_t",
+                                    "mf_fp8_gemm_f32",          "mf_fp8_gemm_bf16",       "mf_fp8_gemm_expert_k_f32",
+                                    "mf_fp8_gemm_expert_k_bf16"};
+  if (tile.columns == 128)
+    names.push_back("mf_fp8_gemm_e4m3");
   return names;
 }
 
@@ -68,6 +70,10 @@ Fp8Kernels::Fp8Kernels(const std::string &arch, Fp8GemmTile tile)
   quantize_tiles_t_ = module_.kernel("mf_fp8_quantize_tiles_t");
   expert_k_f32_ = module_.kernel("mf_fp8_gemm_expert_k_f32");
   expert_k_bf16_ = module_.kernel("mf_fp8_gemm_expert_k_bf16");
+  if (tile.columns == 128) {
+    gemm_e4m3_ = module_.kernel("mf_fp8_gemm_e4m3");
+    gemm_e4m3_.set_max_dynamic_shared_memory(gemm_shared_bytes_);
+  }
   // Fp8WgmmaConfig::SMEM_BYTES: the stages of A (128 rows) and B, 128 bytes
   // a row, and the slack that aligns them to the swizzle's 1024 bytes.
   gemm_shared_bytes_ = tile.stages * (kGemmRows + tile.columns) * 128 + 1024;
@@ -144,6 +150,39 @@ void Fp8Kernels::launch_gemm(const Fp8Operand &a, const Fp8Operand &b, bool b_sc
   k.launch({grid_dim((N + tile_.columns - 1) / tile_.columns, "column tiles"), grid_dim(row_tiles, "row tiles"),
             grid_dim(batches, "batches")},
            {kGemmThreads}, static_cast<unsigned>(gemm_shared_bytes_), stream, args);
+}
+
+// Fp8Out in device/fp8_kernels.cuh, the same layout.
+struct Fp8OutArg {
+  CUdeviceptr q, scales;
+  long long ld_q, scale_stride;
+};
+static_assert(sizeof(Fp8OutArg) == 32, "mf's Fp8Out on the device");
+
+void Fp8Kernels::gemm_to_e4m3(const Fp8Operand &a, const Fp8Operand &b, bool b_scales_by_k, const RouteTables &route,
+                              CUdeviceptr q, CUdeviceptr scales, int64_t M, int64_t N, int64_t K, int64_t batches,
+                              const Stream &stream) const {
+  user_check(tile_.columns == 128) << "an FP8 product rounded to e4m3 in its epilogue needs 128-column tiles (a row's "
+                                   << "block of 128 in one tile); these kernels have " << tile_.columns;
+  user_check(K > 0) << "an FP8 product over " << K << " values: at least one";
+  const bool routed = route.tile_expert != 0;
+  if (routed)
+    user_check(route.block == kGemmRows) << "an FP8 routed product over routing blocks of " << route.block
+                                         << " rows: its row tiles are " << kGemmRows;
+  const int64_t row_tiles = routed ? route.max_tiles : (M + kGemmRows - 1) / kGemmRows;
+  if (N == 0 || row_tiles == 0 || batches == 0 || (!routed && M == 0))
+    return;
+  CUdeviceptr a_data = a.data, a_scales = a.scales, b_data = b.data, b_scales = b.scales;
+  long long stride_a = a.batch_stride, stride_b = b.batch_stride;
+  int by_k = b_scales_by_k ? 1 : 0, n_m = int_arg(M, "rows"), n_n = int_arg(N, "columns"),
+      n_k = int_arg(K, "contracted extent");
+  Fp8OutArg out{q, scales, fp8_row_bytes(N), fp8_blocks(N)};
+  Fp8RouteArg r{route.tile_expert, route.tile_row_start, route.tile_rows,
+                route.num_tiles,   route.a_rows,         route.a_row_div};
+  void *args[] = {&a_data, &stride_a, &a_scales, &b_data, &stride_b, &b_scales, &by_k, &out, &n_m, &n_n, &n_k, &r};
+  gemm_e4m3_.launch({grid_dim((N + 127) / 128, "column tiles"), grid_dim(row_tiles, "row tiles"),
+                     grid_dim(routed ? 1 : batches, "batches")},
+                    {kGemmThreads}, static_cast<unsigned>(gemm_shared_bytes_), stream, args);
 }
 
 void Fp8Kernels::quantize_tiles_t(CUdeviceptr x, int64_t ld_x, CUdeviceptr a_rows, bool gather, int a_row_div,

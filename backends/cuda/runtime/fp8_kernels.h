@@ -36,7 +36,8 @@ struct Fp8GemmTile {
 const char *fp8_kernels_source();
 CompileOptions fp8_compile_options(const std::string &arch, Fp8GemmTile tile = {});
 CompileResult compile_fp8_kernels(const std::string &arch, Fp8GemmTile tile = {});
-const std::vector<std::string> &fp8_kernel_names();
+// The kernels compiled for `tile` (mf_fp8_gemm_e4m3 with 128 columns only).
+std::vector<std::string> fp8_kernel_names(Fp8GemmTile tile = {});
 
 // One side of an FP8 product: the e4m3 bytes and their scales, batch z at
 // data + z * batch_stride bytes and scales + z * (the scales of a batch).
@@ -88,6 +89,15 @@ public:
   void gemm_routed(const Fp8Operand &a, const Fp8Operand &b, bool b_scales_by_k, const RouteTables &route,
                    CUdeviceptr c, Out out, int64_t ld_c, int64_t N, int64_t K, const Stream &stream) const;
 
+  // gemm() or gemm_routed() (route.tile_expert 0: dense, M rows a batch)
+  // with the product rounded to e4m3 in the epilogue: the operand of a next
+  // product over N (q: rows of fp8_row_bytes(N), a dense batch's after the
+  // batches before it; scales: fp8_blocks(N) a row), with no pass over a
+  // stored output. The 128-column tile only.
+  void gemm_to_e4m3(const Fp8Operand &a, const Fp8Operand &b, bool b_scales_by_k, const RouteTables &route,
+                    CUdeviceptr q, CUdeviceptr scales, int64_t M, int64_t N, int64_t K, int64_t batches,
+                    const Stream &stream) const;
+
   // A weight gradient's operand: rows p < 128 * num_tiles of the padded
   // order (gather: x's row a_rows[p] / a_row_div, else row p of x; zero
   // where a_rows[p] < 0: a_rows is the route's sorted_pair) rounded in blocks of 128 rows (a routing
@@ -117,7 +127,8 @@ private:
   Fp8GemmTile tile_;
   CompileResult compiled_;
   Module module_;
-  Kernel quantize_rows_, quantize_weight_, quantize_tiles_t_, gemm_f32_, gemm_bf16_, expert_k_f32_, expert_k_bf16_;
+  Kernel quantize_rows_, quantize_weight_, quantize_tiles_t_, gemm_f32_, gemm_bf16_, gemm_e4m3_, expert_k_f32_,
+      expert_k_bf16_;
   int gemm_shared_bytes_ = 0;
 };
 

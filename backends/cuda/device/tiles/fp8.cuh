@@ -156,6 +156,48 @@ template <int BN_, int STAGES_> struct Fp8WgmmaConfig {
     cp_async_wait<0>();
   }
 
+  // The tile's output rounded to e4m3 as the operand of a next product (the
+  // rounding in the producer's epilogue, so no pass reads the output again):
+  // each row's 128 columns here are one 1 x 128 block (BN 128, the tile at a
+  // multiple of 128 columns), rounded from their bf16 values (dsl/fp8.h:
+  // what a stored bf16 output would hold), zero past N. Row lr of the tile
+  // (lr < rows) goes to q at out_row(lr) * ld_q + n0 and its scale to
+  // scales[out_row(lr) * scale_stride + n0 / 128]. The four lanes of a quad
+  // hold a row's 128 columns between them (32 each): a row's maximum is
+  // theirs, two shuffles.
+  template <typename OutRow>
+  __device__ static void store_e4m3_rows(const Acc &acc, int warp, int lane, int n0, int N, int rows, OutRow out_row,
+                                         unsigned char *q, long long ld_q, float *scales, long long scale_stride) {
+    static_assert(BN == 128, "a tile's row is one 1 x 128 block");
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v[BN / 4];
+      float amax = 0.f;
+#pragma unroll
+      for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = n0 + acc_col(lane, ni, j);
+          const float x = col < N ? __bfloat162float(__float2bfloat16(acc[ni * 4 + 2 * h + j])) : 0.f;
+          v[ni * 2 + j] = x;
+          amax = fmaxf(amax, fabsf(x));
+        }
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const int e = fp8_e4m3_scale_exponent(amax), lr = acc_row(warp, lane, 2 * h);
+      if (lr >= rows)
+        continue;
+      const long long r = out_row(lr);
+      unsigned char *row = q + r * ld_q + n0;
+#pragma unroll
+      for (int ni = 0; ni < BN / 8; ++ni)
+        *reinterpret_cast<unsigned short *>(row + acc_col(lane, ni, 0)) =
+            fp8_e4m3x2(ldexpf(v[ni * 2], -e), ldexpf(v[ni * 2 + 1], -e));
+      if ((lane & 3) == 0)
+        scales[r * scale_stride + n0 / 128] = ldexpf(1.f, e);
+    }
+  }
+
   // A scale per row of A and 128-deep block (its 1 x 128 blocks), one per
   // block of B's columns (a weight's 128 x 128 blocks): rows[h] points at
   // this thread's accumulator rows' scales (rows[0] for e < 2, rows[1] for

@@ -6,7 +6,10 @@
 //
 //   fp8_gemm/<shape>/<product>   bf16_ms  fp8_ms  fp8_over_bf16  fp8_TFLOPs  bf16_TFLOPs
 //                                quant_rows_ms  quant_weight_ms  sm_mhz_fp8  sm_mhz_bf16
+//                                routed_ms  routed_over_bf16
 //
+// routed_ms: an MoE product's routed form (uniform routing; h's rows gathered
+// from the tokens', o's in the padded order), against the same bf16 time.
 // fp8_ms is the GEMM alone over operands already rounded; quant_rows_ms the
 // rounding of its activation operand (the pass issue 55 is to fuse into the
 // producer), quant_weight_ms of its weight (both layouts, once a step in
@@ -24,6 +27,7 @@
 #include "backends/cuda/runtime/fp8_kernels.h"
 #include "benchmarks/dense_roof.h"
 #include "benchmarks/moe_shapes.h"
+#include "runtime/routing_host.h"
 #include "runtime/tensor.h"
 
 using namespace moeforge;
@@ -34,6 +38,7 @@ namespace {
 struct Product {
   std::string name;
   int64_t batch, rows, K, N;
+  int64_t tokens = 0, k = 0; // an MoE product's routing (0: a dense product)
   double flops() const { return 2.0 * double(batch) * double(rows) * double(K) * double(N); }
 };
 
@@ -41,13 +46,13 @@ std::vector<Product> products() {
   std::vector<Product> out;
   for (const bench::MoeShape &s : bench::kMoeShapes) {
     const int64_t rows = s.tokens * s.k / s.experts;
-    out.push_back({std::string(s.name) + "/h", s.experts, rows, s.d, (s.swiglu ? 2 : 1) * s.f});
-    out.push_back({std::string(s.name) + "/o", s.experts, rows, s.f, s.d});
+    out.push_back({std::string(s.name) + "/h", s.experts, rows, s.d, (s.swiglu ? 2 : 1) * s.f, s.tokens, s.k});
+    out.push_back({std::string(s.name) + "/o", s.experts, rows, s.f, s.d, s.tokens, s.k});
   }
   for (const bench::MoeShape &s : bench::kExtraTrainShapes) {
     const int64_t rows = s.tokens * s.k / s.experts;
-    out.push_back({std::string(s.name) + "/h", s.experts, rows, s.d, (s.swiglu ? 2 : 1) * s.f});
-    out.push_back({std::string(s.name) + "/o", s.experts, rows, s.f, s.d});
+    out.push_back({std::string(s.name) + "/h", s.experts, rows, s.d, (s.swiglu ? 2 : 1) * s.f, s.tokens, s.k});
+    out.push_back({std::string(s.name) + "/o", s.experts, rows, s.f, s.d, s.tokens, s.k});
   }
   out.push_back({"dense/8192", 1, 8192, 8192, 8192});
   return out;
@@ -112,6 +117,48 @@ void BM_fp8_gemm(benchmark::State &state, Product p) {
   };
   quant_rows();
   quant_weight();
+  // The routed form of an MoE product (uniform routing, each token's k
+  // experts distinct at random): h's rows gathered from the T tokens' rows,
+  // o's in the padded order; the same weights.
+  std::unique_ptr<cuda::DeviceBuffer> ra, rqa, rsa, ry, t_expert, t_start, t_rows, t_num, t_pair;
+  cuda::Fp8Kernels::RouteTables route;
+  if (p.tokens > 0) {
+    const RoutingShape rs{p.tokens, static_cast<int>(p.batch), static_cast<int>(p.k), 128};
+    std::mt19937 rng(3);
+    std::vector<int32_t> order(static_cast<size_t>(p.batch)), expert;
+    for (size_t e = 0; e < order.size(); ++e)
+      order[e] = static_cast<int32_t>(e);
+    for (int64_t t = 0; t < p.tokens; ++t)
+      for (int64_t j = 0; j < p.k; ++j) {
+        std::uniform_int_distribution<int64_t> pick(j, p.batch - 1);
+        std::swap(order[static_cast<size_t>(j)], order[static_cast<size_t>(pick(rng))]);
+        expert.push_back(order[static_cast<size_t>(j)]);
+      }
+    const RoutingTables tables = route_on_host(rs, expert);
+    const bool gathered = p.name.size() > 2 && p.name.compare(p.name.size() - 2, 2, "/h") == 0;
+    const int64_t a_rows = gathered ? p.tokens : rs.max_padded_rows();
+    ra = std::make_unique<cuda::DeviceBuffer>(random_bf16(a_rows * p.K, 4));
+    rqa = std::make_unique<cuda::DeviceBuffer>(static_cast<size_t>(cuda::fp8_operand_bytes(a_rows, p.K)));
+    rsa = std::make_unique<cuda::DeviceBuffer>(static_cast<size_t>(a_rows * cuda::fp8_blocks(p.K)) * 4);
+    ry = std::make_unique<cuda::DeviceBuffer>(static_cast<size_t>(rs.max_padded_rows() * p.N) * 2);
+    c.fp8->quantize_rows(ra->ptr(), p.K, 0, a_rows, p.K, rqa->ptr(), rsa->ptr(), s);
+    t_expert = std::make_unique<cuda::DeviceBuffer>(cuda::DeviceBuffer::from(tables.tile_expert));
+    t_start = std::make_unique<cuda::DeviceBuffer>(cuda::DeviceBuffer::from(tables.tile_row_start));
+    t_rows = std::make_unique<cuda::DeviceBuffer>(cuda::DeviceBuffer::from(tables.tile_rows));
+    t_num = std::make_unique<cuda::DeviceBuffer>(cuda::DeviceBuffer::from(std::vector<int32_t>{tables.num_tiles}));
+    t_pair = std::make_unique<cuda::DeviceBuffer>(cuda::DeviceBuffer::from(tables.sorted_pair));
+    route.tile_expert = t_expert->ptr();
+    route.tile_row_start = t_start->ptr();
+    route.tile_rows = t_rows->ptr();
+    route.num_tiles = t_num->ptr();
+    route.a_rows = gathered ? t_pair->ptr() : 0;
+    route.a_row_div = static_cast<int>(p.k);
+    route.max_tiles = rs.max_tiles();
+  }
+  auto routed = [&] {
+    c.fp8->gemm_routed({rqa->ptr(), rsa->ptr(), 0}, b, true, route, ry->ptr(), cuda::Fp8Kernels::Out::bf16, p.N, p.N,
+                       p.K, s);
+  };
   for (auto _ : state) {
     cuda::ClockReading r_bf16, r_fp8;
     const double bf16_ms =
@@ -128,6 +175,12 @@ void BM_fp8_gemm(benchmark::State &state, Product p) {
     state.counters["quant_weight_ms"] = weight_ms;
     state.counters["sm_mhz_fp8"] = r_fp8.sm_mhz;
     state.counters["sm_mhz_bf16"] = r_bf16.sm_mhz;
+    if (p.tokens > 0) {
+      const double routed_ms =
+          bench::time_ms_steady(s, bench::time_ms(s, 3, routed), 1000, 300, routed, nullptr, nullptr);
+      state.counters["routed_ms"] = routed_ms;
+      state.counters["routed_over_bf16"] = routed_ms / bf16_ms;
+    }
   }
 }
 

@@ -101,6 +101,31 @@ int64_t mismatches(const std::vector<double> &a, const std::vector<double> &b) {
   return n;
 }
 
+// Two distinct experts for each of `tokens` tokens, among the first `used`
+// (pair order: token t's at 2t and 2t + 1).
+std::vector<int32_t> two_distinct_experts(int64_t tokens, int used, std::mt19937 &rng) {
+  std::uniform_int_distribution<int> pick(0, used - 1);
+  std::vector<int32_t> expert;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int first = pick(rng);
+    expert.push_back(first);
+    expert.push_back((first + 1 + pick(rng) % (used - 1)) % used);
+  }
+  return expert;
+}
+
+// The worst error of float32 sums against float64 ones, relative to the
+// sum of the products' magnitudes (about K * 2^-24 for f32 accumulation),
+// and the outputs left unwritten (still the poison's NaN).
+struct SumErrors {
+  double worst = 0;
+  int64_t unwritten = 0;
+  void add(float got, double sum, double magnitude) {
+    unwritten += !std::isfinite(got);
+    worst = std::max(worst, std::fabs(got - sum) / (magnitude + 1e-300));
+  }
+};
+
 } // namespace
 
 TEST_CASE("cuda: the FP8 kernels compile for sm_90a without spills, their wgmmas whole") {
@@ -301,8 +326,9 @@ TEST_SUITE("gpu") {
         // the sum of |products| (blocks of 128 sum on the tensor cores, then
         // in float32): about K * 2^-24; 1e-5 leaves room for neither a
         // missing block (~1/KB of the sum) nor a wrong scale (a power of two).
-        double worst32 = 0, worst16 = 0, worst_t = 0;
-        int64_t unwritten = 0; // a poisoned output left as it was (NaN)
+        SumErrors y_f32, z_f32;
+        double worst16 = 0;
+        int64_t unwritten16 = 0;
         for (int64_t m = 0; m < M; ++m) {
           for (int64_t n = 0; n < N; ++n) {
             double sum = 0, mag = 0;
@@ -312,9 +338,9 @@ TEST_SUITE("gpu") {
               mag += std::fabs(p);
             }
             const size_t at = static_cast<size_t>((e * M + m) * N + n);
-            worst32 = std::max(worst32, std::fabs(hy32[at] - sum) / (mag + 1e-300));
+            y_f32.add(hy32[at], sum, mag);
             const float v16 = bf16_value(hy16[at]);
-            unwritten += !std::isfinite(hy32[at]) + !std::isfinite(v16);
+            unwritten16 += !std::isfinite(v16);
             worst16 = std::max(worst16, std::fabs(v16 - sum) / (std::fabs(sum) + 1e-3 * mag + 1e-300));
           }
           for (int64_t k = 0; k < K; ++k) {
@@ -325,13 +351,12 @@ TEST_SUITE("gpu") {
               mag += std::fabs(p);
             }
             const size_t at = static_cast<size_t>((e * M + m) * K + k);
-            unwritten += !std::isfinite(hz32[at]);
-            worst_t = std::max(worst_t, std::fabs(hz32[at] - sum) / (mag + 1e-300));
+            z_f32.add(hz32[at], sum, mag);
           }
         }
-        CHECK(unwritten == 0);
-        CHECK(worst32 < 1e-5);
-        CHECK(worst_t < 1e-5);
+        CHECK(y_f32.unwritten + z_f32.unwritten + unwritten16 == 0);
+        CHECK(y_f32.worst < 1e-5);
+        CHECK(z_f32.worst < 1e-5);
         // bf16 output: its rounding, 2^-9 of the value.
         CHECK(worst16 < 4e-3);
       }
@@ -348,13 +373,7 @@ TEST_SUITE("gpu") {
     const RoutingShape shape{300, 4, 2, 128};
     const int64_t T = shape.tokens, E = shape.experts, K = 200, N = 192, KB = cuda::fp8_blocks(K),
                   NB = cuda::fp8_blocks(N);
-    std::vector<int32_t> expert;
-    std::uniform_int_distribution<int> pick(0, static_cast<int>(E) - 1);
-    for (int64_t t = 0; t < T; ++t) {
-      const int first = pick(rng);
-      expert.push_back(first);
-      expert.push_back((first + 1 + pick(rng) % (static_cast<int>(E) - 1)) % static_cast<int>(E));
-    }
+    const std::vector<int32_t> expert = two_distinct_experts(T, static_cast<int>(E), rng);
     const RoutingTables tables = route_on_host(shape, expert);
     const Bf16Matrix x = random_bf16(T, K, 1, rng);
     std::vector<Bf16Matrix> w;
@@ -393,8 +412,8 @@ TEST_SUITE("gpu") {
     std::vector<std::vector<double>> rw;
     for (int64_t e = 0; e < E; ++e)
       rw.push_back(rounded(w[static_cast<size_t>(e)], K, N, 128, 128));
-    double worst = 0;
-    int64_t unwritten = 0, pairs_seen = 0;
+    SumErrors err;
+    int64_t pairs_seen = 0;
     for (int64_t p = 0; p < padded_rows; ++p) {
       const int32_t r = tables.sorted_pair[static_cast<size_t>(p)];
       if (r < 0)
@@ -409,14 +428,12 @@ TEST_SUITE("gpu") {
           sum += v;
           mag += std::fabs(v);
         }
-        const float got = hy[static_cast<size_t>(p * N + n)];
-        unwritten += !std::isfinite(got);
-        worst = std::max(worst, std::fabs(got - sum) / (mag + 1e-300));
+        err.add(hy[static_cast<size_t>(p * N + n)], sum, mag);
       }
     }
     CHECK(pairs_seen == shape.pairs());
-    CHECK(unwritten == 0);
-    CHECK(worst < 1e-5);
+    CHECK(err.unwritten == 0);
+    CHECK(err.worst < 1e-5);
   }
 
   TEST_CASE("cuda gpu: an e4m3 weight gradient sums each expert's pairs in blocks of 128, one scale a column") {
@@ -429,13 +446,7 @@ TEST_SUITE("gpu") {
     // so an expert's last block of 128 is ragged.
     const RoutingShape shape{300, 5, 2, 128};
     const int64_t T = shape.tokens, E = shape.experts, D = 200, F = 192;
-    std::vector<int32_t> expert;
-    std::uniform_int_distribution<int> pick(0, 3);
-    for (int64_t t = 0; t < T; ++t) {
-      const int first = pick(rng);
-      expert.push_back(first);
-      expert.push_back((first + 1 + pick(rng) % 3) % 4);
-    }
+    const std::vector<int32_t> expert = two_distinct_experts(T, 4, rng);
     const RoutingTables tables = route_on_host(shape, expert);
     const int64_t padded_rows = shape.max_padded_rows(), max_tiles = shape.max_tiles();
     // x by tokens (gathered through sorted_pair); dh in the padded order,
@@ -457,8 +468,8 @@ TEST_SUITE("gpu") {
                       cuda::Fp8Kernels::Out::f32, stream);
     stream.synchronize();
     const std::vector<float> got = dw.download<float>();
-    double worst = 0;
-    int64_t unwritten = 0, nonzero_in_empty = 0;
+    SumErrors err;
+    int64_t nonzero_in_empty = 0;
     for (int64_t e = 0; e < E; ++e) {
       CAPTURE(e);
       // The expert's pairs in the routing's order, its rows of x and dh.
@@ -485,16 +496,17 @@ TEST_SUITE("gpu") {
             mag += std::fabs(v);
           }
           const float g = got[static_cast<size_t>((e * D + m) * F + n)];
-          unwritten += !std::isfinite(g);
-          if (rows == 0)
+          if (rows > 0) {
+            err.add(g, sum, mag);
+          } else {
+            err.unwritten += !std::isfinite(g);
             nonzero_in_empty += g != 0.f;
-          else
-            worst = std::max(worst, std::fabs(g - sum) / (mag + 1e-300));
+          }
         }
     }
     CHECK(tables.counts[4] == 0);
-    CHECK(unwritten == 0);
+    CHECK(err.unwritten == 0);
     CHECK(nonzero_in_empty == 0);
-    CHECK(worst < 1e-5);
+    CHECK(err.worst < 1e-5);
   }
 }

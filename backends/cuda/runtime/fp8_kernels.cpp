@@ -70,13 +70,13 @@ Fp8Kernels::Fp8Kernels(const std::string &arch, Fp8GemmTile tile)
   quantize_tiles_t_ = module_.kernel("mf_fp8_quantize_tiles_t");
   expert_k_f32_ = module_.kernel("mf_fp8_gemm_expert_k_f32");
   expert_k_bf16_ = module_.kernel("mf_fp8_gemm_expert_k_bf16");
+  // Fp8WgmmaConfig::SMEM_BYTES: the stages of A (128 rows) and B, 128 bytes
+  // a row, and the slack that aligns them to the swizzle's 1024 bytes.
+  gemm_shared_bytes_ = tile.stages * (kGemmRows + tile.columns) * 128 + 1024;
   if (tile.columns == 128) {
     gemm_e4m3_ = module_.kernel("mf_fp8_gemm_e4m3");
     gemm_e4m3_.set_max_dynamic_shared_memory(gemm_shared_bytes_);
   }
-  // Fp8WgmmaConfig::SMEM_BYTES: the stages of A (128 rows) and B, 128 bytes
-  // a row, and the slack that aligns them to the swizzle's 1024 bytes.
-  gemm_shared_bytes_ = tile.stages * (kGemmRows + tile.columns) * 128 + 1024;
   gemm_f32_.set_max_dynamic_shared_memory(gemm_shared_bytes_);
   gemm_bf16_.set_max_dynamic_shared_memory(gemm_shared_bytes_);
   expert_k_f32_.set_max_dynamic_shared_memory(gemm_shared_bytes_);

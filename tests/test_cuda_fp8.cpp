@@ -114,6 +114,21 @@ std::vector<int32_t> two_distinct_experts(int64_t tokens, int used, std::mt19937
   return expert;
 }
 
+// The float64 sum of a[i * as] b[i * bs] over i < n, and of the products'
+// magnitudes (the scale a float32 sum's error is measured against).
+struct Dot {
+  double sum = 0, magnitude = 0;
+};
+Dot dot(const double *a, int64_t as, const double *b, int64_t bs, int64_t n) {
+  Dot d;
+  for (int64_t i = 0; i < n; ++i) {
+    const double p = a[i * as] * b[i * bs];
+    d.sum += p;
+    d.magnitude += std::fabs(p);
+  }
+  return d;
+}
+
 // The worst error of float32 sums against float64 ones, relative to the
 // sum of the products' magnitudes (about K * 2^-24 for f32 accumulation),
 // and the outputs left unwritten (still the poison's NaN).
@@ -331,12 +346,7 @@ TEST_SUITE("gpu") {
         int64_t unwritten16 = 0;
         for (int64_t m = 0; m < M; ++m) {
           for (int64_t n = 0; n < N; ++n) {
-            double sum = 0, mag = 0;
-            for (int64_t k = 0; k < K; ++k) {
-              const double p = rx[static_cast<size_t>(m * K + k)] * rw[static_cast<size_t>(k * N + n)];
-              sum += p;
-              mag += std::fabs(p);
-            }
+            const auto [sum, mag] = dot(&rx[static_cast<size_t>(m * K)], 1, &rw[static_cast<size_t>(n)], N, K);
             const size_t at = static_cast<size_t>((e * M + m) * N + n);
             y_f32.add(hy32[at], sum, mag);
             const float v16 = bf16_value(hy16[at]);
@@ -344,12 +354,7 @@ TEST_SUITE("gpu") {
             worst16 = std::max(worst16, std::fabs(v16 - sum) / (std::fabs(sum) + 1e-3 * mag + 1e-300));
           }
           for (int64_t k = 0; k < K; ++k) {
-            double sum = 0, mag = 0;
-            for (int64_t n = 0; n < N; ++n) {
-              const double p = rg[static_cast<size_t>(m * N + n)] * rw[static_cast<size_t>(k * N + n)];
-              sum += p;
-              mag += std::fabs(p);
-            }
+            const auto [sum, mag] = dot(&rg[static_cast<size_t>(m * N)], 1, &rw[static_cast<size_t>(k * N)], 1, N);
             const size_t at = static_cast<size_t>((e * M + m) * K + k);
             z_f32.add(hz32[at], sum, mag);
           }
@@ -421,14 +426,9 @@ TEST_SUITE("gpu") {
       ++pairs_seen;
       const int64_t token = r / shape.k, e = expert[static_cast<size_t>(r)];
       for (int64_t n = 0; n < N; ++n) {
-        double sum = 0, mag = 0;
-        for (int64_t k = 0; k < K; ++k) {
-          const double v =
-              rx[static_cast<size_t>(token * K + k)] * rw[static_cast<size_t>(e)][static_cast<size_t>(k * N + n)];
-          sum += v;
-          mag += std::fabs(v);
-        }
-        err.add(hy[static_cast<size_t>(p * N + n)], sum, mag);
+        const Dot d =
+            dot(&rx[static_cast<size_t>(token * K)], 1, &rw[static_cast<size_t>(e)][static_cast<size_t>(n)], N, K);
+        err.add(hy[static_cast<size_t>(p * N + n)], d.sum, d.magnitude);
       }
     }
     CHECK(pairs_seen == shape.pairs());
@@ -489,15 +489,10 @@ TEST_SUITE("gpu") {
       fp8_round_blocks(he.data(), rows, F, F, 128, 1, Fp8Format::e4m3);
       for (int64_t m = 0; m < D; ++m)
         for (int64_t n = 0; n < F; ++n) {
-          double sum = 0, mag = 0;
-          for (int64_t i = 0; i < rows; ++i) {
-            const double v = xe[static_cast<size_t>(i * D + m)] * he[static_cast<size_t>(i * F + n)];
-            sum += v;
-            mag += std::fabs(v);
-          }
           const float g = got[static_cast<size_t>((e * D + m) * F + n)];
           if (rows > 0) {
-            err.add(g, sum, mag);
+            const Dot d = dot(&xe[static_cast<size_t>(m)], D, &he[static_cast<size_t>(n)], F, rows);
+            err.add(g, d.sum, d.magnitude);
           } else {
             err.unwritten += !std::isfinite(g);
             nonzero_in_empty += g != 0.f;

@@ -18,8 +18,9 @@ torch's caching allocator), and moeforge's output and x's gradient against
 torch's (max |moeforge - torch| / max |torch|).
 
 moeforge runs its default schedule (the scores' GEMM, the softmax and p v
-as kernels, p stored) and, for the forward, `fused_attention(true)` (one
-kernel, nothing stored over T x T) as a column of its own.
+as kernels, p stored) and `fused_attention(true)` (the forward one kernel,
+the backward two that make p again from each row's log-sum-exp; nothing
+stored over T x T) as a column of its own.
 
 usage: python3 benchmarks/torch_moa.py [--shapes T:E:k,...] [--d 2048] [--f 128]
        [--reps 10] [--out results.json] [--device cuda|cpu] [--tiny]
@@ -164,8 +165,6 @@ def main():
             with torch.inference_mode():
                 row[f"{impl}_forward_ms"], row[f"{impl}_forward_bytes"] = timed(lambda: m(x), a.reps, dev)
                 outs[impl] = m(x)
-            if impl == "moeforge_fused":
-                continue  # the fused attention is the forward's alone
 
             def step():
                 xg = x.detach().requires_grad_()
@@ -178,17 +177,19 @@ def main():
         row["moeforge_y_err"] = error(outs["moeforge"], outs["torch"])
         row["moeforge_fused_y_err"] = error(outs["moeforge_fused"], outs["torch"])
         row["moeforge_dx_err"] = error(grads["moeforge"], grads["torch"])
+        row["moeforge_fused_dx_err"] = error(grads["moeforge_fused"], grads["torch"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     MiB = float(1 << 20)
-    print(f"\n{'T':>6s} {'E':>3s} {'k':>2s}  forward ms (moeforge / fused / torch)   step ms (moeforge / torch)"
-          "   step MiB above weights (moeforge / torch)   errors y, y fused, dx")
+    print(f"\n{'T':>6s} {'E':>3s} {'k':>2s}  forward ms (moeforge / fused / torch)   step ms (moeforge / fused / torch)"
+          "   step MiB above weights (moeforge / fused / torch)   errors y, y fused, dx, dx fused")
     for r in rows:
         print(f"{r['tokens']:6d} {r['heads']:3d} {r['k']:2d}  {r['moeforge_forward_ms']:9.3f} "
               f"{r['moeforge_fused_forward_ms']:9.3f} {r['torch_forward_ms']:9.3f}       "
-              f"{r['moeforge_step_ms']:9.3f} {r['torch_step_ms']:9.3f}      "
-              f"{r['moeforge_step_bytes'] / MiB:10.1f} {r['torch_step_bytes'] / MiB:10.1f}       "
-              f"{r['moeforge_y_err']:.1e} {r['moeforge_fused_y_err']:.1e} {r['moeforge_dx_err']:.1e}")
+              f"{r['moeforge_step_ms']:9.3f} {r['moeforge_fused_step_ms']:9.3f} {r['torch_step_ms']:9.3f}      "
+              f"{r['moeforge_step_bytes'] / MiB:10.1f} {r['moeforge_fused_step_bytes'] / MiB:10.1f} "
+              f"{r['torch_step_bytes'] / MiB:10.1f}       {r['moeforge_y_err']:.1e} {r['moeforge_fused_y_err']:.1e} "
+              f"{r['moeforge_dx_err']:.1e} {r['moeforge_fused_dx_err']:.1e}")
     if a.out:
         with open(a.out, "w") as out:
             json.dump({"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

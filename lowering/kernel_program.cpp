@@ -124,6 +124,10 @@ std::vector<std::string> step_reads(const Step &s) {
           r.names.push_back(x.src);
         } else if constexpr (std::is_same_v<T, AttentionStep>) {
           r.names.insert(r.names.end(), {x.q, x.key, x.value});
+          if (x.part == AttentionStep::Part::query_gradient)
+            r.names.insert(r.names.end(), {x.z, x.d_z, x.lse});
+          else if (x.part == AttentionStep::Part::key_gradient)
+            r.names.insert(r.names.end(), {x.d_z, x.lse, x.delta});
         } else {
           r.names.push_back(x.probs);
         }
@@ -178,7 +182,27 @@ std::vector<std::string> step_outputs(const Step &s) {
       out.push_back(e.output);
   if (auto *r = std::get_if<RoutingStep>(&s); r && !r->gate_output.empty())
     out.push_back(r->gate_output);
+  if (auto *a = std::get_if<AttentionStep>(&s)) {
+    using Part = AttentionStep::Part;
+    const std::string &second = a->part == Part::forward          ? a->lse
+                                : a->part == Part::query_gradient ? a->delta
+                                                                  : a->d_value;
+    if (!second.empty())
+      out.push_back(second);
+  }
   return out;
+}
+
+std::vector<std::string> attention_row_tensors(const AttentionStep &a) {
+  switch (a.part) {
+  case AttentionStep::Part::forward:
+    return a.lse.empty() ? std::vector<std::string>{a.q, a.output} : std::vector<std::string>{a.q, a.output, a.lse};
+  case AttentionStep::Part::query_gradient:
+    return {a.q, a.output, a.z, a.d_z, a.lse, a.delta};
+  case AttentionStep::Part::key_gradient:
+    return {a.q, a.d_z, a.lse, a.delta};
+  }
+  return {};
 }
 
 long step_writing(const KernelProgram &p, const std::string &name) {
@@ -278,9 +302,23 @@ std::ostream &operator<<(std::ostream &os, const KernelProgram &p) {
             os << "  gather " << x.name << ": " << x.dst << "[p, :] = " << x.src
                << (x.rows == RowMap::gather_token ? "[token(sorted_pair[p]), :]\n" : "[sorted_pair[p], :]\n");
           } else if constexpr (std::is_same_v<T, AttentionStep>) {
-            os << "  attention " << x.name << ": " << x.output << "[r, c] = sum(u, softmax(u, " << x.scale
-               << " * sum(j, " << x.q << "[r, j] * " << x.key << "[u, j])) * " << x.value << "[u, c])"
-               << (x.route ? " over the padded rows of " + x.route->name : "") << ", scores never stored\n";
+            const std::string over = x.route ? " over the padded rows of " + x.route->name : "";
+            std::ostringstream scale;
+            scale << x.scale;
+            const std::string s = scale.str() + " * sum(j, " + x.q + "[r, j] * " + x.key + "[u, j])";
+            if (x.part == AttentionStep::Part::forward)
+              os << "  attention " << x.name << ": " << x.output << "[r, c] = sum(u, softmax(u, " << s << ") * "
+                 << x.value << "[u, c])" << over << ", scores never stored"
+                 << (x.lse.empty() ? "" : "; " + x.lse + "[r] = logsumexp(u, " + s + ")") << "\n";
+            else if (x.part == AttentionStep::Part::query_gradient)
+              os << "  attention " << x.name << ": " << x.delta << "[r] = sum(c, " << x.d_z << "[r, c] * " << x.z
+                 << "[r, c]); " << x.output << "[r, j] = sum(u, ds(r, u) * " << x.key << "[u, j])" << over
+                 << ", p = exp(" << s << " - " << x.lse << "[r]) and ds = p * (sum(c, " << x.d_z << "[r, c] * "
+                 << x.value << "[u, c]) - " << x.delta << "[r]) * " << x.scale << " made again\n";
+            else
+              os << "  attention " << x.name << ": " << x.output << "[u, j] = sum(r, ds(r, u) * " << x.q << "[r, j]); "
+                 << x.d_value << "[u, c] = sum(r, p(r, u) * " << x.d_z << "[r, c])" << over
+                 << ", p and ds made again from " << x.lse << " and " << x.delta << "\n";
           } else if constexpr (std::is_same_v<T, TransposeStep>) {
             os << "  transpose " << x.name << ": " << x.dst << " = " << x.src << "^T";
             if (x.route)

@@ -258,15 +258,39 @@ struct TransposeStep {
 // with u over the run-time token count (lowering/fuse_attention.h). The
 // softmax is taken online, one pass over key and value per row: the
 // [rows, T] scores, 4 GiB of f32 at T = 16384 with 32768 rows, are never
-// stored. q's and out's rows are a route's padded rows (route set; padding
-// rows get zeros) or rows that are all real (dense, or a route's pair
-// order); key and value are dense [T, F] rows.
+// stored. key and value are dense [T, F] rows. The step's rows are a
+// route's padded slots where any of its row tensors (q, out, and the
+// gradients' d_z, lse, delta) is padded (route set: a padded tensor's row
+// is the slot, a pair-order tensor's sorted_pair[slot]; padding slots give
+// zero rows), else q's own rows, all real (dense, or a route's pair order).
+//
+// Training (FlashAttention's backward) splits it in three parts, so that
+// the probabilities are never stored either:
+//   forward         out = z, and where lse is set each row's log-sum-exp
+//                   (max + log sum exp(s - max)) of its scaled scores;
+//   query_gradient  out = d_q[r] = sum_u ds(r, u) key[u], and delta[r] =
+//                   sum_c d_z[r, c] z[r, c], where p(r, u) = exp(s - lse[r])
+//                   is made again from the scores s and
+//                   ds = p (d_z[r] . value[u] - delta[r]) scale;
+//   key_gradient    out = d_key[u] = sum_r ds(r, u) q[r] and d_value[u] =
+//                   sum_r p(r, u) d_z[r], over every row r, delta read.
+// delta is the softmax gradient's row term sum_u p d_p, which equals
+// d_z . z because z = p value.
 struct AttentionStep {
+  enum class Part { forward, query_gradient, key_gradient };
+  Part part = Part::forward;
   std::string name;
   std::string output, q, key, value;
   double scale = 1;
   const RoutingNode *route = nullptr;
+  std::string lse;     // forward: written where set; gradients: read
+  std::string z, d_z;  // the gradients: the forward's output and its gradient
+  std::string delta;   // query_gradient writes it, key_gradient reads it
+  std::string d_value; // key_gradient's second output
 };
+// The step's row tensors (q, output, and the gradients' d_z, lse, delta;
+// not the key-side outputs), those it walks by row.
+std::vector<std::string> attention_row_tensors(const AttentionStep &a);
 
 using Step = std::variant<RoutingStep, GatherStep, GemmStep, PointwiseStep, TransposeStep, AttentionStep>;
 

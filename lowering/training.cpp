@@ -8,6 +8,7 @@
 #include "dsl/error.h"
 #include "dsl/visitor.h"
 #include "lowering/dynamic_rows.h"
+#include "lowering/fuse_attention.h"
 #include "lowering/gate_gradient.h"
 #include "lowering/gemm_plan.h"
 #include "lowering/in_place.h"
@@ -492,6 +493,20 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   const std::vector<std::string> pair_order =
       save_in_pair_order(p, t.forward_steps, [&](const std::string &) { return !p.gradients_over_saved; });
   backward_rows_in_pair_order(p, t.forward_steps);
+  // An attention's forward and backward steps, once the row layouts they
+  // read are final.
+  t.forward_steps = fuse_attention_training(
+      p, t.forward_steps, schedule,
+      [&](const std::string &name) -> std::string {
+        for (size_t k = 0; k < t.outputs.size(); ++k)
+          if (t.outputs[k] == name) // another output reading it would make its gradient "<seed>_total"
+            return p.find(t.seeds[k] + "_total") ? "" : t.seeds[k];
+        for (size_t i = 0; i < t.of.size(); ++i)
+          if (t.of[i] == name)
+            return t.gradients[i];
+        return p.find(name) && !p.tensor(name).is_input ? "d_" + name : "";
+      },
+      copies);
   // Last: every fusion above has decided which steps exist. What the caller
   // holds (outputs, gradients) and what the forward wrote (kept for the
   // backward anyway) live through the whole backward whatever its order.
@@ -521,9 +536,13 @@ TrainingProgram lower_training(const Pipeline &forward, const std::vector<Func> 
   // stored alike, and store_gathers_sorted reads single-B reductions.
   if (schedule.merge_weight_gradients())
     merge_weight_gradients(p, t.forward_steps, p.steps.size());
+  std::set<std::string> forward_written; // the forward's passes may have added tensors (an attention's lse)
+  for (size_t i = 0; i < t.forward_steps; ++i)
+    for (const std::string &o : step_outputs(p.steps[i]))
+      forward_written.insert(o);
   for (size_t i = t.forward_steps; i < p.steps.size(); ++i)
     for (const std::string &r : step_reads(p.steps[i]))
-      if (producer.count(r) && !contains(t.saved, r))
+      if (forward_written.count(r) && !contains(t.saved, r))
         t.saved.push_back(r);
   plan_gemms(p); // last: of the steps as they are
   t.program = std::move(p);

@@ -1,9 +1,12 @@
 // fused_attention (lowering/fuse_attention.h): a forward's attention between
 // two contractions over the tokens, softmax(u, c q . key) value, becomes one
-// AttentionStep that takes the softmax online and stores no scores. Checked
-// on the program (which steps and tensors remain; where it does not apply,
-// the schedule's note) and, on the CPU backend, against the float64
-// reference at token counts that are no multiple of 8, outputs poisoned.
+// AttentionStep that takes the softmax online and stores no scores; in
+// training the backward's steps from the probabilities to the query's,
+// key's and value's gradients become two more, which make the
+// probabilities again from each row's log-sum-exp. Checked on the program
+// (which steps and tensors remain; where it does not apply, the schedule's
+// note) and, on the CPU backend, against the float64 reference at token
+// counts that are no multiple of 8, outputs poisoned.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -16,6 +19,8 @@
 #include "lowering/fuse_attention.h"
 #include "lowering/lower.h"
 #include "lowering/training.h"
+#include "program_order.h"
+#include "training_compare.h"
 #if MOEFORGE_HAVE_CPU_BACKEND
 #include "cpu_compare.h"
 #endif
@@ -36,6 +41,31 @@ size_t count_attention(const KernelProgram &p) {
 bool has_note(const KernelProgram &p, const std::string &start) {
   return std::any_of(p.not_applied.begin(), p.not_applied.end(),
                      [&](const std::string &n) { return n.rfind(start, 0) == 0; });
+}
+
+size_t step_index(const KernelProgram &p, const std::string &name) {
+  for (size_t i = 0; i < p.steps.size(); ++i)
+    if (step_name(p.steps[i]) == name)
+      return i;
+  FAIL("no step " << name);
+  return 0;
+}
+
+// The attention steps of a part.
+std::vector<AttentionStep> attention_steps(const KernelProgram &p, AttentionStep::Part part) {
+  std::vector<AttentionStep> out;
+  for (const Step &s : p.steps)
+    if (const auto *a = std::get_if<AttentionStep>(&s); a && a->part == part)
+      out.push_back(*a);
+  return out;
+}
+
+// A training schedule with the attention fused: the default, or a preset.
+Schedule fused_training(const Example &ex, const std::string &preset) {
+  const Schedule s = preset == "default"
+                         ? default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)})
+                         : testing::training_preset(preset, preset.find("recompute") != std::string::npos);
+  return Schedule(s).fused_attention(true);
 }
 
 } // namespace
@@ -72,17 +102,47 @@ TEST_CASE("fused attention: not applied where nothing fuses, with the reason") {
     CHECK(count_attention(p) == 0);
     CHECK(has_note(p, "fused_attention(true) is not applied"));
   }
-  SUBCASE("training keeps the probabilities its backward reads") {
-    Example ex = make_example("moa", attention_shape(37));
-    Schedule s = default_schedule(ex.pipeline, {ex.pipeline.func(ex.output)}).fused_attention(true);
-    TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), s);
-    CHECK(count_attention(t.program) == 0);
-    CHECK(t.program.find("p") != nullptr);
-  }
   SUBCASE("off unless named") {
     Example ex = make_example("attention", attention_shape(37));
     CHECK(count_attention(lower(ex.pipeline, default_schedule(ex.pipeline, {}))) == 0);
   }
+}
+
+TEST_CASE("fused attention: training keeps each row's log-sum-exp, not the probabilities") {
+  for (const char *name : {"moa", "attention"})
+    for (const char *preset : {"default", "megablocks", "scattermoe+lean"}) {
+      INFO(std::string(name) << " / " << std::string(preset));
+      Example ex = make_example(name, attention_shape(37));
+      const TrainingProgram t = lower_training(ex.pipeline, ex.pipeline.func(ex.output), fused_training(ex, preset));
+      const KernelProgram &p = t.program;
+      CHECK_FALSE(has_note(p, "fused_attention"));
+      const auto forward = attention_steps(p, AttentionStep::Part::forward);
+      const auto dq = attention_steps(p, AttentionStep::Part::query_gradient);
+      const auto dk = attention_steps(p, AttentionStep::Part::key_gradient);
+      REQUIRE(forward.size() == 1u);
+      REQUIRE(dq.size() == 1u);
+      REQUIRE(dk.size() == 1u);
+      // Neither the scores, the probabilities, nor any [rows, T] gradient
+      // of them is a tensor any more.
+      for (const TensorDecl &d : p.tensors) {
+        INFO(d.name);
+        CHECK_FALSE((d.dims.size() == 2 && d.dims[0].is_dynamic() && d.dims[1].is_dynamic()));
+      }
+      // The forward keeps the log-sum-exp for the backward; the query's
+      // part writes delta, which the key's reads.
+      REQUIRE_FALSE(forward[0].lse.empty());
+      CHECK(std::find(t.saved.begin(), t.saved.end(), forward[0].lse) != t.saved.end());
+      CHECK(dq[0].lse == forward[0].lse);
+      CHECK(dk[0].delta == dq[0].delta);
+      CHECK(step_index(p, dq[0].name) < step_index(p, dk[0].name));
+      CHECK(step_index(p, forward[0].name) < t.forward_steps);
+      // The gradients they write are the Funcs' (or the Inputs') own.
+      const bool moa = std::string(name) == "moa";
+      CHECK(dq[0].output == "d_q");
+      CHECK(dk[0].output == (moa ? "d_key" : "d_k"));
+      CHECK(dk[0].d_value == (moa ? "d_value" : "d_v"));
+      CHECK(testing::reads_follow_writes(p));
+    }
 }
 
 TEST_CASE("fused attention: the schedule choice prints and replays") {
@@ -111,6 +171,20 @@ TEST_CASE("fused attention: the CPU backend's forward matches the reference at 1
             cpu_test::run_and_compare(ex, ex.random_inputs(s, 31), tokens, fused(ex).padded_elementwise(padded));
         CHECK(o.routing_mismatches == 0);
         CHECK(o.worst_error <= 1e-2);
+      }
+}
+
+TEST_CASE("fused attention: the CPU backend's training step matches the reference at 1, 37 and 300 tokens") {
+  for (const char *name : {"moa", "attention"})
+    for (int64_t tokens : {1, 37, 300})
+      for (const char *preset : {"default", "megablocks", "scattermoe+lean", "scattermoe+recompute"}) {
+        ExampleShape s = attention_shape(tokens);
+        Example ex = make_example(name, s);
+        INFO(std::string(name) << " / T " << tokens << " / " << std::string(preset));
+        const Schedule schedule = fused_training(ex, preset);
+        testing::Outcome o = cpu_test::cpu_train_and_compare(ex, ex.random_inputs(s, 29), tokens, schedule);
+        CHECK(o.routing_mismatches == 0);
+        CHECK(o.worst_error <= 2e-2);
       }
 }
 #endif

@@ -68,5 +68,5 @@ def test_fused_attention_is_taken_by_an_attention_and_named_where_none_fuses():
     mlp = mf.Pipeline([moe_mlp_parts().y])
     notes = mf.not_applied(mlp, mf.scattermoe().fused_attention(True))
     assert notes == ["fused_attention(true) is not applied: this layer has no softmax over the tokens between two "
-                     "contractions whose scores nothing else reads (a forward alone; a training backward reads "
-                     "them)"]
+                     "contractions whose scores and probabilities nothing else reads (in training: nothing but the "
+                     "backward's steps from them to the query's, key's and value's gradients)"]

@@ -59,6 +59,7 @@ struct GridShape {
   bool persistent = false; // tiles: at most one block per SM, each walking tiles
   bool windowed = false;   // routed tiles: x counts a window's tiles, not max_tiles (GemmStep::windowed)
   int cluster_m = 1;       // tiles: blocks per cluster along M (the row tiles are rounded up to a multiple)
+  int y_parts = 1;         // y: parts of the work each x block's range has (an attention's d_key and d_value)
 };
 
 struct GeneratedKernel {

@@ -63,6 +63,7 @@ Dim3 launch_grid(const GridShape &gs, int threads, const GridInputs &in, const s
     const int64_t k_tiles = ceil_div(in.extent(gs.split_k_dim), gs.tile_k);
     gy = std::max<int64_t>(1, std::min<int64_t>(in.sm_count / std::max<int64_t>(gx, 1), k_tiles / 4));
   }
+  gy *= gs.y_parts;
   if (gs.persistent) // one block per SM; whole clusters
     gx = std::min<int64_t>(gx, std::max<int64_t>(gs.cluster_m, in.sm_count / gs.cluster_m * gs.cluster_m));
   user_check(gx >= 1 && gx < (1LL << 31) && gy < 65536)

@@ -1,11 +1,41 @@
 // moeforge's tile library, part 'attention' (backends/cuda/device/tiles.cuh
 // includes every part; NVRTC sees this one as "moeforge_tiles_attention.cuh").
 // An attention row by one warp (AttentionStep, lowering/fuse_attention.h):
-// the softmax over the tokens taken online, so no row of scores is stored.
+// the softmax over the tokens taken online, so no row of scores is stored;
+// and its gradients, the probabilities made again from each row's
+// log-sum-exp (FlashAttention-2's backward), so none is stored either.
 #pragma once
 #include "moeforge_tiles_mma_sync.cuh"
 
 namespace mf {
+
+// Where a row tensor keeps the step's row slot r: at r (padded tensors,
+// and every tensor where the step walks its own rows), or at
+// sorted_pair[r] (a pair-order tensor under a route's padded slots; -1 at
+// padding slots, which have no row there).
+struct AttnRows {
+  const int *sorted_pair;
+  __device__ __forceinline__ long long at(long long r, bool live) const {
+    return sorted_pair ? (live ? (long long)sorted_pair[r] : -1LL) : r;
+  }
+};
+
+// Two adjacent values as a bf16 pair (an MMA fragment register), and one
+// value's bf16 bits: a 32-bit load from bf16, two rounded floats from f32.
+__device__ __forceinline__ unsigned bf16_pair_at(const bf16 *p) { return *reinterpret_cast<const unsigned *>(p); }
+__device__ __forceinline__ unsigned bf16_pair_at(const float *p) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(p[0], p[1]);
+  return *reinterpret_cast<unsigned *>(&h);
+}
+__device__ __forceinline__ unsigned bf16_bits_at(const bf16 *p) { return *reinterpret_cast<const unsigned short *>(p); }
+__device__ __forceinline__ unsigned bf16_bits_at(const float *p) {
+  bf16 h = __float2bfloat16_rn(*p);
+  return *reinterpret_cast<unsigned short *>(&h);
+}
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned *>(&h);
+}
 
 // out[c] = sum over u < T of softmax_u(scale * q . key[u]) * value[u][c],
 // for one row: q [FK], key [T][FK], value [T][FV], out [FV]; the calling
@@ -14,10 +44,12 @@ namespace mf {
 // a time, their dot products reduced across the warp side by side (their
 // shuffles independent), then folded into the running maximum m and sum l:
 // a larger maximum rescales what was summed before it by exp(m - m_new).
+// Where lse is not null, lane 0 writes the row's log-sum-exp of its scaled
+// scores there (0 for padding), which the gradients read.
 template <int FK, int FV, typename TQ, typename TK, typename TV, typename TO>
 __device__ __forceinline__ void attention_row_warp(const TQ *__restrict__ q, const TK *__restrict__ key,
-                                                   const TV *__restrict__ value, TO *out, long long T, float scale,
-                                                   bool live) {
+                                                   const TV *__restrict__ value, TO *out, float *lse, long long T,
+                                                   float scale, bool live) {
   constexpr int QK = (FK + 31) / 32, QV = (FV + 31) / 32, U = 4;
   const int lane = threadIdx.x & 31;
   float qr[QK], acc[QV];
@@ -68,10 +100,13 @@ __device__ __forceinline__ void attention_row_warp(const TQ *__restrict__ q, con
     m = m_new;
   }
   const float inv = live && l > 0.f ? 1.f / l : 0.f;
+  if (out)
 #pragma unroll
-  for (int c = 0; c < QV; ++c)
-    if (lane + 32 * c < FV)
-      out[lane + 32 * c] = from_f32<TO>(acc[c] * inv);
+    for (int c = 0; c < QV; ++c)
+      if (lane + 32 * c < FV)
+        out[lane + 32 * c] = from_f32<TO>(acc[c] * inv);
+  if (lse && lane == 0)
+    *lse = live && l > 0.f ? m + __logf(l) : 0.f;
 }
 
 // The same for 16 rows a warp on the tensor cores (mma.sync m16n8k16, bf16
@@ -90,24 +125,29 @@ __device__ __forceinline__ void attention_row_warp(const TQ *__restrict__ q, con
 // column (n) g; C's four floats rows g (c0, c1) and g + 8 (c2, c3) at
 // columns 2t, 2t + 1. C's layout over two n-tiles is A's over one k-chunk,
 // so exp(S) becomes the next product's A without leaving registers.
+// Row slots' tensors are found through AttnRows (q_at, out_at, lse_at);
+// where lse is not null, each row's log-sum-exp of its scaled scores is
+// written there too (0 for padding), for the gradients.
 template <int FK, int FV, typename TO, typename Live>
 __device__ __forceinline__ void attention_rows_mma(const bf16 *__restrict__ q, const bf16 *__restrict__ key,
-                                                   const bf16 *__restrict__ value, TO *out, long long row0,
-                                                   long long rows, long long T, float scale, Live live_row) {
+                                                   const bf16 *__restrict__ value, TO *out, float *lse, AttnRows q_at,
+                                                   AttnRows out_at, AttnRows lse_at, long long row0, long long rows,
+                                                   long long T, float scale, Live live_row) {
   static_assert(FK % 16 == 0 && FV % 8 == 0, "head dims: FK a multiple of 16, FV of 8");
   constexpr int KC = FK / 16, NV = FV / 8, BT = 64, NS = BT / 8;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const long long ra = row0 + g, rb = row0 + g + 8; // this thread's two rows
+  const long long ra = row0 + g, rb = row0 + g + 8; // this thread's two row slots
   const bool la = ra < rows && live_row(ra), lb = rb < rows && live_row(rb);
   auto pair = [](const bf16 *p) { return *reinterpret_cast<const unsigned *>(p); };
+  const long long qra = q_at.at(ra, la), qrb = q_at.at(rb, lb);
   unsigned qa[KC][4]; // (16, FK): the A fragments of q, for every k-chunk
 #pragma unroll
   for (int kc = 0; kc < KC; ++kc) {
     const int c = kc * 16 + 2 * t;
-    qa[kc][0] = la ? pair(q + ra * FK + c) : 0u;
-    qa[kc][1] = lb ? pair(q + rb * FK + c) : 0u;
-    qa[kc][2] = la ? pair(q + ra * FK + c + 8) : 0u;
-    qa[kc][3] = lb ? pair(q + rb * FK + c + 8) : 0u;
+    qa[kc][0] = la ? pair(q + qra * FK + c) : 0u;
+    qa[kc][1] = lb ? pair(q + qrb * FK + c) : 0u;
+    qa[kc][2] = la ? pair(q + qra * FK + c + 8) : 0u;
+    qa[kc][3] = lb ? pair(q + qrb * FK + c + 8) : 0u;
   }
   float o[NV][4]; // (16, FV): the output's accumulators
 #pragma unroll
@@ -194,18 +234,305 @@ __device__ __forceinline__ void attention_rows_mma(const bf16 *__restrict__ q, c
     lb_sum += __shfl_xor_sync(0xffffffffu, lb_sum, off);
   }
   const float ia = la && la_sum > 0.f ? 1.f / la_sum : 0.f, ib = lb && lb_sum > 0.f ? 1.f / lb_sum : 0.f;
+  const long long ora = ra < rows ? out_at.at(ra, la) : -1, orb = rb < rows ? out_at.at(rb, lb) : -1;
 #pragma unroll
   for (int n = 0; n < NV; ++n) {
     const int c = n * 8 + 2 * t;
-    if (ra < rows) {
-      out[ra * FV + c] = from_f32<TO>(o[n][0] * ia);
-      out[ra * FV + c + 1] = from_f32<TO>(o[n][1] * ia);
+    if (ora >= 0) {
+      out[ora * FV + c] = from_f32<TO>(o[n][0] * ia);
+      out[ora * FV + c + 1] = from_f32<TO>(o[n][1] * ia);
     }
-    if (rb < rows) {
-      out[rb * FV + c] = from_f32<TO>(o[n][2] * ib);
-      out[rb * FV + c + 1] = from_f32<TO>(o[n][3] * ib);
+    if (orb >= 0) {
+      out[orb * FV + c] = from_f32<TO>(o[n][2] * ib);
+      out[orb * FV + c + 1] = from_f32<TO>(o[n][3] * ib);
     }
   }
+  if (lse && t == 0) {
+    const long long lra = ra < rows ? lse_at.at(ra, la) : -1, lrb = rb < rows ? lse_at.at(rb, lb) : -1;
+    if (lra >= 0)
+      lse[lra] = la && la_sum > 0.f ? ma + __logf(la_sum) : 0.f;
+    if (lrb >= 0)
+      lse[lrb] = lb && lb_sum > 0.f ? mb + __logf(lb_sum) : 0.f;
+  }
+}
+
+// The query's part of the gradients (AttentionStep::Part::query_gradient),
+// 16 row slots a warp on the tensor cores: delta[r] = d_z[r] . z[r], then
+// per block of BT tokens S = q key^T again, p = exp(scale S - lse[r]),
+// dP = d_z value^T, dS = p (dP - delta[r]) scale, and d_q += dS key (dS
+// from registers as the next product's A, as the forward does with p).
+// q, key and value are bf16, d_z bf16 or f32 (rounded to bf16 for the
+// products), FK and FV multiples of 16. Padding slots' rows are zeros
+// where their tensor has them.
+template <int FK, int FV, typename TZ, typename TD, typename TO, typename Live>
+__device__ __forceinline__ void
+attention_query_gradient_mma(const bf16 *__restrict__ q, const bf16 *__restrict__ key, const bf16 *__restrict__ value,
+                             const TZ *__restrict__ z, const TD *__restrict__ d_z, const float *__restrict__ lse,
+                             TO *d_q, float *delta, AttnRows q_at, AttnRows z_at, AttnRows dz_at, AttnRows lse_at,
+                             AttnRows dq_at, AttnRows delta_at, long long row0, long long rows, long long T,
+                             float scale, Live live_row) {
+  static_assert(FK % 16 == 0 && FV % 16 == 0, "head dims: multiples of 16");
+  constexpr int KC = FK / 16, VC = FV / 16, NQ = FK / 8, BT = 16, NS = BT / 8;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const long long ra = row0 + g, rb = row0 + g + 8;
+  const bool la = ra < rows && live_row(ra), lb = rb < rows && live_row(rb);
+  const long long qra = q_at.at(ra, la), qrb = q_at.at(rb, lb);
+  const long long dra = dz_at.at(ra, la), drb = dz_at.at(rb, lb);
+  const long long zra = z_at.at(ra, la), zrb = z_at.at(rb, lb);
+  unsigned qa[KC][4], da[VC][4]; // A fragments of q (16, FK) and of d_z (16, FV)
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) {
+    const int c = kc * 16 + 2 * t;
+    qa[kc][0] = la ? bf16_pair_at(q + qra * FK + c) : 0u;
+    qa[kc][1] = lb ? bf16_pair_at(q + qrb * FK + c) : 0u;
+    qa[kc][2] = la ? bf16_pair_at(q + qra * FK + c + 8) : 0u;
+    qa[kc][3] = lb ? bf16_pair_at(q + qrb * FK + c + 8) : 0u;
+  }
+  // delta over the quad's columns: this thread's 2t, 2t + 1 (+ 8) of each
+  // 16, from d_z as stored.
+  float dla = 0.f, dlb = 0.f;
+#pragma unroll
+  for (int vc = 0; vc < VC; ++vc) {
+    const int c = vc * 16 + 2 * t;
+    da[vc][0] = la ? bf16_pair_at(d_z + dra * FV + c) : 0u;
+    da[vc][1] = lb ? bf16_pair_at(d_z + drb * FV + c) : 0u;
+    da[vc][2] = la ? bf16_pair_at(d_z + dra * FV + c + 8) : 0u;
+    da[vc][3] = lb ? bf16_pair_at(d_z + drb * FV + c + 8) : 0u;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int cc = c + (e & 1) + (e >> 1) * 8;
+      if (la)
+        dla += to_f32(d_z[dra * FV + cc]) * to_f32(z[zra * FV + cc]);
+      if (lb)
+        dlb += to_f32(d_z[drb * FV + cc]) * to_f32(z[zrb * FV + cc]);
+    }
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    dla += __shfl_xor_sync(0xffffffffu, dla, off);
+    dlb += __shfl_xor_sync(0xffffffffu, dlb, off);
+  }
+  const float lsa = la ? lse[lse_at.at(ra, la)] : 0.f, lsb = lb ? lse[lse_at.at(rb, lb)] : 0.f;
+  float acc[NQ][4];
+#pragma unroll
+  for (int n = 0; n < NQ; ++n)
+    acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  const unsigned short *k16 = reinterpret_cast<const unsigned short *>(key);
+  for (long long u0 = 0; u0 < T && __any_sync(0xffffffffu, la || lb); u0 += BT) {
+    float sc[NS][4], dp[NS][4];
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+      dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+      const long long u = u0 + j * 8 + g; // B's column: token u
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+        const int c = kc * 16 + 2 * t;
+        const unsigned b0 = u < T ? bf16_pair_at(key + u * FK + c) : 0u;
+        const unsigned b1 = u < T ? bf16_pair_at(key + u * FK + c + 8) : 0u;
+        mma_16816(sc[j], qa[kc], b0, b1);
+      }
+#pragma unroll
+      for (int vc = 0; vc < VC; ++vc) {
+        const int c = vc * 16 + 2 * t;
+        const unsigned b0 = u < T ? bf16_pair_at(value + u * FV + c) : 0u;
+        const unsigned b1 = u < T ? bf16_pair_at(value + u * FV + c + 8) : 0u;
+        mma_16816(dp[j], da[vc], b0, b1);
+      }
+    }
+    unsigned sa[NS / 2][4]; // dS as A fragments, 16 tokens a chunk
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      float ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const long long u = u0 + j * 8 + 2 * t + (e & 1);
+        const bool top = e < 2, live = (top ? la : lb) && u < T;
+        const float p = live ? __expf(sc[j][e] * scale - (top ? lsa : lsb)) : 0.f;
+        ds[e] = p * (dp[j][e] - (top ? dla : dlb)) * scale;
+      }
+      sa[j / 2][(j & 1) * 2 + 0] = pack_bf16(ds[0], ds[1]);
+      sa[j / 2][(j & 1) * 2 + 1] = pack_bf16(ds[2], ds[3]);
+    }
+    // d_q += dS key: B's rows (k) are tokens 2t, 2t + 1 (+ 8), its column
+    // (n) key's column n * 8 + g.
+#pragma unroll
+    for (int kc = 0; kc < NS / 2; ++kc) {
+      const long long u = u0 + kc * 16 + 2 * t;
+#pragma unroll
+      for (int n = 0; n < NQ; ++n) {
+        const long long col = n * 8 + g;
+        auto at = [&](long long uu) { return uu < T ? (unsigned)k16[uu * FK + col] : 0u; };
+        mma_16816(acc[n], sa[kc], at(u) | (at(u + 1) << 16), at(u + 8) | (at(u + 9) << 16));
+      }
+    }
+  }
+  const long long ora = ra < rows ? dq_at.at(ra, la) : -1, orb = rb < rows ? dq_at.at(rb, lb) : -1;
+#pragma unroll
+  for (int n = 0; n < NQ; ++n) {
+    const int c = n * 8 + 2 * t;
+    if (ora >= 0) {
+      d_q[ora * FK + c] = from_f32<TO>(la ? acc[n][0] : 0.f);
+      d_q[ora * FK + c + 1] = from_f32<TO>(la ? acc[n][1] : 0.f);
+    }
+    if (orb >= 0) {
+      d_q[orb * FK + c] = from_f32<TO>(lb ? acc[n][2] : 0.f);
+      d_q[orb * FK + c + 1] = from_f32<TO>(lb ? acc[n][3] : 0.f);
+    }
+  }
+  if (t == 0) {
+    const long long xa = ra < rows ? delta_at.at(ra, la) : -1, xb = rb < rows ? delta_at.at(rb, lb) : -1;
+    if (xa >= 0)
+      delta[xa] = la ? dla : 0.f;
+    if (xb >= 0)
+      delta[xb] = lb ? dlb : 0.f;
+  }
+}
+
+// The key's and value's part (AttentionStep::Part::key_gradient), 16
+// tokens a warp on the tensor cores, over every row slot in blocks of 16:
+// S^T = key q^T, p^T = exp(scale S^T - lse[r]); with KEYS, dP^T = value
+// d_z^T, dS^T = p^T (dP^T - delta[r]) scale and d_key += dS^T q; with
+// VALUES, d_value += p^T d_z. A launch may take the two apart (two blocks
+// per tokens, S made in each) where both sets of accumulators would not fit
+// the registers (a head dim of 128: 64 floats each a thread). d_key and
+// d_value [T, F] are written whole (no atomics: a token's rows belong to
+// one warp). The same operand types as the query's part.
+template <int FK, int FV, bool KEYS, bool VALUES, typename TD, typename TK, typename TV, typename Live>
+__device__ __forceinline__ void
+attention_key_gradient_mma(const bf16 *__restrict__ q, const bf16 *__restrict__ key, const bf16 *__restrict__ value,
+                           const TD *__restrict__ d_z, const float *__restrict__ lse, const float *__restrict__ delta,
+                           TK *d_key, TV *d_value, AttnRows q_at, AttnRows dz_at, AttnRows lse_at, AttnRows delta_at,
+                           long long u_first, long long rows, long long T, float scale, Live live_row) {
+  static_assert(FK % 16 == 0 && FV % 16 == 0, "head dims: multiples of 16");
+  constexpr int KC = FK / 16, VC = FV / 16, NQ = KEYS ? FK / 8 : 1, NV = VALUES ? FV / 8 : 1, BR = 16, NS = BR / 8;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const long long ua = u_first + g, ub = u_first + g + 8; // this thread's two tokens
+  const bool va = ua < T, vb = ub < T;
+  unsigned ka[KC][4], vfa[KEYS ? VC : 1][4]; // A fragments of key (16, FK) and value (16, FV)
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) {
+    const int c = kc * 16 + 2 * t;
+    ka[kc][0] = va ? bf16_pair_at(key + ua * FK + c) : 0u;
+    ka[kc][1] = vb ? bf16_pair_at(key + ub * FK + c) : 0u;
+    ka[kc][2] = va ? bf16_pair_at(key + ua * FK + c + 8) : 0u;
+    ka[kc][3] = vb ? bf16_pair_at(key + ub * FK + c + 8) : 0u;
+  }
+  if constexpr (KEYS)
+#pragma unroll
+    for (int vc = 0; vc < VC; ++vc) {
+      const int c = vc * 16 + 2 * t;
+      vfa[vc][0] = va ? bf16_pair_at(value + ua * FV + c) : 0u;
+      vfa[vc][1] = vb ? bf16_pair_at(value + ub * FV + c) : 0u;
+      vfa[vc][2] = va ? bf16_pair_at(value + ua * FV + c + 8) : 0u;
+      vfa[vc][3] = vb ? bf16_pair_at(value + ub * FV + c + 8) : 0u;
+    }
+  float dk[NQ][4], dv[NV][4];
+#pragma unroll
+  for (int n = 0; n < NQ; ++n)
+    dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.f;
+#pragma unroll
+  for (int n = 0; n < NV; ++n)
+    dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
+  for (long long r0 = 0; r0 < rows && __any_sync(0xffffffffu, va || vb); r0 += BR) {
+    // B's column of slot r0 + 8 j + g: S^T's (and dP^T's) n.
+    float st[NS][4], dpt[NS][4];
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
+      dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.f;
+      const long long r = r0 + j * 8 + g;
+      const bool live = r < rows && live_row(r);
+      const long long qr = q_at.at(r, live);
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+        const int c = kc * 16 + 2 * t;
+        mma_16816(st[j], ka[kc], live ? bf16_pair_at(q + qr * FK + c) : 0u,
+                  live ? bf16_pair_at(q + qr * FK + c + 8) : 0u);
+      }
+      if constexpr (KEYS) {
+        const long long dr = dz_at.at(r, live);
+#pragma unroll
+        for (int vc = 0; vc < VC; ++vc) {
+          const int c = vc * 16 + 2 * t;
+          mma_16816(dpt[j], vfa[vc], live ? bf16_pair_at(d_z + dr * FV + c) : 0u,
+                    live ? bf16_pair_at(d_z + dr * FV + c + 8) : 0u);
+        }
+      }
+    }
+    // The slots r0 + 2t + i (i: 0, 1, 8, 9) this thread holds as C's
+    // columns and reads as B's rows: their liveness, rows, lse, delta.
+    bool lv[4];
+    int qrow[4], drow[4]; // rows of tensors under 2^31 rows: half the registers of 64-bit ones
+    float ls[4], dl[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const long long r = r0 + 2 * t + (i & 1) + (i >> 1) * 8;
+      lv[i] = r < rows && live_row(r);
+      qrow[i] = (int)q_at.at(r, lv[i]);
+      drow[i] = (int)dz_at.at(r, lv[i]);
+      ls[i] = lv[i] ? lse[lse_at.at(r, true)] : 0.f;
+      dl[i] = KEYS && lv[i] ? delta[delta_at.at(r, true)] : 0.f;
+    }
+    unsigned pa[4], sa[4]; // p^T and dS^T as one k-chunk's A fragments (16 tokens x 16 slots)
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      float p[4], ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = (e & 1) + j * 2; // the slot: 2t + (e & 1) + 8 j
+        const bool live = lv[i] && (e < 2 ? va : vb);
+        p[e] = live ? __expf(st[j][e] * scale - ls[i]) : 0.f;
+        ds[e] = p[e] * (dpt[j][e] - dl[i]) * scale;
+      }
+      pa[j * 2 + 0] = pack_bf16(p[0], p[1]);
+      pa[j * 2 + 1] = pack_bf16(p[2], p[3]);
+      sa[j * 2 + 0] = pack_bf16(ds[0], ds[1]);
+      sa[j * 2 + 1] = pack_bf16(ds[2], ds[3]);
+    }
+    // d_value += p^T d_z, d_key += dS^T q: B's rows (k) are the slots
+    // 2t, 2t + 1 (+ 8), its column (n) the column n * 8 + g.
+    if constexpr (VALUES)
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const long long col = n * 8 + g;
+        auto at = [&](int i) { return lv[i] ? bf16_bits_at(d_z + (long long)drow[i] * FV + col) : 0u; };
+        mma_16816(dv[n], pa, at(0) | (at(1) << 16), at(2) | (at(3) << 16));
+      }
+    if constexpr (KEYS)
+#pragma unroll
+      for (int n = 0; n < NQ; ++n) {
+        const long long col = n * 8 + g;
+        auto at = [&](int i) { return lv[i] ? bf16_bits_at(q + (long long)qrow[i] * FK + col) : 0u; };
+        mma_16816(dk[n], sa, at(0) | (at(1) << 16), at(2) | (at(3) << 16));
+      }
+  }
+  if constexpr (KEYS)
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {
+      const int c = n * 8 + 2 * t;
+      if (va) {
+        d_key[ua * FK + c] = from_f32<TK>(dk[n][0]);
+        d_key[ua * FK + c + 1] = from_f32<TK>(dk[n][1]);
+      }
+      if (vb) {
+        d_key[ub * FK + c] = from_f32<TK>(dk[n][2]);
+        d_key[ub * FK + c + 1] = from_f32<TK>(dk[n][3]);
+      }
+    }
+  if constexpr (VALUES)
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+      const int c = n * 8 + 2 * t;
+      if (va) {
+        d_value[ua * FV + c] = from_f32<TV>(dv[n][0]);
+        d_value[ua * FV + c + 1] = from_f32<TV>(dv[n][1]);
+      }
+      if (vb) {
+        d_value[ub * FV + c] = from_f32<TV>(dv[n][2]);
+        d_value[ub * FV + c + 1] = from_f32<TV>(dv[n][3]);
+      }
+    }
 }
 
 } // namespace mf

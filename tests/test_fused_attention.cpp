@@ -145,6 +145,29 @@ TEST_CASE("fused attention: training keeps each row's log-sum-exp, not the proba
     }
 }
 
+TEST_CASE("fused attention: training leaves the steps where a gradient has another share") {
+  // The keys read twice: by the scores and by a second output, so the keys'
+  // gradient adds that output's share, which the attention's backward does
+  // not make. Nothing fuses, forward included, and the schedule says so.
+  Dim T = Dim::dynamic("T"), D("D", 32);
+  Var t("t", T), u("u", T), i("i", D);
+  Input q("q", {T, D}), k("k", {T, D}), v("v", {T, D});
+  Func p("p", DType::f32), out("out"), twice("twice");
+  p(t, u) = softmax(u, sum(i, q(t, i) * k(u, i)) * 0.25);
+  out(t, i) = sum(u, p(t, u) * v(u, i));
+  twice(t, i) = k(t, i) * 2.0;
+  Pipeline pipeline({out, twice});
+  const Schedule s = default_schedule(pipeline, {out, twice}).fused_attention(true);
+  const TrainingProgram tp = lower_training(pipeline, std::vector<Func>{out, twice}, s);
+  CHECK(count_attention(tp.program) == 0);
+  CHECK(tp.program.find("p") != nullptr);
+  CHECK(has_note(tp.program, "fused_attention(true) is not applied"));
+  // Without the second output the same attention fuses.
+  Pipeline alone({out});
+  const TrainingProgram fused = lower_training(alone, out, default_schedule(alone, {out}).fused_attention(true));
+  CHECK(count_attention(fused.program) == 3);
+}
+
 TEST_CASE("fused attention: the schedule choice prints and replays") {
   Schedule s = Schedule("x").fused_attention(true);
   const std::string text = s.to_text();

@@ -37,6 +37,27 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return *reinterpret_cast<unsigned *>(&h);
 }
 
+// A warp's 16 x W accumulators in mma.sync's C layout (this thread: rows
+// g and g + 8, columns 2t and 2t + 1 of each 8-wide n-tile) into rows ra
+// and rb of a [*, W] tensor, times sa and sb; a row < 0 is not written.
+template <int W, typename T>
+__device__ __forceinline__ void store_c_rows(T *out, const float (&acc)[W / 8][4], long long ra, long long rb, float sa,
+                                             float sb) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int n = 0; n < W / 8; ++n) {
+    const int c = n * 8 + 2 * t;
+    if (ra >= 0) {
+      out[ra * W + c] = from_f32<T>(acc[n][0] * sa);
+      out[ra * W + c + 1] = from_f32<T>(acc[n][1] * sa);
+    }
+    if (rb >= 0) {
+      out[rb * W + c] = from_f32<T>(acc[n][2] * sb);
+      out[rb * W + c + 1] = from_f32<T>(acc[n][3] * sb);
+    }
+  }
+}
+
 // out[c] = sum over u < T of softmax_u(scale * q . key[u]) * value[u][c],
 // for one row: q [FK], key [T][FK], value [T][FV], out [FV]; the calling
 // warp's 32 lanes each hold columns lane, lane + 32, ... of q and of the
@@ -234,19 +255,7 @@ __device__ __forceinline__ void attention_rows_mma(const bf16 *__restrict__ q, c
     lb_sum += __shfl_xor_sync(0xffffffffu, lb_sum, off);
   }
   const float ia = la && la_sum > 0.f ? 1.f / la_sum : 0.f, ib = lb && lb_sum > 0.f ? 1.f / lb_sum : 0.f;
-  const long long ora = ra < rows ? out_at.at(ra, la) : -1, orb = rb < rows ? out_at.at(rb, lb) : -1;
-#pragma unroll
-  for (int n = 0; n < NV; ++n) {
-    const int c = n * 8 + 2 * t;
-    if (ora >= 0) {
-      out[ora * FV + c] = from_f32<TO>(o[n][0] * ia);
-      out[ora * FV + c + 1] = from_f32<TO>(o[n][1] * ia);
-    }
-    if (orb >= 0) {
-      out[orb * FV + c] = from_f32<TO>(o[n][2] * ib);
-      out[orb * FV + c + 1] = from_f32<TO>(o[n][3] * ib);
-    }
-  }
+  store_c_rows<FV>(out, o, ra < rows ? out_at.at(ra, la) : -1, rb < rows ? out_at.at(rb, lb) : -1, ia, ib);
   if (lse && t == 0) {
     const long long lra = ra < rows ? lse_at.at(ra, la) : -1, lrb = rb < rows ? lse_at.at(rb, lb) : -1;
     if (lra >= 0)
@@ -367,19 +376,8 @@ attention_query_gradient_mma(const bf16 *__restrict__ q, const bf16 *__restrict_
       }
     }
   }
-  const long long ora = ra < rows ? dq_at.at(ra, la) : -1, orb = rb < rows ? dq_at.at(rb, lb) : -1;
-#pragma unroll
-  for (int n = 0; n < NQ; ++n) {
-    const int c = n * 8 + 2 * t;
-    if (ora >= 0) {
-      d_q[ora * FK + c] = from_f32<TO>(la ? acc[n][0] : 0.f);
-      d_q[ora * FK + c + 1] = from_f32<TO>(la ? acc[n][1] : 0.f);
-    }
-    if (orb >= 0) {
-      d_q[orb * FK + c] = from_f32<TO>(lb ? acc[n][2] : 0.f);
-      d_q[orb * FK + c + 1] = from_f32<TO>(lb ? acc[n][3] : 0.f);
-    }
-  }
+  store_c_rows<FK>(d_q, acc, ra < rows ? dq_at.at(ra, la) : -1, rb < rows ? dq_at.at(rb, lb) : -1, la ? 1.f : 0.f,
+                   lb ? 1.f : 0.f);
   if (t == 0) {
     const long long xa = ra < rows ? delta_at.at(ra, la) : -1, xb = rb < rows ? delta_at.at(rb, lb) : -1;
     if (xa >= 0)
@@ -508,31 +506,9 @@ attention_key_gradient_mma(const bf16 *__restrict__ q, const bf16 *__restrict__ 
       }
   }
   if constexpr (KEYS)
-#pragma unroll
-    for (int n = 0; n < NQ; ++n) {
-      const int c = n * 8 + 2 * t;
-      if (va) {
-        d_key[ua * FK + c] = from_f32<TK>(dk[n][0]);
-        d_key[ua * FK + c + 1] = from_f32<TK>(dk[n][1]);
-      }
-      if (vb) {
-        d_key[ub * FK + c] = from_f32<TK>(dk[n][2]);
-        d_key[ub * FK + c + 1] = from_f32<TK>(dk[n][3]);
-      }
-    }
+    store_c_rows<FK>(d_key, dk, va ? ua : -1, vb ? ub : -1, 1.f, 1.f);
   if constexpr (VALUES)
-#pragma unroll
-    for (int n = 0; n < NV; ++n) {
-      const int c = n * 8 + 2 * t;
-      if (va) {
-        d_value[ua * FV + c] = from_f32<TV>(dv[n][0]);
-        d_value[ua * FV + c + 1] = from_f32<TV>(dv[n][1]);
-      }
-      if (vb) {
-        d_value[ub * FV + c] = from_f32<TV>(dv[n][2]);
-        d_value[ub * FV + c + 1] = from_f32<TV>(dv[n][3]);
-      }
-    }
+    store_c_rows<FV>(d_value, dv, va ? ua : -1, vb ? ub : -1, 1.f, 1.f);
 }
 
 } // namespace mf

@@ -2,8 +2,9 @@
 // tiles/attention.cuh): the softmax online over every key and value row, on
 // the tensor cores (16 query rows a warp) where the head dims allow, else a
 // warp per query row; in training its gradients too, the probabilities made
-// again from each row's log-sum-exp (16 row slots a warp for the query's,
-// 16 tokens a warp for the key's and value's). Without a GPU: the kernels
+// again from each row's log-sum-exp (on the tensor cores 16 row slots a
+// warp for the query's, 16 tokens a warp for the key's and value's; else a
+// warp per row or per token). Without a GPU: the kernels
 // compile for sm_90a without spills; on a GPU: the forward and the training
 // step against the float64 reference at token counts that are no multiple
 // of 8 and at 4096 or 1024 (loops over many blocks), outputs poisoned.
@@ -22,7 +23,6 @@
 #include "lowering/default_schedule.h"
 #include "tests/gpu_test.h"
 #include "training_compare.h"
-#include "user_error.h"
 
 using namespace moeforge;
 
@@ -112,12 +112,13 @@ TEST_CASE("cuda fused attention: training's forward and gradients compile for sm
   wide.f = 128;
   Example moa = make_example("moa", wide);
   testing::check_resources(compile_fused_training(moa, "default").layer, "moa / head 128 / fused training");
-  // A head dim of 40 (no multiple of 16): refused, with the fix.
+  // A head dim of 40 (no multiple of 16): a warp per row, and per token,
+  // on the CUDA cores.
   Example odd = make_example("attention", attention_shape(37, 40));
-  const std::string message = testing::user_error_of([&] { compile_fused_training(odd, "default"); });
-  for (const char *part :
-       {"fused_attention's gradients on the GPU", "multiples of 16 (here 40 and 40)", "leave fused_attention off"})
-    CHECK(message.find(part) != std::string::npos);
+  cuda::CompiledTraining c = compile_fused_training(odd, "default");
+  testing::check_resources(c.layer, "attention / d 40 / fused training");
+  CHECK(c.layer.source.source.find("mf::attention_query_gradient_warp<40, 40>") != std::string::npos);
+  CHECK(c.layer.source.source.find("mf::attention_key_gradient_warp<40, 40>") != std::string::npos);
 }
 
 TEST_SUITE("gpu") {
@@ -144,6 +145,15 @@ TEST_SUITE("gpu") {
   TEST_CASE("cuda gpu: fused attention trains: every gradient against the reference at 1, 37 and 300 tokens") {
     MOEFORGE_REQUIRE_GPU();
     check_fused_training({1, 37, 300});
+    // The CUDA-core form (a head dim of 40).
+    for (int64_t tokens : {1, 37, 300}) {
+      ExampleShape s = attention_shape(tokens, 40);
+      Example ex = make_example("attention", s);
+      INFO("attention / d 40 / T " << tokens);
+      testing::Outcome o =
+          testing::cuda_train_and_compare(ex, ex.random_inputs(s, 29), tokens, fused_training(ex, "default"));
+      CHECK(o.worst_error <= 2e-2);
+    }
     // moa's head dim of 128: d_key and d_value in two blocks per tokens.
     for (int64_t tokens : {37, 300}) {
       ExampleShape s = attention_shape(tokens);

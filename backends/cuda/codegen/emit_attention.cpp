@@ -14,8 +14,8 @@ namespace moeforge::cuda {
 // key and value are bf16 and the head dims fit the MMA's (FK a multiple of
 // 16, FV of 8), else a warp per row on the CUDA cores. The gradients: the
 // query's part 16 row slots a warp, the key's 16 tokens a warp, on the
-// tensor cores (they need bf16 operands and head dims that are multiples of
-// 16; a layer without them is refused with the fix).
+// tensor cores where the operands are bf16 and both head dims multiples of
+// 16; else a warp per row slot, or per token, on the CUDA cores.
 void emit_attention(const KernelProgram &prog, const AttentionStep &s, std::ostringstream &src, GeneratedKernel &k) {
   using Part = AttentionStep::Part;
   k.name = c_name(s.name);
@@ -24,12 +24,9 @@ void emit_attention(const KernelProgram &prog, const AttentionStep &s, std::ostr
   const TensorDecl &q = prog.tensor(s.q), &key = prog.tensor(s.key), &value = prog.tensor(s.value);
   const long long fk = key.dims[1].extent(), fv = value.dims[1].extent();
   const bool bf16_operands = q.dtype == DType::bf16 && key.dtype == DType::bf16 && value.dtype == DType::bf16;
-  const bool mma = s.part != Part::forward || (bf16_operands && fk % 16 == 0 && fv % 8 == 0);
-  if (s.part != Part::forward)
-    user_check(bf16_operands && fk % 16 == 0 && fv % 16 == 0)
-        << "fused_attention's gradients on the GPU need bf16 '" << s.q << "', '" << s.key << "' and '" << s.value
-        << "' and head dims that are multiples of 16 (here " << fk << " and " << fv
-        << "); give the layer such head dims or leave fused_attention off for it";
+  // The gradients' d_z is an MMA operand too (dP = d_z value^T): FV a
+  // multiple of 16, where the forward's p value needs 8.
+  const bool mma = bf16_operands && fk % 16 == 0 && fv % (s.part == Part::forward ? 8 : 16) == 0;
   k.threads = mma ? 128 : 256;
   const int rows_per_block = mma ? 64 : k.threads / 32;
   // Which row each row tensor keeps for a slot (tiles/attention.cuh's AttnRows).
@@ -90,35 +87,59 @@ void emit_attention(const KernelProgram &prog, const AttentionStep &s, std::ostr
   } else if (s.part == Part::query_gradient) {
     const std::string gz = kb.tensor(s.z), gdz = kb.tensor(s.d_z), glse = kb.tensor(s.lse);
     const std::string gdq = kb.tensor(s.output, true), gdelta = kb.tensor(s.delta, true);
-    body << "  const long long row0 = " << first << ";  // a warp's 16 row slots\n";
-    body << "  mf::attention_query_gradient_mma<" << fk << ", " << fv << ">(" << gq << ", " << gk << ", " << gv << ", "
-         << gz << ", " << gdz << ", " << glse << ", " << gdq << ", " << gdelta << ",\n      " << rows_of(s.q) << ", "
-         << rows_of(s.z) << ", " << rows_of(s.d_z) << ", " << rows_of(s.lse) << ", " << rows_of(s.output) << ", "
-         << rows_of(s.delta) << ", row0, ROWS, T, " << scale << ", live);\n";
+    if (mma) {
+      body << "  const long long row0 = " << first << ";  // a warp's 16 row slots\n";
+      body << "  mf::attention_query_gradient_mma<" << fk << ", " << fv << ">(" << gq << ", " << gk << ", " << gv
+           << ", " << gz << ", " << gdz << ", " << glse << ", " << gdq << ", " << gdelta << ",\n      " << rows_of(s.q)
+           << ", " << rows_of(s.z) << ", " << rows_of(s.d_z) << ", " << rows_of(s.lse) << ", " << rows_of(s.output)
+           << ", " << rows_of(s.delta) << ", row0, ROWS, T, " << scale << ", live);\n";
+    } else {
+      body << "  const long long slot = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // a warp per row\n";
+      body << "  if (slot >= ROWS) return;\n";
+      body << "  const bool lv = live(slot);\n";
+      body << "  auto at = [&](mf::AttnRows rows) { return lv ? rows.at(slot, true) : 0LL; };  // read where live\n";
+      body << "  const long long dqr = " << rows_of(s.output) << ".at(slot, lv), dr = " << rows_of(s.delta)
+           << ".at(slot, lv);\n";
+      body << "  mf::attention_query_gradient_warp<" << fk << ", " << fv << ">(" << gq << " + at(" << rows_of(s.q)
+           << ") * " << fk << "LL, " << gk << ", " << gv << ", " << gz << " + at(" << rows_of(s.z) << ") * " << fv
+           << "LL, " << gdz << " + at(" << rows_of(s.d_z) << ") * " << fv << "LL, lv ? " << glse << "[at("
+           << rows_of(s.lse) << ")] : 0.f,\n      dqr >= 0 ? " << gdq << " + dqr * " << fk << "LL : nullptr, dr >= 0 ? "
+           << gdelta << " + dr : nullptr, T, " << scale << ", lv);\n";
+    }
     src << "// " << s.name << ": " << s.delta << "[r] = " << s.d_z << "[r] . " << s.z << "[r]; " << s.output
-        << "[r] = sum(u, ds(r, u) " << s.key << "[u]), p made again from " << s.lse << " (tensor cores)\n";
+        << "[r] = sum(u, ds(r, u) " << s.key << "[u]), p made again from " << s.lse << (mma ? " (tensor cores)" : "")
+        << "\n";
   } else {
     const std::string gdz = kb.tensor(s.d_z), glse = kb.tensor(s.lse), gdelta = kb.tensor(s.delta);
     const std::string gdk = kb.tensor(s.output, true), gdv = kb.tensor(s.d_value, true);
-    body << "  const long long u_first = " << first << ";  // a warp's 16 tokens\n";
-    auto call = [&](const char *keys, const char *values) {
-      std::ostringstream c;
-      c << "mf::attention_key_gradient_mma<" << fk << ", " << fv << ", " << keys << ", " << values << ">(" << gq << ", "
-        << gk << ", " << gv << ", " << gdz << ", " << glse << ", " << gdelta << ", " << gdk << ", " << gdv
-        << ",\n      " << rows_of(s.q) << ", " << rows_of(s.d_z) << ", " << rows_of(s.lse) << ", " << rows_of(s.delta)
-        << ", u_first, ROWS, T, " << scale << ", live);\n";
-      return c.str();
-    };
-    // Both sets of accumulators in one warp up to head dims of 64 + 64;
-    // past that d_key and d_value in two blocks each (blockIdx.y), which
-    // make the scores each but keep within the registers.
-    k.grid.y_parts = fk + fv > 128 ? 2 : 1;
-    if (k.grid.y_parts == 2)
-      body << "  if (blockIdx.y == 0)\n    " << call("true", "false") << "  else\n    " << call("false", "true");
-    else
-      body << "  " << call("true", "true");
+    if (!mma) {
+      body << "  const long long u = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // a warp per token\n";
+      body << "  if (u >= T) return;\n";
+      body << "  mf::attention_key_gradient_warp<" << fk << ", " << fv << ">(" << gq << ", " << gk << ", " << gv << ", "
+           << gdz << ", " << glse << ", " << gdelta << ", " << gdk << ", " << gdv << ",\n      " << rows_of(s.q) << ", "
+           << rows_of(s.d_z) << ", " << rows_of(s.lse) << ", " << rows_of(s.delta) << ", u, ROWS, " << scale
+           << ", live);\n";
+    } else {
+      body << "  const long long u_first = " << first << ";  // a warp's 16 tokens\n";
+      auto call = [&](const char *keys, const char *values) {
+        std::ostringstream c;
+        c << "mf::attention_key_gradient_mma<" << fk << ", " << fv << ", " << keys << ", " << values << ">(" << gq
+          << ", " << gk << ", " << gv << ", " << gdz << ", " << glse << ", " << gdelta << ", " << gdk << ", " << gdv
+          << ",\n      " << rows_of(s.q) << ", " << rows_of(s.d_z) << ", " << rows_of(s.lse) << ", " << rows_of(s.delta)
+          << ", u_first, ROWS, T, " << scale << ", live);\n";
+        return c.str();
+      };
+      // Both sets of accumulators in one warp up to head dims of 64 + 64;
+      // past that d_key and d_value in two blocks each (blockIdx.y), which
+      // make the scores each but keep within the registers.
+      k.grid.y_parts = fk + fv > 128 ? 2 : 1;
+      if (k.grid.y_parts == 2)
+        body << "  if (blockIdx.y == 0)\n    " << call("true", "false") << "  else\n    " << call("false", "true");
+      else
+        body << "  " << call("true", "true");
+    }
     src << "// " << s.name << ": " << s.output << "[u] = sum(r, ds(r, u) " << s.q << "[r]); " << s.d_value
-        << "[u] = sum(r, p(r, u) " << s.d_z << "[r]) over every row slot (tensor cores)\n";
+        << "[u] = sum(r, p(r, u) " << s.d_z << "[r]) over every row slot" << (mma ? " (tensor cores)" : "") << "\n";
   }
   src << "extern \"C\" __global__ void __launch_bounds__(" << k.threads << ") " << k.name << "(\n    " << kb.signature()
       << ") {\n"

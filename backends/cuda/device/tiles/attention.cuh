@@ -130,6 +130,126 @@ __device__ __forceinline__ void attention_row_warp(const TQ *__restrict__ q, con
     *lse = live && l > 0.f ? m + __logf(l) : 0.f;
 }
 
+// The gradients on the CUDA cores (head dims that are no multiple of 16,
+// operands that are not bf16), lanes over the columns as above. The
+// query's part, one row: delta = d_z . z, then per token u, s = q . key[u]
+// and dp = d_z . value[u] (two warp sums), p = exp(scale s - lse),
+// ds = p (dp - delta) scale, d_q += ds key[u]. d_q and delta may be null
+// (a pair-order row under a padding slot), `live` false writes zeros.
+template <int FK, int FV, typename TQ, typename TK, typename TV, typename TZ, typename TD, typename TO>
+__device__ __forceinline__ void attention_query_gradient_warp(const TQ *__restrict__ q, const TK *__restrict__ key,
+                                                              const TV *__restrict__ value, const TZ *__restrict__ z,
+                                                              const TD *__restrict__ d_z, float lse, TO *d_q,
+                                                              float *delta, long long T, float scale, bool live) {
+  constexpr int QK = (FK + 31) / 32, QV = (FV + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  float qr[QK], dz[QV], acc[QK];
+  float dl = 0.f;
+#pragma unroll
+  for (int i = 0; i < QK; ++i) {
+    qr[i] = live && lane + 32 * i < FK ? to_f32(q[lane + 32 * i]) : 0.f;
+    acc[i] = 0.f;
+  }
+#pragma unroll
+  for (int c = 0; c < QV; ++c) {
+    dz[c] = live && lane + 32 * c < FV ? to_f32(d_z[lane + 32 * c]) : 0.f;
+    dl += live && lane + 32 * c < FV ? dz[c] * to_f32(z[lane + 32 * c]) : 0.f;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    dl += __shfl_xor_sync(0xffffffffu, dl, off);
+  for (long long u = 0; live && u < T; ++u) {
+    float sc = 0.f, dp = 0.f;
+#pragma unroll
+    for (int i = 0; i < QK; ++i)
+      if (lane + 32 * i < FK)
+        sc += qr[i] * to_f32(key[u * FK + lane + 32 * i]);
+#pragma unroll
+    for (int c = 0; c < QV; ++c)
+      if (lane + 32 * c < FV)
+        dp += dz[c] * to_f32(value[u * FV + lane + 32 * c]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      sc += __shfl_xor_sync(0xffffffffu, sc, off);
+      dp += __shfl_xor_sync(0xffffffffu, dp, off);
+    }
+    const float p = __expf(sc * scale - lse), ds = p * (dp - dl) * scale;
+#pragma unroll
+    for (int i = 0; i < QK; ++i)
+      if (lane + 32 * i < FK)
+        acc[i] += ds * to_f32(key[u * FK + lane + 32 * i]);
+  }
+  if (d_q)
+#pragma unroll
+    for (int i = 0; i < QK; ++i)
+      if (lane + 32 * i < FK)
+        d_q[lane + 32 * i] = from_f32<TO>(acc[i]);
+  if (delta && lane == 0)
+    *delta = live ? dl : 0.f;
+}
+
+// The key's part on the CUDA cores, one token u a warp, over every row
+// slot r: s and dp as in the query's part, then d_key[u] += ds q[r] and
+// d_value[u] += p d_z[r].
+template <int FK, int FV, typename TQ, typename TK, typename TV, typename TD, typename TDK, typename TDV, typename Live>
+__device__ __forceinline__ void
+attention_key_gradient_warp(const TQ *__restrict__ q, const TK *__restrict__ key, const TV *__restrict__ value,
+                            const TD *__restrict__ d_z, const float *__restrict__ lse, const float *__restrict__ delta,
+                            TDK *d_key, TDV *d_value, AttnRows q_at, AttnRows dz_at, AttnRows lse_at, AttnRows delta_at,
+                            long long u, long long rows, float scale, Live live_row) {
+  constexpr int QK = (FK + 31) / 32, QV = (FV + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  float kr[QK], vr[QV], dk[QK], dv[QV];
+#pragma unroll
+  for (int i = 0; i < QK; ++i) {
+    kr[i] = lane + 32 * i < FK ? to_f32(key[u * FK + lane + 32 * i]) : 0.f;
+    dk[i] = 0.f;
+  }
+#pragma unroll
+  for (int c = 0; c < QV; ++c) {
+    vr[c] = lane + 32 * c < FV ? to_f32(value[u * FV + lane + 32 * c]) : 0.f;
+    dv[c] = 0.f;
+  }
+  for (long long r = 0; r < rows; ++r) {
+    if (!live_row(r)) // the same slot for the whole warp
+      continue;
+    const TQ *qr = q + q_at.at(r, true) * FK;
+    const TD *dzr = d_z + dz_at.at(r, true) * FV;
+    float sc = 0.f, dp = 0.f;
+#pragma unroll
+    for (int i = 0; i < QK; ++i)
+      if (lane + 32 * i < FK)
+        sc += kr[i] * to_f32(qr[lane + 32 * i]);
+#pragma unroll
+    for (int c = 0; c < QV; ++c)
+      if (lane + 32 * c < FV)
+        dp += vr[c] * to_f32(dzr[lane + 32 * c]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      sc += __shfl_xor_sync(0xffffffffu, sc, off);
+      dp += __shfl_xor_sync(0xffffffffu, dp, off);
+    }
+    const float p = __expf(sc * scale - lse[lse_at.at(r, true)]);
+    const float ds = p * (dp - delta[delta_at.at(r, true)]) * scale;
+#pragma unroll
+    for (int i = 0; i < QK; ++i)
+      if (lane + 32 * i < FK)
+        dk[i] += ds * to_f32(qr[lane + 32 * i]);
+#pragma unroll
+    for (int c = 0; c < QV; ++c)
+      if (lane + 32 * c < FV)
+        dv[c] += p * to_f32(dzr[lane + 32 * c]);
+  }
+#pragma unroll
+  for (int i = 0; i < QK; ++i)
+    if (lane + 32 * i < FK)
+      d_key[u * FK + lane + 32 * i] = from_f32<TDK>(dk[i]);
+#pragma unroll
+  for (int c = 0; c < QV; ++c)
+    if (lane + 32 * c < FV)
+      d_value[u * FV + lane + 32 * c] = from_f32<TDV>(dv[c]);
+}
+
 // The same for 16 rows a warp on the tensor cores (mma.sync m16n8k16, bf16
 // operands, f32 sums), FlashAttention-2's loop: per block of 64 tokens the
 // warp makes its 16 x 64 scores S = q key^T, folds them into each row's

@@ -1,5 +1,6 @@
-// Finding a kernel program's GEMM steps in tests: by the tensor they write
-// or by their step name; a test fails (not crashes) when there is none.
+// Finding a kernel program's steps in tests: a GEMM by the tensor it writes
+// or by its step name, any step's index by its name; a test fails (not
+// crashes) when there is none.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -24,6 +25,15 @@ inline const GemmStep &gemm_named(const KernelProgram &p, const std::string &nam
       return *g;
   FAIL("no GEMM step " << name);
   throw 0;
+}
+
+// The index of the step named `name` in p.
+inline size_t step_index(const KernelProgram &p, const std::string &name) {
+  for (size_t i = 0; i < p.steps.size(); ++i)
+    if (step_name(p.steps[i]) == name)
+      return i;
+  FAIL("no step " << name);
+  return 0;
 }
 
 } // namespace moeforge::testing

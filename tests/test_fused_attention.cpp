@@ -20,6 +20,7 @@
 #include "lowering/lower.h"
 #include "lowering/training.h"
 #include "program_order.h"
+#include "program_steps.h"
 #include "training_compare.h"
 #if MOEFORGE_HAVE_CPU_BACKEND
 #include "cpu_compare.h"
@@ -41,14 +42,6 @@ size_t count_attention(const KernelProgram &p) {
 bool has_note(const KernelProgram &p, const std::string &start) {
   return std::any_of(p.not_applied.begin(), p.not_applied.end(),
                      [&](const std::string &n) { return n.rfind(start, 0) == 0; });
-}
-
-size_t step_index(const KernelProgram &p, const std::string &name) {
-  for (size_t i = 0; i < p.steps.size(); ++i)
-    if (step_name(p.steps[i]) == name)
-      return i;
-  FAIL("no step " << name);
-  return 0;
 }
 
 // The attention steps of a part.
@@ -134,8 +127,8 @@ TEST_CASE("fused attention: training keeps each row's log-sum-exp, not the proba
       CHECK(std::find(t.saved.begin(), t.saved.end(), forward[0].lse) != t.saved.end());
       CHECK(dq[0].lse == forward[0].lse);
       CHECK(dk[0].delta == dq[0].delta);
-      CHECK(step_index(p, dq[0].name) < step_index(p, dk[0].name));
-      CHECK(step_index(p, forward[0].name) < t.forward_steps);
+      CHECK(testing::step_index(p, dq[0].name) < testing::step_index(p, dk[0].name));
+      CHECK(testing::step_index(p, forward[0].name) < t.forward_steps);
       // The gradients they write are the Funcs' (or the Inputs') own.
       const bool moa = std::string(name) == "moa";
       CHECK(dq[0].output == "d_q");

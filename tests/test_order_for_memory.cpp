@@ -12,6 +12,7 @@
 #include "lowering/order_for_memory.h"
 #include "lowering/training.h"
 #include "program_order.h"
+#include "program_steps.h"
 #include "runtime/memory_plan.h"
 #include "runtime/program_shapes.h"
 #include "schedules/presets.h"
@@ -38,14 +39,6 @@ TrainingProgram lowered(const std::string &example, const ExampleShape &s, bool 
   return lower_training(ex.pipeline, out, sch);
 }
 
-size_t index_of(const KernelProgram &p, const std::string &step) {
-  for (size_t i = 0; i < p.steps.size(); ++i)
-    if (step_name(p.steps[i]) == step)
-      return i;
-  FAIL("no step " << step);
-  return 0;
-}
-
 size_t backward_workspace(const TrainingProgram &t, const ExampleShape &s) {
   ProgramShapes shapes(t.program, s.tokens);
   auto bytes = [&](const TensorDecl &d) { return size_t(shapes.elements(d)) * dtype_bytes(d.dtype); };
@@ -61,9 +54,9 @@ TEST_CASE("order for memory: the weight gradient that reads the gathered upstrea
   // d_y_rows (T k x d, the upstream gradient in expert rows) is read by the
   // dH GEMM and by dW2's: with dW2 right after dH it is dead before the
   // input gradient's T k x d temporaries exist.
-  const size_t d_h = index_of(t.program, "gemm_d_h"), d_w2 = index_of(t.program, "gemm_d_w2");
-  CHECK(d_w2 < index_of(t.program, "gemm_d_x_s2_d_x_s"));
-  CHECK(d_w2 < index_of(t.program, "gather_x_rows_route"));
+  const size_t d_h = testing::step_index(t.program, "gemm_d_h"), d_w2 = testing::step_index(t.program, "gemm_d_w2");
+  CHECK(d_w2 < testing::step_index(t.program, "gemm_d_x_s2_d_x_s"));
+  CHECK(d_w2 < testing::step_index(t.program, "gather_x_rows_route"));
   CHECK(d_h < d_w2);
   const size_t ordered = backward_workspace(t, s);
 
